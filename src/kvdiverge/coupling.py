@@ -1,0 +1,167 @@
+"""Maximal coupling of two next-token distributions: pure tensor math, no model code.
+
+Notation follows ``estimators.md`` §1–§2. ``p`` is the reference kernel's
+distribution, ``q`` the evicted kernel's, both already through the decoding
+transform. Everything runs in float64: probabilities come from log-probabilities
+by ``exp`` in float64, never from fp16 probabilities.
+
+The maximal coupling (Lindvall, *Lectures on the Coupling Method*, 1992, §I.5;
+Thorisson, *Coupling, Stationarity, and Regeneration*, 2000) draws ``X ~ p`` and
+``Y ~ q`` with ``P(X != Y) = TV(p, q)``, the least possible. Draws use the inverse
+CDF of given uniforms, so two runs that share uniforms share randomness (common
+random numbers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "probabilities",
+    "total_variation",
+    "inverse_cdf",
+    "overlap_draw",
+    "residual_draws",
+    "maximal_coupling",
+]
+
+
+def probabilities(logp: torch.Tensor) -> torch.Tensor:
+    """Probabilities in float64 from log-probabilities.
+
+    Parameters
+    ----------
+    logp : torch.Tensor
+        Log-probabilities, shape (B, V), any float dtype; ``-inf`` for impossible tokens.
+
+    Returns
+    -------
+    torch.Tensor
+        ``exp(logp)`` in float64, shape (B, V).
+    """
+    return logp.to(torch.float64).exp()
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total variation ``tv = 1 - sum_v min(p(v), q(v))``.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        Probabilities, float64, shape (B, V), rows summing to 1.
+
+    Returns
+    -------
+    torch.Tensor
+        ``tv`` per row, float64, shape (B,), clipped to [0, 1]. Exactly 0 when
+        ``p == q`` and exactly 1 when the supports are disjoint.
+    """
+    return (1.0 - torch.minimum(p, q).sum(-1)).clamp_(0.0, 1.0)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row from unnormalised non-negative weights by inverse CDF.
+
+    Returns the index ``i`` with ``c_{i-1} <= u * c_V < c_i`` where ``c`` is the
+    cumulative sum, so an index of zero weight is never returned.
+
+    Parameters
+    ----------
+    weights : torch.Tensor
+        Non-negative weights, float64, shape (B, V); each row must have positive sum.
+    u : torch.Tensor
+        Uniforms in [0, 1), float64, shape (B,).
+
+    Returns
+    -------
+    torch.Tensor
+        Indices, int64, shape (B,).
+    """
+    cdf = weights.cumsum(-1)
+    x = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    # Round-off can put x at the very top of the cdf: fall back to the last index
+    # of positive weight (never a zero-weight index).
+    vocab = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, vocab, -1).amax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw ``Z ~ overlap = min(p, q) / (1 - tv)`` (the agreement move).
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        Probabilities, float64, shape (B, V); every row must have ``tv < 1``.
+    u : torch.Tensor
+        Uniforms, float64, shape (B,).
+
+    Returns
+    -------
+    torch.Tensor
+        Tokens, int64, shape (B,).
+    """
+    return inverse_cdf(torch.minimum(p, q), u)
+
+
+def residual_draws(
+    p: torch.Tensor, q: torch.Tensor, u_x: torch.Tensor, u_y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw the divergent pair ``X ~ (p - q)^+ / tv`` and ``Y ~ (q - p)^+ / tv``.
+
+    The two residuals have disjoint supports, so ``X != Y``.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        Probabilities, float64, shape (B, V); every row must have ``tv > 0``.
+    u_x, u_y : torch.Tensor
+        Uniforms, float64, shape (B,).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        Tokens ``X`` and ``Y``, int64, shape (B,) each.
+    """
+    diff = p - q
+    return inverse_cdf(diff.clamp(min=0.0), u_x), inverse_cdf((-diff).clamp(min=0.0), u_y)
+
+
+def maximal_coupling(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    u_coin: torch.Tensor,
+    u_overlap: torch.Tensor,
+    u_x: torch.Tensor,
+    u_y: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draw ``(X, Y)`` from the maximal coupling of ``p`` and ``q``.
+
+    With probability ``1 - tv`` (``u_coin < 1 - tv``) both take ``Z ~ overlap``;
+    otherwise ``X`` and ``Y`` come from the two residuals (estimators.md §2).
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        Probabilities, float64, shape (B, V).
+    u_coin, u_overlap, u_x, u_y : torch.Tensor
+        Independent uniforms in [0, 1), float64, shape (B,).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor, torch.Tensor)
+        ``X``, ``Y`` (int64, shape (B,)) and ``tv`` (float64, shape (B,)).
+    """
+    tv = total_variation(p, q)
+    agree = u_coin < 1.0 - tv
+    x = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
+    y = torch.empty_like(x)
+    if agree.any():
+        z = overlap_draw(p[agree], q[agree], u_overlap[agree])
+        x[agree] = z
+        y[agree] = z
+    split = ~agree
+    if split.any():
+        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split])
+    return x, y, tv

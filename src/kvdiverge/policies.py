@@ -1,0 +1,191 @@
+"""Eviction policies: config entries mapped onto NVIDIA kvpress presses.
+
+A policy is a config entry such as::
+
+    snapkv-50:   {press: SnapKVPress, compression_ratio: 0.5, window_size: 64, kernel_size: 5}
+    snapkv-b512: {press: SnapKVPress, budget: 512, window_size: 64, kernel_size: 5}
+    recent-50:   {press: StreamingLLMPress, compression_ratio: 0.5, n_sink: 4}
+    none:        {press: SnapKVPress, compression_ratio: 0.0}
+
+Any press that ``kvpress`` exports can be named; parameters other than
+``compression_ratio`` / ``budget`` are passed to its constructor (``params`` holds
+extra ones). Presses compress the prompt cache once, during prefill
+(kvpress, https://github.com/NVIDIA/kvpress).
+
+A fixed token ``budget`` becomes a per-document compression ratio chosen so that
+kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Keys of a policy entry that are not constructor parameters of the press.
+_POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One eviction policy of the config.
+
+    Parameters
+    ----------
+    name : str
+        Policy name (config key), e.g. ``"snapkv-50"``.
+    press : str
+        Name of a press class exported by ``kvpress``, e.g. ``"SnapKVPress"``.
+    compression_ratio : float or None
+        Fraction of prompt positions evicted (retention = 1 - compression_ratio).
+    budget : int or None
+        Fixed number of prompt positions kept (tokens); exclusive with
+        ``compression_ratio``.
+    params : dict
+        Other constructor parameters of the press (``window_size``, ``kernel_size``,
+        ``n_sink``, ...).
+    """
+
+    name: str
+    press: str
+    compression_ratio: float | None = None
+    budget: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, name: str, spec: dict[str, Any]) -> "Policy":
+        """Build a policy from its config entry.
+
+        Raises
+        ------
+        ValueError
+            If both or neither of ``compression_ratio`` and ``budget`` are given.
+        """
+        has_ratio = spec.get("compression_ratio") is not None
+        has_budget = spec.get("budget") is not None
+        if has_ratio == has_budget:
+            raise ValueError(
+                f"policy {name!r}: give exactly one of 'compression_ratio' or 'budget'"
+            )
+        params = {k: v for k, v in spec.items() if k not in _POLICY_KEYS}
+        params.update(spec.get("params") or {})
+        return cls(
+            name=name,
+            press=spec["press"],
+            compression_ratio=spec.get("compression_ratio"),
+            budget=spec.get("budget"),
+            params=params,
+        )
+
+    @property
+    def is_control(self) -> bool:
+        """True for the ratio-0 control (no eviction: both caches are identical)."""
+        return self.budget is None and self.compression_ratio == 0.0
+
+    def ratio_for(self, prompt_len: int) -> float:
+        """Compression ratio applied to a prompt of ``prompt_len`` tokens.
+
+        For a fixed budget the ratio is ``1 - (budget + 0.5) / prompt_len`` so that
+        ``int(prompt_len * (1 - ratio)) == budget`` exactly.
+
+        Raises
+        ------
+        ValueError
+            If the prompt is shorter than ``min_prompt_tokens`` of this policy.
+        """
+        need = min_prompt_tokens(self)
+        if prompt_len < need:
+            raise ValueError(
+                f"policy {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
+            )
+        if self.budget is None:
+            return float(self.compression_ratio)
+        return 1.0 - (self.budget + 0.5) / prompt_len
+
+    def kept_tokens(self, prompt_len: int) -> int:
+        """Prompt positions kept per layer and head after compression (tokens).
+
+        Follows ``kvpress.utils.compute_n_kept`` for score-based presses.
+        """
+        ratio = self.ratio_for(prompt_len)
+        if ratio == 0:
+            return prompt_len
+        return max(1, int(prompt_len * (1 - ratio)))
+
+    def build_press(self, prompt_len: int):
+        """Instantiate the kvpress press for a prompt of ``prompt_len`` tokens.
+
+        Raises
+        ------
+        ValueError
+            If ``press`` is not a press exported by kvpress, or a parameter is not
+            accepted by it (the message lists the accepted ones).
+        """
+        cls = press_class(self.press)
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
+            inspect.signature(cls).parameters
+        )
+        unknown = sorted(set(self.params) - names)
+        if unknown:
+            raise ValueError(
+                f"policy {self.name!r}: {cls.__name__} has no parameter(s) {unknown}; "
+                f"accepted: {sorted(names)}"
+            )
+        kwargs = dict(self.params)
+        if "compression_ratio" in names:
+            kwargs["compression_ratio"] = self.ratio_for(prompt_len)
+        elif self.budget is not None or self.compression_ratio:
+            raise ValueError(f"policy {self.name!r}: {cls.__name__} takes no compression_ratio")
+        return cls(**kwargs)
+
+
+def press_class(name: str):
+    """Return the kvpress press class called ``name``.
+
+    Raises
+    ------
+    ValueError
+        If kvpress exports no press of that name (the message lists the presses).
+    """
+    import kvpress
+
+    cls = getattr(kvpress, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+        presses = sorted(
+            n for n in dir(kvpress)
+            if isinstance(getattr(kvpress, n), type) and issubclass(getattr(kvpress, n), kvpress.BasePress)
+        )
+        raise ValueError(f"unknown kvpress press {name!r}; available: {', '.join(presses)}")
+    return cls
+
+
+def min_prompt_tokens(policy: Policy | dict[str, Any]) -> int:
+    """Shortest prompt (tokens) the policy can compress meaningfully.
+
+    A fixed budget needs ``budget + window_size + 1`` tokens (something must be
+    evicted outside the observation window); a press with an observation window
+    needs ``window_size + 1`` tokens; a press with attention sinks ``n_sink + 1``.
+
+    Parameters
+    ----------
+    policy : Policy or dict
+        A policy or its config entry.
+    """
+    if isinstance(policy, dict):
+        params = {k: v for k, v in policy.items() if k not in _POLICY_KEYS}
+        params.update(policy.get("params") or {})
+        budget = policy.get("budget")
+    else:
+        params, budget = policy.params, policy.budget
+    window = int(params.get("window_size", 0) or 0)
+    sinks = int(params.get("n_sink", 0) or 0)
+    need = max(window, sinks) + 1
+    if budget is not None:
+        need = max(need, int(budget) + window + 1)
+    return need
+
+
+def policies_from_config(config: dict[str, Any]) -> dict[str, Policy]:
+    """All policies of a validated config, by name."""
+    return {name: Policy.from_config(name, spec) for name, spec in config["policies"].items()}
