@@ -1,0 +1,634 @@
+"""Estimators of divergence timing and cumulative disagreement.
+
+Implements ``../shared/design/estimators.md`` §3, §5 and §6 on the trajectory shard
+table of ``docs/internals.md`` (one row per document and replicate), and the
+corpus-level pooling of §7:
+
+- :func:`replicate_estimates` — §5 step 1 and 4, per replicate: ``p_div_hat``,
+  ``f_hat_t``, ``E_L_hat``, ``E_L_win_hat``, ``E_L_tail_hat``, ``N_cmc``, ``N_naive``,
+  ``N_post_cmc``, ``N_win_cmc``, ``N_post_cmc_tv`` (compensator variant) and the
+  branch-aligned TV by lag with its weight ``w = 1 - S_T`` (§6).
+- :func:`document_estimates` — means over the ``R`` replicates with standard errors,
+  the §3 decomposition (checked; a failure raises :class:`DecompositionError`), the §4
+  sharp interval, ``Var(N_naive) / Var(N_cmc)`` and the §6 windowed branch TV.
+- :func:`pooled_estimates`, :func:`survival_curve`, :func:`branch_tv_curve` — equal-weight
+  means over documents with document-bootstrap percentile intervals (§7).
+
+Column names are the symbols of estimators.md in snake_case with the symbol's case kept:
+``E[L]`` is ``E_L``, ``E[N_post]`` is ``E_N_post``, ``S_t`` is ``S``, ``f_t`` is ``f``.
+Units: ``T``, ``W``, ``L``, lags and steps are counted in tokens (generation steps);
+``N`` counts mismatched tokens; ``M = N / T`` is a fraction; ``p_div``, ``S``, ``f``,
+TV are probabilities.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import polars as pl
+
+from kvdiverge.intervals import sharp_interval
+
+__all__ = [
+    "DecompositionError",
+    "REQUIRED_COLUMNS",
+    "RUN_KEYS",
+    "bootstrap_rng",
+    "branch_tv_curve",
+    "btv_window",
+    "check_decomposition",
+    "document_estimates",
+    "percentile_interval",
+    "pooled_estimates",
+    "replicate_estimates",
+    "survival_curve",
+    "validate_shards",
+]
+
+RUN_KEYS = ["model", "policy", "split"]
+
+REQUIRED_COLUMNS = [
+    "model", "policy", "split", "doc_id", "replicate", "T", "prompt_len", "kept_len",
+    "chain_token", "tv", "survival", "tau_naive", "t_star", "x_star", "y_star",
+    "branch_x", "branch_y", "branch_tv", "branch_mismatch", "seconds",
+]
+
+#: Relative and absolute tolerance of the §3 identity check.
+DECOMP_RTOL = 1e-9
+DECOMP_ATOL = 1e-9
+
+
+class DecompositionError(ValueError):
+    """The §3 identity ``E[M] = p_div/T + (E[L]/T) rho`` failed: a bug, never noise."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def bootstrap_rng(seed: int, *purpose: object) -> np.random.Generator:
+    """Generator derived from the master seed and a purpose tuple (stable across runs).
+
+    Parameters
+    ----------
+    seed : int
+        Master seed (config ``seed``).
+    *purpose : object
+        Labels (e.g. "pooled", model, policy, split); their ``str`` is hashed with SHA-256.
+
+    Returns
+    -------
+    numpy.random.Generator
+    """
+    h = hashlib.sha256("\x1f".join(str(p) for p in purpose).encode()).digest()
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int.from_bytes(h[:8], "little")]))
+
+
+def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap interval along axis 0, ignoring NaN resamples.
+
+    Parameters
+    ----------
+    samples : numpy.ndarray, shape (B, ...)
+        Bootstrap replicates of a statistic.
+    confidence : float
+        Coverage in (0, 1), e.g. 0.95.
+
+    Returns
+    -------
+    lo, hi : numpy.ndarray, shape (...)
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    alpha = 1.0 - confidence
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lo = np.nanpercentile(samples, 100 * alpha / 2, axis=0)
+            hi = np.nanpercentile(samples, 100 * (1 - alpha / 2), axis=0)
+    return lo, hi
+
+
+def _se(x: np.ndarray) -> float:
+    """Standard error of the mean across replicates (NaN for fewer than 2)."""
+    x = np.asarray(x, dtype=np.float64)
+    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+
+
+def _var(x: np.ndarray) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(x.var(ddof=1)) if len(x) > 1 else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    """``a / b`` with 0/0 -> NaN and a/0 -> inf for a > 0."""
+    if b > 0:
+        return a / b
+    if a > 0:
+        return float("inf")
+    return float("nan")
+
+
+def btv_window(num: np.ndarray, den: np.ndarray, a: int, b: int) -> tuple[float, float]:
+    """Branch-aligned TV of the lag window ``[a, b]`` from per-lag sums (§6).
+
+    Parameters
+    ----------
+    num : numpy.ndarray, shape (K,)
+        ``sum_r w_r * branch_tv_{r,k} * 1{k <= L_r}`` for lags ``k = 1..K``.
+    den : numpy.ndarray, shape (K,)
+        ``sum_r w_r * 1{k <= L_r}``.
+    a, b : int
+        Lags, ``1 <= a <= b``.
+
+    Returns
+    -------
+    btv : float
+        ``sum_{k=a..b} num_k / sum_{k=a..b} den_k``; NaN when no branch reached the window.
+    weight : float
+        The denominator.
+
+    Raises
+    ------
+    ValueError
+        If ``a < 1`` or ``b < a``.
+    """
+    if not 1 <= a <= b:
+        raise ValueError(f"lag window must satisfy 1 <= a <= b, got [{a}, {b}]")
+    n = float(np.sum(num[a - 1 : b]))
+    d = float(np.sum(den[a - 1 : b]))
+    return (n / d if d > 0 else float("nan")), d
+
+
+def check_decomposition(E_M, p_div, E_L, E_N_post, T, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Check the §3 identity ``E[M] = p_div/T + (E[L]/T) * rho`` with ``rho = E[N_post]/E[L]``.
+
+    When ``E[L] = 0`` the exposure-rate term is 0 and ``E[N_post]`` must be 0 too.
+
+    Parameters
+    ----------
+    E_M, p_div, E_L, E_N_post, T : float or numpy.ndarray
+        Aggregates, elementwise.
+    where : str
+        Label for the error message.
+
+    Returns
+    -------
+    first_mismatch_term, exposure_rate_term : numpy.ndarray
+        ``p_div / T`` and ``(E[L] / T) * rho``.
+
+    Raises
+    ------
+    DecompositionError
+        If the identity fails beyond ``DECOMP_RTOL`` / ``DECOMP_ATOL``.
+    """
+    E_M, p_div, E_L, E_N_post, T = (np.asarray(v, dtype=np.float64) for v in (E_M, p_div, E_L, E_N_post, T))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rho = np.where(E_L > 0, E_N_post / np.where(E_L > 0, E_L, 1.0), 0.0)
+    first = p_div / T
+    rate = np.where(E_L > 0, E_L / T * rho, 0.0)
+    rhs = first + rate
+    bad = ~np.isclose(E_M, rhs, rtol=DECOMP_RTOL, atol=DECOMP_ATOL)
+    bad |= (E_L <= 0) & ~np.isclose(E_N_post, 0.0, atol=DECOMP_ATOL)
+    if np.any(bad):
+        i = int(np.flatnonzero(np.atleast_1d(bad))[0])
+        raise DecompositionError(
+            f"decomposition E[M] = p_div/T + (E[L]/T)*rho fails{(' for ' + where) if where else ''}: "
+            f"E[M]={np.atleast_1d(E_M)[i]!r}, p_div/T + (E[L]/T)*rho={np.atleast_1d(rhs)[i]!r} "
+            f"(E[L]={np.atleast_1d(E_L)[i]!r}, E[N_post]={np.atleast_1d(E_N_post)[i]!r})"
+        )
+    return first, rate
+
+
+# --------------------------------------------------------------------------- per replicate
+
+
+def validate_shards(df: pl.DataFrame) -> None:
+    """Check a trajectory table against the shard schema of docs/internals.md.
+
+    Raises
+    ------
+    ValueError
+        Missing columns, list lengths different from ``T`` (chain) or ``T - t_star``
+        (branch), a missing branch while ``S_T < 1``, or ``t_star != tau_naive`` when
+        ``tau_naive <= T``; duplicated (model, policy, split, doc_id, replicate).
+    """
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"trajectory table lacks columns {missing} (docs/internals.md)")
+    keys = RUN_KEYS + ["doc_id", "replicate"]
+    if df.select(keys).is_duplicated().any():
+        raise ValueError("trajectory table has duplicated (model, policy, split, doc_id, replicate) rows")
+
+
+def _replicate_row(row: Mapping, W: int) -> dict:
+    """Estimators of §5 for one shard row (internal; see :func:`replicate_estimates`)."""
+    T = int(row["T"])
+    where = f"doc {row['doc_id']!r} replicate {row['replicate']}"
+    S = np.asarray(row["survival"], dtype=np.float64)
+    if S.shape != (T,):
+        raise ValueError(f"{where}: survival has length {S.shape[0]}, expected T={T}")
+    S_prev = np.concatenate([[1.0], S[:-1]])
+    f_hat = S_prev - S  # f_hat_t = S_{t-1} - S_t, no NaN (internals.md)
+    t = np.arange(1, T + 1)
+    S_T = float(S[-1])
+    p_div_hat = 1.0 - S_T
+    E_L_hat = float(np.sum(f_hat * (T - t)))
+    E_L_win_hat = float(np.sum(f_hat * np.minimum(W, T - t)))
+    E_L_tail_hat = float(np.sum(f_hat * np.maximum(T - t - W, 0)))
+    E_tau_div_hat = float(np.sum(f_hat * t))
+
+    t_star = row["t_star"]
+    bm = np.asarray(row["branch_mismatch"] if row["branch_mismatch"] is not None else [], dtype=np.float64)
+    btv = np.asarray(row["branch_tv"] if row["branch_tv"] is not None else [], dtype=np.float64)
+    if t_star is None:
+        if p_div_hat > 1e-9:
+            raise ValueError(f"{where}: no branch (t_star null) although 1 - S_T = {p_div_hat}")
+        if len(bm) or len(btv):
+            raise ValueError(f"{where}: branch lists present without t_star")
+        L_branch = 0
+    else:
+        L_branch = T - int(t_star)
+        if len(bm) != L_branch or len(btv) != L_branch:
+            raise ValueError(
+                f"{where}: branch lists have lengths {len(bm)}, {len(btv)}; expected T - t_star = {L_branch}"
+            )
+    tau_naive = row["tau_naive"]
+    if tau_naive is not None and t_star is not None and int(tau_naive) != int(t_star):
+        raise ValueError(f"{where}: t_star={t_star} differs from tau_naive={tau_naive} <= T")
+    if tau_naive is not None and t_star is None:
+        raise ValueError(f"{where}: tau_naive={tau_naive} <= T but no branch")
+
+    w = p_div_hat
+    sum_bm = float(bm.sum())
+    N_post_cmc = w * sum_bm
+    N_win_cmc = w * float(bm[:W].sum())
+    N_post_cmc_tv = w * float(btv.sum())
+    naive = 1.0 if tau_naive is not None else 0.0
+    return {
+        "T": T,
+        "p_div_hat": p_div_hat,
+        "E_L_hat": E_L_hat,
+        "E_L_win_hat": E_L_win_hat,
+        "E_L_tail_hat": E_L_tail_hat,
+        "E_tau_div_hat": E_tau_div_hat,
+        "N_cmc": w + N_post_cmc,
+        "N_naive": naive * (1.0 + sum_bm),
+        "N_post_cmc": N_post_cmc,
+        "N_win_cmc": N_win_cmc,
+        "N_tail_cmc": N_post_cmc - N_win_cmc,
+        "N_post_cmc_tv": N_post_cmc_tv,
+        "N_cmc_tv": w + N_post_cmc_tv,
+        "w": w,
+        "t_star": None if t_star is None else int(t_star),
+        "tau_naive": None if tau_naive is None else int(tau_naive),
+        "L_branch": L_branch,
+        "S": S.tolist(),
+        "f_hat": f_hat.tolist(),
+        "branch_tv": btv.tolist(),
+    }
+
+
+def replicate_estimates(df: pl.DataFrame, W: int) -> pl.DataFrame:
+    """Per-replicate estimators of estimators.md §5.
+
+    Parameters
+    ----------
+    df : polars.DataFrame
+        Trajectory rows in the shard schema of docs/internals.md (any number of shards,
+        runs and documents).
+    W : int
+        Window width (lags), config ``window``.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per (model, policy, split, doc_id, replicate) with ``T``, ``W``,
+        ``p_div_hat``, ``E_L_hat``, ``E_L_win_hat``, ``E_L_tail_hat``,
+        ``E_tau_div_hat`` (``sum_t t f_hat_t``), ``N_cmc``, ``N_naive``,
+        ``N_post_cmc``, ``N_win_cmc``, ``N_tail_cmc``, ``N_post_cmc_tv``, ``N_cmc_tv``,
+        the weight ``w = 1 - S_T``, ``t_star``, ``tau_naive``, ``L_branch = T - t_star``
+        (0 without branch), lists ``S`` and ``f_hat`` (length T) and ``branch_tv``
+        (length ``L_branch``), plus ``prompt_len``, ``kept_len``, ``seconds``.
+
+    Raises
+    ------
+    ValueError
+        If the table breaks the shard contract (see :func:`validate_shards`) or W < 0.
+    """
+    if W < 0:
+        raise ValueError(f"window W must be >= 0, got {W}")
+    validate_shards(df)
+    df = df.sort(RUN_KEYS + ["doc_id", "replicate"])
+    out = []
+    for row in df.iter_rows(named=True):
+        r = _replicate_row(row, W)
+        r.update({k: row[k] for k in RUN_KEYS + ["doc_id", "replicate", "prompt_len", "kept_len", "seconds"]})
+        r["W"] = int(W)
+        out.append(r)
+    schema = {
+        "model": pl.String, "policy": pl.String, "split": pl.String, "doc_id": pl.String,
+        "replicate": pl.Int32, "T": pl.Int32, "W": pl.Int32,
+        "p_div_hat": pl.Float64, "E_L_hat": pl.Float64, "E_L_win_hat": pl.Float64,
+        "E_L_tail_hat": pl.Float64, "E_tau_div_hat": pl.Float64, "N_cmc": pl.Float64,
+        "N_naive": pl.Float64, "N_post_cmc": pl.Float64, "N_win_cmc": pl.Float64,
+        "N_tail_cmc": pl.Float64, "N_post_cmc_tv": pl.Float64, "N_cmc_tv": pl.Float64,
+        "w": pl.Float64, "t_star": pl.Int32, "tau_naive": pl.Int32, "L_branch": pl.Int32,
+        "S": pl.List(pl.Float64), "f_hat": pl.List(pl.Float64), "branch_tv": pl.List(pl.Float64),
+        "prompt_len": pl.Int32, "kept_len": pl.Int32, "seconds": pl.Float64,
+    }
+    return pl.DataFrame(out, schema=schema, orient="row") if out else pl.DataFrame(schema=schema)
+
+
+# --------------------------------------------------------------------------- per document
+
+
+def _branch_lag_sums(group: pl.DataFrame, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-lag numerator and denominator of the §6 branch-aligned TV, lags 1..T."""
+    num = np.zeros(T)
+    den = np.zeros(T)
+    for w, btv in zip(group["w"].to_list(), group["branch_tv"].to_list()):
+        L = len(btv)
+        if L == 0 or w <= 0:
+            continue
+        num[:L] += w * np.asarray(btv, dtype=np.float64)
+        den[:L] += w
+    return num, den
+
+
+def document_estimates(
+    reps: pl.DataFrame, windows: Mapping[str, Sequence[int]] | None = None
+) -> pl.DataFrame:
+    """Per-document estimates: replicate means, standard errors, §3, §4, §6.
+
+    Parameters
+    ----------
+    reps : polars.DataFrame
+        Output of :func:`replicate_estimates`.
+    windows : mapping of str to (a, b), optional
+        Named lag windows for the §6 branch-aligned TV, e.g. the confirmatory
+        ``{"early": (1, 4), "late": (5, 16)}``; each adds ``btv_<name>`` (NaN when no
+        branch of the document reached the window) and ``btv_<name>_weight``.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per (model, policy, split, doc_id) with ``T``, ``W``, ``R``,
+        ``prompt_len``, ``kept_len``, ``seconds``; means and ``*_se`` of ``p_div``,
+        ``E_L``, ``E_L_win``, ``E_L_tail``, ``E_tau_div``, ``E_N`` (from ``N_cmc``),
+        ``E_N_naive``, ``E_N_tv`` (compensator), ``E_N_post``, ``E_N_win``,
+        ``E_N_tail``, ``E_M``; ``tau_mean = E_tau_div / p_div`` (mean first-divergence
+        step given divergence, steps); ``rho = E_N_post / E_L``;
+        ``first_mismatch_term = p_div / T``, ``exposure_rate_term = (E_L / T) rho``,
+        ``exposure_share`` of ``E_M``; the §4 interval ``E_N_lo/hi``, ``E_M_lo/hi``,
+        ``rho_lo/hi``; ``var_N_naive``, ``var_N_cmc``, ``var_N_cmc_tv`` (across
+        replicates, ddof 1) and ``var_ratio = var_N_naive / var_N_cmc``,
+        ``var_ratio_tv = var_N_cmc_tv / var_N_cmc``; lists ``S`` and ``f`` (mean
+        survival and divergence-time law, length T), ``btv_num``, ``btv_den``,
+        ``btv_lag`` (per lag 1..T, §6), and the window columns.
+
+    Raises
+    ------
+    DecompositionError
+        If the §3 identity fails for any document.
+    ValueError
+        If ``T`` or ``W`` vary within a document.
+    """
+    windows = dict(windows or {})
+    rows = []
+    for key, g in reps.group_by(RUN_KEYS + ["doc_id"], maintain_order=True):
+        model, policy, split, doc_id = key
+        Ts = g["T"].unique().to_list()
+        Ws = g["W"].unique().to_list()
+        if len(Ts) != 1 or len(Ws) != 1:
+            raise ValueError(f"doc {doc_id!r}: T or W vary across replicates ({Ts}, {Ws})")
+        T, W = int(Ts[0]), int(Ws[0])
+        R = g.height
+        col = {c: g[c].to_numpy().astype(np.float64) for c in (
+            "p_div_hat", "E_L_hat", "E_L_win_hat", "E_L_tail_hat", "E_tau_div_hat", "N_cmc",
+            "N_naive", "N_cmc_tv", "N_post_cmc", "N_win_cmc", "N_tail_cmc")}
+        r: dict = {"model": model, "policy": policy, "split": split, "doc_id": doc_id,
+                   "T": T, "W": W, "R": R,
+                   "prompt_len": int(g["prompt_len"][0]), "kept_len": int(g["kept_len"][0]),
+                   "seconds": float(g["seconds"][0])}
+        for out, src in (("p_div", "p_div_hat"), ("E_L", "E_L_hat"), ("E_L_win", "E_L_win_hat"),
+                         ("E_L_tail", "E_L_tail_hat"), ("E_tau_div", "E_tau_div_hat"),
+                         ("E_N", "N_cmc"), ("E_N_naive", "N_naive"), ("E_N_tv", "N_cmc_tv"),
+                         ("E_N_post", "N_post_cmc"), ("E_N_win", "N_win_cmc"),
+                         ("E_N_tail", "N_tail_cmc")):
+            r[out] = float(col[src].mean())
+            r[out + "_se"] = _se(col[src])
+        r["E_M"] = r["E_N"] / T
+        r["E_M_se"] = r["E_N_se"] / T
+        r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
+        r["rho"] = r["E_N_post"] / r["E_L"] if r["E_L"] > 0 else float("nan")
+        first, rate = check_decomposition(r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T,
+                                          where=f"{model}/{policy}/{split} doc {doc_id!r}")
+        r["first_mismatch_term"] = float(first)
+        r["exposure_rate_term"] = float(rate)
+        r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
+        r.update(sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T))
+        r["E_N_in_interval"] = bool(r["E_N_lo"] - 1e-12 <= r["E_N"] <= r["E_N_hi"] + 1e-12)
+        r["var_N_naive"] = _var(col["N_naive"])
+        r["var_N_cmc"] = _var(col["N_cmc"])
+        r["var_N_cmc_tv"] = _var(col["N_cmc_tv"])
+        r["var_ratio"] = _ratio(r["var_N_naive"], r["var_N_cmc"])
+        r["var_ratio_tv"] = _ratio(r["var_N_cmc_tv"], r["var_N_cmc"])
+        S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(R, T)
+        fh = np.asarray(g["f_hat"].to_list(), dtype=np.float64).reshape(R, T)
+        r["S"] = S.mean(axis=0).tolist()
+        r["f"] = fh.mean(axis=0).tolist()
+        num, den = _branch_lag_sums(g, T)
+        r["btv_num"] = num.tolist()
+        r["btv_den"] = den.tolist()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r["btv_lag"] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan).tolist()
+        for name, (a, b) in windows.items():
+            v, wgt = btv_window(num, den, int(a), int(b))
+            r[f"btv_{name}"] = v
+            r[f"btv_{name}_weight"] = wgt
+        rows.append(r)
+    if not rows:
+        raise ValueError("no replicate rows to aggregate")
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+# --------------------------------------------------------------------------- pooled
+
+#: Per-document columns pooled as equal-weight means over documents.
+POOLED_COLUMNS = ["p_div", "E_tau_div", "E_L", "E_L_win", "E_L_tail", "E_N", "E_N_naive",
+                  "E_N_tv", "E_N_post", "E_N_win", "E_N_tail", "E_M"]
+
+
+def _boot_idx(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
+    return rng.integers(0, n, size=(n_boot, n))
+
+
+def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+    """Pooled per (model, policy, split): equal-weight means over documents (§7).
+
+    Each mean gets a percentile document-bootstrap interval (``<col>_lo``, ``<col>_hi``).
+    Also: ``rho = mean(E_N_post) / mean(E_L)``, ``tau_mean = mean(E_tau_div) /
+    mean(p_div)`` (steps), the pooled §3 decomposition (``first_mismatch_term``,
+    ``exposure_rate_term``, ``exposure_share``; checked), the §4 interval from the pooled
+    means, and variance summaries: ``var_ratio = mean(var_N_naive) / mean(var_N_cmc)``
+    (ratio of mean within-document variances), ``var_ratio_median`` (median of the
+    per-document ratios) and ``frac_cmc_dominates`` (share of documents with
+    ``var_N_cmc <= var_N_naive``).
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Output of :func:`document_estimates` (any number of runs).
+    n_boot : int
+        Bootstrap resamples (config ``analysis.bootstrap``).
+    confidence : float
+        Interval coverage (config ``analysis.confidence``).
+    seed : int
+        Master seed.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per run.
+
+    Raises
+    ------
+    DecompositionError
+        If the pooled identity fails.
+    """
+    rows = []
+    for key, g in docs.group_by(RUN_KEYS, maintain_order=True):
+        model, policy, split = key
+        T = int(g["T"][0])
+        if g["T"].n_unique() != 1:
+            raise ValueError(f"{model}/{policy}/{split}: T varies across documents")
+        n = g.height
+        X = np.column_stack([g[c].to_numpy().astype(np.float64) for c in POOLED_COLUMNS])
+        mean = X.mean(axis=0)
+        rng = bootstrap_rng(seed, "pooled", model, policy, split)
+        B = X[_boot_idx(rng, n, n_boot)].mean(axis=1)  # (n_boot, ncol)
+        lo, hi = percentile_interval(B, confidence)
+        r: dict = {"model": model, "policy": policy, "split": split, "n_docs": n, "T": T,
+                   "W": int(g["W"][0]), "R": int(g["R"].min())}
+        for j, c in enumerate(POOLED_COLUMNS):
+            r[c] = float(mean[j])
+            r[c + "_lo"] = float(lo[j])
+            r[c + "_hi"] = float(hi[j])
+        ci = {c: j for j, c in enumerate(POOLED_COLUMNS)}
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rho_b = np.where(B[:, ci["E_L"]] > 0, B[:, ci["E_N_post"]] / B[:, ci["E_L"]], np.nan)
+            tau_b = np.where(B[:, ci["p_div"]] > 0, B[:, ci["E_tau_div"]] / B[:, ci["p_div"]], np.nan)
+        r["rho"] = r["E_N_post"] / r["E_L"] if r["E_L"] > 0 else float("nan")
+        r["rho_lo"], r["rho_hi"] = (float(v) for v in percentile_interval(rho_b, confidence))
+        r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
+        r["tau_mean_lo"], r["tau_mean_hi"] = (float(v) for v in percentile_interval(tau_b, confidence))
+        first, rate = check_decomposition(r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T,
+                                          where=f"pooled {model}/{policy}/{split}")
+        r["first_mismatch_term"] = float(first)
+        r["exposure_rate_term"] = float(rate)
+        r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
+        iv = sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T)
+        r.update({"interval_" + k: v for k, v in iv.items()})
+        vn = g["var_N_naive"].to_numpy().astype(np.float64)
+        vc = g["var_N_cmc"].to_numpy().astype(np.float64)
+        vt = g["var_N_cmc_tv"].to_numpy().astype(np.float64)
+        r["var_N_naive"] = float(np.nanmean(vn)) if np.isfinite(vn).any() else float("nan")
+        r["var_N_cmc"] = float(np.nanmean(vc)) if np.isfinite(vc).any() else float("nan")
+        r["var_N_cmc_tv"] = float(np.nanmean(vt)) if np.isfinite(vt).any() else float("nan")
+        r["var_ratio"] = _ratio(r["var_N_naive"], r["var_N_cmc"])
+        r["var_ratio_tv"] = _ratio(r["var_N_cmc_tv"], r["var_N_cmc"])
+        ratios = g["var_ratio"].to_numpy().astype(np.float64)
+        fin = ratios[np.isfinite(ratios)]
+        r["var_ratio_median"] = float(np.median(fin)) if fin.size else float("nan")
+        ok = np.isfinite(vn) & np.isfinite(vc)
+        r["frac_cmc_dominates"] = float(np.mean(vc[ok] <= vn[ok] + 1e-12)) if ok.any() else float("nan")
+        r["seconds"] = float(g["seconds"].sum())
+        rows.append(r)
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+    """Mean survival ``S_t`` and divergence-time law ``f_t`` over documents, per run.
+
+    The Kaplan–Meier-style curve of first divergence: per document ``S_t`` is the
+    replicate mean of the chain survival (unbiased, §5), pooled with equal weight.
+    Steps ``t = 0..T`` (``S_0 = 1``, ``f_0 = 0``).
+
+    Returns
+    -------
+    polars.DataFrame
+        Columns model, policy, split, ``t`` (steps), ``S``, ``S_lo``, ``S_hi``, ``f``,
+        ``f_lo``, ``f_hi``, ``n_docs``.
+    """
+    parts = []
+    for key, g in docs.group_by(RUN_KEYS, maintain_order=True):
+        model, policy, split = key
+        T = int(g["T"][0])
+        S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(g.height, T)
+        f = np.asarray(g["f"].to_list(), dtype=np.float64).reshape(g.height, T)
+        S = np.column_stack([np.ones(g.height), S])
+        f = np.column_stack([np.zeros(g.height), f])
+        rng = bootstrap_rng(seed, "survival", model, policy, split)
+        idx = _boot_idx(rng, g.height, n_boot)
+        Slo, Shi = percentile_interval(S[idx].mean(axis=1), confidence)
+        flo, fhi = percentile_interval(f[idx].mean(axis=1), confidence)
+        parts.append(pl.DataFrame({
+            "model": [model] * (T + 1), "policy": [policy] * (T + 1), "split": [split] * (T + 1),
+            "t": np.arange(T + 1, dtype=np.int32), "S": S.mean(axis=0), "S_lo": Slo, "S_hi": Shi,
+            "f": f.mean(axis=0), "f_lo": flo, "f_hi": fhi, "n_docs": [g.height] * (T + 1),
+        }))
+    return pl.concat(parts) if parts else pl.DataFrame()
+
+
+def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+    """Branch-aligned TV by lag since divergence (§6), pooled over documents per run.
+
+    Per lag ``k``, the equal-weight mean over documents whose branches reached lag ``k``
+    of the per-document ``btv_lag``, with a document-bootstrap interval.
+
+    Returns
+    -------
+    polars.DataFrame
+        Columns model, policy, split, ``lag`` (steps after divergence, 1..T), ``btv``,
+        ``btv_lo``, ``btv_hi``, ``n_docs`` (documents reaching the lag).
+    """
+    import warnings
+
+    parts = []
+    for key, g in docs.group_by(RUN_KEYS, maintain_order=True):
+        model, policy, split = key
+        T = int(g["T"][0])
+        V = np.asarray(g["btv_lag"].to_list(), dtype=np.float64).reshape(g.height, T)
+        rng = bootstrap_rng(seed, "branch_tv", model, policy, split)
+        idx = _boot_idx(rng, g.height, n_boot)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(V, axis=0)
+            lo, hi = percentile_interval(np.nanmean(V[idx], axis=1), confidence)
+        parts.append(pl.DataFrame({
+            "model": [model] * T, "policy": [policy] * T, "split": [split] * T,
+            "lag": np.arange(1, T + 1, dtype=np.int32), "btv": mean, "btv_lo": lo, "btv_hi": hi,
+            "n_docs": np.isfinite(V).sum(axis=0).astype(np.int32),
+        }))
+    return pl.concat(parts) if parts else pl.DataFrame()
+
+
+def read_shards(paths: Iterable[str]) -> pl.DataFrame:
+    """Concatenate trajectory shard parquet files (docs/internals.md schema).
+
+    Raises
+    ------
+    ValueError
+        If ``paths`` is empty.
+    """
+    paths = list(paths)
+    if not paths:
+        raise ValueError("no trajectory shards given")
+    frames = [pl.read_parquet(p) for p in paths]
+    frames = [f for f in frames if f.height > 0] or frames[:1]
+    return pl.concat(frames, how="diagonal_relaxed")
