@@ -1,0 +1,451 @@
+"""Exploratory and confirmatory analyses (``../shared/design/estimators.md`` §7–§8).
+
+Exploratory (exploratory split):
+
+- :func:`timing_table` — divergence timing per model and policy: occurrence ``p_div``,
+  mean and median first-divergence step, exposure.
+- :func:`gap_decomposition` — the gap in expected token loss between two policies on the
+  same documents, split exactly into first-mismatch, exposure and rate terms (§7), each
+  with its share of the gap and paired document-bootstrap intervals.
+- :func:`variance_table` — ``Var(N_naive) / Var(N_cmc)`` per run (§5).
+
+Confirmatory (confirmatory split only, prespecified plan in config ``confirmatory``):
+
+- :func:`validate_plan`, :func:`plan_hash` — the plan must be complete; its hash is
+  printed in the report.
+- :func:`confirmatory_analysis` — per model, per document ``d = btv[late] - btv[early]``
+  (§6 branch-aligned TV), one-sided Wilcoxon signed-rank (scipy), Holm across models,
+  paired mean difference with a bootstrap interval. Documents whose branches never reach
+  a window are counted and reported. Refuses any split but ``confirmatory``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import polars as pl
+from scipy import stats
+
+from kvdiverge.estimators import (
+    DECOMP_ATOL,
+    DECOMP_RTOL,
+    DecompositionError,
+    bootstrap_rng,
+    btv_window,
+    percentile_interval,
+)
+
+__all__ = [
+    "CONFIRMATORY_SPLIT",
+    "PLAN_FIELDS",
+    "PlanError",
+    "confirmatory_analysis",
+    "gap_decomposition",
+    "gap_terms",
+    "holm",
+    "plan_hash",
+    "timing_table",
+    "validate_plan",
+    "variance_table",
+]
+
+CONFIRMATORY_SPLIT = "confirmatory"
+
+#: Fields a confirmatory plan must state (config ``confirmatory``).
+PLAN_FIELDS = ("policy", "early", "late", "test", "alternative", "correction", "alpha")
+TESTS = ("wilcoxon-signed-rank",)
+ALTERNATIVES = ("greater", "less", "two-sided")
+CORRECTIONS = ("holm", "bonferroni", "none")
+
+
+class PlanError(ValueError):
+    """The confirmatory plan is incomplete or invalid."""
+
+
+# --------------------------------------------------------------------------- exploratory
+
+
+def timing_table(pooled: pl.DataFrame, survival: pl.DataFrame) -> pl.DataFrame:
+    """Divergence timing per run: occurrence, mean and median first-divergence step.
+
+    Parameters
+    ----------
+    pooled : polars.DataFrame
+        :func:`kvdiverge.estimators.pooled_estimates` output.
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` output.
+
+    Returns
+    -------
+    polars.DataFrame
+        model, policy, split, n_docs, T, ``p_div`` (+ interval), ``tau_mean`` (mean
+        first-divergence step given divergence, steps; + interval), ``tau_median``
+        (median of the pooled conditional law ``f_t / p_div``, steps; null without
+        divergence), ``E_L`` (+ interval, steps), ``E_M``, ``exposure_share``.
+    """
+    med = []
+    for key, g in survival.group_by(["model", "policy", "split"], maintain_order=True):
+        g = g.sort("t")
+        f = g["f"].to_numpy()
+        p = f.sum()
+        if p > 0:
+            c = np.cumsum(f) / p
+            tmed = int(g["t"][int(np.searchsorted(c, 0.5 - 1e-12))])
+        else:
+            tmed = None
+        med.append({"model": key[0], "policy": key[1], "split": key[2], "tau_median": tmed})
+    medf = pl.DataFrame(med, schema={"model": pl.String, "policy": pl.String, "split": pl.String,
+                                     "tau_median": pl.Int32})
+    cols = ["model", "policy", "split", "n_docs", "T", "p_div", "p_div_lo", "p_div_hi", "tau_mean",
+            "tau_mean_lo", "tau_mean_hi", "E_L", "E_L_lo", "E_L_hi", "E_M", "E_M_lo", "E_M_hi",
+            "exposure_share"]
+    return pooled.select(cols).join(medf, on=["model", "policy", "split"], how="left")
+
+
+def variance_table(pooled: pl.DataFrame) -> pl.DataFrame:
+    """Naive vs conditional Monte Carlo variance per run (estimators.md §5).
+
+    Returns
+    -------
+    polars.DataFrame
+        model, policy, split, n_docs, R, ``var_N_naive``, ``var_N_cmc``,
+        ``var_N_cmc_tv`` (mean within-document variances across replicates, tokens^2),
+        ``var_ratio = var_N_naive / var_N_cmc``, ``var_ratio_tv``, ``var_ratio_median``,
+        ``frac_cmc_dominates``.
+    """
+    return pooled.select(["model", "policy", "split", "n_docs", "R", "var_N_naive", "var_N_cmc",
+                          "var_N_cmc_tv", "var_ratio", "var_ratio_tv", "var_ratio_median",
+                          "frac_cmc_dominates"])
+
+
+def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
+    """The §7 two-factor symmetric split of ``Delta = E_A[N] - E_B[N]``.
+
+    Elementwise on pooled means (floats or arrays of bootstrap resamples):
+    ``rho = E[N_post] / E[L]`` (0 when ``E[L] = 0``, where ``E[N_post]`` is 0 too).
+
+    Parameters
+    ----------
+    pA, LA, NpA, NA, pB, LB, NpB, NB : float or numpy.ndarray
+        ``p_div``, ``E[L]`` (steps), ``E[N_post]``, ``E[N]`` (tokens) of policies A and B.
+
+    Returns
+    -------
+    dict
+        ``delta``, ``first_mismatch = Delta p_div``,
+        ``exposure = Delta E[L] (rho_A + rho_B) / 2``,
+        ``rate = (E_A[L] + E_B[L]) / 2 * Delta rho``, ``rho_A``, ``rho_B``.
+    """
+    pA, LA, NpA, NA, pB, LB, NpB, NB = (np.asarray(v, dtype=np.float64) for v in
+                                        (pA, LA, NpA, NA, pB, LB, NpB, NB))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rA = np.where(LA > 0, NpA / np.where(LA > 0, LA, 1.0), 0.0)
+        rB = np.where(LB > 0, NpB / np.where(LB > 0, LB, 1.0), 0.0)
+    return {
+        "delta": NA - NB,
+        "first_mismatch": pA - pB,
+        "exposure": (LA - LB) * (rA + rB) / 2,
+        "rate": (LA + LB) / 2 * (rA - rB),
+        "rho_A": rA,
+        "rho_B": rB,
+    }
+
+
+TERMS = ("first_mismatch", "exposure", "rate")
+
+
+def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str,
+                      n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+    """Exact decomposition of a policy gap with paired document-bootstrap intervals (§7).
+
+    Documents are paired by ``doc_id`` (inner join of the two policies' per-document
+    estimates); each bootstrap resample draws documents with replacement and uses the same
+    documents for both policies.
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Per-document estimates (:func:`kvdiverge.estimators.document_estimates`) holding
+        at least the two runs ``(model, policy_a, split)`` and ``(model, policy_b, split)``.
+    model, policy_a, policy_b, split : str
+        The gap ``A - B``.
+    n_boot : int
+        Bootstrap resamples.
+    confidence : float
+        Interval coverage.
+    seed : int
+        Master seed.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per term (``delta``, ``first_mismatch``, ``exposure``, ``rate``): model,
+        policy_a, policy_b, split, n_docs, T, ``term``, ``value`` (tokens), ``value_lo``,
+        ``value_hi``, ``share`` (of ``delta``; 1 for ``delta``), ``share_lo``, ``share_hi``,
+        ``value_M = value / T``, ``rho_A``, ``rho_B``.
+
+    Raises
+    ------
+    ValueError
+        If a run is missing or the two share no document.
+    DecompositionError
+        If the terms do not sum to the gap to float tolerance.
+    """
+    cols = ["doc_id", "T", "p_div", "E_L", "E_N_post", "E_N"]
+
+    def run(policy: str) -> pl.DataFrame:
+        d = docs.filter((pl.col("model") == model) & (pl.col("policy") == policy) & (pl.col("split") == split))
+        if d.height == 0:
+            raise ValueError(f"no per-document estimates for {model}/{policy}/{split}")
+        return d.select(cols)
+
+    j = run(policy_a).join(run(policy_b), on="doc_id", suffix="_B").sort("doc_id")
+    if j.height == 0:
+        raise ValueError(f"{policy_a} and {policy_b} share no document for {model}/{split}")
+    T = int(j["T"][0])
+    if not (j["T"] == T).all() or not (j["T_B"] == T).all():
+        raise ValueError("gap decomposition needs one horizon T for both policies")
+    A = {c: j[c].to_numpy().astype(np.float64) for c in cols[2:]}
+    B = {c: j[c + "_B"].to_numpy().astype(np.float64) for c in cols[2:]}
+    n = j.height
+
+    def terms(idx=None):
+        def m(x):
+            return x.mean() if idx is None else x[idx].mean(axis=1)
+        return gap_terms(m(A["p_div"]), m(A["E_L"]), m(A["E_N_post"]), m(A["E_N"]),
+                         m(B["p_div"]), m(B["E_L"]), m(B["E_N_post"]), m(B["E_N"]))
+
+    point = terms()
+    total = point["first_mismatch"] + point["exposure"] + point["rate"]
+    if not np.isclose(total, point["delta"], rtol=DECOMP_RTOL, atol=DECOMP_ATOL):
+        raise DecompositionError(
+            f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}")
+    rng = bootstrap_rng(seed, "gap", model, policy_a, policy_b, split)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    boot = terms(idx)
+    rows = []
+    for term in ("delta",) + TERMS:
+        val = float(point[term])
+        lo, hi = percentile_interval(boot[term], confidence)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sh_b = np.where(boot["delta"] != 0, boot[term] / np.where(boot["delta"] != 0, boot["delta"], 1.0), np.nan)
+        slo, shi = percentile_interval(sh_b, confidence)
+        share = val / float(point["delta"]) if point["delta"] != 0 else float("nan")
+        rows.append({"model": model, "policy_a": policy_a, "policy_b": policy_b, "split": split,
+                     "n_docs": n, "T": T, "term": term, "value": val, "value_lo": float(lo),
+                     "value_hi": float(hi), "share": share, "share_lo": float(slo), "share_hi": float(shi),
+                     "value_M": val / T, "rho_A": float(point["rho_A"]), "rho_B": float(point["rho_B"])})
+    return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- confirmatory
+
+
+def validate_plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Check that the prespecified confirmatory plan states every field, with valid values.
+
+    Parameters
+    ----------
+    plan : mapping
+        Config section ``confirmatory``: ``policy``, ``early`` and ``late`` (``[a, b]``
+        lag windows, steps after first divergence, ``1 <= a <= b``), ``test``
+        (``wilcoxon-signed-rank``), ``alternative`` (greater | less | two-sided),
+        ``correction`` (holm | bonferroni | none), ``alpha`` in (0, 1).
+
+    Returns
+    -------
+    dict
+        A plain copy of the plan.
+
+    Raises
+    ------
+    PlanError
+        Naming every missing field, or the first invalid one.
+    """
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"confirmatory plan must be a mapping with fields {list(PLAN_FIELDS)}, got {plan!r}")
+    missing = [f for f in PLAN_FIELDS if plan.get(f) is None]
+    if missing:
+        raise PlanError(f"confirmatory plan lacks fields {missing}; a prespecified plan states all of "
+                        f"{list(PLAN_FIELDS)}")
+    for name in ("early", "late"):
+        w = plan[name]
+        if (not isinstance(w, Sequence) or len(w) != 2 or not all(isinstance(v, int) for v in w)
+                or not 1 <= w[0] <= w[1]):
+            raise PlanError(f"confirmatory.{name} must be [a, b] with integers 1 <= a <= b, got {w!r}")
+    if plan["test"] not in TESTS:
+        raise PlanError(f"confirmatory.test must be one of {list(TESTS)}, got {plan['test']!r}")
+    if plan["alternative"] not in ALTERNATIVES:
+        raise PlanError(f"confirmatory.alternative must be one of {list(ALTERNATIVES)}, got {plan['alternative']!r}")
+    if plan["correction"] not in CORRECTIONS:
+        raise PlanError(f"confirmatory.correction must be one of {list(CORRECTIONS)}, got {plan['correction']!r}")
+    alpha = plan["alpha"]
+    if not isinstance(alpha, (int, float)) or not 0 < float(alpha) < 1:
+        raise PlanError(f"confirmatory.alpha must be in (0, 1), got {alpha!r}")
+    return json.loads(json.dumps(dict(plan)))
+
+
+def plan_hash(plan: Mapping[str, Any]) -> str:
+    """SHA-256 of the plan as canonical JSON (sorted keys, no spaces), hex.
+
+    Parameters
+    ----------
+    plan : mapping
+        Config section ``confirmatory``, exactly as given.
+
+    Returns
+    -------
+    str
+        64 hex digits; any change of the section changes it.
+    """
+    text = json.dumps(plan, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def holm(pvalues: Sequence[float], method: str = "holm") -> np.ndarray:
+    """Multiplicity-adjusted p-values (Holm step-down, Bonferroni, or none).
+
+    NaN entries (untested families) stay NaN and do not count in the family size.
+
+    Parameters
+    ----------
+    pvalues : sequence of float
+        Raw p-values.
+    method : {"holm", "bonferroni", "none"}
+
+    Returns
+    -------
+    numpy.ndarray
+        Adjusted p-values, capped at 1.
+    """
+    p = np.asarray(pvalues, dtype=np.float64)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    m = ok.size
+    if m == 0:
+        return out
+    if method == "none":
+        out[ok] = p[ok]
+    elif method == "bonferroni":
+        out[ok] = np.minimum(1.0, p[ok] * m)
+    elif method == "holm":
+        order = ok[np.argsort(p[ok], kind="stable")]
+        running = 0.0
+        for i, j in enumerate(order):
+            running = max(running, min(1.0, (m - i) * p[j]))
+            out[j] = running
+    else:
+        raise ValueError(f"unknown correction {method!r}")
+    return out
+
+
+def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: str, n_boot: int,
+                          confidence: float, seed: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The prespecified confirmatory test of estimators.md §8.
+
+    Per model, on the plan's policy: per document ``d = btv[late] - btv[early]`` from the
+    §6 per-lag sums (``btv_num``, ``btv_den``); a Wilcoxon signed-rank test of
+    ``median(d)`` in the plan's direction (``scipy.stats.wilcoxon``, zero differences
+    dropped), the plan's correction across models, and the mean difference with a
+    percentile document-bootstrap interval. Documents whose branches reach neither or
+    only one window have no ``d``; they are counted (``n_no_early``, ``n_no_late``,
+    ``n_excluded``) and listed, never silently dropped.
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Per-document estimates of the confirmatory runs.
+    plan : mapping
+        Config section ``confirmatory`` (validated here).
+    split : str
+        Must be ``"confirmatory"``.
+    n_boot, confidence, seed
+        Bootstrap resamples, coverage, master seed.
+
+    Returns
+    -------
+    result : polars.DataFrame
+        One row per model: model, policy, split, ``n_docs``, ``n_no_early``,
+        ``n_no_late``, ``n_excluded``, ``n_used``, ``n_zero``, ``mean_diff``,
+        ``mean_diff_lo``, ``mean_diff_hi``, ``median_diff``, ``statistic``, ``p_raw``,
+        ``p_adjusted``, ``decision`` (reject | not rejected | not tested), and the plan
+        (``test``, ``alternative``, ``correction``, ``alpha``, ``early``, ``late``,
+        ``plan_hash``).
+    per_doc : polars.DataFrame
+        model, doc_id, ``btv_early``, ``btv_late``, ``d`` (null when excluded),
+        ``reached_early``, ``reached_late``.
+
+    Raises
+    ------
+    ValueError
+        If ``split`` is not the confirmatory split, or ``docs`` holds rows of another split.
+    PlanError
+        If the plan is incomplete or invalid.
+    """
+    if split != CONFIRMATORY_SPLIT:
+        raise ValueError(f"the confirmatory test runs on the {CONFIRMATORY_SPLIT!r} split only; refusing {split!r}")
+    if docs.height and (docs["split"] != CONFIRMATORY_SPLIT).any():
+        bad = sorted(set(docs["split"].to_list()) - {CONFIRMATORY_SPLIT})
+        raise ValueError(f"the confirmatory test refuses documents of split(s) {bad}")
+    plan = validate_plan(plan)
+    h = plan_hash(plan)
+    policy = plan["policy"]
+    (ea, eb), (la, lb) = plan["early"], plan["late"]
+    sel = docs.filter(pl.col("policy") == policy)
+    if sel.height == 0:
+        raise ValueError(f"no confirmatory estimates for the plan's policy {policy!r}")
+    results, per_doc = [], []
+    for (model,), g in sel.group_by(["model"], maintain_order=True):
+        g = g.sort("doc_id")
+        early, late = [], []
+        for num, den in zip(g["btv_num"].to_list(), g["btv_den"].to_list()):
+            num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+            early.append(btv_window(num, den, ea, eb)[0])
+            late.append(btv_window(num, den, la, lb)[0])
+        early, late = np.asarray(early), np.asarray(late)
+        d = late - early
+        ok = np.isfinite(d)
+        for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok):
+            per_doc.append({"model": model, "doc_id": doc, "btv_early": float(e), "btv_late": float(l_),
+                            "d": float(dd) if o else None, "reached_early": bool(np.isfinite(e)),
+                            "reached_late": bool(np.isfinite(l_))})
+        du = d[ok]
+        stat, p = float("nan"), float("nan")
+        if du.size and np.any(du != 0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res = stats.wilcoxon(du, alternative=plan["alternative"], zero_method="wilcox")
+            stat, p = float(res.statistic), float(res.pvalue)
+        if du.size:
+            rng = bootstrap_rng(seed, "confirmatory", model, policy)
+            bm = du[rng.integers(0, du.size, size=(n_boot, du.size))].mean(axis=1)
+            mlo, mhi = (float(v) for v in percentile_interval(bm, confidence))
+        else:
+            mlo = mhi = float("nan")
+        results.append({
+            "model": model, "policy": policy, "split": split, "n_docs": g.height,
+            "n_no_early": int((~np.isfinite(early)).sum()), "n_no_late": int((~np.isfinite(late)).sum()),
+            "n_excluded": int((~ok).sum()), "n_used": int(du.size), "n_zero": int((du == 0).sum()),
+            "mean_diff": float(du.mean()) if du.size else float("nan"), "mean_diff_lo": mlo,
+            "mean_diff_hi": mhi, "median_diff": float(np.median(du)) if du.size else float("nan"),
+            "statistic": stat, "p_raw": p,
+        })
+    res = pl.DataFrame(results)
+    adj = holm(res["p_raw"].to_numpy(), plan["correction"])
+    alpha = float(plan["alpha"])
+    decision = ["not tested" if not np.isfinite(a) else ("reject" if a < alpha else "not rejected") for a in adj]
+    res = res.with_columns(
+        pl.Series("p_adjusted", adj), pl.Series("decision", decision),
+        pl.lit(plan["test"]).alias("test"), pl.lit(plan["alternative"]).alias("alternative"),
+        pl.lit(plan["correction"]).alias("correction"), pl.lit(alpha).alias("alpha"),
+        pl.lit(f"[{ea}, {eb}]").alias("early"), pl.lit(f"[{la}, {lb}]").alias("late"),
+        pl.lit(h).alias("plan_hash"),
+    )
+    per = pl.DataFrame(per_doc, schema={"model": pl.String, "doc_id": pl.String, "btv_early": pl.Float64,
+                                        "btv_late": pl.Float64, "d": pl.Float64,
+                                        "reached_early": pl.Boolean, "reached_late": pl.Boolean})
+    return res, per

@@ -1,0 +1,234 @@
+"""Seaborn figures of the study, each written as PNG and PDF (atomically).
+
+- :func:`plot_survival` — survival ``S_t`` of first divergence per policy and model.
+- :func:`plot_gaps` — stacked gap decomposition (first-mismatch, exposure, rate) with
+  paired-bootstrap intervals (§7).
+- :func:`plot_branch_tv` — branch-aligned TV against lag since divergence, with the
+  confirmatory early/late windows shaded (§6, §8).
+- :func:`plot_confirmatory` — per-document late − early differences (§8).
+- :func:`plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+__all__ = ["plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival", "plot_variance",
+           "save_figure"]
+
+TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
+TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a868"}
+
+
+def save_figure(fig: plt.Figure, png: str | os.PathLike, pdf: str | os.PathLike) -> None:
+    """Write ``fig`` to ``png`` and ``pdf`` atomically (temporary file, then rename) and close it."""
+    for path, fmt in ((Path(png), "png"), (Path(pdf), "pdf")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{fmt}", dir=path.parent)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    plt.close(fig)
+
+
+def _empty(message: str) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(5, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center")
+    return fig
+
+
+def _facets(n: int, width: float = 4.5, height: float = 3.5):
+    fig, axes = plt.subplots(1, max(n, 1), figsize=(width * max(n, 1), height), squeeze=False, sharey=True)
+    return fig, axes[0]
+
+
+def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
+    """Survival of first divergence ``S_t`` (steps ``t = 0..T``) per policy, one panel per model.
+
+    Parameters
+    ----------
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` output; bands are the bootstrap intervals.
+    png, pdf : path
+        Outputs.
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    if survival.height == 0:
+        return save_figure(_empty("no runs"), png, pdf)
+    s = survival.with_columns((pl.col("policy") + " (" + pl.col("split") + ")").alias("run"))
+    models = sorted(s["model"].unique().to_list())
+    fig, axes = _facets(len(models))
+    for ax, model in zip(axes, models):
+        d = s.filter(pl.col("model") == model).to_pandas()
+        sns.lineplot(data=d, x="t", y="S", hue="run", drawstyle="steps-post", ax=ax, errorbar=None)
+        for (run, g), color in zip(d.groupby("run", sort=True), sns.color_palette(n_colors=d["run"].nunique())):
+            ax.fill_between(g["t"], g["S_lo"], g["S_hi"], step="post", alpha=0.15, color=color)
+        ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
+               ylim=(0, 1.02))
+        ax.legend(title="policy (split)", fontsize="small")
+    fig.suptitle("Survival of first divergence")
+    save_figure(fig, png, pdf)
+
+
+def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
+    """Stacked gap decomposition with 95% paired-bootstrap intervals, one panel per model.
+
+    Each bar stacks the first-mismatch, exposure and rate terms (positive terms upward,
+    negative downward from 0); the black diamond is the gap ``Delta`` (tokens) with its
+    interval; small error bars beside the bar are each term's interval.
+
+    Parameters
+    ----------
+    gaps : polars.DataFrame
+        :func:`kvdiverge.analysis.gap_decomposition` rows (any number of gaps and models).
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    if gaps.height == 0:
+        return save_figure(_empty("no gaps configured"), png, pdf)
+    models = sorted(gaps["model"].unique().to_list())
+    fig, axes = _facets(len(models), width=5.0, height=4.0)
+    for ax, model in zip(axes, models):
+        g = gaps.filter(pl.col("model") == model)
+        pairs = g.select("policy_a", "policy_b").unique(maintain_order=True).rows()
+        for i, (a, b) in enumerate(pairs):
+            rows = {r["term"]: r for r in g.filter((pl.col("policy_a") == a) & (pl.col("policy_b") == b)).iter_rows(named=True)}
+            pos, neg = 0.0, 0.0
+            for j, term in enumerate(("first_mismatch", "exposure", "rate")):
+                r = rows[term]
+                v = r["value"]
+                bottom = pos if v >= 0 else neg
+                ax.bar(i, v, bottom=bottom, width=0.5, color=TERM_COLORS[term],
+                       label=TERM_LABELS[term] if i == 0 else None)
+                if v >= 0:
+                    pos += v
+                else:
+                    neg += v
+                x = i + 0.3 + 0.07 * j
+                ax.errorbar(x, v, yerr=[[max(v - r["value_lo"], 0)], [max(r["value_hi"] - v, 0)]],
+                            fmt="o", ms=3, color=TERM_COLORS[term], capsize=2)
+            d = rows["delta"]
+            ax.errorbar(i, d["value"], yerr=[[max(d["value"] - d["value_lo"], 0)], [max(d["value_hi"] - d["value"], 0)]],
+                        fmt="D", color="black", ms=5, capsize=3, label="gap Δ" if i == 0 else None)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(pairs)))
+        ax.set_xticklabels([f"{a}\nminus\n{b}" for a, b in pairs], fontsize="small")
+        ax.set(title=model, ylabel="Δ E[N] (tokens)")
+        ax.legend(fontsize="small")
+    fig.suptitle("Gap in expected token loss: first-mismatch + exposure + rate")
+    save_figure(fig, png, pdf)
+
+
+def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = None,
+                   late: Sequence[int] | None = None) -> None:
+    """Branch-aligned TV against lag since divergence per policy, one panel per model.
+
+    Parameters
+    ----------
+    curve : polars.DataFrame
+        :func:`kvdiverge.estimators.branch_tv_curve` output (lags with no document are NaN).
+    early, late : (a, b), optional
+        Confirmatory lag windows, shaded.
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    c = curve.filter(pl.col("btv").is_not_nan() & pl.col("btv").is_not_null()) if curve.height else curve
+    if c.height == 0:
+        return save_figure(_empty("no branch reached any lag"), png, pdf)
+    c = c.with_columns((pl.col("policy") + " (" + pl.col("split") + ")").alias("run"))
+    models = sorted(c["model"].unique().to_list())
+    fig, axes = _facets(len(models))
+    for ax, model in zip(axes, models):
+        d = c.filter(pl.col("model") == model).to_pandas()
+        runs = sorted(d["run"].unique())
+        pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))
+        sns.lineplot(data=d, x="lag", y="btv", hue="run", hue_order=runs, palette=pal, marker="o",
+                     ms=3, ax=ax, errorbar=None)
+        for run, g in d.groupby("run"):
+            ax.fill_between(g["lag"], g["btv_lo"], g["btv_hi"], alpha=0.15, color=pal[run])
+        for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
+            if win is not None:
+                ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
+                ax.text((win[0] + win[1]) / 2, 0.98, name, ha="center", va="top",
+                        transform=ax.get_xaxis_transform(), fontsize="small")
+        ax.set(title=model, xlabel="lag k since first divergence (steps)", ylabel="branch TV", ylim=(0, 1))
+        ax.legend(title="policy (split)", fontsize="small")
+    fig.suptitle("Kernel disagreement after divergence")
+    save_figure(fig, png, pdf)
+
+
+def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> None:
+    """Per-document late − early branch TV differences per model, with mean and interval.
+
+    Parameters
+    ----------
+    per_doc, result : polars.DataFrame
+        :func:`kvdiverge.analysis.confirmatory_analysis` outputs.
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    d = per_doc.filter(pl.col("d").is_not_null())
+    if d.height == 0:
+        return save_figure(_empty("no document reached both windows"), png, pdf)
+    models = sorted(per_doc["model"].unique().to_list())
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(models), 3.8))
+    sns.stripplot(data=d.to_pandas(), x="model", y="d", order=models, ax=ax, alpha=0.6, jitter=0.15)
+    for i, m in enumerate(models):
+        r = result.filter(pl.col("model") == m)
+        if r.height and np.isfinite(r["mean_diff"][0]):
+            mu, lo, hi = r["mean_diff"][0], r["mean_diff_lo"][0], r["mean_diff_hi"][0]
+            ax.errorbar(i + 0.3, mu, yerr=[[mu - lo], [hi - mu]], fmt="D", color="black", capsize=3)
+            ax.text(i, ax.get_ylim()[1], f"n={r['n_used'][0]} (excl. {r['n_excluded'][0]})\n"
+                    f"p_adj={r['p_adjusted'][0]:.3g}: {r['decision'][0]}",
+                    ha="center", va="bottom", fontsize="x-small")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(xlabel="model", ylabel="btv[late] − btv[early] per document")
+    fig.suptitle("Confirmatory: late minus early branch TV", y=1.08)
+    save_figure(fig, png, pdf)
+
+
+def plot_variance(docs: pl.DataFrame, png, pdf) -> None:
+    """Naive vs conditional Monte Carlo variance of ``N`` across replicates, per document.
+
+    Points under the diagonal mean ``Var(N_cmc) < Var(N_naive)`` (§5 guarantees it in
+    expectation for every replicate).
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Per-document estimates with ``var_N_naive`` and ``var_N_cmc``.
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    d = docs.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite()
+                    & ((pl.col("var_N_naive") > 0) | (pl.col("var_N_cmc") > 0)))
+    if d.height == 0:
+        return save_figure(_empty("no document with replicate variance"), png, pdf)
+    d = d.with_columns((pl.col("model") + " / " + pl.col("policy")).alias("run"))
+    fig, ax = plt.subplots(figsize=(5, 4.2))
+    pdf_ = d.to_pandas()
+    vals = np.concatenate([pdf_["var_N_naive"].to_numpy(), pdf_["var_N_cmc"].to_numpy()])
+    floor = max(float(vals[vals > 0].min()) / 2 if (vals > 0).any() else 1e-6, 1e-9)
+    pdf_["var_N_naive"] = pdf_["var_N_naive"].clip(lower=floor)
+    pdf_["var_N_cmc"] = pdf_["var_N_cmc"].clip(lower=floor)
+    sns.scatterplot(data=pdf_, x="var_N_naive", y="var_N_cmc", hue="run", ax=ax, alpha=0.7)
+    hi = max(pdf_["var_N_naive"].max(), pdf_["var_N_cmc"].max()) * 1.5
+    ax.plot([floor, hi], [floor, hi], color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", yscale="log", xlabel="Var(N_naive) across replicates (tokens²)",
+           ylabel="Var(N_cmc) across replicates (tokens²)")
+    ratio = pdf_["var_N_naive"].mean() / pdf_["var_N_cmc"].mean()
+    ax.set_title(f"Naive vs CMC variance (mean ratio {ratio:.2f}x)")
+    ax.legend(fontsize="x-small")
+    save_figure(fig, png, pdf)
