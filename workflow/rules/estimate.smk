@@ -1,0 +1,1 @@
+# placeholder: estimate stage (filled by its owner)

@@ -1,0 +1,1 @@
+# placeholder: generate stage (filled by its owner)

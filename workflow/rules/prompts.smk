@@ -1,0 +1,18 @@
+# Stage 2: chat-rendered prompts per model, with exclusions and their reasons.
+
+
+rule prompts:
+    input:
+        CORPUS,
+    output:
+        PROMPTS,
+    log:
+        f"{LOGS}/prompts/{{model}}.log",
+    params:
+        model=lambda wildcards: config["models"][wildcards.model],
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    script:
+        "../scripts/prompts.py"

@@ -1,0 +1,1 @@
+# placeholder: report stage (filled by its owner)

@@ -1,0 +1,23 @@
+"""Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.corpus)."""
+
+import logging
+
+from kvdiverge.corpus import build_corpus
+from kvdiverge.io import write_parquet_atomic
+
+logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
+                    format="%(asctime)s %(levelname)s %(message)s")
+log = logging.getLogger("corpus")
+try:
+    corpus = dict(snakemake.params.corpus)  # noqa: F821
+    log.info("corpus config: %s", corpus)
+    docs = build_corpus(corpus)
+    for split, n in docs.group_by("split").len().sort("split").iter_rows():
+        part = docs.filter(docs["split"] == split)
+        log.info("%s: %d documents from %d addresses, %d-%d words", split, n,
+                 part["address"].n_unique(), part["n_words"].min(), part["n_words"].max())
+    write_parquet_atomic(docs, snakemake.output[0])  # noqa: F821
+    log.info("wrote %s", snakemake.output[0])  # noqa: F821
+except Exception:
+    log.exception("corpus stage failed")
+    raise

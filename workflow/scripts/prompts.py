@@ -1,0 +1,28 @@
+"""Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.prompts)."""
+
+import logging
+
+import polars as pl
+
+from kvdiverge.io import write_parquet_atomic
+from kvdiverge.models import context_length, load_model_config, load_tokenizer
+from kvdiverge.prompts import build_prompts, summary
+
+logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
+                    format="%(asctime)s %(levelname)s %(message)s")
+log = logging.getLogger("prompts")
+try:
+    name = snakemake.wildcards.model  # noqa: F821
+    spec = dict(snakemake.params.model)  # noqa: F821
+    log.info("model %s: %s", name, spec)
+    tokenizer = load_tokenizer(spec, name)
+    context = context_length(load_model_config(spec, name))
+    log.info("context length: %d tokens", context)
+    documents = pl.read_parquet(snakemake.input[0])  # noqa: F821
+    prompts = build_prompts(documents, tokenizer, snakemake.config, context)  # noqa: F821
+    log.info("\n%s", summary(prompts))
+    write_parquet_atomic(prompts, snakemake.output[0])  # noqa: F821
+    log.info("wrote %s", snakemake.output[0])  # noqa: F821
+except Exception:
+    log.exception("prompts stage failed")
+    raise
