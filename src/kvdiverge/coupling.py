@@ -43,7 +43,7 @@ def probabilities(logp: torch.Tensor) -> torch.Tensor:
 
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Total variation ``tv = 1 - sum_v min(p(v), q(v))``.
+    """Total variation ``tv = 1/2 sum_v |p(v) - q(v)| = 1 - sum_v min(p(v), q(v))``.
 
     Parameters
     ----------
@@ -54,9 +54,13 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     -------
     torch.Tensor
         ``tv`` per row, float64, shape (B,), clipped to [0, 1]. Exactly 0 when
-        ``p == q`` and exactly 1 when the supports are disjoint.
+        ``p == q`` and exactly 1 when the supports are disjoint: computed as
+        ``1/2 sum |p - q|`` (which rounding cannot push off 0), set to 1 where the
+        overlap mass ``sum min(p, q)`` is 0.
     """
-    return (1.0 - torch.minimum(p, q).sum(-1)).clamp_(0.0, 1.0)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    disjoint = torch.minimum(p, q).sum(-1) == 0
+    return torch.where(disjoint, torch.ones_like(tv), tv).clamp_(0.0, 1.0)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,7 @@ class _CacheSide:
         return out.logits[:, -1, :]
 
     def rewind(self, length: torch.Tensor) -> None:
-        self.valid &= ~(self.step >= length.unsqueeze(1))
+        self.valid = self.valid & (self.step < length.unsqueeze(1))
         self.n_gen = length.clone()
         self.all_valid = bool(self.valid.all())
 
@@ -265,6 +265,7 @@ class LLMKernelPair:
         ev_logits = self._ev.forward(self.model, y.to(self.device))
         return self._transform(ref_logits).cpu(), self._transform(ev_logits).cpu()
 
+    @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` generated tokens on both sides (int64, shape (n_rows,))."""
         length = length.to(self.device)

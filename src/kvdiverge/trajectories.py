@@ -388,7 +388,7 @@ def run_shard(
     records = []
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:
-        for row in docs.iter_rows(named=True):
+        for i, row in enumerate(docs.iter_rows(named=True)):
             start = time.perf_counter()
             prompt_len = int(row["n_prompt_tokens"])
             press = policy.build_press(prompt_len)
@@ -400,6 +400,7 @@ def run_shard(
             )
             reps = run_document(pair, T, R, int(config["seed"]), model_name, row["doc_id"], progress=bar)
             seconds = time.perf_counter() - start
+            bar.update((i + 1) * (2 * T - 1) - bar.n)  # chains that stop early skip steps
             meta = {"model": model_name, "policy": policy_name, "split": split, "doc_id": row["doc_id"],
                     "prompt_len": prompt_len, "kept_len": pair.kept_len, "seconds": seconds}
             records.extend({**meta, **rec} for rec in reps)
