@@ -1,0 +1,142 @@
+"""The smoke config submitted through a real (one-node, throw-away) SLURM cluster.
+
+Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm` plus the test-only
+overrides below in a copy of the repository, and checks that every table equals the one of
+the local smoke run (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge` with
+apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
+Elsewhere it is skipped with the reason. Select it alone with `pytest -m slurm`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's import mode
+from slurm_cluster import SlurmCluster, ensure_installed, unavailable_reason
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
+TABLE_SUFFIXES = (".parquet", ".csv")
+SMOKE_TIMEOUT_S = 900  # generous; the run itself takes a few minutes on 2 cores
+
+
+def _skip(reason: str) -> None:
+    # printed as well, so that a skip is seen even without `-rs`
+    print(f"\nSKIPPED (SLURM cluster test): {reason}", file=sys.stderr)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running one-node cluster; stopped and /etc/slurm restored afterwards, even on failure."""
+    reason = unavailable_reason()
+    if reason:
+        _skip(reason)
+    try:
+        ensure_installed()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        _skip(f"could not install SLURM with apt: {e}")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def copy_repo(dest: Path) -> Path:
+    """The workflow's files (tracked, and untracked but not ignored), without results."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode()
+    for rel in filter(None, listing.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def cluster_overrides(cluster: SlurmCluster) -> list[str]:
+    """Command-line overrides that fit the profile to the test cluster.
+
+    The profile's site lines (partitions, memory, GPU requests) are replaced by what the
+    one-node cluster offers; everything else (executor, jobs, latency-wait, keep-going, ...)
+    comes from profiles/slurm as a user gets it.
+    """
+    profile = yaml.safe_load(PROFILE.read_text())
+    mem = "1000"
+    site = {"slurm_partition": cluster.partition, "mem_mb": mem, "runtime": "30"}
+    set_resources = []
+    for rule in profile.get("set-resources") or {}:
+        # the node has no GPU, and the smoke config generates on the CPU
+        for key, value in {**site, "gpu": "0"}.items():
+            set_resources.append(f"{rule}:{key}={value}")
+    return [
+        "--slurm-status-command", "squeue",  # no accounting database: sacct cannot answer
+        "--slurm-init-seconds-before-status-checks", "2",
+        "--seconds-between-status-checks", "2",
+        "--slurm-no-account",
+        "--default-resources", *(f"{k}={v}" for k, v in site.items()),
+        *(["--set-resources", *set_resources] if set_resources else []),
+        "--max-threads", str(cluster.cpus),
+        "--retries", "0",  # fail fast: a retry would hide a flaky job
+    ]
+
+
+def tables(results: Path) -> dict[str, Path]:
+    return {
+        p.relative_to(results).as_posix(): p
+        for p in sorted(results.rglob("*"))
+        if p.is_file() and p.suffix in TABLE_SUFFIXES
+    }
+
+
+def read_table(path: Path) -> pl.DataFrame:
+    df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_csv(path)
+    # wall-clock timings differ between any two runs; every other number must match
+    return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
+
+
+def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path):
+    work = copy_repo(tmp_path / "work")
+    cmd = [
+        sys.executable, "-m", "snakemake",
+        "--configfile", "config/smoke.yaml",
+        "--profile", "profiles/slurm",
+        *cluster_overrides(slurm),
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=work, env=slurm.env, capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    print(f"\nsmoke run through SLURM: {elapsed:.0f} s", file=sys.stderr)
+    assert proc.returncode == 0, (
+        f"snakemake through SLURM failed ({proc.returncode}) after {elapsed:.0f} s\n"
+        f"command: {' '.join(cmd)}\n--- stderr (tail) ---\n{proc.stderr[-8000:]}\n"
+        f"--- queue ---\n{slurm.queue()}\n--- slurmctld.log ---\n{slurm.log('slurmctld.log')}"
+    )
+    # the jobs really went through the cluster
+    assert "has been submitted with SLURM jobid" in proc.stderr
+
+    local, remote = tables(Path(smoke_run)), tables(work / "results")
+    assert local, f"the local smoke run produced no tables under {smoke_run}"
+    assert sorted(remote) == sorted(local)
+    for rel, path in local.items():
+        try:  # exact: same columns, dtypes, rows in the same order, bit-equal numbers
+            assert_frame_equal(read_table(remote[rel]), read_table(path), check_exact=True)
+        except AssertionError as e:
+            pytest.fail(f"{rel}: the SLURM run's table (left) differs from the local run's: {e}")
