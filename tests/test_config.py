@@ -1,0 +1,270 @@
+"""Config schema, cross-reference checks, runs(), and Snakemake's validation of the same schema."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvdiverge.config import ConfigError, load_config, load_schema, runs, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+
+
+def raw(name: str) -> dict:
+    with open(ROOT / "config" / name, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def error_of(config: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml"])
+def test_shipped_configs_validate(name):
+    config = load_config(ROOT / "config" / name)
+    assert set(config) == {
+        "seed", "corpus", "prompt", "models", "policies", "runs", "decoding",
+        "replicates", "window", "confirmatory", "analysis", "shards",
+    }
+
+
+def test_defaults_are_filled_without_touching_the_input():
+    config = raw("smoke.yaml")
+    for key in ("window", "decoding", "analysis", "shards"):
+        del config[key]
+    del config["corpus"]["split_seed"]
+    config["confirmatory"] = {"policy": "snapkv-90", "early": [1, 2], "late": [3, 6]}
+    before = copy.deepcopy(config)
+    out = validate(config)
+    assert config == before
+    assert out["window"] == 8
+    assert out["decoding"] == {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 32}
+    assert out["analysis"] == {"bootstrap": 2000, "confidence": 0.95, "gaps": []}
+    assert out["shards"] == 1
+    assert out["corpus"]["split_seed"] == 0
+    assert out["confirmatory"]["alpha"] == 0.05 and out["confirmatory"]["correction"] == "holm"
+    assert out["models"]["smollm2-135m"]["device"] == "cpu"
+
+
+def test_unknown_top_level_key_is_named():
+    config = raw("smoke.yaml")
+    config["windoww"] = 4
+    msg = error_of(config)
+    assert "unknown config key windoww" in msg
+    assert "window" in msg.split("allowed keys")[1]
+
+
+def test_unknown_nested_key_is_named_with_allowed_keys():
+    config = raw("smoke.yaml")
+    config["corpus"]["min_word"] = 100
+    msg = error_of(config)
+    assert "corpus.min_word" in msg
+    assert "min_words" in msg and "max_words" in msg
+
+
+def test_unknown_policy_parameter_is_named():
+    config = raw("smoke.yaml")
+    config["policies"]["snapkv-50"]["windowsize"] = 8
+    msg = error_of(config)
+    assert "policies.snapkv-50.windowsize" in msg
+    assert "window_size" in msg
+
+
+def test_bad_type_is_named():
+    config = raw("smoke.yaml")
+    config["replicates"] = "four"
+    msg = error_of(config)
+    assert "replicates" in msg and "integer" in msg
+
+
+@pytest.mark.parametrize(
+    "path, value, expect",
+    [
+        (("policies", "snapkv-50", "compression_ratio"), 1.0, "< 1"),
+        (("policies", "snapkv-50", "compression_ratio"), -0.1, ">= 0"),
+        (("decoding", "temperature"), -0.5, ">= 0"),
+        (("decoding", "top_p"), 0.0, "> 0"),
+        (("decoding", "top_p"), 1.5, "<= 1"),
+        (("decoding", "max_new_tokens"), 0, ">= 1"),
+        (("policies", "snapkv-b128", "budget"), 0, ">= 1"),
+        (("confirmatory", "alpha"), 1.0, "< 1"),
+        (("corpus", "min_words"), 0, ">= 1"),
+    ],
+)
+def test_out_of_range_is_named_with_the_range(path, value, expect):
+    config = raw("smoke.yaml")
+    node = config
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    msg = error_of(config)
+    assert ".".join(path) in msg
+    assert "out of range" in msg and expect in msg
+
+
+def test_limits_themselves_are_accepted():
+    config = raw("smoke.yaml")
+    config["decoding"]["top_p"] = 1.0
+    config["decoding"]["temperature"] = 0.0
+    config["policies"]["snapkv-50"]["compression_ratio"] = 0.0
+    validate(config)
+
+
+def test_unknown_press_lists_the_presses():
+    config = raw("smoke.yaml")
+    config["policies"]["snapkv-50"]["press"] = "SnapKV"
+    msg = error_of(config)
+    assert "policies.snapkv-50.press" in msg and "'SnapKVPress'" in msg
+
+
+def test_schema_presses_are_kvpress_presses():
+    import kvpress
+
+    presses = load_schema()["$defs"]["policy"]["properties"]["press"]["enum"]
+    for name in presses:
+        cls = getattr(kvpress, name)
+        assert issubclass(cls, kvpress.BasePress), name
+
+
+def test_ratio_and_budget_are_exclusive():
+    config = raw("smoke.yaml")
+    config["policies"]["snapkv-b128"]["compression_ratio"] = 0.5
+    assert "policies.snapkv-b128: give exactly one of compression_ratio or budget" in error_of(config)
+    del config["policies"]["snapkv-b128"]["compression_ratio"]
+    del config["policies"]["snapkv-b128"]["budget"]
+    assert "policies.snapkv-b128: give exactly one of compression_ratio or budget" in error_of(config)
+
+
+def test_extra_press_parameters_go_under_params():
+    config = raw("smoke.yaml")
+    config["policies"]["snapkv-50"]["params"] = {"some_press_option": 3}
+    validate(config)
+
+
+def test_model_source_requires_its_location():
+    config = raw("smoke.yaml")
+    config["models"]["other"] = {"source": "local"}
+    assert "missing config key models.other.path" in error_of(config)
+    config["models"]["other"] = {"source": "hub"}
+    assert "missing config key models.other.id" in error_of(config)
+    config["models"]["other"] = {"source": "gguf_package", "package": "x"}
+    assert "missing config key models.other.gguf_file" in error_of(config)
+    config["models"]["other"] = {"source": "web", "id": "x"}
+    msg = error_of(config)
+    assert "models.other.source" in msg and "'gguf_package', 'local', 'hub'" in msg
+
+
+def test_names_must_be_path_safe():
+    config = raw("smoke.yaml")
+    config["policies"]["snap/kv"] = {"press": "SnapKVPress", "compression_ratio": 0.5}
+    assert "snap/kv" in error_of(config)
+
+
+def test_datasets_source_needs_a_dataset():
+    config = raw("smoke.yaml")
+    config["corpus"]["source"] = "datasets"
+    assert "missing config key corpus.dataset" in error_of(config)
+
+
+def test_cross_references():
+    config = raw("smoke.yaml")
+    config["runs"]["exploratory"] = ["snapkv-50", "snapkv-75"]
+    msg = error_of(config)
+    assert "runs.exploratory[1]: policy 'snapkv-75' is not defined" in msg
+    assert "snapkv-b128" in msg  # lists the defined policies
+
+    config = raw("smoke.yaml")
+    config["runs"]["confirmatory"] = ["snapkv-50"]
+    msg = error_of(config)
+    assert "confirmatory.policy: 'snapkv-90' must be listed in runs.confirmatory" in msg
+
+    config = raw("smoke.yaml")
+    config["analysis"]["gaps"] = [["snapkv-50", "recent-50"]]
+    assert "analysis.gaps[0][1]: policy 'recent-50' is not defined" in error_of(config)
+
+    config = raw("smoke.yaml")
+    config["analysis"]["gaps"] = [["snapkv-50", "snapkv-90"]]
+    assert "analysis.gaps[0][1]: 'snapkv-90' must be listed in runs.exploratory" in error_of(config)
+
+    config = raw("smoke.yaml")
+    config["runs"]["control"]["policy"] = "off"
+    assert "runs.control.policy: policy 'off' is not defined" in error_of(config)
+
+    config = raw("smoke.yaml")
+    config["runs"]["control"]["documents"] = 3
+    assert "runs.control.documents: 3 exceeds corpus.documents.exploratory = 2" in error_of(config)
+
+
+def test_ordered_ranges():
+    config = raw("smoke.yaml")
+    config["corpus"]["min_words"], config["corpus"]["max_words"] = 300, 200
+    assert "corpus.min_words (300) must not exceed corpus.max_words (200)" in error_of(config)
+
+    config = raw("smoke.yaml")
+    config["confirmatory"]["late"] = [3, 8]  # T = 8: lags run 1..7
+    assert "confirmatory.late: [3, 8] reaches past the last observable lag T - 1 = 7" in error_of(config)
+
+    config = raw("smoke.yaml")
+    config["confirmatory"]["early"] = [1, 3]
+    assert "early [1, 3] must end before late [3, 6] starts" in error_of(config)
+
+
+def test_every_problem_is_reported_at_once():
+    config = raw("smoke.yaml")
+    config["replicates"] = 0
+    config["decoding"]["top_p"] = 2
+    msg = error_of(config)
+    assert "replicates" in msg and "decoding.top_p" in msg
+
+
+def test_load_config_names_the_file(tmp_path):
+    config = raw("smoke.yaml")
+    config["shards"] = -1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid config:\n  shards: -1 is out of range"):
+        load_config(path)
+
+
+def test_runs_lists_every_generated_combination():
+    smoke = load_config(ROOT / "config" / "smoke.yaml")
+    assert runs(smoke) == [
+        ("smollm2-135m", "snapkv-50", "exploratory"),
+        ("smollm2-135m", "snapkv-b128", "exploratory"),
+        ("smollm2-135m", "snapkv-90", "confirmatory"),
+        ("smollm2-135m", "none", "exploratory"),
+    ]
+    paper = load_config(ROOT / "config" / "paper.yaml")
+    got = runs(paper)
+    assert len(got) == 2 * 5 and len(set(got)) == len(got)
+    assert ("qwen-2.5-7b", "none", "exploratory") in got
+    # a control already listed among the split's policies is not repeated
+    smoke["runs"]["exploratory"].append("none")
+    assert runs(smoke).count(("smollm2-135m", "none", "exploratory")) == 1
+
+
+def _snakemake(*args, cwd=ROOT):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path):
+    config = raw("smoke.yaml")
+    config["decoding"]["temprature"] = 0.5
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = _snakemake("-n", "--configfile", str(path), "-d", str(tmp_path))
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "unknown config key decoding.temprature" in text
+    assert "temperature" in text
