@@ -268,3 +268,32 @@ def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path):
     text = out.stdout + out.stderr
     assert "unknown config key decoding.temprature" in text
     assert "temperature" in text
+
+
+def _job_stats(text: str) -> dict[str, int]:
+    """The 'Job stats' table of a Snakemake dry run, as {rule: count}."""
+    lines = text.split("Job stats:")[1].splitlines()
+    stats = {}
+    for line in lines[3:]:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        stats[parts[0]] = int(parts[1])
+    return stats
+
+
+def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path):
+    out = _snakemake("-n", "--configfile", str(ROOT / "config" / "paper.yaml"), "-d", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    stats = _job_stats(text)
+    assert stats["corpus"] == 1 and stats["prompts"] == 2 and stats["all"] == 1
+    paper = load_config(ROOT / "config" / "paper.yaml")
+    for model in paper["models"]:
+        assert f"results/prompts/{model}.parquet" in text
+    # the paper config replaces the default one: nothing of the embedded model is scheduled
+    assert "smollm2" not in text
+    # every generation shard of every run, when the generation stage is there
+    if "trajectories" in stats:
+        assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 240
+        assert "results/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text

@@ -1,12 +1,15 @@
 # Shared definitions: config validation, output paths, target helpers.
 #
-# Targets of `rule all` (see Snakefile): the list ALL_TARGETS below starts with the
-# stages defined here (corpus, prompts); every later stage's .smk file appends its own
-# final outputs, e.g. in generate.smk
+# Targets of the final "all" rule (in the Snakefile). The list ALL_TARGETS below starts
+# with the stages defined here (corpus, prompts); every later stage's .smk file appends
+# its own final outputs, e.g. in generate.smk
 #     ALL_TARGETS.extend(all_trajectory_shards())
 # and in estimate.smk
 #     ALL_TARGETS.extend(estimate_files())
-# `rule all` is defined in the Snakefile after all includes, so it sees the full list.
+# The Snakefile defines "all" after every include, so it sees the full list.
+#
+# Helper functions live here, not in the stage files (snakemake --lint wants rules and
+# functions apart).
 
 import kvdiverge.config
 from snakemake.utils import validate
@@ -31,12 +34,21 @@ SHARD = "results/trajectories/{model}/{policy}/{split}/shard-{shard}.parquet"
 ESTIMATES = "results/estimates/{model}/{policy}/{split}.parquet"
 LOGS = "logs"
 
+# Software of every rule: the conda environment that environment.yml creates (used with
+# --use-conda; without it, rules run in the current environment, e.g. make's .venv).
+CONDA_ENV = "kvdiverge"
+
 
 wildcard_constraints:
     model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     policy=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     split=r"exploratory|confirmatory",
     shard=r"\d+",
+
+
+def model_on_gpu(model):
+    """True when the model runs on a CUDA device (its jobs then request a GPU)."""
+    return str(config["models"][model].get("device", "cpu")).startswith("cuda")
 
 
 def prompts_files():

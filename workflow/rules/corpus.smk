@@ -12,5 +12,7 @@ rule corpus:
     resources:
         mem_mb=2000,
         runtime=20,
+    conda:
+        CONDA_ENV
     script:
         "../scripts/corpus.py"

@@ -14,5 +14,7 @@ rule prompts:
     resources:
         mem_mb=4000,
         runtime=30,
+    conda:
+        CONDA_ENV
     script:
         "../scripts/prompts.py"

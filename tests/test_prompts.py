@@ -1,0 +1,117 @@
+"""Prompts stage: exclusion rules and the table, on a stand-in tokenizer; the stage through Snakemake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from kvdiverge.config import load_config
+from kvdiverge.prompts import (
+    SCHEMA,
+    build_prompts,
+    exclusion_reason,
+    messages,
+    policy_minimums,
+    split_policies,
+    summary,
+    usable,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+
+
+class WordTokenizer:
+    """Stand-in chat tokenizer: one token per word plus 3 template tokens."""
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False, tokenize=True):
+        assert add_generation_prompt
+        text = "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"
+        if not tokenize:
+            return text
+        ids = [1] + [7] * len(" ".join(m["content"] for m in msgs).split()) + [2, 3]
+        return {"input_ids": ids} if return_dict else ids
+
+
+@pytest.fixture
+def config():
+    return load_config(ROOT / "config" / "config.yaml")
+
+
+def test_policy_minimums_of_the_default_config(config):
+    assert split_policies(config) == {
+        "exploratory": ["snapkv-50", "snapkv-b512", "recent-50", "none"],
+        "confirmatory": ["snapkv-90"],
+    }
+    assert policy_minimums(config) == {
+        "exploratory": {"snapkv-50": 65, "snapkv-b512": 577, "recent-50": 5, "none": 1},
+        "confirmatory": {"snapkv-90": 65},
+    }
+
+
+def test_exclusion_reasons():
+    mins = {"snapkv-50": 65, "snapkv-b512": 577, "recent-50": 5}
+    assert exclusion_reason(577, mins, context=8192, max_new_tokens=32) is None
+    assert exclusion_reason(576, mins, 8192, 32) == (
+        "too short for policy snapkv-b512: prompt of 576 tokens, policy needs at least 577")
+    assert exclusion_reason(10, mins, 8192, 32) == (
+        "too short for policy snapkv-b512: prompt of 10 tokens, policy needs at least 577 "
+        "(also too short for snapkv-50)")
+    assert exclusion_reason(8161, mins, 8192, 32) == (
+        "too long: prompt of 8161 tokens + 32 new tokens exceeds the model context of 8192 tokens")
+    assert exclusion_reason(8160, mins, 8192, 32) is None
+    assert exclusion_reason(3, {}, 8192, 32) is None
+
+
+def test_messages_put_the_instruction_after_the_document():
+    assert messages("Doc.", "Summarize.") == [{"role": "user", "content": "Doc.\n\nSummarize."}]
+    assert messages("Doc.", "Go.", "Sys.")[0] == {"role": "system", "content": "Sys."}
+
+
+def test_build_prompts_applies_each_splits_policies(config):
+    docs = pl.DataFrame({
+        "doc_id": ["a", "b", "c", "d"],
+        "split": ["exploratory", "exploratory", "confirmatory", "confirmatory"],
+        "text": [" ".join(["w"] * n) for n in (600, 100, 100, 20)],
+    })
+    out = build_prompts(docs, WordTokenizer(), config, context=8192)
+    assert out.schema == pl.Schema(SCHEMA)
+    n_instr = len(config["prompt"]["instruction"].split())
+    assert out["n_prompt_tokens"].to_list() == [n + n_instr + 3 for n in (600, 100, 100, 20)]
+    reasons = out["exclusion_reason"].to_list()
+    assert reasons[0] is None
+    assert reasons[1].startswith("too short for policy snapkv-b512")  # budget 512 + window 64 + 1
+    assert reasons[2] is None  # snapkv-90 on the confirmatory split needs only 65
+    assert reasons[3].startswith("too short for policy snapkv-90")
+    assert usable(out)["doc_id"].to_list() == ["a", "c"]
+    text = summary(out)
+    assert "exploratory: 1/2 usable" in text and "confirmatory: 1/2 usable" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.llm
+def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
+    """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
+    target = "results/prompts/smollm2-135m.parquet"
+    out = subprocess.run(
+        [SNAKEMAKE, "--cores", "2", "--configfile", str(ROOT / "config" / "smoke.yaml"),
+         "-d", str(tmp_path), target],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    docs = pl.read_parquet(tmp_path / "results/corpus/documents.parquet")
+    prompts = pl.read_parquet(tmp_path / target)
+    assert docs.height == 4 and prompts["doc_id"].to_list() == docs["doc_id"].to_list()
+    assert prompts.schema == pl.Schema(SCHEMA)
+    assert prompts["exclusion_reason"].null_count() == 4
+    assert (prompts["n_prompt_tokens"] > 145).all()  # snapkv-b128 needs 128 + 16 + 1
+    log = (tmp_path / "logs/prompts/smollm2-135m.log").read_text()
+    assert "context length: 8192 tokens" in log and "exploratory: 2/2 usable" in log
+    assert "exploratory: 2 documents" in (tmp_path / "logs/corpus.log").read_text()
+    # no half-written files left behind by the atomic writes
+    assert not list((tmp_path / "results").rglob("*.tmp"))
