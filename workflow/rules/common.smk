@@ -34,9 +34,10 @@ SHARD = "results/trajectories/{model}/{policy}/{split}/shard-{shard}.parquet"
 ESTIMATES = "results/estimates/{model}/{policy}/{split}.parquet"
 LOGS = "logs"
 
-# Software of every rule: the conda environment that environment.yml creates (used with
+# Software of every rule: environment.yml at the top of the repository (used with
 # --use-conda; without it, rules run in the current environment, e.g. make's .venv).
-CONDA_ENV = "kvdiverge"
+# The path is relative to the files in workflow/rules/, where rules use `conda: CONDA_ENV`.
+CONDA_ENV = "../../environment.yml"
 
 
 wildcard_constraints:
