@@ -17,7 +17,7 @@ from kvdiverge.models import (
     load_model,
     resolve,
 )
-from kvdiverge.prompts import build_prompts, render_ids, render_text
+from kvdiverge.prompts import build_prompts, prompt_settings, render_ids, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = {
@@ -125,7 +125,7 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
     # a policy needing more tokens than any smoke prompt has, on the confirmatory split
     config["policies"]["snapkv-b4096"] = {"press": "SnapKVPress", "budget": 4096, "window_size": 16}
     config["runs"]["confirmatory"].append("snapkv-b4096")
-    prompts = build_prompts(docs, tok, config, context_length(model))
+    prompts = build_prompts(docs, tok, prompt_settings(config), context_length(model))
     assert prompts.height == docs.height
     assert prompts["doc_id"].to_list() == docs["doc_id"].to_list()
     assert prompts["n_prompt_tokens"].to_list() == [len(x) for x in prompts["input_ids"]]
@@ -136,7 +136,7 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
         assert reason == (f"too short for policy snapkv-b4096: prompt of {n} tokens, "
                           f"policy needs at least 4113")
     # a context too small for prompt + T excludes everything, saying so
-    tiny = build_prompts(docs, tok, config, context=100)
+    tiny = build_prompts(docs, tok, prompt_settings(config), context=100)
     assert all(r.startswith("too long: prompt of ") and "model context of 100 tokens" in r
                for r in tiny["exclusion_reason"])
     # the token ids are the rendered template: the text round-trips

@@ -17,6 +17,7 @@ from kvdiverge.prompts import (
     exclusion_reason,
     messages,
     policy_minimums,
+    prompt_settings,
     split_policies,
     summary,
     usable,
@@ -79,7 +80,7 @@ def test_build_prompts_applies_each_splits_policies(config):
         "split": ["exploratory", "exploratory", "confirmatory", "confirmatory"],
         "text": [" ".join(["w"] * n) for n in (600, 100, 100, 20)],
     })
-    out = build_prompts(docs, WordTokenizer(), config, context=8192)
+    out = build_prompts(docs, WordTokenizer(), prompt_settings(config), context=8192)
     assert out.schema == pl.Schema(SCHEMA)
     n_instr = len(config["prompt"]["instruction"].split())
     assert out["n_prompt_tokens"].to_list() == [n + n_instr + 3 for n in (600, 100, 100, 20)]
@@ -115,3 +116,21 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     assert "exploratory: 2 documents" in (tmp_path / "logs/corpus.log").read_text()
     # no half-written files left behind by the atomic writes
     assert not list((tmp_path / "results").rglob("*.tmp"))
+
+    # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
+    import yaml
+
+    def dry_run(change):
+        config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+        change(config)
+        path = tmp_path / "changed.yaml"
+        path.write_text(yaml.safe_dump(config))  # keys reordered: no change
+        out = subprocess.run([SNAKEMAKE, "-n", "--configfile", str(path), "-d", str(tmp_path),
+                              target], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout + out.stderr
+
+    text = dry_run(lambda c: c["prompt"].update(instruction="List the topics."))
+    assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
+    text = dry_run(lambda c: c["analysis"].update(bootstrap=100))
+    assert "Nothing to be done" in text

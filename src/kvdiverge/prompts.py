@@ -109,7 +109,23 @@ def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int,
     return None
 
 
-def build_prompts(documents: pl.DataFrame, tokenizer, config: dict[str, Any],
+def prompt_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Everything of the config that decides a prompts table, and nothing else.
+
+    The prompts rule passes it as ``params``, so Snakemake reruns the stage exactly when
+    one of these changes: ``instruction``, ``system``, ``minimums`` (per split, the
+    minimum prompt tokens of each scheduled policy) and ``max_new_tokens``.
+    """
+    prompt = config.get("prompt", {})
+    return {
+        "instruction": prompt["instruction"],
+        "system": prompt.get("system"),
+        "minimums": policy_minimums(config),
+        "max_new_tokens": int(config["decoding"]["max_new_tokens"]),
+    }
+
+
+def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any],
                   context: int) -> pl.DataFrame:
     """The prompts table of one model.
 
@@ -119,25 +135,22 @@ def build_prompts(documents: pl.DataFrame, tokenizer, config: dict[str, Any],
         The corpus table (``doc_id``, ``split``, ``text``).
     tokenizer
         The model's tokenizer (with a chat template).
-    config : dict
-        The validated workflow config (``prompt``, ``policies``, ``runs``, ``decoding``).
+    settings : dict
+        :func:`prompt_settings` of the validated config.
     context : int
         The model's context length in tokens.
     """
-    prompt = config.get("prompt", {})
-    instruction = prompt["instruction"]
-    system = prompt.get("system")
-    max_new = int(config["decoding"]["max_new_tokens"])
-    minimums = policy_minimums(config)
     rows = []
     for doc_id, split, text in documents.select(["doc_id", "split", "text"]).iter_rows():
-        ids = render_ids(tokenizer, text, instruction, system)
+        ids = render_ids(tokenizer, text, settings["instruction"], settings.get("system"))
+        reason = exclusion_reason(len(ids), settings["minimums"].get(split, {}), context,
+                                  settings["max_new_tokens"])
         rows.append({
             "doc_id": doc_id,
             "split": split,
             "n_prompt_tokens": len(ids),
             "input_ids": ids,
-            "exclusion_reason": exclusion_reason(len(ids), minimums.get(split, {}), context, max_new),
+            "exclusion_reason": reason,
         })
     return pl.DataFrame(rows, schema=SCHEMA)
 

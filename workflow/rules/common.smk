@@ -12,6 +12,7 @@
 # functions apart).
 
 import kvdiverge.config
+import kvdiverge.prompts
 from snakemake.utils import validate
 
 # Clear messages (key path, allowed values, cross-references) first; then Snakemake's
@@ -26,6 +27,20 @@ SPLITS = ("exploratory", "confirmatory")
 MODELS = list(config["models"])
 RUNS = kvdiverge.config.runs(config)  # [(model, policy, split), ...], control included
 SHARDS = list(range(config["shards"]))
+
+
+def canonical(value):
+    """``value`` with every mapping's keys sorted, for rule params: Snakemake reruns a job
+    when its params change, and reordering keys in a config file is no change."""
+    if isinstance(value, dict):
+        return {k: canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
+# what decides the prompts tables (a change reruns the prompts stage)
+PROMPT_SETTINGS = canonical(kvdiverge.prompts.prompt_settings(config))
 
 # Output paths (docs/internals.md). Use these names in rules rather than literals.
 CORPUS = "results/corpus/documents.parquet"

@@ -7,7 +7,7 @@ rule corpus:
     log:
         f"{LOGS}/corpus.log",
     params:
-        corpus=config["corpus"],
+        corpus=canonical(config["corpus"]),
     threads: 1
     resources:
         mem_mb=2000,

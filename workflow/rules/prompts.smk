@@ -9,7 +9,8 @@ rule prompts:
     log:
         f"{LOGS}/prompts/{{model}}.log",
     params:
-        model=lambda wildcards: config["models"][wildcards.model],
+        model=lambda wildcards: canonical(config["models"][wildcards.model]),
+        settings=PROMPT_SETTINGS,
     threads: 1
     resources:
         mem_mb=4000,

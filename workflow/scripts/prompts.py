@@ -19,7 +19,7 @@ try:
     context = context_length(load_model_config(spec, name))
     log.info("context length: %d tokens", context)
     documents = pl.read_parquet(snakemake.input[0])  # noqa: F821
-    prompts = build_prompts(documents, tokenizer, snakemake.config, context)  # noqa: F821
+    prompts = build_prompts(documents, tokenizer, dict(snakemake.params.settings), context)  # noqa: F821
     log.info("\n%s", summary(prompts))
     write_parquet_atomic(prompts, snakemake.output[0])  # noqa: F821
     log.info("wrote %s", snakemake.output[0])  # noqa: F821
