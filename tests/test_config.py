@@ -297,3 +297,11 @@ def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path):
     if "trajectories" in stats:
         assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 240
         assert "results/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text
+
+
+def test_required_sections():
+    config = raw("smoke.yaml")
+    del config["confirmatory"]
+    del config["models"]
+    msg = error_of(config)
+    assert "missing config key models, confirmatory" in msg
