@@ -144,3 +144,19 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
     assert tok.decode(prompts["input_ids"][0].to_list()) == render_text(
         tok, first["text"], config["prompt"]["instruction"])
 
+
+
+def test_cached_hub_model_loads_without_network(tmp_path, monkeypatch):
+    """A hub id found in the local cache resolves to an offline load."""
+    import huggingface_hub
+
+    snap = tmp_path / "models--org--name" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--org--name" / "refs").mkdir()
+    (tmp_path / "models--org--name" / "refs" / "main").write_text("abc")
+    real = huggingface_hub.try_to_load_from_cache
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, name, **kw: real(repo, name, cache_dir=tmp_path, **kw))
+    assert resolve({"source": "hub", "id": "org/name"}) == ("org/name", {"local_files_only": True})
+    assert resolve({"source": "hub", "id": "org/other"}) == ("org/other", {})

@@ -8,8 +8,9 @@ A model entry of the config (``models.<name>``) says where the weights are:
   ``importlib.util.find_spec`` and never imported.
 - ``source: local`` - a directory with Hugging Face weights (``path``), or a GGUF file
   in it (``path`` + ``gguf_file``).
-- ``source: hub`` - a hub id (``id``, optional ``revision``), loaded from the local
-  Hugging Face cache when ``HF_HUB_OFFLINE=1`` or when there is no network.
+- ``source: hub`` - a hub id (``id``, optional ``revision``). A model already in the
+  local Hugging Face cache loads from it without any network access; otherwise it is
+  downloaded, unless ``HF_HUB_OFFLINE=1``.
 
 All three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
 the entry's ``dtype``, ``device`` and ``attn_implementation``.
@@ -78,6 +79,8 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
     elif source == "hub":
         if spec.get("revision"):
             kwargs["revision"] = spec["revision"]
+        if _in_hub_cache(str(spec["id"]), spec.get("revision")):
+            kwargs["local_files_only"] = True  # cached: never touch the network
         return str(spec["id"]), kwargs
     else:
         raise ValueError(f"model source must be gguf_package, local or hub, got {source!r}")
@@ -91,6 +94,17 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
             )
         kwargs["gguf_file"] = gguf
     return str(path), kwargs
+
+
+def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:
+    """True when the hub model's config is in the local Hugging Face cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - an unusual id or cache layout: let transformers decide
+        return False
+    return isinstance(found, str)
 
 
 @contextlib.contextmanager
