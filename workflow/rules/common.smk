@@ -30,8 +30,11 @@ SHARDS = list(range(config["shards"]))
 
 
 def canonical(value):
-    """``value`` with every mapping's keys sorted, for rule params: Snakemake reruns a job
-    when its params change, and reordering keys in a config file is no change."""
+    """``value`` with every mapping's keys sorted, for the params of rules.
+
+    Snakemake reruns a job when its params change; reordering keys in a config file
+    is no change.
+    """
     if isinstance(value, dict):
         return {k: canonical(value[k]) for k in sorted(value)}
     if isinstance(value, (list, tuple)):
