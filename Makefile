@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvdiverge-setup
 # extra pip arguments for torch, e.g. a CPU-only wheel index on a laptop without a GPU
 TORCH_PIP_ARGS ?=
+# extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
+PYTEST_ARGS ?=
 
 .PHONY: run test setup clean-results
 
@@ -17,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/snakemake --report results/report.html
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
