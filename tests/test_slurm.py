@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
 TABLE_SUFFIXES = (".parquet", ".csv")
-SMOKE_TIMEOUT_S = 900  # generous; the run itself takes a few minutes on 2 cores
+LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
+SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
 
 
 def _skip(reason: str) -> None:
@@ -70,29 +71,45 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
-def cluster_overrides(cluster: SlurmCluster) -> list[str]:
-    """Command-line overrides that fit the profile to the test cluster.
+# resources in the profile that name things of a real site: replaced or dropped for the test node
+SITE_RESOURCES = ("slurm_partition", "slurm_account", "gpu_model", "constraint", "qos")
 
-    The profile's site lines (partitions, memory, GPU requests) are replaced by what the
-    one-node cluster offers; everything else (executor, jobs, latency-wait, keep-going, ...)
-    comes from profiles/slurm as a user gets it.
+
+def fit_resources(resources: dict, cluster: SlurmCluster) -> dict:
+    """A profile's resource mapping with its site lines fitted to the one-node test cluster."""
+    fitted = {k: v for k, v in resources.items() if k not in SITE_RESOURCES}
+    fitted["slurm_partition"] = cluster.partition
+    if "mem_mb" in fitted:  # so that one job per CPU fits at once
+        fitted["mem_mb"] = min(int(fitted["mem_mb"]), cluster.real_memory // cluster.cpus)
+    return fitted
+
+
+def cluster_overrides(cluster: SlurmCluster) -> list[str]:
+    """Command-line options that fit profiles/slurm to the test cluster.
+
+    Only the profile's site lines change (partitions, account, GPU type, memory above the
+    node's); the rest of the profile (executor, jobs, latency-wait, keep-going, ...) and the
+    rules' own resources (threads, mem_mb, runtime, gpu) apply as for a user. A top-level
+    key given on the command line replaces the profile's whole entry, so the entries are
+    rebuilt from the profile here rather than listed by hand.
     """
     profile = yaml.safe_load(PROFILE.read_text())
-    mem = "1000"
-    site = {"slurm_partition": cluster.partition, "mem_mb": mem, "runtime": "30"}
-    set_resources = []
-    for rule in profile.get("set-resources") or {}:
-        # the node has no GPU, and the smoke config generates on the CPU
-        for key, value in {**site, "gpu": "0"}.items():
-            set_resources.append(f"{rule}:{key}={value}")
+    default = fit_resources(profile.get("default-resources") or {}, cluster)
+    per_rule = [
+        f"{rule}:{key}={value}"
+        for rule, resources in (profile.get("set-resources") or {}).items()
+        for key, value in fit_resources(resources, cluster).items()
+    ]
     return [
         "--slurm-status-command", "squeue",  # no accounting database: sacct cannot answer
         "--slurm-init-seconds-before-status-checks", "2",
         "--seconds-between-status-checks", "2",
         "--slurm-no-account",
-        "--default-resources", *(f"{k}={v}" for k, v in site.items()),
-        *(["--set-resources", *set_resources] if set_resources else []),
-        "--max-threads", str(cluster.cpus),
+        "--default-resources", *(f"{k}={v}" for k, v in default.items()),
+        *(["--set-resources", *per_rule] if per_rule else []),
+        # the local run's thread counts (smoke_run uses --cores 2): torch's float reductions
+        # depend on the number of threads, and the numbers must match bit for bit
+        "--max-threads", str(min(LOCAL_CORES, cluster.cpus)),
         "--retries", "0",  # fail fast: a retry would hide a flaky job
     ]
 
@@ -119,8 +136,11 @@ def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path):
         "--profile", "profiles/slurm",
         *cluster_overrides(slurm),
     ]
+    # the same code as the local run (smoke_run puts the checkout's src/ first too); the
+    # executor submits with --export=ALL, so the jobs see this environment
+    env = {**slurm.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=work, env=slurm.env, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
                           timeout=SMOKE_TIMEOUT_S)
     elapsed = time.monotonic() - start
     print(f"\nsmoke run through SLURM: {elapsed:.0f} s", file=sys.stderr)
