@@ -41,6 +41,8 @@ from kvdiverge.estimators import (
 
 __all__ = [
     "CONFIRMATORY_SPLIT",
+    "save_table",
+    "scalar_columns",
     "PLAN_FIELDS",
     "PlanError",
     "confirmatory_analysis",
@@ -64,6 +66,37 @@ CORRECTIONS = ("holm", "bonferroni", "none")
 
 class PlanError(ValueError):
     """The confirmatory plan is incomplete or invalid."""
+
+
+def scalar_columns(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` without its list columns (for CSV)."""
+    return frame.select([c for c, t in frame.schema.items() if not isinstance(t, (pl.List, pl.Array))])
+
+
+def save_table(frame: pl.DataFrame, parquet: str | None = None, csv: str | None = None) -> None:
+    """Write a table as parquet and/or CSV, each atomically (temporary file, then rename).
+
+    The CSV gets the scalar columns only (list columns stay in the parquet file).
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvdiverge.io import write_parquet_atomic
+
+    if parquet is not None:
+        write_parquet_atomic(frame, parquet)
+    if csv is not None:
+        path = Path(csv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            scalar_columns(frame).write_csv(tmp, float_precision=6)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 # --------------------------------------------------------------------------- exploratory
@@ -449,3 +482,153 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
                                         "btv_late": pl.Float64, "d": pl.Float64,
                                         "reached_early": pl.Boolean, "reached_late": pl.Boolean})
     return res, per
+
+
+# --------------------------------------------------------------------------- outputs for the report
+
+#: Column types of the gap table (also for an empty one).
+GAP_SCHEMA = {"model": pl.String, "policy_a": pl.String, "policy_b": pl.String, "split": pl.String,
+              "n_docs": pl.Int64, "T": pl.Int64, "term": pl.String, "value": pl.Float64,
+              "value_lo": pl.Float64, "value_hi": pl.Float64, "share": pl.Float64,
+              "share_lo": pl.Float64, "share_hi": pl.Float64, "value_M": pl.Float64,
+              "rho_A": pl.Float64, "rho_B": pl.Float64}
+
+
+def write_text_atomic(text: str, path) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, then rename)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        if not np.isfinite(v):
+            return "–" if np.isnan(v) else str(v)
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _ci(r: Mapping, c: str, digits: int = 3) -> str:
+    return f"{_fmt(r[c], digits)} [{_fmt(r[c + '_lo'], digits)}, {_fmt(r[c + '_hi'], digits)}]"
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    import html
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_STYLE = ("<style>body{font-family:sans-serif;font-size:14px;margin:1em}"
+          "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+          "th{background:#f3f3f3}code{background:#f6f6f6}</style>")
+
+
+def _plan_block(plan: Mapping[str, Any]) -> str:
+    import html
+
+    rows = [(k, json.dumps(plan.get(k))) for k in PLAN_FIELDS]
+    return (_html_table(["plan field", "value"], rows)
+            + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
+              f"<code>{html.escape(plan_hash(plan))}</code></p>")
+
+
+def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
+    return [[r["model"], r["policy"], r["n_docs"], r["n_excluded"], r["n_used"],
+             _ci(r, "mean_diff"), _fmt(r["median_diff"]), _fmt(r["statistic"]), _fmt(r["p_raw"]),
+             _fmt(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
+
+
+CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
+                       "mean late − early [95% CI]", "median", "W statistic", "p raw", "p adjusted",
+                       "decision"]
+
+
+def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
+    """HTML page of the confirmatory plan (with its hash) and the per-model results.
+
+    Parameters
+    ----------
+    plan : mapping
+        Config section ``confirmatory``.
+    result : polars.DataFrame
+        First output of :func:`confirmatory_analysis`.
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
+            f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
+            "<h2>Result per model</h2>"
+            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
+            "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
+            "documents whose branches reach neither window, or only one, have no d and are "
+            "counted as excluded.</p></body></html>")
+
+
+def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.DataFrame,
+                 plan: Mapping[str, Any]) -> str:
+    """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
+
+    Parameters
+    ----------
+    pooled : polars.DataFrame
+        :func:`kvdiverge.estimators.pooled_estimates` output.
+    gaps : polars.DataFrame
+        :func:`gap_decomposition` rows.
+    confirmatory : polars.DataFrame
+        :func:`confirmatory_analysis` result.
+    plan : mapping
+        Config section ``confirmatory``.
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], _ci(r, "p_div"),
+             _ci(r, "tau_mean"), _ci(r, "E_M"), _fmt(r["exposure_share"]), _fmt(r["rho"]),
+             f"[{_fmt(r['interval_E_M_lo'])}, {_fmt(r['interval_E_M_hi'])}]", _fmt(r["var_ratio"])]
+            for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)]
+    run_header = ["model", "policy", "split", "documents", "T", "occurrence p_div [95% CI]",
+                  "mean first-divergence step [95% CI]", "mismatch fraction E[M] [95% CI]",
+                  "exposure share of E[M]", "rho", "§4 interval of E[M] from window W",
+                  "Var(N_naive)/Var(N_cmc)"]
+    gap_rows = []
+    for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
+        t = {r["term"]: r for r in g.iter_rows(named=True)}
+
+        def share(term):
+            r = t[term]
+            return f"{_fmt(r['share'])} [{_fmt(r['share_lo'])}, {_fmt(r['share_hi'])}]"
+
+        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], _ci(t["delta"], "value"),
+                         share("first_mismatch"), share("exposure"), share("rate")])
+    gap_header = ["model", "gap A − B", "documents", "Δ E[N] tokens [95% CI]", "first-mismatch share",
+                  "exposure share", "rate share"]
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
+            f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
+            f"{_html_table(run_header, runs)}"
+            "<h2>Gap decomposition (exploratory)</h2>"
+            f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+            f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
+            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+            "</body></html>")

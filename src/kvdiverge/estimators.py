@@ -293,7 +293,7 @@ def _replicate_row(row: Mapping, W: int) -> dict:
     }
 
 
-def replicate_estimates(df: pl.DataFrame, W: int) -> pl.DataFrame:
+def replicate_estimates(df: pl.DataFrame, W: int, progress: bool = False) -> pl.DataFrame:
     """Per-replicate estimators of estimators.md §5.
 
     Parameters
@@ -303,6 +303,8 @@ def replicate_estimates(df: pl.DataFrame, W: int) -> pl.DataFrame:
         runs and documents).
     W : int
         Window width (lags), config ``window``.
+    progress : bool
+        Show a tqdm progress bar over rows (on stderr).
 
     Returns
     -------
@@ -325,7 +327,10 @@ def replicate_estimates(df: pl.DataFrame, W: int) -> pl.DataFrame:
     validate_shards(df)
     df = df.sort(RUN_KEYS + ["doc_id", "replicate"])
     out = []
-    for row in df.iter_rows(named=True):
+    from tqdm import tqdm
+
+    for row in tqdm(df.iter_rows(named=True), total=df.height, desc="replicates", unit="row",
+                    disable=not progress):
         r = _replicate_row(row, W)
         r.update({k: row[k] for k in RUN_KEYS + ["doc_id", "replicate", "prompt_len", "kept_len", "seconds"]})
         r["W"] = int(W)

@@ -185,8 +185,11 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
         return save_figure(_empty("no document reached both windows"), png, pdf)
     models = sorted(per_doc["model"].unique().to_list())
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(models), 3.8))
-    sns.stripplot(data=d.to_pandas(), x="model", y="d", order=models, ax=ax, alpha=0.6, jitter=0.15)
+    rng = np.random.default_rng(0)
     for i, m in enumerate(models):
+        y = d.filter(pl.col("model") == m)["d"].to_numpy()
+        ax.scatter(i - 0.1 + rng.uniform(-0.12, 0.12, y.size), y, alpha=0.6, s=18,
+                   color=sns.color_palette()[0])
         r = result.filter(pl.col("model") == m)
         if r.height and np.isfinite(r["mean_diff"][0]):
             mu, lo, hi = r["mean_diff"][0], r["mean_diff_lo"][0], r["mean_diff_hi"][0]
@@ -195,6 +198,9 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
                     f"p_adj={r['p_adjusted'][0]:.3g}: {r['decision'][0]}",
                     ha="center", va="bottom", fontsize="x-small")
     ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(models)))
+    ax.set_xticklabels(models)
+    ax.set_xlim(-0.6, len(models) - 0.3)
     ax.set(xlabel="model", ylabel="btv[late] − btv[early] per document")
     fig.suptitle("Confirmatory: late minus early branch TV", y=1.08)
     save_figure(fig, png, pdf)

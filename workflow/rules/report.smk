@@ -1,1 +1,79 @@
-# placeholder: report stage (filled by its owner)
+# Stage 6: figures (seaborn, PNG + PDF) and the HTML report.
+#   snakemake --report results/report.html
+# collects every output marked report(...) below and in analyse.smk, with the captions
+# in workflow/report/.
+
+
+report: "../report/workflow.rst"
+
+
+FIGURES = "results/figures"
+FIGURE_NAMES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
+
+
+rule figures:
+    input:
+        survival=f"{ANALYSIS}/survival.parquet",
+        branch_tv=f"{ANALYSIS}/branch_tv.parquet",
+        documents=f"{ANALYSIS}/documents.parquet",
+        gaps=f"{ANALYSIS}/gaps.parquet",
+        confirmatory=f"{ANALYSIS}/confirmatory.parquet",
+        confirmatory_documents=f"{ANALYSIS}/confirmatory_documents.parquet",
+    output:
+        **{
+            f"{name}_png": report(
+                f"{FIGURES}/{name}.png",
+                caption=f"../report/{name}.rst",
+                category="Figures",
+                labels={"figure": name.replace("_", " ")},
+            )
+            for name in FIGURE_NAMES
+        },
+        **{f"{name}_pdf": f"{FIGURES}/{name}.pdf" for name in FIGURE_NAMES},
+    log:
+        f"{LOGS}/figures.log",
+    params:
+        early=config["confirmatory"]["early"],
+        late=config["confirmatory"]["late"],
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/figures.py"
+
+
+rule summary:
+    input:
+        pooled=f"{ANALYSIS}/pooled.parquet",
+        gaps=f"{ANALYSIS}/gaps.parquet",
+        confirmatory=f"{ANALYSIS}/confirmatory.parquet",
+    output:
+        report(
+            f"{ANALYSIS}/summary.html",
+            caption="../report/summary.rst",
+            category="Summary",
+            labels={"table": "headline numbers"},
+        ),
+    log:
+        f"{LOGS}/summary.log",
+    params:
+        plan=config["confirmatory"],
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/summary.py"
+
+
+ALL_TARGETS.extend(
+    [
+        *(f"{FIGURES}/{name}.{ext}" for name in FIGURE_NAMES for ext in ("png", "pdf")),
+        f"{ANALYSIS}/summary.html",
+    ]
+)

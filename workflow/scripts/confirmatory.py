@@ -1,0 +1,32 @@
+"""Snakemake adapter: the prespecified confirmatory test (kvdiverge.analysis.confirmatory_analysis)."""
+
+import logging
+import sys
+
+import polars as pl
+
+from kvdiverge.analysis import (confirmatory_analysis, confirmatory_html, plan_hash, save_table,
+                                write_text_atomic)
+
+logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
+                    format="%(asctime)s %(levelname)s %(message)s")
+log = logging.getLogger("confirmatory")
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+p = snakemake.params  # noqa: F821
+out = snakemake.output  # noqa: F821
+try:
+    plan = dict(p.plan)
+    log.info("plan %s, sha256 %s", plan, plan_hash(plan))
+    files = list(snakemake.input)  # noqa: F821
+    if not files:
+        raise ValueError(f"no confirmatory run of the plan's policy {plan.get('policy')!r}: "
+                         "add it to config runs.confirmatory")
+    docs = pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
+    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed)
+    log.info("\n%s", result)
+    save_table(result, out.parquet, out.csv)
+    save_table(per_doc, out.documents_parquet, out.documents_csv)
+    write_text_atomic(confirmatory_html(plan, result), out.html)
+except Exception:
+    log.exception("confirmatory analysis failed")
+    raise

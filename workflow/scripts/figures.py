@@ -1,0 +1,26 @@
+"""Snakemake adapter: the study's figures, PNG and PDF (kvdiverge.plots)."""
+
+import logging
+import sys
+
+import polars as pl
+
+from kvdiverge import plots
+
+logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
+                    format="%(asctime)s %(levelname)s %(message)s")
+log = logging.getLogger("figures")
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+i, o, p = snakemake.input, snakemake.output, snakemake.params  # noqa: F821
+try:
+    plots.plot_survival(pl.read_parquet(i.survival), o.survival_png, o.survival_pdf)
+    plots.plot_gaps(pl.read_parquet(i.gaps), o.gap_decomposition_png, o.gap_decomposition_pdf)
+    plots.plot_branch_tv(pl.read_parquet(i.branch_tv), o.branch_tv_png, o.branch_tv_pdf,
+                         early=p.early, late=p.late)
+    plots.plot_confirmatory(pl.read_parquet(i.confirmatory_documents), pl.read_parquet(i.confirmatory),
+                            o.confirmatory_differences_png, o.confirmatory_differences_pdf)
+    plots.plot_variance(pl.read_parquet(i.documents), o.variance_png, o.variance_pdf)
+    log.info("wrote %s", list(o))
+except Exception:
+    log.exception("figures failed")
+    raise

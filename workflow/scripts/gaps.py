@@ -1,0 +1,34 @@
+"""Snakemake adapter: exploratory gap decomposition (kvdiverge.analysis.gap_decomposition)."""
+
+import logging
+import sys
+
+import polars as pl
+from tqdm import tqdm
+
+from kvdiverge.analysis import GAP_SCHEMA, gap_decomposition, save_table
+
+logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
+                    format="%(asctime)s %(levelname)s %(message)s")
+log = logging.getLogger("gaps")
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+p = snakemake.params  # noqa: F821
+try:
+    files = list(snakemake.input)  # noqa: F821
+    docs = pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed") if files else None
+    frames = []
+    jobs = [(m, a, b) for m in p.models for a, b in p.gaps]
+    for model, a, b in tqdm(jobs, desc="gaps"):
+        have = set() if docs is None else set(
+            docs.filter(pl.col("model") == model)["policy"].unique().to_list())
+        if not {a, b} <= have:
+            log.warning("gap %s - %s skipped for %s: policy not run on the exploratory split", a, b, model)
+            continue
+        g = gap_decomposition(docs, model, a, b, "exploratory", p.bootstrap, p.confidence, p.seed)
+        log.info("%s: %s - %s\n%s", model, a, b, g.select("term", "value", "value_lo", "value_hi", "share"))
+        frames.append(g)
+    gaps = pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
+    save_table(gaps, snakemake.output.parquet, snakemake.output.csv)  # noqa: F821
+except Exception:
+    log.exception("gap decomposition failed")
+    raise
