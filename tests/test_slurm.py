@@ -1,7 +1,7 @@
 """The smoke config submitted through a real (one-node, throw-away) SLURM cluster.
 
 Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm` plus the test-only
-overrides below in a copy of the repository, and checks that every table equals the one of
+overrides below in a copy of the local run's working tree, and checks that every table equals the one of
 the local smoke run (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge` with
 apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
 Elsewhere it is skipped with the reason. Select it alone with `pytest -m slurm`.
@@ -22,7 +22,7 @@ from polars.testing import assert_frame_equal
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's import mode
-from slurm_cluster import SlurmCluster, ensure_installed, unavailable_reason
+from slurm_cluster import SYSTEM_CONF, SlurmCluster, ensure_installed, unavailable_reason
 
 pytestmark = pytest.mark.slurm
 
@@ -31,44 +31,51 @@ PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
 TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
+# what a run leaves in its directory: not copied into the SLURM run's directory
+RUN_OUTPUTS = ("results", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
 
 
-def _skip(reason: str) -> None:
-    # printed as well, so that a skip is seen even without `-rs`
-    print(f"\nSKIPPED (SLURM cluster test): {reason}", file=sys.stderr)
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A running one-node cluster; stopped and /etc/slurm restored afterwards, even on failure."""
+def start_cluster(root: Path) -> SlurmCluster:
+    """A started cluster, or a skip (with the reason, which `-ra` prints) where none can run."""
     reason = unavailable_reason()
     if reason:
-        _skip(reason)
+        pytest.skip(reason)
     try:
         ensure_installed()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        _skip(f"could not install SLURM with apt: {e}")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+        pytest.skip(f"could not install SLURM with apt: {e}")
+    cluster = SlurmCluster(root)
+    cluster.start()  # stops what it started when it fails
+    return cluster
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    """A running one-node cluster; stopped and /etc/slurm restored afterwards, even on failure."""
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()
 
 
-def copy_repo(dest: Path) -> Path:
-    """The workflow's files (tracked, and untracked but not ignored), without results."""
-    listing = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout.decode()
-    for rel in filter(None, listing.split("\0")):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
+def test_cluster_runs_a_job_and_cleans_up(tmp_path):
+    """The cluster helper itself: a job runs, and stop() leaves no daemon and no slurm.conf."""
+    before = SYSTEM_CONF.read_bytes() if SYSTEM_CONF.exists() else None
+    cluster = start_cluster(tmp_path)
+    pids = {name: proc.pid for name, proc in cluster.procs.items()}
+    try:
+        job = subprocess.run(["srun", "--cpus-per-task=1", "echo", "hello"], env=cluster.env,
+                             capture_output=True, text=True, timeout=60)
+        assert job.returncode == 0 and job.stdout.strip() == "hello", job
+    finally:
+        cluster.stop()
+    assert set(pids) == {"munged", "slurmctld", "slurmd"}
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone and reaped, not merely signalled
+    after = SYSTEM_CONF.read_bytes() if SYSTEM_CONF.exists() else None
+    assert after == before
 
 
 # resources in the profile that name things of a real site: replaced or dropped for the test node
@@ -128,8 +135,12 @@ def read_table(path: Path) -> pl.DataFrame:
     return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
 
 
-def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path):
-    work = copy_repo(tmp_path / "work")
+def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path, capsys):
+    # the very files the local run used (its working tree), so that both run one workflow
+    local_tree = Path(smoke_run).parent
+    work = tmp_path / "work"
+    shutil.copytree(local_tree, work, ignore=lambda d, names: [
+        n for n in names if Path(d) == local_tree and n in RUN_OUTPUTS])
     cmd = [
         sys.executable, "-m", "snakemake",
         "--configfile", "config/smoke.yaml",
@@ -143,7 +154,8 @@ def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path):
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
                           timeout=SMOKE_TIMEOUT_S)
     elapsed = time.monotonic() - start
-    print(f"\nsmoke run through SLURM: {elapsed:.0f} s", file=sys.stderr)
+    with capsys.disabled():  # shown in every run: the cost of going through SLURM
+        print(f"\n[slurm] smoke run through SLURM: {elapsed:.0f} s", file=sys.stderr)
     assert proc.returncode == 0, (
         f"snakemake through SLURM failed ({proc.returncode}) after {elapsed:.0f} s\n"
         f"command: {' '.join(cmd)}\n--- stderr (tail) ---\n{proc.stderr[-8000:]}\n"
