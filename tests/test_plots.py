@@ -1,0 +1,67 @@
+"""Figures: each plot function writes a real PNG and PDF, also on empty input."""
+
+import numpy as np
+import polars as pl
+import pytest
+
+from kvdiverge import plots
+from kvdiverge.analysis import confirmatory_analysis, gap_decomposition
+from kvdiverge.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
+                                  replicate_estimates, survival_curve)
+from kvdiverge.kernels import TableKernelPair
+from kvdiverge.trajectories import simulate
+
+PLAN = {"policy": "B", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
+        "alternative": "greater", "correction": "holm", "alpha": 0.05}
+
+
+@pytest.fixture(scope="module")
+def tables(kernel):
+    frames = []
+    for policy, split in (("A", "exploratory"), ("B", "exploratory"), ("B", "confirmatory")):
+        for i in range(4):
+            f = simulate(TableKernelPair(kernel, 3), 6, 3, seed=1 if policy == "A" else 2, doc_id=f"{split}{i}")
+            frames.append(f.with_columns(pl.lit("m").alias("model"), pl.lit(policy).alias("policy"),
+                                         pl.lit(split).alias("split")))
+    docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
+    gaps = gap_decomposition(docs, "m", "A", "B", "exploratory", 100, 0.95, 1)
+    res, per = confirmatory_analysis(docs.filter(pl.col("split") == "confirmatory"), PLAN, "confirmatory",
+                                     100, 0.95, 1)
+    return {"docs": docs, "survival": survival_curve(docs, 100, 0.95, 1),
+            "branch": branch_tv_curve(docs, 100, 0.95, 1), "gaps": gaps, "res": res, "per": per,
+            "pooled": pooled_estimates(docs, 100, 0.95, 1)}
+
+
+def check(tmp_path, name):
+    png, pdf = tmp_path / f"{name}.png", tmp_path / f"{name}.pdf"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert pdf.read_bytes()[:4] == b"%PDF"
+    assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(f".{name}*"))
+
+
+def test_every_figure(tables, tmp_path):
+    t = tables
+    plots.plot_survival(t["survival"], tmp_path / "s.png", tmp_path / "s.pdf")
+    check(tmp_path, "s")
+    plots.plot_gaps(t["gaps"], tmp_path / "g.png", tmp_path / "g.pdf")
+    check(tmp_path, "g")
+    plots.plot_branch_tv(t["branch"], tmp_path / "b.png", tmp_path / "b.pdf", early=(1, 2), late=(3, 4))
+    check(tmp_path, "b")
+    plots.plot_confirmatory(t["per"], t["res"], tmp_path / "c.png", tmp_path / "c.pdf")
+    check(tmp_path, "c")
+    plots.plot_variance(t["docs"], tmp_path / "v.png", tmp_path / "v.pdf")
+    check(tmp_path, "v")
+
+
+def test_empty_inputs_still_give_figures(tables, tmp_path):
+    t = tables
+    plots.plot_survival(t["survival"].head(0), tmp_path / "s.png", tmp_path / "s.pdf")
+    plots.plot_gaps(t["gaps"].head(0), tmp_path / "g.png", tmp_path / "g.pdf")
+    nan_branch = t["branch"].with_columns(pl.lit(np.nan).alias("btv"))
+    plots.plot_branch_tv(nan_branch, tmp_path / "b.png", tmp_path / "b.pdf")
+    plots.plot_confirmatory(t["per"].with_columns(pl.lit(None, dtype=pl.Float64).alias("d")), t["res"],
+                            tmp_path / "c.png", tmp_path / "c.pdf")
+    plots.plot_variance(t["docs"].with_columns(pl.lit(0.0).alias("var_N_naive"), pl.lit(0.0).alias("var_N_cmc")),
+                        tmp_path / "v.png", tmp_path / "v.pdf")
+    for name in "sgbcv":
+        assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").stat().st_size > 0
