@@ -246,3 +246,28 @@ def test_survival_and_branch_curves(docs):
     assert b["n_docs"][0] == 7 and b["n_docs"][4] == 0
     v = b.filter(pl.col("n_docs") > 0)["btv"].to_numpy()
     assert np.all((v >= 0) & (v <= 1))
+
+
+def test_document_stage_stops_on_a_broken_identity():
+    reps = replicate_estimates(hand_table(), W=1)
+    broken = reps.with_columns((pl.col("N_cmc") + 0.1).alias("N_cmc"))
+    with pytest.raises(DecompositionError, match="doc 'd0'"):
+        document_estimates(broken)
+
+
+@pytest.mark.parametrize("which", ["always_mismatch", "eos"])
+def test_cmc_variance_dominates_on_other_pairs(which, eos_kern, capsys):
+    if which == "eos":
+        pair, T = TableKernelPair(eos_kern, 2, eos_ids=(1,)), 3
+    else:
+        def fn(hx, hy):
+            if hx != hy:
+                return np.array([0.2, 0.3, 0.5]), np.array([0.5, 0.3, 0.2])
+            return np.array([0.8, 0.1, 0.1]), np.array([0.6, 0.3, 0.1])
+        pair, T = TableKernelPair(fn, 3), 5
+    reps = replicate_estimates(simulate(pair, T, 2000, seed=9), 1)
+    v_naive, v_cmc = reps["N_naive"].var(), reps["N_cmc"].var()
+    assert v_cmc <= v_naive
+    with capsys.disabled():
+        print(f"\n[variance {which}] Var(N_naive)={v_naive:.4f} Var(N_cmc)={v_cmc:.4f} "
+              f"ratio={v_naive / v_cmc:.2f}")
