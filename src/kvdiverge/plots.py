@@ -38,7 +38,9 @@ def save_figure(fig: plt.Figure, png: str | os.PathLike, pdf: str | os.PathLike)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{fmt}", dir=path.parent)
         os.close(fd)
         try:
-            fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
+            # no creation date in the PDF: the same data give the same bytes
+            meta = {"CreationDate": None} if fmt == "pdf" else None
+            fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight", metadata=meta)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
