@@ -473,6 +473,28 @@ def _boot_idx(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
     return rng.integers(0, n, size=(n_boot, n))
 
 
+def _boot_counts(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
+    """Document multiplicities of ``n_boot`` resamples with replacement, shape (n_boot, n).
+
+    ``counts @ X / n`` is then the resampled mean of each column of ``X`` without
+    materialising a (n_boot, n, columns) array (the survival curve of the paper
+    config would need gigabytes).
+    """
+    idx = _boot_idx(rng, n, n_boot)
+    counts = np.zeros((n_boot, n))
+    np.add.at(counts, (np.repeat(np.arange(n_boot), n), idx.ravel()), 1.0)
+    return counts
+
+
+def _boot_nanmean(counts: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """Resampled means of the columns of ``X`` (n, K) over its finite entries, (n_boot, K)."""
+    ok = np.isfinite(X)
+    num = counts @ np.where(ok, X, 0.0)
+    den = counts @ ok.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
 def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
     """Pooled per (model, policy, split): equal-weight means over documents (§7).
 
@@ -516,7 +538,7 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         X = np.column_stack([g[c].to_numpy().astype(np.float64) for c in POOLED_COLUMNS])
         mean = X.mean(axis=0)
         rng = bootstrap_rng(seed, "pooled", model, policy, split)
-        B = X[_boot_idx(rng, n, n_boot)].mean(axis=1)  # (n_boot, ncol)
+        B = _boot_counts(rng, n, n_boot) @ X / n  # (n_boot, ncol)
         lo, hi = percentile_interval(B, confidence)
         r: dict = {"model": model, "policy": policy, "split": split, "n_docs": n, "T": T,
                    "W": int(g["W"][0]), "R": int(g["R"].min())}
@@ -579,9 +601,9 @@ def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int
         S = np.column_stack([np.ones(g.height), S])
         f = np.column_stack([np.zeros(g.height), f])
         rng = bootstrap_rng(seed, "survival", model, policy, split)
-        idx = _boot_idx(rng, g.height, n_boot)
-        Slo, Shi = percentile_interval(S[idx].mean(axis=1), confidence)
-        flo, fhi = percentile_interval(f[idx].mean(axis=1), confidence)
+        counts = _boot_counts(rng, g.height, n_boot)
+        Slo, Shi = percentile_interval(counts @ S / g.height, confidence)
+        flo, fhi = percentile_interval(counts @ f / g.height, confidence)
         parts.append(pl.DataFrame({
             "model": [model] * (T + 1), "policy": [policy] * (T + 1), "split": [split] * (T + 1),
             "t": np.arange(T + 1, dtype=np.int32), "S": S.mean(axis=0), "S_lo": Slo, "S_hi": Shi,
@@ -610,11 +632,11 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
         T = int(g["T"][0])
         V = np.asarray(g["btv_lag"].to_list(), dtype=np.float64).reshape(g.height, T)
         rng = bootstrap_rng(seed, "branch_tv", model, policy, split)
-        idx = _boot_idx(rng, g.height, n_boot)
+        counts = _boot_counts(rng, g.height, n_boot)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(V, axis=0)
-            lo, hi = percentile_interval(np.nanmean(V[idx], axis=1), confidence)
+            lo, hi = percentile_interval(_boot_nanmean(counts, V), confidence)
         parts.append(pl.DataFrame({
             "model": [model] * T, "policy": [policy] * T, "split": [split] * T,
             "lag": np.arange(1, T + 1, dtype=np.int32), "btv": mean, "btv_lo": lo, "btv_hi": hi,
