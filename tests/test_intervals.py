@@ -7,6 +7,7 @@ import pytest
 from kvdiverge.estimators import document_estimates, replicate_estimates
 from kvdiverge.exact import enumerate_coupled
 from kvdiverge.intervals import (
+    ConstructedPair,
     divergence_lag,
     lower_construction,
     sharp_interval,
@@ -104,3 +105,19 @@ def test_wrapped_pairs_through_the_engine(kernel):
     np.testing.assert_allclose(hi["N_tail_cmc"].to_numpy(), expect.to_numpy(), atol=1e-12)
     d = document_estimates(hi.with_columns(pl.lit("hi").alias("doc_id")))
     assert d["E_N_lo"][0] <= d["E_N_hi"][0]
+
+
+@pytest.mark.parametrize("end,kw", [("lower", {"token": 2}), ("upper", {"tokens": (2, 0)})])
+def test_construction_around_any_incremental_pair(kernel, end, kw):
+    """ConstructedPair (for LLM pairs too) draws exactly what the function construction draws."""
+    from kvdiverge.kernels import TableKernelPair
+    from kvdiverge.trajectories import simulate
+
+    T, W = 5, 1
+    pair = TableKernelPair(kernel, 3)
+    a = simulate(ConstructedPair(pair, W, end, **kw), T, 50, seed=8).drop("seconds")
+    b = simulate(wrap_pair(pair, W, end, **kw), T, 50, seed=8).drop("seconds")
+    assert a.equals(b)
+    assert not a.equals(simulate(pair, T, 50, seed=8).drop("seconds"))  # the tail did change
+    with pytest.raises(ValueError):
+        ConstructedPair(pair, W, "both")

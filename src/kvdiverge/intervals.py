@@ -11,7 +11,9 @@ prefixes and on the first ``W`` post-divergence steps is exactly
 ``rho``). :func:`lower_construction` and :func:`upper_construction` are the two
 kernel-pair constructions that attain them: they wrap a pure kernel-pair function and
 change it only on history pairs more than ``W`` steps past their divergence.
-:func:`wrap_pair` applies them to a :class:`kvdiverge.kernels.TableKernelPair`.
+:func:`wrap_pair` applies them to a :class:`kvdiverge.kernels.TableKernelPair`, and
+:class:`ConstructedPair` to any pair of the incremental :class:`kvdiverge.kernels.KernelPair`
+interface (e.g. the LLM pair).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ History = tuple[int, ...]
 KernelFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
 
 __all__ = [
+    "ConstructedPair",
     "divergence_lag",
     "lower_construction",
     "sharp_interval",
@@ -230,3 +233,84 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
     else:
         raise ValueError(f"end must be 'lower' or 'upper', got {end!r}")
     return TableKernelPair(g, pair.vocab_size, eos_ids=tuple(pair.eos_ids))
+
+
+class ConstructedPair:
+    """A §4 construction around any kernel pair of the incremental interface.
+
+    Tracks each row's two histories through ``start`` / ``advance`` / ``rewind`` and, on
+    rows more than ``W`` steps past their divergence, replaces the inner pair's
+    log-distributions by point masses: the same token on both sides (``end="lower"``) or
+    ``tokens[0]`` on the reference side and ``tokens[1]`` on the evicted side
+    (``end="upper"``). Every other row gets the inner pair's output unchanged, so the law
+    of the first divergence and of the window is the inner pair's.
+
+    Parameters
+    ----------
+    pair : kvdiverge.kernels.KernelPair
+        The inner pair (``vocab_size``, ``eos_ids``, ``start``, ``advance``, ``rewind``).
+    W : int
+        Window width (lags), ``>= 0``.
+    end : {"lower", "upper"}
+        Which end of the interval to attain.
+    token : int
+        Lower end: the shared deterministic token.
+    tokens : (int, int)
+        Upper end: two different deterministic tokens (reference, evicted).
+
+    Raises
+    ------
+    ValueError
+        On an unknown ``end``, ``W < 0`` or tokens outside the vocabulary.
+    """
+
+    def __init__(self, pair: Any, W: int, end: str, token: int = 0, tokens: tuple[int, int] = (0, 1)):
+        V = int(pair.vocab_size)
+        if end == "lower":
+            lower_construction(lambda hx, hy: None, V, W, token=token)  # argument checks
+            self._tokens = (int(token), int(token))
+        elif end == "upper":
+            upper_construction(lambda hx, hy: None, V, W, tokens=tokens)
+            self._tokens = (int(tokens[0]), int(tokens[1]))
+        else:
+            raise ValueError(f"end must be 'lower' or 'upper', got {end!r}")
+        self.pair = pair
+        self.W = int(W)
+        self.end = end
+        self.vocab_size = V
+        self.eos_ids = tuple(getattr(pair, "eos_ids", ()))
+        self._hx: list[list[int]] = []
+        self._hy: list[list[int]] = []
+
+    def _override(self, logp, logq):
+        rows = [r for r in range(len(self._hx))
+                if (k := divergence_lag(tuple(self._hx[r]), tuple(self._hy[r]))) is not None and k > self.W]
+        if not rows:
+            return logp, logq
+        logp, logq = logp.clone(), logq.clone()
+        a, b = self._tokens
+        logp[rows] = float("-inf")
+        logq[rows] = float("-inf")
+        logp[rows, a] = 0.0
+        logq[rows, b] = 0.0
+        return logp, logq
+
+    def start(self, n_rows: int):
+        """Every row at the empty history; both log-distributions, shape (n_rows, V)."""
+        self._hx = [[] for _ in range(n_rows)]
+        self._hy = [[] for _ in range(n_rows)]
+        return self._override(*self.pair.start(n_rows))
+
+    def advance(self, x, y):
+        """Append ``x[r]``, ``y[r]`` to row ``r``; both log-distributions, shape (n_rows, V)."""
+        for r, (a, b) in enumerate(zip(x.tolist(), y.tolist())):
+            self._hx[r].append(int(a))
+            self._hy[r].append(int(b))
+        return self._override(*self.pair.advance(x, y))
+
+    def rewind(self, length) -> None:
+        """Cut row ``r``'s histories back to their first ``length[r]`` tokens."""
+        self.pair.rewind(length)
+        for r, n in enumerate(length.tolist()):
+            del self._hx[r][n:]
+            del self._hy[r][n:]
