@@ -83,7 +83,8 @@ def smoke_run(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("smoke")
     _copy_tree(work)
     snakemake = [sys.executable, "-m", "snakemake"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+    # the package from the copied tree, so the run uses exactly the copied files
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
                                                                      os.environ.get("PYTHONPATH")]))}
     base = snakemake + ["--cores", "2", "--configfile", "config/smoke.yaml"]
     for cmd in (base, base + ["--report", "results/report.html"]):
