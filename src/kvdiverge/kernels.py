@@ -102,7 +102,7 @@ class CompressionError(RuntimeError):
 
 
 class _CacheSide:
-    """One side (reference or evicted) of an LLM pair: a KV cache plus bookkeeping.
+    """A batched KV cache plus per-row bookkeeping.
 
     ``valid`` (n_rows, cache_len) marks the cache columns each row attends to;
     ``step`` (n_rows, cache_len) holds, for generated columns, the 0-based index of
@@ -110,14 +110,13 @@ class _CacheSide:
     a row's abandoned suffix without touching other rows.
     """
 
-    def __init__(self, cache, n_rows: int, prompt_len: int, device: torch.device):
+    def __init__(self, cache, valid: torch.Tensor, prompt_len: int):
         self.cache = cache
-        cache_len = cache.get_seq_length()
-        self.valid = torch.ones(n_rows, cache_len, dtype=torch.bool, device=device)
-        self.step = torch.full((n_rows, cache_len), -1, dtype=torch.long, device=device)
-        self.n_gen = torch.zeros(n_rows, dtype=torch.long, device=device)
+        self.valid = valid
+        self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
+        self.n_gen = torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
         self.prompt_len = prompt_len
-        self.all_valid = True
+        self.all_valid = bool(valid.all())
 
     def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
         n_rows = tokens.shape[0]
@@ -196,8 +195,9 @@ class LLMKernelPair:
         self.top_p = float(top_p)
         self.expected_kept = expected_kept
         if eos_ids is None:
-            eos = model.generation_config.eos_token_id
-            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+            from kvdiverge.models import eos_ids as model_eos_ids
+
+            eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.vocab_size = int(model.config.vocab_size)
         self.kept_len: int | None = None
@@ -241,6 +241,10 @@ class LLMKernelPair:
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill both caches, check the compression, expand to ``n_rows`` rows.
 
+        The two caches stay separate, each decoded by its own forward pass per step:
+        batching them into one pass would let the rows' batch positions perturb the
+        logits (~1e-6 on CPU), and ratio 0 must give a TV of exactly 0.
+
         Returns
         -------
         (torch.Tensor, torch.Tensor)
@@ -249,11 +253,13 @@ class LLMKernelPair:
         ref_cache, ref_logits = self._prefill(None)
         ev_cache, ev_logits = self._prefill(self.press)
         self.kept_len = self._check_compression(ev_cache)
-        for cache in (ref_cache, ev_cache):
-            if n_rows > 1:
-                cache.batch_repeat_interleave(n_rows)
-        self._ref = _CacheSide(ref_cache, n_rows, self.prompt_len, self.device)
-        self._ev = _CacheSide(ev_cache, n_rows, self.prompt_len, self.device)
+        if n_rows > 1:
+            ref_cache.batch_repeat_interleave(n_rows)
+            ev_cache.batch_repeat_interleave(n_rows)
+        self._ref = _CacheSide(ref_cache, torch.ones(n_rows, self.prompt_len, dtype=torch.bool,
+                                                     device=self.device), self.prompt_len)
+        self._ev = _CacheSide(ev_cache, torch.ones(n_rows, self.kept_len, dtype=torch.bool,
+                                                   device=self.device), self.prompt_len)
         logp = self._transform(ref_logits).cpu().expand(n_rows, -1)
         logq = self._transform(ev_logits).cpu().expand(n_rows, -1)
         return logp, logq

@@ -384,7 +384,7 @@ def run_shard(
     if model is None and docs.height:
         from kvdiverge.models import load_model
 
-        model, _ = load_model(config["models"][model_name])
+        model, _ = load_model(config["models"][model_name], model_name)
     records = []
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:
