@@ -4,7 +4,8 @@ Three daemons are enough: ``munged`` (with its own key and socket), ``slurmctld 
 ``slurmd -D``, no accounting database. Everything they write lives in one temporary
 directory, except ``/etc/slurm/slurm.conf``: the slurm executor plugin's job step drops
 ``SLURM_CONF`` before its inner ``srun``, so the configuration has to sit at the compiled-in
-path. A file already there is put back afterwards.
+path. A file already there is put back afterwards, and an exclusive lock on ``/etc/slurm``
+keeps a second test cluster on the same machine from starting meanwhile.
 
 Usage::
 
@@ -18,6 +19,8 @@ queued, stops the daemons it started by their process ids and restores ``/etc/sl
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -29,7 +32,12 @@ from pathlib import Path
 PACKAGES = ("slurm-wlm", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
+CONF_HEADER = "# Written by kvdiverge's tests (tests/slurm_cluster.py)"
 PARTITION = "kvtest"
+
+
+class ClusterBusy(RuntimeError):
+    """Another test cluster runs on this machine (it holds /etc/slurm)."""
 
 
 def missing_binaries() -> list[str]:
@@ -64,6 +72,18 @@ def ensure_installed(timeout: float = 600) -> None:
         raise RuntimeError(f"after apt-get install, still missing: {', '.join(missing_binaries())}")
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the process that started it dies (Linux).
+
+    A test run that is killed outright (its finally blocks never run) then leaves no
+    daemon, and no Snakemake polling a cluster that is gone.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -87,6 +107,7 @@ class SlurmCluster:
         self._conf_backup: bytes | None = None
         self._conf_written = False
         self._etc_slurm_created = False
+        self._lock_fd: int | None = None
         self.node_name = ""
         self.cpus = 0
         self.real_memory = 0
@@ -107,17 +128,50 @@ class SlurmCluster:
 
     # --- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> "SlurmCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, timeout: float = 60) -> None:
+    def start(self, timeout: float = 60, lock_wait: float = 30) -> None:
+        """Start the three daemons; on failure, stop what was started and raise.
+
+        Raises ClusterBusy when another test cluster holds this machine's /etc/slurm
+        for longer than ``lock_wait`` seconds.
+        """
+        try:
+            self._lock(lock_wait)
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _lock(self, wait: float) -> None:
+        """Hold an exclusive lock on /etc/slurm: one test cluster per machine at a time.
+
+        A lock on the directory writes nothing, and dies with the process that holds it.
+        """
+        if not SYSTEM_CONF.parent.exists():
+            SYSTEM_CONF.parent.mkdir(parents=True)
+            self._etc_slurm_created = True
+        fd = os.open(SYSTEM_CONF.parent, os.O_RDONLY)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ClusterBusy(
+                        f"another SLURM test cluster holds {SYSTEM_CONF.parent} on this machine "
+                        f"(waited {wait:.0f} s)"
+                    ) from None
+                time.sleep(1)
+        self._lock_fd = fd
+
+    def _start(self, timeout: float) -> None:
         for d in ("munge", "log", "state", "spool", "run"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         # munge checks the socket's directories: reachable, not writable by others
@@ -156,7 +210,7 @@ class SlurmCluster:
         host = socket.gethostname().split(".")[0]
         r = self.root
         conf = f"""\
-# Written by kvdiverge's tests (tests/slurm_cluster.py) for a throw-away cluster; removed afterwards.
+{CONF_HEADER} for a throw-away cluster; removed afterwards.
 ClusterName=kvtest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}
@@ -188,11 +242,9 @@ SlurmdTimeout=30
 {node} NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINITE State=UP
 """
-        if SYSTEM_CONF.exists():
-            self._conf_backup = SYSTEM_CONF.read_bytes()
-        elif not SYSTEM_CONF.parent.exists():
-            SYSTEM_CONF.parent.mkdir(parents=True)
-            self._etc_slurm_created = True
+        if SYSTEM_CONF.exists() and not SYSTEM_CONF.read_text(errors="replace").startswith(CONF_HEADER):
+            self._conf_backup = SYSTEM_CONF.read_bytes()  # a site's own: put back afterwards
+            # (one with our header was left by a test run killed outright: not kept)
         self._conf_written = True
         SYSTEM_CONF.write_text(conf)
         (r / "slurm.conf").write_text(conf)  # a copy next to the logs, for debugging
@@ -202,7 +254,7 @@ PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINI
         try:
             return subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True,
+                env=self.env, start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:
             out.close()
@@ -271,9 +323,13 @@ PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINI
                 SYSTEM_CONF.write_bytes(self._conf_backup)
             else:
                 SYSTEM_CONF.unlink(missing_ok=True)
-                if self._etc_slurm_created:
-                    try:
-                        SYSTEM_CONF.parent.rmdir()
-                    except OSError:
-                        pass
             self._conf_written = False
+        if self._etc_slurm_created:
+            try:
+                SYSTEM_CONF.parent.rmdir()
+            except OSError:
+                pass
+            self._etc_slurm_created = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
