@@ -5,7 +5,7 @@ import polars as pl
 import pytest
 
 from kvdiverge import plots
-from kvdiverge.analysis import confirmatory_analysis, gap_decomposition
+from kvdiverge.analysis import confirmatory_analysis, gap_decomposition, variance_table
 from kvdiverge.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
                                   replicate_estimates, survival_curve)
 from kvdiverge.kernels import TableKernelPair
@@ -49,7 +49,7 @@ def test_every_figure(tables, tmp_path):
     check(tmp_path, "b")
     plots.plot_confirmatory(t["per"], t["res"], tmp_path / "c.png", tmp_path / "c.pdf")
     check(tmp_path, "c")
-    plots.plot_variance(t["docs"], tmp_path / "v.png", tmp_path / "v.pdf")
+    plots.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
     check(tmp_path, "v")
 
 
@@ -61,7 +61,6 @@ def test_empty_inputs_still_give_figures(tables, tmp_path):
     plots.plot_branch_tv(nan_branch, tmp_path / "b.png", tmp_path / "b.pdf")
     plots.plot_confirmatory(t["per"].with_columns(pl.lit(None, dtype=pl.Float64).alias("d")), t["res"],
                             tmp_path / "c.png", tmp_path / "c.pdf")
-    plots.plot_variance(t["docs"].with_columns(pl.lit(0.0).alias("var_N_naive"), pl.lit(0.0).alias("var_N_cmc")),
-                        tmp_path / "v.png", tmp_path / "v.pdf")
+    plots.plot_variance(variance_table(t["pooled"]).head(0), tmp_path / "v.png", tmp_path / "v.pdf")
     for name in "sgbcv":
         assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").stat().st_size > 0

@@ -208,35 +208,39 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
     save_figure(fig, png, pdf)
 
 
-def plot_variance(docs: pl.DataFrame, png, pdf) -> None:
-    """Naive vs conditional Monte Carlo variance of ``N`` across replicates, per document.
+def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
+    """Naive vs conditional Monte Carlo variance of the token loss ``N``, per run.
 
-    Points under the diagonal mean ``Var(N_cmc) < Var(N_naive)`` (§5 guarantees it in
-    expectation for every replicate).
+    Bars: within-document variance across replicates, averaged over documents, of the
+    naive estimator, the conditional Monte Carlo one (§5, never larger in expectation)
+    and its compensator variant; the label above each group is
+    ``Var(N_naive) / Var(N_cmc)``.
 
     Parameters
     ----------
-    docs : polars.DataFrame
-        Per-document estimates with ``var_N_naive`` and ``var_N_cmc``.
+    variance : polars.DataFrame
+        :func:`kvdiverge.analysis.variance_table` output.
     """
     sns.set_theme(style="whitegrid", context="paper")
-    d = docs.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite()
-                    & ((pl.col("var_N_naive") > 0) | (pl.col("var_N_cmc") > 0)))
-    if d.height == 0:
-        return save_figure(_empty("no document with replicate variance"), png, pdf)
-    d = d.with_columns((pl.col("model") + " / " + pl.col("policy")).alias("run"))
-    fig, ax = plt.subplots(figsize=(5, 4.2))
-    pdf_ = d.to_pandas()
-    vals = np.concatenate([pdf_["var_N_naive"].to_numpy(), pdf_["var_N_cmc"].to_numpy()])
-    floor = max(float(vals[vals > 0].min()) / 2 if (vals > 0).any() else 1e-6, 1e-9)
-    pdf_["var_N_naive"] = pdf_["var_N_naive"].clip(lower=floor)
-    pdf_["var_N_cmc"] = pdf_["var_N_cmc"].clip(lower=floor)
-    sns.scatterplot(data=pdf_, x="var_N_naive", y="var_N_cmc", hue="run", ax=ax, alpha=0.7)
-    hi = max(pdf_["var_N_naive"].max(), pdf_["var_N_cmc"].max()) * 1.5
-    ax.plot([floor, hi], [floor, hi], color="grey", lw=0.8, ls="--")
-    ax.set(xscale="log", yscale="log", xlabel="Var(N_naive) across replicates (tokens²)",
-           ylabel="Var(N_cmc) across replicates (tokens²)")
-    ratio = pdf_["var_N_naive"].mean() / pdf_["var_N_cmc"].mean()
-    ax.set_title(f"Naive vs CMC variance (mean ratio {ratio:.2f}x)")
-    ax.legend(fontsize="x-small")
+    v = variance.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite()) \
+        if variance.height else variance
+    if v.height == 0:
+        return save_figure(_empty("no run with replicate variance (R >= 2 needed)"), png, pdf)
+    v = v.sort(["model", "split", "policy"]).with_columns(
+        (pl.col("model") + "\n" + pl.col("policy") + " (" + pl.col("split").str.slice(0, 5) + ".)").alias("run"))
+    long = v.unpivot(index=["run", "var_ratio"], on=["var_N_naive", "var_N_cmc", "var_N_cmc_tv"],
+                     variable_name="estimator", value_name="variance").with_columns(
+        pl.col("estimator").replace({"var_N_naive": "naive", "var_N_cmc": "conditional MC",
+                                     "var_N_cmc_tv": "compensator (TV)"}))
+    fig, ax = plt.subplots(figsize=(1.5 + 1.6 * v.height, 4))
+    sns.barplot(data=long.to_pandas(), x="run", y="variance", hue="estimator", ax=ax,
+                order=v["run"].to_list())
+    top = float(long["variance"].max() or 0.0)
+    for i, r in enumerate(v.iter_rows(named=True)):
+        ax.text(i, top * 1.04, f"×{r['var_ratio']:.2f}" if np.isfinite(r["var_ratio"]) else "–",
+                ha="center", va="bottom", fontsize="small")
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)
+    ax.set(xlabel="", ylabel="Var across replicates, mean over documents (tokens²)")
+    ax.set_title("Estimator variance of the token loss N (label: naive / conditional)")
+    ax.legend(fontsize="small")
     save_figure(fig, png, pdf)

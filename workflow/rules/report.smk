@@ -15,7 +15,7 @@ rule figures:
     input:
         survival=f"{ANALYSIS}/survival.parquet",
         branch_tv=f"{ANALYSIS}/branch_tv.parquet",
-        documents=f"{ANALYSIS}/documents.parquet",
+        variance=f"{ANALYSIS}/variance.parquet",
         gaps=f"{ANALYSIS}/gaps.parquet",
         confirmatory=f"{ANALYSIS}/confirmatory.parquet",
         confirmatory_documents=f"{ANALYSIS}/confirmatory_documents.parquet",

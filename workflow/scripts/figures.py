@@ -19,7 +19,7 @@ try:
                          early=p.early, late=p.late)
     plots.plot_confirmatory(pl.read_parquet(i.confirmatory_documents), pl.read_parquet(i.confirmatory),
                             o.confirmatory_differences_png, o.confirmatory_differences_pdf)
-    plots.plot_variance(pl.read_parquet(i.documents), o.variance_png, o.variance_pdf)
+    plots.plot_variance(pl.read_parquet(i.variance), o.variance_png, o.variance_pdf)
     log.info("wrote %s", list(o))
 except Exception:
     log.exception("figures failed")
