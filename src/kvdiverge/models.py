@@ -248,3 +248,51 @@ def context_length(model_or_config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise ValueError(f"cannot tell the context length of {type(config).__name__}")
+
+
+def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
+    """Save a model entry as a plain Hugging Face directory (safetensors) and return
+    the ``source: local`` entry that loads it.
+
+    GGUF weights are de-quantized by transformers on every load (~20 s for the
+    embedded 135M model on a laptop CPU); the saved directory loads in well under a
+    second, which matters when every trajectory shard is its own job. The weights
+    are the ones ``load_model`` would produce, byte for byte in the entry's dtype.
+
+    Parameters
+    ----------
+    spec : dict
+        A ``models.<name>`` config entry.
+    out_dir : str or os.PathLike
+        Destination directory; written atomically (temporary sibling, then rename).
+    name : str, optional
+        The entry's name, for error messages.
+
+    Returns
+    -------
+    dict
+        ``spec`` with ``source: local`` and ``path: out_dir`` (no package / GGUF keys).
+    """
+    import shutil
+    import tempfile
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model({**spec, "device": "cpu"}, name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return local_entry(spec, out)
+
+
+def local_entry(spec: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``spec`` pointed at a converted local directory (see :func:`convert_to_directory`)."""
+    local = {k: v for k, v in spec.items() if k not in ("package", "gguf_file", "id", "revision")}
+    return {**local, "source": "local", "path": str(path)}

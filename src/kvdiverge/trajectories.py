@@ -343,6 +343,7 @@ def run_shard(
     prompts_path: str,
     output_path: str,
     model=None,
+    model_spec: dict[str, Any] | None = None,
 ) -> pl.DataFrame:
     """Generate the coupled trajectories of one shard and write them atomically.
 
@@ -361,7 +362,10 @@ def run_shard(
     output_path : str
         Destination ``shard-{i}.parquet``; written only once the shard is complete.
     model : transformers.PreTrainedModel, optional
-        Already loaded model (tests, benchmarks); loaded from the config otherwise.
+        Already loaded model (tests, benchmarks); loaded otherwise.
+    model_spec : dict, optional
+        Model entry to load from (e.g. a converted local directory); defaults to
+        ``config['models'][model_name]``.
 
     Returns
     -------
@@ -384,7 +388,7 @@ def run_shard(
     if model is None and docs.height:
         from kvdiverge.models import load_model
 
-        model, _ = load_model(config["models"][model_name], model_name)
+        model, _ = load_model(model_spec or config["models"][model_name], model_name)
     records = []
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:

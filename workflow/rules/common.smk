@@ -70,6 +70,16 @@ def model_on_gpu(model):
     return str(config["models"][model].get("device", "cpu")).startswith("cuda")
 
 
+# GGUF models are converted once to a safetensors directory (rule convert_model).
+MODEL_DIR = "results/models/{model}"
+
+
+def converted_model(wildcards):
+    """The converted model directory a shard loads from, if its model is a GGUF file."""
+    spec = config["models"][wildcards.model]
+    return MODEL_DIR.format(model=wildcards.model) if spec.get("gguf_file") else []
+
+
 def prompts_files():
     """Prompt tables of every model."""
     return expand(PROMPTS, model=MODELS)

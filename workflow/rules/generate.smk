@@ -2,11 +2,33 @@
 # One job per shard; a shard is written atomically, so an interrupted run resumes by
 # regenerating only the missing shards. Jobs whose model runs on CUDA request one GPU
 # (`gpu` resource, read by the SLURM profile); CPU jobs request none.
+#
+# A GGUF model (the embedded default) is first converted once to a plain safetensors
+# directory under results/models/: de-quantizing GGUF costs ~20 s per load, and every
+# shard is its own job.
+
+rule convert_model:
+    output:
+        directory(MODEL_DIR),
+    log:
+        f"{LOGS}/convert_model/{{model}}.log",
+    params:
+        model=lambda wildcards: config["models"][wildcards.model],
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=30,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/convert_model.py"
+
 
 
 rule trajectories:
     input:
-        PROMPTS,
+        prompts=PROMPTS,
+        model=converted_model,
     output:
         SHARD,
     log:
