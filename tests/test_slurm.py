@@ -1,9 +1,9 @@
 """The smoke config submitted through a real (one-node, throw-away) SLURM cluster.
 
 Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm` plus the test-only
-overrides below in a copy of the local run's working tree, and checks that every table equals the one of
-the local smoke run (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge` with
-apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
+overrides below in a copy of the local smoke run's working tree, and checks that every table
+equals the local run's (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge`
+with apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
 Elsewhere it is skipped with the reason. Select it alone with `pytest -m slurm`.
 """
 
@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's im
 from slurm_cluster import (CONF_HEADER, SYSTEM_CONF, ClusterBusy, SlurmCluster, die_with_parent,
                            ensure_installed, unavailable_reason)
 
-pytestmark = pytest.mark.slurm
+_UNAVAILABLE = unavailable_reason()
+# decided before any fixture runs, so that a machine without root does not first pay for
+# the local smoke run
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))]
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
@@ -38,9 +41,6 @@ RUN_OUTPUTS = ("results", "logs", ".snakemake", ".venv", ".git", ".pytest_cache"
 
 def start_cluster(root: Path) -> SlurmCluster:
     """A started cluster, or a skip (with the reason, which `-ra` prints) where none can run."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
     try:
         ensure_installed()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
@@ -141,7 +141,8 @@ def read_table(path: Path) -> pl.DataFrame:
     return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
 
 
-def test_smoke_run_through_slurm_equals_local(slurm, smoke_run, tmp_path, capsys):
+def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys):
+    # smoke_run first: the cluster starts once the local run is done
     # the very files the local run used (its working tree), so that both run one workflow
     local_tree = Path(smoke_run).parent
     work = tmp_path / "work"
