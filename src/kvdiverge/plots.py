@@ -83,7 +83,7 @@ def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
             ax.fill_between(g["t"], g["S_lo"], g["S_hi"], step="post", alpha=0.15, color=color)
         ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
                ylim=(0, 1.02))
-        ax.legend(title="policy (split)", fontsize="small")
+        ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle("Survival of first divergence")
     save_figure(fig, png, pdf)
 
@@ -165,10 +165,10 @@ def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = 
         for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
             if win is not None:
                 ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
-                ax.text((win[0] + win[1]) / 2, 0.98, name, ha="center", va="top",
+                ax.text((win[0] + win[1]) / 2, 0.02, f"{name} [{win[0]}, {win[1]}]", ha="center", va="bottom",
                         transform=ax.get_xaxis_transform(), fontsize="small")
         ax.set(title=model, xlabel="lag k since first divergence (steps)", ylabel="branch TV", ylim=(0, 1))
-        ax.legend(title="policy (split)", fontsize="small")
+        ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle("Kernel disagreement after divergence")
     save_figure(fig, png, pdf)
 
