@@ -67,7 +67,8 @@ def ensure_installed(timeout: float = 600) -> None:
     ):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     if missing_binaries():
         raise RuntimeError(f"after apt-get install, still missing: {', '.join(missing_binaries())}")
 
@@ -84,10 +85,16 @@ def die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct loopback ports that are free now (all bound at once, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _node_line() -> str:
@@ -208,13 +215,14 @@ class SlurmCluster:
         self.cpus = int(fields["CPUs"])
         self.real_memory = int(fields["RealMemory"])
         host = socket.gethostname().split(".")[0]
+        ctld_port, slurmd_port = _free_ports(2)
         r = self.root
         conf = f"""\
 {CONF_HEADER} for a throw-away cluster; removed afterwards.
 ClusterName=kvtest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
