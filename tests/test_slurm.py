@@ -10,6 +10,7 @@ Elsewhere it is skipped with the reason. Select it alone with `pytest -m slurm`.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,13 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's im
 from slurm_cluster import (CONF_HEADER, SYSTEM_CONF, ClusterBusy, SlurmCluster, die_with_parent,
                            ensure_installed, unavailable_reason)
 
+pytestmark = pytest.mark.slurm
+
 _UNAVAILABLE = unavailable_reason()
 # decided before any fixture runs, so that a machine without root does not first pay for
 # the local smoke run
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))]
+needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
+GENERATION_RULE = "trajectories"  # the only rule that may ask for GPUs
 TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
@@ -63,6 +67,7 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
+@needs_cluster
 def test_cluster_runs_a_job_and_cleans_up(tmp_path):
     """The cluster helper itself: a job runs, and stop() leaves no daemon and no slurm.conf."""
     before = SYSTEM_CONF.read_bytes() if SYSTEM_CONF.exists() else None
@@ -86,6 +91,41 @@ def test_cluster_runs_a_job_and_cleans_up(tmp_path):
 
 # resources in the profile that name things of a real site: replaced or dropped for the test node
 SITE_RESOURCES = ("slurm_partition", "slurm_account", "gpu_model", "constraint", "qos")
+
+
+def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[str, str]]]:
+    """(rule, resources) of every job that `snakemake -n --profile profiles/slurm` lists."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"),
+         "--configfile", str(REPO / configfile), "--profile", str(PROFILE.parent),
+         "--directory", str(workdir)],
+        cwd=workdir, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs, rule = [], None
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if m := re.match(r"(?:local)?rule (\w+):$", line):
+            rule = m.group(1)
+        elif (m := re.match(r"\s+resources: (.*)$", line)) and rule:
+            jobs.append((rule, dict(kv.split("=", 1) for kv in m.group(1).split(", "))))
+            rule = None
+    return jobs
+
+
+def test_paper_profile_asks_gpus_for_generation_only(tmp_path):
+    """With config/paper.yaml, every generation job goes to the GPU partition with one GPU
+    (the plugin turns `gpu=1` into `sbatch --gpus=1`), and no other job asks for a GPU."""
+    profile = yaml.safe_load(PROFILE.read_text())
+    cpu_partition = str(profile["default-resources"]["slurm_partition"])
+    gpu_partition = str(profile["set-resources"][GENERATION_RULE]["slurm_partition"])
+    jobs = dry_run_resources("config/paper.yaml", tmp_path)
+    generation = [res for rule, res in jobs if rule == GENERATION_RULE]
+    others = [(rule, res) for rule, res in jobs if rule != GENERATION_RULE]
+    assert generation and others
+    for res in generation:
+        assert res.get("gpu") == "1" and res["slurm_partition"] == gpu_partition, res
+    for rule, res in others:
+        assert res.get("gpu", "0") == "0" and res["slurm_partition"] == cpu_partition, (rule, res)
 
 
 def fit_resources(resources: dict, cluster: SlurmCluster) -> dict:
@@ -141,6 +181,7 @@ def read_table(path: Path) -> pl.DataFrame:
     return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
 
 
+@needs_cluster
 def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys):
     # smoke_run first: the cluster starts once the local run is done
     # the very files the local run used (its working tree), so that both run one workflow
