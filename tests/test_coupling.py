@@ -83,3 +83,19 @@ def test_decoding_rejects_bad_parameters():
         decode_log_probs(torch.zeros(1, 3), temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         decode_log_probs(torch.zeros(1, 3), temperature=1, top_p=0)
+
+
+def test_nucleus_with_few_candidates_equals_full_ranking():
+    from kvdiverge.decoding import nucleus
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 5000, dtype=torch.float64, generator=gen) * torch.tensor([[0.1], [0.5], [1], [2], [4], [8]])
+    logp = torch.log_softmax(logits, -1)
+    for top_p in (0.5, 0.9, 0.95, 0.999):
+        full = nucleus(logp, top_p, candidates=5000)
+        assert torch.equal(nucleus(logp, top_p, candidates=16), full)
+        # the kept set is the smallest prefix of the ranking reaching top_p
+        mass = (logp.exp() * full).sum(-1)
+        assert (mass >= top_p - 1e-12).all()
+        smallest_kept = torch.where(full, logp, torch.inf).amin(-1)
+        assert ((mass - smallest_kept.exp()) < top_p).all()
