@@ -164,6 +164,7 @@ def test_confirmatory_statistics_match_scipy_and_count_exclusions():
     assert r1["mean_diff"] == pytest.approx(d1.mean())
     assert r1["median_diff"] == pytest.approx(np.median(d1))
     assert r1["mean_diff_lo"] <= r1["mean_diff"] <= r1["mean_diff_hi"]
+    assert r1["median_diff_lo"] <= r1["median_diff"] <= r1["median_diff_hi"]
     assert r2["n_zero"] == 1 and r2["n_used"] == 5
     adj = holm([r1["p_raw"], r2["p_raw"]])
     assert [r1["p_adjusted"], r2["p_adjusted"]] == pytest.approx(list(adj))

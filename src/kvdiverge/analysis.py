@@ -404,7 +404,7 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
     result : polars.DataFrame
         One row per model: model, policy, split, ``n_docs``, ``n_no_early``,
         ``n_no_late``, ``n_excluded``, ``n_used``, ``n_zero``, ``mean_diff``,
-        ``mean_diff_lo``, ``mean_diff_hi``, ``median_diff``, ``statistic``, ``p_raw``,
+        ``mean_diff_lo``, ``mean_diff_hi``, ``median_diff`` (+ ``_lo``, ``_hi``), ``statistic``, ``p_raw``,
         ``p_adjusted``, ``decision`` (reject | not rejected | not tested), and the plan
         (``test``, ``alternative``, ``correction``, ``alpha``, ``early``, ``late``,
         ``plan_hash``).
@@ -455,16 +455,18 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
             stat, p = float(res.statistic), float(res.pvalue)
         if du.size:
             rng = bootstrap_rng(seed, "confirmatory", model, policy)
-            bm = du[rng.integers(0, du.size, size=(n_boot, du.size))].mean(axis=1)
-            mlo, mhi = (float(v) for v in percentile_interval(bm, confidence))
+            resampled = du[rng.integers(0, du.size, size=(n_boot, du.size))]
+            mlo, mhi = (float(v) for v in percentile_interval(resampled.mean(axis=1), confidence))
+            dlo, dhi = (float(v) for v in percentile_interval(np.median(resampled, axis=1), confidence))
         else:
-            mlo = mhi = float("nan")
+            mlo = mhi = dlo = dhi = float("nan")
         results.append({
             "model": model, "policy": policy, "split": split, "n_docs": g.height,
             "n_no_early": int((~np.isfinite(early)).sum()), "n_no_late": int((~np.isfinite(late)).sum()),
             "n_excluded": int((~ok).sum()), "n_used": int(du.size), "n_zero": int((du == 0).sum()),
             "mean_diff": float(du.mean()) if du.size else float("nan"), "mean_diff_lo": mlo,
             "mean_diff_hi": mhi, "median_diff": float(np.median(du)) if du.size else float("nan"),
+            "median_diff_lo": dlo, "median_diff_hi": dhi,
             "statistic": stat, "p_raw": p,
         })
     res = pl.DataFrame(results)
@@ -551,12 +553,12 @@ def _plan_block(plan: Mapping[str, Any]) -> str:
 
 def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
     return [[r["model"], r["policy"], r["n_docs"], r["n_excluded"], r["n_used"],
-             _ci(r, "mean_diff"), _fmt(r["median_diff"]), _fmt(r["statistic"]), _fmt(r["p_raw"]),
+             _ci(r, "mean_diff"), _ci(r, "median_diff"), _fmt(r["statistic"]), _fmt(r["p_raw"]),
              _fmt(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
 
 
 CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
-                       "mean late − early [95% CI]", "median", "W statistic", "p raw", "p adjusted",
+                       "mean late − early [95% CI]", "median [95% CI]", "W statistic", "p raw", "p adjusted",
                        "decision"]
 
 
