@@ -89,10 +89,6 @@ def test_cluster_runs_a_job_and_cleans_up(tmp_path):
     assert after == before
 
 
-# resources in the profile that name things of a real site: replaced or dropped for the test node
-SITE_RESOURCES = ("slurm_partition", "slurm_account", "gpu_model", "constraint", "qos")
-
-
 def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[str, str]]]:
     """(rule, resources) of every job that `snakemake -n --profile profiles/slurm` lists."""
     proc = subprocess.run(
@@ -126,6 +122,10 @@ def test_paper_profile_asks_gpus_for_generation_only(tmp_path):
         assert res.get("gpu") == "1" and res["slurm_partition"] == gpu_partition, res
     for rule, res in others:
         assert res.get("gpu", "0") == "0" and res["slurm_partition"] == cpu_partition, (rule, res)
+
+
+# resources in the profile that name things of a real site: replaced or dropped for the test node
+SITE_RESOURCES = ("slurm_partition", "slurm_account", "gpu_model", "constraint", "qos")
 
 
 def fit_resources(resources: dict, cluster: SlurmCluster) -> dict:
