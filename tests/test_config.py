@@ -42,7 +42,6 @@ def test_defaults_are_filled_without_touching_the_input():
     for key in ("window", "decoding", "analysis", "shards"):
         del config[key]
     del config["corpus"]["split_seed"]
-    config["confirmatory"] = {"policy": "snapkv-90", "early": [1, 2], "late": [3, 6]}
     before = copy.deepcopy(config)
     out = validate(config)
     assert config == before
@@ -51,8 +50,15 @@ def test_defaults_are_filled_without_touching_the_input():
     assert out["analysis"] == {"bootstrap": 2000, "confidence": 0.95, "gaps": []}
     assert out["shards"] == 1
     assert out["corpus"]["split_seed"] == 0
-    assert out["confirmatory"]["alpha"] == 0.05 and out["confirmatory"]["correction"] == "holm"
     assert out["models"]["smollm2-135m"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("field", ["early", "late", "test", "alternative", "correction", "alpha"])
+def test_confirmatory_plan_has_no_defaults(field):
+    config = raw("smoke.yaml")
+    del config["confirmatory"][field]
+    msg = error_of(config)
+    assert "confirmatory" in msg and field in msg
 
 
 def test_unknown_top_level_key_is_named():
