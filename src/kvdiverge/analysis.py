@@ -78,25 +78,13 @@ def save_table(frame: pl.DataFrame, parquet: str | None = None, csv: str | None 
 
     The CSV gets the scalar columns only (list columns stay in the parquet file).
     """
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from kvdiverge.io import write_parquet_atomic
+    from kvdiverge.io import atomic_path, write_parquet_atomic
 
     if parquet is not None:
         write_parquet_atomic(frame, parquet)
     if csv is not None:
-        path = Path(csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
+        with atomic_path(csv) as tmp:
             scalar_columns(frame).write_csv(tmp, float_precision=6)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
 
 # --------------------------------------------------------------------------- exploratory
@@ -496,22 +484,6 @@ GAP_SCHEMA = {"model": pl.String, "policy_a": pl.String, "policy_b": pl.String, 
               "rho_A": pl.Float64, "rho_B": pl.Float64}
 
 
-def write_text_atomic(text: str, path) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder, then rename)."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _fmt(v, digits: int = 3) -> str:

@@ -1,39 +1,64 @@
-"""Table input/output: atomic parquet writes, so an interrupted run leaves no half file."""
+"""Output files written atomically, so an interrupted run never leaves a half file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
 
-__all__ = ["write_parquet_atomic"]
+__all__ = ["atomic_path", "write_parquet_atomic", "write_text_atomic"]
 
 
-def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike) -> Path:
-    """Write ``frame`` to ``path`` atomically (temporary file in the same folder, then rename).
+def _default_mode() -> int:
+    """Permissions a plain ``open(path, "w")`` would give (0o666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it replaces ``path``.
+
+    Write the file to the yielded path inside the ``with`` block. When the block
+    ends normally the file gets ordinary permissions and is renamed onto ``path``
+    (``os.replace``, atomic on POSIX); when it raises, the temporary file is removed
+    and ``path`` is left as it was. Parent folders are created.
 
     Parameters
     ----------
-    frame : polars.DataFrame
-        The table to write.
     path : str or os.PathLike
-        Destination ``.parquet`` file; parent folders are created.
-
-    Returns
-    -------
-    pathlib.Path
-        The written path.
+        Destination file.
+    suffix : str
+        Suffix of the temporary file (some writers choose the format from it,
+        e.g. ``".png"``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
-        frame.write_parquet(tmp)
+        yield Path(tmp)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike) -> Path:
+    """Write ``frame`` to the parquet file ``path`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        frame.write_parquet(tmp)
+    return Path(path)
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 from typing import Sequence
 
 import matplotlib
@@ -24,6 +22,8 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from kvdiverge.io import atomic_path  # noqa: E402
+
 __all__ = ["plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival", "plot_variance",
            "save_figure"]
 
@@ -33,18 +33,11 @@ TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a
 
 def save_figure(fig: plt.Figure, png: str | os.PathLike, pdf: str | os.PathLike) -> None:
     """Write ``fig`` to ``png`` and ``pdf`` atomically (temporary file, then rename) and close it."""
-    for path, fmt in ((Path(png), "png"), (Path(pdf), "pdf")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{fmt}", dir=path.parent)
-        os.close(fd)
-        try:
+    for path, fmt in ((png, "png"), (pdf, "pdf")):
+        with atomic_path(path, suffix=f".{fmt}") as tmp:
             # no creation date in the PDF: the same data give the same bytes
             meta = {"CreationDate": None} if fmt == "pdf" else None
             fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight", metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
     plt.close(fig)
 
 

@@ -5,8 +5,8 @@ import sys
 
 import polars as pl
 
-from kvdiverge.analysis import (confirmatory_analysis, confirmatory_html, plan_hash, save_table,
-                                write_text_atomic)
+from kvdiverge.analysis import confirmatory_analysis, confirmatory_html, plan_hash, save_table
+from kvdiverge.io import write_text_atomic
 
 logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
                     format="%(asctime)s %(levelname)s %(message)s")

@@ -4,7 +4,8 @@ import logging
 
 import polars as pl
 
-from kvdiverge.analysis import summary_html, write_text_atomic
+from kvdiverge.analysis import summary_html
+from kvdiverge.io import write_text_atomic
 
 logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
                     format="%(asctime)s %(levelname)s %(message)s")
