@@ -64,3 +64,27 @@ def test_empty_inputs_still_give_figures(tables, tmp_path):
     plots.plot_variance(variance_table(t["pooled"]).head(0), tmp_path / "v.png", tmp_path / "v.pdf")
     for name in "sgbcv":
         assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").stat().st_size > 0
+
+
+def test_survival_bands_share_their_lines_colour(tables, tmp_path, monkeypatch):
+    """Runs listed out of alphabetical order once gave each band another run's colour."""
+    from matplotlib.colors import to_rgb
+
+    t = tables
+    s = t["survival"]
+    s = s.filter((pl.col("split") == s["split"][0]) & (pl.col("policy") == s["policy"][0]))
+    # three runs, given in reverse alphabetical order of their labels
+    runs = pl.concat([s.with_columns(pl.lit(p).alias("policy"), pl.col("S") * f, pl.col("S_lo") * f,
+                                     pl.col("S_hi") * f)
+                      for p, f in (("zeta", 1.0), ("mid", 0.6), ("alpha", 0.3))])
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, png, pdf: figures.append(fig))
+    plots.plot_survival(runs, tmp_path / "s.png", tmp_path / "s.pdf")
+    ax = figures[0].axes[0]
+    lines = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+    bands = ax.collections
+    assert len(lines) == len(bands) == 3
+    for line in lines:  # the band whose upper edge is this line's curve has its colour
+        top = float(np.max(line.get_ydata()))
+        band = min(bands, key=lambda b: abs(b.get_paths()[0].vertices[:, 1].max() - top))
+        assert np.allclose(to_rgb(line.get_color()), band.get_facecolor()[0][:3])

@@ -71,9 +71,12 @@ def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
         d = s.filter(pl.col("model") == model).to_pandas()
-        sns.lineplot(data=d, x="t", y="S", hue="run", drawstyle="steps-post", ax=ax, errorbar=None)
-        for (run, g), color in zip(d.groupby("run", sort=True), sns.color_palette(n_colors=d["run"].nunique())):
-            ax.fill_between(g["t"], g["S_lo"], g["S_hi"], step="post", alpha=0.15, color=color)
+        runs = sorted(d["run"].unique())
+        pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))  # one colour per run, line and band
+        sns.lineplot(data=d, x="t", y="S", hue="run", hue_order=runs, palette=pal, drawstyle="steps-post",
+                     ax=ax, errorbar=None)
+        for run, g in d.groupby("run"):
+            ax.fill_between(g["t"], g["S_lo"], g["S_hi"], step="post", alpha=0.15, color=pal[run])
         ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
                ylim=(0, 1.02))
         ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
