@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-History = tuple[int, ...]
-KernelFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
+from kvdiverge.kernels import History, KernelFn
 
 __all__ = [
     "ExactResult",

@@ -18,12 +18,11 @@ interface (e.g. the LLM pair).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-History = tuple[int, ...]
-KernelFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
+from kvdiverge.kernels import History, KernelFn
 
 __all__ = [
     "ConstructedPair",

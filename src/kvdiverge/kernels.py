@@ -34,7 +34,8 @@ from kvdiverge.decoding import decode_log_probs
 __all__ = ["KernelPair", "TableKernelPair", "LLMKernelPair", "CompressionError"]
 
 History = tuple[int, ...]
-TableFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
+#: A synthetic kernel pair as a pure function: ``(ref_history, evicted_history) -> (p, q)``.
+KernelFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
 
 
 class KernelPair(Protocol):
@@ -64,7 +65,7 @@ class TableKernelPair:
         End-of-sequence ids (absorbing, enforced by the engine).
     """
 
-    def __init__(self, fn: TableFn, vocab_size: int, eos_ids: Sequence[int] = ()):
+    def __init__(self, fn: KernelFn, vocab_size: int, eos_ids: Sequence[int] = ()):
         self.fn = fn
         self.vocab_size = int(vocab_size)
         self.eos_ids = tuple(int(e) for e in eos_ids)

@@ -53,6 +53,19 @@ def _facets(n: int, width: float = 4.5, height: float = 3.5):
     return fig, axes[0]
 
 
+def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None, **line_kw) -> None:
+    """One line per ``run`` with its interval band, line and band in the same colour.
+
+    ``d`` is a pandas frame with a ``run`` column; ``step`` is passed to
+    ``fill_between`` (e.g. ``"post"`` for step curves), ``line_kw`` to ``sns.lineplot``.
+    """
+    runs = sorted(d["run"].unique())
+    pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))
+    sns.lineplot(data=d, x=x, y=y, hue="run", hue_order=runs, palette=pal, ax=ax, errorbar=None, **line_kw)
+    for run, g in d.groupby("run"):
+        ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
+
+
 def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
     """Survival of first divergence ``S_t`` (steps ``t = 0..T``) per policy, one panel per model.
 
@@ -71,12 +84,7 @@ def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
         d = s.filter(pl.col("model") == model).to_pandas()
-        runs = sorted(d["run"].unique())
-        pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))  # one colour per run, line and band
-        sns.lineplot(data=d, x="t", y="S", hue="run", hue_order=runs, palette=pal, drawstyle="steps-post",
-                     ax=ax, errorbar=None)
-        for run, g in d.groupby("run"):
-            ax.fill_between(g["t"], g["S_lo"], g["S_hi"], step="post", alpha=0.15, color=pal[run])
+        _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", drawstyle="steps-post")
         ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
                ylim=(0, 1.02))
         ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
@@ -152,12 +160,7 @@ def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = 
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
         d = c.filter(pl.col("model") == model).to_pandas()
-        runs = sorted(d["run"].unique())
-        pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))
-        sns.lineplot(data=d, x="lag", y="btv", hue="run", hue_order=runs, palette=pal, marker="o",
-                     ms=3, ax=ax, errorbar=None)
-        for run, g in d.groupby("run"):
-            ax.fill_between(g["lag"], g["btv_lo"], g["btv_hi"], alpha=0.15, color=pal[run])
+        _runs_with_bands(ax, d, "lag", "btv", "btv_lo", "btv_hi", marker="o", ms=3)
         for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
             if win is not None:
                 ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
