@@ -134,3 +134,21 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
     text = dry_run(lambda c: c["analysis"].update(bootstrap=100))
     assert "Nothing to be done" in text
+
+
+def test_a_split_left_without_usable_documents_stops_with_the_reason():
+    from kvdiverge.prompts import NoUsableDocumentsError, check_usable
+
+    settings = {"minimums": {"exploratory": {"snapkv-b512": 577}, "confirmatory": {}}}
+    prompts = pl.DataFrame({
+        "doc_id": ["a", "b", "c"], "split": ["exploratory", "exploratory", "confirmatory"],
+        "exclusion_reason": ["too short for policy snapkv-b512: prompt of 400 tokens, policy needs at least 577",
+                             "too short for policy snapkv-b512: prompt of 420 tokens, policy needs at least 577",
+                             "too short for policy x"],
+    })
+    with pytest.raises(NoUsableDocumentsError, match=r"split 'exploratory': none of its 2 documents .*snapkv-b512.*"
+                                                     r"most frequent reason: too short for policy snapkv-b512.*min_words"):
+        check_usable(prompts, settings)
+    # one usable document is enough; a split without scheduled policies is not checked
+    check_usable(prompts.with_columns(pl.when(pl.col("doc_id") == "a").then(None)
+                                      .otherwise(pl.col("exclusion_reason")).alias("exclusion_reason")), settings)

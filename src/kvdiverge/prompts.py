@@ -155,6 +155,37 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any],
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
+class NoUsableDocumentsError(ValueError):
+    """A split that has policies scheduled has no usable document left."""
+
+
+def check_usable(prompts: pl.DataFrame, settings: dict[str, Any]) -> None:
+    """Stop when a split with scheduled policies has no usable document.
+
+    Some exclusions are expected and reported; none left would only fail stages later
+    with a less telling error.
+
+    Raises
+    ------
+    NoUsableDocumentsError
+        Naming the split, the most frequent exclusion reason and what to change.
+    """
+    for split, minimums in settings["minimums"].items():
+        if not minimums:
+            continue
+        part = prompts.filter(pl.col("split") == split)
+        if usable(part).height:
+            continue
+        reasons = part["exclusion_reason"].drop_nulls()
+        top = reasons.value_counts(sort=True).row(0)[0] if reasons.len() else "no documents in this split"
+        raise NoUsableDocumentsError(
+            f"split {split!r}: none of its {part.height} documents is usable for the policies "
+            f"scheduled on it ({', '.join(sorted(minimums))}); most frequent reason: {top}. "
+            f"Widen corpus.min_words/max_words (longer prompts), or drop the policy from "
+            f"runs.{split} (and analysis.gaps / confirmatory)."
+        )
+
+
 def usable(prompts: pl.DataFrame) -> pl.DataFrame:
     """Rows without an exclusion reason."""
     return prompts.filter(pl.col("exclusion_reason").is_null())

@@ -6,7 +6,7 @@ import polars as pl
 
 from kvdiverge.io import write_parquet_atomic
 from kvdiverge.models import context_length, load_model_config, load_tokenizer
-from kvdiverge.prompts import build_prompts, summary
+from kvdiverge.prompts import build_prompts, check_usable, summary
 
 logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
                     format="%(asctime)s %(levelname)s %(message)s")
@@ -21,6 +21,7 @@ try:
     documents = pl.read_parquet(snakemake.input[0])  # noqa: F821
     prompts = build_prompts(documents, tokenizer, dict(snakemake.params.settings), context)  # noqa: F821
     log.info("\n%s", summary(prompts))
+    check_usable(prompts, dict(snakemake.params.settings))  # noqa: F821
     write_parquet_atomic(prompts, snakemake.output[0])  # noqa: F821
     log.info("wrote %s", snakemake.output[0])  # noqa: F821
 except Exception:
