@@ -145,28 +145,29 @@ def _not_found(exc: Exception, where: str, spec: dict[str, Any], name: str | Non
     )
 
 
+def _from_pretrained(auto_class, spec: dict[str, Any], name: str | None, **extra):
+    """``auto_class.from_pretrained`` on the entry's location, quietly; a missing model
+    raises :class:`ModelNotFoundError` saying where it looked."""
+    where, kwargs = resolve(spec, name)
+    with _quiet():
+        try:
+            return auto_class.from_pretrained(where, **kwargs, **extra)
+        except OSError as exc:
+            raise _not_found(exc, where, spec, name) from exc
+
+
 def load_tokenizer(spec: dict[str, Any], name: str | None = None):
     """Load only the tokenizer of a model entry (fast: no weights)."""
     from transformers import AutoTokenizer
 
-    where, kwargs = resolve(spec, name)
-    with _quiet():
-        try:
-            return AutoTokenizer.from_pretrained(where, **kwargs)
-        except OSError as exc:
-            raise _not_found(exc, where, spec, name) from exc
+    return _from_pretrained(AutoTokenizer, spec, name)
 
 
 def load_model_config(spec: dict[str, Any], name: str | None = None):
     """Load only the model's ``PretrainedConfig`` (context length etc.; no weights)."""
     from transformers import AutoConfig
 
-    where, kwargs = resolve(spec, name)
-    with _quiet():
-        try:
-            return AutoConfig.from_pretrained(where, **kwargs)
-        except OSError as exc:
-            raise _not_found(exc, where, spec, name) from exc
+    return _from_pretrained(AutoConfig, spec, name)
 
 
 def torch_dtype(name: str):
@@ -204,21 +205,15 @@ def load_model(spec: dict[str, Any], name: str | None = None):
     """
     from transformers import AutoModelForCausalLM
 
-    where, kwargs = resolve(spec, name)
     tokenizer = load_tokenizer(spec, name)
     device = spec.get("device", "cpu")
-    if device != "cpu":  # place weights directly on the accelerator
-        kwargs["device_map"] = device
-    with _quiet():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                where,
-                dtype=torch_dtype(spec.get("dtype", "float32")),
-                attn_implementation=spec.get("attn_implementation", "sdpa"),
-                **kwargs,
-            )
-        except OSError as exc:
-            raise _not_found(exc, where, spec, name) from exc
+    placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
+    model = _from_pretrained(
+        AutoModelForCausalLM, spec, name,
+        dtype=torch_dtype(spec.get("dtype", "float32")),
+        attn_implementation=spec.get("attn_implementation", "sdpa"),
+        **placement,
+    )
     model = model.to(device)
     model.eval()
     return model, tokenizer
