@@ -84,11 +84,13 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(-1)
     x = (u * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
-    # Round-off can put x at the very top of the cdf: fall back to the last index
-    # of positive weight (never a zero-weight index).
-    vocab = torch.arange(weights.shape[-1], device=weights.device)
-    last_positive = torch.where(weights > 0, vocab, -1).amax(-1)
-    return torch.minimum(idx, last_positive)
+    # Round-off can put x at the very top of the cdf (idx == V): fall back to the
+    # last index of positive weight (never a zero-weight index).
+    top = idx == weights.shape[-1]
+    if top.any():
+        vocab = torch.arange(weights.shape[-1], device=weights.device)
+        idx[top] = torch.where(weights[top] > 0, vocab, -1).amax(-1)
+    return idx
 
 
 def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
