@@ -1,17 +1,12 @@
 """Snakemake adapter: the prespecified confirmatory test (kvdiverge.analysis.confirmatory_analysis)."""
 
-import logging
-import sys
-
 import polars as pl
 
 from kvdiverge.analysis import confirmatory_analysis, confirmatory_html, plan_hash, save_table
 from kvdiverge.io import write_text_atomic
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("confirmatory")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+log = rule_logger(snakemake.log[0], "confirmatory")  # noqa: F821
 p = snakemake.params  # noqa: F821
 out = snakemake.output  # noqa: F821
 try:

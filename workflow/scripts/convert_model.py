@@ -1,12 +1,9 @@
 """Snakemake adapter: convert a GGUF model entry to a safetensors directory (kvdiverge.models)."""
 
-import logging
-
 from kvdiverge.models import convert_to_directory
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("convert_model")
+log = rule_logger(snakemake.log[0], "convert_model")  # noqa: F821
 try:
     entry = convert_to_directory(dict(snakemake.params.model), snakemake.output[0],  # noqa: F821
                                  snakemake.wildcards.model)  # noqa: F821

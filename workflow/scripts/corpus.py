@@ -1,13 +1,10 @@
 """Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.corpus)."""
 
-import logging
-
 from kvdiverge.corpus import build_corpus
 from kvdiverge.io import write_parquet_atomic
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("corpus")
+log = rule_logger(snakemake.log[0], "corpus")  # noqa: F821
 try:
     corpus = dict(snakemake.params.corpus)  # noqa: F821
     log.info("corpus config: %s", corpus)

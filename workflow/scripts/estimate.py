@@ -1,15 +1,10 @@
 """Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimators)."""
 
-import logging
-import sys
-
 from kvdiverge.estimators import document_estimates, read_shards, replicate_estimates
 from kvdiverge.io import write_parquet_atomic
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("estimate")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821  (tqdm progress into the log)
+log = rule_logger(snakemake.log[0], "estimate")  # noqa: F821
 try:
     shards = read_shards(snakemake.input)  # noqa: F821
     log.info("%d trajectory rows from %d shards", shards.height, len(snakemake.input))  # noqa: F821

@@ -1,16 +1,11 @@
 """Snakemake adapter: the study's figures, PNG and PDF (kvdiverge.plots)."""
 
-import logging
-import sys
-
 import polars as pl
 
 from kvdiverge import plots
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("figures")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+log = rule_logger(snakemake.log[0], "figures")  # noqa: F821
 i, o, p = snakemake.input, snakemake.output, snakemake.params  # noqa: F821
 try:
     plots.plot_survival(pl.read_parquet(i.survival), o.survival_png, o.survival_pdf)

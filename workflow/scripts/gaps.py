@@ -1,17 +1,12 @@
 """Snakemake adapter: exploratory gap decomposition (kvdiverge.analysis.gap_decomposition)."""
 
-import logging
-import sys
-
 import polars as pl
 from tqdm import tqdm
 
 from kvdiverge.analysis import GAP_SCHEMA, gap_decomposition, save_table
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("gaps")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+log = rule_logger(snakemake.log[0], "gaps")  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:
     files = list(snakemake.input)  # noqa: F821

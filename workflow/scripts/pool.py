@@ -1,18 +1,13 @@
 """Snakemake adapter: pooled estimates, timing, survival, branch TV, variance (kvdiverge.estimators)."""
 
-import logging
-import sys
-
 import polars as pl
 from tqdm import tqdm
 
 from kvdiverge.analysis import save_table, timing_table, variance_table
 from kvdiverge.estimators import branch_tv_curve, pooled_estimates, survival_curve
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("pool")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+log = rule_logger(snakemake.log[0], "pool")  # noqa: F821
 out = snakemake.output  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:

@@ -1,16 +1,13 @@
 """Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.prompts)."""
 
-import logging
-
 import polars as pl
 
 from kvdiverge.io import write_parquet_atomic
 from kvdiverge.models import context_length, load_model_config, load_tokenizer
 from kvdiverge.prompts import build_prompts, check_usable, summary
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("prompts")
+log = rule_logger(snakemake.log[0], "prompts")  # noqa: F821
 try:
     name = snakemake.wildcards.model  # noqa: F821
     spec = dict(snakemake.params.model)  # noqa: F821

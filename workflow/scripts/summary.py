@@ -1,15 +1,12 @@
 """Snakemake adapter: headline numbers as an HTML page for the report (kvdiverge.analysis)."""
 
-import logging
-
 import polars as pl
 
 from kvdiverge.analysis import summary_html
 from kvdiverge.io import write_text_atomic
+from kvdiverge.rulelog import rule_logger
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("summary")
+log = rule_logger(snakemake.log[0], "summary")  # noqa: F821
 i = snakemake.input  # noqa: F821
 try:
     html = summary_html(pl.read_parquet(i.pooled), pl.read_parquet(i.gaps), pl.read_parquet(i.confirmatory),

@@ -1,17 +1,12 @@
 """Snakemake adapter: one trajectory shard (kvdiverge.trajectories.run_shard)."""
 
-import logging
-import sys
-
 import torch
 
 from kvdiverge.models import local_entry
+from kvdiverge.rulelog import rule_logger
 from kvdiverge.trajectories import run_shard
 
-logging.basicConfig(filename=snakemake.log[0], level=logging.INFO,  # noqa: F821
-                    format="%(asctime)s %(levelname)s %(message)s")
-log = logging.getLogger("trajectories")
-sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821  (tqdm progress into the log)
+log = rule_logger(snakemake.log[0], "trajectories")  # noqa: F821
 torch.set_num_threads(snakemake.threads)  # noqa: F821
 w = snakemake.wildcards  # noqa: F821
 spec = snakemake.config["models"][w.model]  # noqa: F821
