@@ -114,6 +114,19 @@ def _point(v: int, vocab_size: int) -> np.ndarray:
     return e
 
 
+def _beyond_window(fn: KernelFn, W: int, p: np.ndarray, q: np.ndarray) -> KernelFn:
+    """``fn``, except on histories more than ``W`` lags past divergence, where the pair
+    is the fixed ``(p, q)`` (fresh copies each call)."""
+
+    def g(hx: History, hy: History):
+        k = divergence_lag(hx, hy)
+        if k is not None and k > W:
+            return p.copy(), q.copy()
+        return fn(hx, hy)
+
+    return g
+
+
 def lower_construction(fn: KernelFn, vocab_size: int, W: int, token: int = 0) -> KernelFn:
     """Lower-end construction of §4: from lag ``W + 1`` on, both kernels emit ``token``.
 
@@ -143,14 +156,8 @@ def lower_construction(fn: KernelFn, vocab_size: int, W: int, token: int = 0) ->
     if W < 0:
         raise ValueError(f"W must be >= 0, got {W}")
 
-    def g(hx: History, hy: History):
-        k = divergence_lag(hx, hy)
-        if k is not None and k > W:
-            e = _point(token, vocab_size)
-            return e, e.copy()
-        return fn(hx, hy)
-
-    return g
+    e = _point(token, vocab_size)
+    return _beyond_window(fn, W, e, e)
 
 
 def upper_construction(
@@ -190,13 +197,7 @@ def upper_construction(
     if W < 0:
         raise ValueError(f"W must be >= 0, got {W}")
 
-    def g(hx: History, hy: History):
-        k = divergence_lag(hx, hy)
-        if k is not None and k > W:
-            return _point(a, vocab_size), _point(b, vocab_size)
-        return fn(hx, hy)
-
-    return g
+    return _beyond_window(fn, W, _point(a, vocab_size), _point(b, vocab_size))
 
 
 def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
