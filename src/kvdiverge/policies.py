@@ -113,6 +113,16 @@ class Policy:
             return prompt_len
         return max(1, int(prompt_len * (1 - ratio)))
 
+    def expected_kept(self, prompt_len: int, press) -> int | None:
+        """Prompt positions every layer must keep after ``press`` compressed (tokens).
+
+        Score-based presses (``kvpress.ScorerPress``) keep exactly
+        :meth:`kept_tokens`; for other presses ``None`` (only checked to compress).
+        """
+        from kvpress import ScorerPress
+
+        return self.kept_tokens(prompt_len) if isinstance(press, ScorerPress) else None
+
     def build_press(self, prompt_len: int):
         """Instantiate the kvpress press for a prompt of ``prompt_len`` tokens.
 

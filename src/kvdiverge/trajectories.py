@@ -372,11 +372,9 @@ def run_shard(
     polars.DataFrame
         The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
     """
-    from kvpress import ScorerPress
-
     from kvdiverge.io import write_parquet_atomic
-    from kvdiverge.kernels import LLMKernelPair
     from kvdiverge.policies import Policy
+    from kvdiverge.runner import Document, run_documents
 
     policy = Policy.from_config(policy_name, config["policies"][policy_name])
     prompts = pl.read_parquet(prompts_path)
@@ -389,26 +387,17 @@ def run_shard(
         from kvdiverge.models import load_model
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
-    records = []
+    documents = [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)]
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:
-        for i, row in enumerate(docs.iter_rows(named=True)):
-            start = time.perf_counter()
-            prompt_len = int(row["n_prompt_tokens"])
-            press = policy.build_press(prompt_len)
-            pair = LLMKernelPair(
-                model, row["input_ids"], press,
-                temperature=float(config["decoding"]["temperature"]),
-                top_p=float(config["decoding"].get("top_p", 1.0)),
-                expected_kept=policy.kept_tokens(prompt_len) if isinstance(press, ScorerPress) else None,
-            )
-            reps = run_document(pair, T, R, int(config["seed"]), model_name, row["doc_id"], progress=bar)
-            seconds = time.perf_counter() - start
-            bar.update((i + 1) * (2 * T - 1) - bar.n)  # chains that stop early skip steps
-            meta = {"model": model_name, "policy": policy_name, "split": split, "doc_id": row["doc_id"],
-                    "prompt_len": prompt_len, "kept_len": pair.kept_len, "seconds": seconds}
-            records.extend({**meta, **rec} for rec in reps)
-            log.info("%s: prompt %d tokens, kept %d, %.1f s", row["doc_id"], prompt_len, pair.kept_len, seconds)
+        recs = run_documents(
+            model, documents, policy, T=T, replicates=R,
+            temperature=float(config["decoding"]["temperature"]),
+            top_p=float(config["decoding"].get("top_p", 1.0)),
+            seed=int(config["seed"]), model_name=model_name, progress=bar,
+        )
+    meta = {"model": model_name, "policy": policy_name, "split": split}
+    records = [{**meta, **rec} for rec in recs]
     frame = to_frame(records)
     write_parquet_atomic(frame, output_path)
     return frame
