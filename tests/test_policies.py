@@ -44,7 +44,7 @@ def test_bad_policies_are_named():
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "budget": 10})
     with pytest.raises(ValueError, match="exactly one"):
         Policy.from_config("x", {"press": "SnapKVPress"})
-    with pytest.raises(ValueError, match="unknown kvpress press 'SnapPress'; available: .*SnapKVPress"):
+    with pytest.raises(ValueError, match="unknown press 'SnapPress'; available: .*SnapKVPress"):
         Policy.from_config("x", {"press": "SnapPress", "compression_ratio": 0.5}).build_press(100)
     with pytest.raises(ValueError, match=r"SnapKVPress has no parameter\(s\) \['n_sink'\]; accepted: .*window_size"):
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "n_sink": 4}).build_press(100)
