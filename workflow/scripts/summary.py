@@ -2,7 +2,7 @@
 
 import polars as pl
 
-from kvdiverge.analysis import summary_html
+from kvdiverge.pages import summary_html
 from kvdiverge.io import write_text_atomic
 from kvdiverge.rulelog import rule_logger
 
@@ -10,7 +10,7 @@ log = rule_logger(snakemake.log[0], "summary")  # noqa: F821
 i = snakemake.input  # noqa: F821
 try:
     html = summary_html(pl.read_parquet(i.pooled), pl.read_parquet(i.gaps), pl.read_parquet(i.confirmatory),
-                        dict(snakemake.params.plan))  # noqa: F821
+                        dict(snakemake.params.plan), floor=pl.read_parquet(i.floor))  # noqa: F821
     write_text_atomic(html, snakemake.output[0])  # noqa: F821
     log.info("wrote %s", snakemake.output[0])  # noqa: F821
 except Exception:
