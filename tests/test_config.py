@@ -33,8 +33,17 @@ def test_shipped_configs_validate(name):
     config = load_config(ROOT / "config" / name)
     assert set(config) == {
         "seed", "corpus", "prompt", "models", "policies", "runs", "decoding",
-        "replicates", "window", "confirmatory", "analysis", "shards",
+        "replicates", "window", "confirmatory", "analysis", "shards", "results_dir",
     }
+
+
+def test_each_shipped_config_writes_to_its_own_directory():
+    dirs = {name: load_config(ROOT / "config" / name)["results_dir"]
+            for name in ("config.yaml", "smoke.yaml", "paper.yaml")}
+    assert dirs == {"config.yaml": "results", "smoke.yaml": "results-smoke", "paper.yaml": "results-paper"}
+    config = raw("smoke.yaml")
+    del config["results_dir"]
+    assert validate(config)["results_dir"] == "results"  # the default
 
 
 def test_defaults_are_filled_without_touching_the_input():

@@ -111,12 +111,13 @@ def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: st
         Canonical (:func:`canonical`) ``{"model", "policy", "decoding", "replicates",
         "seed", "shards", "documents"}``; ``documents`` is the control's document count
         where the control limits this run (``runs.control``), else ``None`` (all usable
-        documents of the split).
+        documents of the split). ``model`` is None when ``config`` has no entry for the
+        model (a loaded model passed directly to ``run_shard``).
     """
     from kvdiverge.config import control_documents
 
     return canonical({
-        "model": config["models"][model],
+        "model": config.get("models", {}).get(model),  # None: a model given directly (tests)
         "policy": config["policies"][policy],
         "decoding": config["decoding"],
         "replicates": config["replicates"],

@@ -50,8 +50,8 @@ rule pool:
     log:
         f"{LOGS}/analysis/pool.log",
     params:
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
         confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
@@ -79,8 +79,8 @@ rule gaps:
     params:
         gaps=canonical(config["analysis"]["gaps"]),
         models=MODELS,
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
         confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
@@ -111,8 +111,8 @@ rule confirmatory:
     params:
         plan=canonical(CONFIRMATORY_PLAN),
         split="confirmatory",
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
         confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:

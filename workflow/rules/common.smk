@@ -29,7 +29,7 @@ validate(config, "../schemas/config.schema.yaml")
 SPLITS = ("exploratory", "confirmatory")
 MODELS = list(config["models"])
 RUNS = kvdiverge.config.runs(config)  # [(model, policy, split), ...], control included
-SHARDS = list(range(config["shards"]))
+SHARDS = list(range(int(config["shards"])))
 
 
 # Every rule declares, as params, exactly the settings that decide its output, in

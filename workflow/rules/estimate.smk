@@ -19,8 +19,8 @@ rule estimate:
     log:
         f"{LOGS}/estimate/{{model}}/{{policy}}/{{split}}.log",
     params:
-        window=config["window"],
-        windows={"early": config["confirmatory"]["early"], "late": config["confirmatory"]["late"]},
+        window=canonical(config["window"]),
+        windows=canonical({"early": config["confirmatory"]["early"], "late": config["confirmatory"]["late"]}),
         settings=shard_settings,
     threads: 1
     resources:

@@ -33,8 +33,8 @@ rule figures:
     log:
         f"{LOGS}/figures.log",
     params:
-        early=config["confirmatory"]["early"],
-        late=config["confirmatory"]["late"],
+        early=canonical(config["confirmatory"]["early"]),
+        late=canonical(config["confirmatory"]["late"]),
     threads: 1
     resources:
         mem_mb=2000,
@@ -61,7 +61,7 @@ rule summary:
     log:
         f"{LOGS}/summary.log",
     params:
-        plan=config["confirmatory"],
+        plan=canonical(config["confirmatory"]),
     threads: 1
     resources:
         mem_mb=1000,
