@@ -166,6 +166,8 @@ def test_a_changed_setting_reruns_exactly_the_jobs_it_affects(finished, key, val
 
 @pytest.mark.llm
 def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
+    import torch
+
     from kvdiverge.config import load_config
     from kvdiverge.models import load_model, local_entry
     from kvdiverge.trajectories import run_shard
@@ -177,13 +179,19 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     config["decoding"]["temperature"] = 0.9
     model, _ = load_model(local_entry(config["models"][MODEL], work / RES / "models" / MODEL), MODEL)
     made = tmp_path / "elsewhere" / "shard-0.parquet"
-    frame = run_shard(config, MODEL, "snapkv-50", "exploratory", 0, str(work / RES / "prompts" / f"{MODEL}.parquet"),
-                      str(made), model=model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workflow's shard jobs (threads: 1); more threads only contend
+    try:
+        frame = run_shard(config, MODEL, "snapkv-50", "exploratory", 0,
+                          str(work / RES / "prompts" / f"{MODEL}.parquet"), str(made), model=model)
+    finally:
+        torch.set_num_threads(threads)
     assert frame.height == 2  # 1 document x R = 2
     shutil.copy(made, work / shard)
 
     estimate = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
-    out = snakemake(work, "--cores", "1", "--configfile", "config/smoke.yaml", estimate, check=False)
+    # targets before --configfile, which takes every following word as a config file
+    out = snakemake(work, "--cores", "1", estimate, "--configfile", "config/smoke.yaml", check=False)
     assert out.returncode != 0
     log = (work / RES / "logs" / "estimate" / MODEL / "snapkv-50" / "exploratory.log").read_text()
     assert f"{shard}: decoding.temperature = 0.9 in the shard, 0.7 in the config" in log
@@ -205,7 +213,7 @@ def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
         shutil.rmtree(clean / RES / stage)
     target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
     for work in (rerun, clean):
-        snakemake(work, "--cores", "2", "--configfile", write_config(work, setter("shards", 1)), target)
+        snakemake(work, "--cores", "2", target, "--configfile", write_config(work, setter("shards", 1)))
 
     before = pl.read_parquet(src / target)
     shard0 = pl.read_parquet(rerun / RES / "trajectories" / MODEL / "snapkv-50" / "exploratory" / "shard-0.parquet")
