@@ -131,3 +131,12 @@ def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path):
     # a cluster run (SLURM profile, --jobs) gets no local cap
     slurm = _dry_run(tmp_path, "--profile", str(REPO / "profiles" / "slurm"))
     assert "local GPU cap" not in slurm and "trajectories      240" in slurm
+
+
+def test_schema_checks_the_gpus_key():
+    from kvdiverge.config import ConfigError, load_config, validate
+
+    paper = load_config(REPO / "config" / "paper.yaml")
+    assert validate({**paper, "gpus": 2})["gpus"] == 2
+    with pytest.raises(ConfigError, match="gpus"):
+        validate({**paper, "gpus": -1})
