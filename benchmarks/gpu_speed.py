@@ -9,8 +9,8 @@ runs one shard of ``config/paper.yaml`` size through the engine
 - token-steps/s (one token-step = one next-token distribution of one row on one side;
   counted from what the engine did: chain steps + branch steps, both sides);
 - peak GPU memory;
-- the documents per forward ``B`` (``kvdiverge.planner.plan_batch`` where it exists,
-  else 1);
+- the documents per forward ``B`` (``kvdiverge.planner.plan_batch`` where the engine
+  batches documents, with the arguments the runner gives it; else 1);
 - the projected hours of the whole ``config/paper.yaml`` generation stage on one GPU:
   the config's token-steps (:mod:`kvdiverge.cost`, upper bound ``2T - 1`` steps per side)
   divided by the measured rate of each model.
@@ -62,35 +62,41 @@ def make_documents(n: int, tokens: int, vocab: int, eos: set[int], seed: int = 0
     return docs
 
 
-def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None) -> tuple[int, str]:
-    """Documents per forward from ``kvdiverge.planner.plan_batch`` where it exists, else 1.
+def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
+         override: int | None) -> tuple[int, str]:
+    """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
-    The planner's arguments are matched by name (it may arrive after this script), and a
-    planner that cannot be called with what this script knows falls back to 1.
+    1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
+    ``kvdiverge.planner.plan_batch`` with the arguments the runner gives it (matched by
+    name; a planner this script cannot call falls back to ``override`` or 1).
     """
+    if "batch_documents" not in inspect.signature(run_documents).parameters:
+        return 1, "engine without batch_documents: one document per forward"
     try:
-        from kvdiverge.planner import plan_batch
+        from kvdiverge import planner
     except ImportError:
-        return 1, "no kvdiverge.planner: one document per forward"
+        return override or 1, "no kvdiverge.planner"
+    param = next(model.parameters())
     lens = [d.prompt_len for d in docs]
-    known = {"model": model, "config": model.config, "model_config": model.config,
-             "prompt_lens": lens, "prompt_lengths": lens, "documents": docs, "n_documents": len(docs),
-             "replicates": R, "R": R, "rows": R, "T": T, "max_new_tokens": T,
-             "memory_budget_gb": budget_gb, "budget_gb": budget_gb,
-             "dtype": next(model.parameters()).dtype, "device": next(model.parameters()).device}
-    params = inspect.signature(plan_batch).parameters
-    kwargs = {k: known[k] for k in params if k in known and not (known[k] is None and
-                                                                  params[k].default is not inspect._empty)}
-    missing = [k for k, p in params.items() if p.default is inspect._empty and k not in kwargs
+    known: dict[str, Any] = {
+        "prompt_len": max(lens), "prompt_lens": lens, "T": T, "replicates": R,
+        "vocab_size": int(model.config.vocab_size), "documents": len(docs), "override": override,
+        "model_config": model.config, "dtype": param.dtype, "device": param.device,
+        "memory_budget_gb": budget_gb,
+    }
+    if hasattr(planner, "kv_bytes_per_token"):
+        known["kv_bytes_per_token"] = planner.kv_bytes_per_token(model.config, param.dtype)
+    if budget_gb is not None:
+        known["memory_budget_bytes"] = int(budget_gb * 2**30)
+    elif hasattr(planner, "default_memory_budget"):
+        known["memory_budget_bytes"] = planner.default_memory_budget(param.device)
+    params = inspect.signature(planner.plan_batch).parameters
+    kwargs = {k: known[k] for k in params if k in known}
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if missing:
-        return 1, f"plan_batch needs {missing}: one document per forward"
-    out = plan_batch(**kwargs)
-    for attr in ("batch_documents", "B", "documents"):
-        if hasattr(out, attr):
-            out = getattr(out, attr)
-            break
-    return max(1, int(out)), "kvdiverge.planner.plan_batch"
+        return override or 1, f"plan_batch needs {missing}"
+    return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.planner.plan_batch"
 
 
 def engine_steps(records: list[dict[str, Any]]) -> int:
@@ -114,10 +120,11 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     eos = set(model.generation_config.eos_token_id)
     docs = make_documents(args.docs, args.prompt_tokens, model.config.vocab_size, eos)
     policy = Policy.from_config(args.policy, config["policies"][args.policy])
-    B, why = plan(model, docs, args.R, args.T, args.memory_budget_gb)
-    if args.batch_documents:
-        B, why = args.batch_documents, "--batch-documents"
-    kw = {"batch_documents": B} if "batch_documents" in inspect.signature(run_documents).parameters else {}
+    B, why = plan(model, docs, args.R, args.T, args.memory_budget_gb, args.batch_documents)
+    accepted = inspect.signature(run_documents).parameters
+    kw = {"batch_documents": B} if "batch_documents" in accepted else {}
+    if "memory_budget_gb" in accepted and args.memory_budget_gb is not None:
+        kw["memory_budget_gb"] = args.memory_budget_gb
     common = dict(replicates=args.R, temperature=0.7, top_p=0.95, seed=1, model_name=name, **kw)
     # warm-up (kernels, allocator): one short document, not timed
     run_documents(model, docs[:1], policy, T=min(4, args.T), **common)
@@ -179,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=None, help="mean prompt length (default 1200; tiny 150)")
     ap.add_argument("--R", type=int, default=None, help="replicates (default 8; tiny 2)")
     ap.add_argument("--T", type=int, default=None, help="horizon (default 256; tiny 4)")
-    ap.add_argument("--batch-documents", type=int, default=None, help="override the planner's B")
+    ap.add_argument("--batch-documents", type=int, default=None,
+                    help="documents per forward, passed to the planner as its override")
     ap.add_argument("--memory-budget-gb", type=float, default=None, help="passed to the planner")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
