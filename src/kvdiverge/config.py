@@ -290,3 +290,24 @@ def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
             if item not in out:
                 out.append(item)
     return out
+
+
+def control_documents(config: dict[str, Any], policy: str, split: str) -> int | None:
+    """How many documents the ``(policy, split)`` run takes: a control's count, or None (all).
+
+    The ``none`` control (``runs.control``) runs on the first ``runs.control.documents``
+    usable documents of its split only, and the noise floor (``runs.floor``) on the
+    first ``runs.floor.documents`` of each split when that key is given, unless the same
+    policy is also scheduled on that split in full (then it takes every document and
+    this returns None).
+    """
+    runs_ = config.get("runs", {})
+    if policy in runs_.get(split, []):
+        return None
+    control = runs_.get("control") or {}
+    if control.get("policy") == policy and control.get("split") == split:
+        return int(control["documents"])
+    floor = runs_.get("floor") or {}
+    if floor.get("policy") == policy and floor.get("documents"):
+        return int(floor["documents"])
+    return None

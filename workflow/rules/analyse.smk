@@ -1,9 +1,9 @@
 # Stage 5: exploratory and confirmatory analyses — kvdiverge.analysis (estimators.md §7-§8).
-# Tables go to results/analysis/ as parquet (full) and csv (scalar columns). The noise
-# floor (config runs.floor) is compared with every policy of its splits (floor.parquet)
-# and reported beside the confirmatory test.
+# Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns). The
+# noise floor (config runs.floor) is compared with every policy of its splits
+# (floor.parquet) and reported beside the confirmatory test.
 
-ANALYSIS = "results/analysis"
+ANALYSIS = f"{RESULTS}/analysis"
 CONFIRMATORY_PLAN = config["confirmatory"]
 # estimate tables the analyses read
 GAP_ESTIMATES = sorted(
@@ -54,9 +54,9 @@ rule pool:
     log:
         f"{LOGS}/analysis/pool.log",
     params:
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=4000,
@@ -81,11 +81,11 @@ rule gaps:
     log:
         f"{LOGS}/analysis/gaps.log",
     params:
-        gaps=config["analysis"]["gaps"],
+        gaps=canonical(config["analysis"]["gaps"]),
         models=MODELS,
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=4000,
@@ -141,12 +141,12 @@ rule confirmatory:
     log:
         f"{LOGS}/analysis/confirmatory.log",
     params:
-        plan=CONFIRMATORY_PLAN,
+        plan=canonical(CONFIRMATORY_PLAN),
         floor=FLOOR,
         split="confirmatory",
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=2000,
