@@ -95,7 +95,8 @@ def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) ->
     sns.set_theme(style="whitegrid", context="paper")
     if survival.height == 0:
         return save_figure(_empty("no runs"), png, pdf)
-    label = (pl.when(pl.col("policy") == pl.lit(floor)).then(pl.lit(f"noise floor: {floor}"))
+    floor_label = "noise floor" if floor == "noise-floor" else f"noise floor ({floor})"
+    label = (pl.when(pl.col("policy") == pl.lit(floor)).then(pl.lit(floor_label))
              .otherwise(pl.col("policy")) if floor else pl.col("policy"))
     s = survival.with_columns((label + " (" + pl.col("split") + ")").alias("run"))
     floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
