@@ -137,6 +137,8 @@ def test_infinite_variance_ratio_only_where_its_denominator_is_zero(estimates, t
     _, docs = estimates
     assert docs.filter(pl.col("doc_id") == "equal")["var_N_cmc"][0] == 0
     path = tmp_path / "exploratory.parquet"
+    docs = docs.with_columns(pl.when(pl.col("doc_id") == "stop").then(0.5).otherwise(pl.col("var_N_cmc"))
+                             .alias("var_N_cmc"))  # a defined ratio on the other document
     for doc, value, refused in (("equal", float("inf"), False), ("equal", float("-inf"), True),
                                 ("stop", float("inf"), True)):
         docs.with_columns(pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col("var_ratio"))
