@@ -137,8 +137,9 @@ def test_infinite_variance_ratio_only_where_its_denominator_is_zero(estimates, t
     _, docs = estimates
     assert docs.filter(pl.col("doc_id") == "equal")["var_N_cmc"][0] == 0
     path = tmp_path / "exploratory.parquet"
-    docs = docs.with_columns(pl.when(pl.col("doc_id") == "stop").then(0.5).otherwise(pl.col("var_N_cmc"))
-                             .alias("var_N_cmc"))  # a defined ratio on the other document
+    stop = pl.col("doc_id") == "stop"  # give the other document a defined ratio 0 / 0.5
+    docs = docs.with_columns(pl.when(stop).then(0.5).otherwise(pl.col("var_N_cmc")).alias("var_N_cmc"),
+                             pl.when(stop).then(0.0).otherwise(pl.col("var_ratio")).alias("var_ratio"))
     for doc, value, refused in (("equal", float("inf"), False), ("equal", float("-inf"), True),
                                 ("stop", float("inf"), True)):
         docs.with_columns(pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col("var_ratio"))
