@@ -139,7 +139,7 @@ def test_infinite_variance_ratio_only_where_its_denominator_is_zero(estimates, t
     path = tmp_path / "exploratory.parquet"
     stop = pl.col("doc_id") == "stop"  # give the other document a defined ratio 0 / 0.5
     docs = docs.with_columns(pl.when(stop).then(0.5).otherwise(pl.col("var_N_cmc")).alias("var_N_cmc"),
-                             pl.when(stop).then(0.0).otherwise(pl.col("var_ratio")).alias("var_ratio"))
+                             *(pl.when(stop).then(0.0).otherwise(pl.col(c)).alias(c) for c in ("var_ratio", "var_ratio_tv")))
     for doc, value, refused in (("equal", float("inf"), False), ("equal", float("-inf"), True),
                                 ("stop", float("inf"), True)):
         docs.with_columns(pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col("var_ratio"))
