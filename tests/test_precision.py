@@ -88,7 +88,7 @@ def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
 
 
 def test_float16_runs_on_cpu(bf16_run):
-    """float16 on CPU: one document, T = 4, through the engine; the records are finite."""
+    """float16 on CPU: one short document, T = 4, through the engine; the records are finite."""
     import torch
 
     from kvdiverge.finite import check_shard
@@ -103,7 +103,8 @@ def test_float16_runs_on_cpu(bf16_run):
     model, _ = load_model(spec, "smollm2-135m")
     assert next(model.parameters()).dtype == torch.float16
     prompts = pl.read_parquet(bf16_run / "results/prompts/smollm2-135m.parquet")
-    ids = prompts.filter(pl.col("split") == "exploratory")["input_ids"][0].to_list()
+    # a 48-token prompt: float16 matrix products have no fast CPU kernels (slow)
+    ids = prompts.filter(pl.col("split") == "exploratory")["input_ids"][0].to_list()[:48]
     policy = Policy.from_config("snapkv-50", config["policies"]["snapkv-50"])
     records = run_documents(model, [Document("d0", ids)], policy, T=4, replicates=2, temperature=0.7,
                             top_p=0.95, seed=1, model_name="smollm2-135m")

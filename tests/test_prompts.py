@@ -239,6 +239,10 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
 
     text = dry_run(lambda c: c["prompt"].update(instruction="List the topics."))
     assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
+    text = dry_run(lambda c: c["prompt"].update(date="2027-05-05"))  # the date templates see
+    assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
+    text = dry_run(lambda c: c["prompt"].update(date="2026-01-01"))  # the default, written out
+    assert "Nothing to be done" in text
     text = dry_run(lambda c: c["analysis"].update(bootstrap=100))
     assert "Nothing to be done" in text
 
