@@ -11,7 +11,10 @@
 # Helper functions live here, not in the stage files (snakemake --lint wants rules and
 # functions apart).
 
+import sys
+
 import kvdiverge.config
+import kvdiverge.devices
 import kvdiverge.prompts
 from snakemake.utils import validate
 
@@ -68,6 +71,25 @@ wildcard_constraints:
 def model_on_gpu(model):
     """True when the model runs on a CUDA device (its jobs then request a GPU)."""
     return str(config["models"][model].get("device", "cpu")).startswith("cuda")
+
+
+# Local runs: at most one generation job per GPU (kvdiverge.devices). The trajectories
+# rule requests gpu=1 per job with a CUDA model; without a cap Snakemake would start one
+# such job per core. --resources gpu=N wins; otherwise the config key `gpus`, otherwise the
+# number of visible CUDA devices (KVDIVERGE_GPUS simulates a device list). Cluster runs
+# (--jobs / the SLURM profile) are left alone: SLURM hands each job its own GPU.
+if workflow.is_main_process and workflow.nodes is None and any(model_on_gpu(m) for m in MODELS):
+    if "gpu" in workflow.global_resources:
+        _gpu_cap, _gpu_source = workflow.global_resources["gpu"].value, "--resources"
+    else:
+        _gpu_cap, _gpu_source = kvdiverge.devices.gpu_cap(config)
+        workflow.register_resource("gpu", _gpu_cap)
+    print(f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
+          f"generation job(s) at once, each bound to its own GPU", file=sys.stderr)
+    if not _gpu_cap:
+        print("kvdiverge: WARNING: no CUDA device visible; generation jobs of CUDA models "
+              "will fail (set the model's device to cpu, or run where there is a GPU)",
+              file=sys.stderr)
 
 
 # GGUF models are converted once to a safetensors directory (rule convert_model).
