@@ -235,7 +235,7 @@ def test_malformed_jsonl_line_names_the_file_and_line(tmp_path):
     with pytest.raises(C.CorpusError) as err:
         C.build_corpus(_jsonl_spec(path))
     msg = str(err.value)
-    assert f"{path}, line 4, is not valid JSON" in msg
+    assert f"{path}, line 4, is not valid JSON-lines" in msg
     assert "An error occurred while generating the dataset" not in msg
 
 
@@ -243,9 +243,11 @@ def test_the_bad_line_is_found_among_several_files(tmp_path):
     good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     good.write_text("\n".join(json.dumps(r) for r in _rows(n_groups=2, per_group=1)))
     bad.write_text(json.dumps(_rows(1, 1)[0]) + "\n[1, 2\n")
-    with pytest.raises(C.CorpusError, match=rf"{bad}, line 2, is not valid JSON"):
+    with pytest.raises(C.CorpusError, match=rf"{bad}, line 2, is not valid JSON-lines"):
         C.build_corpus({**_jsonl_spec(tmp_path / "*.jsonl")})
     assert C.first_bad_json_line(good) is None
+    bad.write_text(json.dumps(_rows(1, 1)[0]) + "\n\n" + json.dumps(["a", "list"]) + "\n")
+    assert C.first_bad_json_line(bad) == (3, "a JSON list, not an object")
     whole = tmp_path / "array.json"
     whole.write_text(json.dumps(_rows(n_groups=2, per_group=1), indent=2))  # one JSON document
     assert C.first_bad_json_line(whole) is None

@@ -260,7 +260,7 @@ def _data_files(data_files: Any) -> list[Path]:
 
 
 def first_bad_json_line(path: str | os.PathLike) -> tuple[int, str] | None:
-    """The first line of a JSON-lines file that is not valid JSON, or ``None``.
+    """The first line of a JSON-lines file that is not one JSON object, or ``None``.
 
     Blank lines are skipped (as ``datasets`` does). A file that is one JSON document as a
     whole (a ``.json`` array or object) has no bad line.
@@ -282,9 +282,11 @@ def first_bad_json_line(path: str | os.PathLike) -> tuple[int, str] | None:
         if not line.strip():
             continue
         try:
-            json.loads(line)
+            value = json.loads(line)
         except ValueError as exc:
             return number, str(exc)
+        if not isinstance(value, dict):
+            return number, f"a JSON {type(value).__name__}, not an object"
     return None
 
 
@@ -296,7 +298,7 @@ def _load_error(kwargs: dict[str, Any], exc: Exception) -> CorpusError:
             if bad is not None:
                 number, message = bad
                 return CorpusError(
-                    f"corpus.dataset: {path}, line {number}, is not valid JSON ({message}); "
+                    f"corpus.dataset: {path}, line {number}, is not valid JSON-lines ({message}); "
                     f"every line of a JSON-lines file must be one JSON object"
                 )
     cause = f" (cause: {exc.__cause__})" if exc.__cause__ is not None else ""
