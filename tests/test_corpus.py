@@ -286,12 +286,13 @@ def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
     config_path.write_text(yaml.safe_dump(config))
     out = subprocess.run(
         [str(Path(sys.executable).parent / "snakemake"), "--cores", "1", "--configfile", str(config_path),
-         "-d", str(tmp_path), "results/corpus/documents.parquet"],
+         "-d", str(tmp_path), f"{config['results_dir']}/corpus/documents.parquet"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                         os.environ.get("PYTHONPATH")]))},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    log = (tmp_path / "logs" / "corpus.log").read_text()
+    results = tmp_path / config["results_dir"]
+    log = (results / "logs" / "corpus.log").read_text()
     assert "skipped 4 of 6 rows" in log
-    assert pl.read_parquet(tmp_path / "results/corpus/documents.parquet").height == 2
+    assert pl.read_parquet(results / "corpus/documents.parquet").height == 2

@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 import yaml
 
-from conftest import REPO, _copy_tree
+from conftest import REPO, _copy_tree, results_dir
 from kvdiverge.finite import check_finite, document_undefined
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llm]
@@ -24,7 +24,7 @@ def bf16_run(tmp_path_factory) -> Path:
     Returns
     -------
     pathlib.Path
-        The copy's root (``results/``, ``logs/`` under it).
+        The run's results directory (the smoke config's ``results_dir``, logs under it).
     """
     work = tmp_path_factory.mktemp("smoke-bf16")
     _copy_tree(work)
@@ -38,7 +38,7 @@ def bf16_run(tmp_path_factory) -> Path:
     res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"bfloat16 smoke run failed: {' '.join(cmd)}\n{res.stderr[-8000:]}")
-    return work
+    return work / results_dir("smoke.yaml")
 
 
 # Where a NaN (or +inf) is the documented value of an undefined quantity in the analysis
@@ -63,11 +63,11 @@ ANALYSIS_UNDEFINED = {
 
 def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
     """Every estimate and analysis table of the bfloat16 run is finite where a number belongs."""
-    converted = bf16_run / "results/models/smollm2-135m/config.json"
+    results = bf16_run
+    converted = results / "models/smollm2-135m/config.json"
     assert '"dtype": "bfloat16"' in converted.read_text()  # the GGUF conversion kept the dtype
-    results = bf16_run / "results"
     tables = sorted([*(results / "estimates").rglob("*.parquet"), *(results / "analysis").rglob("*.parquet")])
-    assert len(tables) == 8 + 9  # 4 runs x (documents, replicates), 9 analysis tables
+    assert len(tables) == 8 + 10  # 4 runs x (documents, replicates), 9 analysis tables + provenance
     for path in tables:
         frame = pl.read_parquet(path)
         assert frame.height > 0, path
@@ -99,10 +99,10 @@ def test_float16_runs_on_cpu(bf16_run):
 
     config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec = local_entry({**config["models"]["smollm2-135m"], "dtype": "float16"},
-                       bf16_run / "results/models/smollm2-135m")
+                       bf16_run / "models/smollm2-135m")
     model, _ = load_model(spec, "smollm2-135m")
     assert next(model.parameters()).dtype == torch.float16
-    prompts = pl.read_parquet(bf16_run / "results/prompts/smollm2-135m.parquet")
+    prompts = pl.read_parquet(bf16_run / "prompts/smollm2-135m.parquet")
     # a 48-token prompt: float16 matrix products have no fast CPU kernels (slow)
     ids = prompts.filter(pl.col("split") == "exploratory")["input_ids"][0].to_list()[:48]
     policy = Policy.from_config("snapkv-50", config["policies"]["snapkv-50"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import _copy_tree
+from conftest import _copy_tree, results_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llm]
 
@@ -45,8 +45,9 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
     with open(tmp_path / "killed.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    shards = work / "results" / "trajectories"
-    shard_logs = work / "logs" / "trajectories"
+    results = work / results_dir("smoke.yaml")
+    shards = results / "trajectories"
+    shard_logs = results / "logs" / "trajectories"
     deadline = time.monotonic() + TIMEOUT
     try:
         while not (any(shard_logs.rglob("*.log")) or any(shards.rglob("shard-*.parquet"))):
@@ -59,7 +60,7 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert len(list(shards.rglob("shard-*.parquet"))) < 8  # killed during generation
-    assert not (work / "results" / "analysis").exists()
+    assert not (results / "analysis").exists()
 
     # 2. the plain rerun stops at the stale lock ...
     res = run(cmd)
@@ -72,7 +73,7 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
     assert res.returncode == 0, res.stderr[-6000:]
 
     # 4. every shard, estimate and analysis table equals the uninterrupted run's (timing aside)
-    resumed, reference = _tables(work / "results"), _tables(smoke_run)
+    resumed, reference = _tables(results), _tables(smoke_run)
     assert sorted(resumed) == sorted(reference)
     assert sum(k.startswith("trajectories") for k in reference) == 8
     for name, frame in reference.items():
