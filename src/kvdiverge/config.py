@@ -15,6 +15,7 @@ Errors are :class:`ConfigError` with one line per problem, naming the key path
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -77,6 +78,9 @@ def format_error(error) -> str:
         return f"{where}: {error.instance!r} is not allowed; allowed values: {allowed}"
     if v == "const":
         return f"{where}: must be {error.validator_value!r}, got {error.instance!r}"
+    if v == "type" and isinstance(error.instance, datetime.date):
+        return (f"{where}: {error.instance!r} has the wrong type; expected a string: quote the "
+                f"date (\"{error.instance.isoformat()}\"), YAML reads an unquoted date as a date object")
     if v == "type":
         return f"{where}: {error.instance!r} has the wrong type; expected {error.validator_value}"
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -169,7 +173,8 @@ def check(config: dict[str, Any]) -> None:
 
     Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
-    on the exploratory split; word and lag ranges must be ordered.
+    on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
+    a real calendar date.
 
     Raises
     ------
@@ -251,6 +256,15 @@ def check(config: dict[str, Any]) -> None:
                 )
         if len(pair) == 2 and pair[0] == pair[1]:
             problems.append(f"analysis.gaps[{i}]: the two policies must differ, got {pair}")
+
+    date = config.get("prompt", {}).get("date")
+    if isinstance(date, str):
+        from kvdiverge.prompts import parse_date
+
+        try:
+            parse_date(date)
+        except ValueError as exc:
+            problems.append(str(exc))
 
     corpus = config.get("corpus", {})
     if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:

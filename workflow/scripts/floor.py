@@ -3,6 +3,7 @@
 import polars as pl
 
 from kvdiverge.analysis import FLOOR_SCHEMA, floor_comparison, save_table
+from kvdiverge.estimators import read_estimates
 from kvdiverge.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "floor")  # noqa: F821
@@ -13,7 +14,7 @@ try:
         log.info("no noise-floor control configured (runs.floor): empty table")
         table = pl.DataFrame(schema=FLOOR_SCHEMA)
     else:
-        docs = pl.concat([pl.read_parquet(f) for f in snakemake.input], how="diagonal_relaxed")  # noqa: F821
+        docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
         table = floor_comparison(docs, p.floor, p.bootstrap, p.confidence, p.seed)
         log.info("floor %s:\n%s", p.floor, table.select(
             ["model", "split", "policy", "n_docs", "p_div", "floor_p_div", "E_N", "floor_E_N",

@@ -4,13 +4,14 @@ import polars as pl
 from tqdm import tqdm
 
 from kvdiverge.analysis import GAP_SCHEMA, gap_decomposition, save_table
+from kvdiverge.estimators import read_estimates
 from kvdiverge.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "gaps")  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:
     files = list(snakemake.input)  # noqa: F821
-    docs = pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed") if files else None
+    docs = read_estimates(files) if files else None  # refuses non-finite inputs
     frames = []
     jobs = [(m, a, b) for m in p.models for a, b in p.gaps]
     for model, a, b in tqdm(jobs, desc="gaps"):

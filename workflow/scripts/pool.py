@@ -1,18 +1,16 @@
 """Snakemake adapter: pooled estimates, timing, survival, branch TV, variance (kvdiverge.estimators)."""
 
-import polars as pl
 from tqdm import tqdm
 
 from kvdiverge.analysis import save_table, timing_table, variance_table
-from kvdiverge.estimators import branch_tv_curve, pooled_estimates, survival_curve
+from kvdiverge.estimators import branch_tv_curve, pooled_estimates, read_estimates, survival_curve
 from kvdiverge.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "pool")  # noqa: F821
 out = snakemake.output  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:
-    docs = pl.concat([pl.read_parquet(f) for f in tqdm(snakemake.input, desc="estimates")],  # noqa: F821
-                     how="diagonal_relaxed")
+    docs = read_estimates(tqdm(snakemake.input, desc="estimates"))  # noqa: F821  (refuses non-finite)
     log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))  # noqa: F821
     pooled = pooled_estimates(docs, p.bootstrap, p.confidence, p.seed)
     survival = survival_curve(docs, p.bootstrap, p.confidence, p.seed)
