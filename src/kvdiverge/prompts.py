@@ -31,23 +31,26 @@ SCHEMA = {
 }
 
 
-def messages(document: str, instruction: str, system: str | None = None) -> list[dict[str, str]]:
-    """Chat messages of a prompt: optional system message, then document + instruction."""
+def messages(document: str, instruction: str | None, system: str | None = None) -> list[dict[str, str]]:
+    """Chat messages of a prompt: optional system message, then document + instruction.
+
+    Without an instruction (``None`` or empty) the user message is the document alone.
+    """
     out = []
     if system:
         out.append({"role": "system", "content": system})
-    out.append({"role": "user", "content": f"{document}\n\n{instruction}"})
+    out.append({"role": "user", "content": f"{document}\n\n{instruction}" if instruction else document})
     return out
 
 
-def render_text(tokenizer, document: str, instruction: str, system: str | None = None) -> str:
+def render_text(tokenizer, document: str, instruction: str | None, system: str | None = None) -> str:
     """The chat-rendered prompt as a string (generation prompt included)."""
     return tokenizer.apply_chat_template(
         messages(document, instruction, system), add_generation_prompt=True, tokenize=False
     )
 
 
-def render_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> list[int]:
+def render_ids(tokenizer, document: str, instruction: str | None, system: str | None = None) -> list[int]:
     """The chat-rendered prompt as token ids (generation prompt included)."""
     out = tokenizer.apply_chat_template(
         messages(document, instruction, system), add_generation_prompt=True, return_dict=True
