@@ -448,7 +448,8 @@ def format_summary(m: Measurement) -> str:
         header.append(f"E[M] - {floor} [CI]")
     rows = []
     for r in summ.iter_rows(named=True):
-        row = [r["policy"], str(r["n_docs"]), f"{r['kept_fraction']:.0%}" + ("*" if r["untouched"] else ""),
+        flag = "*" if r["untouched"] and r["policy"] != floor else ""
+        row = [r["policy"], str(r["n_docs"]), f"{r['kept_fraction']:.0%}{flag}",
                _with_ci(r, "p_div"), _with_ci(r, "tau_mean"), _with_ci(r, "E_M"),
                _num(r["first_mismatch_term"]), _num(r["exposure_rate_term"]), _num(r["E_L"]), _num(r["rho"])]
         if floor is not None:
@@ -460,7 +461,7 @@ def format_summary(m: Measurement) -> str:
     out = [f"{s['model']}: {summ['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature {s['temperature']}, "
            f"top-p {s['top_p']}, seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
            line(header), line(["-" * w for w in widths]), *map(line, rows)]
-    untouched = summ.filter(pl.col("untouched"))["policy"].to_list()
+    untouched = [p for p in summ.filter(pl.col("untouched"))["policy"].to_list() if p != floor]
     if untouched:
         out.append(f"* left the cache untouched (kept every prompt position): {', '.join(untouched)}")
     if floor is None:
@@ -581,7 +582,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
-    for name in untouched:
+    for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
         warnings.warn(f"press {name!r} left the cache untouched (kept every prompt position on every prompt)",
                       stacklevel=2)
     return result

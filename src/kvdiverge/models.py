@@ -194,7 +194,7 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def load_model(spec: dict[str, Any], name: str | None = None):
+def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
     """Load ``(model, tokenizer)`` for a model entry of the config.
 
     Parameters
@@ -205,6 +205,9 @@ def load_model(spec: dict[str, Any], name: str | None = None):
         (default sdpa).
     name : str, optional
         The entry's name, used in error messages.
+    tokenizer : transformers tokenizer, optional
+        Already loaded by :func:`load_tokenizer`; returned as it is (a GGUF tokenizer
+        takes seconds to parse).
 
     Returns
     -------
@@ -218,7 +221,8 @@ def load_model(spec: dict[str, Any], name: str | None = None):
     """
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(spec, name)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec, name)
     device = spec.get("device", "cpu")
     placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
     model = _from_pretrained(
