@@ -35,6 +35,9 @@ from kvdiverge.runner import Document
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+# One torch thread: on a busy 2-core test machine two OpenMP threads per forward pass are
+# 10-50x slower than one (measured: a 300-token prefill of the embedded model 14 s vs 1.7 s).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 USER_PRESSES = '''
 from dataclasses import dataclass
@@ -61,6 +64,17 @@ class RecentPress(ScorerPress):
 '''
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (see ONE_THREAD), restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def user_presses(tmp_path_factory) -> Path:
     """A directory with ``mypresses.py`` (press classes kvpress does not ship), on sys.path."""
@@ -74,9 +88,9 @@ def user_presses(tmp_path_factory) -> Path:
 def run_cli(args: list[str], cwd: Path, extra_path: Path | None = None) -> subprocess.CompletedProcess:
     """``python -m kvdiverge.cli`` with this tree's sources first on the path."""
     path = [str(REPO / "src")] + ([str(extra_path)] if extra_path else []) + [os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), **ONE_THREAD}
     return subprocess.run([PYTHON, "-m", "kvdiverge.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=1800)
 
 
 # --------------------------------------------------------------------------- no model
@@ -367,28 +381,22 @@ def _same(ours: pl.DataFrame, theirs: pl.DataFrame, keys: list[str], what: str) 
 
 
 @pytest.mark.e2e
-def test_measure_gives_the_workflows_tables(smoke_run, smoke):
+def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
     """The API on the smoke config's exploratory documents, presses and settings equals the
     workflow's trajectories (but ``seconds``), estimates and analysis tables."""
-    import torch
-
     import kvdiverge
 
     config, name, model, _, prompts = smoke
     policies = config["runs"]["exploratory"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workflow's trajectory jobs (threads: 1): same float rounding
-    try:
-        m = kvdiverge.measure(
-            model, None, {r["doc_id"]: r["input_ids"] for r in prompts.iter_rows(named=True)},
-            {p: config["policies"][p] for p in policies},
-            max_new_tokens=config["decoding"]["max_new_tokens"], replicates=config["replicates"],
-            temperature=config["decoding"]["temperature"], top_p=config["decoding"]["top_p"], seed=config["seed"],
-            window=config["window"], windows={k: config["confirmatory"][k] for k in ("early", "late")},
-            bootstrap=config["analysis"]["bootstrap"], confidence=config["analysis"]["confidence"],
-            model_name=name, split="exploratory", progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    # one thread (fixture), as the workflow's trajectory jobs (threads: 1): the same float rounding
+    m = kvdiverge.measure(
+        model, None, {r["doc_id"]: r["input_ids"] for r in prompts.iter_rows(named=True)},
+        {p: config["policies"][p] for p in policies},
+        max_new_tokens=config["decoding"]["max_new_tokens"], replicates=config["replicates"],
+        temperature=config["decoding"]["temperature"], top_p=config["decoding"]["top_p"], seed=config["seed"],
+        window=config["window"], windows={k: config["confirmatory"][k] for k in ("early", "late")},
+        bootstrap=config["analysis"]["bootstrap"], confidence=config["analysis"]["confidence"],
+        model_name=name, split="exploratory", progress=False)
     run = ["model", "policy", "split", "doc_id"]
     shards = pl.concat([pl.read_parquet(f) for p in policies
                         for f in glob.glob(str(smoke_run / "trajectories" / name / p / "exploratory" / "*.parquet"))])
@@ -408,7 +416,7 @@ def test_measure_gives_the_workflows_tables(smoke_run, smoke):
 
 
 @pytest.mark.e2e
-def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_presses, tmp_path):
+def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_presses, tmp_path, one_torch_thread):
     import matplotlib.pyplot as plt
     from kvpress import SnapKVPress
 
@@ -472,7 +480,7 @@ def readme_blocks(language: str) -> list[str]:
 
 
 @pytest.mark.llm
-def test_readme_python_example_runs(tmp_path, monkeypatch):
+def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread):
     (code,) = readme_blocks("python")
     assert len(code.strip().splitlines()) == 5
     monkeypatch.chdir(tmp_path)
@@ -492,11 +500,11 @@ def test_readme_cli_example_runs(tmp_path):
     assert command.startswith("kvdiverge measure embedded")
     if shutil.which("kvdiverge") is None:  # the console script needs `pip install -e .` (make setup)
         command = f"{PYTHON} -m kvdiverge.cli" + command[len("kvdiverge"):]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **ONE_THREAD,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=1800)
     print(f"\n[measure] README command-line example: {time.perf_counter() - start:.1f} s")
     assert res.returncode == 0, res.stderr[-3000:]
     summary = pl.read_parquet(tmp_path / "measure-out" / "summary.parquet")

@@ -284,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default: 0.95)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)")
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return root
@@ -316,6 +318,12 @@ def _measure(args: argparse.Namespace) -> int:
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
     sources = prepare_presses(presses)
     check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
