@@ -214,3 +214,85 @@ def test_shipped_configs_get_their_documents(name):
         assert docs.filter(pl.col("split") == split).height == corpus["documents"][split]
     assert docs["n_words"].min() >= corpus["min_words"]
     assert docs["n_words"].max() <= corpus["max_words"]
+
+
+# ---------------------------------------------------------------- malformed and unusable rows
+
+def _jsonl_spec(path, **extra):
+    return {
+        "source": "datasets", "dataset": {"path": "json", "data_files": str(path)},
+        "text_field": "body", "id_field": "uid", "min_words": 80, "max_words": 120,
+        "documents": {"exploratory": 1, "confirmatory": 1}, "split_seed": 3, **extra,
+    }
+
+
+def test_malformed_jsonl_line_names_the_file_and_line(tmp_path):
+    lines = [json.dumps(r) for r in _rows(n_groups=3, per_group=1)]
+    lines.insert(2, "")  # blank lines do not count as bad, but do count as lines
+    lines.insert(3, '{"uid": "broken", "body": "no closing quote}')
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(C.CorpusError) as err:
+        C.build_corpus(_jsonl_spec(path))
+    msg = str(err.value)
+    assert f"{path}, line 4, is not valid JSON-lines" in msg
+    assert "An error occurred while generating the dataset" not in msg
+
+
+def test_the_bad_line_is_found_among_several_files(tmp_path):
+    good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in _rows(n_groups=2, per_group=1)))
+    bad.write_text(json.dumps(_rows(1, 1)[0]) + "\n[1, 2\n")
+    with pytest.raises(C.CorpusError, match=rf"{bad}, line 2, is not valid JSON-lines"):
+        C.build_corpus({**_jsonl_spec(tmp_path / "*.jsonl")})
+    assert C.first_bad_json_line(good) is None
+    bad.write_text(json.dumps(_rows(1, 1)[0]) + "\n\n" + json.dumps(["a", "list"]) + "\n")
+    assert C.first_bad_json_line(bad) == (3, "a JSON list, not an object")
+    whole = tmp_path / "array.json"
+    whole.write_text(json.dumps(_rows(n_groups=2, per_group=1), indent=2))  # one JSON document
+    assert C.first_bad_json_line(whole) is None
+
+
+def _rows_with_unusable_text(path):
+    rows = _rows(n_groups=6, per_group=1)
+    rows[1]["body"] = None
+    rows[3]["body"] = 1234
+    del rows[4]["body"]
+    rows[5]["body"] = ["a", "list"]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return rows
+
+
+def test_rows_without_string_text_are_skipped_and_counted(tmp_path, caplog):
+    path = tmp_path / "docs.jsonl"
+    rows = _rows_with_unusable_text(path)
+    units = list(C.datasets_units(_jsonl_spec(path)))
+    assert [u.unit_id for u in units] == [rows[0]["uid"], rows[2]["uid"]]
+    assert all(isinstance(u.text, str) for u in units)
+    assert "skipped 4 of 6 rows" in caplog.text and "'body' field is null or not a string" in caplog.text
+    assert "(first: row 1)" in caplog.text
+
+
+@pytest.mark.e2e
+def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
+    """Through Snakemake: the corpus stage's log file says how many rows were skipped."""
+    import yaml
+
+    path = tmp_path / "docs.jsonl"
+    _rows_with_unusable_text(path)
+    config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+    config["corpus"] = {k: v for k, v in _jsonl_spec(path).items()}
+    config_path = tmp_path / "corpus.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "--cores", "1", "--configfile", str(config_path),
+         "-d", str(tmp_path), f"{config['results_dir']}/corpus/documents.parquet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                                        os.environ.get("PYTHONPATH")]))},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = tmp_path / config["results_dir"]
+    log = (results / "logs" / "corpus.log").read_text()
+    assert "skipped 4 of 6 rows" in log
+    assert pl.read_parquet(results / "corpus/documents.parquet").height == 2

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import yaml
 
-from kvdiverge.config import load_config
+from kvdiverge.config import load_config, validate
 from kvdiverge.prompts import (
     SCHEMA,
     build_prompts,
@@ -30,7 +31,8 @@ SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 class WordTokenizer:
     """Stand-in chat tokenizer: one token per word plus 3 template tokens."""
 
-    def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False, tokenize=True):
+    def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False, tokenize=True,
+                            **template_variables):
         assert add_generation_prompt
         text = "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"
         if not tokenize:
@@ -94,28 +96,133 @@ def test_build_prompts_applies_each_splits_policies(config):
     assert "exploratory: 1/2 usable" in text and "confirmatory: 1/2 usable" in text
 
 
+# --------------------------------------------------------------------------- the date templates see
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A real fast tokenizer (one token per byte) whose chat template reads the clock."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    # the Llama 3.2/3.3 pattern: date_string if given, else strftime_now, plus a direct call
+    tok.chat_template = (
+        "{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+        "Today Date: {{ date_string }}; stamp {{ strftime_now('%Y-%m-%dT%H:%M') }}\n"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tok
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Set transformers' template clock (``datetime.now`` behind ``strftime_now``)."""
+    import datetime as dt
+
+    import transformers.utils.chat_template_utils as ctu
+
+    def set_now(moment):
+        class Frozen(dt.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return moment
+
+        monkeypatch.setattr(ctu, "datetime", Frozen)
+
+    return set_now
+
+
+def test_a_template_reading_the_clock_renders_the_same_ids_every_day(byte_tokenizer, clock):
+    import datetime as dt
+
+    from kvdiverge.prompts import render_ids, render_text
+
+    msgs = messages("Doc.", "Summarize.")
+    days = (dt.datetime(2025, 3, 14, 9, 30), dt.datetime(2031, 12, 2, 23, 59))
+    plain, ours = [], []
+    for day in days:
+        clock(day)
+        plain.append(byte_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+        ours.append(render_ids(byte_tokenizer, "Doc.", "Summarize.", date="2026-01-01"))
+    assert plain[0] != plain[1] and "14 Mar 2025" in plain[0]  # the clock is really read (and mocked)
+    assert ours[0] == ours[1]
+    text = byte_tokenizer.decode(ours[0])
+    assert text == render_text(byte_tokenizer, "Doc.", "Summarize.", date="2026-01-01")
+    assert text.startswith("Today Date: 01 Jan 2026; stamp 2026-01-01T00:00\n<user>Doc.")
+    assert render_ids(byte_tokenizer, "Doc.", "Summarize.", date="2026-07-04") != ours[0]
+    # the default is a fixed date too
+    assert render_ids(byte_tokenizer, "Doc.", "Summarize.") == ours[0]
+
+
+def test_prompt_date_is_a_prompt_setting(config):
+    from kvdiverge.prompts import DEFAULT_DATE
+
+    assert config["prompt"]["date"] == DEFAULT_DATE == "2026-01-01"  # schema default
+    assert prompt_settings(config)["date"] == "2026-01-01"
+    config["prompt"]["date"] = "2027-02-03"
+    assert prompt_settings(config)["date"] == "2027-02-03"
+
+
+def test_build_prompts_uses_the_configured_date(byte_tokenizer, config, clock):
+    import datetime as dt
+
+    docs = pl.DataFrame({"doc_id": ["a"], "split": ["exploratory"], "text": [" ".join(["w"] * 600)]})
+    clock(dt.datetime(2030, 1, 1))
+    config["prompt"]["date"] = "2024-07-26"
+    out = build_prompts(docs, byte_tokenizer, prompt_settings(config), context=100000)
+    assert byte_tokenizer.decode(out["input_ids"][0].to_list()).startswith("Today Date: 26 Jul 2024;")
+
+
+@pytest.mark.parametrize("date,expect", [
+    ("2026-02-30", "prompt.date: '2026-02-30' is not a date"),
+    ("1 Jan 2026", "prompt.date: '1 Jan 2026' does not match the pattern"),
+])
+def test_bad_prompt_date_is_named(date, expect):
+    from kvdiverge.config import ConfigError
+
+    config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+    config["prompt"]["date"] = date
+    with pytest.raises(ConfigError, match=expect):
+        validate(config)
+
+
+def test_unquoted_yaml_date_is_explained():
+    from kvdiverge.config import ConfigError
+
+    config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+    config["prompt"].update(yaml.safe_load("date: 2026-01-01"))  # YAML reads a date object
+    with pytest.raises(ConfigError, match=r'prompt.date: .*quote the date \("2026-01-01"\)'):
+        validate(config)
+
+
 @pytest.mark.e2e
 @pytest.mark.llm
 def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
-    target = "results/prompts/smollm2-135m.parquet"
+    target = "results-smoke/prompts/smollm2-135m.parquet"
     out = subprocess.run(
         [SNAKEMAKE, "--cores", "2", "--configfile", str(ROOT / "config" / "smoke.yaml"),
          "-d", str(tmp_path), target],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    docs = pl.read_parquet(tmp_path / "results/corpus/documents.parquet")
+    docs = pl.read_parquet(tmp_path / "results-smoke/corpus/documents.parquet")
     prompts = pl.read_parquet(tmp_path / target)
     assert docs.height == 4 and prompts["doc_id"].to_list() == docs["doc_id"].to_list()
     assert prompts.schema == pl.Schema(SCHEMA)
     assert prompts["exclusion_reason"].null_count() == 4
     assert (prompts["n_prompt_tokens"] > 145).all()  # snapkv-b128 needs 128 + 16 + 1
-    log = (tmp_path / "logs/prompts/smollm2-135m.log").read_text()
+    log = (tmp_path / "results-smoke/logs/prompts/smollm2-135m.log").read_text()
     assert "context length: 8192 tokens" in log and "exploratory: 2/2 usable" in log
-    assert "exploratory: 2 documents" in (tmp_path / "logs/corpus.log").read_text()
+    assert "exploratory: 2 documents" in (tmp_path / "results-smoke/logs/corpus.log").read_text()
     # no half-written files left behind by the atomic writes
-    assert not list((tmp_path / "results").rglob("*.tmp"))
+    assert not list((tmp_path / "results-smoke").rglob("*.tmp"))
 
     # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
     import yaml
@@ -132,6 +239,10 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
 
     text = dry_run(lambda c: c["prompt"].update(instruction="List the topics."))
     assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
+    text = dry_run(lambda c: c["prompt"].update(date="2027-05-05"))  # the date templates see
+    assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text
+    text = dry_run(lambda c: c["prompt"].update(date="2026-01-01"))  # the default, written out
+    assert "Nothing to be done" in text
     text = dry_run(lambda c: c["analysis"].update(bootstrap=100))
     assert "Nothing to be done" in text
 

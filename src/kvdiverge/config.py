@@ -15,6 +15,7 @@ Errors are :class:`ConfigError` with one line per problem, naming the key path
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -77,6 +78,9 @@ def format_error(error) -> str:
         return f"{where}: {error.instance!r} is not allowed; allowed values: {allowed}"
     if v == "const":
         return f"{where}: must be {error.validator_value!r}, got {error.instance!r}"
+    if v == "type" and isinstance(error.instance, datetime.date):
+        return (f"{where}: {error.instance!r} has the wrong type; expected a string: quote the "
+                f"date (\"{error.instance.isoformat()}\"), YAML reads an unquoted date as a date object")
     if v == "type":
         return f"{where}: {error.instance!r} has the wrong type; expected {error.validator_value}"
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -167,7 +171,8 @@ def check(config: dict[str, Any]) -> None:
 
     Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
-    on the exploratory split; word and lag ranges must be ordered.
+    on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
+    a real calendar date.
 
     Raises
     ------
@@ -234,6 +239,15 @@ def check(config: dict[str, Any]) -> None:
         if len(pair) == 2 and pair[0] == pair[1]:
             problems.append(f"analysis.gaps[{i}]: the two policies must differ, got {pair}")
 
+    date = config.get("prompt", {}).get("date")
+    if isinstance(date, str):
+        from kvdiverge.prompts import parse_date
+
+        try:
+            parse_date(date)
+        except ValueError as exc:
+            problems.append(str(exc))
+
     corpus = config.get("corpus", {})
     if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:
         problems.append(
@@ -262,3 +276,17 @@ def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
             if item not in out:
                 out.append(item)
     return out
+
+
+def control_documents(config: dict[str, Any], policy: str, split: str) -> int | None:
+    """How many documents the ``(policy, split)`` run takes: the control's count, or None (all).
+
+    The ``none`` control (``runs.control``) runs on the first ``runs.control.documents``
+    usable documents of its split only, unless the same policy is also scheduled on that
+    split in full (then it takes every document and this returns None).
+    """
+    control = config.get("runs", {}).get("control") or {}
+    if (control.get("policy") == policy and control.get("split") == split
+            and policy not in config["runs"].get(split, [])):
+        return int(control["documents"])
+    return None

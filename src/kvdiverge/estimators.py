@@ -43,6 +43,8 @@ __all__ = [
     "document_estimates",
     "percentile_interval",
     "pooled_estimates",
+    "read_estimates",
+    "read_shards",
     "replicate_estimates",
     "survival_curve",
     "validate_shards",
@@ -648,14 +650,53 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
 def read_shards(paths: Iterable[str]) -> pl.DataFrame:
     """Concatenate trajectory shard parquet files (docs/internals.md schema).
 
+    Every file is checked first (:func:`kvdiverge.finite.check_shard`): its float
+    columns must be finite, ``tv`` after the chain stopped aside.
+
     Raises
     ------
     ValueError
         If ``paths`` is empty.
+    kvdiverge.finite.NonFiniteError
+        If a shard holds NaN or an infinity; the message names the file and the column.
     """
+    from kvdiverge.finite import check_shard
+
     paths = list(paths)
     if not paths:
         raise ValueError("no trajectory shards given")
-    frames = [pl.read_parquet(p) for p in paths]
+    frames = []
+    for p in paths:
+        frame = pl.read_parquet(p)
+        check_shard(frame, p)
+        frames.append(frame)
     frames = [f for f in frames if f.height > 0] or frames[:1]
+    return pl.concat(frames, how="diagonal_relaxed")
+
+
+def read_estimates(paths: Iterable[str]) -> pl.DataFrame:
+    """Concatenate per-document estimate tables (:func:`document_estimates` output files).
+
+    Every file is checked first (:func:`kvdiverge.finite.check_document_estimates`): its
+    float columns must be finite except where the quantity is undefined (e.g.
+    ``tau_mean`` when ``p_div = 0``).
+
+    Raises
+    ------
+    ValueError
+        If ``paths`` is empty.
+    kvdiverge.finite.NonFiniteError
+        If a table holds NaN or an infinity where a number belongs; the message names the
+        file and the column.
+    """
+    from kvdiverge.finite import check_document_estimates
+
+    paths = list(paths)
+    if not paths:
+        raise ValueError("no estimate tables given")
+    frames = []
+    for p in paths:
+        frame = pl.read_parquet(p)
+        check_document_estimates(frame, p)
+        frames.append(frame)
     return pl.concat(frames, how="diagonal_relaxed")

@@ -5,6 +5,13 @@ configured instruction, rendered with ``tokenizer.apply_chat_template(...,
 add_generation_prompt=True)``. The token ids are exactly what the template
 produces (no extra BOS is added on top of it).
 
+Chat templates that read the clock (``strftime_now``, e.g. Llama 3.2 and 3.3, which put
+"Today Date: ..." in the system header) would make the prompts, and every result,
+change from one day to the next. The template sees the configured ``prompt.date``
+instead (:func:`template_clock`): ``strftime_now`` formats that date (at 00:00:00) and
+``date_string``, the variable Llama templates read first, is that date as
+``"%d %b %Y"`` (e.g. ``"01 Jan 2026"``).
+
 A document is excluded, with the reason recorded, when
 
 - its prompt plus ``max_new_tokens`` exceeds the model's context, or
@@ -18,9 +25,13 @@ Output table (``docs/internals.md``): ``doc_id``, ``split``, ``n_prompt_tokens``
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import polars as pl
+
+#: The date chat templates see when the config names none (``prompt.date``, ISO 8601).
+DEFAULT_DATE = "2026-01-01"
 
 SCHEMA = {
     "doc_id": pl.String,
@@ -43,17 +54,78 @@ def messages(document: str, instruction: str | None, system: str | None = None) 
     return out
 
 
-def render_text(tokenizer, document: str, instruction: str | None, system: str | None = None) -> str:
-    """The chat-rendered prompt as a string (generation prompt included)."""
+def parse_date(date: str | datetime.date, key: str = "prompt.date") -> datetime.date:
+    """The prompt date as a :class:`datetime.date`.
+
+    Parameters
+    ----------
+    date : str or datetime.date
+        An ISO 8601 calendar date, ``"YYYY-MM-DD"`` (or a date object, as YAML reads an
+        unquoted date).
+    key : str
+        Config key named in the error.
+
+    Raises
+    ------
+    ValueError
+        If ``date`` is not a valid ISO calendar date; the message names ``key``.
+    """
+    if isinstance(date, datetime.datetime):
+        return date.date()
+    if isinstance(date, datetime.date):
+        return date
+    try:
+        return datetime.date.fromisoformat(str(date))
+    except ValueError:
+        raise ValueError(f"{key}: {date!r} is not a date; write it as \"YYYY-MM-DD\", "
+                         f"e.g. \"{DEFAULT_DATE}\"") from None
+
+
+def template_clock(date: str | datetime.date = DEFAULT_DATE) -> dict[str, Any]:
+    """Template variables that pin the chat template's idea of "today" to ``date``.
+
+    ``apply_chat_template`` passes extra keyword arguments to the template as variables,
+    and a template variable shadows the Jinja global of the same name, so the returned
+    ``strftime_now`` replaces transformers' clock-reading one.
+
+    Parameters
+    ----------
+    date : str or datetime.date
+        ISO date (``prompt.date``).
+
+    Returns
+    -------
+    dict
+        ``strftime_now`` (``format -> str``: ``date`` at 00:00:00 formatted with
+        ``datetime.strftime``) and ``date_string`` (``date`` as ``"%d %b %Y"``, the
+        variable Llama 3.x templates read before calling ``strftime_now``).
+    """
+    moment = datetime.datetime.combine(parse_date(date), datetime.time())
+
+    def strftime_now(fmt: str) -> str:
+        return moment.strftime(fmt)
+
+    return {"strftime_now": strftime_now, "date_string": moment.strftime("%d %b %Y")}
+
+
+def render_text(tokenizer, document: str, instruction: str | None, system: str | None = None,
+                date: str | datetime.date = DEFAULT_DATE) -> str:
+    """The chat-rendered prompt as a string (generation prompt included), dated ``date``."""
     return tokenizer.apply_chat_template(
-        messages(document, instruction, system), add_generation_prompt=True, tokenize=False
+        messages(document, instruction, system), add_generation_prompt=True, tokenize=False,
+        **template_clock(date),
     )
 
 
-def render_ids(tokenizer, document: str, instruction: str | None, system: str | None = None) -> list[int]:
-    """The chat-rendered prompt as token ids (generation prompt included)."""
+def render_ids(tokenizer, document: str, instruction: str | None, system: str | None = None,
+               date: str | datetime.date = DEFAULT_DATE) -> list[int]:
+    """The chat-rendered prompt as token ids (generation prompt included), dated ``date``.
+
+    See :func:`template_clock` for how the date reaches the template.
+    """
     out = tokenizer.apply_chat_template(
-        messages(document, instruction, system), add_generation_prompt=True, return_dict=True
+        messages(document, instruction, system), add_generation_prompt=True, return_dict=True,
+        **template_clock(date),
     )
     return [int(i) for i in out["input_ids"]]
 
@@ -116,13 +188,15 @@ def prompt_settings(config: dict[str, Any]) -> dict[str, Any]:
     """Everything of the config that decides a prompts table, and nothing else.
 
     The prompts rule passes it as ``params``, so Snakemake reruns the stage exactly when
-    one of these changes: ``instruction``, ``system``, ``minimums`` (per split, the
-    minimum prompt tokens of each scheduled policy) and ``max_new_tokens``.
+    one of these changes: ``instruction``, ``system``, ``date`` (the ISO date the chat
+    template sees, :func:`template_clock`), ``minimums`` (per split, the minimum prompt
+    tokens of each scheduled policy) and ``max_new_tokens``.
     """
     prompt = config.get("prompt", {})
     return {
         "instruction": prompt["instruction"],
         "system": prompt.get("system"),
+        "date": parse_date(prompt.get("date", DEFAULT_DATE)).isoformat(),
         "minimums": policy_minimums(config),
         "max_new_tokens": int(config["decoding"]["max_new_tokens"]),
     }
@@ -145,7 +219,8 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any],
     """
     rows = []
     for doc_id, split, text in documents.select(["doc_id", "split", "text"]).iter_rows():
-        ids = render_ids(tokenizer, text, settings["instruction"], settings.get("system"))
+        ids = render_ids(tokenizer, text, settings["instruction"], settings.get("system"),
+                         settings.get("date", DEFAULT_DATE))
         reason = exclusion_reason(len(ids), settings["minimums"].get(split, {}), context,
                                   settings["max_new_tokens"])
         rows.append({

@@ -1,8 +1,7 @@
 """Snakemake adapter: the prespecified confirmatory test (kvdiverge.analysis.confirmatory_analysis)."""
 
-import polars as pl
-
 from kvdiverge.analysis import confirmatory_analysis, confirmatory_html, plan_hash, save_table
+from kvdiverge.estimators import read_estimates
 from kvdiverge.io import write_text_atomic
 from kvdiverge.rulelog import rule_logger
 
@@ -16,7 +15,7 @@ try:
     if not files:
         raise ValueError(f"no confirmatory run of the plan's policy {plan.get('policy')!r}: "
                          "add it to config runs.confirmatory")
-    docs = pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
+    docs = read_estimates(files)  # refuses non-finite inputs
     result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed)
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)

@@ -1,8 +1,7 @@
 """Snakemake adapter: exploratory gap decomposition (kvdiverge.tables.gaps)."""
 
-import polars as pl
-
 from kvdiverge.analysis import save_table
+from kvdiverge.estimators import read_estimates
 from kvdiverge.rulelog import rule_logger
 from kvdiverge.tables import gaps
 
@@ -10,7 +9,7 @@ log = rule_logger(snakemake.log[0], "gaps")  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:
     files = list(snakemake.input)  # noqa: F821
-    docs = pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed") if files else None
+    docs = read_estimates(files) if files else None  # refuses non-finite inputs
     table = gaps(docs, p.gaps, p.bootstrap, p.confidence, p.seed, split="exploratory", models=p.models,
                  progress=True)
     save_table(table, snakemake.output.parquet, snakemake.output.csv)  # noqa: F821

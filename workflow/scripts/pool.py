@@ -1,9 +1,9 @@
 """Snakemake adapter: pooled estimates, timing, survival, branch TV, variance (kvdiverge.tables.pool)."""
 
-import polars as pl
 from tqdm import tqdm
 
 from kvdiverge.analysis import save_table
+from kvdiverge.estimators import read_estimates
 from kvdiverge.rulelog import rule_logger
 from kvdiverge.tables import pool
 
@@ -11,8 +11,7 @@ log = rule_logger(snakemake.log[0], "pool")  # noqa: F821
 out = snakemake.output  # noqa: F821
 p = snakemake.params  # noqa: F821
 try:
-    docs = pl.concat([pl.read_parquet(f) for f in tqdm(snakemake.input, desc="estimates")],  # noqa: F821
-                     how="diagonal_relaxed")
+    docs = read_estimates(tqdm(snakemake.input, desc="estimates"))  # noqa: F821  (refuses non-finite)
     log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))  # noqa: F821
     tables = pool(docs, p.bootstrap, p.confidence, p.seed)
     log.info("pooled decomposition identity holds for every run")
