@@ -16,7 +16,8 @@ from typing import Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")
+if not os.environ.get("MPLBACKEND"):  # headless by default; a notebook's inline backend stays
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
@@ -24,16 +25,20 @@ import seaborn as sns  # noqa: E402
 
 from kvdiverge.io import atomic_path  # noqa: E402
 
-__all__ = ["plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival", "plot_variance",
-           "save_figure"]
+__all__ = ["draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
+           "plot_variance", "save_figure", "survival_figure"]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
 TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a868"}
 
 
-def save_figure(fig: plt.Figure, png: str | os.PathLike, pdf: str | os.PathLike) -> None:
-    """Write ``fig`` to ``png`` and ``pdf`` atomically (temporary file, then rename) and close it."""
-    for path, fmt in ((png, "png"), (pdf, "pdf")):
+def save_figure(fig: plt.Figure, *paths: str | os.PathLike) -> None:
+    """Write ``fig`` to each path atomically (temporary file, then rename) and close it.
+
+    The format follows each path's suffix (``.png``, ``.pdf``, ``.svg``, ...).
+    """
+    for path in paths:
+        fmt = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
         with atomic_path(path, suffix=f".{fmt}") as tmp:
             # no creation date in the PDF: the same data give the same bytes
             meta = {"CreationDate": None} if fmt == "pdf" else None
@@ -66,30 +71,65 @@ def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None =
         ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
 
 
-def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
-    """Survival of first divergence ``S_t`` (steps ``t = 0..T``) per policy, one panel per model.
+def _run_labels(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add the legend label ``run``: ``policy (split)``, or ``policy`` when there is one split."""
+    if frame["split"].n_unique() > 1:
+        return frame.with_columns((pl.col("policy") + " (" + pl.col("split") + ")").alias("run"))
+    return frame.with_columns(pl.col("policy").alias("run"))
+
+
+def draw_survival(ax, survival: pl.DataFrame, title: str | None = None) -> None:
+    """Draw survival curves ``S_t`` (steps ``t = 0..T``) with their bands on one axes.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+        Target axes.
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` rows of one model (any runs).
+    title : str, optional
+        Axes title (default: the model).
+    """
+    s = _run_labels(survival)
+    multi = s["split"].n_unique() > 1
+    d = s.to_pandas()
+    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", drawstyle="steps-post")
+    ax.set(title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
+           xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)", ylim=(0, 1.02))
+    ax.legend(title="policy (split)" if multi else "policy", fontsize="small", loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), ncol=2)
+
+
+def survival_figure(survival: pl.DataFrame) -> plt.Figure:
+    """Survival of first divergence per policy, one panel per model (:func:`draw_survival`).
 
     Parameters
     ----------
     survival : polars.DataFrame
         :func:`kvdiverge.estimators.survival_curve` output; bands are the bootstrap intervals.
-    png, pdf : path
-        Outputs.
     """
     sns.set_theme(style="whitegrid", context="paper")
     if survival.height == 0:
-        return save_figure(_empty("no runs"), png, pdf)
-    s = survival.with_columns((pl.col("policy") + " (" + pl.col("split") + ")").alias("run"))
-    models = sorted(s["model"].unique().to_list())
+        return _empty("no runs")
+    models = sorted(survival["model"].unique().to_list())
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
-        d = s.filter(pl.col("model") == model).to_pandas()
-        _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", drawstyle="steps-post")
-        ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
-               ylim=(0, 1.02))
-        ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        draw_survival(ax, survival.filter(pl.col("model") == model), title=model)
     fig.suptitle("Survival of first divergence")
-    save_figure(fig, png, pdf)
+    return fig
+
+
+def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
+    """Write :func:`survival_figure` as PNG and PDF.
+
+    Parameters
+    ----------
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` output.
+    png, pdf : path
+        Outputs.
+    """
+    save_figure(survival_figure(survival), png, pdf)
 
 
 def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
