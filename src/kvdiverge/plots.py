@@ -18,7 +18,8 @@ from typing import Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")
+if not os.environ.get("MPLBACKEND"):  # headless by default; a notebook's inline backend stays
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
@@ -26,16 +27,20 @@ import seaborn as sns  # noqa: E402
 
 from kvdiverge.io import atomic_path  # noqa: E402
 
-__all__ = ["plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival", "plot_variance",
-           "save_figure"]
+__all__ = ["draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
+           "plot_variance", "save_figure", "survival_figure"]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
 TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a868"}
 
 
-def save_figure(fig: plt.Figure, png: str | os.PathLike, pdf: str | os.PathLike) -> None:
-    """Write ``fig`` to ``png`` and ``pdf`` atomically (temporary file, then rename) and close it."""
-    for path, fmt in ((png, "png"), (pdf, "pdf")):
+def save_figure(fig: plt.Figure, *paths: str | os.PathLike) -> None:
+    """Write ``fig`` to each path atomically (temporary file, then rename) and close it.
+
+    The format follows each path's suffix (``.png``, ``.pdf``, ``.svg``, ...).
+    """
+    for path in paths:
+        fmt = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
         with atomic_path(path, suffix=f".{fmt}") as tmp:
             # no creation date in the PDF: the same data give the same bytes
             meta = {"CreationDate": None} if fmt == "pdf" else None
@@ -79,38 +84,81 @@ def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None =
         ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
 
 
-def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) -> None:
-    """Survival of first divergence ``S_t`` (steps ``t = 0..T``) per policy, one panel per model.
+def _run_labels(frame: pl.DataFrame, floor: str | None = None) -> pl.DataFrame:
+    """Add the legend label ``run``: ``policy (split)``, or ``policy`` when there is one split.
+
+    The noise-floor policy ``floor`` is labelled "noise floor".
+    """
+    name = pl.col("policy")
+    if floor:
+        floor_label = "noise floor" if floor == "noise-floor" else f"noise floor ({floor})"
+        name = pl.when(pl.col("policy") == pl.lit(floor)).then(pl.lit(floor_label)).otherwise(pl.col("policy"))
+    if frame["split"].n_unique() > 1:
+        return frame.with_columns((name + " (" + pl.col("split") + ")").alias("run"))
+    return frame.with_columns(name.alias("run"))
+
+
+def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:
+    """Draw survival curves ``S_t`` (steps ``t = 0..T``) with their bands on one axes.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+        Target axes.
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` rows of one model (any runs).
+    title : str, optional
+        Axes title (default: the model).
+    floor : str, optional
+        The noise-floor policy (config ``runs.floor.policy``): drawn grey and dashed,
+        labelled "noise floor".
+    """
+    s = _run_labels(survival, floor)
+    multi = s["split"].n_unique() > 1
+    floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
+    d = s.to_pandas()
+    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs,
+                     drawstyle="steps-post")
+    ax.set(title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
+           xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)", ylim=(0, 1.02))
+    ax.legend(title="policy (split)" if multi else "policy", fontsize="small", loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), ncol=2)
+
+
+def survival_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Figure:
+    """Survival of first divergence per policy, one panel per model (:func:`draw_survival`).
 
     Parameters
     ----------
     survival : polars.DataFrame
         :func:`kvdiverge.estimators.survival_curve` output; bands are the bootstrap intervals.
-    png, pdf : path
-        Outputs.
     floor : str, optional
-        The noise-floor policy (config ``runs.floor.policy``): drawn grey and dashed,
-        labelled "noise floor", per split.
+        The noise-floor policy, drawn grey and dashed.
     """
     sns.set_theme(style="whitegrid", context="paper")
     if survival.height == 0:
-        return save_figure(_empty("no runs"), png, pdf)
-    floor_label = "noise floor" if floor == "noise-floor" else f"noise floor ({floor})"
-    label = (pl.when(pl.col("policy") == pl.lit(floor)).then(pl.lit(floor_label))
-             .otherwise(pl.col("policy")) if floor else pl.col("policy"))
-    s = survival.with_columns((label + " (" + pl.col("split") + ")").alias("run"))
-    floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
-    models = sorted(s["model"].unique().to_list())
+        return _empty("no runs")
+    models = sorted(survival["model"].unique().to_list())
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
-        d = s.filter(pl.col("model") == model).to_pandas()
-        _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs,
-                         drawstyle="steps-post")
-        ax.set(title=model, xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)",
-               ylim=(0, 1.02))
-        ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        draw_survival(ax, survival.filter(pl.col("model") == model), title=model, floor=floor)
     fig.suptitle("Survival of first divergence")
-    save_figure(fig, png, pdf)
+    return fig
+
+
+def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) -> None:
+    """Write :func:`survival_figure` as PNG and PDF.
+
+    Parameters
+    ----------
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimators.survival_curve` output.
+    png, pdf : path
+        Outputs.
+    floor : str, optional
+        The noise-floor policy (config ``runs.floor.policy``), drawn grey and dashed.
+    """
+    save_figure(survival_figure(survival, floor), png, pdf)
 
 
 def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:

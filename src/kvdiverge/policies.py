@@ -154,9 +154,7 @@ class Policy:
             accepted by it (the message lists the accepted ones).
         """
         cls = press_class(self.press)
-        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
-            inspect.signature(cls).parameters
-        )
+        names = press_parameters(cls)
         unknown = sorted(set(self.params) - names)
         if unknown:
             raise ValueError(
@@ -169,6 +167,13 @@ class Policy:
         elif self.budget is not None or self.compression_ratio:
             raise ValueError(f"policy {self.name!r}: {cls.__name__} takes no compression_ratio")
         return cls(**kwargs)
+
+
+def press_parameters(cls) -> set[str]:
+    """Constructor parameters of a press class: its dataclass fields, else its signature."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+    return set(inspect.signature(cls).parameters)
 
 
 #: Project presses that keep every prompt position (no ratio, no budget).
@@ -208,6 +213,36 @@ def press_class(name: str):
     return cls
 
 
+def import_press(ref: str):
+    """A press class from a reference: a kvpress class name, or ``module:Class``.
+
+    ``module:Class`` imports ``module`` (any importable module, e.g. the user's own) and
+    takes its attribute ``Class``, so presses kvpress does not ship work too.
+
+    Raises
+    ------
+    ValueError
+        If the module or class does not exist, or the class is not a kvpress press
+        (``kvpress.BasePress`` subclass); the message names the reference.
+    """
+    if ":" not in ref:
+        return press_class(ref)
+    import importlib
+
+    import kvpress
+
+    module_name, _, cls_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"press {ref!r}: cannot import module {module_name!r} ({exc})") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"press {ref!r}: module {module_name!r} has no attribute {cls_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+        raise ValueError(f"press {ref!r}: {cls_name} is not a kvpress press (kvpress.BasePress subclass)")
+    return cls
+
 def min_prompt_tokens(policy: Policy | dict[str, Any]) -> int:
     """Shortest prompt (tokens) the policy can compress meaningfully.
 
@@ -237,3 +272,79 @@ def min_prompt_tokens(policy: Policy | dict[str, Any]) -> int:
 def policies_from_config(config: dict[str, Any]) -> dict[str, Policy]:
     """All policies of a validated config, by name."""
     return {name: Policy.from_config(name, spec) for name, spec in config["policies"].items()}
+
+
+def _nested_presses(press) -> list:
+    """``press`` and every press it wraps (``.press`` of wrappers, ``.presses`` of compositions)."""
+    out, todo = [], [press]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        inner = getattr(p, "press", None)
+        if inner is not None and inner is not p:
+            todo.append(inner)
+        todo.extend(getattr(p, "presses", None) or [])
+    return out
+
+
+@dataclass(frozen=True)
+class PressPolicy:
+    """A press object as a policy: the same press for every prompt.
+
+    Satisfies :class:`kvdiverge.runner.PressSource`, so any kvpress press, or a user's own
+    ``kvpress.BasePress`` subclass, runs through the one engine path
+    (:func:`kvdiverge.runner.run_documents`).
+
+    Parameters
+    ----------
+    name : str
+        Name of the policy in the tables (``policy`` column).
+    press : kvpress.BasePress
+        The press; used as it is for every prompt (presses hold no per-prompt state).
+    """
+
+    name: str
+    press: Any
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        """Shortest prompt (tokens) the press can compress: like :func:`min_prompt_tokens`,
+        ``max(window_size, n_sink) + 1`` over the press and the presses it wraps."""
+        need = 1
+        for p in _nested_presses(self.press):
+            for attr in ("window_size", "n_sink"):
+                value = getattr(p, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    need = max(need, value + 1)
+        return need
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """The press's ``compression_ratio`` (fraction of prompt positions evicted), if it has one."""
+        ratio = getattr(self.press, "compression_ratio", None)
+        return None if ratio is None else float(ratio)
+
+    def build_press(self, prompt_len: int):
+        """The press, after checking that a prompt of ``prompt_len`` tokens is long enough.
+
+        Raises
+        ------
+        ValueError
+            If ``prompt_len`` is below :attr:`min_prompt_tokens`.
+        """
+        need = self.min_prompt_tokens
+        if prompt_len < need:
+            raise ValueError(
+                f"press {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
+            )
+        return self.press
+
+    def expected_kept(self, prompt_len: int, press) -> int | None:
+        """Prompt positions every layer must keep (tokens): ``kvpress.utils.compute_n_kept``
+        for score-based presses (all of them at ratio 0), ``None`` for others."""
+        from kvpress import ScorerPress
+
+        if not isinstance(press, ScorerPress):
+            return None
+        ratio = float(press.compression_ratio)
+        return prompt_len if ratio == 0 else max(1, int(prompt_len * (1 - ratio)))

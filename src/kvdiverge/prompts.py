@@ -42,12 +42,15 @@ SCHEMA = {
 }
 
 
-def messages(document: str, instruction: str, system: str | None = None) -> list[dict[str, str]]:
-    """Chat messages of a prompt: optional system message, then document + instruction."""
+def messages(document: str, instruction: str | None, system: str | None = None) -> list[dict[str, str]]:
+    """Chat messages of a prompt: optional system message, then document + instruction.
+
+    Without an instruction (``None`` or empty) the user message is the document alone.
+    """
     out = []
     if system:
         out.append({"role": "system", "content": system})
-    out.append({"role": "user", "content": f"{document}\n\n{instruction}"})
+    out.append({"role": "user", "content": f"{document}\n\n{instruction}" if instruction else document})
     return out
 
 
@@ -105,7 +108,7 @@ def template_clock(date: str | datetime.date = DEFAULT_DATE) -> dict[str, Any]:
     return {"strftime_now": strftime_now, "date_string": moment.strftime("%d %b %Y")}
 
 
-def render_text(tokenizer, document: str, instruction: str, system: str | None = None,
+def render_text(tokenizer, document: str, instruction: str | None, system: str | None = None,
                 date: str | datetime.date = DEFAULT_DATE) -> str:
     """The chat-rendered prompt as a string (generation prompt included), dated ``date``."""
     return tokenizer.apply_chat_template(
@@ -114,7 +117,7 @@ def render_text(tokenizer, document: str, instruction: str, system: str | None =
     )
 
 
-def render_ids(tokenizer, document: str, instruction: str, system: str | None = None,
+def render_ids(tokenizer, document: str, instruction: str | None, system: str | None = None,
                date: str | datetime.date = DEFAULT_DATE) -> list[int]:
     """The chat-rendered prompt as token ids (generation prompt included), dated ``date``.
 

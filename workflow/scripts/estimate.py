@@ -1,9 +1,10 @@
-"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimators)."""
+"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.tables.estimate)."""
 
-from kvdiverge.estimators import document_estimates, read_shards, replicate_estimates
+from kvdiverge.estimators import read_shards
 from kvdiverge.io import write_parquet_atomic
 from kvdiverge.provenance import check_shards
 from kvdiverge.rulelog import rule_logger
+from kvdiverge.tables import estimate
 
 log = rule_logger(snakemake.log[0], "estimate")  # noqa: F821
 w = snakemake.wildcards  # noqa: F821
@@ -15,8 +16,8 @@ try:
              records[0].versions)
     shards = read_shards(snakemake.input)  # noqa: F821
     log.info("%d trajectory rows from %d shards", shards.height, len(snakemake.input))  # noqa: F821
-    reps = replicate_estimates(shards, int(snakemake.params.window), progress=True)  # noqa: F821
-    docs = document_estimates(reps, dict(snakemake.params.windows))  # noqa: F821
+    reps, docs = estimate(shards, int(snakemake.params.window), dict(snakemake.params.windows),  # noqa: F821
+                          progress=True)
     log.info("%d documents; decomposition identity holds for each", docs.height)
     log.info("\n%s", docs.select("doc_id", "p_div", "tau_mean", "E_N", "E_N_naive", "E_M", "rho",
                                  "var_ratio"))

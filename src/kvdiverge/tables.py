@@ -1,0 +1,160 @@
+"""The table stages as functions: trajectory rows -> estimates -> pooled tables and gaps.
+
+One path for both doors: the workflow's scripts (``workflow/scripts/estimate.py``,
+``pool.py``, ``gaps.py``) and :func:`kvdiverge.measure` call these functions, so the
+tables under ``results/estimates`` and ``results/analysis`` and those of a
+:class:`kvdiverge.measure.Measurement` cannot drift apart.
+
+- :func:`estimate` — per replicate and per document (estimators.md §3–§6).
+- :func:`pool` — pooled estimates, timing, survival, branch TV and variance tables (§7).
+- :func:`gaps` — the §7 gap decomposition of each requested pair of policies.
+
+Column names and units: :mod:`kvdiverge.estimators`, :mod:`kvdiverge.analysis`,
+``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+import polars as pl
+from tqdm.auto import tqdm
+
+from kvdiverge.analysis import GAP_SCHEMA, gap_decomposition, timing_table, variance_table
+from kvdiverge.estimators import (
+    branch_tv_curve,
+    document_estimates,
+    pooled_estimates,
+    replicate_estimates,
+    survival_curve,
+)
+
+__all__ = ["POOL_TABLES", "estimate", "gaps", "pool"]
+
+log = logging.getLogger(__name__)
+
+#: Tables :func:`pool` returns, by name (``results/analysis/{name}.parquet``).
+POOL_TABLES = ("pooled", "timing", "survival", "branch_tv", "variance")
+
+
+def estimate(trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequence[int]] | None = None,
+             progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per-replicate and per-document estimates of trajectory rows.
+
+    Parameters
+    ----------
+    trajectories : polars.DataFrame
+        Rows in the shard schema (:data:`kvdiverge.trajectories.TRAJECTORY_SCHEMA`), any
+        number of runs ``(model, policy, split)`` and documents.
+    window : int
+        ``W``, the divergence-aligned window width (lags, steps); config ``window``.
+    windows : mapping of str to (a, b), optional
+        Named lag windows of the §6 branch-aligned TV (the workflow passes the
+        confirmatory ``early`` and ``late``); each adds ``btv_<name>`` columns.
+    progress : bool
+        tqdm bar over replicate rows (stderr).
+
+    Returns
+    -------
+    replicates : polars.DataFrame
+        :func:`kvdiverge.estimators.replicate_estimates`, one row per (run, document, replicate).
+    documents : polars.DataFrame
+        :func:`kvdiverge.estimators.document_estimates`, one row per (run, document).
+
+    Raises
+    ------
+    ValueError
+        If the rows break the shard contract, or ``window < 0``.
+    kvdiverge.estimators.DecompositionError
+        If the §3 identity fails for a document (a bug, never noise).
+    """
+    reps = replicate_estimates(trajectories, int(window), progress=progress)
+    docs = document_estimates(reps, dict(windows or {}))
+    return reps, docs
+
+
+def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) -> dict[str, pl.DataFrame]:
+    """Pooled tables of per-document estimates, with document-bootstrap intervals.
+
+    Parameters
+    ----------
+    documents : polars.DataFrame
+        Per-document estimates (:func:`estimate`), any number of runs.
+    bootstrap : int
+        Bootstrap resamples (config ``analysis.bootstrap``).
+    confidence : float
+        Interval coverage in (0, 1) (config ``analysis.confidence``).
+    seed : int
+        Master seed; each run's resamples derive from (seed, table, model, policy, split).
+
+    Returns
+    -------
+    dict of str to polars.DataFrame
+        Keys :data:`POOL_TABLES`: ``pooled``
+        (:func:`kvdiverge.estimators.pooled_estimates`, one row per run), ``timing``
+        (:func:`kvdiverge.analysis.timing_table`), ``survival`` (steps ``t = 0..T``),
+        ``branch_tv`` (lags ``1..T``), ``variance``.
+
+    Raises
+    ------
+    kvdiverge.estimators.DecompositionError
+        If the pooled §3 identity fails.
+    """
+    pooled = pooled_estimates(documents, bootstrap, confidence, seed)
+    survival = survival_curve(documents, bootstrap, confidence, seed)
+    branch = branch_tv_curve(documents, bootstrap, confidence, seed)
+    return {
+        "pooled": pooled,
+        "timing": timing_table(pooled, survival),
+        "survival": survival,
+        "branch_tv": branch,
+        "variance": variance_table(pooled),
+    }
+
+
+def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstrap: int, confidence: float,
+         seed: int, split: str = "exploratory", models: Iterable[str] | None = None,
+         progress: bool = False) -> pl.DataFrame:
+    """Gap decompositions ``A - B`` of each pair of policies, per model (§7).
+
+    A pair whose two policies were not both run on ``split`` for a model is skipped with
+    a warning (logged), never an error: configs may list gaps of policies run elsewhere.
+
+    Parameters
+    ----------
+    documents : polars.DataFrame or None
+        Per-document estimates (:func:`estimate`); None or empty gives an empty table.
+    pairs : iterable of (str, str)
+        Policy pairs ``(A, B)``.
+    bootstrap, confidence, seed
+        As in :func:`pool`; resamples are paired by document.
+    split : str
+        The split both policies ran on.
+    models : iterable of str, optional
+        Models to decompose for; default every model in ``documents``.
+    progress : bool
+        tqdm bar over (model, pair) jobs.
+
+    Returns
+    -------
+    polars.DataFrame
+        :func:`kvdiverge.analysis.gap_decomposition` rows (4 per gap: ``delta``,
+        ``first_mismatch``, ``exposure``, ``rate``; values in tokens), schema
+        :data:`kvdiverge.analysis.GAP_SCHEMA` when empty.
+    """
+    have = documents is not None and documents.height > 0
+    if models is None:
+        models = documents["model"].unique(maintain_order=True).to_list() if have else []
+    jobs = [(m, a, b) for m in models for a, b in pairs]
+    frames = []
+    for model, a, b in tqdm(jobs, desc="gaps", disable=not progress):
+        ran = set() if not have else set(documents.filter(
+            (pl.col("model") == model) & (pl.col("split") == split))["policy"].unique().to_list())
+        if not {a, b} <= ran:
+            log.warning("gap %s - %s skipped for %s: policy not run on the %s split", a, b, model, split)
+            continue
+        g = gap_decomposition(documents, model, a, b, split, bootstrap, confidence, seed)
+        log.info("%s: %s - %s\n%s", model, a, b, g.select("term", "value", "value_lo", "value_hi", "share"))
+        frames.append(g)
+    return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
