@@ -1,7 +1,8 @@
 """GPU benchmark: one paper-sized shard on the exact paper architectures, random weights.
 
 Builds Llama-3.1-8B and Qwen2.5-7B (architectures written out in
-:mod:`kvdiverge.architectures`, no download) with random bfloat16 weights on the GPU,
+:mod:`kvdiverge.architectures`, no download) with random weights in the config's dtype
+(paper.yaml: float32) on the GPU,
 runs one shard of ``config/paper.yaml`` size through the engine
 (:func:`kvdiverge.runner.run_documents`: 12 documents of about 1200 random tokens,
 ``R = 8``, ``T = 256``, the ``snapkv-50`` policy) and prints, per model:
@@ -110,7 +111,10 @@ def engine_steps(records: list[dict[str, Any]]) -> int:
 
 def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     values = MINIATURE[name] if args.tiny else PAPER[name]
-    dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    # default: the config's dtype for this model on cuda (paper.yaml: float32, see the README's
+    # "Numerical noise floor"), float32 on the CPU
+    config_dtype = (config.get("models", {}).get(name) or {}).get("dtype", "float32")
+    dtype = args.dtype or (config_dtype if str(args.device).startswith("cuda") else "float32")
     cuda = str(args.device).startswith("cuda")
     t0 = time.perf_counter()
     model = random_model(values, dtype=dtype, device=args.device, seed=0,
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="config whose policy is run and whose cost is projected")
     ap.add_argument("--policy", default="snapkv-50")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--dtype", default=None, help="default: the config's model dtype on cuda, float32 on cpu")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
     ap.add_argument("--tiny", action="store_true",
                     help="miniature architectures (kvdiverge.architectures.MINIATURE), small defaults")

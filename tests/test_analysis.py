@@ -9,16 +9,16 @@ from kvdiverge.analysis import (
     PLAN_FIELDS,
     PlanError,
     confirmatory_analysis,
-    confirmatory_html,
+    floor_comparison,
     gap_decomposition,
     gap_terms,
     holm,
     plan_hash,
     save_table,
-    summary_html,
     timing_table,
     validate_plan,
 )
+from kvdiverge.pages import confirmatory_html, summary_html
 from kvdiverge.estimators import pooled_estimates, survival_curve
 
 PLAN = {"policy": "snapkv-90", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
@@ -223,3 +223,71 @@ def test_timing_summary_and_tables(tmp_path, kernel):
     back = pl.read_csv(tmp_path / "d.csv")
     assert "S" not in back.columns and back.height == 4
     assert pl.read_parquet(tmp_path / "d.parquet")["S"].dtype == pl.List(pl.Float64)
+
+
+# --------------------------------------------------------------------------- noise floor
+
+
+def floor_frame(policy, p, N, tv, split="exploratory", model="m", docs=None):
+    docs = docs or [f"d{i}" for i in range(len(p))]
+    return pl.DataFrame({"model": model, "policy": policy, "split": split, "doc_id": docs,
+                         "p_div": np.asarray(p, float), "E_N": np.asarray(N, float),
+                         "tv_mean": np.asarray(tv, float)})
+
+
+def test_floor_comparison_is_paired_on_the_floor_documents():
+    rng = np.random.default_rng(5)
+    n = 8
+    fp, fN, ftv = rng.uniform(0, 0.3, n), rng.uniform(0, 2, n), rng.uniform(0, 0.01, n)
+    floor = floor_frame("noise-floor", fp[:5], fN[:5], ftv[:5], docs=[f"d{i}" for i in range(5)])
+    above = floor_frame("A", fp + 0.2, fN + 1.0, ftv + 0.05)          # shifted in every document
+    equal = floor_frame("B", fp, fN, ftv)                                # the floor itself
+    other = floor_frame("C", fp + 0.5, fN, ftv, split="confirmatory")   # no floor on that split
+    docs = pl.concat([above.sample(fraction=1.0, shuffle=True, seed=2), floor, equal, other])
+    t = floor_comparison(docs, "noise-floor", 500, 0.95, seed=3)
+    assert sorted(t["policy"].to_list()) == ["A", "B"] and set(t["split"]) == {"exploratory"}
+    a = t.filter(pl.col("policy") == "A").row(0, named=True)
+    b = t.filter(pl.col("policy") == "B").row(0, named=True)
+    assert a["n_docs"] == 5 and a["floor"] == "noise-floor"  # the floor's subset of documents
+    assert a["p_div"] == pytest.approx(fp[:5].mean() + 0.2)
+    assert a["floor_p_div"] == pytest.approx(fp[:5].mean())
+    assert a["floor_tv_mean"] == pytest.approx(ftv[:5].mean())
+    # paired: the difference is the same in every document, so its interval is a point
+    assert a["diff_p_div_lo"] == pytest.approx(0.2) and a["diff_p_div_hi"] == pytest.approx(0.2)
+    assert a["diff_E_N"] == pytest.approx(1.0) and a["diff_tv_mean"] == pytest.approx(0.05)
+    assert a["above_floor_p_div"] and a["above_floor_E_N"]
+    assert a["p_div_lo"] <= a["p_div"] <= a["p_div_hi"]
+    assert b["diff_p_div"] == 0.0 and not b["above_floor_p_div"] and not b["above_floor_E_N"]
+    # no floor at all: an empty table with the same columns
+    empty = floor_comparison(equal, "noise-floor", 100, 0.95, seed=3)
+    assert empty.height == 0 and "above_floor_E_N" in empty.columns
+
+
+def test_confirmatory_reports_the_floor_outside_the_family():
+    pairs = [(0.1, 0.3), (0.2, 0.25), (0.3, 0.2), (0.1, 0.5), (0.2, 0.6)]
+    floor_pairs = [(0.01, 0.02), (0.02, 0.01), (0.0, 0.03), (0.01, 0.01), (None, 0.02)]
+    plain, _ = confirmatory_analysis(btv_docs(pairs), PLAN, "confirmatory", 500, 0.95, seed=1)
+    docs = pl.concat([btv_docs(pairs), btv_docs(floor_pairs, policy="noise-floor")])
+    res, per = confirmatory_analysis(docs, PLAN, "confirmatory", 500, 0.95, seed=1, floor="noise-floor")
+    plan_row = res.filter(pl.col("role") == "plan").row(0, named=True)
+    fl = res.filter(pl.col("role") == "floor").row(0, named=True)
+    assert plan_row["p_adjusted"] == pytest.approx(plain["p_adjusted"][0])  # family unchanged
+    assert plan_row["decision"] == plain["decision"][0]
+    assert fl["policy"] == "noise-floor" and fl["n_used"] == 4 and fl["n_excluded"] == 1
+    assert fl["mean_diff"] == pytest.approx(np.mean([0.01, -0.01, 0.03, 0.0]))
+    assert np.isnan(fl["p_adjusted"]) and fl["decision"] == "floor (reference)"
+    assert per.filter(pl.col("policy") == "noise-floor").height == 5
+    html = confirmatory_html(PLAN, res)
+    assert "noise-floor (noise floor)" in html
+
+
+def test_summary_page_says_which_policies_lie_above_the_floor():
+    from kvdiverge.pages import floor_html
+
+    n = 6
+    fp = np.linspace(0.0, 0.1, n)
+    docs = pl.concat([floor_frame("noise-floor", fp, fp, fp / 10), floor_frame("A", fp + 0.3, fp + 2, fp),
+                      floor_frame("B", fp, fp, fp / 10)])
+    t = floor_comparison(docs, "noise-floor", 200, 0.95, seed=1)
+    page = floor_html(t)
+    assert "above floor (p_div / E[N])" in page and "yes / yes" in page and "no / no" in page

@@ -144,9 +144,12 @@ def test_unknown_press_lists_the_presses():
 def test_schema_presses_are_kvpress_presses():
     import kvpress
 
+    from kvdiverge.presses import PROJECT_PRESSES
+
     presses = load_schema()["$defs"]["policy"]["properties"]["press"]["enum"]
+    assert set(PROJECT_PRESSES) <= set(presses)
     for name in presses:
-        cls = getattr(kvpress, name)
+        cls = PROJECT_PRESSES.get(name) or getattr(kvpress, name)
         assert issubclass(cls, kvpress.BasePress), name
 
 
@@ -255,13 +258,17 @@ def test_runs_lists_every_generated_combination():
     assert runs(smoke) == [
         ("smollm2-135m", "snapkv-50", "exploratory"),
         ("smollm2-135m", "snapkv-b128", "exploratory"),
+        ("smollm2-135m", "noise-floor", "exploratory"),
         ("smollm2-135m", "snapkv-90", "confirmatory"),
+        ("smollm2-135m", "noise-floor", "confirmatory"),
         ("smollm2-135m", "none", "exploratory"),
     ]
     paper = load_config(ROOT / "config" / "paper.yaml")
     got = runs(paper)
-    assert len(got) == 2 * 5 and len(set(got)) == len(got)
+    assert len(got) == 2 * 7 and len(set(got)) == len(got)
     assert ("qwen-2.5-7b", "none", "exploratory") in got
+    for model in paper["models"]:  # the floor on both splits of every model
+        assert {(model, "noise-floor", s) for s in ("exploratory", "confirmatory")} <= set(got)
     # a control already listed among the split's policies is not repeated
     smoke["runs"]["exploratory"].append("none")
     assert runs(smoke).count(("smollm2-135m", "none", "exploratory")) == 1
@@ -310,8 +317,9 @@ def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path):
     assert "smollm2" not in text
     # every generation shard of every run, when the generation stage is there
     if "trajectories" in stats:
-        assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 240
+        assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 14 * 24  # floor included
         assert "results-paper/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text
+        assert "results-paper/trajectories/llama-3.1-8b/noise-floor/confirmatory/shard-23.parquet" in text
 
 
 def test_required_sections():
@@ -320,3 +328,28 @@ def test_required_sections():
     del config["models"]
     msg = error_of(config)
     assert "missing config key models, confirmatory" in msg
+
+
+def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
+    from kvdiverge.config import floor_policy
+
+    for name in ("config.yaml", "smoke.yaml", "paper.yaml"):
+        cfg = load_config(ROOT / "config" / name)
+        assert floor_policy(cfg) == "noise-floor", name
+        assert cfg["policies"]["noise-floor"]["press"] == "PermutationPress"
+        splits = {s for _, p, s in runs(cfg) if p == "noise-floor"}
+        assert splits == {s for s in ("exploratory", "confirmatory") if cfg["runs"][s]}, name
+    smoke = load_config(ROOT / "config" / "smoke.yaml")
+    smoke["runs"]["confirmatory"] = []
+    smoke.pop("confirmatory")
+    assert ("smollm2-135m", "noise-floor", "confirmatory") not in runs(smoke)  # no policies there
+
+    config = raw("smoke.yaml")
+    config["runs"]["floor"]["policy"] = "snapkv-50"
+    assert "runs.floor.policy: 'snapkv-50' must be a PermutationPress policy" in error_of(config)
+    config = raw("smoke.yaml")
+    config["runs"]["floor"]["documents"] = 3
+    assert "runs.floor.documents: 3 exceeds corpus.documents.exploratory = 2" in error_of(config)
+    config = raw("smoke.yaml")
+    config["policies"]["noise-floor"]["compression_ratio"] = 0.5
+    assert "policies.noise-floor: PermutationPress keeps every position" in error_of(config)

@@ -18,25 +18,28 @@ def paper():
 
 def test_smoke_cost_by_hand(smoke):
     # smoke: T = 8, R = 2, 2 shards; exploratory snapkv-50 and snapkv-b128 on 2 documents,
-    # confirmatory snapkv-90 on 2, the control `none` on the first 1 exploratory document.
+    # confirmatory snapkv-90 on 2, the noise floor on both splits' 2 documents, the control
+    # `none` on the first 1 exploratory document.
     costs = study_cost(smoke)
     assert [(c.policy, c.split, c.documents) for c in costs] == [
-        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2),
-        ("snapkv-90", "confirmatory", 2), ("none", "exploratory", 1)]
+        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2), ("noise-floor", "exploratory", 2),
+        ("snapkv-90", "confirmatory", 2), ("noise-floor", "confirmatory", 2), ("none", "exploratory", 1)]
     # per document: token-steps R x 2 sides x (2T - 1) = 2 * 2 * 15 = 60;
     # forwards 2 prefill + 2 sides x (2T - 2) = 2 + 28 = 30
-    assert [c.token_steps for c in costs] == [120, 120, 120, 60]
-    assert [c.forwards for c in costs] == [60, 60, 60, 30]
-    assert totals(costs) == {"runs": 4, "documents": 7, "shards": 8, "prefill_forwards": 14,
-                             "decode_forwards": 196, "forwards": 210, "token_steps": 420}
+    assert [c.token_steps for c in costs] == [120] * 5 + [60]
+    assert [c.forwards for c in costs] == [60] * 5 + [30]
+    assert totals(costs) == {"runs": 6, "documents": 11, "shards": 12, "prefill_forwards": 22,
+                             "decode_forwards": 308, "forwards": 330, "token_steps": 660}
+    floor = {**smoke, "runs": {**smoke["runs"], "floor": {"policy": "noise-floor", "documents": 1}}}
+    assert [c.documents for c in study_cost(floor) if c.policy == "noise-floor"] == [1, 1]
 
 
 def test_paper_cost_and_batching(paper):
-    # 2 models x (3 x 288 + 288 + 24) = 2352 document runs, R = 8, T = 256
+    # 2 models x (3 x 288 + 288 + 2 x 288 noise floor + 24) = 3504 document runs, R = 8, T = 256
     tot = totals(study_cost(paper))
-    assert tot["documents"] == 2352
-    assert tot["token_steps"] == 2352 * 8 * 2 * 511 == 19_229_952
-    assert tot["decode_forwards"] == 2352 * 2 * 510
+    assert tot["documents"] == 3504
+    assert tot["token_steps"] == 3504 * 8 * 2 * 511 == 28_648_704
+    assert tot["decode_forwards"] == 3504 * 2 * 510
     # B = 12: a shard of 12 documents decodes as one group; the control's 24 documents
     # over 24 shards stay one per group
     batched = study_cost(paper, batch_documents=12)
@@ -45,9 +48,9 @@ def test_paper_cost_and_batching(paper):
     control = next(c for c in batched if c.policy == "none")
     assert control.decode_forwards == 24 * 2 * 510
     assert totals(batched)["token_steps"] == tot["token_steps"]  # rows, not forwards, set the work
-    # 19,229,952 token-steps at 2,671 token-steps/s on 1 device: 2.0 h; on 4 devices: 0.5 h
-    assert projected_hours(paper, 19_229_952 / 7200) == pytest.approx(2.0)
-    assert projected_hours(paper, 19_229_952 / 7200, gpus=4) == pytest.approx(0.5)
+    # 28,648,704 token-steps at 3,979 token-steps/s on 1 device: 2.0 h; on 4 devices: 0.5 h
+    assert projected_hours(paper, 28_648_704 / 7200) == pytest.approx(2.0)
+    assert projected_hours(paper, 28_648_704 / 7200, gpus=4) == pytest.approx(0.5)
 
 
 def test_bad_input_is_named(paper):
@@ -58,7 +61,7 @@ def test_bad_input_is_named(paper):
 
 
 def test_command_line(capsys):
-    assert main(["config/smoke.yaml", "--rate", "420"]) == 0
+    assert main(["config/smoke.yaml", "--rate", "660"]) == 0
     out = capsys.readouterr().out
-    assert "420 token-steps" in out
+    assert "660 token-steps" in out
     assert "0.00 h (1 s)" in out

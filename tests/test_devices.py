@@ -124,11 +124,11 @@ def _dry_run(tmp_path, *args, gpus="2"):
 def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path):
     out = _dry_run(tmp_path)
     assert "local GPU cap gpu=2 (KVDIVERGE_GPUS)" in out
-    assert "trajectories      240" in out
+    assert "trajectories      336" in out  # 14 runs (noise floor included) x 24 shards
     assert "local GPU cap gpu=1 (--resources)" in _dry_run(tmp_path, "--resources", "gpu=1")
     # a cluster run (SLURM profile, --jobs) gets no local cap
     slurm = _dry_run(tmp_path, "--profile", str(REPO / "profiles" / "slurm"))
-    assert "local GPU cap" not in slurm and "trajectories      240" in slurm
+    assert "local GPU cap" not in slurm and "trajectories      336" in slurm
 
 
 def test_schema_checks_the_gpus_key():

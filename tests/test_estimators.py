@@ -58,6 +58,8 @@ def test_replicate_estimates_by_hand():
         "N_post_cmc_tv": [0.24, 0.0, 0.4],
         "N_cmc_tv": [1.04, 0.0, 0.9],
         "L_branch": [1, 0, 2],
+        "tv_mean": [(0.2 + 0.5 + 0.5) / 3, 0.0, 0.5 / 3],   # mean chain tv_t per step
+        "tv_max": [0.5, 0.0, 0.5],
     }
     for c, v in exp.items():
         np.testing.assert_allclose(got[c], v, atol=1e-12, err_msg=c)

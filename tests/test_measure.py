@@ -123,7 +123,7 @@ def test_build_press_objects_and_errors(user_presses):
     press = build_press("SnapKVPress:compression_ratio=0.25,window_size=8")
     assert isinstance(press, SnapKVPress) and press.compression_ratio == 0.25 and press.window_size == 8
     assert type(build_press("mypresses:KeepAllPress")).__name__ == "KeepAllPress"
-    with pytest.raises(UsageError, match="unknown kvpress press 'SnapPress'"):
+    with pytest.raises(UsageError, match="unknown press 'SnapPress'"):
         build_press("SnapPress:compression_ratio=0.5")
     with pytest.raises(UsageError, match=r"has no parameter\(s\) \['windowsize'\]; accepted: .*window_size"):
         build_press("SnapKVPress:windowsize=8")
@@ -259,7 +259,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     prompts.write_text('{"text": "hello"}\n')
     base = ["measure", "embedded", "--prompts", str(prompts), "-T", "4", "-R", "2"]
     cases = [
-        (base + ["--press", "SnapPress:compression_ratio=0.5"], "unknown kvpress press 'SnapPress'"),
+        (base + ["--press", "SnapPress:compression_ratio=0.5"], "unknown press 'SnapPress'"),
         (base + ["--press", "SnapKVPress:ratio=0.5"], "SnapKVPress has no parameter(s) ['ratio']"),
         (["measure", "embedded", "--prompts", str(tmp_path / "none.txt"), "--press", "KnormPress"],
          "prompts file not found"),

@@ -44,10 +44,25 @@ def test_bad_policies_are_named():
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "budget": 10})
     with pytest.raises(ValueError, match="exactly one"):
         Policy.from_config("x", {"press": "SnapKVPress"})
-    with pytest.raises(ValueError, match="unknown kvpress press 'SnapPress'; available: .*SnapKVPress"):
+    with pytest.raises(ValueError, match="unknown press 'SnapPress'; available: .*SnapKVPress"):
         Policy.from_config("x", {"press": "SnapPress", "compression_ratio": 0.5}).build_press(100)
     with pytest.raises(ValueError, match=r"SnapKVPress has no parameter\(s\) \['n_sink'\]; accepted: .*window_size"):
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "n_sink": 4}).build_press(100)
+
+
+def test_the_noise_floor_is_a_project_press_named_like_any_press():
+    from kvdiverge.presses import PermutationPress
+
+    policy = Policy.from_config("noise-floor", {"press": "PermutationPress", "seed": 3})
+    assert press_class("PermutationPress") is PermutationPress
+    press = policy.build_press(700)
+    assert isinstance(press, PermutationPress) and press.seed == 3
+    assert policy.kept_tokens(700) == 700 and policy.expected_kept(700, press) == 700
+    assert not policy.is_control and min_prompt_tokens(policy) == 1
+    with pytest.raises(ValueError, match="keeps every prompt position; give neither"):
+        Policy.from_config("x", {"press": "PermutationPress", "compression_ratio": 0.0})
+    with pytest.raises(ValueError, match=r"PermutationPress has no parameter\(s\) \['window_size'\]"):
+        Policy.from_config("x", {"press": "PermutationPress", "window_size": 4}).build_press(100)
 
 
 @pytest.mark.parametrize("config", ["config.yaml", "smoke.yaml", "paper.yaml"])

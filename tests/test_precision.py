@@ -55,7 +55,9 @@ ANALYSIS_UNDEFINED = {
     "branch_tv": {c: pl.col("n_docs") == 0 for c in ("btv", "btv_lo", "btv_hi")},
     "confirmatory_documents": {"btv_early": ~pl.col("reached_early"), "btv_late": ~pl.col("reached_late")},
     "confirmatory": {**{c: NO_DOCS | (pl.col("n_zero") == pl.col("n_used"))
-                        for c in ("statistic", "p_raw", "p_adjusted")},
+                        for c in ("statistic", "p_raw")},
+                     # the noise floor's row is reported outside the tested family
+                     "p_adjusted": NO_DOCS | (pl.col("n_zero") == pl.col("n_used")) | (pl.col("role") == "floor"),
                      **{c: NO_DOCS for c in ("mean_diff", "mean_diff_lo", "mean_diff_hi", "median_diff",
                                              "median_diff_lo", "median_diff_hi")}},
 }
@@ -67,7 +69,9 @@ def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
     converted = results / "models/smollm2-135m/config.json"
     assert '"dtype": "bfloat16"' in converted.read_text()  # the GGUF conversion kept the dtype
     tables = sorted([*(results / "estimates").rglob("*.parquet"), *(results / "analysis").rglob("*.parquet")])
-    assert len(tables) == 8 + 10  # 4 runs x (documents, replicates), 9 analysis tables + provenance
+    # 6 runs (the noise floor on both splits) x (documents, replicates); 9 analysis tables,
+    # provenance and floor
+    assert len(tables) == 12 + 11
     for path in tables:
         frame = pl.read_parquet(path)
         assert frame.height > 0, path
@@ -85,6 +89,9 @@ def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
     p_div = dict(zip(pooled["policy"], pooled["p_div"]))
     assert p_div["none"] == 0.0
     assert all(0 < p_div[p] <= 1 for p in ("snapkv-50", "snapkv-90", "snapkv-b128"))
+    # and bfloat16 rounding alone (the permutation control) makes generations part too
+    floor = pooled.filter(pl.col("policy") == "noise-floor")
+    assert floor.height == 2 and (floor["p_div"] > 0).all() and (floor["tv_mean"] > 1e-4).all()
 
 
 def test_float16_runs_on_cpu(bf16_run):

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
 RES = SMOKE["results_dir"]
 MODEL = "smollm2-135m"
-RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("snapkv-90", "confirmatory"),
-        ("none", "exploratory")]
+RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("noise-floor", "exploratory"),
+        ("snapkv-90", "confirmatory"), ("noise-floor", "confirmatory"), ("none", "exploratory")]
 # rules whose jobs the tests tell apart by their first output; the others run once
 PER_FILE = ("trajectories", "estimate")
 
@@ -105,7 +105,7 @@ def rules(*names):
 
 
 FIGURES_UP = rules("figures", "summary", "all")
-ANALYSES = rules("pool", "gaps", "confirmatory") | FIGURES_UP
+ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | FIGURES_UP
 GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
 
 
@@ -130,11 +130,17 @@ CASES = [
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION),
     ("policies.snapkv-50.compression_ratio", 0.4,
-     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps") | FIGURES_UP),
+     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor") | FIGURES_UP),
     ("policies.snapkv-90.kernel_size", 3,
-     shards(["snapkv-90"]) | estimates(["snapkv-90"]) | rules("provenance", "pool", "confirmatory") | FIGURES_UP),
+     shards(["snapkv-90"]) | estimates(["snapkv-90"]) | rules("provenance", "pool", "confirmatory", "floor")
+     | FIGURES_UP),
     ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION),
-    ("runs.control.documents", 2, shards(["none"]) | estimates(["none"]) | rules("provenance", "pool") | FIGURES_UP),
+    ("runs.control.documents", 2,
+     shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | FIGURES_UP),
+    ("runs.floor.documents", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
+     | rules("provenance", "pool", "floor", "confirmatory") | FIGURES_UP),
+    ("policies.noise-floor.seed", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
+     | rules("provenance", "pool", "floor", "confirmatory") | FIGURES_UP),
     (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION),
     ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION),
     ("window", 3, estimates() | ANALYSES),
@@ -201,7 +207,8 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     # that command remakes the shard and what depends on it, nothing else
     planned = snakemake(work, "-n", *command.split()[1:])
     assert planned_jobs(planned.stdout + planned.stderr) == (
-        {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps") | FIGURES_UP)
+        {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
+        | FIGURES_UP)
 
 
 @pytest.mark.llm

@@ -127,3 +127,24 @@ def test_runs_are_reproducible_and_streams_do_not_depend_on_policy():
     # pinned: the derivation of streams must not drift between versions
     assert s1["chain"][0] == 0.6926057933023988
     assert not np.array_equal(uniform_streams(1, "m", "d", 1, 4)["chain"], s1["chain"])
+
+
+def test_the_floor_runs_on_all_documents_of_a_split_or_its_first_n():
+    from kvdiverge.trajectories import shard_documents
+
+    prompts = pl.DataFrame({"doc_id": [f"d{i}" for i in range(6)],
+                            "split": ["exploratory"] * 5 + ["confirmatory"],
+                            "input_ids": [[1, 2, 3]] * 6,
+                            "exclusion_reason": [None, "too short", None, None, None, None]})
+    config = {"shards": 2, "runs": {"exploratory": ["a"], "confirmatory": ["b"],
+                                    "floor": {"policy": "noise-floor"}}}
+
+    def docs(cfg, split="exploratory"):
+        return sorted(d for s in range(2) for d in shard_documents(prompts, cfg, "noise-floor", split, s)["doc_id"])
+
+    assert docs(config) == ["d0", "d2", "d3", "d4"]  # every usable document, like policy "a"
+    assert docs(config, "confirmatory") == ["d5"]
+    subset = {**config, "runs": {**config["runs"], "floor": {"policy": "noise-floor", "documents": 2}}}
+    assert docs(subset) == ["d0", "d2"]  # the first usable ones
+    assert sorted(d for s in range(2) for d in shard_documents(prompts, subset, "a", "exploratory", s)["doc_id"]) \
+        == ["d0", "d2", "d3", "d4"]  # the policies keep all

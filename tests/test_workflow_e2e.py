@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
 TABLES = ["documents", "pooled", "timing", "survival", "branch_tv", "variance", "gaps", "confirmatory",
-          "confirmatory_documents"]
+          "confirmatory_documents", "floor"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,9 @@ def test_per_document_estimates_are_sane(smoke_run, config):
         assert reps.height == d.height * R
         if policy == "none":  # identical caches: TV exactly 0, never diverges
             assert p.max() == 0.0 and d["E_N"].max() == 0.0
+        if policy == "noise-floor":  # every position kept, only reordered: float32 rounding only
+            assert (d["kept_len"] == d["prompt_len"]).all()
+            assert 0 < d["tv_max"].max() < 1e-3
 
 
 def test_pooled_tables(smoke_run, config):
@@ -85,8 +88,35 @@ def test_pooled_tables(smoke_run, config):
     assert ((btv["btv"] >= 0) & (btv["btv"] <= 1)).all()
 
 
+def test_floor_beside_every_policy(smoke_run, config):
+    a = smoke_run / "analysis"
+    floor = pl.read_parquet(a / "floor.parquet")
+    want = sorted((m, s, p) for m, p, s in runs(config) if p != "noise-floor")
+    assert sorted(floor.select("model", "split", "policy").rows()) == want
+    prompts = pl.read_parquet(smoke_run / "prompts" / "smollm2-135m.parquet").filter(
+        pl.col("exclusion_reason").is_null())
+    for r in floor.iter_rows(named=True):
+        # paired on the floor's documents: all of the split's (the none control: its own few)
+        n_split = prompts.filter(pl.col("split") == r["split"]).height
+        n_control = config["runs"]["control"]["documents"]
+        assert r["n_docs"] == (n_control if r["policy"] == "none" else n_split)
+        assert 0 < r["floor_tv_mean"] < 1e-4 and r["floor_tv_mean_lo"] <= r["floor_tv_mean"]
+        assert r["diff_p_div"] == pytest.approx(r["p_div"] - r["floor_p_div"], abs=1e-12)
+        assert r["above_floor_p_div"] == (r["diff_p_div_lo"] > 0)
+    none = floor.filter(pl.col("policy") == "none").row(0, named=True)
+    assert not none["above_floor_p_div"] and not none["above_floor_E_N"]
+    summary = (a / "summary.html").read_text()
+    assert "above noise floor" in summary and "floor p_div" in summary
+    surv = pl.read_parquet(a / "survival.parquet")
+    assert surv.filter(pl.col("policy") == "noise-floor")["split"].n_unique() == 2
+
+
 def test_confirmatory_table(smoke_run, config):
     c = pl.read_parquet(smoke_run / "analysis" / "confirmatory.parquet")
+    fl = c.filter(pl.col("role") == "floor")
+    assert fl["policy"].to_list() == ["noise-floor"] * len(config["models"])
+    assert (fl["decision"] == "floor (reference)").all() and fl["p_adjusted"].is_nan().all()
+    c = c.filter(pl.col("role") == "plan")
     assert c["model"].to_list() == list(config["models"])
     assert (c["plan_hash"] == plan_hash(config["confirmatory"])).all()
     assert (c["n_used"] + c["n_excluded"] == c["n_docs"]).all()

@@ -9,6 +9,13 @@ Exploratory (exploratory split):
   with its share of the gap and paired document-bootstrap intervals.
 - :func:`variance_table` — ``Var(N_naive) / Var(N_cmc)`` per run (§5).
 
+Noise floor (every split that has policies):
+
+- :func:`floor_comparison` — each policy next to the numerical noise-floor control
+  (``PermutationPress``: equal kernels in exact arithmetic) on the documents both ran:
+  ``p_div``, ``E[N]`` and mean TV per step with intervals, and whether the policy lies
+  above the floor (paired document bootstrap of the difference).
+
 Confirmatory (confirmatory split only, prespecified plan in config ``confirmatory``):
 
 - :func:`validate_plan`, :func:`plan_hash` — the plan must be complete; its hash is
@@ -16,7 +23,11 @@ Confirmatory (confirmatory split only, prespecified plan in config ``confirmator
 - :func:`confirmatory_analysis` — per model, per document ``d = btv[late] - btv[early]``
   (§6 branch-aligned TV), one-sided Wilcoxon signed-rank (scipy), Holm across models,
   paired mean difference with a bootstrap interval. Documents whose branches never reach
-  a window are counted and reported. Refuses any split but ``confirmatory``.
+  a window are counted and reported. Refuses any split but ``confirmatory``. The
+  noise floor's own late − early difference is reported beside it (outside the
+  multiplicity family).
+
+The HTML pages of the report are rendered in :mod:`kvdiverge.pages`.
 """
 
 from __future__ import annotations
@@ -45,7 +56,9 @@ __all__ = [
     "scalar_columns",
     "PLAN_FIELDS",
     "PlanError",
+    "FLOOR_METRICS",
     "confirmatory_analysis",
+    "floor_comparison",
     "gap_decomposition",
     "gap_terms",
     "holm",
@@ -364,8 +377,56 @@ def holm(pvalues: Sequence[float], method: str = "holm") -> np.ndarray:
     return out
 
 
+def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan: Mapping[str, Any],
+                      n_boot: int, confidence: float, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One model's per-document ``d = btv[late] - btv[early]``, test and intervals (internal)."""
+    (ea, eb), (la, lb) = plan["early"], plan["late"]
+    g = g.sort("doc_id")
+    early, late = [], []
+    for num, den in zip(g["btv_num"].to_list(), g["btv_den"].to_list()):
+        num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+        early.append(btv_window(num, den, ea, eb)[0])
+        late.append(btv_window(num, den, la, lb)[0])
+    early, late = np.asarray(early), np.asarray(late)
+    d = late - early
+    ok = np.isfinite(d)
+    per_doc = [{"model": model, "policy": policy, "doc_id": doc, "btv_early": float(e), "btv_late": float(l_),
+                "d": float(dd) if o else None, "reached_early": bool(np.isfinite(e)),
+                "reached_late": bool(np.isfinite(l_))}
+               for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok)]
+    du = d[ok]
+    stat, p = float("nan"), float("nan")
+    if du.size and np.any(du != 0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = stats.wilcoxon(du, alternative=plan["alternative"], zero_method="wilcox")
+        stat, p = float(res.statistic), float(res.pvalue)
+    if du.size:
+        rng = bootstrap_rng(seed, "confirmatory", model, policy)
+        resampled = du[rng.integers(0, du.size, size=(n_boot, du.size))]
+        mlo, mhi = (float(v) for v in percentile_interval(resampled.mean(axis=1), confidence))
+        dlo, dhi = (float(v) for v in percentile_interval(np.median(resampled, axis=1), confidence))
+    else:
+        mlo = mhi = dlo = dhi = float("nan")
+    result = {
+        "model": model, "policy": policy, "split": split, "n_docs": g.height,
+        "n_no_early": int((~np.isfinite(early)).sum()), "n_no_late": int((~np.isfinite(late)).sum()),
+        "n_excluded": int((~ok).sum()), "n_used": int(du.size), "n_zero": int((du == 0).sum()),
+        "mean_diff": float(du.mean()) if du.size else float("nan"), "mean_diff_lo": mlo,
+        "mean_diff_hi": mhi, "median_diff": float(np.median(du)) if du.size else float("nan"),
+        "median_diff_lo": dlo, "median_diff_hi": dhi,
+        "statistic": stat, "p_raw": p,
+    }
+    return result, per_doc
+
+
+#: Decision of the noise floor's row: reported beside the test, not part of its family.
+FLOOR_DECISION = "floor (reference)"
+
+
 def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: str, n_boot: int,
-                          confidence: float, seed: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+                          confidence: float, seed: int,
+                          floor: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The prespecified confirmatory test of estimators.md §8.
 
     Per model, on the plan's policy: per document ``d = btv[late] - btv[early]`` from the
@@ -375,6 +436,12 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
     percentile document-bootstrap interval. Documents whose branches reach neither or
     only one window have no ``d``; they are counted (``n_no_early``, ``n_no_late``,
     ``n_excluded``) and listed, never silently dropped.
+
+    With ``floor`` (the noise-floor policy, config ``runs.floor.policy``) present in
+    ``docs``, the floor's own late − early difference is computed the same way, per
+    model, and reported in rows with ``role = "floor"``: its p-value is not adjusted
+    and its decision is :data:`FLOOR_DECISION` (the plan's family holds the plan's
+    policy only).
 
     Parameters
     ----------
@@ -386,18 +453,21 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
         Must be ``"confirmatory"``.
     n_boot, confidence, seed
         Bootstrap resamples, coverage, master seed.
+    floor : str, optional
+        The noise-floor policy's name.
 
     Returns
     -------
     result : polars.DataFrame
-        One row per model: model, policy, split, ``n_docs``, ``n_no_early``,
+        One row per model (plan's policy, ``role = "plan"``), then one per model for the
+        floor (``role = "floor"``) when it ran: model, policy, split, ``n_docs``, ``n_no_early``,
         ``n_no_late``, ``n_excluded``, ``n_used``, ``n_zero``, ``mean_diff``,
         ``mean_diff_lo``, ``mean_diff_hi``, ``median_diff`` (+ ``_lo``, ``_hi``), ``statistic``, ``p_raw``,
-        ``p_adjusted``, ``decision`` (reject | not rejected | not tested), and the plan
-        (``test``, ``alternative``, ``correction``, ``alpha``, ``early``, ``late``,
+        ``p_adjusted``, ``decision`` (reject | not rejected | not tested | floor), ``role``,
+        and the plan (``test``, ``alternative``, ``correction``, ``alpha``, ``early``, ``late``,
         ``plan_hash``).
     per_doc : polars.DataFrame
-        model, doc_id, ``btv_early``, ``btv_late``, ``d`` (null when excluded),
+        model, policy, doc_id, ``btv_early``, ``btv_late``, ``d`` (null when excluded),
         ``reached_early``, ``reached_late``.
 
     Raises
@@ -421,55 +491,29 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
         raise ValueError(f"no confirmatory estimates for the plan's policy {policy!r}")
     results, per_doc = [], []
     for (model,), g in sel.group_by(["model"], maintain_order=True):
-        g = g.sort("doc_id")
-        early, late = [], []
-        for num, den in zip(g["btv_num"].to_list(), g["btv_den"].to_list()):
-            num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
-            early.append(btv_window(num, den, ea, eb)[0])
-            late.append(btv_window(num, den, la, lb)[0])
-        early, late = np.asarray(early), np.asarray(late)
-        d = late - early
-        ok = np.isfinite(d)
-        for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok):
-            per_doc.append({"model": model, "doc_id": doc, "btv_early": float(e), "btv_late": float(l_),
-                            "d": float(dd) if o else None, "reached_early": bool(np.isfinite(e)),
-                            "reached_late": bool(np.isfinite(l_))})
-        du = d[ok]
-        stat, p = float("nan"), float("nan")
-        if du.size and np.any(du != 0):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                res = stats.wilcoxon(du, alternative=plan["alternative"], zero_method="wilcox")
-            stat, p = float(res.statistic), float(res.pvalue)
-        if du.size:
-            rng = bootstrap_rng(seed, "confirmatory", model, policy)
-            resampled = du[rng.integers(0, du.size, size=(n_boot, du.size))]
-            mlo, mhi = (float(v) for v in percentile_interval(resampled.mean(axis=1), confidence))
-            dlo, dhi = (float(v) for v in percentile_interval(np.median(resampled, axis=1), confidence))
-        else:
-            mlo = mhi = dlo = dhi = float("nan")
-        results.append({
-            "model": model, "policy": policy, "split": split, "n_docs": g.height,
-            "n_no_early": int((~np.isfinite(early)).sum()), "n_no_late": int((~np.isfinite(late)).sum()),
-            "n_excluded": int((~ok).sum()), "n_used": int(du.size), "n_zero": int((du == 0).sum()),
-            "mean_diff": float(du.mean()) if du.size else float("nan"), "mean_diff_lo": mlo,
-            "mean_diff_hi": mhi, "median_diff": float(np.median(du)) if du.size else float("nan"),
-            "median_diff_lo": dlo, "median_diff_hi": dhi,
-            "statistic": stat, "p_raw": p,
-        })
-    res = pl.DataFrame(results)
-    adj = holm(res["p_raw"].to_numpy(), plan["correction"])
+        r, pd_ = _late_minus_early(g, model, policy, split, plan, n_boot, confidence, seed)
+        results.append(r)
+        per_doc.extend(pd_)
+    adj = holm([r["p_raw"] for r in results], plan["correction"])
     alpha = float(plan["alpha"])
-    decision = ["not tested" if not np.isfinite(a) else ("reject" if a < alpha else "not rejected") for a in adj]
-    res = res.with_columns(
-        pl.Series("p_adjusted", adj), pl.Series("decision", decision),
+    for r, a in zip(results, adj):
+        r["p_adjusted"] = float(a)
+        r["decision"] = "not tested" if not np.isfinite(a) else ("reject" if a < alpha else "not rejected")
+        r["role"] = "plan"
+    if floor is not None and floor != policy:
+        for (model,), g in docs.filter(pl.col("policy") == floor).group_by(["model"], maintain_order=True):
+            r, pd_ = _late_minus_early(g, model, floor, split, plan, n_boot, confidence, seed)
+            r.update(p_adjusted=float("nan"), decision=FLOOR_DECISION, role="floor")
+            results.append(r)
+            per_doc.extend(pd_)
+    res = pl.DataFrame(results, infer_schema_length=None).with_columns(
         pl.lit(plan["test"]).alias("test"), pl.lit(plan["alternative"]).alias("alternative"),
         pl.lit(plan["correction"]).alias("correction"), pl.lit(alpha).alias("alpha"),
         pl.lit(f"[{ea}, {eb}]").alias("early"), pl.lit(f"[{la}, {lb}]").alias("late"),
         pl.lit(h).alias("plan_hash"),
     )
-    per = pl.DataFrame(per_doc, schema={"model": pl.String, "doc_id": pl.String, "btv_early": pl.Float64,
-                                        "btv_late": pl.Float64, "d": pl.Float64,
+    per = pl.DataFrame(per_doc, schema={"model": pl.String, "policy": pl.String, "doc_id": pl.String,
+                                        "btv_early": pl.Float64, "btv_late": pl.Float64, "d": pl.Float64,
                                         "reached_early": pl.Boolean, "reached_late": pl.Boolean})
     return res, per
 
@@ -484,125 +528,83 @@ GAP_SCHEMA = {"model": pl.String, "policy_a": pl.String, "policy_b": pl.String, 
               "rho_A": pl.Float64, "rho_B": pl.Float64}
 
 
+# --------------------------------------------------------------------------- noise floor
+
+#: Per-document columns compared with the noise floor: occurrence, expected token loss
+#: (tokens), mean TV per chain step.
+FLOOR_METRICS = ("p_div", "E_N", "tv_mean")
 
 
-def _fmt(v, digits: int = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        if not np.isfinite(v):
-            return "–" if np.isnan(v) else str(v)
-        return f"{v:.{digits}g}"
-    return str(v)
+def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: float,
+                     seed: int) -> pl.DataFrame:
+    """Every policy next to the numerical noise floor, per model and split.
 
-
-def _ci(r: Mapping, c: str, digits: int = 3) -> str:
-    return f"{_fmt(r[c], digits)} [{_fmt(r[c + '_lo'], digits)}, {_fmt(r[c + '_hi'], digits)}]"
-
-
-def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    import html
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-_STYLE = ("<style>body{font-family:sans-serif;font-size:14px;margin:1em}"
-          "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
-          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-          "th{background:#f3f3f3}code{background:#f6f6f6}</style>")
-
-
-def _plan_block(plan: Mapping[str, Any]) -> str:
-    import html
-
-    rows = [(k, json.dumps(plan.get(k))) for k in PLAN_FIELDS]
-    return (_html_table(["plan field", "value"], rows)
-            + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
-              f"<code>{html.escape(plan_hash(plan))}</code></p>")
-
-
-def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
-    return [[r["model"], r["policy"], r["n_docs"], r["n_excluded"], r["n_used"],
-             _ci(r, "mean_diff"), _ci(r, "median_diff"), _fmt(r["statistic"]), _fmt(r["p_raw"]),
-             _fmt(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
-
-
-CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
-                       "mean late − early [95% CI]", "median [95% CI]", "W statistic", "p raw", "p adjusted",
-                       "decision"]
-
-
-def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
-    """HTML page of the confirmatory plan (with its hash) and the per-model results.
+    The floor is the ``PermutationPress`` control: its two kernels are equal in exact
+    arithmetic, so what it measures is floating-point rounding. Each policy is paired
+    with the floor by ``doc_id`` on the documents both ran (all of a split's, or the
+    subset ``runs.floor.documents``); each bootstrap resample draws those documents
+    with replacement and uses them for both. A policy lies above the floor in a metric
+    when the lower end of the interval of ``policy - floor`` is above 0.
 
     Parameters
     ----------
-    plan : mapping
-        Config section ``confirmatory``.
-    result : polars.DataFrame
-        First output of :func:`confirmatory_analysis`.
+    docs : polars.DataFrame
+        Per-document estimates (:func:`kvdiverge.estimators.document_estimates`) of
+        any runs, with ``p_div``, ``E_N`` (tokens) and ``tv_mean``.
+    floor : str
+        Name of the floor policy (config ``runs.floor.policy``).
+    n_boot : int
+        Bootstrap resamples.
+    confidence : float
+        Interval coverage.
+    seed : int
+        Master seed.
 
     Returns
     -------
-    str
-        A standalone HTML document.
+    polars.DataFrame
+        One row per (model, split, policy) other than the floor, where the floor ran:
+        model, split, policy, floor, ``n_docs`` (paired), and for each metric ``m`` of
+        :data:`FLOOR_METRICS` the policy's mean ``m`` (+ ``_lo``, ``_hi``), the
+        floor's ``floor_m`` (+ interval), the difference ``diff_m`` (+ interval), and
+        ``above_floor_p_div``, ``above_floor_E_N`` (booleans). Empty (same columns)
+        when the floor did not run.
     """
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
-            f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
-            "<h2>Result per model</h2>"
-            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
-            "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
-            "documents whose branches reach neither window, or only one, have no d and are "
-            "counted as excluded.</p></body></html>")
+    rows = []
+    metrics = list(FLOOR_METRICS)
+    for (model, split), g in docs.group_by(["model", "split"], maintain_order=True):
+        fl = g.filter(pl.col("policy") == floor)
+        if fl.height == 0:
+            continue
+        fl = fl.select(["doc_id", *metrics])
+        for (policy,), gp in g.group_by(["policy"], maintain_order=True):
+            if policy == floor:
+                continue
+            j = gp.select(["doc_id", *metrics]).join(fl, on="doc_id", suffix="_floor").sort("doc_id")
+            n = j.height
+            r: dict[str, Any] = {"model": model, "split": split, "policy": policy, "floor": floor,
+                                 "n_docs": n}
+            rng = bootstrap_rng(seed, "floor", model, policy, split)
+            idx = rng.integers(0, max(n, 1), size=(n_boot, max(n, 1)))
+            for m in metrics:
+                a = j[m].to_numpy().astype(np.float64)
+                b = j[m + "_floor"].to_numpy().astype(np.float64)
+                for name, x in ((m, a), (f"floor_{m}", b), (f"diff_{m}", a - b)):
+                    if n == 0:
+                        r[name] = r[name + "_lo"] = r[name + "_hi"] = float("nan")
+                        continue
+                    lo, hi = percentile_interval(x[idx].mean(axis=1), confidence)
+                    r[name], r[name + "_lo"], r[name + "_hi"] = float(x.mean()), float(lo), float(hi)
+            for m in ("p_div", "E_N"):
+                r[f"above_floor_{m}"] = bool(n > 0 and r[f"diff_{m}_lo"] > 0)
+            rows.append(r)
+    return pl.DataFrame(rows, schema=FLOOR_SCHEMA) if rows else pl.DataFrame(schema=FLOOR_SCHEMA)
 
 
-def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.DataFrame,
-                 plan: Mapping[str, Any]) -> str:
-    """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
-
-    Parameters
-    ----------
-    pooled : polars.DataFrame
-        :func:`kvdiverge.estimators.pooled_estimates` output.
-    gaps : polars.DataFrame
-        :func:`gap_decomposition` rows.
-    confirmatory : polars.DataFrame
-        :func:`confirmatory_analysis` result.
-    plan : mapping
-        Config section ``confirmatory``.
-
-    Returns
-    -------
-    str
-        A standalone HTML document.
-    """
-    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], _ci(r, "p_div"),
-             _ci(r, "tau_mean"), _ci(r, "E_M"), _fmt(r["exposure_share"]), _fmt(r["rho"]),
-             f"[{_fmt(r['interval_E_M_lo'])}, {_fmt(r['interval_E_M_hi'])}]", _fmt(r["var_ratio"])]
-            for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)]
-    run_header = ["model", "policy", "split", "documents", "T", "occurrence p_div [95% CI]",
-                  "mean first-divergence step [95% CI]", "mismatch fraction E[M] [95% CI]",
-                  "exposure share of E[M]", "rho", "§4 interval of E[M] from window W",
-                  "Var(N_naive)/Var(N_cmc)"]
-    gap_rows = []
-    for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
-        t = {r["term"]: r for r in g.iter_rows(named=True)}
-
-        def share(term):
-            r = t[term]
-            return f"{_fmt(r['share'])} [{_fmt(r['share_lo'])}, {_fmt(r['share_hi'])}]"
-
-        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], _ci(t["delta"], "value"),
-                         share("first_mismatch"), share("exposure"), share("rate")])
-    gap_header = ["model", "gap A − B", "documents", "Δ E[N] tokens [95% CI]", "first-mismatch share",
-                  "exposure share", "rate share"]
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
-            f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
-            f"{_html_table(run_header, runs)}"
-            "<h2>Gap decomposition (exploratory)</h2>"
-            f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
-            f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
-            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
-            "</body></html>")
+#: Column types of the floor comparison (also for an empty one).
+FLOOR_SCHEMA: dict[str, pl.DataType] = {
+    "model": pl.String, "split": pl.String, "policy": pl.String, "floor": pl.String, "n_docs": pl.Int64,
+    **{f"{pre}{m}{suf}": pl.Float64 for m in FLOOR_METRICS for pre in ("", "floor_", "diff_")
+       for suf in ("", "_lo", "_hi")},
+    "above_floor_p_div": pl.Boolean, "above_floor_E_N": pl.Boolean,
+}

@@ -95,6 +95,8 @@ def format_error(error) -> str:
             rng.append(f"< {s['exclusiveMaximum']}")
         return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
     if v == "oneOf" and isinstance(error.instance, dict) and "press" in error.instance:
+        if error.instance.get("press") == "PermutationPress":
+            return f"{where}: PermutationPress keeps every position; give neither compression_ratio nor budget"
         return f"{where}: give exactly one of compression_ratio or budget"
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
@@ -205,6 +207,22 @@ def check(config: dict[str, Any]) -> None:
                 f"corpus.documents.{control['split']} = {docs}"
             )
 
+    floor = run.get("floor")
+    if floor and need_policy("runs.floor.policy", floor["policy"]):
+        press = policies[floor["policy"]].get("press")
+        if press != "PermutationPress":
+            problems.append(
+                f"runs.floor.policy: {floor['policy']!r} must be a PermutationPress policy "
+                f"(keeps every position, permutes their order), not {press}"
+            )
+        for split in SPLITS:
+            docs = config.get("corpus", {}).get("documents", {}).get(split)
+            if run.get(split) and floor.get("documents") and docs is not None and floor["documents"] > docs:
+                problems.append(
+                    f"runs.floor.documents: {floor['documents']} exceeds "
+                    f"corpus.documents.{split} = {docs}"
+                )
+
     conf = config.get("confirmatory")
     if conf:
         if need_policy("confirmatory.policy", conf["policy"]) and \
@@ -258,18 +276,28 @@ def check(config: dict[str, Any]) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
+def floor_policy(config: dict[str, Any]) -> str | None:
+    """Name of the noise-floor control policy (config ``runs.floor.policy``), or None."""
+    floor = config.get("runs", {}).get("floor")
+    return floor["policy"] if floor else None
+
+
 def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Every ``(model, policy, split)`` the workflow generates, the control included.
+    """Every ``(model, policy, split)`` the workflow generates, the controls included.
 
     Ordered by model (config order), then split (exploratory first), then policy
-    (config order in ``runs``); the control comes last unless it is already listed.
+    (config order in ``runs``); the noise floor (``runs.floor``) follows the policies of
+    every split that has any; the ``none`` control comes last unless it is already listed.
     """
     out: list[tuple[str, str, str]] = []
     run = config.get("runs", {})
+    floor = floor_policy(config)
     for model in config["models"]:
         for split in SPLITS:
             for policy in run.get(split, []):
                 out.append((model, policy, split))
+            if floor and run.get(split) and (model, floor, split) not in out:
+                out.append((model, floor, split))
         control = run.get("control")
         if control:
             item = (model, control["policy"], control["split"])
@@ -279,14 +307,21 @@ def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def control_documents(config: dict[str, Any], policy: str, split: str) -> int | None:
-    """How many documents the ``(policy, split)`` run takes: the control's count, or None (all).
+    """How many documents the ``(policy, split)`` run takes: a control's count, or None (all).
 
     The ``none`` control (``runs.control``) runs on the first ``runs.control.documents``
-    usable documents of its split only, unless the same policy is also scheduled on that
-    split in full (then it takes every document and this returns None).
+    usable documents of its split only, and the noise floor (``runs.floor``) on the
+    first ``runs.floor.documents`` of each split when that key is given, unless the same
+    policy is also scheduled on that split in full (then it takes every document and
+    this returns None).
     """
-    control = config.get("runs", {}).get("control") or {}
-    if (control.get("policy") == policy and control.get("split") == split
-            and policy not in config["runs"].get(split, [])):
+    runs_ = config.get("runs", {})
+    if policy in runs_.get(split, []):
+        return None
+    control = runs_.get("control") or {}
+    if control.get("policy") == policy and control.get("split") == split:
         return int(control["documents"])
+    floor = runs_.get("floor") or {}
+    if floor.get("policy") == policy and floor.get("documents"):
+        return int(floor["documents"])
     return None

@@ -103,11 +103,10 @@ def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
         n = int(config["corpus"]["documents"][split])
     except KeyError:
         raise KeyError(f"config key corpus.documents.{split} is missing") from None
-    control = config.get("runs", {}).get("control") or {}
-    if (control.get("policy") == policy and control.get("split") == split
-            and policy not in config["runs"].get(split, [])):
-        n = min(n, int(control["documents"]))
-    return n
+    from kvdiverge.config import control_documents  # the controls' counts (none, noise floor)
+
+    limit = control_documents(config, policy, split)
+    return n if limit is None else min(n, limit)
 
 
 def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int:

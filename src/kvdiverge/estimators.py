@@ -265,6 +265,11 @@ def _replicate_row(row: Mapping, W: int) -> dict:
     if tau_naive is not None and t_star is None:
         raise ValueError(f"{where}: tau_naive={tau_naive} <= T but no branch")
 
+    tv = np.asarray([np.nan if v is None else v for v in (row["tv"] or [])], dtype=np.float64)
+    reached = tv[np.isfinite(tv)]  # chain steps reached (NaN after the chain stops)
+    tv_mean = float(reached.mean()) if reached.size else float("nan")
+    tv_max = float(reached.max()) if reached.size else float("nan")
+
     w = p_div_hat
     sum_bm = float(bm.sum())
     N_post_cmc = w * sum_bm
@@ -285,6 +290,8 @@ def _replicate_row(row: Mapping, W: int) -> dict:
         "N_tail_cmc": N_post_cmc - N_win_cmc,
         "N_post_cmc_tv": N_post_cmc_tv,
         "N_cmc_tv": w + N_post_cmc_tv,
+        "tv_mean": tv_mean,
+        "tv_max": tv_max,
         "w": w,
         "t_star": None if t_star is None else int(t_star),
         "tau_naive": None if tau_naive is None else int(tau_naive),
@@ -315,7 +322,8 @@ def replicate_estimates(df: pl.DataFrame, W: int, progress: bool = False) -> pl.
         ``p_div_hat``, ``E_L_hat``, ``E_L_win_hat``, ``E_L_tail_hat``,
         ``E_tau_div_hat`` (``sum_t t f_hat_t``), ``N_cmc``, ``N_naive``,
         ``N_post_cmc``, ``N_win_cmc``, ``N_tail_cmc``, ``N_post_cmc_tv``, ``N_cmc_tv``,
-        the weight ``w = 1 - S_T``, ``t_star``, ``tau_naive``, ``L_branch = T - t_star``
+        ``tv_mean`` and ``tv_max`` (mean and largest ``tv_t`` over the agreement chain's
+        steps), the weight ``w = 1 - S_T``, ``t_star``, ``tau_naive``, ``L_branch = T - t_star``
         (0 without branch), lists ``S`` and ``f_hat`` (length T) and ``branch_tv``
         (length ``L_branch``), plus ``prompt_len``, ``kept_len``, ``seconds``.
 
@@ -344,7 +352,7 @@ def replicate_estimates(df: pl.DataFrame, W: int, progress: bool = False) -> pl.
         "E_L_tail_hat": pl.Float64, "E_tau_div_hat": pl.Float64, "N_cmc": pl.Float64,
         "N_naive": pl.Float64, "N_post_cmc": pl.Float64, "N_win_cmc": pl.Float64,
         "N_tail_cmc": pl.Float64, "N_post_cmc_tv": pl.Float64, "N_cmc_tv": pl.Float64,
-        "w": pl.Float64, "t_star": pl.Int32, "tau_naive": pl.Int32, "L_branch": pl.Int32,
+        "tv_mean": pl.Float64, "tv_max": pl.Float64, "w": pl.Float64, "t_star": pl.Int32, "tau_naive": pl.Int32, "L_branch": pl.Int32,
         "S": pl.List(pl.Float64), "f_hat": pl.List(pl.Float64), "branch_tv": pl.List(pl.Float64),
         "prompt_len": pl.Int32, "kept_len": pl.Int32, "seconds": pl.Float64,
     }
@@ -388,7 +396,8 @@ def document_estimates(
         ``prompt_len``, ``kept_len``, ``seconds``; means and ``*_se`` of ``p_div``,
         ``E_L``, ``E_L_win``, ``E_L_tail``, ``E_tau_div``, ``E_N`` (from ``N_cmc``),
         ``E_N_naive``, ``E_N_tv`` (compensator), ``E_N_post``, ``E_N_win``,
-        ``E_N_tail``, ``E_M``; ``tau_mean = E_tau_div / p_div`` (mean first-divergence
+        ``E_N_tail``, ``E_M``, ``tv_mean`` (mean chain ``tv_t`` per step, the
+        replicates' mean) and ``tv_max`` (largest over replicates and steps); ``tau_mean = E_tau_div / p_div`` (mean first-divergence
         step given divergence, steps); ``rho = E_N_post / E_L``;
         ``first_mismatch_term = p_div / T``, ``exposure_rate_term = (E_L / T) rho``,
         ``exposure_share`` of ``E_M``; the §4 interval ``E_N_lo/hi``, ``E_M_lo/hi``,
@@ -417,7 +426,7 @@ def document_estimates(
         R = g.height
         col = {c: g[c].to_numpy().astype(np.float64) for c in (
             "p_div_hat", "E_L_hat", "E_L_win_hat", "E_L_tail_hat", "E_tau_div_hat", "N_cmc",
-            "N_naive", "N_cmc_tv", "N_post_cmc", "N_win_cmc", "N_tail_cmc")}
+            "N_naive", "N_cmc_tv", "N_post_cmc", "N_win_cmc", "N_tail_cmc", "tv_mean", "tv_max")}
         r: dict = {"model": model, "policy": policy, "split": split, "doc_id": doc_id,
                    "T": T, "W": W, "R": R,
                    "prompt_len": int(g["prompt_len"][0]), "kept_len": int(g["kept_len"][0]),
@@ -429,6 +438,9 @@ def document_estimates(
                          ("E_N_tail", "N_tail_cmc")):
             r[out] = float(col[src].mean())
             r[out + "_se"] = _se(col[src])
+        r["tv_mean"] = float(col["tv_mean"].mean())
+        r["tv_mean_se"] = _se(col["tv_mean"])
+        r["tv_max"] = float(col["tv_max"].max())
         r["E_M"] = r["E_N"] / T
         r["E_M_se"] = r["E_N_se"] / T
         r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
@@ -468,7 +480,7 @@ def document_estimates(
 
 #: Per-document columns pooled as equal-weight means over documents.
 POOLED_COLUMNS = ["p_div", "E_tau_div", "E_L", "E_L_win", "E_L_tail", "E_N", "E_N_naive",
-                  "E_N_tv", "E_N_post", "E_N_win", "E_N_tail", "E_M"]
+                  "E_N_tv", "E_N_post", "E_N_win", "E_N_tail", "E_M", "tv_mean"]
 
 
 def _boot_idx(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
@@ -500,7 +512,9 @@ def _boot_nanmean(counts: np.ndarray, X: np.ndarray) -> np.ndarray:
 def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
     """Pooled per (model, policy, split): equal-weight means over documents (§7).
 
-    Each mean gets a percentile document-bootstrap interval (``<col>_lo``, ``<col>_hi``).
+    Each mean gets a percentile document-bootstrap interval (``<col>_lo``, ``<col>_hi``);
+    ``tv_mean`` is among them (mean chain TV per step), ``tv_max`` is the largest over
+    documents (no interval).
     Also: ``rho = mean(E_N_post) / mean(E_L)``, ``tau_mean = mean(E_tau_div) /
     mean(p_div)`` (steps), the pooled §3 decomposition (``first_mismatch_term``,
     ``exposure_rate_term``, ``exposure_share``; checked), the §4 interval from the pooled
@@ -576,6 +590,7 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         r["var_ratio_median"] = float(np.median(fin)) if fin.size else float("nan")
         ok = np.isfinite(vn) & np.isfinite(vc)
         r["frac_cmc_dominates"] = float(np.mean(vc[ok] <= vn[ok] + 1e-12)) if ok.any() else float("nan")
+        r["tv_max"] = float(g["tv_max"].max())
         r["seconds"] = float(g["seconds"].sum())
         rows.append(r)
     return pl.DataFrame(rows, infer_schema_length=None)

@@ -1,11 +1,13 @@
 """Seaborn figures of the study, each written as PNG and PDF (atomically).
 
-- :func:`plot_survival` — survival ``S_t`` of first divergence per policy and model.
+- :func:`plot_survival` — survival ``S_t`` of first divergence per policy and model, the
+  noise floor drawn grey and dashed.
 - :func:`plot_gaps` — stacked gap decomposition (first-mismatch, exposure, rate) with
   paired-bootstrap intervals (§7).
 - :func:`plot_branch_tv` — branch-aligned TV against lag since divergence, with the
   confirmatory early/late windows shaded (§6, §8).
-- :func:`plot_confirmatory` — per-document late − early differences (§8).
+- :func:`plot_confirmatory` — per-document late − early differences (§8), with the noise
+  floor's mean difference beside them.
 - :func:`plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
 """
 
@@ -58,27 +60,45 @@ def _facets(n: int, width: float = 4.5, height: float = 3.5):
     return fig, axes[0]
 
 
-def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None, **line_kw) -> None:
+#: Colours of the noise-floor control's runs (greys, dashed), apart from the policies'.
+FLOOR_COLORS = ("#555555", "#999999")
+
+
+def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None,
+                     floor_runs: Sequence[str] = (), **line_kw) -> None:
     """One line per ``run`` with its interval band, line and band in the same colour.
 
     ``d`` is a pandas frame with a ``run`` column; ``step`` is passed to
     ``fill_between`` (e.g. ``"post"`` for step curves), ``line_kw`` to ``sns.lineplot``.
+    Runs in ``floor_runs`` (the noise floor) are drawn grey and dashed.
     """
     runs = sorted(d["run"].unique())
-    pal = dict(zip(runs, sns.color_palette(n_colors=len(runs))))
-    sns.lineplot(data=d, x=x, y=y, hue="run", hue_order=runs, palette=pal, ax=ax, errorbar=None, **line_kw)
+    policies = [r for r in runs if r not in floor_runs]
+    floors = [r for r in runs if r in floor_runs]
+    pal = dict(zip(policies, sns.color_palette(n_colors=max(len(policies), 1))))
+    pal.update({r: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, r in enumerate(floors)})
+    dashes = {r: ((4, 2) if r in floor_runs else "") for r in runs}
+    sns.lineplot(data=d, x=x, y=y, hue="run", hue_order=runs, palette=pal, style="run", style_order=runs,
+                 dashes=dashes, ax=ax, errorbar=None, **line_kw)
     for run, g in d.groupby("run"):
         ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
 
 
-def _run_labels(frame: pl.DataFrame) -> pl.DataFrame:
-    """Add the legend label ``run``: ``policy (split)``, or ``policy`` when there is one split."""
+def _run_labels(frame: pl.DataFrame, floor: str | None = None) -> pl.DataFrame:
+    """Add the legend label ``run``: ``policy (split)``, or ``policy`` when there is one split.
+
+    The noise-floor policy ``floor`` is labelled "noise floor".
+    """
+    name = pl.col("policy")
+    if floor:
+        floor_label = "noise floor" if floor == "noise-floor" else f"noise floor ({floor})"
+        name = pl.when(pl.col("policy") == pl.lit(floor)).then(pl.lit(floor_label)).otherwise(pl.col("policy"))
     if frame["split"].n_unique() > 1:
-        return frame.with_columns((pl.col("policy") + " (" + pl.col("split") + ")").alias("run"))
-    return frame.with_columns(pl.col("policy").alias("run"))
+        return frame.with_columns((name + " (" + pl.col("split") + ")").alias("run"))
+    return frame.with_columns(name.alias("run"))
 
 
-def draw_survival(ax, survival: pl.DataFrame, title: str | None = None) -> None:
+def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:
     """Draw survival curves ``S_t`` (steps ``t = 0..T``) with their bands on one axes.
 
     Parameters
@@ -89,24 +109,31 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None) -> None:
         :func:`kvdiverge.estimators.survival_curve` rows of one model (any runs).
     title : str, optional
         Axes title (default: the model).
+    floor : str, optional
+        The noise-floor policy (config ``runs.floor.policy``): drawn grey and dashed,
+        labelled "noise floor".
     """
-    s = _run_labels(survival)
+    s = _run_labels(survival, floor)
     multi = s["split"].n_unique() > 1
+    floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
     d = s.to_pandas()
-    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", drawstyle="steps-post")
+    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs,
+                     drawstyle="steps-post")
     ax.set(title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
            xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)", ylim=(0, 1.02))
     ax.legend(title="policy (split)" if multi else "policy", fontsize="small", loc="upper center",
               bbox_to_anchor=(0.5, -0.16), ncol=2)
 
 
-def survival_figure(survival: pl.DataFrame) -> plt.Figure:
+def survival_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Figure:
     """Survival of first divergence per policy, one panel per model (:func:`draw_survival`).
 
     Parameters
     ----------
     survival : polars.DataFrame
         :func:`kvdiverge.estimators.survival_curve` output; bands are the bootstrap intervals.
+    floor : str, optional
+        The noise-floor policy, drawn grey and dashed.
     """
     sns.set_theme(style="whitegrid", context="paper")
     if survival.height == 0:
@@ -114,12 +141,12 @@ def survival_figure(survival: pl.DataFrame) -> plt.Figure:
     models = sorted(survival["model"].unique().to_list())
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
-        draw_survival(ax, survival.filter(pl.col("model") == model), title=model)
+        draw_survival(ax, survival.filter(pl.col("model") == model), title=model, floor=floor)
     fig.suptitle("Survival of first divergence")
     return fig
 
 
-def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
+def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) -> None:
     """Write :func:`survival_figure` as PNG and PDF.
 
     Parameters
@@ -128,8 +155,10 @@ def plot_survival(survival: pl.DataFrame, png, pdf) -> None:
         :func:`kvdiverge.estimators.survival_curve` output.
     png, pdf : path
         Outputs.
+    floor : str, optional
+        The noise-floor policy (config ``runs.floor.policy``), drawn grey and dashed.
     """
-    save_figure(survival_figure(survival), png, pdf)
+    save_figure(survival_figure(survival, floor), png, pdf)
 
 
 def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
@@ -221,6 +250,11 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
         :func:`kvdiverge.analysis.confirmatory_analysis` outputs.
     """
     sns.set_theme(style="whitegrid", context="paper")
+    floor_res = result.filter(pl.col("role") == "floor") if "role" in result.columns else result.clear()
+    if "role" in result.columns:
+        result = result.filter(pl.col("role") == "plan")
+    if "policy" in per_doc.columns and result.height:
+        per_doc = per_doc.filter(pl.col("policy") == result["policy"][0])
     d = per_doc.filter(pl.col("d").is_not_null())
     if d.height == 0:
         return save_figure(_empty("no document reached both windows"), png, pdf)
@@ -231,6 +265,11 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
         y = d.filter(pl.col("model") == m)["d"].to_numpy()
         ax.scatter(i - 0.1 + rng.uniform(-0.12, 0.12, y.size), y, alpha=0.6, s=18,
                    color=sns.color_palette()[0])
+        fr = floor_res.filter(pl.col("model") == m)
+        if fr.height and np.isfinite(fr["mean_diff"][0]):
+            mu, lo, hi = fr["mean_diff"][0], fr["mean_diff_lo"][0], fr["mean_diff_hi"][0]
+            ax.errorbar(i + 0.45, mu, yerr=[[mu - lo], [hi - mu]], fmt="s", color=FLOOR_COLORS[0],
+                        capsize=3, label="noise floor (mean [CI])" if i == 0 else None)
         r = result.filter(pl.col("model") == m)
         if r.height and np.isfinite(r["mean_diff"][0]):
             mu, lo, hi = r["mean_diff"][0], r["mean_diff_lo"][0], r["mean_diff_hi"][0]
@@ -238,10 +277,12 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
             ax.text(i, ax.get_ylim()[1], f"n={r['n_used'][0]} (excl. {r['n_excluded'][0]})\n"
                     f"p_adj={r['p_adjusted'][0]:.3g}: {r['decision'][0]}",
                     ha="center", va="bottom", fontsize="x-small")
+    if floor_res.height:
+        ax.legend(fontsize="x-small", loc="lower right")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xticks(range(len(models)))
     ax.set_xticklabels(models)
-    ax.set_xlim(-0.6, len(models) - 0.3)
+    ax.set_xlim(-0.6, len(models) - 0.2)
     ax.set(xlabel="model", ylabel="btv[late] − btv[early] per document")
     fig.suptitle("Confirmatory: late minus early branch TV", y=1.08)
     save_figure(fig, png, pdf)

@@ -7,7 +7,14 @@ A policy is a config entry such as::
     recent-50:   {press: StreamingLLMPress, compression_ratio: 0.5, n_sink: 4}
     none:        {press: SnapKVPress, compression_ratio: 0.0}
 
-Any press that ``kvpress`` exports can be named; parameters other than
+Any press that ``kvpress`` exports can be named, and the project's own presses
+(:data:`kvdiverge.presses.PROJECT_PRESSES`, e.g. the noise-floor control
+``PermutationPress``, which keeps every position and takes neither a ratio nor a
+budget)::
+
+    noise-floor: {press: PermutationPress, seed: 0}
+
+Parameters other than
 ``compression_ratio`` / ``budget`` are passed to its constructor (``params`` holds
 extra ones). Presses compress the prompt cache once, during prefill
 (kvpress, https://github.com/NVIDIA/kvpress).
@@ -60,11 +67,18 @@ class Policy:
         Raises
         ------
         ValueError
-            If both or neither of ``compression_ratio`` and ``budget`` are given.
+            If both or neither of ``compression_ratio`` and ``budget`` are given (a
+            press that keeps every position, such as ``PermutationPress``, takes neither).
         """
         has_ratio = spec.get("compression_ratio") is not None
         has_budget = spec.get("budget") is not None
-        if has_ratio == has_budget:
+        keeps_all = keeps_every_position(spec.get("press", ""))
+        if keeps_all and (has_ratio or has_budget):
+            raise ValueError(
+                f"policy {name!r}: {spec['press']} keeps every prompt position; "
+                f"give neither 'compression_ratio' nor 'budget'"
+            )
+        if not keeps_all and has_ratio == has_budget:
             raise ValueError(
                 f"policy {name!r}: give exactly one of 'compression_ratio' or 'budget'"
             )
@@ -100,7 +114,7 @@ class Policy:
                 f"policy {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
             )
         if self.budget is None:
-            return float(self.compression_ratio)
+            return float(self.compression_ratio or 0.0)
         return 1.0 - (self.budget + 0.5) / prompt_len
 
     def kept_tokens(self, prompt_len: int) -> int:
@@ -108,6 +122,8 @@ class Policy:
 
         Follows ``kvpress.utils.compute_n_kept`` for score-based presses.
         """
+        if keeps_every_position(self.press):
+            return int(prompt_len)
         ratio = self.ratio_for(prompt_len)
         if ratio == 0:
             return prompt_len
@@ -116,12 +132,17 @@ class Policy:
     def expected_kept(self, prompt_len: int, press) -> int | None:
         """Prompt positions every layer must keep after ``press`` compressed (tokens).
 
-        Score-based presses (``kvpress.ScorerPress``) keep exactly
-        :meth:`kept_tokens`; for other presses ``None`` (only checked to compress).
+        Score-based presses (``kvpress.ScorerPress``) keep exactly :meth:`kept_tokens`;
+        project presses say themselves (``press.kept_tokens(prompt_len)``:
+        ``PermutationPress`` keeps all ``prompt_len``); for other presses ``None``
+        (only checked to compress).
         """
         from kvpress import ScorerPress
 
-        return self.kept_tokens(prompt_len) if isinstance(press, ScorerPress) else None
+        if isinstance(press, ScorerPress):
+            return self.kept_tokens(prompt_len)
+        own = getattr(press, "kept_tokens", None)
+        return int(own(prompt_len)) if callable(own) else None
 
     def build_press(self, prompt_len: int):
         """Instantiate the kvpress press for a prompt of ``prompt_len`` tokens.
@@ -155,23 +176,40 @@ def press_parameters(cls) -> set[str]:
     return set(inspect.signature(cls).parameters)
 
 
+#: Project presses that keep every prompt position (no ratio, no budget).
+_KEEP_ALL_PRESSES = {"PermutationPress"}
+
+
+def keeps_every_position(press: str) -> bool:
+    """True for a project press that keeps every prompt position (``PermutationPress``)."""
+    return press in _KEEP_ALL_PRESSES
+
+
 def press_class(name: str):
-    """Return the kvpress press class called ``name``.
+    """Return the press class called ``name``: a project press or one kvpress exports.
+
+    Project presses (:data:`kvdiverge.presses.PROJECT_PRESSES`) are looked up first.
 
     Raises
     ------
     ValueError
-        If kvpress exports no press of that name (the message lists the presses).
+        If neither the project nor kvpress has a press of that name (the message lists
+        the presses).
     """
     import kvpress
 
+    from kvdiverge.presses import PROJECT_PRESSES
+
+    if name in PROJECT_PRESSES:
+        return PROJECT_PRESSES[name]
     cls = getattr(kvpress, name, None)
     if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
         presses = sorted(
-            n for n in dir(kvpress)
-            if isinstance(getattr(kvpress, n), type) and issubclass(getattr(kvpress, n), kvpress.BasePress)
+            [n for n in dir(kvpress)
+             if isinstance(getattr(kvpress, n), type) and issubclass(getattr(kvpress, n), kvpress.BasePress)]
+            + list(PROJECT_PRESSES)
         )
-        raise ValueError(f"unknown kvpress press {name!r}; available: {', '.join(presses)}")
+        raise ValueError(f"unknown press {name!r}; available: {', '.join(presses)}")
     return cls
 
 

@@ -315,8 +315,9 @@ def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, 
     Documents with an ``exclusion_reason`` are skipped (the prompts table reports
     them). The ``none`` control (config ``runs.control``) runs on the first
     ``runs.control.documents`` usable documents of its split only, unless the same
-    policy is also scheduled on that split in full. Shard ``i`` of ``n`` takes every
-    ``n``-th document starting at ``i``.
+    policy is also scheduled on that split in full; the noise floor (``runs.floor``)
+    likewise on the first ``runs.floor.documents`` when given (all otherwise). Shard
+    ``i`` of ``n`` takes every ``n``-th document starting at ``i``.
 
     Raises
     ------

@@ -1,5 +1,7 @@
 # Stage 5: exploratory and confirmatory analyses — kvdiverge.analysis (estimators.md §7-§8).
-# Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns).
+# Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns). The
+# noise floor (config runs.floor) is compared with every policy of its splits
+# (floor.parquet) and reported beside the confirmatory test.
 
 ANALYSIS = f"{RESULTS}/analysis"
 CONFIRMATORY_PLAN = config["confirmatory"]
@@ -13,10 +15,12 @@ GAP_ESTIMATES = sorted(
         if (m, p, "exploratory") in RUNS
     }
 )
+FLOOR = kvdiverge.config.floor_policy(config)  # the noise-floor control, or None
 CONFIRMATORY_ESTIMATES = [
-    ESTIMATES.format(model=m, policy=CONFIRMATORY_PLAN["policy"], split="confirmatory")
+    ESTIMATES.format(model=m, policy=p, split="confirmatory")
     for m in MODELS
-    if (m, CONFIRMATORY_PLAN["policy"], "confirmatory") in RUNS
+    for p in (CONFIRMATORY_PLAN["policy"], FLOOR)
+    if p and (m, p, "confirmatory") in RUNS
 ]
 ANALYSIS_TABLES = ["documents", "pooled", "timing", "survival", "branch_tv", "variance"]
 
@@ -92,6 +96,34 @@ rule gaps:
         "../scripts/gaps.py"
 
 
+rule floor:
+    input:
+        estimate_files(),
+    output:
+        parquet=f"{ANALYSIS}/floor.parquet",
+        csv=report(
+            f"{ANALYSIS}/floor.csv",
+            caption="../report/floor.rst",
+            category="Tables",
+            labels={"table": "noise floor beside each policy"},
+        ),
+    log:
+        f"{LOGS}/analysis/floor.log",
+    params:
+        floor=FLOOR,
+        seed=config["seed"],
+        bootstrap=config["analysis"]["bootstrap"],
+        confidence=config["analysis"]["confidence"],
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/floor.py"
+
+
 rule confirmatory:
     input:
         CONFIRMATORY_ESTIMATES,
@@ -110,6 +142,7 @@ rule confirmatory:
         f"{LOGS}/analysis/confirmatory.log",
     params:
         plan=canonical(CONFIRMATORY_PLAN),
+        floor=FLOOR,
         split="confirmatory",
         seed=canonical(config["seed"]),
         bootstrap=canonical(config["analysis"]["bootstrap"]),
@@ -128,6 +161,7 @@ ALL_TARGETS.extend(
     [
         *(f"{ANALYSIS}/{t}.parquet" for t in ANALYSIS_TABLES),
         f"{ANALYSIS}/gaps.parquet",
+        f"{ANALYSIS}/floor.parquet",
         f"{ANALYSIS}/confirmatory.parquet",
     ]
 )

@@ -35,6 +35,7 @@ rule figures:
     params:
         early=canonical(config["confirmatory"]["early"]),
         late=canonical(config["confirmatory"]["late"]),
+        floor=FLOOR,
     threads: 1
     resources:
         mem_mb=2000,
@@ -50,6 +51,7 @@ rule summary:
         pooled=f"{ANALYSIS}/pooled.parquet",
         gaps=f"{ANALYSIS}/gaps.parquet",
         confirmatory=f"{ANALYSIS}/confirmatory.parquet",
+        floor=f"{ANALYSIS}/floor.parquet",
         provenance=PROVENANCE,
     output:
         report(

@@ -1,8 +1,9 @@
 """Snakemake adapter: the prespecified confirmatory test (kvdiverge.analysis.confirmatory_analysis)."""
 
-from kvdiverge.analysis import confirmatory_analysis, confirmatory_html, plan_hash, save_table
+from kvdiverge.analysis import confirmatory_analysis, plan_hash, save_table
 from kvdiverge.estimators import read_estimates
 from kvdiverge.io import write_text_atomic
+from kvdiverge.pages import confirmatory_html
 from kvdiverge.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "confirmatory")  # noqa: F821
@@ -16,7 +17,8 @@ try:
         raise ValueError(f"no confirmatory run of the plan's policy {plan.get('policy')!r}: "
                          "add it to config runs.confirmatory")
     docs = read_estimates(files)  # refuses non-finite inputs
-    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed)
+    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed,
+                                           floor=p.floor)
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)

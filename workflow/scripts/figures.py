@@ -8,7 +8,7 @@ from kvdiverge.rulelog import rule_logger
 log = rule_logger(snakemake.log[0], "figures")  # noqa: F821
 i, o, p = snakemake.input, snakemake.output, snakemake.params  # noqa: F821
 try:
-    plots.plot_survival(pl.read_parquet(i.survival), o.survival_png, o.survival_pdf)
+    plots.plot_survival(pl.read_parquet(i.survival), o.survival_png, o.survival_pdf, floor=p.floor)
     plots.plot_gaps(pl.read_parquet(i.gaps), o.gap_decomposition_png, o.gap_decomposition_pdf)
     plots.plot_branch_tv(pl.read_parquet(i.branch_tv), o.branch_tv_png, o.branch_tv_pdf,
                          early=p.early, late=p.late)

@@ -1,0 +1,189 @@
+"""HTML pages of the report: the confirmatory test and the headline numbers.
+
+Rendering only; the numbers come from :mod:`kvdiverge.analysis` (statistics) and
+:mod:`kvdiverge.estimators`. Each page is a standalone HTML document (inline style)
+that ``snakemake --report`` embeds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import polars as pl
+
+from kvdiverge.analysis import PLAN_FIELDS, plan_hash
+
+__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "summary_html"]
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        if not np.isfinite(v):
+            return "–" if np.isnan(v) else str(v)
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _ci(r: Mapping, c: str, digits: int = 3) -> str:
+    return f"{_fmt(r[c], digits)} [{_fmt(r[c + '_lo'], digits)}, {_fmt(r[c + '_hi'], digits)}]"
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    import html
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_STYLE = ("<style>body{font-family:sans-serif;font-size:14px;margin:1em}"
+          "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+          "th{background:#f3f3f3}code{background:#f6f6f6}</style>")
+
+
+def _plan_block(plan: Mapping[str, Any]) -> str:
+    import html
+
+    rows = [(k, json.dumps(plan.get(k))) for k in PLAN_FIELDS]
+    return (_html_table(["plan field", "value"], rows)
+            + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
+              f"<code>{html.escape(plan_hash(plan))}</code></p>")
+
+
+def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
+    def policy(r):
+        return f"{r['policy']} (noise floor)" if r.get("role") == "floor" else r["policy"]
+
+    return [[r["model"], policy(r), r["n_docs"], r["n_excluded"], r["n_used"],
+             _ci(r, "mean_diff"), _ci(r, "median_diff"), _fmt(r["statistic"]), _fmt(r["p_raw"]),
+             _fmt(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
+
+
+CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
+                       "mean late − early [95% CI]", "median [95% CI]", "W statistic", "p raw", "p adjusted",
+                       "decision"]
+
+
+def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
+    """HTML page of the confirmatory plan (with its hash) and the per-model results.
+
+    Parameters
+    ----------
+    plan : mapping
+        Config section ``confirmatory``.
+    result : polars.DataFrame
+        First output of :func:`confirmatory_analysis`.
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
+            f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
+            "<h2>Result per model</h2>"
+            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
+            "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
+            "documents whose branches reach neither window, or only one, have no d and are "
+            "counted as excluded. A noise-floor row (the permutation control, equal kernels "
+            "in exact arithmetic) shows the same difference produced by rounding alone; it "
+            "is not part of the tested family.</p></body></html>")
+
+
+FLOOR_HEADER = ["model", "split", "policy", "documents (paired)", "p_div [95% CI]", "floor p_div [95% CI]",
+                "E[N] tokens [95% CI]", "floor E[N] [95% CI]", "mean TV per step [95% CI]",
+                "floor mean TV per step [95% CI]", "p_div − floor [95% CI]", "E[N] − floor [95% CI]",
+                "above floor (p_div / E[N])"]
+
+
+def _yes(v) -> str:
+    return "yes" if v else "no"
+
+
+def _floor_rows(floor: pl.DataFrame) -> list[list[str]]:
+    return [[r["model"], r["split"], r["policy"], r["n_docs"], _ci(r, "p_div"), _ci(r, "floor_p_div"),
+             _ci(r, "E_N"), _ci(r, "floor_E_N"), _ci(r, "tv_mean"), _ci(r, "floor_tv_mean"),
+             _ci(r, "diff_p_div"), _ci(r, "diff_E_N"),
+             f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_N'])}"]
+            for r in floor.sort(["model", "split", "policy"]).iter_rows(named=True)]
+
+
+FLOOR_NOTE = ("<p>The noise floor is the permutation control: it keeps every prompt position "
+              "and only changes their order in each layer's cache, so its two kernels are equal "
+              "in exact arithmetic and whatever it measures is floating-point rounding. A policy "
+              "lies above the floor in a metric when the lower end of the paired "
+              "document-bootstrap interval of (policy − floor), on the documents both ran, is "
+              "above 0.</p>")
+
+
+def floor_html(floor: pl.DataFrame) -> str:
+    """HTML table of every policy beside the noise floor (:func:`kvdiverge.analysis.floor_comparison`)."""
+    if floor.height == 0:
+        return "<p>No noise-floor control ran (config <code>runs.floor</code>).</p>"
+    return _html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
+
+
+def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.DataFrame,
+                 plan: Mapping[str, Any], floor: pl.DataFrame | None = None) -> str:
+    """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
+
+    Parameters
+    ----------
+    pooled : polars.DataFrame
+        :func:`kvdiverge.estimators.pooled_estimates` output.
+    gaps : polars.DataFrame
+        :func:`gap_decomposition` rows.
+    confirmatory : polars.DataFrame
+        :func:`confirmatory_analysis` result.
+    plan : mapping
+        Config section ``confirmatory``.
+    floor : polars.DataFrame, optional
+        :func:`kvdiverge.analysis.floor_comparison` output: adds the column "above noise
+        floor" to the headline table and the floor table below it.
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    above = {}
+    if floor is not None:
+        for r in floor.iter_rows(named=True):
+            above[(r["model"], r["split"], r["policy"])] = (
+                f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}")
+    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], _ci(r, "p_div"),
+             _ci(r, "tau_mean"), _ci(r, "E_M"), _fmt(r["exposure_share"]), _fmt(r["rho"]),
+             f"[{_fmt(r['interval_E_M_lo'])}, {_fmt(r['interval_E_M_hi'])}]", _fmt(r["var_ratio"]),
+             above.get((r["model"], r["split"], r["policy"]), "–")]
+            for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)]
+    run_header = ["model", "policy", "split", "documents", "T", "occurrence p_div [95% CI]",
+                  "mean first-divergence step [95% CI]", "mismatch fraction E[M] [95% CI]",
+                  "exposure share of E[M]", "rho", "§4 interval of E[M] from window W",
+                  "Var(N_naive)/Var(N_cmc)", "above noise floor (paired bootstrap)"]
+    gap_rows = []
+    for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
+        t = {r["term"]: r for r in g.iter_rows(named=True)}
+
+        def share(term):
+            r = t[term]
+            return f"{_fmt(r['share'])} [{_fmt(r['share_lo'])}, {_fmt(r['share_hi'])}]"
+
+        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], _ci(t["delta"], "value"),
+                         share("first_mismatch"), share("exposure"), share("rate")])
+    gap_header = ["model", "gap A − B", "documents", "Δ E[N] tokens [95% CI]", "first-mismatch share",
+                  "exposure share", "rate share"]
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
+            f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
+            f"{_html_table(run_header, runs)}"
+            "<h2>Noise floor beside each policy</h2>"
+            f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
+            "<h2>Gap decomposition (exploratory)</h2>"
+            f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+            f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
+            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+            "</body></html>")
