@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "coupling_dtype",
     "probabilities",
     "total_variation",
     "inverse_cdf",
@@ -26,8 +27,14 @@ __all__ = [
 ]
 
 
+def coupling_dtype(device: torch.device | str) -> torch.dtype:
+    """Dtype of the coupling math on ``device``: float64, or float32 where the device has
+    no float64 (Apple ``mps``)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def probabilities(logp: torch.Tensor) -> torch.Tensor:
-    """Probabilities in float64 from log-probabilities.
+    """Probabilities in float64 (float32 on devices without float64) from log-probabilities.
 
     Parameters
     ----------
@@ -37,9 +44,9 @@ def probabilities(logp: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     torch.Tensor
-        ``exp(logp)`` in float64, shape (B, V).
+        ``exp(logp)`` in :func:`coupling_dtype` of ``logp``'s device, shape (B, V), on that device.
     """
-    return logp.to(torch.float64).exp()
+    return logp.to(coupling_dtype(logp.device)).exp()
 
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -141,6 +148,7 @@ def maximal_coupling(
     u_overlap: torch.Tensor,
     u_x: torch.Tensor,
     u_y: torch.Tensor,
+    tv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draw ``(X, Y)`` from the maximal coupling of ``p`` and ``q``.
 
@@ -153,13 +161,16 @@ def maximal_coupling(
         Probabilities, float64, shape (B, V).
     u_coin, u_overlap, u_x, u_y : torch.Tensor
         Independent uniforms in [0, 1), float64, shape (B,).
+    tv : torch.Tensor, optional
+        ``total_variation(p, q)`` when the caller has it already (float64, shape (B,)).
 
     Returns
     -------
     (torch.Tensor, torch.Tensor, torch.Tensor)
         ``X``, ``Y`` (int64, shape (B,)) and ``tv`` (float64, shape (B,)).
     """
-    tv = total_variation(p, q)
+    if tv is None:
+        tv = total_variation(p, q)
     agree = u_coin < 1.0 - tv
     x = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     y = torch.empty_like(x)
