@@ -44,6 +44,7 @@ class TimedPair(LLMKernelPair):
     """Counts token-steps and separates prefill, forward and decoding-transform time."""
 
     def start(self, n_rows):
+        self.transform_s = 0.0
         t = time.perf_counter()
         out = super().start(n_rows)
         self.prefill_s = time.perf_counter() - t

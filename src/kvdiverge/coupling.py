@@ -49,13 +49,16 @@ def probabilities(logp: torch.Tensor) -> torch.Tensor:
     return logp.to(coupling_dtype(logp.device)).exp()
 
 
-def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def total_variation(p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor | None = None,
+                    low: torch.Tensor | None = None) -> torch.Tensor:
     """Total variation ``tv = 1/2 sum_v |p(v) - q(v)| = 1 - sum_v min(p(v), q(v))``.
 
     Parameters
     ----------
     p, q : torch.Tensor
         Probabilities, float64, shape (B, V), rows summing to 1.
+    diff, low : torch.Tensor, optional
+        ``p - q`` and ``torch.minimum(p, q)`` when the caller has them (reused, same result).
 
     Returns
     -------
@@ -65,8 +68,8 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         ``1/2 sum |p - q|`` (which rounding cannot push off 0), set to 1 where the
         overlap mass ``sum min(p, q)`` is 0.
     """
-    tv = 0.5 * (p - q).abs().sum(-1)
-    disjoint = torch.minimum(p, q).sum(-1) == 0
+    tv = 0.5 * (p - q if diff is None else diff).abs().sum(-1)
+    disjoint = (torch.minimum(p, q) if low is None else low).sum(-1) == 0
     return torch.where(disjoint, torch.ones_like(tv), tv).clamp_(0.0, 1.0)
 
 
@@ -100,7 +103,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
     """Draw ``Z ~ overlap = min(p, q) / (1 - tv)`` (the agreement move).
 
     Parameters
@@ -109,17 +112,19 @@ def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Ten
         Probabilities, float64, shape (B, V); every row must have ``tv < 1``.
     u : torch.Tensor
         Uniforms, float64, shape (B,).
+    low : torch.Tensor, optional
+        ``torch.minimum(p, q)`` when the caller has it.
 
     Returns
     -------
     torch.Tensor
         Tokens, int64, shape (B,).
     """
-    return inverse_cdf(torch.minimum(p, q), u)
+    return inverse_cdf(torch.minimum(p, q) if low is None else low, u)
 
 
 def residual_draws(
-    p: torch.Tensor, q: torch.Tensor, u_x: torch.Tensor, u_y: torch.Tensor
+    p: torch.Tensor, q: torch.Tensor, u_x: torch.Tensor, u_y: torch.Tensor, diff: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw the divergent pair ``X ~ (p - q)^+ / tv`` and ``Y ~ (q - p)^+ / tv``.
 
@@ -131,13 +136,16 @@ def residual_draws(
         Probabilities, float64, shape (B, V); every row must have ``tv > 0``.
     u_x, u_y : torch.Tensor
         Uniforms, float64, shape (B,).
+    diff : torch.Tensor, optional
+        ``p - q`` when the caller has it.
 
     Returns
     -------
     (torch.Tensor, torch.Tensor)
         Tokens ``X`` and ``Y``, int64, shape (B,) each.
     """
-    diff = p - q
+    if diff is None:
+        diff = p - q
     return inverse_cdf(diff.clamp(min=0.0), u_x), inverse_cdf((-diff).clamp(min=0.0), u_y)
 
 
@@ -149,6 +157,8 @@ def maximal_coupling(
     u_x: torch.Tensor,
     u_y: torch.Tensor,
     tv: torch.Tensor | None = None,
+    diff: torch.Tensor | None = None,
+    low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draw ``(X, Y)`` from the maximal coupling of ``p`` and ``q``.
 
@@ -161,8 +171,9 @@ def maximal_coupling(
         Probabilities, float64, shape (B, V).
     u_coin, u_overlap, u_x, u_y : torch.Tensor
         Independent uniforms in [0, 1), float64, shape (B,).
-    tv : torch.Tensor, optional
-        ``total_variation(p, q)`` when the caller has it already (float64, shape (B,)).
+    tv, diff, low : torch.Tensor, optional
+        ``total_variation(p, q)``, ``p - q`` and ``torch.minimum(p, q)`` when the caller has
+        them already (reused; the result is the same).
 
     Returns
     -------
@@ -170,15 +181,16 @@ def maximal_coupling(
         ``X``, ``Y`` (int64, shape (B,)) and ``tv`` (float64, shape (B,)).
     """
     if tv is None:
-        tv = total_variation(p, q)
+        tv = total_variation(p, q, diff, low)
     agree = u_coin < 1.0 - tv
     x = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     y = torch.empty_like(x)
     if agree.any():
-        z = overlap_draw(p[agree], q[agree], u_overlap[agree])
+        z = overlap_draw(p[agree], q[agree], u_overlap[agree], None if low is None else low[agree])
         x[agree] = z
         y[agree] = z
     split = ~agree
     if split.any():
-        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split])
+        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split],
+                                            None if diff is None else diff[split])
     return x, y, tv

@@ -239,15 +239,17 @@ def run_batch(
     N = B * R
     eos = tuple(pair.eos_ids)
 
-    def checked(call, *args, rows=None):
+    def checked(call, *args):
+        """``call(*args)``, with a NonFiniteLogitsError completed by model, document, replicate, step."""
         try:
             return call(*args)
         except NonFiniteLogitsError as err:
             if err.doc_id is not None:
                 raise
-            g = int(act[err.rows[0]]) if rows is None else int(rows[err.rows[0]])
+            g = int(act[err.rows[0]])
             in_branch = bool(phase[g] == 1)
-            step = int(t_star[g] + kk[g] + 1) if in_branch else int(hist[g]) + 1
+            # the logits are for the step after the row's history (+ the token being appended)
+            step = int(t_star[g] + kk[g] + 1) if in_branch else int(hist[g]) + (1 if call == pair.start else 2)
             raise NonFiniteLogitsError(err.side, err.rows, err.kind, model=model, doc_id=doc_ids[g // R],
                                        replicate=g % R, step=step,
                                        phase="residual branch" if in_branch else "agreement chain") from None
@@ -285,7 +287,8 @@ def run_batch(
         logp = _absorb_eos(logp, last_x[act], eos_t)
         logq = _absorb_eos(logq, last_y[act], eos_t)
         p, q = probabilities(logp), probabilities(logq)
-        tv_all = total_variation(p, q)
+        diff, low = p - q, torch.minimum(p, q)  # computed once, shared by TV and the draws
+        tv_all = total_variation(p, q, diff, low)
         x_in, y_in = last_x[act].clamp(min=0), last_y[act].clamp(min=0)  # rows that ride along
         go_on = torch.zeros(n, dtype=torch.bool, device=dev)
         rewind_to = None
@@ -304,11 +307,13 @@ def run_batch(
             if split.numel():
                 gs = gc[split]
                 res_x[gs, t], res_y[gs, t] = residual_draws(
-                    _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t])
+                    _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t],
+                    diff=_rows(_rows(diff, ic), split))
             go = tvc < 1
             ig = go.nonzero().squeeze(1)
             if ig.numel():
-                chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t])
+                chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t],
+                                                low=_rows(_rows(low, ic), ig))
             tok = chain[gc, t]
             at_eos = go & torch.isin(tok, eos_t)
             done = ~go | at_eos | (t == T - 1)
@@ -356,7 +361,7 @@ def run_batch(
             k = kk[gb]
             x, y, b = maximal_coupling(
                 _rows(p, ib), _rows(q, ib), U["coin"][gb, k], U["overlap"][gb, k],
-                U["branch_x"][gb, k], U["branch_y"][gb, k], tv=tv_all[ib])
+                U["branch_x"][gb, k], U["branch_y"][gb, k], tv=tv_all[ib], diff=_rows(diff, ib), low=_rows(low, ib))
             bx[gb, k], by[gb, k], btv[gb, k] = x, y, b
             kk[gb] = k + 1
             done = k + 1 >= lags[gb]
