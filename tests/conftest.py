@@ -14,6 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def results_dir(config_name: str = "smoke.yaml") -> str:
+    """The ``results_dir`` of a shipped config (where its outputs and logs go)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "config" / config_name).read_text())
+    return config.get("results_dir", "results")
+
+
 # --------------------------------------------------------------------------- synthetic kernels
 
 
@@ -67,7 +75,7 @@ def smoke_run(tmp_path_factory) -> Path:
     """Run the whole workflow on ``config/smoke.yaml`` in a temporary copy of the tree.
 
     Builds every target of ``rule all`` with 2 cores, then the HTML report
-    (``snakemake --report results/report.html``).
+    (``snakemake --report results-smoke/report.html``: the smoke config's ``results_dir``).
 
     Set ``KVDIVERGE_SMOKE_RESULTS`` to an existing results directory to reuse it instead
     of running (useful when iterating on tests).
@@ -75,7 +83,8 @@ def smoke_run(tmp_path_factory) -> Path:
     Returns
     -------
     pathlib.Path
-        The ``results`` directory of the run.
+        The results directory of the run (``results_dir`` of the smoke config, e.g.
+        ``<work>/results-smoke``); its parent is the run's working directory.
     """
     reuse = os.environ.get("KVDIVERGE_SMOKE_RESULTS")
     if reuse:
@@ -87,8 +96,9 @@ def smoke_run(tmp_path_factory) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
                                                                      os.environ.get("PYTHONPATH")]))}
     base = snakemake + ["--cores", "2", "--configfile", "config/smoke.yaml"]
-    for cmd in (base, base + ["--report", "results/report.html"]):
+    results = results_dir("smoke.yaml")
+    for cmd in (base, base + ["--report", f"{results}/report.html"]):
         res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"smoke run failed: {' '.join(cmd)}\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
-    return work / "results"
+    return work / results

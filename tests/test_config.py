@@ -33,8 +33,17 @@ def test_shipped_configs_validate(name):
     config = load_config(ROOT / "config" / name)
     assert set(config) == {
         "seed", "corpus", "prompt", "models", "policies", "runs", "decoding",
-        "replicates", "window", "confirmatory", "analysis", "shards",
+        "replicates", "window", "confirmatory", "analysis", "shards", "results_dir",
     }
+
+
+def test_each_shipped_config_writes_to_its_own_directory():
+    dirs = {name: load_config(ROOT / "config" / name)["results_dir"]
+            for name in ("config.yaml", "smoke.yaml", "paper.yaml")}
+    assert dirs == {"config.yaml": "results", "smoke.yaml": "results-smoke", "paper.yaml": "results-paper"}
+    config = raw("smoke.yaml")
+    del config["results_dir"]
+    assert validate(config)["results_dir"] == "results"  # the default
 
 
 def test_defaults_are_filled_without_touching_the_input():
@@ -296,13 +305,13 @@ def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path):
     assert stats["corpus"] == 1 and stats["prompts"] == 2 and stats["all"] == 1
     paper = load_config(ROOT / "config" / "paper.yaml")
     for model in paper["models"]:
-        assert f"results/prompts/{model}.parquet" in text
+        assert f"results-paper/prompts/{model}.parquet" in text
     # the paper config replaces the default one: nothing of the embedded model is scheduled
     assert "smollm2" not in text
     # every generation shard of every run, when the generation stage is there
     if "trajectories" in stats:
         assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 240
-        assert "results/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text
+        assert "results-paper/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text
 
 
 def test_required_sections():

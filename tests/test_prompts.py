@@ -98,24 +98,24 @@ def test_build_prompts_applies_each_splits_policies(config):
 @pytest.mark.llm
 def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
-    target = "results/prompts/smollm2-135m.parquet"
+    target = "results-smoke/prompts/smollm2-135m.parquet"
     out = subprocess.run(
         [SNAKEMAKE, "--cores", "2", "--configfile", str(ROOT / "config" / "smoke.yaml"),
          "-d", str(tmp_path), target],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    docs = pl.read_parquet(tmp_path / "results/corpus/documents.parquet")
+    docs = pl.read_parquet(tmp_path / "results-smoke/corpus/documents.parquet")
     prompts = pl.read_parquet(tmp_path / target)
     assert docs.height == 4 and prompts["doc_id"].to_list() == docs["doc_id"].to_list()
     assert prompts.schema == pl.Schema(SCHEMA)
     assert prompts["exclusion_reason"].null_count() == 4
     assert (prompts["n_prompt_tokens"] > 145).all()  # snapkv-b128 needs 128 + 16 + 1
-    log = (tmp_path / "logs/prompts/smollm2-135m.log").read_text()
+    log = (tmp_path / "results-smoke/logs/prompts/smollm2-135m.log").read_text()
     assert "context length: 8192 tokens" in log and "exploratory: 2/2 usable" in log
-    assert "exploratory: 2 documents" in (tmp_path / "logs/corpus.log").read_text()
+    assert "exploratory: 2 documents" in (tmp_path / "results-smoke/logs/corpus.log").read_text()
     # no half-written files left behind by the atomic writes
-    assert not list((tmp_path / "results").rglob("*.tmp"))
+    assert not list((tmp_path / "results-smoke").rglob("*.tmp"))
 
     # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
     import yaml

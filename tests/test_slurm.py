@@ -40,7 +40,7 @@ TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
 # what a run leaves in its directory: not copied into the SLURM run's directory
-RUN_OUTPUTS = ("results", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
+RUN_OUTPUTS = ("results", "results-smoke", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
 
 
 def start_cluster(root: Path) -> SlurmCluster:
@@ -213,7 +213,7 @@ def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys
     # the jobs really went through the cluster
     assert "has been submitted with SLURM jobid" in proc.stderr
 
-    local, remote = tables(Path(smoke_run)), tables(work / "results")
+    local, remote = tables(Path(smoke_run)), tables(work / Path(smoke_run).name)
     assert local, f"the local smoke run produced no tables under {smoke_run}"
     assert sorted(remote) == sorted(local)
     for rel, path in local.items():

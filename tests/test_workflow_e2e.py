@@ -93,3 +93,19 @@ def test_confirmatory_table(smoke_run, config):
     assert set(c["decision"]) <= {"reject", "not rejected", "not tested"}
     assert (c["split"] == "confirmatory").all() and (c["policy"] == config["confirmatory"]["policy"]).all()
     assert plan_hash(config["confirmatory"]) in (smoke_run / "analysis" / "confirmatory.html").read_text()
+
+
+def test_shards_and_report_carry_the_provenance(smoke_run, config):
+    from kvdiverge.provenance import read_provenance, settings_hash, shard_settings, study_hash
+
+    prov = pl.read_parquet(smoke_run / "analysis" / "provenance.parquet")
+    assert sorted(prov.select("model", "policy", "split").rows()) == sorted(runs(config))
+    summary = (smoke_run / "analysis" / "summary.html").read_text()
+    assert study_hash(prov) in summary
+    for row in prov.iter_rows(named=True):
+        want = settings_hash(shard_settings(config, row["model"], row["policy"], row["split"]))
+        assert row["settings_hash"] == want and want in summary
+        assert row["shards"] == config["shards"] and row["kvpress"] == "0.5.5"
+        shard = read_provenance(smoke_run / "trajectories" / row["model"] / row["policy"] / row["split"]
+                                / "shard-1.parquet")
+        assert shard.settings_hash == want and shard.versions["torch"] == row["torch"]

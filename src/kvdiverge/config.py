@@ -262,3 +262,17 @@ def runs(config: dict[str, Any]) -> list[tuple[str, str, str]]:
             if item not in out:
                 out.append(item)
     return out
+
+
+def control_documents(config: dict[str, Any], policy: str, split: str) -> int | None:
+    """How many documents the ``(policy, split)`` run takes: the control's count, or None (all).
+
+    The ``none`` control (``runs.control``) runs on the first ``runs.control.documents``
+    usable documents of its split only, unless the same policy is also scheduled on that
+    split in full (then it takes every document and this returns None).
+    """
+    control = config.get("runs", {}).get("control") or {}
+    if (control.get("policy") == policy and control.get("split") == split
+            and policy not in config["runs"].get(split, [])):
+        return int(control["documents"])
+    return None

@@ -50,10 +50,15 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
         raise
 
 
-def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike) -> Path:
-    """Write ``frame`` to the parquet file ``path`` atomically (see :func:`atomic_path`)."""
+def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike,
+                         metadata: dict[str, str] | None = None) -> Path:
+    """Write ``frame`` to the parquet file ``path`` atomically (see :func:`atomic_path`).
+
+    ``metadata`` is stored as the file's key-value metadata (read it back with
+    ``polars.read_parquet_metadata``).
+    """
     with atomic_path(path) as tmp:
-        frame.write_parquet(tmp)
+        frame.write_parquet(tmp, metadata=metadata)
     return Path(path)
 
 

@@ -477,11 +477,12 @@ def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, 
     n_shards = int(config["shards"])
     if not 0 <= shard < n_shards:
         raise ValueError(f"shard {shard} out of range: config 'shards' is {n_shards}")
+    from kvdiverge.config import control_documents
+
     docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
-    control = config["runs"].get("control") or {}
-    if (control.get("policy") == policy and control.get("split") == split
-            and policy not in config["runs"].get(split, [])):
-        docs = docs.head(int(control["documents"]))
+    limit = control_documents(config, policy, split)
+    if limit is not None:
+        docs = docs.head(limit)
     return docs.gather_every(n_shards, offset=shard)
 
 
@@ -523,6 +524,8 @@ def run_shard(
     -------
     polars.DataFrame
         The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
+        The file also records the settings it was made with and the library versions
+        (:func:`kvdiverge.provenance.shard_metadata`, parquet key-value metadata).
 
     Raises
     ------
@@ -531,6 +534,7 @@ def run_shard(
         fix regenerates the shard.
     """
     from kvdiverge.io import write_parquet_atomic
+    from kvdiverge.provenance import shard_metadata, shard_settings
     from kvdiverge.policies import Policy
     from kvdiverge.runner import Document, run_documents
 
@@ -560,5 +564,7 @@ def run_shard(
     meta = {"model": model_name, "policy": policy_name, "split": split}
     records = [{**meta, **rec} for rec in recs]
     frame = to_frame(records)
-    write_parquet_atomic(frame, output_path)
+    provenance = shard_metadata(shard_settings(config, model_name, policy_name, split), model=model_name,
+                                policy=policy_name, split=split, shard=shard)
+    write_parquet_atomic(frame, output_path, metadata=provenance)
     return frame

@@ -1,7 +1,7 @@
 # Stage 5: exploratory and confirmatory analyses — kvdiverge.analysis (estimators.md §7-§8).
-# Tables go to results/analysis/ as parquet (full) and csv (scalar columns).
+# Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns).
 
-ANALYSIS = "results/analysis"
+ANALYSIS = f"{RESULTS}/analysis"
 CONFIRMATORY_PLAN = config["confirmatory"]
 # estimate tables the analyses read
 GAP_ESTIMATES = sorted(
@@ -50,9 +50,9 @@ rule pool:
     log:
         f"{LOGS}/analysis/pool.log",
     params:
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=4000,
@@ -77,11 +77,11 @@ rule gaps:
     log:
         f"{LOGS}/analysis/gaps.log",
     params:
-        gaps=config["analysis"]["gaps"],
+        gaps=canonical(config["analysis"]["gaps"]),
         models=MODELS,
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=4000,
@@ -109,11 +109,11 @@ rule confirmatory:
     log:
         f"{LOGS}/analysis/confirmatory.log",
     params:
-        plan=CONFIRMATORY_PLAN,
+        plan=canonical(CONFIRMATORY_PLAN),
         split="confirmatory",
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
     threads: 1
     resources:
         mem_mb=2000,

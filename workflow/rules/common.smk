@@ -11,8 +11,13 @@
 # Helper functions live here, not in the stage files (snakemake --lint wants rules and
 # functions apart).
 
+import os
+import sys
+
 import kvdiverge.config
+import kvdiverge.devices
 import kvdiverge.prompts
+import kvdiverge.provenance
 from snakemake.utils import validate
 
 # Clear messages (key path, allowed values, cross-references) first; then Snakemake's
@@ -26,31 +31,43 @@ validate(config, "../schemas/config.schema.yaml")
 SPLITS = ("exploratory", "confirmatory")
 MODELS = list(config["models"])
 RUNS = kvdiverge.config.runs(config)  # [(model, policy, split), ...], control included
-SHARDS = list(range(config["shards"]))
+SHARDS = list(range(int(config["shards"])))
 
 
-def canonical(value):
-    """``value`` with every mapping's keys sorted, for the params of rules.
+# Every rule declares, as params, exactly the settings that decide its output, in
+# canonical form (mapping keys sorted, 1.0 written as 1): Snakemake's default `params`
+# rerun trigger then reruns exactly the jobs a changed setting affects (and, through
+# their changed outputs, everything downstream), and reordering keys in a config file
+# is no change. README.md "Rerunning stages" tabulates which setting reruns what.
+canonical = kvdiverge.provenance.canonical
 
-    Snakemake reruns a job when its params change; reordering keys in a config file
-    is no change.
-    """
-    if isinstance(value, dict):
-        return {k: canonical(value[k]) for k in sorted(value)}
-    if isinstance(value, (list, tuple)):
-        return [canonical(v) for v in value]
-    return value
+
+def shard_settings(wildcards):
+    """Settings that decide a trajectory shard (kvdiverge.provenance.shard_settings)."""
+    return kvdiverge.provenance.shard_settings(config, wildcards.model, wildcards.policy, wildcards.split)
+
+
+# The config files of this run, for the regenerate command in the estimate stage's
+# error messages; an environment variable, not a param: the same settings from another
+# file rerun nothing.
+os.environ[kvdiverge.provenance.CONFIGFILES_ENV] = os.pathsep.join(
+    os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f)
+    for f in workflow.configfiles
+)
 
 
 # what decides the prompts tables (a change reruns the prompts stage)
 PROMPT_SETTINGS = canonical(kvdiverge.prompts.prompt_settings(config))
 
 # Output paths (docs/internals.md). Use these names in rules rather than literals.
-CORPUS = "results/corpus/documents.parquet"
-PROMPTS = "results/prompts/{model}.parquet"
-SHARD = "results/trajectories/{model}/{policy}/{split}/shard-{shard}.parquet"
-ESTIMATES = "results/estimates/{model}/{policy}/{split}.parquet"
-LOGS = "logs"
+# Everything a config makes, logs included, goes under its `results_dir` (default
+# `results`), so configs run side by side in one clone without touching each other.
+RESULTS = config["results_dir"].rstrip("/")
+CORPUS = f"{RESULTS}/corpus/documents.parquet"
+PROMPTS = f"{RESULTS}/prompts/{{model}}.parquet"
+SHARD = f"{RESULTS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.parquet"
+ESTIMATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.parquet"
+LOGS = f"{RESULTS}/logs"
 
 # Software of every rule: environment.yml at the top of the repository (used with
 # --use-conda; without it, rules run in the current environment, e.g. make's .venv).
@@ -70,8 +87,27 @@ def model_on_gpu(model):
     return str(config["models"][model].get("device", "cpu")).startswith("cuda")
 
 
+# Local runs: at most one generation job per GPU (kvdiverge.devices). The trajectories
+# rule requests gpu=1 per job with a CUDA model; without a cap Snakemake would start one
+# such job per core. --resources gpu=N wins; otherwise the config key `gpus`, otherwise the
+# number of visible CUDA devices (KVDIVERGE_GPUS simulates a device list). Cluster runs
+# (--jobs / the SLURM profile) are left alone: SLURM hands each job its own GPU.
+if workflow.is_main_process and workflow.nodes is None and any(model_on_gpu(m) for m in MODELS):
+    if "gpu" in workflow.global_resources:
+        _gpu_cap, _gpu_source = workflow.global_resources["gpu"].value, "--resources"
+    else:
+        _gpu_cap, _gpu_source = kvdiverge.devices.gpu_cap(config)
+        workflow.register_resource("gpu", _gpu_cap)
+    print(f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
+          f"generation job(s) at once, each bound to its own GPU", file=sys.stderr)
+    if not _gpu_cap:
+        print("kvdiverge: WARNING: no CUDA device visible; generation jobs of CUDA models "
+              "will fail (set the model's device to cpu, or run where there is a GPU)",
+              file=sys.stderr)
+
+
 # GGUF models are converted once to a safetensors directory (rule convert_model).
-MODEL_DIR = "results/models/{model}"
+MODEL_DIR = f"{RESULTS}/models/{{model}}"
 
 
 def converted_model(wildcards):

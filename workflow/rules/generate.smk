@@ -4,7 +4,7 @@
 # (`gpu` resource, read by the SLURM profile); CPU jobs request none.
 #
 # A GGUF model (the embedded default) is first converted once to a plain safetensors
-# directory under results/models/: de-quantizing GGUF costs ~20 s per load, and every
+# directory under {results_dir}/models/: de-quantizing GGUF costs ~20 s per load, and every
 # shard is its own job.
 
 rule convert_model:
@@ -13,7 +13,10 @@ rule convert_model:
     log:
         f"{LOGS}/convert_model/{{model}}.log",
     params:
-        model=lambda wildcards: config["models"][wildcards.model],
+        # what the conversion reads (it always runs on the CPU, whatever the entry's device)
+        model=lambda wildcards: canonical(
+            {k: v for k, v in config["models"][wildcards.model].items() if k != "device"}
+        ),
     threads: 1
     resources:
         mem_mb=8000,
@@ -35,6 +38,8 @@ rule trajectories:
         f"{LOGS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.log",
     params:
         shard=lambda wildcards: int(wildcards.shard),
+        # model entry, policy entry, decoding, replicates, seed, shards, control documents
+        settings=shard_settings,
     # CPU: two 1-thread jobs beat one 2-thread job (no thread oversubscription).
     threads: 1
     resources:

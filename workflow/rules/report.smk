@@ -1,5 +1,5 @@
 # Stage 6: figures (seaborn, PNG + PDF) and the HTML report.
-#   snakemake --report results/report.html
+#   snakemake --report results/report.html   (--configfile X: X's results_dir, e.g. results-smoke)
 # collects every output marked report(...) below and in analyse.smk, with the captions
 # in workflow/report/.
 
@@ -7,7 +7,7 @@
 report: "../report/workflow.rst"
 
 
-FIGURES = "results/figures"
+FIGURES = f"{RESULTS}/figures"
 FIGURE_NAMES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
 
 
@@ -33,8 +33,8 @@ rule figures:
     log:
         f"{LOGS}/figures.log",
     params:
-        early=config["confirmatory"]["early"],
-        late=config["confirmatory"]["late"],
+        early=canonical(config["confirmatory"]["early"]),
+        late=canonical(config["confirmatory"]["late"]),
     threads: 1
     resources:
         mem_mb=2000,
@@ -50,6 +50,7 @@ rule summary:
         pooled=f"{ANALYSIS}/pooled.parquet",
         gaps=f"{ANALYSIS}/gaps.parquet",
         confirmatory=f"{ANALYSIS}/confirmatory.parquet",
+        provenance=PROVENANCE,
     output:
         report(
             f"{ANALYSIS}/summary.html",
@@ -60,7 +61,7 @@ rule summary:
     log:
         f"{LOGS}/summary.log",
     params:
-        plan=config["confirmatory"],
+        plan=canonical(config["confirmatory"]),
     threads: 1
     resources:
         mem_mb=1000,

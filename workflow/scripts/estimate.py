@@ -2,10 +2,17 @@
 
 from kvdiverge.estimators import document_estimates, read_shards, replicate_estimates
 from kvdiverge.io import write_parquet_atomic
+from kvdiverge.provenance import check_shards
 from kvdiverge.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "estimate")  # noqa: F821
+w = snakemake.wildcards  # noqa: F821
 try:
+    # refuse shards made with other settings than the config's (copied in, older version)
+    records = check_shards(snakemake.input, dict(snakemake.params.settings),  # noqa: F821
+                           model=w.model, policy=w.policy, split=w.split)
+    log.info("shards match the config: settings hash %s, versions %s", records[0].settings_hash,
+             records[0].versions)
     shards = read_shards(snakemake.input)  # noqa: F821
     log.info("%d trajectory rows from %d shards", shards.height, len(snakemake.input))  # noqa: F821
     reps = replicate_estimates(shards, int(snakemake.params.window), progress=True)  # noqa: F821

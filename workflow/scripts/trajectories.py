@@ -1,7 +1,13 @@
-"""Snakemake adapter: one trajectory shard (kvdiverge.trajectories.run_shard)."""
+"""Snakemake adapter: one trajectory shard (kvdiverge.trajectories.run_shard).
+
+A CUDA model is bound to a free GPU of its own for the duration of the shard
+(kvdiverge.devices.bind_device: one lock per device), so that local generation jobs
+never share a GPU.
+"""
 
 import torch
 
+from kvdiverge.devices import bind_device
 from kvdiverge.models import local_entry
 from kvdiverge.rulelog import rule_logger
 from kvdiverge.trajectories import run_shard
@@ -13,8 +19,10 @@ spec = snakemake.config["models"][w.model]  # noqa: F821
 if snakemake.input.model:  # noqa: F821  (a GGUF model converted by rule convert_model)
     spec = local_entry(spec, snakemake.input.model)  # noqa: F821
 try:
-    frame = run_shard(snakemake.config, w.model, w.policy, w.split, snakemake.params.shard,  # noqa: F821
-                      snakemake.input.prompts, snakemake.output[0], model_spec=spec)  # noqa: F821
+    with bind_device(str(spec.get("device", "cpu"))) as device:
+        spec = {**spec, "device": device}
+        frame = run_shard(snakemake.config, w.model, w.policy, w.split, snakemake.params.shard,  # noqa: F821
+                          snakemake.input.prompts, snakemake.output[0], model_spec=spec)  # noqa: F821
     log.info("wrote %s: %d rows", snakemake.output[0], frame.height)  # noqa: F821
 except Exception:
     log.exception("trajectory shard failed")

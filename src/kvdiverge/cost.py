@@ -1,0 +1,245 @@
+"""The cost of a config's generation stage, from the config alone.
+
+Counts, per (model, policy, split) run of :func:`kvdiverge.config.runs`, the documents,
+the forward passes and the token-steps that the trajectory engine performs, so that the
+README's study estimate and the GPU benchmark's projection come from one place::
+
+    python -m kvdiverge.cost config/paper.yaml                 # table and totals
+    python -m kvdiverge.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
+
+Definitions (estimators.md §2 and §5, :mod:`kvdiverge.trajectories`):
+
+- A **token-step** is one next-token distribution of one row on one side (the unit of
+  ``benchmarks/engine_speed.py``: one token decoded for one sequence). Per replicate the
+  agreement chain takes at most ``T`` steps and the residual branch ``T - t*`` steps with
+  ``t* >= 1``, so at most ``2T - 1`` steps per side. The engine does about
+  ``2T - t*`` (fewer when a chain stops at ``tv = 1``); this module counts the upper
+  bound ``2T - 1``, so its figures are upper bounds (by ``(t* - 1) / (2T - 1)``, small
+  for the paper's early divergence times). Per document:
+  ``token_steps = R x 2 sides x (2T - 1)``.
+- A **forward** is one model call on one side. Per document each side is prefilled once
+  (the prompt, alone, under its press): ``2`` prefill forwards. Decoding takes at most
+  ``2T - 2`` forwards per side (``T - 1`` chain advances after the prefill's first
+  distribution, then ``T - t* <= T - 1`` branch advances), each on all rows at once.
+  With ``B`` documents per forward (``generation.batch_documents``, the batching
+  engine), a shard of ``n`` documents decodes ``ceil(n / B)`` groups:
+  ``decode_forwards = 2 x (2T - 2) x ceil(n / B)`` per shard.
+
+Documents per run: ``corpus.documents[split]``; the noise-floor control
+(``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
+policy is scheduled on that split in full (as :func:`kvdiverge.trajectories.shard_documents`
+selects them). These are the requested counts: documents excluded at the prompts stage
+(too short, too long) lower the real figures slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvdiverge.config import runs
+
+__all__ = ["RunCost", "run_documents_count", "study_cost", "totals", "projected_hours",
+           "format_table", "main"]
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """Cost of one (model, policy, split) run of the generation stage.
+
+    Attributes
+    ----------
+    model, policy, split : str
+        The run.
+    documents : int
+        Documents the run generates (requested count).
+    shards : int
+        Shards of the run (config ``shards``).
+    replicates : int
+        ``R``.
+    T : int
+        Horizon (steps).
+    batch_documents : int
+        Documents per forward ``B`` assumed for ``decode_forwards``.
+    prefill_forwards : int
+        ``2 x documents`` (reference and evicted prompt caches).
+    decode_forwards : int
+        Upper bound ``2 x (2T - 2) x sum over shards of ceil(n_shard / B)``.
+    token_steps : int
+        Upper bound ``documents x R x 2 x (2T - 1)``.
+    """
+
+    model: str
+    policy: str
+    split: str
+    documents: int
+    shards: int
+    replicates: int
+    T: int
+    batch_documents: int
+    prefill_forwards: int
+    decode_forwards: int
+    token_steps: int
+
+    @property
+    def forwards(self) -> int:
+        """Prefill plus decode forwards."""
+        return self.prefill_forwards + self.decode_forwards
+
+
+def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
+    """Documents one (policy, split) run generates, from the config alone.
+
+    Raises
+    ------
+    KeyError
+        If ``corpus.documents.<split>`` is missing (the message names the key).
+    """
+    try:
+        n = int(config["corpus"]["documents"][split])
+    except KeyError:
+        raise KeyError(f"config key corpus.documents.{split} is missing") from None
+    control = config.get("runs", {}).get("control") or {}
+    if (control.get("policy") == policy and control.get("split") == split
+            and policy not in config["runs"].get(split, [])):
+        n = min(n, int(control["documents"]))
+    return n
+
+
+def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int:
+    """``B`` from the argument, else ``generation.batch_documents`` when an integer, else 1."""
+    if batch_documents is None:
+        value = (config.get("generation") or {}).get("batch_documents")
+        batch_documents = value if isinstance(value, int) and not isinstance(value, bool) else 1
+    if int(batch_documents) < 1:
+        raise ValueError(f"batch_documents must be >= 1, got {batch_documents}")
+    return int(batch_documents)
+
+
+def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
+    """Cost of every run of a validated config (:func:`kvdiverge.config.load_config`).
+
+    Parameters
+    ----------
+    config : dict
+        Validated workflow config (``corpus.documents``, ``runs``, ``decoding.max_new_tokens``,
+        ``replicates``, ``shards``).
+    batch_documents : int, optional
+        Documents per forward ``B``; default ``generation.batch_documents`` when the config
+        gives an integer, otherwise 1 (one document per forward).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per run, in :func:`kvdiverge.config.runs` order.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    B = _batch_documents(config, batch_documents)
+    T = int(config["decoding"]["max_new_tokens"])
+    R = int(config["replicates"])
+    n_shards = int(config["shards"])
+    out = []
+    for model, policy, split in runs(config):
+        n = run_documents_count(config, policy, split)
+        per_shard = [len(range(i, n, n_shards)) for i in range(n_shards)]
+        groups = sum(math.ceil(k / B) for k in per_shard)
+        out.append(RunCost(
+            model=model, policy=policy, split=split, documents=n, shards=n_shards,
+            replicates=R, T=T, batch_documents=B,
+            prefill_forwards=2 * n,
+            decode_forwards=2 * max(2 * T - 2, 0) * groups,
+            token_steps=n * R * 2 * (2 * T - 1),
+        ))
+    return out
+
+
+def totals(costs: Sequence[RunCost]) -> dict[str, int]:
+    """Sums over runs: ``runs``, ``documents`` (document-policy runs), ``shards`` (jobs),
+    ``prefill_forwards``, ``decode_forwards``, ``forwards``, ``token_steps``."""
+    return {
+        "runs": len(costs),
+        "documents": sum(c.documents for c in costs),
+        "shards": sum(c.shards for c in costs),
+        "prefill_forwards": sum(c.prefill_forwards for c in costs),
+        "decode_forwards": sum(c.decode_forwards for c in costs),
+        "forwards": sum(c.forwards for c in costs),
+        "token_steps": sum(c.token_steps for c in costs),
+    }
+
+
+def projected_hours(config: dict[str, Any], token_steps_per_s: float, gpus: int = 1,
+                    batch_documents: int | None = None) -> float:
+    """Hours of the generation stage at a measured rate (upper-bound token-steps / rate / GPUs).
+
+    Parameters
+    ----------
+    config : dict
+        Validated workflow config.
+    token_steps_per_s : float
+        Measured engine rate on one device (token-steps per second, both sides counted).
+    gpus : int
+        Devices working in parallel (one generation job each).
+
+    Raises
+    ------
+    ValueError
+        If the rate or ``gpus`` is not positive.
+    """
+    if not token_steps_per_s > 0:
+        raise ValueError(f"token_steps_per_s must be > 0, got {token_steps_per_s}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    steps = totals(study_cost(config, batch_documents))["token_steps"]
+    return steps / float(token_steps_per_s) / gpus / 3600.0
+
+
+def format_table(costs: Sequence[RunCost]) -> str:
+    """A plain-text table of the runs and their totals."""
+    head = ("model", "policy", "split", "docs", "shards", "B", "forwards", "token-steps")
+    rows = [(c.model, c.policy, c.split, f"{c.documents}", f"{c.shards}", f"{c.batch_documents}",
+             f"{c.forwards:,}", f"{c.token_steps:,}") for c in costs]
+    tot = totals(costs)
+    rows.append(("total", "", "", f"{tot['documents']}", f"{tot['shards']}", "",
+                 f"{tot['forwards']:,}", f"{tot['token_steps']:,}"))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+             for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: print a config's generation cost (and hours at ``--rate``)."""
+    from kvdiverge.config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m kvdiverge.cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
+    ap.add_argument("--batch-documents", type=int, default=None,
+                    help="documents per forward B (default: generation.batch_documents, else 1)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="measured token-steps per second on one device: also print the hours")
+    ap.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
+    args = ap.parse_args(argv)
+    config = load_config(args.config)
+    costs = study_cost(config, args.batch_documents)
+    print(format_table(costs))
+    tot = totals(costs)
+    print(f"\n{tot['documents']} document-policy runs, {tot['shards']} shard jobs, "
+          f"{tot['forwards']:,} forwards ({tot['prefill_forwards']:,} prefill), "
+          f"{tot['token_steps']:,} token-steps (upper bound: 2T - 1 steps per side)")
+    if args.rate:
+        hours = projected_hours(config, args.rate, args.gpus, args.batch_documents)
+        print(f"at {args.rate:,.0f} token-steps/s on {args.gpus} device(s): {hours:.2f} h ({hours * 3600:,.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

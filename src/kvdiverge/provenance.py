@@ -1,0 +1,351 @@
+"""What a trajectory shard was made with: its settings, their hash, the library versions.
+
+A cached file is only as good as its key. The workflow keys every rule on the settings
+that decide its output (rule ``params``, which Snakemake's default ``params`` rerun
+trigger compares with the ones recorded when the file was made). A file can still be
+copied in by hand, made by an older version, or made with ``--rerun-triggers mtime``;
+so each shard also carries its settings inside the file, as parquet key-value metadata:
+
+``kvdiverge.settings``
+    :func:`shard_settings` as canonical JSON (sorted keys, no spaces).
+``kvdiverge.settings_hash``
+    :func:`settings_hash` of those settings (SHA-256, 16 hex digits).
+``kvdiverge.versions``
+    :func:`library_versions` of the process that wrote the shard, as JSON.
+``kvdiverge.shard``
+    ``{"model", "policy", "split", "shard"}`` of the shard, as JSON.
+
+The estimate stage calls :func:`check_shards`, which refuses shards whose settings differ
+from the current config or from each other, naming the setting, both values and the
+command that regenerates them.
+
+Sources: Snakemake's rerun triggers (``snakemake --help``, ``--rerun-triggers``; default
+``code input mtime params software-env``); Apache Parquet file metadata
+(``key_value_metadata`` of ``FileMetaData``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import logging
+import os
+import platform
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import polars as pl
+
+__all__ = [
+    "KEY_SETTINGS", "KEY_HASH", "KEY_VERSIONS", "KEY_SHARD", "LIBRARIES", "CONFIGFILES_ENV",
+    "StaleShardError", "ShardProvenance", "canonical", "shard_settings", "settings_hash",
+    "library_versions", "shard_metadata", "read_provenance", "differences", "check_shards",
+    "regenerate_command", "provenance_table", "study_hash", "provenance_html",
+]
+
+log = logging.getLogger(__name__)
+
+KEY_SETTINGS = "kvdiverge.settings"
+KEY_HASH = "kvdiverge.settings_hash"
+KEY_VERSIONS = "kvdiverge.versions"
+KEY_SHARD = "kvdiverge.shard"
+#: Libraries whose versions a shard records (besides Python); numbers may change with them.
+LIBRARIES = ("torch", "transformers", "kvpress", "kvdiverge")
+#: Environment variable through which the workflow tells its scripts its config files
+#: (``workflow/rules/common.smk``), for the regenerate command of error messages. Not a
+#: rule parameter: running the same settings from another file must not rerun anything.
+CONFIGFILES_ENV = "KVDIVERGE_CONFIGFILES"
+
+
+class StaleShardError(ValueError):
+    """Shards were made with settings other than the config's (or each other's)."""
+
+
+def canonical(value: Any) -> Any:
+    """``value`` in canonical form: mapping keys sorted, tuples as lists, whole floats as ints.
+
+    Two configs that differ only in key order, or in writing ``1.0`` for ``1``, decide the
+    same outputs, so their canonical forms (and Snakemake params, and hashes) are equal.
+
+    Parameters
+    ----------
+    value : Any
+        Nested dicts / lists / tuples of YAML scalars.
+
+    Returns
+    -------
+    Any
+        The same structure; dicts are new objects with sorted keys.
+    """
+    if isinstance(value, Mapping):
+        return {k: canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: str) -> dict[str, Any]:
+    """Every config setting that decides the rows of a shard of ``(model, policy, split)``.
+
+    Besides these, a shard's rows depend only on its prompts table (a rule input) and its
+    index (in its path). Left out on purpose: anything that must not change results
+    (where it runs, batch sizes), and ``runs`` lists beyond the control's document count.
+
+    Parameters
+    ----------
+    config : mapping
+        Validated workflow config (defaults filled).
+    model, policy, split : str
+        Keys of ``config['models']``, ``config['policies']``; ``"exploratory"`` or
+        ``"confirmatory"``.
+
+    Returns
+    -------
+    dict
+        Canonical (:func:`canonical`) ``{"model", "policy", "decoding", "replicates",
+        "seed", "shards", "documents"}``; ``documents`` is the control's document count
+        where the control limits this run (``runs.control``), else ``None`` (all usable
+        documents of the split). ``model`` is None when ``config`` has no entry for the
+        model (a loaded model passed directly to ``run_shard``).
+    """
+    from kvdiverge.config import control_documents
+
+    return canonical({
+        "model": config.get("models", {}).get(model),  # None: a model given directly (tests)
+        "policy": config["policies"][policy],
+        "decoding": config["decoding"],
+        "replicates": config["replicates"],
+        "seed": config["seed"],
+        "shards": config["shards"],
+        "documents": control_documents(config, policy, split),
+    })
+
+
+def _json(value: Any) -> str:
+    return json.dumps(canonical(value), sort_keys=True, separators=(",", ":"), default=str)
+
+
+def settings_hash(settings: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of ``settings``, first 16 hex digits."""
+    return hashlib.sha256(_json(settings).encode()).hexdigest()[:16]
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of Python and of :data:`LIBRARIES` in this process ("not installed" if absent)."""
+    out = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def shard_metadata(settings: Mapping[str, Any], *, model: str, policy: str, split: str,
+                   shard: int) -> dict[str, str]:
+    """Parquet key-value metadata for a shard (module docstring lists the keys)."""
+    return {
+        KEY_SETTINGS: _json(settings),
+        KEY_HASH: settings_hash(settings),
+        KEY_VERSIONS: _json(library_versions()),
+        KEY_SHARD: _json({"model": model, "policy": policy, "split": split, "shard": int(shard)}),
+    }
+
+
+@dataclass(frozen=True)
+class ShardProvenance:
+    """The recorded provenance of one shard file (``settings`` is None when none was recorded)."""
+
+    path: str
+    settings: dict[str, Any] | None
+    settings_hash: str | None
+    versions: dict[str, str] = field(default_factory=dict)
+    shard: dict[str, Any] = field(default_factory=dict)
+
+
+def read_provenance(path: str | os.PathLike) -> ShardProvenance:
+    """Read the provenance a shard file records (only its footer is read).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    """
+    meta = pl.read_parquet_metadata(path)
+    if KEY_SETTINGS not in meta:
+        return ShardProvenance(str(path), None, None)
+    return ShardProvenance(str(path), json.loads(meta[KEY_SETTINGS]), meta.get(KEY_HASH),
+                           json.loads(meta.get(KEY_VERSIONS, "{}")), json.loads(meta.get(KEY_SHARD, "{}")))
+
+
+def differences(recorded: Any, expected: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Settings that differ, as ``(dotted key, recorded value, expected value)``.
+
+    A key present on one side only differs with ``"<absent>"`` on the other.
+    """
+    if isinstance(recorded, Mapping) and isinstance(expected, Mapping):
+        out = []
+        for key in sorted(set(recorded) | set(expected), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in recorded:
+                out.append((name, "<absent>", expected[key]))
+            elif key not in expected:
+                out.append((name, recorded[key], "<absent>"))
+            else:
+                out.extend(differences(recorded[key], expected[key], name))
+        return out
+    if canonical(recorded) != canonical(expected):
+        return [(prefix or "<settings>", recorded, expected)]
+    return []
+
+
+def regenerate_command(paths: Sequence[str], configfiles: Sequence[str] | None = None) -> str:
+    """The command that remakes ``paths`` (and everything downstream) with the current config.
+
+    ``--forcerun`` with file names reruns exactly the jobs that make those files, and
+    Snakemake then reruns whatever reads them. ``configfiles`` defaults to the
+    :data:`CONFIGFILES_ENV` environment variable (set by the workflow).
+    """
+    if configfiles is None:
+        env = os.environ.get(CONFIGFILES_ENV)
+        configfiles = env.split(os.pathsep) if env else ["<your config>"]
+    conf = "".join(f" --configfile {c}" for c in configfiles)
+    return f"snakemake --cores all{conf} --forcerun {' '.join(paths)}"
+
+
+def _show(value: Any) -> str:
+    return value if value == "<absent>" else json.dumps(value, default=str)
+
+
+def check_shards(paths: Iterable[str | os.PathLike], expected: Mapping[str, Any] | None = None, *,
+                 model: str | None = None, policy: str | None = None, split: str | None = None,
+                 configfiles: Sequence[str] | None = None) -> list[ShardProvenance]:
+    """Refuse shards whose recorded settings differ from ``expected`` or from each other.
+
+    Parameters
+    ----------
+    paths : iterable of path
+        Shard files of one ``(model, policy, split)``, named ``shard-{i}.parquet``.
+    expected : mapping, optional
+        :func:`shard_settings` of the current config; when None the shards are compared
+        with the first one.
+    model, policy, split : str, optional
+        The run the shards must record (checked when given); each shard must also record
+        the index of its file name.
+    configfiles : sequence of str, optional
+        For the regenerate command (:func:`regenerate_command`).
+
+    Returns
+    -------
+    list of ShardProvenance
+        One per path, in order. Shards made with different library versions are
+        accepted with a logged warning (a cluster's nodes may differ).
+
+    Raises
+    ------
+    StaleShardError
+        Naming, per offending shard, each differing setting with the recorded and the
+        expected value, and the command that regenerates the offending shards.
+    """
+    records = [read_provenance(p) for p in paths]
+    if not records:
+        return records
+    missing = [r.path for r in records if r.settings is None]
+    if missing:
+        raise StaleShardError(
+            f"{len(missing)} trajectory shard(s) record no settings (made by an older kvdiverge, "
+            f"or copied in by hand), so they cannot be checked against the config: "
+            f"{', '.join(missing)}. Regenerate them with:\n  {regenerate_command(missing, configfiles)}")
+    reference, against = (expected, "the config") if expected is not None else (
+        records[0].settings, f"{records[0].path}")
+    problems, stale = [], []
+    for rec in records:
+        diff = differences(rec.settings, reference)
+        want = {"model": model, "policy": policy, "split": split}
+        index = re.search(r"shard-(\d+)\.parquet$", str(rec.path))
+        if index:
+            want["shard"] = int(index.group(1))
+        diff += [(f"shard.{k}", rec.shard.get(k, "<absent>"), v) for k, v in want.items()
+                 if v is not None and rec.shard.get(k) != v]
+        if diff:
+            stale.append(rec.path)
+            problems += [f"{rec.path}: {key} = {_show(got)} in the shard, {_show(want_)} in {against}"
+                         for key, got, want_ in diff]
+    if problems:
+        raise StaleShardError(
+            "trajectory shards were made with other settings than "
+            f"{against} (Snakemake did not know: copied in by hand, made by another version, "
+            "or run with --rerun-triggers mtime):\n  " + "\n  ".join(problems)
+            + f"\nRegenerate them with:\n  {regenerate_command(stale, configfiles)}")
+    versions = {json.dumps(r.versions, sort_keys=True) for r in records}
+    if len(versions) > 1:
+        log.warning("shards were made with different library versions: %s",
+                    "; ".join(f"{r.path}: {r.versions}" for r in records))
+    return records
+
+
+def provenance_table(records: Iterable[ShardProvenance]) -> pl.DataFrame:
+    """One row per run (``model``, ``policy``, ``split``) from the records of its shards.
+
+    Returns
+    -------
+    polars.DataFrame
+        ``model``, ``policy``, ``split`` (str), ``shards`` (int64, files), ``settings_hash``
+        (str), ``settings`` (str, canonical JSON), then one str column per entry of
+        :func:`library_versions` (several versions joined by ``" | "``), sorted by run.
+
+    Raises
+    ------
+    StaleShardError
+        If a shard records no settings, or the shards of one run record different ones.
+    """
+    runs: dict[tuple[str, str, str], list[ShardProvenance]] = {}
+    for rec in records:
+        if rec.settings is None:
+            raise StaleShardError(f"{rec.path} records no settings: regenerate it with\n  "
+                                  f"{regenerate_command([rec.path])}")
+        key = (rec.shard.get("model"), rec.shard.get("policy"), rec.shard.get("split"))
+        runs.setdefault(key, []).append(rec)
+    rows = []
+    for (model, policy, split), recs in sorted(runs.items()):
+        check_shards([r.path for r in recs])
+        row = {"model": model, "policy": policy, "split": split, "shards": len(recs),
+               "settings_hash": recs[0].settings_hash, "settings": _json(recs[0].settings)}
+        for lib in ("python", *LIBRARIES):
+            row[lib] = " | ".join(sorted({r.versions.get(lib, "unknown") for r in recs}))
+        rows.append(row)
+    schema = {"model": pl.String, "policy": pl.String, "split": pl.String, "shards": pl.Int64,
+              "settings_hash": pl.String, "settings": pl.String,
+              **{lib: pl.String for lib in ("python", *LIBRARIES)}}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def study_hash(table: pl.DataFrame) -> str:
+    """One hash for the whole study: SHA-256 (16 hex digits) over every run's settings hash."""
+    items = [f"{m}/{p}/{s}={h}" for m, p, s, h in
+             table.select("model", "policy", "split", "settings_hash").sort("model", "policy", "split").rows()]
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
+
+
+def provenance_html(table: pl.DataFrame) -> str:
+    """An HTML section (``<h2>`` + paragraph + table) of :func:`provenance_table`."""
+    libs = [c for c in ("python", *LIBRARIES) if c in table.columns]
+    head = ["model", "policy", "split", "shards", "settings hash", *libs]
+    rows = [[r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
+            for r in table.iter_rows(named=True)]
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return ("<h2>Provenance</h2><p>Study settings hash <code>"
+            f"{study_hash(table) if table.height else 'none'}</code>. Every trajectory shard records "
+            "the settings it was made with (model and policy entries, decoding, replicates, seed, "
+            "shards, control documents) and the library versions of the process that made it; "
+            "the estimate stage refuses shards whose settings differ from the config. Full "
+            "settings per run: <code>analysis/provenance.csv</code>.</p>"
+            f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>")
+

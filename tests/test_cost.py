@@ -1,0 +1,64 @@
+"""kvdiverge.cost: a config's generation cost, checked against hand-computed values."""
+
+import pytest
+
+from kvdiverge.config import load_config
+from kvdiverge.cost import main, projected_hours, study_cost, totals
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return load_config("config/smoke.yaml")
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return load_config("config/paper.yaml")
+
+
+def test_smoke_cost_by_hand(smoke):
+    # smoke: T = 8, R = 2, 2 shards; exploratory snapkv-50 and snapkv-b128 on 2 documents,
+    # confirmatory snapkv-90 on 2, the control `none` on the first 1 exploratory document.
+    costs = study_cost(smoke)
+    assert [(c.policy, c.split, c.documents) for c in costs] == [
+        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2),
+        ("snapkv-90", "confirmatory", 2), ("none", "exploratory", 1)]
+    # per document: token-steps R x 2 sides x (2T - 1) = 2 * 2 * 15 = 60;
+    # forwards 2 prefill + 2 sides x (2T - 2) = 2 + 28 = 30
+    assert [c.token_steps for c in costs] == [120, 120, 120, 60]
+    assert [c.forwards for c in costs] == [60, 60, 60, 30]
+    assert totals(costs) == {"runs": 4, "documents": 7, "shards": 8, "prefill_forwards": 14,
+                             "decode_forwards": 196, "forwards": 210, "token_steps": 420}
+
+
+def test_paper_cost_and_batching(paper):
+    # 2 models x (3 x 288 + 288 + 24) = 2352 document runs, R = 8, T = 256
+    tot = totals(study_cost(paper))
+    assert tot["documents"] == 2352
+    assert tot["token_steps"] == 2352 * 8 * 2 * 511 == 19_229_952
+    assert tot["decode_forwards"] == 2352 * 2 * 510
+    # B = 12: a shard of 12 documents decodes as one group; the control's 24 documents
+    # over 24 shards stay one per group
+    batched = study_cost(paper, batch_documents=12)
+    full = next(c for c in batched if c.policy == "snapkv-50")
+    assert full.decode_forwards == 24 * 2 * 510
+    control = next(c for c in batched if c.policy == "none")
+    assert control.decode_forwards == 24 * 2 * 510
+    assert totals(batched)["token_steps"] == tot["token_steps"]  # rows, not forwards, set the work
+    # 19,229,952 token-steps at 2,671 token-steps/s on 1 device: 2.0 h; on 4 devices: 0.5 h
+    assert projected_hours(paper, 19_229_952 / 7200) == pytest.approx(2.0)
+    assert projected_hours(paper, 19_229_952 / 7200, gpus=4) == pytest.approx(0.5)
+
+
+def test_bad_input_is_named(paper):
+    with pytest.raises(ValueError, match="batch_documents"):
+        study_cost(paper, batch_documents=0)
+    with pytest.raises(ValueError, match="token_steps_per_s"):
+        projected_hours(paper, 0)
+
+
+def test_command_line(capsys):
+    assert main(["config/smoke.yaml", "--rate", "420"]) == 0
+    out = capsys.readouterr().out
+    assert "420 token-steps" in out
+    assert "0.00 h (1 s)" in out

@@ -1,0 +1,229 @@
+"""Cached stages never go stale: a changed setting reruns exactly the jobs it affects.
+
+Every test starts from a copy of the finished smoke run (session fixture ``smoke_run``,
+tests/conftest.py): its results, logs and Snakemake's metadata (``.snakemake/``), with
+the converted model hard-linked (never rewritten). The dry runs read that copy only; the
+tests that run jobs make their own copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+from polars.testing import assert_frame_equal
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+RES = SMOKE["results_dir"]
+MODEL = "smollm2-135m"
+RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("snapkv-90", "confirmatory"),
+        ("none", "exploratory")]
+# rules whose jobs the tests tell apart by their first output; the others run once
+PER_FILE = ("trajectories", "estimate")
+
+
+def copy_run(src: Path, dest: Path) -> Path:
+    """Copy a finished run's working directory (mtimes kept); the converted model is hard-linked."""
+    results = src / RES
+    shutil.copytree(src, dest, ignore=lambda d, names: ["models"] if Path(d) == results else [])
+    if (results / "models").exists():
+        shutil.copytree(results / "models", dest / RES / "models", copy_function=os.link)
+    return dest
+
+
+def env_for(work: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
+                                                                      os.environ.get("PYTHONPATH")]))}
+
+
+def write_config(work: Path, change=None, name="changed.yaml") -> str:
+    config = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
+    if change is not None:
+        change(config)
+    (work / name).write_text(yaml.safe_dump(config, sort_keys=True))  # keys reordered: no change
+    return name
+
+
+def snakemake(work: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=work, env=env_for(work),
+                         capture_output=True, text=True, timeout=900)
+    if check:
+        assert out.returncode == 0, f"snakemake {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+def planned_jobs(text: str) -> set[tuple[str, str | None]]:
+    """The jobs of a dry run's output: ``(rule, first output)`` for PER_FILE rules, ``(rule, None)`` else."""
+    jobs, rule = set(), None
+    for line in text.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):$", line.strip())
+        if m:
+            rule = m.group(1)
+            if rule not in PER_FILE:
+                jobs.add((rule, None))
+            continue
+        m = re.match(r"^\s+output: ([^,\s]+)", line)
+        if m and rule in PER_FILE:
+            jobs.add((rule, m.group(1)))
+            rule = None
+    return jobs
+
+
+def dry_run(work: Path, change=None, *extra: str) -> set[tuple[str, str | None]]:
+    out = snakemake(work, "-n", "--configfile", write_config(work, change), *extra)
+    text = out.stdout + out.stderr
+    jobs = planned_jobs(text)
+    assert jobs or "Nothing to be done" in text, text[-3000:]
+    return jobs
+
+
+# ---------------------------------------------------------------- expected job sets
+
+
+def shards(policies=None, n=2):
+    return {("trajectories", f"{RES}/trajectories/{MODEL}/{p}/{s}/shard-{i}.parquet")
+            for p, s in RUNS if policies is None or p in policies for i in range(n)}
+
+
+def estimates(policies=None):
+    return {("estimate", f"{RES}/estimates/{MODEL}/{p}/{s}.parquet")
+            for p, s in RUNS if policies is None or p in policies}
+
+
+def rules(*names):
+    return {(n, None) for n in names}
+
+
+FIGURES_UP = rules("figures", "summary", "all")
+ANALYSES = rules("pool", "gaps", "confirmatory") | FIGURES_UP
+GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
+
+
+def setter(path: str, value):
+    """A config change: set the dotted key ``path`` to ``value``."""
+    def change(config):
+        *parents, last = path.split(".")
+        node = config
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    change.__name__ = f"{path}={value}"
+    return change
+
+
+CASES = [
+    # setting, new value, the jobs that must rerun (and no other)
+    ("decoding.temperature", 0.9, GENERATION),
+    ("decoding.top_p", 0.9, GENERATION),
+    ("replicates", 3, GENERATION),
+    ("seed", 1, GENERATION),
+    ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
+    ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION),
+    ("policies.snapkv-50.compression_ratio", 0.4,
+     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps") | FIGURES_UP),
+    ("policies.snapkv-90.kernel_size", 3,
+     shards(["snapkv-90"]) | estimates(["snapkv-90"]) | rules("provenance", "pool", "confirmatory") | FIGURES_UP),
+    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION),
+    ("runs.control.documents", 2, shards(["none"]) | estimates(["none"]) | rules("provenance", "pool") | FIGURES_UP),
+    (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION),
+    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION),
+    ("window", 3, estimates() | ANALYSES),
+    ("confirmatory.late", [3, 5], estimates() | ANALYSES),
+    ("analysis.bootstrap", 100, ANALYSES),
+    ("analysis.confidence", 0.9, ANALYSES),
+    ("confirmatory.alpha", 0.1, rules("confirmatory") | FIGURES_UP),
+    ("analysis.gaps", [["snapkv-b128", "snapkv-50"]], rules("gaps") | FIGURES_UP),
+    # the same settings written differently: nothing
+    ("replicates", 2.0, set()),
+    ("decoding.max_new_tokens", 8.0, set()),
+]
+
+
+@pytest.fixture(scope="module")
+def finished(smoke_run, tmp_path_factory) -> Path:
+    """A copy of the finished smoke run's working directory, for dry runs only."""
+    return copy_run(Path(smoke_run).parent, tmp_path_factory.mktemp("rerun") / "work")
+
+
+def test_the_finished_run_is_up_to_date(finished):
+    assert dry_run(finished) == set()
+
+
+@pytest.mark.parametrize("key, value, expected", CASES, ids=[f"{k}={v}" for k, v, _ in CASES])
+def test_a_changed_setting_reruns_exactly_the_jobs_it_affects(finished, key, value, expected):
+    assert dry_run(finished, setter(key, value)) == expected
+
+
+@pytest.mark.llm
+def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
+    import torch
+
+    from kvdiverge.config import load_config
+    from kvdiverge.models import load_model, local_entry
+    from kvdiverge.trajectories import run_shard
+
+    work = copy_run(Path(smoke_run).parent, tmp_path / "work")
+    shard = f"{RES}/trajectories/{MODEL}/snapkv-50/exploratory/shard-0.parquet"
+    # the same shard, made with temperature 0.9 (the config says 0.7), copied into place
+    config = load_config(work / "config" / "smoke.yaml")
+    config["decoding"]["temperature"] = 0.9
+    model, _ = load_model(local_entry(config["models"][MODEL], work / RES / "models" / MODEL), MODEL)
+    made = tmp_path / "elsewhere" / "shard-0.parquet"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workflow's shard jobs (threads: 1); more threads only contend
+    try:
+        frame = run_shard(config, MODEL, "snapkv-50", "exploratory", 0,
+                          str(work / RES / "prompts" / f"{MODEL}.parquet"), str(made), model=model)
+    finally:
+        torch.set_num_threads(threads)
+    assert frame.height == 2  # 1 document x R = 2
+    shutil.copy(made, work / shard)
+
+    estimate = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
+    # targets before --configfile, which takes every following word as a config file
+    out = snakemake(work, "--cores", "1", estimate, "--configfile", "config/smoke.yaml", check=False)
+    assert out.returncode != 0
+    log = (work / RES / "logs" / "estimate" / MODEL / "snapkv-50" / "exploratory.log").read_text()
+    assert f"{shard}: decoding.temperature = 0.9 in the shard, 0.7 in the config" in log
+    assert "shard-1.parquet:" not in log  # the other shard matches
+    command = log.split("Regenerate them with:")[1].strip().splitlines()[0]
+    assert command == f"snakemake --cores all --configfile config/smoke.yaml --forcerun {shard}"
+    # that command remakes the shard and what depends on it, nothing else
+    planned = snakemake(work, "-n", *command.split()[1:])
+    assert planned_jobs(planned.stdout + planned.stderr) == (
+        {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps") | FIGURES_UP)
+
+
+@pytest.mark.llm
+def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
+    """shards 2 -> 1: a document moves (shard-1's into shard-0); rerun = clean run, no document lost."""
+    src = Path(smoke_run).parent
+    rerun, clean = copy_run(src, tmp_path / "rerun"), copy_run(src, tmp_path / "clean")
+    for stage in ("trajectories", "estimates"):  # the clean run: no shard, no estimate yet
+        shutil.rmtree(clean / RES / stage)
+    target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
+    for work in (rerun, clean):
+        snakemake(work, "--cores", "2", target, "--configfile", write_config(work, setter("shards", 1)))
+
+    before = pl.read_parquet(src / target)
+    shard0 = pl.read_parquet(rerun / RES / "trajectories" / MODEL / "snapkv-50" / "exploratory" / "shard-0.parquet")
+    assert sorted(shard0["doc_id"].unique()) == sorted(before["doc_id"]) and before.height == 2
+
+    def table(work, suffix):
+        df = pl.read_parquet(work / target.replace(".parquet", suffix))
+        return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
+
+    for suffix in (".parquet", ".replicates.parquet"):
+        got, want = table(rerun, suffix), table(clean, suffix)
+        assert got["doc_id"].n_unique() == before.height  # no document lost, none twice
+        assert_frame_equal(got, want, check_exact=True)
