@@ -33,7 +33,7 @@ def test_shipped_configs_validate(name):
     config = load_config(ROOT / "config" / name)
     assert set(config) == {
         "seed", "corpus", "prompt", "models", "policies", "runs", "decoding",
-        "replicates", "window", "confirmatory", "analysis", "shards", "results_dir",
+        "replicates", "window", "confirmatory", "analysis", "shards", "results_dir", "generation",
     }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "coupling_dtype",
     "probabilities",
     "total_variation",
     "inverse_cdf",
@@ -26,8 +27,14 @@ __all__ = [
 ]
 
 
+def coupling_dtype(device: torch.device | str) -> torch.dtype:
+    """Dtype of the coupling math on ``device``: float64, or float32 where the device has
+    no float64 (Apple ``mps``)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def probabilities(logp: torch.Tensor) -> torch.Tensor:
-    """Probabilities in float64 from log-probabilities.
+    """Probabilities in float64 (float32 on devices without float64) from log-probabilities.
 
     Parameters
     ----------
@@ -37,18 +44,21 @@ def probabilities(logp: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     torch.Tensor
-        ``exp(logp)`` in float64, shape (B, V).
+        ``exp(logp)`` in :func:`coupling_dtype` of ``logp``'s device, shape (B, V), on that device.
     """
-    return logp.to(torch.float64).exp()
+    return logp.to(coupling_dtype(logp.device)).exp()
 
 
-def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def total_variation(p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor | None = None,
+                    low: torch.Tensor | None = None) -> torch.Tensor:
     """Total variation ``tv = 1/2 sum_v |p(v) - q(v)| = 1 - sum_v min(p(v), q(v))``.
 
     Parameters
     ----------
     p, q : torch.Tensor
         Probabilities, float64, shape (B, V), rows summing to 1.
+    diff, low : torch.Tensor, optional
+        ``p - q`` and ``torch.minimum(p, q)`` when the caller has them (reused, same result).
 
     Returns
     -------
@@ -58,8 +68,8 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         ``1/2 sum |p - q|`` (which rounding cannot push off 0), set to 1 where the
         overlap mass ``sum min(p, q)`` is 0.
     """
-    tv = 0.5 * (p - q).abs().sum(-1)
-    disjoint = torch.minimum(p, q).sum(-1) == 0
+    tv = 0.5 * (p - q if diff is None else diff).abs().sum(-1)
+    disjoint = (torch.minimum(p, q) if low is None else low).sum(-1) == 0
     return torch.where(disjoint, torch.ones_like(tv), tv).clamp_(0.0, 1.0)
 
 
@@ -93,7 +103,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
     """Draw ``Z ~ overlap = min(p, q) / (1 - tv)`` (the agreement move).
 
     Parameters
@@ -102,17 +112,19 @@ def overlap_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Ten
         Probabilities, float64, shape (B, V); every row must have ``tv < 1``.
     u : torch.Tensor
         Uniforms, float64, shape (B,).
+    low : torch.Tensor, optional
+        ``torch.minimum(p, q)`` when the caller has it.
 
     Returns
     -------
     torch.Tensor
         Tokens, int64, shape (B,).
     """
-    return inverse_cdf(torch.minimum(p, q), u)
+    return inverse_cdf(torch.minimum(p, q) if low is None else low, u)
 
 
 def residual_draws(
-    p: torch.Tensor, q: torch.Tensor, u_x: torch.Tensor, u_y: torch.Tensor
+    p: torch.Tensor, q: torch.Tensor, u_x: torch.Tensor, u_y: torch.Tensor, diff: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw the divergent pair ``X ~ (p - q)^+ / tv`` and ``Y ~ (q - p)^+ / tv``.
 
@@ -124,13 +136,16 @@ def residual_draws(
         Probabilities, float64, shape (B, V); every row must have ``tv > 0``.
     u_x, u_y : torch.Tensor
         Uniforms, float64, shape (B,).
+    diff : torch.Tensor, optional
+        ``p - q`` when the caller has it.
 
     Returns
     -------
     (torch.Tensor, torch.Tensor)
         Tokens ``X`` and ``Y``, int64, shape (B,) each.
     """
-    diff = p - q
+    if diff is None:
+        diff = p - q
     return inverse_cdf(diff.clamp(min=0.0), u_x), inverse_cdf((-diff).clamp(min=0.0), u_y)
 
 
@@ -141,6 +156,9 @@ def maximal_coupling(
     u_overlap: torch.Tensor,
     u_x: torch.Tensor,
     u_y: torch.Tensor,
+    tv: torch.Tensor | None = None,
+    diff: torch.Tensor | None = None,
+    low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draw ``(X, Y)`` from the maximal coupling of ``p`` and ``q``.
 
@@ -153,21 +171,26 @@ def maximal_coupling(
         Probabilities, float64, shape (B, V).
     u_coin, u_overlap, u_x, u_y : torch.Tensor
         Independent uniforms in [0, 1), float64, shape (B,).
+    tv, diff, low : torch.Tensor, optional
+        ``total_variation(p, q)``, ``p - q`` and ``torch.minimum(p, q)`` when the caller has
+        them already (reused; the result is the same).
 
     Returns
     -------
     (torch.Tensor, torch.Tensor, torch.Tensor)
         ``X``, ``Y`` (int64, shape (B,)) and ``tv`` (float64, shape (B,)).
     """
-    tv = total_variation(p, q)
+    if tv is None:
+        tv = total_variation(p, q, diff, low)
     agree = u_coin < 1.0 - tv
     x = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     y = torch.empty_like(x)
     if agree.any():
-        z = overlap_draw(p[agree], q[agree], u_overlap[agree])
+        z = overlap_draw(p[agree], q[agree], u_overlap[agree], None if low is None else low[agree])
         x[agree] = z
         y[agree] = z
     split = ~agree
     if split.any():
-        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split])
+        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split],
+                                            None if diff is None else diff[split])
     return x, y, tv

@@ -10,10 +10,14 @@ its KV caches between calls:
 - ``advance(x, y)`` — append ``x[r]`` to row ``r``'s reference history and ``y[r]``
   to its evicted history; returns both next-token log-distributions.
 - ``rewind(length)`` — cut both histories of row ``r`` back to their first
-  ``length[r]`` tokens (which must be shared by the two sides).
+  ``length[r]`` tokens (which must be shared by the two sides); a row whose
+  ``length[r]`` is its current length is left as it is.
+- ``keep_rows(rows)`` (optional) — keep only the given rows, in that order; the
+  engine calls it when rows finish, so that later steps run on fewer rows.
 
 Log-distributions are float64 tensors of shape (n_rows, vocab_size), already through
-the decoding transform (:mod:`kvdiverge.decoding`). End-of-sequence is absorbing;
+the decoding transform (:mod:`kvdiverge.decoding`), on the pair's device (float32 on
+devices without float64). End-of-sequence is absorbing;
 the engine (:mod:`kvdiverge.trajectories`) enforces that for every pair.
 
 Two implementations: :class:`TableKernelPair` (small synthetic probability tables
@@ -29,9 +33,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvdiverge.coupling import coupling_dtype
 from kvdiverge.decoding import decode_log_probs
 
-__all__ = ["KernelPair", "TableKernelPair", "LLMKernelPair", "CompressionError"]
+__all__ = [
+    "KernelPair",
+    "TableKernelPair",
+    "LLMKernelPair",
+    "CompressionError",
+    "NonFiniteLogitsError",
+    "check_finite",
+    "coupling_dtype",
+    "merge_caches",
+]
 
 History = tuple[int, ...]
 #: A synthetic kernel pair as a pure function: ``(ref_history, evicted_history) -> (p, q)``.
@@ -92,26 +106,83 @@ class TableKernelPair:
 
     def rewind(self, length: torch.Tensor) -> None:
         for row, n in enumerate(length.tolist()):
+            if n == len(self._ref[row]) == len(self._ev[row]):
+                continue  # a row at its own length is left as it is (its sides may differ)
             if self._ref[row][:n] != self._ev[row][:n]:
                 raise ValueError(f"row {row}: the first {n} tokens are not shared by the two sides")
             del self._ref[row][n:]
             del self._ev[row][n:]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows), in that order."""
+        self._ref = [self._ref[i] for i in rows.tolist()]
+        self._ev = [self._ev[i] for i in rows.tolist()]
 
 
 class CompressionError(RuntimeError):
     """The evicted cache does not have the length the policy promises."""
 
 
+class NonFiniteLogitsError(FloatingPointError):
+    """A language model returned NaN or infinite logits (issue 8 §3).
+
+    Raised by :class:`LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
+    (:func:`kvdiverge.trajectories.run_batch`) re-raises it with the model, document,
+    replicate and step of the first bad row filled in, so the message names them all.
+
+    Attributes
+    ----------
+    side : str
+        ``"reference"`` (full cache, ``P``) or ``"evicted"`` (``Q``).
+    rows : list of int
+        Rows of the pair (in its current row order) whose logits are not all finite.
+    kind : str
+        ``"NaN"``, ``"+inf"`` or ``"-inf"``: what the first bad row holds.
+    model, doc_id, replicate, step : optional
+        Filled in by the engine; ``step`` is 1-based (the token step ``t`` of the
+        agreement chain, or ``t* + k`` on the residual branch).
+    phase : str or None
+        ``"chain"`` or ``"branch"``.
+    """
+
+    def __init__(self, side: str, rows: Sequence[int], kind: str, *, model: str | None = None,
+                 doc_id: str | None = None, replicate: int | None = None, step: int | None = None,
+                 phase: str | None = None):
+        self.side, self.rows, self.kind = side, list(rows), kind
+        self.model, self.doc_id, self.replicate, self.step, self.phase = model, doc_id, replicate, step, phase
+        if doc_id is None:
+            msg = f"{kind} logits on the {side} side (pair rows {self.rows})"
+        else:
+            msg = (f"{kind} logits from model {model!r}, document {doc_id!r}, replicate {replicate}, "
+                   f"step {step} ({phase}), {side} side: the shard is not written; check the model's "
+                   f"dtype (float16 overflows) and weights, then rerun")
+        super().__init__(msg)
+
+
+def check_finite(logits: torch.Tensor, side: str) -> None:
+    """Raise :class:`NonFiniteLogitsError` when any row of ``logits`` (rows, V) holds NaN or ±inf."""
+    finite = torch.isfinite(logits).all(-1)
+    if bool(finite.all()):
+        return
+    rows = (~finite).nonzero().squeeze(1).tolist()
+    bad = logits[rows[0]]
+    kind = "NaN" if bool(bad.isnan().any()) else ("+inf" if bool((bad == float("inf")).any()) else "-inf")
+    raise NonFiniteLogitsError(side, rows, kind)
+
+
 class _CacheSide:
     """A batched KV cache plus per-row bookkeeping.
 
-    ``valid`` (n_rows, cache_len) marks the cache columns each row attends to;
-    ``step`` (n_rows, cache_len) holds, for generated columns, the 0-based index of
-    the generated token stored there (-1 for prompt columns), so ``rewind`` can mask
-    a row's abandoned suffix without touching other rows.
+    ``valid`` (n_rows, cache_len) marks the cache columns each row attends to (padding
+    of shorter prompts and rewound chain suffixes are ``False``); ``step`` (n_rows,
+    cache_len) holds, for generated columns, the 0-based index of the generated token
+    stored there (-1 for prompt and padding columns), so ``rewind`` can mask a row's
+    abandoned suffix without touching other rows. ``prompt_len`` is the uncompressed
+    prompt length of each row's document (int64, (n_rows,), or an int for all rows):
+    the RoPE position of generated token ``i`` is ``prompt_len + i``.
     """
 
-    def __init__(self, cache, valid: torch.Tensor, prompt_len: int):
+    def __init__(self, cache, valid: torch.Tensor, prompt_len):
         self.cache = cache
         self.valid = valid
         self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
@@ -141,6 +212,70 @@ class _CacheSide:
         self.n_gen = length.clone()
         self.all_valid = bool(self.valid.all())
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices, in the new order); drop columns no kept row attends to."""
+        self.valid, self.step, self.n_gen = self.valid[rows], self.step[rows], self.n_gen[rows]
+        if isinstance(self.prompt_len, torch.Tensor):
+            self.prompt_len = self.prompt_len[rows]
+        cols = self.valid.any(0)
+        trim = not bool(cols.all())
+        if trim:
+            cols = cols.nonzero().squeeze(1)
+            self.valid, self.step = self.valid[:, cols], self.step[:, cols]
+        for layer in self.cache.layers:
+            keys, values = layer.keys[rows], layer.values[rows]
+            if trim:
+                keys, values = keys[:, :, cols], values[:, :, cols]
+            layer.keys, layer.values = keys, values
+        self.all_valid = bool(self.valid.all())
+
+
+def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device) -> tuple[object, torch.Tensor]:
+    """One batched cache from per-document caches, left-padded to the longest.
+
+    Parameters
+    ----------
+    caches : sequence of transformers.DynamicCache
+        One per document, batch size 1, each layer's keys/values of shape
+        (1, kv_heads, length_d, head_dim); all documents' layers have equal length
+        within a cache (checked by the caller).
+    lengths : sequence of int
+        Cache length of each document (tokens).
+    rows_each : int
+        Rows per document (replicates ``R``): document ``d`` fills rows ``d*R .. d*R+R-1``.
+    device : torch.device
+        Device of the ``valid`` mask.
+
+    Returns
+    -------
+    (DynamicCache, torch.Tensor)
+        The first cache, its layers replaced by the merged (B*R, kv_heads, max_len,
+        head_dim) tensors (padding columns hold zeros), and ``valid``, bool
+        (B*R, max_len): ``False`` on padding columns. With one document this is
+        ``batch_repeat_interleave(R)``, exactly the old single-document path.
+    """
+    if len(caches) == 1:
+        cache = caches[0]
+        if rows_each > 1:
+            cache.batch_repeat_interleave(rows_each)
+        return cache, torch.ones(rows_each, lengths[0], dtype=torch.bool, device=device)
+    longest = max(lengths)
+    merged = caches[0]
+    for li, layer in enumerate(merged.layers):
+        parts_k, parts_v = [], []
+        for cache, n in zip(caches, lengths):
+            k, v = cache.layers[li].keys, cache.layers[li].values
+            if n < longest:
+                pad = k.new_zeros(k.shape[0], k.shape[1], longest - n, k.shape[3])
+                k, v = torch.cat([pad, k], dim=2), torch.cat([pad.to(v.dtype), v], dim=2)
+            parts_k.append(k.expand(rows_each, -1, -1, -1))
+            parts_v.append(v.expand(rows_each, -1, -1, -1))
+        layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
+    valid = torch.zeros(len(caches) * rows_each, longest, dtype=torch.bool, device=device)
+    for d, n in enumerate(lengths):
+        valid[d * rows_each:(d + 1) * rows_each, longest - n:] = True
+    return merged, valid
+
 
 class LLMKernelPair:
     """One language model, two KV caches: full prompt cache (``P``) and evicted (``Q``).
@@ -152,6 +287,18 @@ class LLMKernelPair:
     and never evicted; their RoPE positions continue from the uncompressed prompt
     length on both sides. This is exactly what ``with press(model): model.generate(...)``
     and kvpress's pipeline do.
+
+    Several documents (:meth:`from_documents`) share one pair: each is prefilled alone
+    under its own press (kvpress compresses one sequence at a time, so no padding enters
+    the compression), then the per-document caches are merged into one batched cache per
+    side, left-padded to the longest with masked columns (:func:`merge_caches`). Rows are
+    document-major: row ``d*R + r`` is replicate ``r`` of document ``d``. Each side is
+    decoded by its own forward pass per step, on the same rows in the same order, and
+    with ratio 0 the two sides' caches and padding are identical, so the TV is exactly 0.
+
+    Logits are checked for NaN/±inf on every forward (:class:`NonFiniteLogitsError`).
+    The decoding transform runs on the model's device in float64 (float32 where the
+    device has no float64, :func:`coupling_dtype`); returned log-distributions stay there.
 
     Parameters
     ----------
@@ -174,6 +321,8 @@ class LLMKernelPair:
     CompressionError
         From :meth:`start`, when a layer's evicted cache length is not the policy's
         kept count (a silently skipped compression).
+    NonFiniteLogitsError
+        From :meth:`start` and :meth:`advance`.
     """
 
     def __init__(
@@ -189,30 +338,84 @@ class LLMKernelPair:
     ):
         self.model = model
         self.device = next(model.parameters()).device
-        self.input_ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)
-        self.prompt_len = int(self.input_ids.numel())
-        self.press = press
+        self.dtype = coupling_dtype(self.device)
+        self.prompts = [torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)]
+        self.presses = [press]
+        self.expected = [expected_kept]
         self.temperature = float(temperature)
         self.top_p = float(top_p)
-        self.expected_kept = expected_kept
         if eos_ids is None:
             from kvdiverge.models import eos_ids as model_eos_ids
 
             eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.vocab_size = int(model.config.vocab_size)
-        self.kept_len: int | None = None
+        self.kept_lens: list[int] = []
         self._ref: _CacheSide | None = None
         self._ev: _CacheSide | None = None
 
-    def _transform(self, logits: torch.Tensor) -> torch.Tensor:
-        return decode_log_probs(logits, self.temperature, self.top_p)
+    @classmethod
+    def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
+                       expected_kept: Sequence[int | None], *, temperature: float, top_p: float = 1.0,
+                       eos_ids: Sequence[int] | None = None) -> "LLMKernelPair":
+        """A pair over several documents, each with its own press and kept count.
 
-    def _prefill(self, press) -> tuple[object, torch.Tensor]:
+        Parameters
+        ----------
+        prompts : sequence of sequence of int
+            The documents' prompt token ids.
+        presses, expected_kept : sequence
+            One press (or ``None``) and one kept count (or ``None``) per document.
+
+        Raises
+        ------
+        ValueError
+            If the three sequences differ in length or are empty.
+        """
+        if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
+            raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
+                             f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
+        pair = cls(model, prompts[0], presses[0], temperature=temperature, top_p=top_p,
+                   expected_kept=expected_kept[0], eos_ids=eos_ids)
+        pair.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=pair.device) for p in prompts]
+        pair.presses = list(presses)
+        pair.expected = list(expected_kept)
+        return pair
+
+    @property
+    def n_documents(self) -> int:
+        """Documents in the pair (B)."""
+        return len(self.prompts)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Uncompressed prompt length of each document (tokens)."""
+        return [int(p.numel()) for p in self.prompts]
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length of the first (or only) document (tokens)."""
+        return self.prompt_lens[0]
+
+    @property
+    def press(self):
+        """Press of the first (or only) document."""
+        return self.presses[0]
+
+    @property
+    def kept_len(self) -> int | None:
+        """Evicted cache length of the first (or only) document, known after :meth:`start`."""
+        return self.kept_lens[0] if self.kept_lens else None
+
+    def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
+        check_finite(logits, side)
+        return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
+
+    def _prefill(self, ids: torch.Tensor, press) -> tuple[object, torch.Tensor]:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        ids = self.input_ids.unsqueeze(0)
+        ids = ids.unsqueeze(0)
         if press is None:
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         else:
@@ -220,57 +423,76 @@ class LLMKernelPair:
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache, out.logits[:, -1, :]
 
-    def _check_compression(self, cache) -> int:
+    @staticmethod
+    def _check_compression(cache, press, prompt_len: int, expected_kept: int | None) -> int:
         lengths = {layer.keys.shape[-2] for layer in cache.layers}
         if len(lengths) != 1:
             raise CompressionError(f"evicted cache layers differ in length: {sorted(lengths)}")
         kept = lengths.pop()
-        if self.expected_kept is not None and kept != self.expected_kept:
+        if expected_kept is not None and kept != expected_kept:
             raise CompressionError(
-                f"evicted cache keeps {kept} of {self.prompt_len} prompt positions per layer, "
-                f"the policy promises {self.expected_kept}: the press did not compress as configured"
+                f"evicted cache keeps {kept} of {prompt_len} prompt positions per layer, "
+                f"the policy promises {expected_kept}: the press did not compress as configured"
             )
-        ratio = getattr(self.press, "compression_ratio", 0.0) or 0.0
-        if self.expected_kept is None and ratio > 0 and kept >= self.prompt_len:
+        ratio = getattr(press, "compression_ratio", 0.0) or 0.0
+        if expected_kept is None and ratio > 0 and kept >= prompt_len:
             raise CompressionError(
-                f"press {type(self.press).__name__} (compression_ratio={ratio}) left the cache "
-                f"at the full {self.prompt_len} positions"
+                f"press {type(press).__name__} (compression_ratio={ratio}) left the cache "
+                f"at the full {prompt_len} positions"
             )
         return kept
 
     @torch.inference_mode()
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill both caches, check the compression, expand to ``n_rows`` rows.
+        """Prefill both caches of every document, check the compression, merge to ``n_rows`` rows.
 
-        The two caches stay separate, each decoded by its own forward pass per step:
-        batching them into one pass would let the rows' batch positions perturb the
-        logits (~1e-6 on CPU), and ratio 0 must give a TV of exactly 0.
+        ``n_rows`` must be a multiple of the number of documents B (``R = n_rows / B``
+        rows per document). The two sides stay separate, each decoded by its own forward
+        pass per step: batching them into one pass would let the rows' batch positions
+        perturb the logits (~1e-6 on CPU), and ratio 0 must give a TV of exactly 0.
 
         Returns
         -------
         (torch.Tensor, torch.Tensor)
-            ``log p_1`` and ``log q_1``, float64, shape (n_rows, vocab_size).
+            ``log p_1`` and ``log q_1``, float64 (float32 on mps), shape (n_rows, vocab_size),
+            on the model's device.
+
+        Raises
+        ------
+        ValueError
+            If ``n_rows`` is not a multiple of B.
         """
-        ref_cache, ref_logits = self._prefill(None)
-        ev_cache, ev_logits = self._prefill(self.press)
-        self.kept_len = self._check_compression(ev_cache)
-        if n_rows > 1:
-            ref_cache.batch_repeat_interleave(n_rows)
-            ev_cache.batch_repeat_interleave(n_rows)
-        self._ref = _CacheSide(ref_cache, torch.ones(n_rows, self.prompt_len, dtype=torch.bool,
-                                                     device=self.device), self.prompt_len)
-        self._ev = _CacheSide(ev_cache, torch.ones(n_rows, self.kept_len, dtype=torch.bool,
-                                                   device=self.device), self.prompt_len)
-        logp = self._transform(ref_logits).cpu().expand(n_rows, -1)
-        logq = self._transform(ev_logits).cpu().expand(n_rows, -1)
-        return logp, logq
+        B = self.n_documents
+        if n_rows % B:
+            raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
+        R = n_rows // B
+        ref_caches, ev_caches, ref_logits, ev_logits = [], [], [], []
+        self.kept_lens = []
+        for ids, press, expected in zip(self.prompts, self.presses, self.expected):
+            cache, logits = self._prefill(ids, None)
+            ref_caches.append(cache)
+            ref_logits.append(logits)
+            cache, logits = self._prefill(ids, press)
+            self.kept_lens.append(self._check_compression(cache, press, int(ids.numel()), expected))
+            ev_caches.append(cache)
+            ev_logits.append(logits)
+        ref_cache, ref_valid = merge_caches(ref_caches, self.prompt_lens, R, self.device)
+        ev_cache, ev_valid = merge_caches(ev_caches, self.kept_lens, R, self.device)
+        prompt_len = torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1 else self.prompt_len
+        self._ref = _CacheSide(ref_cache, ref_valid, prompt_len)
+        self._ev = _CacheSide(ev_cache, ev_valid, prompt_len)
+        logp = self._transform(torch.cat(ref_logits), "reference")
+        logq = self._transform(torch.cat(ev_logits), "evicted")
+        if B == 1:
+            return logp.expand(n_rows, -1), logq.expand(n_rows, -1)
+        return logp.repeat_interleave(R, dim=0), logq.repeat_interleave(R, dim=0)
 
     @torch.inference_mode()
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
         ref_logits = self._ref.forward(self.model, x.to(self.device))
         ev_logits = self._ev.forward(self.model, y.to(self.device))
-        return self._transform(ref_logits).cpu(), self._transform(ev_logits).cpu()
+        return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:
@@ -278,3 +500,10 @@ class LLMKernelPair:
         length = length.to(self.device)
         self._ref.rewind(length)
         self._ev.rewind(length)
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows) on both sides; later calls see fewer rows."""
+        rows = rows.to(self.device)
+        self._ref.keep_rows(rows)
+        self._ev.keep_rows(rows)

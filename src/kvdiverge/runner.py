@@ -68,8 +68,18 @@ def run_documents(
     model_name: str,
     eos_ids: Sequence[int] | None = None,
     progress: tqdm | None = None,
+    batch_documents: int | None = None,
+    memory_budget_gb: float | None = None,
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
+
+    Documents run ``B`` at a time as the rows of one kernel pair
+    (:meth:`kvdiverge.kernels.LLMKernelPair.from_documents`, :func:`kvdiverge.trajectories.run_batch`):
+    ``B x R`` rows per side per forward. Batches group documents of similar length
+    (sorted by prompt length, ties by input order) to keep padding small; records come
+    back in input order. A document's results depend on its batch only through the
+    rounding of the batched forward; for a given config and document set they are
+    reproducible bit for bit.
 
     Parameters
     ----------
@@ -93,39 +103,66 @@ def run_documents(
         End-of-sequence ids; default ``model.generation_config.eos_token_id``.
     progress : tqdm, optional
         Advanced by ``2T - 1`` per document.
+    batch_documents : int, optional
+        Documents per batched forward ``B``; ``None`` lets :func:`kvdiverge.planner.plan_batch`
+        choose it from the model's KV bytes per token and ``memory_budget_gb``.
+    memory_budget_gb : float, optional
+        Memory the batch may take (GiB); default
+        :func:`kvdiverge.planner.default_memory_budget` of the model's device.
 
     Returns
     -------
     list[dict]
-        One record per (document, replicate): ``doc_id``, ``prompt_len``, ``kept_len``,
-        ``seconds`` and the columns of :func:`kvdiverge.trajectories.run_document`.
+        One record per (document, replicate), in input order: ``doc_id``, ``prompt_len``,
+        ``kept_len``, ``seconds`` (the batch's wall time divided by its documents) and the
+        columns of :func:`kvdiverge.trajectories.run_batch`.
 
     Raises
     ------
     kvdiverge.kernels.CompressionError
         When a press does not keep the promised number of positions.
+    kvdiverge.kernels.NonFiniteLogitsError
+        When the model returns NaN/±inf logits (names model, document, replicate, step, side).
     ValueError
         When a prompt is too short for the policy.
     """
     from kvdiverge.kernels import LLMKernelPair
-    from kvdiverge.trajectories import run_document
+    from kvdiverge.planner import default_memory_budget, kv_bytes_per_token, plan_batch
+    from kvdiverge.trajectories import run_batch
 
-    records: list[dict[str, Any]] = []
-    for i, doc in enumerate(documents):
+    if not documents:
+        return []
+    device = next(model.parameters()).device
+    budget = (default_memory_budget(device) if memory_budget_gb is None
+              else int(float(memory_budget_gb) * 2**30))
+    B = plan_batch(
+        kv_bytes_per_token=kv_bytes_per_token(model.config, next(model.parameters()).dtype),
+        prompt_len=max(doc.prompt_len for doc in documents), T=int(T), replicates=int(replicates),
+        vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=len(documents),
+        override=batch_documents,
+    )
+    order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
+    log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    done = 0
+    for lo in range(0, len(order), B):
+        batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
-        press = policy.build_press(doc.prompt_len)
-        pair = LLMKernelPair(
-            model, doc.input_ids, press,
-            temperature=float(temperature), top_p=float(top_p),
-            expected_kept=policy.expected_kept(doc.prompt_len, press),
-            eos_ids=eos_ids,
+        presses = [policy.build_press(doc.prompt_len) for doc in batch]
+        pair = LLMKernelPair.from_documents(
+            model, [doc.input_ids for doc in batch], presses,
+            [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
+            temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         )
-        reps = run_document(pair, int(T), int(replicates), int(seed), model_name, doc.doc_id, progress=progress)
-        seconds = time.perf_counter() - start
+        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+                         progress=progress)
+        seconds = (time.perf_counter() - start) / len(batch)
+        done += len(batch)
         if progress is not None:
-            progress.update((i + 1) * (2 * T - 1) - progress.n)  # chains that stop early skip steps
-        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len,
-                "seconds": seconds}
-        records.extend({**meta, **rec} for rec in reps)
-        log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_len, seconds)
-    return records
+            progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
+        for j, doc in enumerate(batch):
+            meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
+                    "seconds": seconds}
+            by_index[order[lo + j]] = [{**meta, **rec} for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
+            log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds)
+    return [rec for i in range(len(documents)) for rec in by_index[i]]

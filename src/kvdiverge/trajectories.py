@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvdiverge.coupling import (
+    coupling_dtype,
     inverse_cdf,
     maximal_coupling,
     overlap_draw,
@@ -41,13 +42,14 @@ from kvdiverge.coupling import (
     residual_draws,
     total_variation,
 )
-from kvdiverge.kernels import KernelPair
+from kvdiverge.kernels import KernelPair, NonFiniteLogitsError
 
 __all__ = [
     "PURPOSES",
     "TRAJECTORY_SCHEMA",
     "uniform_streams",
     "run_document",
+    "run_batch",
     "simulate",
 ]
 
@@ -117,17 +119,26 @@ def uniform_streams(seed: int, model: str, doc_id: str, replicate: int, T: int) 
     return streams
 
 
-def _absorb_eos(logd: torch.Tensor, last: torch.Tensor, eos_ids: tuple[int, ...]) -> torch.Tensor:
-    """Point mass on EOS for rows whose history ends in an EOS id (estimators.md §1)."""
-    if not eos_ids:
+def _absorb_eos(logd: torch.Tensor, last: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """Point mass on EOS for rows whose history ends in an EOS id (estimators.md §1).
+
+    ``last`` (int64, (rows,)) is each row's last token (-1 for an empty history);
+    ``eos_ids`` an int64 tensor on ``logd``'s device.
+    """
+    if not eos_ids.numel():
         return logd
-    done = torch.isin(last, torch.tensor(eos_ids, dtype=last.dtype))
-    if not done.any():
+    done = torch.isin(last, eos_ids)
+    if not bool(done.any()):
         return logd
     logd = logd.clone()
     logd[done] = float("-inf")
     logd[done, last[done]] = 0.0
     return logd
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]``, without a copy when ``idx`` is every row in order."""
+    return x if idx.numel() == x.shape[0] else x[idx]
 
 
 def run_document(
@@ -140,6 +151,8 @@ def run_document(
     progress: tqdm | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``replicates`` coupled replicates of one document on a kernel pair.
+
+    :func:`run_batch` with one document.
 
     Parameters
     ----------
@@ -163,109 +176,247 @@ def run_document(
         :data:`TRAJECTORY_SCHEMA` (without ``model``, ``policy``, ``split``,
         ``doc_id``, ``prompt_len``, ``kept_len``, ``seconds``).
     """
-    R = int(replicates)
-    streams = [uniform_streams(seed, model, doc_id, r, T) for r in range(R)]
-    U = {k: torch.from_numpy(np.stack([s[k] for s in streams])) for k in PURPOSES}  # (R, T) each
+    return run_batch(pair, T, replicates, seed, model, [doc_id], progress=progress)
+
+
+def run_batch(
+    pair: KernelPair,
+    T: int,
+    replicates: int,
+    seed: int,
+    model: str,
+    doc_ids: Sequence[str],
+    progress: tqdm | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``replicates`` coupled replicates of each of ``B`` documents as the rows of one pair.
+
+    Row ``d*R + r`` of ``pair`` is replicate ``r`` of document ``doc_ids[d]``; its
+    uniforms are those of ``uniform_streams(seed, model, doc_ids[d], r, T)``, so a row's
+    draws do not depend on the batch it sits in.
+
+    Each row runs its own state machine: agreement chain (steps ``t = 1..T``), then its
+    residual branch (lags ``k = 1..T-t*``). A chain is done at ``T``, when it stops
+    (``tv_t = 1``), or when it emits EOS (the rest of the chain is then known: ``tv = 0``,
+    EOS, constant survival); its ``t*`` is then drawn and its branch starts at once, by
+    rewinding that row alone, while other rows go on with their chains. A branch is done
+    at its horizon or when both sides have emitted EOS. Done rows leave the pair
+    (``pair.keep_rows``; pairs without it carry them along unused), so later steps run
+    on fewer rows. All coupling math runs on the pair's device, in the dtype of its
+    log-distributions (float64; float32 on mps); per step only control flags go to the
+    host, and the outputs are copied to the CPU once at the end.
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The kernel pair, with ``B * replicates`` rows after ``start``.
+    T : int
+        Horizon, ``max_new_tokens`` (tokens = steps).
+    replicates : int
+        Replicates ``R`` per document.
+    seed : int
+        Master seed.
+    model : str
+        Enters the seeds (with the document id and replicate; never the policy).
+    doc_ids : sequence of str
+        The ``B`` documents' ids, in the pair's document order.
+    progress : tqdm or None
+        Advanced by ``B`` per batched decoding step.
+
+    Returns
+    -------
+    list[dict]
+        One record per (document, replicate), document-major, with ``replicate`` and the
+        trajectory columns of :data:`TRAJECTORY_SCHEMA` (without ``model``, ``policy``,
+        ``split``, ``doc_id``, ``prompt_len``, ``kept_len``, ``seconds``).
+
+    Raises
+    ------
+    kvdiverge.kernels.NonFiniteLogitsError
+        When the pair's model returns NaN/±inf logits; the message names the model,
+        document, replicate, 1-based step and side.
+    """
+    R, B, T = int(replicates), len(doc_ids), int(T)
+    N = B * R
     eos = tuple(pair.eos_ids)
 
-    # ---- 1-2. agreement chain, tau_naive, residual pairs at every step -------------
-    tv = torch.full((R, T), float("nan"), dtype=torch.float64)
-    survival = torch.zeros(R, T, dtype=torch.float64)
-    chain = torch.full((R, T), -1, dtype=torch.long)
-    res_x = torch.full((R, T), -1, dtype=torch.long)
-    res_y = torch.full((R, T), -1, dtype=torch.long)
-    tau_naive = torch.full((R,), T + 1, dtype=torch.long)  # T + 1 stands for inf
-    alive = torch.ones(R, dtype=torch.bool)
-    S = torch.ones(R, dtype=torch.float64)
-    last = torch.full((R,), -1, dtype=torch.long)
+    def checked(call, *args):
+        """``call(*args)``, with a NonFiniteLogitsError completed by model, document, replicate, step."""
+        try:
+            return call(*args)
+        except NonFiniteLogitsError as err:
+            if err.doc_id is not None:
+                raise
+            g = int(act[err.rows[0]])
+            in_branch = bool(phase[g] == 1)
+            # the logits are for the step after the row's history (+ the token being appended)
+            step = int(t_star[g] + kk[g] + 1) if in_branch else int(hist[g]) + (1 if call == pair.start else 2)
+            raise NonFiniteLogitsError(err.side, err.rows, err.kind, model=model, doc_id=doc_ids[g // R],
+                                       replicate=g % R, step=step,
+                                       phase="residual branch" if in_branch else "agreement chain") from None
 
-    logp, logq = pair.start(R)
-    for t in range(T):
-        logp, logq = _absorb_eos(logp, last, eos), _absorb_eos(logq, last, eos)
+    act = torch.arange(N)
+    phase = torch.zeros(N, dtype=torch.long)
+    hist = torch.zeros(N, dtype=torch.long)
+    t_star = torch.zeros(N, dtype=torch.long)
+    kk = torch.zeros(N, dtype=torch.long)
+    logp, logq = checked(pair.start, N)
+    dev, fdt = logp.device, coupling_dtype(logp.device)
+    streams = [uniform_streams(seed, model, doc_ids[g // R], g % R, T) for g in range(N)]
+    U = {k: torch.from_numpy(np.stack([s[k] for s in streams])).to(dev, fdt) for k in PURPOSES}  # (N, T)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
+    act, phase, hist, t_star, kk = (a.to(dev) for a in (act, phase, hist, t_star, kk))
+
+    def full(shape, value, dtype):
+        return torch.full(shape, value, dtype=dtype, device=dev)
+
+    tv = full((N, T), float("nan"), fdt)
+    survival = full((N, T), 0.0, fdt)
+    chain, res_x, res_y = (full((N, T), -1, torch.long) for _ in range(3))
+    tau_naive = full((N,), T + 1, torch.long)  # T + 1 stands for inf
+    S = full((N,), 1.0, fdt)
+    x_star, y_star = full((N,), -1, torch.long), full((N,), -1, torch.long)
+    lags = full((N,), 0, torch.long)
+    bx, by = full((N, T), -1, torch.long), full((N, T), -1, torch.long)
+    btv = full((N, T), float("nan"), fdt)
+    last_x, last_y = full((N,), -1, torch.long), full((N,), -1, torch.long)
+    can_drop = hasattr(pair, "keep_rows")
+
+    for t in range(2 * T):
+        n = act.numel()
+        ph = phase[act]
+        logp = _absorb_eos(logp, last_x[act], eos_t)
+        logq = _absorb_eos(logq, last_y[act], eos_t)
         p, q = probabilities(logp), probabilities(logq)
-        tv_t = total_variation(p, q)
-        rows = alive.nonzero().squeeze(1)
-        tv[rows, t] = tv_t[rows]
-        S = torch.where(alive, S * (1.0 - tv_t), S)
-        survival[:, t] = S
-        newly = (tau_naive > T) & alive & (U["divergence"][:, t] < tv_t)
-        tau_naive[newly] = t + 1
-        split = alive & (tv_t > 0)
-        if split.any():
-            res_x[split, t], res_y[split, t] = residual_draws(
-                p[split], q[split], U["residual_x"][split, t], U["residual_y"][split, t]
-            )
-        go_on = alive & (tv_t < 1)
-        if go_on.any():
-            chain[go_on, t] = overlap_draw(p[go_on], q[go_on], U["chain"][go_on, t])
-        alive = go_on
+        diff, low = p - q, torch.minimum(p, q)  # computed once, shared by TV and the draws
+        tv_all = total_variation(p, q, diff, low)
+        x_in, y_in = last_x[act].clamp(min=0), last_y[act].clamp(min=0)  # rows that ride along
+        go_on = torch.zeros(n, dtype=torch.bool, device=dev)
+        rewind_to = None
+
+        # ---- chain rows: step t (0-based) of the agreement chain ------------------------
+        ic = (ph == 0).nonzero().squeeze(1)
+        if ic.numel():
+            gc = act[ic]
+            pc, qc, tvc = _rows(p, ic), _rows(q, ic), tv_all[ic]
+            tv[gc, t] = tvc
+            S[gc] = S[gc] * (1.0 - tvc)
+            survival[gc, t] = S[gc]
+            newly = (tau_naive[gc] > T) & (U["divergence"][gc, t] < tvc)
+            tau_naive[gc[newly]] = t + 1
+            split = (tvc > 0).nonzero().squeeze(1)
+            if split.numel():
+                gs = gc[split]
+                res_x[gs, t], res_y[gs, t] = residual_draws(
+                    _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t],
+                    diff=_rows(_rows(diff, ic), split))
+            go = tvc < 1
+            ig = go.nonzero().squeeze(1)
+            if ig.numel():
+                chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t],
+                                                low=_rows(_rows(low, ic), ig))
+            tok = chain[gc, t]
+            at_eos = go & torch.isin(tok, eos_t)
+            done = ~go | at_eos | (t == T - 1)
+            if t < T - 1 and bool(at_eos.any()):  # EOS is absorbing: the rest of the chain is known
+                ge = gc[at_eos]
+                tv[ge, t + 1:] = 0.0
+                chain[ge, t + 1:] = tok[at_eos].unsqueeze(1)
+                survival[ge, t + 1:] = S[ge].unsqueeze(1)
+            cont = ic[~done]
+            x_in[cont] = y_in[cont] = tok[~done]
+            go_on[cont] = True
+            last_x[gc[~done]] = last_y[gc[~done]] = tok[~done]
+            if bool(done.any()):
+                i_f, gf = ic[done], gc[done]
+                S_T = survival[gf, T - 1]
+                ts = torch.where(tau_naive[gf] <= T, tau_naive[gf], torch.zeros_like(gf))
+                draw = ((tau_naive[gf] > T) & (S_T < 1)).nonzero().squeeze(1)
+                if draw.numel():
+                    gd = gf[draw]
+                    S_prev = torch.cat([torch.ones(gd.numel(), 1, dtype=fdt, device=dev), survival[gd, :-1]], dim=1)
+                    f_hat = (S_prev - survival[gd]).clamp(min=0.0)
+                    ts[draw] = inverse_cdf(f_hat, U["t_star"][gd, 0]) + 1
+                t_star[gf] = ts
+                hb = ts > 0
+                idx = (ts - 1).clamp(min=0)
+                x_star[gf] = torch.where(hb, res_x[gf, idx], x_star[gf])
+                y_star[gf] = torch.where(hb, res_y[gf, idx], y_star[gf])
+                lags[gf] = torch.where(hb, T - ts, torch.zeros_like(ts))
+                starts = hb & (lags[gf] > 0)
+                if bool(starts.any()):
+                    i_s, g_s = i_f[starts], gf[starts]
+                    phase[g_s] = 1
+                    kk[g_s] = 0
+                    x_in[i_s], y_in[i_s] = x_star[g_s], y_star[g_s]
+                    last_x[g_s], last_y[g_s] = x_star[g_s], y_star[g_s]
+                    go_on[i_s] = True
+                    rewind_to = hist[act].clone()
+                    rewind_to[i_s] = ts[starts] - 1
+                phase[gf[~starts]] = 2
+
+        # ---- branch rows: lag kk (0-based) of the residual branch -----------------------
+        ib = (ph == 1).nonzero().squeeze(1)
+        if ib.numel():
+            gb = act[ib]
+            k = kk[gb]
+            x, y, b = maximal_coupling(
+                _rows(p, ib), _rows(q, ib), U["coin"][gb, k], U["overlap"][gb, k],
+                U["branch_x"][gb, k], U["branch_y"][gb, k], tv=tv_all[ib], diff=_rows(diff, ib), low=_rows(low, ib))
+            bx[gb, k], by[gb, k], btv[gb, k] = x, y, b
+            kk[gb] = k + 1
+            done = k + 1 >= lags[gb]
+            absorbed = ~done & torch.isin(x, eos_t) & torch.isin(y, eos_t)
+            if bool(absorbed.any()):  # both sides at EOS: the rest of the branch is known
+                for g, xa, ya in zip(gb[absorbed].tolist(), x[absorbed].tolist(), y[absorbed].tolist()):
+                    k0, end = int(kk[g]), int(lags[g])
+                    bx[g, k0:end], by[g, k0:end] = xa, ya
+                    btv[g, k0:end] = 0.0 if xa == ya else 1.0
+                done = done | absorbed
+            cont = ib[~done]
+            x_in[cont], y_in[cont] = x[~done], y[~done]
+            last_x[gb], last_y[gb] = x, y
+            go_on[cont] = True
+            phase[gb[done]] = 2
+
         if progress is not None:
-            progress.update(1)
-        if not alive.any() or t == T - 1:
+            progress.update(B)
+        if not bool(go_on.any()):
             break
-        token = torch.where(alive, chain[:, t], last.clamp(min=0))
-        last = torch.where(alive, chain[:, t], last)
-        logp, logq = pair.advance(token, token)
-    survival[:, t + 1 :] = 0.0  # the loop only ends early once every chain has stopped
+        if can_drop and not bool(go_on.all()):
+            keep = go_on.nonzero().squeeze(1)
+            pair.keep_rows(keep)
+            act, x_in, y_in = act[keep], x_in[keep], y_in[keep]
+            rewind_to = None if rewind_to is None else rewind_to[keep]
+        if rewind_to is not None:
+            pair.rewind(rewind_to)
+            hist[act] = rewind_to
+        logp, logq = checked(pair.advance, x_in, y_in)
+        hist[act] += 1
 
-    # ---- 3. branch start t* ---------------------------------------------------------
-    S_T = survival[:, -1]
-    t_star = torch.where(tau_naive <= T, tau_naive, torch.zeros_like(tau_naive))
-    draw = (tau_naive > T) & (S_T < 1)
-    if draw.any():
-        S_prev = torch.cat([torch.ones(R, 1, dtype=torch.float64), survival[:, :-1]], dim=1)
-        f_hat = (S_prev - survival).clamp(min=0.0)
-        t_star[draw] = inverse_cdf(f_hat[draw], U["t_star"][draw, 0]) + 1
-    has_branch = t_star > 0
-
-    # ---- 4. residual branch ------------------------------------------------------------
-    records_branch: list[dict[str, list]] = [
-        {"branch_x": [], "branch_y": [], "branch_tv": [], "branch_mismatch": []} for _ in range(R)
-    ]
-    x_star = torch.full((R,), -1, dtype=torch.long)
-    y_star = torch.full((R,), -1, dtype=torch.long)
-    if has_branch.any():
-        idx = (t_star - 1).clamp(min=0)
-        x_star = torch.where(has_branch, res_x.gather(1, idx[:, None]).squeeze(1), x_star)
-        y_star = torch.where(has_branch, res_y.gather(1, idx[:, None]).squeeze(1), y_star)
-        # Rows without a branch ride along on an arbitrary rewind; their output is dropped.
-        pair.rewind(torch.where(has_branch, t_star - 1, torch.zeros_like(t_star)))
-        x_last, y_last = x_star.clamp(min=0), y_star.clamp(min=0)
-        lags = torch.where(has_branch, T - t_star, torch.zeros_like(t_star))
-        if int(lags.max()) > 0:
-            logp, logq = pair.advance(x_last, y_last)
-        for k in range(int(lags.max())):
-            logp, logq = _absorb_eos(logp, x_last, eos), _absorb_eos(logq, y_last, eos)
-            x, y, btv = maximal_coupling(
-                probabilities(logp), probabilities(logq),
-                U["coin"][:, k], U["overlap"][:, k], U["branch_x"][:, k], U["branch_y"][:, k],
-            )
-            for r in (lags > k).nonzero().squeeze(1).tolist():
-                rec = records_branch[r]
-                rec["branch_x"].append(int(x[r]))
-                rec["branch_y"].append(int(y[r]))
-                rec["branch_tv"].append(float(btv[r]))
-                rec["branch_mismatch"].append(int(x[r] != y[r]))
-            if progress is not None:
-                progress.update(1)
-            x_last, y_last = x, y
-            if k + 1 < int(lags.max()):
-                logp, logq = pair.advance(x, y)
-
+    # ---- outputs: one copy to the CPU ------------------------------------------------
+    cpu = {name: a.cpu() for name, a in dict(
+        tv=tv, survival=survival, chain=chain, tau_naive=tau_naive, t_star=t_star, x_star=x_star,
+        y_star=y_star, lags=lags, bx=bx, by=by, btv=btv).items()}
     out = []
-    for r in range(R):
+    for g in range(N):
+        L = int(cpu["lags"][g])
+        has_branch = int(cpu["t_star"][g]) > 0
+        xs, ys = cpu["bx"][g, :L].tolist(), cpu["by"][g, :L].tolist()
         out.append(
             {
-                "replicate": r,
+                "replicate": g % R,
                 "T": T,
-                "chain_token": chain[r].tolist(),
-                "tv": tv[r].tolist(),
-                "survival": survival[r].tolist(),
-                "tau_naive": int(tau_naive[r]) if tau_naive[r] <= T else None,
-                "t_star": int(t_star[r]) if has_branch[r] else None,
-                "x_star": int(x_star[r]) if has_branch[r] else None,
-                "y_star": int(y_star[r]) if has_branch[r] else None,
-                **records_branch[r],
+                "chain_token": cpu["chain"][g].tolist(),
+                "tv": cpu["tv"][g].tolist(),
+                "survival": cpu["survival"][g].tolist(),
+                "tau_naive": int(cpu["tau_naive"][g]) if cpu["tau_naive"][g] <= T else None,
+                "t_star": int(cpu["t_star"][g]) if has_branch else None,
+                "x_star": int(cpu["x_star"][g]) if has_branch else None,
+                "y_star": int(cpu["y_star"][g]) if has_branch else None,
+                "branch_x": xs,
+                "branch_y": ys,
+                "branch_tv": cpu["btv"][g, :L].tolist(),
+                "branch_mismatch": [int(a != b) for a, b in zip(xs, ys)],
             }
         )
     return out
@@ -353,7 +504,8 @@ def run_shard(
     ----------
     config : dict
         Validated workflow config (``seed``, ``models``, ``policies``, ``runs``,
-        ``decoding``, ``replicates``, ``shards``).
+        ``decoding``, ``replicates``, ``shards``, optional ``generation``:
+        ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.runner.run_documents`).
     model_name, policy_name, split : str
         Keys of ``config['models']`` and ``config['policies']``; ``"exploratory"`` or
         ``"confirmatory"``.
@@ -375,6 +527,12 @@ def run_shard(
         The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
         The file also records the settings it was made with and the library versions
         (:func:`kvdiverge.provenance.shard_metadata`, parquet key-value metadata).
+
+    Raises
+    ------
+    kvdiverge.kernels.NonFiniteLogitsError
+        When the model returns NaN/±inf logits; nothing is written, so a rerun after the
+        fix regenerates the shard.
     """
     from kvdiverge.io import write_parquet_atomic
     from kvdiverge.provenance import shard_metadata, shard_settings
@@ -393,6 +551,7 @@ def run_shard(
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     documents = [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)]
+    gen = config.get("generation") or {}
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:
         recs = run_documents(
@@ -400,6 +559,8 @@ def run_shard(
             temperature=float(config["decoding"]["temperature"]),
             top_p=float(config["decoding"].get("top_p", 1.0)),
             seed=int(config["seed"]), model_name=model_name, progress=bar,
+            batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
+            memory_budget_gb=gen.get("memory_budget_gb"),
         )
     meta = {"model": model_name, "policy": policy_name, "split": split}
     records = [{**meta, **rec} for rec in recs]

@@ -1,0 +1,127 @@
+"""How many documents share one batched forward: the memory planner (issue 10 §1).
+
+The engine decodes ``B`` documents x ``R`` replicates as the rows of one forward per
+side per step (:func:`kvdiverge.runner.run_documents`). Its memory grows with the KV
+cache of those rows:
+
+    kv_bytes_per_token = layers x kv_heads x head_dim x 2 (keys and values) x dtype_bytes
+    bytes_per_document = R x 2 sides x (prompt_len + T) x kv_bytes_per_token
+                       + R x 2 sides x vocab x LOGIT_BYTES_PER_ENTRY
+    B = floor(memory_budget / bytes_per_document), clipped to [1, documents]
+
+``prompt_len`` is the longest prompt of the shard (every row is padded to the longest
+of its batch). The second term is the per-row working memory of the decoding transform
+and the coupling math (float64 log-probabilities, probabilities and cumulative sums over
+the vocabulary). Model weights and the prefill's activations (one document at a time,
+so independent of ``B``) are not in the budget: the budget is what is left for the
+batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["LOGIT_BYTES_PER_ENTRY", "kv_bytes_per_token", "default_memory_budget", "plan_batch"]
+
+#: Bytes per (row, vocabulary entry) of the logits and coupling temporaries: raw logits
+#: (4) plus about six float64 (B, V) tensors alive at once (48).
+LOGIT_BYTES_PER_ENTRY = 52
+
+
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in one row: layers x kv heads x head dim x 2 x dtype size.
+
+    Parameters
+    ----------
+    model_config : transformers.PretrainedConfig
+        Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
+        ``num_attention_heads``) and ``head_dim`` (default ``hidden_size //
+        num_attention_heads``).
+    dtype : torch.dtype
+        Dtype of the cache (the model's).
+
+    Returns
+    -------
+    int
+        Bytes per token per row.
+
+    Raises
+    ------
+    ValueError
+        If the config lacks ``num_hidden_layers`` or the attention sizes.
+    """
+    try:
+        layers = int(model_config.num_hidden_layers)
+        heads = int(model_config.num_attention_heads)
+        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
+    except AttributeError as err:
+        raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
+    return layers * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
+
+
+def default_memory_budget(device: torch.device | str) -> int:
+    """Bytes for the batch when the config gives no ``generation.memory_budget_gb``.
+
+    On CUDA, 80% of the device's free memory now (after the model is loaded); elsewhere
+    4 GiB, a share a laptop can spare.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * free)
+    return 4 * 2**30
+
+
+def plan_batch(
+    *,
+    kv_bytes_per_token: int,
+    prompt_len: int,
+    T: int,
+    replicates: int,
+    vocab_size: int,
+    memory_budget_bytes: int,
+    documents: int,
+    override: int | None = None,
+) -> int:
+    """Documents per batched forward ``B`` (module docstring for the formula).
+
+    Parameters
+    ----------
+    kv_bytes_per_token : int
+        From :func:`kv_bytes_per_token`.
+    prompt_len : int
+        Longest prompt of the documents to batch (tokens).
+    T : int
+        Horizon (tokens).
+    replicates : int
+        ``R``.
+    vocab_size : int
+        Vocabulary size ``V``.
+    memory_budget_bytes : int
+        Bytes the batch may take.
+    documents : int
+        Documents to run (``B`` never exceeds it).
+    override : int, optional
+        ``B`` from the config (``generation.batch_documents``); clipped to ``documents``.
+
+    Returns
+    -------
+    int
+        ``B >= 1`` (1 also when even one document exceeds the budget).
+
+    Raises
+    ------
+    ValueError
+        If ``override`` is below 1.
+    """
+    if override is not None:
+        if int(override) < 1:
+            raise ValueError(f"generation.batch_documents must be >= 1 or 'auto', got {override}")
+        return max(1, min(int(override), int(documents)))
+    rows = int(replicates) * 2
+    per_doc = rows * ((int(prompt_len) + int(T)) * int(kv_bytes_per_token) + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
+    return max(1, min(int(documents), math.floor(memory_budget_bytes / per_doc)))

