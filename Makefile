@@ -31,4 +31,4 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 clean-results:
-	rm -rf results logs
+	rm -rf results results-* logs

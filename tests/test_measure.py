@@ -396,7 +396,8 @@ def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
         temperature=config["decoding"]["temperature"], top_p=config["decoding"]["top_p"], seed=config["seed"],
         window=config["window"], windows={k: config["confirmatory"][k] for k in ("early", "late")},
         bootstrap=config["analysis"]["bootstrap"], confidence=config["analysis"]["confidence"],
-        model_name=name, split="exploratory", progress=False)
+        model_name=name, split="exploratory", progress=False,
+        batch_documents=1)  # as the smoke run's shards, which hold one document each
     run = ["model", "policy", "split", "doc_id"]
     shards = pl.concat([pl.read_parquet(f) for p in policies
                         for f in glob.glob(str(smoke_run / "trajectories" / name / p / "exploratory" / "*.parquet"))])

@@ -286,6 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)")
+    p.add_argument("--batch-documents", type=int, metavar="B",
+                   help="documents per forward (default: the memory planner's choice)")
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return root
@@ -301,7 +303,8 @@ def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.models import load_model, load_tokenizer
 
     for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
-                             ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1)):
+                             ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
+                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if len(set(args.press)) != len(args.press):
@@ -331,7 +334,8 @@ def _measure(args: argparse.Namespace) -> int:
         m = measure(model, tokenizer, prompts, sources, max_new_tokens=args.max_new_tokens,
                     replicates=args.replicates, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     window=args.window, instruction=instruction, system=args.system, bootstrap=args.bootstrap,
-                    confidence=args.confidence, model_name=name, progress=not args.quiet)
+                    confidence=args.confidence, model_name=name, progress=not args.quiet,
+                    batch_documents=args.batch_documents)
     print(m.format_summary(), flush=True)
     if args.out:
         out = Path(args.out)

@@ -477,7 +477,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
             instruction: str | None = None, system: str | None = None,
             windows: Mapping[str, Sequence[int]] | None = None, bootstrap: int = 2000,
             confidence: float = 0.95, model_name: str | None = None, split: str = "measure",
-            eos_ids: Sequence[int] | None = None, progress: bool = True) -> Measurement:
+            eos_ids: Sequence[int] | None = None, progress: bool = True,
+            batch_documents: int | None = None, memory_budget_gb: float | None = None) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
@@ -525,6 +526,13 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         End-of-sequence ids; default from ``model.generation_config``.
     progress : bool
         A tqdm bar per press on stderr.
+    batch_documents : int or None
+        Documents decoded together per forward (rows = documents x ``replicates``);
+        None lets the memory planner choose (:func:`kvdiverge.planner.plan_batch`).
+        Grouping changes results only by rounding; 1 reproduces a workflow shard that
+        holds one document exactly.
+    memory_budget_gb : float or None
+        Memory budget of the planner (GiB); None: 80% of free CUDA memory, 4 GiB on CPU.
 
     Returns
     -------
@@ -570,7 +578,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                   mininterval=1.0) as bar:
             recs = run_documents(model, documents, source, T=T, replicates=R, temperature=float(temperature),
                                  top_p=float(top_p), seed=int(seed), model_name=model_name, eos_ids=eos_ids,
-                                 progress=bar)
+                                 progress=bar, batch_documents=batch_documents,
+                                 memory_budget_gb=memory_budget_gb)
         records += [{"model": model_name, "policy": name, "split": split, **r} for r in recs]
     trajectories = to_frame(records)
     reps, docs = tables.estimate(trajectories, int(window), windows)
