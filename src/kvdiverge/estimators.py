@@ -677,14 +677,7 @@ def read_shards(paths: Iterable[str]) -> pl.DataFrame:
     """
     from kvdiverge.finite import check_shard
 
-    paths = list(paths)
-    if not paths:
-        raise ValueError("no trajectory shards given")
-    frames = []
-    for p in paths:
-        frame = pl.read_parquet(p)
-        check_shard(frame, p)
-        frames.append(frame)
+    frames = _read_checked(paths, check_shard, "trajectory shards")
     frames = [f for f in frames if f.height > 0] or frames[:1]
     return pl.concat(frames, how="diagonal_relaxed")
 
@@ -706,12 +699,17 @@ def read_estimates(paths: Iterable[str]) -> pl.DataFrame:
     """
     from kvdiverge.finite import check_document_estimates
 
+    return pl.concat(_read_checked(paths, check_document_estimates, "estimate tables"), how="diagonal_relaxed")
+
+
+def _read_checked(paths: Iterable[str], check, what: str) -> list[pl.DataFrame]:
+    """Read parquet files, each passed to ``check(frame, path)``; ``ValueError`` when none."""
     paths = list(paths)
     if not paths:
-        raise ValueError("no estimate tables given")
+        raise ValueError(f"no {what} given")
     frames = []
     for p in paths:
         frame = pl.read_parquet(p)
-        check_document_estimates(frame, p)
+        check(frame, p)
         frames.append(frame)
-    return pl.concat(frames, how="diagonal_relaxed")
+    return frames
