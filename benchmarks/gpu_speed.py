@@ -1,19 +1,19 @@
 """GPU benchmark: one paper-sized shard on the exact paper architectures, random weights.
 
 Builds Llama-3.1-8B and Qwen2.5-7B (architectures written out in
-:mod:`kvdiverge.architectures`, no download) with random weights in the config's dtype
+:mod:`kvdiverge.reference.miniatures`, no download) with random weights in the config's dtype
 (paper.yaml: float32) on the GPU,
 runs one shard of ``config/paper.yaml`` size through the engine
-(:func:`kvdiverge.runner.run_documents`: 12 documents of about 1200 random tokens,
+(:func:`kvdiverge.engine.runner.run_documents`: 12 documents of about 1200 random tokens,
 ``R = 8``, ``T = 256``, the ``snapkv-50`` policy) and prints, per model:
 
 - token-steps/s (one token-step = one next-token distribution of one row on one side;
   counted from what the engine did: chain steps + branch steps, both sides);
 - peak GPU memory;
-- the documents per forward ``B`` (``kvdiverge.planner.plan_batch`` where the engine
+- the documents per forward ``B`` (``kvdiverge.engine.planner.plan_batch`` where the engine
   batches documents, with the arguments the runner gives it; else 1);
 - the projected hours of the whole ``config/paper.yaml`` generation stage on one GPU:
-  the config's token-steps (:mod:`kvdiverge.cost`, upper bound ``2T - 1`` steps per side)
+  the config's token-steps (:mod:`kvdiverge.study.cost`, upper bound ``2T - 1`` steps per side)
   divided by the measured rate of each model.
 
 Random weights give near-uniform next-token distributions, so chains rarely stop early and
@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from kvdiverge.architectures import MINIATURE, PAPER, random_model
-from kvdiverge.config import load_config
-from kvdiverge.cost import study_cost
-from kvdiverge.policies import Policy
-from kvdiverge.runner import Document, run_documents
+from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
+from kvdiverge.study.config import load_config
+from kvdiverge.study.cost import study_cost
+from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.runner import Document, run_documents
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,15 +68,15 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
     """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
     1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
-    ``kvdiverge.planner.plan_batch`` with the arguments the runner gives it (matched by
+    ``kvdiverge.engine.planner.plan_batch`` with the arguments the runner gives it (matched by
     name; a planner this script cannot call falls back to ``override`` or 1).
     """
     if "batch_documents" not in inspect.signature(run_documents).parameters:
         return 1, "engine without batch_documents: one document per forward"
     try:
-        from kvdiverge import planner
+        from kvdiverge.engine import planner
     except ImportError:
-        return override or 1, "no kvdiverge.planner"
+        return override or 1, "no kvdiverge.engine.planner"
     param = next(model.parameters())
     lens = [d.prompt_len for d in docs]
     known: dict[str, Any] = {
@@ -97,7 +97,7 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if missing:
         return override or 1, f"plan_batch needs {missing}"
-    return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.planner.plan_batch"
+    return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.engine.planner.plan_batch"
 
 
 def engine_steps(records: list[dict[str, Any]]) -> int:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default: the config's model dtype on cuda, float32 on cpu")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
     ap.add_argument("--tiny", action="store_true",
-                    help="miniature architectures (kvdiverge.architectures.MINIATURE), small defaults")
+                    help="miniature architectures (kvdiverge.reference.miniatures.MINIATURE), small defaults")
     ap.add_argument("--docs", type=int, default=None, help="documents in the shard (default 12; tiny 2)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="mean prompt length (default 1200; tiny 150)")
     ap.add_argument("--R", type=int, default=None, help="replicates (default 8; tiny 2)")

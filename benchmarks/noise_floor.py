@@ -3,10 +3,10 @@
 Runs the noise-floor control (``PermutationPress``: every prompt position kept, only
 their order changed) and, optionally, the config's policies, on the config's documents
 (both splits, every usable document) through the same runner as the workflow
-(:func:`kvdiverge.runner.run_documents`), then prints per dtype, policy and split the
+(:func:`kvdiverge.engine.runner.run_documents`), then prints per dtype, policy and split the
 mean TV per chain step, the largest TV, ``p_div`` within T tokens and ``E[N]`` with
 95% document-bootstrap intervals, and for each policy whether it lies above the floor
-(:func:`kvdiverge.analysis.floor_comparison`). This is how the README's "Numerical
+(:func:`kvdiverge.estimation.analysis.floor_comparison`). This is how the README's "Numerical
 noise floor" table was made::
 
     .venv/bin/python benchmarks/noise_floor.py --config config/config.yaml \\
@@ -28,16 +28,16 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from kvdiverge.analysis import floor_comparison
-from kvdiverge.config import SPLITS, floor_policy, load_config
-from kvdiverge.corpus import build_corpus
-from kvdiverge.estimators import document_estimates, pooled_estimates, replicate_estimates
-from kvdiverge.io import write_parquet_atomic
-from kvdiverge.models import context_length, load_model, load_model_config, load_tokenizer
-from kvdiverge.policies import Policy
-from kvdiverge.prompts import build_prompts, prompt_settings
-from kvdiverge.runner import Document, run_documents
-from kvdiverge.trajectories import to_frame
+from kvdiverge.estimation.analysis import floor_comparison
+from kvdiverge.study.config import SPLITS, floor_policy, load_config
+from kvdiverge.study.corpus import build_corpus
+from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.models import context_length, load_model, load_model_config, load_tokenizer
+from kvdiverge.engine.policies import Policy
+from kvdiverge.study.prompts import build_prompts, prompt_settings
+from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.coupled import to_frame
 
 log = logging.getLogger("noise_floor")
 

@@ -1,6 +1,6 @@
 """The trajectory engine as it was at commit cab2143 (one document per pair, coupling on the CPU).
 
-Kept only so that tests can check that the batched engine (:func:`kvdiverge.trajectories.run_batch`)
+Kept only so that tests can check that the batched engine (:func:`kvdiverge.engine.coupled.run_batch`)
 gives the same shards: verbatim copies of that commit's ``decode_log_probs``, ``nucleus``,
 ``_CacheSide``, ``LLMKernelPair``, ``_absorb_eos`` and ``run_document``. Do not edit.
 """
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdiverge.coupling import inverse_cdf, maximal_coupling, overlap_draw, probabilities, residual_draws, total_variation
-from kvdiverge.kernels import CompressionError
-from kvdiverge.trajectories import PURPOSES, uniform_streams
+from kvdiverge.engine.coupling import inverse_cdf, maximal_coupling, overlap_draw, probabilities, residual_draws, total_variation
+from kvdiverge.engine.errors import CompressionError
+from kvdiverge.engine.streams import PURPOSES, uniform_streams
 
 
 def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -153,7 +153,7 @@ class LLMKernelPair:
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
     expected_kept : int or None
         Prompt positions every layer must keep after compression (tokens). Checked
         after prefill; ``None`` only checks that a compressing press shortened the cache.
@@ -187,7 +187,7 @@ class LLMKernelPair:
         self.top_p = float(top_p)
         self.expected_kept = expected_kept
         if eos_ids is None:
-            from kvdiverge.models import eos_ids as model_eos_ids
+            from kvdiverge.study.models import eos_ids as model_eos_ids
 
             eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)

@@ -5,7 +5,7 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from kvdiverge.analysis import (
+from kvdiverge.estimation.analysis import (
     PLAN_FIELDS,
     PlanError,
     confirmatory_analysis,
@@ -18,8 +18,8 @@ from kvdiverge.analysis import (
     timing_table,
     validate_plan,
 )
-from kvdiverge.pages import confirmatory_html, summary_html
-from kvdiverge.estimators import pooled_estimates, survival_curve
+from kvdiverge.report.pages import confirmatory_html, summary_html
+from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
 
 PLAN = {"policy": "snapkv-90", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
         "alternative": "greater", "correction": "holm", "alpha": 0.05}
@@ -200,9 +200,9 @@ def test_confirmatory_with_no_document_reaching_a_window():
 
 
 def test_timing_summary_and_tables(tmp_path, kernel):
-    from kvdiverge.estimators import document_estimates, replicate_estimates
-    from kvdiverge.kernels import TableKernelPair
-    from kvdiverge.trajectories import simulate
+    from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
+    from kvdiverge.engine.pairs import TableKernelPair
+    from kvdiverge.engine.coupled import simulate
 
     frames = [simulate(TableKernelPair(kernel, 3), 5, 3, seed=4, doc_id=f"doc{i}") for i in range(4)]
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
@@ -282,7 +282,7 @@ def test_confirmatory_reports_the_floor_outside_the_family():
 
 
 def test_summary_page_says_which_policies_lie_above_the_floor():
-    from kvdiverge.pages import floor_html
+    from kvdiverge.report.pages import floor_html
 
     n = 6
     fp = np.linspace(0.0, 0.1, n)

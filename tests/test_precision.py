@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import REPO, _copy_tree, results_dir
-from kvdiverge.finite import check_finite, document_undefined
+from kvdiverge.estimation.finite import check_finite, document_undefined
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llm]
 
@@ -98,11 +98,11 @@ def test_float16_runs_on_cpu(bf16_run):
     """float16 on CPU: one short document, T = 4, through the engine; the records are finite."""
     import torch
 
-    from kvdiverge.finite import check_shard
-    from kvdiverge.models import load_model, local_entry
-    from kvdiverge.policies import Policy
-    from kvdiverge.runner import Document, run_documents
-    from kvdiverge.trajectories import to_frame
+    from kvdiverge.estimation.finite import check_shard
+    from kvdiverge.study.models import load_model, local_entry
+    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.engine.coupled import to_frame
 
     config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec = local_entry({**config["models"]["smollm2-135m"], "dtype": "float16"},

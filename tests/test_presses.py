@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvdiverge.kernels import LLMKernelPair
-from kvdiverge.policies import Policy
-from kvdiverge.presses import PermutationPress
-from kvdiverge.trajectories import run_document
+from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.presses import PermutationPress
+from kvdiverge.engine.coupled import run_document
 
 T = 6
 

@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 import yaml
 
-from kvdiverge.config import load_config, validate
-from kvdiverge.prompts import (
+from kvdiverge.study.config import load_config, validate
+from kvdiverge.study.prompts import (
     SCHEMA,
     build_prompts,
     exclusion_reason,
@@ -141,7 +141,7 @@ def clock(monkeypatch):
 def test_a_template_reading_the_clock_renders_the_same_ids_every_day(byte_tokenizer, clock):
     import datetime as dt
 
-    from kvdiverge.prompts import render_ids, render_text
+    from kvdiverge.study.prompts import render_ids, render_text
 
     msgs = messages("Doc.", "Summarize.")
     days = (dt.datetime(2025, 3, 14, 9, 30), dt.datetime(2031, 12, 2, 23, 59))
@@ -161,7 +161,7 @@ def test_a_template_reading_the_clock_renders_the_same_ids_every_day(byte_tokeni
 
 
 def test_prompt_date_is_a_prompt_setting(config):
-    from kvdiverge.prompts import DEFAULT_DATE
+    from kvdiverge.study.prompts import DEFAULT_DATE
 
     assert config["prompt"]["date"] == DEFAULT_DATE == "2026-01-01"  # schema default
     assert prompt_settings(config)["date"] == "2026-01-01"
@@ -184,7 +184,7 @@ def test_build_prompts_uses_the_configured_date(byte_tokenizer, config, clock):
     ("1 Jan 2026", "prompt.date: '1 Jan 2026' does not match the pattern"),
 ])
 def test_bad_prompt_date_is_named(date, expect):
-    from kvdiverge.config import ConfigError
+    from kvdiverge.study.config import ConfigError
 
     config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
     config["prompt"]["date"] = date
@@ -193,7 +193,7 @@ def test_bad_prompt_date_is_named(date, expect):
 
 
 def test_unquoted_yaml_date_is_explained():
-    from kvdiverge.config import ConfigError
+    from kvdiverge.study.config import ConfigError
 
     config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
     config["prompt"].update(yaml.safe_load("date: 2026-01-01"))  # YAML reads a date object
@@ -248,7 +248,7 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
 
 
 def test_a_split_left_without_usable_documents_stops_with_the_reason():
-    from kvdiverge.prompts import NoUsableDocumentsError, check_usable
+    from kvdiverge.study.prompts import NoUsableDocumentsError, check_usable
 
     settings = {"minimums": {"exploratory": {"snapkv-b512": 577}, "confirmatory": {}}}
     prompts = pl.DataFrame({

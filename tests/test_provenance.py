@@ -1,4 +1,4 @@
-"""kvdiverge.provenance: shard settings, their hash, the metadata a shard records, the stale-shard check."""
+"""kvdiverge.study.provenance: shard settings, their hash, the metadata a shard records, the stale-shard check."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.config import load_config
-from kvdiverge.io import write_parquet_atomic
-from kvdiverge.provenance import (KEY_HASH, KEY_SETTINGS, KEY_SHARD, KEY_VERSIONS, StaleShardError, canonical,
+from kvdiverge.study.config import load_config
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.provenance import (KEY_HASH, KEY_SETTINGS, KEY_SHARD, KEY_VERSIONS, StaleShardError, canonical,
                                   check_shards, differences, library_versions, provenance_html, provenance_table,
                                   read_provenance, regenerate_command, settings_hash, shard_metadata,
                                   shard_settings, study_hash)

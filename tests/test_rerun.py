@@ -174,9 +174,9 @@ def test_a_changed_setting_reruns_exactly_the_jobs_it_affects(finished, key, val
 def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     import torch
 
-    from kvdiverge.config import load_config
-    from kvdiverge.models import load_model, local_entry
-    from kvdiverge.trajectories import run_shard
+    from kvdiverge.study.config import load_config
+    from kvdiverge.study.models import load_model, local_entry
+    from kvdiverge.study.shard import run_shard
 
     work = copy_run(Path(smoke_run).parent, tmp_path / "work")
     shard = f"{RES}/trajectories/{MODEL}/snapkv-50/exploratory/shard-0.parquet"

@@ -4,9 +4,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.exact import enumerate_coupled
-from kvdiverge.kernels import TableKernelPair
-from kvdiverge.trajectories import TRAJECTORY_SCHEMA, simulate, uniform_streams
+from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+from kvdiverge.engine.coupled import simulate
+from kvdiverge.engine.streams import uniform_streams
 
 V = 3
 
@@ -130,7 +132,7 @@ def test_runs_are_reproducible_and_streams_do_not_depend_on_policy():
 
 
 def test_the_floor_runs_on_all_documents_of_a_split_or_its_first_n():
-    from kvdiverge.trajectories import shard_documents
+    from kvdiverge.study.shard import shard_documents
 
     prompts = pl.DataFrame({"doc_id": [f"d{i}" for i in range(6)],
                             "split": ["exploratory"] * 5 + ["confirmatory"],

@@ -93,7 +93,7 @@ def build_press(spec: str):
         Unknown press (the message lists kvpress's presses), unknown parameter (the
         message lists the accepted ones), or a value the press rejects.
     """
-    from kvdiverge.policies import import_press, press_parameters
+    from kvdiverge.engine.policies import import_press, press_parameters
 
     ref, params = parse_press(spec)
     try:
@@ -183,14 +183,14 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
     """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
 
     The same excerpts as the workflow's exploratory split of a config with this word range
-    (:func:`kvdiverge.corpus.build_corpus`).
+    (:func:`kvdiverge.study.corpus.build_corpus`).
 
     Raises
     ------
     UsageError
         If ``n < 1`` or the corpus has too few excerpts in the word range.
     """
-    from kvdiverge.corpus import CorpusError, build_corpus
+    from kvdiverge.study.corpus import CorpusError, build_corpus
 
     if n < 1:
         raise UsageError(f"--sotu needs at least 1 excerpt, got {n}")
@@ -208,7 +208,7 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
 def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
     """``(name, config entry)`` of the model argument.
 
-    ``embedded`` is the default model (:data:`kvdiverge.models.EMBEDDED_MODEL`); an existing
+    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
     directory or ``.gguf`` file loads locally; anything else that does not look like a path
     is a hub id (read from the local Hugging Face cache when present).
 
@@ -217,7 +217,7 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
     UsageError
         A path that does not exist, or a file that is not GGUF.
     """
-    from kvdiverge.models import EMBEDDED_MODEL, EMBEDDED_NAME
+    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
 
     extra = {"dtype": dtype, "device": device}
     if model == "embedded":
@@ -300,7 +300,7 @@ def _say(quiet: bool, message: str) -> None:
 
 def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.measurement import check_lengths, measure, prepare_documents, prepare_presses
-    from kvdiverge.models import load_model, load_tokenizer
+    from kvdiverge.study.models import load_model, load_tokenizer
 
     for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
                              ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
@@ -348,8 +348,8 @@ def _measure(args: argparse.Namespace) -> int:
 
 def _bad_input(exc: BaseException) -> bool:
     """True for errors that report bad input (one line, exit code 2) rather than a bug."""
-    from kvdiverge.kernels import CompressionError
-    from kvdiverge.models import ModelNotFoundError
+    from kvdiverge.engine.errors import CompressionError
+    from kvdiverge.study.models import ModelNotFoundError
 
     # ValueError covers UsageError, CorpusError, policy and prompt-length errors
     return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))

@@ -1,7 +1,7 @@
 """Measure presses in one call: the Python front door, ``kvdiverge.measure``.
 
-:func:`measure` runs prompts through the same engine (:func:`kvdiverge.runner.run_documents`),
-estimators and analyses (:mod:`kvdiverge.tables`) as the workflow, for one model and any
+:func:`measure` runs prompts through the same engine (:func:`kvdiverge.engine.runner.run_documents`),
+estimators and analyses (:mod:`kvdiverge.estimation.tables`) as the workflow, for one model and any
 number of presses on the same prompts, with common random numbers (the seeds derive from
 (seed, model name, prompt id, replicate), never from the press). It returns a
 :class:`Measurement` holding the same tables as ``results/trajectories``,
@@ -10,7 +10,7 @@ number of presses on the same prompts, with common random numbers (the seeds der
 Example (a notebook)::
 
     import kvdiverge, kvpress
-    from kvdiverge.models import EMBEDDED_MODEL, load_model
+    from kvdiverge.study.models import EMBEDDED_MODEL, load_model
     model, tokenizer = load_model(EMBEDDED_MODEL)
     m = kvdiverge.measure(model, tokenizer, ["Explain KV caches to a child."] * 2,
                           {"snapkv": kvpress.SnapKVPress(compression_ratio=0.5, window_size=8)},
@@ -34,8 +34,8 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.policies import Policy, PressPolicy
-from kvdiverge.runner import Document, PressSource
+from kvdiverge.engine.policies import Policy, PressPolicy
+from kvdiverge.engine.runner import Document, PressSource
 
 __all__ = ["Measurement", "NOISE_FLOOR_PRESS", "measure", "prepare_documents", "prepare_presses"]
 
@@ -73,13 +73,13 @@ def prepare_documents(prompts: Sequence[Any] | Mapping[str, Any], tokenizer=None
     tokenizer : transformers tokenizer, optional
         Needed for text prompts: rendered as one user message (the text, then a blank line
         and ``instruction`` if given) with ``add_generation_prompt=True``, exactly as the
-        workflow's prompts stage (:func:`kvdiverge.prompts.render_ids`).
+        workflow's prompts stage (:func:`kvdiverge.study.prompts.render_ids`).
     instruction, system : str, optional
         Appended instruction and system message of text prompts.
 
     Returns
     -------
-    list of kvdiverge.runner.Document
+    list of kvdiverge.engine.runner.Document
 
     Raises
     ------
@@ -88,7 +88,7 @@ def prepare_documents(prompts: Sequence[Any] | Mapping[str, Any], tokenizer=None
     TypeError
         A prompt that is neither text nor token ids.
     """
-    from kvdiverge.prompts import render_ids
+    from kvdiverge.study.prompts import render_ids
 
     items = list(prompts.items()) if isinstance(prompts, Mapping) else [
         (f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
@@ -118,15 +118,15 @@ def _is_source(obj: Any) -> bool:
 
 
 def prepare_presses(presses: Any) -> dict[str, PressSource]:
-    """Presses as policies (:class:`kvdiverge.runner.PressSource`), by name.
+    """Presses as policies (:class:`kvdiverge.engine.runner.PressSource`), by name.
 
     Parameters
     ----------
     presses : mapping, sequence or press
         A mapping of name to a kvpress press object (any ``kvpress.BasePress``, the
-        user's own classes included; wrapped in :class:`kvdiverge.policies.PressPolicy`),
+        user's own classes included; wrapped in :class:`kvdiverge.engine.policies.PressPolicy`),
         a policy entry as in the config (``{"press": "SnapKVPress", "compression_ratio":
-        0.5, ...}`` or ``budget``; :class:`kvdiverge.policies.Policy`), or any
+        0.5, ...}`` or ``budget``; :class:`kvdiverge.engine.policies.Policy`), or any
         ``PressSource``. A sequence or a single press is named by class name
         (``SnapKVPress``, ``SnapKVPress-2`` for a second one).
 
@@ -183,7 +183,7 @@ def _renamed(source: Any, name: str) -> Any:
 
 def min_prompt_tokens(source: PressSource) -> int:
     """Shortest prompt (tokens) a policy or press policy needs."""
-    from kvdiverge.policies import min_prompt_tokens as policy_minimum
+    from kvdiverge.engine.policies import min_prompt_tokens as policy_minimum
 
     if isinstance(source, PressPolicy):
         return source.min_prompt_tokens
@@ -234,13 +234,13 @@ class Measurement:
     ----------
     trajectories : polars.DataFrame
         One row per (press, prompt, replicate), shard schema
-        (:data:`kvdiverge.trajectories.TRAJECTORY_SCHEMA`); ``policy`` is the press name.
+        (:data:`kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`); ``policy`` is the press name.
     replicates, documents : polars.DataFrame
         Per-replicate and per-prompt estimates (``results/estimates``;
-        :func:`kvdiverge.tables.estimate`).
+        :func:`kvdiverge.estimation.tables.estimate`).
     pooled, timing, survival, branch_tv, variance : polars.DataFrame
         Pooled over prompts with document-bootstrap intervals (``results/analysis``;
-        :func:`kvdiverge.tables.pool`).
+        :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
         model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence,
         presses (name -> description).
@@ -278,14 +278,14 @@ class Measurement:
         polars.DataFrame
             Four rows (``term``: ``delta``, ``first_mismatch``, ``exposure``, ``rate``):
             ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap,
-            ``value_M = value / T`` (:func:`kvdiverge.analysis.gap_decomposition`).
+            ``value_M = value / T`` (:func:`kvdiverge.estimation.analysis.gap_decomposition`).
 
         Raises
         ------
         ValueError
             If ``a`` or ``b`` is not a measured press, or ``a == b``.
         """
-        from kvdiverge.tables import gaps
+        from kvdiverge.estimation.tables import gaps
 
         for p in (a, b):
             if p not in self.presses:
@@ -303,7 +303,7 @@ class Measurement:
         """Gap decompositions of every pair ``(A, B)`` of presses, A before B in the given order."""
         frames = [self.gap(a, b) for a, b in itertools.combinations(self.presses, 2)]
         if not frames:
-            from kvdiverge.analysis import GAP_SCHEMA
+            from kvdiverge.estimation.analysis import GAP_SCHEMA
 
             return pl.DataFrame(schema=GAP_SCHEMA)
         return pl.concat(frames)
@@ -381,8 +381,8 @@ class Measurement:
         list of pathlib.Path
             The files written.
         """
-        from kvdiverge.analysis import save_table
-        from kvdiverge.io import write_text_atomic
+        from kvdiverge.estimation.analysis import save_table
+        from kvdiverge.estimation.io import write_text_atomic
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -400,7 +400,7 @@ class Measurement:
         return written
 
     def plot_survival(self, target=None):
-        """Draw the survival figure ``S_t`` per press (:func:`kvdiverge.plots.survival_figure`).
+        """Draw the survival figure ``S_t`` per press (:func:`kvdiverge.report.figures.survival_figure`).
 
         Parameters
         ----------
@@ -408,7 +408,7 @@ class Measurement:
             Axes: draw into it and return it. Path: write the figure (format from the
             suffix: ``.png``, ``.pdf``, ``.svg``), return the path. None: return a new figure.
         """
-        from kvdiverge import plots
+        from kvdiverge.report import figures as plots
 
         if hasattr(target, "plot") and hasattr(target, "figure"):
             plots.draw_survival(target, self.survival, title=self.settings["model"])
@@ -482,8 +482,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
-    workflow's engine (:func:`kvdiverge.runner.run_documents`) and table functions
-    (:mod:`kvdiverge.tables`): per prompt and replicate, an agreement chain of the
+    workflow's engine (:func:`kvdiverge.engine.runner.run_documents`) and table functions
+    (:mod:`kvdiverge.estimation.tables`): per prompt and replicate, an agreement chain of the
     full-cache and the compressed-cache generation under a stepwise maximal coupling,
     and one residual branch after their first divergence (``docs/estimators.md``).
 
@@ -528,7 +528,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         A tqdm bar per press on stderr.
     batch_documents : int or None
         Documents decoded together per forward (rows = documents x ``replicates``);
-        None lets the memory planner choose (:func:`kvdiverge.planner.plan_batch`).
+        None lets the memory planner choose (:func:`kvdiverge.engine.planner.plan_batch`).
         Grouping changes results only by rounding; 1 reproduces a workflow shard that
         holds one document exactly.
     memory_budget_gb : float or None
@@ -544,16 +544,16 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         Bad prompts or presses (see :func:`prepare_documents`, :func:`prepare_presses`),
         a prompt shorter than a press needs or too long for the model context, ``T < 1``,
         ``replicates < 1``.
-    kvdiverge.kernels.CompressionError
+    kvdiverge.engine.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
         the promised number of positions. A press that promises nothing and leaves the
         cache whole runs and is reported (``summary['untouched']``, and a warning).
     """
     from tqdm.auto import tqdm
 
-    from kvdiverge import tables
-    from kvdiverge.runner import run_documents
-    from kvdiverge.trajectories import to_frame
+    from kvdiverge.estimation import tables
+    from kvdiverge.engine.runner import run_documents
+    from kvdiverge.engine.coupled import to_frame
 
     T, R = int(max_new_tokens), int(replicates)
     if T < 1 or R < 1:
@@ -561,7 +561,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
     sources = prepare_presses(presses)
     try:
-        from kvdiverge.models import context_length
+        from kvdiverge.study.models import context_length
 
         context = context_length(model)
     except (ValueError, AttributeError):

@@ -1,4 +1,4 @@
-# Stage 5: exploratory and confirmatory analyses — kvdiverge.analysis (estimators.md §7-§8).
+# Stage 5: exploratory and confirmatory analyses — kvdiverge.estimation.analysis (estimators.md §7-§8).
 # Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns). The
 # noise floor (config runs.floor) is compared with every policy of its splits
 # (floor.parquet) and reported beside the confirmatory test.
@@ -15,7 +15,7 @@ GAP_ESTIMATES = sorted(
         if (m, p, "exploratory") in RUNS
     }
 )
-FLOOR = kvdiverge.config.floor_policy(config)  # the noise-floor control, or None
+FLOOR = kvdiverge.study.config.floor_policy(config)  # the noise-floor control, or None
 CONFIRMATORY_ESTIMATES = [
     ESTIMATES.format(model=m, policy=p, split="confirmatory")
     for m in MODELS

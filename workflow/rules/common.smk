@@ -14,23 +14,23 @@
 import os
 import sys
 
-import kvdiverge.config
-import kvdiverge.devices
-import kvdiverge.prompts
-import kvdiverge.provenance
+import kvdiverge.study.config
+import kvdiverge.study.devices
+import kvdiverge.study.prompts
+import kvdiverge.study.provenance
 from snakemake.utils import validate
 
 # Clear messages (key path, allowed values, cross-references) first; then Snakemake's
 # own validation against the same schema, which also fills in the defaults.
 try:
-    kvdiverge.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
-except kvdiverge.config.ConfigError as exc:
+    kvdiverge.study.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
+except kvdiverge.study.config.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 validate(config, "../schemas/config.schema.yaml")
 
 SPLITS = ("exploratory", "confirmatory")
 MODELS = list(config["models"])
-RUNS = kvdiverge.config.runs(config)  # [(model, policy, split), ...], control included
+RUNS = kvdiverge.study.config.runs(config)  # [(model, policy, split), ...], control included
 SHARDS = list(range(int(config["shards"])))
 
 
@@ -39,25 +39,25 @@ SHARDS = list(range(int(config["shards"])))
 # rerun trigger then reruns exactly the jobs a changed setting affects (and, through
 # their changed outputs, everything downstream), and reordering keys in a config file
 # is no change. README.md "Rerunning stages" tabulates which setting reruns what.
-canonical = kvdiverge.provenance.canonical
+canonical = kvdiverge.study.provenance.canonical
 
 
 def shard_settings(wildcards):
-    """Settings that decide a trajectory shard (kvdiverge.provenance.shard_settings)."""
-    return kvdiverge.provenance.shard_settings(config, wildcards.model, wildcards.policy, wildcards.split)
+    """Settings that decide a trajectory shard (kvdiverge.study.provenance.shard_settings)."""
+    return kvdiverge.study.provenance.shard_settings(config, wildcards.model, wildcards.policy, wildcards.split)
 
 
 # The config files of this run, for the regenerate command in the estimate stage's
 # error messages; an environment variable, not a param: the same settings from another
 # file rerun nothing.
-os.environ[kvdiverge.provenance.CONFIGFILES_ENV] = os.pathsep.join(
+os.environ[kvdiverge.study.provenance.CONFIGFILES_ENV] = os.pathsep.join(
     os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f)
     for f in workflow.configfiles
 )
 
 
 # what decides the prompts tables (a change reruns the prompts stage)
-PROMPT_SETTINGS = canonical(kvdiverge.prompts.prompt_settings(config))
+PROMPT_SETTINGS = canonical(kvdiverge.study.prompts.prompt_settings(config))
 
 # Output paths (docs/internals.md). Use these names in rules rather than literals.
 # Everything a config makes, logs included, goes under its `results_dir` (default
@@ -87,7 +87,7 @@ def model_on_gpu(model):
     return str(config["models"][model].get("device", "cpu")).startswith("cuda")
 
 
-# Local runs: at most one generation job per GPU (kvdiverge.devices). The trajectories
+# Local runs: at most one generation job per GPU (kvdiverge.study.devices). The trajectories
 # rule requests gpu=1 per job with a CUDA model; without a cap Snakemake would start one
 # such job per core. --resources gpu=N wins; otherwise the config key `gpus`, otherwise the
 # number of visible CUDA devices (KVDIVERGE_GPUS simulates a device list). Cluster runs
@@ -96,7 +96,7 @@ if workflow.is_main_process and workflow.nodes is None and any(model_on_gpu(m) f
     if "gpu" in workflow.global_resources:
         _gpu_cap, _gpu_source = workflow.global_resources["gpu"].value, "--resources"
     else:
-        _gpu_cap, _gpu_source = kvdiverge.devices.gpu_cap(config)
+        _gpu_cap, _gpu_source = kvdiverge.study.devices.gpu_cap(config)
         workflow.register_resource("gpu", _gpu_cap)
     print(f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
           f"generation job(s) at once, each bound to its own GPU", file=sys.stderr)
@@ -127,7 +127,7 @@ def trajectory_shards(model, policy, split):
 
 
 def all_trajectory_shards():
-    """Shard files of every run in kvdiverge.config.runs(config)."""
+    """Shard files of every run in kvdiverge.study.config.runs(config)."""
     return [f for m, p, s in RUNS for f in trajectory_shards(m, p, s)]
 
 

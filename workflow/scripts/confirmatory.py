@@ -1,10 +1,10 @@
-"""Snakemake adapter: the prespecified confirmatory test (kvdiverge.analysis.confirmatory_analysis)."""
+"""Snakemake adapter: the prespecified confirmatory test (kvdiverge.estimation.analysis.confirmatory_analysis)."""
 
-from kvdiverge.analysis import confirmatory_analysis, plan_hash, save_table
-from kvdiverge.estimators import read_estimates
-from kvdiverge.io import write_text_atomic
-from kvdiverge.pages import confirmatory_html
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash, save_table
+from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.report.pages import confirmatory_html
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "confirmatory")  # noqa: F821
 p = snakemake.params  # noqa: F821

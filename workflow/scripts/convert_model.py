@@ -1,7 +1,7 @@
-"""Snakemake adapter: convert a GGUF model entry to a safetensors directory (kvdiverge.models)."""
+"""Snakemake adapter: convert a GGUF model entry to a safetensors directory (kvdiverge.study.models)."""
 
-from kvdiverge.models import convert_to_directory
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.study.models import convert_to_directory
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "convert_model")  # noqa: F821
 try:

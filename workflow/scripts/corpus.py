@@ -1,8 +1,8 @@
-"""Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.corpus)."""
+"""Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.study.corpus)."""
 
-from kvdiverge.corpus import build_corpus
-from kvdiverge.io import write_parquet_atomic
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.study.corpus import build_corpus
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "corpus")  # noqa: F821
 try:

@@ -1,10 +1,10 @@
-"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.tables.estimate)."""
+"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimation.tables.estimate)."""
 
-from kvdiverge.estimators import read_shards
-from kvdiverge.io import write_parquet_atomic
-from kvdiverge.provenance import check_shards
-from kvdiverge.rulelog import rule_logger
-from kvdiverge.tables import estimate
+from kvdiverge.estimation.estimators import read_shards
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.provenance import check_shards
+from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.estimation.tables import estimate
 
 log = rule_logger(snakemake.log[0], "estimate")  # noqa: F821
 w = snakemake.wildcards  # noqa: F821

@@ -1,9 +1,9 @@
-"""Snakemake adapter: the study's figures, PNG and PDF (kvdiverge.plots)."""
+"""Snakemake adapter: the study's figures, PNG and PDF (kvdiverge.report.figures)."""
 
 import polars as pl
 
-from kvdiverge import plots
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.report import figures as plots
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "figures")  # noqa: F821
 i, o, p = snakemake.input, snakemake.output, snakemake.params  # noqa: F821

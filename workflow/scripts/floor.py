@@ -1,10 +1,10 @@
-"""Snakemake adapter: every policy beside the noise floor (kvdiverge.analysis.floor_comparison)."""
+"""Snakemake adapter: every policy beside the noise floor (kvdiverge.estimation.analysis.floor_comparison)."""
 
 import polars as pl
 
-from kvdiverge.analysis import FLOOR_SCHEMA, floor_comparison, save_table
-from kvdiverge.estimators import read_estimates
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison, save_table
+from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "floor")  # noqa: F821
 p = snakemake.params  # noqa: F821

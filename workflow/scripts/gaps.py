@@ -1,9 +1,9 @@
-"""Snakemake adapter: exploratory gap decomposition (kvdiverge.tables.gaps)."""
+"""Snakemake adapter: exploratory gap decomposition (kvdiverge.estimation.tables.gaps)."""
 
-from kvdiverge.analysis import save_table
-from kvdiverge.estimators import read_estimates
-from kvdiverge.rulelog import rule_logger
-from kvdiverge.tables import gaps
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.estimation.tables import gaps
 
 log = rule_logger(snakemake.log[0], "gaps")  # noqa: F821
 p = snakemake.params  # noqa: F821

@@ -1,11 +1,11 @@
-"""Snakemake adapter: pooled estimates, timing, survival, branch TV, variance (kvdiverge.tables.pool)."""
+"""Snakemake adapter: pooled estimates, timing, survival, branch TV, variance (kvdiverge.estimation.tables.pool)."""
 
 from tqdm import tqdm
 
-from kvdiverge.analysis import save_table
-from kvdiverge.estimators import read_estimates
-from kvdiverge.rulelog import rule_logger
-from kvdiverge.tables import pool
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.estimation.tables import pool
 
 log = rule_logger(snakemake.log[0], "pool")  # noqa: F821
 out = snakemake.output  # noqa: F821

@@ -1,11 +1,11 @@
-"""Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.prompts)."""
+"""Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.study.prompts)."""
 
 import polars as pl
 
-from kvdiverge.io import write_parquet_atomic
-from kvdiverge.models import context_length, load_model_config, load_tokenizer
-from kvdiverge.prompts import build_prompts, check_usable, summary
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
+from kvdiverge.study.prompts import build_prompts, check_usable, summary
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "prompts")  # noqa: F821
 try:

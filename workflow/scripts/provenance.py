@@ -1,8 +1,8 @@
-"""Snakemake adapter: the provenance table of every run, from its shards (kvdiverge.provenance)."""
+"""Snakemake adapter: the provenance table of every run, from its shards (kvdiverge.study.provenance)."""
 
-from kvdiverge.analysis import save_table
-from kvdiverge.provenance import provenance_table, read_provenance, study_hash
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.study.provenance import provenance_table, read_provenance, study_hash
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "provenance")  # noqa: F821
 try:

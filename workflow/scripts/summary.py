@@ -1,11 +1,11 @@
-"""Snakemake adapter: headline numbers as an HTML page for the report (kvdiverge.analysis)."""
+"""Snakemake adapter: headline numbers as an HTML page for the report (kvdiverge.estimation.analysis)."""
 
 import polars as pl
 
-from kvdiverge.pages import summary_html
-from kvdiverge.io import write_text_atomic
-from kvdiverge.provenance import provenance_html
-from kvdiverge.rulelog import rule_logger
+from kvdiverge.report.pages import summary_html
+from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.study.provenance import provenance_html
+from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "summary")  # noqa: F821
 i = snakemake.input  # noqa: F821

@@ -1,16 +1,16 @@
-"""Snakemake adapter: one trajectory shard (kvdiverge.trajectories.run_shard).
+"""Snakemake adapter: one trajectory shard (kvdiverge.study.shard.run_shard).
 
 A CUDA model is bound to a free GPU of its own for the duration of the shard
-(kvdiverge.devices.bind_device: one lock per device), so that local generation jobs
+(kvdiverge.study.devices.bind_device: one lock per device), so that local generation jobs
 never share a GPU.
 """
 
 import torch
 
-from kvdiverge.devices import bind_device
-from kvdiverge.models import local_entry
-from kvdiverge.rulelog import rule_logger
-from kvdiverge.trajectories import run_shard
+from kvdiverge.study.devices import bind_device
+from kvdiverge.study.models import local_entry
+from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.shard import run_shard
 
 log = rule_logger(snakemake.log[0], "trajectories")  # noqa: F821
 torch.set_num_threads(snakemake.threads)  # noqa: F821

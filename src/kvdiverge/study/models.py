@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvdiverge.engine.llm_pair import model_eos_ids as eos_ids  # defined beside the pair that absorbs them
+
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 #: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
@@ -234,22 +236,6 @@ def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
     model = model.to(device)
     model.eval()
     return model, tokenizer
-
-
-def eos_ids(model) -> list[int]:
-    """End-of-sequence token ids of a model, from its generation config.
-
-    Falls back to ``model.config.eos_token_id``. Never reads the tokenizer's
-    ``eos_token`` (wrong for GGUF tokenizers under transformers 5.2).
-    """
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None:
-        return []
-    if isinstance(ids, int):
-        ids = [ids]
-    return sorted({int(i) for i in ids})
 
 
 def context_length(model_or_config) -> int:

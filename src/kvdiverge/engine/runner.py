@@ -1,9 +1,9 @@
 """The one path from (model, documents, press) to trajectory records.
 
-Both doors call :func:`run_documents`: the workflow (``kvdiverge.trajectories.run_shard``,
+Both doors call :func:`run_documents`: the workflow (``kvdiverge.study.shard.run_shard``,
 one shard of one (model, policy, split)) and the Python/command-line front door
 (``kvdiverge.measure``). Batching, device placement and progress live here or below
-(:mod:`kvdiverge.kernels`, :mod:`kvdiverge.trajectories`), never in the doors.
+(:mod:`kvdiverge.engine.pairs`, :mod:`kvdiverge.engine.coupled`), never in the doors.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Document:
 class PressSource(Protocol):
     """What the runner needs of a policy: a press per prompt length, and the kept count.
 
-    :class:`kvdiverge.policies.Policy` implements it.
+    :class:`kvdiverge.engine.policies.Policy` implements it.
     """
 
     name: str
@@ -74,7 +74,7 @@ def run_documents(
     """Coupled trajectories of every document under one policy.
 
     Documents run ``B`` at a time as the rows of one kernel pair
-    (:meth:`kvdiverge.kernels.LLMKernelPair.from_documents`, :func:`kvdiverge.trajectories.run_batch`):
+    (:meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.coupled.run_batch`):
     ``B x R`` rows per side per forward. Batches group documents of similar length
     (sorted by prompt length, ties by input order) to keep padding small; records come
     back in input order. A document's results depend on its batch only through the
@@ -94,7 +94,7 @@ def run_documents(
     replicates : int
         ``R`` coupled replicates per document.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
     seed : int
         Master seed.
     model_name : str
@@ -104,31 +104,31 @@ def run_documents(
     progress : tqdm, optional
         Advanced by ``2T - 1`` per document.
     batch_documents : int, optional
-        Documents per batched forward ``B``; ``None`` lets :func:`kvdiverge.planner.plan_batch`
+        Documents per batched forward ``B``; ``None`` lets :func:`kvdiverge.engine.planner.plan_batch`
         choose it from the model's KV bytes per token and ``memory_budget_gb``.
     memory_budget_gb : float, optional
         Memory the batch may take (GiB); default
-        :func:`kvdiverge.planner.default_memory_budget` of the model's device.
+        :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
 
     Returns
     -------
     list[dict]
         One record per (document, replicate), in input order: ``doc_id``, ``prompt_len``,
         ``kept_len``, ``seconds`` (the batch's wall time divided by its documents) and the
-        columns of :func:`kvdiverge.trajectories.run_batch`.
+        columns of :func:`kvdiverge.engine.coupled.run_batch`.
 
     Raises
     ------
-    kvdiverge.kernels.CompressionError
+    kvdiverge.engine.errors.CompressionError
         When a press does not keep the promised number of positions.
-    kvdiverge.kernels.NonFiniteLogitsError
+    kvdiverge.engine.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.kernels import LLMKernelPair
-    from kvdiverge.planner import default_memory_budget, kv_bytes_per_token, plan_batch
-    from kvdiverge.trajectories import run_batch
+    from kvdiverge.engine.llm_pair import LLMKernelPair
+    from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
+    from kvdiverge.engine.coupled import run_batch
 
     if not documents:
         return []

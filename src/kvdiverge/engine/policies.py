@@ -8,7 +8,7 @@ A policy is a config entry such as::
     none:        {press: SnapKVPress, compression_ratio: 0.0}
 
 Any press that ``kvpress`` exports can be named, and the project's own presses
-(:data:`kvdiverge.presses.PROJECT_PRESSES`, e.g. the noise-floor control
+(:data:`kvdiverge.engine.presses.PROJECT_PRESSES`, e.g. the noise-floor control
 ``PermutationPress``, which keeps every position and takes neither a ratio nor a
 budget)::
 
@@ -188,7 +188,7 @@ def keeps_every_position(press: str) -> bool:
 def press_class(name: str):
     """Return the press class called ``name``: a project press or one kvpress exports.
 
-    Project presses (:data:`kvdiverge.presses.PROJECT_PRESSES`) are looked up first.
+    Project presses (:data:`kvdiverge.engine.presses.PROJECT_PRESSES`) are looked up first.
 
     Raises
     ------
@@ -198,7 +198,7 @@ def press_class(name: str):
     """
     import kvpress
 
-    from kvdiverge.presses import PROJECT_PRESSES
+    from kvdiverge.engine.presses import PROJECT_PRESSES
 
     if name in PROJECT_PRESSES:
         return PROJECT_PRESSES[name]
@@ -291,9 +291,9 @@ def _nested_presses(press) -> list:
 class PressPolicy:
     """A press object as a policy: the same press for every prompt.
 
-    Satisfies :class:`kvdiverge.runner.PressSource`, so any kvpress press, or a user's own
+    Satisfies :class:`kvdiverge.engine.runner.PressSource`, so any kvpress press, or a user's own
     ``kvpress.BasePress`` subclass, runs through the one engine path
-    (:func:`kvdiverge.runner.run_documents`).
+    (:func:`kvdiverge.engine.runner.run_documents`).
 
     Parameters
     ----------

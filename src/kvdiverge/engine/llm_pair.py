@@ -1,173 +1,36 @@
-"""Kernel pairs: the reference kernel ``P`` and the evicted kernel ``Q`` (estimators.md §1).
+"""The language-model kernel pair: one model, two KV caches (estimators.md §1).
 
-The trajectory engine only talks to the :class:`KernelPair` interface. A pair holds
-``n_rows`` rows; each row has two histories (reference side, evicted side) of
-generated tokens. The interface is incremental so that a language model can keep
-its KV caches between calls:
-
-- ``start(n_rows)`` — every row at the empty history; returns both next-token
-  log-distributions.
-- ``advance(x, y)`` — append ``x[r]`` to row ``r``'s reference history and ``y[r]``
-  to its evicted history; returns both next-token log-distributions.
-- ``rewind(length)`` — cut both histories of row ``r`` back to their first
-  ``length[r]`` tokens (which must be shared by the two sides); a row whose
-  ``length[r]`` is its current length is left as it is.
-- ``keep_rows(rows)`` (optional) — keep only the given rows, in that order; the
-  engine calls it when rows finish, so that later steps run on fewer rows.
-
-Log-distributions are float64 tensors of shape (n_rows, vocab_size), already through
-the decoding transform (:mod:`kvdiverge.decoding`), on the pair's device (float32 on
-devices without float64). End-of-sequence is absorbing;
-the engine (:mod:`kvdiverge.trajectories`) enforces that for every pair.
-
-Two implementations: :class:`TableKernelPair` (small synthetic probability tables
-keyed by history, for exact tests) and :class:`LLMKernelPair` (one language model,
-two caches: the full prompt cache and the prompt cache compressed by a kvpress press).
+The reference side ``P`` holds the full prompt cache; the evicted side ``Q`` the prompt
+cache compressed by a kvpress press. Both implement :class:`kvdiverge.engine.pairs.KernelPair`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from kvdiverge.coupling import coupling_dtype
-from kvdiverge.decoding import decode_log_probs
+from kvdiverge.engine.coupling import coupling_dtype
+from kvdiverge.engine.decoding import decode_log_probs
+from kvdiverge.engine.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
 
-__all__ = [
-    "KernelPair",
-    "TableKernelPair",
-    "LLMKernelPair",
-    "CompressionError",
-    "NonFiniteLogitsError",
-    "check_finite",
-    "coupling_dtype",
-    "merge_caches",
-]
-
-History = tuple[int, ...]
-#: A synthetic kernel pair as a pure function: ``(ref_history, evicted_history) -> (p, q)``.
-KernelFn = Callable[[History, History], tuple[np.ndarray, np.ndarray]]
+__all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
 
 
-class KernelPair(Protocol):
-    """Interface of a kernel pair (see the module docstring)."""
+def model_eos_ids(model) -> list[int]:
+    """End-of-sequence token ids of a model, from its generation config.
 
-    vocab_size: int
-    eos_ids: tuple[int, ...]
-
-    def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def rewind(self, length: torch.Tensor) -> None: ...
-
-
-class TableKernelPair:
-    """A synthetic kernel pair given by a pure function of the two histories.
-
-    Parameters
-    ----------
-    fn : callable
-        ``fn(ref_history, evicted_history) -> (p, q)``: two float64 arrays of shape
-        (vocab_size,), each summing to 1; histories are tuples of token ids.
-    vocab_size : int
-        Number of tokens V.
-    eos_ids : sequence of int
-        End-of-sequence ids (absorbing, enforced by the engine).
+    Falls back to ``model.config.eos_token_id``. Never reads the tokenizer's
+    ``eos_token`` (wrong for GGUF tokenizers under transformers 5.2).
     """
-
-    def __init__(self, fn: KernelFn, vocab_size: int, eos_ids: Sequence[int] = ()):
-        self.fn = fn
-        self.vocab_size = int(vocab_size)
-        self.eos_ids = tuple(int(e) for e in eos_ids)
-        self._ref: list[list[int]] = []
-        self._ev: list[list[int]] = []
-
-    def _evaluate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ps, qs = zip(*(self.fn(tuple(a), tuple(b)) for a, b in zip(self._ref, self._ev)))
-        with np.errstate(divide="ignore"):
-            logp = torch.from_numpy(np.log(np.asarray(ps, dtype=np.float64)))
-            logq = torch.from_numpy(np.log(np.asarray(qs, dtype=np.float64)))
-        return logp, logq
-
-    def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ref = [[] for _ in range(n_rows)]
-        self._ev = [[] for _ in range(n_rows)]
-        return self._evaluate()
-
-    def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        for row, (a, b) in enumerate(zip(x.tolist(), y.tolist())):
-            self._ref[row].append(a)
-            self._ev[row].append(b)
-        return self._evaluate()
-
-    def rewind(self, length: torch.Tensor) -> None:
-        for row, n in enumerate(length.tolist()):
-            if n == len(self._ref[row]) == len(self._ev[row]):
-                continue  # a row at its own length is left as it is (its sides may differ)
-            if self._ref[row][:n] != self._ev[row][:n]:
-                raise ValueError(f"row {row}: the first {n} tokens are not shared by the two sides")
-            del self._ref[row][n:]
-            del self._ev[row][n:]
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (int64 indices into the current rows), in that order."""
-        self._ref = [self._ref[i] for i in rows.tolist()]
-        self._ev = [self._ev[i] for i in rows.tolist()]
-
-
-class CompressionError(RuntimeError):
-    """The evicted cache does not have the length the policy promises."""
-
-
-class NonFiniteLogitsError(FloatingPointError):
-    """A language model returned NaN or infinite logits (issue 8 §3).
-
-    Raised by :class:`LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
-    (:func:`kvdiverge.trajectories.run_batch`) re-raises it with the model, document,
-    replicate and step of the first bad row filled in, so the message names them all.
-
-    Attributes
-    ----------
-    side : str
-        ``"reference"`` (full cache, ``P``) or ``"evicted"`` (``Q``).
-    rows : list of int
-        Rows of the pair (in its current row order) whose logits are not all finite.
-    kind : str
-        ``"NaN"``, ``"+inf"`` or ``"-inf"``: what the first bad row holds.
-    model, doc_id, replicate, step : optional
-        Filled in by the engine; ``step`` is 1-based (the token step ``t`` of the
-        agreement chain, or ``t* + k`` on the residual branch).
-    phase : str or None
-        ``"chain"`` or ``"branch"``.
-    """
-
-    def __init__(self, side: str, rows: Sequence[int], kind: str, *, model: str | None = None,
-                 doc_id: str | None = None, replicate: int | None = None, step: int | None = None,
-                 phase: str | None = None):
-        self.side, self.rows, self.kind = side, list(rows), kind
-        self.model, self.doc_id, self.replicate, self.step, self.phase = model, doc_id, replicate, step, phase
-        if doc_id is None:
-            msg = f"{kind} logits on the {side} side (pair rows {self.rows})"
-        else:
-            msg = (f"{kind} logits from model {model!r}, document {doc_id!r}, replicate {replicate}, "
-                   f"step {step} ({phase}), {side} side: the shard is not written; check the model's "
-                   f"dtype (float16 overflows) and weights, then rerun")
-        super().__init__(msg)
-
-
-def check_finite(logits: torch.Tensor, side: str) -> None:
-    """Raise :class:`NonFiniteLogitsError` when any row of ``logits`` (rows, V) holds NaN or ±inf."""
-    finite = torch.isfinite(logits).all(-1)
-    if bool(finite.all()):
-        return
-    rows = (~finite).nonzero().squeeze(1).tolist()
-    bad = logits[rows[0]]
-    kind = "NaN" if bool(bad.isnan().any()) else ("+inf" if bool((bad == float("inf")).any()) else "-inf")
-    raise NonFiniteLogitsError(side, rows, kind)
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({int(i) for i in ids})
 
 
 class _CacheSide:
@@ -309,7 +172,7 @@ class LLMKernelPair:
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
     expected_kept : int or None
         Prompt positions every layer must keep after compression (tokens). Checked
         after prefill; ``None`` only checks that a compressing press shortened the cache.
@@ -345,8 +208,6 @@ class LLMKernelPair:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         if eos_ids is None:
-            from kvdiverge.models import eos_ids as model_eos_ids
-
             eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.vocab_size = int(model.config.vocab_size)
@@ -408,7 +269,7 @@ class LLMKernelPair:
         return self.kept_lens[0] if self.kept_lens else None
 
     def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
-        check_finite(logits, side)
+        check_logits_finite(logits, side)
         return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
 
     def _prefill(self, ids: torch.Tensor, press) -> tuple[object, torch.Tensor]:

@@ -4,7 +4,7 @@ The schema is ``workflow/schemas/config.schema.yaml``; Snakemake validates with 
 through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this module
 validates with the same file for use outside Snakemake (tests, notebooks)::
 
-    from kvdiverge.config import load_config, runs
+    from kvdiverge.study.config import load_config, runs
     config = load_config("config/config.yaml")   # defaults filled in
     runs(config)   # [("smollm2-135m", "snapkv-50", "exploratory"), ...]
 
@@ -25,7 +25,7 @@ import yaml
 SPLITS = ("exploratory", "confirmatory")
 
 #: The schema shipped with the workflow (repository checkout / editable install).
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -259,7 +259,7 @@ def check(config: dict[str, Any]) -> None:
 
     date = config.get("prompt", {}).get("date")
     if isinstance(date, str):
-        from kvdiverge.prompts import parse_date
+        from kvdiverge.study.prompts import parse_date
 
         try:
             parse_date(date)

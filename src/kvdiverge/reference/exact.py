@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvdiverge.kernels import History, KernelFn
+from kvdiverge.engine.pairs import History, KernelFn
 
 __all__ = [
     "ExactResult",

@@ -1,19 +1,10 @@
-"""Sharp interval for cumulative disagreement from a finite window (estimators.md §4).
+"""The §4 constructions that attain both ends of the sharp interval (estimators.md §4).
 
-Knowing only the law of the first divergence ``tau`` and ``E[N_win]`` (the first ``W``
-lags after divergence were observed, the tail was not), the set of possible ``E[N]``
-over unrestricted autoregressive kernel pairs that agree with ``P``, ``Q`` on shared
-prefixes and on the first ``W`` post-divergence steps is exactly
-
-    [ p_div + E[N_win],  p_div + E[N_win] + E[L_tail] ].
-
-:func:`sharp_interval` evaluates the ends (and the implied ones for ``E[M]`` and
-``rho``). :func:`lower_construction` and :func:`upper_construction` are the two
-kernel-pair constructions that attain them: they wrap a pure kernel-pair function and
-change it only on history pairs more than ``W`` steps past their divergence.
-:func:`wrap_pair` applies them to a :class:`kvdiverge.kernels.TableKernelPair`, and
-:class:`ConstructedPair` to any pair of the incremental :class:`kvdiverge.kernels.KernelPair`
-interface (e.g. the LLM pair).
+:func:`lower_construction` and :func:`upper_construction` wrap a pure kernel-pair function
+and change it only on history pairs more than ``W`` steps past their divergence.
+:func:`wrap_pair` applies them to a :class:`kvdiverge.engine.pairs.TableKernelPair`, and
+:class:`ConstructedPair` to any pair of the incremental :class:`kvdiverge.engine.pairs.KernelPair`
+interface (e.g. the LLM pair). The interval itself: :func:`kvdiverge.estimation.intervals.sharp_interval`.
 """
 
 from __future__ import annotations
@@ -22,61 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kvdiverge.kernels import History, KernelFn
+from kvdiverge.engine.pairs import History, KernelFn, TableKernelPair
 
-__all__ = [
-    "ConstructedPair",
-    "divergence_lag",
-    "lower_construction",
-    "sharp_interval",
-    "upper_construction",
-    "wrap_pair",
-]
-
-
-def sharp_interval(p_div, E_N_win, E_L_tail, E_L, T) -> dict[str, Any]:
-    """Ends of the §4 sharp interval for ``E[N]``, ``E[M]`` and ``rho``.
-
-    Works elementwise on floats or numpy arrays.
-
-    Parameters
-    ----------
-    p_div : float or array
-        ``P(tau <= T)``.
-    E_N_win : float or array
-        Expected window mismatches ``E[N_win]`` (tokens).
-    E_L_tail : float or array
-        Expected tail exposure ``E[(L - W)^+]`` (steps), identified by the law of tau.
-    E_L : float or array
-        Expected exposure ``E[L]`` (steps).
-    T : int or array
-        Horizon (tokens).
-
-    Returns
-    -------
-    dict
-        ``E_N_lo = p_div + E_N_win``, ``E_N_hi = E_N_lo + E_L_tail``,
-        ``E_M_lo/hi = E_N_lo/hi / T``, ``rho_lo = E_N_win / E_L``,
-        ``rho_hi = (E_N_win + E_L_tail) / E_L`` (NaN where ``E_L = 0``).
-    """
-    p_div = np.asarray(p_div, dtype=np.float64)
-    E_N_win = np.asarray(E_N_win, dtype=np.float64)
-    E_L_tail = np.asarray(E_L_tail, dtype=np.float64)
-    E_L = np.asarray(E_L, dtype=np.float64)
-    lo = p_div + E_N_win
-    hi = lo + E_L_tail
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rho_lo = np.where(E_L > 0, E_N_win / E_L, np.nan)
-        rho_hi = np.where(E_L > 0, (E_N_win + E_L_tail) / E_L, np.nan)
-    out = {
-        "E_N_lo": lo,
-        "E_N_hi": hi,
-        "E_M_lo": lo / T,
-        "E_M_hi": hi / T,
-        "rho_lo": rho_lo,
-        "rho_hi": rho_hi,
-    }
-    return {k: (float(v) if np.ndim(v) == 0 else v) for k, v in out.items()}
+__all__ = ["ConstructedPair", "divergence_lag", "lower_construction", "upper_construction", "wrap_pair"]
 
 
 def divergence_lag(hx: History, hy: History) -> int | None:
@@ -205,7 +144,7 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
 
     Parameters
     ----------
-    pair : kvdiverge.kernels.TableKernelPair
+    pair : kvdiverge.engine.pairs.TableKernelPair
         Must expose ``fn``, ``vocab_size`` and ``eos_ids``.
     W : int
         Window width (lags).
@@ -216,7 +155,7 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
 
     Returns
     -------
-    kvdiverge.kernels.TableKernelPair
+    kvdiverge.engine.pairs.TableKernelPair
         A new pair with the constructed function and the same vocabulary and EOS ids.
 
     Raises
@@ -224,8 +163,6 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
     ValueError
         If ``end`` is not "lower" or "upper".
     """
-    from kvdiverge.kernels import TableKernelPair
-
     if end == "lower":
         g = lower_construction(pair.fn, pair.vocab_size, W, **kwargs)
     elif end == "upper":
@@ -247,7 +184,7 @@ class ConstructedPair:
 
     Parameters
     ----------
-    pair : kvdiverge.kernels.KernelPair
+    pair : kvdiverge.engine.pairs.KernelPair
         The inner pair (``vocab_size``, ``eos_ids``, ``start``, ``advance``, ``rewind``).
     W : int
         Window width (lags), ``>= 0``.

@@ -1,13 +1,13 @@
 """The cost of a config's generation stage, from the config alone.
 
-Counts, per (model, policy, split) run of :func:`kvdiverge.config.runs`, the documents,
+Counts, per (model, policy, split) run of :func:`kvdiverge.study.config.runs`, the documents,
 the forward passes and the token-steps that the trajectory engine performs, so that the
 README's study estimate and the GPU benchmark's projection come from one place::
 
-    python -m kvdiverge.cost config/paper.yaml                 # table and totals
-    python -m kvdiverge.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
+    python -m kvdiverge.study.cost config/paper.yaml                 # table and totals
+    python -m kvdiverge.study.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
 
-Definitions (estimators.md §2 and §5, :mod:`kvdiverge.trajectories`):
+Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.coupled`):
 
 - A **token-step** is one next-token distribution of one row on one side (the unit of
   ``benchmarks/engine_speed.py``: one token decoded for one sequence). Per replicate the
@@ -27,7 +27,7 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.trajectories`):
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
-policy is scheduled on that split in full (as :func:`kvdiverge.trajectories.shard_documents`
+policy is scheduled on that split in full (as :func:`kvdiverge.study.shard.shard_documents`
 selects them). These are the requested counts: documents excluded at the prompts stage
 (too short, too long) lower the real figures slightly.
 """
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdiverge.config import runs
+from kvdiverge.study.config import runs
 
 __all__ = ["RunCost", "run_documents_count", "study_cost", "totals", "projected_hours",
            "format_table", "main"]
@@ -103,7 +103,7 @@ def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
         n = int(config["corpus"]["documents"][split])
     except KeyError:
         raise KeyError(f"config key corpus.documents.{split} is missing") from None
-    from kvdiverge.config import control_documents  # the controls' counts (none, noise floor)
+    from kvdiverge.study.config import control_documents  # the controls' counts (none, noise floor)
 
     limit = control_documents(config, policy, split)
     return n if limit is None else min(n, limit)
@@ -120,7 +120,7 @@ def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int
 
 
 def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
-    """Cost of every run of a validated config (:func:`kvdiverge.config.load_config`).
+    """Cost of every run of a validated config (:func:`kvdiverge.study.config.load_config`).
 
     Parameters
     ----------
@@ -134,7 +134,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     Returns
     -------
     list[RunCost]
-        One entry per run, in :func:`kvdiverge.config.runs` order.
+        One entry per run, in :func:`kvdiverge.study.config.runs` order.
 
     Raises
     ------
@@ -217,9 +217,9 @@ def format_table(costs: Sequence[RunCost]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print a config's generation cost (and hours at ``--rate``)."""
-    from kvdiverge.config import load_config
+    from kvdiverge.study.config import load_config
 
-    ap = argparse.ArgumentParser(prog="python -m kvdiverge.cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvdiverge.study.cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
     ap.add_argument("--batch-documents", type=int, default=None,
                     help="documents per forward B (default: generation.batch_documents, else 1)")

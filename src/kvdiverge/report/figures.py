@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from kvdiverge.io import atomic_path  # noqa: E402
+from kvdiverge.estimation.io import atomic_path  # noqa: E402
 
 __all__ = ["draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
            "plot_variance", "save_figure", "survival_figure"]
@@ -106,7 +106,7 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: s
     ax : matplotlib.axes.Axes
         Target axes.
     survival : polars.DataFrame
-        :func:`kvdiverge.estimators.survival_curve` rows of one model (any runs).
+        :func:`kvdiverge.estimation.estimators.survival_curve` rows of one model (any runs).
     title : str, optional
         Axes title (default: the model).
     floor : str, optional
@@ -131,7 +131,7 @@ def survival_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Fig
     Parameters
     ----------
     survival : polars.DataFrame
-        :func:`kvdiverge.estimators.survival_curve` output; bands are the bootstrap intervals.
+        :func:`kvdiverge.estimation.estimators.survival_curve` output; bands are the bootstrap intervals.
     floor : str, optional
         The noise-floor policy, drawn grey and dashed.
     """
@@ -152,7 +152,7 @@ def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) ->
     Parameters
     ----------
     survival : polars.DataFrame
-        :func:`kvdiverge.estimators.survival_curve` output.
+        :func:`kvdiverge.estimation.estimators.survival_curve` output.
     png, pdf : path
         Outputs.
     floor : str, optional
@@ -171,7 +171,7 @@ def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
     Parameters
     ----------
     gaps : polars.DataFrame
-        :func:`kvdiverge.analysis.gap_decomposition` rows (any number of gaps and models).
+        :func:`kvdiverge.estimation.analysis.gap_decomposition` rows (any number of gaps and models).
     """
     sns.set_theme(style="whitegrid", context="paper")
     if gaps.height == 0:
@@ -216,7 +216,7 @@ def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = 
     Parameters
     ----------
     curve : polars.DataFrame
-        :func:`kvdiverge.estimators.branch_tv_curve` output (lags with no document are NaN).
+        :func:`kvdiverge.estimation.estimators.branch_tv_curve` output (lags with no document are NaN).
     early, late : (a, b), optional
         Confirmatory lag windows, shaded.
     """
@@ -247,7 +247,7 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
     Parameters
     ----------
     per_doc, result : polars.DataFrame
-        :func:`kvdiverge.analysis.confirmatory_analysis` outputs.
+        :func:`kvdiverge.estimation.analysis.confirmatory_analysis` outputs.
     """
     sns.set_theme(style="whitegrid", context="paper")
     floor_res = result.filter(pl.col("role") == "floor") if "role" in result.columns else result.clear()
@@ -299,7 +299,7 @@ def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
     Parameters
     ----------
     variance : polars.DataFrame
-        :func:`kvdiverge.analysis.variance_table` output.
+        :func:`kvdiverge.estimation.analysis.variance_table` output.
     """
     sns.set_theme(style="whitegrid", context="paper")
     v = variance.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite()) \

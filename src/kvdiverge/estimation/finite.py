@@ -3,8 +3,8 @@
 A NaN or an infinity in a trajectory shard or an estimate table comes from broken
 arithmetic upstream (an overflowing half-precision model, a broken checkpoint, a file
 edited by hand) and makes every number computed from it wrong. The estimate stage
-(:func:`kvdiverge.estimators.read_shards`) and the analysis stage
-(:func:`kvdiverge.estimators.read_estimates`) therefore check every float column of every
+(:func:`kvdiverge.estimation.estimators.read_shards`) and the analysis stage
+(:func:`kvdiverge.estimation.estimators.read_estimates`) therefore check every float column of every
 file they read, and stop with a :class:`NonFiniteError` naming the file, the column, the
 row (its ``doc_id`` and ``replicate`` where the table has them) and the value.
 

@@ -22,7 +22,6 @@ CDF, so policies compared on one document share random numbers.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from kvdiverge.coupling import (
+from kvdiverge.engine.coupling import (
     coupling_dtype,
     inverse_cdf,
     maximal_coupling,
@@ -42,81 +41,14 @@ from kvdiverge.coupling import (
     residual_draws,
     total_variation,
 )
-from kvdiverge.kernels import KernelPair, NonFiniteLogitsError
+from kvdiverge.engine.errors import NonFiniteLogitsError
+from kvdiverge.engine.pairs import KernelPair
+from kvdiverge.engine.streams import PURPOSES, uniform_streams
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 
-__all__ = [
-    "PURPOSES",
-    "TRAJECTORY_SCHEMA",
-    "uniform_streams",
-    "run_document",
-    "run_batch",
-    "simulate",
-]
+__all__ = ["run_document", "run_batch", "simulate", "to_frame"]
 
 log = logging.getLogger(__name__)
-
-#: Purposes of the uniform streams; the code is part of each generator's seed.
-PURPOSES = {
-    "chain": 0,        # overlap draw of the agreement chain, per step
-    "divergence": 1,   # U_t of tau_naive, per step
-    "residual_x": 2,   # divergent pair at each chain step, reference side
-    "residual_y": 3,   # divergent pair at each chain step, evicted side
-    "t_star": 4,       # t* drawn from f_hat when tau_naive > T (first entry)
-    "coin": 5,         # branch: agree (overlap) or split (residuals), per lag
-    "overlap": 6,      # branch: overlap draw, per lag
-    "branch_x": 7,     # branch: reference residual draw, per lag
-    "branch_y": 8,     # branch: evicted residual draw, per lag
-}
-
-#: Column types of a trajectory shard (docs/internals.md).
-TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
-    "model": pl.String,
-    "policy": pl.String,
-    "split": pl.String,
-    "doc_id": pl.String,
-    "replicate": pl.Int32,
-    "T": pl.Int32,
-    "prompt_len": pl.Int32,
-    "kept_len": pl.Int32,
-    "chain_token": pl.List(pl.Int32),
-    "tv": pl.List(pl.Float64),
-    "survival": pl.List(pl.Float64),
-    "tau_naive": pl.Int32,
-    "t_star": pl.Int32,
-    "x_star": pl.Int32,
-    "y_star": pl.Int32,
-    "branch_x": pl.List(pl.Int32),
-    "branch_y": pl.List(pl.Int32),
-    "branch_tv": pl.List(pl.Float64),
-    "branch_mismatch": pl.List(pl.Int8),
-    "seconds": pl.Float64,
-}
-
-
-def _stable_int(text: str) -> int:
-    """A 64-bit integer from a string, stable across runs and machines (BLAKE2b)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def uniform_streams(seed: int, model: str, doc_id: str, replicate: int, T: int) -> dict[str, np.ndarray]:
-    """All uniforms one replicate uses, by purpose.
-
-    Each purpose has its own generator, seeded by
-    ``SeedSequence(seed, spawn_key=(hash(model), hash(doc_id), replicate, purpose))``,
-    so a shard reproduces alone, in any order, and the policy does not enter.
-
-    Returns
-    -------
-    dict[str, numpy.ndarray]
-        Purpose name -> uniforms in [0, 1), float64, shape (T,).
-    """
-    streams = {}
-    for purpose, code in PURPOSES.items():
-        seq = np.random.SeedSequence(
-            entropy=int(seed), spawn_key=(_stable_int(model), _stable_int(doc_id), int(replicate), code)
-        )
-        streams[purpose] = np.random.default_rng(seq).random(T)
-    return streams
 
 
 def _absorb_eos(logd: torch.Tensor, last: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
@@ -231,7 +163,7 @@ def run_batch(
 
     Raises
     ------
-    kvdiverge.kernels.NonFiniteLogitsError
+    kvdiverge.engine.errors.NonFiniteLogitsError
         When the pair's model returns NaN/±inf logits; the message names the model,
         document, replicate, 1-based step and side.
     """
@@ -436,7 +368,7 @@ def simulate(pair: KernelPair, T: int, replicates: int, seed: int, doc_id: str =
     Parameters
     ----------
     pair : KernelPair
-        E.g. a :class:`kvdiverge.kernels.TableKernelPair`.
+        E.g. a :class:`kvdiverge.engine.pairs.TableKernelPair`.
     T : int
         Horizon (steps).
     replicates : int
@@ -457,115 +389,3 @@ def simulate(pair: KernelPair, T: int, replicates: int, seed: int, doc_id: str =
     meta = {"model": "synthetic", "policy": "synthetic", "split": "synthetic", "doc_id": doc_id,
             "prompt_len": 0, "kept_len": 0, "seconds": seconds}
     return to_frame([{**meta, **rec} for rec in records])
-
-
-def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, split: str,
-                    shard: int) -> pl.DataFrame:
-    """The prompt rows one shard runs: usable documents of ``split``, by ``doc_id``.
-
-    Documents with an ``exclusion_reason`` are skipped (the prompts table reports
-    them). The ``none`` control (config ``runs.control``) runs on the first
-    ``runs.control.documents`` usable documents of its split only, unless the same
-    policy is also scheduled on that split in full; the noise floor (``runs.floor``)
-    likewise on the first ``runs.floor.documents`` when given (all otherwise). Shard
-    ``i`` of ``n`` takes every ``n``-th document starting at ``i``.
-
-    Raises
-    ------
-    ValueError
-        If ``shard`` is not in ``[0, shards)``.
-    """
-    n_shards = int(config["shards"])
-    if not 0 <= shard < n_shards:
-        raise ValueError(f"shard {shard} out of range: config 'shards' is {n_shards}")
-    from kvdiverge.config import control_documents
-
-    docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
-    limit = control_documents(config, policy, split)
-    if limit is not None:
-        docs = docs.head(limit)
-    return docs.gather_every(n_shards, offset=shard)
-
-
-def run_shard(
-    config: dict[str, Any],
-    model_name: str,
-    policy_name: str,
-    split: str,
-    shard: int,
-    prompts_path: str,
-    output_path: str,
-    model=None,
-    model_spec: dict[str, Any] | None = None,
-) -> pl.DataFrame:
-    """Generate the coupled trajectories of one shard and write them atomically.
-
-    Parameters
-    ----------
-    config : dict
-        Validated workflow config (``seed``, ``models``, ``policies``, ``runs``,
-        ``decoding``, ``replicates``, ``shards``, optional ``generation``:
-        ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.runner.run_documents`).
-    model_name, policy_name, split : str
-        Keys of ``config['models']`` and ``config['policies']``; ``"exploratory"`` or
-        ``"confirmatory"``.
-    shard : int
-        Shard index in ``[0, config['shards'])``.
-    prompts_path : str
-        ``results/prompts/{model}.parquet`` (docs/internals.md).
-    output_path : str
-        Destination ``shard-{i}.parquet``; written only once the shard is complete.
-    model : transformers.PreTrainedModel, optional
-        Already loaded model (tests, benchmarks); loaded otherwise.
-    model_spec : dict, optional
-        Model entry to load from (e.g. a converted local directory); defaults to
-        ``config['models'][model_name]``.
-
-    Returns
-    -------
-    polars.DataFrame
-        The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
-        The file also records the settings it was made with and the library versions
-        (:func:`kvdiverge.provenance.shard_metadata`, parquet key-value metadata).
-
-    Raises
-    ------
-    kvdiverge.kernels.NonFiniteLogitsError
-        When the model returns NaN/±inf logits; nothing is written, so a rerun after the
-        fix regenerates the shard.
-    """
-    from kvdiverge.io import write_parquet_atomic
-    from kvdiverge.provenance import shard_metadata, shard_settings
-    from kvdiverge.policies import Policy
-    from kvdiverge.runner import Document, run_documents
-
-    policy = Policy.from_config(policy_name, config["policies"][policy_name])
-    prompts = pl.read_parquet(prompts_path)
-    docs = shard_documents(prompts, config, policy_name, split, shard)
-    T = int(config["decoding"]["max_new_tokens"])
-    R = int(config["replicates"])
-    log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d",
-             model_name, policy_name, split, shard, docs.height, T, R)
-    if model is None and docs.height:
-        from kvdiverge.models import load_model
-
-        model, _ = load_model(model_spec or config["models"][model_name], model_name)
-    documents = [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)]
-    gen = config.get("generation") or {}
-    with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
-              unit="step", mininterval=5.0) as bar:
-        recs = run_documents(
-            model, documents, policy, T=T, replicates=R,
-            temperature=float(config["decoding"]["temperature"]),
-            top_p=float(config["decoding"].get("top_p", 1.0)),
-            seed=int(config["seed"]), model_name=model_name, progress=bar,
-            batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-            memory_budget_gb=gen.get("memory_budget_gb"),
-        )
-    meta = {"model": model_name, "policy": policy_name, "split": split}
-    records = [{**meta, **rec} for rec in recs]
-    frame = to_frame(records)
-    provenance = shard_metadata(shard_settings(config, model_name, policy_name, split), model=model_name,
-                                policy=policy_name, split=split, shard=shard)
-    write_parquet_atomic(frame, output_path, metadata=provenance)
-    return frame

@@ -1,7 +1,7 @@
 """How many documents share one batched forward: the memory planner (issue 10 §1).
 
 The engine decodes ``B`` documents x ``R`` replicates as the rows of one forward per
-side per step (:func:`kvdiverge.runner.run_documents`). Its memory grows with the KV
+side per step (:func:`kvdiverge.engine.runner.run_documents`). Its memory grows with the KV
 cache of those rows:
 
     kv_bytes_per_token = layers x kv_heads x head_dim x 2 (keys and values) x dtype_bytes

@@ -114,7 +114,7 @@ def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: st
         documents of the split). ``model`` is None when ``config`` has no entry for the
         model (a loaded model passed directly to ``run_shard``).
     """
-    from kvdiverge.config import control_documents
+    from kvdiverge.study.config import control_documents
 
     return canonical({
         "model": config.get("models", {}).get(model),  # None: a model given directly (tests)

@@ -1,7 +1,7 @@
 """HTML pages of the report: the confirmatory test and the headline numbers.
 
-Rendering only; the numbers come from :mod:`kvdiverge.analysis` (statistics) and
-:mod:`kvdiverge.estimators`. Each page is a standalone HTML document (inline style)
+Rendering only; the numbers come from :mod:`kvdiverge.estimation.analysis` (statistics) and
+:mod:`kvdiverge.estimation.estimators`. Each page is a standalone HTML document (inline style)
 that ``snakemake --report`` embeds.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.analysis import PLAN_FIELDS, plan_hash
+from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
 
 __all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "summary_html"]
 
@@ -122,7 +122,7 @@ FLOOR_NOTE = ("<p>The noise floor is the permutation control: it keeps every pro
 
 
 def floor_html(floor: pl.DataFrame) -> str:
-    """HTML table of every policy beside the noise floor (:func:`kvdiverge.analysis.floor_comparison`)."""
+    """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.analysis.floor_comparison`)."""
     if floor.height == 0:
         return "<p>No noise-floor control ran (config <code>runs.floor</code>).</p>"
     return _html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
@@ -135,7 +135,7 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
     Parameters
     ----------
     pooled : polars.DataFrame
-        :func:`kvdiverge.estimators.pooled_estimates` output.
+        :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
     gaps : polars.DataFrame
         :func:`gap_decomposition` rows.
     confirmatory : polars.DataFrame
@@ -143,7 +143,7 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
     plan : mapping
         Config section ``confirmatory``.
     floor : polars.DataFrame, optional
-        :func:`kvdiverge.analysis.floor_comparison` output: adds the column "above noise
+        :func:`kvdiverge.estimation.analysis.floor_comparison` output: adds the column "above noise
         floor" to the headline table and the floor table below it.
 
     Returns

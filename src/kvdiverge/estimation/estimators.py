@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.intervals import sharp_interval
+from kvdiverge.estimation.intervals import sharp_interval
 
 __all__ = [
     "DecompositionError",
@@ -665,17 +665,17 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
 def read_shards(paths: Iterable[str]) -> pl.DataFrame:
     """Concatenate trajectory shard parquet files (docs/internals.md schema).
 
-    Every file is checked first (:func:`kvdiverge.finite.check_shard`): its float
+    Every file is checked first (:func:`kvdiverge.estimation.finite.check_shard`): its float
     columns must be finite, ``tv`` after the chain stopped aside.
 
     Raises
     ------
     ValueError
         If ``paths`` is empty.
-    kvdiverge.finite.NonFiniteError
+    kvdiverge.estimation.finite.NonFiniteError
         If a shard holds NaN or an infinity; the message names the file and the column.
     """
-    from kvdiverge.finite import check_shard
+    from kvdiverge.estimation.finite import check_shard
 
     frames = _read_checked(paths, check_shard, "trajectory shards")
     frames = [f for f in frames if f.height > 0] or frames[:1]
@@ -685,7 +685,7 @@ def read_shards(paths: Iterable[str]) -> pl.DataFrame:
 def read_estimates(paths: Iterable[str]) -> pl.DataFrame:
     """Concatenate per-document estimate tables (:func:`document_estimates` output files).
 
-    Every file is checked first (:func:`kvdiverge.finite.check_document_estimates`): its
+    Every file is checked first (:func:`kvdiverge.estimation.finite.check_document_estimates`): its
     float columns must be finite except where the quantity is undefined (e.g.
     ``tau_mean`` when ``p_div = 0``).
 
@@ -693,11 +693,11 @@ def read_estimates(paths: Iterable[str]) -> pl.DataFrame:
     ------
     ValueError
         If ``paths`` is empty.
-    kvdiverge.finite.NonFiniteError
+    kvdiverge.estimation.finite.NonFiniteError
         If a table holds NaN or an infinity where a number belongs; the message names the
         file and the column.
     """
-    from kvdiverge.finite import check_document_estimates
+    from kvdiverge.estimation.finite import check_document_estimates
 
     return pl.concat(_read_checked(paths, check_document_estimates, "estimate tables"), how="diagonal_relaxed")
 

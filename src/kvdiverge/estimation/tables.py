@@ -9,7 +9,7 @@ tables under ``results/estimates`` and ``results/analysis`` and those of a
 - :func:`pool` — pooled estimates, timing, survival, branch TV and variance tables (§7).
 - :func:`gaps` — the §7 gap decomposition of each requested pair of policies.
 
-Column names and units: :mod:`kvdiverge.estimators`, :mod:`kvdiverge.analysis`,
+Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.estimation.analysis`,
 ``docs/internals.md``.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.analysis import GAP_SCHEMA, gap_decomposition, timing_table, variance_table
-from kvdiverge.estimators import (
+from kvdiverge.estimation.analysis import GAP_SCHEMA, gap_decomposition, timing_table, variance_table
+from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
     pooled_estimates,
@@ -45,7 +45,7 @@ def estimate(trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequ
     Parameters
     ----------
     trajectories : polars.DataFrame
-        Rows in the shard schema (:data:`kvdiverge.trajectories.TRAJECTORY_SCHEMA`), any
+        Rows in the shard schema (:data:`kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`), any
         number of runs ``(model, policy, split)`` and documents.
     window : int
         ``W``, the divergence-aligned window width (lags, steps); config ``window``.
@@ -58,15 +58,15 @@ def estimate(trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequ
     Returns
     -------
     replicates : polars.DataFrame
-        :func:`kvdiverge.estimators.replicate_estimates`, one row per (run, document, replicate).
+        :func:`kvdiverge.estimation.estimators.replicate_estimates`, one row per (run, document, replicate).
     documents : polars.DataFrame
-        :func:`kvdiverge.estimators.document_estimates`, one row per (run, document).
+        :func:`kvdiverge.estimation.estimators.document_estimates`, one row per (run, document).
 
     Raises
     ------
     ValueError
         If the rows break the shard contract, or ``window < 0``.
-    kvdiverge.estimators.DecompositionError
+    kvdiverge.estimation.estimators.DecompositionError
         If the §3 identity fails for a document (a bug, never noise).
     """
     reps = replicate_estimates(trajectories, int(window), progress=progress)
@@ -92,13 +92,13 @@ def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) 
     -------
     dict of str to polars.DataFrame
         Keys :data:`POOL_TABLES`: ``pooled``
-        (:func:`kvdiverge.estimators.pooled_estimates`, one row per run), ``timing``
-        (:func:`kvdiverge.analysis.timing_table`), ``survival`` (steps ``t = 0..T``),
+        (:func:`kvdiverge.estimation.estimators.pooled_estimates`, one row per run), ``timing``
+        (:func:`kvdiverge.estimation.analysis.timing_table`), ``survival`` (steps ``t = 0..T``),
         ``branch_tv`` (lags ``1..T``), ``variance``.
 
     Raises
     ------
-    kvdiverge.estimators.DecompositionError
+    kvdiverge.estimation.estimators.DecompositionError
         If the pooled §3 identity fails.
     """
     pooled = pooled_estimates(documents, bootstrap, confidence, seed)
@@ -139,9 +139,9 @@ def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstr
     Returns
     -------
     polars.DataFrame
-        :func:`kvdiverge.analysis.gap_decomposition` rows (4 per gap: ``delta``,
+        :func:`kvdiverge.estimation.analysis.gap_decomposition` rows (4 per gap: ``delta``,
         ``first_mismatch``, ``exposure``, ``rate``; values in tokens), schema
-        :data:`kvdiverge.analysis.GAP_SCHEMA` when empty.
+        :data:`kvdiverge.estimation.analysis.GAP_SCHEMA` when empty.
     """
     have = documents is not None and documents.height > 0
     if models is None:

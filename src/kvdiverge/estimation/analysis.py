@@ -27,7 +27,7 @@ Confirmatory (confirmatory split only, prespecified plan in config ``confirmator
   noise floor's own late − early difference is reported beside it (outside the
   multiplicity family).
 
-The HTML pages of the report are rendered in :mod:`kvdiverge.pages`.
+The HTML pages of the report are rendered in :mod:`kvdiverge.report.pages`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
-from kvdiverge.estimators import (
+from kvdiverge.estimation.estimators import (
     DECOMP_ATOL,
     DECOMP_RTOL,
     DecompositionError,
@@ -91,7 +91,7 @@ def save_table(frame: pl.DataFrame, parquet: str | None = None, csv: str | None 
 
     The CSV gets the scalar columns only (list columns stay in the parquet file).
     """
-    from kvdiverge.io import atomic_path, write_parquet_atomic
+    from kvdiverge.estimation.io import atomic_path, write_parquet_atomic
 
     if parquet is not None:
         write_parquet_atomic(frame, parquet)
@@ -109,9 +109,9 @@ def timing_table(pooled: pl.DataFrame, survival: pl.DataFrame) -> pl.DataFrame:
     Parameters
     ----------
     pooled : polars.DataFrame
-        :func:`kvdiverge.estimators.pooled_estimates` output.
+        :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
     survival : polars.DataFrame
-        :func:`kvdiverge.estimators.survival_curve` output.
+        :func:`kvdiverge.estimation.estimators.survival_curve` output.
 
     Returns
     -------
@@ -203,7 +203,7 @@ def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: s
     Parameters
     ----------
     docs : polars.DataFrame
-        Per-document estimates (:func:`kvdiverge.estimators.document_estimates`) holding
+        Per-document estimates (:func:`kvdiverge.estimation.estimators.document_estimates`) holding
         at least the two runs ``(model, policy_a, split)`` and ``(model, policy_b, split)``.
     model, policy_a, policy_b, split : str
         The gap ``A - B``.
@@ -549,7 +549,7 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
     Parameters
     ----------
     docs : polars.DataFrame
-        Per-document estimates (:func:`kvdiverge.estimators.document_estimates`) of
+        Per-document estimates (:func:`kvdiverge.estimation.estimators.document_estimates`) of
         any runs, with ``p_div``, ``E_N`` (tokens) and ``tv_mean``.
     floor : str
         Name of the floor policy (config ``runs.floor.policy``).

@@ -1,0 +1,1 @@
+"""The report: figures and HTML pages, from estimation tables."""
