@@ -1,0 +1,55 @@
+"""The evicted side's own module tree: every parameter and buffer shared with the reference model.
+
+A kvpress press acts through forward hooks on the modules it is entered on, and several
+presses keep state on those modules (``masked_key_indices``, step counters, buffered
+hidden states) that kvpress's attention patch reads on every later forward. The reference
+kernel ``P`` must never see any of it (estimators.md §1). :func:`evicted_twin` gives the
+evicted side ``Q`` a second module tree whose parameters and buffers *are* the reference
+model's tensors (no weight memory is copied), so a press entered on the twin registers its
+hooks and leaves its state there only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["evicted_twin", "shares_weights"]
+
+
+def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s module tree that shares every parameter and buffer with it.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The reference model (e.g. a ``transformers`` causal LM), with no press entered.
+
+    Returns
+    -------
+    torch.nn.Module
+        A new module tree: new module objects (own hooks, own attributes), the same
+        ``torch.nn.Parameter`` and buffer tensors (``twin.p is model.p`` for each).
+
+    Raises
+    ------
+    ValueError
+        If ``model`` carries forward hooks or pre-hooks (a press is entered on it): the
+        twin would inherit them.
+    """
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            raise ValueError(f"module {name or type(module).__name__!r} has forward hooks (a press is active "
+                             f"on the reference model); build the twin before entering any press")
+    memo = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+def shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """True when ``a`` and ``b`` hold the very same parameter and buffer tensors, name by name."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    return (pa.keys() == pb.keys() and ba.keys() == bb.keys()
+            and all(pa[k] is pb[k] for k in pa) and all(ba[k] is bb[k] for k in ba))
