@@ -41,13 +41,13 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
+from kvdiverge.estimation.bootstrap import percentile_interval, resample_indices
 from kvdiverge.estimation.estimators import (
     DECOMP_ATOL,
     DECOMP_RTOL,
     DecompositionError,
-    bootstrap_rng,
     btv_window,
-    percentile_interval,
+    rho,
 )
 
 __all__ = [
@@ -176,9 +176,7 @@ def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
     """
     pA, LA, NpA, NA, pB, LB, NpB, NB = (np.asarray(v, dtype=np.float64) for v in
                                         (pA, LA, NpA, NA, pB, LB, NpB, NB))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rA = np.where(LA > 0, NpA / np.where(LA > 0, LA, 1.0), 0.0)
-        rB = np.where(LB > 0, NpB / np.where(LB > 0, LB, 1.0), 0.0)
+    rA, rB = np.asarray(rho(NpA, LA, 0.0)), np.asarray(rho(NpB, LB, 0.0))
     return {
         "delta": NA - NB,
         "first_mismatch": pA - pB,
@@ -258,8 +256,7 @@ def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: s
     if not np.isclose(total, point["delta"], rtol=DECOMP_RTOL, atol=DECOMP_ATOL):
         raise DecompositionError(
             f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}")
-    rng = bootstrap_rng(seed, "gap", model, policy_a, policy_b, split)
-    idx = rng.integers(0, n, size=(n_boot, n))
+    idx = resample_indices(n, n_boot, seed, "gap", model, policy_a, policy_b, split)
     boot = terms(idx)
     rows = []
     for term in ("delta",) + TERMS:
@@ -402,8 +399,7 @@ def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan
             res = stats.wilcoxon(du, alternative=plan["alternative"], zero_method="wilcox")
         stat, p = float(res.statistic), float(res.pvalue)
     if du.size:
-        rng = bootstrap_rng(seed, "confirmatory", model, policy)
-        resampled = du[rng.integers(0, du.size, size=(n_boot, du.size))]
+        resampled = du[resample_indices(du.size, n_boot, seed, "confirmatory", model, policy)]
         mlo, mhi = (float(v) for v in percentile_interval(resampled.mean(axis=1), confidence))
         dlo, dhi = (float(v) for v in percentile_interval(np.median(resampled, axis=1), confidence))
     else:
@@ -584,8 +580,7 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
             n = j.height
             r: dict[str, Any] = {"model": model, "split": split, "policy": policy, "floor": floor,
                                  "n_docs": n}
-            rng = bootstrap_rng(seed, "floor", model, policy, split)
-            idx = rng.integers(0, max(n, 1), size=(n_boot, max(n, 1)))
+            idx = resample_indices(n, n_boot, seed, "floor", model, policy, split)
             for m in metrics:
                 a = j[m].to_numpy().astype(np.float64)
                 b = j[m + "_floor"].to_numpy().astype(np.float64)

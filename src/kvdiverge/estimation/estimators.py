@@ -23,29 +23,34 @@ TV are probabilities.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import (
+    bootstrap_rng,  # noqa: F401  (importable from here too)
+    percentile_interval,
+    resample_counts,
+    resample_indices,
+    resampled_nanmean,
+)
 from kvdiverge.estimation.intervals import sharp_interval
 
 __all__ = [
     "DecompositionError",
     "REQUIRED_COLUMNS",
     "RUN_KEYS",
-    "bootstrap_rng",
     "branch_tv_curve",
     "btv_window",
     "check_decomposition",
     "document_estimates",
-    "percentile_interval",
     "pooled_estimates",
     "read_estimates",
     "read_shards",
     "replicate_estimates",
+    "rho",
     "survival_curve",
     "validate_shards",
 ]
@@ -68,51 +73,6 @@ class DecompositionError(ValueError):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def bootstrap_rng(seed: int, *purpose: object) -> np.random.Generator:
-    """Generator derived from the master seed and a purpose tuple (stable across runs).
-
-    Parameters
-    ----------
-    seed : int
-        Master seed (config ``seed``).
-    *purpose : object
-        Labels (e.g. "pooled", model, policy, split); their ``str`` is hashed with SHA-256.
-
-    Returns
-    -------
-    numpy.random.Generator
-    """
-    h = hashlib.sha256("\x1f".join(str(p) for p in purpose).encode()).digest()
-    return np.random.default_rng(np.random.SeedSequence([int(seed), int.from_bytes(h[:8], "little")]))
-
-
-def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile bootstrap interval along axis 0, ignoring NaN resamples.
-
-    Parameters
-    ----------
-    samples : numpy.ndarray, shape (B, ...)
-        Bootstrap replicates of a statistic.
-    confidence : float
-        Coverage in (0, 1), e.g. 0.95.
-
-    Returns
-    -------
-    lo, hi : numpy.ndarray, shape (...)
-    """
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    alpha = 1.0 - confidence
-    with np.errstate(all="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            lo = np.nanpercentile(samples, 100 * alpha / 2, axis=0)
-            hi = np.nanpercentile(samples, 100 * (1 - alpha / 2), axis=0)
-    return lo, hi
 
 
 def _se(x: np.ndarray) -> float:
@@ -166,6 +126,32 @@ def btv_window(num: np.ndarray, den: np.ndarray, a: int, b: int) -> tuple[float,
     return (n / d if d > 0 else float("nan")), d
 
 
+def rho(E_N_post, E_L, undefined: float = float("nan")):
+    """Post-divergence mismatch rate ``rho = E[N_post] / E[L]`` (estimators.md §3).
+
+    Parameters
+    ----------
+    E_N_post : float or numpy.ndarray
+        ``E[N_post]`` (tokens), or resampled means of it.
+    E_L : float or numpy.ndarray
+        ``E[L]`` (steps), same shape.
+    undefined : float
+        The value where ``E[L]`` is not positive (then ``E[N_post]`` is 0 too and
+        ``rho`` is undefined): NaN for a reported ``rho``, 0 inside the decomposition,
+        whose exposure term ``(E[L] / T) rho`` is then 0.
+
+    Returns
+    -------
+    float or numpy.ndarray of float64
+        A Python float for scalar inputs, else an array of the inputs' shape.
+    """
+    if np.ndim(E_N_post) == 0 and np.ndim(E_L) == 0:
+        return float(E_N_post) / float(E_L) if E_L > 0 else float(undefined)
+    E_N_post, E_L = np.asarray(E_N_post, dtype=np.float64), np.asarray(E_L, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(E_L > 0, E_N_post / np.where(E_L > 0, E_L, 1.0), undefined)
+
+
 def check_decomposition(E_M, p_div, E_L, E_N_post, T, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """Check the §3 identity ``E[M] = p_div/T + (E[L]/T) * rho`` with ``rho = E[N_post]/E[L]``.
 
@@ -189,10 +175,9 @@ def check_decomposition(E_M, p_div, E_L, E_N_post, T, where: str = "") -> tuple[
         If the identity fails beyond ``DECOMP_RTOL`` / ``DECOMP_ATOL``.
     """
     E_M, p_div, E_L, E_N_post, T = (np.asarray(v, dtype=np.float64) for v in (E_M, p_div, E_L, E_N_post, T))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rho = np.where(E_L > 0, E_N_post / np.where(E_L > 0, E_L, 1.0), 0.0)
     first = p_div / T
-    rate = np.where(E_L > 0, E_L / T * rho, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(E_L > 0, E_L / T * rho(E_N_post, E_L, 0.0), 0.0)
     rhs = first + rate
     bad = ~np.isclose(E_M, rhs, rtol=DECOMP_RTOL, atol=DECOMP_ATOL)
     bad |= (E_L <= 0) & ~np.isclose(E_N_post, 0.0, atol=DECOMP_ATOL)
@@ -444,7 +429,7 @@ def document_estimates(
         r["E_M"] = r["E_N"] / T
         r["E_M_se"] = r["E_N_se"] / T
         r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
-        r["rho"] = r["E_N_post"] / r["E_L"] if r["E_L"] > 0 else float("nan")
+        r["rho"] = rho(r["E_N_post"], r["E_L"])
         first, rate = check_decomposition(r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T,
                                           where=f"{model}/{policy}/{split} doc {doc_id!r}")
         r["first_mismatch_term"] = float(first)
@@ -481,32 +466,6 @@ def document_estimates(
 #: Per-document columns pooled as equal-weight means over documents.
 POOLED_COLUMNS = ["p_div", "E_tau_div", "E_L", "E_L_win", "E_L_tail", "E_N", "E_N_naive",
                   "E_N_tv", "E_N_post", "E_N_win", "E_N_tail", "E_M", "tv_mean"]
-
-
-def _boot_idx(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
-    return rng.integers(0, n, size=(n_boot, n))
-
-
-def _boot_counts(rng: np.random.Generator, n: int, n_boot: int) -> np.ndarray:
-    """Document multiplicities of ``n_boot`` resamples with replacement, shape (n_boot, n).
-
-    ``counts @ X / n`` is then the resampled mean of each column of ``X`` without
-    materialising a (n_boot, n, columns) array (the survival curve of the paper
-    config would need gigabytes).
-    """
-    idx = _boot_idx(rng, n, n_boot)
-    counts = np.zeros((n_boot, n))
-    np.add.at(counts, (np.repeat(np.arange(n_boot), n), idx.ravel()), 1.0)
-    return counts
-
-
-def _boot_nanmean(counts: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """Resampled means of the columns of ``X`` (n, K) over its finite entries, (n_boot, K)."""
-    ok = np.isfinite(X)
-    num = counts @ np.where(ok, X, 0.0)
-    den = counts @ ok.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
 
 def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
@@ -553,8 +512,7 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         n = g.height
         X = np.column_stack([g[c].to_numpy().astype(np.float64) for c in POOLED_COLUMNS])
         mean = X.mean(axis=0)
-        rng = bootstrap_rng(seed, "pooled", model, policy, split)
-        B = _boot_counts(rng, n, n_boot) @ X / n  # (n_boot, ncol)
+        B = resample_counts(resample_indices(n, n_boot, seed, "pooled", model, policy, split)) @ X / n
         lo, hi = percentile_interval(B, confidence)
         r: dict = {"model": model, "policy": policy, "split": split, "n_docs": n, "T": T,
                    "W": int(g["W"][0]), "R": int(g["R"].min())}
@@ -564,9 +522,9 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
             r[c + "_hi"] = float(hi[j])
         ci = {c: j for j, c in enumerate(POOLED_COLUMNS)}
         with np.errstate(divide="ignore", invalid="ignore"):
-            rho_b = np.where(B[:, ci["E_L"]] > 0, B[:, ci["E_N_post"]] / B[:, ci["E_L"]], np.nan)
             tau_b = np.where(B[:, ci["p_div"]] > 0, B[:, ci["E_tau_div"]] / B[:, ci["p_div"]], np.nan)
-        r["rho"] = r["E_N_post"] / r["E_L"] if r["E_L"] > 0 else float("nan")
+        r["rho"] = rho(r["E_N_post"], r["E_L"])
+        rho_b = rho(B[:, ci["E_N_post"]], B[:, ci["E_L"]])  # (n_boot,)
         r["rho_lo"], r["rho_hi"] = (float(v) for v in percentile_interval(rho_b, confidence))
         r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
         r["tau_mean_lo"], r["tau_mean_hi"] = (float(v) for v in percentile_interval(tau_b, confidence))
@@ -617,8 +575,7 @@ def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int
         f = np.asarray(g["f"].to_list(), dtype=np.float64).reshape(g.height, T)
         S = np.column_stack([np.ones(g.height), S])
         f = np.column_stack([np.zeros(g.height), f])
-        rng = bootstrap_rng(seed, "survival", model, policy, split)
-        counts = _boot_counts(rng, g.height, n_boot)
+        counts = resample_counts(resample_indices(g.height, n_boot, seed, "survival", model, policy, split))
         Slo, Shi = percentile_interval(counts @ S / g.height, confidence)
         flo, fhi = percentile_interval(counts @ f / g.height, confidence)
         parts.append(pl.DataFrame({
@@ -648,12 +605,11 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
         model, policy, split = key
         T = int(g["T"][0])
         V = np.asarray(g["btv_lag"].to_list(), dtype=np.float64).reshape(g.height, T)
-        rng = bootstrap_rng(seed, "branch_tv", model, policy, split)
-        counts = _boot_counts(rng, g.height, n_boot)
+        counts = resample_counts(resample_indices(g.height, n_boot, seed, "branch_tv", model, policy, split))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(V, axis=0)
-            lo, hi = percentile_interval(_boot_nanmean(counts, V), confidence)
+            lo, hi = percentile_interval(resampled_nanmean(counts, V), confidence)
         parts.append(pl.DataFrame({
             "model": [model] * T, "policy": [policy] * T, "split": [split] * T,
             "lag": np.arange(1, T + 1, dtype=np.int32), "btv": mean, "btv_lo": lo, "btv_hi": hi,
