@@ -29,6 +29,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import polars as pl
 
 from kvdiverge.engine.policies import Policy, PressPolicy
 from kvdiverge.engine.runner import Document, PressSource
+from kvdiverge.report.formatting import number, with_interval
 
 __all__ = ["Measurement", "NOISE_FLOOR_PRESS", "measure", "prepare_documents", "prepare_presses"]
 
@@ -420,17 +422,6 @@ class Measurement:
         return Path(target)
 
 
-def _num(v: Any) -> str:
-    """A number with 3 significant digits; ``-`` for missing or NaN."""
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-
-def _with_ci(r: Mapping[str, Any], c: str) -> str:
-    return f"{_num(r[c])} [{_num(r[c + '_lo'])}, {_num(r[c + '_hi'])}]"
-
-
 def format_summary(m: Measurement) -> str:
     """The summary of a measurement as a plain-text table, with notes.
 
@@ -439,6 +430,8 @@ def format_summary(m: Measurement) -> str:
     and, when a noise-floor press was measured, each press's ``E[M]`` minus the floor's.
     Notes flag presses that left the cache untouched.
     """
+    num = partial(number, missing="-")  # plain text: an ASCII dash for a missing value
+    ci = partial(with_interval, missing="-")
     s = m.settings
     summ = m.summary
     floor = m.noise_floor
@@ -450,10 +443,10 @@ def format_summary(m: Measurement) -> str:
     for r in summ.iter_rows(named=True):
         flag = "*" if r["untouched"] and r["policy"] != floor else ""
         row = [r["policy"], str(r["n_docs"]), f"{r['kept_fraction']:.0%}{flag}",
-               _with_ci(r, "p_div"), _with_ci(r, "tau_mean"), _with_ci(r, "E_M"),
-               _num(r["first_mismatch_term"]), _num(r["exposure_rate_term"]), _num(r["E_L"]), _num(r["rho"])]
+               ci(r, "p_div"), ci(r, "tau_mean"), ci(r, "E_M"),
+               num(r["first_mismatch_term"]), num(r["exposure_rate_term"]), num(r["E_L"]), num(r["rho"])]
         if floor is not None:
-            row.append("(floor)" if r["policy"] == floor else _with_ci(r, "E_M_minus_floor"))
+            row.append("(floor)" if r["policy"] == floor else ci(r, "E_M_minus_floor"))
         rows.append(row)
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731

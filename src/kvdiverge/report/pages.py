@@ -10,26 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import polars as pl
 
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
+from kvdiverge.report.formatting import number, with_interval
 
 __all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "summary_html"]
-
-
-def _fmt(v, digits: int = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        if not np.isfinite(v):
-            return "–" if np.isnan(v) else str(v)
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
-def _ci(r: Mapping, c: str, digits: int = 3) -> str:
-    return f"{_fmt(r[c], digits)} [{_fmt(r[c + '_lo'], digits)}, {_fmt(r[c + '_hi'], digits)}]"
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -60,8 +46,8 @@ def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
         return f"{r['policy']} (noise floor)" if r.get("role") == "floor" else r["policy"]
 
     return [[r["model"], policy(r), r["n_docs"], r["n_excluded"], r["n_used"],
-             _ci(r, "mean_diff"), _ci(r, "median_diff"), _fmt(r["statistic"]), _fmt(r["p_raw"]),
-             _fmt(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
+             with_interval(r, "mean_diff"), with_interval(r, "median_diff"), number(r["statistic"]), number(r["p_raw"]),
+             number(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
 
 
 CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
@@ -106,9 +92,9 @@ def _yes(v) -> str:
 
 
 def _floor_rows(floor: pl.DataFrame) -> list[list[str]]:
-    return [[r["model"], r["split"], r["policy"], r["n_docs"], _ci(r, "p_div"), _ci(r, "floor_p_div"),
-             _ci(r, "E_N"), _ci(r, "floor_E_N"), _ci(r, "tv_mean"), _ci(r, "floor_tv_mean"),
-             _ci(r, "diff_p_div"), _ci(r, "diff_E_N"),
+    return [[r["model"], r["split"], r["policy"], r["n_docs"], with_interval(r, "p_div"), with_interval(r, "floor_p_div"),
+             with_interval(r, "E_N"), with_interval(r, "floor_E_N"), with_interval(r, "tv_mean"), with_interval(r, "floor_tv_mean"),
+             with_interval(r, "diff_p_div"), with_interval(r, "diff_E_N"),
              f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_N'])}"]
             for r in floor.sort(["model", "split", "policy"]).iter_rows(named=True)]
 
@@ -156,9 +142,9 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
         for r in floor.iter_rows(named=True):
             above[(r["model"], r["split"], r["policy"])] = (
                 f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}")
-    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], _ci(r, "p_div"),
-             _ci(r, "tau_mean"), _ci(r, "E_M"), _fmt(r["exposure_share"]), _fmt(r["rho"]),
-             f"[{_fmt(r['interval_E_M_lo'])}, {_fmt(r['interval_E_M_hi'])}]", _fmt(r["var_ratio"]),
+    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], with_interval(r, "p_div"),
+             with_interval(r, "tau_mean"), with_interval(r, "E_M"), number(r["exposure_share"]), number(r["rho"]),
+             f"[{number(r['interval_E_M_lo'])}, {number(r['interval_E_M_hi'])}]", number(r["var_ratio"]),
              above.get((r["model"], r["split"], r["policy"]), "–")]
             for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)]
     run_header = ["model", "policy", "split", "documents", "T", "occurrence p_div [95% CI]",
@@ -171,9 +157,9 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
 
         def share(term):
             r = t[term]
-            return f"{_fmt(r['share'])} [{_fmt(r['share_lo'])}, {_fmt(r['share_hi'])}]"
+            return f"{number(r['share'])} [{number(r['share_lo'])}, {number(r['share_hi'])}]"
 
-        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], _ci(t["delta"], "value"),
+        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], with_interval(t["delta"], "value"),
                          share("first_mismatch"), share("exposure"), share("rate")])
     gap_header = ["model", "gap A − B", "documents", "Δ E[N] tokens [95% CI]", "first-mismatch share",
                   "exposure share", "rate share"]
