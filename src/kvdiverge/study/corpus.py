@@ -385,8 +385,3 @@ def build_corpus(corpus: dict[str, Any]) -> pl.DataFrame:
         raise CorpusError(f"corpus.min_words ({min_words}) exceeds corpus.max_words ({max_words})")
     cands = candidates(units, min_words, max_words, source_label(corpus), strip_brackets=strip)
     return select(cands, dict(corpus["documents"]), int(corpus.get("split_seed", 0)))
-
-
-def read_documents(path: str | os.PathLike) -> pl.DataFrame:
-    """Read a documents table."""
-    return pl.read_parquet(path)
