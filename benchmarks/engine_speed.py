@@ -1,6 +1,6 @@
 """Benchmark: the batched trajectory engine against ``model.generate`` on the embedded model.
 
-One run reports (issue 10 §4):
+One run reports:
 
 (a) token-steps per second of the engine and of ``model.generate`` at equal rows per
     forward (8, 32 and 64): the engine decodes ``B`` documents x ``R = 8`` replicates

@@ -1,5 +1,5 @@
-"""The batched engine (issue 10 §1-2, issue 8 §3): many documents per forward, coupling on the
-model's device, row removal, the memory planner and non-finite logits."""
+"""The batched engine: many documents per forward, coupling on the model's device, row
+removal, the memory planner and non-finite logits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The paper's architectures in miniature (issue 10 §3), through the engine on CPU.
+"""The paper's architectures in miniature, through the engine on CPU.
 
 Tiny random-weight models with the structural features of Llama-3.1-8B (GQA 4:1, llama3
 RoPE scaling, untied embeddings) and Qwen2.5-7B (q/k/v biases, GQA 7:1, RoPE theta 1e6)

@@ -1,8 +1,13 @@
 """kvdiverge: how KV-cache eviction changes LLM generation.
 
 A Snakemake workflow (``Snakefile``) over a document corpus; this package holds all
-of its logic. Stages: ``corpus`` -> ``prompts`` -> ``trajectories`` -> ``estimators``
--> ``analysis`` -> ``plots``. See ``docs/internals.md`` for the contracts between them.
+of its logic, in layers that import one way (``docs/internals.md``, "Layers"):
+``estimation`` (estimators, bootstrap, analyses; no torch) <- ``engine`` (coupling,
+kernel pairs, the batched coupled run) <- ``reference`` (exact enumeration, §4
+constructions, miniature models) <- ``study`` (config, corpus, prompts, models, the
+shard job) and ``report`` (figures, pages) <- the doors ``measurement`` and ``cli``.
+Workflow stages: corpus -> prompts -> trajectories -> estimate -> pool, gaps, floor,
+confirmatory -> figures, summary.
 
 The front door for one model and a few presses: :func:`kvdiverge.measure`
 (:mod:`kvdiverge.measurement`; the command ``kvdiverge measure``, :mod:`kvdiverge.cli`).

@@ -14,7 +14,7 @@ class CompressionError(RuntimeError):
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """A language model returned NaN or infinite logits (issue 8 §3).
+    """A language model returned NaN or infinite logits.
 
     Raised by :class:`LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
     (:func:`kvdiverge.engine.coupled.run_batch`) re-raises it with the model, document,

@@ -1,4 +1,4 @@
-"""How many documents share one batched forward: the memory planner (issue 10 §1).
+"""How many documents share one batched forward: the memory planner.
 
 The engine decodes ``B`` documents x ``R`` replicates as the rows of one forward per
 side per step (:func:`kvdiverge.engine.runner.run_documents`). Its memory grows with the KV

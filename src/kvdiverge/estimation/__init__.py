@@ -1,2 +1,2 @@
-"""Estimation: estimators, tables, finite checks, analyses, the §4 interval, the shard schema
-(numpy, polars, scipy; never torch or the engine)."""
+"""Estimation: estimators, the document bootstrap, tables, finite checks, analyses, the §4
+interval, the shard schema, atomic writes (numpy, polars, scipy; never torch or the engine)."""

@@ -1,1 +1,1 @@
-"""The report: figures and HTML pages, from estimation tables."""
+"""The report: figures, HTML pages and their number formatting, from estimation tables."""
