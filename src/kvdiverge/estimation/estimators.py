@@ -12,7 +12,8 @@ corpus-level pooling of §7:
   the §3 decomposition (checked; a failure raises :class:`DecompositionError`), the §4
   sharp interval, ``Var(N_naive) / Var(N_cmc)`` and the §6 windowed branch TV.
 - :func:`pooled_estimates`, :func:`survival_curve`, :func:`branch_tv_curve` — equal-weight
-  means over documents with document-bootstrap percentile intervals (§7).
+  means over documents with document-bootstrap percentile intervals (§7,
+  :mod:`kvdiverge.estimation.bootstrap`).
 
 Column names are the symbols of estimators.md in snake_case with the symbol's case kept:
 ``E[L]`` is ``E_L``, ``E[N_post]`` is ``E_N_post``, ``S_t`` is ``S``, ``f_t`` is ``f``.
@@ -30,7 +31,6 @@ import numpy as np
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import (
-    bootstrap_rng,  # noqa: F401  (importable from here too)
     percentile_interval,
     resample_counts,
     resample_indices,
