@@ -1,4 +1,4 @@
-"""kvdiverge.estimation.bootstrap (document resamples, percentile intervals) and estimators.rho."""
+"""kvdiverge.estimation.bootstrap (document resamples, percentile intervals) and decomposition.rho."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvdiverge.estimation.bootstrap import (
     resample_indices,
     resampled_nanmean,
 )
-from kvdiverge.estimation.estimators import rho
+from kvdiverge.estimation.decomposition import rho
 
 
 def test_resamples_are_fixed_by_seed_and_purpose():

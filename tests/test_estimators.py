@@ -6,11 +6,10 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.estimation.decomposition import DecompositionError, check_decomposition
 from kvdiverge.estimation.estimators import (
-    DecompositionError,
     branch_tv_curve,
     btv_window,
-    check_decomposition,
     document_estimates,
     pooled_estimates,
     replicate_estimates,

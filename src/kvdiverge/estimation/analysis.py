@@ -42,13 +42,8 @@ import polars as pl
 from scipy import stats
 
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_indices
-from kvdiverge.estimation.estimators import (
-    DECOMP_ATOL,
-    DECOMP_RTOL,
-    DecompositionError,
-    btv_window,
-    rho,
-)
+from kvdiverge.estimation.decomposition import DECOMP_ATOL, DECOMP_RTOL, DecompositionError, rho
+from kvdiverge.estimation.estimators import btv_window
 
 __all__ = [
     "CONFIRMATORY_SPLIT",

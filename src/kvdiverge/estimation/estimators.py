@@ -9,8 +9,9 @@ corpus-level pooling of §7:
   ``N_post_cmc``, ``N_win_cmc``, ``N_post_cmc_tv`` (compensator variant) and the
   branch-aligned TV by lag with its weight ``w = 1 - S_T`` (§6).
 - :func:`document_estimates` — means over the ``R`` replicates with standard errors,
-  the §3 decomposition (checked; a failure raises :class:`DecompositionError`), the §4
-  sharp interval, ``Var(N_naive) / Var(N_cmc)`` and the §6 windowed branch TV.
+  the §3 decomposition (checked by :mod:`kvdiverge.estimation.decomposition`; a failure
+  raises its ``DecompositionError``), the §4 sharp interval, ``Var(N_naive) / Var(N_cmc)``
+  and the §6 windowed branch TV.
 - :func:`pooled_estimates`, :func:`survival_curve`, :func:`branch_tv_curve` — equal-weight
   means over documents with document-bootstrap percentile intervals (§7,
   :mod:`kvdiverge.estimation.bootstrap`).
@@ -36,21 +37,19 @@ from kvdiverge.estimation.bootstrap import (
     resample_indices,
     resampled_nanmean,
 )
+from kvdiverge.estimation.decomposition import check_decomposition, rho
 from kvdiverge.estimation.intervals import sharp_interval
 
 __all__ = [
-    "DecompositionError",
     "REQUIRED_COLUMNS",
     "RUN_KEYS",
     "branch_tv_curve",
     "btv_window",
-    "check_decomposition",
     "document_estimates",
     "pooled_estimates",
     "read_estimates",
     "read_shards",
     "replicate_estimates",
-    "rho",
     "survival_curve",
     "validate_shards",
 ]
@@ -62,15 +61,6 @@ REQUIRED_COLUMNS = [
     "chain_token", "tv", "survival", "tau_naive", "t_star", "x_star", "y_star",
     "branch_x", "branch_y", "branch_tv", "branch_mismatch", "seconds",
 ]
-
-#: Relative and absolute tolerance of the §3 identity check.
-DECOMP_RTOL = 1e-9
-DECOMP_ATOL = 1e-9
-
-
-class DecompositionError(ValueError):
-    """The §3 identity ``E[M] = p_div/T + (E[L]/T) rho`` failed: a bug, never noise."""
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -124,71 +114,6 @@ def btv_window(num: np.ndarray, den: np.ndarray, a: int, b: int) -> tuple[float,
     n = float(np.sum(num[a - 1 : b]))
     d = float(np.sum(den[a - 1 : b]))
     return (n / d if d > 0 else float("nan")), d
-
-
-def rho(E_N_post, E_L, undefined: float = float("nan")):
-    """Post-divergence mismatch rate ``rho = E[N_post] / E[L]`` (estimators.md §3).
-
-    Parameters
-    ----------
-    E_N_post : float or numpy.ndarray
-        ``E[N_post]`` (tokens), or resampled means of it.
-    E_L : float or numpy.ndarray
-        ``E[L]`` (steps), same shape.
-    undefined : float
-        The value where ``E[L]`` is not positive (then ``E[N_post]`` is 0 too and
-        ``rho`` is undefined): NaN for a reported ``rho``, 0 inside the decomposition,
-        whose exposure term ``(E[L] / T) rho`` is then 0.
-
-    Returns
-    -------
-    float or numpy.ndarray of float64
-        A Python float for scalar inputs, else an array of the inputs' shape.
-    """
-    if np.ndim(E_N_post) == 0 and np.ndim(E_L) == 0:
-        return float(E_N_post) / float(E_L) if E_L > 0 else float(undefined)
-    E_N_post, E_L = np.asarray(E_N_post, dtype=np.float64), np.asarray(E_L, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(E_L > 0, E_N_post / np.where(E_L > 0, E_L, 1.0), undefined)
-
-
-def check_decomposition(E_M, p_div, E_L, E_N_post, T, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """Check the §3 identity ``E[M] = p_div/T + (E[L]/T) * rho`` with ``rho = E[N_post]/E[L]``.
-
-    When ``E[L] = 0`` the exposure-rate term is 0 and ``E[N_post]`` must be 0 too.
-
-    Parameters
-    ----------
-    E_M, p_div, E_L, E_N_post, T : float or numpy.ndarray
-        Aggregates, elementwise.
-    where : str
-        Label for the error message.
-
-    Returns
-    -------
-    first_mismatch_term, exposure_rate_term : numpy.ndarray
-        ``p_div / T`` and ``(E[L] / T) * rho``.
-
-    Raises
-    ------
-    DecompositionError
-        If the identity fails beyond ``DECOMP_RTOL`` / ``DECOMP_ATOL``.
-    """
-    E_M, p_div, E_L, E_N_post, T = (np.asarray(v, dtype=np.float64) for v in (E_M, p_div, E_L, E_N_post, T))
-    first = p_div / T
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(E_L > 0, E_L / T * rho(E_N_post, E_L, 0.0), 0.0)
-    rhs = first + rate
-    bad = ~np.isclose(E_M, rhs, rtol=DECOMP_RTOL, atol=DECOMP_ATOL)
-    bad |= (E_L <= 0) & ~np.isclose(E_N_post, 0.0, atol=DECOMP_ATOL)
-    if np.any(bad):
-        i = int(np.flatnonzero(np.atleast_1d(bad))[0])
-        raise DecompositionError(
-            f"decomposition E[M] = p_div/T + (E[L]/T)*rho fails{(' for ' + where) if where else ''}: "
-            f"E[M]={np.atleast_1d(E_M)[i]!r}, p_div/T + (E[L]/T)*rho={np.atleast_1d(rhs)[i]!r} "
-            f"(E[L]={np.atleast_1d(E_L)[i]!r}, E[N_post]={np.atleast_1d(E_N_post)[i]!r})"
-        )
-    return first, rate
 
 
 # --------------------------------------------------------------------------- per replicate
@@ -394,7 +319,7 @@ def document_estimates(
 
     Raises
     ------
-    DecompositionError
+    kvdiverge.estimation.decomposition.DecompositionError
         If the §3 identity fails for any document.
     ValueError
         If ``T`` or ``W`` vary within a document.
@@ -500,7 +425,7 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
 
     Raises
     ------
-    DecompositionError
+    kvdiverge.estimation.decomposition.DecompositionError
         If the pooled identity fails.
     """
     rows = []

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvdiverge.estimation.decomposition import rho
+
 __all__ = ["sharp_interval"]
 
 
@@ -51,9 +53,8 @@ def sharp_interval(p_div, E_N_win, E_L_tail, E_L, T) -> dict[str, Any]:
     E_L = np.asarray(E_L, dtype=np.float64)
     lo = p_div + E_N_win
     hi = lo + E_L_tail
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rho_lo = np.where(E_L > 0, E_N_win / E_L, np.nan)
-        rho_hi = np.where(E_L > 0, (E_N_win + E_L_tail) / E_L, np.nan)
+    rho_lo = rho(E_N_win, E_L)
+    rho_hi = rho(E_N_win + E_L_tail, E_L)
     out = {
         "E_N_lo": lo,
         "E_N_hi": hi,

@@ -66,7 +66,7 @@ def estimate(trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequ
     ------
     ValueError
         If the rows break the shard contract, or ``window < 0``.
-    kvdiverge.estimation.estimators.DecompositionError
+    kvdiverge.estimation.decomposition.DecompositionError
         If the §3 identity fails for a document (a bug, never noise).
     """
     reps = replicate_estimates(trajectories, int(window), progress=progress)
@@ -98,7 +98,7 @@ def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) 
 
     Raises
     ------
-    kvdiverge.estimation.estimators.DecompositionError
+    kvdiverge.estimation.decomposition.DecompositionError
         If the pooled §3 identity fails.
     """
     pooled = pooled_estimates(documents, bootstrap, confidence, seed)

@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from kvdiverge.engine.pairs import History, KernelFn
+from kvdiverge.estimation.decomposition import rho
 
 __all__ = [
     "ExactResult",
@@ -308,7 +309,7 @@ def enumerate_coupled(
         E_N_win=acc["N_win"],
         E_N_tail=acc["N_post"] - acc["N_win"],
         E_M=acc["N"] / T,
-        rho=E_N_post / E_L if E_L > 0 else float("nan"),
+        rho=rho(E_N_post, E_L),
         E_tau_div=acc["tau"],
         reach=reach,
         btv_num=btv_num,
