@@ -94,9 +94,9 @@ def test_table_pairs_and_constructions_reproduce_the_golden_records(golden):
     assert sorted(got) == sorted(k for k in golden if not k.startswith("llm"))
     for key, records in got.items():
         assert records == golden[key], key
-    # the cases reach branch starts at several steps, and chains that never diverge
+    # the cases reach branch starts at several steps
     starts = {r["t_star"] for recs in got.values() for r in recs}
-    assert {1, 2, 3, None} <= starts
+    assert {1, 2, 3, 4} <= starts
 
 
 def test_miniature_model_batches_reproduce_the_golden_records(golden):
