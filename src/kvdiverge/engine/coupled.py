@@ -477,10 +477,16 @@ def run_batch(
 
     Raises
     ------
+    TypeError
+        If ``pair`` lacks a method of :class:`kvdiverge.engine.pairs.KernelPair`.
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the pair's model returns NaN/±inf logits; the message names the model,
         document, replicate, 1-based step and side.
     """
+    missing = [m for m in ("start", "advance", "rewind", "keep_rows") if not callable(getattr(pair, m, None))]
+    if missing:
+        raise TypeError(f"{type(pair).__name__} is not a kernel pair: it lacks {', '.join(missing)} "
+                        f"(kvdiverge.engine.pairs.KernelPair)")
     R, B, T = int(replicates), len(doc_ids), int(T)
     state = BatchState.new(T, R, seed, model, doc_ids, tuple(pair.eos_ids))
     logp, logq = _checked(state, pair.start, B * R, starting=True)
