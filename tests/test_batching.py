@@ -82,7 +82,7 @@ def test_planner_formula():
 
     per_token = kv_bytes_per_token(Cfg, torch.bfloat16)
     assert per_token == 32 * 8 * 128 * 2 * 2 == 131072  # Llama-3.1-8B: 128 KiB per token
-    per_doc = 8 * 2 * ((1200 + 256) * per_token + 128256 * 52)
+    per_doc = 8 * 2 * ((1200 + 2 * 256 - 2) * per_token + 128256 * 52) + 2 * 1200 * per_token
     assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
                       memory_budget_bytes=10 * per_doc + 1, documents=12) == 10
     assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,

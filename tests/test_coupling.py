@@ -99,3 +99,20 @@ def test_nucleus_with_few_candidates_equals_full_ranking():
         assert (mass >= top_p - 1e-12).all()
         smallest_kept = torch.where(full, logp, torch.inf).amin(-1)
         assert ((mass - smallest_kept.exp()) < top_p).all()
+
+
+def test_residual_draws_when_tv_is_rounding_alone_draw_from_the_sides_own_distribution():
+    """``p <= q`` everywhere with ``tv > 0`` from rounding only: ``(p - q)^+`` is all zero, so
+    that side draws from ``p`` itself, never the invalid index -1."""
+    ulp = 2.0 ** -53
+    p = t([0.25, 0.75 - ulp, 0.0], [0.5, 0.5, 0.0])
+    q = t([0.25, 0.75, 0.0], [0.5, 0.5 - ulp, 0.0])  # row 1: the other side is the empty one
+    tv = total_variation(p, q)
+    assert (tv > 0).all() and (tv < 1e-15).all()
+    u = t(0.1, 0.9)
+    x, y = residual_draws(p, q, u, u)
+    assert x.tolist() == [0, 1]  # row 0: X ~ p by inverse CDF (0.1 -> 0); row 1: X ~ (p - q)^+ = token 1
+    assert y.tolist() == [1, 1]  # row 0: Y ~ (q - p)^+ = token 1; row 1: Y ~ q (0.9 -> 1)
+    # through the coupling: a coin at 1 (not below 1 - tv) takes the residual move, with valid tokens
+    x, y, _ = maximal_coupling(p, q, t(1.0, 1.0), u, u, u)
+    assert x.tolist() == [0, 1] and y.tolist() == [1, 1]

@@ -248,6 +248,9 @@ class Measurement:
         presses (name -> description).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
+    batch_documents : int or None
+        Documents per batched forward ``B`` every press ran with (planned once per
+        :func:`measure` call); not a setting, since results depend on it only by rounding.
     """
 
     trajectories: pl.DataFrame
@@ -260,6 +263,7 @@ class Measurement:
     variance: pl.DataFrame
     settings: dict[str, Any]
     noise_floor: str | None = None
+    batch_documents: int | None = None
     _gaps: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict, repr=False)
 
     @property
@@ -375,8 +379,11 @@ class Measurement:
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``,
         ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary`` (``.parquet``;
-        ``.csv`` too except for trajectories and replicates) and ``measure.json`` (the
-        settings).
+        ``.csv`` too except for trajectories and replicates), ``measure.json`` (the
+        settings) and ``provenance.json``: ``settings_hash``
+        (:func:`kvdiverge.study.provenance.settings_hash` of the settings), ``versions``
+        (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents``
+        (the ``B`` used).
 
         Returns
         -------
@@ -385,6 +392,7 @@ class Measurement:
         """
         from kvdiverge.estimation.analysis import save_table
         from kvdiverge.estimation.io import write_text_atomic
+        from kvdiverge.study.provenance import library_versions, settings_hash
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -399,6 +407,10 @@ class Measurement:
             written += [out / f"{name}.parquet"] + ([csv] if csv else [])
         write_text_atomic(json.dumps(self.settings, indent=2, default=str) + "\n", out / "measure.json")
         written.append(out / "measure.json")
+        provenance = {"settings_hash": settings_hash(self.settings), "versions": library_versions(),
+                      "batch_documents": self.batch_documents}
+        write_text_atomic(json.dumps(provenance, indent=2) + "\n", out / "provenance.json")
+        written.append(out / "provenance.json")
         return written
 
     def plot_survival(self, target=None):
@@ -521,7 +533,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         A tqdm bar per press on stderr.
     batch_documents : int or None
         Documents decoded together per forward (rows = documents x ``replicates``);
-        None lets the memory planner choose (:func:`kvdiverge.engine.planner.plan_batch`).
+        None lets the memory planner choose (:func:`kvdiverge.engine.runner.plan_documents`,
+        once per call, for every press).
         Grouping changes results only by rounding; 1 reproduces a workflow shard that
         holds one document exactly.
     memory_budget_gb : float or None
@@ -545,7 +558,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     from tqdm.auto import tqdm
 
     from kvdiverge.estimation import tables
-    from kvdiverge.engine.runner import run_documents
+    from kvdiverge.engine.runner import plan_documents, run_documents
     from kvdiverge.engine.coupled import to_frame
 
     T, R = int(max_new_tokens), int(replicates)
@@ -565,14 +578,16 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         model_name = os.path.basename(path.rstrip("/")) or "model"
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
 
+    # one plan for every press: the free memory is read once, so B does not depend on a press's place
+    B = plan_documents(model, documents, T=T, replicates=R, batch_documents=batch_documents,
+                       memory_budget_gb=memory_budget_gb)
     records = []
     for name, source in sources.items():
         with tqdm(total=len(documents) * (2 * T - 1), desc=name, unit="step", disable=not progress,
                   mininterval=1.0) as bar:
             recs = run_documents(model, documents, source, T=T, replicates=R, temperature=float(temperature),
                                  top_p=float(top_p), seed=int(seed), model_name=model_name, eos_ids=eos_ids,
-                                 progress=bar, batch_documents=batch_documents,
-                                 memory_budget_gb=memory_budget_gb)
+                                 progress=bar, batch_documents=B)
         records += [{"model": model_name, "policy": name, "split": split, **r} for r in recs]
     trajectories = to_frame(records)
     reps, docs = tables.estimate(trajectories, int(window), windows)
@@ -582,7 +597,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                 "confidence": float(confidence), "instruction": instruction, "system": system,
                 "presses": {n: _describe(s) for n, s in sources.items()}}
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
-                         noise_floor=floors[0] if floors else None, **pooled)
+                         noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
         warnings.warn(f"press {name!r} left the cache untouched (kept every prompt position on every prompt)",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from kvdiverge.engine.pairs import KernelPair
 from kvdiverge.engine.streams import PURPOSES, uniform_streams
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 
-__all__ = ["run_document", "run_batch", "simulate", "to_frame"]
+__all__ = ["BatchState", "run_document", "run_batch", "simulate", "to_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,319 @@ def run_document(
     return run_batch(pair, T, replicates, seed, model, [doc_id], progress=progress)
 
 
+@dataclass(eq=False)
+class BatchState:
+    """Per-row state of one batched coupled run (:func:`run_batch`).
+
+    Row ``g = d*R + r`` is replicate ``r`` of document ``doc_ids[d]``; ``N = B*R`` rows.
+    Every tensor lives on the pair's device; float tensors are in the coupling dtype
+    (:func:`kvdiverge.engine.coupling.coupling_dtype`), index tensors int64.
+
+    Attributes
+    ----------
+    T, R : int
+        Horizon (steps) and replicates per document.
+    model : str
+        Model name (enters the seeds; named in errors).
+    doc_ids : tuple of str
+        The ``B`` documents.
+    uniforms : dict of str to torch.Tensor
+        ``(N, T)`` uniforms per purpose of :data:`kvdiverge.engine.streams.PURPOSES`.
+    eos : torch.Tensor
+        End-of-sequence ids, int64.
+    act : torch.Tensor
+        ``(n,)`` the rows the pair holds now, in its row order.
+    phase : torch.Tensor
+        ``(N,)`` 0 on the agreement chain, 1 on the residual branch, 2 done.
+    hist : torch.Tensor
+        ``(N,)`` length of each row's history in the pair (tokens).
+    t_star, kk, lags : torch.Tensor
+        ``(N,)`` branch start ``t*`` (0: no branch), lags done so far, lags ``T - t*``.
+    tv, survival, chain : torch.Tensor
+        ``(N, T)`` ``tv_t``, ``S_t`` and the chain token ``h_t`` (-1: not drawn).
+    residuals : tuple of torch.Tensor
+        ``(N, T)`` each: the divergent pair ``(X_t, Y_t)`` drawn at every chain step with ``tv_t > 0``.
+    tau_naive : torch.Tensor
+        ``(N,)`` ``tau_naive`` (``T + 1`` stands for infinity).
+    S : torch.Tensor
+        ``(N,)`` running survival ``S_t``.
+    x_star, y_star : torch.Tensor
+        ``(N,)`` the divergent pair the branch starts with (-1: no branch).
+    bx, by, btv : torch.Tensor
+        ``(N, T)`` branch tokens of both sides and ``branch_tv`` per lag.
+    last_x, last_y : torch.Tensor
+        ``(N,)`` last token of each side's history (-1: empty).
+    """
+
+    T: int
+    R: int
+    model: str
+    doc_ids: tuple[str, ...]
+    uniforms: dict[str, torch.Tensor]
+    eos: torch.Tensor
+    act: torch.Tensor
+    phase: torch.Tensor
+    hist: torch.Tensor
+    t_star: torch.Tensor
+    kk: torch.Tensor
+    lags: torch.Tensor
+    tv: torch.Tensor
+    survival: torch.Tensor
+    chain: torch.Tensor
+    residuals: tuple[torch.Tensor, torch.Tensor]
+    tau_naive: torch.Tensor
+    S: torch.Tensor
+    x_star: torch.Tensor
+    y_star: torch.Tensor
+    bx: torch.Tensor
+    by: torch.Tensor
+    btv: torch.Tensor
+    last_x: torch.Tensor
+    last_y: torch.Tensor
+
+    @classmethod
+    def new(cls, T: int, R: int, seed: int, model: str, doc_ids: Sequence[str],
+            eos: Sequence[int]) -> "BatchState":
+        """Every row at the start of its chain, with its uniforms drawn; on the CPU, float64."""
+        N = len(doc_ids) * R
+        streams = [uniform_streams(seed, model, doc_ids[g // R], g % R, T) for g in range(N)]
+        uniforms = {k: torch.from_numpy(np.stack([s[k] for s in streams])) for k in PURPOSES}
+
+        def full(shape, value, dt=torch.long):
+            return torch.full(shape, value, dtype=dt)
+
+        f64 = torch.float64
+        return cls(
+            T=T, R=R, model=model, doc_ids=tuple(doc_ids), uniforms=uniforms,
+            eos=torch.tensor(tuple(eos), dtype=torch.long), act=torch.arange(N), phase=full((N,), 0),
+            hist=full((N,), 0), t_star=full((N,), 0), kk=full((N,), 0), lags=full((N,), 0),
+            tv=full((N, T), float("nan"), f64), survival=full((N, T), 0.0, f64), chain=full((N, T), -1),
+            residuals=(full((N, T), -1), full((N, T), -1)), tau_naive=full((N,), T + 1),
+            S=full((N,), 1.0, f64), x_star=full((N,), -1), y_star=full((N,), -1),
+            bx=full((N, T), -1), by=full((N, T), -1), btv=full((N, T), float("nan"), f64),
+            last_x=full((N,), -1), last_y=full((N,), -1),
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "BatchState":
+        """The state on ``device``, its float tensors in ``dtype`` (index tensors stay int64)."""
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(device, dtype) if x.is_floating_point() else x.to(device)
+            if isinstance(x, dict):
+                return {k: move(v) for k, v in x.items()}
+            if isinstance(x, tuple):
+                return tuple(move(v) for v in x)
+            return x
+
+        return BatchState(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+@dataclass(eq=False)
+class _Step:
+    """One decoding step over the pair's current rows (index ``i`` into ``state.act``).
+
+    ``p``, ``q``, ``diff = p - q``, ``low = min(p, q)`` (n, V) and ``tv`` (n,) are shared by
+    the chain and branch math; ``chain_rows`` / ``branch_rows`` index the rows in each
+    phase at the start of the step; ``x_in``, ``y_in`` (n,) are the tokens to append,
+    ``go_on`` (n,) the rows that continue, ``rewind_to`` (n,) the history lengths to
+    rewind to when a branch starts this step (None otherwise).
+    """
+
+    p: torch.Tensor
+    q: torch.Tensor
+    diff: torch.Tensor
+    low: torch.Tensor
+    tv: torch.Tensor
+    chain_rows: torch.Tensor
+    branch_rows: torch.Tensor
+    x_in: torch.Tensor
+    y_in: torch.Tensor
+    go_on: torch.Tensor
+    rewind_to: torch.Tensor | None = None
+
+
+def _step(state: BatchState, logp: torch.Tensor, logq: torch.Tensor) -> _Step:
+    """The coupling quantities of one step, with EOS made absorbing on each side."""
+    act = state.act
+    logp = _absorb_eos(logp, state.last_x[act], state.eos)
+    logq = _absorb_eos(logq, state.last_y[act], state.eos)
+    p, q = probabilities(logp), probabilities(logq)
+    diff, low = p - q, torch.minimum(p, q)  # computed once, shared by TV and the draws
+    ph = state.phase[act]
+    tokens = torch.zeros_like(act)  # every row that goes on gets its token; the others leave
+    return _Step(p=p, q=q, diff=diff, low=low, tv=total_variation(p, q, diff, low),
+                 chain_rows=(ph == 0).nonzero().squeeze(1), branch_rows=(ph == 1).nonzero().squeeze(1),
+                 x_in=tokens, y_in=tokens.clone(), go_on=torch.zeros_like(act, dtype=torch.bool))
+
+
+def _chain_step(state: BatchState, step: _Step, t: int) -> None:
+    """Step ``t`` (0-based) of the agreement chain on its rows: ``tv_t``, ``S_t``, ``tau_naive``,
+    the divergent pair and the chain token; rows done with their chain start their branch."""
+    ic = step.chain_rows
+    gc = state.act[ic]
+    pc, qc, tvc = _rows(step.p, ic), _rows(step.q, ic), step.tv[ic]
+    U, T = state.uniforms, state.T
+    state.tv[gc, t] = tvc
+    state.S[gc] = state.S[gc] * (1.0 - tvc)
+    state.survival[gc, t] = state.S[gc]
+    newly = (state.tau_naive[gc] > T) & (U["divergence"][gc, t] < tvc)
+    state.tau_naive[gc[newly]] = t + 1
+    split = (tvc > 0).nonzero().squeeze(1)
+    if split.numel():
+        gs = gc[split]
+        res_x, res_y = state.residuals
+        res_x[gs, t], res_y[gs, t] = residual_draws(
+            _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t],
+            diff=_rows(_rows(step.diff, ic), split))
+    go = tvc < 1
+    ig = go.nonzero().squeeze(1)
+    if ig.numel():
+        state.chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t],
+                                              low=_rows(_rows(step.low, ic), ig))
+    tok = state.chain[gc, t]
+    at_eos = go & torch.isin(tok, state.eos)
+    done = ~go | at_eos | (t == T - 1)
+    if t < T - 1 and bool(at_eos.any()):  # EOS is absorbing: the rest of the chain is known
+        ge = gc[at_eos]
+        state.tv[ge, t + 1:] = 0.0
+        state.chain[ge, t + 1:] = tok[at_eos].unsqueeze(1)
+        state.survival[ge, t + 1:] = state.S[ge].unsqueeze(1)
+    cont = ic[~done]
+    step.x_in[cont] = step.y_in[cont] = tok[~done]
+    step.go_on[cont] = True
+    state.last_x[gc[~done]] = state.last_y[gc[~done]] = tok[~done]
+    if bool(done.any()):
+        _branch_start(state, step, ic[done], gc[done])
+
+
+def _draw_t_star(state: BatchState, rows: torch.Tensor) -> torch.Tensor:
+    """``t*`` of finished chains ``rows`` (global ids): ``tau_naive`` when finite, else drawn
+    from ``f_hat_t / (1 - S_T)`` (estimators.md §2); 0 when there is no branch (``S_T = 1``)."""
+    T, tau = state.T, state.tau_naive[rows]
+    S_T = state.survival[rows, T - 1]
+    ts = torch.where(tau <= T, tau, torch.zeros_like(rows))
+    draw = ((tau > T) & (S_T < 1)).nonzero().squeeze(1)
+    if draw.numel():
+        gd = rows[draw]
+        surv = state.survival[gd]
+        S_prev = torch.cat([torch.ones(gd.numel(), 1, dtype=surv.dtype, device=surv.device), surv[:, :-1]], dim=1)
+        f_hat = (S_prev - surv).clamp(min=0.0)
+        ts[draw] = inverse_cdf(f_hat, state.uniforms["t_star"][gd, 0]) + 1
+    return ts
+
+
+def _branch_start(state: BatchState, step: _Step, i_f: torch.Tensor, gf: torch.Tensor) -> None:
+    """Finished chains (pair rows ``i_f``, global ids ``gf``) get ``t*`` and their divergent
+    pair; those with lags left are rewound to ``h_<t*`` and append ``(x*, y*)`` next."""
+    ts = _draw_t_star(state, gf)
+    state.t_star[gf] = ts
+    hb = ts > 0
+    idx = (ts - 1).clamp(min=0)
+    res_x, res_y = state.residuals
+    state.x_star[gf] = torch.where(hb, res_x[gf, idx], state.x_star[gf])
+    state.y_star[gf] = torch.where(hb, res_y[gf, idx], state.y_star[gf])
+    state.lags[gf] = torch.where(hb, state.T - ts, torch.zeros_like(ts))
+    starts = hb & (state.lags[gf] > 0)
+    if bool(starts.any()):
+        i_s, g_s = i_f[starts], gf[starts]
+        state.phase[g_s] = 1
+        state.kk[g_s] = 0
+        step.x_in[i_s], step.y_in[i_s] = state.x_star[g_s], state.y_star[g_s]
+        state.last_x[g_s], state.last_y[g_s] = state.x_star[g_s], state.y_star[g_s]
+        step.go_on[i_s] = True
+        step.rewind_to = state.hist[state.act].clone()
+        step.rewind_to[i_s] = ts[starts] - 1
+    state.phase[gf[~starts]] = 2
+
+
+def _branch_step(state: BatchState, step: _Step) -> None:
+    """Lag ``kk`` (0-based) of the residual branch on its rows: one maximal-coupling draw;
+    a branch is done at its last lag or once both sides are at EOS (the rest is then known)."""
+    ib = step.branch_rows
+    gb = state.act[ib]
+    k = state.kk[gb]
+    U = state.uniforms
+    x, y, b = maximal_coupling(
+        _rows(step.p, ib), _rows(step.q, ib), U["coin"][gb, k], U["overlap"][gb, k],
+        U["branch_x"][gb, k], U["branch_y"][gb, k], tv=step.tv[ib], diff=_rows(step.diff, ib),
+        low=_rows(step.low, ib))
+    state.bx[gb, k], state.by[gb, k], state.btv[gb, k] = x, y, b
+    state.kk[gb] = k + 1
+    done = k + 1 >= state.lags[gb]
+    absorbed = ~done & torch.isin(x, state.eos) & torch.isin(y, state.eos)
+    if bool(absorbed.any()):  # both sides at EOS: the rest of the branch is known
+        for g, xa, ya in zip(gb[absorbed].tolist(), x[absorbed].tolist(), y[absorbed].tolist()):
+            k0, end = int(state.kk[g]), int(state.lags[g])
+            state.bx[g, k0:end], state.by[g, k0:end] = xa, ya
+            state.btv[g, k0:end] = 0.0 if xa == ya else 1.0
+        done = done | absorbed
+    cont = ib[~done]
+    step.x_in[cont], step.y_in[cont] = x[~done], y[~done]
+    state.last_x[gb], state.last_y[gb] = x, y
+    step.go_on[cont] = True
+    state.phase[gb[done]] = 2
+
+
+def _compact(pair: KernelPair, state: BatchState, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the rows that are done (``pair.keep_rows``), rewind the rows whose branch starts;
+    return the tokens the remaining rows append next."""
+    x_in, y_in, rewind_to = step.x_in, step.y_in, step.rewind_to
+    if not bool(step.go_on.all()):
+        keep = step.go_on.nonzero().squeeze(1)
+        pair.keep_rows(keep)
+        state.act, x_in, y_in = state.act[keep], x_in[keep], y_in[keep]
+        rewind_to = None if rewind_to is None else rewind_to[keep]
+    if rewind_to is not None:
+        pair.rewind(rewind_to)
+        state.hist[state.act] = rewind_to
+    return x_in, y_in
+
+
+def _checked(state: BatchState, call, *args, starting: bool = False):
+    """``call(*args)`` (the pair's ``start`` or ``advance``), with a :class:`NonFiniteLogitsError`
+    completed by the model, document, replicate and 1-based step of its first bad row."""
+    try:
+        return call(*args)
+    except NonFiniteLogitsError as err:
+        if err.doc_id is not None:
+            raise
+        g = int(state.act[err.rows[0]])
+        in_branch = bool(state.phase[g] == 1)
+        # the logits are for the step after the row's history (+ the token being appended)
+        step = int(state.t_star[g] + state.kk[g] + 1) if in_branch else int(state.hist[g]) + (1 if starting else 2)
+        raise NonFiniteLogitsError(err.side, err.rows, err.kind, model=state.model,
+                                   doc_id=state.doc_ids[g // state.R], replicate=g % state.R, step=step,
+                                   phase="residual branch" if in_branch else "agreement chain") from None
+
+
+def _records(state: BatchState) -> list[dict[str, Any]]:
+    """One record per row, document-major; the outputs are copied to the CPU once."""
+    cpu = {name: getattr(state, name).cpu() for name in (
+        "tv", "survival", "chain", "tau_naive", "t_star", "x_star", "y_star", "lags", "bx", "by", "btv")}
+    T, R = state.T, state.R
+    out = []
+    for g in range(cpu["lags"].shape[0]):
+        L = int(cpu["lags"][g])
+        has_branch = int(cpu["t_star"][g]) > 0
+        xs, ys = cpu["bx"][g, :L].tolist(), cpu["by"][g, :L].tolist()
+        out.append({
+            "replicate": g % R,
+            "T": T,
+            "chain_token": cpu["chain"][g].tolist(),
+            "tv": cpu["tv"][g].tolist(),
+            "survival": cpu["survival"][g].tolist(),
+            "tau_naive": int(cpu["tau_naive"][g]) if cpu["tau_naive"][g] <= T else None,
+            "t_star": int(cpu["t_star"][g]) if has_branch else None,
+            "x_star": int(cpu["x_star"][g]) if has_branch else None,
+            "y_star": int(cpu["y_star"][g]) if has_branch else None,
+            "branch_x": xs,
+            "branch_y": ys,
+            "branch_tv": cpu["btv"][g, :L].tolist(),
+            "branch_mismatch": [int(a != b) for a, b in zip(xs, ys)],
+        })
+    return out
+
+
 def run_batch(
     pair: KernelPair,
     T: int,
@@ -126,16 +440,16 @@ def run_batch(
     uniforms are those of ``uniform_streams(seed, model, doc_ids[d], r, T)``, so a row's
     draws do not depend on the batch it sits in.
 
-    Each row runs its own state machine: agreement chain (steps ``t = 1..T``), then its
-    residual branch (lags ``k = 1..T-t*``). A chain is done at ``T``, when it stops
-    (``tv_t = 1``), or when it emits EOS (the rest of the chain is then known: ``tv = 0``,
-    EOS, constant survival); its ``t*`` is then drawn and its branch starts at once, by
-    rewinding that row alone, while other rows go on with their chains. A branch is done
-    at its horizon or when both sides have emitted EOS. Done rows leave the pair
-    (``pair.keep_rows``; pairs without it carry them along unused), so later steps run
-    on fewer rows. All coupling math runs on the pair's device, in the dtype of its
-    log-distributions (float64; float32 on mps); per step only control flags go to the
-    host, and the outputs are copied to the CPU once at the end.
+    Each row runs its own state machine (:class:`BatchState`): agreement chain (steps
+    ``t = 1..T``), then its residual branch (lags ``k = 1..T-t*``). A chain is done at
+    ``T``, when it stops (``tv_t = 1``), or when it emits EOS (the rest of the chain is
+    then known: ``tv = 0``, EOS, constant survival); its ``t*`` is then drawn and its
+    branch starts at once, by rewinding that row alone, while other rows go on with their
+    chains. A branch is done at its horizon or when both sides have emitted EOS. Done rows
+    leave the pair (``pair.keep_rows``), so later steps run on fewer rows. All coupling
+    math runs on the pair's device, in the dtype of its log-distributions (float64;
+    float32 on mps); per step only control flags go to the host, and the outputs are
+    copied to the CPU once at the end.
 
     Parameters
     ----------
@@ -163,195 +477,34 @@ def run_batch(
 
     Raises
     ------
+    TypeError
+        If ``pair`` lacks a method of :class:`kvdiverge.engine.pairs.KernelPair`.
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the pair's model returns NaN/±inf logits; the message names the model,
         document, replicate, 1-based step and side.
     """
+    missing = [m for m in ("start", "advance", "rewind", "keep_rows") if not callable(getattr(pair, m, None))]
+    if missing:
+        raise TypeError(f"{type(pair).__name__} is not a kernel pair: it lacks {', '.join(missing)} "
+                        f"(kvdiverge.engine.pairs.KernelPair)")
     R, B, T = int(replicates), len(doc_ids), int(T)
-    N = B * R
-    eos = tuple(pair.eos_ids)
-
-    def checked(call, *args):
-        """``call(*args)``, with a NonFiniteLogitsError completed by model, document, replicate, step."""
-        try:
-            return call(*args)
-        except NonFiniteLogitsError as err:
-            if err.doc_id is not None:
-                raise
-            g = int(act[err.rows[0]])
-            in_branch = bool(phase[g] == 1)
-            # the logits are for the step after the row's history (+ the token being appended)
-            step = int(t_star[g] + kk[g] + 1) if in_branch else int(hist[g]) + (1 if call == pair.start else 2)
-            raise NonFiniteLogitsError(err.side, err.rows, err.kind, model=model, doc_id=doc_ids[g // R],
-                                       replicate=g % R, step=step,
-                                       phase="residual branch" if in_branch else "agreement chain") from None
-
-    act = torch.arange(N)
-    phase = torch.zeros(N, dtype=torch.long)
-    hist = torch.zeros(N, dtype=torch.long)
-    t_star = torch.zeros(N, dtype=torch.long)
-    kk = torch.zeros(N, dtype=torch.long)
-    logp, logq = checked(pair.start, N)
-    dev, fdt = logp.device, coupling_dtype(logp.device)
-    streams = [uniform_streams(seed, model, doc_ids[g // R], g % R, T) for g in range(N)]
-    U = {k: torch.from_numpy(np.stack([s[k] for s in streams])).to(dev, fdt) for k in PURPOSES}  # (N, T)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
-    act, phase, hist, t_star, kk = (a.to(dev) for a in (act, phase, hist, t_star, kk))
-
-    def full(shape, value, dtype):
-        return torch.full(shape, value, dtype=dtype, device=dev)
-
-    tv = full((N, T), float("nan"), fdt)
-    survival = full((N, T), 0.0, fdt)
-    chain, res_x, res_y = (full((N, T), -1, torch.long) for _ in range(3))
-    tau_naive = full((N,), T + 1, torch.long)  # T + 1 stands for inf
-    S = full((N,), 1.0, fdt)
-    x_star, y_star = full((N,), -1, torch.long), full((N,), -1, torch.long)
-    lags = full((N,), 0, torch.long)
-    bx, by = full((N, T), -1, torch.long), full((N, T), -1, torch.long)
-    btv = full((N, T), float("nan"), fdt)
-    last_x, last_y = full((N,), -1, torch.long), full((N,), -1, torch.long)
-    can_drop = hasattr(pair, "keep_rows")
-
+    state = BatchState.new(T, R, seed, model, doc_ids, tuple(pair.eos_ids))
+    logp, logq = _checked(state, pair.start, B * R, starting=True)
+    state = state.to(logp.device, coupling_dtype(logp.device))
     for t in range(2 * T):
-        n = act.numel()
-        ph = phase[act]
-        logp = _absorb_eos(logp, last_x[act], eos_t)
-        logq = _absorb_eos(logq, last_y[act], eos_t)
-        p, q = probabilities(logp), probabilities(logq)
-        diff, low = p - q, torch.minimum(p, q)  # computed once, shared by TV and the draws
-        tv_all = total_variation(p, q, diff, low)
-        x_in, y_in = last_x[act].clamp(min=0), last_y[act].clamp(min=0)  # rows that ride along
-        go_on = torch.zeros(n, dtype=torch.bool, device=dev)
-        rewind_to = None
-
-        # ---- chain rows: step t (0-based) of the agreement chain ------------------------
-        ic = (ph == 0).nonzero().squeeze(1)
-        if ic.numel():
-            gc = act[ic]
-            pc, qc, tvc = _rows(p, ic), _rows(q, ic), tv_all[ic]
-            tv[gc, t] = tvc
-            S[gc] = S[gc] * (1.0 - tvc)
-            survival[gc, t] = S[gc]
-            newly = (tau_naive[gc] > T) & (U["divergence"][gc, t] < tvc)
-            tau_naive[gc[newly]] = t + 1
-            split = (tvc > 0).nonzero().squeeze(1)
-            if split.numel():
-                gs = gc[split]
-                res_x[gs, t], res_y[gs, t] = residual_draws(
-                    _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t],
-                    diff=_rows(_rows(diff, ic), split))
-            go = tvc < 1
-            ig = go.nonzero().squeeze(1)
-            if ig.numel():
-                chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t],
-                                                low=_rows(_rows(low, ic), ig))
-            tok = chain[gc, t]
-            at_eos = go & torch.isin(tok, eos_t)
-            done = ~go | at_eos | (t == T - 1)
-            if t < T - 1 and bool(at_eos.any()):  # EOS is absorbing: the rest of the chain is known
-                ge = gc[at_eos]
-                tv[ge, t + 1:] = 0.0
-                chain[ge, t + 1:] = tok[at_eos].unsqueeze(1)
-                survival[ge, t + 1:] = S[ge].unsqueeze(1)
-            cont = ic[~done]
-            x_in[cont] = y_in[cont] = tok[~done]
-            go_on[cont] = True
-            last_x[gc[~done]] = last_y[gc[~done]] = tok[~done]
-            if bool(done.any()):
-                i_f, gf = ic[done], gc[done]
-                S_T = survival[gf, T - 1]
-                ts = torch.where(tau_naive[gf] <= T, tau_naive[gf], torch.zeros_like(gf))
-                draw = ((tau_naive[gf] > T) & (S_T < 1)).nonzero().squeeze(1)
-                if draw.numel():
-                    gd = gf[draw]
-                    S_prev = torch.cat([torch.ones(gd.numel(), 1, dtype=fdt, device=dev), survival[gd, :-1]], dim=1)
-                    f_hat = (S_prev - survival[gd]).clamp(min=0.0)
-                    ts[draw] = inverse_cdf(f_hat, U["t_star"][gd, 0]) + 1
-                t_star[gf] = ts
-                hb = ts > 0
-                idx = (ts - 1).clamp(min=0)
-                x_star[gf] = torch.where(hb, res_x[gf, idx], x_star[gf])
-                y_star[gf] = torch.where(hb, res_y[gf, idx], y_star[gf])
-                lags[gf] = torch.where(hb, T - ts, torch.zeros_like(ts))
-                starts = hb & (lags[gf] > 0)
-                if bool(starts.any()):
-                    i_s, g_s = i_f[starts], gf[starts]
-                    phase[g_s] = 1
-                    kk[g_s] = 0
-                    x_in[i_s], y_in[i_s] = x_star[g_s], y_star[g_s]
-                    last_x[g_s], last_y[g_s] = x_star[g_s], y_star[g_s]
-                    go_on[i_s] = True
-                    rewind_to = hist[act].clone()
-                    rewind_to[i_s] = ts[starts] - 1
-                phase[gf[~starts]] = 2
-
-        # ---- branch rows: lag kk (0-based) of the residual branch -----------------------
-        ib = (ph == 1).nonzero().squeeze(1)
-        if ib.numel():
-            gb = act[ib]
-            k = kk[gb]
-            x, y, b = maximal_coupling(
-                _rows(p, ib), _rows(q, ib), U["coin"][gb, k], U["overlap"][gb, k],
-                U["branch_x"][gb, k], U["branch_y"][gb, k], tv=tv_all[ib], diff=_rows(diff, ib), low=_rows(low, ib))
-            bx[gb, k], by[gb, k], btv[gb, k] = x, y, b
-            kk[gb] = k + 1
-            done = k + 1 >= lags[gb]
-            absorbed = ~done & torch.isin(x, eos_t) & torch.isin(y, eos_t)
-            if bool(absorbed.any()):  # both sides at EOS: the rest of the branch is known
-                for g, xa, ya in zip(gb[absorbed].tolist(), x[absorbed].tolist(), y[absorbed].tolist()):
-                    k0, end = int(kk[g]), int(lags[g])
-                    bx[g, k0:end], by[g, k0:end] = xa, ya
-                    btv[g, k0:end] = 0.0 if xa == ya else 1.0
-                done = done | absorbed
-            cont = ib[~done]
-            x_in[cont], y_in[cont] = x[~done], y[~done]
-            last_x[gb], last_y[gb] = x, y
-            go_on[cont] = True
-            phase[gb[done]] = 2
-
+        step = _step(state, logp, logq)
+        if step.chain_rows.numel():
+            _chain_step(state, step, t)
+        if step.branch_rows.numel():
+            _branch_step(state, step)
         if progress is not None:
             progress.update(B)
-        if not bool(go_on.any()):
+        if not bool(step.go_on.any()):
             break
-        if can_drop and not bool(go_on.all()):
-            keep = go_on.nonzero().squeeze(1)
-            pair.keep_rows(keep)
-            act, x_in, y_in = act[keep], x_in[keep], y_in[keep]
-            rewind_to = None if rewind_to is None else rewind_to[keep]
-        if rewind_to is not None:
-            pair.rewind(rewind_to)
-            hist[act] = rewind_to
-        logp, logq = checked(pair.advance, x_in, y_in)
-        hist[act] += 1
-
-    # ---- outputs: one copy to the CPU ------------------------------------------------
-    cpu = {name: a.cpu() for name, a in dict(
-        tv=tv, survival=survival, chain=chain, tau_naive=tau_naive, t_star=t_star, x_star=x_star,
-        y_star=y_star, lags=lags, bx=bx, by=by, btv=btv).items()}
-    out = []
-    for g in range(N):
-        L = int(cpu["lags"][g])
-        has_branch = int(cpu["t_star"][g]) > 0
-        xs, ys = cpu["bx"][g, :L].tolist(), cpu["by"][g, :L].tolist()
-        out.append(
-            {
-                "replicate": g % R,
-                "T": T,
-                "chain_token": cpu["chain"][g].tolist(),
-                "tv": cpu["tv"][g].tolist(),
-                "survival": cpu["survival"][g].tolist(),
-                "tau_naive": int(cpu["tau_naive"][g]) if cpu["tau_naive"][g] <= T else None,
-                "t_star": int(cpu["t_star"][g]) if has_branch else None,
-                "x_star": int(cpu["x_star"][g]) if has_branch else None,
-                "y_star": int(cpu["y_star"][g]) if has_branch else None,
-                "branch_x": xs,
-                "branch_y": ys,
-                "branch_tv": cpu["btv"][g, :L].tolist(),
-                "branch_mismatch": [int(a != b) for a, b in zip(xs, ys)],
-            }
-        )
-    return out
+        x_in, y_in = _compact(pair, state, step)
+        logp, logq = _checked(state, pair.advance, x_in, y_in)
+        state.hist[state.act] += 1
+    return _records(state)
 
 
 def to_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:

@@ -130,6 +130,15 @@ def residual_draws(
 
     The two residuals have disjoint supports, so ``X != Y``.
 
+    A row can have ``tv > 0`` from rounding alone: ``p <= q`` everywhere (so ``p = q``
+    in exact arithmetic, both summing to 1) with ``(p - q)^+`` all zero, or the other
+    way round. A side whose residual has no mass then draws from its own distribution
+    (``X ~ p`` by inverse CDF with ``u_x``; ``Y ~ q`` with ``u_y``) instead of the empty
+    residual, so every token is one the side can emit, and the coupling keeps its
+    marginals: with ``(p - q)^+ = 0`` the overlap ``min(p, q)`` is ``p``, so ``X ~ p``
+    whichever branch of the coupling drew it. Such a pair may agree, an event of
+    probability at most that rounding-sized ``tv``.
+
     Parameters
     ----------
     p, q : torch.Tensor
@@ -142,11 +151,19 @@ def residual_draws(
     Returns
     -------
     (torch.Tensor, torch.Tensor)
-        Tokens ``X`` and ``Y``, int64, shape (B,) each.
+        Tokens ``X`` and ``Y``, int64, shape (B,) each, valid token ids.
     """
     if diff is None:
         diff = p - q
-    return inverse_cdf(diff.clamp(min=0.0), u_x), inverse_cdf((-diff).clamp(min=0.0), u_y)
+    return _residual_or_own(diff.clamp(min=0.0), p, u_x), _residual_or_own((-diff).clamp(min=0.0), q, u_y)
+
+
+def _residual_or_own(residual: torch.Tensor, own: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws from ``residual``; rows whose residual has no mass draw from ``own``."""
+    empty = ~(residual > 0).any(-1)
+    if bool(empty.any()):
+        residual = torch.where(empty.unsqueeze(-1), own, residual)
+    return inverse_cdf(residual, u)
 
 
 def maximal_coupling(

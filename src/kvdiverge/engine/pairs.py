@@ -12,8 +12,8 @@ its KV caches between calls:
 - ``rewind(length)`` — cut both histories of row ``r`` back to their first
   ``length[r]`` tokens (which must be shared by the two sides); a row whose
   ``length[r]`` is its current length is left as it is.
-- ``keep_rows(rows)`` (optional) — keep only the given rows, in that order; the
-  engine calls it when rows finish, so that later steps run on fewer rows.
+- ``keep_rows(rows)`` — keep only the given rows, in that order; the engine calls
+  it when rows finish, so that later steps run on fewer rows.
 
 Log-distributions are float64 tensors of shape (n_rows, vocab_size), already through
 the decoding transform (:mod:`kvdiverge.engine.decoding`), on the pair's device (float32 on
@@ -51,6 +51,8 @@ class KernelPair(Protocol):
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rewind(self, length: torch.Tensor) -> None: ...
+
+    def keep_rows(self, rows: torch.Tensor) -> None: ...
 
 
 class TableKernelPair:

@@ -5,12 +5,20 @@ side per step (:func:`kvdiverge.engine.runner.run_documents`). Its memory grows 
 cache of those rows:
 
     kv_bytes_per_token = layers x kv_heads x head_dim x 2 (keys and values) x dtype_bytes
-    bytes_per_document = R x 2 sides x (prompt_len + T) x kv_bytes_per_token
+    bytes_per_document = R x 2 sides x (prompt_len + 2T - 2) x kv_bytes_per_token
+                       + 2 x prompt_len x kv_bytes_per_token
                        + R x 2 sides x vocab x LOGIT_BYTES_PER_ENTRY
     B = floor(memory_budget / bytes_per_document), clipped to [1, documents]
 
 ``prompt_len`` is the longest prompt of the shard (every row is padded to the longest
-of its batch). The second term is the per-row working memory of the decoding transform
+of its batch). Every forward appends one column to every row of the batched cache, and
+a rewind only masks the abandoned columns (they leave when no remaining row attends to
+them), so a cache is at most ``prompt_len + 2T - 2`` columns wide
+(:func:`cache_columns`): a chain that runs all ``T`` steps appends ``T - 1`` tokens, and
+a branch from ``t* = 1`` then appends ``T - 1`` more. The second term is the
+per-document prefill caches (the reference and the evicted one, batch 1) that are
+alive while :meth:`kvdiverge.engine.llm_pair.LLMKernelPair.start` merges them into
+the batched caches. The third is the per-row working memory of the decoding transform
 and the coupling math (float64 log-probabilities, probabilities and cumulative sums over
 the vocabulary). Model weights and the prefill's activations (one document at a time,
 so independent of ``B``) are not in the budget: the budget is what is left for the
@@ -24,11 +32,38 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOGIT_BYTES_PER_ENTRY", "kv_bytes_per_token", "default_memory_budget", "plan_batch"]
+__all__ = ["LOGIT_BYTES_PER_ENTRY", "cache_columns", "kv_bytes_per_token", "default_memory_budget",
+           "document_bytes", "plan_batch"]
 
 #: Bytes per (row, vocabulary entry) of the logits and coupling temporaries: raw logits
 #: (4) plus about six float64 (B, V) tensors alive at once (48).
 LOGIT_BYTES_PER_ENTRY = 52
+
+
+def cache_columns(prompt_len: int, T: int) -> int:
+    """The widest a batched cache gets over a run of horizon ``T``: ``prompt_len + 2T - 2`` columns.
+
+    Parameters
+    ----------
+    prompt_len : int
+        Longest prompt of the batch (tokens).
+    T : int
+        Horizon (tokens), ``>= 1``.
+
+    Returns
+    -------
+    int
+        Columns (tokens) of one row's cache at its widest.
+    """
+    return int(prompt_len) + max(2 * int(T) - 2, 0)
+
+
+def document_bytes(*, kv_bytes_per_token: int, prompt_len: int, T: int, replicates: int, vocab_size: int) -> int:
+    """Bytes one document adds to a batch (module docstring for the formula)."""
+    kv = int(kv_bytes_per_token)
+    rows = int(replicates) * 2
+    return (rows * (cache_columns(prompt_len, T) * kv + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
+            + 2 * int(prompt_len) * kv)
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
@@ -122,6 +157,6 @@ def plan_batch(
         if int(override) < 1:
             raise ValueError(f"generation.batch_documents must be >= 1 or 'auto', got {override}")
         return max(1, min(int(override), int(documents)))
-    rows = int(replicates) * 2
-    per_doc = rows * ((int(prompt_len) + int(T)) * int(kv_bytes_per_token) + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
+    per_doc = document_bytes(kv_bytes_per_token=kv_bytes_per_token, prompt_len=prompt_len, T=T,
+                             replicates=replicates, vocab_size=vocab_size)
     return max(1, min(int(documents), math.floor(memory_budget_bytes / per_doc)))

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-__all__ = ["Document", "PressSource", "run_documents"]
+__all__ = ["Document", "PressSource", "plan_documents", "run_documents"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,62 @@ class PressSource(Protocol):
     def build_press(self, prompt_len: int) -> Any: ...
 
     def expected_kept(self, prompt_len: int, press: Any) -> int | None: ...
+
+
+def plan_documents(
+    model,
+    documents: Sequence[Document],
+    *,
+    T: int,
+    replicates: int,
+    batch_documents: int | None = None,
+    memory_budget_gb: float | None = None,
+) -> int:
+    """Documents per batched forward ``B`` for running ``documents`` on ``model``.
+
+    Reads the device's free memory once (when ``memory_budget_gb`` is None); a caller
+    that runs the same documents under several policies plans once and passes the
+    result as ``batch_documents`` to each :func:`run_documents`, so every policy runs
+    in the same batches.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model (its config gives the KV bytes per token and the vocabulary size).
+    documents : sequence of Document
+        The documents to run (the longest prompt sizes the batch).
+    T, replicates : int
+        Horizon (tokens) and ``R``.
+    batch_documents : int, optional
+        ``B`` to use (clipped to the number of documents); None plans it.
+    memory_budget_gb : float, optional
+        GiB the batch may take; default
+        :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
+
+    Returns
+    -------
+    int
+        ``B`` in ``[1, len(documents)]`` (1 when there are no documents).
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents`` is below 1.
+    """
+    from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
+
+    param = next(model.parameters())
+    if batch_documents is None:
+        budget = (default_memory_budget(param.device) if memory_budget_gb is None
+                  else int(float(memory_budget_gb) * 2**30))
+    else:
+        budget = 0  # unused: the override decides
+    return plan_batch(
+        kv_bytes_per_token=kv_bytes_per_token(model.config, param.dtype),
+        prompt_len=max((doc.prompt_len for doc in documents), default=0), T=int(T), replicates=int(replicates),
+        vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=max(len(documents), 1),
+        override=batch_documents,
+    )
 
 
 def run_documents(
@@ -104,8 +160,8 @@ def run_documents(
     progress : tqdm, optional
         Advanced by ``2T - 1`` per document.
     batch_documents : int, optional
-        Documents per batched forward ``B``; ``None`` lets :func:`kvdiverge.engine.planner.plan_batch`
-        choose it from the model's KV bytes per token and ``memory_budget_gb``.
+        Documents per batched forward ``B``; ``None`` lets :func:`plan_documents` choose it
+        from the model's KV bytes per token and ``memory_budget_gb``.
     memory_budget_gb : float, optional
         Memory the batch may take (GiB); default
         :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
@@ -127,20 +183,12 @@ def run_documents(
         When a prompt is too short for the policy.
     """
     from kvdiverge.engine.llm_pair import LLMKernelPair
-    from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
     from kvdiverge.engine.coupled import run_batch
 
     if not documents:
         return []
-    device = next(model.parameters()).device
-    budget = (default_memory_budget(device) if memory_budget_gb is None
-              else int(float(memory_budget_gb) * 2**30))
-    B = plan_batch(
-        kv_bytes_per_token=kv_bytes_per_token(model.config, next(model.parameters()).dtype),
-        prompt_len=max(doc.prompt_len for doc in documents), T=int(T), replicates=int(replicates),
-        vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=len(documents),
-        override=batch_documents,
-    )
+    B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
+                       memory_budget_gb=memory_budget_gb)
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
     by_index: dict[int, list[dict[str, Any]]] = {}

@@ -175,8 +175,8 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
 class ConstructedPair:
     """A §4 construction around any kernel pair of the incremental interface.
 
-    Tracks each row's two histories through ``start`` / ``advance`` / ``rewind`` and, on
-    rows more than ``W`` steps past their divergence, replaces the inner pair's
+    Tracks each row's two histories through ``start`` / ``advance`` / ``rewind`` /
+    ``keep_rows`` and, on rows more than ``W`` steps past their divergence, replaces the inner pair's
     log-distributions by point masses: the same token on both sides (``end="lower"``) or
     ``tokens[0]`` on the reference side and ``tokens[1]`` on the evicted side
     (``end="upper"``). Every other row gets the inner pair's output unchanged, so the law
@@ -185,7 +185,8 @@ class ConstructedPair:
     Parameters
     ----------
     pair : kvdiverge.engine.pairs.KernelPair
-        The inner pair (``vocab_size``, ``eos_ids``, ``start``, ``advance``, ``rewind``).
+        The inner pair (``vocab_size``, ``eos_ids``, ``start``, ``advance``, ``rewind``,
+        ``keep_rows``).
     W : int
         Window width (lags), ``>= 0``.
     end : {"lower", "upper"}
@@ -251,3 +252,9 @@ class ConstructedPair:
         for r, n in enumerate(length.tolist()):
             del self._hx[r][n:]
             del self._hy[r][n:]
+
+    def keep_rows(self, rows) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows), in that order, here and in the inner pair."""
+        self.pair.keep_rows(rows)
+        self._hx = [self._hx[i] for i in rows.tolist()]
+        self._hy = [self._hy[i] for i in rows.tolist()]

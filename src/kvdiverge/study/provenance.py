@@ -14,6 +14,10 @@ so each shard also carries its settings inside the file, as parquet key-value me
     :func:`library_versions` of the process that wrote the shard, as JSON.
 ``kvdiverge.shard``
     ``{"model", "policy", "split", "shard"}`` of the shard, as JSON.
+``kvdiverge.batch``
+    ``{"batch_documents": B}``: the documents per batched forward the shard ran with, as
+    JSON. Not a setting: results depend on ``B`` only through rounding, so shards made
+    with different ``B`` stay compatible (it enters neither the settings nor their hash).
 
 The estimate stage calls :func:`check_shards`, which refuses shards whose settings differ
 from the current config or from each other, naming the setting, both values and the
@@ -41,7 +45,7 @@ from typing import Any
 import polars as pl
 
 __all__ = [
-    "KEY_SETTINGS", "KEY_HASH", "KEY_VERSIONS", "KEY_SHARD", "LIBRARIES", "CONFIGFILES_ENV",
+    "KEY_SETTINGS", "KEY_HASH", "KEY_VERSIONS", "KEY_SHARD", "KEY_BATCH", "LIBRARIES", "CONFIGFILES_ENV",
     "StaleShardError", "ShardProvenance", "canonical", "shard_settings", "settings_hash",
     "library_versions", "shard_metadata", "read_provenance", "differences", "check_shards",
     "regenerate_command", "provenance_table", "study_hash", "provenance_html",
@@ -53,6 +57,7 @@ KEY_SETTINGS = "kvdiverge.settings"
 KEY_HASH = "kvdiverge.settings_hash"
 KEY_VERSIONS = "kvdiverge.versions"
 KEY_SHARD = "kvdiverge.shard"
+KEY_BATCH = "kvdiverge.batch"
 #: Libraries whose versions a shard records (besides Python); numbers may change with them.
 LIBRARIES = ("torch", "transformers", "kvpress", "kvdiverge")
 #: Environment variable through which the workflow tells its scripts its config files
@@ -148,25 +153,31 @@ def library_versions() -> dict[str, str]:
 
 
 def shard_metadata(settings: Mapping[str, Any], *, model: str, policy: str, split: str,
-                   shard: int) -> dict[str, str]:
-    """Parquet key-value metadata for a shard (module docstring lists the keys)."""
+                   shard: int, batch_documents: int | None = None) -> dict[str, str]:
+    """Parquet key-value metadata for a shard (module docstring lists the keys).
+
+    ``batch_documents`` is the ``B`` the shard ran with (None: no document ran).
+    """
     return {
         KEY_SETTINGS: _json(settings),
         KEY_HASH: settings_hash(settings),
         KEY_VERSIONS: _json(library_versions()),
         KEY_SHARD: _json({"model": model, "policy": policy, "split": split, "shard": int(shard)}),
+        KEY_BATCH: _json({"batch_documents": None if batch_documents is None else int(batch_documents)}),
     }
 
 
 @dataclass(frozen=True)
 class ShardProvenance:
-    """The recorded provenance of one shard file (``settings`` is None when none was recorded)."""
+    """The recorded provenance of one shard file (``settings`` is None when none was recorded;
+    ``batch`` is ``{"batch_documents": B}``, empty when not recorded)."""
 
     path: str
     settings: dict[str, Any] | None
     settings_hash: str | None
     versions: dict[str, str] = field(default_factory=dict)
     shard: dict[str, Any] = field(default_factory=dict)
+    batch: dict[str, Any] = field(default_factory=dict)
 
 
 def read_provenance(path: str | os.PathLike) -> ShardProvenance:
@@ -181,7 +192,8 @@ def read_provenance(path: str | os.PathLike) -> ShardProvenance:
     if KEY_SETTINGS not in meta:
         return ShardProvenance(str(path), None, None)
     return ShardProvenance(str(path), json.loads(meta[KEY_SETTINGS]), meta.get(KEY_HASH),
-                           json.loads(meta.get(KEY_VERSIONS, "{}")), json.loads(meta.get(KEY_SHARD, "{}")))
+                           json.loads(meta.get(KEY_VERSIONS, "{}")), json.loads(meta.get(KEY_SHARD, "{}")),
+                           json.loads(meta.get(KEY_BATCH, "{}")))
 
 
 def differences(recorded: Any, expected: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:

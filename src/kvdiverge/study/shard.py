@@ -81,7 +81,8 @@ def run_shard(
     -------
     polars.DataFrame
         The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
-        The file also records the settings it was made with and the library versions
+        The file also records the settings it was made with, the library versions and the
+        documents per batched forward ``B`` it ran with
         (:func:`kvdiverge.study.provenance.shard_metadata`, parquet key-value metadata).
 
     Raises
@@ -93,7 +94,7 @@ def run_shard(
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata, shard_settings
     from kvdiverge.engine.policies import Policy
-    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.engine.runner import Document, plan_documents, run_documents
 
     policy = Policy.from_config(policy_name, config["policies"][policy_name])
     prompts = pl.read_parquet(prompts_path)
@@ -108,20 +109,23 @@ def run_shard(
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     documents = [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)]
     gen = config.get("generation") or {}
+    B = None
+    if documents:
+        B = plan_documents(model, documents, T=T, replicates=R, memory_budget_gb=gen.get("memory_budget_gb"),
+                           batch_documents=None if gen.get("batch_documents", "auto") == "auto"
+                           else int(gen["batch_documents"]))
     with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
               unit="step", mininterval=5.0) as bar:
         recs = run_documents(
             model, documents, policy, T=T, replicates=R,
             temperature=float(config["decoding"]["temperature"]),
             top_p=float(config["decoding"].get("top_p", 1.0)),
-            seed=int(config["seed"]), model_name=model_name, progress=bar,
-            batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-            memory_budget_gb=gen.get("memory_budget_gb"),
+            seed=int(config["seed"]), model_name=model_name, progress=bar, batch_documents=B,
         )
     meta = {"model": model_name, "policy": policy_name, "split": split}
     records = [{**meta, **rec} for rec in recs]
     frame = to_frame(records)
     provenance = shard_metadata(shard_settings(config, model_name, policy_name, split), model=model_name,
-                                policy=policy_name, split=split, shard=shard)
+                                policy=policy_name, split=split, shard=shard, batch_documents=B)
     write_parquet_atomic(frame, output_path, metadata=provenance)
     return frame
