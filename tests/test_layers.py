@@ -189,12 +189,8 @@ def test_long_functions_are_found(tmp_path):
 
 
 ENGINE_MODULES = sorted((SRC / "kvdiverge" / "engine").glob("*.py"))
-#: Modules whose long functions are being split into phases (the batched coupled run).
-BEING_SPLIT = {"coupled.py"}
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, id=p.name, marks=[pytest.mark.xfail(strict=False, reason="run_batch is one long function")]
-                 if p.name in BEING_SPLIT else []) for p in ENGINE_MODULES])
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: p.name)
 def test_engine_functions_are_short(path):
     assert long_functions(path) == [], f"{path.name}: functions over {ENGINE_MAX_LINES} lines"
