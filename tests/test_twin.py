@@ -53,5 +53,5 @@ def test_press_state_on_the_twin_never_reaches_the_reference(model):
 
 def test_twin_refuses_a_model_with_hooks(model):
     with kvpress.SnapKVPress(0.5)(model):
-        with pytest.raises(ValueError, match="forward hooks"):
+        with pytest.raises(ValueError, match="forward hooks of a press"):
             evicted_twin(model)
