@@ -72,10 +72,6 @@ def _nested(press) -> list:
     return out
 
 
-#: Presses whose context manager is kvpress's own plus a reset of their decoding state.
-_DELEGATING = {"DecodingPress", "PrefillDecodingPress"}
-
-
 def shares_prefill(press) -> bool:
     """True when the full cache can be copied from ``press``'s own prefill (one forward).
 
@@ -86,7 +82,9 @@ def shares_prefill(press) -> bool:
     """
     import kvpress
 
-    return type(press).__call__ is kvpress.BasePress.__call__ or type(press).__name__ in _DELEGATING
+    # the decoding wrappers' context managers are kvpress's own plus a reset of their decoding state
+    own = {kvpress.BasePress.__call__, kvpress.DecodingPress.__call__, kvpress.PrefillDecodingPress.__call__}
+    return type(press).__call__ in own
 
 
 def needs_attentions(press) -> bool:
