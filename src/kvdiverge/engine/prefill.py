@@ -187,11 +187,9 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
     hooks = [m.register_forward_hook(_hook(full, seen, needs_attentions(press)), with_kwargs=True) for m in modules]
     try:
         with press(twin):
-            try:
-                ev_logits = _forward(twin, ids, ev)
-            finally:
-                for h in hooks:
-                    h.remove()
+            ev_logits = _forward(twin, ids, ev)
+            for h in hooks:  # before the press's exit, which may run forwards of its own (KVzip)
+                h.remove()
     finally:
         for h in hooks:
             h.remove()
