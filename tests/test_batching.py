@@ -140,6 +140,8 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
                                            expected_kept=policy.expected_kept(doc.prompt_len, press))
         old += [{"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len, **r}
                 for r in legacy_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)]
+    assert all(r.pop("kept_per_layer") == [r["kept_len"] * model.config.num_key_value_heads]
+               * model.config.num_hidden_layers for r in new)  # a column the old engine did not write
     assert canonical(new) == canonical(old)
     assert any(r["tv"][1] > 0 for r in new)  # the press changed the kernel, so tv is not trivially 0
 

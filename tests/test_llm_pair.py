@@ -6,10 +6,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from kvpress import SnapKVPress, StreamingLLMPress
+from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
+from transformers import DynamicCache
 
 from kvdiverge.engine.errors import CompressionError
 from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.engine.prefill import prefill
+from kvdiverge.engine.promises import kept_promise
+from kvdiverge.engine.twin import evicted_twin
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.engine.coupled import run_document
 from kvdiverge.study.shard import run_shard
@@ -82,10 +86,44 @@ def test_greedy_coupled_run_equals_model_generate(model, prompt, press):
     ref, ev, pair = coupled_greedy(model, prompt, press, expected_kept=int(n * 0.5))
     want_ref = greedy_generate(model, prompt)
     want_ev = greedy_generate(model, prompt, press)
-    assert pair.kept_len == int(n * 0.5)
+    assert pair.kept_lens == [int(n * 0.5)]
     assert ref[: len(want_ref)] == want_ref
     assert ev[: len(want_ev)] == want_ev
     assert want_ref != want_ev  # the eviction matters on this prompt, so the test can fail
+
+
+@pytest.mark.parametrize("press", [AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=32)),
+                                   PyramidKVPress(compression_ratio=0.5, window_size=32)],
+                         ids=["adakv-snapkv-50", "pyramidkv-50"])
+def test_headwise_and_per_layer_presses_equal_kvpress_generate(model, prompt, press):
+    """The reference side is plain ``generate``; the evicted side is kvpress's own
+    ``generate`` under the press (on a twin, so the press never touches ``model``)."""
+    n = len(prompt)
+    ref, ev, pair = coupled_greedy(model, prompt, press, expected_kept=kept_promise(press, n))
+    twin = evicted_twin(model)
+    want_ev = greedy_generate(twin, prompt, press)
+    assert ref[:T] == greedy_generate(model, prompt)
+    assert ev[: len(want_ev)] == want_ev
+    assert abs(pair.kept_lens[0] - n // 2) <= 1 and pair.prefill_forwards == [1]
+    heads = model.config.num_key_value_heads
+    if isinstance(press, AdaKVPress):
+        assert pair.kept_per_layer == [[(n // 2) * heads] * model.config.num_hidden_layers]
+    else:
+        assert len(set(pair.kept_per_layer[0])) > 1  # the layers keep different counts
+
+
+def test_one_prefill_gives_the_plain_reference_cache_bit_for_bit(model, prompt):
+    ids = torch.tensor(prompt)
+    twin = evicted_twin(model)
+    with torch.inference_mode():
+        plain = DynamicCache()
+        logits = model(input_ids=ids[None], past_key_values=plain, use_cache=True, logits_to_keep=1).logits[:, -1]
+        for press in (SnapKVPress(compression_ratio=0.5, window_size=32), AdaKVPress(SnapKVPress(0.5, window_size=32))):
+            done = prefill(model, twin, ids, press)
+            assert done.forwards == 1 and torch.equal(done.ref_logits, logits)
+            for a, b in zip(done.ref.layers, plain.layers):
+                assert a.keys.dtype == torch.float32
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_wrong_positions_break_the_equality(model, prompt):
@@ -98,7 +136,7 @@ def test_wrong_positions_break_the_equality(model, prompt):
 
         def wrong_start(n_rows):
             out = start(n_rows)
-            pair._ev.prompt_len = pair.kept_len
+            pair._ev.prompt_len = pair.kept_lens[0]
             return out
 
         pair.start = wrong_start

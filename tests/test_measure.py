@@ -22,6 +22,7 @@ import time
 import tomllib
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -212,7 +213,8 @@ def test_press_policy_minimum_and_kept():
     assert snap.build_press(17) is snap.press
     assert PressPolicy("k", KnormPress(0.0)).expected_kept(40, KnormPress(0.0)) == 40
     wrapped = PressPolicy("a", AdaKVPress(StreamingLLMPress(0.5, n_sink=4)))
-    assert wrapped.min_prompt_tokens == 5 and wrapped.expected_kept(40, wrapped.press) is None
+    promise = wrapped.expected_kept(40, wrapped.press)  # head-wise: 20 per head on average, per layer
+    assert wrapped.min_prompt_tokens == 5 and promise.scope == "layer" and promise.counts(SimpleNamespace(num_hidden_layers=2)) == (20, 20)
     # the same kept count as the config's policy for the same ratio
     policy = Policy.from_config("p", {"press": "SnapKVPress", "compression_ratio": 0.3, "window_size": 16})
     assert all(snap.expected_kept(n, SnapKVPress(compression_ratio=0.3)) == policy.kept_tokens(n)

@@ -104,5 +104,5 @@ def test_every_press_compresses_to_its_kept_count_and_decodes(llm, press_name):
     expected = policy.kept_tokens(len(ids)) if isinstance(press, ScorerPress) else None
     pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=expected)
     records = run_document(pair, 3, 2, 0, "m", press_name)
-    assert pair.kept_len == len(ids) // 2
+    assert pair.kept_lens == [len(ids) // 2]
     assert len(records) == 2 and all(len(r["tv"]) == 3 for r in records)

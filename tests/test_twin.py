@@ -53,5 +53,18 @@ def test_press_state_on_the_twin_never_reaches_the_reference(model):
 
 def test_twin_refuses_a_model_with_hooks(model):
     with kvpress.SnapKVPress(0.5)(model):
-        with pytest.raises(ValueError, match="forward hooks"):
+        with pytest.raises(ValueError, match="forward hooks of a press"):
             evicted_twin(model)
+
+
+def test_hooks_of_no_press_are_shared_and_later_hooks_stay_on_their_tree(model):
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda module, args: calls.append(module))
+    twin = evicted_twin(model)
+    handle.remove()
+    ids = torch.randint(0, 100, (1, 8))
+    model(input_ids=ids)
+    twin(input_ids=ids)
+    assert calls == [twin.model]  # the recorder saw the twin's forward, not the model's after removal
+    with kvpress.SnapKVPress(0.5)(twin):
+        assert not any(m._forward_hooks for m in model.modules())

@@ -1,7 +1,10 @@
-"""The language-model kernel pair: one model, two KV caches (estimators.md §1).
+"""The language-model kernel pair: one model's weights, two KV caches (estimators.md §1).
 
-The reference side ``P`` holds the full prompt cache; the evicted side ``Q`` the prompt
-cache compressed by a kvpress press. Both implement :class:`kvdiverge.engine.pairs.KernelPair`.
+The reference side ``P`` holds the full prompt cache and runs on the plain model; the
+evicted side ``Q`` holds the prompt cache compressed by a kvpress press and runs on the
+model's twin (:func:`kvdiverge.engine.twin.evicted_twin`: the same tensors, its own module
+tree), so no press hook or module state ever reaches ``P``. The pair implements
+:class:`kvdiverge.engine.pairs.KernelPair`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import torch
 from kvdiverge.engine.coupling import coupling_dtype
 from kvdiverge.engine.decoding import decode_log_probs
 from kvdiverge.engine.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
+from kvdiverge.engine.masks import HeadMasks, attention_modules, check_patched
+from kvdiverge.engine.prefill import prefill
+from kvdiverge.engine.promises import KeptPromise, check_kept
+from kvdiverge.engine.twin import evicted_twin
 
 __all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
 
@@ -42,11 +49,15 @@ class _CacheSide:
     stored there (-1 for prompt and padding columns), so ``rewind`` can mask a row's
     abandoned suffix without touching other rows. ``prompt_len`` is the uncompressed
     prompt length of each row's document (int64, (n_rows,), or an int for all rows):
-    the RoPE position of generated token ``i`` is ``prompt_len + i``.
+    the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
+    (:class:`kvdiverge.engine.masks.HeadMasks` or ``None``) masks prompt columns per layer
+    and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
     """
 
-    def __init__(self, cache, valid: torch.Tensor, prompt_len):
+    def __init__(self, cache, valid: torch.Tensor, prompt_len, masks: HeadMasks | None = None,
+                 modules: Sequence = ()):
         self.cache = cache
+        self.masks, self.modules = masks, list(modules)
         self.valid = valid
         self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
         self.n_gen = torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
@@ -60,6 +71,8 @@ class _CacheSide:
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
         # as kvpress's own pipeline does, whatever the cache length.
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
+        if self.masks is not None:
+            self.masks.apply(self.modules)
         out = model(
             input_ids=tokens.unsqueeze(1),
             past_key_values=self.cache,
@@ -85,6 +98,8 @@ class _CacheSide:
         if trim:
             cols = cols.nonzero().squeeze(1)
             self.valid, self.step = self.valid[:, cols], self.step[:, cols]
+        if self.masks is not None:
+            self.masks.keep_rows(rows, cols if trim else None)
         for layer in self.cache.layers:
             keys, values = layer.keys[rows], layer.values[rows]
             if trim:
@@ -99,11 +114,11 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
     Parameters
     ----------
     caches : sequence of transformers.DynamicCache
-        One per document, batch size 1, each layer's keys/values of shape
-        (1, kv_heads, length_d, head_dim); all documents' layers have equal length
-        within a cache (checked by the caller).
+        One per document, batch size 1, each layer's keys of shape (1, kv_heads, n, head_dim)
+        and values of shape (1, kv_heads, n, v_head_dim); a layer may be shorter than its
+        document's ``lengths[d]`` (per-layer budgets): it is padded on the left too.
     lengths : sequence of int
-        Cache length of each document (tokens).
+        Cache width of each document (tokens): its longest layer.
     rows_each : int
         Rows per document (replicates ``R``): document ``d`` fills rows ``d*R .. d*R+R-1``.
     device : torch.device
@@ -113,24 +128,36 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
     -------
     (DynamicCache, torch.Tensor)
         The first cache, its layers replaced by the merged (B*R, kv_heads, max_len,
-        head_dim) tensors (padding columns hold zeros), and ``valid``, bool
-        (B*R, max_len): ``False`` on padding columns. With one document this is
-        ``batch_repeat_interleave(R)``, exactly the old single-document path.
+        head_dim) keys and (B*R, kv_heads, max_len, v_head_dim) values (padding columns
+        hold zeros), and ``valid``, bool (B*R, max_len): ``False`` on each document's left
+        padding (a shorter layer's own padding is masked per layer,
+        :class:`kvdiverge.engine.masks.HeadMasks`). With one document whose layers all have
+        its length this is ``batch_repeat_interleave(R)``.
+
+    Raises
+    ------
+    ValueError
+        If a layer is longer than its document's length.
     """
-    if len(caches) == 1:
+    longest = max(lengths)
+    even = all(layer.keys.shape[2] == n for cache, n in zip(caches, lengths) for layer in cache.layers)
+    if len(caches) == 1 and even:
         cache = caches[0]
         if rows_each > 1:
             cache.batch_repeat_interleave(rows_each)
         return cache, torch.ones(rows_each, lengths[0], dtype=torch.bool, device=device)
-    longest = max(lengths)
     merged = caches[0]
     for li, layer in enumerate(merged.layers):
         parts_k, parts_v = [], []
-        for cache, n in zip(caches, lengths):
+        for d, cache in enumerate(caches):
             k, v = cache.layers[li].keys, cache.layers[li].values
-            if n < longest:
-                pad = k.new_zeros(k.shape[0], k.shape[1], longest - n, k.shape[3])
-                k, v = torch.cat([pad, k], dim=2), torch.cat([pad.to(v.dtype), v], dim=2)
+            if k.shape[2] > lengths[d]:
+                raise ValueError(f"document {d}, layer {li}: {k.shape[2]} cache columns, more than its length "
+                                 f"{lengths[d]}")
+            pad = longest - k.shape[2]
+            if pad:
+                k = torch.cat([k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3]), k], dim=2)
+                v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], pad, v.shape[3]), v], dim=2)
             parts_k.append(k.expand(rows_each, -1, -1, -1))
             parts_v.append(v.expand(rows_each, -1, -1, -1))
         layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
@@ -151,6 +178,15 @@ class LLMKernelPair:
     length on both sides. This is exactly what ``with press(model): model.generate(...)``
     and kvpress's pipeline do.
 
+    The evicted side runs on the model's twin (:func:`kvdiverge.engine.twin.evicted_twin`,
+    built once per pair: new module objects over the same parameter tensors), so press
+    hooks and module state (``masked_key_indices``) stay off the reference side. One
+    prefill gives both caches where the press allows it (:mod:`kvdiverge.engine.prefill`).
+    A press may shorten each layer by its own count (PyramidKV) or mask keys per head
+    (AdaKV): each row then attends, per layer and key-value head, to its own document's
+    kept positions only (:class:`kvdiverge.engine.masks.HeadMasks`, applied by kvpress's
+    attention patch).
+
     Several documents (:meth:`from_documents`) share one pair: each is prefilled alone
     under its own press (kvpress compresses one sequence at a time, so no padding enters
     the compression), then the per-document caches are merged into one batched cache per
@@ -166,24 +202,35 @@ class LLMKernelPair:
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        A causal LM supported by kvpress, in eval mode.
+        A causal LM supported by kvpress, in eval mode, with no press entered.
     input_ids : sequence of int
         The chat-rendered prompt, length ``prompt_len`` (tokens).
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
     temperature, top_p : float
         Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
-    expected_kept : int or None
-        Prompt positions every layer must keep after compression (tokens). Checked
-        after prefill; ``None`` only checks that a compressing press shortened the cache.
+    expected_kept : int, KeptPromise or None
+        What the press promises to keep (:func:`kvdiverge.engine.promises.kept_promise`);
+        an int: that many prompt positions in every layer and head. Checked after
+        prefill; ``None`` only checks that a compressing press evicted something.
     eos_ids : sequence of int or None
         End-of-sequence ids; defaults to ``model.generation_config.eos_token_id``.
+
+    Attributes
+    ----------
+    kept_lens : list of int
+        Per document after :meth:`start`: prompt positions kept per key-value head, the
+        mean over layers and heads, rounded to the nearest integer (tokens).
+    kept_per_layer : list of list of int
+        Per document and layer: prompt positions kept, summed over the layer's key-value heads.
+    prefill_forwards : list of int
+        Per document: prefill forwards run (1, or 2 for presses that change the forward).
 
     Raises
     ------
     CompressionError
-        From :meth:`start`, when a layer's evicted cache length is not the policy's
-        kept count (a silently skipped compression).
+        From :meth:`start`, when a layer's kept count breaks the press's promise (the
+        message names the layer), or a layer holds more columns than the prompt.
     NonFiniteLogitsError
         From :meth:`start` and :meth:`advance`.
     """
@@ -196,15 +243,19 @@ class LLMKernelPair:
         *,
         temperature: float,
         top_p: float = 1.0,
-        expected_kept: int | None = None,
+        expected_kept: "int | KeptPromise | None" = None,
         eos_ids: Sequence[int] | None = None,
     ):
+        self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids)
+
+    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids) -> None:
         self.model = model
+        self.twin = evicted_twin(model)
         self.device = next(model.parameters()).device
         self.dtype = coupling_dtype(self.device)
-        self.prompts = [torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)]
-        self.presses = [press]
-        self.expected = [expected_kept]
+        self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        self.presses = list(presses)
+        self.expected = list(expected)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         if eos_ids is None:
@@ -212,12 +263,14 @@ class LLMKernelPair:
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.vocab_size = int(model.config.vocab_size)
         self.kept_lens: list[int] = []
+        self.kept_per_layer: list[list[int]] = []
+        self.prefill_forwards: list[int] = []
         self._ref: _CacheSide | None = None
         self._ev: _CacheSide | None = None
 
     @classmethod
     def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
-                       expected_kept: Sequence[int | None], *, temperature: float, top_p: float = 1.0,
+                       expected_kept: Sequence, *, temperature: float, top_p: float = 1.0,
                        eos_ids: Sequence[int] | None = None) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
@@ -226,7 +279,7 @@ class LLMKernelPair:
         prompts : sequence of sequence of int
             The documents' prompt token ids.
         presses, expected_kept : sequence
-            One press (or ``None``) and one kept count (or ``None``) per document.
+            One press (or ``None``) and one promise (int, KeptPromise or ``None``) per document.
 
         Raises
         ------
@@ -236,11 +289,8 @@ class LLMKernelPair:
         if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
             raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
                              f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
-        pair = cls(model, prompts[0], presses[0], temperature=temperature, top_p=top_p,
-                   expected_kept=expected_kept[0], eos_ids=eos_ids)
-        pair.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=pair.device) for p in prompts]
-        pair.presses = list(presses)
-        pair.expected = list(expected_kept)
+        pair = cls.__new__(cls)
+        pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids)
         return pair
 
     @property
@@ -253,55 +303,25 @@ class LLMKernelPair:
         """Uncompressed prompt length of each document (tokens)."""
         return [int(p.numel()) for p in self.prompts]
 
-    @property
-    def prompt_len(self) -> int:
-        """Prompt length of the first (or only) document (tokens)."""
-        return self.prompt_lens[0]
-
-    @property
-    def press(self):
-        """Press of the first (or only) document."""
-        return self.presses[0]
-
-    @property
-    def kept_len(self) -> int | None:
-        """Evicted cache length of the first (or only) document, known after :meth:`start`."""
-        return self.kept_lens[0] if self.kept_lens else None
-
     def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
         check_logits_finite(logits, side)
         return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
 
-    def _prefill(self, ids: torch.Tensor, press) -> tuple[object, torch.Tensor]:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        ids = ids.unsqueeze(0)
-        if press is None:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        else:
-            with press(self.model):
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache, out.logits[:, -1, :]
-
-    @staticmethod
-    def _check_compression(cache, press, prompt_len: int, expected_kept: int | None) -> int:
-        lengths = {layer.keys.shape[-2] for layer in cache.layers}
-        if len(lengths) != 1:
-            raise CompressionError(f"evicted cache layers differ in length: {sorted(lengths)}")
-        kept = lengths.pop()
-        if expected_kept is not None and kept != expected_kept:
-            raise CompressionError(
-                f"evicted cache keeps {kept} of {prompt_len} prompt positions per layer, "
-                f"the policy promises {expected_kept}: the press did not compress as configured"
-            )
-        ratio = getattr(press, "compression_ratio", 0.0) or 0.0
-        if expected_kept is None and ratio > 0 and kept >= prompt_len:
-            raise CompressionError(
-                f"press {type(press).__name__} (compression_ratio={ratio}) left the cache "
-                f"at the full {prompt_len} positions"
-            )
-        return kept
+    def _prefill_document(self, ids: torch.Tensor, press, expected):
+        """Prefill one document, check its evicted cache, record its kept counts."""
+        n = int(ids.numel())
+        done = prefill(self.model, self.twin, ids, press)
+        for li, layer in enumerate(done.ev.layers):
+            if layer.keys.shape[2] > n:
+                raise CompressionError(f"layer {li} of the evicted cache holds {layer.keys.shape[2]} positions, "
+                                       f"more than the {n} of the prompt: press {type(press).__name__} "
+                                       f"left extra positions in the cache")
+        kept = done.kept
+        check_kept(kept, expected, self.twin.config, press, n)
+        self.kept_lens.append(int(torch.round(kept.double().mean())))
+        self.kept_per_layer.append([int(k) for k in kept.sum(1)])
+        self.prefill_forwards.append(done.forwards)
+        return done
 
     @torch.inference_mode()
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,29 +341,28 @@ class LLMKernelPair:
         Raises
         ------
         ValueError
-            If ``n_rows`` is not a multiple of B.
+            If ``n_rows`` is not a multiple of B, or a press masks keys per head on an
+            attention implementation kvpress does not patch (``eager``).
         """
         B = self.n_documents
         if n_rows % B:
             raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
         R = n_rows // B
-        ref_caches, ev_caches, ref_logits, ev_logits = [], [], [], []
-        self.kept_lens = []
-        for ids, press, expected in zip(self.prompts, self.presses, self.expected):
-            cache, logits = self._prefill(ids, None)
-            ref_caches.append(cache)
-            ref_logits.append(logits)
-            cache, logits = self._prefill(ids, press)
-            self.kept_lens.append(self._check_compression(cache, press, int(ids.numel()), expected))
-            ev_caches.append(cache)
-            ev_logits.append(logits)
-        ref_cache, ref_valid = merge_caches(ref_caches, self.prompt_lens, R, self.device)
-        ev_cache, ev_valid = merge_caches(ev_caches, self.kept_lens, R, self.device)
-        prompt_len = torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1 else self.prompt_len
+        self.kept_lens, self.kept_per_layer, self.prefill_forwards = [], [], []
+        done = [self._prefill_document(ids, press, expected)
+                for ids, press, expected in zip(self.prompts, self.presses, self.expected)]
+        widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
+        masks = HeadMasks.merge([d.keep for d in done], widths, R)
+        if masks is not None:
+            check_patched(self.twin)
+        ref_cache, ref_valid = merge_caches([d.ref for d in done], self.prompt_lens, R, self.device)
+        ev_cache, ev_valid = merge_caches([d.ev for d in done], widths, R, self.device)
+        prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
+                      else self.prompt_lens[0])
         self._ref = _CacheSide(ref_cache, ref_valid, prompt_len)
-        self._ev = _CacheSide(ev_cache, ev_valid, prompt_len)
-        logp = self._transform(torch.cat(ref_logits), "reference")
-        logq = self._transform(torch.cat(ev_logits), "evicted")
+        self._ev = _CacheSide(ev_cache, ev_valid, prompt_len, masks, attention_modules(self.twin))
+        logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
+        logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
         if B == 1:
             return logp.expand(n_rows, -1), logq.expand(n_rows, -1)
         return logp.repeat_interleave(R, dim=0), logq.repeat_interleave(R, dim=0)
@@ -352,7 +371,7 @@ class LLMKernelPair:
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
         ref_logits = self._ref.forward(self.model, x.to(self.device))
-        ev_logits = self._ev.forward(self.model, y.to(self.device))
+        ev_logits = self._ev.forward(self.twin, y.to(self.device))
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()

@@ -45,6 +45,9 @@ class Document:
 class PressSource(Protocol):
     """What the runner needs of a policy: a press per prompt length, and the kept count.
 
+    ``expected_kept`` returns an int (every layer and head keeps that many), a
+    :class:`kvdiverge.engine.promises.KeptPromise`, or ``None``.
+
     :class:`kvdiverge.engine.policies.Policy` implements it.
     """
 
@@ -52,7 +55,7 @@ class PressSource(Protocol):
 
     def build_press(self, prompt_len: int) -> Any: ...
 
-    def expected_kept(self, prompt_len: int, press: Any) -> int | None: ...
+    def expected_kept(self, prompt_len: int, press: Any) -> Any: ...
 
 
 def plan_documents(
@@ -170,7 +173,8 @@ def run_documents(
     -------
     list[dict]
         One record per (document, replicate), in input order: ``doc_id``, ``prompt_len``,
-        ``kept_len``, ``seconds`` (the batch's wall time divided by its documents) and the
+        ``kept_len`` (prompt positions kept per key-value head, mean over layers and heads),
+        ``kept_per_layer`` (per layer, summed over its key-value heads), ``seconds`` (the batch's wall time divided by its documents) and the
         columns of :func:`kvdiverge.engine.coupled.run_batch`.
 
     Raises
@@ -210,7 +214,7 @@ def run_documents(
             progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
         for j, doc in enumerate(batch):
             meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
-                    "seconds": seconds}
+                    "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
             by_index[order[lo + j]] = [{**meta, **rec} for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
             log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds)
     return [rec for i in range(len(documents)) for rec in by_index[i]]

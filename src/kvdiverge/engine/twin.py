@@ -29,22 +29,35 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
     Returns
     -------
     torch.nn.Module
-        A new module tree: new module objects (own hooks, own attributes), the same
-        ``torch.nn.Parameter`` and buffer tensors (``twin.p is model.p`` for each).
+        A new module tree: new module objects (own hook tables, own attributes), the same
+        ``torch.nn.Parameter`` and buffer tensors (``twin.p is model.p`` for each). Hooks
+        already on ``model`` that belong to no press (a profiler, a recorder) are on the
+        twin too, as the same function objects; hooks registered later on either tree stay
+        on that tree.
 
     Raises
     ------
     ValueError
-        If ``model`` carries forward hooks or pre-hooks (a press is entered on it): the
-        twin would inherit them.
+        If ``model`` carries a kvpress press's forward hook (a press is entered on it).
     """
-    for name, module in model.named_modules():
-        if module._forward_hooks or module._forward_pre_hooks:
-            raise ValueError(f"module {name or type(module).__name__!r} has forward hooks (a press is active "
-                             f"on the reference model); build the twin before entering any press")
     memo = {id(t): t for t in model.parameters()}
     memo.update({id(t): t for t in model.buffers()})
+    for name, module in model.named_modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for hook in hooks.values():
+                if _is_press_hook(hook):
+                    raise ValueError(f"module {name or type(module).__name__!r} has forward hooks of a press "
+                                     f"(a press is active on the reference model); build the twin before "
+                                     f"entering any press")
+                memo[id(hook)] = hook
     return copy.deepcopy(model, memo)
+
+
+def _is_press_hook(hook) -> bool:
+    from kvpress import BasePress
+
+    owner = getattr(getattr(hook, "func", hook), "__self__", None)
+    return isinstance(owner, BasePress)
 
 
 def shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -16,6 +16,7 @@ TRAJECTORY_SCHEMA: dict[str, pl.DataType] = {
     "T": pl.Int32,
     "prompt_len": pl.Int32,
     "kept_len": pl.Int32,
+    "kept_per_layer": pl.List(pl.Int32),
     "chain_token": pl.List(pl.Int32),
     "tv": pl.List(pl.Float64),
     "survival": pl.List(pl.Float64),

@@ -1,0 +1,203 @@
+"""One document's prefill: the full cache (``P``) and the evicted cache (``Q``), from one forward when it can.
+
+kvpress's prefill presses compress each layer's cache in a forward hook after that layer's
+attention, and the hidden states passed on are those of full attention. So the full
+cache is the one the pressed prefill holds just before each compression, and ``p_1 = q_1``
+come from the same forward: a hook registered on each attention module *before* the press
+is entered runs before the press's hook and copies that layer's keys and values.
+
+Presses that change the forward itself (their own context manager: extra forwards,
+eager attention, a patched model forward, a hook on the embeddings) get two prefills:
+the reference on the plain model, the evicted one on the twin (:func:`shares_prefill`).
+The one-forward path also checks that each layer's attention ran exactly once, on the
+whole prompt, and falls back to a plain reference prefill otherwise.
+
+Presses that score with the attention weights (``ObservedAttentionPress``, kvpress asks
+for ``attn_implementation="eager"`` for them) get the weights from the same hook,
+computed from the layer's own queries and keys as eager attention computes them; the
+forward itself stays on the model's attention implementation (:func:`needs_attentions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdiverge.engine.masks import attention_modules, masked_keep
+
+__all__ = ["Prefill", "prefill", "shares_prefill", "needs_attentions"]
+
+
+@dataclass
+class Prefill:
+    """Both caches of one document after its prefill (batch 1).
+
+    Attributes
+    ----------
+    ref, ev : transformers.DynamicCache
+        Full and evicted cache; each layer's keys (1, kv_heads, n, head_dim), values
+        (1, kv_heads, n, v_head_dim). The evicted layers may differ in length ``n``.
+    ref_logits, ev_logits : torch.Tensor
+        Last-position logits, (1, vocab_size).
+    keep : list of torch.Tensor
+        Per layer, bool (kv_heads, n_l): the evicted cache's columns each head attends to.
+    forwards : int
+        Prefill forwards run (1 or 2).
+    """
+
+    ref: object
+    ev: object
+    ref_logits: torch.Tensor
+    ev_logits: torch.Tensor
+    keep: list
+    forwards: int
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Prompt positions kept per layer and key-value head, int64 (layers, kv_heads)."""
+        return torch.stack([k.sum(-1) for k in self.keep]).long()
+
+
+def _nested(press) -> list:
+    out, todo = [], [press]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for attr in ("press", "prefilling_press", "decoding_press", "base_press"):
+            inner = getattr(p, attr, None)
+            if inner is not None and inner is not p and hasattr(inner, "forward_hook"):
+                todo.append(inner)
+        todo.extend(getattr(p, "presses", None) or [])
+    return out
+
+
+def shares_prefill(press) -> bool:
+    """True when the full cache can be copied from ``press``'s own prefill (one forward).
+
+    That holds for presses entered by kvpress's ``BasePress.__call__`` (forward hooks on
+    the attention modules, nothing else) and for the decoding wrappers that only add a
+    reset to it; a press with its own context manager (``KVComposePress``, ``KVzipPress``,
+    ``FinchPress``, ...) may change the forward and gets two prefills.
+    """
+    import kvpress
+
+    # the decoding wrappers' context managers are kvpress's own plus a reset of their decoding state
+    own = {kvpress.BasePress.__call__, kvpress.DecodingPress.__call__, kvpress.PrefillDecodingPress.__call__}
+    return type(press).__call__ in own
+
+
+def needs_attentions(press) -> bool:
+    """True when ``press`` or a press it wraps scores with the attention weights (``ObservedAttentionPress``)."""
+    import kvpress
+
+    return any(isinstance(p, kvpress.ObservedAttentionPress) for p in _nested(press))
+
+
+def attention_weights(module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Causal attention weights of a prefill, as ``eager_attention_forward`` computes them.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module (``q_proj``, ``scaling``, ``num_key_value_groups``).
+    hidden_states : torch.Tensor
+        The layer's input, (1, n, hidden).
+    keys : torch.Tensor
+        The layer's cached keys after RoPE, (1, kv_heads, n, head_dim).
+    kwargs : dict
+        The module's forward kwargs (``position_embeddings``).
+
+    Returns
+    -------
+    torch.Tensor
+        (1, heads, n, n), the dtype of the queries; rows sum to 1.
+    """
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+
+    query = get_prerope_query_states(module, hidden_states)
+    cos, sin = kwargs["position_embeddings"]
+    query = query * cos.unsqueeze(1) + rotate_half(query) * sin.unsqueeze(1)
+    scores = torch.matmul(query, repeat_kv(keys, module.num_key_value_groups).transpose(2, 3)) * module.scaling
+    n = scores.shape[-1]
+    causal = torch.full((n, n), float("-inf"), device=scores.device, dtype=scores.dtype).triu(1)
+    return torch.softmax(scores + causal, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
+def _hook(full, seen: list, supply: bool):
+    """Forward hook: copy the layer's full cache into ``full`` (if given); supply attention weights."""
+
+    def hook(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        hidden = kwargs["hidden_states"]
+        seen.append((int(module.layer_idx), int(hidden.shape[1])))
+        if full is not None:
+            full.update(layer.keys, layer.values, module.layer_idx)  # a copy (concatenation onto nothing)
+        if supply and output[1] is None:
+            return (output[0], attention_weights(module, hidden, layer.keys, kwargs), *output[2:])
+        return None
+
+    return hook
+
+
+def _forward(model, ids: torch.Tensor, cache):
+    return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+
+
+def _copy(cache):
+    from transformers import DynamicCache
+
+    out = DynamicCache()
+    for li, layer in enumerate(cache.layers):
+        out.update(layer.keys, layer.values, li)
+    return out
+
+
+def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
+    """Prefill one document: the full cache on ``model`` (or copied from the press's forward), the evicted on ``twin``.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The reference model; no press is ever entered on it.
+    twin : transformers.PreTrainedModel
+        :func:`kvdiverge.engine.twin.evicted_twin` of ``model``; the press is entered on it.
+    ids : torch.Tensor
+        int64 (n,), the prompt.
+    press : kvpress.BasePress or None
+        ``None``: the evicted cache is a copy of the full one.
+
+    Returns
+    -------
+    Prefill
+    """
+    from transformers import DynamicCache
+
+    ids = ids.unsqueeze(0)
+    n, modules = int(ids.shape[1]), attention_modules(twin)
+    if press is None:
+        ref = DynamicCache()
+        logits = _forward(model, ids, ref)
+        ev = _copy(ref)
+        keep = [torch.ones(l.keys.shape[1], l.keys.shape[2], dtype=torch.bool, device=ids.device) for l in ev.layers]
+        return Prefill(ref, ev, logits, logits, keep, 1)
+    one = shares_prefill(press)
+    full, seen, ev = (DynamicCache() if one else None), [], DynamicCache()
+    hooks = [m.register_forward_hook(_hook(full, seen, needs_attentions(press)), with_kwargs=True) for m in modules]
+    try:
+        with press(twin):
+            ev_logits = _forward(twin, ids, ev)
+            for h in hooks:  # before the press's exit, which may run forwards of its own (KVzip)
+                h.remove()
+    finally:
+        for h in hooks:
+            h.remove()
+    keep = [masked_keep(getattr(m, "masked_key_indices", None), l.keys.shape[1], l.keys.shape[2], ids.device)
+            for m, l in zip(modules, ev.layers)]
+    for m in modules:
+        m.masked_key_indices = None
+    if one and seen == [(i, n) for i in range(len(modules))]:
+        return Prefill(full, ev, ev_logits, ev_logits, keep, 1)
+    ref = DynamicCache()
+    return Prefill(ref, ev, _forward(model, ids, ref), ev_logits, keep, 2)

@@ -1,0 +1,192 @@
+"""What a press promises to keep of a prompt, and the check of the evicted cache against it.
+
+A kvpress press keeps, after prefill, some prompt positions per layer and key-value head.
+Ordinary score-based presses keep the same count in every layer and head
+(``kvpress.utils.compute_n_kept``); head-wise presses (AdaKV, CriticalAdaKV) keep
+``compute_n_kept * heads`` positions in each layer in all, spread unevenly over its heads;
+per-layer presses (PyramidKV, ``PerLayerCompressionPress``) keep their own count in each
+layer. :func:`kept_promise` says which, and :meth:`KeptPromise.check` compares it with the
+kept counts measured on the evicted cache, naming the first layer that breaks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvdiverge.engine.errors import CompressionError
+
+__all__ = ["KeptPromise", "kept_promise", "check_kept"]
+
+#: How a promise counts: every head of a layer (``head``), the layer's heads together
+#: (``layer``, as a mean per head), or every layer and head together (``model``, per head
+#: summed over layers).
+SCOPES = ("head", "layer", "model")
+
+
+@dataclass(frozen=True)
+class KeptPromise:
+    """Prompt positions a press promises to keep (tokens), resolved on the model's config.
+
+    Parameters
+    ----------
+    press : str
+        Name of the press (for messages).
+    rule : str
+        How the counts are computed, e.g. ``"compute_n_kept(196, 0.5)"`` (for messages).
+    scope : str
+        ``"head"``: every key-value head of layer ``l`` keeps ``counts[l]`` positions;
+        ``"layer"``: the heads of layer ``l`` keep ``counts[l] * heads`` positions in all;
+        ``"model"``: all layers and heads keep ``counts[0] * heads`` positions in all.
+    counts : callable
+        ``counts(config) -> tuple[int, ...]``: one count per layer (``head``, ``layer``)
+        or one count (``model``); ``config`` is the model's ``transformers`` config.
+    at_least : bool
+        The counts are lower bounds (a press that floors small layers).
+    """
+
+    press: str
+    rule: str
+    scope: str
+    counts: Callable[[Any], tuple[int, ...]]
+    at_least: bool = False
+
+    def check(self, kept: torch.Tensor, config) -> None:
+        """Raise :class:`CompressionError` when ``kept`` (int64, (layers, kv_heads)) breaks the promise."""
+        want = tuple(int(c) for c in self.counts(config))
+        layers, heads = kept.shape
+        if self.scope == "model":
+            got, total = int(kept.sum()), want[0] * heads
+            if got != total and not (self.at_least and got > total):
+                raise CompressionError(
+                    f"evicted cache keeps {got} prompt positions over all {layers} layers and {heads} heads, "
+                    f"{self.press} promises {total} ({self.rule}): the press did not compress as configured")
+            return
+        for layer in range(layers):
+            row = kept[layer]
+            if self.scope == "head":
+                bad = [int(h) for h in (row != want[layer]).nonzero().flatten()]
+                if not bad or (self.at_least and bool((row >= want[layer]).all())):
+                    continue
+                raise CompressionError(
+                    f"layer {layer} of the evicted cache keeps {row.tolist()} prompt positions per head, "
+                    f"{self.press} promises {want[layer]} in every head ({self.rule}): "
+                    f"the press did not compress as configured")
+            got, total = int(row.sum()), want[layer] * heads
+            if got != total and not (self.at_least and got > total):
+                raise CompressionError(
+                    f"layer {layer} of the evicted cache keeps {got} prompt positions over its {heads} heads "
+                    f"{row.tolist()}, {self.press} promises {total} ({self.rule}): "
+                    f"the press did not compress as configured")
+
+
+def check_kept(kept: torch.Tensor, promise: "KeptPromise | int | None", config, press, prompt_len: int) -> None:
+    """Check a document's kept counts against its promise.
+
+    Parameters
+    ----------
+    kept : torch.Tensor
+        int64, (layers, kv_heads): prompt positions each layer and head keeps.
+    promise : KeptPromise, int or None
+        An int promises that every layer and head keeps exactly that many; ``None``
+        only checks that a press with a positive ``compression_ratio`` evicted something.
+    config : transformers.PretrainedConfig
+        The model's config (resolves per-layer promises).
+    press : kvpress.BasePress or None
+        The press (for the ``None`` check and messages).
+    prompt_len : int
+        Uncompressed prompt length (tokens).
+
+    Raises
+    ------
+    CompressionError
+        When a layer breaks the promise (the message names the layer), or a press with a
+        positive ratio left every layer and head at the full prompt.
+    """
+    if isinstance(promise, int):
+        n = int(promise)
+        promise = KeptPromise(type(press).__name__, f"{n} positions", "head", lambda _c: (n,) * kept.shape[0])
+    if promise is not None:
+        promise.check(kept, config)
+        return
+    ratio = _ratio(press)
+    if ratio > 0 and bool((kept >= prompt_len).all()):
+        raise CompressionError(
+            f"press {type(press).__name__} (compression_ratio={ratio}) left the cache "
+            f"at the full {prompt_len} positions in every layer and head")
+
+
+def _ratio(press) -> float:
+    try:
+        return float(getattr(press, "compression_ratio", 0.0) or 0.0)
+    except (AssertionError, AttributeError, TypeError):  # presses whose ratio exists only after a forward
+        return 0.0
+
+
+def _n_kept(k_len: int, ratio: float) -> int:
+    from kvpress.utils import compute_n_kept
+
+    return int(compute_n_kept(int(k_len), float(ratio)))
+
+
+def _layers(config) -> int:
+    return int(config.num_hidden_layers)
+
+
+def kept_promise(press, prompt_len: int) -> KeptPromise | None:
+    """What ``press`` promises to keep of a prompt of ``prompt_len`` tokens, or ``None``.
+
+    - A project press with ``kept_tokens`` (``PermutationPress``): that count in every head.
+    - ``PyramidKVPress``: ``get_layer_budget`` of each layer in every head.
+    - Any other ``kvpress.ScorerPress``: ``compute_n_kept(prompt_len, ratio)`` in every head.
+    - ``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept * heads`` per layer in all.
+    - ``PerLayerCompressionPress``: ``compute_n_kept(prompt_len, ratios[l])`` in every head of layer ``l``.
+    - ``KVComposePress`` (structured): ``compute_n_kept(layers * prompt_len, ratio)`` over
+      all layers, at least (kvpress floors every layer at one position).
+    - Other presses (thresholds, decode-time, compositions): ``None``.
+
+    Parameters
+    ----------
+    press : kvpress.BasePress
+        The press, built for this prompt.
+    prompt_len : int
+        Uncompressed prompt length (tokens).
+    """
+    import kvpress
+
+    name, n = type(press).__name__, int(prompt_len)
+    own = getattr(press, "kept_tokens", None)
+    if callable(own):
+        k = int(own(n))
+        return KeptPromise(name, f"{name}.kept_tokens({n})", "head", lambda c: (k,) * _layers(c))
+    if isinstance(press, kvpress.PyramidKVPress):
+        if press.compression_ratio == 0:
+            return KeptPromise(name, "compression_ratio 0", "head", lambda c: (n,) * _layers(c))
+
+        def pyramid(config):
+            return tuple(int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n))
+                         for i in range(_layers(config)))
+        return KeptPromise(name, f"get_layer_budget(layer, {n})", "head", pyramid)
+    if isinstance(press, kvpress.ScorerPress):
+        k = _n_kept(n, press.compression_ratio)
+        return KeptPromise(name, f"compute_n_kept({n}, {press.compression_ratio})", "head",
+                           lambda c: (k,) * _layers(c))
+    if isinstance(press, (kvpress.AdaKVPress, kvpress.CriticalAdaKVPress)):
+        ratio = float(press.compression_ratio)
+        k = _n_kept(n, ratio) if ratio > 0 else n
+        return KeptPromise(name, f"compute_n_kept({n}, {ratio}) x heads", "layer", lambda c: (k,) * _layers(c))
+    if isinstance(press, kvpress.PerLayerCompressionPress):
+        ratios = [float(r) for r in press.compression_ratios]
+        ks = tuple(_n_kept(n, r) if r > 0 else n for r in ratios)
+        return KeptPromise(name, f"compute_n_kept({n}, compression_ratios[layer])", "head", lambda c: ks)
+    if isinstance(press, kvpress.KVComposePress) and press.structured:
+        ratio = float(press.compression_ratio)
+
+        def composed(config):
+            return (_n_kept(_layers(config) * n, ratio) if ratio > 0 else _layers(config) * n,)
+        return KeptPromise(name, f"compute_n_kept(layers x {n}, {ratio})", "model", composed, at_least=True)
+    return None
