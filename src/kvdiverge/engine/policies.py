@@ -135,7 +135,10 @@ class Policy:
 
     @property
     def min_prompt_tokens(self) -> int:
-        """Shortest prompt (tokens) the policy can compress: :func:`press_min_prompt_tokens`."""
+        """Shortest prompt (tokens) the policy can compress: :func:`press_min_prompt_tokens`; 1 for
+        the ratio-0 control (score-based presses return the cache untouched before any window)."""
+        if self.is_control:
+            return 1
         return press_min_prompt_tokens(self._probe, self.budget)
 
     @property

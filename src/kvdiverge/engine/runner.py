@@ -121,6 +121,9 @@ def run_documents(
     ------
     kvdiverge.engine.errors.CompressionError
         When a press does not keep the promised number of positions.
+    kvdiverge.engine.errors.PressError
+        When kvpress raises an ``ImportError``, ``AssertionError`` or ``TypeError`` during the
+        run (the message names the policy, the press and the cause).
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
     ValueError
@@ -129,6 +132,7 @@ def run_documents(
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
     from kvdiverge.engine.coupled import run_batch
+    from kvdiverge.engine.errors import raise_kvpress_error
 
     if not documents:
         return []
@@ -154,8 +158,11 @@ def run_documents(
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
             temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         )
-        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
-                         progress=progress)
+        try:
+            reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+                             progress=progress)
+        except (ImportError, AssertionError, TypeError) as exc:  # kvpress's bare errors, named
+            raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
         if progress is not None:
