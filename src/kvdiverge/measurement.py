@@ -213,6 +213,24 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
                                  f"needs at least {need}")
 
 
+def refuse_on(model, sources: Mapping[str, PressSource]) -> None:
+    """Refuse, before any work, a press that ``model`` cannot run (a config attribute it reads).
+
+    Raises
+    ------
+    kvdiverge.engine.errors.PressError
+        Naming the press and what it needs (:func:`kvdiverge.engine.press_registry.refusal`).
+    """
+    from kvdiverge.engine.errors import PressError
+    from kvdiverge.engine.press_registry import refusal
+
+    for name, source in sources.items():
+        press = getattr(source, "_probe", None) if isinstance(source, Policy) else getattr(source, "press", None)
+        reason = refusal(press, model) if press is not None else None
+        if reason:
+            raise PressError(f"press {name!r}", reason)
+
+
 def is_noise_floor(name: str, source: PressSource) -> bool:
     """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
     (``PermutationPress``; :func:`kvdiverge.engine.policies.keeps_every_position`)."""
@@ -567,6 +585,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     except (ValueError, AttributeError):
         context = None
     check_lengths(documents, sources, T, context)
+    refuse_on(model, sources)
     if model_name is None:
         path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
         model_name = os.path.basename(path.rstrip("/")) or "model"

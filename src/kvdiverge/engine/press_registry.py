@@ -15,6 +15,11 @@ A row is data, never a code path:
   sentence, while one is unset.
 - ``settable``: attributes that kvpress sets after construction (``init=False``) and that a
   policy may give as parameters (Finch's ``delimiter_token_id``).
+- ``global_rng``: the press draws from torch's global random generator (no seed of its own),
+  so the positions it keeps depend on what ran before it: a document's result changes with
+  its batch and from run to run unless the caller seeds torch.
+- ``config_attributes``: attributes of the model's config that the press reads (a model
+  whose config lacks one is refused once the model is known).
 - ``takes_ratio``: False for a press whose own parameter replaces the policy's
   ``compression_ratio`` (``PerLayerCompressionPress``'s ``compression_ratios``).
 - ``test_params``: parameters of the press matrix's test instance (``tests/test_press_matrix.py``);
@@ -48,11 +53,12 @@ CAPABILITIES: dict[str, bool] = {
     "per-layer": True,     # layers keep different counts
     "eager": True,         # the evicted prefill runs in eager attention (attention weights)
     "decode-time": False,  # evicts during decoding, not only at prefill
+    "channels": True,      # prunes key channels and keeps every position (its promise: all positions)
 }
 
 #: Capabilities marked True above whose engine code is not on this branch yet: the press
 #: matrix expects the presses needing them to fail (``xfail``). Empty once the engine lands.
-PENDING: frozenset[str] = frozenset({"head-wise", "per-layer", "eager"})
+PENDING: frozenset[str] = frozenset({"head-wise", "per-layer", "eager", "channels"})
 
 #: The refusal of a press needing a capability the engine lacks (``{press}``: its class name).
 CAPABILITY_SENTENCES: dict[str, str] = {
@@ -62,6 +68,8 @@ CAPABILITY_SENTENCES: dict[str, str] = {
                  "per-layer budgets are built.",
     "eager": "{press} reads the attention weights, which only eager attention returns: set the model's "
              "`attn_implementation: eager` in the config (attn_implementation='eager' when loading it).",
+    "channels": "{press} prunes key channels and keeps every position; kvdiverge refuses it until the "
+                "engine checks that promise.",
     "decode-time": "{press} evicts during decoding; kvdiverge refuses it until decode-time eviction is "
                    "built (measured at prefill only, it would show no divergence at all).",
 }
@@ -91,12 +99,16 @@ class PressRow:
     required: Mapping[str, str] = field(default_factory=dict)
     settable: tuple[str, ...] = ()
     takes_ratio: bool = True
+    global_rng: bool = False
+    config_attributes: tuple[str, ...] = ()
     test_params: Mapping[str, Any] = field(default_factory=dict)
 
 
 _SPECIAL: dict[str, dict[str, Any]] = {
     "AdaKVPress": {"needs": ("head-wise",)},
-    "CriticalAdaKVPress": {"needs": ("head-wise",), "test_params": {"press": INNER_TEST_PRESS}},
+    "CriticalAdaKVPress": {"needs": ("head-wise",), "config_attributes": ("head_dim",),
+                           "test_params": {"press": INNER_TEST_PRESS}},
+    "CriticalKVPress": {"config_attributes": ("head_dim",)},
     "KVComposePress": {"needs": ("head-wise", "per-layer")},
     "PyramidKVPress": {"needs": ("per-layer",), "test_params": {"window_size": 8, "kernel_size": 3}},
     "PerLayerCompressionPress": {"needs": ("per-layer",), "takes_ratio": False,
@@ -106,8 +118,14 @@ _SPECIAL: dict[str, dict[str, Any]] = {
         "required": {"threshold": "DMSPress evicts the keys scored below a threshold and has none by default: "
                                   "give params.threshold (kvpress otherwise fails with TypeError: '<' not "
                                   "supported between Tensor and NoneType)."},
-        "test_params": {"press": {"press": "KnormPress"}, "threshold": -1.0, "sliding_window_size": 8}},
+        "test_params": {"press": {"press": "KnormPress"}, "threshold": -0.45, "sliding_window_size": 8}},
     "ObservedAttentionPress": {"needs": ("eager",)},
+    "LeverageScorePress": {"global_rng": True},
+    "CompactorPress": {"global_rng": True},
+    "RandomPress": {"test_params": {"seed": 0}},
+    "SnapKVPress": {"test_params": {"window_size": 8, "kernel_size": 3}},
+    "ThinKPress": {"needs": ("channels",), "test_params": {"key_channel_compression_ratio": 0.5, "window_size": 8}},
+    "SimLayerKVPress": {"test_params": {"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}},
     "DecodingPress": {"needs": ("decode-time",), "test_params": {"base_press": {"press": "KnormPress"}}},
     "CompressionRatioDecodingPress": {"needs": ("decode-time",),
                                       "test_params": {"base_press": {"press": "KnormPress"}}},
@@ -186,9 +204,10 @@ PRESS_CLASSES: dict[str, type] = _press_classes()
 ROWS: dict[str, PressRow] = {name: _row(name, cls) for name, cls in PRESS_CLASSES.items()}
 
 
-def status(name: str) -> str:
-    """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`)."""
-    return "refused" if spec_refusal(test_spec(name)) else "measured"
+def status(name: str, model=None) -> str:
+    """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`),
+    on ``model`` if given."""
+    return "refused" if spec_refusal(test_spec(name), model) else "measured"
 
 
 def pending(name: str) -> tuple[str, ...]:
@@ -221,13 +240,13 @@ def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
     return needs
 
 
-def spec_refusal(spec: Mapping[str, Any]) -> str | None:
+def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
     """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
     from kvdiverge.engine.policies import press_from_spec
 
     ratio = spec.get("compression_ratio")
     return refusal(press_from_spec({"press": spec["press"], "params": spec.get("params") or {}}, ratio,
-                                   owner=f"press {spec['press']!r}"))
+                                   owner=f"press {spec['press']!r}"), model)
 
 
 def nested_presses(press) -> list:
@@ -244,11 +263,12 @@ def nested_presses(press) -> list:
     return out
 
 
-def refusal(press) -> str | None:
+def refusal(press, model=None) -> str | None:
     """Why kvdiverge refuses ``press`` (one sentence), or ``None`` when it can measure it.
 
     Walks ``press`` and every press it wraps (:func:`nested_presses`); a class without a
-    row (a user's own press) is measured as a prefill press.
+    row (a user's own press) is measured as a prefill press. With ``model`` (a
+    ``transformers`` model), also the config attributes the press reads.
     """
     for p in nested_presses(press):
         row = ROWS.get(type(p).__name__)
@@ -263,6 +283,11 @@ def refusal(press) -> str | None:
         for cap in caps:
             if not CAPABILITIES.get(cap, False):
                 return CAPABILITY_SENTENCES[cap].format(press=row.name)
+        config = getattr(model, "config", None)
+        for attr in row.config_attributes if config is not None else ():
+            if not hasattr(config, attr):
+                return (f"{row.name} reads model.config.{attr}, which this model's {type(config).__name__} "
+                        f"does not have (kvpress would fail with AttributeError).")
     return None
 
 
@@ -278,6 +303,8 @@ def press_table() -> str:
                       "keeps every position (noise-floor control)" if getattr(PRESS_CLASSES[name],
                                                                                  "keeps_every_position", False)
                       else "prefill eviction")
+        if row.global_rng:
+            reason += "; draws from torch's global random generator (seed torch for reproducible runs)"
         if row.required and reason != next(iter(row.required.values())):
             reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
         lines.append(f"| {name} | {'refused' if spec_refusal(spec) else 'measured'} | {reason.replace('|', '/')} |")

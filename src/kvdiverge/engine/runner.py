@@ -122,7 +122,9 @@ def run_documents(
     kvdiverge.engine.errors.CompressionError
         When a press does not keep the promised number of positions.
     kvdiverge.engine.errors.PressError
-        When kvpress raises an ``ImportError``, ``AssertionError`` or ``TypeError`` during the
+        Before any forward, when the registry refuses the press on this model
+        (:func:`kvdiverge.engine.press_registry.refusal`); when kvpress raises an
+        ``ImportError``, ``AssertionError``, ``TypeError`` or ``AttributeError`` during the
         run (the message names the policy, the press and the cause).
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
@@ -132,7 +134,8 @@ def run_documents(
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
     from kvdiverge.engine.coupled import run_batch
-    from kvdiverge.engine.errors import raise_kvpress_error
+    from kvdiverge.engine.errors import PressError, raise_kvpress_error
+    from kvdiverge.engine.press_registry import refusal
 
     if not documents:
         return []
@@ -153,6 +156,9 @@ def run_documents(
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
         presses = [policy.build_press(doc.prompt_len) for doc in batch]
+        reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
+        if reason:
+            raise PressError(f"policy {policy.name!r}", reason)
         pair = LLMKernelPair.from_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
@@ -161,7 +167,7 @@ def run_documents(
         try:
             reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                              progress=progress)
-        except (ImportError, AssertionError, TypeError) as exc:  # kvpress's bare errors, named
+        except (ImportError, AssertionError, TypeError, AttributeError) as exc:  # kvpress's bare errors, named
             raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
