@@ -239,3 +239,13 @@ def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
                                          r"with AssertionError: window_size must be provided"):
         run_documents(model, [Document("d", prompts[0])], policy, T=2, replicates=1, temperature=1.0, top_p=1.0,
                       seed=0, model_name="m", batch_documents=1)
+
+
+def test_the_readme_press_table_is_the_registry():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
+    assert start in readme and end in readme
+    section = readme[readme.index(start) + len(start):readme.index(end)]
+    assert section == registry.press_table(), "regenerate it: python -m kvdiverge.engine.press_registry"
