@@ -98,8 +98,11 @@ class Policy:
             raise PressError(owner, f"'press' must name a press class, got {press!r}")
         params = {k: v for k, v in spec.items() if k not in _POLICY_KEYS}
         params.update(spec.get("params") or {})
-        problem = ratio_problem(press, params, spec.get("compression_ratio") is not None,
-                                spec.get("budget") is not None)
+        try:
+            problem = ratio_problem(press, params, spec.get("compression_ratio") is not None,
+                                    spec.get("budget") is not None)
+        except ValueError as exc:  # an unknown press, here or nested
+            raise PressError(owner, str(exc)) from None
         if problem:
             raise PressError(owner, problem)
         policy = cls(name=name, press=press, compression_ratio=spec.get("compression_ratio"),
