@@ -222,6 +222,14 @@ def test_conditional_refusals_follow_the_parameters():
     assert "params.threshold" in registry.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
+    per_layer = {"press": "PerLayerCompressionPress",
+                 "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3}}
+    assert "it has 3, the model has 2 layers" in registry.spec_refusal(per_layer, tiny)
+    assert registry.spec_refusal(per_layer) in (None, registry.spec_refusal(registry.test_spec(
+        "PerLayerCompressionPress")))  # without the model: only what the parameters tell
     stats = {"press": "ExpectedAttentionStatsPress", "compression_ratio": 0.5, "params": {"stats_folder": "/x"}}
     assert registry.spec_refusal(stats) is None
     prefill_only = {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "KnormPress"}},

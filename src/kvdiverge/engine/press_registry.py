@@ -20,6 +20,8 @@ A row is data, never a code path:
   its batch and from run to run unless the caller seeds torch.
 - ``config_attributes``: attributes of the model's config that the press reads (a model
   whose config lacks one is refused once the model is known).
+- ``per_layer_list``: a parameter holding one value per layer (checked against the model's
+  ``num_hidden_layers`` once the model is known).
 - ``takes_ratio``: False for a press whose own parameter replaces the policy's
   ``compression_ratio`` (``PerLayerCompressionPress``'s ``compression_ratios``).
 - ``test_params``: parameters of the press matrix's test instance (``tests/test_press_matrix.py``);
@@ -101,6 +103,7 @@ class PressRow:
     takes_ratio: bool = True
     global_rng: bool = False
     config_attributes: tuple[str, ...] = ()
+    per_layer_list: str | None = None
     test_params: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -111,7 +114,7 @@ _SPECIAL: dict[str, dict[str, Any]] = {
     "CriticalKVPress": {"config_attributes": ("head_dim",)},
     "KVComposePress": {"needs": ("head-wise", "per-layer")},
     "PyramidKVPress": {"needs": ("per-layer",), "test_params": {"window_size": 8, "kernel_size": 3}},
-    "PerLayerCompressionPress": {"needs": ("per-layer",), "takes_ratio": False,
+    "PerLayerCompressionPress": {"needs": ("per-layer",), "takes_ratio": False, "per_layer_list": "compression_ratios",
                                  "test_params": {"press": INNER_TEST_PRESS, "compression_ratios": [0.25, 0.75]}},
     "DMSPress": {
         "needs": ("head-wise",), "needs_if": {"decoding": "decode-time"}, "takes_ratio": False,
@@ -125,7 +128,7 @@ _SPECIAL: dict[str, dict[str, Any]] = {
     "RandomPress": {"test_params": {"seed": 0}},
     "SnapKVPress": {"test_params": {"window_size": 8, "kernel_size": 3}},
     "ThinKPress": {"needs": ("channels",), "test_params": {"key_channel_compression_ratio": 0.5, "window_size": 8}},
-    "SimLayerKVPress": {"test_params": {"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}},
+    "SimLayerKVPress": {"needs": ("per-layer",), "test_params": {"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}},
     "DecodingPress": {"needs": ("decode-time",), "test_params": {"base_press": {"press": "KnormPress"}}},
     "CompressionRatioDecodingPress": {"needs": ("decode-time",),
                                       "test_params": {"base_press": {"press": "KnormPress"}}},
@@ -283,11 +286,24 @@ def refusal(press, model=None) -> str | None:
         for cap in caps:
             if not CAPABILITIES.get(cap, False):
                 return CAPABILITY_SENTENCES[cap].format(press=row.name)
-        config = getattr(model, "config", None)
-        for attr in row.config_attributes if config is not None else ():
-            if not hasattr(config, attr):
-                return (f"{row.name} reads model.config.{attr}, which this model's {type(config).__name__} "
-                        f"does not have (kvpress would fail with AttributeError).")
+        reason = _model_refusal(row, p, getattr(model, "config", None))
+        if reason:
+            return reason
+    return None
+
+
+def _model_refusal(row: PressRow, press, config) -> str | None:
+    """What the model's config tells against ``press`` (``None`` without a config)."""
+    if config is None:
+        return None
+    for attr in row.config_attributes:
+        if not hasattr(config, attr):
+            return (f"{row.name} reads model.config.{attr}, which this model's {type(config).__name__} "
+                    f"does not have (kvpress would fail with AttributeError).")
+    values, layers = getattr(press, row.per_layer_list or "", None), getattr(config, "num_hidden_layers", None)
+    if row.per_layer_list and values is not None and layers is not None and len(values) != layers:
+        return (f"{row.name} needs one value per layer in {row.per_layer_list}: it has {len(values)}, "
+                f"the model has {layers} layers.")
     return None
 
 

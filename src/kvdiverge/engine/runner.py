@@ -124,7 +124,7 @@ def run_documents(
     kvdiverge.engine.errors.PressError
         Before any forward, when the registry refuses the press on this model
         (:func:`kvdiverge.engine.press_registry.refusal`); when kvpress raises an
-        ``ImportError``, ``AssertionError``, ``TypeError`` or ``AttributeError`` during the
+        ``ImportError``, ``AssertionError``, ``TypeError``, ``AttributeError`` or ``IndexError`` during the
         run (the message names the policy, the press and the cause).
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
@@ -167,7 +167,7 @@ def run_documents(
         try:
             reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                              progress=progress)
-        except (ImportError, AssertionError, TypeError, AttributeError) as exc:  # kvpress's bare errors, named
+        except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
             raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
