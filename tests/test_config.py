@@ -141,16 +141,42 @@ def test_unknown_press_lists_the_presses():
     assert "policies.snapkv-50.press" in msg and "'SnapKVPress'" in msg
 
 
-def test_schema_presses_are_kvpress_presses():
+def test_schema_presses_are_the_registry_presses():
     import kvpress
 
+    from kvdiverge.engine.press_registry import ROWS
     from kvdiverge.engine.presses import PROJECT_PRESSES
 
-    presses = load_schema()["$defs"]["policy"]["properties"]["press"]["enum"]
+    presses = load_schema()["$defs"]["press_name"]["enum"]
     assert set(PROJECT_PRESSES) <= set(presses)
     for name in presses:
         cls = PROJECT_PRESSES.get(name) or getattr(kvpress, name)
         assert issubclass(cls, kvpress.BasePress), name
+    assert sorted(presses) == sorted(ROWS)  # a new kvpress press needs its name in the schema too
+
+
+def test_nested_presses_are_validated_by_the_schema_and_the_press():
+    config = raw("smoke.yaml")
+    config["policies"]["adakv-50"] = {"press": "AdaKVPress", "compression_ratio": 0.5,
+                                      "params": {"press": {"press": "SnapKVPress", "window_size": 64}}}
+    assert validate(config)["policies"]["adakv-50"]["params"]["press"]["press"] == "SnapKVPress"
+    config["policies"]["adakv-50"]["params"]["press"]["press"] = "SnapKV"
+    assert "policies.adakv-50.params.press.press: 'SnapKV' is not allowed" in error_of(config)
+    config["policies"]["adakv-50"]["params"]["press"] = {"window_size": 64}
+    assert "missing config key policies.adakv-50.params.press.press" in error_of(config)
+    config["policies"]["adakv-50"]["params"]["press"] = {"press": "SnapKVPress", "windowsize": 64}
+    assert ("policies.adakv-50: SnapKVPress has no parameter(s) ['windowsize']; accepted: "
+            "['compression_ratio', 'kernel_size', 'window_size']") in error_of(config)
+
+
+def test_refused_presses_stop_at_validation_with_what_they_need():
+    config = raw("smoke.yaml")
+    config["policies"]["decode"] = {"press": "DecodingPress", "compression_ratio": 0.5,
+                                    "params": {"base_press": {"press": "KnormPress"}}}
+    assert "policies.decode: DecodingPress evicts during decoding; kvdiverge refuses it until decode-time " \
+           "eviction is built" in error_of(config)
+    config["policies"]["decode"] = {"press": "QFilterPress", "compression_ratio": 0.5}
+    assert "policies.decode: QFilterPress needs the learned filters of the hub repository nthngdy/" in error_of(config)
 
 
 def test_ratio_and_budget_are_exclusive():
@@ -164,8 +190,10 @@ def test_ratio_and_budget_are_exclusive():
 
 def test_extra_press_parameters_go_under_params():
     config = raw("smoke.yaml")
-    config["policies"]["snapkv-50"]["params"] = {"some_press_option": 3}
+    config["policies"]["snapkv-50"]["params"] = {"kernel_size": 3}
     validate(config)
+    config["policies"]["snapkv-50"]["params"] = {"some_press_option": 3}
+    assert "policies.snapkv-50: SnapKVPress has no parameter(s) ['some_press_option']" in error_of(config)
 
 
 def test_model_source_requires_its_location():
@@ -346,7 +374,8 @@ def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
 
     config = raw("smoke.yaml")
     config["runs"]["floor"]["policy"] = "snapkv-50"
-    assert "runs.floor.policy: 'snapkv-50' must be a PermutationPress policy" in error_of(config)
+    assert "runs.floor.policy: 'snapkv-50' must be a noise-floor policy, whose press keeps every position" \
+        in error_of(config)
     config = raw("smoke.yaml")
     config["runs"]["floor"]["documents"] = 3
     assert "runs.floor.documents: 3 exceeds corpus.documents.exploratory = 2" in error_of(config)

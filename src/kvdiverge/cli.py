@@ -13,6 +13,8 @@ Example::
 
     kvdiverge measure embedded --sotu 2 -T 8 -R 2 \\
         --press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out
+    kvdiverge measure embedded --sotu 2 --budget 64 \\
+        --press "AdaKVPress(press=SnapKVPress(window_size=16))"
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_value", "read_prompts"]
+__all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_press_call", "parse_value", "policy_entry",
+           "read_prompts"]
 
 PROG = "kvdiverge measure"
 
@@ -84,31 +87,149 @@ def parse_press(spec: str) -> tuple[str, dict[str, Any]]:
     return ref, params
 
 
-def build_press(spec: str):
-    """The press object of a ``--press`` value.
+def parse_press_call(text: str) -> dict[str, Any]:
+    """A press expression such as ``AdaKVPress(press=SnapKVPress(compression_ratio=0.5))`` as a spec.
+
+    Parsed with :mod:`ast`, never evaluated: only calls of kvpress or project press class
+    names, with literal arguments (numbers, strings, booleans, ``None``, lists, tuples,
+    dicts) or other such calls. Positional arguments follow the constructor's parameter
+    order.
+
+    Returns
+    -------
+    dict
+        ``{"press": Name, "params": {...}}``, press-valued arguments as specs of the same
+        shape (:func:`kvdiverge.engine.policies.press_from_spec`).
 
     Raises
     ------
     UsageError
-        Unknown press (the message lists kvpress's presses), unknown parameter (the
-        message lists the accepted ones), or a value the press rejects.
+        Not a call of a known press class, an argument that is not a literal or a press,
+        a parameter given twice.
     """
-    from kvdiverge.engine.policies import import_press, press_parameters
+    import ast
 
-    ref, params = parse_press(spec)
     try:
-        cls = import_press(ref)
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise UsageError(f"press {text!r}: not a press expression ({exc.msg})") from None
+    return _press_call(tree.body, text)
+
+
+def _press_call(node, text: str) -> dict[str, Any]:
+    import ast
+    import inspect
+
+    from kvdiverge.engine.policies import press_class
+
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        raise UsageError(f"press {text!r}: expected PressName(param=value, ...)")
+    try:
+        cls = press_class(node.func.id)
+    except ValueError as exc:
+        raise UsageError(f"press {text!r}: {exc}") from None
+    names = list(inspect.signature(cls).parameters)
+    if len(node.args) > len(names):
+        raise UsageError(f"press {text!r}: {cls.__name__} takes at most {len(names)} positional arguments")
+    params: dict[str, Any] = {names[i]: _literal(arg, text) for i, arg in enumerate(node.args)}
+    for kw in node.keywords:
+        if kw.arg is None or kw.arg in params:
+            raise UsageError(f"press {text!r}: parameter {kw.arg or '**'!r} of {cls.__name__} given twice or unpacked")
+        params[kw.arg] = _literal(kw.value, text)
+    return {"press": cls.__name__, "params": params}
+
+
+def _literal(node, text: str) -> Any:
+    import ast
+
+    if isinstance(node, ast.Call):
+        return _press_call(node, text)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e, text) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {k.value: _literal(v, text) for k, v in zip(node.keys, node.values)}
+    try:
+        return ast.literal_eval(node)  # constants, and signed numbers
+    except ValueError:
+        raise UsageError(f"press {text!r}: {ast.unparse(node)!r} is neither a literal nor a press") from None
+
+
+def press_spec(text: str) -> dict[str, Any]:
+    """The press spec of a ``--press`` value: ``Name(...)`` (:func:`parse_press_call`) or ``NAME[:param=value,...]``."""
+    if "(" in text:
+        return parse_press_call(text)
+    ref, params = parse_press(text)
+    return {"press": ref, "params": params}
+
+
+def _ratio_target(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The spec (``spec`` or one nested in it) that takes a policy's compression ratio."""
+    from kvdiverge.engine.policies import is_press_spec, press_class, press_parameters, spec_parameters, takes_ratio
+
+    params = spec_parameters(spec)
+    if not takes_ratio(spec["press"], params):
+        return None
+    if "compression_ratio" in press_parameters(press_class(spec["press"])):
+        return spec
+    for value in params.values():
+        for inner in value if isinstance(value, list) else [value]:
+            if is_press_spec(inner) and (found := _ratio_target(inner)) is not None:
+                return found
+    return None
+
+
+def policy_entry(text: str, budget: int | None = None) -> dict[str, Any]:
+    """The policy entry (as in the config) of a ``--press`` value, with ``--budget`` if given.
+
+    The ``compression_ratio`` of the press that takes the policy's ratio (the named press,
+    or the inner scorer of a wrapper) becomes the entry's ``compression_ratio`` (kvpress's
+    default 0 if not given); with ``budget`` that press must not be given a ratio.
+
+    Raises
+    ------
+    UsageError
+        A bad expression, an unknown press, ``budget`` with a ratio or for a press that takes none.
+    """
+    spec = press_spec(text)
+    try:
+        target = _ratio_target(spec)
+    except ValueError as exc:
+        raise UsageError(f"press {text!r}: {exc}") from None
+    entry: dict[str, Any] = {"press": spec["press"], "params": spec["params"]}
+    if target is None:
+        if budget is not None:
+            raise UsageError(f"press {text!r}: {spec['press']} takes no compression ratio, so no --budget")
+        return entry
+    given = [d.pop("compression_ratio") for d in (target, target.get("params") or {}) if "compression_ratio" in d]
+    if budget is not None:
+        if given:
+            raise UsageError(f"press {text!r}: give --budget or compression_ratio, not both")
+        entry["budget"] = int(budget)
+    else:
+        entry["compression_ratio"] = float(given[0]) if given else 0.0
+    return entry
+
+
+def build_press(spec: str):
+    """The press object of a ``--press`` value (its own ``compression_ratio``, if given), checked.
+
+    Raises
+    ------
+    UsageError
+        Unknown press (the message lists the presses), unknown parameter (the message
+        lists the accepted ones), a value the press rejects, or a press kvdiverge refuses.
+    """
+    from kvdiverge.engine.policies import press_from_spec
+    from kvdiverge.engine.press_registry import refusal
+
+    try:
+        press = press_from_spec(press_spec(spec), None, f"press {spec!r}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    accepted = press_parameters(cls)
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise UsageError(f"press {spec!r}: {cls.__name__} has no parameter(s) {unknown}; "
-                         f"accepted: {sorted(accepted)}")
-    try:
-        return cls(**params)
-    except Exception as exc:  # a press's own check (e.g. an assert on compression_ratio)
-        raise UsageError(f"press {spec!r}: {cls.__name__}({params}) failed: {exc or type(exc).__name__}") from None
+    reason = refusal(press)
+    if reason:
+        raise UsageError(f"press {spec!r}: {reason}")
+    return press
 
 
 # --------------------------------------------------------------------------- prompts
@@ -262,7 +383,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
     p.add_argument("--press", action="append", required=True, metavar="NAME[:param=value,...]",
                    help="a kvpress class name or module:Class, with constructor parameters "
-                        "(int, float, true/false or text); repeat for more presses")
+                        "(int, float, true/false or text), or a press expression such as "
+                        "'AdaKVPress(press=SnapKVPress(compression_ratio=0.5))' (literals and press "
+                        "classes only); repeat for more presses")
+    p.add_argument("--budget", type=int, metavar="TOKENS",
+                   help="keep this many prompt positions per layer and head (a per-prompt compression "
+                        "ratio of the press that takes one); instead of compression_ratio")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE",
                      help="prompts: a text file (one per line), JSON lines (.jsonl) or parquet (see --field)")
@@ -309,7 +435,13 @@ def _measure(args: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if len(set(args.press)) != len(args.press):
         raise UsageError("the same --press is given twice")
-    presses = {spec: build_press(spec) for spec in args.press}
+    if args.budget is not None and args.budget < 1:
+        raise UsageError(f"--budget must be >= 1, got {args.budget}")
+    entries = {spec: policy_entry(spec, args.budget) for spec in args.press}
+    try:
+        presses = prepare_presses(entries)  # builds each press once: refusals and bad parameters stop here
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.sotu is not None:
         prompts = sotu_prompts(args.sotu, *args.words)
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
@@ -319,7 +451,7 @@ def _measure(args: argparse.Namespace) -> int:
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-    sources = prepare_presses(presses)
+    sources = presses
     check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
     if args.threads is not None:
         import torch

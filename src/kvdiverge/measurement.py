@@ -43,7 +43,8 @@ __all__ = ["Measurement", "NOISE_FLOOR_PRESS", "measure", "prepare_documents", "
 
 log = logging.getLogger(__name__)
 
-#: Class name of the noise-floor control press (keeps every position, changes their order).
+#: Class name of the project's noise-floor control press, for messages (a press is the noise floor
+#: when it keeps every position: :func:`kvdiverge.engine.policies.keeps_every_position`).
 NOISE_FLOOR_PRESS = "PermutationPress"
 #: Policy name of the noise-floor control in configs.
 NOISE_FLOOR_POLICY = "noise-floor"
@@ -141,9 +142,15 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
     ------
     ValueError
         No presses, or an invalid policy entry.
+    kvdiverge.engine.errors.PressError
+        (a ``ValueError``) A press kvdiverge refuses (the message says what it needs; see
+        :mod:`kvdiverge.engine.press_registry`), an unknown parameter, or one kvpress rejects.
     TypeError
         A value that is neither a press, a policy entry nor a PressSource.
     """
+    from kvdiverge.engine.errors import PressError
+    from kvdiverge.engine.press_registry import refusal
+
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
     if not isinstance(presses, Mapping):
@@ -165,9 +172,11 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
         if _is_source(value) and not isinstance(value, Mapping):
             out[name] = value if getattr(value, "name", None) == name else _renamed(value, name)
         elif isinstance(value, Mapping):
-            out[name] = Policy.from_config(name, dict(value))
-            out[name].build_press(10**9)  # unknown press or parameter fails here, not mid-run
+            out[name] = Policy.from_config(name, dict(value))  # builds and checks its press once
         elif callable(value):  # a press is a context manager factory: press(model)
+            reason = refusal(value)
+            if reason:
+                raise PressError(f"press {name!r}", reason)
             out[name] = PressPolicy(name, value)
         else:
             raise TypeError(f"press {name!r}: expected a kvpress press, a policy entry or a PressSource, "
@@ -183,17 +192,6 @@ def _renamed(source: Any, name: str) -> Any:
     raise ValueError(f"press {name!r}: its PressSource is named {source.name!r}; use that name as the key")
 
 
-def min_prompt_tokens(source: PressSource) -> int:
-    """Shortest prompt (tokens) a policy or press policy needs."""
-    from kvdiverge.engine.policies import min_prompt_tokens as policy_minimum
-
-    if isinstance(source, PressPolicy):
-        return source.min_prompt_tokens
-    if isinstance(source, Policy):
-        return policy_minimum(source)
-    return int(getattr(source, "min_prompt_tokens", 1) or 1)
-
-
 def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSource], max_new_tokens: int,
                   context: int | None = None) -> None:
     """Fail before any generation when a prompt cannot run under a press.
@@ -204,6 +202,8 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
         Naming the first prompt shorter than a press needs (the press and its minimum), or
         a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
     """
+    from kvdiverge.engine.policies import min_prompt_tokens
+
     for doc in documents:
         if context is not None and doc.prompt_len + max_new_tokens > context:
             raise ValueError(f"prompt {doc.doc_id!r}: {doc.prompt_len} tokens + {max_new_tokens} new tokens "
@@ -215,14 +215,32 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
                                  f"needs at least {need}")
 
 
+def refuse_on(model, sources: Mapping[str, PressSource]) -> None:
+    """Refuse, before any work, a press that ``model`` cannot run (a config attribute it reads).
+
+    Raises
+    ------
+    kvdiverge.engine.errors.PressError
+        Naming the press and what it needs (:func:`kvdiverge.engine.press_registry.refusal`).
+    """
+    from kvdiverge.engine.errors import PressError
+    from kvdiverge.engine.press_registry import refusal
+
+    for name, source in sources.items():
+        press = getattr(source, "_probe", None) if isinstance(source, Policy) else getattr(source, "press", None)
+        reason = refusal(press, model) if press is not None else None
+        if reason:
+            raise PressError(f"press {name!r}", reason)
+
+
 def is_noise_floor(name: str, source: PressSource) -> bool:
-    """True for the noise-floor control: policy ``noise-floor`` or a ``PermutationPress``."""
+    """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
+    (``PermutationPress``; :func:`kvdiverge.engine.policies.keeps_every_position`)."""
+    from kvdiverge.engine.policies import keeps_every_position
+
     if name == NOISE_FLOOR_POLICY:
         return True
-    if isinstance(source, Policy):
-        return source.press == NOISE_FLOOR_PRESS
-    press = getattr(source, "press", None)
-    return type(press).__name__ == NOISE_FLOOR_PRESS
+    return keeps_every_position(source.press if isinstance(source, Policy) else getattr(source, "press", None))
 
 
 # --------------------------------------------------------------------------- result
@@ -573,6 +591,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     except (ValueError, AttributeError):
         context = None
     check_lengths(documents, sources, T, context)
+    refuse_on(model, sources)
     if model_name is None:
         path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
         model_name = os.path.basename(path.rstrip("/")) or "model"

@@ -1,4 +1,5 @@
-"""Errors of the engine: a cache that breaks its policy's promise, non-finite logits."""
+"""Errors of the engine: a press kvdiverge refuses or kvpress fails on, a cache that breaks its
+policy's promise, non-finite logits."""
 
 from __future__ import annotations
 
@@ -6,7 +7,44 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CompressionError", "NonFiniteLogitsError", "check_logits_finite"]
+__all__ = ["CompressionError", "NonFiniteLogitsError", "PressError", "check_logits_finite", "raise_kvpress_error"]
+
+
+class PressError(ValueError):
+    """A press kvdiverge refuses, or one that kvpress fails to build or run.
+
+    Parameters
+    ----------
+    owner : str
+        Who named the press, e.g. ``"policy 'snapkv-50'"`` or ``"press 'AdaKVPress(...)'"``.
+    problem : str
+        One sentence: what the press needs, or the cause kvpress gave.
+    """
+
+    def __init__(self, owner: str, problem: str):
+        super().__init__(f"{owner}: {problem}")
+        self.owner, self.problem = owner, problem
+
+
+def raise_kvpress_error(exc: BaseException, owner: str, stage: str) -> None:
+    """Re-raise ``exc`` as a :class:`PressError` naming ``owner`` when it was raised inside kvpress.
+
+    kvpress reports a press's unmet needs with bare ``ImportError``, ``AssertionError`` or
+    ``TypeError``; this names the press and the cause. An exception raised elsewhere is
+    re-raised unchanged.
+
+    Raises
+    ------
+    PressError
+        When the innermost kvpress frame of ``exc``'s traceback is inside the ``kvpress`` package.
+    """
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if any("/kvpress/" in f.filename.replace("\\", "/") for f in frames):
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        raise PressError(owner, f"kvpress failed {stage} with {type(exc).__name__}: {cause}") from exc
+    raise exc
 
 
 class CompressionError(RuntimeError):

@@ -16,8 +16,19 @@ budget)::
 
 Parameters other than
 ``compression_ratio`` / ``budget`` are passed to its constructor (``params`` holds
-extra ones). Presses compress the prompt cache once, during prefill
-(kvpress, https://github.com/NVIDIA/kvpress).
+extra ones). A parameter whose value is a press is a nested spec of the same shape, a
+mapping with the class name under ``press`` and its parameters beside it (or under its
+own ``params``)::
+
+    adakv-50: {press: AdaKVPress, compression_ratio: 0.5,
+               params: {press: {press: SnapKVPress, window_size: 64}}}
+
+The policy's ``compression_ratio`` (or the ratio of its ``budget``) goes to the press that
+takes one: the named press itself, else the first press it wraps that does (the inner
+scorer of a wrapper such as ``AdaKVPress``). Presses compress the prompt cache once,
+during prefill (kvpress, https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot
+measure are refused with one sentence (:mod:`kvdiverge.engine.press_registry`) when the
+policy is built, before any work.
 
 A fixed token ``budget`` becomes a per-document compression ratio chosen so that
 kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
@@ -25,13 +36,20 @@ kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+from kvdiverge.engine.errors import PressError
 
 #: Keys of a policy entry that are not constructor parameters of the press.
 _POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
+#: Keys of a nested press spec that are not constructor parameters.
+_SPEC_KEYS = {"press", "params"}
+#: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
+_PROBE_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,7 +61,8 @@ class Policy:
     name : str
         Policy name (config key), e.g. ``"snapkv-50"``.
     press : str
-        Name of a press class exported by ``kvpress``, e.g. ``"SnapKVPress"``.
+        Name of a press class exported by ``kvpress`` or the project, e.g. ``"SnapKVPress"``,
+        or ``module:Class`` for a press of another module.
     compression_ratio : float or None
         Fraction of prompt positions evicted (retention = 1 - compression_ratio).
     budget : int or None
@@ -51,7 +70,7 @@ class Policy:
         ``compression_ratio``.
     params : dict
         Other constructor parameters of the press (``window_size``, ``kernel_size``,
-        ``n_sink``, ...).
+        ``n_sink``, ...); a press-valued one is a nested spec (module docstring).
     """
 
     name: str
@@ -62,35 +81,68 @@ class Policy:
 
     @classmethod
     def from_config(cls, name: str, spec: dict[str, Any]) -> "Policy":
-        """Build a policy from its config entry.
+        """Build a policy from its config entry and check it (by building its press once).
 
         Raises
         ------
-        ValueError
-            If both or neither of ``compression_ratio`` and ``budget`` are given (a
-            press that keeps every position, such as ``PermutationPress``, takes neither).
+        kvdiverge.engine.errors.PressError
+            (a ``ValueError``) If the press is unknown, a parameter (of it or of a press it
+            wraps) is not accepted, both or neither of ``compression_ratio`` and ``budget``
+            are given for a press that takes a ratio (a press that takes none, such as
+            ``PermutationPress``, takes neither), kvpress rejects the parameters, or
+            kvdiverge refuses the press (the message says what it needs).
         """
-        has_ratio = spec.get("compression_ratio") is not None
-        has_budget = spec.get("budget") is not None
-        keeps_all = keeps_every_position(spec.get("press", ""))
-        if keeps_all and (has_ratio or has_budget):
-            raise ValueError(
-                f"policy {name!r}: {spec['press']} keeps every prompt position; "
-                f"give neither 'compression_ratio' nor 'budget'"
-            )
-        if not keeps_all and has_ratio == has_budget:
-            raise ValueError(
-                f"policy {name!r}: give exactly one of 'compression_ratio' or 'budget'"
-            )
+        owner = f"policy {name!r}"
+        press = spec.get("press")
+        if not isinstance(press, str) or not press:
+            raise PressError(owner, f"'press' must name a press class, got {press!r}")
         params = {k: v for k, v in spec.items() if k not in _POLICY_KEYS}
         params.update(spec.get("params") or {})
-        return cls(
-            name=name,
-            press=spec["press"],
-            compression_ratio=spec.get("compression_ratio"),
-            budget=spec.get("budget"),
-            params=params,
-        )
+        try:
+            problem = ratio_problem(press, params, spec.get("compression_ratio") is not None,
+                                    spec.get("budget") is not None)
+        except ValueError as exc:  # an unknown press, here or nested
+            raise PressError(owner, str(exc)) from None
+        if problem:
+            raise PressError(owner, problem)
+        policy = cls(name=name, press=press, compression_ratio=spec.get("compression_ratio"),
+                     budget=spec.get("budget"), params=params)
+        policy.check()
+        return policy
+
+    @cached_property
+    def _probe(self):
+        """The press built once at a placeholder ratio: for checks and its windows."""
+        ratio = None if not self.takes_ratio else (
+            _PROBE_RATIO if self.compression_ratio is None else float(self.compression_ratio))
+        return press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
+
+    @property
+    def takes_ratio(self) -> bool:
+        """True when the press (or one it wraps) takes the policy's compression ratio."""
+        return takes_ratio(self.press, self.params)
+
+    def check(self) -> None:
+        """Build the press once and ask the registry whether kvdiverge measures it.
+
+        Raises
+        ------
+        kvdiverge.engine.errors.PressError
+            As :meth:`from_config`.
+        """
+        from kvdiverge.engine.press_registry import refusal
+
+        reason = refusal(self._probe)
+        if reason:
+            raise PressError(f"policy {self.name!r}", reason)
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        """Shortest prompt (tokens) the policy can compress: :func:`press_min_prompt_tokens`; 1 for
+        the ratio-0 control (score-based presses return the cache untouched before any window)."""
+        if self.is_control:
+            return 1
+        return press_min_prompt_tokens(self._probe, self.budget)
 
     @property
     def is_control(self) -> bool:
@@ -106,9 +158,9 @@ class Policy:
         Raises
         ------
         ValueError
-            If the prompt is shorter than ``min_prompt_tokens`` of this policy.
+            If the prompt is shorter than :attr:`min_prompt_tokens` of this policy.
         """
-        need = min_prompt_tokens(self)
+        need = self.min_prompt_tokens
         if prompt_len < need:
             raise ValueError(
                 f"policy {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
@@ -120,14 +172,12 @@ class Policy:
     def kept_tokens(self, prompt_len: int) -> int:
         """Prompt positions kept per layer and head after compression (tokens).
 
-        Follows ``kvpress.utils.compute_n_kept`` for score-based presses.
+        :func:`kept_count` at :meth:`ratio_for`; every position for a press that keeps
+        every position (:func:`keeps_every_position`).
         """
         if keeps_every_position(self.press):
             return int(prompt_len)
-        ratio = self.ratio_for(prompt_len)
-        if ratio == 0:
-            return prompt_len
-        return max(1, int(prompt_len * (1 - ratio)))
+        return kept_count(prompt_len, self.ratio_for(prompt_len))
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
@@ -156,50 +206,56 @@ class Policy:
         return kept_promise(press, prompt_len)
 
     def build_press(self, prompt_len: int):
-        """Instantiate the kvpress press for a prompt of ``prompt_len`` tokens.
+        """Instantiate the press (and the presses it wraps) for a prompt of ``prompt_len`` tokens.
 
         Raises
         ------
+        kvdiverge.engine.errors.PressError
+            As :meth:`from_config`.
         ValueError
-            If ``press`` is not a press exported by kvpress, or a parameter is not
-            accepted by it (the message lists the accepted ones).
+            If the prompt is shorter than :attr:`min_prompt_tokens`.
         """
-        cls = press_class(self.press)
-        names = press_parameters(cls)
-        unknown = sorted(set(self.params) - names)
-        if unknown:
-            raise ValueError(
-                f"policy {self.name!r}: {cls.__name__} has no parameter(s) {unknown}; "
-                f"accepted: {sorted(names)}"
-            )
-        kwargs = dict(self.params)
-        if "compression_ratio" in names:
-            kwargs["compression_ratio"] = self.ratio_for(prompt_len)
-        elif self.budget is not None or self.compression_ratio:
-            raise ValueError(f"policy {self.name!r}: {cls.__name__} takes no compression_ratio")
-        return cls(**kwargs)
+        ratio = self.ratio_for(prompt_len) if self.takes_ratio else None
+        return press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
+
+
+def kept_count(prompt_len: int, compression_ratio: float) -> int:
+    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
+
+    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
+    ``max(1, int(prompt_len * (1 - ratio)))``.
+    """
+    from kvpress.utils import compute_n_kept
+
+    return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
 
 
 def press_parameters(cls) -> set[str]:
-    """Constructor parameters of a press class: its dataclass fields, else its signature."""
-    if dataclasses.is_dataclass(cls):
-        return {f.name for f in dataclasses.fields(cls) if f.init}
+    """Constructor parameters of a press class (its ``__init__`` signature; dataclass fields with ``init``)."""
     return set(inspect.signature(cls).parameters)
 
 
-#: Project presses that keep every prompt position (no ratio, no budget).
-_KEEP_ALL_PRESSES = {"PermutationPress"}
+def keeps_every_position(press) -> bool:
+    """True for a press that keeps every prompt position (class attribute ``keeps_every_position``).
 
-
-def keeps_every_position(press: str) -> bool:
-    """True for a project press that keeps every prompt position (``PermutationPress``)."""
-    return press in _KEEP_ALL_PRESSES
+    Parameters
+    ----------
+    press : str, type or press
+        A press name, class or object; an unknown name is False.
+    """
+    if isinstance(press, str):
+        try:
+            press = press_class(press)
+        except ValueError:
+            return False
+    return bool(getattr(press, "keeps_every_position", False))
 
 
 def press_class(name: str):
-    """Return the press class called ``name``: a project press or one kvpress exports.
+    """Return the press class called ``name``: a project press, one kvpress exports, or ``module:Class``.
 
-    Project presses (:data:`kvdiverge.engine.presses.PROJECT_PRESSES`) are looked up first.
+    Project presses (:data:`kvdiverge.engine.presses.PROJECT_PRESSES`) are looked up first;
+    ``module:Class`` imports ``module`` (:func:`import_press`).
 
     Raises
     ------
@@ -211,16 +267,15 @@ def press_class(name: str):
 
     from kvdiverge.engine.presses import PROJECT_PRESSES
 
+    if ":" in name:
+        return import_press(name)
     if name in PROJECT_PRESSES:
         return PROJECT_PRESSES[name]
     cls = getattr(kvpress, name, None)
     if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        presses = sorted(
-            [n for n in dir(kvpress)
-             if isinstance(getattr(kvpress, n), type) and issubclass(getattr(kvpress, n), kvpress.BasePress)]
-            + list(PROJECT_PRESSES)
-        )
-        raise ValueError(f"unknown press {name!r}; available: {', '.join(presses)}")
+        from kvdiverge.engine.press_registry import PRESS_CLASSES
+
+        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
     return cls
 
 
@@ -254,48 +309,187 @@ def import_press(ref: str):
         raise ValueError(f"press {ref!r}: {cls_name} is not a kvpress press (kvpress.BasePress subclass)")
     return cls
 
-def min_prompt_tokens(policy: Policy | dict[str, Any]) -> int:
-    """Shortest prompt (tokens) the policy can compress meaningfully.
 
-    A fixed budget needs ``budget + window_size + 1`` tokens (something must be
-    evicted outside the observation window); a press with an observation window
-    needs ``window_size + 1`` tokens; a press with attention sinks ``n_sink + 1``.
+def is_press_spec(value: Any) -> bool:
+    """True for a nested press spec: a mapping naming a press class under ``press``."""
+    return isinstance(value, Mapping) and isinstance(value.get("press"), str)
+
+
+def spec_parameters(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Constructor parameters of a nested press spec: its keys but ``press``, then its ``params``."""
+    params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
+    params.update(spec.get("params") or {})
+    return params
+
+
+def _settable(cls) -> tuple[str, ...]:
+    from kvdiverge.engine.press_registry import ROWS
+
+    row = ROWS.get(cls.__name__)
+    return row.settable if row else ()
+
+
+def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
+    """True when press ``press`` with ``params`` takes a policy's compression ratio.
+
+    The press takes it itself when its constructor has ``compression_ratio`` (and its
+    registry row does not say otherwise), else the first nested press spec that does.
+
+    Raises
+    ------
+    ValueError
+        An unknown press name (here or nested).
+    """
+    from kvdiverge.engine.press_registry import ROWS
+
+    cls = press_class(press)
+    row = ROWS.get(cls.__name__)
+    if row is not None and not row.takes_ratio:
+        return False
+    if "compression_ratio" in press_parameters(cls):
+        return True
+    return any(takes_ratio(s["press"], spec_parameters(s)) for s in _inner_specs(params))
+
+
+def _inner_specs(params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out = []
+    for value in params.values():
+        out += [v for v in (value if isinstance(value, list) else [value]) if is_press_spec(v)]
+    return out
+
+
+def ratio_problem(press: str, params: Mapping[str, Any], has_ratio: bool, has_budget: bool) -> str | None:
+    """What is wrong with a policy's ``compression_ratio`` / ``budget``, or ``None``.
+
+    A press that takes a ratio (:func:`takes_ratio`) needs exactly one of the two; one that
+    takes none (``PermutationPress`` keeps every position) neither.
+
+    Raises
+    ------
+    ValueError
+        An unknown press name (here or nested).
+    """
+    if takes_ratio(press, params):
+        return None if has_ratio != has_budget else "give exactly one of compression_ratio or budget"
+    if has_ratio or has_budget:
+        what = "keeps every position" if keeps_every_position(press) else "takes no compression ratio"
+        return f"{press} {what}; give neither compression_ratio nor budget"
+    return None
+
+
+def _build_value(value: Any, ratio: float | None, owner: str) -> tuple[Any, float | None]:
+    """A parameter value with its nested specs built; the ratio is handed to the first that takes it."""
+    if is_press_spec(value):
+        take = ratio is not None and takes_ratio(value["press"], spec_parameters(value))
+        return press_from_spec(value, ratio if take else None, owner), None if take else ratio
+    if isinstance(value, list) and value and all(is_press_spec(v) for v in value):
+        built = []
+        for v in value:
+            press, ratio = _build_value(v, ratio, owner)
+            built.append(press)
+        return built, ratio
+    return value, ratio
+
+
+def press_from_spec(spec: Mapping[str, Any], ratio: float | None, owner: str):
+    """Build the press of a (nested) spec, its nested presses first; ``ratio`` to the press that takes it.
 
     Parameters
     ----------
-    policy : Policy or dict
-        A policy or its config entry.
+    spec : mapping
+        ``{"press": Name, **params}`` (or ``params`` under ``"params"``); press-valued
+        parameters are specs of the same shape (lists of them for ``presses``).
+    ratio : float or None
+        The policy's compression ratio: set as ``compression_ratio`` on this press when it
+        takes one, else on the first nested press that does (:func:`takes_ratio`).
+    owner : str
+        Who named the press, for messages (``"policy 'adakv-50'"``).
+
+    Raises
+    ------
+    kvdiverge.engine.errors.PressError
+        An unknown press or parameter (the message lists the accepted ones), a ratio given
+        twice or to a press that takes none, or the constructor's own error (kvpress checks
+        with ``assert``), naming the press and the cause.
     """
-    if isinstance(policy, dict):
-        params = {k: v for k, v in policy.items() if k not in _POLICY_KEYS}
-        params.update(policy.get("params") or {})
-        budget = policy.get("budget")
-    else:
-        params, budget = policy.params, policy.budget
-    window = int(params.get("window_size", 0) or 0)
-    sinks = int(params.get("n_sink", 0) or 0)
+    try:
+        cls = press_class(spec["press"])
+    except ValueError as exc:
+        raise PressError(owner, str(exc)) from None
+    params, settable = spec_parameters(spec), _settable(cls)
+    accepted = press_parameters(cls)
+    unknown = sorted(set(params) - accepted - set(settable))
+    if unknown:
+        raise PressError(owner, f"{cls.__name__} has no parameter(s) {unknown}; "
+                                f"accepted: {sorted(accepted | set(settable))}")
+    own = ratio is not None and "compression_ratio" in accepted and takes_ratio(spec["press"], params)
+    if own and "compression_ratio" in params:
+        raise PressError(owner, f"{cls.__name__}: compression_ratio is given twice (by the policy and as a parameter)")
+    kwargs, rest = {}, None if own else ratio
+    for key, value in params.items():
+        if key not in settable:
+            kwargs[key], rest = _build_value(value, rest, owner)
+    if rest is not None:
+        raise PressError(owner, f"{cls.__name__} takes no compression_ratio")
+    if own:
+        kwargs["compression_ratio"] = ratio
+    try:
+        press = cls(**kwargs)
+    except (ImportError, AssertionError, TypeError, ValueError, AttributeError, KeyError) as exc:
+        cause = str(exc).strip() or "no message"
+        raise PressError(owner, f"{cls.__name__}({_format_kwargs(kwargs)}) failed: "
+                                f"{type(exc).__name__}: {cause}") from None
+    for key in settable:
+        if key in params:
+            setattr(press, key, params[key])
+    return press
+
+
+def _format_kwargs(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def press_min_prompt_tokens(press, budget: int | None = None) -> int:
+    """Shortest prompt (tokens) a press can compress meaningfully.
+
+    ``max(window_size, n_sink) + 1`` over the press and every press it wraps (an observation
+    window or attention sinks must leave something to evict); a fixed ``budget`` needs
+    ``budget + window_size + 1`` tokens.
+    """
+    from kvdiverge.engine.press_registry import nested_presses
+
+    window = sinks = 0
+    for p in nested_presses(press):
+        for attr in ("window_size", "n_sink"):
+            value = getattr(p, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if attr == "window_size":
+                    window = max(window, value)
+                else:
+                    sinks = max(sinks, value)
     need = max(window, sinks) + 1
     if budget is not None:
         need = max(need, int(budget) + window + 1)
     return need
 
 
+def min_prompt_tokens(source) -> int:
+    """Shortest prompt (tokens) a policy, press policy, config entry or other ``PressSource`` needs.
+
+    Parameters
+    ----------
+    source : Policy, PressPolicy, dict or PressSource
+        A config entry is read as :meth:`Policy.from_config`; a source without a
+        ``min_prompt_tokens`` attribute needs 1 token.
+    """
+    if isinstance(source, Mapping):
+        source = Policy.from_config(str(source.get("press")), dict(source))
+    return int(getattr(source, "min_prompt_tokens", 1) or 1)
+
+
 def policies_from_config(config: dict[str, Any]) -> dict[str, Policy]:
     """All policies of a validated config, by name."""
     return {name: Policy.from_config(name, spec) for name, spec in config["policies"].items()}
-
-
-def _nested_presses(press) -> list:
-    """``press`` and every press it wraps (``.press`` of wrappers, ``.presses`` of compositions)."""
-    out, todo = [], [press]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        inner = getattr(p, "press", None)
-        if inner is not None and inner is not p:
-            todo.append(inner)
-        todo.extend(getattr(p, "presses", None) or [])
-    return out
 
 
 @dataclass(frozen=True)
@@ -319,15 +513,8 @@ class PressPolicy:
 
     @property
     def min_prompt_tokens(self) -> int:
-        """Shortest prompt (tokens) the press can compress: like :func:`min_prompt_tokens`,
-        ``max(window_size, n_sink) + 1`` over the press and the presses it wraps."""
-        need = 1
-        for p in _nested_presses(self.press):
-            for attr in ("window_size", "n_sink"):
-                value = getattr(p, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    need = max(need, value + 1)
-        return need
+        """Shortest prompt (tokens) the press can compress: :func:`press_min_prompt_tokens`."""
+        return press_min_prompt_tokens(self.press)
 
     @property
     def compression_ratio(self) -> float | None:

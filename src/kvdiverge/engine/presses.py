@@ -17,6 +17,7 @@ reordering them leaves every query-key product unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from kvpress import BasePress
@@ -44,6 +45,10 @@ class PermutationPress(BasePress):
     """
 
     seed: int = 0
+
+    #: Keeps every prompt position (a policy gives it neither a ratio nor a budget; the
+    #: noise-floor control of the configs must be such a press).
+    keeps_every_position: ClassVar[bool] = True
 
     def kept_tokens(self, prompt_len: int) -> int:
         """Prompt positions each layer keeps: all ``prompt_len`` of them (tokens)."""

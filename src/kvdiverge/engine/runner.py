@@ -181,6 +181,11 @@ def run_documents(
     ------
     kvdiverge.engine.errors.CompressionError
         When a press does not keep the promised number of positions.
+    kvdiverge.engine.errors.PressError
+        Before any forward, when the registry refuses the press on this model
+        (:func:`kvdiverge.engine.press_registry.refusal`); when kvpress raises an
+        ``ImportError``, ``AssertionError``, ``TypeError``, ``AttributeError`` or ``IndexError`` during the
+        run (the message names the policy, the press and the cause).
     kvdiverge.engine.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
     ValueError
@@ -188,6 +193,8 @@ def run_documents(
     """
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.coupled import run_batch
+    from kvdiverge.engine.errors import PressError, raise_kvpress_error
+    from kvdiverge.engine.press_registry import refusal
 
     if not documents:
         return []
@@ -201,13 +208,19 @@ def run_documents(
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
         presses = [policy.build_press(doc.prompt_len) for doc in batch]
+        reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
+        if reason:
+            raise PressError(f"policy {policy.name!r}", reason)
         pair = LLMKernelPair.from_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
             temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         )
-        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
-                         progress=progress)
+        try:
+            reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+                             progress=progress)
+        except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
+            raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
         if progress is not None:

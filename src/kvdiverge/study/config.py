@@ -94,9 +94,7 @@ def format_error(error) -> str:
         if "exclusiveMaximum" in s:
             rng.append(f"< {s['exclusiveMaximum']}")
         return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
-    if v == "oneOf" and isinstance(error.instance, dict) and "press" in error.instance:
-        if error.instance.get("press") == "PermutationPress":
-            return f"{where}: PermutationPress keeps every position; give neither compression_ratio nor budget"
+    if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
         return f"{where}: give exactly one of compression_ratio or budget"
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
@@ -168,10 +166,27 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def policy_problems(policies: dict[str, Any]) -> list[str]:
+    """What is wrong with each policy: its press built once (unknown parameters of nested presses,
+    ratio or budget, kvpress's own checks) and refused presses (what they need), one line each."""
+    from kvdiverge.engine.errors import PressError
+    from kvdiverge.engine.policies import Policy
+
+    problems = []
+    for name, spec in policies.items():
+        try:
+            Policy.from_config(name, spec)
+        except PressError as exc:
+            problems.append(f"policies.{name}: {exc.problem}")
+    return problems
+
+
 def check(config: dict[str, Any]) -> None:
     """Check the cross-references a schema cannot express.
 
-    Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
+    Every policy must build its press, and kvdiverge must measure it
+    (:mod:`kvdiverge.engine.press_registry`); the noise-floor policy's press must keep every
+    position. Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
     on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
     a real calendar date.
@@ -207,13 +222,16 @@ def check(config: dict[str, Any]) -> None:
                 f"corpus.documents.{control['split']} = {docs}"
             )
 
+    problems += policy_problems(policies)
     floor = run.get("floor")
     if floor and need_policy("runs.floor.policy", floor["policy"]):
+        from kvdiverge.engine.policies import keeps_every_position
+
         press = policies[floor["policy"]].get("press")
-        if press != "PermutationPress":
+        if not keeps_every_position(press):
             problems.append(
-                f"runs.floor.policy: {floor['policy']!r} must be a PermutationPress policy "
-                f"(keeps every position, permutes their order), not {press}"
+                f"runs.floor.policy: {floor['policy']!r} must be a noise-floor policy, whose press keeps "
+                f"every position (PermutationPress), not {press}"
             )
         for split in SPLITS:
             docs = config.get("corpus", {}).get("documents", {}).get(split)

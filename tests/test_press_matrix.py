@@ -1,0 +1,259 @@
+"""The press matrix: every press kvpress exports, measured exactly or refused with what it needs.
+
+In kvpress's own test style (``tests/default_presses.py`` + one parametrized test per
+property): one row per class in ``kvpress.__all__`` (and the project's presses), read
+through :data:`kvdiverge.engine.press_registry.ROWS`, so a new kvpress release adds rows by
+itself. Each row runs on tiny random-weight models with the Llama-3.1 and Qwen2.5 miniature
+structure (grouped-query attention, :mod:`kvdiverge.reference.miniatures`), its test
+instance from :func:`kvdiverge.engine.press_registry.test_spec` (ratio 0.5 where the press
+takes one; SnapKV or Knorm inside wrappers).
+
+A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded together
+(``R = 2`` rows each, ``T = 4`` steps, the same forced tokens on both sides):
+
+- a reference side equal, exactly and at every step, to a pair run without any press;
+- at ratio 0 (where it takes a ratio) an evicted side equal to the reference: TV exactly 0;
+- per document, the distributions of the document run alone, within :data:`BATCH_TOL`
+  (not for presses drawing from torch's global generator, ``PressRow.global_rng``);
+- the kept count the policy promises (``expected_kept``), and an eviction at ratio 0.5.
+
+A *refused* press must stop before any work (no model forward) with the registry's sentence,
+which names what it needs (:data:`REASONS`), and kvpress alone must indeed fail on it here
+(or, for decode-time presses, leave the prefill cache whole: measured, it would show nothing).
+
+Rows whose press needs an engine capability not on this branch (:data:`kvdiverge.engine.
+press_registry.PENDING`) are expected to fail (``xfail``, not strict).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from kvdiverge.engine import press_registry as registry
+from kvdiverge.engine.errors import PressError
+from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.engine.policies import Policy, press_from_spec
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+T, R = 4, 2
+LENGTHS = (48, 64, 96)
+#: Largest |log p| difference (nats, over tokens of probability > 1e-6) between a document
+#: decoded in a batch of three and alone. Measured: at most 2.4e-7 over every measured press
+#: and both miniatures (float32 on CPU, KeyRerotationPress on the Qwen2.5 miniature); the
+#: bound leaves a factor of about 20.
+BATCH_TOL = 5e-6
+
+#: What each refused press's sentence must name (written here, independently of the registry).
+REASONS = {
+    "CAMPress": "until decode-time eviction is built",
+    "CriticalKVPress": "model.config.head_dim",  # on Qwen2 configs only
+    "CriticalAdaKVPress": "model.config.head_dim",
+    "CompressionRatioDecodingPress": "until decode-time eviction is built",
+    "DecodingPress": "until decode-time eviction is built",
+    "PrefillDecodingPress": "until decode-time eviction is built",
+    "DuoAttentionPress": "meta-llama/Meta-Llama-3.1-8B-Instruct",
+    "ExpectedAttentionStatsPress": "params.stats_folder",
+    "FastKVzipPress": "Jang-Hyun/Fast-KVzip",
+    "FinchPress": "params.delimiter_token_id",
+    "KVgradPress": "AutoTokenizer.from_pretrained",
+    "KVzipPress": "AutoTokenizer.from_pretrained",
+    "KVzapPress": "nvidia/KVzap-",
+    "LUKVPress": "BUDGET_CURVE_URLS",
+    "QFilterPress": "nthngdy/",
+    "RestoreKVPress": "higokri/RestoreKV-",
+}
+
+
+def _rows():
+    for name in sorted(registry.ROWS):
+        caps = registry.pending(name)
+        marks = [pytest.mark.xfail(reason=f"needs the {', '.join(caps)} engine", strict=False)] if caps else []
+        yield pytest.param(name, id=name, marks=marks)
+
+
+@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b"])
+def model(request):
+    """A miniature with random weights, sdpa attention, float32, eval mode (one per module)."""
+    return random_model(MINIATURE[request.param], seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 500, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def forced():
+    """The tokens fed at every step, per document (the same on both sides and in every run)."""
+    gen = torch.Generator().manual_seed(12)
+    return torch.randint(1, 500, (len(LENGTHS), T), generator=gen)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.WARNING)  # kvpress warns about untested models and KVzip's cost
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+def trace(model, prompts, forced, policy: Policy | None):
+    """``(log p, log q)`` per step, each (len(prompts) * R, vocab), and the kept lengths."""
+    presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
+    expected = [None if policy is None else policy.expected_kept(len(ids), press)
+                for ids, press in zip(prompts, presses)]
+    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0)
+    steps = [pair.start(len(prompts) * R)]
+    for t in range(T - 1):
+        tokens = forced[:, t].repeat_interleave(R)
+        steps.append(pair.advance(tokens, tokens))
+    return steps, pair.kept_lens
+
+
+def _policy(name: str, ratio: float | None = None) -> Policy:
+    spec = registry.test_spec(name)
+    if ratio is not None and "compression_ratio" in spec:
+        spec["compression_ratio"] = ratio
+    return Policy.from_config(name, spec)
+
+
+@pytest.mark.parametrize("name", _rows())
+def test_press_matrix(model, prompts, forced, name):
+    if registry.status(name, model) == "refused":
+        check_refused(model, prompts, name)
+    else:
+        check_measured(model, prompts, forced, name)
+
+
+def check_measured(model, prompts, forced, name):
+    policy = _policy(name)
+    plain, _ = trace(model, prompts, forced, None)
+    steps, kept = trace(model, prompts, forced, policy)
+    for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
+        assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
+    for d, ids in enumerate(prompts):
+        n = len(ids)
+        promise = policy.expected_kept(n, policy.build_press(n))
+        if promise is not None:
+            assert kept[d] == promise, (name, n)
+        if policy.takes_ratio:
+            assert kept[d] < n, f"{name} kept all {n} positions at ratio 0.5"
+        if registry.ROWS[name].global_rng:
+            continue  # its positions depend on torch's global generator, hence on the batch
+        alone, kept_alone = trace(model, [ids], forced[d:d + 1], policy)
+        assert kept_alone == [kept[d]]
+        rows = slice(d * R, (d + 1) * R)
+        for t, ((p, q), (pa, qa)) in enumerate(zip(steps, alone)):
+            for batched, single in ((p[rows], pa), (q[rows], qa)):
+                live = single > -13.8  # probability > 1e-6
+                gap = (batched - single).abs()[live].max().item()
+                assert gap <= BATCH_TOL, f"{name}: document {d} step {t + 1} differs by {gap:.2e} in a batch"
+    if policy.takes_ratio:
+        control, _ = trace(model, prompts, forced, _policy(name, ratio=0.0))
+        for t, (p, q) in enumerate(control):
+            tv = 0.5 * (p.exp() - q.exp()).abs().sum(-1)
+            assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+
+
+def check_refused(model, prompts, name):
+    spec = registry.test_spec(name)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        import kvdiverge
+
+        with pytest.raises(PressError) as err:
+            kvdiverge.measure(model, None, {"p": prompts[0]}, {name: spec}, max_new_tokens=T, replicates=R,
+                              progress=False)
+    finally:
+        handle.remove()
+    assert calls == [], f"{name}: the model ran before the refusal"
+    sentence = registry.spec_refusal(spec, model)
+    assert err.value.problem == sentence and REASONS[name] in sentence, (name, sentence)
+    assert name in sentence
+    # kvpress alone cannot run it here: it fails, or (decode-time) its prefill evicts nothing
+    press = press_from_spec({"press": name, "params": spec["params"]}, spec.get("compression_ratio"), "press")
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    try:
+        with torch.inference_mode(), press(model):
+            model(input_ids=torch.tensor([prompts[0]]), past_key_values=cache, use_cache=True)
+    except Exception:
+        return
+    finally:
+        for module in model.modules():  # head-wise presses leave their masks on the attention modules
+            if getattr(module, "masked_key_indices", None) is not None:
+                module.masked_key_indices = None
+    assert "until decode-time eviction is built" in sentence, f"{name}: kvpress runs it, yet it is refused"
+    if "prefilling_press" not in spec["params"]:  # PrefillDecodingPress evicts at prefill, then drops its decoding half
+        assert {layer.keys.shape[-2] for layer in cache.layers} == {len(prompts[0])}
+
+
+def test_every_kvpress_press_has_a_row():
+    import kvpress
+
+    exported = {n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
+                and issubclass(getattr(kvpress, n), kvpress.BasePress)} - {"BasePress", "ScorerPress"}
+    assert exported <= set(registry.ROWS) and len(exported) == 44
+    assert set(REASONS) >= {n for n in registry.ROWS if registry.status(n) == "refused"}
+
+
+def test_one_line_flips_a_capability(monkeypatch):
+    monkeypatch.setitem(registry.CAPABILITIES, "decode-time", True)
+    assert registry.status("DecodingPress") == "measured"
+    monkeypatch.setitem(registry.CAPABILITIES, "head-wise", False)
+    assert registry.status("AdaKVPress") == "refused"
+    assert "head-wise engine is built" in registry.spec_refusal(registry.test_spec("CriticalAdaKVPress"))
+    monkeypatch.setitem(registry.CAPABILITIES, "eager", False)
+    assert "`attn_implementation: eager`" in registry.spec_refusal(registry.test_spec("ObservedAttentionPress"))
+
+
+def test_conditional_refusals_follow_the_parameters():
+    ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
+    assert registry.spec_refusal(ok) is None or "head-wise" in registry.spec_refusal(ok)
+    assert "until decode-time" in registry.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
+    assert "params.threshold" in registry.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
+    finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
+    assert finch.build_press(100).delimiter_token_id == 7
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
+    per_layer = {"press": "PerLayerCompressionPress",
+                 "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3}}
+    assert "it has 3, the model has 2 layers" in registry.spec_refusal(per_layer, tiny)
+    assert registry.spec_refusal(per_layer) in (None, registry.spec_refusal(registry.test_spec(
+        "PerLayerCompressionPress")))  # without the model: only what the parameters tell
+    stats = {"press": "ExpectedAttentionStatsPress", "compression_ratio": 0.5, "params": {"stats_folder": "/x"}}
+    assert registry.spec_refusal(stats) is None
+    prefill_only = {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "KnormPress"}},
+                    "compression_ratio": 0.5}
+    assert registry.spec_refusal(prefill_only) is None
+
+
+def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
+    from kvdiverge.engine.runner import Document, run_documents
+
+    # Finch with a delimiter id that is not in the prompt finds no window: kvpress fails with a bare assert
+    policy = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5,
+                                          "delimiter_token_id": 510})
+    with pytest.raises(PressError, match=r"policy 'finch' \(FinchPress\): kvpress failed during the prefill "
+                                         r"with AssertionError: window_size must be provided"):
+        run_documents(model, [Document("d", prompts[0])], policy, T=2, replicates=1, temperature=1.0, top_p=1.0,
+                      seed=0, model_name="m", batch_documents=1)
+
+
+def test_the_readme_press_table_is_the_registry():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
+    assert start in readme and end in readme
+    section = readme[readme.index(start) + len(start):readme.index(end)]
+    assert section == registry.press_table(), "regenerate it: python -m kvdiverge.engine.press_registry"
