@@ -60,7 +60,7 @@ CAPABILITIES: dict[str, bool] = {
 
 #: Capabilities marked True above whose engine code is not on this branch yet: the press
 #: matrix expects the presses needing them to fail (``xfail``). Empty once the engine lands.
-PENDING: frozenset[str] = frozenset({"head-wise", "per-layer", "eager", "channels"})
+PENDING: frozenset[str] = frozenset()
 
 #: The refusal of a press needing a capability the engine lacks (``{press}``: its class name).
 CAPABILITY_SENTENCES: dict[str, str] = {
