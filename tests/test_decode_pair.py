@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.coupled import run_batch
-from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time, refusal
+from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time, is_decode_time_entry, refusal
 from kvdiverge.engine.decoding import decode_log_probs
 from kvdiverge.engine.twin import evicted_twin
 from kvdiverge.engine.window import SlidingWindowPress
@@ -229,3 +229,15 @@ def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
         ref = replay(model, prompts[d], make(), h[:-1])[-1]
         assert float((logq[i].exp() - ref.exp()).abs().max()) < 1e-5
     assert len(pair._lanes) == 2  # both chain lanes still hold a row; the dropped rows ride along
+
+
+def test_config_entries_are_recognised():
+    assert is_decode_time_entry({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
+    assert is_decode_time_entry({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})
+    assert is_decode_time_entry({"press": "PrefillDecodingPress", "params": {
+        "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}})
+    assert is_decode_time_entry({"press": "DMSPress", "params": {"decoding": True}})
+    assert not is_decode_time_entry({"press": "DMSPress", "params": {"decoding": False}})
+    assert not is_decode_time_entry({"press": "StreamingLLMPress", "compression_ratio": 0.5})
+    assert not is_decode_time_entry({"press": "PrefillDecodingPress",
+                                     "params": {"prefilling_press": {"press": "SnapKVPress"}}})

@@ -44,7 +44,10 @@ from kvdiverge.engine.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm_pair import _CacheSide, merge_caches, model_eos_ids
 from kvdiverge.engine.twin import evicted_twin
 
-__all__ = ["DecodeTimePair", "is_decode_time", "refusal"]
+__all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
+
+#: Press classes that evict while generating, whatever their parameters.
+DECODE_TIME_CLASSES = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "CAMPress", "SlidingWindowPress"})
 
 
 def _nested(press) -> list:
@@ -82,6 +85,22 @@ def is_decode_time(press) -> bool:
         if isinstance(p, DMSPress) and p.decoding:
             return True
     return False
+
+
+def is_decode_time_entry(spec: dict) -> bool:
+    """:func:`is_decode_time` for a policy's config entry (``press`` name, parameters, ``params``).
+
+    A nested press (a mapping with a ``press`` class name) is looked into as well.
+    """
+    if not isinstance(spec, dict):
+        return False
+    params = {**spec, **(spec.get("params") or {})}
+    name = spec.get("press")
+    if name in DECODE_TIME_CLASSES or (name == "DMSPress" and bool(params.get("decoding"))):
+        return True
+    if name == "PrefillDecodingPress" and params.get("decoding_press") is not None:
+        return True
+    return any(is_decode_time_entry(v) for k, v in params.items() if k != "params" and isinstance(v, dict))
 
 
 def refusal(press) -> str | None:

@@ -73,6 +73,12 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
 
+    A decode-time policy (:func:`kvdiverge.engine.decode_pair.is_decode_time`: the press
+    also evicts while tokens are generated) runs on
+    :class:`kvdiverge.engine.decode_pair.DecodeTimePair` (lanes with exact branch replay),
+    every other on :class:`kvdiverge.engine.llm_pair.LLMKernelPair`; ``kept_len`` is then
+    the fewest positions the evicted cache held along the agreement chain.
+
     Documents run ``B`` at a time as the rows of one kernel pair
     (:meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.coupled.run_batch`):
     ``B x R`` rows per side per forward. Batches group documents of similar length
@@ -126,6 +132,7 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
+    from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
     from kvdiverge.engine.coupled import run_batch
@@ -149,13 +156,16 @@ def run_documents(
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
         presses = [policy.build_press(doc.prompt_len) for doc in batch]
-        pair = LLMKernelPair.from_documents(
+        kind = DecodeTimePair if any(is_decode_time(p) for p in presses) else LLMKernelPair
+        pair = kind.from_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
             temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         )
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
+        if hasattr(pair, "close"):
+            pair.close()
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
         if progress is not None:
