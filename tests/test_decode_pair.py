@@ -241,3 +241,13 @@ def test_config_entries_are_recognised():
     assert not is_decode_time_entry({"press": "StreamingLLMPress", "compression_ratio": 0.5})
     assert not is_decode_time_entry({"press": "PrefillDecodingPress",
                                      "params": {"prefilling_press": {"press": "SnapKVPress"}}})
+
+
+def test_planner_counts_the_replay_lanes():
+    from kvdiverge.engine.planner import plan_batch
+
+    # per document: rows x (prompt + T) x 100 bytes + rows x vocab x 52; R = 2, prompt 90, T 10, vocab 50
+    args = dict(kv_bytes_per_token=100, prompt_len=90, T=10, replicates=2, vocab_size=50, documents=100)
+    per_row = 100 * 100 + 50 * 52
+    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, **args) == 12  # 2R rows per document
+    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, decode_time=True, **args) == 8  # 3R rows

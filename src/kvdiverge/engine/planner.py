@@ -9,6 +9,9 @@ cache of those rows:
                        + R x 2 sides x vocab x LOGIT_BYTES_PER_ENTRY
     B = floor(memory_budget / bytes_per_document), clipped to [1, documents]
 
+A decode-time policy counts ``3R`` rows instead of ``2R`` (the evicted side's chain lane
+and replay lanes can coexist: :mod:`kvdiverge.engine.decode_pair`).
+
 ``prompt_len`` is the longest prompt of the shard (every row is padded to the longest
 of its batch). The second term is the per-row working memory of the decoding transform
 and the coupling math (float64 log-probabilities, probabilities and cumulative sums over
@@ -86,6 +89,7 @@ def plan_batch(
     memory_budget_bytes: int,
     documents: int,
     override: int | None = None,
+    decode_time: bool = False,
 ) -> int:
     """Documents per batched forward ``B`` (module docstring for the formula).
 
@@ -107,6 +111,10 @@ def plan_batch(
         Documents to run (``B`` never exceeds it).
     override : int, optional
         ``B`` from the config (``generation.batch_documents``); clipped to ``documents``.
+    decode_time : bool
+        A decode-time policy (:class:`kvdiverge.engine.decode_pair.DecodeTimePair`): a
+        document's evicted side can hold its chain lane (rows that left it ride along)
+        and its replay lanes at once, up to ``2R`` rows, so ``3R`` rows are counted.
 
     Returns
     -------
@@ -122,6 +130,6 @@ def plan_batch(
         if int(override) < 1:
             raise ValueError(f"generation.batch_documents must be >= 1 or 'auto', got {override}")
         return max(1, min(int(override), int(documents)))
-    rows = int(replicates) * 2
+    rows = int(replicates) * (3 if decode_time else 2)
     per_doc = rows * ((int(prompt_len) + int(T)) * int(kv_bytes_per_token) + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
     return max(1, min(int(documents), math.floor(memory_budget_bytes / per_doc)))

@@ -140,13 +140,15 @@ def run_documents(
     if not documents:
         return []
     device = next(model.parameters()).device
+    longest = max(documents, key=lambda doc: doc.prompt_len)
+    decode_time = is_decode_time(policy.build_press(longest.prompt_len))
     budget = (default_memory_budget(device) if memory_budget_gb is None
               else int(float(memory_budget_gb) * 2**30))
     B = plan_batch(
         kv_bytes_per_token=kv_bytes_per_token(model.config, next(model.parameters()).dtype),
         prompt_len=max(doc.prompt_len for doc in documents), T=int(T), replicates=int(replicates),
         vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=len(documents),
-        override=batch_documents,
+        override=batch_documents, decode_time=decode_time,
     )
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
@@ -156,7 +158,7 @@ def run_documents(
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
         presses = [policy.build_press(doc.prompt_len) for doc in batch]
-        kind = DecodeTimePair if any(is_decode_time(p) for p in presses) else LLMKernelPair
+        kind = DecodeTimePair if decode_time else LLMKernelPair
         pair = kind.from_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
