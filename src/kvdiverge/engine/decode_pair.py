@@ -17,7 +17,11 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   ``t* = L + 1``), the row leaves its lane for a **replay lane**: a fresh twin, a fresh
   press, a fresh prefill of its document, then its first ``L`` evicted-side tokens fed one
   per forward. Rows of one document rewound to one ``L`` in the same call share a
-  replay lane. The branch then continues there.
+  replay lane. The branch then continues there. The prefill is not recomputed: the chain
+  lane's one-row prefill state (cache, press object) is copied once at :meth:`DecodeTimePair.start`
+  and each replay lane starts from a copy (the prefill is deterministic, so these are the
+  bits a fresh prefill gives). A press whose prefill leaves state with a batch dimension
+  (module masks, ``DMSPress``) is prefilled anew on the lane's rows instead.
 - :meth:`DecodeTimePair.keep_rows` drops rows from the pair; a dropped row rides along
   in its lane (fed its last token again; its outputs are discarded) until every row of
   the lane has left, when the lane is closed. So no press buffer with a batch dimension
@@ -140,33 +144,58 @@ class _Lane:
         The document's pristine press; the lane enters a deep copy of it.
     n : int
         Rows of the lane.
+    counts : dict
+        The pair's counters (:attr:`DecodeTimePair.counts`), updated in place.
+    start : tuple or None
+        ``(press, cache, logits)`` just after a one-row prefill of this document (its
+        :attr:`snapshot`): the lane starts from copies of them instead of prefilling. The
+        prefill is deterministic, so this is the state a fresh prefill reaches, bit for bit.
+
+    Attributes
+    ----------
+    snapshot : tuple or None
+        After a prefill, ``(press, cache, logits)`` copied at once (one row), or ``None``
+        when the prefill left state with a batch dimension (module masks, ``DMSPress``).
     """
 
-    def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int]):
+    def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None):
         self.prompt_len, self.n, self.n_gen, self.counts = int(ids.numel()), int(n), 0, counts
-        out = self._open(model, ids, press, 1)
-        if n > 1 and _has_row_state(self.twin, self.press):  # the prefill's state has a batch dim: prefill every row
-            self.close()
-            out = self._open(model, ids, press, n)
-        elif n > 1:
+        self.snapshot = None
+        if start is not None:
+            self._enter(model, start[0])
+            self.cache, logits = copy.deepcopy(start[1]), start[2]
+            counts["prefills_restored"] += 1
+        else:
+            logits = self._open(model, ids, press, 1)
+            if not _has_row_state(self.twin, self.press):
+                self.snapshot = (copy.deepcopy(self.press), copy.deepcopy(self.cache), logits)
+            elif n > 1:  # the prefill's state has a batch dimension: prefill every row
+                self.close()
+                logits = self._open(model, ids, press, n)[:1]
+        if n > 1 and self.cache.layers[0].keys.shape[0] == 1:
             self.cache.batch_repeat_interleave(n)
-        self.first_logits = out.logits[:1, -1, :]
+        self.first_logits = logits
         self.chain_doc: int | None = None  # the document of a chain lane, None for a replay lane
         self.last = torch.zeros(n, dtype=torch.long, device=ids.device)
 
-    def _open(self, model, ids: torch.Tensor, press, rows: int):
-        """A fresh twin and press copy, the press entered, the prompt prefilled on ``rows`` rows."""
-        from transformers import DynamicCache
-
+    def _enter(self, model, press) -> None:
+        """A fresh twin, a deep copy of ``press`` entered on it for the lane's life."""
         self.twin = evicted_twin(model)
         self.press = copy.deepcopy(press)
         self.stack = ExitStack()
         self.stack.enter_context(self.press(self.twin))
+
+    def _open(self, model, ids: torch.Tensor, press, rows: int) -> torch.Tensor:
+        """Enter a fresh press on a fresh twin, prefill the prompt on ``rows`` rows; the last logits (rows, vocab)."""
+        from transformers import DynamicCache
+
+        self._enter(model, press)
         self.cache = DynamicCache()
         self.counts["prefill_forwards"] += 1
         self.counts["prefill_rows"] += rows
-        return self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache, use_cache=True,
+                        logits_to_keep=1)
+        return out.logits[:, -1, :]
 
     @property
     def cache_len(self) -> int:
@@ -191,7 +220,7 @@ class _Lane:
 
 
 def _new_counts() -> dict[str, int]:
-    return {k: 0 for k in ("prefill_forwards", "prefill_rows", "lane_forwards", "lane_row_steps",
+    return {k: 0 for k in ("prefill_forwards", "prefill_rows", "prefills_restored", "lane_forwards", "lane_row_steps",
                            "replay_forwards", "replay_row_steps", "reference_forwards", "reference_row_steps")}
 
 
@@ -226,7 +255,8 @@ class DecodeTimePair:
         (tokens): the prefill's kept count, then every decode-time compression.
     counts : dict of str to int
         Forwards and row-steps so far: ``prefill_forwards`` / ``prefill_rows`` (evicted
-        side, chain and replay lanes), ``lane_forwards`` / ``lane_row_steps`` (one per lane
+        side, chain and replay lanes), ``prefills_restored`` (replay lanes started from the
+        copied prefill instead), ``lane_forwards`` / ``lane_row_steps`` (one per lane
         per engine step, riding rows included), ``replay_forwards`` / ``replay_row_steps``
         (history fed to replay lanes), ``reference_forwards`` / ``reference_row_steps``.
 
@@ -306,9 +336,10 @@ class DecodeTimePair:
         prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
                       else self.prompt_lens[0])
         self._ref = _CacheSide(cache, valid, prompt_len)
-        self._lanes, self.kept_lens = [], []
+        self._lanes, self.kept_lens, self._starts = [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             lane = _Lane(self.model, ids, press, R, self.counts)
+            self._starts.append(lane.snapshot)
             self._check_prefill(d, lane)
             lane.chain_doc = d
             self._lanes.append(lane)
@@ -365,7 +396,7 @@ class DecodeTimePair:
             self._where[r] = (None, -1)
         self._close_empty()
         for (d, n), rows in groups.items():
-            lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts)
+            lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
             for i in range(n):
                 tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)
                 check_logits_finite(lane.forward(tokens, "replay"), "evicted")
