@@ -255,3 +255,24 @@ def test_planner_counts_the_replay_lanes():
     per_row = 100 * 100 + 50 * 52
     assert plan_batch(memory_budget_bytes=12 * 4 * per_row, **args) == 12  # 2R rows per document
     assert plan_batch(memory_budget_bytes=12 * 4 * per_row, decode_time=True, **args) == 8  # 3R rows
+
+
+def test_runner_chooses_the_decode_time_pair(model, prompts):
+    from kvdiverge.engine.policies import PressPolicy
+    from kvdiverge.engine.runner import Document, run_documents
+
+    docs = [Document(f"d{i}", p) for i, p in enumerate(prompts)]
+
+    def run(press, B):
+        return run_documents(model, docs, PressPolicy("p", press), T=8, replicates=2, temperature=TEMPERATURE,
+                             top_p=1.0, seed=5, model_name="miniature", batch_documents=B)
+
+    # kept_len: the fewest positions along the chain (the decoding press reaches target_size = 8)
+    assert {r["kept_len"] for r in run(decoding_press(), 1)} == {8}
+    window = run(SlidingWindowPress(0.5, n_sink=2), 1)
+    assert [r["kept_len"] for r in window] == [10, 10, 13, 13, 8, 8]
+    # several documents per batch (rows leave as they finish): the same trajectories up to rounding
+    batched = run(SlidingWindowPress(0.5, n_sink=2), 3)
+    for a, b in zip(window, batched):
+        assert a["t_star"] == b["t_star"] and a["branch_y"] == b["branch_y"]
+        assert max(abs(x - y) for x, y in zip(a["branch_tv"] + a["tv"], b["branch_tv"] + b["tv"])) < 1e-5
