@@ -59,7 +59,7 @@ def test_probe_diverges_above_the_floor(model_and_tokenizer, text):
     model, tokenizer = model_and_tokenizer
     torch.set_num_threads(1)
     m = measure(model, tokenizer, {"washington": text}, {"probe": probe(), "floor": PermutationPress(0)},
-                max_new_tokens=6, replicates=2, seed=1, bootstrap=50, progress=False)
+                max_new_tokens=4, replicates=2, seed=1, bootstrap=50, progress=False)
     s = {r["policy"]: r for r in m.summary.to_dicts()}
     assert s["probe"]["p_div"] > 0.05 > s["floor"]["p_div"]
     assert not s["probe"]["untouched"] and s["probe"]["kept_fraction"] < 0.2  # 40 of ~330 positions, reached
