@@ -286,6 +286,7 @@ def test_runs_lists_every_generated_combination():
     assert runs(smoke) == [
         ("smollm2-135m", "snapkv-50", "exploratory"),
         ("smollm2-135m", "snapkv-b128", "exploratory"),
+        ("smollm2-135m", "window-50", "exploratory"),
         ("smollm2-135m", "noise-floor", "exploratory"),
         ("smollm2-135m", "snapkv-90", "confirmatory"),
         ("smollm2-135m", "noise-floor", "confirmatory"),

@@ -17,19 +17,27 @@ def paper():
 
 
 def test_smoke_cost_by_hand(smoke):
-    # smoke: T = 8, R = 2, 2 shards; exploratory snapkv-50 and snapkv-b128 on 2 documents,
-    # confirmatory snapkv-90 on 2, the noise floor on both splits' 2 documents, the control
+    # smoke: T = 8, R = 2, 2 shards; exploratory snapkv-50, snapkv-b128 and the decode-time window-50 on 2
+    # documents, confirmatory snapkv-90 on 2, the noise floor on both splits' 2 documents, the control
     # `none` on the first 1 exploratory document.
     costs = study_cost(smoke)
     assert [(c.policy, c.split, c.documents) for c in costs] == [
-        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2), ("noise-floor", "exploratory", 2),
-        ("snapkv-90", "confirmatory", 2), ("noise-floor", "confirmatory", 2), ("none", "exploratory", 1)]
+        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2), ("window-50", "exploratory", 2),
+        ("noise-floor", "exploratory", 2), ("snapkv-90", "confirmatory", 2), ("noise-floor", "confirmatory", 2),
+        ("none", "exploratory", 1)]
+    assert [c.decode_time for c in costs] == [False, False, True, False, False, False, False]
     # per document: token-steps R x 2 sides x (2T - 1) = 2 * 2 * 15 = 60;
     # forwards 2 prefill + 2 sides x (2T - 2) = 2 + 28 = 30
-    assert [c.token_steps for c in costs] == [120] * 5 + [60]
-    assert [c.forwards for c in costs] == [60] * 5 + [30]
-    assert totals(costs) == {"runs": 6, "documents": 11, "shards": 12, "prefill_forwards": 22,
-                             "decode_forwards": 308, "forwards": 330, "token_steps": 660}
+    assert [c.token_steps for c in costs] == [120] * 6 + [60]
+    assert [c.forwards for c in costs] == [60, 60, 102, 60, 60, 60, 30]
+    # window-50, per document: reference 2T - 2 = 14, evicted lanes (R + 1)(T - 1) = 21,
+    # replays R = 2 prefills and R (T - 2) = 12 forwards (and token-steps)
+    window = costs[2]
+    assert (window.prefill_forwards, window.decode_forwards, window.replay_prefills, window.replay_forwards,
+            window.replay_token_steps) == (4, 70, 4, 24, 24)
+    assert totals(costs) == {"runs": 7, "documents": 13, "shards": 14, "prefill_forwards": 26,
+                             "decode_forwards": 378, "forwards": 432, "token_steps": 780,
+                             "replay_forwards": 28, "replay_token_steps": 24}
     floor = {**smoke, "runs": {**smoke["runs"], "floor": {"policy": "noise-floor", "documents": 1}}}
     assert [c.documents for c in study_cost(floor) if c.policy == "noise-floor"] == [1, 1]
 

@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
 RES = SMOKE["results_dir"]
 MODEL = "smollm2-135m"
-RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("noise-floor", "exploratory"),
+RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("window-50", "exploratory"),
+        ("noise-floor", "exploratory"),
         ("snapkv-90", "confirmatory"), ("noise-floor", "confirmatory"), ("none", "exploratory")]
 # rules whose jobs the tests tell apart by their first output; the others run once
 PER_FILE = ("trajectories", "estimate")

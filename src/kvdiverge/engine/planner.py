@@ -10,6 +10,9 @@ cache of those rows:
                        + R x 2 sides x vocab x LOGIT_BYTES_PER_ENTRY
     B = floor(memory_budget / bytes_per_document), clipped to [1, documents]
 
+A decode-time policy counts ``3R`` rows instead of ``2R`` (the evicted side's chain lane
+and replay lanes can coexist: :mod:`kvdiverge.engine.decode_pair`).
+
 ``prompt_len`` is the longest prompt of the shard (every row is padded to the longest
 of its batch). Every forward appends one column to every row of the batched cache, and
 a rewind only masks the abandoned columns (they leave when no remaining row attends to
@@ -58,10 +61,11 @@ def cache_columns(prompt_len: int, T: int) -> int:
     return int(prompt_len) + max(2 * int(T) - 2, 0)
 
 
-def document_bytes(*, kv_bytes_per_token: int, prompt_len: int, T: int, replicates: int, vocab_size: int) -> int:
-    """Bytes one document adds to a batch (module docstring for the formula)."""
+def document_bytes(*, kv_bytes_per_token: int, prompt_len: int, T: int, replicates: int, vocab_size: int,
+                   decode_time: bool = False) -> int:
+    """Bytes one document adds to a batch (module docstring for the formula; ``3R`` rows when decode-time)."""
     kv = int(kv_bytes_per_token)
-    rows = int(replicates) * 2
+    rows = int(replicates) * (3 if decode_time else 2)
     return (rows * (cache_columns(prompt_len, T) * kv + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
             + 2 * int(prompt_len) * kv)
 
@@ -121,6 +125,7 @@ def plan_batch(
     memory_budget_bytes: int,
     documents: int,
     override: int | None = None,
+    decode_time: bool = False,
 ) -> int:
     """Documents per batched forward ``B`` (module docstring for the formula).
 
@@ -142,6 +147,10 @@ def plan_batch(
         Documents to run (``B`` never exceeds it).
     override : int, optional
         ``B`` from the config (``generation.batch_documents``); clipped to ``documents``.
+    decode_time : bool
+        A decode-time policy (:class:`kvdiverge.engine.decode_pair.DecodeTimePair`): a
+        document's evicted side can hold its chain lane (rows that left it ride along)
+        and its replay lanes at once, up to ``2R`` rows, so ``3R`` rows are counted.
 
     Returns
     -------
@@ -158,5 +167,5 @@ def plan_batch(
             raise ValueError(f"generation.batch_documents must be >= 1 or 'auto', got {override}")
         return max(1, min(int(override), int(documents)))
     per_doc = document_bytes(kv_bytes_per_token=kv_bytes_per_token, prompt_len=prompt_len, T=T,
-                             replicates=replicates, vocab_size=vocab_size)
+                             replicates=replicates, vocab_size=vocab_size, decode_time=decode_time)
     return max(1, min(int(documents), math.floor(memory_budget_bytes / per_doc)))

@@ -22,6 +22,8 @@ from typing import ClassVar
 import torch
 from kvpress import BasePress
 
+from kvdiverge.engine.window import SlidingWindowPress
+
 __all__ = ["PermutationPress", "PROJECT_PRESSES"]
 
 
@@ -83,4 +85,5 @@ class PermutationPress(BasePress):
 
 
 #: Presses of the project that a policy can name beside kvpress's (``policies.press_class``).
-PROJECT_PRESSES: dict[str, type[BasePress]] = {"PermutationPress": PermutationPress}
+PROJECT_PRESSES: dict[str, type[BasePress]] = {"PermutationPress": PermutationPress,
+                                               "SlidingWindowPress": SlidingWindowPress}

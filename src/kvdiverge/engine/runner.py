@@ -66,6 +66,7 @@ def plan_documents(
     replicates: int,
     batch_documents: int | None = None,
     memory_budget_gb: float | None = None,
+    decode_time: bool = False,
 ) -> int:
     """Documents per batched forward ``B`` for running ``documents`` on ``model``.
 
@@ -84,6 +85,8 @@ def plan_documents(
         Horizon (tokens) and ``R``.
     batch_documents : int, optional
         ``B`` to use (clipped to the number of documents); None plans it.
+    decode_time : bool
+        The policy evicts during decoding (``3R`` rows per document, :mod:`kvdiverge.engine.planner`).
     memory_budget_gb : float, optional
         GiB the batch may take; default
         :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
@@ -110,7 +113,7 @@ def plan_documents(
         kv_bytes_per_token=kv_bytes_per_token(model.config, param.dtype),
         prompt_len=max((doc.prompt_len for doc in documents), default=0), T=int(T), replicates=int(replicates),
         vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=max(len(documents), 1),
-        override=batch_documents,
+        override=batch_documents, decode_time=decode_time,
     )
 
 
@@ -131,6 +134,12 @@ def run_documents(
     memory_budget_gb: float | None = None,
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
+
+    A decode-time policy (:func:`kvdiverge.engine.decode_pair.is_decode_time`: the press
+    also evicts while tokens are generated) runs on
+    :class:`kvdiverge.engine.decode_pair.DecodeTimePair` (lanes with exact branch replay),
+    every other on :class:`kvdiverge.engine.llm_pair.LLMKernelPair`; ``kept_len`` is then
+    the fewest positions the evicted cache held along the agreement chain.
 
     Documents run ``B`` at a time as the rows of one kernel pair
     (:meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.coupled.run_batch`):
@@ -191,6 +200,7 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
+    from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.coupled import run_batch
     from kvdiverge.engine.errors import PressError, raise_kvpress_error
@@ -198,8 +208,10 @@ def run_documents(
 
     if not documents:
         return []
+    longest = max(documents, key=lambda doc: doc.prompt_len)
+    decode_time = is_decode_time(policy.build_press(longest.prompt_len))
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
-                       memory_budget_gb=memory_budget_gb)
+                       memory_budget_gb=memory_budget_gb, decode_time=decode_time)
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
     by_index: dict[int, list[dict[str, Any]]] = {}
@@ -211,7 +223,8 @@ def run_documents(
         reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
         if reason:
             raise PressError(f"policy {policy.name!r}", reason)
-        pair = LLMKernelPair.from_documents(
+        kind = DecodeTimePair if decode_time else LLMKernelPair
+        pair = kind.from_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
             temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
@@ -221,6 +234,9 @@ def run_documents(
                              progress=progress)
         except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
             raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
+        finally:
+            if hasattr(pair, "close"):
+                pair.close()
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
         if progress is not None:

@@ -25,6 +25,14 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.coupled`):
   engine), a shard of ``n`` documents decodes ``ceil(n / B)`` groups:
   ``decode_forwards = 2 x (2T - 2) x ceil(n / B)`` per shard.
 
+A **decode-time policy** (:func:`kvdiverge.engine.decode_pair.is_decode_time_entry`) runs on
+:class:`kvdiverge.engine.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
+one document each (one forward per lane per step, not batched across documents), and a
+branch starting at ``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper
+bounds per document, with every replicate in a lane of its own: evicted decode forwards
+``(R + 1)(T - 1)`` (the chain lane, then ``R`` branch lanes) instead of ``(2T - 2) / B``;
+``replay_prefills = R``; ``replay_forwards = replay_token_steps = R (T - 2)``.
+
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
 policy is scheduled on that split in full (as :func:`kvdiverge.study.shard.shard_documents`
@@ -71,6 +79,10 @@ class RunCost:
         Upper bound ``2 x (2T - 2) x sum over shards of ceil(n_shard / B)``.
     token_steps : int
         Upper bound ``documents x R x 2 x (2T - 1)``.
+    decode_time : bool
+        The policy evicts while generating (replayed branches).
+    replay_prefills, replay_forwards, replay_token_steps : int
+        Upper bounds of the branch replays of a decode-time policy (module docstring); 0 otherwise.
     """
 
     model: str
@@ -84,11 +96,15 @@ class RunCost:
     prefill_forwards: int
     decode_forwards: int
     token_steps: int
+    decode_time: bool = False
+    replay_prefills: int = 0
+    replay_forwards: int = 0
+    replay_token_steps: int = 0
 
     @property
     def forwards(self) -> int:
-        """Prefill plus decode forwards."""
-        return self.prefill_forwards + self.decode_forwards
+        """Prefill plus decode forwards, replays included."""
+        return self.prefill_forwards + self.decode_forwards + self.replay_prefills + self.replay_forwards
 
 
 def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
@@ -141,6 +157,8 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
+    from kvdiverge.engine.decode_pair import is_decode_time_entry
+
     B = _batch_documents(config, batch_documents)
     T = int(config["decoding"]["max_new_tokens"])
     R = int(config["replicates"])
@@ -150,19 +168,26 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         n = run_documents_count(config, policy, split)
         per_shard = [len(range(i, n, n_shards)) for i in range(n_shards)]
         groups = sum(math.ceil(k / B) for k in per_shard)
+        decode_time = is_decode_time_entry(config["policies"].get(policy))
+        side = max(2 * T - 2, 0) * groups
         out.append(RunCost(
             model=model, policy=policy, split=split, documents=n, shards=n_shards,
             replicates=R, T=T, batch_documents=B,
             prefill_forwards=2 * n,
-            decode_forwards=2 * max(2 * T - 2, 0) * groups,
+            decode_forwards=side + ((R + 1) * max(T - 1, 0) * n if decode_time else side),
             token_steps=n * R * 2 * (2 * T - 1),
+            decode_time=decode_time,
+            replay_prefills=R * n if decode_time else 0,
+            replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
+            replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
         ))
     return out
 
 
 def totals(costs: Sequence[RunCost]) -> dict[str, int]:
     """Sums over runs: ``runs``, ``documents`` (document-policy runs), ``shards`` (jobs),
-    ``prefill_forwards``, ``decode_forwards``, ``forwards``, ``token_steps``."""
+    ``prefill_forwards``, ``decode_forwards``, ``forwards``, ``token_steps``, and the
+    decode-time policies' ``replay_forwards`` (prefills included) and ``replay_token_steps``."""
     return {
         "runs": len(costs),
         "documents": sum(c.documents for c in costs),
@@ -171,6 +196,8 @@ def totals(costs: Sequence[RunCost]) -> dict[str, int]:
         "decode_forwards": sum(c.decode_forwards for c in costs),
         "forwards": sum(c.forwards for c in costs),
         "token_steps": sum(c.token_steps for c in costs),
+        "replay_forwards": sum(c.replay_prefills + c.replay_forwards for c in costs),
+        "replay_token_steps": sum(c.replay_token_steps for c in costs),
     }
 
 
@@ -196,7 +223,8 @@ def projected_hours(config: dict[str, Any], token_steps_per_s: float, gpus: int 
         raise ValueError(f"token_steps_per_s must be > 0, got {token_steps_per_s}")
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
-    steps = totals(study_cost(config, batch_documents))["token_steps"]
+    tot = totals(study_cost(config, batch_documents))
+    steps = tot["token_steps"] + tot["replay_token_steps"]
     return steps / float(token_steps_per_s) / gpus / 3600.0
 
 
@@ -234,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{tot['documents']} document-policy runs, {tot['shards']} shard jobs, "
           f"{tot['forwards']:,} forwards ({tot['prefill_forwards']:,} prefill), "
           f"{tot['token_steps']:,} token-steps (upper bound: 2T - 1 steps per side)")
+    if tot["replay_forwards"]:
+        print(f"decode-time branch replays: {tot['replay_forwards']:,} forwards (prefills included), "
+              f"{tot['replay_token_steps']:,} token-steps (upper bounds)")
     if args.rate:
         hours = projected_hours(config, args.rate, args.gpus, args.batch_documents)
         print(f"at {args.rate:,.0f} token-steps/s on {args.gpus} device(s): {hours:.2f} h ({hours * 3600:,.0f} s)")

@@ -1,0 +1,429 @@
+"""The kernel pair of a decode-time policy: eviction along the history, branches replayed exactly.
+
+For a decode-time policy (estimators.md §1) the evicted kernel ``Q(. | h)`` is the model's
+next-token distribution after generating ``h`` one token per forward from a fresh prefill
+under the press, press state (step counters, buffered hidden states, module masks)
+included. A compressed cache cannot be cut back, so the evicted side runs in **lanes**:
+
+- A lane is one module tree (:func:`kvdiverge.engine.twin.evicted_twin`: the reference
+  model's tensors, its own modules), one fresh copy of the document's press entered on
+  it for the lane's whole life, and one batched KV cache with no padding. Its rows all
+  started from one prefill of one document and each receives one token per forward, so
+  the press's per-layer counters agree for every row, and a row's state is what a
+  single-row run of its own history would reach (presses score and keep positions per
+  row).
+- At :meth:`DecodeTimePair.start` each document's ``R`` rows form one **chain lane**.
+- When :meth:`DecodeTimePair.rewind` cuts a row back to ``L`` tokens (the branch start,
+  ``t* = L + 1``), the row leaves its lane for a **replay lane**: a fresh twin, a fresh
+  press, a fresh prefill of its document, then its first ``L`` evicted-side tokens fed one
+  per forward. Rows of one document rewound to one ``L`` in the same call share a
+  replay lane. The branch then continues there. The prefill is not recomputed: the chain
+  lane's one-row prefill state (cache, press object) is copied once at :meth:`DecodeTimePair.start`
+  and each replay lane starts from a copy (the prefill is deterministic, so these are the
+  bits a fresh prefill gives). A press whose prefill leaves state with a batch dimension
+  (module masks, ``DMSPress``) is prefilled anew on the lane's rows instead.
+- :meth:`DecodeTimePair.keep_rows` drops rows from the pair; a dropped row rides along
+  in its lane (fed its last token again; its outputs are discarded) until every row of
+  the lane has left, when the lane is closed. So no press buffer with a batch dimension
+  is ever sliced.
+
+The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm_pair.LLMKernelPair`
+(batched over documents, left-padded, rewound by masking), and never sees a press.
+
+The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
+prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+
+from kvdiverge.engine.coupling import coupling_dtype
+from kvdiverge.engine.decoding import decode_log_probs
+from kvdiverge.engine.errors import CompressionError, check_logits_finite
+from kvdiverge.engine.llm_pair import _CacheSide, merge_caches, model_eos_ids
+from kvdiverge.engine.twin import evicted_twin
+
+__all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
+
+#: Press classes that evict while generating, whatever their parameters.
+DECODE_TIME_CLASSES = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "CAMPress", "SlidingWindowPress"})
+
+
+def _nested(press) -> list:
+    """``press`` and every press it wraps (``press``, ``base_press``, ``*_press`` fields, ``presses``)."""
+    out, todo = [], [press]
+    while todo:
+        p = todo.pop()
+        if p is None or any(p is q for q in out):
+            continue
+        out.append(p)
+        for attr in ("press", "base_press", "prefilling_press", "decoding_press"):
+            todo.append(getattr(p, attr, None))
+        todo.extend(getattr(p, "presses", None) or [])
+    return out
+
+
+def is_decode_time(press) -> bool:
+    """True when ``press`` (or a press it wraps) evicts while tokens are generated.
+
+    Decode-time presses: ``kvpress.DecodingPress`` and its subclasses
+    (``CompressionRatioDecodingPress``, ``CAMPress``), ``kvpress.PrefillDecodingPress``
+    with a decoding press, ``kvpress.DMSPress(decoding=True)`` and the project's
+    :class:`kvdiverge.engine.window.SlidingWindowPress`. Every other kvpress press acts
+    at prefill only.
+    """
+    from kvpress import DecodingPress, DMSPress, PrefillDecodingPress
+
+    from kvdiverge.engine.window import SlidingWindowPress
+
+    for p in _nested(press):
+        if isinstance(p, (DecodingPress, SlidingWindowPress)):
+            return True
+        if isinstance(p, PrefillDecodingPress) and p.decoding_press is not None:
+            return True
+        if isinstance(p, DMSPress) and p.decoding:
+            return True
+    return False
+
+
+def is_decode_time_entry(spec: dict) -> bool:
+    """:func:`is_decode_time` for a policy's config entry (``press`` name, parameters, ``params``).
+
+    A nested press (a mapping with a ``press`` class name) is looked into as well.
+    """
+    if not isinstance(spec, dict):
+        return False
+    params = {**spec, **(spec.get("params") or {})}
+    name = spec.get("press")
+    if name in DECODE_TIME_CLASSES or (name == "DMSPress" and bool(params.get("decoding"))):
+        return True
+    if name == "PrefillDecodingPress" and params.get("decoding_press") is not None:
+        return True
+    return any(is_decode_time_entry(v) for k, v in params.items() if k != "params" and isinstance(v, dict))
+
+
+def refusal(press) -> str | None:
+    """Why a decode-time press cannot be measured exactly, or ``None`` when it can.
+
+    ``CAMPress`` draws its merge mask with ``torch.bernoulli`` from the global generator,
+    once for all rows of a batch: ``Q`` is then not a function of the history, and a
+    branch replay cannot reproduce the chain's state.
+    """
+    from kvpress import CAMPress
+
+    if any(isinstance(p, CAMPress) for p in _nested(press)):
+        return ("CAMPress draws its merge mask from the global random generator, so the evicted "
+                "kernel is not a function of the history and a branch cannot be replayed")
+    return None
+
+
+def _has_row_state(twin, press) -> bool:
+    """True when a prefill left state with a batch dimension (module masks, press tensors)."""
+    from kvpress import DMSPress
+
+    if any(getattr(m, "masked_key_indices", None) is not None for m in twin.modules()):
+        return True
+    return any(isinstance(p, DMSPress) for p in _nested(press))
+
+
+class _Lane:
+    """One evicted-side lane: a twin, a fresh press entered on it, a cache of ``n`` rows of one document.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The reference model (its twin is built here).
+    ids : torch.Tensor
+        int64 (prompt_len,), the document's prompt.
+    press : kvpress.BasePress
+        The document's pristine press; the lane enters a deep copy of it.
+    n : int
+        Rows of the lane.
+    counts : dict
+        The pair's counters (:attr:`DecodeTimePair.counts`), updated in place.
+    start : tuple or None
+        ``(press, cache, logits)`` just after a one-row prefill of this document (its
+        :attr:`snapshot`): the lane starts from copies of them instead of prefilling. The
+        prefill is deterministic, so this is the state a fresh prefill reaches, bit for bit.
+
+    Attributes
+    ----------
+    snapshot : tuple or None
+        After a prefill, ``(press, cache, logits)`` copied at once (one row), or ``None``
+        when the prefill left state with a batch dimension (module masks, ``DMSPress``).
+    """
+
+    def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None):
+        self.prompt_len, self.n, self.n_gen, self.counts = int(ids.numel()), int(n), 0, counts
+        self.snapshot = None
+        if start is not None:
+            self._enter(model, start[0])
+            self.cache, logits = copy.deepcopy(start[1]), start[2]
+            counts["prefills_restored"] += 1
+        else:
+            logits = self._open(model, ids, press, 1)
+            if not _has_row_state(self.twin, self.press):
+                self.snapshot = (copy.deepcopy(self.press), copy.deepcopy(self.cache), logits)
+            elif n > 1:  # the prefill's state has a batch dimension: prefill every row
+                self.close()
+                logits = self._open(model, ids, press, n)[:1]
+        if n > 1 and self.cache.layers[0].keys.shape[0] == 1:
+            self.cache.batch_repeat_interleave(n)
+        self.first_logits = logits
+        self.chain_doc: int | None = None  # the document of a chain lane, None for a replay lane
+        self.last = torch.zeros(n, dtype=torch.long, device=ids.device)
+
+    def _enter(self, model, press) -> None:
+        """A fresh twin, a deep copy of ``press`` entered on it for the lane's life."""
+        self.twin = evicted_twin(model)
+        self.press = copy.deepcopy(press)
+        self.stack = ExitStack()
+        self.stack.enter_context(self.press(self.twin))
+
+    def _open(self, model, ids: torch.Tensor, press, rows: int) -> torch.Tensor:
+        """Enter a fresh press on a fresh twin, prefill the prompt on ``rows`` rows; the last logits (rows, vocab)."""
+        from transformers import DynamicCache
+
+        self._enter(model, press)
+        self.cache = DynamicCache()
+        self.counts["prefill_forwards"] += 1
+        self.counts["prefill_rows"] += rows
+        out = self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache, use_cache=True,
+                        logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    @property
+    def cache_len(self) -> int:
+        """Fewest positions any layer of the lane's cache holds (tokens)."""
+        return min(layer.keys.shape[-2] for layer in self.cache.layers)
+
+    def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
+        """Append ``tokens`` (int64 (n,)) at position ``prompt_len + n_gen``; return the logits (n, vocab)."""
+        position_ids = torch.full((self.n, 1), self.prompt_len + self.n_gen, dtype=torch.long, device=tokens.device)
+        out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache, position_ids=position_ids,
+                        use_cache=True)
+        self.n_gen += 1
+        self.last = tokens
+        self.counts[f"{kind}_forwards"] += 1
+        self.counts[f"{kind}_row_steps"] += self.n
+        return out.logits[:, -1, :]
+
+    def close(self) -> None:
+        """Leave the press's context (its hooks come off the twin) and drop the cache."""
+        self.stack.close()
+        self.cache = None
+
+
+def _new_counts() -> dict[str, int]:
+    return {k: 0 for k in ("prefill_forwards", "prefill_rows", "prefills_restored", "lane_forwards", "lane_row_steps",
+                           "replay_forwards", "replay_row_steps", "reference_forwards", "reference_row_steps")}
+
+
+class DecodeTimePair:
+    """One language model; full cache on the reference side, press-driven lanes on the evicted side.
+
+    Implements :class:`kvdiverge.engine.pairs.KernelPair` (module docstring for the
+    mechanism). Rows are document-major as in :class:`kvdiverge.engine.llm_pair.LLMKernelPair`:
+    row ``d*R + r`` is replicate ``r`` of document ``d``. Generated tokens take RoPE
+    position ``prompt_len + t`` on both sides, whatever the cache length.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM supported by kvpress, in eval mode, with no press entered.
+    prompts : sequence of sequence of int
+        The documents' chat-rendered prompt ids.
+    presses : sequence of kvpress.BasePress
+        One press per document; each lane enters its own deep copy, so the objects are
+        never entered themselves.
+    expected_kept : sequence of int or None
+        Positions every layer must hold after prefill, per document (``None``: not checked).
+    temperature, top_p : float
+        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
+    eos_ids : sequence of int, optional
+        End-of-sequence ids; default ``model.generation_config.eos_token_id``.
+
+    Attributes
+    ----------
+    kept_lens : list of int
+        Per document, the fewest positions a layer of its chain lane held along the chain
+        (tokens): the prefill's kept count, then every decode-time compression.
+    counts : dict of str to int
+        Forwards and row-steps so far: ``prefill_forwards`` / ``prefill_rows`` (evicted
+        side, chain and replay lanes), ``prefills_restored`` (replay lanes started from the
+        copied prefill instead), ``lane_forwards`` / ``lane_row_steps`` (one per lane
+        per engine step, riding rows included), ``replay_forwards`` / ``replay_row_steps``
+        (history fed to replay lanes), ``reference_forwards`` / ``reference_row_steps``.
+
+    Raises
+    ------
+    ValueError
+        If the sequences differ in length or are empty, or a press cannot be replayed
+        (:func:`refusal`).
+    CompressionError
+        From :meth:`start`, when a prefill does not keep ``expected_kept`` positions.
+    NonFiniteLogitsError
+        From :meth:`start`, :meth:`advance` and :meth:`rewind`.
+    """
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], presses: Sequence, expected_kept: Sequence,
+                 *, temperature: float, top_p: float = 1.0, eos_ids: Sequence[int] | None = None):
+        if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
+            raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
+                             f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
+        for press in presses:
+            why = refusal(press)
+            if why:
+                raise ValueError(f"press {type(press).__name__}: {why}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = coupling_dtype(self.device)
+        self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        self.presses, self.expected = list(presses), list(expected_kept)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
+        self.vocab_size = int(model.config.vocab_size)
+        self.kept_lens: list[int] = []
+        self.counts = _new_counts()
+        self._lanes: list[_Lane] = []
+
+    @classmethod
+    def from_documents(cls, model, prompts, presses, expected_kept, **kwargs) -> "DecodeTimePair":
+        """The constructor, under :meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`'s name."""
+        return cls(model, prompts, presses, expected_kept, **kwargs)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Uncompressed prompt length of each document (tokens)."""
+        return [int(p.numel()) for p in self.prompts]
+
+    def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
+        check_logits_finite(logits, side)
+        return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
+
+    def _reference_prefill(self, ids: torch.Tensor):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill the reference caches and one chain lane per document; return ``log p_1``, ``log q_1``.
+
+        Both float64 (float32 on mps), shape (n_rows, vocab_size). ``n_rows`` must be a
+        multiple of the number of documents B (``R = n_rows / B``).
+
+        Raises
+        ------
+        ValueError
+            If ``n_rows`` is not a multiple of B.
+        """
+        B = len(self.prompts)
+        if n_rows % B:
+            raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
+        R = n_rows // B
+        self.close()
+        self.counts = _new_counts()
+        ref = [self._reference_prefill(ids) for ids in self.prompts]
+        cache, valid = merge_caches([c for c, _ in ref], self.prompt_lens, R, self.device)
+        prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
+                      else self.prompt_lens[0])
+        self._ref = _CacheSide(cache, valid, prompt_len)
+        self._lanes, self.kept_lens, self._starts = [], [], []
+        for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
+            lane = _Lane(self.model, ids, press, R, self.counts)
+            self._starts.append(lane.snapshot)
+            self._check_prefill(d, lane)
+            lane.chain_doc = d
+            self._lanes.append(lane)
+        # per current row: its lane, its slot there, its document, its evicted-side history
+        self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
+        self._doc = [g // R for g in range(n_rows)]
+        self._hist: list[list[int]] = [[] for _ in range(n_rows)]
+        logp = self._transform(torch.cat([lg for _, lg in ref]), "reference").repeat_interleave(R, dim=0)
+        logq = self._transform(torch.cat([lane.first_logits for lane in self._lanes]), "evicted")
+        return logp, logq.repeat_interleave(R, dim=0)
+
+    def _check_prefill(self, d: int, lane: _Lane) -> None:
+        lengths = {layer.keys.shape[-2] for layer in lane.cache.layers}
+        kept = min(lengths)
+        if self.expected[d] is not None and lengths != {int(self.expected[d])}:
+            raise CompressionError(
+                f"evicted cache keeps {sorted(lengths)} of {self.prompt_lens[d]} prompt positions per layer, "
+                f"the policy promises {self.expected[d]}: the press did not compress as configured")
+        self.kept_lens.append(kept)
+
+    @torch.inference_mode()
+    def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
+        x, y = x.to(self.device), y.to(self.device)
+        ref_logits = self._ref.forward(self.model, x)
+        self.counts["reference_forwards"] += 1
+        self.counts["reference_row_steps"] += int(x.numel())
+        ev_logits = ref_logits.new_empty(ref_logits.shape)
+        for lane in self._lanes:
+            rows = [r for r, (ln, _) in enumerate(self._where) if ln is lane]
+            slots = torch.tensor([self._where[r][1] for r in rows], dtype=torch.long, device=self.device)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            tokens = lane.last.clone()
+            tokens[slots] = y[rows_t]
+            ev_logits[rows_t] = lane.forward(tokens, "lane")[slots]
+            if lane.chain_doc is not None:
+                d = lane.chain_doc
+                self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
+        for r, tok in enumerate(y.tolist()):
+            self._hist[r].append(tok)
+        return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
+
+    @torch.inference_mode()
+    def rewind(self, length: torch.Tensor) -> None:
+        """Keep each row's first ``length[r]`` tokens; a row cut back is replayed in a fresh lane."""
+        length = length.to(self.device)
+        self._ref.rewind(length)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r, n in enumerate(length.tolist()):
+            if n < len(self._hist[r]):
+                groups.setdefault((self._doc[r], int(n)), []).append(r)
+                del self._hist[r][n:]
+        for r in (r for rows in groups.values() for r in rows):
+            self._where[r] = (None, -1)
+        self._close_empty()
+        for (d, n), rows in groups.items():
+            lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
+            for i in range(n):
+                tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)
+                check_logits_finite(lane.forward(tokens, "replay"), "evicted")
+            self._lanes.append(lane)
+            for j, r in enumerate(rows):
+                self._where[r] = (lane, j)
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows); dropped rows ride along in their lanes."""
+        idx = rows.tolist()
+        self._ref.keep_rows(rows.to(self.device))
+        self._where = [self._where[i] for i in idx]
+        self._doc = [self._doc[i] for i in idx]
+        self._hist = [self._hist[i] for i in idx]
+        self._close_empty()
+
+    def _close_empty(self) -> None:
+        """Close the lanes no current row sits in."""
+        used = {id(ln) for ln, _ in self._where if ln is not None}
+        for lane in self._lanes:
+            if id(lane) not in used:
+                lane.close()
+        self._lanes = [lane for lane in self._lanes if id(lane) in used]
+
+    def close(self) -> None:
+        """Close every lane (their presses' hooks come off their twins)."""
+        for lane in self._lanes:
+            lane.close()
+        self._lanes = []

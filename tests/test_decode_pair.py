@@ -1,0 +1,278 @@
+"""Decode-time eviction: the evicted kernel along chains and branches equals an independent replay."""
+
+from __future__ import annotations
+
+import kvpress
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvdiverge.engine.coupled import run_batch
+from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time, is_decode_time_entry, refusal
+from kvdiverge.engine.decoding import decode_log_probs
+from kvdiverge.engine.twin import evicted_twin
+from kvdiverge.engine.window import SlidingWindowPress
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+T, TEMPERATURE = 10, 2.0  # a flat sampling temperature spreads the branch starts t*
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (20, 26, 17)]
+
+
+def decoding_press():
+    return kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=8)
+
+
+PRESSES = {
+    "decoding": decoding_press,
+    "ratio-decoding": lambda: kvpress.CompressionRatioDecodingPress(
+        kvpress.KnormPress(), compression_interval=3, target_compression_ratio=0.6),
+    "prefill-decoding": lambda: kvpress.PrefillDecodingPress(
+        prefilling_press=kvpress.SnapKVPress(0.5, window_size=4),
+        decoding_press=kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=6)),
+    "window": lambda: SlidingWindowPress(0.5, n_sink=2),
+    # masks ~half of the prompt at prefill and keeps masking while generating (module state, per row)
+    "dms": lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-4.0, sliding_window_size=4, decoding=True),
+}
+
+
+class Recorder:
+    """A kernel pair wrapper that records every evicted log-distribution by (row, evicted history)."""
+
+    def __init__(self, pair):
+        self.pair, self.vocab_size, self.eos_ids = pair, pair.vocab_size, pair.eos_ids
+        self.seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def _record(self, logq):
+        for i, g in enumerate(self.ids):
+            self.seen[(g, tuple(self.hist[i]))] = logq[i].clone()
+
+    def start(self, n):
+        self.ids, self.hist = list(range(n)), [[] for _ in range(n)]
+        logp, logq = self.pair.start(n)
+        self._record(logq)
+        return logp, logq
+
+    def advance(self, x, y):
+        for i, tok in enumerate(y.tolist()):
+            self.hist[i].append(tok)
+        logp, logq = self.pair.advance(x, y)
+        self._record(logq)
+        return logp, logq
+
+    def rewind(self, length):
+        for i, n in enumerate(length.tolist()):
+            del self.hist[i][n:]
+        self.pair.rewind(length)
+
+    def keep_rows(self, rows):
+        self.ids = [self.ids[i] for i in rows.tolist()]
+        self.hist = [self.hist[i] for i in rows.tolist()]
+        self.pair.keep_rows(rows)
+
+
+@torch.inference_mode()
+def replay(model, ids, press, history):
+    """Independent replay: fresh twin, fresh press, fresh prefill, then ``history`` one token per forward."""
+    twin = evicted_twin(model)
+    cache = DynamicCache()
+    out = []
+    with press(twin):
+        logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+                      logits_to_keep=1).logits[:, -1]
+        out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
+        for t, tok in enumerate(history):
+            logits = twin(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                          position_ids=torch.tensor([[len(ids) + t]])).logits[:, -1]
+            out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
+    return out
+
+
+def run(model, prompts, make, R):
+    rec = Recorder(DecodeTimePair(model, prompts, [make() for _ in prompts], [None] * len(prompts),
+                                  temperature=TEMPERATURE))
+    out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
+    return rec, out
+
+
+def branch_history(r):
+    return r["chain_token"][:r["t_star"] - 1] + [r["y_star"]] + r["branch_y"]
+
+
+def until_eos(tokens, model):
+    """``tokens`` up to and including the first end-of-sequence id (the engine feeds nothing after it)."""
+    eos = set(model.generation_config.eos_token_id)
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def compare(model, prompts, make, R, check):
+    """Check every recorded evicted log-distribution of every row against its independent replay."""
+    rec, out = run(model, prompts, make, R)
+    t_stars = []
+    for g, r in enumerate(out):
+        ids = prompts[g // R]
+        chain = until_eos([tok for tok in r["chain_token"] if tok >= 0], model)
+        ref_chain = replay(model, ids, make(), chain[:-1])
+        for t in range(len(chain)):
+            check(rec.seen[(g, tuple(chain[:t]))], ref_chain[t])
+        if r["t_star"] is None or not r["branch_y"]:
+            continue
+        t_stars.append(r["t_star"])
+        h = branch_history(r)
+        ref_branch = replay(model, ids, make(), h[:-1])
+        fed = [n for n in range(r["t_star"], len(h)) if (g, tuple(h[:n])) in rec.seen]
+        assert fed[:1] == [r["t_star"]] and fed == list(range(fed[0], fed[-1] + 1))  # only absorbed EOS tails unfed
+        for n in fed:  # the branch's q: after h_<t*, y*, Y_{t*+1}, ...
+            check(rec.seen[(g, tuple(h[:n]))], ref_branch[n])
+    return t_stars
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_one_row_equals_independent_replay_bit_for_bit(model, prompts, name):
+    t_stars = []
+    for d in range(3):
+        t_stars += compare(model, prompts[d:d + 1], PRESSES[name], 1, lambda a, b: torch.testing.assert_close(
+            a, b, rtol=0, atol=0))
+    assert t_stars  # branches happened
+
+
+def test_branches_start_before_and_after_compression_events(model, prompts):
+    # interval 2: an event after each even number of generated tokens; t* - 1 tokens are replayed
+    t_stars = compare(model, prompts, decoding_press, 4, lambda a, b: None)
+    assert {t % 2 for t in t_stars} == {0, 1} and len(set(t_stars)) >= 3
+
+
+@pytest.mark.parametrize("name", ["decoding", "window", "prefill-decoding", "dms"])
+def test_three_documents_equal_replay_within_batch_tolerance(model, prompts, name):
+    # rows in one lane: batched forward vs a single-row one, float32 rounding only
+    def close(a, b):
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a))
+        assert float((a[fin].exp() - b[fin].exp()).abs().max()) < 1e-5
+
+    assert compare(model, prompts, PRESSES[name], 3, close)
+
+
+def test_chain_compresses_and_counts_replay(model, prompts):
+    pair = DecodeTimePair(model, prompts, [decoding_press() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    out = run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
+    assert pair.kept_lens == [8, 8, 8]  # target_size, reached along the chain (the prompt is kept at prefill)
+    starts = [(r["t_star"], i // 3) for i, r in enumerate(out) if r["t_star"] and r["branch_y"]]
+    groups = {(t, d) for t, d in starts if t > 1}
+    c = pair.counts
+    # one prefill per chain lane; each replay lane restores a copy of it (rows of a document cut back to
+    # one length in one call share a lane)
+    assert c["prefill_forwards"] == 3
+    assert len({(t, d) for t, d in starts}) <= c["prefills_restored"] <= len(starts)
+    assert sum(t - 1 for t, _ in groups) <= c["replay_forwards"] <= sum(t - 1 for t, _ in starts)
+    assert c["replay_row_steps"] == sum(t - 1 for t, _ in starts)
+    twins = [lane.twin for lane in pair._lanes]
+    pair.close()
+    assert pair._lanes == [] and not any(m._forward_hooks for twin in twins for m in twin.modules())
+
+
+def test_window_press_holds_the_window_every_step(model, prompts):
+    press = SlidingWindowPress(0.5, n_sink=2)
+    twin = evicted_twin(model)
+    cache = DynamicCache()
+    ids = prompts[0]
+    with torch.inference_mode(), press(twin):
+        twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        first = cache.layers[0].keys.clone()
+        assert first.shape[2] == 10 == press.kept_tokens(20)
+        for t in range(3):
+            twin(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True,
+                 position_ids=torch.tensor([[20 + t]]))
+            keys = cache.layers[0].keys
+            assert keys.shape[2] == 10
+    # sinks stay, the oldest recent positions left one per step
+    assert torch.equal(keys[:, :, :2], first[:, :, :2])
+    assert torch.equal(keys[:, :, 2:7], first[:, :, 5:10])
+
+
+def test_decode_time_detection_and_refusal():
+    assert is_decode_time(decoding_press()) and is_decode_time(SlidingWindowPress(0.5))
+    assert is_decode_time(PRESSES["prefill-decoding"]())
+    assert is_decode_time(kvpress.DMSPress(kvpress.KnormPress(), threshold=-1.0, decoding=True))
+    assert not is_decode_time(kvpress.DMSPress(kvpress.KnormPress(), threshold=-1.0))
+    assert not is_decode_time(kvpress.SnapKVPress(0.5))
+    assert not is_decode_time(kvpress.PrefillDecodingPress(prefilling_press=kvpress.SnapKVPress(0.5)))
+    cam = kvpress.CAMPress(kvpress.KnormPress(), compression_interval=2, target_size=8)
+    assert is_decode_time(cam) and "random" in refusal(cam)
+    assert refusal(decoding_press()) is None
+    with pytest.raises(ValueError, match="CAMPress"):
+        DecodeTimePair(random_model(MINIATURE["qwen-2.5-7b"]), [[1, 2, 3]], [cam], [None], temperature=1.0)
+
+
+@torch.inference_mode()
+def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
+    make = decoding_press
+    pair = DecodeTimePair(model, prompts[:2], [make(), make()], [None, None], temperature=TEMPERATURE)
+    pair.start(4)
+    hist = [[5], [6], [7], [8]]
+    for step in range(5):  # compression events after steps 2 and 4
+        _, logq = pair.advance(torch.zeros(len(hist), dtype=torch.long), torch.tensor([h[-1] for h in hist]))
+        if step == 2:
+            pair.keep_rows(torch.tensor([3, 0]))  # rows leave, in a new order
+            hist, logq = [hist[3], hist[0]], logq[[3, 0]]
+        for i, h in enumerate(hist):
+            h.append(100 + 10 * i + step)
+    for i, (h, d) in enumerate(zip(hist, [1, 0])):
+        ref = replay(model, prompts[d], make(), h[:-1])[-1]
+        assert float((logq[i].exp() - ref.exp()).abs().max()) < 1e-5
+    assert len(pair._lanes) == 2  # both chain lanes still hold a row; the dropped rows ride along
+
+
+def test_config_entries_are_recognised():
+    assert is_decode_time_entry({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
+    assert is_decode_time_entry({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})
+    assert is_decode_time_entry({"press": "PrefillDecodingPress", "params": {
+        "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}})
+    assert is_decode_time_entry({"press": "DMSPress", "params": {"decoding": True}})
+    assert not is_decode_time_entry({"press": "DMSPress", "params": {"decoding": False}})
+    assert not is_decode_time_entry({"press": "StreamingLLMPress", "compression_ratio": 0.5})
+    assert not is_decode_time_entry({"press": "PrefillDecodingPress",
+                                     "params": {"prefilling_press": {"press": "SnapKVPress"}}})
+
+
+def test_planner_counts_the_replay_lanes():
+    from kvdiverge.engine.planner import plan_batch
+
+    # per document: rows x (prompt + T) x 100 bytes + rows x vocab x 52; R = 2, prompt 90, T 10, vocab 50
+    args = dict(kv_bytes_per_token=100, prompt_len=90, T=10, replicates=2, vocab_size=50, documents=100)
+    per_row = 100 * 100 + 50 * 52
+    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, **args) == 12  # 2R rows per document
+    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, decode_time=True, **args) == 8  # 3R rows
+
+
+def test_runner_chooses_the_decode_time_pair(model, prompts):
+    from kvdiverge.engine.policies import PressPolicy
+    from kvdiverge.engine.runner import Document, run_documents
+
+    docs = [Document(f"d{i}", p) for i, p in enumerate(prompts)]
+
+    def run(press, B):
+        return run_documents(model, docs, PressPolicy("p", press), T=8, replicates=2, temperature=TEMPERATURE,
+                             top_p=1.0, seed=5, model_name="miniature", batch_documents=B)
+
+    # kept_len: the fewest positions along the chain (the decoding press reaches target_size = 8)
+    assert {r["kept_len"] for r in run(decoding_press(), 1)} == {8}
+    window = run(SlidingWindowPress(0.5, n_sink=2), 1)
+    assert [r["kept_len"] for r in window] == [10, 10, 13, 13, 8, 8]
+    # several documents per batch (rows leave as they finish): the same trajectories up to rounding
+    batched = run(SlidingWindowPress(0.5, n_sink=2), 3)
+    for a, b in zip(window, batched):
+        assert a["t_star"] == b["t_star"] and a["branch_y"] == b["branch_y"]
+        assert max(abs(x - y) for x, y in zip(a["branch_tv"] + a["tv"], b["branch_tv"] + b["tv"])) < 1e-5
