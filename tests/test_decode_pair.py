@@ -248,13 +248,16 @@ def test_config_entries_are_recognised():
 
 
 def test_planner_counts_the_replay_lanes():
-    from kvdiverge.engine.planner import plan_batch
+    from kvdiverge.engine.planner import cache_columns, plan_batch
 
-    # per document: rows x (prompt + T) x 100 bytes + rows x vocab x 52; R = 2, prompt 90, T 10, vocab 50
+    # per document: rows x (widest cache x 100 bytes + vocab x 52) + 2 prefill caches of the prompt;
+    # R = 2, prompt 90, T 10, vocab 50
     args = dict(kv_bytes_per_token=100, prompt_len=90, T=10, replicates=2, vocab_size=50, documents=100)
-    per_row = 100 * 100 + 50 * 52
-    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, **args) == 12  # 2R rows per document
-    assert plan_batch(memory_budget_bytes=12 * 4 * per_row, decode_time=True, **args) == 8  # 3R rows
+    per_row = cache_columns(90, 10) * 100 + 50 * 52
+    prefills = 2 * 90 * 100
+    assert plan_batch(memory_budget_bytes=12 * (4 * per_row + prefills), **args) == 12  # 2R rows per document
+    assert plan_batch(memory_budget_bytes=12 * (6 * per_row + prefills), decode_time=True, **args) == 12  # 3R rows
+    assert plan_batch(memory_budget_bytes=12 * (4 * per_row + prefills), decode_time=True, **args) == 8
 
 
 def test_runner_chooses_the_decode_time_pair(model, prompts):

@@ -200,11 +200,7 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time
-    from kvdiverge.engine.llm_pair import LLMKernelPair
-    from kvdiverge.engine.coupled import run_batch
-    from kvdiverge.engine.errors import PressError, raise_kvpress_error
-    from kvdiverge.engine.press_registry import refusal
+    from kvdiverge.engine.decode_pair import is_decode_time
 
     if not documents:
         return []
@@ -219,24 +215,9 @@ def run_documents(
     for lo in range(0, len(order), B):
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
-        presses = [policy.build_press(doc.prompt_len) for doc in batch]
-        reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
-        if reason:
-            raise PressError(f"policy {policy.name!r}", reason)
-        kind = DecodeTimePair if decode_time else LLMKernelPair
-        pair = kind.from_documents(
-            model, [doc.input_ids for doc in batch], presses,
-            [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
-            temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
-        )
-        try:
-            reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
-                             progress=progress)
-        except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
-            raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
-        finally:
-            if hasattr(pair, "close"):
-                pair.close()
+        pair, reps = _run_one_batch(model, batch, policy, decode_time, T=T, replicates=replicates, seed=seed,
+                                    model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
+                                    progress=progress)
         seconds = (time.perf_counter() - start) / len(batch)
         done += len(batch)
         if progress is not None:
@@ -247,3 +228,33 @@ def run_documents(
             by_index[order[lo + j]] = [{**meta, **rec} for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
             log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds)
     return [rec for i in range(len(documents)) for rec in by_index[i]]
+
+
+def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, *, T, replicates, seed, model_name,
+                   temperature, top_p, eos_ids, progress):
+    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
+    from kvdiverge.engine.coupled import run_batch
+    from kvdiverge.engine.decode_pair import DecodeTimePair
+    from kvdiverge.engine.errors import PressError, raise_kvpress_error
+    from kvdiverge.engine.llm_pair import LLMKernelPair
+    from kvdiverge.engine.press_registry import refusal
+
+    presses = [policy.build_press(doc.prompt_len) for doc in batch]
+    reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
+    if reason:
+        raise PressError(f"policy {policy.name!r}", reason)
+    kind = DecodeTimePair if decode_time else LLMKernelPair
+    pair = kind.from_documents(
+        model, [doc.input_ids for doc in batch], presses,
+        [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
+        temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
+    )
+    try:
+        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+                         progress=progress)
+    except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
+        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
+    finally:
+        if hasattr(pair, "close"):
+            pair.close()
+    return pair, reps
