@@ -433,21 +433,20 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
             entry["budget"] = point["budget"]
         if label not in checked:
             checked.add(label)
-            errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
-            for e in errors:
-                e.path.extendleft(reversed(["frontier", "presses", label]))  # name the frontier's key
-                line = format_error(e)
-                if line not in problems:
-                    problems.append(line)
-            if not errors:
-                try:
-                    takes = _takes_ratio(entry)
-                except ValueError as exc:
-                    problems.append(f"{key}.press: {exc}")
-                    continue
-                if not takes:
-                    problems.append(f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
-                                    f"nested in its params), so a frontier cannot vary it")
+            try:
+                takes = _takes_ratio(entry)
+            except ValueError:
+                takes = None  # an unknown press: the schema below names it
+            if takes is False:
+                problems.append(f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
+                                f"nested in its params), so a frontier cannot vary it")
+            else:
+                errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
+                for e in errors:
+                    e.path.extendleft(reversed(["frontier", "presses", label]))  # name the frontier's key
+                    line = format_error(e)
+                    if line not in problems:
+                        problems.append(line)
         name = point["policy"]
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {key} at "
