@@ -308,3 +308,25 @@ def test_frontier_smoke_runs_through_snakemake(tmp_path):
     # ordinary policies: the estimates and shards of every point exist under their own names
     for p in points["policy"]:
         assert (results / "estimates" / "smollm2-135m" / p / "exploratory.parquet").is_file()
+
+
+@pytest.mark.llm
+def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path):
+    """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-m", "kvdiverge.cli", "measure", "embedded", "--sotu", "1", "-T", "4",
+                          "-R", "2", "--bootstrap", "50", "--threads", "1", "--quiet",
+                          "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
+                          "--ratios", "0.25", "0.5", "--out", "out"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "area E[M] [CI]" in res.stdout and "SnapKVPress:window_size=8@0.25" in res.stdout
+    table = [line for line in res.stdout.splitlines() if line.startswith(("1 ", "2 "))]
+    assert len(table) == 2  # one ranked row per press
+    assert (tmp_path / "out" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    areas = pl.read_parquet(tmp_path / "out" / "frontier_areas.parquet")
+    assert sorted(areas["press"]) == ["KnormPress", "SnapKVPress:window_size=8"]
+    points = pl.read_parquet(tmp_path / "out" / "frontier.parquet")
+    assert sorted(points["compression_ratio"].unique()) == [0.25, 0.5]
+    assert (points["kept_fraction"] < 1).all() and (points["floor"] == "noise-floor").all()
