@@ -237,9 +237,10 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 8}, "knorm": {"press": "KnormPress"}}
-    m = kvdiverge.measure(model, None, prompts, presses, ratios=[0.0, 0.5], max_new_tokens=4, replicates=2,
-                          temperature=1.0, top_p=1.0, seed=5, bootstrap=50, progress=False, model_name="mini",
-                          split="exploratory")
+    with pytest.warns(UserWarning, match="left the cache untouched"):  # the two ratio-0 points
+        m = kvdiverge.measure(model, None, prompts, presses, ratios=[0.0, 0.5], max_new_tokens=4, replicates=2,
+                              temperature=1.0, top_p=1.0, seed=5, bootstrap=50, progress=False,
+                              model_name="mini", split="exploratory")
     assert m.presses == ["snapkv@0", "snapkv@0.5", "knorm@0", "knorm@0.5", "noise-floor"]
     traj = m.trajectories
     docs = {p: sorted(g["doc_id"].to_list()) for (p,), g in traj.group_by(["policy"])}
