@@ -15,6 +15,11 @@ Example::
         --press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out
     kvdiverge measure embedded --sotu 2 --budget 64 \\
         --press "AdaKVPress(press=SnapKVPress(window_size=16))"
+
+With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same as a config's
+``frontier`` section): ``kvdiverge measure embedded --sotu 2 -T 8 -R 2 --press SnapKVPress
+--press KnormPress --ratios 0.1 0.25 0.5 0.75`` prints the ranked frontier table and writes
+``frontier.png``/``.pdf`` (under ``--out``, else the working directory).
 """
 
 from __future__ import annotations
@@ -414,6 +419,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)")
     p.add_argument("--batch-documents", type=int, metavar="B",
                    help="documents per forward (default: the memory planner's choice)")
+    p.add_argument("--ratios", type=float, nargs="+", metavar="R",
+                   help="a frontier: run every --press at each compression ratio R in [0, 1), beside the "
+                        "noise floor; prints the ranked frontier table and writes frontier.png/.pdf")
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return root
@@ -438,8 +446,16 @@ def _measure(args: argparse.Namespace) -> int:
     if args.budget is not None and args.budget < 1:
         raise UsageError(f"--budget must be >= 1, got {args.budget}")
     entries = {spec: policy_entry(spec, args.budget) for spec in args.press}
+    expanded = entries
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
+        from kvdiverge.measurement import frontier_presses
+
+        try:
+            expanded, _ = frontier_presses(entries, args.ratios)
+        except ValueError as exc:
+            raise UsageError(f"--ratios: {exc}") from None
     try:
-        presses = prepare_presses(entries)  # builds each press once: refusals and bad parameters stop here
+        sources = prepare_presses(expanded)  # builds each press once: refusals and bad parameters stop here
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.sotu is not None:
@@ -451,7 +467,6 @@ def _measure(args: argparse.Namespace) -> int:
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-    sources = presses
     check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
     if args.threads is not None:
         import torch
@@ -463,12 +478,20 @@ def _measure(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
         warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-        m = measure(model, tokenizer, prompts, sources, max_new_tokens=args.max_new_tokens,
+        m = measure(model, tokenizer, prompts, entries if args.ratios else sources,
+                    max_new_tokens=args.max_new_tokens, ratios=args.ratios,
                     replicates=args.replicates, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     window=args.window, instruction=instruction, system=args.system, bootstrap=args.bootstrap,
                     confidence=args.confidence, model_name=name, progress=not args.quiet,
                     batch_documents=args.batch_documents)
     print(m.format_summary(), flush=True)
+    if args.ratios:
+        print(m.format_frontier(), flush=True)
+        where = Path(args.out or ".")
+        where.mkdir(parents=True, exist_ok=True)
+        for suffix in ("png", "pdf"):
+            m.plot_frontier(where / f"frontier.{suffix}")
+        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
     if args.out:
         out = Path(args.out)
         m.save(out)

@@ -39,7 +39,8 @@ from kvdiverge.engine.policies import Policy, PressPolicy
 from kvdiverge.engine.runner import Document, PressSource
 from kvdiverge.report.formatting import number, with_interval
 
-__all__ = ["Measurement", "NOISE_FLOOR_PRESS", "measure", "prepare_documents", "prepare_presses"]
+__all__ = ["Measurement", "NOISE_FLOOR_PRESS", "frontier_presses", "measure", "prepare_documents",
+           "prepare_presses"]
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,101 @@ def is_noise_floor(name: str, source: PressSource) -> bool:
     return keeps_every_position(source.press if isinstance(source, Policy) else getattr(source, "press", None))
 
 
+# --------------------------------------------------------------------------- frontier
+
+
+def _at_ratio(press: Any, ratio: float, name: str) -> Any:
+    """A copy of the press object with ``compression_ratio = ratio`` set on the press that
+    takes it (the press itself, else the press it wraps, ``.press``)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(press) and not isinstance(press, type):
+        fields = {f.name for f in dataclasses.fields(press) if f.init}
+        if "compression_ratio" in fields:
+            return dataclasses.replace(press, compression_ratio=float(ratio))
+        if "press" in fields and getattr(press, "press", None) is not None:
+            return dataclasses.replace(press, press=_at_ratio(press.press, ratio, name))
+    raise ValueError(f"press {name!r}: {type(press).__name__} takes no compression_ratio (nor does a press "
+                     f"it wraps), so a frontier cannot vary it")
+
+
+def _floor_like(name: str, value: Any) -> bool:
+    """True for a noise-floor press given to a frontier: named ``noise-floor``, a
+    ``PermutationPress`` object, entry or policy."""
+    if name == NOISE_FLOOR_POLICY:
+        return True
+    if isinstance(value, Mapping):
+        return value.get("press") == NOISE_FLOOR_PRESS
+    if _is_source(value):
+        return is_noise_floor(name, value)
+    return type(value).__name__ == NOISE_FLOOR_PRESS
+
+
+def frontier_presses(presses: Any, ratios: Sequence[float] = (),
+                     budgets: Sequence[int] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every press at every ratio (and budget), named as in the config: ``<press>@<ratio>``.
+
+    The same grid as the config's ``frontier`` section
+    (:func:`kvdiverge.estimation.frontier.frontier_grid`). A noise-floor press
+    (``PermutationPress``) is kept as it is, not expanded; when there is none, one is
+    added as ``noise-floor``, so that the frontier has its floor beside it.
+
+    Parameters
+    ----------
+    presses : mapping or sequence
+        Name -> kvpress press object (its ``compression_ratio``, or that of the press it
+        wraps, is replaced) or config policy entry without its ratio (``{"press":
+        "SnapKVPress", "window_size": 16}``); a sequence is named by class name.
+    ratios : sequence of float
+        Compression ratios in ``[0, 1)``.
+    budgets : sequence of int
+        Fixed budgets (tokens kept); policy entries only.
+
+    Returns
+    -------
+    presses : dict
+        Name -> press object or policy entry, the floor last.
+    grid : list of dict
+        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``).
+
+    Raises
+    ------
+    ValueError
+        A press that takes no compression ratio, a ratio outside ``[0, 1)``, no ratio, or
+        a budget for a press object.
+    """
+    from kvdiverge.estimation.frontier import frontier_grid
+    from kvdiverge.engine.presses import PermutationPress
+
+    if not ratios and not budgets:
+        raise ValueError("a frontier needs ratios (or budgets)")
+    if not isinstance(presses, Mapping):
+        seq = list(presses) if isinstance(presses, (list, tuple)) else [presses]
+        presses = {(p.get("press") if isinstance(p, Mapping) else type(p).__name__): p for p in seq}
+    floors = {n: v for n, v in presses.items() if _floor_like(str(n), v)}
+    scored = {str(n): v for n, v in presses.items() if n not in floors}
+    if not scored:
+        raise ValueError("a frontier needs at least one press besides the noise floor")
+    grid = frontier_grid(list(scored), list(ratios), list(budgets))
+    out: dict[str, Any] = {}
+    for point in grid:
+        name, value = point["policy"], scored[point["press"]]
+        if isinstance(value, Mapping):
+            for key in ("compression_ratio", "budget"):
+                if value.get(key) is not None:
+                    raise ValueError(f"press {point['press']!r}: give it without {key}; the frontier sets it")
+            extra = {"compression_ratio": point["compression_ratio"]} if point["budget"] is None \
+                else {"budget": point["budget"]}
+            out[name] = {**value, **extra}
+        elif point["budget"] is not None:
+            raise ValueError(f"press {point['press']!r}: a fixed budget needs a policy entry "
+                             f"({{'press': 'SnapKVPress', ...}}), not a press object")
+        else:
+            out[name] = _at_ratio(value, point["compression_ratio"], point["press"])
+    out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
+    return out, grid
+
+
 # --------------------------------------------------------------------------- result
 
 
@@ -283,6 +379,7 @@ class Measurement:
     noise_floor: str | None = None
     batch_documents: int | None = None
     _gaps: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict, repr=False)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def presses(self) -> list[str]:
@@ -396,9 +493,10 @@ class Measurement:
         """Write every table as parquet (and the scalar columns as CSV), atomically.
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``,
-        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary`` (``.parquet``;
-        ``.csv`` too except for trajectories and replicates), ``measure.json`` (the
-        settings) and ``provenance.json``: ``settings_hash``
+        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, for a frontier
+        ``frontier`` and ``frontier_areas`` (``.parquet``; ``.csv`` too except for
+        trajectories and replicates), ``measure.json`` (the settings) and
+        ``provenance.json``: ``settings_hash``
         (:func:`kvdiverge.study.provenance.settings_hash` of the settings), ``versions``
         (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents``
         (the ``B`` used).
@@ -419,6 +517,8 @@ class Measurement:
                   "pooled": self.pooled, "timing": self.timing, "survival": self.survival,
                   "branch_tv": self.branch_tv, "variance": self.variance, "gaps": self.gaps,
                   "summary": self.summary}
+        if self.settings.get("frontier"):
+            tables["frontier"], tables["frontier_areas"] = self._frontier()
         for name, frame in tables.items():
             csv = None if name in ("trajectories", "replicates") else out / f"{name}.csv"
             save_table(frame, out / f"{name}.parquet", csv)
@@ -446,6 +546,69 @@ class Measurement:
             plots.draw_survival(target, self.survival, title=self.settings["model"])
             return target
         fig = plots.survival_figure(self.survival)
+        if target is None:
+            return fig
+        plots.save_figure(fig, target)
+        return Path(target)
+
+    def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        from kvdiverge.estimation.frontier import frontier_tables
+
+        grid = self.settings.get("frontier")
+        if not grid:
+            raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
+        if "frontier" not in self._cache:
+            s = self.settings
+            self._cache["frontier"] = frontier_tables(self.documents, grid, self.noise_floor, s["bootstrap"],
+                                                      s["confidence"], s["seed"], split=s["split"])
+        return self._cache["frontier"]
+
+    def frontier(self) -> pl.DataFrame:
+        """The frontier: every press at every ratio, ranked by press
+        (:func:`kvdiverge.estimation.frontier.frontier_tables`, the workflow's ``analysis/frontier``).
+
+        Returns
+        -------
+        polars.DataFrame
+            One row per (press, ratio): ``p_div``, ``tau_mean``, ``tau_median``, ``E_M``,
+            ``first_mismatch_term``, ``exposure_rate_term``, ``rho`` with intervals, the floor's
+            values, ``above_floor``, ``rank``.
+
+        Raises
+        ------
+        ValueError
+            If the measurement was not made with ``ratios``.
+        """
+        return self._frontier()[0]
+
+    def frontier_areas(self) -> pl.DataFrame:
+        """The frontier ranking: per press, the areas under its ``E[M]`` and ``p_div`` curves
+        over the ratios, with paired intervals, best first (``analysis/frontier_areas``)."""
+        return self._frontier()[1]
+
+    def format_frontier(self) -> str:
+        """The frontier ranking as plain text (what ``kvdiverge measure --ratios`` prints)."""
+        from kvdiverge.estimation.frontier import format_frontier
+
+        points, areas = self._frontier()
+        return format_frontier(points, areas, self.settings["confidence"])
+
+    def plot_frontier(self, target=None):
+        """Draw the frontier figure (:func:`kvdiverge.report.figures.frontier_figure`).
+
+        Parameters
+        ----------
+        target : sequence of 3 matplotlib Axes, path or None
+            Axes: draw into them and return them. Path: write the figure (format from the
+            suffix), return the path. None: return a new figure.
+        """
+        from kvdiverge.report import figures as plots
+
+        points = self.frontier()
+        if isinstance(target, (list, tuple)) or hasattr(target, "flat"):
+            plots.draw_frontier(list(getattr(target, "flat", target)), points, title=self.settings["model"])
+            return target
+        fig = plots.frontier_figure(points)
         if target is None:
             return fig
         plots.save_figure(fig, target)
@@ -501,7 +664,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
             windows: Mapping[str, Sequence[int]] | None = None, bootstrap: int = 2000,
             confidence: float = 0.95, model_name: str | None = None, split: str = "measure",
             eos_ids: Sequence[int] | None = None, progress: bool = True,
-            batch_documents: int | None = None, memory_budget_gb: float | None = None) -> Measurement:
+            batch_documents: int | None = None, memory_budget_gb: float | None = None,
+            ratios: Sequence[float] | None = None, budgets: Sequence[int] | None = None) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
@@ -557,6 +721,11 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         holds one document exactly.
     memory_budget_gb : float or None
         Memory budget of the planner (GiB); None: 80% of free CUDA memory, 4 GiB on CPU.
+    ratios, budgets : sequence, optional
+        Measure a frontier: every press at every compression ratio (and fixed budget),
+        named ``<press>@<ratio>`` (``<press>@b<budget>``), beside the noise floor (one is
+        added when no ``PermutationPress`` is given); :func:`frontier_presses`. Then
+        :meth:`Measurement.frontier` and :meth:`Measurement.plot_frontier` draw it.
 
     Returns
     -------
@@ -583,6 +752,9 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     if T < 1 or R < 1:
         raise ValueError(f"max_new_tokens and replicates must be >= 1, got {T} and {R}")
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    grid = None
+    if ratios or budgets:
+        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
     sources = prepare_presses(presses)
     try:
         from kvdiverge.study.models import context_length
@@ -615,6 +787,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                 "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
                 "confidence": float(confidence), "instruction": instruction, "system": system,
                 "presses": {n: _describe(s) for n, s in sources.items()}}
+    if grid is not None:
+        settings["frontier"] = grid
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()

@@ -165,3 +165,61 @@ ALL_TARGETS.extend(
         f"{ANALYSIS}/confirmatory.parquet",
     ]
 )
+
+
+# The frontier (config `frontier`): every press against compression ratio, beside the
+# noise floor (kvdiverge.estimation.frontier). Its policies are ordinary policies
+# (<press>@<ratio>, expanded in common.smk); only this table and its figure are new.
+FRONTIER_POINTS = kvdiverge.study.config.frontier_points(config)
+FRONTIER_SPLIT = kvdiverge.study.config.frontier_split(config)
+
+if FRONTIER_POINTS:
+
+    rule frontier:
+        input:
+            [
+                ESTIMATES.format(model=m, policy=p, split=FRONTIER_SPLIT)
+                for m in MODELS
+                for p in [pt["policy"] for pt in FRONTIER_POINTS] + [FLOOR]
+                if (m, p, FRONTIER_SPLIT) in RUNS
+            ],
+        output:
+            parquet=f"{ANALYSIS}/frontier.parquet",
+            csv=report(
+                f"{ANALYSIS}/frontier.csv",
+                caption="../report/frontier_table.rst",
+                category="Frontier",
+                labels={"table": "frontier points"},
+            ),
+            areas_parquet=f"{ANALYSIS}/frontier_areas.parquet",
+            areas_csv=report(
+                f"{ANALYSIS}/frontier_areas.csv",
+                caption="../report/frontier_areas.rst",
+                category="Frontier",
+                labels={"table": "frontier ranking"},
+            ),
+            html=report(
+                f"{ANALYSIS}/frontier.html",
+                caption="../report/frontier_page.rst",
+                category="Frontier",
+                labels={"table": "frontier page"},
+            ),
+        log:
+            f"{LOGS}/analysis/frontier.log",
+        params:
+            grid=canonical(FRONTIER_POINTS),
+            split=FRONTIER_SPLIT,
+            floor=FLOOR,
+            seed=canonical(config["seed"]),
+            bootstrap=canonical(config["analysis"]["bootstrap"]),
+            confidence=canonical(config["analysis"]["confidence"]),
+        threads: 1
+        resources:
+            mem_mb=2000,
+            runtime=20,
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/frontier.py"
+
+    ALL_TARGETS.extend([f"{ANALYSIS}/frontier.parquet", f"{ANALYSIS}/frontier_areas.parquet"])

@@ -23,9 +23,13 @@ from snakemake.utils import validate
 # Clear messages (key path, allowed values, cross-references) first; then Snakemake's
 # own validation against the same schema, which also fills in the defaults.
 try:
-    kvdiverge.study.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
+    _checked = kvdiverge.study.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 except kvdiverge.study.config.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
+# A `frontier` section becomes ordinary policies (<press>@<ratio>) scheduled on its split
+# before any rule sees the config (kvdiverge.study.config.expand_frontier).
+if config.get("frontier"):
+    config["policies"], config["runs"] = _checked["policies"], _checked["runs"]
 validate(config, "../schemas/config.schema.yaml")
 
 SPLITS = ("exploratory", "confirmatory")
@@ -77,7 +81,7 @@ CONDA_ENV = "../../environment.yml"
 
 wildcard_constraints:
     model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
-    policy=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    policy=r"[A-Za-z0-9][A-Za-z0-9._-]*(@b?[0-9][A-Za-z0-9._-]*)?",
     split=r"exploratory|confirmatory",
     shard=r"\d+",
 

@@ -80,3 +80,32 @@ ALL_TARGETS.extend(
         f"{ANALYSIS}/summary.html",
     ]
 )
+
+
+# The frontier figure (config `frontier`): p_div, E[M] and the mean first-divergence step
+# against retention, one line per press, the noise floor as a grey band.
+if FRONTIER_POINTS:
+
+    rule frontier_figure:
+        input:
+            f"{ANALYSIS}/frontier.parquet",
+        output:
+            png=report(
+                f"{FIGURES}/frontier.png",
+                caption="../report/frontier.rst",
+                category="Frontier",
+                labels={"figure": "frontier"},
+            ),
+            pdf=f"{FIGURES}/frontier.pdf",
+        log:
+            f"{LOGS}/frontier_figure.log",
+        threads: 1
+        resources:
+            mem_mb=2000,
+            runtime=10,
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/frontier_figure.py"
+
+    ALL_TARGETS.extend([f"{FIGURES}/frontier.png", f"{FIGURES}/frontier.pdf"])

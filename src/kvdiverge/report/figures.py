@@ -9,6 +9,9 @@
 - :func:`plot_confirmatory` — per-document late − early differences (§8), with the noise
   floor's mean difference beside them.
 - :func:`plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
+- :func:`plot_frontier` — ``p_div``, ``E[M]`` and the mean first-divergence step against
+  retention, one line per press, the noise floor as a grey band
+  (:func:`kvdiverge.estimation.frontier.frontier_tables`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import seaborn as sns  # noqa: E402
 
 from kvdiverge.estimation.io import atomic_path  # noqa: E402
 
-__all__ = ["draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
+__all__ = ["draw_frontier", "frontier_figure", "plot_frontier", "draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
            "plot_variance", "save_figure", "survival_figure"]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
@@ -324,3 +327,91 @@ def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
     ax.set_title("Estimator variance of the token loss N (label: naive / conditional)")
     ax.legend(fontsize="small")
     save_figure(fig, png, pdf)
+
+
+#: Panels of the frontier figure: metric column and axis label.
+FRONTIER_PANELS = (("p_div", "p_div = P(divergence within T)"), ("E_M", "E[M] (mismatch fraction of T)"),
+                   ("tau_mean", "mean first-divergence step (given divergence)"))
+
+
+def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
+    """Draw one model's frontier on three axes (:data:`FRONTIER_PANELS`).
+
+    Each press is a line over retention ``1 - compression_ratio`` with its interval band,
+    in rank order (legend: rank, press, ``E[M]`` area); fixed-budget points are open
+    markers at their mean kept fraction, with error bars. The noise floor (the same
+    metric of the permutation control on the same documents) is a grey band with a grey
+    dashed line.
+
+    Parameters
+    ----------
+    axes : sequence of 3 matplotlib Axes
+    points : polars.DataFrame
+        :func:`kvdiverge.estimation.frontier.frontier_tables` points of one model.
+    title : str, optional
+        Prefix of the panel titles (default: the model).
+    """
+    presses = points.sort(["rank", "press"])["press"].unique(maintain_order=True).to_list()
+    pal = dict(zip(presses, sns.color_palette(n_colors=max(len(presses), 1))))
+    title = title if title is not None else ", ".join(sorted(points["model"].unique().to_list()))
+    for ax, (metric, label) in zip(axes, FRONTIER_PANELS):
+        floor = points.filter(pl.col(f"floor_{metric}").is_not_null() & pl.col(f"floor_{metric}").is_not_nan())
+        if floor.height:
+            f = floor.row(0, named=True)
+            ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
+            ax.axhline(f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1,
+                       label=f"noise floor ({f['floor']})")
+        for press in presses:
+            g = points.filter(pl.col("press") == press)
+            curve = g.filter(pl.col("budget").is_null()).sort("retention")
+            color = pal[press]
+            if curve.height:
+                rank = curve["rank"][0]
+                ax.plot(curve["retention"], curve[metric], marker="o", ms=4, color=color, label=f"{rank}. {press}")
+                ax.fill_between(curve["retention"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=color,
+                                alpha=0.15, lw=0)
+            fixed = g.filter(pl.col("budget").is_not_null())
+            for r in fixed.iter_rows(named=True):
+                v = r[metric]
+                if v is None or not np.isfinite(v):
+                    continue
+                ax.errorbar(r["retention"], v, yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]],
+                            fmt="o", mfc="white", color=color, ms=5, capsize=2)
+        ax.set(xlabel="retention = 1 − compression ratio", ylabel=label, title=f"{title}: {metric}")
+        if metric in ("p_div", "E_M"):
+            ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize="small", loc="best")
+
+
+def frontier_figure(points: pl.DataFrame) -> plt.Figure:
+    """The frontier figure: one row of three panels per model (:func:`draw_frontier`).
+
+    Parameters
+    ----------
+    points : polars.DataFrame
+        :func:`kvdiverge.estimation.frontier.frontier_tables` points (any models).
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    if points.height == 0:
+        return _empty("no frontier points")
+    models = sorted(points["model"].unique().to_list())
+    fig, axes = plt.subplots(len(models), 3, figsize=(14, 4.2 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        draw_frontier(row, points.filter(pl.col("model") == model), title=model)
+    fig.suptitle("Frontier: divergence against retention, press by press (bands: bootstrap intervals; "
+                 "grey: noise floor)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_frontier(points: pl.DataFrame, png, pdf=None) -> None:
+    """Write :func:`frontier_figure` as PNG (and PDF).
+
+    Parameters
+    ----------
+    points : polars.DataFrame
+        :func:`kvdiverge.estimation.frontier.frontier_tables` points.
+    png, pdf : path
+        Outputs (``pdf`` optional).
+    """
+    save_figure(frontier_figure(points), *[p for p in (png, pdf) if p is not None])

@@ -15,7 +15,7 @@ import polars as pl
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
 from kvdiverge.report.formatting import number, with_interval
 
-__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "summary_html"]
+__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "frontier_html", "summary_html"]
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -172,4 +172,58 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
             f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
             f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
             f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+            "</body></html>")
+
+
+AREA_HEADER = ["model", "rank", "press", "ratios", "area under E[M] [CI]", "area under p_div [CI]",
+               "E[M] area − best [CI]", "p_div area − best [CI]", "above noise floor from ratio"]
+POINT_HEADER = ["model", "press", "policy", "compression ratio", "retention", "kept fraction", "documents",
+                "p_div [CI]", "mean first-divergence step [CI]", "median step [CI]", "E[M] [CI]", "= p_div/T",
+                "+ (E[L]/T) rho", "rho [CI]", "floor p_div [CI]", "floor E[M] [CI]", "above floor (p_div / E[M])"]
+
+
+def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float = 0.95) -> str:
+    """HTML page of the frontier: the ranking by area, then every (press, ratio) point.
+
+    Parameters
+    ----------
+    points, areas : polars.DataFrame
+        :func:`kvdiverge.estimation.frontier.frontier_tables` outputs.
+    confidence : float
+        Interval coverage (for the caption).
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    def first(r):
+        v = r["first_ratio_above_floor"]
+        return "never" if v is None or not np.isfinite(v) else _fmt(v)
+
+    area_rows = [[r["model"], r["rank"], r["press"], f"{_fmt(r['ratio_min'])}–{_fmt(r['ratio_max'])} ({r['n_ratios']})",
+                  _ci(r, "area_E_M"), _ci(r, "area_p_div"),
+                  "(best)" if r["rank"] == 1 else _ci(r, "diff_best_area_E_M"),
+                  "(best)" if r["rank"] == 1 else _ci(r, "diff_best_area_p_div"), first(r)]
+                 for r in areas.iter_rows(named=True)]
+    point_rows = [[r["model"], r["press"], r["policy"], _fmt(r["compression_ratio"]) if r["budget"] is None
+                   else f"budget {r['budget']}", _fmt(r["retention"]), _fmt(r["kept_fraction"]), r["n_docs"],
+                   _ci(r, "p_div"), _ci(r, "tau_mean"), _ci(r, "tau_median"), _ci(r, "E_M"),
+                   _fmt(r["first_mismatch_term"]), _fmt(r["exposure_rate_term"]), _ci(r, "rho"),
+                   _ci(r, "floor_p_div"), _ci(r, "floor_E_M"),
+                   f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}"]
+                  for r in points.iter_rows(named=True)]
+    pct = f"{confidence:.0%}"
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
+            f"{_STYLE}</head><body><h2>Ranking: area under each press's curve over the ratios</h2>"
+            f"{_html_table(AREA_HEADER, area_rows)}"
+            f"<p>Trapezoid areas under E[M] and p_div against the compression ratio, over the ratios "
+            f"run; smaller means the press changes generation less over the whole range (the fidelity "
+            f"counterpart of a leaderboard's average score). Brackets: {pct} document bootstrap; every "
+            "press, ratio and the floor are resampled with the same documents (paired), so a difference "
+            "from the best press whose interval excludes 0 separates the two.</p>"
+            f"<h2>Every press at every ratio</h2>{_html_table(POINT_HEADER, point_rows)}"
+            "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). The floor columns are the noise-floor "
+            "control (permutation press, equal kernels in exact arithmetic) on the same documents; "
+            "above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
             "</body></html>")

@@ -8,6 +8,12 @@ validates with the same file for use outside Snakemake (tests, notebooks)::
     config = load_config("config/config.yaml")   # defaults filled in
     runs(config)   # [("smollm2-135m", "snapkv-50", "exploratory"), ...]
 
+A ``frontier`` section (presses without their ratio, a list of ratios, optionally fixed
+budgets) is expanded here, before any rule sees the config, into one ordinary policy per
+(press, ratio) named ``<press>@<ratio>`` (``<press>@b<budget>``) and scheduled on the
+frontier's split (:func:`expand_frontier`): every stage, :func:`runs`, sharding, caching
+and provenance then treat them as any policy.
+
 Errors are :class:`ConfigError` with one line per problem, naming the key path
 (e.g. ``corpus.min_words``) and the allowed values.
 """
@@ -96,6 +102,9 @@ def format_error(error) -> str:
         return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
     if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
         return f"{where}: give exactly one of compression_ratio or budget"
+    if v == "not" and "frontier" in list(map(str, error.absolute_path)):
+        return (f"{where}: give the press without compression_ratio or budget; "
+                f"frontier.ratios and frontier.budgets set them")
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
     if v in ("minItems", "maxItems"):
@@ -144,6 +153,7 @@ def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = Non
             if line not in lines:
                 lines.append(line)
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    config = expand_frontier(config, schema)
     check(config)
     return config
 
@@ -343,3 +353,128 @@ def control_documents(config: dict[str, Any], policy: str, split: str) -> int | 
     if floor.get("policy") == policy and floor.get("documents"):
         return int(floor["documents"])
     return None
+
+
+# --------------------------------------------------------------------------- frontier
+
+
+def _takes_ratio(entry: dict[str, Any]) -> bool:
+    """True when the press of a policy entry, or a press nested in its ``params``, takes a
+    ``compression_ratio`` (the top-level ratio goes to the press that takes it)."""
+    from kvdiverge.engine.policies import keeps_every_position, press_class, press_parameters
+
+    name = entry.get("press")
+    if not isinstance(name, str) or keeps_every_position(name):
+        return False
+    if "compression_ratio" in press_parameters(press_class(name)):
+        return True
+    nested = [v for v in (entry.get("params") or {}).values()]
+    nested = [x for v in nested for x in (v if isinstance(v, list) else [v])]
+    return any(isinstance(v, dict) and "press" in v and _takes_ratio(v) for v in nested)
+
+
+def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The frontier's points: ``{"policy", "press", "compression_ratio", "budget"}`` per
+    (press, ratio) and (press, budget), in config order; empty without a ``frontier``
+    section (:func:`kvdiverge.estimation.frontier.frontier_grid`)."""
+    from kvdiverge.estimation.frontier import frontier_grid
+
+    f = config.get("frontier")
+    if not f:
+        return []
+    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []))
+
+
+def frontier_split(config: dict[str, Any]) -> str | None:
+    """The split the frontier runs on (``frontier.split``, default exploratory), or None."""
+    f = config.get("frontier")
+    return f.get("split", "exploratory") if f else None
+
+
+def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``config`` with its ``frontier`` section expanded into ordinary policies.
+
+    Each press of ``frontier.presses`` (a policy entry without its ratio) and each of
+    ``frontier.ratios`` (and ``frontier.budgets``) gives the policy ``<press>@<ratio>``
+    (``<press>@b<budget>``): the press's entry with that ``compression_ratio`` (``budget``),
+    added to ``policies`` and appended to ``runs.<frontier.split>``. They share the split's
+    documents, the seeds and so the common random numbers (the policy never enters the
+    seeds), and the noise floor (``runs.floor``, required) runs beside them. Expanding an
+    expanded config changes nothing.
+
+    Parameters
+    ----------
+    config : dict
+        A config that passed the schema.
+    schema : dict, optional
+        The loaded schema (its ``$defs.policy`` checks each expanded entry).
+
+    Returns
+    -------
+    dict
+        ``config`` itself when it has no ``frontier`` section, else an expanded copy.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key: a press that takes no compression ratio, a press entry that does
+        not make a valid policy, a user policy whose name holds ``@`` (reserved for the
+        frontier) or collides with a frontier policy, or no ``runs.floor``.
+    """
+    policies = config.get("policies", {})
+    f = config.get("frontier")
+    problems: list[str] = []
+    grid = frontier_points(config) if f else []
+    made = {p["policy"] for p in grid}
+    for name in policies:
+        if "@" in name and name not in made:
+            problems.append(f"policies.{name}: '@' in a policy name is reserved for the frontier's "
+                            f"<press>@<ratio> policies")
+    if not f:
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        return config
+    config = copy.deepcopy(config)
+    schema = schema or load_schema()
+    policy_validator = _validator({"$defs": schema["$defs"], **schema["$defs"]["policy"]}, False)
+    split = frontier_split(config)
+    runs_ = config.setdefault("runs", {})
+    scheduled = runs_.setdefault(split, [])
+    checked: set[str] = set()
+    for point in grid:
+        label = point["press"]
+        key = f"frontier.presses.{label}"
+        entry = copy.deepcopy(f["presses"][label])
+        if point["budget"] is None:
+            entry["compression_ratio"] = point["compression_ratio"]
+        else:
+            entry["budget"] = point["budget"]
+        if label not in checked:
+            checked.add(label)
+            try:
+                takes = _takes_ratio(entry)
+            except ValueError:
+                takes = None  # an unknown press: the schema below names it
+            if takes is False:
+                problems.append(f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
+                                f"nested in its params), so a frontier cannot vary it")
+            else:
+                errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
+                for e in errors:
+                    e.path.extendleft(reversed(["frontier", "presses", label]))  # name the frontier's key
+                    line = format_error(e)
+                    if line not in problems:
+                        problems.append(line)
+        name = point["policy"]
+        if name in policies and policies[name] != entry:
+            problems.append(f"policies.{name}: the name belongs to the frontier point {key} at "
+                            f"{name.split('@', 1)[1]}; rename the policy")
+        config["policies"][name] = entry
+        if name not in scheduled:
+            scheduled.append(name)
+    if not runs_.get("floor"):
+        problems.append("frontier: needs runs.floor, the noise floor that runs beside the frontier "
+                        "(runs.floor.policy: a PermutationPress policy)")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return config

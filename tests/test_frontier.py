@@ -1,0 +1,333 @@
+"""Frontiers: the config section's expansion, the statistics, the figure, the API and the workflow.
+
+- the ``frontier`` section expands into ``<press>@<ratio>`` policies on one split, checked
+  with the key named (no model);
+- the areas and the ranking, exactly, on a hand-made table (no model);
+- the expanded policies share documents and common random numbers, and the API draws the
+  frontier (a miniature random-weight model, ``miniature``);
+- ``config/frontier-smoke.yaml`` runs end to end through Snakemake (``e2e``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import yaml
+
+from kvdiverge.estimation.frontier import frontier_grid, frontier_name, frontier_tables, trapezoid_area
+from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+PRESSES = ["snapkv", "knorm", "streamingllm", "tova", "expected-attention", "adakv-snapkv"]
+RATIOS = [0.1, 0.25, 0.5, 0.75]
+
+
+def raw(name: str) -> dict:
+    return yaml.safe_load((REPO / "config" / name).read_text())
+
+
+def error_of(config: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- expansion and naming
+
+
+def test_names_of_frontier_points():
+    assert frontier_name("snapkv", ratio=0.5) == "snapkv@0.5"
+    assert frontier_name("snapkv", ratio=0.25) == "snapkv@0.25"
+    assert frontier_name("snapkv", ratio=0) == "snapkv@0"
+    assert frontier_name("snapkv", budget=128) == "snapkv@b128"
+    with pytest.raises(ValueError, match="exactly one"):
+        frontier_name("snapkv", ratio=0.5, budget=128)
+    grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
+    assert [p["policy"] for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
+    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64}
+    with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
+        frontier_grid(["a"], [1.0])
+
+
+def test_frontier_config_expands_into_policies_on_its_split():
+    before = raw("frontier.yaml")
+    config = load_config(REPO / "config" / "frontier.yaml")
+    assert raw("frontier.yaml") == before  # the file's dict is not touched
+    names = [f"{p}@{r:g}" for p in PRESSES for r in RATIOS]
+    assert config["runs"]["exploratory"] == names
+    assert [p["policy"] for p in frontier_points(config)] == names
+    assert config["policies"]["snapkv@0.25"] == {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5,
+                                                 "compression_ratio": 0.25}
+    # a nested press: the top-level ratio goes to the press that takes it (the inner scorer)
+    assert config["policies"]["adakv-snapkv@0.75"] == {
+        "press": "AdaKVPress", "params": {"press": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}},
+        "compression_ratio": 0.75}
+    # ordinary runs: every point on the exploratory split, the noise floor beside them
+    expl = [p for m, p, s in runs(config) if s == "exploratory"]
+    assert expl == names + ["noise-floor"]
+    assert validate(config) == config  # expanding an expanded config changes nothing
+    assert expand_frontier(config) == config
+
+
+def test_frontier_policy_settings_equal_a_hand_written_policy():
+    """Provenance and caching see an ordinary policy: the same shard settings as the same entry by hand."""
+    from kvdiverge.study.provenance import shard_settings
+
+    config = load_config(REPO / "config" / "frontier.yaml")
+    hand = copy.deepcopy(raw("frontier.yaml"))
+    hand["policies"]["snapkv-25"] = {"press": "SnapKVPress", "compression_ratio": 0.25, "window_size": 64,
+                                     "kernel_size": 5}
+    hand["runs"]["exploratory"] = ["snapkv-25"]
+    del hand["frontier"]
+    hand = validate(hand)
+    assert shard_settings(config, "smollm2-135m", "snapkv@0.25", "exploratory") == \
+        shard_settings(hand, "smollm2-135m", "snapkv-25", "exploratory")
+
+
+def test_budgets_expand_too():
+    config = raw("frontier-smoke.yaml")
+    config["frontier"]["budgets"] = [96]
+    out = validate(config)
+    assert out["policies"]["snapkv@b96"]["budget"] == 96 and "compression_ratio" not in out["policies"]["snapkv@b96"]
+    assert "snapkv@b96" in out["runs"]["exploratory"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: f.update(ratios=[0.5, 1.0]), "frontier.ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1"),
+    (lambda f: f.update(ratios=[-0.1]), "frontier.ratios[0]: -0.1 is out of range; allowed: >= 0 and < 1"),
+    (lambda f: f["presses"].update(perm={"press": "PermutationPress"}),
+     "frontier.presses.perm: PermutationPress takes no compression_ratio"),
+    (lambda f: f["presses"].update(ada={"press": "AdaKVPress"}),
+     "frontier.presses.ada: AdaKVPress takes no compression_ratio"),
+    (lambda f: f["presses"]["snapkv"].update(compression_ratio=0.5),
+     "frontier.presses.snapkv: give the press without compression_ratio or budget"),
+    (lambda f: f["presses"]["snapkv"].update(window_size=0),
+     "frontier.presses.snapkv.window_size: 0 is out of range"),
+    (lambda f: f["presses"]["snapkv"].update(press="SnapPress"), "frontier.presses.snapkv.press: 'SnapPress'"),
+    (lambda f: f.update(split="heldout"), "frontier.split: 'heldout' is not allowed"),
+])
+def test_bad_frontier_is_refused_with_the_key_named(edit, message):
+    config = raw("frontier-smoke.yaml")
+    edit(config["frontier"])
+    assert message in error_of(config)
+
+
+def test_frontier_names_are_reserved_and_the_floor_is_required():
+    config = raw("frontier-smoke.yaml")
+    config["policies"]["snapkv@0.5"] = {"press": "KnormPress", "compression_ratio": 0.5}
+    assert "policies.snapkv@0.5: the name belongs to the frontier point frontier.presses.snapkv" in error_of(config)
+    config = raw("frontier-smoke.yaml")
+    config["policies"]["mine@0.3"] = {"press": "KnormPress", "compression_ratio": 0.3}
+    assert "policies.mine@0.3: '@' in a policy name is reserved for the frontier" in error_of(config)
+    config = raw("frontier-smoke.yaml")
+    del config["runs"]["floor"]
+    assert "frontier: needs runs.floor" in error_of(config)
+
+
+# --------------------------------------------------------------------------- statistics, exactly
+
+
+def _docs(values: dict[str, tuple[float, float]], n_docs: int = 3, T: int = 4) -> pl.DataFrame:
+    """Per-document estimates where every document of a policy has the same (p_div, E_M):
+    divergence at step 1 only, so E[L] = (T - 1) p_div and E[N_post] = T E_M - p_div."""
+    rows = []
+    for policy, (p, em) in values.items():
+        for d in range(n_docs):
+            f = [p] + [0.0] * (T - 1)
+            rows.append({"model": "m", "policy": policy, "split": "exploratory", "doc_id": f"d{d}", "T": T,
+                         "prompt_len": 100, "kept_len": 60, "p_div": p, "E_tau_div": p, "E_L": (T - 1) * p,
+                         "E_N_post": T * em - p, "E_N": T * em, "E_M": em, "tv_mean": p / 10, "f": f})
+    return pl.DataFrame(rows)
+
+
+def test_trapezoid_area_by_hand():
+    x = np.array([0.1, 0.5, 0.75])
+    assert trapezoid_area(x, np.array([0.1, 0.3, 0.6])) == pytest.approx(0.4 * 0.2 + 0.25 * 0.45, abs=1e-15)
+    y = np.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    np.testing.assert_allclose(trapezoid_area(x, y), [0.4 * 0.5 + 0.25, 0.65], atol=1e-15)
+    assert np.isnan(trapezoid_area(x[:1], np.array([0.3])))
+
+
+def test_frontier_tables_areas_and_ranking_exactly():
+    grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75])
+    E = {"a": [0.1, 0.3, 0.6], "b": [0.05, 0.2, 0.4]}
+    P = {"a": [0.4, 0.8, 1.0], "b": [0.2, 0.6, 0.9]}
+    values = {f"{k}@{r:g}": (P[k][i], E[k][i]) for k in "ab" for i, r in enumerate([0.1, 0.5, 0.75])}
+    values["noise-floor"] = (0.0, 0.0)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1)
+    area = {"a": 0.4 * (0.1 + 0.3) / 2 + 0.25 * (0.3 + 0.6) / 2, "b": 0.4 * (0.05 + 0.2) / 2 + 0.25 * (0.2 + 0.4) / 2}
+    assert areas["press"].to_list() == ["b", "a"] and areas["rank"].to_list() == [1, 2]
+    for r in areas.iter_rows(named=True):
+        # identical documents: every resample gives the same curve, the interval is the point
+        assert r["area_E_M"] == pytest.approx(area[r["press"]], abs=1e-12)
+        assert r["area_E_M_lo"] == pytest.approx(area[r["press"]], abs=1e-12)
+        assert r["area_E_M_hi"] == pytest.approx(area[r["press"]], abs=1e-12)
+        assert r["diff_best_area_E_M"] == pytest.approx(area[r["press"]] - area["b"], abs=1e-12)
+        assert r["n_ratios"] == 3 and r["ratio_min"] == 0.1 and r["ratio_max"] == 0.75
+        # the floor never diverges: every point lies above it (a degenerate interval above 0)
+        assert r["above_floor_everywhere"] and r["first_ratio_above_floor"] == 0.1
+    a_p = 0.4 * (0.4 + 0.8) / 2 + 0.25 * (0.8 + 1.0) / 2
+    assert areas.filter(pl.col("press") == "a")["area_p_div"][0] == pytest.approx(a_p, abs=1e-12)
+    # points: ranked press first, then ratio; retention = 1 - ratio; the decomposition terms
+    assert points["policy"].to_list() == ["b@0.1", "b@0.5", "b@0.75", "a@0.1", "a@0.5", "a@0.75"]
+    np.testing.assert_allclose(points["retention"], [0.9, 0.5, 0.25] * 2, atol=1e-15)
+    np.testing.assert_allclose(points["first_mismatch_term"] + points["exposure_rate_term"], points["E_M"], atol=1e-12)
+    np.testing.assert_allclose(points["first_mismatch_term"], points["p_div"] / 4, atol=1e-15)
+    assert (points["tau_mean"] == 1.0).all() and (points["tau_median"] == 1.0).all()
+    np.testing.assert_allclose(points["rho"], (4 * points["E_M"] - points["p_div"]) / (3 * points["p_div"]), rtol=1e-12)
+    assert (points["floor_p_div"] == 0.0).all() and points["floor_tau_mean"].is_nan().all()
+    assert (points["kept_fraction"] == 0.6).all()
+
+
+def test_frontier_is_paired_and_knows_the_floor():
+    """Documents that differ: intervals open, and a press well above the floor is flagged above it."""
+    grid = frontier_grid(["a"], [0.25, 0.5])
+    docs = _docs({"a@0.25": (0.5, 0.2), "a@0.5": (0.7, 0.3), "noise-floor": (0.0, 0.0)})
+    docs = docs.with_columns(pl.when(pl.col("doc_id") == "d0").then(pl.col("p_div") * 0.5)
+                             .otherwise(pl.col("p_div")).alias("p_div"))
+    docs = docs.with_columns((pl.col("p_div") * 3).alias("E_L"), pl.col("p_div").alias("E_tau_div"),
+                             (4 * pl.col("E_M") - pl.col("p_div")).alias("E_N_post"),
+                             pl.concat_list([pl.col("p_div"), pl.lit(0.0), pl.lit(0.0), pl.lit(0.0)]).alias("f"))
+    points, areas = frontier_tables(docs, grid, "noise-floor", 400, 0.9, seed=3)
+    assert (points["p_div_lo"] < points["p_div"]).all() and (points["p_div"] < points["p_div_hi"]).all()
+    assert points["above_floor"].all()
+    assert areas["first_ratio_above_floor"][0] == 0.25 and areas["above_floor_everywhere"][0]
+    with pytest.raises(ValueError, match="share their documents"):
+        frontier_tables(docs.filter(~((pl.col("policy") == "a@0.5") & (pl.col("doc_id") == "d2"))), grid,
+                        "noise-floor", 10, 0.9, seed=3)
+
+
+def test_frontier_figure_is_written(tmp_path):
+    from kvdiverge.report.figures import plot_frontier
+    from kvdiverge.report.pages import frontier_html
+
+    grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75], [32])
+    values = {p["policy"]: (0.3 + 0.5 * (p["compression_ratio"] or 0.4), 0.1 + (p["press"] == "b") * 0.1)
+              for p in grid}
+    values["noise-floor"] = (1e-4, 1e-5)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0)
+    plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
+    assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "frontier.pdf").read_bytes()[:4] == b"%PDF"
+    page = frontier_html(points, areas)
+    assert page.count("<table>") == 2 and "a@b32" in page and "(best)" in page
+
+
+# --------------------------------------------------------------------------- the API, CRN (miniature model)
+
+
+@pytest.mark.miniature
+def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
+    """Two presses at ratio 0 leave the cache whole: with common random numbers their coupled
+    runs are bit-identical, though their policy names differ."""
+    import torch
+
+    import kvdiverge
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    torch.set_num_threads(1)
+    model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
+    presses = {"snapkv": {"press": "SnapKVPress", "window_size": 8}, "knorm": {"press": "KnormPress"}}
+    with pytest.warns(UserWarning, match="left the cache untouched"):  # the two ratio-0 points
+        m = kvdiverge.measure(model, None, prompts, presses, ratios=[0.0, 0.5], max_new_tokens=4, replicates=2,
+                              temperature=1.0, top_p=1.0, seed=5, bootstrap=50, progress=False,
+                              model_name="mini", split="exploratory")
+    assert m.presses == ["snapkv@0", "snapkv@0.5", "knorm@0", "knorm@0.5", "noise-floor"]
+    traj = m.trajectories
+    docs = {p: sorted(g["doc_id"].to_list()) for (p,), g in traj.group_by(["policy"])}
+    assert all(d == ["doc-0", "doc-0", "doc-1", "doc-1"] for d in docs.values())
+    a = traj.filter(pl.col("policy") == "snapkv@0").sort("doc_id", "replicate")
+    b = traj.filter(pl.col("policy") == "knorm@0").sort("doc_id", "replicate")
+    assert a["chain_token"].to_list() == b["chain_token"].to_list()
+    assert a["branch_x"].to_list() == b["branch_x"].to_list()
+    # the reference side draws the same tokens under every policy up to the first divergence
+    c = traj.filter(pl.col("policy") == "knorm@0.5").sort("doc_id", "replicate")
+    assert (c["kept_len"] < c["prompt_len"]).all() and (a["kept_len"] == a["prompt_len"]).all()
+    points = m.frontier()
+    assert set(points["policy"]) == {"snapkv@0", "snapkv@0.5", "knorm@0", "knorm@0.5"}
+    zero = points.filter(pl.col("compression_ratio") == 0.0)
+    assert (zero["p_div"] == 0.0).all() and (zero["E_M"] == 0.0).all()
+    areas = m.frontier_areas()
+    assert sorted(areas["press"]) == ["knorm", "snapkv"] and areas["rank"].to_list() == [1, 2]
+    assert "area E[M] [CI]" in m.format_frontier()
+    assert m.plot_frontier(tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    saved = {p.name for p in m.save(tmp_path / "out")}
+    assert {"frontier.parquet", "frontier_areas.csv"} <= saved
+    with pytest.raises(ValueError, match="not a frontier"):
+        kvdiverge.measure(model, None, prompts, {"k": {"press": "KnormPress", "compression_ratio": 0.5}},
+                          max_new_tokens=2, replicates=1, bootstrap=10, progress=False).frontier()
+
+
+def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
+    from kvdiverge.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = ["measure", "embedded", "--prompts", str(prompts), "-T", "2", "-R", "1"]
+    for extra, message in [(["--press", "KnormPress", "--ratios", "0.5", "1.5"], "outside [0, 1)"),
+                           (["--press", "PermutationPress", "--ratios", "0.5"], "at least one press besides"),
+                           (["--press", "AdaKVPress:press=x", "--ratios", "0.5"], "AdaKVPress")]:
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the workflow, end to end
+
+
+@pytest.mark.e2e
+def test_frontier_smoke_runs_through_snakemake(tmp_path):
+    """``config/frontier-smoke.yaml``: 2 presses x 2 ratios beside the floor, table, figure, report."""
+    from conftest import _copy_tree
+
+    _copy_tree(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"), os.environ.get("PYTHONPATH")]))}
+    base = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "config/frontier-smoke.yaml"]
+    results = tmp_path / raw("frontier-smoke.yaml")["results_dir"]
+    for cmd in (base, base + ["--report", f"{results.name}/report.html"]):
+        res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-6000:]
+    points = pl.read_parquet(results / "analysis" / "frontier.parquet")
+    assert sorted(points["policy"]) == ["knorm@0.25", "knorm@0.5", "snapkv@0.25", "snapkv@0.5"]
+    assert (points["n_docs"] == points["n_docs"][0]).all() and (points["floor"] == "noise-floor").all()
+    assert (points["floor_p_div"] < 1e-3).all()  # float32 rounding only
+    areas = pl.read_csv(results / "analysis" / "frontier_areas.csv")
+    assert areas["rank"].to_list() == [1, 2]
+    assert areas["area_E_M"].is_sorted()
+    assert (results / "figures" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "<table>" in (results / "analysis" / "frontier.html").read_text()
+    assert "frontier" in (results / "report.html").read_text(errors="ignore")
+    # ordinary policies: the estimates and shards of every point exist under their own names
+    for p in points["policy"]:
+        assert (results / "estimates" / "smollm2-135m" / p / "exploratory.parquet").is_file()
+
+
+@pytest.mark.llm
+def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path):
+    """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-m", "kvdiverge.cli", "measure", "embedded", "--sotu", "1", "-T", "4",
+                          "-R", "2", "--bootstrap", "50", "--threads", "1", "--quiet",
+                          "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
+                          "--ratios", "0.25", "0.5", "--out", "out"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "area E[M] [CI]" in res.stdout and "SnapKVPress:window_size=8@0.25" in res.stdout
+    table = [line for line in res.stdout.splitlines() if line.startswith(("1 ", "2 "))]
+    assert len(table) == 2  # one ranked row per press
+    assert (tmp_path / "out" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    areas = pl.read_parquet(tmp_path / "out" / "frontier_areas.parquet")
+    assert sorted(areas["press"]) == ["KnormPress", "SnapKVPress:window_size=8"]
+    points = pl.read_parquet(tmp_path / "out" / "frontier.parquet")
+    assert sorted(points["compression_ratio"].unique()) == [0.25, 0.5]
+    assert (points["kept_fraction"] < 1).all() and (points["floor"] == "noise-floor").all()
