@@ -8,6 +8,7 @@ that ``snakemake --report`` embeds.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping, Sequence
 
 import polars as pl
@@ -199,18 +200,18 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
     """
     def first(r):
         v = r["first_ratio_above_floor"]
-        return "never" if v is None or not np.isfinite(v) else _fmt(v)
+        return "never" if v is None or not math.isfinite(v) else number(v)
 
-    area_rows = [[r["model"], r["rank"], r["press"], f"{_fmt(r['ratio_min'])}–{_fmt(r['ratio_max'])} ({r['n_ratios']})",
-                  _ci(r, "area_E_M"), _ci(r, "area_p_div"),
-                  "(best)" if r["rank"] == 1 else _ci(r, "diff_best_area_E_M"),
-                  "(best)" if r["rank"] == 1 else _ci(r, "diff_best_area_p_div"), first(r)]
+    area_rows = [[r["model"], r["rank"], r["press"], f"{number(r['ratio_min'])}–{number(r['ratio_max'])} ({r['n_ratios']})",
+                  with_interval(r, "area_E_M"), with_interval(r, "area_p_div"),
+                  "(best)" if r["rank"] == 1 else with_interval(r, "diff_best_area_E_M"),
+                  "(best)" if r["rank"] == 1 else with_interval(r, "diff_best_area_p_div"), first(r)]
                  for r in areas.iter_rows(named=True)]
-    point_rows = [[r["model"], r["press"], r["policy"], _fmt(r["compression_ratio"]) if r["budget"] is None
-                   else f"budget {r['budget']}", _fmt(r["retention"]), _fmt(r["kept_fraction"]), r["n_docs"],
-                   _ci(r, "p_div"), _ci(r, "tau_mean"), _ci(r, "tau_median"), _ci(r, "E_M"),
-                   _fmt(r["first_mismatch_term"]), _fmt(r["exposure_rate_term"]), _ci(r, "rho"),
-                   _ci(r, "floor_p_div"), _ci(r, "floor_E_M"),
+    point_rows = [[r["model"], r["press"], r["policy"], number(r["compression_ratio"]) if r["budget"] is None
+                   else f"budget {r['budget']}", number(r["retention"]), number(r["kept_fraction"]), r["n_docs"],
+                   with_interval(r, "p_div"), with_interval(r, "tau_mean"), with_interval(r, "tau_median"), with_interval(r, "E_M"),
+                   number(r["first_mismatch_term"]), number(r["exposure_rate_term"]), with_interval(r, "rho"),
+                   with_interval(r, "floor_p_div"), with_interval(r, "floor_E_M"),
                    f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}"]
                   for r in points.iter_rows(named=True)]
     pct = f"{confidence:.0%}"

@@ -100,11 +100,11 @@ def format_error(error) -> str:
         if "exclusiveMaximum" in s:
             rng.append(f"< {s['exclusiveMaximum']}")
         return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
-    if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
-        return f"{where}: give exactly one of compression_ratio or budget"
     if v == "not" and "frontier" in list(map(str, error.absolute_path)):
         return (f"{where}: give the press without compression_ratio or budget; "
                 f"frontier.ratios and frontier.budgets set them")
+    if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
+        return f"{where}: give exactly one of compression_ratio or budget"
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
     if v in ("minItems", "maxItems"):
