@@ -12,10 +12,13 @@ A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded t
 (``R = 2`` rows each, ``T = 4`` steps, the same forced tokens on both sides):
 
 - a reference side equal, exactly and at every step, to a pair run without any press;
-- at ratio 0 (where it takes a ratio) an evicted side equal to the reference: TV exactly 0;
+- at ratio 0 (where it takes a ratio) an evicted side equal to the reference: TV exactly 0
+  (one stated exception, :data:`RATIO0_TV`);
 - per document, the distributions of the document run alone, within :data:`BATCH_TOL`
-  (not for presses drawing from torch's global generator, ``PressRow.global_rng``);
-- the kept count the policy promises (``expected_kept``), and an eviction at ratio 0.5.
+  (presses drawing from torch's global generator included: each document's prefill seeds it,
+  :func:`kvdiverge.engine.prefill.prefill_seed`);
+- the kept counts per layer and head that the press promises (``expected_kept``, checked by
+  :func:`kvdiverge.engine.promises.check_kept`), and an eviction at ratio 0.5.
 
 A *refused* press must stop before any work (no model forward) with the registry's sentence,
 which names what it needs (:data:`REASONS`), and kvpress alone must indeed fail on it here
@@ -37,6 +40,8 @@ from kvdiverge.engine import press_registry as registry
 from kvdiverge.engine.errors import PressError
 from kvdiverge.engine.llm_pair import LLMKernelPair
 from kvdiverge.engine.policies import Policy, press_from_spec
+from kvdiverge.engine.prefill import prefill_seed
+from kvdiverge.engine.promises import check_kept
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 T, R = 4, 2
@@ -46,6 +51,18 @@ LENGTHS = (48, 64, 96)
 #: and both miniatures (float32 on CPU, KeyRerotationPress on the Qwen2.5 miniature); the
 #: bound leaves a factor of about 20.
 BATCH_TOL = 5e-6
+
+#: The one exception to "ratio 0 gives TV exactly 0", with the bound it must meet instead:
+#: KVComposePress runs its own prefill in eager attention (it needs the attention weights),
+#: so at ratio 0 its cache equals the sdpa cache up to rounding. Measured: TV at most 1.5e-7
+#: on both miniatures (float32).
+RATIO0_TV = {"KVComposePress": 1e-6}
+
+#: Measured presses whose kept counts the matrix checks against a promise (never ``None``):
+#: the head-wise, per-layer and channel presses among them.
+PROMISED = {"AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "PerLayerCompressionPress", "KVComposePress",
+            "ThinKPress", "SimLayerKVPress", "SnapKVPress", "KnormPress", "StreamingLLMPress", "CompactorPress",
+            "LeverageScorePress"}
 
 #: What each refused press's sentence must name (written here, independently of the registry).
 REASONS = {
@@ -103,17 +120,22 @@ def _quiet():
     logging.disable(logging.NOTSET)
 
 
-def trace(model, prompts, forced, policy: Policy | None):
-    """``(log p, log q)`` per step, each (len(prompts) * R, vocab), and the kept lengths."""
+def trace(model, prompts, forced, policy: Policy | None, doc_ids=None):
+    """``(log p, log q)`` per step, each (len(prompts) * R, vocab), and the pair (kept counts, presses, promises).
+
+    Each document's prefill seeds torch's generator from its id (``doc_ids``, default ``0, 1, ...``).
+    """
+    doc_ids = range(len(prompts)) if doc_ids is None else doc_ids
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), press)
                 for ids, press in zip(prompts, presses)]
-    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0)
+    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0,
+                                        prefill_seeds=[prefill_seed(0, "miniature", f"doc{d}") for d in doc_ids])
     steps = [pair.start(len(prompts) * R)]
     for t in range(T - 1):
         tokens = forced[:, t].repeat_interleave(R)
         steps.append(pair.advance(tokens, tokens))
-    return steps, pair.kept_lens
+    return steps, pair
 
 
 def _policy(name: str, ratio: float | None = None) -> Policy:
@@ -134,20 +156,18 @@ def test_press_matrix(model, prompts, forced, name):
 def check_measured(model, prompts, forced, name):
     policy = _policy(name)
     plain, _ = trace(model, prompts, forced, None)
-    steps, kept = trace(model, prompts, forced, policy)
+    steps, pair = trace(model, prompts, forced, policy)
     for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
         assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
     for d, ids in enumerate(prompts):
-        n = len(ids)
-        promise = policy.expected_kept(n, policy.build_press(n))
-        if promise is not None:
-            assert kept[d] == promise, (name, n)
+        n, kept = len(ids), pair.kept_counts[d]
+        check_kept(kept, pair.expected[d], model.config, pair.presses[d], n)
+        if name in PROMISED:
+            assert pair.expected[d] is not None, f"{name} promises no kept count"
         if policy.takes_ratio:
-            assert kept[d] < n, f"{name} kept all {n} positions at ratio 0.5"
-        if registry.ROWS[name].global_rng:
-            continue  # its positions depend on torch's global generator, hence on the batch
-        alone, kept_alone = trace(model, [ids], forced[d:d + 1], policy)
-        assert kept_alone == [kept[d]]
+            assert kept.double().mean() < n, f"{name} kept all {n} positions at ratio 0.5"
+        alone, pair_alone = trace(model, [ids], forced[d:d + 1], policy, doc_ids=[d])
+        assert torch.equal(pair_alone.kept_counts[0], kept), f"{name}: document {d} keeps other counts alone"
         rows = slice(d * R, (d + 1) * R)
         for t, ((p, q), (pa, qa)) in enumerate(zip(steps, alone)):
             for batched, single in ((p[rows], pa), (q[rows], qa)):
@@ -158,7 +178,10 @@ def check_measured(model, prompts, forced, name):
         control, _ = trace(model, prompts, forced, _policy(name, ratio=0.0))
         for t, (p, q) in enumerate(control):
             tv = 0.5 * (p.exp() - q.exp()).abs().sum(-1)
-            assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+            if name in RATIO0_TV:
+                assert tv.max().item() <= RATIO0_TV[name], f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+            else:
+                assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
 
 
 def check_refused(model, prompts, name):

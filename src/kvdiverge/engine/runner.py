@@ -194,6 +194,7 @@ def run_documents(
     from kvdiverge.engine.llm_pair import LLMKernelPair
     from kvdiverge.engine.coupled import run_batch
     from kvdiverge.engine.errors import PressError, raise_kvpress_error
+    from kvdiverge.engine.prefill import prefill_seed
     from kvdiverge.engine.press_registry import refusal
 
     if not documents:
@@ -215,6 +216,7 @@ def run_documents(
             model, [doc.input_ids for doc in batch], presses,
             [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
             temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
+            prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
         )
         try:
             reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
