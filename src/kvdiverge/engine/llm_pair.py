@@ -17,7 +17,7 @@ from kvdiverge.engine.coupling import coupling_dtype
 from kvdiverge.engine.decoding import decode_log_probs
 from kvdiverge.engine.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
 from kvdiverge.engine.masks import HeadMasks, attention_modules, check_patched
-from kvdiverge.engine.prefill import prefill, seeded
+from kvdiverge.engine.prefill import generation_start, prefill, seeded
 from kvdiverge.engine.promises import KeptPromise, check_kept
 from kvdiverge.engine.twin import evicted_twin
 
@@ -47,8 +47,10 @@ class _CacheSide:
     of shorter prompts and rewound chain suffixes are ``False``); ``step`` (n_rows,
     cache_len) holds, for generated columns, the 0-based index of the generated token
     stored there (-1 for prompt and padding columns), so ``rewind`` can mask a row's
-    abandoned suffix without touching other rows. ``prompt_len`` is the uncompressed
-    prompt length of each row's document (int64, (n_rows,), or an int for all rows):
+    abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
+    each row's first generated token (int64, (n_rows,), or an int for all rows): the
+    uncompressed prompt length of its document, or the cache length for presses that
+    re-rotate kept keys (:func:`kvdiverge.engine.prefill.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
     (:class:`kvdiverge.engine.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
@@ -69,7 +71,8 @@ class _CacheSide:
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, 1)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
-        # as kvpress's own pipeline does, whatever the cache length.
+        # as kvpress's own pipeline does, whatever the cache length (for presses that
+        # re-rotate kept keys, from the cache length: prefill.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
         if self.masks is not None:
             self.masks.apply(self.modules)
@@ -339,6 +342,12 @@ class LLMKernelPair:
         self.prefill_forwards.append(done.forwards)
         return done
 
+    def _positions(self, starts: Sequence[int], R: int):
+        """RoPE position of each row's first generated token: an int for one document, else int64 (B * R,)."""
+        if len(starts) == 1:
+            return int(starts[0])
+        return torch.tensor(list(starts), device=self.device).repeat_interleave(R)
+
     @torch.inference_mode()
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill both caches of every document, check the compression, merge to ``n_rows`` rows.
@@ -373,10 +382,10 @@ class LLMKernelPair:
             check_patched(self.twin)
         ref_cache, ref_valid = merge_caches([d.ref for d in done], self.prompt_lens, R, self.device)
         ev_cache, ev_valid = merge_caches([d.ev for d in done], widths, R, self.device)
-        prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
-                      else self.prompt_lens[0])
-        self._ref = _CacheSide(ref_cache, ref_valid, prompt_len)
-        self._ev = _CacheSide(ev_cache, ev_valid, prompt_len, masks, attention_modules(self.twin))
+        starts = [generation_start(p, n, d.ev.layers[0].keys.shape[2])
+                  for p, n, d in zip(self.presses, self.prompt_lens, done)]
+        self._ref = _CacheSide(ref_cache, ref_valid, self._positions(self.prompt_lens, R))
+        self._ev = _CacheSide(ev_cache, ev_valid, self._positions(starts, R), masks, attention_modules(self.twin))
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
         logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
         if B == 1:

@@ -33,7 +33,7 @@ import torch
 
 from kvdiverge.engine.masks import attention_modules, masked_keep
 
-__all__ = ["Prefill", "prefill", "prefill_seed", "seeded", "shares_prefill", "needs_attentions"]
+__all__ = ["Prefill", "generation_start", "prefill", "prefill_seed", "seeded", "shares_prefill", "needs_attentions"]
 
 
 @dataclass
@@ -95,6 +95,22 @@ def seeded(seed: int | None, device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
+
+
+def generation_start(press, prompt_len: int, cache_len: int) -> int:
+    """RoPE position of the first generated token on the evicted side (estimators.md §1).
+
+    ``prompt_len`` (the uncompressed prompt length), except for presses that re-rotate the
+    kept keys to the compacted positions ``0 .. cache_len - 1``: ``KeyRerotationPress`` and
+    ``FinchPress(rerotate_keys=True)``, for which generation continues from ``cache_len``,
+    as kvpress's own pipeline does (``KVPressTextGenerationPipeline._forward`` sets
+    ``context_length = cache.get_seq_length()`` for them).
+    """
+    import kvpress
+
+    rerotates = isinstance(press, kvpress.KeyRerotationPress) or (
+        isinstance(press, kvpress.FinchPress) and bool(press.rerotate_keys))
+    return int(cache_len) if rerotates else int(prompt_len)
 
 
 def _nested(press) -> list:

@@ -15,15 +15,17 @@ A row is data, never a code path:
   sentence, while one is unset.
 - ``settable``: attributes that kvpress sets after construction (``init=False``) and that a
   policy may give as parameters (Finch's ``delimiter_token_id``).
-- ``global_rng``: the press draws from torch's global random generator (no seed of its own),
-  so the positions it keeps depend on what ran before it: a document's result changes with
-  its batch and from run to run unless the caller seeds torch.
+- ``global_rng``: the press draws from torch's global random generator (no seed of its own);
+  the engine seeds that generator per document prefill (:func:`kvdiverge.engine.prefill.seeded`),
+  so a document keeps the same positions alone or in a batch, and from run to run.
 - ``config_attributes``: attributes of the model's config that the press reads (a model
   whose config lacks one is refused once the model is known).
 - ``per_layer_list``: a parameter holding one value per layer (checked against the model's
   ``num_hidden_layers`` once the model is known).
 - ``takes_ratio``: False for a press whose own parameter replaces the policy's
   ``compression_ratio`` (``PerLayerCompressionPress``'s ``compression_ratios``).
+- ``note``: one sentence on how kvdiverge measures the press, where that departs from the
+  plain prefill path (added to its README row).
 - ``test_params``: parameters of the press matrix's test instance (``tests/test_press_matrix.py``);
   nested presses are specs ``{"press": Name, **params}``. Required inner presses default to
   :data:`INNER_TEST_PRESS`.
@@ -104,6 +106,7 @@ class PressRow:
     global_rng: bool = False
     config_attributes: tuple[str, ...] = ()
     per_layer_list: str | None = None
+    note: str | None = None
     test_params: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +140,12 @@ _SPECIAL: dict[str, dict[str, Any]] = {
         "needs_if": {"decoding_press": "decode-time"},
         "test_params": {"prefilling_press": INNER_TEST_PRESS,
                         "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}},
+    "KeyRerotationPress": {"note": "it re-rotates the kept keys to the compacted positions, so on the evicted side "
+                                   "generated tokens take RoPE positions from the compressed cache length, as in "
+                                   "kvpress's pipeline (the reference side from the prompt length)."},
     "FinchPress": {
+        "note": "with rerotate_keys (its default) generated tokens on the evicted side take RoPE positions from the "
+                "compressed cache length, as in kvpress's pipeline.",
         "settable": ("delimiter_token_id",),
         "required": {"delimiter_token_id": "FinchPress needs the id of a delimiter token that separates "
                                            "context and question, once in every prompt: give it as "
@@ -320,9 +328,12 @@ def press_table() -> str:
                                                                                  "keeps_every_position", False)
                       else "prefill eviction")
         if row.global_rng:
-            reason += "; draws from torch's global random generator (seed torch for reproducible runs)"
+            reason += ("; draws from torch's global random generator, which kvdiverge seeds per document prefill "
+                       "from (seed, model, document id)")
         if row.required and reason != next(iter(row.required.values())):
             reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
+        if row.note:
+            reason = reason.rstrip(".") + "; " + row.note
         lines.append(f"| {name} | {'refused' if spec_refusal(spec) else 'measured'} | {reason.replace('|', '/')} |")
     return "\n".join(lines)
 
