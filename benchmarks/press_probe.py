@@ -2,7 +2,7 @@
 
 One ~200-token chat prompt on SmolLM2-135M (the embedded GGUF model,
 :data:`kvdiverge.study.models.EMBEDDED_MODEL`), ``T = 4`` new tokens, ``R = 2`` replicates,
-each press's test instance from the registry (:func:`kvdiverge.engine.press_registry.test_spec`:
+each press's test instance from the registry (:func:`kvdiverge.engine.press_status.test_spec`:
 ``compression_ratio=0.5`` where the press takes one, SnapKV or Knorm inside wrappers).
 
 For each measured press: ``p_div`` (the probability that the coupled chains diverge within
@@ -52,7 +52,7 @@ def reference_untouched(model, ids: list[int], policy) -> bool:
 
 def main() -> None:
     import kvdiverge
-    from kvdiverge.engine import press_registry as registry
+    from kvdiverge.engine import press_status
     from kvdiverge.engine.errors import PressError
     from kvdiverge.engine.policies import Policy
     from kvdiverge.study.models import EMBEDDED_MODEL, load_model
@@ -64,9 +64,11 @@ def main() -> None:
     print(f"prompt: {len(ids)} tokens, T = {T}, R = {R}\n")
     print("| press | status | p_div | kept | reference untouched |")
     print("|---|---|---|---|---|")
-    for name in sorted(registry.ROWS):
-        spec = registry.test_spec(name)
-        reason = registry.spec_refusal(spec, model)
+    for name in sorted(press_status.ROWS):
+        spec = press_status.test_spec(name)
+        if name == "PerLayerCompressionPress":  # one ratio per layer of this model, mean 0.5
+            spec["params"]["compression_ratios"] = [0.25, 0.75] * (model.config.num_hidden_layers // 2)
+        reason = press_status.spec_refusal(spec, model)
         if reason:
             print(f"| {name} | refused | | | {reason[:90].replace('|', '/')}... |")
             continue
@@ -81,6 +83,24 @@ def main() -> None:
         row = m.summary.row(0, named=True)
         print(f"| {name} | measured | {row['p_div']:.2f} | {row['kept_fraction']:.2f} | "
               f"{'yes' if untouched else 'NO'} ({time.perf_counter() - start:.1f} s) |", flush=True)
+    rerotation_positions(model, tokenizer, ids)
+
+
+def rerotation_positions(model, tokenizer, ids) -> None:
+    """KeyRerotationPress with the evicted side's positions from the prompt length instead of the cache length."""
+    import kvdiverge
+    from kvdiverge.engine import llm_pair, press_status
+
+    spec, kept_start = press_status.test_spec("KeyRerotationPress"), llm_pair.generation_start
+    llm_pair.generation_start = lambda press, prompt_len, cache_len: int(prompt_len)
+    try:
+        m = kvdiverge.measure(model, tokenizer, {"p": ids}, {"rerotation": spec}, max_new_tokens=T, replicates=R,
+                              progress=False, bootstrap=50)
+    finally:
+        llm_pair.generation_start = kept_start
+    row = m.summary.row(0, named=True)
+    print(f"\nKeyRerotationPress with generated positions from the prompt length ({len(ids)}) instead of the "
+          f"cache length: p_div = {row['p_div']:.2f}")
 
 
 if __name__ == "__main__":

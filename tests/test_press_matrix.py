@@ -5,7 +5,7 @@ property): one row per class in ``kvpress.__all__`` (and the project's presses),
 through :data:`kvdiverge.engine.press_registry.ROWS`, so a new kvpress release adds rows by
 itself. Each row runs on tiny random-weight models with the Llama-3.1 and Qwen2.5 miniature
 structure (grouped-query attention, :mod:`kvdiverge.reference.miniatures`), its test
-instance from :func:`kvdiverge.engine.press_registry.test_spec` (ratio 0.5 where the press
+instance from :func:`kvdiverge.engine.press_status.test_spec` (ratio 0.5 where the press
 takes one; SnapKV or Knorm inside wrappers).
 
 A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded together
@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from kvdiverge.engine import press_registry as registry
+from kvdiverge.engine import press_status
 from kvdiverge.engine.errors import PressError
 from kvdiverge.engine.llm_pair import LLMKernelPair
 from kvdiverge.engine.policies import Policy, press_from_spec
@@ -87,7 +88,7 @@ REASONS = {
 
 def _rows():
     for name in sorted(registry.ROWS):
-        caps = registry.pending(name)
+        caps = press_status.pending(name)
         marks = [pytest.mark.xfail(reason=f"needs the {', '.join(caps)} engine", strict=False)] if caps else []
         yield pytest.param(name, id=name, marks=marks)
 
@@ -139,7 +140,7 @@ def trace(model, prompts, forced, policy: Policy | None, doc_ids=None):
 
 
 def _policy(name: str, ratio: float | None = None) -> Policy:
-    spec = registry.test_spec(name)
+    spec = press_status.test_spec(name)
     if ratio is not None and "compression_ratio" in spec:
         spec["compression_ratio"] = ratio
     return Policy.from_config(name, spec)
@@ -147,7 +148,7 @@ def _policy(name: str, ratio: float | None = None) -> Policy:
 
 @pytest.mark.parametrize("name", _rows())
 def test_press_matrix(model, prompts, forced, name):
-    if registry.status(name, model) == "refused":
+    if press_status.status(name, model) == "refused":
         check_refused(model, prompts, name)
     else:
         check_measured(model, prompts, forced, name)
@@ -185,7 +186,7 @@ def check_measured(model, prompts, forced, name):
 
 
 def check_refused(model, prompts, name):
-    spec = registry.test_spec(name)
+    spec = press_status.test_spec(name)
     calls = []
     handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
@@ -197,7 +198,7 @@ def check_refused(model, prompts, name):
     finally:
         handle.remove()
     assert calls == [], f"{name}: the model ran before the refusal"
-    sentence = registry.spec_refusal(spec, model)
+    sentence = press_status.spec_refusal(spec, model)
     assert err.value.problem == sentence and REASONS[name] in sentence, (name, sentence)
     assert name in sentence
     # kvpress alone cannot run it here: it fails, or (decode-time) its prefill evicts nothing
@@ -225,24 +226,24 @@ def test_every_kvpress_press_has_a_row():
     exported = {n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
                 and issubclass(getattr(kvpress, n), kvpress.BasePress)} - {"BasePress", "ScorerPress"}
     assert exported <= set(registry.ROWS) and len(exported) == 44
-    assert set(REASONS) >= {n for n in registry.ROWS if registry.status(n) == "refused"}
+    assert set(REASONS) >= {n for n in registry.ROWS if press_status.status(n) == "refused"}
 
 
 def test_one_line_flips_a_capability(monkeypatch):
     monkeypatch.setitem(registry.CAPABILITIES, "decode-time", True)
-    assert registry.status("DecodingPress") == "measured"
+    assert press_status.status("DecodingPress") == "measured"
     monkeypatch.setitem(registry.CAPABILITIES, "head-wise", False)
-    assert registry.status("AdaKVPress") == "refused"
-    assert "head-wise engine is built" in registry.spec_refusal(registry.test_spec("CriticalAdaKVPress"))
+    assert press_status.status("AdaKVPress") == "refused"
+    assert "head-wise engine is built" in press_status.spec_refusal(press_status.test_spec("CriticalAdaKVPress"))
     monkeypatch.setitem(registry.CAPABILITIES, "eager", False)
-    assert "`attn_implementation: eager`" in registry.spec_refusal(registry.test_spec("ObservedAttentionPress"))
+    assert "`attn_implementation: eager`" in press_status.spec_refusal(press_status.test_spec("ObservedAttentionPress"))
 
 
 def test_conditional_refusals_follow_the_parameters():
     ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
-    assert registry.spec_refusal(ok) is None or "head-wise" in registry.spec_refusal(ok)
-    assert "until decode-time" in registry.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
-    assert "params.threshold" in registry.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
+    assert press_status.spec_refusal(ok) is None or "head-wise" in press_status.spec_refusal(ok)
+    assert "until decode-time" in press_status.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
+    assert "params.threshold" in press_status.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7
     from kvdiverge.reference.miniatures import MINIATURE, random_model
@@ -250,14 +251,14 @@ def test_conditional_refusals_follow_the_parameters():
     tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
     per_layer = {"press": "PerLayerCompressionPress",
                  "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3}}
-    assert "it has 3, the model has 2 layers" in registry.spec_refusal(per_layer, tiny)
-    assert registry.spec_refusal(per_layer) in (None, registry.spec_refusal(registry.test_spec(
+    assert "it has 3, the model has 2 layers" in press_status.spec_refusal(per_layer, tiny)
+    assert press_status.spec_refusal(per_layer) in (None, press_status.spec_refusal(press_status.test_spec(
         "PerLayerCompressionPress")))  # without the model: only what the parameters tell
     stats = {"press": "ExpectedAttentionStatsPress", "compression_ratio": 0.5, "params": {"stats_folder": "/x"}}
-    assert registry.spec_refusal(stats) is None
+    assert press_status.spec_refusal(stats) is None
     prefill_only = {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "KnormPress"}},
                     "compression_ratio": 0.5}
-    assert registry.spec_refusal(prefill_only) is None
+    assert press_status.spec_refusal(prefill_only) is None
 
 
 def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
@@ -279,4 +280,4 @@ def test_the_readme_press_table_is_the_registry():
     start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start):readme.index(end)]
-    assert section == registry.press_table(), "regenerate it: python -m kvdiverge.engine.press_registry"
+    assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.press_status"

@@ -377,13 +377,12 @@ class LLMKernelPair:
         done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.presses, self.expected,
                                                             self.prefill_seeds)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
+        starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
         masks = HeadMasks.merge([d.keep for d in done], widths, R)
         if masks is not None:
             check_patched(self.twin)
         ref_cache, ref_valid = merge_caches([d.ref for d in done], self.prompt_lens, R, self.device)
         ev_cache, ev_valid = merge_caches([d.ev for d in done], widths, R, self.device)
-        starts = [generation_start(p, n, d.ev.layers[0].keys.shape[2])
-                  for p, n, d in zip(self.presses, self.prompt_lens, done)]
         self._ref = _CacheSide(ref_cache, ref_valid, self._positions(self.prompt_lens, R))
         self._ev = _CacheSide(ev_cache, ev_valid, self._positions(starts, R), masks, attention_modules(self.twin))
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")

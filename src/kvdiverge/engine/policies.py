@@ -211,14 +211,11 @@ class Policy:
 
 
 def kept_count(prompt_len: int, compression_ratio: float) -> int:
-    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
+    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens):
+    :func:`kvdiverge.engine.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
+    from kvdiverge.engine import promises
 
-    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
-    ``max(1, int(prompt_len * (1 - ratio)))``.
-    """
-    from kvpress.utils import compute_n_kept
-
-    return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
+    return promises.kept_count(prompt_len, compression_ratio)
 
 
 def press_parameters(cls) -> set[str]:

@@ -33,7 +33,8 @@ A row is data, never a code path:
 :func:`refusal` walks a built press and every press it wraps. Policies
 (:mod:`kvdiverge.engine.policies`) refuse before any work: at config validation, in
 ``kvdiverge.measure``'s argument checks and while the command line is parsed.
-:func:`press_table` renders the README's press table from these rows.
+:mod:`kvdiverge.engine.press_status` builds each row's test instance, says its status and
+renders the README's press table from these rows.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
 from kvdiverge.engine.presses import PROJECT_PRESSES
 
-__all__ = ["CAPABILITIES", "PENDING", "PressRow", "ROWS", "nested_presses", "press_table", "refusal",
-           "status", "test_spec"]
+__all__ = ["CAPABILITIES", "PENDING", "PressRow", "ROWS", "nested_presses", "refusal"]
 
 #: What the engine can do for a press. Flip one value when the engine gains the capability.
 CAPABILITIES: dict[str, bool] = {
@@ -215,51 +215,6 @@ PRESS_CLASSES: dict[str, type] = _press_classes()
 ROWS: dict[str, PressRow] = {name: _row(name, cls) for name, cls in PRESS_CLASSES.items()}
 
 
-def status(name: str, model=None) -> str:
-    """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`),
-    on ``model`` if given."""
-    return "refused" if spec_refusal(test_spec(name), model) else "measured"
-
-
-def pending(name: str) -> tuple[str, ...]:
-    """Capabilities in :data:`PENDING` that the test instance of press ``name`` needs."""
-    return tuple(c for c in _spec_needs(test_spec(name)) if c in PENDING)
-
-
-def test_spec(name: str) -> dict[str, Any]:
-    """The press matrix's test instance of press ``name``, as a policy entry (ratio 0.5 where it takes one)."""
-    from kvdiverge.engine.policies import takes_ratio
-
-    params = dict(ROWS[name].test_params)
-    spec: dict[str, Any] = {"press": name, "params": params}
-    if takes_ratio(name, params):
-        spec["compression_ratio"] = 0.5
-    return spec
-
-
-def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
-    """Capabilities a press spec (and the specs it nests) needs."""
-    row = ROWS.get(spec["press"])
-    params = {**{k: v for k, v in spec.items() if k not in ("press", "params")}, **(spec.get("params") or {})}
-    needs = list(row.needs) if row else []
-    if row:
-        needs += [cap for p, cap in row.needs_if.items() if params.get(p) not in (None, False)]
-    for value in params.values():
-        for inner in value if isinstance(value, list) else [value]:
-            if isinstance(inner, Mapping) and isinstance(inner.get("press"), str):
-                needs += _spec_needs(inner)
-    return needs
-
-
-def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
-    """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
-    from kvdiverge.engine.policies import press_from_spec
-
-    ratio = spec.get("compression_ratio")
-    return refusal(press_from_spec({"press": spec["press"], "params": spec.get("params") or {}}, ratio,
-                                   owner=f"press {spec['press']!r}"), model)
-
-
 def nested_presses(press) -> list:
     """``press`` and every press it wraps (press-valued attributes, :data:`PRESS_PARAMETERS`)."""
     out, todo = [], [press]
@@ -315,28 +270,4 @@ def _model_refusal(row: PressRow, press, config) -> str | None:
     return None
 
 
-def press_table() -> str:
-    """The README's press table (markdown): every press, its status, what it needs or why it is refused."""
-    lines = ["| press | status | needs / reason |", "|---|---|---|"]
-    for name in sorted(ROWS):
-        row, spec = ROWS[name], test_spec(name)
-        reason = spec_refusal(spec)
-        if reason is None:
-            needs = sorted(set(_spec_needs(spec)))
-            reason = (", ".join(needs) + " engine" if needs else
-                      "keeps every position (noise-floor control)" if getattr(PRESS_CLASSES[name],
-                                                                                 "keeps_every_position", False)
-                      else "prefill eviction")
-        if row.global_rng:
-            reason += ("; draws from torch's global random generator, which kvdiverge seeds per document prefill "
-                       "from (seed, model, document id)")
-        if row.required and reason != next(iter(row.required.values())):
-            reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
-        if row.note:
-            reason = reason.rstrip(".") + "; " + row.note
-        lines.append(f"| {name} | {'refused' if spec_refusal(spec) else 'measured'} | {reason.replace('|', '/')} |")
-    return "\n".join(lines)
 
-
-if __name__ == "__main__":  # python -m kvdiverge.engine.press_registry: print the table
-    print(press_table())

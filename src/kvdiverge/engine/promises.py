@@ -20,7 +20,7 @@ import torch
 
 from kvdiverge.engine.errors import CompressionError
 
-__all__ = ["KeptPromise", "kept_promise", "check_kept"]
+__all__ = ["KeptPromise", "kept_count", "kept_promise", "check_kept"]
 
 #: How a promise counts: every head of a layer (``head``), the layer's heads together
 #: (``layer``, as a mean per head), or every layer and head together (``model``, per head
@@ -127,10 +127,18 @@ def _ratio(press) -> float:
         return 0.0
 
 
-def _n_kept(k_len: int, ratio: float) -> int:
-    from kvdiverge.engine.policies import kept_count
+def kept_count(prompt_len: int, compression_ratio: float) -> int:
+    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
 
-    return kept_count(k_len, ratio)
+    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
+    ``max(1, int(prompt_len * (1 - ratio)))``.
+    """
+    from kvpress.utils import compute_n_kept
+
+    return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
+
+
+_n_kept = kept_count
 
 
 def _layers(config) -> int:
@@ -143,7 +151,7 @@ def kept_promise(press, prompt_len: int) -> "int | KeptPromise | None":
     - A project press with ``kept_tokens`` (``PermutationPress``): that count in every head (an int).
     - ``ThinKPress``: every position in every head (an int; it prunes key channels, not positions).
     - Any ``kvpress.ScorerPress`` but PyramidKV: ``compute_n_kept(prompt_len, ratio)`` in every
-      head (an int, :func:`kvdiverge.engine.policies.kept_count`).
+      head (an int, :func:`kept_count`).
     - ``PyramidKVPress``: ``get_layer_budget`` of each layer in every head.
     - ``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept * heads`` per layer in all.
     - ``PerLayerCompressionPress``: ``compute_n_kept(prompt_len, ratios[l])`` in every head of layer ``l``.
