@@ -293,3 +293,37 @@ def test_the_evicted_side_is_kvpress_own_decoding(model, name):
                           position_ids=torch.tensor([[60 + step]])).logits[:, -1]
             want = torch.log_softmax(logits.double(), -1)
             assert (lq - want).abs().max() < 1e-5, (name, step)
+
+
+def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model):
+    """KeyRerotationPress's evicted side: the first generated token at RoPE position len(cache), as kvpress's pipeline."""
+    ids, x = prompt(60), torch.tensor([7])
+    press = kvpress.KeyRerotationPress(snap())
+    pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=kept_promise(press, 60))
+    pair.start(1)
+    _, q2 = pair.advance(x, x)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        with kvpress.KeyRerotationPress(snap())(model):
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 30
+        logits = model(input_ids=x[None], past_key_values=cache, position_ids=torch.tensor([[30]])).logits[0, -1]
+    assert torch.allclose(q2[0], torch.log_softmax(logits.double(), -1), atol=1e-5)
+    assert pair._ev.prompt_len == 30 and pair._ref.prompt_len == 60
+
+
+def test_a_document_prefill_seeds_torch_and_restores_the_callers_generator(model):
+    """Presses drawing from torch's global generator (here RandomPress without a seed) reproduce under ``seeded``."""
+    from kvdiverge.engine.prefill import prefill_seed, seeded
+
+    ids, seed, twin = torch.tensor(prompt(60)), prefill_seed(0, "m", "doc"), evicted_twin(model)
+    assert seed == prefill_seed(0, "m", "doc") != prefill_seed(0, "m", "other") != prefill_seed(1, "m", "doc")
+    torch.manual_seed(5)
+    before = torch.random.get_rng_state()
+    kept = []
+    for s in (seed, seed, prefill_seed(0, "m", "other")):
+        with seeded(s, "cpu"):
+            kept.append([layer.keys for layer in prefill(model, twin, ids, kvpress.RandomPress(0.5)).ev.layers])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(a, b) for a, b in zip(kept[0], kept[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(kept[0], kept[2]))

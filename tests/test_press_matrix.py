@@ -5,17 +5,20 @@ property): one row per class in ``kvpress.__all__`` (and the project's presses),
 through :data:`kvdiverge.engine.press_registry.ROWS`, so a new kvpress release adds rows by
 itself. Each row runs on tiny random-weight models with the Llama-3.1 and Qwen2.5 miniature
 structure (grouped-query attention, :mod:`kvdiverge.reference.miniatures`), its test
-instance from :func:`kvdiverge.engine.press_registry.test_spec` (ratio 0.5 where the press
+instance from :func:`kvdiverge.engine.press_status.test_spec` (ratio 0.5 where the press
 takes one; SnapKV or Knorm inside wrappers).
 
 A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded together
 (``R = 2`` rows each, ``T = 4`` steps, the same forced tokens on both sides):
 
 - a reference side equal, exactly and at every step, to a pair run without any press;
-- at ratio 0 (where it takes a ratio) an evicted side equal to the reference: TV exactly 0;
+- at ratio 0 (where it takes a ratio) an evicted side equal to the reference: TV exactly 0
+  (one stated exception, :data:`RATIO0_TV`);
 - per document, the distributions of the document run alone, within :data:`BATCH_TOL`
-  (not for presses drawing from torch's global generator, ``PressRow.global_rng``);
-- the kept count the policy promises (``expected_kept``), and an eviction at ratio 0.5.
+  (presses drawing from torch's global generator included: each document's prefill seeds it,
+  :func:`kvdiverge.engine.prefill.prefill_seed`);
+- the kept counts per layer and head that the press promises (``expected_kept``, checked by
+  :func:`kvdiverge.engine.promises.check_kept`), and an eviction at ratio 0.5.
 
 A *refused* press must stop before any work (no model forward) with the registry's sentence,
 which names what it needs (:data:`REASONS`), and kvpress alone must indeed fail on it here
@@ -34,9 +37,12 @@ import pytest
 import torch
 
 from kvdiverge.engine import press_registry as registry
+from kvdiverge.engine import press_status
 from kvdiverge.engine.errors import PressError
 from kvdiverge.engine.llm_pair import LLMKernelPair
 from kvdiverge.engine.policies import Policy, press_from_spec
+from kvdiverge.engine.prefill import prefill_seed
+from kvdiverge.engine.promises import check_kept
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 T, R = 4, 2
@@ -46,6 +52,18 @@ LENGTHS = (48, 64, 96)
 #: and both miniatures (float32 on CPU, KeyRerotationPress on the Qwen2.5 miniature); the
 #: bound leaves a factor of about 20.
 BATCH_TOL = 5e-6
+
+#: The one exception to "ratio 0 gives TV exactly 0", with the bound it must meet instead:
+#: KVComposePress runs its own prefill in eager attention (it needs the attention weights),
+#: so at ratio 0 its cache equals the sdpa cache up to rounding. Measured: TV at most 1.2e-8
+#: on both miniatures (float32); the bound leaves a factor of about 100.
+RATIO0_TV = {"KVComposePress": 1e-6}
+
+#: Measured presses whose kept counts the matrix checks against a promise (never ``None``):
+#: the head-wise, per-layer and channel presses among them.
+PROMISED = {"AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "PerLayerCompressionPress", "KVComposePress",
+            "ThinKPress", "SimLayerKVPress", "SnapKVPress", "KnormPress", "StreamingLLMPress", "CompactorPress",
+            "LeverageScorePress"}
 
 #: What each refused press's sentence must name (written here, independently of the registry).
 REASONS = {
@@ -70,7 +88,7 @@ REASONS = {
 
 def _rows():
     for name in sorted(registry.ROWS):
-        caps = registry.pending(name)
+        caps = press_status.pending(name)
         marks = [pytest.mark.xfail(reason=f"needs the {', '.join(caps)} engine", strict=False)] if caps else []
         yield pytest.param(name, id=name, marks=marks)
 
@@ -103,30 +121,35 @@ def _quiet():
     logging.disable(logging.NOTSET)
 
 
-def trace(model, prompts, forced, policy: Policy | None):
-    """``(log p, log q)`` per step, each (len(prompts) * R, vocab), and the kept lengths."""
+def trace(model, prompts, forced, policy: Policy | None, doc_ids=None):
+    """``(log p, log q)`` per step, each (len(prompts) * R, vocab), and the pair (kept counts, presses, promises).
+
+    Each document's prefill seeds torch's generator from its id (``doc_ids``, default ``0, 1, ...``).
+    """
+    doc_ids = range(len(prompts)) if doc_ids is None else doc_ids
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), press)
                 for ids, press in zip(prompts, presses)]
-    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0)
+    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0,
+                                        prefill_seeds=[prefill_seed(0, "miniature", f"doc{d}") for d in doc_ids])
     steps = [pair.start(len(prompts) * R)]
     for t in range(T - 1):
         tokens = forced[:, t].repeat_interleave(R)
         steps.append(pair.advance(tokens, tokens))
-    return steps, pair.kept_lens
+    return steps, pair
 
 
 def _policy(name: str, ratio: float | None = None) -> Policy:
-    spec = registry.test_spec(name)
+    spec = press_status.test_spec(name)
     if ratio is not None and "compression_ratio" in spec:
         spec["compression_ratio"] = ratio
     return Policy.from_config(name, spec)
 
 
 @pytest.mark.parametrize("name", _rows())
-def test_press_matrix(model, prompts, forced, name):
-    if registry.status(name, model) == "refused":
-        check_refused(model, prompts, name)
+def test_press_matrix(model, prompts, forced, name, monkeypatch):
+    if press_status.status(name, model) == "refused":
+        check_refused(model, prompts, name, monkeypatch)
     else:
         check_measured(model, prompts, forced, name)
 
@@ -134,20 +157,18 @@ def test_press_matrix(model, prompts, forced, name):
 def check_measured(model, prompts, forced, name):
     policy = _policy(name)
     plain, _ = trace(model, prompts, forced, None)
-    steps, kept = trace(model, prompts, forced, policy)
+    steps, pair = trace(model, prompts, forced, policy)
     for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
         assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
     for d, ids in enumerate(prompts):
-        n = len(ids)
-        promise = policy.expected_kept(n, policy.build_press(n))
-        if promise is not None:
-            assert kept[d] == promise, (name, n)
+        n, kept = len(ids), pair.kept_counts[d]
+        check_kept(kept, pair.expected[d], model.config, pair.presses[d], n)
+        if name in PROMISED:
+            assert pair.expected[d] is not None, f"{name} promises no kept count"
         if policy.takes_ratio:
-            assert kept[d] < n, f"{name} kept all {n} positions at ratio 0.5"
-        if registry.ROWS[name].global_rng:
-            continue  # its positions depend on torch's global generator, hence on the batch
-        alone, kept_alone = trace(model, [ids], forced[d:d + 1], policy)
-        assert kept_alone == [kept[d]]
+            assert kept.double().mean() < n, f"{name} kept all {n} positions at ratio 0.5"
+        alone, pair_alone = trace(model, [ids], forced[d:d + 1], policy, doc_ids=[d])
+        assert torch.equal(pair_alone.kept_counts[0], kept), f"{name}: document {d} keeps other counts alone"
         rows = slice(d * R, (d + 1) * R)
         for t, ((p, q), (pa, qa)) in enumerate(zip(steps, alone)):
             for batched, single in ((p[rows], pa), (q[rows], qa)):
@@ -158,11 +179,17 @@ def check_measured(model, prompts, forced, name):
         control, _ = trace(model, prompts, forced, _policy(name, ratio=0.0))
         for t, (p, q) in enumerate(control):
             tv = 0.5 * (p.exp() - q.exp()).abs().sum(-1)
-            assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+            if name in RATIO0_TV:
+                assert tv.max().item() <= RATIO0_TV[name], f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+            else:
+                assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
 
 
-def check_refused(model, prompts, name):
-    spec = registry.test_spec(name)
+def check_refused(model, prompts, name, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a hub press fails at once, offline
+    spec = press_status.test_spec(name)
     calls = []
     handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
@@ -174,7 +201,7 @@ def check_refused(model, prompts, name):
     finally:
         handle.remove()
     assert calls == [], f"{name}: the model ran before the refusal"
-    sentence = registry.spec_refusal(spec, model)
+    sentence = press_status.spec_refusal(spec, model)
     assert err.value.problem == sentence and REASONS[name] in sentence, (name, sentence)
     assert name in sentence
     # kvpress alone cannot run it here: it fails, or (decode-time) its prefill evicts nothing
@@ -202,24 +229,24 @@ def test_every_kvpress_press_has_a_row():
     exported = {n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
                 and issubclass(getattr(kvpress, n), kvpress.BasePress)} - {"BasePress", "ScorerPress"}
     assert exported <= set(registry.ROWS) and len(exported) == 44
-    assert set(REASONS) >= {n for n in registry.ROWS if registry.status(n) == "refused"}
+    assert set(REASONS) >= {n for n in registry.ROWS if press_status.status(n) == "refused"}
 
 
 def test_one_line_flips_a_capability(monkeypatch):
     monkeypatch.setitem(registry.CAPABILITIES, "decode-time", True)
-    assert registry.status("DecodingPress") == "measured"
+    assert press_status.status("DecodingPress") == "measured"
     monkeypatch.setitem(registry.CAPABILITIES, "head-wise", False)
-    assert registry.status("AdaKVPress") == "refused"
-    assert "head-wise engine is built" in registry.spec_refusal(registry.test_spec("CriticalAdaKVPress"))
+    assert press_status.status("AdaKVPress") == "refused"
+    assert "head-wise engine is built" in press_status.spec_refusal(press_status.test_spec("CriticalAdaKVPress"))
     monkeypatch.setitem(registry.CAPABILITIES, "eager", False)
-    assert "`attn_implementation: eager`" in registry.spec_refusal(registry.test_spec("ObservedAttentionPress"))
+    assert "`attn_implementation: eager`" in press_status.spec_refusal(press_status.test_spec("ObservedAttentionPress"))
 
 
 def test_conditional_refusals_follow_the_parameters():
     ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
-    assert registry.spec_refusal(ok) is None or "head-wise" in registry.spec_refusal(ok)
-    assert "until decode-time" in registry.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
-    assert "params.threshold" in registry.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
+    assert press_status.spec_refusal(ok) is None or "head-wise" in press_status.spec_refusal(ok)
+    assert "until decode-time" in press_status.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
+    assert "params.threshold" in press_status.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7
     from kvdiverge.reference.miniatures import MINIATURE, random_model
@@ -227,14 +254,14 @@ def test_conditional_refusals_follow_the_parameters():
     tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
     per_layer = {"press": "PerLayerCompressionPress",
                  "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3}}
-    assert "it has 3, the model has 2 layers" in registry.spec_refusal(per_layer, tiny)
-    assert registry.spec_refusal(per_layer) in (None, registry.spec_refusal(registry.test_spec(
+    assert "it has 3, the model has 2 layers" in press_status.spec_refusal(per_layer, tiny)
+    assert press_status.spec_refusal(per_layer) in (None, press_status.spec_refusal(press_status.test_spec(
         "PerLayerCompressionPress")))  # without the model: only what the parameters tell
     stats = {"press": "ExpectedAttentionStatsPress", "compression_ratio": 0.5, "params": {"stats_folder": "/x"}}
-    assert registry.spec_refusal(stats) is None
+    assert press_status.spec_refusal(stats) is None
     prefill_only = {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "KnormPress"}},
                     "compression_ratio": 0.5}
-    assert registry.spec_refusal(prefill_only) is None
+    assert press_status.spec_refusal(prefill_only) is None
 
 
 def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
@@ -256,4 +283,4 @@ def test_the_readme_press_table_is_the_registry():
     start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start):readme.index(end)]
-    assert section == registry.press_table(), "regenerate it: python -m kvdiverge.engine.press_registry"
+    assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.press_status"

@@ -46,6 +46,7 @@ from kvdiverge.engine.coupling import coupling_dtype
 from kvdiverge.engine.decoding import decode_log_probs
 from kvdiverge.engine.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm_pair import _CacheSide, merge_caches, model_eos_ids
+from kvdiverge.engine.prefill import seeded
 from kvdiverge.engine.twin import evicted_twin
 
 __all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
@@ -272,7 +273,8 @@ class DecodeTimePair:
     """
 
     def __init__(self, model, prompts: Sequence[Sequence[int]], presses: Sequence, expected_kept: Sequence,
-                 *, temperature: float, top_p: float = 1.0, eos_ids: Sequence[int] | None = None):
+                 *, temperature: float, top_p: float = 1.0, eos_ids: Sequence[int] | None = None,
+                 prefill_seeds: Sequence[int | None] | None = None):
         if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
             raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
                              f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
@@ -285,6 +287,8 @@ class DecodeTimePair:
         self.dtype = coupling_dtype(self.device)
         self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
         self.presses, self.expected = list(presses), list(expected_kept)
+        # torch's generator during each document's prefills (a press that draws from it reproduces)
+        self.prefill_seeds = list(prefill_seeds) if prefill_seeds is not None else [None] * len(self.prompts)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
         self.vocab_size = int(model.config.vocab_size)
@@ -338,7 +342,8 @@ class DecodeTimePair:
         self._ref = _CacheSide(cache, valid, prompt_len)
         self._lanes, self.kept_lens, self._starts = [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
-            lane = _Lane(self.model, ids, press, R, self.counts)
+            with seeded(self.prefill_seeds[d], self.device):
+                lane = _Lane(self.model, ids, press, R, self.counts)
             self._starts.append(lane.snapshot)
             self._check_prefill(d, lane)
             lane.chain_doc = d
@@ -396,7 +401,8 @@ class DecodeTimePair:
             self._where[r] = (None, -1)
         self._close_empty()
         for (d, n), rows in groups.items():
-            lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
+            with seeded(self.prefill_seeds[d], self.device):
+                lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
             for i in range(n):
                 tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)
                 check_logits_finite(lane.forward(tokens, "replay"), "evicted")

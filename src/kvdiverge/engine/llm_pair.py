@@ -17,7 +17,7 @@ from kvdiverge.engine.coupling import coupling_dtype
 from kvdiverge.engine.decoding import decode_log_probs
 from kvdiverge.engine.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
 from kvdiverge.engine.masks import HeadMasks, attention_modules, check_patched
-from kvdiverge.engine.prefill import prefill
+from kvdiverge.engine.prefill import generation_start, prefill, seeded
 from kvdiverge.engine.promises import KeptPromise, check_kept
 from kvdiverge.engine.twin import evicted_twin
 
@@ -47,8 +47,10 @@ class _CacheSide:
     of shorter prompts and rewound chain suffixes are ``False``); ``step`` (n_rows,
     cache_len) holds, for generated columns, the 0-based index of the generated token
     stored there (-1 for prompt and padding columns), so ``rewind`` can mask a row's
-    abandoned suffix without touching other rows. ``prompt_len`` is the uncompressed
-    prompt length of each row's document (int64, (n_rows,), or an int for all rows):
+    abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
+    each row's first generated token (int64, (n_rows,), or an int for all rows): the
+    uncompressed prompt length of its document, or the cache length for presses that
+    re-rotate kept keys (:func:`kvdiverge.engine.prefill.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
     (:class:`kvdiverge.engine.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
@@ -69,7 +71,8 @@ class _CacheSide:
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, 1)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
-        # as kvpress's own pipeline does, whatever the cache length.
+        # as kvpress's own pipeline does, whatever the cache length (for presses that
+        # re-rotate kept keys, from the cache length: prefill.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
         if self.masks is not None:
             self.masks.apply(self.modules)
@@ -215,6 +218,9 @@ class LLMKernelPair:
         prefill; ``None`` only checks that a compressing press evicted something.
     eos_ids : sequence of int or None
         End-of-sequence ids; defaults to ``model.generation_config.eos_token_id``.
+    prefill_seed : int or None
+        Seed of torch's global generator during the prefill (:func:`kvdiverge.engine.prefill.seeded`),
+        for presses that draw from it; ``None`` leaves the generator as it is.
 
     Attributes
     ----------
@@ -223,6 +229,8 @@ class LLMKernelPair:
         mean over layers and heads, rounded to the nearest integer (tokens).
     kept_per_layer : list of list of int
         Per document and layer: prompt positions kept, summed over the layer's key-value heads.
+    kept_counts : list of torch.Tensor
+        Per document: prompt positions kept per layer and key-value head, int64 (layers, kv_heads), on CPU.
     prefill_forwards : list of int
         Per document: prefill forwards run (1, or 2 for presses that change the forward).
 
@@ -245,10 +253,11 @@ class LLMKernelPair:
         top_p: float = 1.0,
         expected_kept: "int | KeptPromise | None" = None,
         eos_ids: Sequence[int] | None = None,
+        prefill_seed: int | None = None,
     ):
-        self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids)
+        self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids, [prefill_seed])
 
-    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids) -> None:
+    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids, seeds=None) -> None:
         self.model = model
         self.twin = evicted_twin(model)
         self.device = next(model.parameters()).device
@@ -256,6 +265,7 @@ class LLMKernelPair:
         self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
         self.presses = list(presses)
         self.expected = list(expected)
+        self.prefill_seeds = list(seeds) if seeds is not None else [None] * len(self.prompts)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         if eos_ids is None:
@@ -264,6 +274,7 @@ class LLMKernelPair:
         self.vocab_size = int(model.config.vocab_size)
         self.kept_lens: list[int] = []
         self.kept_per_layer: list[list[int]] = []
+        self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
         self._ref: _CacheSide | None = None
         self._ev: _CacheSide | None = None
@@ -271,7 +282,8 @@ class LLMKernelPair:
     @classmethod
     def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
                        expected_kept: Sequence, *, temperature: float, top_p: float = 1.0,
-                       eos_ids: Sequence[int] | None = None) -> "LLMKernelPair":
+                       eos_ids: Sequence[int] | None = None,
+                       prefill_seeds: Sequence[int | None] | None = None) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
         Parameters
@@ -280,17 +292,22 @@ class LLMKernelPair:
             The documents' prompt token ids.
         presses, expected_kept : sequence
             One press (or ``None``) and one promise (int, KeptPromise or ``None``) per document.
+        prefill_seeds : sequence of int or None, optional
+            Per document, the seed of torch's global generator during its prefill
+            (:func:`kvdiverge.engine.prefill.prefill_seed`), for presses that draw from it;
+            ``None`` (the default) leaves the generator as it is.
 
         Raises
         ------
         ValueError
             If the three sequences differ in length or are empty.
         """
-        if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
-            raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
-                             f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
+        seeds = [None] * len(prompts) if prefill_seeds is None else list(prefill_seeds)
+        if not len(prompts) == len(presses) == len(expected_kept) == len(seeds) or not prompts:
+            raise ValueError(f"prompts, presses, expected_kept and prefill_seeds must be non-empty and of one "
+                             f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}")
         pair = cls.__new__(cls)
-        pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids)
+        pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, seeds)
         return pair
 
     @property
@@ -307,10 +324,11 @@ class LLMKernelPair:
         check_logits_finite(logits, side)
         return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
 
-    def _prefill_document(self, ids: torch.Tensor, press, expected):
-        """Prefill one document, check its evicted cache, record its kept counts."""
+    def _prefill_document(self, ids: torch.Tensor, press, expected, seed):
+        """Prefill one document (torch's generator seeded with ``seed``), check its evicted cache, record its kept counts."""
         n = int(ids.numel())
-        done = prefill(self.model, self.twin, ids, press)
+        with seeded(seed, self.device):
+            done = prefill(self.model, self.twin, ids, press)
         for li, layer in enumerate(done.ev.layers):
             if layer.keys.shape[2] > n:
                 raise CompressionError(f"layer {li} of the evicted cache holds {layer.keys.shape[2]} positions, "
@@ -320,8 +338,15 @@ class LLMKernelPair:
         check_kept(kept, expected, self.twin.config, press, n)
         self.kept_lens.append(int(torch.round(kept.double().mean())))
         self.kept_per_layer.append([int(k) for k in kept.sum(1)])
+        self.kept_counts.append(kept.cpu())
         self.prefill_forwards.append(done.forwards)
         return done
+
+    def _positions(self, starts: Sequence[int], R: int):
+        """RoPE position of each row's first generated token: an int for one document, else int64 (B * R,)."""
+        if len(starts) == 1:
+            return int(starts[0])
+        return torch.tensor(list(starts), device=self.device).repeat_interleave(R)
 
     @torch.inference_mode()
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,19 +373,18 @@ class LLMKernelPair:
         if n_rows % B:
             raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
         R = n_rows // B
-        self.kept_lens, self.kept_per_layer, self.prefill_forwards = [], [], []
-        done = [self._prefill_document(ids, press, expected)
-                for ids, press, expected in zip(self.prompts, self.presses, self.expected)]
+        self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
+        done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.presses, self.expected,
+                                                            self.prefill_seeds)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
+        starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
         masks = HeadMasks.merge([d.keep for d in done], widths, R)
         if masks is not None:
             check_patched(self.twin)
         ref_cache, ref_valid = merge_caches([d.ref for d in done], self.prompt_lens, R, self.device)
         ev_cache, ev_valid = merge_caches([d.ev for d in done], widths, R, self.device)
-        prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
-                      else self.prompt_lens[0])
-        self._ref = _CacheSide(ref_cache, ref_valid, prompt_len)
-        self._ev = _CacheSide(ev_cache, ev_valid, prompt_len, masks, attention_modules(self.twin))
+        self._ref = _CacheSide(ref_cache, ref_valid, self._positions(self.prompt_lens, R))
+        self._ev = _CacheSide(ev_cache, ev_valid, self._positions(starts, R), masks, attention_modules(self.twin))
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
         logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
         if B == 1:

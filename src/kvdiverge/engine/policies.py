@@ -182,27 +182,18 @@ class Policy:
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
 
-        Score-based presses (``kvpress.ScorerPress``) that shorten every layer alike keep
-        exactly :meth:`kept_tokens` in every layer and head (an int); project presses say
-        themselves (``press.kept_tokens(prompt_len)``: ``PermutationPress`` keeps all
-        ``prompt_len``); head-wise and per-layer presses (AdaKV, CriticalAdaKV, PyramidKV,
-        ``PerLayerCompressionPress``, structured KVCompose) get their
-        :class:`kvdiverge.engine.promises.KeptPromise`; other presses ``None`` (only
-        checked to compress).
+        :func:`kvdiverge.engine.promises.kept_promise` of the press built for this prompt
+        (at :meth:`ratio_for`, so a budget's press promises the budget): an int for presses
+        that keep the same count in every layer and head, a
+        :class:`kvdiverge.engine.promises.KeptPromise` for head-wise and per-layer presses,
+        ``None`` for others (only checked to compress).
 
         Returns
         -------
         int, KeptPromise or None
         """
-        from kvpress import PyramidKVPress, ScorerPress
-
         from kvdiverge.engine.promises import kept_promise
 
-        if isinstance(press, ScorerPress) and not isinstance(press, PyramidKVPress):
-            return self.kept_tokens(prompt_len)
-        own = getattr(press, "kept_tokens", None)
-        if callable(own):
-            return int(own(prompt_len))
         return kept_promise(press, prompt_len)
 
     def build_press(self, prompt_len: int):
@@ -220,14 +211,11 @@ class Policy:
 
 
 def kept_count(prompt_len: int, compression_ratio: float) -> int:
-    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
+    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens):
+    :func:`kvdiverge.engine.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
+    from kvdiverge.engine import promises
 
-    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
-    ``max(1, int(prompt_len * (1 - ratio)))``.
-    """
-    from kvpress.utils import compute_n_kept
-
-    return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
+    return promises.kept_count(prompt_len, compression_ratio)
 
 
 def press_parameters(cls) -> set[str]:
@@ -538,15 +526,8 @@ class PressPolicy:
         return self.press
 
     def expected_kept(self, prompt_len: int, press):
-        """What ``press`` must keep (tokens): ``kvpress.utils.compute_n_kept`` in every layer
-        and head for score-based presses that shorten every layer alike (all of them at ratio
-        0, an int), a :class:`kvdiverge.engine.promises.KeptPromise` for head-wise and
-        per-layer presses, ``None`` for others."""
-        from kvpress import PyramidKVPress, ScorerPress
-
+        """What ``press`` must keep of a prompt of ``prompt_len`` tokens:
+        :func:`kvdiverge.engine.promises.kept_promise` (int, KeptPromise or ``None``)."""
         from kvdiverge.engine.promises import kept_promise
 
-        if not isinstance(press, ScorerPress) or isinstance(press, PyramidKVPress):
-            return kept_promise(press, prompt_len)
-        ratio = float(press.compression_ratio)
-        return prompt_len if ratio == 0 else max(1, int(prompt_len * (1 - ratio)))
+        return kept_promise(press, prompt_len)

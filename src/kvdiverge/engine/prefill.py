@@ -16,17 +16,24 @@ Presses that score with the attention weights (``ObservedAttentionPress``, kvpre
 for ``attn_implementation="eager"`` for them) get the weights from the same hook,
 computed from the layer's own queries and keys as eager attention computes them; the
 forward itself stays on the model's attention implementation (:func:`needs_attentions`).
+
+Presses that draw from torch's global random generator (``CompactorPress``,
+``LeverageScorePress``, ``RandomPress`` without a seed) draw, inside :func:`seeded`, from a
+generator seeded per document (:func:`prefill_seed`), so a document keeps the same
+positions alone or in any batch, and from run to run; the caller's generator state is
+restored afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from kvdiverge.engine.masks import attention_modules, masked_keep
 
-__all__ = ["Prefill", "prefill", "shares_prefill", "needs_attentions"]
+__all__ = ["Prefill", "generation_start", "prefill", "prefill_seed", "seeded", "shares_prefill", "needs_attentions"]
 
 
 @dataclass
@@ -57,6 +64,53 @@ class Prefill:
     def kept(self) -> torch.Tensor:
         """Prompt positions kept per layer and key-value head, int64 (layers, kv_heads)."""
         return torch.stack([k.sum(-1) for k in self.keep]).long()
+
+
+def prefill_seed(seed: int, model: str, doc_id: str) -> int:
+    """The seed of torch's generator during one document's prefill, from (master seed, model, document id).
+
+    ``SeedSequence(seed, spawn_key=(hash(model), hash(doc_id)))`` with the streams' stable
+    BLAKE2b hash (:mod:`kvdiverge.engine.streams`), reduced to 63 bits; the policy does not
+    enter, so policies compared on one document share it.
+    """
+    import numpy as np
+
+    from kvdiverge.engine.streams import _stable_int
+
+    seq = np.random.SeedSequence(entropy=int(seed), spawn_key=(_stable_int(model), _stable_int(doc_id)))
+    return int(seq.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device):
+    """Run the block with torch's global generator (CPU, and ``device`` if CUDA) seeded with ``seed``.
+
+    The generator states are restored on exit (``torch.random.fork_rng``); ``None`` leaves
+    the generators as they are.
+    """
+    if seed is None:
+        yield
+        return
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(seed))
+        yield
+
+
+def generation_start(press, prompt_len: int, cache_len: int) -> int:
+    """RoPE position of the first generated token on the evicted side (estimators.md §1).
+
+    ``prompt_len`` (the uncompressed prompt length), except for presses that re-rotate the
+    kept keys to the compacted positions ``0 .. cache_len - 1``: ``KeyRerotationPress`` and
+    ``FinchPress(rerotate_keys=True)``, for which generation continues from ``cache_len``,
+    as kvpress's own pipeline does (``KVPressTextGenerationPipeline._forward`` sets
+    ``context_length = cache.get_seq_length()`` for them).
+    """
+    import kvpress
+
+    rerotates = isinstance(press, kvpress.KeyRerotationPress) or (
+        isinstance(press, kvpress.FinchPress) and bool(press.rerotate_keys))
+    return int(cache_len) if rerotates else int(prompt_len)
 
 
 def _nested(press) -> list:

@@ -15,15 +15,17 @@ A row is data, never a code path:
   sentence, while one is unset.
 - ``settable``: attributes that kvpress sets after construction (``init=False``) and that a
   policy may give as parameters (Finch's ``delimiter_token_id``).
-- ``global_rng``: the press draws from torch's global random generator (no seed of its own),
-  so the positions it keeps depend on what ran before it: a document's result changes with
-  its batch and from run to run unless the caller seeds torch.
+- ``global_rng``: the press draws from torch's global random generator (no seed of its own);
+  the engine seeds that generator per document prefill (:func:`kvdiverge.engine.prefill.seeded`),
+  so a document keeps the same positions alone or in a batch, and from run to run.
 - ``config_attributes``: attributes of the model's config that the press reads (a model
   whose config lacks one is refused once the model is known).
 - ``per_layer_list``: a parameter holding one value per layer (checked against the model's
   ``num_hidden_layers`` once the model is known).
 - ``takes_ratio``: False for a press whose own parameter replaces the policy's
   ``compression_ratio`` (``PerLayerCompressionPress``'s ``compression_ratios``).
+- ``note``: one sentence on how kvdiverge measures the press, where that departs from the
+  plain prefill path (added to its README row).
 - ``test_params``: parameters of the press matrix's test instance (``tests/test_press_matrix.py``);
   nested presses are specs ``{"press": Name, **params}``. Required inner presses default to
   :data:`INNER_TEST_PRESS`.
@@ -31,7 +33,8 @@ A row is data, never a code path:
 :func:`refusal` walks a built press and every press it wraps. Policies
 (:mod:`kvdiverge.engine.policies`) refuse before any work: at config validation, in
 ``kvdiverge.measure``'s argument checks and while the command line is parsed.
-:func:`press_table` renders the README's press table from these rows.
+:mod:`kvdiverge.engine.press_status` builds each row's test instance, says its status and
+renders the README's press table from these rows.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
 from kvdiverge.engine.presses import PROJECT_PRESSES
 
-__all__ = ["CAPABILITIES", "PENDING", "PressRow", "ROWS", "nested_presses", "press_table", "refusal",
-           "status", "test_spec"]
+__all__ = ["CAPABILITIES", "PENDING", "PressRow", "ROWS", "nested_presses", "refusal"]
 
 #: What the engine can do for a press. Flip one value when the engine gains the capability.
 CAPABILITIES: dict[str, bool] = {
@@ -104,6 +106,7 @@ class PressRow:
     global_rng: bool = False
     config_attributes: tuple[str, ...] = ()
     per_layer_list: str | None = None
+    note: str | None = None
     test_params: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +140,12 @@ _SPECIAL: dict[str, dict[str, Any]] = {
         "needs_if": {"decoding_press": "decode-time"},
         "test_params": {"prefilling_press": INNER_TEST_PRESS,
                         "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}},
+    "KeyRerotationPress": {"note": "it re-rotates the kept keys to the compacted positions, so on the evicted side "
+                                   "generated tokens take RoPE positions from the compressed cache length, as in "
+                                   "kvpress's pipeline (the reference side from the prompt length)."},
     "FinchPress": {
+        "note": "with rerotate_keys (its default) generated tokens on the evicted side take RoPE positions from the "
+                "compressed cache length, as in kvpress's pipeline.",
         "settable": ("delimiter_token_id",),
         "required": {"delimiter_token_id": "FinchPress needs the id of a delimiter token that separates "
                                            "context and question, once in every prompt: give it as "
@@ -207,51 +215,6 @@ PRESS_CLASSES: dict[str, type] = _press_classes()
 ROWS: dict[str, PressRow] = {name: _row(name, cls) for name, cls in PRESS_CLASSES.items()}
 
 
-def status(name: str, model=None) -> str:
-    """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`),
-    on ``model`` if given."""
-    return "refused" if spec_refusal(test_spec(name), model) else "measured"
-
-
-def pending(name: str) -> tuple[str, ...]:
-    """Capabilities in :data:`PENDING` that the test instance of press ``name`` needs."""
-    return tuple(c for c in _spec_needs(test_spec(name)) if c in PENDING)
-
-
-def test_spec(name: str) -> dict[str, Any]:
-    """The press matrix's test instance of press ``name``, as a policy entry (ratio 0.5 where it takes one)."""
-    from kvdiverge.engine.policies import takes_ratio
-
-    params = dict(ROWS[name].test_params)
-    spec: dict[str, Any] = {"press": name, "params": params}
-    if takes_ratio(name, params):
-        spec["compression_ratio"] = 0.5
-    return spec
-
-
-def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
-    """Capabilities a press spec (and the specs it nests) needs."""
-    row = ROWS.get(spec["press"])
-    params = {**{k: v for k, v in spec.items() if k not in ("press", "params")}, **(spec.get("params") or {})}
-    needs = list(row.needs) if row else []
-    if row:
-        needs += [cap for p, cap in row.needs_if.items() if params.get(p) not in (None, False)]
-    for value in params.values():
-        for inner in value if isinstance(value, list) else [value]:
-            if isinstance(inner, Mapping) and isinstance(inner.get("press"), str):
-                needs += _spec_needs(inner)
-    return needs
-
-
-def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
-    """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
-    from kvdiverge.engine.policies import press_from_spec
-
-    ratio = spec.get("compression_ratio")
-    return refusal(press_from_spec({"press": spec["press"], "params": spec.get("params") or {}}, ratio,
-                                   owner=f"press {spec['press']!r}"), model)
-
-
 def nested_presses(press) -> list:
     """``press`` and every press it wraps (press-valued attributes, :data:`PRESS_PARAMETERS`)."""
     out, todo = [], [press]
@@ -307,25 +270,4 @@ def _model_refusal(row: PressRow, press, config) -> str | None:
     return None
 
 
-def press_table() -> str:
-    """The README's press table (markdown): every press, its status, what it needs or why it is refused."""
-    lines = ["| press | status | needs / reason |", "|---|---|---|"]
-    for name in sorted(ROWS):
-        row, spec = ROWS[name], test_spec(name)
-        reason = spec_refusal(spec)
-        if reason is None:
-            needs = sorted(set(_spec_needs(spec)))
-            reason = (", ".join(needs) + " engine" if needs else
-                      "keeps every position (noise-floor control)" if getattr(PRESS_CLASSES[name],
-                                                                                 "keeps_every_position", False)
-                      else "prefill eviction")
-        if row.global_rng:
-            reason += "; draws from torch's global random generator (seed torch for reproducible runs)"
-        if row.required and reason != next(iter(row.required.values())):
-            reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
-        lines.append(f"| {name} | {'refused' if spec_refusal(spec) else 'measured'} | {reason.replace('|', '/')} |")
-    return "\n".join(lines)
 
-
-if __name__ == "__main__":  # python -m kvdiverge.engine.press_registry: print the table
-    print(press_table())

@@ -20,7 +20,7 @@ import torch
 
 from kvdiverge.engine.errors import CompressionError
 
-__all__ = ["KeptPromise", "kept_promise", "check_kept"]
+__all__ = ["KeptPromise", "kept_count", "kept_promise", "check_kept"]
 
 #: How a promise counts: every head of a layer (``head``), the layer's heads together
 #: (``layer``, as a mean per head), or every layer and head together (``model``, per head
@@ -127,26 +127,39 @@ def _ratio(press) -> float:
         return 0.0
 
 
-def _n_kept(k_len: int, ratio: float) -> int:
+def kept_count(prompt_len: int, compression_ratio: float) -> int:
+    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
+
+    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
+    ``max(1, int(prompt_len * (1 - ratio)))``.
+    """
     from kvpress.utils import compute_n_kept
 
-    return int(compute_n_kept(int(k_len), float(ratio)))
+    return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
+
+
+_n_kept = kept_count
 
 
 def _layers(config) -> int:
     return int(config.num_hidden_layers)
 
 
-def kept_promise(press, prompt_len: int) -> KeptPromise | None:
+def kept_promise(press, prompt_len: int) -> "int | KeptPromise | None":
     """What ``press`` promises to keep of a prompt of ``prompt_len`` tokens, or ``None``.
 
-    - A project press with ``kept_tokens`` (``PermutationPress``): that count in every head.
+    - A project press with ``kept_tokens`` (``PermutationPress``): that count in every head (an int).
+    - ``ThinKPress``: every position in every head (an int; it prunes key channels, not positions).
+    - Any ``kvpress.ScorerPress`` but PyramidKV: ``compute_n_kept(prompt_len, ratio)`` in every
+      head (an int, :func:`kept_count`).
     - ``PyramidKVPress``: ``get_layer_budget`` of each layer in every head.
-    - Any other ``kvpress.ScorerPress``: ``compute_n_kept(prompt_len, ratio)`` in every head.
     - ``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept * heads`` per layer in all.
     - ``PerLayerCompressionPress``: ``compute_n_kept(prompt_len, ratios[l])`` in every head of layer ``l``.
     - ``KVComposePress`` (structured): ``compute_n_kept(layers * prompt_len, ratio)`` over
       all layers, at least (kvpress floors every layer at one position).
+    - ``SimLayerKVPress``: in every head of layer ``l``, ``n_initial + n_recent - n_last`` if the
+      press judged the layer lazy during this prefill (its ``compression_ratios[l] > 0``), else
+      every position; read from the press when the promise is checked, after the prefill.
     - Other presses (thresholds, decode-time, compositions): ``None``.
 
     Parameters
@@ -155,14 +168,30 @@ def kept_promise(press, prompt_len: int) -> KeptPromise | None:
         The press, built for this prompt.
     prompt_len : int
         Uncompressed prompt length (tokens).
+
+    Returns
+    -------
+    int, KeptPromise or None
+        An int: every layer and head keeps exactly that many positions.
     """
     import kvpress
 
-    name, n = type(press).__name__, int(prompt_len)
+    n = int(prompt_len)
     own = getattr(press, "kept_tokens", None)
     if callable(own):
-        k = int(own(n))
-        return KeptPromise(name, f"{name}.kept_tokens({n})", "head", lambda c: (k,) * _layers(c))
+        return int(own(n))
+    if isinstance(press, kvpress.ThinKPress):
+        return n
+    if isinstance(press, kvpress.ScorerPress) and not isinstance(press, kvpress.PyramidKVPress):
+        return _n_kept(n, press.compression_ratio)
+    return _uneven_promise(press, n)
+
+
+def _uneven_promise(press, n: int) -> KeptPromise | None:
+    """The promise of a press whose layers or heads keep different counts (:func:`kept_promise`)."""
+    import kvpress
+
+    name = type(press).__name__
     if isinstance(press, kvpress.PyramidKVPress):
         if press.compression_ratio == 0:
             return KeptPromise(name, "compression_ratio 0", "head", lambda c: (n,) * _layers(c))
@@ -171,10 +200,6 @@ def kept_promise(press, prompt_len: int) -> KeptPromise | None:
             return tuple(int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n))
                          for i in range(_layers(config)))
         return KeptPromise(name, f"get_layer_budget(layer, {n})", "head", pyramid)
-    if isinstance(press, kvpress.ScorerPress):
-        k = _n_kept(n, press.compression_ratio)
-        return KeptPromise(name, f"compute_n_kept({n}, {press.compression_ratio})", "head",
-                           lambda c: (k,) * _layers(c))
     if isinstance(press, (kvpress.AdaKVPress, kvpress.CriticalAdaKVPress)):
         ratio = float(press.compression_ratio)
         k = _n_kept(n, ratio) if ratio > 0 else n
@@ -189,4 +214,15 @@ def kept_promise(press, prompt_len: int) -> KeptPromise | None:
         def composed(config):
             return (_n_kept(_layers(config) * n, ratio) if ratio > 0 else _layers(config) * n,)
         return KeptPromise(name, f"compute_n_kept(layers x {n}, {ratio})", "model", composed, at_least=True)
+    if isinstance(press, kvpress.SimLayerKVPress):
+        lazy = press.n_initial + press.n_recent - press.n_last
+
+        def sim_layer(config):
+            ratios = list(press.compression_ratios)
+            if len(ratios) != _layers(config):
+                raise CompressionError(f"{name} recorded {len(ratios)} per-layer decisions for a model of "
+                                       f"{_layers(config)} layers: its prefill did not run once per layer")
+            return tuple(lazy if r > 0 else n for r in ratios)
+        return KeptPromise(name, f"n_initial + n_recent - n_last = {lazy} in lazy layers, {n} in others", "head",
+                           sim_layer)
     return None

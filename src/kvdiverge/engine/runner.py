@@ -237,6 +237,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, 
     from kvdiverge.engine.decode_pair import DecodeTimePair
     from kvdiverge.engine.errors import PressError, raise_kvpress_error
     from kvdiverge.engine.llm_pair import LLMKernelPair
+    from kvdiverge.engine.prefill import prefill_seed
     from kvdiverge.engine.press_registry import refusal
 
     presses = [policy.build_press(doc.prompt_len) for doc in batch]
@@ -248,6 +249,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, 
         model, [doc.input_ids for doc in batch], presses,
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
+        prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
     )
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],

@@ -1,0 +1,84 @@
+"""Each press's status from its registry row: its test instance, measured or refused, the README table.
+
+Built on :mod:`kvdiverge.engine.press_registry` (the rows) and
+:mod:`kvdiverge.engine.policies` (building a press from a spec), which the registry itself
+does not import. ``python -m kvdiverge.engine.press_status`` prints the README's press table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvdiverge.engine.policies import press_from_spec, takes_ratio
+from kvdiverge.engine.press_registry import PENDING, PRESS_CLASSES, ROWS, refusal
+
+__all__ = ["pending", "press_table", "spec_refusal", "status", "test_spec"]
+
+
+def status(name: str, model=None) -> str:
+    """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`),
+    on ``model`` if given."""
+    return "refused" if spec_refusal(test_spec(name), model) else "measured"
+
+
+def pending(name: str) -> tuple[str, ...]:
+    """Capabilities in :data:`PENDING` that the test instance of press ``name`` needs."""
+    return tuple(c for c in _spec_needs(test_spec(name)) if c in PENDING)
+
+
+def test_spec(name: str) -> dict[str, Any]:
+    """The press matrix's test instance of press ``name``, as a policy entry (ratio 0.5 where it takes one)."""
+    params = dict(ROWS[name].test_params)
+    spec: dict[str, Any] = {"press": name, "params": params}
+    if takes_ratio(name, params):
+        spec["compression_ratio"] = 0.5
+    return spec
+
+
+def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
+    """Capabilities a press spec (and the specs it nests) needs."""
+    row = ROWS.get(spec["press"])
+    params = {**{k: v for k, v in spec.items() if k not in ("press", "params")}, **(spec.get("params") or {})}
+    needs = list(row.needs) if row else []
+    if row:
+        needs += [cap for p, cap in row.needs_if.items() if params.get(p) not in (None, False)]
+    for value in params.values():
+        for inner in value if isinstance(value, list) else [value]:
+            if isinstance(inner, Mapping) and isinstance(inner.get("press"), str):
+                needs += _spec_needs(inner)
+    return needs
+
+
+def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
+    """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
+    ratio = spec.get("compression_ratio")
+    return refusal(press_from_spec({"press": spec["press"], "params": spec.get("params") or {}}, ratio,
+                                   owner=f"press {spec['press']!r}"), model)
+
+
+def press_table() -> str:
+    """The README's press table (markdown): every press, its status, what it needs or why it is refused."""
+    lines = ["| press | status | needs / reason |", "|---|---|---|"]
+    for name in sorted(ROWS):
+        row, spec = ROWS[name], test_spec(name)
+        reason = spec_refusal(spec)
+        if reason is None:
+            needs = sorted(set(_spec_needs(spec)))
+            reason = (", ".join(needs) + " engine" if needs else
+                      "keeps every position (noise-floor control)" if getattr(PRESS_CLASSES[name],
+                                                                                 "keeps_every_position", False)
+                      else "prefill eviction")
+        if row.global_rng:
+            reason += ("; draws from torch's global random generator, which kvdiverge seeds per document prefill "
+                       "from (seed, model, document id)")
+        if row.required and reason != next(iter(row.required.values())):
+            reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
+        if row.note:
+            reason = reason.rstrip(".") + "; " + row.note
+        lines.append(f"| {name} | {'refused' if spec_refusal(spec) else 'measured'} | {reason.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m kvdiverge.engine.press_status: print the table
+    print(press_table())
