@@ -38,6 +38,7 @@ import torch
 
 from kvdiverge.engine import press_registry as registry
 from kvdiverge.engine import press_status
+from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time
 from kvdiverge.engine.errors import PressError
 from kvdiverge.engine.llm_pair import LLMKernelPair
 from kvdiverge.engine.policies import Policy, press_from_spec
@@ -67,12 +68,9 @@ PROMISED = {"AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "PerLayerCompr
 
 #: What each refused press's sentence must name (written here, independently of the registry).
 REASONS = {
-    "CAMPress": "until decode-time eviction is built",
+    "CAMPress": "global random generator",
     "CriticalKVPress": "model.config.head_dim",  # on Qwen2 configs only
     "CriticalAdaKVPress": "model.config.head_dim",
-    "CompressionRatioDecodingPress": "until decode-time eviction is built",
-    "DecodingPress": "until decode-time eviction is built",
-    "PrefillDecodingPress": "until decode-time eviction is built",
     "DuoAttentionPress": "meta-llama/Meta-Llama-3.1-8B-Instruct",
     "ExpectedAttentionStatsPress": "params.stats_folder",
     "FastKVzipPress": "Jang-Hyun/Fast-KVzip",
@@ -130,8 +128,9 @@ def trace(model, prompts, forced, policy: Policy | None, doc_ids=None):
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), press)
                 for ids, press in zip(prompts, presses)]
-    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0,
-                                        prefill_seeds=[prefill_seed(0, "miniature", f"doc{d}") for d in doc_ids])
+    kind = DecodeTimePair if presses[0] is not None and is_decode_time(presses[0]) else LLMKernelPair
+    pair = kind.from_documents(model, prompts, presses, expected, temperature=1.0,
+                               prefill_seeds=[prefill_seed(0, "miniature", f"doc{d}") for d in doc_ids])
     steps = [pair.start(len(prompts) * R)]
     for t in range(T - 1):
         tokens = forced[:, t].repeat_interleave(R)
@@ -160,15 +159,18 @@ def check_measured(model, prompts, forced, name):
     steps, pair = trace(model, prompts, forced, policy)
     for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
         assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
+    decode_time = isinstance(pair, DecodeTimePair)  # evicts along the chain: the lanes' own tests check counts
     for d, ids in enumerate(prompts):
-        n, kept = len(ids), pair.kept_counts[d]
-        check_kept(kept, pair.expected[d], model.config, pair.presses[d], n)
-        if name in PROMISED:
-            assert pair.expected[d] is not None, f"{name} promises no kept count"
-        if policy.takes_ratio:
-            assert kept.double().mean() < n, f"{name} kept all {n} positions at ratio 0.5"
+        n = len(ids)
         alone, pair_alone = trace(model, [ids], forced[d:d + 1], policy, doc_ids=[d])
-        assert torch.equal(pair_alone.kept_counts[0], kept), f"{name}: document {d} keeps other counts alone"
+        if not decode_time:
+            kept = pair.kept_counts[d]
+            check_kept(kept, pair.expected[d], model.config, pair.presses[d], n)
+            if name in PROMISED:
+                assert pair.expected[d] is not None, f"{name} promises no kept count"
+            if policy.takes_ratio:
+                assert kept.double().mean() < n, f"{name} kept all {n} positions at ratio 0.5"
+            assert torch.equal(pair_alone.kept_counts[0], kept), f"{name}: document {d} keeps other counts alone"
         rows = slice(d * R, (d + 1) * R)
         for t, ((p, q), (pa, qa)) in enumerate(zip(steps, alone)):
             for batched, single in ((p[rows], pa), (q[rows], qa)):
@@ -176,7 +178,9 @@ def check_measured(model, prompts, forced, name):
                 gap = (batched - single).abs()[live].max().item()
                 assert gap <= BATCH_TOL, f"{name}: document {d} step {t + 1} differs by {gap:.2e} in a batch"
     if policy.takes_ratio:
-        control, _ = trace(model, prompts, forced, _policy(name, ratio=0.0))
+        # a decode-time pair decodes each document in its own lane, unpadded: compare it with one document
+        control, _ = (trace(model, prompts[:1], forced[:1], _policy(name, ratio=0.0)) if decode_time
+                      else trace(model, prompts, forced, _policy(name, ratio=0.0)))
         for t, (p, q) in enumerate(control):
             tv = 0.5 * (p.exp() - q.exp()).abs().sum(-1)
             if name in RATIO0_TV:
@@ -218,9 +222,7 @@ def check_refused(model, prompts, name, monkeypatch):
         for module in model.modules():  # head-wise presses leave their masks on the attention modules
             if getattr(module, "masked_key_indices", None) is not None:
                 module.masked_key_indices = None
-    assert "until decode-time eviction is built" in sentence, f"{name}: kvpress runs it, yet it is refused"
-    if "prefilling_press" not in spec["params"]:  # PrefillDecodingPress evicts at prefill, then drops its decoding half
-        assert {layer.keys.shape[-2] for layer in cache.layers} == {len(prompts[0])}
+    assert is_decode_time(press), f"{name}: kvpress runs it, yet it is refused"  # CAMPress: not replayable
 
 
 def test_every_kvpress_press_has_a_row():
@@ -233,8 +235,10 @@ def test_every_kvpress_press_has_a_row():
 
 
 def test_one_line_flips_a_capability(monkeypatch):
-    monkeypatch.setitem(registry.CAPABILITIES, "decode-time", True)
     assert press_status.status("DecodingPress") == "measured"
+    monkeypatch.setitem(registry.CAPABILITIES, "decode-time", False)
+    assert "until decode-time eviction is built" in press_status.spec_refusal(press_status.test_spec("DecodingPress"))
+    monkeypatch.setitem(registry.CAPABILITIES, "decode-time", True)
     monkeypatch.setitem(registry.CAPABILITIES, "head-wise", False)
     assert press_status.status("AdaKVPress") == "refused"
     assert "head-wise engine is built" in press_status.spec_refusal(press_status.test_spec("CriticalAdaKVPress"))
@@ -245,7 +249,7 @@ def test_one_line_flips_a_capability(monkeypatch):
 def test_conditional_refusals_follow_the_parameters():
     ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
     assert press_status.spec_refusal(ok) is None or "head-wise" in press_status.spec_refusal(ok)
-    assert "until decode-time" in press_status.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}})
+    assert press_status.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}}) is None  # decode-time DMS
     assert "params.threshold" in press_status.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7

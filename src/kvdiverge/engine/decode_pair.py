@@ -254,6 +254,9 @@ class DecodeTimePair:
     kept_lens : list of int
         Per document, the fewest positions a layer of its chain lane held along the chain
         (tokens): the prefill's kept count, then every decode-time compression.
+    kept_per_layer : list of list of int
+        Per document, the fewest positions each layer of its chain lane held along the chain
+        (tokens), layer by layer (the shards' ``kept_per_layer``).
     counts : dict of str to int
         Forwards and row-steps so far: ``prefill_forwards`` / ``prefill_rows`` (evicted
         side, chain and replay lanes), ``prefills_restored`` (replay lanes started from the
@@ -293,6 +296,7 @@ class DecodeTimePair:
         self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
         self.vocab_size = int(model.config.vocab_size)
         self.kept_lens: list[int] = []
+        self.kept_per_layer: list[list[int]] = []
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
 
@@ -340,7 +344,7 @@ class DecodeTimePair:
         prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
                       else self.prompt_lens[0])
         self._ref = _CacheSide(cache, valid, prompt_len)
-        self._lanes, self.kept_lens, self._starts = [], [], []
+        self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):
                 lane = _Lane(self.model, ids, press, R, self.counts)
@@ -364,6 +368,7 @@ class DecodeTimePair:
                 f"evicted cache keeps {sorted(lengths)} of {self.prompt_lens[d]} prompt positions per layer, "
                 f"the policy promises {self.expected[d]}: the press did not compress as configured")
         self.kept_lens.append(kept)
+        self.kept_per_layer.append([layer.keys.shape[-2] for layer in lane.cache.layers])
 
     @torch.inference_mode()
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,6 +388,8 @@ class DecodeTimePair:
             if lane.chain_doc is not None:
                 d = lane.chain_doc
                 self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
+                self.kept_per_layer[d] = [min(k, layer.keys.shape[-2]) for k, layer in
+                                          zip(self.kept_per_layer[d], lane.cache.layers)]
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")

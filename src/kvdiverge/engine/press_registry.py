@@ -56,7 +56,7 @@ CAPABILITIES: dict[str, bool] = {
     "head-wise": True,     # masks keys per key-value head (module.masked_key_indices)
     "per-layer": True,     # layers keep different counts
     "eager": True,         # the evicted prefill runs in eager attention (attention weights)
-    "decode-time": False,  # evicts during decoding, not only at prefill
+    "decode-time": True,   # evicts during decoding, not only at prefill (engine.decode_pair)
     "channels": True,      # prunes key channels and keeps every position (its promise: all positions)
 }
 
@@ -133,9 +133,13 @@ _SPECIAL: dict[str, dict[str, Any]] = {
     "ThinKPress": {"needs": ("channels",), "test_params": {"key_channel_compression_ratio": 0.5, "window_size": 8}},
     "SimLayerKVPress": {"needs": ("per-layer",), "test_params": {"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}},
     "DecodingPress": {"needs": ("decode-time",), "test_params": {"base_press": {"press": "KnormPress"}}},
+    "SlidingWindowPress": {"needs": ("decode-time",)},
     "CompressionRatioDecodingPress": {"needs": ("decode-time",),
                                       "test_params": {"base_press": {"press": "KnormPress"}}},
-    "CAMPress": {"needs": ("decode-time",), "test_params": {"base_press": {"press": "KnormPress"}}},
+    "CAMPress": {"needs": ("decode-time",), "test_params": {"base_press": {"press": "KnormPress"}},
+                 "refused": "CAMPress draws its merge mask from torch's global random generator once for all "
+                            "rows of a batch, so its evicted kernel is not a function of the history and a "
+                            "branch cannot be replayed exactly."},
     "PrefillDecodingPress": {
         "needs_if": {"decoding_press": "decode-time"},
         "test_params": {"prefilling_press": INNER_TEST_PRESS,

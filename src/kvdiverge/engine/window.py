@@ -34,8 +34,8 @@ class SlidingWindowPress(BasePress):
     compression_ratio : float, default 0.0
         Fraction of the prompt evicted at prefill, in [0, 1); the window then holds
         ``K = compute_n_kept(prompt_len, compression_ratio)`` positions per layer
-        (sinks included) for the rest of the generation. 0 keeps the whole prompt and
-        then holds the cache at the prompt length (one position evicted per step).
+        (sinks included) for the rest of the generation. 0 evicts nothing, at prefill or
+        later (the no-eviction control, as for every press at ratio 0).
     n_sink : int, default 4
         Initial positions never evicted (attention sinks).
 
@@ -71,6 +71,8 @@ class SlidingWindowPress(BasePress):
 
     def forward_hook(self, module, input, kwargs, output):
         """After each attention forward: at prefill fix the window ``K`` and cut to it, later hold it."""
+        if self.compression_ratio == 0:
+            return output
         hidden_states = kwargs["hidden_states"]
         cache = kwargs["past_key_values"]
         layer = int(module.layer_idx)
