@@ -183,12 +183,13 @@ def _ratio_target(spec: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def policy_entry(text: str, budget: int | None = None) -> dict[str, Any]:
+def policy_entry(text: str, budget: int | None = None, default_ratio: float | None = 0.0) -> dict[str, Any]:
     """The policy entry (as in the config) of a ``--press`` value, with ``--budget`` if given.
 
     The ``compression_ratio`` of the press that takes the policy's ratio (the named press,
-    or the inner scorer of a wrapper) becomes the entry's ``compression_ratio`` (kvpress's
-    default 0 if not given); with ``budget`` that press must not be given a ratio.
+    or the inner scorer of a wrapper) becomes the entry's ``compression_ratio``
+    (``default_ratio`` if not given: kvpress's default 0; ``None`` leaves the entry without
+    one, for a frontier whose ratios set it); with ``budget`` that press must not be given a ratio.
 
     Raises
     ------
@@ -211,7 +212,9 @@ def policy_entry(text: str, budget: int | None = None) -> dict[str, Any]:
             raise UsageError(f"press {text!r}: give --budget or compression_ratio, not both")
         entry["budget"] = int(budget)
     else:
-        entry["compression_ratio"] = float(given[0]) if given else 0.0
+        ratio = float(given[0]) if given else default_ratio
+        if ratio is not None:
+            entry["compression_ratio"] = ratio
     return entry
 
 
@@ -445,7 +448,8 @@ def _measure(args: argparse.Namespace) -> int:
         raise UsageError("the same --press is given twice")
     if args.budget is not None and args.budget < 1:
         raise UsageError(f"--budget must be >= 1, got {args.budget}")
-    entries = {spec: policy_entry(spec, args.budget) for spec in args.press}
+    # with --ratios the frontier sets each press's ratio: an entry without one
+    entries = {spec: policy_entry(spec, args.budget, None if args.ratios else 0.0) for spec in args.press}
     expanded = entries
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
         from kvdiverge.measurement import frontier_presses
