@@ -88,17 +88,18 @@ def test_command_line_entries_carry_the_ratio_or_the_budget():
     assert int(80 * (1 - policy.build_press(80).press.compression_ratio)) == 20
     press = build_press("KeyRerotationPress(press=KnormPress(0.5))")
     assert isinstance(press, KeyRerotationPress) and press.press.compression_ratio == 0.5
-    with pytest.raises(UsageError, match="DecodingPress evicts during decoding"):
-        build_press("DecodingPress(base_press=KnormPress())")
+    assert build_press("DecodingPress(base_press=KnormPress())").base_press.compression_ratio == 0.0  # decode-time
+    with pytest.raises(UsageError, match="CAMPress draws its merge mask from torch's global random generator"):
+        build_press("CAMPress(base_press=KnormPress())")
 
 
 def test_the_command_line_refuses_before_loading_anything(capsys):
     from kvdiverge.cli import main
 
-    assert main(["measure", "embedded", "--sotu", "1", "--press", "DecodingPress(base_press=KnormPress(0.5))"]) == 2
+    assert main(["measure", "embedded", "--sotu", "1", "--press", "CAMPress(base_press=KnormPress(0.5))"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvdiverge measure: error: policy 'DecodingPress(base_press=KnormPress(0.5))': "
-                          "DecodingPress evicts during decoding; kvdiverge refuses it until decode-time")
+    assert err.startswith("kvdiverge measure: error: policy 'CAMPress(base_press=KnormPress(0.5))': "
+                          "CAMPress draws its merge mask from torch's global random generator")
     assert main(["measure", "embedded", "--sotu", "1", "--budget", "0", "--press", "KnormPress"]) == 2
     assert "--budget must be >= 1, got 0" in capsys.readouterr().err
     assert main(["measure", "embedded", "--sotu", "1", "--press", "SnapKVPress(window_size=eval('1'))"]) == 2
