@@ -171,10 +171,9 @@ def test_nested_presses_are_validated_by_the_schema_and_the_press():
 
 def test_refused_presses_stop_at_validation_with_what_they_need():
     config = raw("smoke.yaml")
-    config["policies"]["decode"] = {"press": "DecodingPress", "compression_ratio": 0.5,
+    config["policies"]["decode"] = {"press": "CAMPress", "compression_ratio": 0.5,
                                     "params": {"base_press": {"press": "KnormPress"}}}
-    assert "policies.decode: DecodingPress evicts during decoding; kvdiverge refuses it until decode-time " \
-           "eviction is built" in error_of(config)
+    assert "policies.decode: CAMPress draws its merge mask from torch's global random generator" in error_of(config)
     config["policies"]["decode"] = {"press": "QFilterPress", "compression_ratio": 0.5}
     assert "policies.decode: QFilterPress needs the learned filters of the hub repository nthngdy/" in error_of(config)
 
