@@ -48,11 +48,11 @@ def config():
 
 def test_policy_minimums_of_the_default_config(config):
     assert split_policies(config) == {
-        "exploratory": ["snapkv-50", "snapkv-b512", "recent-50", "none"],
+        "exploratory": ["snapkv-50", "snapkv-b512", "recent-50", "window-50", "none"],
         "confirmatory": ["snapkv-90"],
     }
     assert policy_minimums(config) == {
-        "exploratory": {"snapkv-50": 65, "snapkv-b512": 577, "recent-50": 5, "none": 1},
+        "exploratory": {"snapkv-50": 65, "snapkv-b512": 577, "recent-50": 5, "window-50": 5, "none": 1},
         "confirmatory": {"snapkv-90": 65},
     }
 
