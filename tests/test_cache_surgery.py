@@ -18,7 +18,7 @@ import pytest
 import torch
 from kvpress import KnormPress
 
-from kvdiverge.engine.llm_pair import LLMKernelPair, merge_caches
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 TOL = 1e-5

@@ -144,8 +144,8 @@ def test_unknown_press_lists_the_presses():
 def test_schema_presses_are_the_registry_presses():
     import kvpress
 
-    from kvdiverge.engine.press_registry import ROWS
-    from kvdiverge.engine.presses import PROJECT_PRESSES
+    from kvdiverge.engine.presses.registry import ROWS
+    from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
     presses = load_schema()["$defs"]["press_name"]["enum"]
     assert set(PROJECT_PRESSES) <= set(presses)

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvdiverge.engine.coupled import run_batch
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.core.coupled import run_batch
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.reference.constructions import ConstructedPair
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 

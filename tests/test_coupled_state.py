@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdiverge.engine.coupled import BatchState, run_batch
-from kvdiverge.engine.errors import NonFiniteLogitsError
-from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.core.coupled import BatchState, run_batch
+from kvdiverge.engine.core.errors import NonFiniteLogitsError
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.reference.constructions import ConstructedPair
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy import stats
 
-from kvdiverge.engine.coupling import inverse_cdf, maximal_coupling, residual_draws, total_variation
-from kvdiverge.engine.decoding import decode_log_probs
+from kvdiverge.engine.core.coupling import inverse_cdf, maximal_coupling, residual_draws, total_variation
+from kvdiverge.engine.core.decoding import decode_log_probs
 
 
 def t(*rows):
@@ -86,7 +86,7 @@ def test_decoding_rejects_bad_parameters():
 
 
 def test_nucleus_with_few_candidates_equals_full_ranking():
-    from kvdiverge.engine.decoding import nucleus
+    from kvdiverge.engine.core.decoding import nucleus
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 5000, dtype=torch.float64, generator=gen) * torch.tensor([[0.1], [0.5], [1], [2], [4], [8]])

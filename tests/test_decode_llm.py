@@ -7,9 +7,9 @@ import kvpress
 import pytest
 import torch
 
-from kvdiverge.engine.decode_pair import DecodeTimePair
-from kvdiverge.engine.presses import PermutationPress
-from kvdiverge.engine.window import SlidingWindowPress
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.presses.project import PermutationPress
+from kvdiverge.engine.presses.window import SlidingWindowPress
 
 pytestmark = pytest.mark.llm
 
@@ -39,7 +39,7 @@ def test_greedy_chain_equals_kvpress_generation(model_and_tokenizer, text, make)
     model, tokenizer = model_and_tokenizer
     messages = [{"role": "user", "content": text + "\n\nSummarize the document above in three sentences."}]
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-    from kvdiverge.engine.twin import evicted_twin
+    from kvdiverge.engine.llm.twin import evicted_twin
 
     twin = evicted_twin(model)
     with torch.inference_mode(), make()(twin):

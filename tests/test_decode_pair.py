@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvdiverge.engine.coupled import run_batch
-from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time, is_decode_time_entry, refusal
-from kvdiverge.engine.decoding import decode_log_probs
-from kvdiverge.engine.twin import evicted_twin
-from kvdiverge.engine.window import SlidingWindowPress
+from kvdiverge.engine.core.coupled import run_batch
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair, is_decode_time, is_decode_time_entry, refusal
+from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.window import SlidingWindowPress
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 T, TEMPERATURE = 10, 2.0  # a flat sampling temperature spreads the branch starts t*
@@ -248,7 +248,7 @@ def test_config_entries_are_recognised():
 
 
 def test_planner_counts_the_replay_lanes():
-    from kvdiverge.engine.planner import cache_columns, plan_batch
+    from kvdiverge.engine.llm.planner import cache_columns, plan_batch
 
     # per document: rows x (widest cache x 100 bytes + vocab x 52) + 2 prefill caches of the prompt;
     # R = 2, prompt 90, T 10, vocab 50
@@ -261,7 +261,7 @@ def test_planner_counts_the_replay_lanes():
 
 
 def test_runner_chooses_the_decode_time_pair(model, prompts):
-    from kvdiverge.engine.policies import PressPolicy
+    from kvdiverge.engine.presses.policies import PressPolicy
     from kvdiverge.engine.runner import Document, run_documents
 
     docs = [Document(f"d{i}", p) for i, p in enumerate(prompts)]

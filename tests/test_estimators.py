@@ -16,9 +16,9 @@ from kvdiverge.estimation.estimators import (
     survival_curve,
 )
 from kvdiverge.reference.exact import enumerate_coupled
-from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.engine.coupled import simulate
+from kvdiverge.engine.core.coupled import simulate
 
 
 def row(rep, survival, tau_naive, t_star, btv, bmis, doc="d0", T=3):

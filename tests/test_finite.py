@@ -8,8 +8,8 @@ import pytest
 
 from kvdiverge.estimation.estimators import document_estimates, read_estimates, read_shards, replicate_estimates
 from kvdiverge.estimation.finite import NonFiniteError
-from kvdiverge.engine.pairs import TableKernelPair
-from kvdiverge.engine.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.core.coupled import simulate
 
 T = 4
 

@@ -82,8 +82,8 @@ def test_constructions_reject_bad_tokens(kernel):
 
 def test_wrapped_pairs_through_the_engine(kernel):
     """The engine on the constructed pairs: the lower end has no tail mismatch at all."""
-    from kvdiverge.engine.pairs import TableKernelPair
-    from kvdiverge.engine.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
+    from kvdiverge.engine.core.coupled import simulate
 
     T, W = 4, 1
     pair = TableKernelPair(kernel, 3)
@@ -104,8 +104,8 @@ def test_wrapped_pairs_through_the_engine(kernel):
 @pytest.mark.parametrize("end,kw", [("lower", {"token": 2}), ("upper", {"tokens": (2, 0)})])
 def test_construction_around_any_incremental_pair(kernel, end, kw):
     """ConstructedPair (for LLM pairs too) draws exactly what the function construction draws."""
-    from kvdiverge.engine.pairs import TableKernelPair
-    from kvdiverge.engine.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
+    from kvdiverge.engine.core.coupled import simulate
 
     T, W = 5, 1
     pair = TableKernelPair(kernel, 3)

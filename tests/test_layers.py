@@ -57,16 +57,18 @@ def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "src/kvdiverge/estimation/tables.py", "a") as f:
         f.write("\n\ndef _violation():\n    import torch  # noqa\n")
-    with open(tmp_path / "src/kvdiverge/engine/coupled.py", "a") as f:
+    with open(tmp_path / "src/kvdiverge/engine/core/coupled.py", "a") as f:
         f.write("\n\ndef _violation():\n    from kvdiverge.engine import runner  # noqa\n")
     res = lint_imports(tmp_path)
     assert res.returncode != 0
     broken = {line.removesuffix(" BROKEN") for line in res.stdout.splitlines() if line.endswith(" BROKEN")}
     assert broken == {"No import cycles between modules or subpackages",
+                      "The engine's parts: runner > LLM cache machinery > presses > coupling core",
                       "Estimation runs without torch, the model libraries or the engine"}, res.stdout[-3000:]
     assert "kvdiverge.estimation.tables -> torch" in res.stdout
     assert "No cycles are allowed in kvdiverge.engine." in res.stdout
-    assert "- .runner -> .coupled (1 import)" in res.stdout or "- .coupled -> .runner (1 import)" in res.stdout
+    assert "- .core -> .runner (1 import)" in res.stdout
+    assert "kvdiverge.engine.core.coupled -> kvdiverge.engine.runner" in res.stdout
 
 
 # --------------------------------------------------------------------------- estimate stage
@@ -109,8 +111,8 @@ print(json.dumps(heavy))
 @pytest.fixture(scope="module")
 def synthetic_shards(tmp_path_factory, kernel):
     """Two policies ``a``, ``b`` of model ``synthetic``, two shards of two documents each (T=5, R=4)."""
-    from kvdiverge.engine.coupled import simulate
-    from kvdiverge.engine.pairs import TableKernelPair
+    from kvdiverge.engine.core.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata
 

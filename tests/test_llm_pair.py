@@ -9,13 +9,13 @@ import torch
 from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
 from transformers import DynamicCache
 
-from kvdiverge.engine.errors import CompressionError
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.prefill import prefill
-from kvdiverge.engine.promises import kept_promise
-from kvdiverge.engine.twin import evicted_twin
+from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.prefill import prefill
+from kvdiverge.engine.presses.promises import kept_promise
+from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.engine.coupled import run_document
+from kvdiverge.engine.core.coupled import run_document
 from kvdiverge.study.shard import run_shard
 
 pytestmark = pytest.mark.llm

@@ -31,7 +31,7 @@ from polars.testing import assert_frame_equal
 from kvdiverge import cli
 from kvdiverge.cli import UsageError, build_press, main, model_entry, parse_press, parse_value, read_prompts
 from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
-from kvdiverge.engine.policies import Policy, PressPolicy
+from kvdiverge.engine.presses.policies import Policy, PressPolicy
 from kvdiverge.engine.runner import Document
 
 REPO = Path(__file__).resolve().parents[1]
@@ -424,7 +424,7 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     from kvpress import SnapKVPress
 
     import kvdiverge
-    from kvdiverge.engine.errors import CompressionError
+    from kvdiverge.engine.core.errors import CompressionError
     from mypresses import KeepAllPress, RecentPress
 
     config, name, model, tokenizer, prompts = smoke

@@ -23,7 +23,7 @@ import torch
 
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 from kvdiverge.study.config import load_config
-from kvdiverge.engine.policies import Policy
+from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
 
 pytestmark = pytest.mark.miniature

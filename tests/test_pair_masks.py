@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvdiverge.engine.errors import CompressionError
-from kvdiverge.engine.llm_pair import LLMKernelPair, merge_caches
-from kvdiverge.engine.masks import check_patched
-from kvdiverge.engine.prefill import attention_weights, prefill, shares_prefill
-from kvdiverge.engine.promises import KeptPromise, check_kept, kept_promise
-from kvdiverge.engine.twin import evicted_twin
+from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
+from kvdiverge.engine.llm.masks import check_patched
+from kvdiverge.engine.llm.prefill import attention_weights, prefill, shares_prefill
+from kvdiverge.engine.presses.promises import KeptPromise, check_kept, kept_promise
+from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 LAYERS, HEADS = 3, 2
@@ -314,7 +314,7 @@ def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model
 
 def test_a_document_prefill_seeds_torch_and_restores_the_callers_generator(model):
     """Presses drawing from torch's global generator (here RandomPress without a seed) reproduce under ``seeded``."""
-    from kvdiverge.engine.prefill import prefill_seed, seeded
+    from kvdiverge.engine.llm.prefill import prefill_seed, seeded
 
     ids, seed, twin = torch.tensor(prompt(60)), prefill_seed(0, "m", "doc"), evicted_twin(model)
     assert seed == prefill_seed(0, "m", "doc") != prefill_seed(0, "m", "other") != prefill_seed(1, "m", "doc")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from kvpress import KnormPress
 
-import kvdiverge.engine.coupled as coupled
-import kvdiverge.engine.planner as planner
-from kvdiverge.engine.coupled import run_batch
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
+import kvdiverge.engine.core.coupled as coupled
+import kvdiverge.engine.llm.planner as planner
+from kvdiverge.engine.core.coupled import run_batch
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.study.shard import run_shard

@@ -8,8 +8,8 @@ from kvdiverge.report import figures as plots
 from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
 from kvdiverge.estimation.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
                                   replicate_estimates, survival_curve)
-from kvdiverge.engine.pairs import TableKernelPair
-from kvdiverge.engine.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.core.coupled import simulate
 
 PLAN = {"policy": "B", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
         "alternative": "greater", "correction": "holm", "alpha": 0.05}

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvdiverge.engine.policies import Policy, min_prompt_tokens, policies_from_config, press_class
+from kvdiverge.engine.presses.policies import Policy, min_prompt_tokens, policies_from_config, press_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_bad_policies_are_named():
 
 
 def test_the_noise_floor_is_a_project_press_named_like_any_press():
-    from kvdiverge.engine.presses import PermutationPress
+    from kvdiverge.engine.presses.project import PermutationPress
 
     policy = Policy.from_config("noise-floor", {"press": "PermutationPress", "seed": 3})
     assert press_class("PermutationPress") is PermutationPress
@@ -93,8 +93,8 @@ def llm():
 def test_every_press_compresses_to_its_kept_count_and_decodes(llm, press_name):
     from kvpress import ScorerPress
 
-    from kvdiverge.engine.llm_pair import LLMKernelPair
-    from kvdiverge.engine.coupled import run_document
+    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+    from kvdiverge.engine.core.coupled import run_document
 
     model, tokenizer = llm
     messages = [{"role": "user", "content": "Fellow citizens, " * 60 + "\nSummarize."}]

@@ -100,9 +100,9 @@ def test_float16_runs_on_cpu(bf16_run):
 
     from kvdiverge.estimation.finite import check_shard
     from kvdiverge.study.models import load_model, local_entry
-    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_documents
-    from kvdiverge.engine.coupled import to_frame
+    from kvdiverge.engine.core.coupled import to_frame
 
     config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec = local_entry({**config["models"]["smollm2-135m"], "dtype": "float16"},

@@ -2,10 +2,10 @@
 
 In kvpress's own test style (``tests/default_presses.py`` + one parametrized test per
 property): one row per class in ``kvpress.__all__`` (and the project's presses), read
-through :data:`kvdiverge.engine.press_registry.ROWS`, so a new kvpress release adds rows by
+through :data:`kvdiverge.engine.presses.registry.ROWS`, so a new kvpress release adds rows by
 itself. Each row runs on tiny random-weight models with the Llama-3.1 and Qwen2.5 miniature
 structure (grouped-query attention, :mod:`kvdiverge.reference.miniatures`), its test
-instance from :func:`kvdiverge.engine.press_status.test_spec` (ratio 0.5 where the press
+instance from :func:`kvdiverge.engine.presses.status.test_spec` (ratio 0.5 where the press
 takes one; SnapKV or Knorm inside wrappers).
 
 A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded together
@@ -16,9 +16,9 @@ A *measured* press must give, on three prompts of 48, 64 and 96 tokens decoded t
   (one stated exception, :data:`RATIO0_TV`);
 - per document, the distributions of the document run alone, within :data:`BATCH_TOL`
   (presses drawing from torch's global generator included: each document's prefill seeds it,
-  :func:`kvdiverge.engine.prefill.prefill_seed`);
+  :func:`kvdiverge.engine.llm.prefill.prefill_seed`);
 - the kept counts per layer and head that the press promises (``expected_kept``, checked by
-  :func:`kvdiverge.engine.promises.check_kept`), and an eviction at ratio 0.5.
+  :func:`kvdiverge.engine.presses.promises.check_kept`), and an eviction at ratio 0.5.
 
 A *refused* press must stop before any work (no model forward) with the registry's sentence,
 which names what it needs (:data:`REASONS`), and kvpress alone must indeed fail on it here
@@ -36,14 +36,14 @@ import warnings
 import pytest
 import torch
 
-from kvdiverge.engine import press_registry as registry
-from kvdiverge.engine import press_status
-from kvdiverge.engine.decode_pair import DecodeTimePair, is_decode_time
-from kvdiverge.engine.errors import PressError
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.policies import Policy, press_from_spec
-from kvdiverge.engine.prefill import prefill_seed
-from kvdiverge.engine.promises import check_kept
+from kvdiverge.engine.presses import registry
+from kvdiverge.engine.presses import status as press_status
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair, is_decode_time
+from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.presses.policies import Policy, press_from_spec
+from kvdiverge.engine.llm.prefill import prefill_seed
+from kvdiverge.engine.presses.promises import check_kept
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 T, R = 4, 2
@@ -287,4 +287,4 @@ def test_the_readme_press_table_is_the_registry():
     start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start):readme.index(end)]
-    assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.press_status"
+    assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.presses.status"

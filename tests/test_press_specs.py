@@ -4,8 +4,8 @@ import pytest
 from kvpress import AdaKVPress, ComposedPress, KnormPress, KeyRerotationPress, SnapKVPress, StreamingLLMPress
 
 from kvdiverge.cli import UsageError, build_press, parse_press_call, policy_entry
-from kvdiverge.engine.errors import PressError
-from kvdiverge.engine.policies import Policy, min_prompt_tokens
+from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.presses.policies import Policy, min_prompt_tokens
 
 ADAKV = {"press": "AdaKVPress", "compression_ratio": 0.5,
          "params": {"press": {"press": "SnapKVPress", "window_size": 16}}}

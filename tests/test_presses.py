@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvdiverge.engine.llm_pair import LLMKernelPair
-from kvdiverge.engine.policies import Policy
-from kvdiverge.engine.presses import PermutationPress
-from kvdiverge.engine.coupled import run_document
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.presses.project import PermutationPress
+from kvdiverge.engine.core.coupled import run_document
 
 T = 6
 

@@ -5,10 +5,10 @@ import polars as pl
 import pytest
 
 from kvdiverge.reference.exact import enumerate_coupled
-from kvdiverge.engine.pairs import TableKernelPair
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.engine.coupled import simulate
-from kvdiverge.engine.streams import uniform_streams
+from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.engine.core.streams import uniform_streams
 
 V = 3
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvdiverge.engine.twin import evicted_twin, shares_weights
+from kvdiverge.engine.llm.twin import evicted_twin, shares_weights
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 

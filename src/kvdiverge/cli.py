@@ -104,7 +104,7 @@ def parse_press_call(text: str) -> dict[str, Any]:
     -------
     dict
         ``{"press": Name, "params": {...}}``, press-valued arguments as specs of the same
-        shape (:func:`kvdiverge.engine.policies.press_from_spec`).
+        shape (:func:`kvdiverge.engine.presses.policies.press_from_spec`).
 
     Raises
     ------
@@ -125,7 +125,7 @@ def _press_call(node, text: str) -> dict[str, Any]:
     import ast
     import inspect
 
-    from kvdiverge.engine.policies import press_class
+    from kvdiverge.engine.presses.policies import press_class
 
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         raise UsageError(f"press {text!r}: expected PressName(param=value, ...)")
@@ -169,7 +169,7 @@ def press_spec(text: str) -> dict[str, Any]:
 
 def _ratio_target(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The spec (``spec`` or one nested in it) that takes a policy's compression ratio."""
-    from kvdiverge.engine.policies import is_press_spec, press_class, press_parameters, spec_parameters, takes_ratio
+    from kvdiverge.engine.presses.policies import is_press_spec, press_class, press_parameters, spec_parameters, takes_ratio
 
     params = spec_parameters(spec)
     if not takes_ratio(spec["press"], params):
@@ -227,8 +227,8 @@ def build_press(spec: str):
         Unknown press (the message lists the presses), unknown parameter (the message
         lists the accepted ones), a value the press rejects, or a press kvdiverge refuses.
     """
-    from kvdiverge.engine.policies import press_from_spec
-    from kvdiverge.engine.press_registry import refusal
+    from kvdiverge.engine.presses.policies import press_from_spec
+    from kvdiverge.engine.presses.registry import refusal
 
     try:
         press = press_from_spec(press_spec(spec), None, f"press {spec!r}")
@@ -507,7 +507,7 @@ def _measure(args: argparse.Namespace) -> int:
 
 def _bad_input(exc: BaseException) -> bool:
     """True for errors that report bad input (one line, exit code 2) rather than a bug."""
-    from kvdiverge.engine.errors import CompressionError
+    from kvdiverge.engine.core.errors import CompressionError
     from kvdiverge.study.models import ModelNotFoundError
 
     # ValueError covers UsageError, CorpusError, policy and prompt-length errors

@@ -35,7 +35,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.policies import Policy, PressPolicy
+from kvdiverge.engine.presses.policies import Policy, PressPolicy
 from kvdiverge.engine.runner import Document, PressSource
 from kvdiverge.report.formatting import number, with_interval
 
@@ -45,7 +45,7 @@ __all__ = ["Measurement", "NOISE_FLOOR_PRESS", "frontier_presses", "measure", "p
 log = logging.getLogger(__name__)
 
 #: Class name of the project's noise-floor control press, for messages (a press is the noise floor
-#: when it keeps every position: :func:`kvdiverge.engine.policies.keeps_every_position`).
+#: when it keeps every position: :func:`kvdiverge.engine.presses.policies.keeps_every_position`).
 NOISE_FLOOR_PRESS = "PermutationPress"
 #: Policy name of the noise-floor control in configs.
 NOISE_FLOOR_POLICY = "noise-floor"
@@ -128,9 +128,9 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
     ----------
     presses : mapping, sequence or press
         A mapping of name to a kvpress press object (any ``kvpress.BasePress``, the
-        user's own classes included; wrapped in :class:`kvdiverge.engine.policies.PressPolicy`),
+        user's own classes included; wrapped in :class:`kvdiverge.engine.presses.policies.PressPolicy`),
         a policy entry as in the config (``{"press": "SnapKVPress", "compression_ratio":
-        0.5, ...}`` or ``budget``; :class:`kvdiverge.engine.policies.Policy`), or any
+        0.5, ...}`` or ``budget``; :class:`kvdiverge.engine.presses.policies.Policy`), or any
         ``PressSource``. A sequence or a single press is named by class name
         (``SnapKVPress``, ``SnapKVPress-2`` for a second one).
 
@@ -143,14 +143,14 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
     ------
     ValueError
         No presses, or an invalid policy entry.
-    kvdiverge.engine.errors.PressError
+    kvdiverge.engine.core.errors.PressError
         (a ``ValueError``) A press kvdiverge refuses (the message says what it needs; see
-        :mod:`kvdiverge.engine.press_registry`), an unknown parameter, or one kvpress rejects.
+        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, or one kvpress rejects.
     TypeError
         A value that is neither a press, a policy entry nor a PressSource.
     """
-    from kvdiverge.engine.errors import PressError
-    from kvdiverge.engine.press_registry import refusal
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.registry import refusal
 
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
@@ -203,7 +203,7 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
         Naming the first prompt shorter than a press needs (the press and its minimum), or
         a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
     """
-    from kvdiverge.engine.policies import min_prompt_tokens
+    from kvdiverge.engine.presses.policies import min_prompt_tokens
 
     for doc in documents:
         if context is not None and doc.prompt_len + max_new_tokens > context:
@@ -221,11 +221,11 @@ def refuse_on(model, sources: Mapping[str, PressSource]) -> None:
 
     Raises
     ------
-    kvdiverge.engine.errors.PressError
-        Naming the press and what it needs (:func:`kvdiverge.engine.press_registry.refusal`).
+    kvdiverge.engine.core.errors.PressError
+        Naming the press and what it needs (:func:`kvdiverge.engine.presses.registry.refusal`).
     """
-    from kvdiverge.engine.errors import PressError
-    from kvdiverge.engine.press_registry import refusal
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.registry import refusal
 
     for name, source in sources.items():
         press = getattr(source, "_probe", None) if isinstance(source, Policy) else getattr(source, "press", None)
@@ -236,8 +236,8 @@ def refuse_on(model, sources: Mapping[str, PressSource]) -> None:
 
 def is_noise_floor(name: str, source: PressSource) -> bool:
     """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
-    (``PermutationPress``; :func:`kvdiverge.engine.policies.keeps_every_position`)."""
-    from kvdiverge.engine.policies import keeps_every_position
+    (``PermutationPress``; :func:`kvdiverge.engine.presses.policies.keeps_every_position`)."""
+    from kvdiverge.engine.presses.policies import keeps_every_position
 
     if name == NOISE_FLOOR_POLICY:
         return True
@@ -308,7 +308,7 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
         a budget for a press object.
     """
     from kvdiverge.estimation.frontier import frontier_grid
-    from kvdiverge.engine.presses import PermutationPress
+    from kvdiverge.engine.presses.project import PermutationPress
 
     if not ratios and not budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
@@ -737,7 +737,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         Bad prompts or presses (see :func:`prepare_documents`, :func:`prepare_presses`),
         a prompt shorter than a press needs or too long for the model context, ``T < 1``,
         ``replicates < 1``.
-    kvdiverge.engine.errors.CompressionError
+    kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
         the promised number of positions. A press that promises nothing and leaves the
         cache whole runs and is reported (``summary['untouched']``, and a warning).
@@ -746,7 +746,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
 
     from kvdiverge.estimation import tables
     from kvdiverge.engine.runner import plan_documents, run_documents
-    from kvdiverge.engine.coupled import to_frame
+    from kvdiverge.engine.core.coupled import to_frame
 
     T, R = int(max_new_tokens), int(replicates)
     if T < 1 or R < 1:

@@ -1,4 +1,4 @@
-# Stage 3: coupled trajectories per (model, policy, split, shard) — kvdiverge.engine.coupled.
+# Stage 3: coupled trajectories per (model, policy, split, shard) — kvdiverge.engine.core.coupled.
 # One job per shard; a shard is written atomically, so an interrupted run resumes by
 # regenerating only the missing shards. Jobs whose model runs on CUDA request one GPU
 # (`gpu` resource, read by the SLURM profile); CPU jobs request none.

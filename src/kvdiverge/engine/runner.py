@@ -3,7 +3,7 @@
 Both doors call :func:`run_documents`: the workflow (``kvdiverge.study.shard.run_shard``,
 one shard of one (model, policy, split)) and the Python/command-line front door
 (``kvdiverge.measure``). Batching, device placement and progress live here or below
-(:mod:`kvdiverge.engine.pairs`, :mod:`kvdiverge.engine.coupled`), never in the doors.
+(:mod:`kvdiverge.engine.core.pairs`, :mod:`kvdiverge.engine.core.coupled`), never in the doors.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ class PressSource(Protocol):
     """What the runner needs of a policy: a press per prompt length, and the kept count.
 
     ``expected_kept`` returns an int (every layer and head keeps that many), a
-    :class:`kvdiverge.engine.promises.KeptPromise`, or ``None``.
+    :class:`kvdiverge.engine.presses.promises.KeptPromise`, or ``None``.
 
-    :class:`kvdiverge.engine.policies.Policy` implements it.
+    :class:`kvdiverge.engine.presses.policies.Policy` implements it.
     """
 
     name: str
@@ -86,10 +86,10 @@ def plan_documents(
     batch_documents : int, optional
         ``B`` to use (clipped to the number of documents); None plans it.
     decode_time : bool
-        The policy evicts during decoding (``3R`` rows per document, :mod:`kvdiverge.engine.planner`).
+        The policy evicts during decoding (``3R`` rows per document, :mod:`kvdiverge.engine.llm.planner`).
     memory_budget_gb : float, optional
         GiB the batch may take; default
-        :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
+        :func:`kvdiverge.engine.llm.planner.default_memory_budget` of the model's device.
 
     Returns
     -------
@@ -101,7 +101,7 @@ def plan_documents(
     ValueError
         If ``batch_documents`` is below 1.
     """
-    from kvdiverge.engine.planner import default_memory_budget, kv_bytes_per_token, plan_batch
+    from kvdiverge.engine.llm.planner import default_memory_budget, kv_bytes_per_token, plan_batch
 
     param = next(model.parameters())
     if batch_documents is None:
@@ -135,14 +135,14 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
 
-    A decode-time policy (:func:`kvdiverge.engine.decode_pair.is_decode_time`: the press
+    A decode-time policy (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time`: the press
     also evicts while tokens are generated) runs on
-    :class:`kvdiverge.engine.decode_pair.DecodeTimePair` (lanes with exact branch replay),
-    every other on :class:`kvdiverge.engine.llm_pair.LLMKernelPair`; ``kept_len`` is then
+    :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
+    every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
     the fewest positions the evicted cache held along the agreement chain.
 
     Documents run ``B`` at a time as the rows of one kernel pair
-    (:meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.coupled.run_batch`):
+    (:meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.core.coupled.run_batch`):
     ``B x R`` rows per side per forward. Batches group documents of similar length
     (sorted by prompt length, ties by input order) to keep padding small; records come
     back in input order. A document's results depend on its batch only through the
@@ -162,7 +162,7 @@ def run_documents(
     replicates : int
         ``R`` coupled replicates per document.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     seed : int
         Master seed.
     model_name : str
@@ -176,7 +176,7 @@ def run_documents(
         from the model's KV bytes per token and ``memory_budget_gb``.
     memory_budget_gb : float, optional
         Memory the batch may take (GiB); default
-        :func:`kvdiverge.engine.planner.default_memory_budget` of the model's device.
+        :func:`kvdiverge.engine.llm.planner.default_memory_budget` of the model's device.
 
     Returns
     -------
@@ -184,23 +184,23 @@ def run_documents(
         One record per (document, replicate), in input order: ``doc_id``, ``prompt_len``,
         ``kept_len`` (prompt positions kept per key-value head, mean over layers and heads),
         ``kept_per_layer`` (per layer, summed over its key-value heads), ``seconds`` (the batch's wall time divided by its documents) and the
-        columns of :func:`kvdiverge.engine.coupled.run_batch`.
+        columns of :func:`kvdiverge.engine.core.coupled.run_batch`.
 
     Raises
     ------
-    kvdiverge.engine.errors.CompressionError
+    kvdiverge.engine.core.errors.CompressionError
         When a press does not keep the promised number of positions.
-    kvdiverge.engine.errors.PressError
+    kvdiverge.engine.core.errors.PressError
         Before any forward, when the registry refuses the press on this model
-        (:func:`kvdiverge.engine.press_registry.refusal`); when kvpress raises an
+        (:func:`kvdiverge.engine.presses.registry.refusal`); when kvpress raises an
         ``ImportError``, ``AssertionError``, ``TypeError``, ``AttributeError`` or ``IndexError`` during the
         run (the message names the policy, the press and the cause).
-    kvdiverge.engine.errors.NonFiniteLogitsError
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits (names model, document, replicate, step, side).
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.engine.decode_pair import is_decode_time
+    from kvdiverge.engine.llm.decode_pair import is_decode_time
 
     if not documents:
         return []
@@ -233,12 +233,12 @@ def run_documents(
 def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, *, T, replicates, seed, model_name,
                    temperature, top_p, eos_ids, progress):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
-    from kvdiverge.engine.coupled import run_batch
-    from kvdiverge.engine.decode_pair import DecodeTimePair
-    from kvdiverge.engine.errors import PressError, raise_kvpress_error
-    from kvdiverge.engine.llm_pair import LLMKernelPair
-    from kvdiverge.engine.prefill import prefill_seed
-    from kvdiverge.engine.press_registry import refusal
+    from kvdiverge.engine.core.coupled import run_batch
+    from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+    from kvdiverge.engine.core.errors import PressError, raise_kvpress_error
+    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+    from kvdiverge.engine.llm.prefill import prefill_seed
+    from kvdiverge.engine.presses.registry import refusal
 
     presses = [policy.build_press(doc.prompt_len) for doc in batch]
     reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)

@@ -2,8 +2,8 @@
 
 :func:`lower_construction` and :func:`upper_construction` wrap a pure kernel-pair function
 and change it only on history pairs more than ``W`` steps past their divergence.
-:func:`wrap_pair` applies them to a :class:`kvdiverge.engine.pairs.TableKernelPair`, and
-:class:`ConstructedPair` to any pair of the incremental :class:`kvdiverge.engine.pairs.KernelPair`
+:func:`wrap_pair` applies them to a :class:`kvdiverge.engine.core.pairs.TableKernelPair`, and
+:class:`ConstructedPair` to any pair of the incremental :class:`kvdiverge.engine.core.pairs.KernelPair`
 interface (e.g. the LLM pair). The interval itself: :func:`kvdiverge.estimation.intervals.sharp_interval`.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdiverge.engine.pairs import History, KernelFn, TableKernelPair
+from kvdiverge.engine.core.pairs import History, KernelFn, TableKernelPair
 
 __all__ = ["ConstructedPair", "divergence_lag", "lower_construction", "upper_construction", "wrap_pair"]
 
@@ -144,7 +144,7 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
 
     Parameters
     ----------
-    pair : kvdiverge.engine.pairs.TableKernelPair
+    pair : kvdiverge.engine.core.pairs.TableKernelPair
         Must expose ``fn``, ``vocab_size`` and ``eos_ids``.
     W : int
         Window width (lags).
@@ -155,7 +155,7 @@ def wrap_pair(pair: Any, W: int, end: str, **kwargs: Any) -> Any:
 
     Returns
     -------
-    kvdiverge.engine.pairs.TableKernelPair
+    kvdiverge.engine.core.pairs.TableKernelPair
         A new pair with the constructed function and the same vocabulary and EOS ids.
 
     Raises
@@ -184,7 +184,7 @@ class ConstructedPair:
 
     Parameters
     ----------
-    pair : kvdiverge.engine.pairs.KernelPair
+    pair : kvdiverge.engine.core.pairs.KernelPair
         The inner pair (``vocab_size``, ``eos_ids``, ``start``, ``advance``, ``rewind``,
         ``keep_rows``).
     W : int

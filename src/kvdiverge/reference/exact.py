@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvdiverge.engine.pairs import History, KernelFn
+from kvdiverge.engine.core.pairs import History, KernelFn
 from kvdiverge.estimation.decomposition import rho
 
 __all__ = [

@@ -179,8 +179,8 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
 def policy_problems(policies: dict[str, Any]) -> list[str]:
     """What is wrong with each policy: its press built once (unknown parameters of nested presses,
     ratio or budget, kvpress's own checks) and refused presses (what they need), one line each."""
-    from kvdiverge.engine.errors import PressError
-    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
 
     problems = []
     for name, spec in policies.items():
@@ -195,7 +195,7 @@ def check(config: dict[str, Any]) -> None:
     """Check the cross-references a schema cannot express.
 
     Every policy must build its press, and kvdiverge must measure it
-    (:mod:`kvdiverge.engine.press_registry`); the noise-floor policy's press must keep every
+    (:mod:`kvdiverge.engine.presses.registry`); the noise-floor policy's press must keep every
     position. Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
     on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
@@ -235,7 +235,7 @@ def check(config: dict[str, Any]) -> None:
     problems += policy_problems(policies)
     floor = run.get("floor")
     if floor and need_policy("runs.floor.policy", floor["policy"]):
-        from kvdiverge.engine.policies import keeps_every_position
+        from kvdiverge.engine.presses.policies import keeps_every_position
 
         press = policies[floor["policy"]].get("press")
         if not keeps_every_position(press):
@@ -361,7 +361,7 @@ def control_documents(config: dict[str, Any], policy: str, split: str) -> int | 
 def _takes_ratio(entry: dict[str, Any]) -> bool:
     """True when the press of a policy entry, or a press nested in its ``params``, takes a
     ``compression_ratio`` (the top-level ratio goes to the press that takes it)."""
-    from kvdiverge.engine.policies import keeps_every_position, press_class, press_parameters
+    from kvdiverge.engine.presses.policies import keeps_every_position, press_class, press_parameters
 
     name = entry.get("press")
     if not isinstance(name, str) or keeps_every_position(name):

@@ -7,7 +7,7 @@ README's study estimate and the GPU benchmark's projection come from one place::
     python -m kvdiverge.study.cost config/paper.yaml                 # table and totals
     python -m kvdiverge.study.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
 
-Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.coupled`):
+Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
 
 - A **token-step** is one next-token distribution of one row on one side (the unit of
   ``benchmarks/engine_speed.py``: one token decoded for one sequence). Per replicate the
@@ -25,8 +25,8 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.coupled`):
   engine), a shard of ``n`` documents decodes ``ceil(n / B)`` groups:
   ``decode_forwards = 2 x (2T - 2) x ceil(n / B)`` per shard.
 
-A **decode-time policy** (:func:`kvdiverge.engine.decode_pair.is_decode_time_entry`) runs on
-:class:`kvdiverge.engine.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
+A **decode-time policy** (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time_entry`) runs on
+:class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
 one document each (one forward per lane per step, not batched across documents), and a
 branch starting at ``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper
 bounds per document, with every replicate in a lane of its own: evicted decode forwards
@@ -157,7 +157,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
-    from kvdiverge.engine.decode_pair import is_decode_time_entry
+    from kvdiverge.engine.llm.decode_pair import is_decode_time_entry
 
     B = _batch_documents(config, batch_documents)
     T = int(config["decoding"]["max_new_tokens"])

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvdiverge.engine.llm_pair import model_eos_ids as eos_ids  # defined beside the pair that absorbs them
+from kvdiverge.engine.llm.llm_pair import model_eos_ids as eos_ids  # defined beside the pair that absorbs them
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 

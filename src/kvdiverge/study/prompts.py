@@ -16,7 +16,7 @@ A document is excluded, with the reason recorded, when
 
 - its prompt plus ``max_new_tokens`` exceeds the model's context, or
 - it is shorter than what a policy scheduled on its split needs
-  (``kvdiverge.engine.policies.min_prompt_tokens``), so that every policy of a split sees
+  (``kvdiverge.engine.presses.policies.min_prompt_tokens``), so that every policy of a split sees
   the same documents.
 
 Output table (``docs/internals.md``): ``doc_id``, ``split``, ``n_prompt_tokens``
@@ -144,7 +144,7 @@ def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:
 
 def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it."""
-    from kvdiverge.engine.policies import min_prompt_tokens
+    from kvdiverge.engine.presses.policies import min_prompt_tokens
 
     return {
         split: {name: int(min_prompt_tokens(config["policies"][name])) for name in names}

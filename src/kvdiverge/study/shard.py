@@ -8,7 +8,7 @@ from typing import Any
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.engine.coupled import to_frame
+from kvdiverge.engine.core.coupled import to_frame
 
 __all__ = ["shard_documents", "run_shard"]
 
@@ -87,13 +87,13 @@ def run_shard(
 
     Raises
     ------
-    kvdiverge.engine.errors.NonFiniteLogitsError
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
     """
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata, shard_settings
-    from kvdiverge.engine.policies import Policy
+    from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, plan_documents, run_documents
 
     policy = Policy.from_config(policy_name, config["policies"][policy_name])

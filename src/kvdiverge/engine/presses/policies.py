@@ -8,7 +8,7 @@ A policy is a config entry such as::
     none:        {press: SnapKVPress, compression_ratio: 0.0}
 
 Any press that ``kvpress`` exports can be named, and the project's own presses
-(:data:`kvdiverge.engine.presses.PROJECT_PRESSES`, e.g. the noise-floor control
+(:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`, e.g. the noise-floor control
 ``PermutationPress``, which keeps every position and takes neither a ratio nor a
 budget)::
 
@@ -27,7 +27,7 @@ The policy's ``compression_ratio`` (or the ratio of its ``budget``) goes to the 
 takes one: the named press itself, else the first press it wraps that does (the inner
 scorer of a wrapper such as ``AdaKVPress``). Presses compress the prompt cache once,
 during prefill (kvpress, https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot
-measure are refused with one sentence (:mod:`kvdiverge.engine.press_registry`) when the
+measure are refused with one sentence (:mod:`kvdiverge.engine.presses.registry`) when the
 policy is built, before any work.
 
 A fixed token ``budget`` becomes a per-document compression ratio chosen so that
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from kvdiverge.engine.errors import PressError
+from kvdiverge.engine.core.errors import PressError
 
 #: Keys of a policy entry that are not constructor parameters of the press.
 _POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
@@ -85,7 +85,7 @@ class Policy:
 
         Raises
         ------
-        kvdiverge.engine.errors.PressError
+        kvdiverge.engine.core.errors.PressError
             (a ``ValueError``) If the press is unknown, a parameter (of it or of a press it
             wraps) is not accepted, both or neither of ``compression_ratio`` and ``budget``
             are given for a press that takes a ratio (a press that takes none, such as
@@ -127,10 +127,10 @@ class Policy:
 
         Raises
         ------
-        kvdiverge.engine.errors.PressError
+        kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         """
-        from kvdiverge.engine.press_registry import refusal
+        from kvdiverge.engine.presses.registry import refusal
 
         reason = refusal(self._probe)
         if reason:
@@ -182,17 +182,17 @@ class Policy:
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
 
-        :func:`kvdiverge.engine.promises.kept_promise` of the press built for this prompt
+        :func:`kvdiverge.engine.presses.promises.kept_promise` of the press built for this prompt
         (at :meth:`ratio_for`, so a budget's press promises the budget): an int for presses
         that keep the same count in every layer and head, a
-        :class:`kvdiverge.engine.promises.KeptPromise` for head-wise and per-layer presses,
+        :class:`kvdiverge.engine.presses.promises.KeptPromise` for head-wise and per-layer presses,
         ``None`` for others (only checked to compress).
 
         Returns
         -------
         int, KeptPromise or None
         """
-        from kvdiverge.engine.promises import kept_promise
+        from kvdiverge.engine.presses.promises import kept_promise
 
         return kept_promise(press, prompt_len)
 
@@ -201,7 +201,7 @@ class Policy:
 
         Raises
         ------
-        kvdiverge.engine.errors.PressError
+        kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         ValueError
             If the prompt is shorter than :attr:`min_prompt_tokens`.
@@ -212,8 +212,8 @@ class Policy:
 
 def kept_count(prompt_len: int, compression_ratio: float) -> int:
     """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens):
-    :func:`kvdiverge.engine.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
-    from kvdiverge.engine import promises
+    :func:`kvdiverge.engine.presses.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
+    from kvdiverge.engine.presses import promises
 
     return promises.kept_count(prompt_len, compression_ratio)
 
@@ -242,7 +242,7 @@ def keeps_every_position(press) -> bool:
 def press_class(name: str):
     """Return the press class called ``name``: a project press, one kvpress exports, or ``module:Class``.
 
-    Project presses (:data:`kvdiverge.engine.presses.PROJECT_PRESSES`) are looked up first;
+    Project presses (:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`) are looked up first;
     ``module:Class`` imports ``module`` (:func:`import_press`).
 
     Raises
@@ -253,7 +253,7 @@ def press_class(name: str):
     """
     import kvpress
 
-    from kvdiverge.engine.presses import PROJECT_PRESSES
+    from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
     if ":" in name:
         return import_press(name)
@@ -261,7 +261,7 @@ def press_class(name: str):
         return PROJECT_PRESSES[name]
     cls = getattr(kvpress, name, None)
     if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        from kvdiverge.engine.press_registry import PRESS_CLASSES
+        from kvdiverge.engine.presses.registry import PRESS_CLASSES
 
         raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
     return cls
@@ -311,7 +311,7 @@ def spec_parameters(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _settable(cls) -> tuple[str, ...]:
-    from kvdiverge.engine.press_registry import ROWS
+    from kvdiverge.engine.presses.registry import ROWS
 
     row = ROWS.get(cls.__name__)
     return row.settable if row else ()
@@ -328,7 +328,7 @@ def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
     ValueError
         An unknown press name (here or nested).
     """
-    from kvdiverge.engine.press_registry import ROWS
+    from kvdiverge.engine.presses.registry import ROWS
 
     cls = press_class(press)
     row = ROWS.get(cls.__name__)
@@ -395,7 +395,7 @@ def press_from_spec(spec: Mapping[str, Any], ratio: float | None, owner: str):
 
     Raises
     ------
-    kvdiverge.engine.errors.PressError
+    kvdiverge.engine.core.errors.PressError
         An unknown press or parameter (the message lists the accepted ones), a ratio given
         twice or to a press that takes none, or the constructor's own error (kvpress checks
         with ``assert``), naming the press and the cause.
@@ -444,7 +444,7 @@ def press_min_prompt_tokens(press, budget: int | None = None) -> int:
     window or attention sinks must leave something to evict); a fixed ``budget`` needs
     ``budget + window_size + 1`` tokens.
     """
-    from kvdiverge.engine.press_registry import nested_presses
+    from kvdiverge.engine.presses.registry import nested_presses
 
     window = sinks = 0
     for p in nested_presses(press):
@@ -527,7 +527,7 @@ class PressPolicy:
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens:
-        :func:`kvdiverge.engine.promises.kept_promise` (int, KeptPromise or ``None``)."""
-        from kvdiverge.engine.promises import kept_promise
+        :func:`kvdiverge.engine.presses.promises.kept_promise` (int, KeptPromise or ``None``)."""
+        from kvdiverge.engine.presses.promises import kept_promise
 
         return kept_promise(press, prompt_len)

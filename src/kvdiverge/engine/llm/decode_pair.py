@@ -5,7 +5,7 @@ next-token distribution after generating ``h`` one token per forward from a fres
 under the press, press state (step counters, buffered hidden states, module masks)
 included. A compressed cache cannot be cut back, so the evicted side runs in **lanes**:
 
-- A lane is one module tree (:func:`kvdiverge.engine.twin.evicted_twin`: the reference
+- A lane is one module tree (:func:`kvdiverge.engine.llm.twin.evicted_twin`: the reference
   model's tensors, its own modules), one fresh copy of the document's press entered on
   it for the lane's whole life, and one batched KV cache with no padding. Its rows all
   started from one prefill of one document and each receives one token per forward, so
@@ -27,7 +27,7 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   the lane has left, when the lane is closed. So no press buffer with a batch dimension
   is ever sliced.
 
-The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm_pair.LLMKernelPair`
+The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
 (batched over documents, left-padded, rewound by masking), and never sees a press.
 
 The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
@@ -42,12 +42,12 @@ from contextlib import ExitStack
 
 import torch
 
-from kvdiverge.engine.coupling import coupling_dtype
-from kvdiverge.engine.decoding import decode_log_probs
-from kvdiverge.engine.errors import CompressionError, check_logits_finite
-from kvdiverge.engine.llm_pair import _CacheSide, merge_caches, model_eos_ids
-from kvdiverge.engine.prefill import seeded
-from kvdiverge.engine.twin import evicted_twin
+from kvdiverge.engine.core.coupling import coupling_dtype
+from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
+from kvdiverge.engine.llm.llm_pair import _CacheSide, merge_caches, model_eos_ids
+from kvdiverge.engine.llm.prefill import seeded
+from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
 
@@ -75,12 +75,12 @@ def is_decode_time(press) -> bool:
     Decode-time presses: ``kvpress.DecodingPress`` and its subclasses
     (``CompressionRatioDecodingPress``, ``CAMPress``), ``kvpress.PrefillDecodingPress``
     with a decoding press, ``kvpress.DMSPress(decoding=True)`` and the project's
-    :class:`kvdiverge.engine.window.SlidingWindowPress`. Every other kvpress press acts
+    :class:`kvdiverge.engine.presses.window.SlidingWindowPress`. Every other kvpress press acts
     at prefill only.
     """
     from kvpress import DecodingPress, DMSPress, PrefillDecodingPress
 
-    from kvdiverge.engine.window import SlidingWindowPress
+    from kvdiverge.engine.presses.window import SlidingWindowPress
 
     for p in _nested(press):
         if isinstance(p, (DecodingPress, SlidingWindowPress)):
@@ -228,8 +228,8 @@ def _new_counts() -> dict[str, int]:
 class DecodeTimePair:
     """One language model; full cache on the reference side, press-driven lanes on the evicted side.
 
-    Implements :class:`kvdiverge.engine.pairs.KernelPair` (module docstring for the
-    mechanism). Rows are document-major as in :class:`kvdiverge.engine.llm_pair.LLMKernelPair`:
+    Implements :class:`kvdiverge.engine.core.pairs.KernelPair` (module docstring for the
+    mechanism). Rows are document-major as in :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`:
     row ``d*R + r`` is replicate ``r`` of document ``d``. Generated tokens take RoPE
     position ``prompt_len + t`` on both sides, whatever the cache length.
 
@@ -245,7 +245,7 @@ class DecodeTimePair:
     expected_kept : sequence of int or None
         Positions every layer must hold after prefill, per document (``None``: not checked).
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     eos_ids : sequence of int, optional
         End-of-sequence ids; default ``model.generation_config.eos_token_id``.
 
@@ -302,7 +302,7 @@ class DecodeTimePair:
 
     @classmethod
     def from_documents(cls, model, prompts, presses, expected_kept, **kwargs) -> "DecodeTimePair":
-        """The constructor, under :meth:`kvdiverge.engine.llm_pair.LLMKernelPair.from_documents`'s name."""
+        """The constructor, under :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents`'s name."""
         return cls(model, prompts, presses, expected_kept, **kwargs)
 
     @property

@@ -11,7 +11,7 @@ cache of those rows:
     B = floor(memory_budget / bytes_per_document), clipped to [1, documents]
 
 A decode-time policy counts ``3R`` rows instead of ``2R`` (the evicted side's chain lane
-and replay lanes can coexist: :mod:`kvdiverge.engine.decode_pair`).
+and replay lanes can coexist: :mod:`kvdiverge.engine.llm.decode_pair`).
 
 ``prompt_len`` is the longest prompt of the shard (every row is padded to the longest
 of its batch). Every forward appends one column to every row of the batched cache, and
@@ -20,7 +20,7 @@ them), so a cache is at most ``prompt_len + 2T - 2`` columns wide
 (:func:`cache_columns`): a chain that runs all ``T`` steps appends ``T - 1`` tokens, and
 a branch from ``t* = 1`` then appends ``T - 1`` more. The second term is the
 per-document prefill caches (the reference and the evicted one, batch 1) that are
-alive while :meth:`kvdiverge.engine.llm_pair.LLMKernelPair.start` merges them into
+alive while :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.start` merges them into
 the batched caches. The third is the per-row working memory of the decoding transform
 and the coupling math (float64 log-probabilities, probabilities and cumulative sums over
 the vocabulary). Model weights and the prefill's activations (one document at a time,
@@ -148,7 +148,7 @@ def plan_batch(
     override : int, optional
         ``B`` from the config (``generation.batch_documents``); clipped to ``documents``.
     decode_time : bool
-        A decode-time policy (:class:`kvdiverge.engine.decode_pair.DecodeTimePair`): a
+        A decode-time policy (:class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`): a
         document's evicted side can hold its chain lane (rows that left it ride along)
         and its replay lanes at once, up to ``2R`` rows, so ``3R`` rows are counted.
 

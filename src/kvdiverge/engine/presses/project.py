@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from kvpress import BasePress
 
-from kvdiverge.engine.window import SlidingWindowPress
+from kvdiverge.engine.presses.window import SlidingWindowPress
 
 __all__ = ["PermutationPress", "PROJECT_PRESSES"]
 

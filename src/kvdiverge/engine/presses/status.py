@@ -1,8 +1,8 @@
 """Each press's status from its registry row: its test instance, measured or refused, the README table.
 
-Built on :mod:`kvdiverge.engine.press_registry` (the rows) and
-:mod:`kvdiverge.engine.policies` (building a press from a spec), which the registry itself
-does not import. ``python -m kvdiverge.engine.press_status`` prints the README's press table.
+Built on :mod:`kvdiverge.engine.presses.registry` (the rows) and
+:mod:`kvdiverge.engine.presses.policies` (building a press from a spec), which the registry itself
+does not import. ``python -m kvdiverge.engine.presses.status`` prints the README's press table.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvdiverge.engine.policies import press_from_spec, takes_ratio
-from kvdiverge.engine.press_registry import PENDING, PRESS_CLASSES, ROWS, refusal
+from kvdiverge.engine.presses.policies import press_from_spec, takes_ratio
+from kvdiverge.engine.presses.registry import PENDING, PRESS_CLASSES, ROWS, refusal
 
 __all__ = ["pending", "press_table", "spec_refusal", "status", "test_spec"]
 
@@ -80,5 +80,5 @@ def press_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m kvdiverge.engine.press_status: print the table
+if __name__ == "__main__":  # python -m kvdiverge.engine.presses.status: print the table
     print(press_table())

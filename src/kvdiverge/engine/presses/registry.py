@@ -2,7 +2,7 @@
 
 One row per press class that ``kvpress`` exports (read from ``kvpress.__all__`` at import,
 so a new kvpress release adds its presses by itself, as measured prefill presses until a
-row here says otherwise) and per project press (:data:`kvdiverge.engine.presses.PROJECT_PRESSES`).
+row here says otherwise) and per project press (:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`).
 A row is data, never a code path:
 
 - ``needs``: engine capabilities the press needs (:data:`CAPABILITIES`); a press whose
@@ -16,7 +16,7 @@ A row is data, never a code path:
 - ``settable``: attributes that kvpress sets after construction (``init=False``) and that a
   policy may give as parameters (Finch's ``delimiter_token_id``).
 - ``global_rng``: the press draws from torch's global random generator (no seed of its own);
-  the engine seeds that generator per document prefill (:func:`kvdiverge.engine.prefill.seeded`),
+  the engine seeds that generator per document prefill (:func:`kvdiverge.engine.llm.prefill.seeded`),
   so a document keeps the same positions alone or in a batch, and from run to run.
 - ``config_attributes``: attributes of the model's config that the press reads (a model
   whose config lacks one is refused once the model is known).
@@ -31,9 +31,9 @@ A row is data, never a code path:
   :data:`INNER_TEST_PRESS`.
 
 :func:`refusal` walks a built press and every press it wraps. Policies
-(:mod:`kvdiverge.engine.policies`) refuse before any work: at config validation, in
+(:mod:`kvdiverge.engine.presses.policies`) refuse before any work: at config validation, in
 ``kvdiverge.measure``'s argument checks and while the command line is parsed.
-:mod:`kvdiverge.engine.press_status` builds each row's test instance, says its status and
+:mod:`kvdiverge.engine.presses.status` builds each row's test instance, says its status and
 renders the README's press table from these rows.
 """
 
@@ -47,7 +47,7 @@ from typing import Any
 import kvpress
 from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
-from kvdiverge.engine.presses import PROJECT_PRESSES
+from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
 __all__ = ["CAPABILITIES", "PENDING", "PressRow", "ROWS", "nested_presses", "refusal"]
 

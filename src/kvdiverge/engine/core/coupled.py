@@ -33,7 +33,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from kvdiverge.engine.coupling import (
+from kvdiverge.engine.core.coupling import (
     coupling_dtype,
     inverse_cdf,
     maximal_coupling,
@@ -42,9 +42,9 @@ from kvdiverge.engine.coupling import (
     residual_draws,
     total_variation,
 )
-from kvdiverge.engine.errors import NonFiniteLogitsError
-from kvdiverge.engine.pairs import KernelPair
-from kvdiverge.engine.streams import PURPOSES, uniform_streams
+from kvdiverge.engine.core.errors import NonFiniteLogitsError
+from kvdiverge.engine.core.pairs import KernelPair
+from kvdiverge.engine.core.streams import PURPOSES, uniform_streams
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 
 __all__ = ["BatchState", "run_document", "run_batch", "simulate", "to_frame"]
@@ -118,7 +118,7 @@ class BatchState:
 
     Row ``g = d*R + r`` is replicate ``r`` of document ``doc_ids[d]``; ``N = B*R`` rows.
     Every tensor lives on the pair's device; float tensors are in the coupling dtype
-    (:func:`kvdiverge.engine.coupling.coupling_dtype`), index tensors int64.
+    (:func:`kvdiverge.engine.core.coupling.coupling_dtype`), index tensors int64.
 
     Attributes
     ----------
@@ -129,7 +129,7 @@ class BatchState:
     doc_ids : tuple of str
         The ``B`` documents.
     uniforms : dict of str to torch.Tensor
-        ``(N, T)`` uniforms per purpose of :data:`kvdiverge.engine.streams.PURPOSES`.
+        ``(N, T)`` uniforms per purpose of :data:`kvdiverge.engine.core.streams.PURPOSES`.
     eos : torch.Tensor
         End-of-sequence ids, int64.
     act : torch.Tensor
@@ -478,15 +478,15 @@ def run_batch(
     Raises
     ------
     TypeError
-        If ``pair`` lacks a method of :class:`kvdiverge.engine.pairs.KernelPair`.
-    kvdiverge.engine.errors.NonFiniteLogitsError
+        If ``pair`` lacks a method of :class:`kvdiverge.engine.core.pairs.KernelPair`.
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
         When the pair's model returns NaN/±inf logits; the message names the model,
         document, replicate, 1-based step and side.
     """
     missing = [m for m in ("start", "advance", "rewind", "keep_rows") if not callable(getattr(pair, m, None))]
     if missing:
         raise TypeError(f"{type(pair).__name__} is not a kernel pair: it lacks {', '.join(missing)} "
-                        f"(kvdiverge.engine.pairs.KernelPair)")
+                        f"(kvdiverge.engine.core.pairs.KernelPair)")
     R, B, T = int(replicates), len(doc_ids), int(T)
     state = BatchState.new(T, R, seed, model, doc_ids, tuple(pair.eos_ids))
     logp, logq = _checked(state, pair.start, B * R, starting=True)
@@ -521,7 +521,7 @@ def simulate(pair: KernelPair, T: int, replicates: int, seed: int, doc_id: str =
     Parameters
     ----------
     pair : KernelPair
-        E.g. a :class:`kvdiverge.engine.pairs.TableKernelPair`.
+        E.g. a :class:`kvdiverge.engine.core.pairs.TableKernelPair`.
     T : int
         Horizon (steps).
     replicates : int

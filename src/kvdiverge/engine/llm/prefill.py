@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiverge.engine.masks import attention_modules, masked_keep
+from kvdiverge.engine.llm.masks import attention_modules, masked_keep
 
 __all__ = ["Prefill", "generation_start", "prefill", "prefill_seed", "seeded", "shares_prefill", "needs_attentions"]
 
@@ -70,12 +70,12 @@ def prefill_seed(seed: int, model: str, doc_id: str) -> int:
     """The seed of torch's generator during one document's prefill, from (master seed, model, document id).
 
     ``SeedSequence(seed, spawn_key=(hash(model), hash(doc_id)))`` with the streams' stable
-    BLAKE2b hash (:mod:`kvdiverge.engine.streams`), reduced to 63 bits; the policy does not
+    BLAKE2b hash (:mod:`kvdiverge.engine.core.streams`), reduced to 63 bits; the policy does not
     enter, so policies compared on one document share it.
     """
     import numpy as np
 
-    from kvdiverge.engine.streams import _stable_int
+    from kvdiverge.engine.core.streams import _stable_int
 
     seq = np.random.SeedSequence(entropy=int(seed), spawn_key=(_stable_int(model), _stable_int(doc_id)))
     return int(seq.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
@@ -216,7 +216,7 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
     model : transformers.PreTrainedModel
         The reference model; no press is ever entered on it.
     twin : transformers.PreTrainedModel
-        :func:`kvdiverge.engine.twin.evicted_twin` of ``model``; the press is entered on it.
+        :func:`kvdiverge.engine.llm.twin.evicted_twin` of ``model``; the press is entered on it.
     ids : torch.Tensor
         int64 (n,), the prompt.
     press : kvpress.BasePress or None

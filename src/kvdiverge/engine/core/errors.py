@@ -55,7 +55,7 @@ class NonFiniteLogitsError(FloatingPointError):
     """A language model returned NaN or infinite logits.
 
     Raised by :class:`LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
-    (:func:`kvdiverge.engine.coupled.run_batch`) re-raises it with the model, document,
+    (:func:`kvdiverge.engine.core.coupled.run_batch`) re-raises it with the model, document,
     replicate and step of the first bad row filled in, so the message names them all.
 
     Attributes

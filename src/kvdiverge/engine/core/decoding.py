@@ -27,7 +27,7 @@ def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.
     ----------
     logits : torch.Tensor
         Raw model logits, shape (B, V), any float dtype, all finite (callers check:
-        :func:`kvdiverge.engine.errors.check_logits_finite`).
+        :func:`kvdiverge.engine.core.errors.check_logits_finite`).
     temperature : float
         Softmax temperature; 0 means greedy (point mass on the arg-max, first index
         on ties, as ``torch.argmax`` and ``model.generate`` pick).

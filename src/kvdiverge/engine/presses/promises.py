@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvdiverge.engine.errors import CompressionError
+from kvdiverge.engine.core.errors import CompressionError
 
 __all__ = ["KeptPromise", "kept_count", "kept_promise", "check_kept"]
 

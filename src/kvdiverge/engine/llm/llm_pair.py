@@ -2,9 +2,9 @@
 
 The reference side ``P`` holds the full prompt cache and runs on the plain model; the
 evicted side ``Q`` holds the prompt cache compressed by a kvpress press and runs on the
-model's twin (:func:`kvdiverge.engine.twin.evicted_twin`: the same tensors, its own module
+model's twin (:func:`kvdiverge.engine.llm.twin.evicted_twin`: the same tensors, its own module
 tree), so no press hook or module state ever reaches ``P``. The pair implements
-:class:`kvdiverge.engine.pairs.KernelPair`.
+:class:`kvdiverge.engine.core.pairs.KernelPair`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdiverge.engine.coupling import coupling_dtype
-from kvdiverge.engine.decoding import decode_log_probs
-from kvdiverge.engine.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
-from kvdiverge.engine.masks import HeadMasks, attention_modules, check_patched
-from kvdiverge.engine.prefill import generation_start, prefill, seeded
-from kvdiverge.engine.promises import KeptPromise, check_kept
-from kvdiverge.engine.twin import evicted_twin
+from kvdiverge.engine.core.coupling import coupling_dtype
+from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
+from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
+from kvdiverge.engine.llm.prefill import generation_start, prefill, seeded
+from kvdiverge.engine.presses.promises import KeptPromise, check_kept
+from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
 
@@ -50,9 +50,9 @@ class _CacheSide:
     abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
     each row's first generated token (int64, (n_rows,), or an int for all rows): the
     uncompressed prompt length of its document, or the cache length for presses that
-    re-rotate kept keys (:func:`kvdiverge.engine.prefill.generation_start`);
+    re-rotate kept keys (:func:`kvdiverge.engine.llm.prefill.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
-    (:class:`kvdiverge.engine.masks.HeadMasks` or ``None``) masks prompt columns per layer
+    (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
     """
 
@@ -134,7 +134,7 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
         head_dim) keys and (B*R, kv_heads, max_len, v_head_dim) values (padding columns
         hold zeros), and ``valid``, bool (B*R, max_len): ``False`` on each document's left
         padding (a shorter layer's own padding is masked per layer,
-        :class:`kvdiverge.engine.masks.HeadMasks`). With one document whose layers all have
+        :class:`kvdiverge.engine.llm.masks.HeadMasks`). With one document whose layers all have
         its length this is ``batch_repeat_interleave(R)``.
 
     Raises
@@ -181,13 +181,13 @@ class LLMKernelPair:
     length on both sides. This is exactly what ``with press(model): model.generate(...)``
     and kvpress's pipeline do.
 
-    The evicted side runs on the model's twin (:func:`kvdiverge.engine.twin.evicted_twin`,
+    The evicted side runs on the model's twin (:func:`kvdiverge.engine.llm.twin.evicted_twin`,
     built once per pair: new module objects over the same parameter tensors), so press
     hooks and module state (``masked_key_indices``) stay off the reference side. One
-    prefill gives both caches where the press allows it (:mod:`kvdiverge.engine.prefill`).
+    prefill gives both caches where the press allows it (:mod:`kvdiverge.engine.llm.prefill`).
     A press may shorten each layer by its own count (PyramidKV) or mask keys per head
     (AdaKV): each row then attends, per layer and key-value head, to its own document's
-    kept positions only (:class:`kvdiverge.engine.masks.HeadMasks`, applied by kvpress's
+    kept positions only (:class:`kvdiverge.engine.llm.masks.HeadMasks`, applied by kvpress's
     attention patch).
 
     Several documents (:meth:`from_documents`) share one pair: each is prefilled alone
@@ -211,15 +211,15 @@ class LLMKernelPair:
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
     temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.decoding.decode_log_probs`).
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     expected_kept : int, KeptPromise or None
-        What the press promises to keep (:func:`kvdiverge.engine.promises.kept_promise`);
+        What the press promises to keep (:func:`kvdiverge.engine.presses.promises.kept_promise`);
         an int: that many prompt positions in every layer and head. Checked after
         prefill; ``None`` only checks that a compressing press evicted something.
     eos_ids : sequence of int or None
         End-of-sequence ids; defaults to ``model.generation_config.eos_token_id``.
     prefill_seed : int or None
-        Seed of torch's global generator during the prefill (:func:`kvdiverge.engine.prefill.seeded`),
+        Seed of torch's global generator during the prefill (:func:`kvdiverge.engine.llm.prefill.seeded`),
         for presses that draw from it; ``None`` leaves the generator as it is.
 
     Attributes
@@ -294,7 +294,7 @@ class LLMKernelPair:
             One press (or ``None``) and one promise (int, KeptPromise or ``None``) per document.
         prefill_seeds : sequence of int or None, optional
             Per document, the seed of torch's global generator during its prefill
-            (:func:`kvdiverge.engine.prefill.prefill_seed`), for presses that draw from it;
+            (:func:`kvdiverge.engine.llm.prefill.prefill_seed`), for presses that draw from it;
             ``None`` (the default) leaves the generator as it is.
 
         Raises

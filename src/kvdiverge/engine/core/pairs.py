@@ -16,12 +16,12 @@ its KV caches between calls:
   it when rows finish, so that later steps run on fewer rows.
 
 Log-distributions are float64 tensors of shape (n_rows, vocab_size), already through
-the decoding transform (:mod:`kvdiverge.engine.decoding`), on the pair's device (float32 on
+the decoding transform (:mod:`kvdiverge.engine.core.decoding`), on the pair's device (float32 on
 devices without float64). End-of-sequence is absorbing;
-the engine (:mod:`kvdiverge.engine.coupled`) enforces that for every pair.
+the engine (:mod:`kvdiverge.engine.core.coupled`) enforces that for every pair.
 
 This module holds the interface and :class:`TableKernelPair` (small synthetic probability
-tables keyed by history, for exact tests); :class:`kvdiverge.engine.llm_pair.LLMKernelPair`
+tables keyed by history, for exact tests); :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
 is the language-model pair (one model, two caches).
 """
 
