@@ -201,7 +201,7 @@ def test_unquoted_yaml_date_is_explained():
         validate(config)
 
 
-@pytest.mark.e2e
+@pytest.mark.workflow
 @pytest.mark.llm
 def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
