@@ -24,6 +24,21 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
     return config.get("results_dir", "results")
 
 
+# --------------------------------------------------------------------------- the slurm marker
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the ``slurm`` tests (they install system packages and write /etc/slurm)
+    unless ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
+    everything (``make test-all``, ``.ci/run``)."""
+    if "slurm" in (config.option.markexpr or ""):
+        return
+    keep = [item for item in items if item.get_closest_marker("slurm") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slurm")])
+        items[:] = keep
+
+
 # --------------------------------------------------------------------------- synthetic kernels
 
 
