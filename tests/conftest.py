@@ -27,10 +27,20 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 # --------------------------------------------------------------------------- the slurm marker
 
 
+#: a test that uses one of these fixtures (directly or through another) carries the marker
+FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Leave out the ``slurm`` tests (they install system packages and write /etc/slurm)
-    unless ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
+    """Check the markers of tests on the shared fixtures (``FIXTURE_MARKERS``), then leave
+    out the ``slurm`` tests (they install system packages and write /etc/slurm) unless
+    ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
     everything (``make test-all``, ``.ci/run``)."""
+    unmarked = [f"{item.nodeid} uses {fixture} but is not marked {marker}"
+                for item in items for fixture, marker in FIXTURE_MARKERS.items()
+                if fixture in item.fixturenames and item.get_closest_marker(marker) is None]
+    if unmarked:
+        raise pytest.UsageError("\n".join(unmarked))
     if "slurm" in (config.option.markexpr or ""):
         return
     keep = [item for item in items if item.get_closest_marker("slurm") is None]

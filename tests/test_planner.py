@@ -46,6 +46,7 @@ class Widths:
             self.seen.append(int(cache.get_seq_length()))
 
 
+@pytest.mark.miniature
 def test_the_planner_covers_the_widest_cache_a_run_reaches(mini, one_thread):
     """Rewound columns stay until rows leave: a run's cache outgrows prompt + T columns, never
     ``cache_columns``, and the planned bytes cover what the run holds."""
@@ -80,6 +81,7 @@ def _prompts(n_docs, lengths=(12, 15, 18)):
             for i in range(n_docs)}
 
 
+@pytest.mark.miniature
 def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
     """The free memory is read once per call: a later press does not get a smaller B."""
     import kvdiverge
@@ -112,6 +114,7 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
     assert m.batch_documents == 3
 
 
+@pytest.mark.miniature
 def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, one_thread):
     import kvdiverge
     from kvdiverge.study.provenance import library_versions
@@ -127,6 +130,7 @@ def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, o
     assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(json.dumps(m.settings, default=str))
 
 
+@pytest.mark.miniature
 def test_a_shard_records_the_b_it_ran_with_outside_its_settings(mini, tmp_path, one_thread):
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame([{"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}

@@ -183,6 +183,7 @@ def read_table(path: Path) -> pl.DataFrame:
 
 
 @pytest.mark.slurm
+@pytest.mark.workflow
 @needs_cluster
 def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys):
     # smoke_run first: the cluster starts once the local run is done
