@@ -310,6 +310,7 @@ def _snakemake(*args, cwd=ROOT):
     return snakemake_here(cwd, *args)
 
 
+@pytest.mark.workflow
 def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path, offline):
     config = raw("smoke.yaml")
     config["decoding"]["temprature"] = 0.5
@@ -334,6 +335,7 @@ def _job_stats(text: str) -> dict[str, int]:
     return stats
 
 
+@pytest.mark.workflow
 def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path, offline):
     out = _snakemake("-n", "--configfile", str(ROOT / "config" / "paper.yaml"), "-d", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]

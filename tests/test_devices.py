@@ -155,6 +155,7 @@ def _dry_run(tmp_path, monkeypatch, *args, gpus="2"):
     return res.stdout
 
 
+@pytest.mark.workflow
 def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path, monkeypatch):
     out = _dry_run(tmp_path, monkeypatch)
     assert "local GPU cap gpu=2 (KVDIVERGE_GPUS)" in out

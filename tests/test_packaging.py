@@ -8,6 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,7 @@ def test_readme_quick_start_has_exactly_two_commands():
     assert "## Running on a SLURM cluster" in text
 
 
+@pytest.mark.workflow
 def test_snakemake_lint_passes():
     out = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "--lint"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)

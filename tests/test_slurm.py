@@ -109,6 +109,7 @@ def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[st
     return jobs
 
 
+@pytest.mark.workflow
 def test_paper_profile_asks_gpus_for_generation_only(tmp_path):
     """With config/paper.yaml, every generation job goes to the GPU partition with one GPU
     (the plugin turns `gpu=1` into `sbatch --gpus=1`), and no other job asks for a GPU."""
