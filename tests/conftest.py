@@ -160,7 +160,7 @@ def embedded_cached(monkeypatch, embedded_entry):
     real = models.load_model
 
     def load(spec, name=None, tokenizer=None):
-        if {k: v for k, v in spec.items() if k != "name"} == models.EMBEDDED_MODEL:
+        if spec == models.EMBEDDED_MODEL:
             spec = embedded_entry
         return real(spec, name, tokenizer)
 

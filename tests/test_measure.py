@@ -483,7 +483,8 @@ def readme_blocks(language: str) -> list[str]:
 
 
 @pytest.mark.llm
-def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread):
+def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, embedded_cached):
+    # embedded_cached: its load_model(EMBEDDED_MODEL) reads the session's converted copy (tests/conftest.py)
     (code,) = readme_blocks("python")
     assert len(code.strip().splitlines()) == 5
     monkeypatch.chdir(tmp_path)
