@@ -24,7 +24,7 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
     return config.get("results_dir", "results")
 
 
-# --------------------------------------------------------------------------- the slurm marker
+# --------------------------------------------------------------------------- markers
 
 
 #: a test that uses one of these fixtures (directly or through another) carries the marker
