@@ -252,7 +252,13 @@ def _workflow_runs(tmp_path_factory) -> Path:
     Each config builds every target of ``rule all`` with 2 cores, then its HTML report
     (``snakemake --report <results_dir>/report.html``). Both run at once: their serial
     stages (conversion, corpus, analyses) leave a core free for the other.
+
+    Set ``KVDIVERGE_WORKFLOW_RUNS`` to such a directory of an earlier session (a copy of
+    it: pytest removes old temporary directories) to reuse it instead of running.
     """
+    reuse = os.environ.get("KVDIVERGE_WORKFLOW_RUNS")
+    if reuse:
+        return Path(reuse)
     return build_once(tmp_path_factory, "workflow", _run_workflows)
 
 
@@ -262,7 +268,7 @@ def smoke_run(tmp_path_factory) -> Path:
     e.g. ``<work>/results-smoke``); its parent is the run's working directory.
 
     Set ``KVDIVERGE_SMOKE_RESULTS`` to an existing results directory to reuse it instead
-    of running (useful when iterating on tests).
+    of running (useful when iterating on tests; or ``KVDIVERGE_WORKFLOW_RUNS`` for both runs).
     """
     reuse = os.environ.get("KVDIVERGE_SMOKE_RESULTS")
     if reuse:
