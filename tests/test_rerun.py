@@ -220,8 +220,14 @@ def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
     for stage in ("trajectories", "estimates"):  # the clean run: no shard, no estimate yet
         shutil.rmtree(clean / RES / stage)
     target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
-    for work in (rerun, clean):
-        snakemake(work, "--cores", "2", target, "--configfile", write_config(work, setter("shards", 1)))
+    # the two runs side by side: each has one single-threaded shard job at a time
+    procs = [(work, subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile",
+                                      write_config(work, setter("shards", 1))], cwd=work, env=env_for(work),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             for work in (rerun, clean)]
+    for work, proc in procs:
+        out = proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, f"snakemake in {work.name} failed:\n{out[-5000:]}"
 
     before = pl.read_parquet(src / target)
     shard0 = pl.read_parquet(rerun / RES / "trajectories" / MODEL / "snapkv-50" / "exploratory" / "shard-0.parquet")
