@@ -25,8 +25,6 @@ With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -312,33 +310,60 @@ def _say(quiet: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _measure(args: argparse.Namespace) -> int:
-    from kvdiverge.measurement import check_lengths, measure, prepare_documents, prepare_presses
-    from kvdiverge.study.models import load_model, load_tokenizer
-
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers and a repeated press before any work."""
     for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
                              ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
-                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1)):
+                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1),
+                             ("--budget", 1 if args.budget is None else args.budget, 1),
+                             ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if len(set(args.press)) != len(args.press):
         raise UsageError("the same --press is given twice")
-    if args.budget is not None and args.budget < 1:
-        raise UsageError(f"--budget must be >= 1, got {args.budget}")
+
+
+def _sources(args: argparse.Namespace):
+    """``(entries, sources)``: each ``--press`` as a policy entry, and the policies measured
+    (every entry at every ratio with ``--ratios``), each press built and checked once."""
+    from kvdiverge.measurement import frontier_presses, prepare_presses
+
     # with --ratios the frontier sets each press's ratio: an entry without one
     entries = {spec: policy_entry(spec, args.budget, None if args.ratios else 0.0) for spec in args.press}
     expanded = entries
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
-        from kvdiverge.measurement import frontier_presses
-
         try:
             expanded, _ = frontier_presses(entries, args.ratios)
         except ValueError as exc:
             raise UsageError(f"--ratios: {exc}") from None
     try:
-        sources = prepare_presses(expanded)  # builds each press once: refusals and bad parameters stop here
+        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _write(args: argparse.Namespace, m) -> None:
+    """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
+    if args.ratios:
+        where = Path(args.out or ".")
+        where.mkdir(parents=True, exist_ok=True)
+        for suffix in ("png", "pdf"):
+            m.plot_frontier(where / f"frontier.{suffix}")
+        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
+    if args.out:
+        out = Path(args.out)
+        m.save(out)
+        m.plot_survival(out / "survival.png")
+        m.plot_survival(out / "survival.pdf")
+        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.measurement import check_lengths, measure, prepare_documents
+    from kvdiverge.study.models import load_model, load_tokenizer
+
+    _check_args(args)
+    entries, sources = _sources(args)
     if args.sotu is not None:
         prompts = sotu_prompts(args.sotu, *args.words)
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
@@ -352,8 +377,6 @@ def _measure(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
 
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
@@ -368,17 +391,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(m.format_summary(), flush=True)
     if args.ratios:
         print(m.format_frontier(), flush=True)
-        where = Path(args.out or ".")
-        where.mkdir(parents=True, exist_ok=True)
-        for suffix in ("png", "pdf"):
-            m.plot_frontier(where / f"frontier.{suffix}")
-        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
-    if args.out:
-        out = Path(args.out)
-        m.save(out)
-        m.plot_survival(out / "survival.png")
-        m.plot_survival(out / "survival.pdf")
-        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+    _write(args, m)
     return 0
 
 

@@ -23,7 +23,6 @@ The mathematics and column names: ``docs/estimators.md``; the tables: ``docs/int
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import warnings
@@ -34,11 +33,9 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.presses.policies import Policy, PressPolicy
-from kvdiverge.engine.runner import PressSource
 from kvdiverge.report.formatting import frontier_text, summary_text
-from kvdiverge.study.inputs import (NOISE_FLOOR_PRESS, check_lengths, frontier_presses, is_noise_floor,
-                                    prepare_documents, prepare_presses)
+from kvdiverge.study.inputs import (NOISE_FLOOR_PRESS, check_lengths, describe_press, frontier_presses,
+                                    is_noise_floor, prepare_documents, prepare_presses)
 
 __all__ = ["Measurement", "NOISE_FLOOR_PRESS", "frontier_presses", "measure", "prepare_documents",
            "prepare_presses"]
@@ -139,10 +136,9 @@ class Measurement:
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
         ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``)."""
-        return self.documents.select("policy", "doc_id", "prompt_len", "kept_len").with_columns(
-            (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
-            (pl.col("kept_len") == pl.col("prompt_len")).alias("untouched"),
-        )
+        from kvdiverge.estimation.tables import compression_table
+
+        return compression_table(self.documents)
 
     @property
     def summary(self) -> pl.DataFrame:
@@ -158,17 +154,9 @@ class Measurement:
         ``E_M_minus_floor``, ``p_div_minus_floor`` (each with ``_lo``/``_hi``, paired
         bootstrap), null on the floor's own row.
         """
-        comp = self.compression.group_by("policy").agg(
-            pl.col("kept_fraction").mean(), pl.col("untouched").all())
-        cols = ["policy", "n_docs", "T", "R"]
-        stats = ["p_div", "tau_mean", "E_L", "E_M"]
-        cols += [c + s for c in stats for s in ("", "_lo", "_hi")]
-        cols += ["rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]
-        out = self.pooled.select(cols).join(comp, on="policy", how="left")
-        order = {p: i for i, p in enumerate(self.presses)}
-        out = out.sort(pl.col("policy").replace_strict(order, return_dtype=pl.Int64))
-        out = out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched",
-                          *[c for c in cols if c not in ("policy", "n_docs", "T", "R")]])
+        from kvdiverge.estimation.tables import press_summary
+
+        out = press_summary(self.pooled, self.documents, self.presses)
         if self.noise_floor is None:
             return out
         from kvdiverge.estimation.analysis import floor_differences
@@ -202,30 +190,15 @@ class Measurement:
         list of pathlib.Path
             The files written.
         """
-        from kvdiverge.estimation.analysis import save_table
-        from kvdiverge.estimation.io import write_text_atomic
-        from kvdiverge.study.provenance import library_versions, settings_hash
+        from kvdiverge.study.provenance import save_measurement
 
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        written = []
         tables = {"trajectories": self.trajectories, "replicates": self.replicates, "documents": self.documents,
                   "pooled": self.pooled, "timing": self.timing, "survival": self.survival,
                   "branch_tv": self.branch_tv, "variance": self.variance, "gaps": self.gaps,
                   "summary": self.summary}
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
-        for name, frame in tables.items():
-            csv = None if name in ("trajectories", "replicates") else out / f"{name}.csv"
-            save_table(frame, out / f"{name}.parquet", csv)
-            written += [out / f"{name}.parquet"] + ([csv] if csv else [])
-        write_text_atomic(json.dumps(self.settings, indent=2, default=str) + "\n", out / "measure.json")
-        written.append(out / "measure.json")
-        provenance = {"settings_hash": settings_hash(self.settings), "versions": library_versions(),
-                      "batch_documents": self.batch_documents}
-        write_text_atomic(json.dumps(provenance, indent=2) + "\n", out / "provenance.json")
-        written.append(out / "provenance.json")
-        return written
+        return save_measurement(directory, tables, self.settings, self.batch_documents)
 
     def plot_survival(self, target=None):
         """Draw the survival figure ``S_t`` per press (:func:`kvdiverge.report.figures.survival_figure`).
@@ -402,20 +375,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     from kvdiverge.engine.runner import run_policies
 
     T, R = int(max_new_tokens), int(replicates)
-    if T < 1 or R < 1:
-        raise ValueError(f"max_new_tokens and replicates must be >= 1, got {T} and {R}")
-    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
-    grid = None
-    if ratios or budgets:
-        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
-    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
-    try:
-        from kvdiverge.study.models import context_length
-
-        context = context_length(model)
-    except (ValueError, AttributeError):
-        context = None
-    check_lengths(documents, sources, T, context)
+    documents, sources, grid = _inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets)
     if model_name is None:
         path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
         model_name = os.path.basename(path.rstrip("/")) or "model"
@@ -431,7 +391,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
                 "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
                 "confidence": float(confidence), "instruction": instruction, "system": system,
-                "presses": {n: _describe(s) for n, s in sources.items()}}
+                "presses": {n: describe_press(s) for n, s in sources.items()}}
     if grid is not None:
         settings["frontier"] = grid
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
@@ -443,12 +403,20 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     return result
 
 
-def _describe(source: PressSource) -> str | dict[str, Any]:
-    """A policy for the settings record: its config entry, or the press object's repr."""
-    if isinstance(source, PressPolicy):
-        return repr(source.press)
-    if isinstance(source, Policy):
-        spec = {"press": source.press, "compression_ratio": source.compression_ratio, "budget": source.budget,
-                **source.params}
-        return {k: v for k, v in spec.items() if v is not None}
-    return repr(source)
+def _inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
+    """``(documents, sources, grid)`` of a :func:`measure` call, checked before any generation."""
+    if T < 1 or R < 1:
+        raise ValueError(f"max_new_tokens and replicates must be >= 1, got {T} and {R}")
+    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    grid = None
+    if ratios or budgets:
+        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
+    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
+    try:
+        from kvdiverge.study.models import context_length
+
+        context = context_length(model)
+    except (ValueError, AttributeError):
+        context = None
+    check_lengths(documents, sources, T, context)
+    return documents, sources, grid

@@ -210,7 +210,6 @@ def check(config: dict[str, Any]) -> None:
     problems: list[str] = []
     policies = config.get("policies", {})
     defined = ", ".join(sorted(policies)) or "none"
-    run = config.get("runs", {})
 
     def need_policy(key: str, name: str) -> bool:
         if name not in policies:
@@ -220,6 +219,15 @@ def check(config: dict[str, Any]) -> None:
             return False
         return True
 
+    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems):
+        part(config, need_policy, problems)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``runs``: scheduled, control and floor policies, and their document counts."""
+    policies, run = config.get("policies", {}), config.get("runs", {})
     for split in SPLITS:
         for i, name in enumerate(run.get(split, [])):
             need_policy(f"runs.{split}[{i}]", name)
@@ -252,6 +260,10 @@ def check(config: dict[str, Any]) -> None:
                     f"corpus.documents.{split} = {docs}"
                 )
 
+
+def _confirmatory_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``confirmatory``: its policy runs on the confirmatory split; ordered lag windows."""
+    run = config.get("runs", {})
     conf = config.get("confirmatory")
     if conf:
         if need_policy("confirmatory.policy", conf["policy"]) and \
@@ -275,6 +287,10 @@ def check(config: dict[str, Any]) -> None:
                 f"confirmatory: early {conf['early']} must end before late {conf['late']} starts"
             )
 
+
+def _gap_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``analysis.gaps``: two different policies, both run on the exploratory split."""
+    run = config.get("runs", {})
     for i, pair in enumerate(config.get("analysis", {}).get("gaps", [])):
         for j, name in enumerate(pair):
             if need_policy(f"analysis.gaps[{i}][{j}]", name) and \
@@ -286,6 +302,9 @@ def check(config: dict[str, Any]) -> None:
         if len(pair) == 2 and pair[0] == pair[1]:
             problems.append(f"analysis.gaps[{i}]: the two policies must differ, got {pair}")
 
+
+def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of single values: ``prompt.date`` a calendar date, the word range ordered."""
     date = config.get("prompt", {}).get("date")
     if isinstance(date, str):
         from kvdiverge.study.prompts import parse_date
@@ -301,8 +320,6 @@ def check(config: dict[str, Any]) -> None:
             f"corpus.min_words ({corpus['min_words']}) must not exceed "
             f"corpus.max_words ({corpus['max_words']})"
         )
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 def floor_policy(config: dict[str, Any]) -> str | None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvdiverge.engine.runner import Document, PressSource
 
-__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "check_lengths", "frontier_presses",
-           "is_noise_floor", "model_entry", "prepare_documents", "prepare_presses", "read_prompts", "sotu_prompts"]
+__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "check_lengths", "describe_press",
+           "frontier_presses", "is_noise_floor", "model_entry", "prepare_documents", "prepare_presses", "read_prompts", "sotu_prompts"]
 
 
 class InputError(ValueError):
@@ -286,6 +286,19 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     out = {point["policy"]: frontier_policy(scored[point["press"]], point) for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
+
+
+def describe_press(source: PressSource) -> str | dict[str, Any]:
+    """A policy for the settings record: its config entry, or the press object's repr."""
+    from kvdiverge.engine.presses.policies import Policy, PressPolicy
+
+    if isinstance(source, PressPolicy):
+        return repr(source.press)
+    if isinstance(source, Policy):
+        spec = {"press": source.press, "compression_ratio": source.compression_ratio, "budget": source.budget,
+                **source.params}
+        return {k: v for k, v in spec.items() if v is not None}
+    return repr(source)
 
 
 def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
