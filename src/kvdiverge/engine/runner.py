@@ -135,7 +135,7 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
 
-    A decode-time policy (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time`: the press
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
     also evicts while tokens are generated) runs on
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
     every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
@@ -200,7 +200,7 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.engine.llm.decode_pair import is_decode_time
+    from kvdiverge.engine.presses.registry import is_decode_time
 
     if not documents:
         return []

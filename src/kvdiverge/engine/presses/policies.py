@@ -25,10 +25,13 @@ own ``params``)::
 
 The policy's ``compression_ratio`` (or the ratio of its ``budget``) goes to the press that
 takes one: the named press itself, else the first press it wraps that does (the inner
-scorer of a wrapper such as ``AdaKVPress``). Presses compress the prompt cache once,
-during prefill (kvpress, https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot
-measure are refused with one sentence (:mod:`kvdiverge.engine.presses.registry`) when the
-policy is built, before any work.
+scorer of a wrapper such as ``AdaKVPress``). Prefill presses compress the prompt cache once,
+after each layer's prefill forward; decode-time presses (``DecodingPress``,
+``SlidingWindowPress``, ...) also evict while tokens are generated
+(:func:`kvdiverge.engine.presses.registry.is_decode_time`; kvpress,
+https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot measure are refused with
+one sentence (:func:`kvdiverge.engine.presses.registry.refusal`) when the policy is built,
+before any work.
 
 A fixed token ``budget`` becomes a per-document compression ratio chosen so that
 kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
@@ -43,11 +46,10 @@ from functools import cached_property
 from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
 
 #: Keys of a policy entry that are not constructor parameters of the press.
 _POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
-#: Keys of a nested press spec that are not constructor parameters.
-_SPEC_KEYS = {"press", "params"}
 #: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
 _PROBE_RATIO = 0.5
 
@@ -172,12 +174,14 @@ class Policy:
     def kept_tokens(self, prompt_len: int) -> int:
         """Prompt positions kept per layer and head after compression (tokens).
 
-        :func:`kept_count` at :meth:`ratio_for`; every position for a press that keeps
-        every position (:func:`keeps_every_position`).
+        ``kvpress.utils.compute_n_kept`` at :meth:`ratio_for`; every position for a press that
+        keeps every position (:func:`keeps_every_position`).
         """
+        from kvpress.utils import compute_n_kept
+
         if keeps_every_position(self.press):
             return int(prompt_len)
-        return kept_count(prompt_len, self.ratio_for(prompt_len))
+        return int(compute_n_kept(int(prompt_len), float(self.ratio_for(prompt_len))))
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
@@ -208,14 +212,6 @@ class Policy:
         """
         ratio = self.ratio_for(prompt_len) if self.takes_ratio else None
         return press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
-
-
-def kept_count(prompt_len: int, compression_ratio: float) -> int:
-    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens):
-    :func:`kvdiverge.engine.presses.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
-    from kvdiverge.engine.presses import promises
-
-    return promises.kept_count(prompt_len, compression_ratio)
 
 
 def press_parameters(cls) -> set[str]:
@@ -298,23 +294,10 @@ def import_press(ref: str):
     return cls
 
 
-def is_press_spec(value: Any) -> bool:
-    """True for a nested press spec: a mapping naming a press class under ``press``."""
-    return isinstance(value, Mapping) and isinstance(value.get("press"), str)
-
-
-def spec_parameters(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Constructor parameters of a nested press spec: its keys but ``press``, then its ``params``."""
-    params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
-    params.update(spec.get("params") or {})
-    return params
-
-
 def _settable(cls) -> tuple[str, ...]:
-    from kvdiverge.engine.presses.registry import ROWS
+    from kvdiverge.engine.presses.registry import adapter_of
 
-    row = ROWS.get(cls.__name__)
-    return row.settable if row else ()
+    return adapter_of(cls).settable
 
 
 def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
@@ -328,22 +311,14 @@ def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
     ValueError
         An unknown press name (here or nested).
     """
-    from kvdiverge.engine.presses.registry import ROWS
+    from kvdiverge.engine.presses.registry import adapter_of
 
     cls = press_class(press)
-    row = ROWS.get(cls.__name__)
-    if row is not None and not row.takes_ratio:
+    if not adapter_of(cls).takes_ratio:
         return False
     if "compression_ratio" in press_parameters(cls):
         return True
-    return any(takes_ratio(s["press"], spec_parameters(s)) for s in _inner_specs(params))
-
-
-def _inner_specs(params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    out = []
-    for value in params.values():
-        out += [v for v in (value if isinstance(value, list) else [value]) if is_press_spec(v)]
-    return out
+    return any(takes_ratio(s["press"], spec_parameters(s)) for s in inner({"press": press, "params": params}))
 
 
 def ratio_problem(press: str, params: Mapping[str, Any], has_ratio: bool, has_budget: bool) -> str | None:
@@ -444,10 +419,8 @@ def press_min_prompt_tokens(press, budget: int | None = None) -> int:
     window or attention sinks must leave something to evict); a fixed ``budget`` needs
     ``budget + window_size + 1`` tokens.
     """
-    from kvdiverge.engine.presses.registry import nested_presses
-
     window = sinks = 0
-    for p in nested_presses(press):
+    for p in walk(press):
         for attr in ("window_size", "n_sink"):
             value = getattr(p, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
