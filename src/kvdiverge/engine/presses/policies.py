@@ -47,6 +47,7 @@ from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
+from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
 #: Keys of a policy entry that are not constructor parameters of the press.
 _POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
@@ -132,8 +133,6 @@ class Policy:
         kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         """
-        from kvdiverge.engine.presses.registry import refusal
-
         reason = refusal(self._probe)
         if reason:
             raise PressError(f"policy {self.name!r}", reason)
@@ -186,7 +185,7 @@ class Policy:
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
 
-        :func:`kvdiverge.engine.presses.promises.kept_promise` of the press built for this prompt
+        :func:`kvdiverge.engine.presses.registry.kept_promise` of the press built for this prompt
         (at :meth:`ratio_for`, so a budget's press promises the budget): an int for presses
         that keep the same count in every layer and head, a
         :class:`kvdiverge.engine.presses.promises.KeptPromise` for head-wise and per-layer presses,
@@ -196,8 +195,6 @@ class Policy:
         -------
         int, KeptPromise or None
         """
-        from kvdiverge.engine.presses.promises import kept_promise
-
         return kept_promise(press, prompt_len)
 
     def build_press(self, prompt_len: int):
@@ -235,68 +232,7 @@ def keeps_every_position(press) -> bool:
     return bool(getattr(press, "keeps_every_position", False))
 
 
-def press_class(name: str):
-    """Return the press class called ``name``: a project press, one kvpress exports, or ``module:Class``.
-
-    Project presses (:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`) are looked up first;
-    ``module:Class`` imports ``module`` (:func:`import_press`).
-
-    Raises
-    ------
-    ValueError
-        If neither the project nor kvpress has a press of that name (the message lists
-        the presses).
-    """
-    import kvpress
-
-    from kvdiverge.engine.presses.project import PROJECT_PRESSES
-
-    if ":" in name:
-        return import_press(name)
-    if name in PROJECT_PRESSES:
-        return PROJECT_PRESSES[name]
-    cls = getattr(kvpress, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        from kvdiverge.engine.presses.registry import PRESS_CLASSES
-
-        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
-    return cls
-
-
-def import_press(ref: str):
-    """A press class from a reference: a kvpress class name, or ``module:Class``.
-
-    ``module:Class`` imports ``module`` (any importable module, e.g. the user's own) and
-    takes its attribute ``Class``, so presses kvpress does not ship work too.
-
-    Raises
-    ------
-    ValueError
-        If the module or class does not exist, or the class is not a kvpress press
-        (``kvpress.BasePress`` subclass); the message names the reference.
-    """
-    if ":" not in ref:
-        return press_class(ref)
-    import importlib
-
-    import kvpress
-
-    module_name, _, cls_name = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"press {ref!r}: cannot import module {module_name!r} ({exc})") from None
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise ValueError(f"press {ref!r}: module {module_name!r} has no attribute {cls_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        raise ValueError(f"press {ref!r}: {cls_name} is not a kvpress press (kvpress.BasePress subclass)")
-    return cls
-
-
 def _settable(cls) -> tuple[str, ...]:
-    from kvdiverge.engine.presses.registry import adapter_of
-
     return adapter_of(cls).settable
 
 
@@ -311,8 +247,6 @@ def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
     ValueError
         An unknown press name (here or nested).
     """
-    from kvdiverge.engine.presses.registry import adapter_of
-
     cls = press_class(press)
     if not adapter_of(cls).takes_ratio:
         return False
@@ -500,7 +434,5 @@ class PressPolicy:
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens:
-        :func:`kvdiverge.engine.presses.promises.kept_promise` (int, KeptPromise or ``None``)."""
-        from kvdiverge.engine.presses.promises import kept_promise
-
+        :func:`kvdiverge.engine.presses.registry.kept_promise` (int, KeptPromise or ``None``)."""
         return kept_promise(press, prompt_len)

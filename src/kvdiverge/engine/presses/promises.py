@@ -6,7 +6,7 @@ Ordinary score-based presses keep the same count in every layer and head
 ``compute_n_kept * heads`` positions in each layer in all, spread unevenly over its heads;
 per-layer presses (PyramidKV, ``PerLayerCompressionPress``) keep their own count in each
 layer. Each press's adapter (:mod:`kvdiverge.engine.presses.adapters`) names its promise
-among the functions here, :func:`kept_promise` asks it, and :meth:`KeptPromise.check` compares it with the
+among the functions here (:func:`kvdiverge.engine.presses.registry.kept_promise` asks it), and :meth:`KeptPromise.check` compares it with the
 kept counts measured on the evicted cache, naming the first layer that breaks it.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 from kvdiverge.engine.core.errors import CompressionError
 
-__all__ = ["KeptPromise", "check_kept", "composed", "every_position", "head_wise", "kept_promise", "per_layer", "pyramid",
-           "scorer", "sim_layer"]
+__all__ = ["KeptPromise", "check_kept", "composed", "every_position", "head_wise", "per_layer", "pyramid", "scorer",
+           "sim_layer"]
 
 #: How a promise counts: every head of a layer (``head``), the layer's heads together
 #: (``layer``, as a mean per head), or every layer and head together (``model``, per head
@@ -137,40 +137,6 @@ def _n_kept(prompt_len: int, compression_ratio: float) -> int:
 
 def _layers(config) -> int:
     return int(config.num_hidden_layers)
-
-
-def kept_promise(press, prompt_len: int) -> "int | KeptPromise | None":
-    """What ``press`` promises to keep of a prompt of ``prompt_len`` tokens, or ``None``.
-
-    A press with a ``kept_tokens`` method (the project's presses) promises that count in
-    every head; any other asks its adapter's ``promise``
-    (:mod:`kvdiverge.engine.presses.adapters`), one of the functions below:
-
-    - :func:`scorer` (any ``kvpress.ScorerPress`` without a row of its own):
-      ``compute_n_kept(prompt_len, ratio)`` in every head;
-    - :func:`every_position` (``ThinKPress``, which prunes key channels, not positions);
-    - :func:`pyramid`, :func:`head_wise`, :func:`per_layer`, :func:`composed`, :func:`sim_layer`;
-    - none (thresholds, decode-time, compositions): ``None``, only checked to compress.
-
-    Parameters
-    ----------
-    press : kvpress.BasePress
-        The press, built for this prompt.
-    prompt_len : int
-        Uncompressed prompt length (tokens).
-
-    Returns
-    -------
-    int, KeptPromise or None
-        An int: every layer and head keeps exactly that many positions.
-    """
-    from kvdiverge.engine.presses.registry import adapter_of
-
-    own = getattr(press, "kept_tokens", None)
-    if callable(own):
-        return int(own(int(prompt_len)))
-    promise = adapter_of(press).promise
-    return None if promise is None else promise(press, int(prompt_len))
 
 
 def scorer(press, n: int) -> int:

@@ -11,7 +11,7 @@ The engine asks a press only through these functions, each reading the press's r
 :func:`refusal` (whether kvdiverge measures it), :func:`is_decode_time` (whether it evicts
 while generating), :func:`shares_prefill` and :func:`needs_attentions` (the prefill mode),
 :func:`generation_start` (the RoPE start of generated tokens) and
-:func:`kvdiverge.engine.presses.promises.kept_promise` (what it keeps). Policies
+:func:`kept_promise` (what it keeps). Policies
 (:mod:`kvdiverge.engine.presses.policies`) refuse before any work: at config validation, in
 ``kvdiverge.measure``'s argument checks and while the command line is parsed.
 :mod:`kvdiverge.engine.presses.status` builds each row's test instance, says its status and
@@ -25,11 +25,12 @@ from functools import lru_cache
 
 import kvpress
 
+from kvdiverge.engine.presses import promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
-__all__ = ["PRESS_CLASSES", "ROWS", "adapter_of", "generation_start", "is_decode_time", "needs_attentions",
-           "refusal", "shares_prefill"]
+__all__ = ["PRESS_CLASSES", "ROWS", "adapter_of", "generation_start", "import_press", "is_decode_time",
+           "kept_promise", "needs_attentions", "press_class", "refusal", "shares_prefill"]
 
 
 def _press_classes() -> dict[str, type]:
@@ -63,8 +64,6 @@ def adapter_of(press) -> PressAdapter:
         For a spec naming an unknown press.
     """
     if isinstance(press, Mapping):
-        from kvdiverge.engine.presses.policies import press_class
-
         press = press_class(press["press"])
     cls = press if isinstance(press, type) else type(press)
     return ROWS.get(cls.__name__) or _unlisted(cls)
@@ -98,6 +97,90 @@ def generation_start(press, prompt_len: int, cache_len: int) -> int:
     re-rotates the kept keys (its row's ``rerotates``), else ``prompt_len``
     (:meth:`kvdiverge.engine.presses.adapters.PressAdapter.generation_start`)."""
     return adapter_of(press).generation_start(press, prompt_len, cache_len)
+
+
+def kept_promise(press, prompt_len: int) -> "int | promises.KeptPromise | None":
+    """What ``press`` promises to keep of a prompt of ``prompt_len`` tokens, or ``None``.
+
+    A press with a ``kept_tokens`` method (the project's presses) promises that count in
+    every head; any other asks its adapter's ``promise``
+    (:mod:`kvdiverge.engine.presses.adapters`), one of the functions below:
+
+    - :func:`kvdiverge.engine.presses.promises.scorer` (any ``kvpress.ScorerPress`` without a row of its own):
+      ``compute_n_kept(prompt_len, ratio)`` in every head;
+    - :func:`kvdiverge.engine.presses.promises.every_position` (``ThinKPress``, which prunes key channels, not positions);
+    - ``pyramid``, ``head_wise``, ``per_layer``, ``composed``, ``sim_layer`` of
+      :mod:`kvdiverge.engine.presses.promises`;
+    - none (thresholds, decode-time, compositions): ``None``, only checked to compress.
+
+    Parameters
+    ----------
+    press : kvpress.BasePress
+        The press, built for this prompt.
+    prompt_len : int
+        Uncompressed prompt length (tokens).
+
+    Returns
+    -------
+    int, KeptPromise or None
+        An int: every layer and head keeps exactly that many positions.
+    """
+    own = getattr(press, "kept_tokens", None)
+    if callable(own):
+        return int(own(int(prompt_len)))
+    promise = adapter_of(press).promise
+    return None if promise is None else promise(press, int(prompt_len))
+
+
+def press_class(name: str):
+    """Return the press class called ``name``: a project press, one kvpress exports, or ``module:Class``.
+
+    Project presses (:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`) are looked up first;
+    ``module:Class`` imports ``module`` (:func:`import_press`).
+
+    Raises
+    ------
+    ValueError
+        If neither the project nor kvpress has a press of that name (the message lists
+        the presses).
+    """
+    if ":" in name:
+        return import_press(name)
+    if name in PROJECT_PRESSES:
+        return PROJECT_PRESSES[name]
+    cls = getattr(kvpress, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
+    return cls
+
+
+def import_press(ref: str):
+    """A press class from a reference: a kvpress class name, or ``module:Class``.
+
+    ``module:Class`` imports ``module`` (any importable module, e.g. the user's own) and
+    takes its attribute ``Class``, so presses kvpress does not ship work too.
+
+    Raises
+    ------
+    ValueError
+        If the module or class does not exist, or the class is not a kvpress press
+        (``kvpress.BasePress`` subclass); the message names the reference.
+    """
+    if ":" not in ref:
+        return press_class(ref)
+    import importlib
+
+    module_name, _, cls_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"press {ref!r}: cannot import module {module_name!r} ({exc})") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"press {ref!r}: module {module_name!r} has no attribute {cls_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+        raise ValueError(f"press {ref!r}: {cls_name} is not a kvpress press (kvpress.BasePress subclass)")
+    return cls
 
 
 def refusal(press, model=None) -> str | None:
