@@ -266,6 +266,7 @@ ADAPTERS: dict[str, PressAdapter] = {a.name: a for a in (
                                               "from github.com/mit-han-lab/duo-attention and published only for "
                                               f"{_DUO_MODELS} (on_the_fly_scoring needs the kmfoda/booksum dataset "
                                               "from the hub instead)."),
+    PressAdapter("ValueNormPress", promise=promises.scorer),  # test instance: compression_ratio 0.5
     PressAdapter("KVzipPress", refused=_REFUSED_KVZIP.format(press="KVzipPress")),
     PressAdapter("KVgradPress", refused=_REFUSED_KVZIP.format(press="KVgradPress")),
 )}

@@ -55,14 +55,22 @@ def _unlisted(cls: type) -> PressAdapter:
     return resolve(cls, ADAPTERS)
 
 
+#: The row of no press (``None``: the ratio-free reference, a pair without eviction): nothing to ask.
+_NO_PRESS = resolve(kvpress.BasePress, {})
+
+
 def adapter_of(press) -> PressAdapter:
     """The row of a press (object or class) or of a spec's press: :data:`ROWS`, else the row of its class.
+
+    ``None`` (no press) has a row that refuses nothing, promises nothing and decodes nothing.
 
     Raises
     ------
     ValueError
         For a spec naming an unknown press.
     """
+    if press is None:
+        return _NO_PRESS
     if isinstance(press, Mapping):
         press = press_class(press["press"])
     cls = press if isinstance(press, type) else type(press)
