@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-__all__ = ["Document", "PolicyRuns", "PressSource", "check_policy", "plan_documents", "run_documents", "run_policies"]
+__all__ = ["Document", "PolicyRuns", "PressSource", "build_pair", "check_policy", "plan_documents", "run_documents",
+           "run_policies"]
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
 
-    A decode-time policy (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time`: the press
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
     also evicts while tokens are generated) runs on
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
     every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
@@ -209,7 +210,7 @@ def run_documents(
     decode_time = check_policy(model, documents, policy, f"policy {policy.name!r}")
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
                        memory_budget_gb=memory_budget_gb, decode_time=decode_time)
-    records, _ = _run_planned(model, documents, policy, decode_time, B, T=T, replicates=replicates, seed=seed,
+    records, _ = _run_planned(model, documents, policy, B, T=T, replicates=replicates, seed=seed,
                               model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
                               progress=progress)
     return records
@@ -220,7 +221,7 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
 
     Builds the press of the longest document once and asks the registry
     (:func:`kvdiverge.engine.presses.registry.refusal`, with the model: the config
-    attributes the press reads) and :func:`kvdiverge.engine.llm.decode_pair.is_decode_time`.
+    attributes the press reads) and :func:`kvdiverge.engine.presses.registry.is_decode_time`.
 
     Raises
     ------
@@ -228,14 +229,13 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
         Naming ``owner`` and what the press needs.
     """
     from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.llm.decode_pair import is_decode_time
     from kvdiverge.engine.presses import registry
 
     press = policy.build_press(max(doc.prompt_len for doc in documents))
     reason = registry.refusal(press, model)
     if reason:
         raise PressError(owner, reason)
-    return is_decode_time(press)
+    return registry.is_decode_time(press)
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,7 @@ def run_policies(
             counts[name] = {"documents": 0, "batches": 0}
             continue
         with (progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()) as bar:
-            recs, counts[name] = _run_planned(model, documents, source, flags[name], B, T=T, replicates=replicates,
+            recs, counts[name] = _run_planned(model, documents, source, B, T=T, replicates=replicates,
                                               seed=seed, model_name=model_name, temperature=temperature,
                                               top_p=top_p, eos_ids=eos_ids, progress=bar)
         meta = {"model": model_name, "policy": name, "split": split}
@@ -332,7 +332,7 @@ def run_policies(
     return PolicyRuns(to_frame(records), B, counts)
 
 
-def _run_planned(model, documents: Sequence[Document], policy: PressSource, decode_time: bool, B: int, *, T,
+def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: int, *, T,
                  replicates, seed, model_name, temperature, top_p, eos_ids, progress):
     """``(records, counts)`` of one checked policy in batches of ``B`` (:func:`run_documents`)."""
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
@@ -343,7 +343,7 @@ def _run_planned(model, documents: Sequence[Document], policy: PressSource, deco
     for lo in range(0, len(order), B):
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
-        pair, reps = _run_one_batch(model, batch, policy, decode_time, T=T, replicates=replicates, seed=seed,
+        pair, reps = _run_one_batch(model, batch, policy, T=T, replicates=replicates, seed=seed,
                                     model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
                                     progress=progress)
         seconds = (time.perf_counter() - start) / len(batch)
@@ -367,28 +367,58 @@ def _pair_counts(pair) -> dict[str, int]:
     return {"batches": 1, **counts}
 
 
-def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, *, T, replicates, seed, model_name,
-                   temperature, top_p, eos_ids, progress):
-    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
-    from kvdiverge.engine.core.coupled import run_batch
+def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
+               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False):
+    """The kernel pair of one batch of documents under one policy, each document with its own press.
+
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
+    :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
+    :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; each document's prefill seeds torch's
+    generator from ``(seed, model_name, doc_id)`` (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+
+    Returns
+    -------
+    kvdiverge.engine.core.pairs.KernelPair
+        Not started; its ``presses`` and ``expected`` are the documents' presses and promises.
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.PressError
+        When the registry refuses the press on this model (config attributes the press reads);
+        not asked with ``checked=True`` (:func:`run_policies` checked it once: :func:`check_policy`).
+    """
+    from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-    from kvdiverge.engine.core.errors import raise_kvpress_error
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.llm.prefill import prefill_seed
+    from kvdiverge.engine.presses.registry import is_decode_time, refusal
 
     presses = [policy.build_press(doc.prompt_len) for doc in batch]
-    kind = DecodeTimePair if decode_time else LLMKernelPair
-    pair = kind.from_documents(
+    reason = None if checked else refusal(presses[0], model)  # config attributes the press reads
+    if reason:
+        raise PressError(f"policy {policy.name!r}", reason)
+    kind = DecodeTimePair if is_decode_time(presses[0]) else LLMKernelPair
+    return kind.from_documents(
         model, [doc.input_ids for doc in batch], presses,
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
     )
+
+
+def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, seed, model_name,
+                   temperature, top_p, eos_ids, progress):
+    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
+    from kvdiverge.engine.core.coupled import run_batch
+    from kvdiverge.engine.core.errors import raise_kvpress_error
+
+    pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
+                      eos_ids=eos_ids, checked=True)
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
     except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
-        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
+        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(pair.presses[0]).__name__})", "during the prefill")
     finally:
         if hasattr(pair, "close"):
             pair.close()
