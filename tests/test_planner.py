@@ -163,6 +163,7 @@ def _decode_time_plan(mini, prompts, T, R, budget_gb):
     return plan_batch(decode_time=True, **kwargs), plan_batch(**kwargs)
 
 
+@pytest.mark.miniature
 def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini, tmp_path, one_thread):
     """``batch_documents: auto`` plans a decode-time policy's rows as 3R per document, in the
     shard job and in ``measure`` alike."""
@@ -192,6 +193,7 @@ def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini
     assert read_provenance(tmp_path / "shard-0.parquet").batch == {"batch_documents": want}
 
 
+@pytest.mark.miniature
 def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_thread):
     """One registry check per press per call, with the model, before any forward."""
     import kvdiverge
