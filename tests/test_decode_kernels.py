@@ -11,7 +11,7 @@ a ``DynamicCache`` that appends by concatenation: ``fast=False``):
   columns as asked;
 - every measured prefill press of the press matrix gives, on both miniatures, three
   documents batched (padding) and rewound, the stock path's log-distributions within
-  :data:`TOL` (measured: at most 1.0e-6);
+  :data:`TOL`;
 - with no press the two sides stay bit-identical (ratio 0: TV exactly 0);
 - a head-wise press's masks still act through kvpress's attention patch: the evicted side
   differs from the same pair with its masks dropped.
@@ -162,6 +162,8 @@ def trace(model, prompts, name, fast):
 
 @pytest.mark.parametrize("name", list(_measured_prefill_presses()))
 def test_measured_presses_give_the_stock_path_distributions(model, prompts, name):
+    if press_status.status(name, model) != "measured":
+        pytest.skip(f"{name} is refused on this model's config")
     fast, pair = trace(model, prompts, name, True)
     stock, _ = trace(model, prompts, name, False)
     assert all(type(layer) is CapacityLayer for layer in pair._ev.cache.layers)
