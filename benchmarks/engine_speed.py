@@ -3,6 +3,8 @@
 On the embedded model (SmolLM2-135M, GQA 9:3 heads), SnapKV at 50 %, one prompt of about
 ``--chars`` characters repeated as ``rows / R`` documents, at each ``--rows`` per side:
 
+(a0) one decoding forward of one side, from one prefill, on the engine's kernels and on
+    the stock ones, at each row count (the levers alone, no prefill, no coupling);
 (a) the engine with its decoding kernels (caches written in place, grouped attention
     without ``repeat_kv``: ``fast=True``) against the same engine on transformers'
     ``DynamicCache`` and stock attention (``fast=False``), and ``model.generate`` at equal
@@ -131,11 +133,7 @@ def breakdown(model, ids, docs, R, T, fast):
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _, _, pair = engine(model, ids, docs, R, T, fast=fast)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    shares = {g: sum(e.self_cpu_time_total for e in events if e.key in names) / total for g, names in GROUPS.items()}
-    shares["other"] = 1 - sum(shares.values())
-    return shares, pair.total_s
+    return _shares(prof), pair.total_s
 
 
 def timed(model, ids, rows, R, T, repeats):
@@ -154,6 +152,71 @@ def timed(model, ids, rows, R, T, repeats):
         if "generate" not in best or got[0] < best["generate"][0]:
             best["generate"] = got
     return best
+
+
+def step_table(model, ids, rows_list, steps=4, repeats=3, profile_rows=()):
+    """Milliseconds of one decoding forward of one side, fast against stock kernels, from one prefill.
+
+    The prompt's cache is repeated to ``rows`` rows with the first row's first column
+    masked (so an attention mask is passed, as in the engine after any padding or rewind),
+    then ``steps`` tokens are appended; best of ``repeats`` alternating runs, per step.
+    """
+    from transformers import DynamicCache
+
+    from kvdiverge.engine.llm.side import CacheSide, merge_caches
+
+    with torch.inference_mode():
+        base = DynamicCache()
+        model(input_ids=torch.tensor([ids]), past_key_values=base, use_cache=True, logits_to_keep=1)
+        print(f"\n(a0) one decoding forward of one side over a {len(ids)}-token cache (ms, best of {repeats})")
+        print("| rows/side | fast | stock | stock/fast |")
+        print("|---|---|---|---|")
+        for rows in rows_list:
+            best = {}
+            for _ in range(repeats):
+                for fast in (True, False):
+                    cache, valid = merge_caches([copy.deepcopy(base)], [len(ids)], rows, torch.device("cpu"))
+                    valid[0, 0] = False
+                    side = CacheSide(cache, valid, len(ids), capacity=len(ids) + steps if fast else None, grouped=fast)
+                    t = time.perf_counter()
+                    for k in range(steps):
+                        side.forward(model, torch.full((rows,), 100 + k))
+                    ms = 1e3 * (time.perf_counter() - t) / steps
+                    best[fast] = min(best.get(fast, ms), ms)
+            print(f"| {rows} | {best[True]:.0f} | {best[False]:.0f} | {best[False] / best[True]:.2f}x |", flush=True)
+        if profile_rows:
+            step_profile(model, base, len(ids), profile_rows, steps)
+
+
+def _shares(prof) -> dict[str, float]:
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = {g: sum(e.self_cpu_time_total for e in events if e.key in names) / total for g, names in GROUPS.items()}
+    shares["other"] = 1 - sum(shares.values())
+    return shares
+
+
+def step_profile(model, base, n, rows_list, steps):
+    """(a1): profiler shares of ``steps`` decoding forwards of one side, fast and stock kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvdiverge.engine.llm.side import CacheSide, merge_caches
+
+    print(f"\n(a1) torch.profiler, self CPU time of {steps} decoding forwards of one side over a {n}-token cache")
+    print("| rows/side | kernels | GEMM | attention | GEMM + attention | copy_ | cat | index | other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        for fast in (True, False):
+            cache, valid = merge_caches([copy.deepcopy(base)], [n], rows, torch.device("cpu"))
+            valid[0, 0] = False
+            side = CacheSide(cache, valid, n, capacity=n + steps if fast else None, grouped=fast)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for k in range(steps):
+                    side.forward(model, torch.full((rows,), 100 + k))
+            sh = _shares(prof)
+            print(f"| {rows} | {'fast' if fast else 'stock'} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
+                  f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
+                  f"| {sh['index']:.0%} | {sh['other']:.0%} |", flush=True)
 
 
 def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
@@ -228,6 +291,9 @@ def main():
     ap.add_argument("--chars", type=int, default=3000, help="document length (characters)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per row count in (a); best is shown")
+    ap.add_argument("--steps-only", action="store_true", help="only (a0), one decoding forward per kernel set")
+    ap.add_argument("--step-repeats", type=int, default=3, help="(a0): alternating runs, best is shown")
+    ap.add_argument("--profile-rows", type=int, nargs="*", default=[16], help="(a1): row counts to profile")
     ap.add_argument("--no-profile", action="store_true", help="skip (b), the profiler breakdown")
     ap.add_argument("--stage", action="store_true", help="also run (c), the generation stage")
     ap.add_argument("--stage-runs", type=int, default=None, help="(c): only the first N (model, policy, split) runs")
@@ -238,7 +304,9 @@ def main():
     print(f"torch threads {torch.get_num_threads()}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     model, tok = load_model(SPEC)
     ids = prompt_ids(tok, args.chars)
-    floor_table(model, ids, args.rows, args.replicates, args.T, args.repeats, not args.no_profile)
+    step_table(model, ids, args.rows, repeats=args.step_repeats, profile_rows=args.profile_rows)
+    if not args.steps_only:
+        floor_table(model, ids, args.rows, args.replicates, args.T, args.repeats, not args.no_profile)
     if args.stage:
         print("\n(c) default config's generation stage (config/config.yaml, all shards, one process)")
         t = generation_stage(model, args.stage_runs, args.stage_T)

@@ -45,7 +45,6 @@ import torch
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import seeded
-from kvdiverge.engine.llm.side import grouped_attention
 from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
@@ -134,6 +133,10 @@ def _has_row_state(twin, press) -> bool:
 class _Lane:
     """One evicted-side lane: a twin, a fresh press entered on it, a cache of ``n`` rows of one document.
 
+    A lane decodes on the model's own attention and a ``DynamicCache``: its rows carry no
+    padding, so transformers' ``sdpa`` reads the unrepeated keys already (``enable_gqa``,
+    no mask), and decode-time presses replace the layers' keys and values as they compress.
+
     Parameters
     ----------
     model : transformers.PreTrainedModel
@@ -150,10 +153,6 @@ class _Lane:
         ``(press, cache, logits)`` just after a one-row prefill of this document (its
         :attr:`snapshot`): the lane starts from copies of them instead of prefilling. The
         prefill is deterministic, so this is the state a fresh prefill reaches, bit for bit.
-    grouped : bool
-        Decode with the grouped attention (:func:`kvdiverge.engine.llm.side.grouped_attention`).
-        The lane's cache stays a ``DynamicCache``: decode-time presses replace its layers'
-        keys and values as they compress.
 
     Attributes
     ----------
@@ -162,10 +161,8 @@ class _Lane:
         when the prefill left state with a batch dimension (module masks, ``DMSPress``).
     """
 
-    def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None,
-                 grouped: bool = True):
+    def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None):
         self.prompt_len, self.n, self.n_gen, self.counts = int(ids.numel()), int(n), 0, counts
-        self.grouped = bool(grouped)
         self.snapshot = None
         if start is not None:
             self._enter(model, start[0])
@@ -211,9 +208,8 @@ class _Lane:
     def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
         """Append ``tokens`` (int64 (n,)) at position ``prompt_len + n_gen``; return the logits (n, vocab)."""
         position_ids = torch.full((self.n, 1), self.prompt_len + self.n_gen, dtype=torch.long, device=tokens.device)
-        with grouped_attention(self.twin, self.grouped):
-            out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache, position_ids=position_ids,
-                            use_cache=True)
+        out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache, position_ids=position_ids,
+                        use_cache=True)
         self.n_gen += 1
         self.last = tokens
         self.counts[f"{kind}_forwards"] += 1
@@ -258,7 +254,7 @@ class DecodeTimePair(LLMPairBase):
         Per document, the seed of torch's generator during its prefills.
     horizon, fast
         As :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents` (the
-        reference side's cache, the grouped attention on both sides).
+        reference side's cache and attention; the lanes keep the stock ones, see :class:`_Lane`).
 
     Attributes
     ----------
@@ -337,7 +333,7 @@ class DecodeTimePair(LLMPairBase):
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):
-                lane = _Lane(self.model, ids, press, R, self.counts, grouped=self.fast)
+                lane = _Lane(self.model, ids, press, R, self.counts)
             self._starts.append(lane.snapshot)
             self._check_prefill(d, lane)
             lane.chain_doc = d
@@ -399,8 +395,7 @@ class DecodeTimePair(LLMPairBase):
         self._close_empty()
         for (d, n), rows in groups.items():
             with seeded(self.prefill_seeds[d], self.device):
-                lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d],
-                             grouped=self.fast)
+                lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
             for i in range(n):
                 tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)
                 check_logits_finite(lane.forward(tokens, "replay"), "evicted")

@@ -52,6 +52,12 @@ class LLMKernelPair(LLMPairBase):
     decoded by its own forward pass per step, on the same rows in the same order, and
     with ratio 0 the two sides' caches and padding are identical, so the TV is exactly 0.
 
+    Each side (:class:`kvdiverge.engine.llm.side.CacheSide`) decodes on a cache written in
+    place (:class:`kvdiverge.engine.llm.cache.CapacityLayer`, allocated once per side) with
+    the grouped attention (:mod:`kvdiverge.engine.llm.attention`, no ``repeat_kv``), so no
+    step copies a cache; ``fast=False`` keeps transformers' ``DynamicCache`` and the model's
+    attention. Both sides run the same kernels, so ratio 0 still gives a TV of exactly 0.
+
     Logits are checked for NaN/±inf on every forward (:class:`NonFiniteLogitsError`).
     The decoding transform runs on the model's device in float64 (float32 where the
     device has no float64, :func:`coupling_dtype`); returned log-distributions stay there.
