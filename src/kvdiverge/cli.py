@@ -25,15 +25,14 @@ With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-__all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_press_call", "parse_value", "policy_entry",
-           "read_prompts"]
+from kvdiverge.study.inputs import InputError, model_entry, read_prompts, sotu_prompts
+
+__all__ = ["UsageError", "main", "model_entry", "read_prompts"]
 
 PROG = "kvdiverge measure"
 
@@ -41,329 +40,9 @@ PROG = "kvdiverge measure"
 SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 
 
-class UsageError(ValueError):
-    """Bad command-line input; printed as one line, exit code 2."""
-
-
-# --------------------------------------------------------------------------- presses
-
-
-def parse_value(text: str) -> Any:
-    """A parameter value from the command line: int, float, bool (true/false), none, else str."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_press(spec: str) -> tuple[str, dict[str, Any]]:
-    """Split ``NAME[:param=value,...]`` into the class reference and its parameters.
-
-    ``NAME`` is a kvpress class name (``SnapKVPress``) or ``module:Class`` for a press
-    kvpress does not ship; ``module:Class:param=value,...`` then adds parameters.
-
-    Raises
-    ------
-    UsageError
-        If a parameter is not ``name=value`` or is given twice.
-    """
-    parts = spec.split(":")
-    if len(parts) >= 2 and "=" not in parts[1]:
-        ref, rest = f"{parts[0]}:{parts[1]}", ":".join(parts[2:])
-    else:
-        ref, rest = parts[0], ":".join(parts[1:])
-    if not ref or ref.endswith(":"):
-        raise UsageError(f"press {spec!r}: expected NAME[:param=value,...] or module:Class[:param=value,...]")
-    params: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError(f"press {spec!r}: parameter {item!r} is not name=value")
-        if key.strip() in params:
-            raise UsageError(f"press {spec!r}: parameter {key.strip()!r} given twice")
-        params[key.strip()] = parse_value(value)
-    return ref, params
-
-
-def parse_press_call(text: str) -> dict[str, Any]:
-    """A press expression such as ``AdaKVPress(press=SnapKVPress(compression_ratio=0.5))`` as a spec.
-
-    Parsed with :mod:`ast`, never evaluated: only calls of kvpress or project press class
-    names, with literal arguments (numbers, strings, booleans, ``None``, lists, tuples,
-    dicts) or other such calls. Positional arguments follow the constructor's parameter
-    order.
-
-    Returns
-    -------
-    dict
-        ``{"press": Name, "params": {...}}``, press-valued arguments as specs of the same
-        shape (:func:`kvdiverge.engine.presses.policies.press_from_spec`).
-
-    Raises
-    ------
-    UsageError
-        Not a call of a known press class, an argument that is not a literal or a press,
-        a parameter given twice.
-    """
-    import ast
-
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise UsageError(f"press {text!r}: not a press expression ({exc.msg})") from None
-    return _press_call(tree.body, text)
-
-
-def _press_call(node, text: str) -> dict[str, Any]:
-    import ast
-    import inspect
-
-    from kvdiverge.engine.presses.policies import press_class
-
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        raise UsageError(f"press {text!r}: expected PressName(param=value, ...)")
-    try:
-        cls = press_class(node.func.id)
-    except ValueError as exc:
-        raise UsageError(f"press {text!r}: {exc}") from None
-    names = list(inspect.signature(cls).parameters)
-    if len(node.args) > len(names):
-        raise UsageError(f"press {text!r}: {cls.__name__} takes at most {len(names)} positional arguments")
-    params: dict[str, Any] = {names[i]: _literal(arg, text) for i, arg in enumerate(node.args)}
-    for kw in node.keywords:
-        if kw.arg is None or kw.arg in params:
-            raise UsageError(f"press {text!r}: parameter {kw.arg or '**'!r} of {cls.__name__} given twice or unpacked")
-        params[kw.arg] = _literal(kw.value, text)
-    return {"press": cls.__name__, "params": params}
-
-
-def _literal(node, text: str) -> Any:
-    import ast
-
-    if isinstance(node, ast.Call):
-        return _press_call(node, text)
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e, text) for e in node.elts]
-    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
-        return {k.value: _literal(v, text) for k, v in zip(node.keys, node.values)}
-    try:
-        return ast.literal_eval(node)  # constants, and signed numbers
-    except ValueError:
-        raise UsageError(f"press {text!r}: {ast.unparse(node)!r} is neither a literal nor a press") from None
-
-
-def press_spec(text: str) -> dict[str, Any]:
-    """The press spec of a ``--press`` value: ``Name(...)`` (:func:`parse_press_call`) or ``NAME[:param=value,...]``."""
-    if "(" in text:
-        return parse_press_call(text)
-    ref, params = parse_press(text)
-    return {"press": ref, "params": params}
-
-
-def _ratio_target(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The spec (``spec`` or one nested in it) that takes a policy's compression ratio."""
-    from kvdiverge.engine.presses.policies import is_press_spec, press_class, press_parameters, spec_parameters, takes_ratio
-
-    params = spec_parameters(spec)
-    if not takes_ratio(spec["press"], params):
-        return None
-    if "compression_ratio" in press_parameters(press_class(spec["press"])):
-        return spec
-    for value in params.values():
-        for inner in value if isinstance(value, list) else [value]:
-            if is_press_spec(inner) and (found := _ratio_target(inner)) is not None:
-                return found
-    return None
-
-
-def policy_entry(text: str, budget: int | None = None, default_ratio: float | None = 0.0) -> dict[str, Any]:
-    """The policy entry (as in the config) of a ``--press`` value, with ``--budget`` if given.
-
-    The ``compression_ratio`` of the press that takes the policy's ratio (the named press,
-    or the inner scorer of a wrapper) becomes the entry's ``compression_ratio``
-    (``default_ratio`` if not given: kvpress's default 0; ``None`` leaves the entry without
-    one, for a frontier whose ratios set it); with ``budget`` that press must not be given a ratio.
-
-    Raises
-    ------
-    UsageError
-        A bad expression, an unknown press, ``budget`` with a ratio or for a press that takes none.
-    """
-    spec = press_spec(text)
-    try:
-        target = _ratio_target(spec)
-    except ValueError as exc:
-        raise UsageError(f"press {text!r}: {exc}") from None
-    entry: dict[str, Any] = {"press": spec["press"], "params": spec["params"]}
-    if target is None:
-        if budget is not None:
-            raise UsageError(f"press {text!r}: {spec['press']} takes no compression ratio, so no --budget")
-        return entry
-    given = [d.pop("compression_ratio") for d in (target, target.get("params") or {}) if "compression_ratio" in d]
-    if budget is not None:
-        if given:
-            raise UsageError(f"press {text!r}: give --budget or compression_ratio, not both")
-        entry["budget"] = int(budget)
-    else:
-        ratio = float(given[0]) if given else default_ratio
-        if ratio is not None:
-            entry["compression_ratio"] = ratio
-    return entry
-
-
-def build_press(spec: str):
-    """The press object of a ``--press`` value (its own ``compression_ratio``, if given), checked.
-
-    Raises
-    ------
-    UsageError
-        Unknown press (the message lists the presses), unknown parameter (the message
-        lists the accepted ones), a value the press rejects, or a press kvdiverge refuses.
-    """
-    from kvdiverge.engine.presses.policies import press_from_spec
-    from kvdiverge.engine.presses.registry import refusal
-
-    try:
-        press = press_from_spec(press_spec(spec), None, f"press {spec!r}")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    reason = refusal(press)
-    if reason:
-        raise UsageError(f"press {spec!r}: {reason}")
-    return press
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
-    """Prompts from a file: text (one per line), JSON lines (``.jsonl``/``.json``) or parquet.
-
-    Parameters
-    ----------
-    path : path
-        The file; blank lines of a text file are skipped.
-    field : str
-        Column (parquet) or key (JSON lines) holding the prompt text.
-    id_field : str, optional
-        Column or key holding the prompt id (enters the seeds); default ``prompt-<i>``.
-
-    Returns
-    -------
-    dict of str to str
-        Prompt id -> text, in file order.
-
-    Raises
-    ------
-    UsageError
-        A missing file, field or id, an unreadable line, or no prompt.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompts file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        import polars as pl
-
-        frame = pl.read_parquet(p)
-        for col in filter(None, (field, id_field)):
-            if col not in frame.columns:
-                raise UsageError(f"{p}: no column {col!r} (columns: {', '.join(frame.columns)})")
-        texts = frame[field].cast(str).to_list()
-        ids = frame[id_field].cast(str).to_list() if id_field else None
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        texts, ids = [], [] if id_field else None
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{p}: line {i} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{p}: line {i} is not a JSON object")
-            for key in filter(None, (field, id_field)):
-                if key not in row:
-                    raise UsageError(f"{p}: line {i} has no field {key!r} (fields: {', '.join(row)})")
-            texts.append(str(row[field]))
-            if ids is not None:
-                ids.append(str(row[id_field]))
-    else:
-        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-        ids = None
-    if not texts:
-        raise UsageError(f"{p}: no prompts")
-    if ids is None:
-        width = len(str(len(texts) - 1))
-        ids = [f"prompt-{i:0{width}d}" for i in range(len(texts))]
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"{p}: ids in {id_field!r} are not unique")
-    return dict(zip(ids, texts))
-
-
-def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) -> dict[str, str]:
-    """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
-
-    The same excerpts as the workflow's exploratory split of a config with this word range
-    (:func:`kvdiverge.study.corpus.build_corpus`).
-
-    Raises
-    ------
-    UsageError
-        If ``n < 1`` or the corpus has too few excerpts in the word range.
-    """
-    from kvdiverge.study.corpus import CorpusError, build_corpus
-
-    if n < 1:
-        raise UsageError(f"--sotu needs at least 1 excerpt, got {n}")
-    try:
-        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
-                             "documents": {"exploratory": n}, "split_seed": split_seed})
-    except CorpusError as exc:
-        raise UsageError(str(exc)) from None
-    return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
-
-
-# --------------------------------------------------------------------------- model
-
-
-def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
-    """``(name, config entry)`` of the model argument.
-
-    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
-    directory or ``.gguf`` file loads locally; anything else that does not look like a path
-    is a hub id (read from the local Hugging Face cache when present).
-
-    Raises
-    ------
-    UsageError
-        A path that does not exist, or a file that is not GGUF.
-    """
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
-
-    extra = {"dtype": dtype, "device": device}
-    if model == "embedded":
-        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p.resolve().name, {"source": "local", "path": str(p), **extra}
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise UsageError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                             f"a .gguf file, a hub id or 'embedded'")
-        return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
-    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
-                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
-    if looks_like_path:
-        raise UsageError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
-    return model, {"source": "hub", "id": model, **extra}
+#: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
+#: (:mod:`kvdiverge.study.inputs`) raise it too.
+UsageError = InputError
 
 
 # --------------------------------------------------------------------------- the command
@@ -435,33 +114,61 @@ def _say(quiet: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _measure(args: argparse.Namespace) -> int:
-    from kvdiverge.measurement import check_lengths, measure, prepare_documents, prepare_presses
-    from kvdiverge.study.models import load_model, load_tokenizer
-
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers and a repeated press before any work."""
     for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
                              ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
-                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1)):
+                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1),
+                             ("--budget", 1 if args.budget is None else args.budget, 1),
+                             ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if len(set(args.press)) != len(args.press):
         raise UsageError("the same --press is given twice")
-    if args.budget is not None and args.budget < 1:
-        raise UsageError(f"--budget must be >= 1, got {args.budget}")
+
+
+def _sources(args: argparse.Namespace):
+    """``(entries, sources)``: each ``--press`` as a policy entry, and the policies measured
+    (every entry at every ratio with ``--ratios``), each press built and checked once."""
+    from kvdiverge.engine.presses.expressions import policy_entry
+    from kvdiverge.measurement import frontier_presses, prepare_presses
+
     # with --ratios the frontier sets each press's ratio: an entry without one
     entries = {spec: policy_entry(spec, args.budget, None if args.ratios else 0.0) for spec in args.press}
     expanded = entries
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
-        from kvdiverge.measurement import frontier_presses
-
         try:
             expanded, _ = frontier_presses(entries, args.ratios)
         except ValueError as exc:
             raise UsageError(f"--ratios: {exc}") from None
     try:
-        sources = prepare_presses(expanded)  # builds each press once: refusals and bad parameters stop here
+        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _write(args: argparse.Namespace, m) -> None:
+    """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
+    if args.ratios:
+        where = Path(args.out or ".")
+        where.mkdir(parents=True, exist_ok=True)
+        for suffix in ("png", "pdf"):
+            m.plot_frontier(where / f"frontier.{suffix}")
+        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
+    if args.out:
+        out = Path(args.out)
+        m.save(out)
+        m.plot_survival(out / "survival.png")
+        m.plot_survival(out / "survival.pdf")
+        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.measurement import check_lengths, measure, prepare_documents
+    from kvdiverge.study.models import load_model, load_tokenizer
+
+    _check_args(args)
+    entries, sources = _sources(args)
     if args.sotu is not None:
         prompts = sotu_prompts(args.sotu, *args.words)
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
@@ -475,8 +182,6 @@ def _measure(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
 
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
@@ -491,17 +196,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(m.format_summary(), flush=True)
     if args.ratios:
         print(m.format_frontier(), flush=True)
-        where = Path(args.out or ".")
-        where.mkdir(parents=True, exist_ok=True)
-        for suffix in ("png", "pdf"):
-            m.plot_frontier(where / f"frontier.{suffix}")
-        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
-    if args.out:
-        out = Path(args.out)
-        m.save(out)
-        m.plot_survival(out / "survival.png")
-        m.plot_survival(out / "survival.pdf")
-        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+    _write(args, m)
     return 0
 
 

@@ -16,10 +16,11 @@ import torch
 from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
 from kvdiverge.engine.llm.pair_base import LLMPairBase, model_eos_ids
-from kvdiverge.engine.llm.prefill import generation_start, prefill, seeded
+from kvdiverge.engine.llm.prefill import prefill, seeded
 from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
+from kvdiverge.engine.presses.registry import generation_start
 
 __all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
 

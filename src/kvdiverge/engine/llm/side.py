@@ -54,7 +54,7 @@ class CacheSide:
     abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
     each row's first generated token (int64, (n_rows,), or an int for all rows): the
     uncompressed prompt length of its document, or the cache length for presses that
-    re-rotate kept keys (:func:`kvdiverge.engine.llm.prefill.generation_start`);
+    re-rotate kept keys (:func:`kvdiverge.engine.presses.registry.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
     (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
@@ -92,7 +92,7 @@ class CacheSide:
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
         # as kvpress's own pipeline does, whatever the cache length (for presses that
-        # re-rotate kept keys, from the cache length: prefill.generation_start).
+        # re-rotate kept keys, from the cache length: registry.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
         if self.masks is not None:
             self.masks.apply(self.modules)
