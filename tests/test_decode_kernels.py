@@ -27,11 +27,11 @@ import torch
 
 from kvdiverge.engine.llm.attention import GROUPED_SDPA, grouped_sdpa
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
-from kvdiverge.engine.llm.decode_pair import is_decode_time
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 #: Largest |log p| difference (nats, tokens of probability > 1e-6) allowed between the
@@ -133,7 +133,7 @@ def test_a_capacity_cache_copies_its_source():
 
 def _measured_prefill_presses():
     for name in sorted(registry.ROWS):
-        if press_status.pending(name) or press_status.status(name) != "measured":
+        if press_status.status(name) != "measured":
             continue
         if is_decode_time(Policy.from_config(name, press_status.test_spec(name)).build_press(64)):
             continue

@@ -55,7 +55,7 @@ def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
 def test_bfloat16_on_the_cpu_compares_the_stock_kernels(bench, tmp_path, capsys):
     out_json = tmp_path / "bf16.json"
     assert bench.main(["--tiny", "--device", "cpu", "--dtype", "bfloat16", "--compare-stock", "--docs", "2",
-                       "--prompt-tokens", "60", "--T", "3", "--R", "2", "--models", "qwen-2.5-7b",
+                       "--prompt-tokens", "100", "--T", "3", "--R", "2", "--models", "qwen-2.5-7b",
                        "--json", str(out_json)]) == 0
     assert "stock kernels:" in capsys.readouterr().out
     (r,) = json.loads(out_json.read_text())["results"]
