@@ -401,8 +401,13 @@ def _pair_counts(pair) -> dict[str, int]:
 
 
 def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
-               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False):
+               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False,
+               horizon: int | None = None):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
+
+    With ``horizon`` (``T``, steps) each side's cache is allocated once for its widest need,
+    ``prompt + 2T - 2`` columns (:func:`kvdiverge.engine.llm.planner.cache_columns`); without
+    it, caches grow as they fill.
 
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
@@ -436,6 +441,7 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
+        horizon=horizon,
     )
 
 
@@ -446,7 +452,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, s
     from kvdiverge.engine.core.errors import raise_kvpress_error
 
     pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
-                      eos_ids=eos_ids, checked=True)
+                      eos_ids=eos_ids, checked=True, horizon=T)
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
