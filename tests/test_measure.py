@@ -337,7 +337,7 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
     # the printed summary: one row per press, the decomposition, the untouched flag, the absent floor
     assert "E[M] [CI]" in res.stdout and "= p_div/T" in res.stdout and "+ (E[L]/T)*rho" in res.stdout
     assert re.search(r"mypresses:KeepAllPress\s+2\s+100%\*", res.stdout)
-    assert "left the cache untouched (kept every prompt position): mypresses:KeepAllPress" in res.stdout
+    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): mypresses:KeepAllPress" in res.stdout
     assert "noise floor: not measured" in res.stdout
     assert "step/s" in res.stderr or "it/s" in res.stderr  # progress bars
 
@@ -450,7 +450,7 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     assert s["keep-all"]["p_div"] == 0.0 and s["snapkv"]["p_div"] > 0
     text = m.format_summary()
     assert "E[M] - noise-floor [CI]" in text and "(floor)" in text
-    assert "left the cache untouched (kept every prompt position): keep-all\n" in text + "\n"
+    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): keep-all\n" in text + "\n"
     assert m.gaps.height == 4 * 6  # every pair of 4 presses, 4 terms each
     with pytest.raises(ValueError, match="unknown press 'nope'"):
         m.gap("snapkv", "nope")

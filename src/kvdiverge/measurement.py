@@ -432,19 +432,22 @@ class Measurement:
     @property
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
-        ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``)."""
+        ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
+        every step of every replicate's chain, so the chains never part; a press that keeps
+        every position but changes the cache, or evicts while decoding, is not untouched)."""
+        same = self.trajectories.group_by("policy", "doc_id").agg(
+            pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("untouched"))
         return self.documents.select("policy", "doc_id", "prompt_len", "kept_len").with_columns(
             (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
-            (pl.col("kept_len") == pl.col("prompt_len")).alias("untouched"),
-        )
+        ).join(same, on=["policy", "doc_id"], how="left", maintain_order="left")
 
     @property
     def summary(self) -> pl.DataFrame:
         """One row per press: occurrence, timing, token loss and its decomposition.
 
         Columns: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over
-        prompts), ``untouched`` (True when the press kept every prompt position on every
-        prompt: it did not compress), ``p_div``, ``tau_mean`` (mean first-divergence step
+        prompts), ``untouched`` (True when on every prompt the evicted side's kernel equalled
+        the reference side's at every step: TV exactly 0), ``p_div``, ``tau_mean`` (mean first-divergence step
         given divergence, steps), ``E_L`` (steps), ``rho``, ``E_M`` (mismatch fraction),
         each of ``p_div``, ``tau_mean``, ``E_L``, ``E_M`` with ``_lo``/``_hi`` bootstrap
         bounds; ``first_mismatch_term = p_div / T`` and ``exposure_rate_term = (E_L / T) rho``
@@ -649,7 +652,8 @@ def format_summary(m: Measurement) -> str:
            line(header), line(["-" * w for w in widths]), *map(line, rows)]
     untouched = [p for p in summ.filter(pl.col("untouched"))["policy"].to_list() if p != floor]
     if untouched:
-        out.append(f"* left the cache untouched (kept every prompt position): {', '.join(untouched)}")
+        out.append(f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): "
+                   f"{', '.join(untouched)}")
     if floor is None:
         out.append(f"noise floor: not measured (add a {NOISE_FLOOR_PRESS} to compare each press with it)")
     return "\n".join(out)
@@ -740,7 +744,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
         the promised number of positions. A press that promises nothing and leaves the
-        cache whole runs and is reported (``summary['untouched']``, and a warning).
+        kernel as the full cache's (TV 0 at every step) runs and is reported
+        (``summary['untouched']``, and a warning).
     """
     from tqdm.auto import tqdm
 
@@ -793,8 +798,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
-        warnings.warn(f"press {name!r} left the cache untouched (kept every prompt position on every prompt)",
-                      stacklevel=2)
+        warnings.warn(f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
+                      f"kernel as the full cache)", stacklevel=2)
     return result
 
 
