@@ -50,6 +50,48 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
         return yaml.safe_load(fh)
 
 
+def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:
+    """Sentences naming each key that appears twice in one mapping of a composed YAML node tree."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            line = key.start_mark.line + 1
+            if name is not None and name != "<<" and name in seen:
+                where = f" in {_key_path(parts)}" if parts else ""
+                yield (f"duplicate key {name!r}{where} at lines {seen[name]} and {line} "
+                       f"(a key may appear once in a mapping; the later entry would silently replace the earlier)")
+            elif name is not None:
+                seen[name] = line
+            yield from _duplicate_keys(value, parts + (name,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _duplicate_keys(item, parts + (i,))
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Read a YAML file, refusing a key that appears twice in one mapping.
+
+    PyYAML (and so Snakemake's ``--configfile``) keeps the last of two equal keys without
+    a word; here the file is composed first and every duplicate is named with its lines.
+
+    Raises
+    ------
+    ConfigError
+        A duplicate key (``path: duplicate key 'snapkv-50' in policies at lines 12 and 15 ...``)
+        or a file that is not YAML.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    duplicates = list(_duplicate_keys(node)) if node is not None else []
+    if duplicates:
+        raise ConfigError(f"{path}: " + "; ".join(duplicates))
+    return yaml.safe_load(text)
+
+
 def _key_path(parts: Iterable[Any]) -> str:
     out = ""
     for p in parts:
@@ -164,10 +206,10 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
     Raises
     ------
     ConfigError
-        If the file does not validate (the message names the keys).
+        If the file does not validate (the message names the keys), or a key appears
+        twice in one mapping (:func:`read_yaml`).
     """
-    with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
+    config = read_yaml(path) or {}
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a mapping, got {type(config).__name__}")
     try:
