@@ -312,3 +312,16 @@ def test_the_readme_press_table_is_the_registry():
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start):readme.index(end)]
     assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.presses.status"
+
+
+def test_refusal_sentences_name_models_by_ids_a_model_can_have():
+    """A model id in a refusal is one a loaded model's name_or_path can equal: owner/name, one slash."""
+    import re
+
+    for name, row in registry.ROWS.items():
+        for sentence in filter(None, [row.refused, *row.required.values()]):
+            assert "//" not in sentence, f"{name}: {sentence}"
+    duo = registry.ROWS["DuoAttentionPress"].refused
+    assert "meta-llama/Meta-Llama-3.1-8B-Instruct, mistralai/Mistral-7B-Instruct-v0.2" in duo
+    # the Gradient models kvpress misspells are named as unreachable, not as supported
+    assert re.search(r"published only for [^;]*\(on_the_fly", duo) and "gradientai" not in duo.split(";")[0]
