@@ -416,3 +416,24 @@ def test_snakemake_refuses_a_duplicate_key_in_its_config_file(tmp_path):
     out = _snakemake("-n", "--configfile", str(path), "-d", str(tmp_path))
     assert out.returncode != 0
     assert f"duplicate key 'snapkv-50' in policies at lines {one} and {two}" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("path, value", [(("frontier", "ratios", 1), float("nan")),
+                                         (("decoding", "temperature"), float("nan")),
+                                         (("decoding", "top_p"), float("inf"))])
+def test_a_non_finite_number_is_refused_naming_its_key(path, value):
+    config = raw("frontier.yaml")
+    parent = config
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    where = ".".join(path[:2]) + (f"[{path[2]}]" if len(path) > 2 else "")
+    assert f"{where}: {value} is not a finite number (the config takes no NaN or infinity)" in error_of(config)
+
+
+def test_a_frontier_press_with_a_nested_ratio_is_named_by_its_frontier_key():
+    config = raw("frontier.yaml")
+    config["frontier"]["presses"]["adakv-snapkv"]["params"]["press"]["compression_ratio"] = 0.3
+    msg = error_of(config)
+    assert msg == ("invalid config:\n  frontier.presses.adakv-snapkv: SnapKVPress: compression_ratio is given twice "
+                   "(by the policy and as a parameter)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -174,6 +175,22 @@ def _validator(schema: dict[str, Any], set_defaults: bool):
     return cls(schema)
 
 
+def _non_finite(node, parts: tuple = ()) -> Iterable[str]:
+    """A sentence for each NaN or infinite number in ``node``, naming its key path.
+
+    JSON Schema bounds compare with ``<``, which NaN passes, so a NaN would slip past every
+    ``minimum``; no setting of the config takes a non-finite number.
+    """
+    if isinstance(node, float) and not math.isfinite(node):
+        yield f"{_key_path(parts)}: {node} is not a finite number (the config takes no NaN or infinity)"
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _non_finite(v, parts + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _non_finite(v, parts + (i,))
+
+
 def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = None,
              set_defaults: bool = True) -> dict[str, Any]:
     """Validate ``config`` against the schema and return a copy with defaults filled.
@@ -187,9 +204,9 @@ def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = Non
     config = copy.deepcopy(config)
     validator = _validator(schema, set_defaults)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
+    lines = list(_non_finite(config))
+    if errors or lines:
         # the oneOf/anyOf parents repeat their children's messages: keep the leaves first
-        lines = []
         for e in errors:
             line = format_error(e)
             if line not in lines:
@@ -466,7 +483,10 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []
-    grid = frontier_points(config) if f else []
+    try:
+        grid = frontier_points(config) if f else []
+    except ValueError as exc:  # a value the schema's bounds cannot express (two points of one name)
+        raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
     made = {p["policy"] for p in grid}
     for name in policies:
         if "@" in name and name not in made:
@@ -507,6 +527,8 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
                     line = format_error(e)
                     if line not in problems:
                         problems.append(line)
+                if not errors:  # the press built once, its problems named by the frontier's key
+                    problems += [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({point["policy"]: entry})]
         name = point["policy"]
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {key} at "
