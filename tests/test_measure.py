@@ -268,7 +268,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
         (base + ["--press", "KnormPress", "--field", "question"], "line 1 has no field 'question'"),
         (["measure", str(tmp_path / "no" / "model"), "--prompts", str(prompts), "--press", "KnormPress"],
          "model not found"),
-        (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens must be >= 1"),
+        (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens: 0 is not allowed; allowed: an integer >= 1"),
         (["measure", "embedded", "--press", "KnormPress"], "one of the arguments --prompts --sotu is required"),
     ]
     for argv, message in cases:
