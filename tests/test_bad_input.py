@@ -79,3 +79,100 @@ def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypa
     assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
     with pytest.raises(RuntimeError, match="something inside broke"):
         cli.main(argv + ["--debug"])
+
+
+@pytest.mark.parametrize("press, message", [
+    ("BasePress()", "BasePress is an abstract press (kvpress.BasePress: its compress raises NotImplementedError)"),
+    ("ScorerPress(compression_ratio=0.5)", "ScorerPress is an abstract press (kvpress.ScorerPress: its score raises"),
+    ("SnapKVPress(compression_ratio=None)", "compression_ratio: None has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio=[0.5])", "compression_ratio: [0.5] has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio={0.5})", "compression_ratio: {0.5} has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio=1j)", "compression_ratio: 1j is not a real number"),
+    ("SnapKVPress(window_size=-4)", "window_size: -4 is out of range; allowed: >= 1"),
+    ("SnapKVPress:compression_ratio=nan", "compression_ratio: nan is not a finite number"),
+])
+def test_the_command_line_refuses_a_press_before_loading_the_model(press, message, prompts, no_model, capsys):
+    rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", press])
+    assert rc == 2
+    assert error_line(capsys).startswith(f"press {press!r}: {message}")
+
+
+# --------------------------------------------------------------------------- the API
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A miniature model that fails the test if it runs a forward: every refusal comes first."""
+    import torch
+
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model ran a forward before the refusal")
+
+    model.register_forward_pre_hook(refuse)
+    gen = torch.Generator().manual_seed(0)
+    return model, {"a": torch.randint(1, 500, (40,), generator=gen).tolist()}
+
+
+def measure(tiny, presses=None, prompts=None, **kwargs):
+    import kvpress
+
+    import kvdiverge
+
+    model, ids = tiny
+    presses = {"snap": kvpress.SnapKVPress(compression_ratio=0.5)} if presses is None else presses
+    settings = {"max_new_tokens": 4, "replicates": 2, "progress": False, **kwargs}
+    return kvdiverge.measure(model, None, ids if prompts is None else prompts, presses, **settings)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "temperature: nan is not a finite number; allowed: a number >= 0"),
+    ({"bootstrap": 0}, "bootstrap: 0 is not allowed; allowed: an integer >= 1"),
+    ({"max_new_tokens": 2.7}, "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1"),
+    ({"top_p": 1.5}, "top_p: 1.5 is not allowed; allowed: a number > 0 and <= 1"),
+    ({"confidence": 0.0}, "confidence: 0.0 is not allowed; allowed: a number > 0 and < 1"),
+])
+def test_the_api_refuses_a_setting_before_any_forward(tiny, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        measure(tiny, **kwargs)
+    assert str(info.value) == message
+
+
+def test_the_api_refuses_token_ids_outside_the_vocabulary(tiny):
+    vocab = tiny[0].config.vocab_size
+    for ids, shown in (([5, -1, 7], "-1"), ([5, vocab, 7], str(vocab))):
+        with pytest.raises(ValueError) as info:
+            measure(tiny, prompts={"bad": ids * 20})
+        assert str(info.value).startswith(f"prompt 'bad': token ids {shown}")
+        assert str(info.value).endswith(f"are outside the model's vocabulary; allowed: integers from 0 to {vocab - 1}")
+
+
+def test_the_api_takes_only_press_instances_and_policy_entries(tiny):
+    import kvpress
+
+    def plain(model):
+        return None
+
+    cases = {
+        "fn": (plain, "'plain' (function) is not a press; allowed: a kvpress.BasePress instance"),
+        "print": (print, "'print' (builtin_function_or_method) is not a press"),
+        "cls": (kvpress.SnapKVPress, "SnapKVPress is a press class, not a press: pass an instance, SnapKVPress(...)"),
+        "base": (kvpress.BasePress(), "BasePress is an abstract press"),
+        "scorer": (kvpress.ScorerPress(compression_ratio=0.5), "ScorerPress is an abstract press"),
+        "entry": ({"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": -4},
+                  "window_size: -4 is out of range; allowed: >= 1"),
+    }
+    for name, (value, message) in cases.items():
+        with pytest.raises(ValueError) as info:
+            measure(tiny, presses={name: value})
+        assert str(info.value).startswith(f"press {name!r}: {message}"), str(info.value)
+
+
+def test_a_frontier_refuses_names_with_at_and_ratios_that_are_not_ratios(tiny):
+    with pytest.raises(ValueError, match=r"^press 'snap@0\.5': '@' in a press name is reserved for the frontier"):
+        measure(tiny, presses={"snap@0.5": {"press": "SnapKVPress"}}, ratios=[0.25])
+    with pytest.raises(ValueError, match=r"^ratios: nan is not a compression ratio; allowed: numbers in \[0, 1\)$"):
+        measure(tiny, presses={"snap": {"press": "SnapKVPress"}}, ratios=[0.25, float("nan")])

@@ -196,7 +196,9 @@ def policy_entry(text: str, budget: int | None = None, default_ratio: float | No
     Raises
     ------
     UsageError
-        A bad expression, an unknown press, ``budget`` with a ratio or for a press that takes none.
+        A bad expression, an unknown press, ``budget`` with a ratio or for a press that takes none,
+        a value the config would refuse for a policy entry (``compression_ratio=None``, ``[0.5]``,
+        ``1j``, ``window_size=-4``: :func:`kvdiverge.study.config.policy_entry_problems`).
     """
     spec = press_spec(text)
     try:
@@ -214,9 +216,17 @@ def policy_entry(text: str, budget: int | None = None, default_ratio: float | No
             raise UsageError(f"press {text!r}: give --budget or compression_ratio, not both")
         entry["budget"] = int(budget)
     else:
-        ratio = float(given[0]) if given else default_ratio
-        if ratio is not None:
-            entry["compression_ratio"] = ratio
+        if given:  # as given (None too): the checks below name a value that is not a ratio
+            entry["compression_ratio"] = given[0]
+        elif default_ratio is not None:
+            entry["compression_ratio"] = default_ratio
+    from kvdiverge.study.config import policy_entry_problems
+
+    problems = policy_entry_problems(entry)  # the config's checks of a policy entry
+    if problems:
+        raise UsageError(f"press {text!r}: {problems[0]}")
+    if isinstance(entry.get("compression_ratio"), int):
+        entry["compression_ratio"] = float(entry["compression_ratio"])
     return entry
 
 
@@ -482,7 +492,7 @@ def _measure(args: argparse.Namespace) -> int:
         try:
             expanded, _ = frontier_presses(entries, args.ratios)
         except ValueError as exc:
-            raise UsageError(f"--ratios: {exc}") from None
+            raise UsageError(f"--{exc}" if str(exc).startswith("ratios: ") else f"--ratios: {exc}") from None
     try:
         sources = prepare_presses(expanded)  # builds each press once: refusals and bad parameters stop here
     except ValueError as exc:

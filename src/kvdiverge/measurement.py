@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import numbers
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -145,12 +146,14 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
         No presses, or an invalid policy entry.
     kvdiverge.engine.core.errors.PressError
         (a ``ValueError``) A press kvdiverge refuses (the message says what it needs; see
-        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, or one kvpress rejects.
-    TypeError
-        A value that is neither a press, a policy entry nor a PressSource.
+        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, one kvpress rejects,
+        or a value that is not a press object (a class, an abstract base, any other callable:
+        :func:`kvdiverge.engine.presses.bases.press_problem`).
     """
     from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.bases import press_problem
     from kvdiverge.engine.presses.registry import refusal
+    from kvdiverge.study.config import policy_entry_problems
 
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
@@ -173,15 +176,15 @@ def prepare_presses(presses: Any) -> dict[str, PressSource]:
         if _is_source(value) and not isinstance(value, Mapping):
             out[name] = value if getattr(value, "name", None) == name else _renamed(value, name)
         elif isinstance(value, Mapping):
+            problems = policy_entry_problems(dict(value))  # the config's checks of a policy entry
+            if problems:
+                raise PressError(f"press {name!r}", problems[0])
             out[name] = Policy.from_config(name, dict(value))  # builds and checks its press once
-        elif callable(value):  # a press is a context manager factory: press(model)
-            reason = refusal(value)
+        else:  # a press object: an instance of a kvpress.BasePress subclass that compresses
+            reason = press_problem(value) or refusal(value)
             if reason:
                 raise PressError(f"press {name!r}", reason)
             out[name] = PressPolicy(name, value)
-        else:
-            raise TypeError(f"press {name!r}: expected a kvpress press, a policy entry or a PressSource, "
-                            f"got {type(value).__name__}")
     return out
 
 
@@ -304,8 +307,9 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     Raises
     ------
     ValueError
-        A press that takes no compression ratio, a ratio outside ``[0, 1)``, no ratio, or
-        a budget for a press object.
+        A press that takes no compression ratio, a ratio outside ``[0, 1)`` (NaN included),
+        no ratio, a budget for a press object, or a press name with ``@`` (reserved for
+        the frontier's names, as in the config).
     """
     from kvdiverge.estimation.frontier import frontier_grid
     from kvdiverge.engine.presses.project import PermutationPress
@@ -319,7 +323,14 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    grid = frontier_grid(list(scored), list(ratios), list(budgets))
+    for n in scored:
+        if "@" in n:
+            raise ValueError(f"press {n!r}: '@' in a press name is reserved for the frontier's "
+                             f"<press>@<ratio> names; rename it")
+    for r in ratios:
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
+            raise ValueError(f"ratios: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
+    grid = frontier_grid(list(scored), [float(r) for r in ratios], list(budgets))
     out: dict[str, Any] = {}
     for point in grid:
         name, value = point["policy"], scored[point["press"]]
@@ -739,8 +750,10 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     ------
     ValueError
         Bad prompts or presses (see :func:`prepare_documents`, :func:`prepare_presses`),
-        a prompt shorter than a press needs or too long for the model context, ``T < 1``,
-        ``replicates < 1``.
+        token ids outside the model's vocabulary, a prompt shorter than a press needs or
+        too long for the model context, a setting the config would refuse (NaN, out of
+        range, a fraction for a count: :func:`kvdiverge.study.settings.check_settings`,
+        naming the argument, the value and what is allowed).
     kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
         the promised number of positions. A press that promises nothing and leaves the
@@ -753,10 +766,20 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     from kvdiverge.engine.runner import plan_documents, run_documents
     from kvdiverge.engine.core.coupled import to_frame
 
-    T, R = int(max_new_tokens), int(replicates)
-    if T < 1 or R < 1:
-        raise ValueError(f"max_new_tokens and replicates must be >= 1, got {T} and {R}")
+    from kvdiverge.study.settings import check_settings, token_id_problems
+
+    checked = check_settings({"max_new_tokens": max_new_tokens, "replicates": replicates,
+                              "temperature": temperature, "top_p": top_p, "seed": seed, "window": window,
+                              "bootstrap": bootstrap, "confidence": confidence,
+                              "memory_budget_gb": memory_budget_gb,
+                              **({} if batch_documents is None else {"batch_documents": batch_documents})})
+    T, R = checked["max_new_tokens"], checked["replicates"]
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
+        if problems:
+            raise ValueError(problems[0])
     grid = None
     if ratios or budgets:
         presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))

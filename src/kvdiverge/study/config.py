@@ -183,6 +183,8 @@ def _non_finite(node, parts: tuple = ()) -> Iterable[str]:
     """
     if isinstance(node, float) and not math.isfinite(node):
         yield f"{_key_path(parts)}: {node} is not a finite number (the config takes no NaN or infinity)"
+    elif isinstance(node, complex):
+        yield f"{_key_path(parts)}: {node!r} is not a real number"
     elif isinstance(node, dict):
         for k, v in node.items():
             yield from _non_finite(v, parts + (k,))
@@ -203,8 +205,11 @@ def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = Non
     schema = load_schema(schema_path)
     config = copy.deepcopy(config)
     validator = _validator(schema, set_defaults)
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     lines = list(_non_finite(config))
+    try:
+        errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
+    except TypeError:  # a complex number, which the schema's bounds cannot compare: named in lines
+        errors = []
     if errors or lines:
         # the oneOf/anyOf parents repeat their children's messages: keep the leaves first
         for e in errors:
@@ -233,6 +238,41 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
         return validate(config, schema_path)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def policy_entry_problems(entry: Any) -> list[str]:
+    """What the config schema refuses in one policy entry (``{"press": ..., "compression_ratio": ...}``).
+
+    The check of a config's ``policies.<name>``, for the doors that take one entry
+    (``kvdiverge.measure``'s policy entries, the command line's ``--press``). Parameters
+    the schema names (``window_size``, ``kernel_size``, ``n_sink``, ``seed``) are checked
+    wherever the entry puts them, beside the press or under its ``params``.
+
+    Returns
+    -------
+    list of str
+        One line per problem, starting with the key (``window_size: -4 is out of range;
+        allowed: >= 1``); empty when the schema allows the entry.
+    """
+    schema = load_schema()
+    policy = schema["$defs"]["policy"]
+    if isinstance(entry, dict) and isinstance(entry.get("params"), dict):
+        params = dict(entry["params"])
+        named = {k: params.pop(k) for k in list(params) if k in policy["properties"] and k != "params"}
+        entry = {**entry, **named, "params": params}
+    validator = _validator({"$defs": schema["$defs"], **policy}, False)
+    lines = [line for key in policy["properties"] if isinstance(entry, dict) and key in entry
+             for line in _non_finite(entry[key], (key,))]
+    if lines:  # the schema's bounds cannot compare them
+        return lines
+    kinds = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not")
+    for e in sorted(validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path))):
+        # the values of the policy's own keys; unknown parameters and presses are the press's to name
+        if e.validator in kinds and len(e.absolute_path) <= 1:
+            line = format_error(e).removeprefix("<top level>: ")
+            if line not in lines:
+                lines.append(line)
+    return lines
 
 
 def policy_problems(policies: dict[str, Any]) -> list[str]:

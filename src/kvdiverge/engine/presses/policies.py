@@ -249,21 +249,28 @@ def press_class(name: str):
     ------
     ValueError
         If neither the project nor kvpress has a press of that name (the message lists
-        the presses).
+        the presses), or it names an abstract base (``BasePress``, ``ScorerPress``:
+        :func:`kvdiverge.engine.presses.bases.abstract_reason`).
     """
     import kvpress
 
     from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
-    if ":" in name:
-        return import_press(name)
-    if name in PROJECT_PRESSES:
-        return PROJECT_PRESSES[name]
-    cls = getattr(kvpress, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        from kvdiverge.engine.presses.registry import PRESS_CLASSES
+    from kvdiverge.engine.presses.bases import abstract_reason
 
-        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
+    if ":" in name:
+        cls = import_press(name)
+    elif name in PROJECT_PRESSES:
+        return PROJECT_PRESSES[name]
+    else:
+        cls = getattr(kvpress, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+            from kvdiverge.engine.presses.registry import PRESS_CLASSES
+
+            raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
+    reason = abstract_reason(cls)
+    if reason:
+        raise ValueError(reason)
     return cls
 
 
