@@ -176,3 +176,47 @@ def test_a_frontier_refuses_names_with_at_and_ratios_that_are_not_ratios(tiny):
         measure(tiny, presses={"snap@0.5": {"press": "SnapKVPress"}}, ratios=[0.25])
     with pytest.raises(ValueError, match=r"^ratios: nan is not a compression ratio; allowed: numbers in \[0, 1\)$"):
         measure(tiny, presses={"snap": {"press": "SnapKVPress"}}, ratios=[0.25, float("nan")])
+
+
+BOOM = '''
+from dataclasses import dataclass
+
+from kvpress import ScorerPress
+
+
+@dataclass
+class BoomPress(ScorerPress):
+    """A user's press whose score fails."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        raise RuntimeError("boom in score")
+'''
+
+
+def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeypatch):
+    import kvpress
+    import torch
+
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import PressPolicy
+    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    (tmp_path / "boompress.py").write_text(BOOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from boompress import BoomPress
+
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
+    ids = torch.randint(1, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    cases = [
+        ("boom", BoomPress(compression_ratio=0.5), "during the prefill"),
+        # the decoding wrapper scores only when it compresses, after its second generated token
+        ("dec", kvpress.DecodingPress(BoomPress(), compression_interval=2, target_size=8),
+         "while decoding (forward 2 after the prefill)"),
+    ]
+    for name, press, phase in cases:
+        with pytest.raises(PressError) as info:
+            run_documents(model, [Document("d", ids)], PressPolicy(name, press), T=4, replicates=1,
+                          temperature=1.0, top_p=1.0, seed=0, model_name="m", batch_documents=1)
+        assert str(info.value) == (f"policy {name!r} ({type(press).__name__}): the press failed {phase} "
+                                   f"with RuntimeError: boom in score")

@@ -230,12 +230,32 @@ def run_documents(
     return [rec for i in range(len(documents)) for rec in by_index[i]]
 
 
+def _press_files(press) -> list[str]:
+    """Source files of ``press``'s class and the classes of the presses it wraps, kvpress's excepted."""
+    import inspect
+
+    from kvdiverge.engine.llm.prefill import _nested
+
+    out = []
+    for p in _nested(press):
+        for cls in type(p).__mro__:
+            if cls.__module__.split(".")[0] not in ("kvpress", "builtins", "abc"):
+                try:
+                    out.append(inspect.getfile(cls))
+                except (TypeError, OSError):
+                    pass
+    return out
+
+
 def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, *, T, replicates, seed, model_name,
                    temperature, top_p, eos_ids, progress):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
     from kvdiverge.engine.core.coupled import run_batch
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-    from kvdiverge.engine.core.errors import PressError, raise_kvpress_error
+    import torch
+
+    from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
+    from kvdiverge.engine.core.pairs import PhaseTracker
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.llm.prefill import prefill_seed
     from kvdiverge.engine.presses.registry import refusal
@@ -251,11 +271,15 @@ def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, 
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
     )
+    phased = PhaseTracker(pair)
     try:
-        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+        reps = run_batch(phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
-    except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
-        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
+    except (PressError, CompressionError, NonFiniteLogitsError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # raised inside kvpress or the user's own press: named, with the phase
+        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", phased.phase,
+                            _press_files(presses[0]))
     finally:
         if hasattr(pair, "close"):
             pair.close()
