@@ -325,3 +325,27 @@ def test_refusal_sentences_name_models_by_ids_a_model_can_have():
     assert "meta-llama/Meta-Llama-3.1-8B-Instruct, mistralai/Mistral-7B-Instruct-v0.2" in duo
     # the Gradient models kvpress misspells are named as unreachable, not as supported
     assert re.search(r"published only for [^;]*\(on_the_fly", duo) and "gradientai" not in duo.split(";")[0]
+
+
+HUB_PRESSES = {"QFilterPress": "nthngdy/{name}_qfilt", "KVzapPress": "nvidia/KVzap-mlp-{name}",
+               "FastKVzipPress": "Jang-Hyun/Fast-KVzip", "RestoreKVPress": "higokri/RestoreKV-{name}"}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_PRESSES))
+def test_hub_presses_are_refused_as_their_sentence_says_with_a_cached_copy_too(name, tmp_path, monkeypatch):
+    """The sentence of a press that loads its own hub weights says what holds: refused, whatever
+    the cache holds; checked with a cache directory that has the repository's folder."""
+    import huggingface_hub
+
+    repo = HUB_PRESSES[name].format(name="Llama-3.1-8B-Instruct")
+    snapshot = tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    sentence = registry.ROWS[name].refused
+    assert "whether or not a copy is in the Hugging Face cache" in sentence and "HF_HUB_OFFLINE=1 changes nothing" in sentence
+    press = press_from_spec(press_status.test_spec(name), None, name)
+    assert registry.refusal(press) == sentence

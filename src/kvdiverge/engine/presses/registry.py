@@ -84,7 +84,11 @@ INNER_TEST_PRESS: dict[str, Any] = {"press": "SnapKVPress", "window_size": 8, "k
 #: Parameters whose value is another press (or a list of presses) in kvpress's wrappers.
 PRESS_PARAMETERS = ("press", "base_press", "prefilling_press", "decoding_press", "presses")
 
-_HUB_COPY = "offline, a copy in the Hugging Face cache (HF_HUB_CACHE) read with HF_HUB_OFFLINE=1"
+#: What works for the presses that load their own weights from the hub: nothing yet. kvdiverge
+#: refuses them whatever the Hugging Face cache holds (no test model has such weights, so the
+#: press matrix could not check them).
+_HUB_COPY = ("kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, "
+             "HF_HUB_OFFLINE=1 changes nothing)")
 #: The models DuoAttentionPress finds patterns for: kvpress looks the model's name_or_path up
 #: in PATTERNS_DICT, whose Gradient keys carry a double slash that no hub id has.
 _DUO_MODELS = ", ".join(sorted(k for k in PATTERNS_DICT if "//" not in k))
