@@ -30,11 +30,12 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   is ever sliced.
 
 The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
-(rewound by masking) and never sees a press. It runs one forward per document, unpadded, as
-the lanes do: a left-padded batch would compute the same attention with other kernels
-(masked, over other shapes), so steps before the first compression, where ``Q = P``
-exactly, would record a TV of rounding (1e-7 on the embedded model) and a branch that a
-batch of one document does not have.
+(rewound by masking) and never sees a press. It runs one forward per document, unpadded,
+with the lanes' kernels (a ``DynamicCache`` and the model's own attention, not the grouped
+decoding attention of :mod:`kvdiverge.engine.llm.side`): a left-padded batch, or other
+attention kernels, would compute the same attention with other roundings, so steps before
+the first compression, where ``Q = P`` exactly, would record a TV of rounding (1e-7 on the
+embedded model) and a branch that a batch of one document does not have.
 
 The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
 prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
@@ -51,6 +52,7 @@ import torch
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import seeded
+from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.registry import adapter_of, refusal
@@ -263,8 +265,9 @@ class DecodeTimePair(LLMPairBase):
         self.close()
         self.counts = _new_counts()
         ref = [self._reference_prefill(ids) for ids in self.prompts]
-        # one unpadded reference side per document (module docstring), with its current rows
-        self._refs = [self._side([c], [n], [n], R) for (c, _), n in zip(ref, self.prompt_lens)]
+        # one unpadded reference side per document, on the lanes' kernels (module docstring)
+        self._refs = [CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
+                      for (c, _), n in zip(ref, self.prompt_lens)]
         self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
