@@ -386,3 +386,58 @@ def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
     config = raw("smoke.yaml")
     config["policies"]["noise-floor"]["compression_ratio"] = 0.5
     assert "policies.noise-floor: PermutationPress keeps every position" in error_of(config)
+
+
+def _with_duplicate_policy(tmp_path) -> tuple[Path, int, int]:
+    """smoke.yaml with a second ``snapkv-50`` policy (KnormPress 0.9) right after ``policies:``."""
+    lines = (ROOT / "config" / "smoke.yaml").read_text().splitlines()
+    at = lines.index("policies:") + 1
+    lines[at:at] = ["  snapkv-50: {press: KnormPress, compression_ratio: 0.9}"]
+    first = next(i for i, line in enumerate(lines) if line.startswith("  snapkv-50:") and i > at) + 1
+    path = tmp_path / "dup.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, at + 1, first
+
+
+def test_load_config_refuses_a_duplicate_key_naming_it_and_both_lines(tmp_path):
+    path, one, two = _with_duplicate_policy(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: duplicate key 'snapkv-50' in policies at lines {one} and {two} (a key may "
+                               f"appear once in a mapping; the later entry would silently replace the earlier)")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("decoding:\n  temperature: 0.7\n  top_p: 0.9\n  temperature: 1.0\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'temperature' in decoding at lines 2 and 4"):
+        load_config(nested)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("policies: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+        load_config(broken)
+
+
+def test_snakemake_refuses_a_duplicate_key_in_its_config_file(tmp_path):
+    path, one, two = _with_duplicate_policy(tmp_path)
+    out = _snakemake("-n", "--configfile", str(path), "-d", str(tmp_path))
+    assert out.returncode != 0
+    assert f"duplicate key 'snapkv-50' in policies at lines {one} and {two}" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("path, value", [(("frontier", "ratios", 1), float("nan")),
+                                         (("decoding", "temperature"), float("nan")),
+                                         (("decoding", "top_p"), float("inf"))])
+def test_a_non_finite_number_is_refused_naming_its_key(path, value):
+    config = raw("frontier.yaml")
+    parent = config
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    where = ".".join(path[:2]) + (f"[{path[2]}]" if len(path) > 2 else "")
+    assert f"{where}: {value} is not a finite number (the config takes no NaN or infinity)" in error_of(config)
+
+
+def test_a_frontier_press_with_a_nested_ratio_is_named_by_its_frontier_key():
+    config = raw("frontier.yaml")
+    config["frontier"]["presses"]["adakv-snapkv"]["params"]["press"]["compression_ratio"] = 0.3
+    msg = error_of(config)
+    assert msg == ("invalid config:\n  frontier.presses.adakv-snapkv: SnapKVPress: compression_ratio is given twice "
+                   "(by the policy and as a parameter)")

@@ -288,3 +288,21 @@ def test_runner_chooses_the_decode_time_pair(model, prompts):
     for a, b in zip(window, batched):
         assert a["t_star"] == b["t_star"] and a["branch_y"] == b["branch_y"]
         assert max(abs(x - y) for x, y in zip(a["branch_tv"] + a["tv"], b["branch_tv"] + b["tv"])) < 1e-5
+
+
+def test_a_batch_of_documents_gives_each_the_records_it_has_alone(model, prompts):
+    """Before the first compression Q = P exactly, in any batch: TV 0, so a row branches
+    (or not) whatever the number of documents decoded together; the records equal, exactly,
+    those of each document run alone."""
+    make = lambda: kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=4, target_size=8)  # noqa: E731
+    R = 3
+
+    def records(docs, ids):
+        pair = DecodeTimePair(model, docs, [make() for _ in docs], [None] * len(docs), temperature=TEMPERATURE)
+        return run_batch(pair, T, R, 11, "miniature", ids)
+
+    batch = records(prompts, [f"d{i}" for i in range(len(prompts))])
+    alone = [r for d in range(len(prompts)) for r in records(prompts[d:d + 1], [f"d{d}"])]
+    assert all(r["tv"][:5] == [0.0] * 5 for r in batch)  # steps before the first compression
+    assert any(r["tv"][5] > 0 for r in batch)  # the compression after the fourth token changes Q
+    assert batch == alone

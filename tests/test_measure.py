@@ -204,7 +204,7 @@ def test_prepare_presses_names_and_kinds(user_presses):
     assert list(prepare_presses(KnormPress(0.5))) == ["KnormPress"]
     with pytest.raises(ValueError, match="SnapKVPress has no parameter"):
         prepare_presses({"bad": {"press": "SnapKVPress", "compression_ratio": 0.5, "windowsize": 8}})
-    with pytest.raises(TypeError, match="press 'x': expected a kvpress press"):
+    with pytest.raises(ValueError, match=r"^press 'x': 0\.5 \(float\) is not a press; allowed: a kvpress\.BasePress "):
         prepare_presses({"x": 0.5})
     with pytest.raises(ValueError, match="no presses"):
         prepare_presses({})
@@ -276,7 +276,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
         (base + ["--press", "KnormPress", "--field", "question"], "line 1 has no field 'question'"),
         (["measure", str(tmp_path / "no" / "model"), "--prompts", str(prompts), "--press", "KnormPress"],
          "model not found"),
-        (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens must be >= 1"),
+        (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens: 0 is not allowed; allowed: an integer >= 1"),
         (["measure", "embedded", "--press", "KnormPress"], "one of the arguments --prompts --sotu is required"),
     ]
     for argv, message in cases:
@@ -345,7 +345,7 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
     # the printed summary: one row per press, the decomposition, the untouched flag, the absent floor
     assert "E[M] [CI]" in res.stdout and "= p_div/T" in res.stdout and "+ (E[L]/T)*rho" in res.stdout
     assert re.search(r"mypresses:KeepAllPress\s+2\s+100%\*", res.stdout)
-    assert "left the cache untouched (kept every prompt position): mypresses:KeepAllPress" in res.stdout
+    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): mypresses:KeepAllPress" in res.stdout
     assert "noise floor: not measured" in res.stdout
     assert "step/s" in res.stderr or "it/s" in res.stderr  # progress bars
 
@@ -458,7 +458,7 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     assert s["keep-all"]["p_div"] == 0.0 and s["snapkv"]["p_div"] > 0
     text = m.format_summary()
     assert "E[M] - noise-floor [CI]" in text and "(floor)" in text
-    assert "left the cache untouched (kept every prompt position): keep-all\n" in text + "\n"
+    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): keep-all\n" in text + "\n"
     assert m.gaps.height == 4 * 6  # every pair of 4 presses, 4 terms each
     with pytest.raises(ValueError, match="unknown press 'nope'"):
         m.gap("snapkv", "nope")

@@ -5,9 +5,11 @@ and the files under ``--out``; everything else is :mod:`kvdiverge.measurement` a
 workflow's own engine and tables. Installed as the console script ``kvdiverge``
 (``pyproject.toml``); also ``python -m kvdiverge.cli measure ...``.
 
-Bad input (an unknown press or parameter, a missing file or field, a model that cannot be
-found, a prompt shorter than a press needs) prints one line on stderr,
-``kvdiverge measure: error: ...``, and exits with code 2.
+Bad input (an unknown press or parameter, a value a setting does not allow, a missing file
+or field, a model or device that cannot be found, a prompt shorter than a press needs)
+prints one line on stderr, ``kvdiverge measure: error: ...``, and exits with code 2, before
+the model is loaded where the input alone decides; so does any other failure, named by its
+exception type. ``--debug`` shows the traceback instead.
 
 Example::
 
@@ -106,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
                         "noise floor; prints the ranked frontier table and writes frontier.png/.pdf")
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return root
 
 
@@ -114,17 +117,33 @@ def _say(quiet: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
+OPTIONS = {"max_new_tokens": "-T/--max-new-tokens", "replicates": "-R/--replicates", "temperature": "--temperature",
+           "top_p": "--top-p", "seed": "--seed", "window": "-W/--window", "bootstrap": "--bootstrap",
+           "confidence": "--confidence", "batch_documents": "--batch-documents"}
+
+
 def _check_args(args: argparse.Namespace) -> None:
-    """Refuse out-of-range numbers and a repeated press before any work."""
-    for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
-                             ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
-                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1),
-                             ("--budget", 1 if args.budget is None else args.budget, 1),
+    """Refuse before any work a setting the config would refuse (the same check:
+    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
+    out-of-range counts of the command line's own and a repeated press."""
+    from kvdiverge.study.devices import device_problem
+    from kvdiverge.study.settings import check_settings
+
+    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
+    try:
+        check_settings(values, OPTIONS)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for name, value, low in (("--budget", 1 if args.budget is None else args.budget, 1),
                              ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if len(set(args.press)) != len(args.press):
         raise UsageError("the same --press is given twice")
+    problem = device_problem(args.device, "--device")
+    if problem:
+        raise UsageError(problem)
 
 
 def _sources(args: argparse.Namespace):
@@ -140,7 +159,7 @@ def _sources(args: argparse.Namespace):
         try:
             expanded, _ = frontier_presses(entries, args.ratios)
         except ValueError as exc:
-            raise UsageError(f"--ratios: {exc}") from None
+            raise UsageError(f"--{exc}" if str(exc).startswith("ratios: ") else f"--ratios: {exc}") from None
     try:
         return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
     except ValueError as exc:
@@ -210,7 +229,7 @@ def _bad_input(exc: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad input).
+    """Run the command line; returns the exit code (0 ok, 2 on any error: one line on stderr).
 
     Parameters
     ----------
@@ -221,9 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _measure(args)
     except Exception as exc:
-        if not _bad_input(exc):
+        if getattr(args, "debug", False):
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if not _bad_input(exc):  # a failure the input did not decide: named by its type
+            first = f"{type(exc).__name__}: {first} (rerun with --debug for the traceback)"
         print(f"{PROG}: error: {first}", file=sys.stderr)
         return 2
 

@@ -135,18 +135,19 @@ class Measurement:
     @property
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
-        ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``)."""
+        ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
+        every step of every replicate; :func:`kvdiverge.estimation.tables.compression_table`)."""
         from kvdiverge.estimation.tables import compression_table
 
-        return compression_table(self.documents)
+        return compression_table(self.documents, self.trajectories)
 
     @property
     def summary(self) -> pl.DataFrame:
         """One row per press: occurrence, timing, token loss and its decomposition.
 
         Columns: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over
-        prompts), ``untouched`` (True when the press kept every prompt position on every
-        prompt: it did not compress), ``p_div``, ``tau_mean`` (mean first-divergence step
+        prompts), ``untouched`` (True when on every prompt the evicted side's kernel equalled
+        the reference side's at every step: TV exactly 0), ``p_div``, ``tau_mean`` (mean first-divergence step
         given divergence, steps), ``E_L`` (steps), ``rho``, ``E_M`` (mismatch fraction),
         each of ``p_div``, ``tau_mean``, ``E_L``, ``E_M`` with ``_lo``/``_hi`` bootstrap
         bounds; ``first_mismatch_term = p_div / T`` and ``exposure_rate_term = (E_L / T) rho``
@@ -156,7 +157,7 @@ class Measurement:
         """
         from kvdiverge.estimation.tables import press_summary
 
-        out = press_summary(self.pooled, self.documents, self.presses)
+        out = press_summary(self.pooled, self.documents, self.presses, self.trajectories)
         if self.noise_floor is None:
             return out
         from kvdiverge.estimation.analysis import floor_differences
@@ -362,19 +363,29 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     ------
     ValueError
         Bad prompts or presses (see :func:`prepare_documents`, :func:`prepare_presses`),
-        a prompt shorter than a press needs or too long for the model context, ``T < 1``,
-        ``replicates < 1``.
+        token ids outside the model's vocabulary, a prompt shorter than a press needs or
+        too long for the model context, a setting the config would refuse (NaN, out of
+        range, a fraction for a count: :func:`kvdiverge.study.settings.check_settings`,
+        naming the argument, the value and what is allowed).
     kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
         the promised number of positions. A press that promises nothing and leaves the
-        cache whole runs and is reported (``summary['untouched']``, and a warning).
+        kernel as the full cache's (TV 0 at every step) runs and is reported
+        (``summary['untouched']``, and a warning).
     """
     from tqdm.auto import tqdm
 
     from kvdiverge.estimation import tables
     from kvdiverge.engine.runner import run_policies
 
-    T, R = int(max_new_tokens), int(replicates)
+    from kvdiverge.study.settings import check_settings
+
+    checked = check_settings({"max_new_tokens": max_new_tokens, "replicates": replicates,
+                              "temperature": temperature, "top_p": top_p, "seed": seed, "window": window,
+                              "bootstrap": bootstrap, "confidence": confidence,
+                              "memory_budget_gb": memory_budget_gb,
+                              **({} if batch_documents is None else {"batch_documents": batch_documents})})
+    T, R = checked["max_new_tokens"], checked["replicates"]
     documents, sources, grid = _inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets)
     if model_name is None:
         path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
@@ -398,16 +409,21 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
-        warnings.warn(f"press {name!r} left the cache untouched (kept every prompt position on every prompt)",
-                      stacklevel=2)
+        warnings.warn(f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
+                      f"kernel as the full cache)", stacklevel=2)
     return result
 
 
 def _inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
     """``(documents, sources, grid)`` of a :func:`measure` call, checked before any generation."""
-    if T < 1 or R < 1:
-        raise ValueError(f"max_new_tokens and replicates must be >= 1, got {T} and {R}")
+    from kvdiverge.study.settings import token_id_problems
+
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
+        if problems:
+            raise ValueError(problems[0])
     grid = None
     if ratios or budgets:
         presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))

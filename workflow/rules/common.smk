@@ -21,8 +21,12 @@ import kvdiverge.study.provenance
 from snakemake.utils import validate
 
 # Clear messages (key path, allowed values, cross-references) first; then Snakemake's
-# own validation against the same schema, which also fills in the defaults.
+# own validation against the same schema, which also fills in the defaults. Snakemake's
+# YAML reader keeps the last of two equal keys, so each config file is read again by
+# kvdiverge.study.config.read_yaml, which refuses duplicate keys with their lines.
 try:
+    for _configfile in workflow.configfiles:
+        kvdiverge.study.config.read_yaml(_configfile)
     _checked = kvdiverge.study.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
 except kvdiverge.study.config.ConfigError as exc:
     raise WorkflowError(str(exc)) from None

@@ -400,6 +400,23 @@ def _pair_counts(pair) -> dict[str, int]:
     return {"batches": 1, **counts}
 
 
+def _press_files(press) -> list[str]:
+    """Source files of ``press``'s class and the classes of the presses it wraps, kvpress's excepted."""
+    import inspect
+
+    from kvdiverge.engine.presses.adapters import walk
+
+    out = []
+    for p in walk(press):
+        for cls in type(p).__mro__:
+            if cls.__module__.split(".")[0] not in ("kvpress", "builtins", "abc"):
+                try:
+                    out.append(inspect.getfile(cls))
+                except (TypeError, OSError):
+                    pass
+    return out
+
+
 def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
                temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False,
                horizon: int | None = None):
@@ -448,16 +465,23 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
 def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, seed, model_name,
                    temperature, top_p, eos_ids, progress):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
+    import torch
+
     from kvdiverge.engine.core.coupled import run_batch
-    from kvdiverge.engine.core.errors import raise_kvpress_error
+    from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
+    from kvdiverge.engine.core.pairs import PhaseTracker
 
     pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
                       eos_ids=eos_ids, checked=True, horizon=T)
+    phased = PhaseTracker(pair)
     try:
-        reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
+        reps = run_batch(phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
-    except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
-        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(pair.presses[0]).__name__})", "during the prefill")
+    except (PressError, CompressionError, NonFiniteLogitsError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # raised inside kvpress or the user's own press: named, with the phase
+        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(pair.presses[0]).__name__})", phased.phase,
+                            _press_files(pair.presses[0]))
     finally:
         if hasattr(pair, "close"):
             pair.close()

@@ -160,22 +160,29 @@ def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstr
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
 
 
-def compression_table(documents: pl.DataFrame) -> pl.DataFrame:
+def compression_table(documents: pl.DataFrame, trajectories: pl.DataFrame) -> pl.DataFrame:
     """Per policy and document: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
-    ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``).
+    ``untouched``: the evicted side's kernel equals the reference side's, TV exactly 0 at
+    every step of every replicate's chain (so the chains never part). A press that keeps
+    every prompt position but changes the cache (key channels), or that evicts while
+    decoding, is not untouched.
 
     Parameters
     ----------
     documents : polars.DataFrame
         Per-document estimates (:func:`estimate`).
+    trajectories : polars.DataFrame
+        The trajectory shards the estimates come from (their ``tv`` lists).
     """
+    same = trajectories.group_by("policy", "doc_id").agg(
+        pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("untouched"))
     return documents.select("policy", "doc_id", "prompt_len", "kept_len").with_columns(
         (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
-        (pl.col("kept_len") == pl.col("prompt_len")).alias("untouched"),
-    )
+    ).join(same, on=["policy", "doc_id"], how="left", maintain_order="left")
 
 
-def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str]) -> pl.DataFrame:
+def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str],
+                  trajectories: pl.DataFrame) -> pl.DataFrame:
     """One row per policy, in the order of ``policies``: occurrence, timing, token loss, its
     decomposition and how much of the prompt cache the press kept.
 
@@ -187,16 +194,18 @@ def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Seque
         Per-document estimates (:func:`estimate`).
     policies : sequence of str
         Every policy of ``pooled``, in the order wanted.
+    trajectories : polars.DataFrame
+        The trajectory shards (for ``untouched``: :func:`compression_table`).
 
     Returns
     -------
     polars.DataFrame
         ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over documents),
-        ``untouched`` (every document's cache left whole), then ``p_div``, ``tau_mean``,
+        ``untouched`` (on every document, TV exactly 0 at every step), then ``p_div``, ``tau_mean``,
         ``E_L``, ``E_M`` each with ``_lo``/``_hi``, ``rho``, ``first_mismatch_term``,
         ``exposure_rate_term``, ``exposure_share``.
     """
-    comp = compression_table(documents).group_by("policy").agg(pl.col("kept_fraction").mean(),
+    comp = compression_table(documents, trajectories).group_by("policy").agg(pl.col("kept_fraction").mean(),
                                                                pl.col("untouched").all())
     stats = [c + s for c in ("p_div", "tau_mean", "E_L", "E_M") for s in ("", "_lo", "_hi")]
     rest = [*stats, "rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]

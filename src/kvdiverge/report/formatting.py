@@ -111,7 +111,8 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
            *text_table(header, rows)]
     untouched = [r["policy"] for r in summary.iter_rows(named=True) if r["untouched"] and r["policy"] != floor]
     if untouched:
-        out.append(f"* left the cache untouched (kept every prompt position): {', '.join(untouched)}")
+        out.append(f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): "
+                   f"{', '.join(untouched)}")
     if floor is None:
         out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
     return "\n".join(out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,48 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
         )
     with open(path, encoding="utf-8") as fh:
         return yaml.safe_load(fh)
+
+
+def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:
+    """Sentences naming each key that appears twice in one mapping of a composed YAML node tree."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            line = key.start_mark.line + 1
+            if name is not None and name != "<<" and name in seen:
+                where = f" in {_key_path(parts)}" if parts else ""
+                yield (f"duplicate key {name!r}{where} at lines {seen[name]} and {line} "
+                       f"(a key may appear once in a mapping; the later entry would silently replace the earlier)")
+            elif name is not None:
+                seen[name] = line
+            yield from _duplicate_keys(value, parts + (name,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _duplicate_keys(item, parts + (i,))
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Read a YAML file, refusing a key that appears twice in one mapping.
+
+    PyYAML (and so Snakemake's ``--configfile``) keeps the last of two equal keys without
+    a word; here the file is composed first and every duplicate is named with its lines.
+
+    Raises
+    ------
+    ConfigError
+        A duplicate key (``path: duplicate key 'snapkv-50' in policies at lines 12 and 15 ...``)
+        or a file that is not YAML.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    duplicates = list(_duplicate_keys(node)) if node is not None else []
+    if duplicates:
+        raise ConfigError(f"{path}: " + "; ".join(duplicates))
+    return yaml.safe_load(text)
 
 
 def _key_path(parts: Iterable[Any]) -> str:
@@ -133,6 +176,24 @@ def _validator(schema: dict[str, Any], set_defaults: bool):
     return cls(schema)
 
 
+def _non_finite(node, parts: tuple = ()) -> Iterable[str]:
+    """A sentence for each NaN or infinite number in ``node``, naming its key path.
+
+    JSON Schema bounds compare with ``<``, which NaN passes, so a NaN would slip past every
+    ``minimum``; no setting of the config takes a non-finite number.
+    """
+    if isinstance(node, float) and not math.isfinite(node):
+        yield f"{_key_path(parts)}: {node} is not a finite number (the config takes no NaN or infinity)"
+    elif isinstance(node, complex):
+        yield f"{_key_path(parts)}: {node!r} is not a real number"
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _non_finite(v, parts + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _non_finite(v, parts + (i,))
+
+
 def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = None,
              set_defaults: bool = True) -> dict[str, Any]:
     """Validate ``config`` against the schema and return a copy with defaults filled.
@@ -145,10 +206,13 @@ def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = Non
     schema = load_schema(schema_path)
     config = copy.deepcopy(config)
     validator = _validator(schema, set_defaults)
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
+    lines = list(_non_finite(config))
+    try:
+        errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
+    except TypeError:  # a complex number, which the schema's bounds cannot compare: named in lines
+        errors = []
+    if errors or lines:
         # the oneOf/anyOf parents repeat their children's messages: keep the leaves first
-        lines = []
         for e in errors:
             line = format_error(e)
             if line not in lines:
@@ -165,16 +229,51 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
     Raises
     ------
     ConfigError
-        If the file does not validate (the message names the keys).
+        If the file does not validate (the message names the keys), or a key appears
+        twice in one mapping (:func:`read_yaml`).
     """
-    with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
+    config = read_yaml(path) or {}
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a mapping, got {type(config).__name__}")
     try:
         return validate(config, schema_path)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def policy_entry_problems(entry: Any) -> list[str]:
+    """What the config schema refuses in one policy entry (``{"press": ..., "compression_ratio": ...}``).
+
+    The check of a config's ``policies.<name>``, for the doors that take one entry
+    (``kvdiverge.measure``'s policy entries, the command line's ``--press``). Parameters
+    the schema names (``window_size``, ``kernel_size``, ``n_sink``, ``seed``) are checked
+    wherever the entry puts them, beside the press or under its ``params``.
+
+    Returns
+    -------
+    list of str
+        One line per problem, starting with the key (``window_size: -4 is out of range;
+        allowed: >= 1``); empty when the schema allows the entry.
+    """
+    schema = load_schema()
+    policy = schema["$defs"]["policy"]
+    if isinstance(entry, dict) and isinstance(entry.get("params"), dict):
+        params = dict(entry["params"])
+        named = {k: params.pop(k) for k in list(params) if k in policy["properties"] and k != "params"}
+        entry = {**entry, **named, "params": params}
+    validator = _validator({"$defs": schema["$defs"], **policy}, False)
+    lines = [line for key in policy["properties"] if isinstance(entry, dict) and key in entry
+             for line in _non_finite(entry[key], (key,))]
+    if lines:  # the schema's bounds cannot compare them
+        return lines
+    kinds = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not")
+    for e in sorted(validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path))):
+        # the values of the policy's own keys; unknown parameters and presses are the press's to name
+        if e.validator in kinds and len(e.absolute_path) <= 1:
+            line = format_error(e).removeprefix("<top level>: ")
+            if line not in lines:
+                lines.append(line)
+    return lines
 
 
 def policy_problems(policies: dict[str, Any]) -> list[str]:
@@ -491,7 +590,10 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []
-    grid = frontier_points(config) if f else []
+    try:
+        grid = frontier_points(config) if f else []
+    except ValueError as exc:  # a value the schema's bounds cannot express (two points of one name)
+        raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
     made = {p["policy"] for p in grid}
     for name in policies:
         if "@" in name and name not in made:
@@ -528,6 +630,8 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
                     line = format_error(e)
                     if line not in problems:
                         problems.append(line)
+                if not errors:  # the press built once, its problems named by the frontier's key
+                    problems += [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({point["policy"]: entry})]
         name = point["policy"]
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {key} at "

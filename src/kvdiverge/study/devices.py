@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ENV_GPUS", "ENV_LOCK_DIR", "gpu_count", "device_ids", "gpu_cap", "lock_dir",
-           "bind_device", "NoDeviceError"]
+           "bind_device", "NoDeviceError", "device_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,39 @@ def _try_lock(path: Path) -> int | None:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def device_problem(device: str, name: str = "device") -> str | None:
+    """Why ``device`` cannot hold a model in this process, in one sentence; ``None`` when it can.
+
+    ``cpu``; ``cuda`` or ``cuda:N`` with a visible CUDA device ``N`` (torch built with CUDA,
+    :func:`gpu_count` devices); ``mps`` where torch's MPS backend is available. Read
+    before any model is loaded (loading onto a missing device fails deep inside torch).
+    """
+    import torch
+
+    text = str(device).strip()
+    allowed = "cpu, cuda, cuda:N or mps"
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return f"{name}: {device!r} is not a device; allowed: {allowed}"
+    if dev.type == "cpu":
+        return None
+    if dev.type == "cuda":
+        n = gpu_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            return (f"{name}: {device!r} asks for a CUDA device, but this torch ({torch.__version__}) sees none; "
+                    f"allowed here: cpu")
+        if dev.index is not None and dev.index >= n:
+            return (f"{name}: {device!r} asks for CUDA device {dev.index}, but only {n} are visible; "
+                    f"allowed: cuda:0 to cuda:{n - 1}")
+        return None
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return None if mps is not None and mps.is_available() else (
+            f"{name}: {device!r} asks for Apple's MPS backend, which this torch does not have; allowed here: cpu")
+    return f"{name}: {device!r} is a {dev.type} device, which kvdiverge does not run on; allowed: {allowed}"
 
 
 def _requested_index(device: str) -> int | None:

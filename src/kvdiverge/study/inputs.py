@@ -19,6 +19,7 @@ before parsing its arguments).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -141,13 +142,17 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
         No presses, or an invalid policy entry.
     kvdiverge.engine.core.errors.PressError
         (a ``ValueError``) A press kvdiverge refuses (the message says what it needs; see
-        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, or one kvpress rejects.
-    TypeError
-        A value that is neither a press, a policy entry nor a PressSource.
+        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, one kvpress rejects,
+        a policy entry's value the config would refuse
+        (:func:`kvdiverge.study.config.policy_entry_problems`), or a value that is not a press
+        object (a class, an abstract base, any other callable:
+        :func:`kvdiverge.engine.presses.bases.press_problem`).
     """
     from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.bases import press_problem
     from kvdiverge.engine.presses.policies import Policy, PressPolicy
     from kvdiverge.engine.presses.registry import refusal
+    from kvdiverge.study.config import policy_entry_problems
 
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
@@ -170,15 +175,15 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
         if _is_source(value) and not isinstance(value, Mapping):
             out[name] = value if getattr(value, "name", None) == name else _renamed(value, name)
         elif isinstance(value, Mapping):
+            problems = policy_entry_problems(dict(value))  # the config's checks of a policy entry
+            if problems:
+                raise PressError(f"press {name!r}", problems[0])
             out[name] = Policy.from_config(name, dict(value), check=check)
-        elif callable(value):  # a press is a context manager factory: press(model)
-            reason = refusal(value) if check else None
+        else:  # a press object: an instance of a kvpress.BasePress subclass that compresses
+            reason = press_problem(value) or (refusal(value) if check else None)
             if reason:
                 raise PressError(f"press {name!r}", reason)
             out[name] = PressPolicy(name, value)
-        else:
-            raise TypeError(f"press {name!r}: expected a kvpress press, a policy entry or a PressSource, "
-                            f"got {type(value).__name__}")
     return out
 
 
@@ -266,8 +271,9 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     Raises
     ------
     ValueError
-        A press that takes no compression ratio, a ratio outside ``[0, 1)``, no ratio, or
-        a budget for a press object.
+        A press that takes no compression ratio, a ratio outside ``[0, 1)`` (NaN included),
+        no ratio, a budget for a press object, or a press name with ``@`` (reserved for
+        the frontier's names, as in the config).
     """
     from kvdiverge.estimation.frontier import frontier_grid
     from kvdiverge.engine.presses.project import PermutationPress
@@ -282,7 +288,14 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    grid = frontier_grid(list(scored), list(ratios), list(budgets))
+    for n in scored:
+        if "@" in n:
+            raise ValueError(f"press {n!r}: '@' in a press name is reserved for the frontier's "
+                             f"<press>@<ratio> names; rename it")
+    for r in ratios:
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
+            raise ValueError(f"ratios: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
+    grid = frontier_grid(list(scored), [float(r) for r in ratios], list(budgets))
     out = {point["policy"]: frontier_policy(scored[point["press"]], point) for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid

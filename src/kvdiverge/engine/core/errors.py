@@ -32,24 +32,36 @@ class PressExpressionError(ValueError):
     message names the expression (:mod:`kvdiverge.engine.presses.expressions`)."""
 
 
-def raise_kvpress_error(exc: BaseException, owner: str, stage: str) -> None:
-    """Re-raise ``exc`` as a :class:`PressError` naming ``owner`` when it was raised inside kvpress.
+def raise_kvpress_error(exc: BaseException, owner: str, stage: str, press_files: Sequence[str] = ()) -> None:
+    """Re-raise ``exc`` as a :class:`PressError` naming ``owner`` when a press raised it.
 
     kvpress reports a press's unmet needs with bare ``ImportError``, ``AssertionError`` or
-    ``TypeError``; this names the press and the cause. An exception raised elsewhere is
-    re-raised unchanged.
+    ``TypeError``, and a user's own press may raise anything from its ``score`` or
+    ``compress``; this names the press, the phase (``stage``: ``"during the prefill"``,
+    ``"while decoding ..."``) and the cause. An exception raised elsewhere is re-raised
+    unchanged.
+
+    Parameters
+    ----------
+    press_files : sequence of str
+        Source files of the press classes that are not kvpress's (the user's own): a
+        frame there counts as the press's too.
 
     Raises
     ------
     PressError
-        When the innermost kvpress frame of ``exc``'s traceback is inside the ``kvpress`` package.
+        When a frame of ``exc``'s traceback is inside the ``kvpress`` package or one of
+        ``press_files``.
     """
     import traceback
 
-    frames = traceback.extract_tb(exc.__traceback__)
-    if any("/kvpress/" in f.filename.replace("\\", "/") for f in frames):
+    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
+    own = {str(f).replace("\\", "/") for f in press_files}
+    in_kvpress = any("/kvpress/" in f for f in frames)
+    if in_kvpress or any(f in own for f in frames):
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
-        raise PressError(owner, f"kvpress failed {stage} with {type(exc).__name__}: {cause}") from exc
+        who = "kvpress" if in_kvpress and not any(f in own for f in frames) else "the press"
+        raise PressError(owner, f"{who} failed {stage} with {type(exc).__name__}: {cause}") from exc
     raise exc
 
 

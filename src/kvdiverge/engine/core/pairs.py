@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-__all__ = ["History", "KernelFn", "KernelPair", "TableKernelPair"]
+__all__ = ["History", "KernelFn", "KernelPair", "PhaseTracker", "TableKernelPair"]
 
 History = tuple[int, ...]
 #: A synthetic kernel pair as a pure function: ``(ref_history, evicted_history) -> (p, q)``.
@@ -107,3 +107,37 @@ class TableKernelPair:
         """Keep only ``rows`` (int64 indices into the current rows), in that order."""
         self._ref = [self._ref[i] for i in rows.tolist()]
         self._ev = [self._ev[i] for i in rows.tolist()]
+
+
+class PhaseTracker:
+    """A kernel pair that remembers which of its calls runs: where an error came from.
+
+    Delegates everything to ``pair``; :attr:`phase` names the call in progress (or the
+    last one): ``"during the prefill"`` (``start``), ``"while decoding (forward k after
+    the prefill)"`` (``advance``), ``"while rewinding rows to their branch start"``
+    (``rewind``, which replays the evicted side's history for a decode-time press),
+    ``"while dropping finished rows"`` (``keep_rows``).
+    """
+
+    def __init__(self, pair):
+        self._pair, self.phase, self._forwards = pair, "before the run", 0
+
+    def __getattr__(self, name):
+        return getattr(self._pair, name)
+
+    def start(self, n_rows: int):  # noqa: D102
+        self.phase, self._forwards = "during the prefill", 0
+        return self._pair.start(n_rows)
+
+    def advance(self, x, y):  # noqa: D102
+        self._forwards += 1
+        self.phase = f"while decoding (forward {self._forwards} after the prefill)"
+        return self._pair.advance(x, y)
+
+    def rewind(self, length):  # noqa: D102
+        self.phase = "while rewinding rows to their branch start"
+        return self._pair.rewind(length)
+
+    def keep_rows(self, rows):  # noqa: D102
+        self.phase = "while dropping finished rows"
+        return self._pair.keep_rows(rows)

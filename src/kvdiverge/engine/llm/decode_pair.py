@@ -30,7 +30,12 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   is ever sliced.
 
 The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
-(batched over documents, left-padded, rewound by masking), and never sees a press.
+(rewound by masking) and never sees a press. It runs one forward per document, unpadded,
+with the lanes' kernels (a ``DynamicCache`` and the model's own attention, not the grouped
+decoding attention of :mod:`kvdiverge.engine.llm.side`): a left-padded batch, or other
+attention kernels, would compute the same attention with other roundings, so steps before
+the first compression, where ``Q = P`` exactly, would record a TV of rounding (1e-7 on the
+embedded model) and a branch that a batch of one document does not have.
 
 The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
 prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
@@ -47,6 +52,7 @@ import torch
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import seeded
+from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.registry import adapter_of, refusal
@@ -259,7 +265,10 @@ class DecodeTimePair(LLMPairBase):
         self.close()
         self.counts = _new_counts()
         ref = [self._reference_prefill(ids) for ids in self.prompts]
-        self._ref = self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)
+        # one unpadded reference side per document, on the lanes' kernels (module docstring)
+        self._refs = [CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
+                      for (c, _), n in zip(ref, self.prompt_lens)]
+        self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):
@@ -290,9 +299,17 @@ class DecodeTimePair(LLMPairBase):
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
         x, y = x.to(self.device), y.to(self.device)
-        ref_logits = self._ref.forward(self.model, x)
-        self.counts["reference_forwards"] += 1
-        self.counts["reference_row_steps"] += int(x.numel())
+        ref_logits = None
+        for side, rows in zip(self._refs, self._ref_rows):
+            if not rows:
+                continue
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = side.forward(self.model, x[rows_t])
+            if ref_logits is None:
+                ref_logits = logits.new_empty((x.numel(), logits.shape[-1]))
+            ref_logits[rows_t] = logits
+            self.counts["reference_forwards"] += 1
+            self.counts["reference_row_steps"] += len(rows)
         ev_logits = ref_logits.new_empty(ref_logits.shape)
         for lane in self._lanes:
             rows = [r for r, (ln, _) in enumerate(self._where) if ln is lane]
@@ -314,7 +331,9 @@ class DecodeTimePair(LLMPairBase):
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` tokens; a row cut back is replayed in a fresh lane."""
         length = length.to(self.device)
-        self._ref.rewind(length)
+        for side, rows in zip(self._refs, self._ref_rows):
+            if rows:
+                side.rewind(length[torch.tensor(rows, dtype=torch.long, device=self.device)])
         groups: dict[tuple[int, int], list[int]] = {}
         for r, n in enumerate(length.tolist()):
             if n < len(self._hist[r]):
@@ -337,7 +356,15 @@ class DecodeTimePair(LLMPairBase):
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (int64 indices into the current rows); dropped rows ride along in their lanes."""
         idx = rows.tolist()
-        self._ref.keep_rows(rows.to(self.device))
+        for d, old in enumerate(self._ref_rows):  # each document's reference side keeps its rows
+            slot = {g: j for j, g in enumerate(old)}
+            kept = [i for i, g in enumerate(idx) if g in slot]  # their new row numbers
+            local = [slot[idx[i]] for i in kept]
+            if not kept:
+                self._refs[d] = None
+            elif local != list(range(len(old))):
+                self._refs[d].keep_rows(torch.tensor(local, dtype=torch.long, device=self.device))
+            self._ref_rows[d] = kept
         self._where = [self._where[i] for i in idx]
         self._doc = [self._doc[i] for i in idx]
         self._hist = [self._hist[i] for i in idx]

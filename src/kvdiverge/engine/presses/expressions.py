@@ -181,7 +181,13 @@ def policy_entry(text: str, budget: int | None = None, default_ratio: float | No
             raise PressExpressionError(f"press {text!r}: give --budget or compression_ratio, not both")
         entry["budget"] = int(budget)
     else:
-        ratio = float(given[0]) if given else default_ratio
-        if ratio is not None:
-            entry["compression_ratio"] = ratio
+        if given:  # as given (None too): a value that is not a ratio is refused with the config's checks
+            entry["compression_ratio"] = float(given[0]) if _real(given[0]) else given[0]
+        elif default_ratio is not None:
+            entry["compression_ratio"] = default_ratio
     return entry
+
+
+def _real(value: Any) -> bool:
+    """True for an int or float (not a bool): a value ``float()`` turns into a ratio unchanged."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -150,15 +150,22 @@ def press_class(name: str):
     ------
     ValueError
         If neither the project nor kvpress has a press of that name (the message lists
-        the presses).
+        the presses), or it names an abstract base (``BasePress``, ``ScorerPress``:
+        :func:`kvdiverge.engine.presses.bases.abstract_reason`).
     """
+    from kvdiverge.engine.presses.bases import abstract_reason
+
     if ":" in name:
-        return import_press(name)
-    if name in PROJECT_PRESSES:
+        cls = import_press(name)
+    elif name in PROJECT_PRESSES:
         return PROJECT_PRESSES[name]
-    cls = getattr(kvpress, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
+    else:
+        cls = getattr(kvpress, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
+            raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
+    reason = abstract_reason(cls)
+    if reason:
+        raise ValueError(reason)
     return cls
 
 

@@ -1,0 +1,155 @@
+"""The measurement settings, checked once for every door: config, ``kvdiverge.measure``, command line.
+
+Each setting a measurement takes is a key of the workflow config, whose JSON schema
+(``workflow/schemas/config.schema.yaml``) states what it allows; :func:`setting_problems`
+checks the API's arguments and the command line's options against that same schema entry,
+so the three doors refuse the same values with the same sentence, naming the argument as
+that door spells it::
+
+    check_settings({"temperature": float("nan"), "max_new_tokens": 2.7})
+    # ValueError: temperature: nan is not a finite number; allowed: a number >= 0;
+    #             max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1
+
+:func:`token_id_problems` checks token-id prompts against a vocabulary size. Nothing here
+imports torch or loads a model: the checks run before any work.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["SETTINGS", "check_settings", "setting_problems", "token_id_problems", "allowed"]
+
+#: Each setting by its ``kvdiverge.measure`` argument name: its config key.
+SETTINGS: dict[str, str] = {
+    "max_new_tokens": "decoding.max_new_tokens",
+    "replicates": "replicates",
+    "temperature": "decoding.temperature",
+    "top_p": "decoding.top_p",
+    "seed": "seed",
+    "window": "window",
+    "bootstrap": "analysis.bootstrap",
+    "confidence": "analysis.confidence",
+    "batch_documents": "generation.batch_documents",
+    "memory_budget_gb": "generation.memory_budget_gb",
+}
+
+
+def _entry(key: str) -> dict[str, Any]:
+    """The schema entry of a dotted config key, with the schema's ``$defs``."""
+    from kvdiverge.study.config import load_schema
+
+    schema = load_schema()
+    node = schema
+    for part in key.split("."):
+        node = node["properties"][part]
+    return {"$defs": schema.get("$defs", {}), **node}
+
+
+def allowed(entry: Mapping[str, Any]) -> str:
+    """What a schema entry allows, in words: ``an integer >= 1``, ``a number > 0 and <= 1``, ..."""
+    if "oneOf" in entry or "anyOf" in entry:
+        return " or ".join(allowed(e) for e in entry.get("oneOf", entry.get("anyOf")))
+    if "const" in entry:
+        return repr(entry["const"])
+    if "enum" in entry:
+        return "one of " + ", ".join(repr(v) for v in entry["enum"])
+    types = entry.get("type", "number")
+    types = [types] if isinstance(types, str) else list(types)
+    words = {"integer": "an integer", "number": "a number", "null": "None", "string": "a string",
+             "boolean": "True or False"}
+    bounds = [f"{op} {entry[k]}" for k, op in (("minimum", ">="), ("exclusiveMinimum", ">"),
+                                                ("maximum", "<="), ("exclusiveMaximum", "<")) if k in entry]
+    kinds = [words.get(t, t) + (" " + " and ".join(bounds) if bounds and t in ("integer", "number") else "")
+             for t in types]
+    return " or ".join(kinds)
+
+
+def _plain(value: Any) -> Any:
+    """numpy and other numbers as Python ``int`` / ``float`` (``bool`` stays ``bool``)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def setting_problems(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per setting whose value the config schema does not allow.
+
+    Parameters
+    ----------
+    values : mapping of str to object
+        Settings by their :data:`SETTINGS` name (``kvdiverge.measure``'s arguments).
+    names : mapping of str to str, optional
+        How the door spells each setting (``{"temperature": "--temperature"}``); default
+        the argument name.
+
+    Returns
+    -------
+    list of str
+        ``"<name>: <value> is ...; allowed: <what the schema allows>"``, in the order of
+        ``values``; empty when every value is allowed.
+
+    Raises
+    ------
+    KeyError
+        A name that is not a setting (a programming error, not bad input).
+    """
+    from jsonschema import Draft202012Validator
+
+    out = []
+    for arg, value in values.items():
+        entry = _entry(SETTINGS[arg])
+        name = (names or {}).get(arg, arg)
+        plain = _plain(value)
+        what = allowed(entry)
+        integer_only = entry.get("type") == "integer"
+        if isinstance(plain, float) and not math.isfinite(plain):
+            out.append(f"{name}: {value!r} is not a finite number; allowed: {what}")
+        elif isinstance(plain, float) and integer_only and not plain.is_integer():
+            out.append(f"{name}: {value!r} is not an integer; allowed: {what}")
+        else:
+            plain = int(plain) if isinstance(plain, float) and integer_only else plain
+            if next(Draft202012Validator(entry).iter_errors(plain), None) is not None:
+                out.append(f"{name}: {value!r} is not allowed; allowed: {what}")
+    return out
+
+
+def check_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings as plain Python values, or ``ValueError`` naming every one not allowed.
+
+    Integral floats stay as given where a number is allowed, and become ``int`` where only
+    an integer is (``max_new_tokens=4.0`` is 4; ``4.5`` is refused, never truncated).
+
+    Raises
+    ------
+    ValueError
+        ``"; "``-joined :func:`setting_problems` sentences.
+    """
+    problems = setting_problems(values, names)
+    if problems:
+        raise ValueError("; ".join(problems))
+    out = {}
+    for arg, value in values.items():
+        plain = _plain(value)
+        if isinstance(plain, float) and _entry(SETTINGS[arg]).get("type") == "integer":
+            plain = int(plain)
+        out[arg] = plain
+    return out
+
+
+def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[str]:
+    """Sentences for the token ids of prompt ``name`` that are not integers in ``[0, vocab_size)``."""
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+           or not 0 <= int(t) < vocab_size]
+    if not bad:
+        return []
+    shown = ", ".join(repr(t) for t in bad[:3]) + (", ..." if len(bad) > 3 else "")
+    return [f"prompt {name!r}: token ids {shown} are outside the model's vocabulary; allowed: integers "
+            f"from 0 to {vocab_size - 1}"]

@@ -1,0 +1,222 @@
+"""Bad input at every door: one sentence naming the key or argument, the value and what is allowed.
+
+The command line exits 2 with one line on stderr for every error (``--debug`` shows the
+traceback), and refuses what the input alone decides before any model is loaded; the API
+(:func:`kvdiverge.measure`) refuses the same values with the same sentences.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiverge import cli
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model's weights or tokenizer fails the test: the refusal must come first."""
+    from kvdiverge.study import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Describe the water cycle.\n")
+    return path
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("kvdiverge measure: error: "), err
+    return lines[0].removeprefix("kvdiverge measure: error: ")
+
+
+def run(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "nan"], "--temperature: nan is not a finite number; allowed: a number >= 0"),
+    (["--temperature", "-1"], "--temperature: -1.0 is not allowed; allowed: a number >= 0"),
+    (["--top-p", "0"], "--top-p: 0.0 is not allowed; allowed: a number > 0 and <= 1"),
+    (["--bootstrap", "0"], "--bootstrap: 0 is not allowed; allowed: an integer >= 1"),
+    (["--confidence", "1"], "--confidence: 1.0 is not allowed; allowed: a number > 0 and < 1"),
+    (["-W", "0"], "-W/--window: 0 is not allowed; allowed: an integer >= 1"),
+    (["--seed", "-3"], "--seed: -3 is not allowed; allowed: an integer >= 0"),
+    (["--device", "cuda"], "--device: 'cuda' asks for a CUDA device, but this torch"),
+    (["--device", "gpu0"], "--device: 'gpu0' is not a device; allowed: cpu, cuda, cuda:N or mps"),
+])
+def test_the_command_line_refuses_a_setting_before_loading_the_model(extra, message, prompts, no_model, capsys):
+    import torch
+
+    if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", *extra])
+    assert rc == 2
+    assert error_line(capsys).startswith(message)
+
+
+def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypatch, capsys):
+    from kvdiverge import measurement
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something inside broke")
+
+    monkeypatch.setattr(measurement, "prepare_presses", broken)
+    argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
+    assert run(argv) == 2
+    assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
+    with pytest.raises(RuntimeError, match="something inside broke"):
+        cli.main(argv + ["--debug"])
+
+
+@pytest.mark.parametrize("press, message", [
+    ("BasePress()", "BasePress is an abstract press (kvpress.BasePress: its compress raises NotImplementedError)"),
+    ("ScorerPress(compression_ratio=0.5)", "ScorerPress is an abstract press (kvpress.ScorerPress: its score raises"),
+    ("SnapKVPress(compression_ratio=None)", "compression_ratio: None has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio=[0.5])", "compression_ratio: [0.5] has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio={0.5})", "compression_ratio: {0.5} has the wrong type; expected number"),
+    ("SnapKVPress(compression_ratio=1j)", "compression_ratio: 1j is not a real number"),
+    ("SnapKVPress(window_size=-4)", "window_size: -4 is out of range; allowed: >= 1"),
+    ("SnapKVPress:compression_ratio=nan", "compression_ratio: nan is not a finite number"),
+])
+def test_the_command_line_refuses_a_press_before_loading_the_model(press, message, prompts, no_model, capsys):
+    rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", press])
+    assert rc == 2
+    assert error_line(capsys).startswith(f"press {press!r}: {message}")
+
+
+# --------------------------------------------------------------------------- the API
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A miniature model that fails the test if it runs a forward: every refusal comes first."""
+    import torch
+
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model ran a forward before the refusal")
+
+    model.register_forward_pre_hook(refuse)
+    gen = torch.Generator().manual_seed(0)
+    return model, {"a": torch.randint(1, 500, (40,), generator=gen).tolist()}
+
+
+def measure(tiny, presses=None, prompts=None, **kwargs):
+    import kvpress
+
+    import kvdiverge
+
+    model, ids = tiny
+    presses = {"snap": kvpress.SnapKVPress(compression_ratio=0.5)} if presses is None else presses
+    settings = {"max_new_tokens": 4, "replicates": 2, "progress": False, **kwargs}
+    return kvdiverge.measure(model, None, ids if prompts is None else prompts, presses, **settings)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "temperature: nan is not a finite number; allowed: a number >= 0"),
+    ({"bootstrap": 0}, "bootstrap: 0 is not allowed; allowed: an integer >= 1"),
+    ({"max_new_tokens": 2.7}, "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1"),
+    ({"top_p": 1.5}, "top_p: 1.5 is not allowed; allowed: a number > 0 and <= 1"),
+    ({"confidence": 0.0}, "confidence: 0.0 is not allowed; allowed: a number > 0 and < 1"),
+])
+def test_the_api_refuses_a_setting_before_any_forward(tiny, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        measure(tiny, **kwargs)
+    assert str(info.value) == message
+
+
+def test_the_api_refuses_token_ids_outside_the_vocabulary(tiny):
+    vocab = tiny[0].config.vocab_size
+    for ids, shown in (([5, -1, 7], "-1"), ([5, vocab, 7], str(vocab))):
+        with pytest.raises(ValueError) as info:
+            measure(tiny, prompts={"bad": ids * 20})
+        assert str(info.value).startswith(f"prompt 'bad': token ids {shown}")
+        assert str(info.value).endswith(f"are outside the model's vocabulary; allowed: integers from 0 to {vocab - 1}")
+
+
+def test_the_api_takes_only_press_instances_and_policy_entries(tiny):
+    import kvpress
+
+    def plain(model):
+        return None
+
+    cases = {
+        "fn": (plain, "'plain' (function) is not a press; allowed: a kvpress.BasePress instance"),
+        "print": (print, "'print' (builtin_function_or_method) is not a press"),
+        "cls": (kvpress.SnapKVPress, "SnapKVPress is a press class, not a press: pass an instance, SnapKVPress(...)"),
+        "base": (kvpress.BasePress(), "BasePress is an abstract press"),
+        "scorer": (kvpress.ScorerPress(compression_ratio=0.5), "ScorerPress is an abstract press"),
+        "entry": ({"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": -4},
+                  "window_size: -4 is out of range; allowed: >= 1"),
+    }
+    for name, (value, message) in cases.items():
+        with pytest.raises(ValueError) as info:
+            measure(tiny, presses={name: value})
+        assert str(info.value).startswith(f"press {name!r}: {message}"), str(info.value)
+
+
+def test_a_frontier_refuses_names_with_at_and_ratios_that_are_not_ratios(tiny):
+    with pytest.raises(ValueError, match=r"^press 'snap@0\.5': '@' in a press name is reserved for the frontier"):
+        measure(tiny, presses={"snap@0.5": {"press": "SnapKVPress"}}, ratios=[0.25])
+    with pytest.raises(ValueError, match=r"^ratios: nan is not a compression ratio; allowed: numbers in \[0, 1\)$"):
+        measure(tiny, presses={"snap": {"press": "SnapKVPress"}}, ratios=[0.25, float("nan")])
+
+
+BOOM = '''
+from dataclasses import dataclass
+
+from kvpress import ScorerPress
+
+
+@dataclass
+class BoomPress(ScorerPress):
+    """A user's press whose score fails."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        raise RuntimeError("boom in score")
+'''
+
+
+def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeypatch):
+    import kvpress
+    import torch
+
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import PressPolicy
+    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    (tmp_path / "boompress.py").write_text(BOOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from boompress import BoomPress
+
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
+    ids = torch.randint(1, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    cases = [
+        ("boom", BoomPress(compression_ratio=0.5), "during the prefill"),
+        # the decoding wrapper scores only when it compresses, after its second generated token
+        ("dec", kvpress.DecodingPress(BoomPress(), compression_interval=2, target_size=8),
+         "while decoding (forward 2 after the prefill)"),
+    ]
+    for name, press, phase in cases:
+        with pytest.raises(PressError) as info:
+            run_documents(model, [Document("d", ids)], PressPolicy(name, press), T=4, replicates=1,
+                          temperature=1.0, top_p=1.0, seed=0, model_name="m", batch_documents=1)
+        assert str(info.value) == (f"policy {name!r} ({type(press).__name__}): the press failed {phase} "
+                                   f"with RuntimeError: boom in score")
