@@ -430,6 +430,25 @@ class Measurement:
         return pl.concat(frames)
 
     @property
+    def speculative(self) -> pl.DataFrame:
+        """The self-speculative reading: accepted tokens of a first draft block, per press.
+
+        With the press's cache as the draft and the full cache as the target, the expected
+        number of accepted tokens of the first block of ``k`` drafted tokens is
+        ``A_k = sum_{j<=k} S_j`` (exact for the block drafted from the prompt; later blocks
+        start from other histories). Rows ``k = 1..min(8, T)`` per press with
+        document-bootstrap intervals: ``A``, ``tokens_per_forward = A + 1``, the mean
+        per-step acceptance ``alpha`` along the chain and the i.i.d. formula
+        ``(1 - alpha^{k+1}) / (1 - alpha)`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
+        """
+        from kvdiverge.estimation.speculative import speculative_table
+
+        if "speculative" not in self._cache:
+            s = self.settings
+            self._cache["speculative"] = speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
+        return self._cache["speculative"]
+
+    @property
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
         ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``)."""
@@ -493,7 +512,7 @@ class Measurement:
         """Write every table as parquet (and the scalar columns as CSV), atomically.
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``,
-        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, for a frontier
+        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier
         ``frontier`` and ``frontier_areas`` (``.parquet``; ``.csv`` too except for
         trajectories and replicates), ``measure.json`` (the settings) and
         ``provenance.json``: ``settings_hash``
@@ -516,7 +535,7 @@ class Measurement:
         tables = {"trajectories": self.trajectories, "replicates": self.replicates, "documents": self.documents,
                   "pooled": self.pooled, "timing": self.timing, "survival": self.survival,
                   "branch_tv": self.branch_tv, "variance": self.variance, "gaps": self.gaps,
-                  "summary": self.summary}
+                  "summary": self.summary, "speculative": self.speculative}
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
         for name, frame in tables.items():
@@ -621,7 +640,8 @@ def format_summary(m: Measurement) -> str:
     One row per press: prompts, kept fraction of the prompt cache, ``p_div``, mean
     first-divergence step, ``E[M]`` and its decomposition ``p_div/T + (E[L]/T) rho``,
     and, when a noise-floor press was measured, each press's ``E[M]`` minus the floor's.
-    Notes flag presses that left the cache untouched.
+    Notes flag presses that left the cache untouched; one line gives the self-speculative
+    reading (tokens per target forward of a first draft block of 4, :attr:`Measurement.speculative`).
     """
     num = partial(number, missing="-")  # plain text: an ASCII dash for a missing value
     ci = partial(with_interval, missing="-")
@@ -650,6 +670,9 @@ def format_summary(m: Measurement) -> str:
     untouched = [p for p in summ.filter(pl.col("untouched"))["policy"].to_list() if p != floor]
     if untouched:
         out.append(f"* left the cache untouched (kept every prompt position): {', '.join(untouched)}")
+    from kvdiverge.estimation.speculative import format_speculative_line
+
+    out.append(format_speculative_line(m.speculative, m.presses))
     if floor is None:
         out.append(f"noise floor: not measured (add a {NOISE_FLOOR_PRESS} to compare each press with it)")
     return "\n".join(out)
