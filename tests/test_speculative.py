@@ -137,3 +137,38 @@ def test_iid_formula_and_bad_block():
     assert speculative_table(pl.DataFrame(schema={"model": pl.String, "policy": pl.String, "split": pl.String,
                                                    "T": pl.Int64, "S": pl.List(pl.Float64), "tv_mean": pl.Float64}),
                              10, 0.9, 0).height == 0
+
+
+# --------------------------------------------------------------------------- a real sampler on the embedded model
+
+PROMPT = ("The bridge over the river was built in 1932 by a company from Glasgow. It has three spans of steel "
+          "and carries a railway and a road. In winter the steel contracts and in summer it expands, which is "
+          "why the engineers left joints between the spans.")
+
+
+@pytest.mark.llm
+def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum():
+    import torch
+    from kvpress import SnapKVPress
+
+    import kvdiverge
+    from kvdiverge.measurement import prepare_documents
+    from kvdiverge.reference.speculative import first_block_accepted
+    from kvdiverge.study.models import EMBEDDED_MODEL, load_model
+
+    torch.set_num_threads(1)
+    model, tok = load_model(EMBEDDED_MODEL)
+    ids = prepare_documents({"bridge": PROMPT}, tok, instruction="Summarise the text in two sentences.")[0].input_ids
+    k, press = 3, {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8}
+    m = kvdiverge.measure(model, tok, {"bridge": ids}, {"snapkv": press}, max_new_tokens=k, replicates=32,
+                          bootstrap=50, progress=False)
+    A = np.asarray(m.replicates["S"].to_list()).sum(axis=1)  # A_k per replicate (T = k)
+    acc = first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 128, seed=4)
+    assert acc.min() >= 1  # a prefill press: q_1 = p_1, the first drafted token is always accepted
+    assert m.speculative["S_k"][0] == 1.0
+    assert A.mean() == pytest.approx(m.speculative.filter(pl.col("k") == k)["A"][0])
+    se = math.sqrt(acc.var(ddof=1) / len(acc) + A.var(ddof=1) / len(A))
+    assert abs(acc.mean() - A.mean()) <= 4 * se, (acc.mean(), A.mean(), se)
+    assert acc.mean() < k - 0.05  # the press does change the kernel: not every block is accepted whole
+    with pytest.raises(ValueError, match="speculative sampling needs temperature > 0, got 0"):
+        first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 4, temperature=0)
