@@ -74,16 +74,18 @@ def is_decode_time(press) -> bool:
 
     Decode-time presses: ``kvpress.DecodingPress`` and its subclasses
     (``CompressionRatioDecodingPress``, ``CAMPress``), ``kvpress.PrefillDecodingPress``
-    with a decoding press, ``kvpress.DMSPress(decoding=True)`` and the project's
-    :class:`kvdiverge.engine.presses.window.SlidingWindowPress`. Every other kvpress press acts
-    at prefill only.
+    with a decoding press, ``kvpress.DMSPress(decoding=True)``, the project's
+    :class:`kvdiverge.engine.presses.window.SlidingWindowPress` and a quantized cache
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCachePress`: its flushes depend on the
+    history's length). Every other kvpress press acts at prefill only.
     """
     from kvpress import DecodingPress, DMSPress, PrefillDecodingPress
 
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress
     from kvdiverge.engine.presses.window import SlidingWindowPress
 
     for p in _nested(press):
-        if isinstance(p, (DecodingPress, SlidingWindowPress)):
+        if isinstance(p, (DecodingPress, SlidingWindowPress, QuantizedCachePress)):
             return True
         if isinstance(p, PrefillDecodingPress) and p.decoding_press is not None:
             return True
@@ -117,6 +119,12 @@ def refusal(press) -> str | None:
     """
     from kvpress import CAMPress
 
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress
+
+    for p in _nested(press):
+        if isinstance(p, QuantizedCachePress) and p.press is not None and is_decode_time(p.press):
+            return (f"a quantized cache after the decode-time press {type(p.press).__name__} is not supported: "
+                    f"the press would evict from a quantized cache while generating")
     if any(isinstance(p, CAMPress) for p in _nested(press)):
         return ("CAMPress draws its merge mask from the global random generator, so the evicted "
                 "kernel is not a function of the history and a branch cannot be replayed")
@@ -201,7 +209,7 @@ class _Lane:
     @property
     def cache_len(self) -> int:
         """Fewest positions any layer of the lane's cache holds (tokens)."""
-        return min(layer.keys.shape[-2] for layer in self.cache.layers)
+        return min(layer.get_seq_length() for layer in self.cache.layers)  # a quantized layer's too
 
     def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
         """Append ``tokens`` (int64 (n,)) at position ``prompt_len + n_gen``; return the logits (n, vocab)."""
@@ -388,7 +396,7 @@ class DecodeTimePair:
             if lane.chain_doc is not None:
                 d = lane.chain_doc
                 self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
-                self.kept_per_layer[d] = [min(k, layer.keys.shape[-2]) for k, layer in
+                self.kept_per_layer[d] = [min(k, layer.get_seq_length()) for k, layer in
                                           zip(self.kept_per_layer[d], lane.cache.layers)]
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)

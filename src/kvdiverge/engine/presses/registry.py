@@ -240,7 +240,14 @@ def refusal(press, model=None) -> str | None:
     row (a user's own press) is measured as a prefill press. With ``model`` (a
     ``transformers`` model), also the config attributes the press reads.
     """
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress, refusal as quantized_refusal
+
     for p in nested_presses(press):
+        if isinstance(p, QuantizedCachePress):
+            reason = quantized_refusal(p.spec, model)
+            if reason:
+                return reason
+            continue
         row = ROWS.get(type(p).__name__)
         if row is None:
             continue
