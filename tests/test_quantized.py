@@ -208,3 +208,39 @@ def test_press_then_quantize_one_document_alone_and_in_a_batch(model, prompts, n
     rec, out, n_branch = check_rows(model, prompts, make, 3, lambda m, ids, h: press_replay(m, ids, h, make()),
                                     tol=1e-5, kept=[10, 13, 8])
     assert n_branch >= 3 and rec.pair.kept_lens == [10, 13, 8]  # SnapKV 50% kept, then quantized
+
+
+def test_policy_entries_alone_and_after_a_press(model):
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
+
+    alone = Policy.from_config("int2", {"cache": "quantized", "nbits": 2, "q_group_size": 8, "residual_length": 3})
+    press = alone.build_press(20)
+    assert isinstance(press, QuantizedCachePress) and press.spec == spec()
+    assert type(press.press).__name__ == "SnapKVPress" and press.press.compression_ratio == 0.0  # no eviction
+    assert alone.expected_kept(20, press) == 20 and alone.min_prompt_tokens == 1 and not alone.is_control
+    assert is_decode_time(press)
+    both = Policy.from_config("snap-int4", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 4,
+                                            "cache": "quantized", "nbits": 4, "q_group_size": 8})
+    p = both.build_press(20)
+    assert p.spec == QuantizedCacheSpec(nbits=4, q_group_size=8) and p.press.compression_ratio == 0.5
+    assert both.expected_kept(20, p) == 10
+    with pytest.raises(PressError, match=r"policy 'x'.*'cache' must be 'quantized'.*got 'int8'"):
+        Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "cache": "int8"})
+    with pytest.raises(PressError, match=r"policy 'x'.*nbits must be one of \[2, 4\] for backend 'quanto', got 8"):
+        Policy.from_config("x", {"cache": "quantized", "nbits": 8})
+    with pytest.raises(PressError, match=r"policy 'x'.*'cache' must be 'quantized'.*got None"):
+        Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "nbits": 4})
+
+
+@quanto
+def test_runner_runs_a_quantized_policy(model, prompts):
+    from kvdiverge.engine.presses.policies import Policy
+    from kvdiverge.engine.runner import Document, run_documents
+
+    policy = Policy.from_config("int2", {"cache": "quantized", "nbits": 2, "q_group_size": 8, "residual_length": 3})
+    docs = [Document(f"d{i}", p) for i, p in enumerate(prompts[:2])]
+    recs = run_documents(model, docs, policy, T=6, replicates=2, seed=3, model_name="miniature",
+                         temperature=TEMPERATURE, top_p=1.0, batch_documents=2)
+    assert [r["kept_len"] for r in recs] == [20, 20, 26, 26]
+    assert all(r["tv"][0] == 0.0 for r in recs) and max(max(r["tv"]) for r in recs) > 0.01
