@@ -257,6 +257,17 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
+def test_cli_cache_entries():
+    from kvdiverge.cli import cli_entries
+
+    got = cli_entries(["KnormPress:compression_ratio=0.5"], ["quanto:nbits=2,residual_length=16"], None, 0.0)
+    q = {"cache": "quantized", "backend": "quanto", "nbits": 2, "residual_length": 16}
+    assert got == {"KnormPress:compression_ratio=0.5": {"press": "KnormPress", "params": {}, "compression_ratio": 0.5},
+                   "quanto:nbits=2,residual_length=16": q,
+                   "KnormPress:compression_ratio=0.5+quanto:nbits=2,residual_length=16":
+                       {"press": "KnormPress", "params": {}, "compression_ratio": 0.5, **q}}
+
+
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "hello"}\n')
@@ -271,6 +282,11 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
          "model not found"),
         (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens must be >= 1"),
         (["measure", "embedded", "--press", "KnormPress"], "one of the arguments --prompts --sotu is required"),
+        (base, "give at least one --press or --cache"),
+        (base + ["--cache", "gptq:nbits=4"], "--cache 'gptq:nbits=4': the backend must be one of ['hqq', 'quanto']"),
+        (base + ["--cache", "quanto:bits=4"], "unknown parameter 'bits'; allowed: nbits, q_group_size"),
+        (base + ["--cache", "quanto:nbits=3"], "nbits must be one of [2, 4] for backend 'quanto', got 3"),
+        (base + ["--press", "KnormPress", "--cache", "quanto", "--ratios", "0.5"], "--cache with --ratios"),
     ]
     for argv, message in cases:
         try:
