@@ -1,8 +1,12 @@
-"""The trajectory engine as it was at commit cab2143 (one document per pair, coupling on the CPU).
+"""A reference trajectory engine: one document per kernel pair, the coupling on the CPU, one row at a time.
 
-Kept only so that tests can check that the batched engine (:func:`kvdiverge.engine.core.coupled.run_batch`)
-gives the same shards: verbatim copies of that commit's ``decode_log_probs``, ``nucleus``,
-``_CacheSide``, ``LLMKernelPair``, ``_absorb_eos`` and ``run_document``. Do not edit.
+The unbatched path that the batched engine (:func:`kvdiverge.engine.core.coupled.run_batch`)
+must reproduce: :func:`decode_log_probs` and :func:`nucleus` (the decoding transform),
+``_CacheSide`` and :class:`LLMKernelPair` (a full and an evicted cache of one prompt, both
+left unpadded), ``_absorb_eos`` and :func:`run_document` (the coupled chain, then the
+residual branch, drawn from the same uniform streams). ``tests/test_batching.py`` checks
+that a batched shard equals the shards of this engine, record for record. Its numerics are
+the reference: it changes only together with a deliberate change of the engine's results.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_batch
-from kvdiverge.engine.llm.decode_pair import DecodeTimePair, is_decode_time, is_decode_time_entry, refusal
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.window import SlidingWindowPress
@@ -236,14 +237,14 @@ def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
 
 
 def test_config_entries_are_recognised():
-    assert is_decode_time_entry({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
-    assert is_decode_time_entry({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})
-    assert is_decode_time_entry({"press": "PrefillDecodingPress", "params": {
+    assert is_decode_time({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
+    assert is_decode_time({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})
+    assert is_decode_time({"press": "PrefillDecodingPress", "params": {
         "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}})
-    assert is_decode_time_entry({"press": "DMSPress", "params": {"decoding": True}})
-    assert not is_decode_time_entry({"press": "DMSPress", "params": {"decoding": False}})
-    assert not is_decode_time_entry({"press": "StreamingLLMPress", "compression_ratio": 0.5})
-    assert not is_decode_time_entry({"press": "PrefillDecodingPress",
+    assert is_decode_time({"press": "DMSPress", "params": {"decoding": True}})
+    assert not is_decode_time({"press": "DMSPress", "params": {"decoding": False}})
+    assert not is_decode_time({"press": "StreamingLLMPress", "compression_ratio": 0.5})
+    assert not is_decode_time({"press": "PrefillDecodingPress",
                                      "params": {"prefilling_press": {"press": "SnapKVPress"}}})
 
 

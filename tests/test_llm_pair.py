@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.prefill import prefill
-from kvdiverge.engine.presses.promises import kept_promise
+from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.engine.core.coupled import run_document

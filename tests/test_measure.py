@@ -30,7 +30,10 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from kvdiverge import cli
-from kvdiverge.cli import UsageError, build_press, main, model_entry, parse_press, parse_value, read_prompts
+from kvdiverge.cli import UsageError, main, model_entry, read_prompts
+from kvdiverge.engine.core.errors import PressError, PressExpressionError
+from kvdiverge.engine.presses.expressions import parse_press, parse_value, press_spec
+from kvdiverge.engine.presses.policies import press_from_spec
 from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
 from kvdiverge.engine.presses.policies import Policy, PressPolicy
 from kvdiverge.engine.runner import Document
@@ -113,10 +116,15 @@ def test_parse_press_names_classes_and_parameters():
         "SnapKVPress", {"compression_ratio": 0.5, "window_size": 16})
     assert parse_press("mypkg.presses:MyPress") == ("mypkg.presses:MyPress", {})
     assert parse_press("mypkg:MyPress:k=2,flag=true") == ("mypkg:MyPress", {"k": 2, "flag": True})
-    with pytest.raises(UsageError, match="not name=value"):
+    with pytest.raises(PressExpressionError, match="not name=value"):
         parse_press("SnapKVPress:compression_ratio=0.5,oops")
-    with pytest.raises(UsageError, match="given twice"):
+    with pytest.raises(PressExpressionError, match="given twice"):
         parse_press("SnapKVPress:window_size=1,window_size=2")
+
+
+def build_press(text):
+    """The press object of a ``--press`` value, as the command line builds it."""
+    return press_from_spec(press_spec(text), None, f"press {text!r}")
 
 
 def test_build_press_objects_and_errors(user_presses):
@@ -125,15 +133,15 @@ def test_build_press_objects_and_errors(user_presses):
     press = build_press("SnapKVPress:compression_ratio=0.25,window_size=8")
     assert isinstance(press, SnapKVPress) and press.compression_ratio == 0.25 and press.window_size == 8
     assert type(build_press("mypresses:KeepAllPress")).__name__ == "KeepAllPress"
-    with pytest.raises(UsageError, match="unknown press 'SnapPress'"):
+    with pytest.raises(PressError, match="unknown press 'SnapPress'"):
         build_press("SnapPress:compression_ratio=0.5")
-    with pytest.raises(UsageError, match=r"has no parameter\(s\) \['windowsize'\]; accepted: .*window_size"):
+    with pytest.raises(PressError, match=r"has no parameter\(s\) \['windowsize'\]; accepted: .*window_size"):
         build_press("SnapKVPress:windowsize=8")
-    with pytest.raises(UsageError, match="cannot import module 'no_such_module'"):
+    with pytest.raises(PressError, match="cannot import module 'no_such_module'"):
         build_press("no_such_module:Press")
-    with pytest.raises(UsageError, match="has no attribute 'Nope'"):
+    with pytest.raises(PressError, match="has no attribute 'Nope'"):
         build_press("mypresses:Nope")
-    with pytest.raises(UsageError, match="failed"):
+    with pytest.raises(PressError, match="failed"):
         build_press("SnapKVPress:compression_ratio=1.5")
 
 

@@ -13,8 +13,9 @@ from transformers import DynamicCache
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.engine.llm.masks import check_patched
-from kvdiverge.engine.llm.prefill import attention_weights, prefill, shares_prefill
-from kvdiverge.engine.presses.promises import KeptPromise, check_kept, kept_promise
+from kvdiverge.engine.llm.prefill import attention_weights, prefill
+from kvdiverge.engine.presses.promises import KeptPromise, check_kept
+from kvdiverge.engine.presses.registry import kept_promise, shares_prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 

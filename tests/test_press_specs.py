@@ -3,9 +3,10 @@
 import pytest
 from kvpress import AdaKVPress, ComposedPress, KnormPress, KeyRerotationPress, SnapKVPress, StreamingLLMPress
 
-from kvdiverge.cli import UsageError, build_press, parse_press_call, policy_entry
-from kvdiverge.engine.core.errors import PressError
-from kvdiverge.engine.presses.policies import Policy, min_prompt_tokens
+from kvdiverge.engine.core.errors import PressError, PressExpressionError
+from kvdiverge.engine.presses.expressions import parse_press_call, policy_entry, press_spec
+from kvdiverge.engine.presses.policies import Policy, min_prompt_tokens, press_from_spec
+from kvdiverge.engine.presses.registry import ROWS, refusal
 
 ADAKV = {"press": "AdaKVPress", "compression_ratio": 0.5,
          "params": {"press": {"press": "SnapKVPress", "window_size": 16}}}
@@ -67,7 +68,7 @@ def test_press_expressions_are_parsed_not_evaluated():
                       ("SnapKVPress(0.5, window_size=8, compression_ratio=0.1)", "given twice"),
                       ("SnapKVPress(0.5", "not a press expression"),
                       ("os.system('true')", "expected PressName")]:
-        with pytest.raises(UsageError, match=why):
+        with pytest.raises(PressExpressionError, match=why):
             parse_press_call(text)
 
 
@@ -80,17 +81,19 @@ def test_command_line_entries_carry_the_ratio_or_the_budget():
     assert policy_entry("KnormPress", budget=64) == {"press": "KnormPress", "budget": 64, "params": {}}
     assert policy_entry("KnormPress")["compression_ratio"] == 0.0  # kvpress's default
     assert policy_entry("PermutationPress(seed=2)") == {"press": "PermutationPress", "params": {"seed": 2}}
-    with pytest.raises(UsageError, match="give --budget or compression_ratio, not both"):
+    with pytest.raises(PressExpressionError, match="give --budget or compression_ratio, not both"):
         policy_entry("KnormPress(0.5)", budget=64)
-    with pytest.raises(UsageError, match="takes no compression ratio, so no --budget"):
+    with pytest.raises(PressExpressionError, match="takes no compression ratio, so no --budget"):
         policy_entry("PermutationPress", budget=64)
     policy = Policy.from_config("x", policy_entry("AdaKVPress(SnapKVPress(window_size=8))", budget=20))
     assert int(80 * (1 - policy.build_press(80).press.compression_ratio)) == 20
-    press = build_press("KeyRerotationPress(press=KnormPress(0.5))")
+    press = press_from_spec(press_spec("KeyRerotationPress(press=KnormPress(0.5))"), None, "press")
     assert isinstance(press, KeyRerotationPress) and press.press.compression_ratio == 0.5
-    assert build_press("DecodingPress(base_press=KnormPress())").base_press.compression_ratio == 0.0  # decode-time
-    with pytest.raises(UsageError, match="CAMPress draws its merge mask from torch's global random generator"):
-        build_press("CAMPress(base_press=KnormPress())")
+    decoding = press_from_spec(press_spec("DecodingPress(base_press=KnormPress())"), None, "press")
+    assert decoding.base_press.compression_ratio == 0.0 and refusal(decoding) is None  # decode-time, measured
+    cam = press_from_spec(press_spec("CAMPress(base_press=KnormPress())"), None, "press")
+    assert refusal(cam) == ROWS["CAMPress"].refused
+    assert ROWS["CAMPress"].refused.startswith("CAMPress draws its merge mask from torch's global random generator")
 
 
 def test_the_command_line_refuses_before_loading_anything(capsys):

@@ -11,7 +11,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.decoding import decode_log_probs
-from kvdiverge.engine.llm.decode_pair import DecodeTimePair, is_decode_time, refusal as decode_refusal
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.quantized import (
     QuantizedCachePress,
@@ -20,7 +20,7 @@ from kvdiverge.engine.presses.quantized import (
     quantize_cache_layers,
     refusal,
 )
-from kvdiverge.engine.presses.registry import refusal as registry_refusal
+from kvdiverge.engine.presses.registry import is_decode_time, refusal as registry_refusal
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 quanto = pytest.mark.skipif(importlib.util.find_spec("optimum") is None
@@ -62,9 +62,9 @@ def test_refusals_are_one_sentence(model, monkeypatch):
                                     "dimension 8, so a group would span two tokens")
     assert registry_refusal(QuantizedCachePress(wide, kvpress.SnapKVPress(0.5)), model) == refusal(wide, model)
     inner = kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=8)
-    assert decode_refusal(QuantizedCachePress(spec(), inner)).startswith(
+    assert registry_refusal(QuantizedCachePress(spec(), inner)).startswith(
         "a quantized cache after the decode-time press DecodingPress is not supported")
-    assert is_decode_time(QuantizedCachePress(spec())) and decode_refusal(QuantizedCachePress(spec())) is None
+    assert is_decode_time(QuantizedCachePress(spec())) and registry_refusal(QuantizedCachePress(spec())) is None
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("optimum") else real(name, *a))
     assert refusal(spec()) == ("the quantized cache's backend 'quanto' needs the package 'optimum-quanto', which "

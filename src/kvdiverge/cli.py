@@ -32,8 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["UsageError", "main", "model_entry", "parse_press", "parse_press_call", "parse_value", "policy_entry",
-           "read_prompts"]
+__all__ = ["UsageError", "main", "model_entry", "read_prompts"]
 
 PROG = "kvdiverge measure"
 
@@ -45,177 +44,7 @@ class UsageError(ValueError):
     """Bad command-line input; printed as one line, exit code 2."""
 
 
-# --------------------------------------------------------------------------- presses
-
-
-def parse_value(text: str) -> Any:
-    """A parameter value from the command line: int, float, bool (true/false), none, else str."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_press(spec: str) -> tuple[str, dict[str, Any]]:
-    """Split ``NAME[:param=value,...]`` into the class reference and its parameters.
-
-    ``NAME`` is a kvpress class name (``SnapKVPress``) or ``module:Class`` for a press
-    kvpress does not ship; ``module:Class:param=value,...`` then adds parameters.
-
-    Raises
-    ------
-    UsageError
-        If a parameter is not ``name=value`` or is given twice.
-    """
-    parts = spec.split(":")
-    if len(parts) >= 2 and "=" not in parts[1]:
-        ref, rest = f"{parts[0]}:{parts[1]}", ":".join(parts[2:])
-    else:
-        ref, rest = parts[0], ":".join(parts[1:])
-    if not ref or ref.endswith(":"):
-        raise UsageError(f"press {spec!r}: expected NAME[:param=value,...] or module:Class[:param=value,...]")
-    params: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError(f"press {spec!r}: parameter {item!r} is not name=value")
-        if key.strip() in params:
-            raise UsageError(f"press {spec!r}: parameter {key.strip()!r} given twice")
-        params[key.strip()] = parse_value(value)
-    return ref, params
-
-
-def parse_press_call(text: str) -> dict[str, Any]:
-    """A press expression such as ``AdaKVPress(press=SnapKVPress(compression_ratio=0.5))`` as a spec.
-
-    Parsed with :mod:`ast`, never evaluated: only calls of kvpress or project press class
-    names, with literal arguments (numbers, strings, booleans, ``None``, lists, tuples,
-    dicts) or other such calls. Positional arguments follow the constructor's parameter
-    order.
-
-    Returns
-    -------
-    dict
-        ``{"press": Name, "params": {...}}``, press-valued arguments as specs of the same
-        shape (:func:`kvdiverge.engine.presses.policies.press_from_spec`).
-
-    Raises
-    ------
-    UsageError
-        Not a call of a known press class, an argument that is not a literal or a press,
-        a parameter given twice.
-    """
-    import ast
-
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise UsageError(f"press {text!r}: not a press expression ({exc.msg})") from None
-    return _press_call(tree.body, text)
-
-
-def _press_call(node, text: str) -> dict[str, Any]:
-    import ast
-    import inspect
-
-    from kvdiverge.engine.presses.policies import press_class
-
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        raise UsageError(f"press {text!r}: expected PressName(param=value, ...)")
-    try:
-        cls = press_class(node.func.id)
-    except ValueError as exc:
-        raise UsageError(f"press {text!r}: {exc}") from None
-    names = list(inspect.signature(cls).parameters)
-    if len(node.args) > len(names):
-        raise UsageError(f"press {text!r}: {cls.__name__} takes at most {len(names)} positional arguments")
-    params: dict[str, Any] = {names[i]: _literal(arg, text) for i, arg in enumerate(node.args)}
-    for kw in node.keywords:
-        if kw.arg is None or kw.arg in params:
-            raise UsageError(f"press {text!r}: parameter {kw.arg or '**'!r} of {cls.__name__} given twice or unpacked")
-        params[kw.arg] = _literal(kw.value, text)
-    return {"press": cls.__name__, "params": params}
-
-
-def _literal(node, text: str) -> Any:
-    import ast
-
-    if isinstance(node, ast.Call):
-        return _press_call(node, text)
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e, text) for e in node.elts]
-    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
-        return {k.value: _literal(v, text) for k, v in zip(node.keys, node.values)}
-    try:
-        return ast.literal_eval(node)  # constants, and signed numbers
-    except ValueError:
-        raise UsageError(f"press {text!r}: {ast.unparse(node)!r} is neither a literal nor a press") from None
-
-
-def press_spec(text: str) -> dict[str, Any]:
-    """The press spec of a ``--press`` value: ``Name(...)`` (:func:`parse_press_call`) or ``NAME[:param=value,...]``."""
-    if "(" in text:
-        return parse_press_call(text)
-    ref, params = parse_press(text)
-    return {"press": ref, "params": params}
-
-
-def _ratio_target(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The spec (``spec`` or one nested in it) that takes a policy's compression ratio."""
-    from kvdiverge.engine.presses.policies import is_press_spec, press_class, press_parameters, spec_parameters, takes_ratio
-
-    params = spec_parameters(spec)
-    if not takes_ratio(spec["press"], params):
-        return None
-    if "compression_ratio" in press_parameters(press_class(spec["press"])):
-        return spec
-    for value in params.values():
-        for inner in value if isinstance(value, list) else [value]:
-            if is_press_spec(inner) and (found := _ratio_target(inner)) is not None:
-                return found
-    return None
-
-
-def policy_entry(text: str, budget: int | None = None, default_ratio: float | None = 0.0) -> dict[str, Any]:
-    """The policy entry (as in the config) of a ``--press`` value, with ``--budget`` if given.
-
-    The ``compression_ratio`` of the press that takes the policy's ratio (the named press,
-    or the inner scorer of a wrapper) becomes the entry's ``compression_ratio``
-    (``default_ratio`` if not given: kvpress's default 0; ``None`` leaves the entry without
-    one, for a frontier whose ratios set it); with ``budget`` that press must not be given a ratio.
-
-    Raises
-    ------
-    UsageError
-        A bad expression, an unknown press, ``budget`` with a ratio or for a press that takes none.
-    """
-    spec = press_spec(text)
-    try:
-        target = _ratio_target(spec)
-    except ValueError as exc:
-        raise UsageError(f"press {text!r}: {exc}") from None
-    entry: dict[str, Any] = {"press": spec["press"], "params": spec["params"]}
-    if target is None:
-        if budget is not None:
-            raise UsageError(f"press {text!r}: {spec['press']} takes no compression ratio, so no --budget")
-        return entry
-    given = [d.pop("compression_ratio") for d in (target, target.get("params") or {}) if "compression_ratio" in d]
-    if budget is not None:
-        if given:
-            raise UsageError(f"press {text!r}: give --budget or compression_ratio, not both")
-        entry["budget"] = int(budget)
-    else:
-        ratio = float(given[0]) if given else default_ratio
-        if ratio is not None:
-            entry["compression_ratio"] = ratio
-    return entry
+# --------------------------------------------------------------------------- quantized caches
 
 
 def cache_entry(text: str) -> dict[str, Any]:
@@ -230,9 +59,13 @@ def cache_entry(text: str) -> dict[str, Any]:
     UsageError
         An unknown backend or parameter.
     """
+    from kvdiverge.engine.presses.expressions import parse_press
     from kvdiverge.engine.presses.quantized import BACKENDS
 
-    backend, params = parse_press(text)
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise UsageError(f"--cache {text!r}: {exc}") from None
     if backend not in BACKENDS:
         raise UsageError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
@@ -249,6 +82,8 @@ def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | Non
     Each press is a policy; each quantized cache is one alone (named by its value) and one
     after each press (``<press>+<cache>``: evict, then quantize what is kept).
     """
+    from kvdiverge.engine.presses.expressions import policy_entry
+
     entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
     quantized = {text: cache_entry(text) for text in caches}
     out = dict(entries)
@@ -257,28 +92,6 @@ def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | Non
         for spec, entry in entries.items():
             out[f"{spec}+{text}"] = {**entry, **keys}
     return out
-
-
-def build_press(spec: str):
-    """The press object of a ``--press`` value (its own ``compression_ratio``, if given), checked.
-
-    Raises
-    ------
-    UsageError
-        Unknown press (the message lists the presses), unknown parameter (the message
-        lists the accepted ones), a value the press rejects, or a press kvdiverge refuses.
-    """
-    from kvdiverge.engine.presses.policies import press_from_spec
-    from kvdiverge.engine.presses.registry import refusal
-
-    try:
-        press = press_from_spec(press_spec(spec), None, f"press {spec!r}")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    reason = refusal(press)
-    if reason:
-        raise UsageError(f"press {spec!r}: {reason}")
-    return press
 
 
 # --------------------------------------------------------------------------- prompts

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-__all__ = ["Document", "PressSource", "plan_documents", "run_documents"]
+__all__ = ["Document", "PressSource", "build_pair", "plan_documents", "run_documents"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """Coupled trajectories of every document under one policy.
 
-    A decode-time policy (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time`: the press
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
     also evicts while tokens are generated) runs on
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
     every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
@@ -200,7 +200,7 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.engine.llm.decode_pair import is_decode_time
+    from kvdiverge.engine.presses.registry import is_decode_time
 
     if not documents:
         return []
@@ -215,7 +215,7 @@ def run_documents(
     for lo in range(0, len(order), B):
         batch = [documents[i] for i in order[lo:lo + B]]
         start = time.perf_counter()
-        pair, reps = _run_one_batch(model, batch, policy, decode_time, T=T, replicates=replicates, seed=seed,
+        pair, reps = _run_one_batch(model, batch, policy, T=T, replicates=replicates, seed=seed,
                                     model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
                                     progress=progress)
         seconds = (time.perf_counter() - start) / len(batch)
@@ -230,32 +230,57 @@ def run_documents(
     return [rec for i in range(len(documents)) for rec in by_index[i]]
 
 
-def _run_one_batch(model, batch: Sequence[Document], policy, decode_time: bool, *, T, replicates, seed, model_name,
-                   temperature, top_p, eos_ids, progress):
-    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
-    from kvdiverge.engine.core.coupled import run_batch
+def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
+               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None):
+    """The kernel pair of one batch of documents under one policy, each document with its own press.
+
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
+    :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
+    :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; each document's prefill seeds torch's
+    generator from ``(seed, model_name, doc_id)`` (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+
+    Returns
+    -------
+    kvdiverge.engine.core.pairs.KernelPair
+        Not started; its ``presses`` and ``expected`` are the documents' presses and promises.
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.PressError
+        When the registry refuses the press on this model (config attributes the press reads).
+    """
+    from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-    from kvdiverge.engine.core.errors import PressError, raise_kvpress_error
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.llm.prefill import prefill_seed
-    from kvdiverge.engine.presses.registry import refusal
+    from kvdiverge.engine.presses.registry import is_decode_time, refusal
 
     presses = [policy.build_press(doc.prompt_len) for doc in batch]
     reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
-    kind = DecodeTimePair if decode_time else LLMKernelPair
-    pair = kind.from_documents(
+    kind = DecodeTimePair if is_decode_time(presses[0]) else LLMKernelPair
+    return kind.from_documents(
         model, [doc.input_ids for doc in batch], presses,
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
     )
+
+
+def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, seed, model_name,
+                   temperature, top_p, eos_ids, progress):
+    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
+    from kvdiverge.engine.core.coupled import run_batch
+    from kvdiverge.engine.core.errors import raise_kvpress_error
+
+    pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
+                      eos_ids=eos_ids)
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)
     except (ImportError, AssertionError, TypeError, AttributeError, IndexError) as exc:  # kvpress's bare errors, named
-        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(presses[0]).__name__})", "during the prefill")
+        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(pair.presses[0]).__name__})", "during the prefill")
     finally:
         if hasattr(pair, "close"):
             pair.close()

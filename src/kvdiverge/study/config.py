@@ -359,18 +359,13 @@ def control_documents(config: dict[str, Any], policy: str, split: str) -> int | 
 
 
 def _takes_ratio(entry: dict[str, Any]) -> bool:
-    """True when the press of a policy entry, or a press nested in its ``params``, takes a
-    ``compression_ratio`` (the top-level ratio goes to the press that takes it)."""
-    from kvdiverge.engine.presses.policies import keeps_every_position, press_class, press_parameters
+    """True when the press of a policy entry, or a press nested in it, takes a ``compression_ratio``
+    (:func:`kvdiverge.engine.presses.policies.takes_ratio`; the top-level ratio goes to the press that takes it)."""
+    from kvdiverge.engine.presses.adapters import spec_parameters
+    from kvdiverge.engine.presses.policies import takes_ratio
 
     name = entry.get("press")
-    if not isinstance(name, str) or keeps_every_position(name):
-        return False
-    if "compression_ratio" in press_parameters(press_class(name)):
-        return True
-    nested = [v for v in (entry.get("params") or {}).values()]
-    nested = [x for v in nested for x in (v if isinstance(v, list) else [v])]
-    return any(isinstance(v, dict) and "press" in v and _takes_ratio(v) for v in nested)
+    return isinstance(name, str) and takes_ratio(name, spec_parameters(entry))
 
 
 def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:

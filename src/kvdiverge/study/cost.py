@@ -25,7 +25,7 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
   engine), a shard of ``n`` documents decodes ``ceil(n / B)`` groups:
   ``decode_forwards = 2 x (2T - 2) x ceil(n / B)`` per shard.
 
-A **decode-time policy** (:func:`kvdiverge.engine.llm.decode_pair.is_decode_time_entry`) runs on
+A **decode-time policy** (:func:`kvdiverge.engine.presses.registry.is_decode_time`) runs on
 :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
 one document each (one forward per lane per step, not batched across documents), and a
 branch starting at ``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper
@@ -157,7 +157,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
-    from kvdiverge.engine.llm.decode_pair import is_decode_time_entry
+    from kvdiverge.engine.presses.registry import is_decode_time
 
     B = _batch_documents(config, batch_documents)
     T = int(config["decoding"]["max_new_tokens"])
@@ -168,7 +168,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         n = run_documents_count(config, policy, split)
         per_shard = [len(range(i, n, n_shards)) for i in range(n_shards)]
         groups = sum(math.ceil(k / B) for k in per_shard)
-        decode_time = is_decode_time_entry(config["policies"].get(policy))
+        decode_time = is_decode_time(config["policies"].get(policy))
         side = max(2 * T - 2, 0) * groups
         out.append(RunCost(
             model=model, policy=policy, split=split, documents=n, shards=n_shards,

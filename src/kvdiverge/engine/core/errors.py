@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CompressionError", "NonFiniteLogitsError", "PressError", "check_logits_finite", "raise_kvpress_error"]
+__all__ = ["CompressionError", "NonFiniteLogitsError", "PressError", "PressExpressionError", "check_logits_finite",
+           "raise_kvpress_error"]
 
 
 class PressError(ValueError):
@@ -24,6 +25,11 @@ class PressError(ValueError):
     def __init__(self, owner: str, problem: str):
         super().__init__(f"{owner}: {problem}")
         self.owner, self.problem = owner, problem
+
+
+class PressExpressionError(ValueError):
+    """A press expression (``NAME[:param=value,...]`` or ``Name(...)``) that does not parse; the
+    message names the expression (:mod:`kvdiverge.engine.presses.expressions`)."""
 
 
 def raise_kvpress_error(exc: BaseException, owner: str, stage: str) -> None:

@@ -14,14 +14,16 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   row).
 - At :meth:`DecodeTimePair.start` each document's ``R`` rows form one **chain lane**.
 - When :meth:`DecodeTimePair.rewind` cuts a row back to ``L`` tokens (the branch start,
-  ``t* = L + 1``), the row leaves its lane for a **replay lane**: a fresh twin, a fresh
-  press, a fresh prefill of its document, then its first ``L`` evicted-side tokens fed one
-  per forward. Rows of one document rewound to one ``L`` in the same call share a
-  replay lane. The branch then continues there. The prefill is not recomputed: the chain
-  lane's one-row prefill state (cache, press object) is copied once at :meth:`DecodeTimePair.start`
-  and each replay lane starts from a copy (the prefill is deterministic, so these are the
-  bits a fresh prefill gives). A press whose prefill leaves state with a batch dimension
-  (module masks, ``DMSPress``) is prefilled anew on the lane's rows instead.
+  ``t* = L + 1``), the row leaves its lane for a **replay lane**: a fresh twin with the
+  document's prefill state, then the row's first ``L`` evicted-side tokens fed one per
+  forward; the branch continues there. Rows of one document rewound to one ``L`` in the
+  same call share a replay lane. The prefill state is the chain lane's one-row prefill
+  (press object, cache, last logits), copied once at :meth:`DecodeTimePair.start`; each
+  replay lane enters a deep copy of that press object and starts from a copy of that
+  cache (``prefills_restored``). A press whose prefill leaves state with a batch
+  dimension (module masks, or a row's ``row_state``, ``DMSPress``) has no such copy: its
+  replay lane enters a fresh copy of the document's press and prefills the prompt anew,
+  on one row, then on the lane's rows if it has more than one.
 - :meth:`DecodeTimePair.keep_rows` drops rows from the pair; a dropped row rides along
   in its lane (fed its last token again; its outputs are discarded) until every row of
   the lane has left, when the lane is closed. So no press buffer with a batch dimension
@@ -48,96 +50,16 @@ from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm.llm_pair import _CacheSide, merge_caches, model_eos_ids
 from kvdiverge.engine.llm.prefill import seeded
 from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.adapters import walk
+from kvdiverge.engine.presses.registry import adapter_of, refusal
 
-__all__ = ["DecodeTimePair", "is_decode_time", "is_decode_time_entry", "refusal"]
-
-#: Press classes that evict while generating, whatever their parameters.
-DECODE_TIME_CLASSES = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "CAMPress", "SlidingWindowPress"})
-
-
-def _nested(press) -> list:
-    """``press`` and every press it wraps (``press``, ``base_press``, ``*_press`` fields, ``presses``)."""
-    out, todo = [], [press]
-    while todo:
-        p = todo.pop()
-        if p is None or any(p is q for q in out):
-            continue
-        out.append(p)
-        for attr in ("press", "base_press", "prefilling_press", "decoding_press"):
-            todo.append(getattr(p, attr, None))
-        todo.extend(getattr(p, "presses", None) or [])
-    return out
-
-
-def is_decode_time(press) -> bool:
-    """True when ``press`` (or a press it wraps) evicts while tokens are generated.
-
-    Decode-time presses: ``kvpress.DecodingPress`` and its subclasses
-    (``CompressionRatioDecodingPress``, ``CAMPress``), ``kvpress.PrefillDecodingPress``
-    with a decoding press, ``kvpress.DMSPress(decoding=True)``, the project's
-    :class:`kvdiverge.engine.presses.window.SlidingWindowPress` and a quantized cache
-    (:class:`kvdiverge.engine.presses.quantized.QuantizedCachePress`: its flushes depend on the
-    history's length). Every other kvpress press acts at prefill only.
-    """
-    from kvpress import DecodingPress, DMSPress, PrefillDecodingPress
-
-    from kvdiverge.engine.presses.quantized import QuantizedCachePress
-    from kvdiverge.engine.presses.window import SlidingWindowPress
-
-    for p in _nested(press):
-        if isinstance(p, (DecodingPress, SlidingWindowPress, QuantizedCachePress)):
-            return True
-        if isinstance(p, PrefillDecodingPress) and p.decoding_press is not None:
-            return True
-        if isinstance(p, DMSPress) and p.decoding:
-            return True
-    return False
-
-
-def is_decode_time_entry(spec: dict) -> bool:
-    """:func:`is_decode_time` for a policy's config entry (``press`` name, parameters, ``params``).
-
-    A nested press (a mapping with a ``press`` class name) is looked into as well.
-    """
-    if not isinstance(spec, dict):
-        return False
-    params = {**spec, **(spec.get("params") or {})}
-    name = spec.get("press")
-    if name in DECODE_TIME_CLASSES or (name == "DMSPress" and bool(params.get("decoding"))):
-        return True
-    if name == "PrefillDecodingPress" and params.get("decoding_press") is not None:
-        return True
-    return any(is_decode_time_entry(v) for k, v in params.items() if k != "params" and isinstance(v, dict))
-
-
-def refusal(press) -> str | None:
-    """Why a decode-time press cannot be measured exactly, or ``None`` when it can.
-
-    ``CAMPress`` draws its merge mask with ``torch.bernoulli`` from the global generator,
-    once for all rows of a batch: ``Q`` is then not a function of the history, and a
-    branch replay cannot reproduce the chain's state.
-    """
-    from kvpress import CAMPress
-
-    from kvdiverge.engine.presses.quantized import QuantizedCachePress
-
-    for p in _nested(press):
-        if isinstance(p, QuantizedCachePress) and p.press is not None and is_decode_time(p.press):
-            return (f"a quantized cache after the decode-time press {type(p.press).__name__} is not supported: "
-                    f"the press would evict from a quantized cache while generating")
-    if any(isinstance(p, CAMPress) for p in _nested(press)):
-        return ("CAMPress draws its merge mask from the global random generator, so the evicted "
-                "kernel is not a function of the history and a branch cannot be replayed")
-    return None
-
+__all__ = ["DecodeTimePair"]
 
 def _has_row_state(twin, press) -> bool:
     """True when a prefill left state with a batch dimension (module masks, press tensors)."""
-    from kvpress import DMSPress
-
     if any(getattr(m, "masked_key_indices", None) is not None for m in twin.modules()):
         return True
-    return any(isinstance(p, DMSPress) for p in _nested(press))
+    return any(adapter_of(p).row_state for p in walk(press))
 
 
 class _Lane:
@@ -275,8 +197,8 @@ class DecodeTimePair:
     Raises
     ------
     ValueError
-        If the sequences differ in length or are empty, or a press cannot be replayed
-        (:func:`refusal`).
+        If the sequences differ in length or are empty, or kvdiverge refuses a press
+        (:func:`kvdiverge.engine.presses.registry.refusal`; ``CAMPress`` cannot be replayed).
     CompressionError
         From :meth:`start`, when a prefill does not keep ``expected_kept`` positions.
     NonFiniteLogitsError

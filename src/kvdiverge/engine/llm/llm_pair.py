@@ -17,8 +17,9 @@ from kvdiverge.engine.core.coupling import coupling_dtype
 from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, check_logits_finite
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
-from kvdiverge.engine.llm.prefill import generation_start, prefill, seeded
+from kvdiverge.engine.llm.prefill import prefill, seeded
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
+from kvdiverge.engine.presses.registry import generation_start
 from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
@@ -50,7 +51,7 @@ class _CacheSide:
     abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
     each row's first generated token (int64, (n_rows,), or an int for all rows): the
     uncompressed prompt length of its document, or the cache length for presses that
-    re-rotate kept keys (:func:`kvdiverge.engine.llm.prefill.generation_start`);
+    re-rotate kept keys (:func:`kvdiverge.engine.presses.registry.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
     (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
@@ -72,7 +73,7 @@ class _CacheSide:
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
         # as kvpress's own pipeline does, whatever the cache length (for presses that
-        # re-rotate kept keys, from the cache length: prefill.generation_start).
+        # re-rotate kept keys, from the cache length: registry.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
         if self.masks is not None:
             self.masks.apply(self.modules)

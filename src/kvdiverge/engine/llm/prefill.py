@@ -8,14 +8,16 @@ is entered runs before the press's hook and copies that layer's keys and values.
 
 Presses that change the forward itself (their own context manager: extra forwards,
 eager attention, a patched model forward, a hook on the embeddings) get two prefills:
-the reference on the plain model, the evicted one on the twin (:func:`shares_prefill`).
+the reference on the plain model, the evicted one on the twin (the press's row says which:
+:func:`kvdiverge.engine.presses.registry.shares_prefill`).
 The one-forward path also checks that each layer's attention ran exactly once, on the
 whole prompt, and falls back to a plain reference prefill otherwise.
 
 Presses that score with the attention weights (``ObservedAttentionPress``, kvpress asks
 for ``attn_implementation="eager"`` for them) get the weights from the same hook,
 computed from the layer's own queries and keys as eager attention computes them; the
-forward itself stays on the model's attention implementation (:func:`needs_attentions`).
+forward itself stays on the model's attention implementation
+(:func:`kvdiverge.engine.presses.registry.needs_attentions`).
 
 Presses that draw from torch's global random generator (``CompactorPress``,
 ``LeverageScorePress``, ``RandomPress`` without a seed) draw, inside :func:`seeded`, from a
@@ -32,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
+from kvdiverge.engine.presses.registry import needs_attentions, shares_prefill
 
-__all__ = ["Prefill", "generation_start", "prefill", "prefill_seed", "seeded", "shares_prefill", "needs_attentions"]
+__all__ = ["Prefill", "attention_weights", "prefill", "prefill_seed", "seeded"]
 
 
 @dataclass
@@ -95,57 +98,6 @@ def seeded(seed: int | None, device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
-
-
-def generation_start(press, prompt_len: int, cache_len: int) -> int:
-    """RoPE position of the first generated token on the evicted side (estimators.md §1).
-
-    ``prompt_len`` (the uncompressed prompt length), except for presses that re-rotate the
-    kept keys to the compacted positions ``0 .. cache_len - 1``: ``KeyRerotationPress`` and
-    ``FinchPress(rerotate_keys=True)``, for which generation continues from ``cache_len``,
-    as kvpress's own pipeline does (``KVPressTextGenerationPipeline._forward`` sets
-    ``context_length = cache.get_seq_length()`` for them).
-    """
-    import kvpress
-
-    rerotates = isinstance(press, kvpress.KeyRerotationPress) or (
-        isinstance(press, kvpress.FinchPress) and bool(press.rerotate_keys))
-    return int(cache_len) if rerotates else int(prompt_len)
-
-
-def _nested(press) -> list:
-    out, todo = [], [press]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for attr in ("press", "prefilling_press", "decoding_press", "base_press"):
-            inner = getattr(p, attr, None)
-            if inner is not None and inner is not p and hasattr(inner, "forward_hook"):
-                todo.append(inner)
-        todo.extend(getattr(p, "presses", None) or [])
-    return out
-
-
-def shares_prefill(press) -> bool:
-    """True when the full cache can be copied from ``press``'s own prefill (one forward).
-
-    That holds for presses entered by kvpress's ``BasePress.__call__`` (forward hooks on
-    the attention modules, nothing else) and for the decoding wrappers that only add a
-    reset to it; a press with its own context manager (``KVComposePress``, ``KVzipPress``,
-    ``FinchPress``, ...) may change the forward and gets two prefills.
-    """
-    import kvpress
-
-    # the decoding wrappers' context managers are kvpress's own plus a reset of their decoding state
-    own = {kvpress.BasePress.__call__, kvpress.DecodingPress.__call__, kvpress.PrefillDecodingPress.__call__}
-    return type(press).__call__ in own
-
-
-def needs_attentions(press) -> bool:
-    """True when ``press`` or a press it wraps scores with the attention weights (``ObservedAttentionPress``)."""
-    import kvpress
-
-    return any(isinstance(p, kvpress.ObservedAttentionPress) for p in _nested(press))
 
 
 def attention_weights(module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -25,10 +25,13 @@ own ``params``)::
 
 The policy's ``compression_ratio`` (or the ratio of its ``budget``) goes to the press that
 takes one: the named press itself, else the first press it wraps that does (the inner
-scorer of a wrapper such as ``AdaKVPress``). Presses compress the prompt cache once,
-during prefill (kvpress, https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot
-measure are refused with one sentence (:mod:`kvdiverge.engine.presses.registry`) when the
-policy is built, before any work.
+scorer of a wrapper such as ``AdaKVPress``). Prefill presses compress the prompt cache once,
+after each layer's prefill forward; decode-time presses (``DecodingPress``,
+``SlidingWindowPress``, ...) also evict while tokens are generated
+(:func:`kvdiverge.engine.presses.registry.is_decode_time`; kvpress,
+https://github.com/NVIDIA/kvpress). Presses that kvdiverge cannot measure are refused with
+one sentence (:func:`kvdiverge.engine.presses.registry.refusal`) when the policy is built,
+before any work.
 
 A fixed token ``budget`` becomes a per-document compression ratio chosen so that
 kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
@@ -54,13 +57,13 @@ from functools import cached_property
 from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
+from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
 #: Keys of a quantized cache in a policy entry (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`).
 _CACHE_KEYS = {"cache", "backend", "nbits", "q_group_size", "residual_length"}
 #: Keys of a policy entry that are not constructor parameters of the press.
 _POLICY_KEYS = {"press", "compression_ratio", "budget", "params"} | _CACHE_KEYS
-#: Keys of a nested press spec that are not constructor parameters.
-_SPEC_KEYS = {"press", "params"}
 #: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
 _PROBE_RATIO = 0.5
 
@@ -147,8 +150,6 @@ class Policy:
         kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         """
-        from kvdiverge.engine.presses.registry import refusal
-
         reason = refusal(self._probe if self.quantized is None else self._wrap(self._probe))
         if reason:
             raise PressError(f"policy {self.name!r}", reason)
@@ -195,17 +196,19 @@ class Policy:
     def kept_tokens(self, prompt_len: int) -> int:
         """Prompt positions kept per layer and head after compression (tokens).
 
-        :func:`kept_count` at :meth:`ratio_for`; every position for a press that keeps
-        every position (:func:`keeps_every_position`).
+        ``kvpress.utils.compute_n_kept`` at :meth:`ratio_for`; every position for a press that
+        keeps every position (:func:`keeps_every_position`).
         """
+        from kvpress.utils import compute_n_kept
+
         if keeps_every_position(self.press):
             return int(prompt_len)
-        return kept_count(prompt_len, self.ratio_for(prompt_len))
+        return int(compute_n_kept(int(prompt_len), float(self.ratio_for(prompt_len))))
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens, checked after prefill.
 
-        :func:`kvdiverge.engine.presses.promises.kept_promise` of the press built for this prompt
+        :func:`kvdiverge.engine.presses.registry.kept_promise` of the press built for this prompt
         (at :meth:`ratio_for`, so a budget's press promises the budget): an int for presses
         that keep the same count in every layer and head, a
         :class:`kvdiverge.engine.presses.promises.KeptPromise` for head-wise and per-layer presses,
@@ -215,8 +218,6 @@ class Policy:
         -------
         int, KeptPromise or None
         """
-        from kvdiverge.engine.presses.promises import kept_promise
-
         return kept_promise(press if self.quantized is None else press.press, prompt_len)
 
     def build_press(self, prompt_len: int):
@@ -250,14 +251,6 @@ def _quantized_spec(owner: str, spec: Mapping[str, Any]):
         raise PressError(owner, str(exc)) from None
 
 
-def kept_count(prompt_len: int, compression_ratio: float) -> int:
-    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens):
-    :func:`kvdiverge.engine.presses.promises.kept_count` (``kvpress.utils.compute_n_kept``)."""
-    from kvdiverge.engine.presses import promises
-
-    return promises.kept_count(prompt_len, compression_ratio)
-
-
 def press_parameters(cls) -> set[str]:
     """Constructor parameters of a press class (its ``__init__`` signature; dataclass fields with ``init``)."""
     return set(inspect.signature(cls).parameters)
@@ -279,82 +272,8 @@ def keeps_every_position(press) -> bool:
     return bool(getattr(press, "keeps_every_position", False))
 
 
-def press_class(name: str):
-    """Return the press class called ``name``: a project press, one kvpress exports, or ``module:Class``.
-
-    Project presses (:data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`) are looked up first;
-    ``module:Class`` imports ``module`` (:func:`import_press`).
-
-    Raises
-    ------
-    ValueError
-        If neither the project nor kvpress has a press of that name (the message lists
-        the presses).
-    """
-    import kvpress
-
-    from kvdiverge.engine.presses.project import PROJECT_PRESSES
-
-    if ":" in name:
-        return import_press(name)
-    if name in PROJECT_PRESSES:
-        return PROJECT_PRESSES[name]
-    cls = getattr(kvpress, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        from kvdiverge.engine.presses.registry import PRESS_CLASSES
-
-        raise ValueError(f"unknown press {name!r}; available: {', '.join(sorted(PRESS_CLASSES))}")
-    return cls
-
-
-def import_press(ref: str):
-    """A press class from a reference: a kvpress class name, or ``module:Class``.
-
-    ``module:Class`` imports ``module`` (any importable module, e.g. the user's own) and
-    takes its attribute ``Class``, so presses kvpress does not ship work too.
-
-    Raises
-    ------
-    ValueError
-        If the module or class does not exist, or the class is not a kvpress press
-        (``kvpress.BasePress`` subclass); the message names the reference.
-    """
-    if ":" not in ref:
-        return press_class(ref)
-    import importlib
-
-    import kvpress
-
-    module_name, _, cls_name = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"press {ref!r}: cannot import module {module_name!r} ({exc})") from None
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise ValueError(f"press {ref!r}: module {module_name!r} has no attribute {cls_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)):
-        raise ValueError(f"press {ref!r}: {cls_name} is not a kvpress press (kvpress.BasePress subclass)")
-    return cls
-
-
-def is_press_spec(value: Any) -> bool:
-    """True for a nested press spec: a mapping naming a press class under ``press``."""
-    return isinstance(value, Mapping) and isinstance(value.get("press"), str)
-
-
-def spec_parameters(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Constructor parameters of a nested press spec: its keys but ``press``, then its ``params``."""
-    params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
-    params.update(spec.get("params") or {})
-    return params
-
-
 def _settable(cls) -> tuple[str, ...]:
-    from kvdiverge.engine.presses.registry import ROWS
-
-    row = ROWS.get(cls.__name__)
-    return row.settable if row else ()
+    return adapter_of(cls).settable
 
 
 def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
@@ -368,22 +287,12 @@ def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
     ValueError
         An unknown press name (here or nested).
     """
-    from kvdiverge.engine.presses.registry import ROWS
-
     cls = press_class(press)
-    row = ROWS.get(cls.__name__)
-    if row is not None and not row.takes_ratio:
+    if not adapter_of(cls).takes_ratio:
         return False
     if "compression_ratio" in press_parameters(cls):
         return True
-    return any(takes_ratio(s["press"], spec_parameters(s)) for s in _inner_specs(params))
-
-
-def _inner_specs(params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    out = []
-    for value in params.values():
-        out += [v for v in (value if isinstance(value, list) else [value]) if is_press_spec(v)]
-    return out
+    return any(takes_ratio(s["press"], spec_parameters(s)) for s in inner({"press": press, "params": params}))
 
 
 def ratio_problem(press: str, params: Mapping[str, Any], has_ratio: bool, has_budget: bool) -> str | None:
@@ -484,10 +393,8 @@ def press_min_prompt_tokens(press, budget: int | None = None) -> int:
     window or attention sinks must leave something to evict); a fixed ``budget`` needs
     ``budget + window_size + 1`` tokens.
     """
-    from kvdiverge.engine.presses.registry import nested_presses
-
     window = sinks = 0
-    for p in nested_presses(press):
+    for p in walk(press):
         for attr in ("window_size", "n_sink"):
             value = getattr(p, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -567,7 +474,5 @@ class PressPolicy:
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens:
-        :func:`kvdiverge.engine.presses.promises.kept_promise` (int, KeptPromise or ``None``)."""
-        from kvdiverge.engine.presses.promises import kept_promise
-
+        :func:`kvdiverge.engine.presses.registry.kept_promise` (int, KeptPromise or ``None``)."""
         return kept_promise(press, prompt_len)

@@ -1,5 +1,8 @@
 """Presses of the project, in kvpress's own style (a dataclass press, parameters as fields).
 
+:class:`ValueNormPress` is a score-based press (a ``kvpress.ScorerPress``): it keeps the
+positions whose value vectors have the largest L2 norm.
+
 :class:`PermutationPress` is the numerical noise-floor control: it keeps every prompt
 position and only changes their order in each layer's cache. Attention is a sum over
 cache positions, so the full kernel and the permuted kernel are equal in exact
@@ -20,11 +23,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from kvpress import BasePress
+from kvpress import BasePress, ScorerPress
 
 from kvdiverge.engine.presses.window import SlidingWindowPress
 
-__all__ = ["PermutationPress", "PROJECT_PRESSES"]
+__all__ = ["PermutationPress", "PROJECT_PRESSES", "ValueNormPress"]
 
 
 @dataclass
@@ -84,6 +87,42 @@ class PermutationPress(BasePress):
         return keys, values
 
 
+@dataclass
+class ValueNormPress(ScorerPress):
+    """Keep the prompt positions whose value vectors have the largest L2 norm, per layer and head.
+
+    A position's contribution to an attention output is its attention weight times its value
+    vector, so a position with a small value norm contributes little whatever its weight.
+    Guo et al. (2024), "Attention Score is not All You Need for Token Importance Indicator in
+    KV Cache Reduction: Value Also Matters" (VATP, https://arxiv.org/abs/2406.12335), score
+    positions by accumulated attention times the value's L1 norm; this press keeps the value
+    term alone (the L2 norm), needing no attention weights, as ``kvpress.KnormPress`` scores
+    by the key norm alone. kvpress's ``ScorerPress`` keeps the
+    ``compute_n_kept(seq_len, compression_ratio)`` top-scored positions in every head.
+
+    Parameters
+    ----------
+    compression_ratio : float, default 0.0
+        Fraction of prompt positions evicted, in [0, 1).
+    """
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        """Scores of shape (batch, num_kv_heads, seq_len): the L2 norm of each value vector.
+
+        Parameters
+        ----------
+        values : torch.Tensor
+            Shape (batch, num_kv_heads, seq_len, head_dim).
+
+        Returns
+        -------
+        torch.Tensor
+            At least float32 (a low-precision norm ties the scores of distinct positions).
+        """
+        return torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
+
+
 #: Presses of the project that a policy can name beside kvpress's (``policies.press_class``).
 PROJECT_PRESSES: dict[str, type[BasePress]] = {"PermutationPress": PermutationPress,
-                                               "SlidingWindowPress": SlidingWindowPress}
+                                               "SlidingWindowPress": SlidingWindowPress,
+                                               "ValueNormPress": ValueNormPress}

@@ -5,7 +5,8 @@ Ordinary score-based presses keep the same count in every layer and head
 (``kvpress.utils.compute_n_kept``); head-wise presses (AdaKV, CriticalAdaKV) keep
 ``compute_n_kept * heads`` positions in each layer in all, spread unevenly over its heads;
 per-layer presses (PyramidKV, ``PerLayerCompressionPress``) keep their own count in each
-layer. :func:`kept_promise` says which, and :meth:`KeptPromise.check` compares it with the
+layer. Each press's adapter (:mod:`kvdiverge.engine.presses.adapters`) names its promise
+among the functions here (:func:`kvdiverge.engine.presses.registry.kept_promise` asks it), and :meth:`KeptPromise.check` compares it with the
 kept counts measured on the evicted cache, naming the first layer that breaks it.
 """
 
@@ -20,7 +21,8 @@ import torch
 
 from kvdiverge.engine.core.errors import CompressionError
 
-__all__ = ["KeptPromise", "kept_count", "kept_promise", "check_kept"]
+__all__ = ["KeptPromise", "check_kept", "composed", "every_position", "head_wise", "per_layer", "pyramid", "scorer",
+           "sim_layer"]
 
 #: How a promise counts: every head of a layer (``head``), the layer's heads together
 #: (``layer``, as a mean per head), or every layer and head together (``model``, per head
@@ -127,102 +129,77 @@ def _ratio(press) -> float:
         return 0.0
 
 
-def kept_count(prompt_len: int, compression_ratio: float) -> int:
-    """Positions a score-based press keeps of ``prompt_len`` at ``compression_ratio`` (tokens).
-
-    ``kvpress.utils.compute_n_kept``: ``prompt_len`` at ratio 0, else
-    ``max(1, int(prompt_len * (1 - ratio)))``.
-    """
+def _n_kept(prompt_len: int, compression_ratio: float) -> int:
     from kvpress.utils import compute_n_kept
 
     return int(compute_n_kept(int(prompt_len), float(compression_ratio)))
-
-
-_n_kept = kept_count
 
 
 def _layers(config) -> int:
     return int(config.num_hidden_layers)
 
 
-def kept_promise(press, prompt_len: int) -> "int | KeptPromise | None":
-    """What ``press`` promises to keep of a prompt of ``prompt_len`` tokens, or ``None``.
-
-    - A project press with ``kept_tokens`` (``PermutationPress``): that count in every head (an int).
-    - ``ThinKPress``: every position in every head (an int; it prunes key channels, not positions).
-    - Any ``kvpress.ScorerPress`` but PyramidKV: ``compute_n_kept(prompt_len, ratio)`` in every
-      head (an int, :func:`kept_count`).
-    - ``PyramidKVPress``: ``get_layer_budget`` of each layer in every head.
-    - ``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept * heads`` per layer in all.
-    - ``PerLayerCompressionPress``: ``compute_n_kept(prompt_len, ratios[l])`` in every head of layer ``l``.
-    - ``KVComposePress`` (structured): ``compute_n_kept(layers * prompt_len, ratio)`` over
-      all layers, at least (kvpress floors every layer at one position).
-    - ``SimLayerKVPress``: in every head of layer ``l``, ``n_initial + n_recent - n_last`` if the
-      press judged the layer lazy during this prefill (its ``compression_ratios[l] > 0``), else
-      every position; read from the press when the promise is checked, after the prefill.
-    - Other presses (thresholds, decode-time, compositions): ``None``.
-
-    Parameters
-    ----------
-    press : kvpress.BasePress
-        The press, built for this prompt.
-    prompt_len : int
-        Uncompressed prompt length (tokens).
-
-    Returns
-    -------
-    int, KeptPromise or None
-        An int: every layer and head keeps exactly that many positions.
-    """
-    import kvpress
-
-    n = int(prompt_len)
-    own = getattr(press, "kept_tokens", None)
-    if callable(own):
-        return int(own(n))
-    if isinstance(press, kvpress.ThinKPress):
-        return n
-    if isinstance(press, kvpress.ScorerPress) and not isinstance(press, kvpress.PyramidKVPress):
-        return _n_kept(n, press.compression_ratio)
-    return _uneven_promise(press, n)
+def scorer(press, n: int) -> int:
+    """A score-based press: ``compute_n_kept(n, compression_ratio)`` in every head (``kvpress.utils``)."""
+    return _n_kept(n, press.compression_ratio)
 
 
-def _uneven_promise(press, n: int) -> KeptPromise | None:
-    """The promise of a press whose layers or heads keep different counts (:func:`kept_promise`)."""
-    import kvpress
+def every_position(press, n: int) -> int:
+    """A press that keeps every position (``ThinKPress`` prunes key channels): ``n`` in every head."""
+    return int(n)
 
+
+def pyramid(press, n: int) -> KeptPromise:
+    """``PyramidKVPress``: ``get_layer_budget`` of each layer in every head (``n`` at ratio 0)."""
     name = type(press).__name__
-    if isinstance(press, kvpress.PyramidKVPress):
-        if press.compression_ratio == 0:
-            return KeptPromise(name, "compression_ratio 0", "head", lambda c: (n,) * _layers(c))
+    if press.compression_ratio == 0:
+        return KeptPromise(name, "compression_ratio 0", "head", lambda c: (n,) * _layers(c))
 
-        def pyramid(config):
-            return tuple(int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n))
-                         for i in range(_layers(config)))
-        return KeptPromise(name, f"get_layer_budget(layer, {n})", "head", pyramid)
-    if isinstance(press, (kvpress.AdaKVPress, kvpress.CriticalAdaKVPress)):
-        ratio = float(press.compression_ratio)
-        k = _n_kept(n, ratio) if ratio > 0 else n
-        return KeptPromise(name, f"compute_n_kept({n}, {ratio}) x heads", "layer", lambda c: (k,) * _layers(c))
-    if isinstance(press, kvpress.PerLayerCompressionPress):
-        ratios = [float(r) for r in press.compression_ratios]
-        ks = tuple(_n_kept(n, r) if r > 0 else n for r in ratios)
-        return KeptPromise(name, f"compute_n_kept({n}, compression_ratios[layer])", "head", lambda c: ks)
-    if isinstance(press, kvpress.KVComposePress) and press.structured:
-        ratio = float(press.compression_ratio)
+    def counts(config):
+        return tuple(int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n))
+                     for i in range(_layers(config)))
+    return KeptPromise(name, f"get_layer_budget(layer, {n})", "head", counts)
 
-        def composed(config):
-            return (_n_kept(_layers(config) * n, ratio) if ratio > 0 else _layers(config) * n,)
-        return KeptPromise(name, f"compute_n_kept(layers x {n}, {ratio})", "model", composed, at_least=True)
-    if isinstance(press, kvpress.SimLayerKVPress):
-        lazy = press.n_initial + press.n_recent - press.n_last
 
-        def sim_layer(config):
-            ratios = list(press.compression_ratios)
-            if len(ratios) != _layers(config):
-                raise CompressionError(f"{name} recorded {len(ratios)} per-layer decisions for a model of "
-                                       f"{_layers(config)} layers: its prefill did not run once per layer")
-            return tuple(lazy if r > 0 else n for r in ratios)
-        return KeptPromise(name, f"n_initial + n_recent - n_last = {lazy} in lazy layers, {n} in others", "head",
-                           sim_layer)
-    return None
+def head_wise(press, n: int) -> KeptPromise:
+    """``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept(n, ratio) * heads`` in each layer in all."""
+    ratio = float(press.compression_ratio)
+    k = _n_kept(n, ratio) if ratio > 0 else n
+    return KeptPromise(type(press).__name__, f"compute_n_kept({n}, {ratio}) x heads", "layer",
+                       lambda c: (k,) * _layers(c))
+
+
+def per_layer(press, n: int) -> KeptPromise:
+    """``PerLayerCompressionPress``: ``compute_n_kept(n, compression_ratios[l])`` in every head of layer ``l``."""
+    ks = tuple(_n_kept(n, float(r)) if float(r) > 0 else n for r in press.compression_ratios)
+    return KeptPromise(type(press).__name__, f"compute_n_kept({n}, compression_ratios[layer])", "head",
+                       lambda c: ks)
+
+
+def composed(press, n: int) -> KeptPromise | None:
+    """``KVComposePress``, structured: at least ``compute_n_kept(layers * n, ratio)`` over all layers
+    (kvpress floors every layer at one position); unstructured: ``None``."""
+    if not press.structured:
+        return None
+    ratio = float(press.compression_ratio)
+
+    def counts(config):
+        return (_n_kept(_layers(config) * n, ratio) if ratio > 0 else _layers(config) * n,)
+    return KeptPromise(type(press).__name__, f"compute_n_kept(layers x {n}, {ratio})", "model", counts,
+                       at_least=True)
+
+
+def sim_layer(press, n: int) -> KeptPromise:
+    """``SimLayerKVPress``: in every head of layer ``l``, ``n_initial + n_recent - n_last`` if the press
+    judged the layer lazy during this prefill (its ``compression_ratios[l] > 0``), else ``n``; read
+    from the press when the promise is checked, after the prefill."""
+    name = type(press).__name__
+    lazy = press.n_initial + press.n_recent - press.n_last
+
+    def counts(config):
+        ratios = list(press.compression_ratios)
+        if len(ratios) != _layers(config):
+            raise CompressionError(f"{name} recorded {len(ratios)} per-layer decisions for a model of "
+                                   f"{_layers(config)} layers: its prefill did not run once per layer")
+        return tuple(lazy if r > 0 else n for r in ratios)
+    return KeptPromise(name, f"n_initial + n_recent - n_last = {lazy} in lazy layers, {n} in others", "head", counts)

@@ -40,6 +40,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpress import BasePress
+
 __all__ = ["BACKENDS", "QuantizedCacheSpec", "QuantizedCachePress", "kv_bits_per_element", "quantize_cache_layers",
            "refusal"]
 
@@ -216,7 +218,7 @@ def quantize_cache_layers(cache, spec: QuantizedCacheSpec) -> int:
 
 
 @dataclass
-class QuantizedCachePress:
+class QuantizedCachePress(BasePress):
     """The press of a quantized-cache policy: evict with ``press`` (if any), then quantize what is kept.
 
     Used as a kvpress press is: ``with QuantizedCachePress(spec, press)(model): model(...)``.
@@ -239,6 +241,9 @@ class QuantizedCachePress:
         if cache is not None and getattr(cache, "layers", None) and cache.get_seq_length() > 0:
             quantize_cache_layers(cache, self.spec)
         return None
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):  # noqa: D102 (never reached)
+        return keys, values
 
     @contextlib.contextmanager
     def __call__(self, model):

@@ -10,21 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.policies import press_from_spec, takes_ratio
-from kvdiverge.engine.presses.registry import PENDING, PRESS_CLASSES, ROWS, refusal
+from kvdiverge.engine.presses.registry import PRESS_CLASSES, ROWS, adapter_of, refusal
 
-__all__ = ["pending", "press_table", "spec_refusal", "status", "test_spec"]
+__all__ = ["press_table", "spec_refusal", "status", "test_spec"]
 
 
 def status(name: str, model=None) -> str:
     """``"measured"`` or ``"refused"`` for the test instance of press ``name`` (:func:`test_spec`),
     on ``model`` if given."""
     return "refused" if spec_refusal(test_spec(name), model) else "measured"
-
-
-def pending(name: str) -> tuple[str, ...]:
-    """Capabilities in :data:`PENDING` that the test instance of press ``name`` needs."""
-    return tuple(c for c in _spec_needs(test_spec(name)) if c in PENDING)
 
 
 def test_spec(name: str) -> dict[str, Any]:
@@ -37,16 +33,12 @@ def test_spec(name: str) -> dict[str, Any]:
 
 
 def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
-    """Capabilities a press spec (and the specs it nests) needs."""
-    row = ROWS.get(spec["press"])
-    params = {**{k: v for k, v in spec.items() if k not in ("press", "params")}, **(spec.get("params") or {})}
-    needs = list(row.needs) if row else []
-    if row:
-        needs += [cap for p, cap in row.needs_if.items() if params.get(p) not in (None, False)]
-    for value in params.values():
-        for inner in value if isinstance(value, list) else [value]:
-            if isinstance(inner, Mapping) and isinstance(inner.get("press"), str):
-                needs += _spec_needs(inner)
+    """Engine parts a press spec (and the specs it nests) uses: its rows' ``engine``, ``eager`` for
+    attention weights, ``decode-time`` for eviction while generating."""
+    needs: list[str] = []
+    for node in walk(spec):
+        row = adapter_of(node)
+        needs += list(row.engine) + ["eager"] * bool(row.attentions) + ["decode-time"] * row.decodes(node)
     return needs
 
 
