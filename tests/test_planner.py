@@ -147,3 +147,61 @@ def test_a_shard_records_the_b_it_ran_with_outside_its_settings(mini, tmp_path, 
         assert rec.settings == shard_settings(config, "mini", "knorm", "exploratory")
         hashes.add(rec.settings_hash)
     assert len(hashes) == 1  # B is no setting: shards made with either B are compatible
+
+
+def _decode_time_plan(mini, prompts, T, R, budget_gb):
+    """B the planner gives a decode-time policy (3R rows per document) at ``budget_gb``, and the
+    B it would give a prefill policy (2R rows): the test budgets make them differ."""
+    kv = kv_bytes_per_token(mini.config, torch.float32)
+    kwargs = dict(kv_bytes_per_token=kv, prompt_len=max(map(len, prompts.values())), T=T, replicates=R,
+                  vocab_size=mini.config.vocab_size, memory_budget_bytes=int(budget_gb * 2**30),
+                  documents=len(prompts))
+    return plan_batch(decode_time=True, **kwargs), plan_batch(**kwargs)
+
+
+def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini, tmp_path, one_thread):
+    """``batch_documents: auto`` plans a decode-time policy's rows as 3R per document, in the
+    shard job and in ``measure`` alike."""
+    import kvdiverge
+
+    T, R, prompts = 2, 2, _prompts(3)
+    kv = kv_bytes_per_token(mini.config, torch.float32)
+    two_r = planner.document_bytes(kv_bytes_per_token=kv, prompt_len=18, T=T, replicates=R,
+                                   vocab_size=mini.config.vocab_size)
+    budget_gb = 3 * two_r / 2**30  # three documents at 2R rows each, fewer at 3R
+    want, prefill_plan = _decode_time_plan(mini, prompts, T, R, budget_gb)
+    assert (want, prefill_plan) == (2, 3)
+    window = {"press": "SlidingWindowPress", "compression_ratio": 0.5}
+    m = kvdiverge.measure(mini, None, prompts, {"window": window}, max_new_tokens=T, replicates=R, seed=1,
+                          window=1, bootstrap=10, progress=False, memory_budget_gb=budget_gb)
+    assert m.batch_documents == want
+    path = tmp_path / "prompts.parquet"
+    pl.DataFrame([{"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
+                  for d, ids in prompts.items()],
+                 schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32),
+                         "exclusion_reason": pl.String}).write_parquet(path)
+    config = {"seed": 1, "shards": 1, "replicates": R,
+              "generation": {"batch_documents": "auto", "memory_budget_gb": budget_gb},
+              "decoding": {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": T},
+              "policies": {"window": window}, "runs": {"exploratory": ["window"]}}
+    run_shard(config, "mini", "window", "exploratory", 0, path, tmp_path / "shard-0.parquet", model=mini)
+    assert read_provenance(tmp_path / "shard-0.parquet").batch == {"batch_documents": want}
+
+
+def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_thread):
+    """One registry check per press per call, with the model, before any forward."""
+    import kvdiverge
+    import kvdiverge.engine.presses.registry as registry
+
+    seen = []
+    real = registry.refusal
+
+    def counting(press, model=None):
+        seen.append((type(press).__name__, model is not None))
+        return real(press, model)
+
+    monkeypatch.setattr(registry, "refusal", counting)
+    presses = {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}, "snap": KnormPress(0.25)}
+    kvdiverge.measure(mini, None, _prompts(3), presses, max_new_tokens=2, replicates=1, seed=1,
+                      window=1, bootstrap=10, progress=False, batch_documents=1)
+    assert sorted(seen) == [("KnormPress", True), ("KnormPress", True)]

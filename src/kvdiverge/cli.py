@@ -25,12 +25,12 @@ With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
+
+from kvdiverge.study.inputs import InputError, model_entry, read_prompts, sotu_prompts
 
 __all__ = ["UsageError", "main", "model_entry", "read_prompts"]
 
@@ -40,8 +40,9 @@ PROG = "kvdiverge measure"
 SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 
 
-class UsageError(ValueError):
-    """Bad command-line input; printed as one line, exit code 2."""
+#: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
+#: (:mod:`kvdiverge.study.inputs`) raise it too.
+UsageError = InputError
 
 
 # --------------------------------------------------------------------------- quantized caches
@@ -92,132 +93,6 @@ def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | Non
         for spec, entry in entries.items():
             out[f"{spec}+{text}"] = {**entry, **keys}
     return out
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
-    """Prompts from a file: text (one per line), JSON lines (``.jsonl``/``.json``) or parquet.
-
-    Parameters
-    ----------
-    path : path
-        The file; blank lines of a text file are skipped.
-    field : str
-        Column (parquet) or key (JSON lines) holding the prompt text.
-    id_field : str, optional
-        Column or key holding the prompt id (enters the seeds); default ``prompt-<i>``.
-
-    Returns
-    -------
-    dict of str to str
-        Prompt id -> text, in file order.
-
-    Raises
-    ------
-    UsageError
-        A missing file, field or id, an unreadable line, or no prompt.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompts file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        import polars as pl
-
-        frame = pl.read_parquet(p)
-        for col in filter(None, (field, id_field)):
-            if col not in frame.columns:
-                raise UsageError(f"{p}: no column {col!r} (columns: {', '.join(frame.columns)})")
-        texts = frame[field].cast(str).to_list()
-        ids = frame[id_field].cast(str).to_list() if id_field else None
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        texts, ids = [], [] if id_field else None
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{p}: line {i} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{p}: line {i} is not a JSON object")
-            for key in filter(None, (field, id_field)):
-                if key not in row:
-                    raise UsageError(f"{p}: line {i} has no field {key!r} (fields: {', '.join(row)})")
-            texts.append(str(row[field]))
-            if ids is not None:
-                ids.append(str(row[id_field]))
-    else:
-        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-        ids = None
-    if not texts:
-        raise UsageError(f"{p}: no prompts")
-    if ids is None:
-        width = len(str(len(texts) - 1))
-        ids = [f"prompt-{i:0{width}d}" for i in range(len(texts))]
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"{p}: ids in {id_field!r} are not unique")
-    return dict(zip(ids, texts))
-
-
-def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) -> dict[str, str]:
-    """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
-
-    The same excerpts as the workflow's exploratory split of a config with this word range
-    (:func:`kvdiverge.study.corpus.build_corpus`).
-
-    Raises
-    ------
-    UsageError
-        If ``n < 1`` or the corpus has too few excerpts in the word range.
-    """
-    from kvdiverge.study.corpus import CorpusError, build_corpus
-
-    if n < 1:
-        raise UsageError(f"--sotu needs at least 1 excerpt, got {n}")
-    try:
-        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
-                             "documents": {"exploratory": n}, "split_seed": split_seed})
-    except CorpusError as exc:
-        raise UsageError(str(exc)) from None
-    return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
-
-
-# --------------------------------------------------------------------------- model
-
-
-def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
-    """``(name, config entry)`` of the model argument.
-
-    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
-    directory or ``.gguf`` file loads locally; anything else that does not look like a path
-    is a hub id (read from the local Hugging Face cache when present).
-
-    Raises
-    ------
-    UsageError
-        A path that does not exist, or a file that is not GGUF.
-    """
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
-
-    extra = {"dtype": dtype, "device": device}
-    if model == "embedded":
-        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p.resolve().name, {"source": "local", "path": str(p), **extra}
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise UsageError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                             f"a .gguf file, a hub id or 'embedded'")
-        return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
-    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
-                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
-    if looks_like_path:
-        raise UsageError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
-    return model, {"source": "hub", "id": model, **extra}
 
 
 # --------------------------------------------------------------------------- the command
@@ -292,13 +167,13 @@ def _say(quiet: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _measure(args: argparse.Namespace) -> int:
-    from kvdiverge.measurement import check_lengths, measure, prepare_documents, prepare_presses
-    from kvdiverge.study.models import load_model, load_tokenizer
-
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers, no press or cache, a repeated one, --cache with --ratios, before any work."""
     for name, value, low in (("-T/--max-new-tokens", args.max_new_tokens, 1), ("-R/--replicates", args.replicates, 1),
                              ("-W/--window", args.window, 0), ("--bootstrap", args.bootstrap, 1),
-                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1)):
+                             ("--batch-documents", 1 if args.batch_documents is None else args.batch_documents, 1),
+                             ("--budget", 1 if args.budget is None else args.budget, 1),
+                             ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     if not args.press and not args.cache:
@@ -307,22 +182,49 @@ def _measure(args: argparse.Namespace) -> int:
         raise UsageError("the same --press or --cache is given twice")
     if args.cache and args.ratios:
         raise UsageError("--cache with --ratios is not supported here; put quantized points in a config's frontier")
-    if args.budget is not None and args.budget < 1:
-        raise UsageError(f"--budget must be >= 1, got {args.budget}")
+
+
+def _sources(args: argparse.Namespace):
+    """``(entries, sources)``: each ``--press`` and ``--cache`` as policy entries (:func:`cli_entries`), and the policies measured
+    (every entry at every ratio with ``--ratios``), each press built and checked once."""
+    from kvdiverge.measurement import frontier_presses, prepare_presses
+
     # with --ratios the frontier sets each press's ratio: an entry without one
     entries = cli_entries(args.press, args.cache, args.budget, None if args.ratios else 0.0)
     expanded = entries
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
-        from kvdiverge.measurement import frontier_presses
-
         try:
             expanded, _ = frontier_presses(entries, args.ratios)
         except ValueError as exc:
             raise UsageError(f"--ratios: {exc}") from None
     try:
-        sources = prepare_presses(expanded)  # builds each press once: refusals and bad parameters stop here
+        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _write(args: argparse.Namespace, m) -> None:
+    """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
+    if args.ratios:
+        where = Path(args.out or ".")
+        where.mkdir(parents=True, exist_ok=True)
+        for suffix in ("png", "pdf"):
+            m.plot_frontier(where / f"frontier.{suffix}")
+        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
+    if args.out:
+        out = Path(args.out)
+        m.save(out)
+        m.plot_survival(out / "survival.png")
+        m.plot_survival(out / "survival.pdf")
+        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.measurement import check_lengths, measure, prepare_documents
+    from kvdiverge.study.models import load_model, load_tokenizer
+
+    _check_args(args)
+    entries, sources = _sources(args)
     if args.sotu is not None:
         prompts = sotu_prompts(args.sotu, *args.words)
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
@@ -336,8 +238,6 @@ def _measure(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
 
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
@@ -352,17 +252,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(m.format_summary(), flush=True)
     if args.ratios:
         print(m.format_frontier(), flush=True)
-        where = Path(args.out or ".")
-        where.mkdir(parents=True, exist_ok=True)
-        for suffix in ("png", "pdf"):
-            m.plot_frontier(where / f"frontier.{suffix}")
-        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
-    if args.out:
-        out = Path(args.out)
-        m.save(out)
-        m.plot_survival(out / "survival.png")
-        m.plot_survival(out / "survival.pdf")
-        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+    _write(args, m)
     return 0
 
 

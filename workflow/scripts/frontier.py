@@ -2,7 +2,8 @@
 
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.estimation.frontier import format_frontier, frontier_tables
+from kvdiverge.estimation.frontier import frontier_tables
+from kvdiverge.report.formatting import frontier_text
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.rulelog import rule_logger
@@ -14,7 +15,7 @@ try:
     docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
     grid = [dict(point) for point in p.grid]
     points, areas = frontier_tables(docs, grid, p.floor, p.bootstrap, p.confidence, p.seed, split=p.split)
-    log.info("\n%s", format_frontier(points, areas, p.confidence))
+    log.info("\n%s", frontier_text(points, areas, p.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)
     write_text_atomic(frontier_html(points, areas, p.confidence), out.html)

@@ -1,8 +1,10 @@
 """The one path from (model, documents, press) to trajectory records.
 
-Both doors call :func:`run_documents`: the workflow (``kvdiverge.study.shard.run_shard``,
+Both doors call :func:`run_policies`: the workflow (``kvdiverge.study.shard.run_shard``,
 one shard of one (model, policy, split)) and the Python/command-line front door
-(``kvdiverge.measure``). Batching, device placement and progress live here or below
+(``kvdiverge.measure``, any number of policies on the same prompts). It checks each press
+once, plans the documents per batched forward once (decode-time policies counted) and runs
+every policy through :func:`run_documents`'s engine. Batching, device placement and progress live here or below
 (:mod:`kvdiverge.engine.core.pairs`, :mod:`kvdiverge.engine.core.coupled`), never in the doors.
 """
 
@@ -10,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-__all__ = ["Document", "PressSource", "build_pair", "plan_documents", "run_documents"]
+__all__ = ["Document", "PolicyRuns", "PressSource", "build_pair", "check_policy", "plan_documents", "run_documents",
+           "run_policies"]
 
 log = logging.getLogger(__name__)
 
@@ -200,17 +205,140 @@ def run_documents(
     ValueError
         When a prompt is too short for the policy.
     """
-    from kvdiverge.engine.presses.registry import is_decode_time
-
     if not documents:
         return []
-    longest = max(documents, key=lambda doc: doc.prompt_len)
-    decode_time = is_decode_time(policy.build_press(longest.prompt_len))
+    decode_time = check_policy(model, documents, policy, f"policy {policy.name!r}")
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
                        memory_budget_gb=memory_budget_gb, decode_time=decode_time)
+    records, _ = _run_planned(model, documents, policy, B, T=T, replicates=replicates, seed=seed,
+                              model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
+                              progress=progress)
+    return records
+
+
+def check_policy(model, documents: Sequence[Document], policy: PressSource, owner: str) -> bool:
+    """Refuse a press ``model`` cannot run, before any forward; True for a decode-time policy.
+
+    Builds the press of the longest document once and asks the registry
+    (:func:`kvdiverge.engine.presses.registry.refusal`, with the model: the config
+    attributes the press reads) and :func:`kvdiverge.engine.presses.registry.is_decode_time`.
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.PressError
+        Naming ``owner`` and what the press needs.
+    """
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses import registry
+
+    press = policy.build_press(max(doc.prompt_len for doc in documents))
+    reason = registry.refusal(press, model)
+    if reason:
+        raise PressError(owner, reason)
+    return registry.is_decode_time(press)
+
+
+@dataclass(frozen=True)
+class PolicyRuns:
+    """What :func:`run_policies` ran.
+
+    Attributes
+    ----------
+    trajectories : polars.DataFrame
+        One row per (policy, document, replicate), policies in the given order, documents
+        in input order (:data:`kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`).
+    batch_documents : int or None
+        Documents per batched forward ``B`` every policy ran with; None without documents.
+    counts : dict of str to dict of str to int
+        Per policy: ``documents``, ``batches``, and the forwards its kernel pairs counted
+        (``prefill_forwards``; a decode-time pair's lane, replay and reference forwards and
+        row-steps too, :attr:`kvdiverge.engine.llm.decode_pair.DecodeTimePair.counts`).
+    """
+
+    trajectories: Any
+    batch_documents: int | None
+    counts: dict[str, dict[str, int]]
+
+
+def run_policies(
+    model,
+    documents: Sequence[Document],
+    policies: Mapping[str, PressSource],
+    *,
+    T: int,
+    replicates: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    model_name: str,
+    split: str,
+    eos_ids: Sequence[int] | None = None,
+    batch_documents: int | None = None,
+    memory_budget_gb: float | None = None,
+    progress: Callable[[str, int], Any] | None = None,
+    owner: str = "policy",
+) -> PolicyRuns:
+    """Every policy on the same documents, in the same batches: what both doors run.
+
+    Checks each policy's press once (:func:`check_policy`, every policy before any
+    forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
+    document when any policy is decode-time, so every policy runs in the same batches)
+    and runs each policy (:func:`run_documents`'s engine).
+
+    Parameters
+    ----------
+    model, documents, T, replicates, temperature, top_p, seed, model_name, eos_ids
+        As :func:`run_documents`.
+    policies : mapping of str to PressSource
+        Policy name (the ``policy`` column) -> policy, run in this order.
+    split : str
+        The ``split`` column.
+    batch_documents : int, optional
+        ``B`` to use; None plans it (config ``generation.batch_documents: auto``).
+    memory_budget_gb : float, optional
+        As :func:`plan_documents`.
+    progress : callable, optional
+        ``progress(name, total)`` returns a tqdm bar (a context manager) for one policy of
+        ``total`` steps (``2T - 1`` per document); None shows none.
+    owner : str
+        What a refused press is called in the message: ``"policy"`` or ``"press"``.
+
+    Returns
+    -------
+    PolicyRuns
+
+    Raises
+    ------
+    As :func:`run_documents`.
+    """
+    from kvdiverge.engine.core.coupled import to_frame
+
+    flags = {name: check_policy(model, documents, source, f"{owner} {name!r}")
+             for name, source in policies.items()} if documents else {}
+    B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
+                       memory_budget_gb=memory_budget_gb, decode_time=any(flags.values())) if documents else None
+    records: list[dict[str, Any]] = []
+    counts: dict[str, dict[str, int]] = {}
+    for name, source in policies.items():
+        if not documents:
+            counts[name] = {"documents": 0, "batches": 0}
+            continue
+        with (progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()) as bar:
+            recs, counts[name] = _run_planned(model, documents, source, B, T=T, replicates=replicates,
+                                              seed=seed, model_name=model_name, temperature=temperature,
+                                              top_p=top_p, eos_ids=eos_ids, progress=bar)
+        meta = {"model": model_name, "policy": name, "split": split}
+        records += [{**meta, **rec} for rec in recs]
+    return PolicyRuns(to_frame(records), B, counts)
+
+
+def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: int, *, T,
+                 replicates, seed, model_name, temperature, top_p, eos_ids, progress):
+    """``(records, counts)`` of one checked policy in batches of ``B`` (:func:`run_documents`)."""
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
     by_index: dict[int, list[dict[str, Any]]] = {}
+    counts: Counter[str] = Counter(documents=len(documents))
     done = 0
     for lo in range(0, len(order), B):
         batch = [documents[i] for i in order[lo:lo + B]]
@@ -219,6 +347,7 @@ def run_documents(
                                     model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
                                     progress=progress)
         seconds = (time.perf_counter() - start) / len(batch)
+        counts.update(_pair_counts(pair))
         done += len(batch)
         if progress is not None:
             progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
@@ -227,11 +356,19 @@ def run_documents(
                     "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
             by_index[order[lo + j]] = [{**meta, **rec} for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
             log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds)
-    return [rec for i in range(len(documents)) for rec in by_index[i]]
+    return [rec for i in range(len(documents)) for rec in by_index[i]], dict(counts)
+
+
+def _pair_counts(pair) -> dict[str, int]:
+    """The forwards one batch's kernel pair counted, and the batch itself."""
+    counts = getattr(pair, "counts", None)
+    if counts is None:
+        counts = {"prefill_forwards": sum(getattr(pair, "prefill_forwards", []))}
+    return {"batches": 1, **counts}
 
 
 def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
-               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None):
+               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
 
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
@@ -247,7 +384,8 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
     Raises
     ------
     kvdiverge.engine.core.errors.PressError
-        When the registry refuses the press on this model (config attributes the press reads).
+        When the registry refuses the press on this model (config attributes the press reads);
+        not asked with ``checked=True`` (:func:`run_policies` checked it once: :func:`check_policy`).
     """
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
@@ -256,7 +394,7 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
     from kvdiverge.engine.presses.registry import is_decode_time, refusal
 
     presses = [policy.build_press(doc.prompt_len) for doc in batch]
-    reason = refusal(presses[0], model)  # what only the model tells (config attributes the press reads)
+    reason = None if checked else refusal(presses[0], model)  # config attributes the press reads
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
     kind = DecodeTimePair if is_decode_time(presses[0]) else LLMKernelPair
@@ -275,7 +413,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, s
     from kvdiverge.engine.core.errors import raise_kvpress_error
 
     pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
-                      eos_ids=eos_ids)
+                      eos_ids=eos_ids, checked=True)
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)

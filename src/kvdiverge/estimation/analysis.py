@@ -598,3 +598,40 @@ FLOOR_SCHEMA: dict[str, pl.DataType] = {
        for suf in ("", "_lo", "_hi")},
     "above_floor_p_div": pl.Boolean, "above_floor_E_N": pl.Boolean,
 }
+
+
+#: Columns of :func:`floor_differences` besides ``policy``.
+FLOOR_DIFFERENCE_COLUMNS = ("E_M_minus_floor", "E_M_minus_floor_lo", "E_M_minus_floor_hi",
+                            "p_div_minus_floor", "p_div_minus_floor_lo", "p_div_minus_floor_hi")
+
+
+def floor_differences(gaps_to_floor: Mapping[str, pl.DataFrame | None]) -> pl.DataFrame:
+    """Each policy's ``E[M]`` and ``p_div`` minus the noise floor's, from its gap to the floor.
+
+    The difference of ``E[M] = E[N] / T`` is the gap decomposition's ``delta`` divided by
+    ``T``; that of ``p_div`` is its ``first_mismatch`` term (§7), both with the gap's paired
+    document-bootstrap interval. :func:`floor_comparison` gives the workflow's table of the
+    same comparison over ``p_div``, ``E_N`` and ``tv_mean``, with its own resamples.
+
+    Parameters
+    ----------
+    gaps_to_floor : mapping of str to polars.DataFrame or None
+        Policy -> :func:`gap_decomposition` of ``policy - floor`` (four rows), or None for
+        the floor itself; rows come out in this order.
+
+    Returns
+    -------
+    polars.DataFrame
+        ``policy`` and :data:`FLOOR_DIFFERENCE_COLUMNS` (Float64; null on the floor's row).
+    """
+    rows = []
+    for policy, gap in gaps_to_floor.items():
+        r: dict[str, Any] = {"policy": policy}
+        if gap is not None:
+            t = {row["term"]: row for row in gap.iter_rows(named=True)}
+            delta, first, T = t["delta"], t["first_mismatch"], t["delta"]["T"]
+            r.update({"E_M_minus_floor": delta["value"] / T, "E_M_minus_floor_lo": delta["value_lo"] / T,
+                      "E_M_minus_floor_hi": delta["value_hi"] / T, "p_div_minus_floor": first["value"],
+                      "p_div_minus_floor_lo": first["value_lo"], "p_div_minus_floor_hi": first["value_hi"]})
+        rows.append(r)
+    return pl.DataFrame(rows, schema={"policy": pl.String, **{c: pl.Float64 for c in FLOOR_DIFFERENCE_COLUMNS}})

@@ -154,27 +154,8 @@ def _replicate_row(row: Mapping, W: int) -> dict:
     E_L_tail_hat = float(np.sum(f_hat * np.maximum(T - t - W, 0)))
     E_tau_div_hat = float(np.sum(f_hat * t))
 
-    t_star = row["t_star"]
-    bm = np.asarray(row["branch_mismatch"] if row["branch_mismatch"] is not None else [], dtype=np.float64)
-    btv = np.asarray(row["branch_tv"] if row["branch_tv"] is not None else [], dtype=np.float64)
-    if t_star is None:
-        if p_div_hat > 1e-9:
-            raise ValueError(f"{where}: no branch (t_star null) although 1 - S_T = {p_div_hat}")
-        if len(bm) or len(btv):
-            raise ValueError(f"{where}: branch lists present without t_star")
-        L_branch = 0
-    else:
-        L_branch = T - int(t_star)
-        if len(bm) != L_branch or len(btv) != L_branch:
-            raise ValueError(
-                f"{where}: branch lists have lengths {len(bm)}, {len(btv)}; expected T - t_star = {L_branch}"
-            )
-    tau_naive = row["tau_naive"]
-    if tau_naive is not None and t_star is not None and int(tau_naive) != int(t_star):
-        raise ValueError(f"{where}: t_star={t_star} differs from tau_naive={tau_naive} <= T")
-    if tau_naive is not None and t_star is None:
-        raise ValueError(f"{where}: tau_naive={tau_naive} <= T but no branch")
-
+    t_star, tau_naive = row["t_star"], row["tau_naive"]
+    bm, btv, L_branch = _checked_branch(row, T, p_div_hat, where)
     tv = np.asarray([np.nan if v is None else v for v in (row["tv"] or [])], dtype=np.float64)
     reached = tv[np.isfinite(tv)]  # chain steps reached (NaN after the chain stops)
     tv_mean = float(reached.mean()) if reached.size else float("nan")
@@ -210,6 +191,38 @@ def _replicate_row(row: Mapping, W: int) -> dict:
         "f_hat": f_hat.tolist(),
         "branch_tv": btv.tolist(),
     }
+
+
+def _checked_branch(row: Mapping, T: int, p_div_hat: float, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """A row's branch lists (``branch_mismatch``, ``branch_tv``) and length ``L_branch``, checked
+    against ``t_star``, ``tau_naive`` and ``1 - S_T`` (:func:`_replicate_row`).
+
+    Raises
+    ------
+    ValueError
+        Naming the document and replicate: a branch without ``t_star`` or the reverse,
+        lists of the wrong length, or ``tau_naive`` disagreeing with ``t_star``.
+    """
+    t_star, tau_naive = row["t_star"], row["tau_naive"]
+    bm = np.asarray(row["branch_mismatch"] if row["branch_mismatch"] is not None else [], dtype=np.float64)
+    btv = np.asarray(row["branch_tv"] if row["branch_tv"] is not None else [], dtype=np.float64)
+    if t_star is None:
+        if p_div_hat > 1e-9:
+            raise ValueError(f"{where}: no branch (t_star null) although 1 - S_T = {p_div_hat}")
+        if len(bm) or len(btv):
+            raise ValueError(f"{where}: branch lists present without t_star")
+        L_branch = 0
+    else:
+        L_branch = T - int(t_star)
+        if len(bm) != L_branch or len(btv) != L_branch:
+            raise ValueError(
+                f"{where}: branch lists have lengths {len(bm)}, {len(btv)}; expected T - t_star = {L_branch}"
+            )
+    if tau_naive is not None and t_star is not None and int(tau_naive) != int(t_star):
+        raise ValueError(f"{where}: t_star={t_star} differs from tau_naive={tau_naive} <= T")
+    if tau_naive is not None and t_star is None:
+        raise ValueError(f"{where}: tau_naive={tau_naive} <= T but no branch")
+    return bm, btv, L_branch
 
 
 def replicate_estimates(df: pl.DataFrame, W: int, progress: bool = False) -> pl.DataFrame:
@@ -367,23 +380,29 @@ def document_estimates(
         r["var_N_cmc_tv"] = _var(col["N_cmc_tv"])
         r["var_ratio"] = _ratio(r["var_N_naive"], r["var_N_cmc"])
         r["var_ratio_tv"] = _ratio(r["var_N_cmc_tv"], r["var_N_cmc"])
-        S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(R, T)
-        fh = np.asarray(g["f_hat"].to_list(), dtype=np.float64).reshape(R, T)
-        r["S"] = S.mean(axis=0).tolist()
-        r["f"] = fh.mean(axis=0).tolist()
-        num, den = _branch_lag_sums(g, T)
-        r["btv_num"] = num.tolist()
-        r["btv_den"] = den.tolist()
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r["btv_lag"] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan).tolist()
-        for name, (a, b) in windows.items():
-            v, wgt = btv_window(num, den, int(a), int(b))
-            r[f"btv_{name}"] = v
-            r[f"btv_{name}_weight"] = wgt
+        r.update(_document_curves(g, T, R, windows))
         rows.append(r)
     if not rows:
         raise ValueError("no replicate rows to aggregate")
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _document_curves(g: pl.DataFrame, T: int, R: int, windows: Mapping[str, Sequence[int]]) -> dict:
+    """One document's curves over steps and lags (:func:`document_estimates`): ``S``, ``f``,
+    ``btv_num``, ``btv_den``, ``btv_lag`` and each window's ``btv_<name>`` with its weight."""
+    S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(R, T)
+    fh = np.asarray(g["f_hat"].to_list(), dtype=np.float64).reshape(R, T)
+    r: dict = {"S": S.mean(axis=0).tolist(), "f": fh.mean(axis=0).tolist()}
+    num, den = _branch_lag_sums(g, T)
+    r["btv_num"] = num.tolist()
+    r["btv_den"] = den.tolist()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r["btv_lag"] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan).tolist()
+    for name, (a, b) in windows.items():
+        v, wgt = btv_window(num, den, int(a), int(b))
+        r[f"btv_{name}"] = v
+        r[f"btv_{name}_weight"] = wgt
+    return r
 
 
 # --------------------------------------------------------------------------- pooled

@@ -35,8 +35,7 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
 from kvdiverge.estimation.decomposition import check_decomposition
 
-__all__ = ["POINT_METRICS", "frontier_grid", "frontier_name", "frontier_tables", "format_frontier",
-           "trapezoid_area"]
+__all__ = ["POINT_METRICS", "frontier_grid", "frontier_name", "frontier_tables", "trapezoid_area"]
 
 #: Per-point metrics of the frontier table (each with ``_lo`` and ``_hi``).
 POINT_METRICS = ("p_div", "tau_mean", "tau_median", "E_M", "first_mismatch_term", "exposure_rate_term", "rho")
@@ -356,42 +355,3 @@ def _areas(points, boots, grid, model, split, n, T, confidence):
             r[f"diff_best_area_{m}"] = float(val - bval)
             r[f"diff_best_area_{m}_lo"], r[f"diff_best_area_{m}_hi"] = float(dlo), float(dhi)
     return rows
-
-
-# --------------------------------------------------------------------------- text
-
-
-def _num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-
-def _ci(r: Mapping[str, Any], c: str) -> str:
-    return f"{_num(r[c])} [{_num(r[c + '_lo'])}, {_num(r[c + '_hi'])}]"
-
-
-def format_frontier(points: pl.DataFrame, areas: pl.DataFrame, confidence: float = 0.95) -> str:
-    """The frontier ranking as a plain-text table (what ``kvdiverge measure --ratios`` prints).
-
-    One row per (model, press), best first: the ``E[M]`` and ``p_div`` areas over the ratios
-    with intervals, the ``E[M]`` area's difference from the best press, the smallest ratio
-    above the noise floor, and ``p_div`` / ``E[M]`` at each ratio.
-    """
-    header = ["rank", "model", "press", "area E[M] [CI]", "area p_div [CI]", "E[M] area - best [CI]",
-              "above floor from ratio", "E[M] by ratio", "p_div by ratio"]
-    body = []
-    for r in areas.iter_rows(named=True):
-        pts = points.filter((pl.col("model") == r["model"]) & (pl.col("press") == r["press"])
-                            & pl.col("budget").is_null()).sort("compression_ratio")
-        by = lambda m: " ".join(f"{x:g}:{_num(v)}" for x, v in zip(pts["compression_ratio"], pts[m]))  # noqa: E731
-        floor = _num(r["first_ratio_above_floor"]) if r["first_ratio_above_floor"] == r["first_ratio_above_floor"] \
-            else "never"
-        body.append([str(r["rank"]), r["model"], r["press"], _ci(r, "area_E_M"), _ci(r, "area_p_div"),
-                     "(best)" if r["rank"] == 1 else _ci(r, "diff_best_area_E_M"), floor, by("E_M"), by("p_div")])
-    widths = [max(len(x) for x in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    n = areas["n_docs"].max() if areas.height else 0
-    return "\n".join([f"frontier: areas over the compression ratios run (trapezoid), {n} documents, "
-                      f"[CI]: {confidence:.0%} paired document bootstrap; smaller is more faithful",
-                      line(header), line(["-" * w for w in widths]), *map(line, body)])

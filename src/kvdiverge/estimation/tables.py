@@ -30,7 +30,7 @@ from kvdiverge.estimation.estimators import (
     survival_curve,
 )
 
-__all__ = ["POOL_TABLES", "estimate", "gaps", "pool"]
+__all__ = ["POOL_TABLES", "compression_table", "estimate", "gaps", "pool", "press_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +158,49 @@ def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstr
         log.info("%s: %s - %s\n%s", model, a, b, g.select("term", "value", "value_lo", "value_hi", "share"))
         frames.append(g)
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
+
+
+def compression_table(documents: pl.DataFrame) -> pl.DataFrame:
+    """Per policy and document: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
+    ``untouched`` (the press left the cache whole: ``kept_len == prompt_len``).
+
+    Parameters
+    ----------
+    documents : polars.DataFrame
+        Per-document estimates (:func:`estimate`).
+    """
+    return documents.select("policy", "doc_id", "prompt_len", "kept_len").with_columns(
+        (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
+        (pl.col("kept_len") == pl.col("prompt_len")).alias("untouched"),
+    )
+
+
+def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str]) -> pl.DataFrame:
+    """One row per policy, in the order of ``policies``: occurrence, timing, token loss, its
+    decomposition and how much of the prompt cache the press kept.
+
+    Parameters
+    ----------
+    pooled : polars.DataFrame
+        The pooled table (:func:`pool`).
+    documents : polars.DataFrame
+        Per-document estimates (:func:`estimate`).
+    policies : sequence of str
+        Every policy of ``pooled``, in the order wanted.
+
+    Returns
+    -------
+    polars.DataFrame
+        ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over documents),
+        ``untouched`` (every document's cache left whole), then ``p_div``, ``tau_mean``,
+        ``E_L``, ``E_M`` each with ``_lo``/``_hi``, ``rho``, ``first_mismatch_term``,
+        ``exposure_rate_term``, ``exposure_share``.
+    """
+    comp = compression_table(documents).group_by("policy").agg(pl.col("kept_fraction").mean(),
+                                                               pl.col("untouched").all())
+    stats = [c + s for c in ("p_div", "tau_mean", "E_L", "E_M") for s in ("", "_lo", "_hi")]
+    rest = [*stats, "rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]
+    out = pooled.select(["policy", "n_docs", "T", "R", *rest]).join(comp, on="policy", how="left")
+    order = {p: i for i, p in enumerate(policies)}
+    out = out.sort(pl.col("policy").replace_strict(order, return_dtype=pl.Int64))
+    return out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched", *rest])

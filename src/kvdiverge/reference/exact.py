@@ -270,26 +270,9 @@ def enumerate_coupled(
     window_law: dict = defaultdict(float)
     n_paths = 0
 
-    # explicit stack: (x_hist, y_hist, prob, tau, tvs, ds)
-    stack: list[tuple[History, History, float, int | None, tuple, tuple]] = [
-        ((), (), 1.0, None, (), ())
-    ]
-    while stack:
-        hx, hy, prob, tau, tvs, ds = stack.pop()
-        t = len(hx) + 1
-        if t > T:
-            n_paths += 1
-            _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc,
-                        window_law)
-            continue
-        p, q = kern(hx, hy)
-        tv, outcomes = coupling_joint(p, q)
-        for x, y, pr in outcomes:
-            if pr <= tol:
-                continue
-            d = int(x != y)
-            new_tau = t if (tau is None and d) else tau
-            stack.append((hx + (x,), hy + (y,), prob * pr, new_tau, tvs + (tv,), ds + (d,)))
+    for hx, hy, prob, tau, tvs, ds in _paths(kern, T, tol):
+        n_paths += 1
+        _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc, window_law)
 
     p_div = float(f.sum())
     S = 1.0 - np.cumsum(f)
@@ -318,6 +301,26 @@ def enumerate_coupled(
         window_law=dict(window_law),
         n_paths=n_paths,
     )
+
+
+def _paths(kern, T: int, tol: float):
+    """Every complete coupled path of ``T`` steps with probability above ``tol`` at each step,
+    depth first: ``(x_hist, y_hist, prob, tau, tvs, ds)`` (internal to :func:`enumerate_coupled`)."""
+    stack: list[tuple[History, History, float, int | None, tuple, tuple]] = [((), (), 1.0, None, (), ())]
+    while stack:
+        hx, hy, prob, tau, tvs, ds = stack.pop()
+        t = len(hx) + 1
+        if t > T:
+            yield hx, hy, prob, tau, tvs, ds
+            continue
+        p, q = kern(hx, hy)
+        tv, outcomes = coupling_joint(p, q)
+        for x, y, pr in outcomes:
+            if pr <= tol:
+                continue
+            d = int(x != y)
+            new_tau = t if (tau is None and d) else tau
+            stack.append((hx + (x,), hy + (y,), prob * pr, new_tau, tvs + (tv,), ds + (d,)))
 
 
 def _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc,

@@ -1,15 +1,20 @@
-"""Numbers as text for the report pages and the measurement summary.
+"""Numbers and tables as text: the report pages, the measurement summary, the frontier ranking.
 
 - :func:`number` — 3 significant digits (``%g``), a dash for a missing value or NaN.
 - :func:`with_interval` — ``value [lo, hi]`` from a row's ``c``, ``c_lo`` and ``c_hi``.
+- :func:`text_table` — the one plain-text table renderer;
+  :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
+  workflow's frontier log) use it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
 
-__all__ = ["MISSING", "number", "with_interval"]
+__all__ = ["MISSING", "frontier_text", "number", "summary_text", "text_table", "with_interval"]
 
 #: What a missing value or NaN reads as (an en dash).
 MISSING = "–"
@@ -41,3 +46,113 @@ def with_interval(r: Mapping[str, Any], c: str, digits: int = 3, missing: str = 
     """``r[c] [r[c_lo], r[c_hi]]``, each formatted by :func:`number`."""
     return (f"{number(r[c], digits, missing)} "
             f"[{number(r[c + '_lo'], digits, missing)}, {number(r[c + '_hi'], digits, missing)}]")
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """A plain-text table: the header, a rule of dashes, the rows; columns two spaces apart.
+
+    Parameters
+    ----------
+    header : sequence of str
+        Column titles.
+    rows : sequence of sequence of str
+        Cells, already formatted, one sequence per row (as long as ``header``).
+    left : int
+        The first ``left`` columns are left-aligned, the others right-aligned.
+
+    Returns
+    -------
+    list of str
+        The lines, trailing spaces stripped.
+    """
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_press: str) -> str:
+    """A measurement's summary as a plain-text table, with notes (``kvdiverge measure`` prints it).
+
+    One row per press: prompts, kept fraction of the prompt cache, ``p_div``, mean
+    first-divergence step, ``E[M]`` and its decomposition ``p_div/T + (E[L]/T) rho``,
+    and, when a noise-floor press was measured, each press's ``E[M]`` minus the floor's.
+    Notes flag presses that left the cache untouched.
+
+    Parameters
+    ----------
+    summary : polars.DataFrame
+        :attr:`kvdiverge.measurement.Measurement.summary`.
+    settings : mapping
+        The measurement's settings (model, T, R, temperature, top_p, seed, confidence).
+    floor : str or None
+        Name of the noise-floor press, if one was measured.
+    floor_press : str
+        Class name of the noise-floor press, for the note when none was measured.
+    """
+    num = partial(number, missing="-")  # plain text: an ASCII dash for a missing value
+    ci = partial(with_interval, missing="-")
+    header = ["press", "prompts", "kept", "p_div [CI]", "first-div. step [CI]", "E[M] [CI]",
+              "= p_div/T", "+ (E[L]/T)*rho", "E[L]", "rho"] + ([] if floor is None else [f"E[M] - {floor} [CI]"])
+    rows = []
+    for r in summary.iter_rows(named=True):
+        flag = "*" if r["untouched"] and r["policy"] != floor else ""
+        row = [r["policy"], str(r["n_docs"]), f"{r['kept_fraction']:.0%}{flag}",
+               ci(r, "p_div"), ci(r, "tau_mean"), ci(r, "E_M"),
+               num(r["first_mismatch_term"]), num(r["exposure_rate_term"]), num(r["E_L"]), num(r["rho"])]
+        if floor is not None:
+            row.append("(floor)" if r["policy"] == floor else ci(r, "E_M_minus_floor"))
+        rows.append(row)
+    s = settings
+    out = [f"{s['model']}: {summary['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature "
+           f"{s['temperature']}, top-p {s['top_p']}, seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
+           *text_table(header, rows)]
+    untouched = [r["policy"] for r in summary.iter_rows(named=True) if r["untouched"] and r["policy"] != floor]
+    if untouched:
+        out.append(f"* left the cache untouched (kept every prompt position): {', '.join(untouched)}")
+    if floor is None:
+        out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
+    return "\n".join(out)
+
+
+def _finite(v: Any) -> str:
+    """:func:`number` with an ASCII dash for a missing or infinite value."""
+    return "-" if isinstance(v, float) and math.isinf(v) else number(v, missing="-")
+
+
+def frontier_text(points, areas, confidence: float = 0.95) -> str:
+    """The frontier ranking as a plain-text table (what ``kvdiverge measure --ratios`` prints).
+
+    One row per (model, press), best first: the ``E[M]`` and ``p_div`` areas over the ratios
+    with intervals, the ``E[M]`` area's difference from the best press, the smallest ratio
+    above the noise floor, and ``p_div`` / ``E[M]`` at each ratio.
+
+    Parameters
+    ----------
+    points, areas : polars.DataFrame
+        The two tables of :func:`kvdiverge.estimation.frontier.frontier_tables`.
+    confidence : float
+        Interval coverage, for the title.
+    """
+    import polars as pl
+
+    def ci(r: Mapping[str, Any], c: str) -> str:
+        return f"{_finite(r[c])} [{_finite(r[c + '_lo'])}, {_finite(r[c + '_hi'])}]"
+
+    header = ["rank", "model", "press", "area E[M] [CI]", "area p_div [CI]", "E[M] area - best [CI]",
+              "above floor from ratio", "E[M] by ratio", "p_div by ratio"]
+    body = []
+    for r in areas.iter_rows(named=True):
+        pts = points.filter((pl.col("model") == r["model"]) & (pl.col("press") == r["press"])
+                            & pl.col("budget").is_null()).sort("compression_ratio")
+        by = lambda m: " ".join(f"{x:g}:{_finite(v)}" for x, v in zip(pts["compression_ratio"], pts[m]))  # noqa: E731
+        first = r["first_ratio_above_floor"]
+        body.append([str(r["rank"]), r["model"], r["press"], ci(r, "area_E_M"), ci(r, "area_p_div"),
+                     "(best)" if r["rank"] == 1 else ci(r, "diff_best_area_E_M"),
+                     _finite(first) if first == first else "never", by("E_M"), by("p_div")])
+    n = areas["n_docs"].max() if areas.height else 0
+    return "\n".join([f"frontier: areas over the compression ratios run (trapezoid), {n} documents, "
+                      f"[CI]: {confidence:.0%} paired document bootstrap; smaller is more faithful",
+                      *text_table(header, body, left=len(header))])

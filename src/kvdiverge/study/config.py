@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -209,7 +210,6 @@ def check(config: dict[str, Any]) -> None:
     problems: list[str] = []
     policies = config.get("policies", {})
     defined = ", ".join(sorted(policies)) or "none"
-    run = config.get("runs", {})
 
     def need_policy(key: str, name: str) -> bool:
         if name not in policies:
@@ -219,6 +219,15 @@ def check(config: dict[str, Any]) -> None:
             return False
         return True
 
+    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems):
+        part(config, need_policy, problems)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``runs``: scheduled, control and floor policies, and their document counts."""
+    policies, run = config.get("policies", {}), config.get("runs", {})
     for split in SPLITS:
         for i, name in enumerate(run.get(split, [])):
             need_policy(f"runs.{split}[{i}]", name)
@@ -251,6 +260,10 @@ def check(config: dict[str, Any]) -> None:
                     f"corpus.documents.{split} = {docs}"
                 )
 
+
+def _confirmatory_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``confirmatory``: its policy runs on the confirmatory split; ordered lag windows."""
+    run = config.get("runs", {})
     conf = config.get("confirmatory")
     if conf:
         if need_policy("confirmatory.policy", conf["policy"]) and \
@@ -274,6 +287,10 @@ def check(config: dict[str, Any]) -> None:
                 f"confirmatory: early {conf['early']} must end before late {conf['late']} starts"
             )
 
+
+def _gap_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``analysis.gaps``: two different policies, both run on the exploratory split."""
+    run = config.get("runs", {})
     for i, pair in enumerate(config.get("analysis", {}).get("gaps", [])):
         for j, name in enumerate(pair):
             if need_policy(f"analysis.gaps[{i}][{j}]", name) and \
@@ -285,6 +302,9 @@ def check(config: dict[str, Any]) -> None:
         if len(pair) == 2 and pair[0] == pair[1]:
             problems.append(f"analysis.gaps[{i}]: the two policies must differ, got {pair}")
 
+
+def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of single values: ``prompt.date`` a calendar date, the word range ordered."""
     date = config.get("prompt", {}).get("date")
     if isinstance(date, str):
         from kvdiverge.study.prompts import parse_date
@@ -300,8 +320,6 @@ def check(config: dict[str, Any]) -> None:
             f"corpus.min_words ({corpus['min_words']}) must not exceed "
             f"corpus.max_words ({corpus['max_words']})"
         )
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 def floor_policy(config: dict[str, Any]) -> str | None:
@@ -386,6 +404,60 @@ def frontier_split(config: dict[str, Any]) -> str | None:
     return f.get("split", "exploratory") if f else None
 
 
+def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
+    """A copy of a press object with ``compression_ratio = ratio`` set on the press that takes
+    it (the press itself, else the press it wraps, ``.press``).
+
+    Raises
+    ------
+    ValueError
+        If neither the press nor a press it wraps takes a ``compression_ratio``.
+    """
+    import dataclasses
+
+    if dataclasses.is_dataclass(press) and not isinstance(press, type):
+        fields = {f.name for f in dataclasses.fields(press) if f.init}
+        if "compression_ratio" in fields:
+            return dataclasses.replace(press, compression_ratio=float(ratio))
+        if "press" in fields and getattr(press, "press", None) is not None:
+            return dataclasses.replace(press, press=press_at_ratio(press.press, ratio, name))
+    raise ValueError(f"press {name!r}: {type(press).__name__} takes no compression_ratio (nor does a press "
+                     f"it wraps), so a frontier cannot vary it")
+
+
+def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
+    """The policy of one frontier point: the press's entry with the point's
+    ``compression_ratio`` (or ``budget``), or a press object at the point's ratio
+    (:func:`press_at_ratio`).
+
+    Parameters
+    ----------
+    press : mapping or kvpress press
+        A policy entry without its ratio (``{"press": "SnapKVPress", "window_size": 16}``),
+        or a press object.
+    point : dict
+        A point of :func:`kvdiverge.estimation.frontier.frontier_grid`.
+
+    Raises
+    ------
+    ValueError
+        An entry that already gives ``compression_ratio`` or ``budget``, a budget for a
+        press object, or a press object that takes no ratio.
+    """
+    label = point["press"]
+    if isinstance(press, Mapping):
+        for key in ("compression_ratio", "budget"):
+            if press.get(key) is not None:
+                raise ValueError(f"press {label!r}: give it without {key}; the frontier sets it")
+        extra = ({"compression_ratio": point["compression_ratio"]} if point["budget"] is None
+                 else {"budget": point["budget"]})
+        return {**copy.deepcopy(dict(press)), **extra}
+    if point["budget"] is not None:
+        raise ValueError(f"press {label!r}: a fixed budget needs a policy entry "
+                         f"({{'press': 'SnapKVPress', ...}}), not a press object")
+    return press_at_ratio(press, point["compression_ratio"], label)
+
+
 def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of ``config`` with its ``frontier`` section expanded into ordinary policies.
 
@@ -439,11 +511,7 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     for point in grid:
         label = point["press"]
         key = f"frontier.presses.{label}"
-        entry = copy.deepcopy(f["presses"][label])
-        if point["budget"] is None:
-            entry["compression_ratio"] = point["compression_ratio"]
-        else:
-            entry["budget"] = point["budget"]
+        entry = frontier_policy(f["presses"][label], point)  # the schema keeps ratios out of the entry
         if label not in checked:
             checked.add(label)
             try:

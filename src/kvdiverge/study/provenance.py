@@ -40,6 +40,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -47,7 +48,7 @@ import polars as pl
 __all__ = [
     "KEY_SETTINGS", "KEY_HASH", "KEY_VERSIONS", "KEY_SHARD", "KEY_BATCH", "LIBRARIES", "CONFIGFILES_ENV",
     "StaleShardError", "ShardProvenance", "canonical", "shard_settings", "settings_hash",
-    "library_versions", "shard_metadata", "read_provenance", "differences", "check_shards",
+    "library_versions", "shard_metadata", "read_provenance", "differences", "check_shards", "save_measurement",
     "regenerate_command", "provenance_table", "study_hash", "provenance_html",
 ]
 
@@ -361,3 +362,45 @@ def provenance_html(table: pl.DataFrame) -> str:
             "settings per run: <code>analysis/provenance.csv</code>.</p>"
             f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>")
 
+
+
+def save_measurement(directory: str | os.PathLike, tables: Mapping[str, Any], settings: Mapping[str, Any],
+                     batch_documents: int | None) -> list[Path]:
+    """Write a measurement's tables, settings and provenance under ``directory``, atomically.
+
+    Each table as ``<name>.parquet``, and its scalar columns as ``<name>.csv`` except for
+    ``trajectories`` and ``replicates``; ``measure.json`` (the settings) and
+    ``provenance.json``: ``settings_hash`` (:func:`settings_hash` of the settings),
+    ``versions`` (:func:`library_versions`) and ``batch_documents`` (the ``B`` used).
+
+    Parameters
+    ----------
+    directory : path
+        Created when missing.
+    tables : mapping of str to polars.DataFrame
+        Name -> table (:meth:`kvdiverge.measurement.Measurement.save`).
+    settings : mapping
+        The measurement's settings.
+    batch_documents : int or None
+        Documents per batched forward the measurement ran with.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The files written.
+    """
+    from kvdiverge.estimation.analysis import save_table
+    from kvdiverge.estimation.io import write_text_atomic
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, frame in tables.items():
+        csv = None if name in ("trajectories", "replicates") else out / f"{name}.csv"
+        save_table(frame, out / f"{name}.parquet", csv)
+        written += [out / f"{name}.parquet"] + ([csv] if csv else [])
+    write_text_atomic(json.dumps(settings, indent=2, default=str) + "\n", out / "measure.json")
+    provenance = {"settings_hash": settings_hash(settings), "versions": library_versions(),
+                  "batch_documents": batch_documents}
+    write_text_atomic(json.dumps(provenance, indent=2) + "\n", out / "provenance.json")
+    return written + [out / "measure.json", out / "provenance.json"]

@@ -8,8 +8,6 @@ from typing import Any
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.engine.core.coupled import to_frame
-
 __all__ = ["shard_documents", "run_shard"]
 
 log = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ def run_shard(
     config : dict
         Validated workflow config (``seed``, ``models``, ``policies``, ``runs``,
         ``decoding``, ``replicates``, ``shards``, optional ``generation``:
-        ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.engine.runner.run_documents`).
+        ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.engine.runner.run_policies`).
     model_name, policy_name, split : str
         Keys of ``config['models']`` and ``config['policies']``; ``"exploratory"`` or
         ``"confirmatory"``.
@@ -94,38 +92,28 @@ def run_shard(
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata, shard_settings
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document, plan_documents, run_documents
+    from kvdiverge.engine.runner import Document, run_policies
 
     policy = Policy.from_config(policy_name, config["policies"][policy_name])
-    prompts = pl.read_parquet(prompts_path)
-    docs = shard_documents(prompts, config, policy_name, split, shard)
-    T = int(config["decoding"]["max_new_tokens"])
-    R = int(config["replicates"])
+    docs = shard_documents(pl.read_parquet(prompts_path), config, policy_name, split, shard)
+    T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
     log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d",
              model_name, policy_name, split, shard, docs.height, T, R)
     if model is None and docs.height:
         from kvdiverge.study.models import load_model
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
-    documents = [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)]
     gen = config.get("generation") or {}
-    B = None
-    if documents:
-        B = plan_documents(model, documents, T=T, replicates=R, memory_budget_gb=gen.get("memory_budget_gb"),
-                           batch_documents=None if gen.get("batch_documents", "auto") == "auto"
-                           else int(gen["batch_documents"]))
-    with tqdm(total=docs.height * (2 * T - 1), desc=f"{policy_name}/{split}/shard-{shard}",
-              unit="step", mininterval=5.0) as bar:
-        recs = run_documents(
-            model, documents, policy, T=T, replicates=R,
-            temperature=float(config["decoding"]["temperature"]),
-            top_p=float(config["decoding"].get("top_p", 1.0)),
-            seed=int(config["seed"]), model_name=model_name, progress=bar, batch_documents=B,
-        )
-    meta = {"model": model_name, "policy": policy_name, "split": split}
-    records = [{**meta, **rec} for rec in recs]
-    frame = to_frame(records)
+    runs = run_policies(
+        model, [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)], {policy_name: policy},
+        T=T, replicates=R, temperature=float(config["decoding"]["temperature"]),
+        top_p=float(config["decoding"].get("top_p", 1.0)), seed=int(config["seed"]), model_name=model_name,
+        split=split, memory_budget_gb=gen.get("memory_budget_gb"),
+        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
+        progress=lambda name, total: tqdm(total=total, desc=f"{name}/{split}/shard-{shard}", unit="step",
+                                          mininterval=5.0),
+    )
     provenance = shard_metadata(shard_settings(config, model_name, policy_name, split), model=model_name,
-                                policy=policy_name, split=split, shard=shard, batch_documents=B)
-    write_parquet_atomic(frame, output_path, metadata=provenance)
-    return frame
+                                policy=policy_name, split=split, shard=shard, batch_documents=runs.batch_documents)
+    write_parquet_atomic(runs.trajectories, output_path, metadata=provenance)
+    return runs.trajectories

@@ -97,8 +97,12 @@ class Policy:
     quantized: Any = None  # a QuantizedCacheSpec, or None for a full-precision cache
 
     @classmethod
-    def from_config(cls, name: str, spec: dict[str, Any]) -> "Policy":
+    def from_config(cls, name: str, spec: dict[str, Any], check: bool = True) -> "Policy":
         """Build a policy from its config entry and check it (by building its press once).
+
+        With ``check=False`` the registry is not asked (:meth:`check`): a caller that checks
+        the press with the model before running it
+        (:func:`kvdiverge.engine.runner.check_policy`) asks once.
 
         Raises
         ------
@@ -127,7 +131,8 @@ class Policy:
             raise PressError(owner, problem)
         policy = cls(name=name, press=press, compression_ratio=spec.get("compression_ratio"),
                      budget=spec.get("budget"), params=params, quantized=quantized)
-        policy.check()
+        if check:
+            policy.check()
         return policy
 
     @cached_property

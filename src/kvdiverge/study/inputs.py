@@ -1,0 +1,421 @@
+"""What the front door reads and hands the engine: prompts, presses, a frontier, the model argument.
+
+- :func:`prepare_documents`, :func:`prepare_presses`, :func:`check_lengths`: prompts as
+  engine documents and presses as policies, checked before any generation
+  (:func:`kvdiverge.measure`).
+- :func:`frontier_presses`: every press at every ratio, the config frontier's points
+  (:func:`kvdiverge.study.config.frontier_policy`), beside the noise floor.
+- :func:`read_prompts` reads a text, JSON-lines or parquet file; :func:`sotu_prompts` takes
+  excerpts of the embedded corpus as the workflow's exploratory split does;
+  :func:`model_entry` turns a model argument (``embedded``, a directory, a ``.gguf`` file,
+  a hub id) into a config model entry (:func:`kvdiverge.study.models.load_model`). These
+  three raise :class:`InputError` (a ``ValueError``), one sentence naming the file, field
+  or argument (``kvdiverge measure`` prints it).
+
+The module imports no torch until a function needs the engine (the command line loads it
+before parsing its arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvdiverge.engine.runner import Document, PressSource
+
+__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "check_lengths", "describe_press",
+           "frontier_presses", "is_noise_floor", "model_entry", "prepare_documents", "prepare_presses", "read_prompts", "sotu_prompts"]
+
+
+class InputError(ValueError):
+    """Bad input: a prompts file, field or model argument that cannot be used."""
+
+
+#: Class name of the project's noise-floor control press, for messages (a press is the noise floor
+#: when it keeps every position: :func:`kvdiverge.engine.presses.policies.keeps_every_position`).
+NOISE_FLOOR_PRESS = "PermutationPress"
+#: Policy name of the noise-floor control in configs.
+NOISE_FLOOR_POLICY = "noise-floor"
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _as_ids(prompt: Any) -> list[int] | None:
+    """Token ids of a prompt given as ids (list, tuple, numpy array, 1-d tensor); None for text."""
+    if isinstance(prompt, str):
+        return None
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return [int(i) for i in prompt]
+    raise TypeError(f"a prompt must be a string or a sequence of token ids (int), got {type(prompt).__name__}")
+
+
+def prepare_documents(prompts: Sequence[Any] | Mapping[str, Any], tokenizer=None, *,
+                      instruction: str | None = None, system: str | None = None) -> list[Document]:
+    """Prompts as engine documents: text rendered with the chat template, ids kept as they are.
+
+    Parameters
+    ----------
+    prompts : sequence or mapping
+        Strings or token-id sequences. A mapping gives each prompt its id (``doc_id``,
+        which enters the seeds); a sequence names them ``prompt-0``, ``prompt-1``, ...
+    tokenizer : transformers tokenizer, optional
+        Needed for text prompts: rendered as one user message (the text, then a blank line
+        and ``instruction`` if given) with ``add_generation_prompt=True``, exactly as the
+        workflow's prompts stage (:func:`kvdiverge.study.prompts.render_ids`).
+    instruction, system : str, optional
+        Appended instruction and system message of text prompts.
+
+    Returns
+    -------
+    list of kvdiverge.engine.runner.Document
+
+    Raises
+    ------
+    ValueError
+        No prompts, an empty prompt, a duplicated id, or text prompts without a tokenizer.
+    TypeError
+        A prompt that is neither text nor token ids.
+    """
+    from kvdiverge.engine.runner import Document
+    from kvdiverge.study.prompts import render_ids
+
+    items = list(prompts.items()) if isinstance(prompts, Mapping) else [
+        (f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+    if not items:
+        raise ValueError("no prompts given")
+    docs, seen = [], set()
+    for doc_id, prompt in items:
+        doc_id = str(doc_id)
+        if doc_id in seen:
+            raise ValueError(f"prompt id {doc_id!r} appears twice")
+        seen.add(doc_id)
+        ids = _as_ids(prompt)
+        if ids is None:
+            if tokenizer is None:
+                raise ValueError(f"prompt {doc_id!r} is text: pass the model's tokenizer to render it")
+            if not prompt.strip():
+                raise ValueError(f"prompt {doc_id!r} is empty")
+            ids = render_ids(tokenizer, prompt, instruction, system)
+        if not ids:
+            raise ValueError(f"prompt {doc_id!r} has no tokens")
+        docs.append(Document(doc_id, ids))
+    return docs
+
+
+def _is_source(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("name", "build_press", "expected_kept"))
+
+
+def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
+    """Presses as policies (:class:`kvdiverge.engine.runner.PressSource`), by name.
+
+    Parameters
+    ----------
+    presses : mapping, sequence or press
+        A mapping of name to a kvpress press object (any ``kvpress.BasePress``, the
+        user's own classes included; wrapped in :class:`kvdiverge.engine.presses.policies.PressPolicy`),
+        a policy entry as in the config (``{"press": "SnapKVPress", "compression_ratio":
+        0.5, ...}`` or ``budget``; :class:`kvdiverge.engine.presses.policies.Policy`), or any
+        ``PressSource``. A sequence or a single press is named by class name
+        (``SnapKVPress``, ``SnapKVPress-2`` for a second one).
+    check : bool
+        Ask the registry whether kvdiverge measures each press (without the model);
+        :func:`measure` leaves it to :func:`kvdiverge.engine.runner.run_policies`, which
+        asks once, with the model.
+
+    Returns
+    -------
+    dict of str to PressSource
+        In the given order.
+
+    Raises
+    ------
+    ValueError
+        No presses, or an invalid policy entry.
+    kvdiverge.engine.core.errors.PressError
+        (a ``ValueError``) A press kvdiverge refuses (the message says what it needs; see
+        :mod:`kvdiverge.engine.presses.registry`), an unknown parameter, or one kvpress rejects.
+    TypeError
+        A value that is neither a press, a policy entry nor a PressSource.
+    """
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy, PressPolicy
+    from kvdiverge.engine.presses.registry import refusal
+
+    if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
+        raise TypeError("presses must be keyed by name: {name: press or policy entry}")
+    if not isinstance(presses, Mapping):
+        seq = list(presses) if isinstance(presses, (list, tuple)) else [presses]
+        named: dict[str, Any] = {}
+        for p in seq:
+            base = getattr(p, "name", None) if _is_source(p) else type(p).__name__
+            name, k = base, 1
+            while name in named:
+                k += 1
+                name = f"{base}-{k}"
+            named[name] = p
+        presses = named
+    if not presses:
+        raise ValueError("no presses given")
+    out: dict[str, PressSource] = {}
+    for name, value in presses.items():
+        name = str(name)
+        if _is_source(value) and not isinstance(value, Mapping):
+            out[name] = value if getattr(value, "name", None) == name else _renamed(value, name)
+        elif isinstance(value, Mapping):
+            out[name] = Policy.from_config(name, dict(value), check=check)
+        elif callable(value):  # a press is a context manager factory: press(model)
+            reason = refusal(value) if check else None
+            if reason:
+                raise PressError(f"press {name!r}", reason)
+            out[name] = PressPolicy(name, value)
+        else:
+            raise TypeError(f"press {name!r}: expected a kvpress press, a policy entry or a PressSource, "
+                            f"got {type(value).__name__}")
+    return out
+
+
+def _renamed(source: Any, name: str) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(source):
+        return dataclasses.replace(source, name=name)
+    raise ValueError(f"press {name!r}: its PressSource is named {source.name!r}; use that name as the key")
+
+
+def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSource], max_new_tokens: int,
+                  context: int | None = None) -> None:
+    """Fail before any generation when a prompt cannot run under a press.
+
+    Raises
+    ------
+    ValueError
+        Naming the first prompt shorter than a press needs (the press and its minimum), or
+        a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
+    """
+    from kvdiverge.engine.presses.policies import min_prompt_tokens
+
+    for doc in documents:
+        if context is not None and doc.prompt_len + max_new_tokens > context:
+            raise ValueError(f"prompt {doc.doc_id!r}: {doc.prompt_len} tokens + {max_new_tokens} new tokens "
+                             f"exceed the model context of {context} tokens")
+        for name, source in sources.items():
+            need = min_prompt_tokens(source)
+            if doc.prompt_len < need:
+                raise ValueError(f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; press {name!r} "
+                                 f"needs at least {need}")
+
+
+def is_noise_floor(name: str, source: PressSource) -> bool:
+    """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
+    (``PermutationPress``; :func:`kvdiverge.engine.presses.policies.keeps_every_position`)."""
+    from kvdiverge.engine.presses.policies import Policy, keeps_every_position
+
+    if name == NOISE_FLOOR_POLICY:
+        return True
+    return keeps_every_position(source.press if isinstance(source, Policy) else getattr(source, "press", None))
+
+
+def _floor_like(name: str, value: Any) -> bool:
+    """True for a noise-floor press given to a frontier: named ``noise-floor``, a
+    ``PermutationPress`` object, entry or policy."""
+    if name == NOISE_FLOOR_POLICY:
+        return True
+    if isinstance(value, Mapping):
+        return value.get("press") == NOISE_FLOOR_PRESS
+    if _is_source(value):
+        return is_noise_floor(name, value)
+    return type(value).__name__ == NOISE_FLOOR_PRESS
+
+
+def frontier_presses(presses: Any, ratios: Sequence[float] = (),
+                     budgets: Sequence[int] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every press at every ratio (and budget), named as in the config: ``<press>@<ratio>``.
+
+    The same grid and the same points as the config's ``frontier`` section
+    (:func:`kvdiverge.estimation.frontier.frontier_grid`,
+    :func:`kvdiverge.study.config.frontier_policy`). A noise-floor press
+    (``PermutationPress``) is kept as it is, not expanded; when there is none, one is
+    added as ``noise-floor``, so that the frontier has its floor beside it.
+
+    Parameters
+    ----------
+    presses : mapping or sequence
+        Name -> kvpress press object (its ``compression_ratio``, or that of the press it
+        wraps, is replaced) or config policy entry without its ratio (``{"press":
+        "SnapKVPress", "window_size": 16}``); a sequence is named by class name.
+    ratios : sequence of float
+        Compression ratios in ``[0, 1)``.
+    budgets : sequence of int
+        Fixed budgets (tokens kept); policy entries only.
+
+    Returns
+    -------
+    presses : dict
+        Name -> press object or policy entry, the floor last.
+    grid : list of dict
+        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``).
+
+    Raises
+    ------
+    ValueError
+        A press that takes no compression ratio, a ratio outside ``[0, 1)``, no ratio, or
+        a budget for a press object.
+    """
+    from kvdiverge.estimation.frontier import frontier_grid
+    from kvdiverge.engine.presses.project import PermutationPress
+    from kvdiverge.study.config import frontier_policy
+
+    if not ratios and not budgets:
+        raise ValueError("a frontier needs ratios (or budgets)")
+    if not isinstance(presses, Mapping):
+        seq = list(presses) if isinstance(presses, (list, tuple)) else [presses]
+        presses = {(p.get("press") if isinstance(p, Mapping) else type(p).__name__): p for p in seq}
+    floors = {n: v for n, v in presses.items() if _floor_like(str(n), v)}
+    scored = {str(n): v for n, v in presses.items() if n not in floors}
+    if not scored:
+        raise ValueError("a frontier needs at least one press besides the noise floor")
+    grid = frontier_grid(list(scored), list(ratios), list(budgets))
+    out = {point["policy"]: frontier_policy(scored[point["press"]], point) for point in grid}
+    out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
+    return out, grid
+
+
+def describe_press(source: PressSource) -> str | dict[str, Any]:
+    """A policy for the settings record: its config entry, or the press object's repr."""
+    from kvdiverge.engine.presses.policies import Policy, PressPolicy
+
+    if isinstance(source, PressPolicy):
+        return repr(source.press)
+    if isinstance(source, Policy):
+        spec = {"press": source.press, "compression_ratio": source.compression_ratio, "budget": source.budget,
+                **source.params}
+        return {k: v for k, v in spec.items() if v is not None}
+    return repr(source)
+
+
+def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | None = None) -> dict[str, str]:
+    """Prompts from a file: text (one per line), JSON lines (``.jsonl``/``.json``) or parquet.
+
+    Parameters
+    ----------
+    path : path
+        The file; blank lines of a text file are skipped.
+    field : str
+        Column (parquet) or key (JSON lines) holding the prompt text.
+    id_field : str, optional
+        Column or key holding the prompt id (enters the seeds); default ``prompt-<i>``.
+
+    Returns
+    -------
+    dict of str to str
+        Prompt id -> text, in file order.
+
+    Raises
+    ------
+    InputError
+        A missing file, field or id, an unreadable line, or no prompt.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"prompts file not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import polars as pl
+
+        frame = pl.read_parquet(p)
+        for col in filter(None, (field, id_field)):
+            if col not in frame.columns:
+                raise InputError(f"{p}: no column {col!r} (columns: {', '.join(frame.columns)})")
+        texts = frame[field].cast(str).to_list()
+        ids = frame[id_field].cast(str).to_list() if id_field else None
+    elif suffix in (".jsonl", ".json", ".ndjson"):
+        texts, ids = [], [] if id_field else None
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{p}: line {i} is not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{p}: line {i} is not a JSON object")
+            for key in filter(None, (field, id_field)):
+                if key not in row:
+                    raise InputError(f"{p}: line {i} has no field {key!r} (fields: {', '.join(row)})")
+            texts.append(str(row[field]))
+            if ids is not None:
+                ids.append(str(row[id_field]))
+    else:
+        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        ids = None
+    if not texts:
+        raise InputError(f"{p}: no prompts")
+    if ids is None:
+        width = len(str(len(texts) - 1))
+        ids = [f"prompt-{i:0{width}d}" for i in range(len(texts))]
+    if len(set(ids)) != len(ids):
+        raise InputError(f"{p}: ids in {id_field!r} are not unique")
+    return dict(zip(ids, texts))
+
+
+def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) -> dict[str, str]:
+    """``n`` excerpts of the embedded corpus (State of the Union addresses), id -> text.
+
+    The same excerpts as the workflow's exploratory split of a config with this word range
+    (:func:`kvdiverge.study.corpus.build_corpus`).
+
+    Raises
+    ------
+    InputError
+        If ``n < 1`` or the corpus has too few excerpts in the word range.
+    """
+    from kvdiverge.study.corpus import CorpusError, build_corpus
+
+    if n < 1:
+        raise InputError(f"--sotu needs at least 1 excerpt, got {n}")
+    try:
+        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
+                             "documents": {"exploratory": n}, "split_seed": split_seed})
+    except CorpusError as exc:
+        raise InputError(str(exc)) from None
+    return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
+
+
+def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
+    """``(name, config entry)`` of the model argument.
+
+    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
+    directory or ``.gguf`` file loads locally; anything else that does not look like a path
+    is a hub id (read from the local Hugging Face cache when present).
+
+    Raises
+    ------
+    InputError
+        A path that does not exist, or a file that is not GGUF.
+    """
+    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
+
+    extra = {"dtype": dtype, "device": device}
+    if model == "embedded":
+        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p.resolve().name, {"source": "local", "path": str(p), **extra}
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise InputError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
+                             f"a .gguf file, a hub id or 'embedded'")
+        return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
+    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
+                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
+    if looks_like_path:
+        raise InputError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
+    return model, {"source": "hub", "id": model, **extra}
