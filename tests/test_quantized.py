@@ -225,6 +225,11 @@ def test_policy_entries_alone_and_after_a_press(model):
     p = both.build_press(20)
     assert p.spec == QuantizedCacheSpec(nbits=4, q_group_size=8) and p.press.compression_ratio == 0.5
     assert both.expected_kept(20, p) == 10
+    from kvdiverge.study.inputs import describe_press
+
+    assert describe_press(both) == {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 4,
+                                    "cache": "quantized", "backend": "quanto", "nbits": 4, "q_group_size": 8,
+                                    "residual_length": 128}
     with pytest.raises(PressError, match=r"policy 'x'.*'cache' must be 'quantized'.*got 'int8'"):
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "cache": "int8"})
     with pytest.raises(PressError, match=r"policy 'x'.*nbits must be one of \[2, 4\] for backend 'quanto', got 8"):

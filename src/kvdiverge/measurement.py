@@ -62,7 +62,7 @@ class Measurement:
         :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
         model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence,
-        presses (name -> description).
+        presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
     batch_documents : int or None
@@ -165,7 +165,7 @@ class Measurement:
 
         Columns: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over
         prompts), ``untouched`` (True when the press kept every prompt position on every
-        prompt: it did not compress), ``p_div``, ``tau_mean`` (mean first-divergence step
+        prompt: it did not compress; never for a quantized cache), ``p_div``, ``tau_mean`` (mean first-divergence step
         given divergence, steps), ``E_L`` (steps), ``rho``, ``E_M`` (mismatch fraction),
         each of ``p_div``, ``tau_mean``, ``E_L``, ``E_M`` with ``_lo``/``_hi`` bootstrap
         bounds; ``first_mismatch_term = p_div / T`` and ``exposure_rate_term = (E_L / T) rho``
@@ -176,6 +176,9 @@ class Measurement:
         from kvdiverge.estimation.tables import press_summary
 
         out = press_summary(self.pooled, self.documents, self.presses)
+        quantized = self.settings.get("quantized_caches") or []
+        if quantized:  # a quantized cache keeps every position and changes every one of them
+            out = out.with_columns(pl.col("untouched") & ~pl.col("policy").is_in(quantized))
         if self.noise_floor is None:
             return out
         from kvdiverge.estimation.analysis import floor_differences
@@ -417,6 +420,9 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                 "presses": {n: describe_press(s) for n, s in sources.items()}}
     if grid is not None:
         settings["frontier"] = grid
+    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+    if quantized:
+        settings["quantized_caches"] = quantized
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
