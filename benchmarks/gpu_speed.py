@@ -16,6 +16,12 @@ runs one shard of ``config/paper.yaml`` size through the engine
   the config's token-steps (:mod:`kvdiverge.study.cost`, upper bound ``2T - 1`` steps per side)
   divided by the measured rate of each model.
 
+With ``--compare-stock`` the same shard runs a second time on the engine's stock kernels
+(transformers' ``DynamicCache`` and ``sdpa`` attention with repeated keys and values,
+:func:`kvdiverge.engine.llm.pair_base.stock_kernels`) and the ratio of the two times is
+printed: the engine's decoding kernels (caches written in place, grouped attention without
+``repeat_kv``) are the same code on CUDA and CPU, in float32 and bfloat16.
+
 Random weights give near-uniform next-token distributions, so chains rarely stop early and
 the top-p nucleus is large: the decoding transform works harder than on a trained model,
 and the measured rate is, if anything, pessimistic.
@@ -23,6 +29,7 @@ and the measured rate is, if anything, pessimistic.
     python benchmarks/gpu_speed.py                       # both models on cuda
     python benchmarks/gpu_speed.py --models qwen-2.5-7b --json results/gpu_speed.json
     python benchmarks/gpu_speed.py --tiny --device cpu   # miniatures on the CPU (what the tests run)
+    python benchmarks/gpu_speed.py --compare-stock --dtype bfloat16   # also the stock kernels, bfloat16
 
 Without CUDA (and without ``--device cpu``) it says so and exits 0.
 """
@@ -43,6 +50,7 @@ import torch
 from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
 from kvdiverge.study.config import load_config
 from kvdiverge.study.cost import study_cost
+from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
 
@@ -135,11 +143,12 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    records = run_documents(model, docs, policy, T=args.T, **common)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds, records = timed_run(model, docs, policy, args.T, common, cuda)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    stock_s = None
+    if args.compare_stock:
+        with stock_kernels():
+            stock_s, _ = timed_run(model, docs, policy, args.T, common, cuda)
     steps = engine_steps(records)
     out = {
         "model": name, "architecture": "miniature" if args.tiny else "exact", "parameters": n_params,
@@ -149,12 +158,24 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
         "token_steps_upper": len(docs) * args.R * 2 * (2 * args.T - 1),
         "token_steps_per_s": steps / seconds,
         "seconds_per_document": seconds / len(docs),
-        "peak_gpu_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_gpu_gb": peak,
+        "stock_seconds": stock_s, "stock_over_fast": None if stock_s is None else stock_s / seconds,
     }
     del model, records
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def timed_run(model, docs, policy, T: int, common: dict[str, Any], cuda: bool) -> tuple[float, list]:
+    """Seconds of one engine run over ``docs`` (CUDA synchronized at both ends), and its records."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    records = run_documents(model, docs, policy, T=T, **common)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, records
 
 
 def project(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, float]:
@@ -193,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-documents", type=int, default=None,
                     help="documents per forward, passed to the planner as its override")
     ap.add_argument("--memory-budget-gb", type=float, default=None, help="passed to the planner")
+    ap.add_argument("--compare-stock", action="store_true",
+                    help="also run the shard on the stock kernels (DynamicCache, sdpa with repeat_kv) and print the ratio")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     small = args.tiny
@@ -224,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = f"{r['peak_gpu_gb']:.1f}" if r["peak_gpu_gb"] is not None else "-"
         print(f"{r['model']:<14}{r['B']:>3}{r['seconds']:>10.1f}{r['token_steps']:>13,}"
               f"{r['token_steps_per_s']:>15,.0f}{r['seconds_per_document']:>8.2f}{peak:>13}")
+        if r["stock_seconds"] is not None:
+            print(f"{'':<14}stock kernels: {r['stock_seconds']:.1f} s, {r['stock_over_fast']:.2f}x the engine's time")
     hours = project(config, results)
     total = sum(c.token_steps for c in study_cost(config, batch_documents=1))
     print(f"\nprojected for {Path(args.config).name} on one GPU: {hours['by_token_steps']:.2f} h "

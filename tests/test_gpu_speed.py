@@ -49,3 +49,15 @@ def test_random_prompts_avoid_eos(bench):
 def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
     assert bench.main([]) == 0
     assert "CUDA is not available" in capsys.readouterr().out
+
+
+@pytest.mark.miniature
+def test_bfloat16_on_the_cpu_compares_the_stock_kernels(bench, tmp_path, capsys):
+    out_json = tmp_path / "bf16.json"
+    assert bench.main(["--tiny", "--device", "cpu", "--dtype", "bfloat16", "--compare-stock", "--docs", "2",
+                       "--prompt-tokens", "100", "--T", "3", "--R", "2", "--models", "qwen-2.5-7b",
+                       "--json", str(out_json)]) == 0
+    assert "stock kernels:" in capsys.readouterr().out
+    (r,) = json.loads(out_json.read_text())["results"]
+    assert r["dtype"] == "bfloat16" and r["stock_seconds"] > 0
+    assert r["stock_over_fast"] == pytest.approx(r["stock_seconds"] / r["seconds"])

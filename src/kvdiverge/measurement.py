@@ -447,5 +447,5 @@ def _inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, sys
         context = context_length(model)
     except (ValueError, AttributeError):
         context = None
-    check_lengths(documents, sources, T, context)
+    check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
     return documents, sources, grid

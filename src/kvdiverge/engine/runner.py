@@ -231,11 +231,43 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses import registry
 
-    press = policy.build_press(max(doc.prompt_len for doc in documents))
+    from kvdiverge.engine.presses.policies import min_prompt_tokens
+
+    # at a length the press accepts: whether it is refused does not depend on the length, and
+    # a refused press is named before a document too short for it (check_prompt_lengths)
+    press = policy.build_press(max(max(doc.prompt_len for doc in documents), min_prompt_tokens(policy)))
     reason = registry.refusal(press, model)
     if reason:
         raise PressError(owner, reason)
     return registry.is_decode_time(press)
+
+
+def check_prompt_lengths(documents: Sequence[Document], policies: Mapping[str, PressSource],
+                         owner: str = "press") -> None:
+    """Refuse, before any forward, a document shorter than a policy can compress.
+
+    Parameters
+    ----------
+    documents : sequence of Document
+    policies : mapping of str to PressSource
+        Name -> policy; each one's minimum is
+        :func:`kvdiverge.engine.presses.policies.min_prompt_tokens` (tokens).
+    owner : str
+        What a policy is called in the message: ``"policy"`` or ``"press"``.
+
+    Raises
+    ------
+    ValueError
+        Naming the first document shorter than a policy needs, the policy and its minimum.
+    """
+    from kvdiverge.engine.presses.policies import min_prompt_tokens
+
+    for doc in documents:
+        for name, source in policies.items():
+            need = min_prompt_tokens(source)
+            if doc.prompt_len < need:
+                raise ValueError(f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; {owner} {name!r} "
+                                 f"needs at least {need}")
 
 
 @dataclass(frozen=True)
@@ -315,6 +347,7 @@ def run_policies(
 
     flags = {name: check_policy(model, documents, source, f"{owner} {name!r}")
              for name, source in policies.items()} if documents else {}
+    check_prompt_lengths(documents, policies, owner)
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
                        memory_budget_gb=memory_budget_gb, decode_time=any(flags.values())) if documents else None
     records: list[dict[str, Any]] = []
@@ -368,8 +401,13 @@ def _pair_counts(pair) -> dict[str, int]:
 
 
 def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
-               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False):
+               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False,
+               horizon: int | None = None):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
+
+    With ``horizon`` (``T``, steps) each side's cache is allocated once for its widest need,
+    ``prompt + 2T - 2`` columns (:func:`kvdiverge.engine.llm.planner.cache_columns`); without
+    it, caches grow as they fill.
 
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
@@ -403,6 +441,7 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
+        horizon=horizon,
     )
 
 
@@ -413,7 +452,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, s
     from kvdiverge.engine.core.errors import raise_kvpress_error
 
     pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
-                      eos_ids=eos_ids, checked=True)
+                      eos_ids=eos_ids, checked=True, horizon=T)
     try:
         reps = run_batch(pair, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
                          progress=progress)

@@ -194,23 +194,23 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
                   context: int | None = None) -> None:
     """Fail before any generation when a prompt cannot run under a press.
 
+    The press minimums are :func:`kvdiverge.engine.runner.check_prompt_lengths`, which
+    :func:`kvdiverge.engine.runner.run_policies` asks again after its refusal check; pass
+    no ``sources`` to check the context alone.
+
     Raises
     ------
     ValueError
         Naming the first prompt shorter than a press needs (the press and its minimum), or
         a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
     """
-    from kvdiverge.engine.presses.policies import min_prompt_tokens
+    from kvdiverge.engine.runner import check_prompt_lengths
 
     for doc in documents:
         if context is not None and doc.prompt_len + max_new_tokens > context:
             raise ValueError(f"prompt {doc.doc_id!r}: {doc.prompt_len} tokens + {max_new_tokens} new tokens "
                              f"exceed the model context of {context} tokens")
-        for name, source in sources.items():
-            need = min_prompt_tokens(source)
-            if doc.prompt_len < need:
-                raise ValueError(f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; press {name!r} "
-                                 f"needs at least {need}")
+    check_prompt_lengths(documents, sources)
 
 
 def is_noise_floor(name: str, source: PressSource) -> bool:

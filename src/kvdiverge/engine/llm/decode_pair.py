@@ -44,10 +44,8 @@ from contextlib import ExitStack
 
 import torch
 
-from kvdiverge.engine.core.coupling import coupling_dtype
-from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
-from kvdiverge.engine.llm.llm_pair import _CacheSide, merge_caches, model_eos_ids
+from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import seeded
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
@@ -64,6 +62,10 @@ def _has_row_state(twin, press) -> bool:
 
 class _Lane:
     """One evicted-side lane: a twin, a fresh press entered on it, a cache of ``n`` rows of one document.
+
+    A lane decodes on the model's own attention and a ``DynamicCache``: its rows carry no
+    padding, so transformers' ``sdpa`` reads the unrepeated keys already (``enable_gqa``,
+    no mask), and decode-time presses replace the layers' keys and values as they compress.
 
     Parameters
     ----------
@@ -155,7 +157,7 @@ def _new_counts() -> dict[str, int]:
                            "replay_forwards", "replay_row_steps", "reference_forwards", "reference_row_steps")}
 
 
-class DecodeTimePair:
+class DecodeTimePair(LLMPairBase):
     """One language model; full cache on the reference side, press-driven lanes on the evicted side.
 
     Implements :class:`kvdiverge.engine.core.pairs.KernelPair` (module docstring for the
@@ -178,6 +180,11 @@ class DecodeTimePair:
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     eos_ids : sequence of int, optional
         End-of-sequence ids; default ``model.generation_config.eos_token_id``.
+    prefill_seeds : sequence of int or None, optional
+        Per document, the seed of torch's generator during its prefills.
+    horizon, fast
+        As :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents` (the
+        reference side's cache and attention; the lanes keep the stock ones, see :class:`_Lane`).
 
     Attributes
     ----------
@@ -207,7 +214,8 @@ class DecodeTimePair:
 
     def __init__(self, model, prompts: Sequence[Sequence[int]], presses: Sequence, expected_kept: Sequence,
                  *, temperature: float, top_p: float = 1.0, eos_ids: Sequence[int] | None = None,
-                 prefill_seeds: Sequence[int | None] | None = None):
+                 prefill_seeds: Sequence[int | None] | None = None, horizon: int | None = None,
+                 fast: bool | None = None):
         if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
             raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
                              f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
@@ -215,18 +223,8 @@ class DecodeTimePair:
             why = refusal(press)
             if why:
                 raise ValueError(f"press {type(press).__name__}: {why}")
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.dtype = coupling_dtype(self.device)
-        self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
-        self.presses, self.expected = list(presses), list(expected_kept)
-        # torch's generator during each document's prefills (a press that draws from it reproduces)
-        self.prefill_seeds = list(prefill_seeds) if prefill_seeds is not None else [None] * len(self.prompts)
-        self.temperature, self.top_p = float(temperature), float(top_p)
-        self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
-        self.vocab_size = int(model.config.vocab_size)
-        self.kept_lens: list[int] = []
-        self.kept_per_layer: list[list[int]] = []
+        self._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, prefill_seeds,
+                    horizon=horizon, fast=fast)
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
 
@@ -234,15 +232,6 @@ class DecodeTimePair:
     def from_documents(cls, model, prompts, presses, expected_kept, **kwargs) -> "DecodeTimePair":
         """The constructor, under :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents`'s name."""
         return cls(model, prompts, presses, expected_kept, **kwargs)
-
-    @property
-    def prompt_lens(self) -> list[int]:
-        """Uncompressed prompt length of each document (tokens)."""
-        return [int(p.numel()) for p in self.prompts]
-
-    def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
-        check_logits_finite(logits, side)
-        return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
 
     def _reference_prefill(self, ids: torch.Tensor):
         from transformers import DynamicCache
@@ -270,10 +259,7 @@ class DecodeTimePair:
         self.close()
         self.counts = _new_counts()
         ref = [self._reference_prefill(ids) for ids in self.prompts]
-        cache, valid = merge_caches([c for c, _ in ref], self.prompt_lens, R, self.device)
-        prompt_len = (torch.tensor(self.prompt_lens, device=self.device).repeat_interleave(R) if B > 1
-                      else self.prompt_lens[0])
-        self._ref = _CacheSide(cache, valid, prompt_len)
+        self._ref = self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):

@@ -11,7 +11,7 @@ layer the same way (transformers passes one attention mask to all layers).
 :class:`HeadMasks` holds one boolean tensor per layer over the prompt columns of the
 merged cache (columns after them, the generated tokens, are attended by every head) and
 follows the pair's row removal and column trimming. The 2-D attention mask of
-:class:`kvdiverge.engine.llm.llm_pair._CacheSide` still masks what all layers share (a row's
+:class:`kvdiverge.engine.llm.side.CacheSide` still masks what all layers share (a row's
 left padding, rewound columns).
 """
 

@@ -1,0 +1,134 @@
+"""What the two language-model kernel pairs share: documents, decoding transform, reference side.
+
+:class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair` (prefill presses) and
+:class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (decode-time presses) both hold
+one model, ``B`` documents with one press, promise and prefill seed each, the decoding
+transform, and a reference side :class:`kvdiverge.engine.llm.side.CacheSide` batched over
+the documents. :class:`LLMPairBase` holds those; the pairs add their evicted sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from kvdiverge.engine.core.coupling import coupling_dtype
+from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.errors import check_logits_finite
+from kvdiverge.engine.llm.planner import cache_columns
+from kvdiverge.engine.llm.side import DEFAULT_SPARE, CacheSide, merge_caches
+
+__all__ = ["LLMPairBase", "model_eos_ids", "stock_kernels"]
+
+#: ``fast`` of pairs built without one (:func:`stock_kernels` switches it for a block).
+_FAST_DEFAULT = [True]
+
+
+@contextlib.contextmanager
+def stock_kernels():
+    """Within the block, pairs built without ``fast`` use the stock ``DynamicCache`` and attention.
+
+    For comparisons through callers that build their own pairs
+    (:func:`kvdiverge.engine.runner.run_documents`, ``benchmarks/``).
+    """
+    _FAST_DEFAULT.append(False)
+    try:
+        yield
+    finally:
+        _FAST_DEFAULT.pop()
+
+
+def model_eos_ids(model) -> list[int]:
+    """End-of-sequence token ids of a model, from its generation config.
+
+    Falls back to ``model.config.eos_token_id``. Never reads the tokenizer's
+    ``eos_token`` (wrong for GGUF tokenizers under transformers 5.2).
+    """
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({int(i) for i in ids})
+
+
+class LLMPairBase:
+    """One model, ``B`` documents, the decoding transform and the batched reference side.
+
+    Parameters (of :meth:`_setup`)
+    ------------------------------
+    model : transformers.PreTrainedModel
+        A causal LM in eval mode, with no press entered.
+    prompts : sequence of sequence of int
+        The documents' prompt ids.
+    presses, expected : sequence
+        One press and one kept-count promise per document.
+    temperature, top_p : float
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
+    eos_ids : sequence of int or None
+        End-of-sequence ids; default :func:`model_eos_ids`.
+    seeds : sequence of int or None, or None
+        Per document, the seed of torch's generator during its prefill.
+    horizon : int or None
+        ``T``: each side's cache is allocated for ``prompt + 2T - 2`` columns; ``None``
+        allocates :data:`~kvdiverge.engine.llm.side.DEFAULT_SPARE` extra columns and grows.
+    fast : bool or None
+        ``True``: caches with capacity and grouped decoding attention; ``False``: the
+        stock ``DynamicCache`` and the model's attention (for comparison); ``None``:
+        ``True`` but inside :func:`stock_kernels`.
+    """
+
+    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids, seeds=None, *,
+               horizon: int | None = None, fast: bool | None = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = coupling_dtype(self.device)
+        self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        self.presses = list(presses)
+        self.expected = list(expected)
+        self.prefill_seeds = list(seeds) if seeds is not None else [None] * len(self.prompts)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
+        self.vocab_size = int(model.config.vocab_size)
+        self.horizon = None if horizon is None else int(horizon)
+        self.fast = _FAST_DEFAULT[-1] if fast is None else bool(fast)
+        self.kept_lens: list[int] = []
+        self.kept_per_layer: list[list[int]] = []
+
+    @property
+    def n_documents(self) -> int:
+        """Documents in the pair (B)."""
+        return len(self.prompts)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Uncompressed prompt length of each document (tokens)."""
+        return [int(p.numel()) for p in self.prompts]
+
+    def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
+        check_logits_finite(logits, side)
+        return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
+
+    def _positions(self, starts: Sequence[int], R: int):
+        """RoPE position of each row's first generated token: an int for one document, else int64 (B * R,)."""
+        if len(starts) == 1:
+            return int(starts[0])
+        return torch.tensor(list(starts), device=self.device).repeat_interleave(R)
+
+    def _capacity(self, width: int) -> int | None:
+        """Columns to allocate for a side whose prompt part is ``width`` wide (``None``: the stock cache)."""
+        if not self.fast:
+            return None
+        return cache_columns(width, self.horizon) if self.horizon is not None else int(width) + DEFAULT_SPARE
+
+    def _side(self, caches: Sequence, widths: Sequence[int], starts: Sequence[int], R: int, masks=None,
+              modules: Sequence = ()) -> CacheSide:
+        """One side from per-document caches: merged (:func:`merge_caches`), ``R`` rows per document."""
+        cache, valid = merge_caches(list(caches), list(widths), R, self.device)
+        return CacheSide(cache, valid, self._positions(starts, R), masks, modules,
+                         capacity=self._capacity(max(widths)), grouped=self.fast)

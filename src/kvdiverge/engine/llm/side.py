@@ -1,0 +1,191 @@
+"""One side of a kernel pair: a batched KV cache, its per-row bookkeeping, the merge of documents.
+
+:class:`CacheSide` decodes the rows of one side (reference or evicted) one token per
+forward. Its cache layers hold their keys and values in buffers with capacity
+(:class:`kvdiverge.engine.llm.cache.CapacityLayer`, written in place) and its forwards
+use the grouped decoding attention (:mod:`kvdiverge.engine.llm.attention`, no
+``repeat_kv``); both can be switched off (``DynamicCache`` appends and the model's own
+attention) for comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from kvdiverge.engine.llm.attention import GROUPED_SDPA
+from kvdiverge.engine.llm.cache import CapacityLayer, LayerFactory, capacity_cache
+from kvdiverge.engine.llm.masks import HeadMasks
+
+__all__ = ["CacheSide", "grouped_attention", "merge_caches"]
+
+#: Columns a cache is allocated beyond its prompt when the horizon is not known.
+DEFAULT_SPARE = 64
+
+
+@contextlib.contextmanager
+def grouped_attention(model, enabled: bool = True):
+    """Run the block with ``model`` on :data:`~kvdiverge.engine.llm.attention.GROUPED_SDPA` if it is on ``sdpa``.
+
+    The model's configured attention is restored on exit; a model on another
+    implementation (``eager``, flash kernels) keeps it.
+    """
+    config = model.config
+    name = getattr(config, "_attn_implementation", None)
+    if not enabled or name != "sdpa":
+        yield
+        return
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = name
+
+
+class CacheSide:
+    """A batched KV cache plus per-row bookkeeping.
+
+    ``valid`` (n_rows, cache_len) marks the cache columns each row attends to (padding
+    of shorter prompts and rewound chain suffixes are ``False``); ``step`` (n_rows,
+    cache_len) holds, for generated columns, the 0-based index of the generated token
+    stored there (-1 for prompt and padding columns), so ``rewind`` can mask a row's
+    abandoned suffix without touching other rows. ``prompt_len`` is the RoPE position of
+    each row's first generated token (int64, (n_rows,), or an int for all rows): the
+    uncompressed prompt length of its document, or the cache length for presses that
+    re-rotate kept keys (:func:`kvdiverge.engine.presses.registry.generation_start`);
+    the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
+    (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
+    and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
+
+    Parameters
+    ----------
+    cache : transformers.Cache
+        The merged cache (:func:`merge_caches`); with ``capacity`` given it is copied into
+        ``layer`` layers of that many columns (:func:`kvdiverge.engine.llm.cache.capacity_cache`),
+        with ``None`` it is used as it is (a ``DynamicCache`` appends by concatenation).
+    capacity : int or None
+        Columns to allocate per layer: the widest the cache gets (``prompt + 2T - 2``,
+        :func:`kvdiverge.engine.llm.planner.cache_columns`).
+    grouped : bool
+        Decode with :func:`grouped_attention`.
+    layer : LayerFactory
+        The layer type of a cache with capacity.
+    """
+
+    def __init__(self, cache, valid: torch.Tensor, prompt_len, masks: HeadMasks | None = None,
+                 modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True,
+                 layer: LayerFactory = CapacityLayer):
+        self.cache = cache if capacity is None else capacity_cache(cache, capacity, layer)
+        self.masks, self.modules, self.grouped = masks, list(modules), bool(grouped)
+        self.valid = valid
+        self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
+        self.n_gen = torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
+        self.prompt_len = prompt_len
+        self.all_valid = bool(valid.all())
+
+    def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (int64 (n_rows,)) to every row; the next-token logits (n_rows, vocab)."""
+        n_rows = tokens.shape[0]
+        self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, 1)], dim=1)
+        self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
+        # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
+        # as kvpress's own pipeline does, whatever the cache length (for presses that
+        # re-rotate kept keys, from the cache length: registry.generation_start).
+        position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
+        if self.masks is not None:
+            self.masks.apply(self.modules)
+        with grouped_attention(model, self.grouped):
+            out = model(input_ids=tokens.unsqueeze(1), past_key_values=self.cache,
+                        attention_mask=None if self.all_valid else self.valid.long(),
+                        position_ids=position_ids, use_cache=True)
+        self.n_gen += 1
+        return out.logits[:, -1, :]
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Mask each row's generated columns from its ``length[r]``-th on (int64 (n_rows,))."""
+        self.valid = self.valid & (self.step < length.unsqueeze(1))
+        self.n_gen = length.clone()
+        self.all_valid = bool(self.valid.all())
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices, in the new order); drop columns no kept row attends to."""
+        self.valid, self.step, self.n_gen = self.valid[rows], self.step[rows], self.n_gen[rows]
+        if isinstance(self.prompt_len, torch.Tensor):
+            self.prompt_len = self.prompt_len[rows]
+        cols = self.valid.any(0)
+        trim = not bool(cols.all())
+        if trim:
+            cols = cols.nonzero().squeeze(1)
+            self.valid, self.step = self.valid[:, cols], self.step[:, cols]
+        if self.masks is not None:
+            self.masks.keep_rows(rows, cols if trim else None)
+        for layer in self.cache.layers:
+            if hasattr(layer, "select"):
+                layer.select(rows, cols if trim else None)
+                continue
+            keys, values = layer.keys[rows], layer.values[rows]
+            if trim:
+                keys, values = keys[:, :, cols], values[:, :, cols]
+            layer.keys, layer.values = keys, values
+        self.all_valid = bool(self.valid.all())
+
+
+def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device) -> tuple[object, torch.Tensor]:
+    """One batched cache from per-document caches, left-padded to the longest.
+
+    Parameters
+    ----------
+    caches : sequence of transformers.DynamicCache
+        One per document, batch size 1, each layer's keys of shape (1, kv_heads, n, head_dim)
+        and values of shape (1, kv_heads, n, v_head_dim); a layer may be shorter than its
+        document's ``lengths[d]`` (per-layer budgets): it is padded on the left too.
+    lengths : sequence of int
+        Cache width of each document (tokens): its longest layer.
+    rows_each : int
+        Rows per document (replicates ``R``): document ``d`` fills rows ``d*R .. d*R+R-1``.
+    device : torch.device
+        Device of the ``valid`` mask.
+
+    Returns
+    -------
+    (DynamicCache, torch.Tensor)
+        The first cache, its layers replaced by the merged (B*R, kv_heads, max_len,
+        head_dim) keys and (B*R, kv_heads, max_len, v_head_dim) values (padding columns
+        hold zeros), and ``valid``, bool (B*R, max_len): ``False`` on each document's left
+        padding (a shorter layer's own padding is masked per layer,
+        :class:`kvdiverge.engine.llm.masks.HeadMasks`). With one document whose layers all have
+        its length this is ``batch_repeat_interleave(R)``.
+
+    Raises
+    ------
+    ValueError
+        If a layer is longer than its document's length.
+    """
+    longest = max(lengths)
+    even = all(layer.keys.shape[2] == n for cache, n in zip(caches, lengths) for layer in cache.layers)
+    if len(caches) == 1 and even:
+        cache = caches[0]
+        if rows_each > 1:
+            cache.batch_repeat_interleave(rows_each)
+        return cache, torch.ones(rows_each, lengths[0], dtype=torch.bool, device=device)
+    merged = caches[0]
+    for li, layer in enumerate(merged.layers):
+        parts_k, parts_v = [], []
+        for d, cache in enumerate(caches):
+            k, v = cache.layers[li].keys, cache.layers[li].values
+            if k.shape[2] > lengths[d]:
+                raise ValueError(f"document {d}, layer {li}: {k.shape[2]} cache columns, more than its length "
+                                 f"{lengths[d]}")
+            pad = longest - k.shape[2]
+            if pad:
+                k = torch.cat([k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3]), k], dim=2)
+                v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], pad, v.shape[3]), v], dim=2)
+            parts_k.append(k.expand(rows_each, -1, -1, -1))
+            parts_v.append(v.expand(rows_each, -1, -1, -1))
+        layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
+    valid = torch.zeros(len(caches) * rows_each, longest, dtype=torch.bool, device=device)
+    for d, n in enumerate(lengths):
+        valid[d * rows_each:(d + 1) * rows_each, longest - n:] = True
+    return merged, valid

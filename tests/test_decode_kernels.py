@@ -1,0 +1,198 @@
+"""The decoding kernels of the pair: grouped attention without ``repeat_kv``, caches written in place.
+
+Against the stock path (transformers' ``sdpa`` attention with repeated keys and values, and
+a ``DynamicCache`` that appends by concatenation: ``fast=False``):
+
+- :func:`~kvdiverge.engine.llm.attention.grouped_sdpa` equals ``sdpa_attention_forward``
+  on one query position with a padding mask, for both miniatures' groupings (4:1, 7:1), in
+  float32 and bfloat16;
+- :class:`~kvdiverge.engine.llm.cache.CapacityLayer` holds exactly what a ``DynamicLayer``
+  holds after the same updates (growing past its capacity included), and keeps rows and
+  columns as asked;
+- every measured prefill press of the press matrix gives, on both miniatures, three
+  documents batched (padding) and rewound, the stock path's log-distributions within
+  :data:`TOL`;
+- with no press the two sides stay bit-identical (ratio 0: TV exactly 0);
+- a head-wise press's masks still act through kvpress's attention patch: the evicted side
+  differs from the same pair with its masks dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from kvdiverge.engine.llm.attention import GROUPED_SDPA, grouped_sdpa
+from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.presses import registry
+from kvdiverge.engine.presses import status as press_status
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.presses.registry import is_decode_time
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+#: Largest |log p| difference (nats, tokens of probability > 1e-6) allowed between the
+#: fast and the stock path.
+TOL = 1e-5
+LENGTHS = (24, 40, 33)
+R, STEPS = 2, 4
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b"])
+def model(request):
+    return random_model(MINIATURE[request.param], seed=5)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randint(1, 500, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+class _Module:
+    def __init__(self, groups):
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_equals_sdpa_with_repeated_keys(heads, kv_heads, dtype):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, heads, 1, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(5, kv_heads, 30, 16, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.ones(5, 1, 1, 30, dtype=torch.bool)
+    mask[1, ..., :7] = False
+    mask[3, ..., 10:20] = False
+    module = _Module(heads // kv_heads)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = grouped_sdpa(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (5, 1, heads, 16) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    # a row with a different mask gets a different output: the mask is applied per row
+    other = mask.clone()
+    other[0, ..., :15] = False
+    assert not torch.allclose(grouped_sdpa(module, q, k, v, other, scaling=0.25)[0][0], got[0])
+
+
+def test_grouped_attention_is_registered_with_kvpress_patch_and_sdpa_masks():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    fn = AttentionInterface()[GROUPED_SDPA]
+    assert "attention_patch" in fn.__qualname__
+    assert ALL_MASK_ATTENTION_FUNCTIONS[GROUPED_SDPA] is sdpa_mask
+
+
+def test_capacity_layer_holds_what_a_dynamic_layer_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    gen = torch.Generator().manual_seed(1)
+    k0, v0 = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, 6, generator=gen)
+    dyn, cap = DynamicLayer(), CapacityLayer(k0, v0, capacity=7)
+    dyn.update(k0, v0)
+    buffer = cap._k
+    for step in range(4):  # the third update outgrows the 7 columns
+        k, v = torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 6, generator=gen)
+        dk, dv = dyn.update(k, v)
+        ck, cv = cap.update(k, v)
+        assert torch.equal(ck, dk) and torch.equal(cv, dv)
+        if step < 2:
+            assert cap._k is buffer  # written in place
+    assert cap.capacity >= 9 and cap.get_seq_length() == 9
+    rows, cols = torch.tensor([2, 0]), torch.tensor([0, 3, 8])
+    cap.select(rows, cols)
+    assert torch.equal(cap.keys, dk[rows][:, :, cols]) and torch.equal(cap.values, dv[rows][:, :, cols])
+    assert cap.get_mask_sizes(torch.arange(1)) == (4, 0)
+
+
+def test_a_capacity_cache_copies_its_source():
+    from transformers import DynamicCache
+
+    src = DynamicCache()
+    src.update(torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
+    cache = capacity_cache(src, 10)
+    assert cache.layers[0].capacity == 10 and cache.get_seq_length() == 3
+    src.layers[0].keys.mul_(5)
+    assert bool((cache.layers[0].keys == 1).all())
+
+
+def _measured_prefill_presses():
+    for name in sorted(registry.ROWS):
+        if press_status.status(name) != "measured":
+            continue
+        if is_decode_time(Policy.from_config(name, press_status.test_spec(name)).build_press(64)):
+            continue
+        yield name
+
+
+def trace(model, prompts, name, fast):
+    """Log-distributions of a batched, rewound run, and the pair; forced tokens, the same on both sides."""
+    from kvdiverge.engine.llm.prefill import prefill_seed
+
+    policy = None if name is None else Policy.from_config(name, press_status.test_spec(name))
+    presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
+    expected = [None if policy is None else policy.expected_kept(len(ids), p) for ids, p in zip(prompts, presses)]
+    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0, fast=fast,
+                                        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))])
+    n = len(prompts) * R
+    out = [pair.start(n)]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(STEPS):
+        if step == 2:
+            pair.rewind(torch.tensor([0, 1, 2, 1, 0, 2]))
+        x = torch.randint(1, 500, (n,), generator=gen)
+        out.append(pair.advance(x, x))
+    return out, pair
+
+
+@pytest.mark.parametrize("name", list(_measured_prefill_presses()))
+def test_measured_presses_give_the_stock_path_distributions(model, prompts, name):
+    if press_status.status(name, model) != "measured":
+        pytest.skip(f"{name} is refused on this model's config")
+    fast, pair = trace(model, prompts, name, True)
+    stock, _ = trace(model, prompts, name, False)
+    assert all(type(layer) is CapacityLayer for layer in pair._ev.cache.layers)
+    for t, ((p, q), (ps, qs)) in enumerate(zip(fast, stock)):
+        for a, b in ((p, ps), (q, qs)):
+            live = b > -13.8
+            gap = (a - b).abs()[live].max().item()
+            assert gap <= TOL, f"{name}: step {t} differs from the stock path by {gap:.2e}"
+
+
+def test_without_a_press_both_sides_are_bit_identical(model, prompts):
+    steps, _ = trace(model, prompts, None, True)
+    for p, q in steps:
+        assert torch.equal(p, q)
+        assert (0.5 * (p.exp() - q.exp()).abs().sum(-1)).max().item() == 0.0
+
+
+def test_headwise_masks_still_apply(model, prompts):
+    import kvpress
+
+    def run(drop):
+        presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
+        pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * len(prompts), temperature=1.0)
+        pair.start(len(prompts) * R)
+        assert pair._ev.masks is not None
+        if drop:
+            pair._ev.masks = None
+        x = torch.arange(1, 1 + len(prompts) * R)
+        return pair.advance(x, x)[1]
+
+    masked, unmasked = run(False), run(True)
+    assert (masked - unmasked).abs().max().item() > 1e-3
