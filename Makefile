@@ -1,6 +1,7 @@
 # Two entry points (README "Quick start"):
-#   make run    set up .venv if needed, run the workflow on the embedded default, build the report
-#   make test   set up .venv if needed, run the test suite
+#   make run       set up .venv if needed, run the workflow on the embedded default, build the report
+#   make test      set up .venv if needed, run the test suite but the `slurm` tests
+#   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
 # Set-up runs again only when pyproject.toml or constraints.txt change (stamp file).
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ TORCH_PIP_ARGS ?=
 # extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
 PYTEST_ARGS ?=
 
-.PHONY: run test setup clean-results
+.PHONY: run test test-all setup clean-results
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all
@@ -20,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m "slurm or not slurm" $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

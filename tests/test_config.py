@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,6 @@ import yaml
 from kvdiverge.study.config import ConfigError, load_config, load_schema, runs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 
 def raw(name: str) -> dict:
@@ -303,13 +299,20 @@ def test_runs_lists_every_generated_combination():
     assert runs(smoke).count(("smollm2-135m", "none", "exploratory")) == 1
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def _snakemake(*args, cwd=ROOT):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env)
+    """A dry run in this process (tests/conftest.py, ``snakemake_here``)."""
+    from conftest import snakemake_here
+
+    return snakemake_here(cwd, *args)
 
 
-def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path):
+@pytest.mark.workflow
+def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path, offline):
     config = raw("smoke.yaml")
     config["decoding"]["temprature"] = 0.5
     path = tmp_path / "bad.yaml"
@@ -333,7 +336,8 @@ def _job_stats(text: str) -> dict[str, int]:
     return stats
 
 
-def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path):
+@pytest.mark.workflow
+def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path, offline):
     out = _snakemake("-n", "--configfile", str(ROOT / "config" / "paper.yaml"), "-d", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr

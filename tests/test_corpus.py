@@ -273,7 +273,7 @@ def test_rows_without_string_text_are_skipped_and_counted(tmp_path, caplog):
     assert "(first: row 1)" in caplog.text
 
 
-@pytest.mark.e2e
+@pytest.mark.workflow
 def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
     """Through Snakemake: the corpus stage's log file says how many rows were skipped."""
     import yaml

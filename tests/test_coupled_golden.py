@@ -99,6 +99,7 @@ def test_table_pairs_and_constructions_reproduce_the_golden_records(golden):
     assert {1, 2, 3, 4} <= starts
 
 
+@pytest.mark.miniature
 def test_miniature_model_batches_reproduce_the_golden_records(golden):
     got = llm_cases()
     for key, records in got.items():

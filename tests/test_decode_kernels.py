@@ -160,6 +160,7 @@ def trace(model, prompts, name, fast):
     return out, pair
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", list(_measured_prefill_presses()))
 def test_measured_presses_give_the_stock_path_distributions(model, prompts, name):
     if press_status.status(name, model) != "measured":
@@ -174,6 +175,7 @@ def test_measured_presses_give_the_stock_path_distributions(model, prompts, name
             assert gap <= TOL, f"{name}: step {t} differs from the stock path by {gap:.2e}"
 
 
+@pytest.mark.miniature
 def test_without_a_press_both_sides_are_bit_identical(model, prompts):
     steps, _ = trace(model, prompts, None, True)
     for p, q in steps:
@@ -181,6 +183,7 @@ def test_without_a_press_both_sides_are_bit_identical(model, prompts):
         assert (0.5 * (p.exp() - q.exp()).abs().sum(-1)).max().item() == 0.0
 
 
+@pytest.mark.miniature
 def test_headwise_masks_still_apply(model, prompts):
     import kvpress
 

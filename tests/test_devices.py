@@ -2,6 +2,7 @@
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -66,68 +67,102 @@ def test_non_cuda_devices_pass_through_and_missing_gpus_are_named(gpus, monkeypa
 
 
 WORKER = """
-import json, sys, time
+import json, sys
 from kvdiverge.study.devices import bind_device
 with bind_device("cuda", poll_s=0.05) as dev:
-    start = time.time()
-    time.sleep(float(sys.argv[1]))
-    print(json.dumps({"device": dev, "start": start, "end": time.time()}))
+    print(json.dumps({"device": dev}), flush=True)
+    sys.stdin.readline()  # holds the device until the test writes a line
+print("released", flush=True)
 """
 
 
+def _worker(env):
+    return subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _holders(procs, n, timeout_s=60):
+    """The first ``n`` of ``procs`` to report the device they hold: {process: device}."""
+    held, deadline = {}, time.monotonic() + timeout_s
+    while len(held) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(held)} of {n} workers took a device"
+        ready, _, _ = select.select([p.stdout for p in procs if p not in held], [], [], left)
+        for p in procs:
+            if p.stdout in ready:
+                held[p] = json.loads(p.stdout.readline())["device"]
+    return held
+
+
+def _release(proc):
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "released"
+    assert proc.wait(timeout=60) == 0
+
+
 def test_parallel_processes_get_distinct_devices(gpus):
-    """Four jobs on three GPUs: three run at once on distinct devices, the fourth waits."""
+    """Four jobs on three GPUs: three hold distinct devices at once, the fourth waits until
+    one is given back and then gets that one (events, not timings)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "1.5"], env=env, stdout=subprocess.PIPE,
-                              text=True) for _ in range(4)]
-    out = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
-    out.sort(key=lambda r: r["start"])
-    first3, last = out[:3], out[3]
-    assert sorted(r["device"] for r in first3) == ["cuda:0", "cuda:1", "cuda:2"]
-    # the fourth started only once one of the first three had released its device
-    assert last["start"] >= min(r["end"] for r in first3) - 0.01
-    # at no time did two jobs hold one device
-    for i, a in enumerate(out):
-        for b in out[i + 1:]:
-            if a["device"] == b["device"]:
-                assert a["end"] <= b["start"] + 0.01 or b["end"] <= a["start"] + 0.01
+    procs = [_worker(env) for _ in range(4)]
+    try:
+        first = _holders(procs, 3)
+        assert sorted(first.values()) == ["cuda:0", "cuda:1", "cuda:2"]
+        (fourth,) = [p for p in procs if p not in first]
+        # all three devices are held: the fourth keeps polling (every 0.05 s) and gets none
+        assert select.select([fourth.stdout], [], [], 0.5)[0] == []
+        assert fourth.poll() is None
+        # one job gives its device back: the fourth gets exactly that one, the others stay held
+        freed = next(p for p, dev in first.items() if dev == "cuda:1")
+        _release(freed)
+        assert _holders([fourth], 1) == {fourth: "cuda:1"}
+        for p in [*first, fourth]:
+            if p is not freed:
+                _release(p)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_a_killed_job_leaves_no_stale_lock(gpus, monkeypatch):
     monkeypatch.setenv(ENV_GPUS, "a")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, "60"], env=env, stdout=subprocess.PIPE)
-    deadline = time.time() + 30
-    while not (gpus / "gpu-a.lock").exists() or not (gpus / "gpu-a.lock").read_text().strip():
-        assert time.time() < deadline, "worker never took its lock"
-        time.sleep(0.05)
-    with pytest.raises(TimeoutError):
-        with bind_device("cuda", poll_s=0.05, timeout_s=0.2):
-            pass
-    proc.kill()
-    proc.wait()
+    proc = _worker(env)
+    try:
+        assert _holders([proc], 1) == {proc: "cuda:0"}
+        assert (gpus / "gpu-a.lock").read_text().strip()  # the holder wrote itself into the lock
+        with pytest.raises(TimeoutError):
+            with bind_device("cuda", poll_s=0.05, timeout_s=0.2):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
     with bind_device("cuda", timeout_s=5) as dev:
         assert dev == "cuda:0"
 
 
-def _dry_run(tmp_path, *args, gpus="2"):
-    env = {**os.environ, ENV_GPUS: gpus,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path),
-         "--configfile", str(REPO / "config" / "paper.yaml"), *args],
-        cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout + res.stderr
+def _dry_run(tmp_path, monkeypatch, *args, gpus="2"):
+    """A dry run of the paper config in this process (tests/conftest.py, ``snakemake_here``)."""
+    from conftest import snakemake_here
+
+    monkeypatch.setenv(ENV_GPUS, gpus)
+    res = snakemake_here(REPO, "-n", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path),
+                         "--configfile", str(REPO / "config" / "paper.yaml"), *args)
+    assert res.returncode == 0, res.stdout[-3000:]
+    return res.stdout
 
 
-def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path):
-    out = _dry_run(tmp_path)
+@pytest.mark.workflow
+def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path, monkeypatch):
+    out = _dry_run(tmp_path, monkeypatch)
     assert "local GPU cap gpu=2 (KVDIVERGE_GPUS)" in out
     assert "trajectories      336" in out  # 14 runs (noise floor included) x 24 shards
-    assert "local GPU cap gpu=1 (--resources)" in _dry_run(tmp_path, "--resources", "gpu=1")
+    assert "local GPU cap gpu=1 (--resources)" in _dry_run(tmp_path, monkeypatch, "--resources", "gpu=1")
     # a cluster run (SLURM profile, --jobs) gets no local cap
-    slurm = _dry_run(tmp_path, "--profile", str(REPO / "profiles" / "slurm"))
+    slurm = _dry_run(tmp_path, monkeypatch, "--profile", str(REPO / "profiles" / "slurm"))
     assert "local GPU cap" not in slurm and "trajectories      336" in slurm
 
 

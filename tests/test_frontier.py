@@ -5,7 +5,7 @@
 - the areas and the ranking, exactly, on a hand-made table (no model);
 - the expanded policies share documents and common random numbers, and the API draws the
   frontier (a miniature random-weight model, ``miniature``);
-- ``config/frontier-smoke.yaml`` runs end to end through Snakemake (``e2e``).
+- ``config/frontier-smoke.yaml`` runs end to end through Snakemake (``workflow``).
 """
 
 from __future__ import annotations
@@ -283,19 +283,14 @@ def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
 # --------------------------------------------------------------------------- the workflow, end to end
 
 
-@pytest.mark.e2e
-def test_frontier_smoke_runs_through_snakemake(tmp_path):
-    """``config/frontier-smoke.yaml``: 2 presses x 2 ratios beside the floor, table, figure, report."""
-    from conftest import _copy_tree
+@pytest.mark.workflow
+def test_frontier_smoke_runs_through_snakemake(frontier_run):
+    """``config/frontier-smoke.yaml``: 2 presses x 2 ratios beside the floor, table, figure, report.
 
-    _copy_tree(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "src"), os.environ.get("PYTHONPATH")]))}
-    base = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "config/frontier-smoke.yaml"]
-    results = tmp_path / raw("frontier-smoke.yaml")["results_dir"]
-    for cmd in (base, base + ["--report", f"{results.name}/report.html"]):
-        res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-6000:]
+    The run is the session's (fixture ``frontier_run``, tests/conftest.py), beside the smoke run.
+    """
+    results = frontier_run
+    assert results.name == raw("frontier-smoke.yaml")["results_dir"]
     points = pl.read_parquet(results / "analysis" / "frontier.parquet")
     assert sorted(points["policy"]) == ["knorm@0.25", "knorm@0.5", "snapkv@0.25", "snapkv@0.5"]
     assert (points["n_docs"] == points["n_docs"][0]).all() and (points["floor"] == "noise-floor").all()

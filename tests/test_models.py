@@ -145,6 +145,23 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
         tok, first["text"], config["prompt"]["instruction"])
 
 
+@pytest.mark.llm
+def test_the_sessions_converted_copy_equals_the_gguf_model(smol, embedded):
+    """The converted directory the other tests load (fixture ``embedded``, tests/conftest.py)
+    holds the GGUF model's weights bit for bit and renders the same prompt ids."""
+    import torch
+
+    (model, tok), (copy, copy_tok) = smol, embedded
+    ours, theirs = model.state_dict(), copy.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for key, value in ours.items():
+        assert theirs[key].dtype == value.dtype and torch.equal(theirs[key], value), key
+    assert copy.config._attn_implementation == "sdpa" and not copy.training
+    assert eos_ids(copy) == eos_ids(model) == [2]
+    doc = "Fellow-Citizens of the Senate:\n\nThe state of the Union is strong."
+    for system in (None, "Be brief."):
+        assert render_ids(copy_tok, doc, "Summarize.", system) == render_ids(tok, doc, "Summarize.", system)
+
 
 def test_cached_hub_model_loads_without_network(tmp_path, monkeypatch):
     """A hub id found in the local cache resolves to an offline load."""

@@ -8,6 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_installed_versions_match_the_pins():
 def test_pytest_markers_are_registered():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     markers = {m.split(":")[0] for m in data["tool"]["pytest"]["ini_options"]["markers"]}
-    assert {"llm", "e2e", "slurm"} <= markers
+    assert {"llm", "miniature", "workflow", "slurm"} <= markers
 
 
 def test_makefile_installs_torch_first_and_the_model_without_deps():
@@ -88,13 +89,18 @@ def test_makefile_installs_torch_first_and_the_model_without_deps():
     assert "snakemake --cores all" in text and "snakemake --report results/report.html" in text
 
 
-def test_ci_runs_the_readme_test_command_only():
+def test_ci_runs_the_readme_test_command_and_the_slurm_tests_only():
     ci = ROOT / ".ci" / "run"
     assert ci.stat().st_mode & 0o111
     commands = [ln.strip() for ln in ci.read_text().splitlines()
                 if ln.strip() and not ln.lstrip().startswith("#")]
-    assert commands[-1] == "make test"
+    assert commands[-1] == "make test-all" and "set -euo pipefail" in commands
     assert all(c.startswith(("set ", "cd ")) for c in commands[:-1])
+    make = (ROOT / "Makefile").read_text()
+    test = re.search(r"^test: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
+    test_all = re.search(r"^test-all: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
+    assert test == "$(BIN)/python -m pytest $(PYTEST_ARGS)"  # the slurm tests left out (tests/conftest.py)
+    assert test_all == '$(BIN)/python -m pytest -m "slurm or not slurm" $(PYTEST_ARGS)'
 
 
 def test_readme_quick_start_has_exactly_two_commands():
@@ -106,6 +112,7 @@ def test_readme_quick_start_has_exactly_two_commands():
     assert "## Running on a SLURM cluster" in text
 
 
+@pytest.mark.workflow
 def test_snakemake_lint_passes():
     out = subprocess.run([str(Path(sys.executable).parent / "snakemake"), "--lint"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)

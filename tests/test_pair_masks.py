@@ -87,6 +87,7 @@ def keep_and_rewind(pair, rows):
 SCRIPT = {2: keep_and_rewind}
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_the_reference_side_equals_a_no_press_pair_at_every_step(model, name):
     ids = prompt(60)
@@ -97,6 +98,7 @@ def test_the_reference_side_equals_a_no_press_pair_at_every_step(model, name):
     assert any(not torch.equal(lq, bq) for (_, lq), (_, bq) in zip(pressed, plain))  # the press acted
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", [n for n in PRESSES if n != "dms"] + ["dms"])
 def test_ratio_zero_gives_exactly_zero_tv(model, name):
     pair = LLMKernelPair(model, prompt(60), PRESSES[name](0.0), temperature=1.0)
@@ -119,6 +121,7 @@ def drop_and_rewind(pair, rows):
     return rows[torch.tensor(SURVIVORS)]
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_three_documents_in_one_batch_equal_each_alone(model, name):
     """Rows of three documents (R = 2), through row removal, column trimming and rewinds."""
@@ -148,6 +151,7 @@ def test_three_documents_in_one_batch_equal_each_alone(model, name):
             assert (bq[at] - aq).abs().max() < BATCH_TOL, (name, d, step)
 
 
+@pytest.mark.miniature
 def test_headwise_masks_are_a_per_head_top_k_when_every_head_keeps_its_share(model):
     """AdaKV with alpha_safeguard = 1 keeps n_kept positions in every head: SnapKV's choice,
     masked in place instead of gathered, so the two evicted kernels agree to rounding."""
@@ -161,6 +165,7 @@ def test_headwise_masks_are_a_per_head_top_k_when_every_head_keeps_its_share(mod
         assert (aq - uq).abs().max() > 1e-3  # the masks matter
 
 
+@pytest.mark.miniature
 def test_kept_counts_follow_each_press_promise(model):
     n = 60
     cases = {
@@ -184,6 +189,7 @@ def test_kept_counts_follow_each_press_promise(model):
     assert (kept.sum(1) == 30 * HEADS).all() and bool((kept != 30).any())  # spread unevenly over heads
 
 
+@pytest.mark.miniature
 def test_a_broken_promise_names_the_layer(model):
     press = kvpress.PyramidKVPress(0.5, window_size=8)
     pair = LLMKernelPair(model, prompt(60), press, temperature=1.0, expected_kept=30)
@@ -197,6 +203,7 @@ def test_a_broken_promise_names_the_layer(model):
         check_kept(torch.full((3, 2), 60), None, model.config, snap(), 60)
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", ["snapkv", "adakv", "pyramidkv", "observed-attention", "dms"])
 def test_one_prefill_gives_the_plain_reference_cache_bit_for_bit(model, name):
     ids = torch.tensor(prompt(60))
@@ -213,6 +220,7 @@ def test_one_prefill_gives_the_plain_reference_cache_bit_for_bit(model, name):
     assert all(getattr(m, "masked_key_indices", None) is None for m in model.modules())
 
 
+@pytest.mark.miniature
 def test_presses_with_their_own_forward_get_two_prefills(model):
     own = sorted(n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
                  and issubclass(getattr(kvpress, n), kvpress.BasePress)
@@ -224,6 +232,7 @@ def test_presses_with_their_own_forward_get_two_prefills(model):
     assert pair.prefill_forwards == [2] and sum(pair.kept_per_layer[0]) >= 90 * HEADS
 
 
+@pytest.mark.miniature
 def test_supplied_attention_weights_are_eager_attentions(model):
     """ObservedAttentionPress scores with the weights eager attention returns (layer 0: same inputs)."""
     ids = torch.tensor([prompt(30)])
@@ -244,6 +253,7 @@ def test_supplied_attention_weights_are_eager_attentions(model):
     assert (seen["w"] - want).abs().max() < 1e-6
 
 
+@pytest.mark.miniature
 def test_masks_need_a_patched_attention_implementation(model):
     check_patched(model)
     eager = random_model(MINIATURE["llama-3.1-8b"], num_hidden_layers=1, attn_implementation="eager")
@@ -275,6 +285,7 @@ def test_merge_caches_pads_values_with_their_own_head_dim():
         merge_caches([cache(5, 2), cache(3, 3)], [4, 3], 1, torch.device("cpu"))
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", ["adakv", "pyramidkv", "per-layer", "dms"])
 def test_the_evicted_side_is_kvpress_own_decoding(model, name):
     """Log q at every step equals a plain kvpress decode of the pressed cache (one sequence,
@@ -296,6 +307,7 @@ def test_the_evicted_side_is_kvpress_own_decoding(model, name):
             assert (lq - want).abs().max() < 1e-5, (name, step)
 
 
+@pytest.mark.miniature
 def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model):
     """KeyRerotationPress's evicted side: the first generated token at RoPE position len(cache), as kvpress's pipeline."""
     ids, x = prompt(60), torch.tensor([7])
@@ -313,6 +325,7 @@ def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model
     assert pair._ev.prompt_len == 30 and pair._ref.prompt_len == 60
 
 
+@pytest.mark.miniature
 def test_a_document_prefill_seeds_torch_and_restores_the_callers_generator(model):
     """Presses drawing from torch's global generator (here RandomPress without a seed) reproduce under ``seeded``."""
     from kvdiverge.engine.llm.prefill import prefill_seed, seeded

@@ -46,6 +46,7 @@ class Widths:
             self.seen.append(int(cache.get_seq_length()))
 
 
+@pytest.mark.miniature
 def test_the_planner_covers_the_widest_cache_a_run_reaches(mini, one_thread):
     """Rewound columns stay until rows leave: a run's cache outgrows prompt + T columns, never
     ``cache_columns``, and the planned bytes cover what the run holds."""
@@ -80,6 +81,7 @@ def _prompts(n_docs, lengths=(12, 15, 18)):
             for i in range(n_docs)}
 
 
+@pytest.mark.miniature
 def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
     """The free memory is read once per call: a later press does not get a smaller B."""
     import kvdiverge
@@ -112,6 +114,7 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
     assert m.batch_documents == 3
 
 
+@pytest.mark.miniature
 def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, one_thread):
     import kvdiverge
     from kvdiverge.study.provenance import library_versions
@@ -127,6 +130,7 @@ def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, o
     assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(json.dumps(m.settings, default=str))
 
 
+@pytest.mark.miniature
 def test_a_shard_records_the_b_it_ran_with_outside_its_settings(mini, tmp_path, one_thread):
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame([{"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
@@ -159,6 +163,7 @@ def _decode_time_plan(mini, prompts, T, R, budget_gb):
     return plan_batch(decode_time=True, **kwargs), plan_batch(**kwargs)
 
 
+@pytest.mark.miniature
 def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini, tmp_path, one_thread):
     """``batch_documents: auto`` plans a decode-time policy's rows as 3R per document, in the
     shard job and in ``measure`` alike."""
@@ -188,6 +193,7 @@ def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini
     assert read_provenance(tmp_path / "shard-0.parquet").batch == {"batch_documents": want}
 
 
+@pytest.mark.miniature
 def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_thread):
     """One registry check per press per call, with the model, before any forward."""
     import kvdiverge

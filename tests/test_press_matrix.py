@@ -162,6 +162,7 @@ def _policy(name: str, ratio: float | None = None) -> Policy:
     return Policy.from_config(name, spec)
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize("name", _rows())
 def test_press_matrix(model, prompts, forced, name, monkeypatch):
     if press_status.status(name, model) == "refused":
@@ -279,6 +280,7 @@ def test_a_row_of_the_adapter_registry_decides(monkeypatch):
     assert press_status.spec_refusal(press_status.test_spec("KnormPress")) == "Knorm is refused."
 
 
+@pytest.mark.miniature
 def test_conditional_refusals_follow_the_parameters():
     ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
     assert press_status.spec_refusal(ok) is None  # head-wise, measured
@@ -300,6 +302,7 @@ def test_conditional_refusals_follow_the_parameters():
     assert press_status.spec_refusal(prefill_only) is None
 
 
+@pytest.mark.miniature
 def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
     from kvdiverge.engine.runner import Document, run_documents
 

@@ -201,7 +201,7 @@ def test_unquoted_yaml_date_is_explained():
         validate(config)
 
 
-@pytest.mark.e2e
+@pytest.mark.workflow
 @pytest.mark.llm
 def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
@@ -227,15 +227,17 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
     # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
     import yaml
 
+    from conftest import snakemake_here
+
     def dry_run(change):
         config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
         change(config)
         path = tmp_path / "changed.yaml"
         path.write_text(yaml.safe_dump(config))  # keys reordered: no change
-        out = subprocess.run([SNAKEMAKE, "-n", "--configfile", str(path), "-d", str(tmp_path),
-                              target], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout + out.stderr
+        # in this process (tests/conftest.py, snakemake_here): no interpreter start per dry run
+        out = snakemake_here(ROOT, "-n", "--configfile", str(path), "-d", str(tmp_path), target)
+        assert out.returncode == 0, out.stdout[-3000:]
+        return out.stdout
 
     text = dry_run(lambda c: c["prompt"].update(instruction="List the topics."))
     assert "rule prompts:" in text and "rule corpus:" not in text and "params have changed" in text

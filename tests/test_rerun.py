@@ -2,8 +2,9 @@
 
 Every test starts from a copy of the finished smoke run (session fixture ``smoke_run``,
 tests/conftest.py): its results, logs and Snakemake's metadata (``.snakemake/``), with
-the converted model hard-linked (never rewritten). The dry runs read that copy only; the
-tests that run jobs make their own copy.
+the converted model hard-linked (never rewritten). The dry runs read that copy only, and run
+in this process through Snakemake's command line (``snakemake_here``); the tests that run
+jobs make their own copy and run Snakemake as a command.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest
 import yaml
 from polars.testing import assert_frame_equal
 
-pytestmark = pytest.mark.e2e
+from conftest import copy_run, snakemake_here
+
+pytestmark = pytest.mark.workflow
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
@@ -31,15 +34,6 @@ RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("window-5
         ("snapkv-90", "confirmatory"), ("noise-floor", "confirmatory"), ("none", "exploratory")]
 # rules whose jobs the tests tell apart by their first output; the others run once
 PER_FILE = ("trajectories", "estimate")
-
-
-def copy_run(src: Path, dest: Path) -> Path:
-    """Copy a finished run's working directory (mtimes kept); the converted model is hard-linked."""
-    results = src / RES
-    shutil.copytree(src, dest, ignore=lambda d, names: ["models"] if Path(d) == results else [])
-    if (results / "models").exists():
-        shutil.copytree(results / "models", dest / RES / "models", copy_function=os.link)
-    return dest
 
 
 def env_for(work: Path) -> dict[str, str]:
@@ -80,9 +74,16 @@ def planned_jobs(text: str) -> set[tuple[str, str | None]]:
     return jobs
 
 
+def snakemake_dry(work: Path, *args: str) -> str:
+    """``snakemake -n *args`` in ``work``, in this process (tests/conftest.py, ``snakemake_here``):
+    no interpreter start per dry run. Returns what it printed."""
+    out = snakemake_here(work, "-n", *args)
+    assert out.returncode == 0, f"snakemake -n {' '.join(args)} failed:\n{out.stdout[-5000:]}"
+    return out.stdout
+
+
 def dry_run(work: Path, change=None, *extra: str) -> set[tuple[str, str | None]]:
-    out = snakemake(work, "-n", "--configfile", write_config(work, change), *extra)
-    text = out.stdout + out.stderr
+    text = snakemake_dry(work, "--configfile", write_config(work, change), *extra)
     jobs = planned_jobs(text)
     assert jobs or "Nothing to be done" in text, text[-3000:]
     return jobs
@@ -206,8 +207,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     command = log.split("Regenerate them with:")[1].strip().splitlines()[0]
     assert command == f"snakemake --cores all --configfile config/smoke.yaml --forcerun {shard}"
     # that command remakes the shard and what depends on it, nothing else
-    planned = snakemake(work, "-n", *command.split()[1:])
-    assert planned_jobs(planned.stdout + planned.stderr) == (
+    assert planned_jobs(snakemake_dry(work, *command.split()[1:])) == (
         {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
         | FIGURES_UP)
 
@@ -220,8 +220,14 @@ def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
     for stage in ("trajectories", "estimates"):  # the clean run: no shard, no estimate yet
         shutil.rmtree(clean / RES / stage)
     target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
-    for work in (rerun, clean):
-        snakemake(work, "--cores", "2", target, "--configfile", write_config(work, setter("shards", 1)))
+    # the two runs side by side: each has one single-threaded shard job at a time
+    procs = [(work, subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile",
+                                      write_config(work, setter("shards", 1))], cwd=work, env=env_for(work),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             for work in (rerun, clean)]
+    for work, proc in procs:
+        out = proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, f"snakemake in {work.name} failed:\n{out[-5000:]}"
 
     before = pl.read_parquet(src / target)
     shard0 = pl.read_parquet(rerun / RES / "trajectories" / MODEL / "snapkv-50" / "exploratory" / "shard-0.parquet")

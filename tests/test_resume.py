@@ -1,9 +1,13 @@
 """A run killed hard (SIGKILL) during generation resumes after `snakemake --unlock` and
-gives the same tables as an uninterrupted run (README, "an interrupted run resumes")."""
+gives the same tables as an uninterrupted run (README, "an interrupted run resumes").
+
+The interrupted run starts from a copy of the session's smoke run (fixture ``smoke_run``)
+with some of its shards and everything after them deleted, and is compared with it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +17,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import _copy_tree, results_dir
+from conftest import copy_run, results_dir, tree_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.llm]
+pytestmark = [pytest.mark.workflow, pytest.mark.llm]
 
 TIMEOUT = 1800  # seconds for each stage of the test (a smoke run takes minutes)
 
@@ -30,27 +34,39 @@ def _tables(results: Path) -> dict[str, pl.DataFrame]:
     return out
 
 
+# the runs whose shards the resumed run regenerates: a prefill press, the decode-time
+# window, the noise floor on the other split (6 of the 14 shards)
+REGENERATED = [("snapkv-50", "exploratory"), ("window-50", "exploratory"), ("noise-floor", "confirmatory")]
+
+
 def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
-    work = tmp_path / "run"
-    work.mkdir()
-    _copy_tree(work)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    """From a copy of the session's smoke run with the shards of three runs, every shard log,
+    estimate and analysis deleted: the run is killed once generation starts, refuses to
+    start again at the stale lock, and after `--unlock` resumes to the same tables."""
+    work = copy_run(Path(smoke_run).parent, tmp_path / "run")
+    results = work / results_dir("smoke.yaml")
+    shards = results / "trajectories"
+    shard_logs = results / "logs" / "trajectories"
+    model = next(p.name for p in shards.iterdir())
+    for policy, split in REGENERATED:
+        shutil.rmtree(shards / model / policy / split)
+    for stage in (shard_logs, results / "estimates", results / "analysis", results / "figures"):
+        shutil.rmtree(stage)
+    (results / "report.html").unlink()
+    assert len(list(shards.rglob("shard-*.parquet"))) == 14 - 2 * len(REGENERATED)
+    env = tree_env(work)
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "config/smoke.yaml"]
 
     def run(args):
         return subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
-    # 1. start the smoke run in its own process group; SIGKILL the group once generation starts
+    # 1. start the run in its own process group; SIGKILL the group once generation starts
     with open(tmp_path / "killed.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    results = work / results_dir("smoke.yaml")
-    shards = results / "trajectories"
-    shard_logs = results / "logs" / "trajectories"
     deadline = time.monotonic() + TIMEOUT
     try:
-        while not (any(shard_logs.rglob("*.log")) or any(shards.rglob("shard-*.parquet"))):
+        while not (shard_logs.exists() and any(shard_logs.rglob("*.log"))):
             assert proc.poll() is None, "the run ended before generation started:\n" + \
                 (tmp_path / "killed.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "generation did not start in time"

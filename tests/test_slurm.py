@@ -4,7 +4,9 @@ Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm` plus th
 overrides below in a copy of the local smoke run's working tree, and checks that every table
 equals the local run's (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge`
 with apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
-Elsewhere it is skipped with the reason. Select it alone with `pytest -m slurm`.
+Elsewhere it is skipped with the reason. The two tests that start the cluster are marked
+`slurm`: outside the default `make test`, run by `make test-all` and `.ci/run` (alone:
+`pytest -m slurm`). The profile's dry run needs no cluster and runs by default.
 """
 
 from __future__ import annotations
@@ -26,11 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's im
 from slurm_cluster import (CONF_HEADER, SYSTEM_CONF, ClusterBusy, SlurmCluster, die_with_parent,
                            ensure_installed, unavailable_reason)
 
-pytestmark = pytest.mark.slurm
-
 _UNAVAILABLE = unavailable_reason()
-# decided before any fixture runs, so that a machine without root does not first pay for
-# the local smoke run
+# the tests that start a cluster (root; apt installs, /etc/slurm): `slurm`, outside the
+# default run (`make test-all`, `.ci/run`); the skip is decided before any fixture runs,
+# so that a machine without root does not first pay for the local smoke run
 needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +68,7 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
+@pytest.mark.slurm
 @needs_cluster
 def test_cluster_runs_a_job_and_cleans_up(tmp_path):
     """The cluster helper itself: a job runs, and stop() leaves no daemon and no slurm.conf."""
@@ -91,15 +93,14 @@ def test_cluster_runs_a_job_and_cleans_up(tmp_path):
 
 def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[str, str]]]:
     """(rule, resources) of every job that `snakemake -n --profile profiles/slurm` lists."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"),
-         "--configfile", str(REPO / configfile), "--profile", str(PROFILE.parent),
-         "--directory", str(workdir)],
-        cwd=workdir, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from conftest import snakemake_here  # in this process: no interpreter start
+
+    proc = snakemake_here(workdir, "-n", "--snakefile", str(REPO / "Snakefile"),
+                          "--configfile", str(REPO / configfile), "--profile", str(PROFILE.parent),
+                          "--directory", str(workdir))
+    assert proc.returncode == 0, proc.stdout[-4000:]
     jobs, rule = [], None
-    for line in (proc.stdout + proc.stderr).splitlines():
+    for line in proc.stdout.splitlines():
         if m := re.match(r"(?:local)?rule (\w+):$", line):
             rule = m.group(1)
         elif (m := re.match(r"\s+resources: (.*)$", line)) and rule:
@@ -108,6 +109,7 @@ def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[st
     return jobs
 
 
+@pytest.mark.workflow
 def test_paper_profile_asks_gpus_for_generation_only(tmp_path):
     """With config/paper.yaml, every generation job goes to the GPU partition with one GPU
     (the plugin turns `gpu=1` into `sbatch --gpus=1`), and no other job asks for a GPU."""
@@ -181,6 +183,8 @@ def read_table(path: Path) -> pl.DataFrame:
     return df.drop([c for c in df.columns if c == "seconds" or c.endswith("_seconds")])
 
 
+@pytest.mark.slurm
+@pytest.mark.workflow
 @needs_cluster
 def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys):
     # smoke_run first: the cluster starts once the local run is done

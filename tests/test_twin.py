@@ -8,6 +8,8 @@ from transformers import DynamicCache
 from kvdiverge.engine.llm.twin import evicted_twin, shares_weights
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
+pytestmark = pytest.mark.miniature
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -12,7 +12,7 @@ import pytest
 from kvdiverge.estimation.analysis import plan_hash
 from kvdiverge.study.config import load_config, runs
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.workflow
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
