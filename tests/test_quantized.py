@@ -56,6 +56,7 @@ def test_spec_checks_and_bits():
     assert kv_bits_per_element(None) == 16.0 and kv_bits_per_element(None, 32) == 32.0
 
 
+@pytest.mark.miniature
 def test_refusals_are_one_sentence(model, monkeypatch):
     wide = QuantizedCacheSpec(q_group_size=64)
     assert refusal(wide, model) == ("the quantized cache's q_group_size 64 does not divide the model's head "
@@ -173,6 +174,7 @@ def check_rows(model, prompts, make, R, replay, tol, kept=None):
 
 
 @quanto
+@pytest.mark.miniature
 def test_quantized_cache_alone_equals_transformers_quantized_cache(model, prompts):
     # residual 3 over T = 9: flushes at several steps; chains and replayed branches, bit for bit
     sp = spec()
@@ -194,6 +196,7 @@ def test_quantized_cache_alone_equals_transformers_quantized_cache(model, prompt
 
 @quanto
 @pytest.mark.parametrize("nbits", [2, 4])
+@pytest.mark.miniature
 def test_press_then_quantize_one_document_alone_and_in_a_batch(model, prompts, nbits):
     sp = spec(nbits=nbits)
 
@@ -210,7 +213,7 @@ def test_press_then_quantize_one_document_alone_and_in_a_batch(model, prompts, n
     assert n_branch >= 3 and rec.pair.kept_lens == [10, 13, 8]  # SnapKV 50% kept, then quantized
 
 
-def test_policy_entries_alone_and_after_a_press(model):
+def test_policy_entries_alone_and_after_a_press():
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
 
@@ -239,6 +242,7 @@ def test_policy_entries_alone_and_after_a_press(model):
 
 
 @quanto
+@pytest.mark.miniature
 def test_runner_runs_a_quantized_policy(model, prompts):
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_documents

@@ -147,17 +147,16 @@ PROMPT = ("The bridge over the river was built in 1932 by a company from Glasgow
 
 
 @pytest.mark.llm
-def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum():
+def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embedded):
     import torch
     from kvpress import SnapKVPress
 
     import kvdiverge
     from kvdiverge.measurement import prepare_documents
     from kvdiverge.reference.speculative import first_block_accepted
-    from kvdiverge.study.models import EMBEDDED_MODEL, load_model
 
     torch.set_num_threads(1)
-    model, tok = load_model(EMBEDDED_MODEL)
+    model, tok = embedded
     ids = prepare_documents({"bridge": PROMPT}, tok, instruction="Summarise the text in two sentences.")[0].input_ids
     k, press = 3, {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8}
     m = kvdiverge.measure(model, tok, {"bridge": ids}, {"snapkv": press}, max_new_tokens=k, replicates=32,
