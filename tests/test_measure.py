@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
@@ -264,6 +265,17 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
+def test_cli_cache_entries():
+    from kvdiverge.cli import cli_entries
+
+    got = cli_entries(["KnormPress:compression_ratio=0.5"], ["quanto:nbits=2,residual_length=16"], None, 0.0)
+    q = {"cache": "quantized", "backend": "quanto", "nbits": 2, "residual_length": 16}
+    assert got == {"KnormPress:compression_ratio=0.5": {"press": "KnormPress", "params": {}, "compression_ratio": 0.5},
+                   "quanto:nbits=2,residual_length=16": q,
+                   "KnormPress:compression_ratio=0.5+quanto:nbits=2,residual_length=16":
+                       {"press": "KnormPress", "params": {}, "compression_ratio": 0.5, **q}}
+
+
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "hello"}\n')
@@ -278,6 +290,11 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
          "model not found"),
         (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens: 0 is not allowed; allowed: an integer >= 1"),
         (["measure", "embedded", "--press", "KnormPress"], "one of the arguments --prompts --sotu is required"),
+        (base, "give at least one --press or --cache"),
+        (base + ["--cache", "gptq:nbits=4"], "--cache 'gptq:nbits=4': the backend must be one of ['hqq', 'quanto']"),
+        (base + ["--cache", "quanto:bits=4"], "unknown parameter 'bits'; allowed: nbits, q_group_size"),
+        (base + ["--cache", "quanto:nbits=3"], "nbits must be one of [2, 4] for backend 'quanto', got 3"),
+        (base + ["--press", "KnormPress", "--cache", "quanto", "--ratios", "0.5"], "--cache with --ratios"),
     ]
     for argv, message in cases:
         try:
@@ -347,6 +364,11 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
     assert re.search(r"mypresses:KeepAllPress\s+2\s+100%\*", res.stdout)
     assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): mypresses:KeepAllPress" in res.stdout
     assert "noise floor: not measured" in res.stdout
+    # the self-speculative line: the untouched cache accepts all 4 drafted tokens, 5 per forward
+    assert re.search(r"self-speculative first block \(k=4.*mypresses:KeepAllPress 5\.00 \[5\.00, 5\.00\] "
+                     r"\(iid 5\.00\)", res.stdout)
+    spec = pl.read_parquet(out / "speculative.parquet")
+    assert spec.height == 2 * 4 and spec.filter(pl.col("policy") == own)["A"].to_list() == [1.0, 2.0, 3.0, 4.0]
     assert "step/s" in res.stderr or "it/s" in res.stderr  # progress bars
 
 
@@ -459,6 +481,14 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     text = m.format_summary()
     assert "E[M] - noise-floor [CI]" in text and "(floor)" in text
     assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): keep-all\n" in text + "\n"
+    spec = m.speculative
+    assert spec.filter(pl.col("policy") == "keep-all")["k"].to_list() == [1, 2, 3, 4]  # min(8, T)
+    # the identical cache accepts every drafted token: A_k = k, k + 1 tokens per target forward
+    assert spec.filter(pl.col("policy") == "keep-all")["tokens_per_forward"].to_list() == [2.0, 3.0, 4.0, 5.0]
+    snap = spec.filter(pl.col("policy") == "snapkv").sort("k")
+    assert snap["A"].to_numpy() == pytest.approx(np.cumsum(m.survival.filter(
+        (pl.col("policy") == "snapkv") & (pl.col("t") > 0)).sort("t")["S"].to_numpy()))
+    assert "self-speculative first block (k=4" in text and "keep-all 5.00 [5.00, 5.00] (iid 5.00)" in text
     assert m.gaps.height == 4 * 6  # every pair of 4 presses, 4 terms each
     with pytest.raises(ValueError, match="unknown press 'nope'"):
         m.gap("snapkv", "nope")
@@ -467,7 +497,8 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(presses)
     plt.close(fig)
     written = m.save(tmp_path / "out")
-    assert {p.name for p in written} >= {"trajectories.parquet", "summary.csv", "gaps.parquet", "measure.json"}
+    assert {p.name for p in written} >= {"trajectories.parquet", "summary.csv", "gaps.parquet", "measure.json",
+                                         "speculative.parquet", "speculative.csv"}
     assert m.plot_survival(tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")
     # a press that promises compression and keeps everything stops the run
     from dataclasses import dataclass

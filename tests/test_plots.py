@@ -8,6 +8,7 @@ from kvdiverge.report import figures as plots
 from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
 from kvdiverge.estimation.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
                                   replicate_estimates, survival_curve)
+from kvdiverge.estimation.speculative import speculative_table
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.coupled import simulate
 
@@ -51,6 +52,9 @@ def test_every_figure(tables, tmp_path):
     check(tmp_path, "c")
     plots.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
     check(tmp_path, "v")
+    plots.plot_speculative(speculative_table(t["docs"], 100, 0.95, 1), tmp_path / "k.png", tmp_path / "k.pdf",
+                           floor="A")
+    check(tmp_path, "k")
 
 
 def test_empty_inputs_still_give_figures(tables, tmp_path):
@@ -88,3 +92,18 @@ def test_survival_bands_share_their_lines_colour(tables, tmp_path, monkeypatch):
         top = float(np.max(line.get_ydata()))
         band = min(bands, key=lambda b: abs(b.get_paths()[0].vertices[:, 1].max() - top))
         assert np.allclose(to_rgb(line.get_color()), band.get_facecolor()[0][:3])
+
+
+def test_speculative_figure_draws_each_run_and_its_iid_line(tables):
+    import matplotlib.pyplot as plt
+
+    table = speculative_table(tables["docs"].filter(pl.col("split") == "exploratory"), 100, 0.95, 1)
+    fig = plots.speculative_figure(table, floor="A")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["B", "noise floor (A)", "i.i.d. (1 − α^(k+1)) / (1 − α)"]
+    dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":" and len(ln.get_xdata())]
+    b = table.filter(pl.col("policy") == "B").sort("k")
+    assert any(np.allclose(ln.get_ydata(), b["iid_tokens_per_forward"].to_numpy()) for ln in dotted)
+    assert ax.get_xlabel() == "draft block length k (tokens)"
+    plt.close(fig)

@@ -47,6 +47,56 @@ SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 UsageError = InputError
 
 
+# --------------------------------------------------------------------------- quantized caches
+
+
+def cache_entry(text: str) -> dict[str, Any]:
+    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
+
+    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
+    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+
+    Raises
+    ------
+    UsageError
+        An unknown backend or parameter.
+    """
+    from kvdiverge.engine.presses.expressions import parse_press
+    from kvdiverge.engine.presses.quantized import BACKENDS
+
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise UsageError(f"--cache {text!r}: {exc}") from None
+    if backend not in BACKENDS:
+        raise UsageError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
+    if unknown:
+        raise UsageError(f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, "
+                         f"residual_length")
+    return {"cache": "quantized", "backend": backend, **params}
+
+
+def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | None,
+                default_ratio: float | None) -> dict[str, dict[str, Any]]:
+    """Policy entries of ``--press`` and ``--cache`` values, by name.
+
+    Each press is a policy; each quantized cache is one alone (named by its value) and one
+    after each press (``<press>+<cache>``: evict, then quantize what is kept).
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry
+
+    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
+    quantized = {text: cache_entry(text) for text in caches}
+    out = dict(entries)
+    for text, keys in quantized.items():
+        out[text] = dict(keys)
+        for spec, entry in entries.items():
+            out[f"{spec}+{text}"] = {**entry, **keys}
+    return out
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -70,11 +120,14 @@ def _parser() -> argparse.ArgumentParser:
                "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
     )
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
-    p.add_argument("--press", action="append", required=True, metavar="NAME[:param=value,...]",
+    p.add_argument("--press", action="append", default=[], metavar="NAME[:param=value,...]",
                    help="a kvpress class name or module:Class, with constructor parameters "
                         "(int, float, true/false or text), or a press expression such as "
                         "'AdaKVPress(press=SnapKVPress(compression_ratio=0.5))' (literals and press "
                         "classes only); repeat for more presses")
+    p.add_argument("--cache", action="append", default=[], metavar="BACKEND[:param=value,...]",
+                   help="a quantized KV cache (backend quanto or hqq; nbits, q_group_size, residual_length), "
+                        "e.g. quanto:nbits=4: measured alone and after each --press; repeat for more")
     p.add_argument("--budget", type=int, metavar="TOKENS",
                    help="keep this many prompt positions per layer and head (a per-prompt compression "
                         "ratio of the press that takes one); instead of compression_ratio")
@@ -126,7 +179,8 @@ OPTIONS = {"max_new_tokens": "-T/--max-new-tokens", "replicates": "-R/--replicat
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse before any work a setting the config would refuse (the same check:
     :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
-    out-of-range counts of the command line's own and a repeated press."""
+    out-of-range counts of the command line's own, no press or cache, a repeated one and
+    --cache with --ratios."""
     from kvdiverge.study.devices import device_problem
     from kvdiverge.study.settings import check_settings
 
@@ -139,21 +193,24 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
-    if len(set(args.press)) != len(args.press):
-        raise UsageError("the same --press is given twice")
+    if not args.press and not args.cache:
+        raise UsageError("give at least one --press or --cache")
+    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
+        raise UsageError("the same --press or --cache is given twice")
+    if args.cache and args.ratios:
+        raise UsageError("--cache with --ratios is not supported here; put quantized points in a config's frontier")
     problem = device_problem(args.device, "--device")
     if problem:
         raise UsageError(problem)
 
 
 def _sources(args: argparse.Namespace):
-    """``(entries, sources)``: each ``--press`` as a policy entry, and the policies measured
+    """``(entries, sources)``: each ``--press`` and ``--cache`` as policy entries (:func:`cli_entries`), and the policies measured
     (every entry at every ratio with ``--ratios``), each press built and checked once."""
-    from kvdiverge.engine.presses.expressions import policy_entry
     from kvdiverge.measurement import frontier_presses, prepare_presses
 
     # with --ratios the frontier sets each press's ratio: an entry without one
-    entries = {spec: policy_entry(spec, args.budget, None if args.ratios else 0.0) for spec in args.press}
+    entries = cli_entries(args.press, args.cache, args.budget, None if args.ratios else 0.0)
     expanded = entries
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
         try:

@@ -62,7 +62,7 @@ class Measurement:
         :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
         model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence,
-        presses (name -> description).
+        presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
     batch_documents : int or None
@@ -133,6 +133,25 @@ class Measurement:
         return pl.concat(frames)
 
     @property
+    def speculative(self) -> pl.DataFrame:
+        """The self-speculative reading: accepted tokens of a first draft block, per press.
+
+        With the press's cache as the draft and the full cache as the target, the expected
+        number of accepted tokens of the first block of ``k`` drafted tokens is
+        ``A_k = sum_{j<=k} S_j`` (exact for the block drafted from the prompt; later blocks
+        start from other histories). Rows ``k = 1..min(8, T)`` per press with
+        document-bootstrap intervals: ``A``, ``tokens_per_forward = A + 1``, the mean
+        per-step acceptance ``alpha`` along the chain and the i.i.d. formula
+        ``(1 - alpha^{k+1}) / (1 - alpha)`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
+        """
+        from kvdiverge.estimation.speculative import speculative_table
+
+        if "speculative" not in self._cache:
+            s = self.settings
+            self._cache["speculative"] = speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
+        return self._cache["speculative"]
+
+    @property
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
         ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
@@ -168,8 +187,12 @@ class Measurement:
 
     def format_summary(self) -> str:
         """The summary as a plain-text table, with notes (what ``kvdiverge measure`` prints;
-        :func:`kvdiverge.report.formatting.summary_text`)."""
-        return summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
+        :func:`kvdiverge.report.formatting.summary_text`), and one line of the self-speculative
+        reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`)."""
+        from kvdiverge.estimation.speculative import format_speculative_line
+
+        return (summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS) + "\n"
+                + format_speculative_line(self.speculative, self.presses))
 
     def __repr__(self) -> str:  # noqa: D105
         return self.format_summary()
@@ -178,7 +201,7 @@ class Measurement:
         """Write every table as parquet (and the scalar columns as CSV), atomically.
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``,
-        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, for a frontier
+        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier
         ``frontier`` and ``frontier_areas`` (``.parquet``; ``.csv`` too except for
         trajectories and replicates), ``measure.json`` (the settings) and
         ``provenance.json``: ``settings_hash``
@@ -196,7 +219,7 @@ class Measurement:
         tables = {"trajectories": self.trajectories, "replicates": self.replicates, "documents": self.documents,
                   "pooled": self.pooled, "timing": self.timing, "survival": self.survival,
                   "branch_tv": self.branch_tv, "variance": self.variance, "gaps": self.gaps,
-                  "summary": self.summary}
+                  "summary": self.summary, "speculative": self.speculative}
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
         return save_measurement(directory, tables, self.settings, self.batch_documents)
@@ -405,6 +428,9 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                 "presses": {n: describe_press(s) for n, s in sources.items()}}
     if grid is not None:
         settings["frontier"] = grid
+    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+    if quantized:
+        settings["quantized_caches"] = quantized
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()

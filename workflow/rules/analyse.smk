@@ -157,8 +157,45 @@ rule confirmatory:
         "../scripts/confirmatory.py"
 
 
+# The self-speculative reading (kvdiverge.estimation.speculative): each policy's cache as
+# the draft, the full cache as the target; expected accepted tokens of a first draft block
+# A_k = S_1 + ... + S_k, k = 1..min(8, T), with document-bootstrap intervals.
+rule speculative:
+    input:
+        estimate_files(),
+    output:
+        parquet=f"{ANALYSIS}/speculative.parquet",
+        csv=report(
+            f"{ANALYSIS}/speculative.csv",
+            caption="../report/speculative_table.rst",
+            category="Tables",
+            labels={"table": "self-speculative reading"},
+        ),
+        html=report(
+            f"{ANALYSIS}/speculative.html",
+            caption="../report/speculative_page.rst",
+            category="Tables",
+            labels={"table": "self-speculative page"},
+        ),
+    log:
+        f"{LOGS}/analysis/speculative.log",
+    params:
+        seed=canonical(config["seed"]),
+        bootstrap=canonical(config["analysis"]["bootstrap"]),
+        confidence=canonical(config["analysis"]["confidence"]),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/speculative.py"
+
+
 ALL_TARGETS.extend(
     [
+        f"{ANALYSIS}/speculative.parquet",
         *(f"{ANALYSIS}/{t}.parquet" for t in ANALYSIS_TABLES),
         f"{ANALYSIS}/gaps.parquet",
         f"{ANALYSIS}/floor.parquet",

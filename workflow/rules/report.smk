@@ -109,3 +109,33 @@ if FRONTIER_POINTS:
             "../scripts/frontier_figure.py"
 
     ALL_TARGETS.extend([f"{FIGURES}/frontier.png", f"{FIGURES}/frontier.pdf"])
+
+
+# The self-speculative figure: tokens per target forward A_k + 1 of a first draft block
+# against its length k, beside the i.i.d. formula, and the accepted fraction A_k / k.
+rule speculative_figure:
+    input:
+        f"{ANALYSIS}/speculative.parquet",
+    output:
+        png=report(
+            f"{FIGURES}/speculative.png",
+            caption="../report/speculative.rst",
+            category="Figures",
+            labels={"figure": "self-speculative reading"},
+        ),
+        pdf=f"{FIGURES}/speculative.pdf",
+    log:
+        f"{LOGS}/speculative_figure.log",
+    params:
+        floor=FLOOR,
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/speculative_figure.py"
+
+
+ALL_TARGETS.extend([f"{FIGURES}/speculative.png", f"{FIGURES}/speculative.pdf"])

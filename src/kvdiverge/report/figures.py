@@ -12,6 +12,9 @@
 - :func:`plot_frontier` — ``p_div``, ``E[M]`` and the mean first-divergence step against
   retention, one line per press, the noise floor as a grey band
   (:func:`kvdiverge.estimation.frontier.frontier_tables`).
+- :func:`plot_speculative` — the self-speculative reading: tokens per target forward
+  ``A_k + 1`` of a first draft block against its length ``k``, beside the i.i.d. formula,
+  and the accepted fraction ``A_k / k`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import seaborn as sns  # noqa: E402
 
 from kvdiverge.estimation.io import atomic_path  # noqa: E402
 
-__all__ = ["draw_frontier", "frontier_figure", "plot_frontier", "draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
+__all__ = ["draw_frontier", "draw_speculative", "frontier_figure", "plot_frontier", "plot_speculative",
+           "speculative_figure", "draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
            "plot_variance", "save_figure", "survival_figure"]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
@@ -415,3 +419,70 @@ def plot_frontier(points: pl.DataFrame, png, pdf=None) -> None:
         Outputs (``pdf`` optional).
     """
     save_figure(frontier_figure(points), *[p for p in (png, pdf) if p is not None])
+
+
+#: Panels of the speculative figure: column and axis label.
+SPECULATIVE_PANELS = (("tokens_per_forward", "tokens per target forward A_k + 1"),
+                      ("accepted_fraction", "accepted fraction of the block A_k / k"))
+
+
+def draw_speculative(axes, table: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:
+    """Draw one model's speculative reading on two axes (:data:`SPECULATIVE_PANELS`).
+
+    One line per run over the block length ``k`` with its document-bootstrap band; on the
+    first panel the i.i.d. formula ``(1 - alpha^{k+1}) / (1 - alpha)`` of the same run is a
+    thin dotted line of the same colour. The noise floor is grey and dashed.
+
+    Parameters
+    ----------
+    axes : sequence of 2 matplotlib Axes
+    table : polars.DataFrame
+        :func:`kvdiverge.estimation.speculative.speculative_table` rows of one model.
+    title : str, optional
+        Panel title prefix (default: the model).
+    floor : str, optional
+        The noise-floor policy.
+    """
+    s = _run_labels(table, floor)
+    floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
+    d = s.to_pandas()
+    title = title if title is not None else ", ".join(sorted(s["model"].unique().to_list()))
+    for ax, (metric, label) in zip(axes, SPECULATIVE_PANELS):
+        _runs_with_bands(ax, d, "k", metric, f"{metric}_lo", f"{metric}_hi", floor_runs=floor_runs, marker="o")
+        ax.set(xlabel="draft block length k (tokens)", ylabel=label, title=f"{title}: {metric}")
+        ax.legend(fontsize="small", loc="best")
+    colors = {line.get_label(): line.get_color() for line in axes[0].get_lines()}
+    for run, g in d.groupby("run"):
+        axes[0].plot(g["k"], g["iid_tokens_per_forward"], ls=":", lw=1, color=colors.get(run, "black"))
+    axes[0].plot([], [], ls=":", lw=1, color="black", label="i.i.d. (1 − α^(k+1)) / (1 − α)")
+    axes[0].legend(fontsize="small", loc="best")
+    axes[1].set_ylim(0, 1.02)
+
+
+def speculative_figure(table: pl.DataFrame, floor: str | None = None) -> plt.Figure:
+    """The speculative figure: one row of two panels per model (:func:`draw_speculative`)."""
+    sns.set_theme(style="whitegrid", context="paper")
+    if table.height == 0:
+        return _empty("no runs")
+    models = sorted(table["model"].unique().to_list())
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 4.0 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        draw_speculative(row, table.filter(pl.col("model") == model), title=model, floor=floor)
+    fig.suptitle("Self-speculative reading: first draft block from the evicted cache, verified by the full cache")
+    fig.tight_layout()
+    return fig
+
+
+def plot_speculative(table: pl.DataFrame, png, pdf=None, floor: str | None = None) -> None:
+    """Write :func:`speculative_figure` as PNG (and PDF).
+
+    Parameters
+    ----------
+    table : polars.DataFrame
+        :func:`kvdiverge.estimation.speculative.speculative_table` output.
+    png, pdf : path
+        Outputs (``pdf`` optional).
+    floor : str, optional
+        The noise-floor policy, drawn grey and dashed.
+    """
+    save_figure(speculative_figure(table, floor), *[p for p in (png, pdf) if p is not None])

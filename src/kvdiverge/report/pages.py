@@ -16,7 +16,8 @@ import polars as pl
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
 from kvdiverge.report.formatting import number, with_interval
 
-__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "frontier_html", "summary_html"]
+__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "frontier_html", "speculative_html",
+           "summary_html"]
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -227,4 +228,42 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
             "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). The floor columns are the noise-floor "
             "control (permutation press, equal kernels in exact arithmetic) on the same documents; "
             "above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
+            "</body></html>")
+
+
+SPECULATIVE_HEADER = ["model", "policy", "split", "documents", "k", "S_k: all k accepted [CI]",
+                      "A_k accepted tokens [CI]", "A_k / k [CI]", "tokens per target forward A_k + 1 [CI]",
+                      "mean acceptance per step α [CI]", "i.i.d. (1 − α^(k+1)) / (1 − α) [CI]"]
+
+
+def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
+    """HTML page of the self-speculative reading (:func:`kvdiverge.estimation.speculative.speculative_table`).
+
+    Parameters
+    ----------
+    table : polars.DataFrame
+        One row per (model, policy, split, k).
+    confidence : float
+        Interval coverage (for the caption).
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    rows = [[r["model"], r["policy"], r["split"], r["n_docs"], r["k"], with_interval(r, "S_k"), with_interval(r, "A"),
+             with_interval(r, "accepted_fraction"), with_interval(r, "tokens_per_forward"),
+             with_interval(r, "alpha"), with_interval(r, "iid_tokens_per_forward")]
+            for r in table.sort(["model", "split", "policy", "k"]).iter_rows(named=True)]
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
+            f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
+            f"{_html_table(SPECULATIVE_HEADER, rows)}"
+            "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
+            "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
+            "that the first k drafted tokens are all accepted is the survival S_k, and the expected number "
+            "accepted is A_k = S_1 + … + S_k. This is exact for the first block, drafted from the prompt. "
+            "Later blocks start after a rejection, from histories distributed as the target's output rather "
+            "than as the agreement chain, and are not estimated here. α is the mean of 1 − tv_t over the "
+            "chain's T steps; the i.i.d. column is Leviathan et al.'s formula at that α, the figure the "
+            f"speculative-decoding papers quote. Brackets: {confidence:.0%} document bootstrap.</p>"
             "</body></html>")

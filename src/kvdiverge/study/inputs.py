@@ -302,14 +302,15 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
 
 
 def describe_press(source: PressSource) -> str | dict[str, Any]:
-    """A policy for the settings record: its config entry, or the press object's repr."""
+    """A policy for the settings record: its config entry (a quantized cache's settings included), or the
+    press object's repr."""
     from kvdiverge.engine.presses.policies import Policy, PressPolicy
 
     if isinstance(source, PressPolicy):
         return repr(source.press)
     if isinstance(source, Policy):
         spec = {"press": source.press, "compression_ratio": source.compression_ratio, "budget": source.budget,
-                **source.params}
+                **source.params, **(source.quantized.describe() if source.quantized is not None else {})}
         return {k: v for k, v in spec.items() if v is not None}
     return repr(source)
 

@@ -139,7 +139,7 @@ class _Lane:
     @property
     def cache_len(self) -> int:
         """Fewest positions any layer of the lane's cache holds (tokens)."""
-        return min(layer.keys.shape[-2] for layer in self.cache.layers)
+        return min(layer.get_seq_length() for layer in self.cache.layers)  # a quantized layer's too
 
     def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
         """Append ``tokens`` (int64 (n,)) at position ``prompt_len + n_gen``; return the logits (n, vocab)."""
@@ -321,7 +321,7 @@ class DecodeTimePair(LLMPairBase):
             if lane.chain_doc is not None:
                 d = lane.chain_doc
                 self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
-                self.kept_per_layer[d] = [min(k, layer.keys.shape[-2]) for k, layer in
+                self.kept_per_layer[d] = [min(k, layer.get_seq_length()) for k, layer in
                                           zip(self.kept_per_layer[d], lane.cache.layers)]
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)

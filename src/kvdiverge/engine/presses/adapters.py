@@ -229,6 +229,8 @@ ADAPTERS: dict[str, PressAdapter] = {a.name: a for a in (
                  test_params={"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}),
     PressAdapter("DecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
     PressAdapter("SlidingWindowPress", decode_time=True),
+    # a quantized cache (kvdiverge.engine.presses.quantized): its flushes follow the history's length
+    PressAdapter("QuantizedCachePress", decode_time=True, promise=None),
     PressAdapter("CompressionRatioDecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
     PressAdapter("CAMPress", decode_time=True, test_params={"base_press": _KNORM},
                  refused="CAMPress draws its merge mask from torch's global random generator once for all "

@@ -35,6 +35,17 @@ before any work.
 
 A fixed token ``budget`` becomes a per-document compression ratio chosen so that
 kvpress keeps exactly ``budget`` positions (``kvpress.utils.compute_n_kept``).
+
+A **quantized cache** (:mod:`kvdiverge.engine.presses.quantized`) is ``cache: quantized``
+with its settings, alone or after any prefill press (evict, then quantize what is kept)::
+
+    quanto-4:        {cache: quantized, backend: quanto, nbits: 4, q_group_size: 64, residual_length: 128}
+    snapkv-50-int2:  {press: SnapKVPress, compression_ratio: 0.5, window_size: 64,
+                      cache: quantized, nbits: 2}
+
+Alone it runs without eviction (internally the ratio-0 ``SnapKVPress``, which keeps every
+position). Its press is a :class:`kvdiverge.engine.presses.quantized.QuantizedCachePress`
+around the policy's press, a decode-time policy.
 """
 
 from __future__ import annotations
@@ -49,8 +60,10 @@ from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
 from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
+#: Keys of a quantized cache in a policy entry (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`).
+_CACHE_KEYS = {"cache", "backend", "nbits", "q_group_size", "residual_length"}
 #: Keys of a policy entry that are not constructor parameters of the press.
-_POLICY_KEYS = {"press", "compression_ratio", "budget", "params"}
+_POLICY_KEYS = {"press", "compression_ratio", "budget", "params"} | _CACHE_KEYS
 #: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
 _PROBE_RATIO = 0.5
 
@@ -81,6 +94,7 @@ class Policy:
     compression_ratio: float | None = None
     budget: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    quantized: Any = None  # a QuantizedCacheSpec, or None for a full-precision cache
 
     @classmethod
     def from_config(cls, name: str, spec: dict[str, Any], check: bool = True) -> "Policy":
@@ -100,6 +114,9 @@ class Policy:
             kvdiverge refuses the press (the message says what it needs).
         """
         owner = f"policy {name!r}"
+        quantized = _quantized_spec(owner, spec)
+        if quantized is not None and spec.get("press") is None:  # quantization alone: no eviction
+            spec = {**spec, "press": "SnapKVPress", "compression_ratio": 0.0}
         press = spec.get("press")
         if not isinstance(press, str) or not press:
             raise PressError(owner, f"'press' must name a press class, got {press!r}")
@@ -113,7 +130,7 @@ class Policy:
         if problem:
             raise PressError(owner, problem)
         policy = cls(name=name, press=press, compression_ratio=spec.get("compression_ratio"),
-                     budget=spec.get("budget"), params=params)
+                     budget=spec.get("budget"), params=params, quantized=quantized)
         if check:
             policy.check()
         return policy
@@ -138,22 +155,28 @@ class Policy:
         kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         """
-        reason = refusal(self._probe)
+        reason = refusal(self._probe if self.quantized is None else self._wrap(self._probe))
         if reason:
             raise PressError(f"policy {self.name!r}", reason)
+
+    def _wrap(self, press):
+        """``press`` inside the policy's quantized cache (:class:`QuantizedCachePress`)."""
+        from kvdiverge.engine.presses.quantized import QuantizedCachePress
+
+        return QuantizedCachePress(self.quantized, press)
 
     @property
     def min_prompt_tokens(self) -> int:
         """Shortest prompt (tokens) the policy can compress: :func:`press_min_prompt_tokens`; 1 for
         the ratio-0 control (score-based presses return the cache untouched before any window)."""
-        if self.is_control:
+        if self.is_control or (self.budget is None and self.compression_ratio == 0.0):
             return 1
         return press_min_prompt_tokens(self._probe, self.budget)
 
     @property
     def is_control(self) -> bool:
         """True for the ratio-0 control (no eviction: both caches are identical)."""
-        return self.budget is None and self.compression_ratio == 0.0
+        return self.budget is None and self.compression_ratio == 0.0 and self.quantized is None
 
     def ratio_for(self, prompt_len: int) -> float:
         """Compression ratio applied to a prompt of ``prompt_len`` tokens.
@@ -200,7 +223,7 @@ class Policy:
         -------
         int, KeptPromise or None
         """
-        return kept_promise(press, prompt_len)
+        return kept_promise(press if self.quantized is None else press.press, prompt_len)
 
     def build_press(self, prompt_len: int):
         """Instantiate the press (and the presses it wraps) for a prompt of ``prompt_len`` tokens.
@@ -213,7 +236,24 @@ class Policy:
             If the prompt is shorter than :attr:`min_prompt_tokens`.
         """
         ratio = self.ratio_for(prompt_len) if self.takes_ratio else None
-        return press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
+        press = press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
+        return press if self.quantized is None else self._wrap(press)
+
+
+def _quantized_spec(owner: str, spec: Mapping[str, Any]):
+    """The entry's :class:`QuantizedCacheSpec`, or None without ``cache``; one-sentence errors."""
+    from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
+
+    keys = {k for k in _CACHE_KEYS if k in spec}
+    if not keys:
+        return None
+    if spec.get("cache") != "quantized":
+        raise PressError(owner, f"'cache' must be 'quantized' (with backend, nbits, q_group_size, "
+                                f"residual_length), got {spec.get('cache')!r}")
+    try:
+        return QuantizedCacheSpec(**{k: spec[k] for k in keys - {"cache"}})
+    except ValueError as exc:
+        raise PressError(owner, str(exc)) from None
 
 
 def press_parameters(cls) -> set[str]:

@@ -205,7 +205,13 @@ def refusal(press, model=None) -> str | None:
     and reads each one's row: its ``refused`` sentence, the ``required`` parameters left unset. With ``model`` (a
     ``transformers`` model), also the config attributes the press reads.
     """
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress
+
     for p in walk(press):
+        if isinstance(p, QuantizedCachePress):
+            reason = _quantized_refusal(p, model)
+            if reason:
+                return reason
         row = adapter_of(p)
         if row.refused:
             return row.refused
@@ -216,6 +222,18 @@ def refusal(press, model=None) -> str | None:
         if reason:
             return reason
     return None
+
+
+def _quantized_refusal(press, model) -> str | None:
+    """What refuses a quantized cache: its backend or the model (:func:`kvdiverge.engine.presses.quantized.refusal`),
+    or a decode-time press inside it."""
+    from kvdiverge.engine.presses.quantized import refusal as quantized_refusal
+
+    reason = quantized_refusal(press.spec, model)
+    if reason is None and press.press is not None and is_decode_time(press.press):
+        reason = (f"a quantized cache after the decode-time press {type(press.press).__name__} is not supported: "
+                  f"the press would evict from a quantized cache while generating")
+    return reason
 
 
 def _model_refusal(row: PressAdapter, press, config) -> str | None:

@@ -1,0 +1,22 @@
+"""Snakemake adapter: the self-speculative reading (kvdiverge.estimation.speculative.speculative_table)."""
+
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.estimation.speculative import speculative_table
+from kvdiverge.report.pages import speculative_html
+from kvdiverge.study.rulelog import rule_logger
+
+log = rule_logger(snakemake.log[0], "speculative")  # noqa: F821
+p = snakemake.params  # noqa: F821
+out = snakemake.output  # noqa: F821
+try:
+    docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
+    table = speculative_table(docs, p.bootstrap, p.confidence, p.seed)
+    log.info("\n%s", table.select("model", "policy", "split", "k", "A", "A_lo", "A_hi", "tokens_per_forward",
+                                  "alpha", "iid_tokens_per_forward"))
+    save_table(table, out.parquet, out.csv)
+    write_text_atomic(speculative_html(table, p.confidence), out.html)
+except Exception:
+    log.exception("speculative reading failed")
+    raise
