@@ -273,7 +273,8 @@ def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     base = ["measure", "embedded", "--prompts", str(prompts), "-T", "2", "-R", "1"]
-    for extra, message in [(["--press", "KnormPress", "--ratios", "0.5", "1.5"], "outside [0, 1)"),
+    for extra, message in [(["--press", "KnormPress", "--ratios", "0.5", "1.5"],
+                            "--ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)"),
                            (["--press", "PermutationPress", "--ratios", "0.5"], "at least one press besides"),
                            (["--press", "AdaKVPress:press=x", "--ratios", "0.5"], "AdaKVPress")]:
         assert main(base + extra) == 2
