@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "OPTIONS", "SOTU_INSTRUCTION", "argument_prompts",
            "argument_sources", "cache_entry", "check_arguments", "check_lengths", "cli_entries", "describe_press",
-           "frontier_presses", "is_noise_floor", "model_entry", "prepare_documents", "prepare_presses", "read_prompts",
+           "frontier_presses", "is_noise_floor", "measure_inputs", "measure_settings", "model_entry", "model_label",
+           "prepare_documents", "prepare_presses", "read_prompts",
            "sotu_prompts"]
 
 
@@ -438,6 +439,70 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
     if looks_like_path:
         raise InputError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
     return model, {"source": "hub", "id": model, **extra}
+
+
+# --------------------------------------------------------------------------- a measure() call's inputs
+
+
+def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
+    """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
+
+    The prompts as documents (:func:`prepare_documents`), their token ids checked against the
+    model's vocabulary and their lengths against ``T`` and the model context
+    (:func:`check_lengths`), the presses as policies (:func:`prepare_presses`, built and
+    checked later with the model), expanded over ``ratios`` and ``budgets``
+    (:func:`frontier_presses`; ``grid`` is None without them).
+
+    Raises
+    ------
+    ValueError
+        The first problem found, in one sentence.
+    """
+    from kvdiverge.study.settings import token_id_problems
+
+    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
+        if problems:
+            raise ValueError(problems[0])
+    grid = None
+    if ratios or budgets:
+        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
+    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
+    try:
+        from kvdiverge.study.models import context_length
+
+        context = context_length(model)
+    except (ValueError, AttributeError):
+        context = None
+    check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
+    return documents, sources, grid
+
+
+def model_label(model: Any) -> str:
+    """The ``model`` column of a model object: the basename of its ``config.name_or_path``, else ``"model"``."""
+    path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
+    return os.path.basename(path.rstrip("/")) or "model"
+
+
+def measure_settings(model_name: str, split: str, sources: Mapping[str, PressSource], grid: Any, *, T: int, R: int,
+                     temperature: float, top_p: float, seed: int, window: int, bootstrap: int, confidence: float,
+                     instruction: str | None, system: str | None) -> dict[str, Any]:
+    """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
+    temperature, top_p, seed, window, bootstrap, confidence, instruction, system, presses
+    (name -> :func:`describe_press`), the ``frontier`` grid if any and ``quantized_caches``
+    (names of the quantized-cache policies) if any."""
+    settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
+                "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
+                "confidence": float(confidence), "instruction": instruction, "system": system,
+                "presses": {n: describe_press(s) for n, s in sources.items()}}
+    if grid is not None:
+        settings["frontier"] = grid
+    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+    if quantized:
+        settings["quantized_caches"] = quantized
+    return settings
 
 
 # --------------------------------------------------------------------------- the command line's inputs
