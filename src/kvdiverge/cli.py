@@ -1,9 +1,10 @@
 """The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.measure`.
 
-Argument parsing, reading prompts, loading the model, a progress bar, the printed summary
-and the files under ``--out``; everything else is :mod:`kvdiverge.measurement` and the
-workflow's own engine and tables. Installed as the console script ``kvdiverge``
-(``pyproject.toml``); also ``python -m kvdiverge.cli measure ...``.
+Argument parsing, loading the model, a progress bar, the printed summary and the files
+under ``--out``; the arguments are checked and the prompts read by :mod:`kvdiverge.study.inputs`,
+everything else is :mod:`kvdiverge.measurement` and the workflow's own engine and tables.
+Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
+``python -m kvdiverge.cli measure ...``.
 
 Bad input (an unknown press or parameter, a value a setting does not allow, a missing file
 or field, a model or device that cannot be found, a prompt shorter than a press needs)
@@ -32,72 +33,17 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from kvdiverge.study.inputs import InputError, model_entry, read_prompts, sotu_prompts
+from kvdiverge.study.inputs import (OPTIONS, SOTU_INSTRUCTION, InputError, argument_prompts, argument_sources,
+                                    cache_entry, check_arguments, cli_entries, model_entry, read_prompts)
 
-__all__ = ["UsageError", "main", "model_entry", "read_prompts"]
+__all__ = ["OPTIONS", "SOTU_INSTRUCTION", "UsageError", "cache_entry", "cli_entries", "main", "model_entry",
+           "read_prompts"]
 
 PROG = "kvdiverge measure"
-
-#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
-SOTU_INSTRUCTION = "Summarize the document above in three sentences."
-
 
 #: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
 #: (:mod:`kvdiverge.study.inputs`) raise it too.
 UsageError = InputError
-
-
-# --------------------------------------------------------------------------- quantized caches
-
-
-def cache_entry(text: str) -> dict[str, Any]:
-    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
-
-    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
-    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
-    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
-
-    Raises
-    ------
-    UsageError
-        An unknown backend or parameter.
-    """
-    from kvdiverge.engine.presses.expressions import parse_press
-    from kvdiverge.engine.presses.quantized import BACKENDS
-
-    try:
-        backend, params = parse_press(text)
-    except ValueError as exc:
-        raise UsageError(f"--cache {text!r}: {exc}") from None
-    if backend not in BACKENDS:
-        raise UsageError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
-    if unknown:
-        raise UsageError(f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, "
-                         f"residual_length")
-    return {"cache": "quantized", "backend": backend, **params}
-
-
-def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | None,
-                default_ratio: float | None) -> dict[str, dict[str, Any]]:
-    """Policy entries of ``--press`` and ``--cache`` values, by name.
-
-    Each press is a policy; each quantized cache is one alone (named by its value) and one
-    after each press (``<press>+<cache>``: evict, then quantize what is kept).
-    """
-    from kvdiverge.engine.presses.expressions import policy_entry
-
-    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
-    quantized = {text: cache_entry(text) for text in caches}
-    out = dict(entries)
-    for text, keys in quantized.items():
-        out[text] = dict(keys)
-        for spec, entry in entries.items():
-            out[f"{spec}+{text}"] = {**entry, **keys}
-    return out
-
-
-# --------------------------------------------------------------------------- the command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -170,59 +116,6 @@ def _say(quiet: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
-OPTIONS = {"max_new_tokens": "-T/--max-new-tokens", "replicates": "-R/--replicates", "temperature": "--temperature",
-           "top_p": "--top-p", "seed": "--seed", "window": "-W/--window", "bootstrap": "--bootstrap",
-           "confidence": "--confidence", "batch_documents": "--batch-documents"}
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    """Refuse before any work a setting the config would refuse (the same check:
-    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
-    out-of-range counts of the command line's own, no press or cache, a repeated one and
-    --cache with --ratios."""
-    from kvdiverge.study.devices import device_problem
-    from kvdiverge.study.settings import check_settings
-
-    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
-    try:
-        check_settings(values, OPTIONS)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    for name, value, low in (("--budget", 1 if args.budget is None else args.budget, 1),
-                             ("--threads", 1 if args.threads is None else args.threads, 1)):
-        if value < low:
-            raise UsageError(f"{name} must be >= {low}, got {value}")
-    if not args.press and not args.cache:
-        raise UsageError("give at least one --press or --cache")
-    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
-        raise UsageError("the same --press or --cache is given twice")
-    if args.cache and args.ratios:
-        raise UsageError("--cache with --ratios is not supported here; put quantized points in a config's frontier")
-    problem = device_problem(args.device, "--device")
-    if problem:
-        raise UsageError(problem)
-
-
-def _sources(args: argparse.Namespace):
-    """``(entries, sources)``: each ``--press`` and ``--cache`` as policy entries (:func:`cli_entries`), and the policies measured
-    (every entry at every ratio with ``--ratios``), each press built and checked once."""
-    from kvdiverge.measurement import frontier_presses, prepare_presses
-
-    # with --ratios the frontier sets each press's ratio: an entry without one
-    entries = cli_entries(args.press, args.cache, args.budget, None if args.ratios else 0.0)
-    expanded = entries
-    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
-        try:
-            expanded, _ = frontier_presses(entries, args.ratios)
-        except ValueError as exc:
-            raise UsageError(f"--{exc}" if str(exc).startswith("ratios: ") else f"--ratios: {exc}") from None
-    try:
-        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
 def _write(args: argparse.Namespace, m) -> None:
     """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
     if args.ratios:
@@ -240,17 +133,13 @@ def _write(args: argparse.Namespace, m) -> None:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    from kvdiverge.measurement import check_lengths, measure, prepare_documents
+    from kvdiverge.measurement import measure
+    from kvdiverge.study.inputs import check_lengths, prepare_documents
     from kvdiverge.study.models import load_model, load_tokenizer
 
-    _check_args(args)
-    entries, sources = _sources(args)
-    if args.sotu is not None:
-        prompts = sotu_prompts(args.sotu, *args.words)
-        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
-    else:
-        prompts = read_prompts(args.prompts, args.field, args.id_field)
-        instruction = args.instruction
+    check_arguments(args)
+    entries, sources = argument_sources(args)
+    prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)

@@ -22,7 +22,6 @@ The mathematics and column names: ``docs/estimators.md``; the tables: ``docs/int
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import warnings
@@ -34,16 +33,13 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.report.formatting import frontier_text, summary_text
-from kvdiverge.study.inputs import (NOISE_FLOOR_PRESS, check_lengths, describe_press, frontier_presses,
-                                    is_noise_floor, prepare_documents, prepare_presses)
+from kvdiverge.study.inputs import (NOISE_FLOOR_PRESS, check_lengths, frontier_presses, is_noise_floor, measure_inputs,
+                                    measure_settings, model_label, prepare_documents, prepare_presses)
 
-__all__ = ["Measurement", "NOISE_FLOOR_PRESS", "frontier_presses", "measure", "prepare_documents",
+__all__ = ["Measurement", "NOISE_FLOOR_PRESS", "check_lengths", "frontier_presses", "measure", "prepare_documents",
            "prepare_presses"]
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------- result
-
 
 @dataclass
 class Measurement:
@@ -90,66 +86,36 @@ class Measurement:
         return list(self.settings["presses"])
 
     def gap(self, a: str, b: str) -> pl.DataFrame:
-        """Gap decomposition ``A - B`` of the expected token loss, paired by prompt (§7).
+        """Gap decomposition ``A - B`` of the expected token loss of presses ``a`` and ``b``, paired
+        by prompt (§7): four rows (``term``: ``delta``, ``first_mismatch``, ``exposure``, ``rate``),
+        ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap and
+        ``value_M = value / T`` (:func:`kvdiverge.estimation.tables.press_gap`). Raises
+        ``ValueError`` if ``a`` or ``b`` is not a measured press, or ``a == b``."""
+        from kvdiverge.estimation.tables import press_gap
 
-        Parameters
-        ----------
-        a, b : str
-            Press names.
-
-        Returns
-        -------
-        polars.DataFrame
-            Four rows (``term``: ``delta``, ``first_mismatch``, ``exposure``, ``rate``):
-            ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap,
-            ``value_M = value / T`` (:func:`kvdiverge.estimation.analysis.gap_decomposition`).
-
-        Raises
-        ------
-        ValueError
-            If ``a`` or ``b`` is not a measured press, or ``a == b``.
-        """
-        from kvdiverge.estimation.tables import gaps
-
-        for p in (a, b):
-            if p not in self.presses:
-                raise ValueError(f"unknown press {p!r}; measured: {self.presses}")
-        if a == b:
-            raise ValueError("a gap needs two different presses")
-        if (a, b) not in self._gaps:
-            s = self.settings
-            self._gaps[(a, b)] = gaps(self.documents, [(a, b)], s["bootstrap"], s["confidence"], s["seed"],
-                                      split=s["split"], models=[s["model"]])
+        if (a, b) not in self._gaps:  # a refused pair is never stored
+            self._gaps[(a, b)] = press_gap(self.documents, self.presses, a, b, self.settings)
         return self._gaps[(a, b)]
 
     @property
     def gaps(self) -> pl.DataFrame:
         """Gap decompositions of every pair ``(A, B)`` of presses, A before B in the given order."""
-        frames = [self.gap(a, b) for a, b in itertools.combinations(self.presses, 2)]
-        if not frames:
-            from kvdiverge.estimation.analysis import GAP_SCHEMA
+        from kvdiverge.estimation.tables import pairwise_gaps
 
-            return pl.DataFrame(schema=GAP_SCHEMA)
-        return pl.concat(frames)
+        return pairwise_gaps(self.gap, self.presses)
 
     @property
     def speculative(self) -> pl.DataFrame:
-        """The self-speculative reading: accepted tokens of a first draft block, per press.
-
-        With the press's cache as the draft and the full cache as the target, the expected
-        number of accepted tokens of the first block of ``k`` drafted tokens is
-        ``A_k = sum_{j<=k} S_j`` (exact for the block drafted from the prompt; later blocks
-        start from other histories). Rows ``k = 1..min(8, T)`` per press with
-        document-bootstrap intervals: ``A``, ``tokens_per_forward = A + 1``, the mean
-        per-step acceptance ``alpha`` along the chain and the i.i.d. formula
-        ``(1 - alpha^{k+1}) / (1 - alpha)`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
-        """
+        """The self-speculative reading, per press (the press's cache drafts, the full cache is the
+        target): rows ``k = 1..min(8, T)`` with document-bootstrap intervals of the accepted tokens
+        ``A = sum_{j<=k} S_j`` of a first draft block of ``k``, ``tokens_per_forward = A + 1``, the
+        per-step acceptance ``alpha`` and the i.i.d. formula
+        (:func:`kvdiverge.estimation.speculative.speculative_table`)."""
         from kvdiverge.estimation.speculative import speculative_table
 
-        if "speculative" not in self._cache:
-            s = self.settings
-            self._cache["speculative"] = speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
-        return self._cache["speculative"]
+        s = self.settings
+        return self._memo("speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"],
+                                                                   s["seed"]))
 
     @property
     def compression(self) -> pl.DataFrame:
@@ -162,28 +128,14 @@ class Measurement:
 
     @property
     def summary(self) -> pl.DataFrame:
-        """One row per press: occurrence, timing, token loss and its decomposition.
+        """One row per press: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction``, ``untouched``
+        (TV exactly 0 at every step on every prompt), ``p_div``, ``tau_mean`` and ``E_L`` (steps),
+        ``E_M`` (mismatch fraction), each with ``_lo``/``_hi`` bootstrap bounds, ``rho``,
+        ``first_mismatch_term + exposure_rate_term = E_M``, ``exposure_share``; with a noise floor,
+        ``E_M_minus_floor`` and ``p_div_minus_floor`` (:func:`kvdiverge.estimation.tables.summary_table`)."""
+        from kvdiverge.estimation.tables import summary_table
 
-        Columns: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over
-        prompts), ``untouched`` (True when on every prompt the evicted side's kernel equalled
-        the reference side's at every step: TV exactly 0), ``p_div``, ``tau_mean`` (mean first-divergence step
-        given divergence, steps), ``E_L`` (steps), ``rho``, ``E_M`` (mismatch fraction),
-        each of ``p_div``, ``tau_mean``, ``E_L``, ``E_M`` with ``_lo``/``_hi`` bootstrap
-        bounds; ``first_mismatch_term = p_div / T`` and ``exposure_rate_term = (E_L / T) rho``
-        (they sum to ``E_M``), ``exposure_share``. With a noise-floor press measured:
-        ``E_M_minus_floor``, ``p_div_minus_floor`` (each with ``_lo``/``_hi``, paired
-        bootstrap), null on the floor's own row.
-        """
-        from kvdiverge.estimation.tables import press_summary
-
-        out = press_summary(self.pooled, self.documents, self.presses, self.trajectories)
-        if self.noise_floor is None:
-            return out
-        from kvdiverge.estimation.analysis import floor_differences
-
-        floor = floor_differences({p: None if p == self.noise_floor else self.gap(p, self.noise_floor)
-                                   for p in self.presses})
-        return out.join(floor, on="policy", how="left")
+        return summary_table(self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
 
     def format_summary(self) -> str:
         """The summary as a plain-text table, with notes (what ``kvdiverge measure`` prints;
@@ -200,19 +152,13 @@ class Measurement:
     def save(self, directory: str | os.PathLike) -> list[Path]:
         """Write every table as parquet (and the scalar columns as CSV), atomically.
 
-        Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``,
-        ``survival``, ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier
-        ``frontier`` and ``frontier_areas`` (``.parquet``; ``.csv`` too except for
-        trajectories and replicates), ``measure.json`` (the settings) and
-        ``provenance.json``: ``settings_hash``
+        Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``, ``survival``,
+        ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier ``frontier``
+        and ``frontier_areas`` (``.parquet``; ``.csv`` too except for trajectories and replicates),
+        ``measure.json`` (the settings) and ``provenance.json``: ``settings_hash``
         (:func:`kvdiverge.study.provenance.settings_hash` of the settings), ``versions``
-        (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents``
-        (the ``B`` used).
-
-        Returns
-        -------
-        list of pathlib.Path
-            The files written.
+        (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents`` (the ``B`` used).
+        Returns the files written (list of pathlib.Path).
         """
         from kvdiverge.study.provenance import save_measurement
 
@@ -225,53 +171,30 @@ class Measurement:
         return save_measurement(directory, tables, self.settings, self.batch_documents)
 
     def plot_survival(self, target=None):
-        """Draw the survival figure ``S_t`` per press (:func:`kvdiverge.report.figures.survival_figure`).
+        """Draw the survival figure ``S_t`` per press: into ``target`` Axes (returned), to a path
+        (``.png``, ``.pdf``, ``.svg``; the path returned) or, with None, as a new figure
+        (:func:`kvdiverge.report.figures.render_survival`)."""
+        from kvdiverge.report.figures import render_survival
 
-        Parameters
-        ----------
-        target : matplotlib Axes, path or None
-            Axes: draw into it and return it. Path: write the figure (format from the
-            suffix: ``.png``, ``.pdf``, ``.svg``), return the path. None: return a new figure.
-        """
-        from kvdiverge.report import figures as plots
+        return render_survival(self.survival, target, title=self.settings["model"])
 
-        if hasattr(target, "plot") and hasattr(target, "figure"):
-            plots.draw_survival(target, self.survival, title=self.settings["model"])
-            return target
-        fig = plots.survival_figure(self.survival)
-        if target is None:
-            return fig
-        plots.save_figure(fig, target)
-        return Path(target)
+    def _memo(self, key: str, compute):
+        """``compute()``, computed once and kept (a failure is not kept)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
-        from kvdiverge.estimation.frontier import frontier_tables
+        from kvdiverge.estimation.frontier import measured_frontier
 
-        grid = self.settings.get("frontier")
-        if not grid:
-            raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
-        if "frontier" not in self._cache:
-            s = self.settings
-            self._cache["frontier"] = frontier_tables(self.documents, grid, self.noise_floor, s["bootstrap"],
-                                                      s["confidence"], s["seed"], split=s["split"])
-        return self._cache["frontier"]
+        return self._memo("frontier", lambda: measured_frontier(self.documents, self.settings, self.noise_floor))
 
     def frontier(self) -> pl.DataFrame:
-        """The frontier: every press at every ratio, ranked by press
-        (:func:`kvdiverge.estimation.frontier.frontier_tables`, the workflow's ``analysis/frontier``).
-
-        Returns
-        -------
-        polars.DataFrame
-            One row per (press, ratio): ``p_div``, ``tau_mean``, ``tau_median``, ``E_M``,
-            ``first_mismatch_term``, ``exposure_rate_term``, ``rho`` with intervals, the floor's
-            values, ``above_floor``, ``rank``.
-
-        Raises
-        ------
-        ValueError
-            If the measurement was not made with ``ratios``.
-        """
+        """The frontier, the workflow's ``analysis/frontier``: one row per (press, ratio) with
+        ``p_div``, ``tau_mean``, ``tau_median``, ``E_M``, ``first_mismatch_term``,
+        ``exposure_rate_term``, ``rho`` with intervals, the floor's values, ``above_floor`` and
+        ``rank`` (:func:`kvdiverge.estimation.frontier.measured_frontier`). Raises ``ValueError``
+        if the measurement was not made with ``ratios``."""
         return self._frontier()[0]
 
     def frontier_areas(self) -> pl.DataFrame:
@@ -285,25 +208,12 @@ class Measurement:
         return frontier_text(points, areas, self.settings["confidence"])
 
     def plot_frontier(self, target=None):
-        """Draw the frontier figure (:func:`kvdiverge.report.figures.frontier_figure`).
+        """Draw the frontier figure: into ``target``, a sequence of 3 Axes (returned), to a path
+        (format from the suffix; the path returned) or, with None, as a new figure
+        (:func:`kvdiverge.report.figures.render_frontier`)."""
+        from kvdiverge.report.figures import render_frontier
 
-        Parameters
-        ----------
-        target : sequence of 3 matplotlib Axes, path or None
-            Axes: draw into them and return them. Path: write the figure (format from the
-            suffix), return the path. None: return a new figure.
-        """
-        from kvdiverge.report import figures as plots
-
-        points = self.frontier()
-        if isinstance(target, (list, tuple)) or hasattr(target, "flat"):
-            plots.draw_frontier(list(getattr(target, "flat", target)), points, title=self.settings["model"])
-            return target
-        fig = plots.frontier_figure(points)
-        if target is None:
-            return fig
-        plots.save_figure(fig, target)
-        return Path(target)
+        return render_frontier(self.frontier(), target, title=self.settings["model"])
 
 
 # --------------------------------------------------------------------------- the call
@@ -398,9 +308,8 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     """
     from tqdm.auto import tqdm
 
-    from kvdiverge.estimation import tables
     from kvdiverge.engine.runner import run_policies
-
+    from kvdiverge.estimation import tables
     from kvdiverge.study.settings import check_settings
 
     checked = check_settings({"max_new_tokens": max_new_tokens, "replicates": replicates,
@@ -409,10 +318,10 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                               "memory_budget_gb": memory_budget_gb,
                               **({} if batch_documents is None else {"batch_documents": batch_documents})})
     T, R = checked["max_new_tokens"], checked["replicates"]
-    documents, sources, grid = _inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets)
+    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios,
+                                              budgets)
     if model_name is None:
-        path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
-        model_name = os.path.basename(path.rstrip("/")) or "model"
+        model_name = model_label(model)
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
     runs = run_policies(model, documents, sources, T=T, replicates=R, temperature=float(temperature),
                         top_p=float(top_p), seed=int(seed), model_name=model_name, split=split, eos_ids=eos_ids,
@@ -422,15 +331,9 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     trajectories, B = runs.trajectories, runs.batch_documents
     reps, docs = tables.estimate(trajectories, int(window), windows)
     pooled = tables.pool(docs, int(bootstrap), float(confidence), int(seed))
-    settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
-                "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
-                "confidence": float(confidence), "instruction": instruction, "system": system,
-                "presses": {n: describe_press(s) for n, s in sources.items()}}
-    if grid is not None:
-        settings["frontier"] = grid
-    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
-    if quantized:
-        settings["quantized_caches"] = quantized
+    settings = measure_settings(model_name, split, sources, grid, T=T, R=R, temperature=temperature, top_p=top_p,
+                                seed=seed, window=window, bootstrap=bootstrap, confidence=confidence,
+                                instruction=instruction, system=system)
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
@@ -438,27 +341,3 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         warnings.warn(f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
                       f"kernel as the full cache)", stacklevel=2)
     return result
-
-
-def _inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
-    """``(documents, sources, grid)`` of a :func:`measure` call, checked before any generation."""
-    from kvdiverge.study.settings import token_id_problems
-
-    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int):
-        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
-        if problems:
-            raise ValueError(problems[0])
-    grid = None
-    if ratios or budgets:
-        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
-    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
-    try:
-        from kvdiverge.study.models import context_length
-
-        context = context_length(model)
-    except (ValueError, AttributeError):
-        context = None
-    check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
-    return documents, sources, grid

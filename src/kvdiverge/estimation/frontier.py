@@ -35,7 +35,7 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
 from kvdiverge.estimation.decomposition import check_decomposition
 
-__all__ = ["POINT_METRICS", "frontier_grid", "frontier_name", "frontier_tables", "trapezoid_area"]
+__all__ = ["POINT_METRICS", "frontier_grid", "frontier_name", "frontier_tables", "measured_frontier", "trapezoid_area"]
 
 #: Per-point metrics of the frontier table (each with ``_lo`` and ``_hi``).
 POINT_METRICS = ("p_div", "tau_mean", "tau_median", "E_M", "first_mismatch_term", "exposure_rate_term", "rho")
@@ -355,3 +355,20 @@ def _areas(points, boots, grid, model, split, n, T, confidence):
             r[f"diff_best_area_{m}"] = float(val - bval)
             r[f"diff_best_area_{m}_lo"], r[f"diff_best_area_{m}_hi"] = float(dlo), float(dhi)
     return rows
+
+
+def measured_frontier(docs: pl.DataFrame, settings: Mapping[str, Any],
+                      floor: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """:func:`frontier_tables` of a measurement made with ratios (its ``settings["frontier"]`` grid,
+    ``bootstrap``, ``confidence``, ``seed`` and ``split``).
+
+    Raises
+    ------
+    ValueError
+        If the measurement has no frontier grid.
+    """
+    grid = settings.get("frontier")
+    if not grid:
+        raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
+    s = settings
+    return frontier_tables(docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"])

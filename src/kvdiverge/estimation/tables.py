@@ -8,6 +8,8 @@ tables under ``results/estimates`` and ``results/analysis`` and those of a
 - :func:`estimate` — per replicate and per document (estimators.md §3–§6).
 - :func:`pool` — pooled estimates, timing, survival, branch TV and variance tables (§7).
 - :func:`gaps` — the §7 gap decomposition of each requested pair of policies.
+- :func:`press_gap`, :func:`pairwise_gaps`, :func:`summary_table` — the gaps and summary of a
+  :class:`kvdiverge.measurement.Measurement`.
 
 Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.estimation.analysis`,
 ``docs/internals.md``.
@@ -15,13 +17,16 @@ Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.estimation.analysis import GAP_SCHEMA, gap_decomposition, timing_table, variance_table
+from kvdiverge.estimation.analysis import (GAP_SCHEMA, floor_differences, gap_decomposition, timing_table,
+                                           variance_table)
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -30,7 +35,8 @@ from kvdiverge.estimation.estimators import (
     survival_curve,
 )
 
-__all__ = ["POOL_TABLES", "compression_table", "estimate", "gaps", "pool", "press_summary"]
+__all__ = ["POOL_TABLES", "compression_table", "estimate", "gaps", "pairwise_gaps", "pool", "press_gap",
+           "press_summary", "summary_table"]
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +219,62 @@ def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Seque
     order = {p: i for i, p in enumerate(policies)}
     out = out.sort(pl.col("policy").replace_strict(order, return_dtype=pl.Int64))
     return out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched", *rest])
+
+
+def press_gap(documents: pl.DataFrame, presses: Sequence[str], a: str, b: str,
+              settings: Mapping[str, Any]) -> pl.DataFrame:
+    """Gap decomposition ``A - B`` of the expected token loss of two measured presses, paired by prompt (§7).
+
+    Parameters
+    ----------
+    documents : polars.DataFrame
+        Per-document estimates (:func:`estimate`) of one model.
+    presses : sequence of str
+        The measured press names.
+    a, b : str
+        The two presses.
+    settings : mapping
+        ``bootstrap``, ``confidence``, ``seed``, ``split`` and ``model`` of the measurement.
+
+    Returns
+    -------
+    polars.DataFrame
+        Four rows (``term``: ``delta``, ``first_mismatch``, ``exposure``, ``rate``):
+        ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap,
+        ``value_M = value / T`` (:func:`kvdiverge.estimation.analysis.gap_decomposition`).
+
+    Raises
+    ------
+    ValueError
+        If ``a`` or ``b`` is not a measured press, or ``a == b``.
+    """
+    for p in (a, b):
+        if p not in presses:
+            raise ValueError(f"unknown press {p!r}; measured: {list(presses)}")
+    if a == b:
+        raise ValueError("a gap needs two different presses")
+    s = settings
+    return gaps(documents, [(a, b)], s["bootstrap"], s["confidence"], s["seed"], split=s["split"], models=[s["model"]])
+
+
+def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str]) -> pl.DataFrame:
+    """``gap(a, b)`` of every pair of ``presses``, ``a`` before ``b`` in their order, concatenated
+    (an empty :data:`kvdiverge.estimation.analysis.GAP_SCHEMA` table for fewer than two)."""
+    frames = [gap(a, b) for a, b in itertools.combinations(presses, 2)]
+    return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
+
+
+def summary_table(pooled: pl.DataFrame, documents: pl.DataFrame, presses: Sequence[str],
+                  trajectories: pl.DataFrame, noise_floor: str | None = None,
+                  gap: Callable[[str, str], pl.DataFrame] | None = None) -> pl.DataFrame:
+    """:func:`press_summary`, with each press's paired difference from the noise floor when one is measured.
+
+    With ``noise_floor`` (and ``gap(a, b)``, the gap of two presses: :func:`press_gap`), joins
+    ``E_M_minus_floor`` and ``p_div_minus_floor`` (each with ``_lo``/``_hi``;
+    :func:`kvdiverge.estimation.analysis.floor_differences`), null on the floor's own row.
+    """
+    out = press_summary(pooled, documents, presses, trajectories)
+    if noise_floor is None:
+        return out
+    floor = floor_differences({p: None if p == noise_floor else gap(p, noise_floor) for p in presses})
+    return out.join(floor, on="policy", how="left")

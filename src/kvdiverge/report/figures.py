@@ -15,11 +15,14 @@
 - :func:`plot_speculative` — the self-speculative reading: tokens per target forward
   ``A_k + 1`` of a first draft block against its length ``k``, beside the i.i.d. formula,
   and the accepted fraction ``A_k / k`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
+- :func:`render_survival`, :func:`render_frontier` — those figures into given Axes, to a path
+  or as a new figure (:class:`kvdiverge.measurement.Measurement`).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Sequence
 
 import matplotlib
@@ -35,7 +38,7 @@ from kvdiverge.estimation.io import atomic_path  # noqa: E402
 
 __all__ = ["draw_frontier", "draw_speculative", "frontier_figure", "plot_frontier", "plot_speculative",
            "speculative_figure", "draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
-           "plot_variance", "save_figure", "survival_figure"]
+           "plot_variance", "render_frontier", "render_survival", "save_figure", "survival_figure"]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
 TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a868"}
@@ -486,3 +489,37 @@ def plot_speculative(table: pl.DataFrame, png, pdf=None, floor: str | None = Non
         The noise-floor policy, drawn grey and dashed.
     """
     save_figure(speculative_figure(table, floor), *[p for p in (png, pdf) if p is not None])
+
+
+def render_survival(survival: pl.DataFrame, target=None, title: str | None = None):
+    """The survival figure into Axes, to a file or as a new figure.
+
+    ``target`` Axes: :func:`draw_survival` into it (with ``title``), returns it; a path:
+    :func:`survival_figure` written there (format from the suffix), returns the path; None:
+    returns a new :func:`survival_figure`.
+    """
+    if hasattr(target, "plot") and hasattr(target, "figure"):
+        draw_survival(target, survival, title=title)
+        return target
+    fig = survival_figure(survival)
+    if target is None:
+        return fig
+    save_figure(fig, target)
+    return Path(target)
+
+
+def render_frontier(points: pl.DataFrame, target=None, title: str | None = None):
+    """The frontier figure into three Axes, to a file or as a new figure.
+
+    ``target`` a sequence (or array) of Axes: :func:`draw_frontier` into them (with ``title``),
+    returns ``target``; a path: :func:`frontier_figure` written there, returns the path;
+    None: returns a new :func:`frontier_figure`.
+    """
+    if isinstance(target, (list, tuple)) or hasattr(target, "flat"):
+        draw_frontier(list(getattr(target, "flat", target)), points, title=title)
+        return target
+    fig = frontier_figure(points)
+    if target is None:
+        return fig
+    save_figure(fig, target)
+    return Path(target)

@@ -11,6 +11,9 @@
   a hub id) into a config model entry (:func:`kvdiverge.study.models.load_model`). These
   three raise :class:`InputError` (a ``ValueError``), one sentence naming the file, field
   or argument (``kvdiverge measure`` prints it).
+- :func:`check_arguments`, :func:`argument_sources`, :func:`argument_prompts`: the
+  ``kvdiverge measure`` arguments checked, its presses and caches as policies
+  (:func:`cli_entries`, :func:`cache_entry`) and its prompts, before the model is loaded.
 
 The module imports no torch until a function needs the engine (the command line loads it
 before parsing its arguments).
@@ -28,8 +31,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvdiverge.engine.runner import Document, PressSource
 
-__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "check_lengths", "describe_press",
-           "frontier_presses", "is_noise_floor", "model_entry", "prepare_documents", "prepare_presses", "read_prompts", "sotu_prompts"]
+__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "OPTIONS", "SOTU_INSTRUCTION", "argument_prompts",
+           "argument_sources", "cache_entry", "check_arguments", "check_lengths", "cli_entries", "describe_press",
+           "frontier_presses", "is_noise_floor", "measure_inputs", "measure_settings", "model_entry", "model_label",
+           "prepare_documents", "prepare_presses", "read_prompts",
+           "sotu_prompts"]
 
 
 class InputError(ValueError):
@@ -433,3 +439,197 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
     if looks_like_path:
         raise InputError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
     return model, {"source": "hub", "id": model, **extra}
+
+
+# --------------------------------------------------------------------------- a measure() call's inputs
+
+
+def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
+    """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
+
+    The prompts as documents (:func:`prepare_documents`), their token ids checked against the
+    model's vocabulary and their lengths against ``T`` and the model context
+    (:func:`check_lengths`), the presses as policies (:func:`prepare_presses`, built and
+    checked later with the model), expanded over ``ratios`` and ``budgets``
+    (:func:`frontier_presses`; ``grid`` is None without them).
+
+    Raises
+    ------
+    ValueError
+        The first problem found, in one sentence.
+    """
+    from kvdiverge.study.settings import token_id_problems
+
+    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
+        if problems:
+            raise ValueError(problems[0])
+    grid = None
+    if ratios or budgets:
+        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
+    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
+    try:
+        from kvdiverge.study.models import context_length
+
+        context = context_length(model)
+    except (ValueError, AttributeError):
+        context = None
+    check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
+    return documents, sources, grid
+
+
+def model_label(model: Any) -> str:
+    """The ``model`` column of a model object: the basename of its ``config.name_or_path``, else ``"model"``."""
+    path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
+    return os.path.basename(path.rstrip("/")) or "model"
+
+
+def measure_settings(model_name: str, split: str, sources: Mapping[str, PressSource], grid: Any, *, T: int, R: int,
+                     temperature: float, top_p: float, seed: int, window: int, bootstrap: int, confidence: float,
+                     instruction: str | None, system: str | None) -> dict[str, Any]:
+    """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
+    temperature, top_p, seed, window, bootstrap, confidence, instruction, system, presses
+    (name -> :func:`describe_press`), the ``frontier`` grid if any and ``quantized_caches``
+    (names of the quantized-cache policies) if any."""
+    settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
+                "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
+                "confidence": float(confidence), "instruction": instruction, "system": system,
+                "presses": {n: describe_press(s) for n, s in sources.items()}}
+    if grid is not None:
+        settings["frontier"] = grid
+    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+    if quantized:
+        settings["quantized_caches"] = quantized
+    return settings
+
+
+# --------------------------------------------------------------------------- the command line's inputs
+
+#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
+SOTU_INSTRUCTION = "Summarize the document above in three sentences."
+
+#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
+OPTIONS = {"max_new_tokens": "-T/--max-new-tokens", "replicates": "-R/--replicates", "temperature": "--temperature",
+           "top_p": "--top-p", "seed": "--seed", "window": "-W/--window", "bootstrap": "--bootstrap",
+           "confidence": "--confidence", "batch_documents": "--batch-documents"}
+
+
+def cache_entry(text: str) -> dict[str, Any]:
+    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
+
+    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
+    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+
+    Raises
+    ------
+    InputError
+        An unknown backend or parameter.
+    """
+    from kvdiverge.engine.presses.expressions import parse_press
+    from kvdiverge.engine.presses.quantized import BACKENDS
+
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise InputError(f"--cache {text!r}: {exc}") from None
+    if backend not in BACKENDS:
+        raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
+    if unknown:
+        raise InputError(f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, "
+                         f"residual_length")
+    return {"cache": "quantized", "backend": backend, **params}
+
+
+def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | None,
+                default_ratio: float | None) -> dict[str, dict[str, Any]]:
+    """Policy entries of ``--press`` and ``--cache`` values, by name.
+
+    Each press is a policy; each quantized cache is one alone (named by its value) and one
+    after each press (``<press>+<cache>``: evict, then quantize what is kept).
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry
+
+    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
+    quantized = {text: cache_entry(text) for text in caches}
+    out = dict(entries)
+    for text, keys in quantized.items():
+        out[text] = dict(keys)
+        for spec, entry in entries.items():
+            out[f"{spec}+{text}"] = {**entry, **keys}
+    return out
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse before any work a setting the config would refuse (the same check:
+    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
+    out-of-range counts of the command line's own, no press or cache, a repeated one and
+    --cache with --ratios.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed ``kvdiverge measure`` arguments (:mod:`kvdiverge.cli`).
+
+    Raises
+    ------
+    InputError
+        The first refused argument, in one sentence.
+    """
+    from kvdiverge.study.devices import device_problem
+    from kvdiverge.study.settings import check_settings
+
+    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
+    try:
+        check_settings(values, OPTIONS)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    for name, value, low in (("--budget", 1 if args.budget is None else args.budget, 1),
+                             ("--threads", 1 if args.threads is None else args.threads, 1)):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    if not args.press and not args.cache:
+        raise InputError("give at least one --press or --cache")
+    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
+        raise InputError("the same --press or --cache is given twice")
+    if args.cache and args.ratios:
+        raise InputError("--cache with --ratios is not supported here; put quantized points in a config's frontier")
+    problem = device_problem(args.device, "--device")
+    if problem:
+        raise InputError(problem)
+
+
+def argument_sources(args: Any) -> tuple[dict[str, dict[str, Any]], dict[str, PressSource]]:
+    """``(entries, sources)``: each ``--press`` and ``--cache`` as policy entries (:func:`cli_entries`),
+    and the policies measured (every entry at every ratio with ``--ratios``), each press built and
+    checked once (:func:`prepare_presses`).
+
+    Raises
+    ------
+    InputError
+        A bad press, cache or ratio, or a press that refuses its parameters.
+    """
+    # with --ratios the frontier sets each press's ratio: an entry without one
+    entries = cli_entries(args.press, args.cache, args.budget, None if args.ratios else 0.0)
+    expanded = entries
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
+        try:
+            expanded, _ = frontier_presses(entries, args.ratios)
+        except ValueError as exc:
+            raise InputError(f"--{exc}" if str(exc).startswith("ratios: ") else f"--ratios: {exc}") from None
+    try:
+        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
+    """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
+    ``--instruction`` is given) or ``--prompts`` (:func:`sotu_prompts`, :func:`read_prompts`)."""
+    if args.sotu is not None:
+        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
+        return sotu_prompts(args.sotu, *args.words), instruction
+    return read_prompts(args.prompts, args.field, args.id_field), args.instruction
