@@ -107,7 +107,8 @@ def rules(*names):
 
 
 FIGURES_UP = rules("figures", "summary", "all")
-ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | FIGURES_UP
+SPECULATIVE = rules("speculative", "speculative_figure")  # reads every estimate
+ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
 GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
 
 
@@ -132,17 +133,18 @@ CASES = [
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION),
     ("policies.snapkv-50.compression_ratio", 0.4,
-     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor") | FIGURES_UP),
+     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
+     | SPECULATIVE | FIGURES_UP),
     ("policies.snapkv-90.kernel_size", 3,
      shards(["snapkv-90"]) | estimates(["snapkv-90"]) | rules("provenance", "pool", "confirmatory", "floor")
-     | FIGURES_UP),
+     | SPECULATIVE | FIGURES_UP),
     ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION),
     ("runs.control.documents", 2,
-     shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | FIGURES_UP),
+     shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | SPECULATIVE | FIGURES_UP),
     ("runs.floor.documents", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
-     | rules("provenance", "pool", "floor", "confirmatory") | FIGURES_UP),
+     | rules("provenance", "pool", "floor", "confirmatory") | SPECULATIVE | FIGURES_UP),
     ("policies.noise-floor.seed", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
-     | rules("provenance", "pool", "floor", "confirmatory") | FIGURES_UP),
+     | rules("provenance", "pool", "floor", "confirmatory") | SPECULATIVE | FIGURES_UP),
     (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION),
     ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION),
     ("window", 3, estimates() | ANALYSES),
