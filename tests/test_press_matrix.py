@@ -139,6 +139,11 @@ def prompts():
     return [torch.randint(1, 500, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
+#: Largest |log p - log p'| between the decode-time pair's reference side (each document alone,
+#: stock kernels) and the batched pair's (padded, the engine's kernels): float32 rounding.
+REFERENCE_TOL = 1e-5
+
+
 @pytest.fixture(scope="module")
 def forced():
     """The tokens fed at every step, per document (the same on both sides and in every run)."""
@@ -195,9 +200,14 @@ def check_measured(model, prompts, forced, name):
     policy = _policy(name)
     plain, _ = trace(model, prompts, forced, None)
     steps, pair = trace(model, prompts, forced, policy)
-    for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
-        assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
     decode_time = is_decode_time(pair.presses[0])  # evicts along the chain: the lanes' own tests check counts
+    for t, ((p0, _), (p, _)) in enumerate(zip(plain, steps)):
+        if decode_time:  # one unpadded reference side per document, on the lanes' stock kernels: the
+            # batched reference's distributions up to float32 rounding (kvdiverge.engine.llm.decode_pair)
+            gap = (p - p0).abs().max().item()
+            assert gap <= REFERENCE_TOL, f"{name}: the reference side changed at step {t + 1} by {gap:.3g}"
+        else:
+            assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
     for d, ids in enumerate(prompts):
         n = len(ids)
         alone, pair_alone = trace(model, [ids], forced[d:d + 1], policy, doc_ids=[d])
