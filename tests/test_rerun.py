@@ -211,7 +211,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     # that command remakes the shard and what depends on it, nothing else
     assert planned_jobs(snakemake_dry(work, *command.split()[1:])) == (
         {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
-        | FIGURES_UP)
+        | SPECULATIVE | FIGURES_UP)
 
 
 @pytest.mark.llm
