@@ -4,6 +4,14 @@ workflow runs (smoke and frontier smoke) that every workflow test reads."""
 from __future__ import annotations
 
 import os
+
+# One torch (OpenMP) thread per test process, and for the commands the tests start, unless
+# the caller sets OMP_NUM_THREADS: the model tests' matrices are small, and where other work
+# shares the cores two spinning OpenMP threads per forward pass are many times slower than
+# one (tests/test_batching.py's model tests: 580 s with torch's default on a loaded 2-core
+# machine, 153 s with one thread). Set before numpy or any test module imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import shutil
 import subprocess
 import sys
