@@ -1,8 +1,10 @@
 """The smoke config submitted through a real (one-node, throw-away) SLURM cluster.
 
-Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm` plus the test-only
-overrides below in a copy of the local smoke run's working tree, and checks that every table
-equals the local run's (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge`
+Runs `snakemake --configfile config/smoke.yaml --profile profiles/slurm <targets>` plus the
+test-only overrides below in a copy of the local smoke run's working tree, for one run's
+estimates (``SLURM_TARGETS``: corpus, conversion, prompts, its two shards and its estimate, six
+jobs, each through the cluster), and checks that every table it made equals the same table
+of the session's local smoke run (fixture `smoke_run`). Needs root: it installs `slurm-wlm` and `munge`
 with apt where missing and starts munged, slurmctld and slurmd (see tests/slurm_cluster.py).
 Elsewhere it is skipped with the reason. The two tests that start the cluster are marked
 `slurm`: outside the default `make test`, run by `make test-all` and `.ci/run` (alone:
@@ -40,6 +42,15 @@ GENERATION_RULE = "trajectories"  # the only rule that may ask for GPUs
 TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
+# what goes through SLURM: one run's estimates, so every job of the chain up to them (corpus,
+# conversion, prompts, both shards, the estimate); the other runs' jobs are the same rules
+SLURM_RUN = ("smollm2-135m", "snapkv-50", "exploratory")
+SLURM_TARGETS = [f"{yaml.safe_load((REPO / 'config' / 'smoke.yaml').read_text())['results_dir']}"
+                 f"/estimates/{'/'.join(SLURM_RUN)}.parquet"]
+#: the tables those jobs write, relative to the results directory
+SLURM_TABLES = ["corpus/documents.parquet", f"prompts/{SLURM_RUN[0]}.parquet",
+                *(f"trajectories/{'/'.join(SLURM_RUN)}/shard-{i}.parquet" for i in range(2)),
+                f"estimates/{'/'.join(SLURM_RUN)}.parquet", f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet"]
 # what a run leaves in its directory: not copied into the SLURM run's directory
 RUN_OUTPUTS = ("results", "results-smoke", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
 
@@ -193,8 +204,9 @@ def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys
     work = tmp_path / "work"
     shutil.copytree(local_tree, work, ignore=lambda d, names: [
         n for n in names if Path(d) == local_tree and n in RUN_OUTPUTS])
+    # targets before --configfile, which takes every following word as a config file
     cmd = [
-        sys.executable, "-m", "snakemake",
+        sys.executable, "-m", "snakemake", *SLURM_TARGETS,
         "--configfile", "config/smoke.yaml",
         "--profile", "profiles/slurm",
         *cluster_overrides(slurm),
@@ -214,14 +226,14 @@ def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys
         f"command: {' '.join(cmd)}\n--- stderr (tail) ---\n{proc.stderr[-8000:]}\n"
         f"--- queue ---\n{slurm.queue()}\n--- slurmctld.log ---\n{slurm.log('slurmctld.log')}"
     )
-    # the jobs really went through the cluster
-    assert "has been submitted with SLURM jobid" in proc.stderr
+    # the jobs really went through the cluster: each of the six was submitted
+    assert proc.stderr.count("has been submitted with SLURM jobid") == 6, proc.stderr[-8000:]
 
     local, remote = tables(Path(smoke_run)), tables(work / Path(smoke_run).name)
-    assert local, f"the local smoke run produced no tables under {smoke_run}"
-    assert sorted(remote) == sorted(local)
-    for rel, path in local.items():
+    assert set(SLURM_TABLES) <= set(local), f"the local smoke run lacks tables under {smoke_run}"
+    assert sorted(remote) == sorted(SLURM_TABLES)  # what the targets need, nothing else
+    for rel, path in remote.items():
         try:  # exact: same columns, dtypes, rows in the same order, bit-equal numbers
-            assert_frame_equal(read_table(remote[rel]), read_table(path), check_exact=True)
+            assert_frame_equal(read_table(path), read_table(local[rel]), check_exact=True)
         except AssertionError as e:
             pytest.fail(f"{rel}: the SLURM run's table (left) differs from the local run's: {e}")
