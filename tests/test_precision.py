@@ -1,7 +1,9 @@
-"""Half precision end to end: the smoke config in bfloat16 through Snakemake (up to its tables), float16 on one document."""
+"""Half precision end to end: the smoke config in bfloat16 through Snakemake (up to its tables, one
+shard per run, from the session smoke run's corpus), float16 on one document."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import polars as pl
 import pytest
 import yaml
 
-from conftest import REPO, _copy_tree, results_dir, tree_env
+from conftest import REPO, copy_run, results_dir, tree_env
 from kvdiverge.estimation.finite import check_finite, document_undefined
 
 pytestmark = [pytest.mark.workflow, pytest.mark.llm]
@@ -19,31 +21,41 @@ pytestmark = [pytest.mark.workflow, pytest.mark.llm]
 # what the bfloat16 test reads: every estimate (pool and floor need them all), the
 # analysis tables and the provenance; the figures, summary page and report are not built
 BF16_TARGETS = ["provenance", "pool", "gaps", "floor", "confirmatory"]
+# what the model's dtype changes: the conversion and everything after it (the corpus stays)
+FROM_THE_MODEL = ("models", "prompts", "trajectories", "estimates", "analysis", "figures")
 
 
 @pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory) -> Path:
-    """The workflow on config/smoke.yaml with ``dtype: bfloat16``, in a copy of the tree,
-    up to the tables the tests read (``BF16_TARGETS``: shards, estimates, analysis tables).
+def bf16_run(smoke_run, tmp_path_factory) -> Path:
+    """The workflow on config/smoke.yaml with ``dtype: bfloat16`` and one shard per run, up to
+    the tables the tests read (``BF16_TARGETS``: conversion, prompts, shards, estimates,
+    analysis tables), in a copy of the session's smoke run with everything made from the
+    model deleted: Snakemake keeps its corpus (same settings) and builds the rest.
 
     Returns
     -------
     pathlib.Path
         The run's results directory (the smoke config's ``results_dir``, logs under it).
     """
-    work = tmp_path_factory.mktemp("smoke-bf16")
-    _copy_tree(work)
-    config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
+    work = copy_run(Path(smoke_run).parent, tmp_path_factory.mktemp("smoke-bf16") / "work")
+    results = work / results_dir("smoke.yaml")
+    for stage in FROM_THE_MODEL:
+        shutil.rmtree(results / stage)
+    (results / "report.html").unlink()
+    corpus = (results / "corpus" / "documents.parquet").stat().st_mtime_ns
+    config = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
     for spec in config["models"].values():
         spec["dtype"] = "bfloat16"
+    config["shards"] = 1  # half the jobs; each shard is one process that imports torch
     (work / "config" / "smoke-bf16.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     # targets before --configfile, which takes every following word as a config file
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *BF16_TARGETS, "--configfile", "config/smoke-bf16.yaml"]
     res = subprocess.run(cmd, cwd=work, env=tree_env(work), capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"bfloat16 smoke run failed: {' '.join(cmd)}\n{res.stderr[-8000:]}")
-    results = work / results_dir("smoke.yaml")
     assert not (results / "figures").exists()  # only the targets above were built
+    assert (results / "corpus" / "documents.parquet").stat().st_mtime_ns == corpus  # kept
+    assert len(list((results / "trajectories").rglob("shard-*.parquet"))) == 7  # 7 runs x 1 shard
     return results
 
 
