@@ -160,19 +160,49 @@ def embedded(embedded_entry):
     return load_model(embedded_entry, "smollm2-135m")
 
 
-@pytest.fixture
-def embedded_cached(monkeypatch, embedded_entry):
-    """In this test, in-process loads of the embedded GGUF entry read the session's converted copy."""
+def cached_loaders(monkeypatch, embedded_entry) -> None:
+    """In-process loads of the embedded GGUF entry (model and tokenizer: ``load_model``,
+    ``load_tokenizer``) read the session's converted copy instead (about a second instead of
+    about 20 s; the same weights and, for the chat template, the same token ids)."""
     from kvdiverge.study import models
 
-    real = models.load_model
+    real_model, real_tokenizer = models.load_model, models.load_tokenizer
 
-    def load(spec, name=None, tokenizer=None):
-        if spec == models.EMBEDDED_MODEL:
-            spec = embedded_entry
-        return real(spec, name, tokenizer)
+    def cached(spec):
+        return embedded_entry if spec == models.EMBEDDED_MODEL else spec
 
-    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(models, "load_model", lambda spec, name=None, tokenizer=None:
+                        real_model(cached(spec), name, tokenizer))
+    monkeypatch.setattr(models, "load_tokenizer", lambda spec, name=None: real_tokenizer(cached(spec), name))
+
+
+@pytest.fixture
+def embedded_cached(monkeypatch, embedded_entry):
+    """In this test, in-process loads of the embedded GGUF entry read the session's converted
+    copy (:func:`cached_loaders`): ``kvdiverge measure embedded`` through ``kvdiverge.cli.main``,
+    ``load_model(EMBEDDED_MODEL)``."""
+    cached_loaders(monkeypatch, embedded_entry)
+
+
+def run_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``kvdiverge *argv`` through :func:`kvdiverge.cli.main` in this process, in ``cwd``:
+    its exit code and what it printed (stdout, stderr: the progress bars too)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from kvdiverge.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # argparse's own errors
+                code = exc.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["kvdiverge", *argv], code, out.getvalue(), err.getvalue())
 
 
 # --------------------------------------------------------------------------- workflow runs

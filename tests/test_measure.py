@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
+
+from conftest import cached_loaders, run_main
 
 from kvdiverge import cli
 from kvdiverge.cli import UsageError, main, model_entry, read_prompts
@@ -310,16 +313,20 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory, user_presses):
-    """``kvdiverge measure embedded``: two prompts, T = 4, R = 2, SnapKV and a user press."""
+def cli_run(tmp_path_factory, user_presses, embedded_entry):
+    """``kvdiverge measure embedded`` (``kvdiverge.cli.main`` in this process, the embedded
+    model read from the session's converted copy): two prompts, T = 4, R = 2, SnapKV and a
+    user press."""
     work = tmp_path_factory.mktemp("cli")
     (work / "prompts.txt").write_text(
         "Describe the water cycle in four sentences for a science class of twelve-year-olds.\n"
         "List three reasons why bridges are built with expansion joints, and explain each briefly.\n")
     start = time.perf_counter()
-    res = run_cli(["measure", "embedded", "--prompts", "prompts.txt", "-T", "4", "-R", "2", "--seed", "7",
-                   "--bootstrap", "200", "--press", "SnapKVPress:compression_ratio=0.5,window_size=8",
-                   "--press", "mypresses:KeepAllPress", "--out", "out"], work, extra_path=user_presses)
+    with pytest.MonkeyPatch.context() as mp:
+        cached_loaders(mp, embedded_entry)
+        res = run_main(["measure", "embedded", "--prompts", "prompts.txt", "-T", "4", "-R", "2", "--seed", "7",
+                        "--bootstrap", "200", "--press", "SnapKVPress:compression_ratio=0.5,window_size=8",
+                        "--press", "mypresses:KeepAllPress", "--out", "out"], work)
     seconds = time.perf_counter() - start
     print(f"\n[measure] kvdiverge measure embedded, 2 prompts, T=4, R=2, 2 presses: {seconds:.1f} s")
     return work, res
@@ -373,14 +380,29 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
 
 
 @pytest.mark.llm
-def test_cli_prompt_shorter_than_press_needs_exits_2(tmp_path):
+def test_cli_prompt_shorter_than_press_needs_exits_2(tmp_path, embedded_cached):
     (tmp_path / "p.txt").write_text("Hi.\n")
-    res = run_cli(["measure", "embedded", "--prompts", "p.txt", "-T", "4", "-R", "2",
-                   "--press", "SnapKVPress:compression_ratio=0.5,window_size=500"], tmp_path)
+    res = run_main(["measure", "embedded", "--prompts", "p.txt", "-T", "4", "-R", "2",
+                    "--press", "SnapKVPress:compression_ratio=0.5,window_size=500"], tmp_path)
     assert res.returncode == 2
     line = _error_line(res.stderr)
     assert re.fullmatch(r"kvdiverge measure: error: prompt 'prompt-0' has \d+ tokens; press "
                         r"'SnapKVPress:compression_ratio=0.5,window_size=500' needs at least 501", line), line
+
+
+def test_the_command_as_a_process_exits_2_with_one_line(tmp_path):
+    """The command line in a process of its own (the console script where installed, else
+    ``python -m kvdiverge.cli``): bad input is one line on stderr and exit code 2."""
+    args = ["measure", "embedded", "--prompts", "none.txt", "--press", "KnormPress"]
+    if shutil.which("kvdiverge") is None:  # the console script needs `pip install -e .` (make setup)
+        res = run_cli(args, tmp_path)
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        res = subprocess.run(["kvdiverge", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert res.returncode == 2 and res.stdout == ""
+    assert _error_line(res.stderr).startswith("kvdiverge measure: error: prompts file not found"), res.stderr
 
 
 # --------------------------------------------------------------------------- API = workflow (smoke run)
@@ -537,17 +559,15 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, emb
 
 
 @pytest.mark.llm
-def test_readme_cli_example_runs(tmp_path):
+def test_readme_cli_example_runs(tmp_path, embedded_cached):
+    """The README's command line, word for word, through ``kvdiverge.cli.main`` in this process
+    (the embedded model read from the session's converted copy: fixture ``embedded_cached``)."""
     (code,) = readme_blocks("bash")
     command = code.replace("\\\n", " ").strip()
-    assert command.startswith("kvdiverge measure embedded")
-    if shutil.which("kvdiverge") is None:  # the console script needs `pip install -e .` (make setup)
-        command = f"{PYTHON} -m kvdiverge.cli" + command[len("kvdiverge"):]
-    env = {**os.environ, **ONE_THREAD,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    argv = shlex.split(command)
+    assert argv[:3] == ["kvdiverge", "measure", "embedded"]
     start = time.perf_counter()
-    res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=1800)
+    res = run_main(argv[1:], tmp_path)
     print(f"\n[measure] README command-line example: {time.perf_counter() - start:.1f} s")
     assert res.returncode == 0, res.stderr[-3000:]
     summary = pl.read_parquet(tmp_path / "measure-out" / "summary.parquet")
