@@ -11,9 +11,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,7 @@ import polars as pl
 import pytest
 import yaml
 
+from conftest import run_main
 from kvdiverge.estimation.frontier import frontier_grid, frontier_name, frontier_tables, trapezoid_area
 from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
 
@@ -308,15 +306,12 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
 
 
 @pytest.mark.llm
-def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path):
-    """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, "-m", "kvdiverge.cli", "measure", "embedded", "--sotu", "1", "-T", "4",
-                          "-R", "2", "--bootstrap", "50", "--threads", "1", "--quiet",
-                          "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
-                          "--ratios", "0.25", "0.5", "--out", "out"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path, embedded_cached):
+    """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written
+    (``kvdiverge.cli.main`` in this process; the embedded model read from the session's converted copy)."""
+    res = run_main(["measure", "embedded", "--sotu", "1", "-T", "4", "-R", "2", "--bootstrap", "50",
+                    "--threads", "1", "--quiet", "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
+                    "--ratios", "0.25", "0.5", "--out", "out"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "area E[M] [CI]" in res.stdout and "SnapKVPress:window_size=8@0.25" in res.stdout
     table = [line for line in res.stdout.splitlines() if line.startswith(("1 ", "2 "))]
