@@ -15,7 +15,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -36,25 +38,35 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 
 
 #: a test that uses one of these fixtures (directly or through another) carries the marker
-FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow"}
+FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow",
+                   "bf16_run": "workflow"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
     """Check the markers of tests on the shared fixtures (``FIXTURE_MARKERS``), then leave
     out the ``slurm`` tests (they install system packages and write /etc/slurm) unless
     ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
-    everything (``make test-all``, ``.ci/run``)."""
+    everything (``make test-all``, ``.ci/run``).
+
+    Where the session's workflow runs will be built in the background
+    (:func:`pytest_collection_finish`), the test files that read them run last (each file's
+    tests stay together and in order), so that the others run meanwhile.
+    """
     unmarked = [f"{item.nodeid} uses {fixture} but is not marked {marker}"
                 for item in items for fixture, marker in FIXTURE_MARKERS.items()
                 if fixture in item.fixturenames and item.get_closest_marker(marker) is None]
     if unmarked:
         raise pytest.UsageError("\n".join(unmarked))
-    if "slurm" in (config.option.markexpr or ""):
-        return
-    keep = [item for item in items if item.get_closest_marker("slurm") is None]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slurm")])
-        items[:] = keep
+    if "slurm" not in (config.option.markexpr or ""):
+        keep = [item for item in items if item.get_closest_marker("slurm") is None]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slurm")])
+            items[:] = keep
+    if background_builds(config, items):
+        readers = {item.path for item in items if set(item.fixturenames) & BACKGROUND_FIXTURES}
+        items[:] = [item for item in items if item.path not in readers] + \
+                   [item for item in items if item.path in readers]
 
 
 # --------------------------------------------------------------------------- synthetic kernels
@@ -240,7 +252,12 @@ def tree_env(work: Path, **extra: str) -> dict[str, str]:
 
 
 def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
-    """Run each entry's commands in order, the entries side by side (one process each at a time)."""
+    """Run each entry's commands in order, the entries side by side (one process each at a time).
+
+    Each command runs in a process group of its own; when the session ends first
+    (``_STOP``, set by :func:`pytest_unconfigure`), the groups are stopped and RuntimeError
+    is raised.
+    """
     snakemake = [sys.executable, "-m", "snakemake"]
     pending = {name: list(cmds) for name, cmds in runs.items()}
     procs: dict[str, tuple[list[str], subprocess.Popen, object]] = {}
@@ -249,14 +266,18 @@ def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
     def start(name):
         cmd = snakemake + pending[name].pop(0)
         log = open(work.parent / f"{work.name}-{name}-{len(runs[name]) - len(pending[name])}.log", "w+")
-        # the frontier run as its test always ran it: one OpenMP thread per job
-        env = tree_env(work, OMP_NUM_THREADS="1") if name == "frontier" else tree_env(work)
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=work, env=tree_env(work), stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
         procs[name] = (cmd, proc, log)
 
     for name in pending:
         start(name)
     while procs:
+        if _STOP.is_set():
+            for cmd, proc, log in procs.values():
+                _stop_group(proc)
+                log.close()
+            raise RuntimeError(f"the session ended before {', '.join(procs)} finished")
         for name, (cmd, proc, log) in list(procs.items()):
             if proc.poll() is None:
                 continue
@@ -272,6 +293,21 @@ def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
         raise RuntimeError("\n".join(failures))
 
 
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group that ``proc`` leads (Snakemake and its jobs), SIGKILL if it stays."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _run_workflows(work: Path) -> None:
     """The smoke config and the frontier smoke config, in one copy of the tree, side by side."""
     _copy_tree(work)
@@ -283,13 +319,42 @@ def _run_workflows(work: Path) -> None:
     _snakemake_all(work, runs)
 
 
+#: what the bfloat16 run builds: every estimate (pool and floor need them all), the analysis
+#: tables and the provenance; the figures, summary page and report are not built
+BF16_TARGETS = ["provenance", "pool", "gaps", "floor", "confirmatory"]
+#: what the model's dtype changes: the conversion and everything after it (the corpus stays)
+FROM_THE_MODEL = ("models", "prompts", "trajectories", "estimates", "analysis", "figures")
+
+
+def _run_bf16(smoke_results: Path, work: Path) -> None:
+    """The smoke config with ``dtype: bfloat16`` and one shard per run, up to ``BF16_TARGETS``,
+    in ``work``: a copy of the smoke run (``smoke_results``'s parent) with everything made
+    from the model deleted, so that Snakemake keeps its corpus (same settings) and builds
+    the rest (tests/test_precision.py)."""
+    import yaml
+
+    copy_run(Path(smoke_results).parent, work)
+    results = work / Path(smoke_results).name
+    for stage in FROM_THE_MODEL:
+        shutil.rmtree(results / stage)
+    (results / "report.html").unlink()
+    config = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
+    for spec in config["models"].values():
+        spec["dtype"] = "bfloat16"
+    config["shards"] = 1  # half the jobs; each shard is one process that imports torch
+    (work / "config" / "smoke-bf16.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # targets before --configfile, which takes every following word as a config file
+    _snakemake_all(work, {"bf16": [["--cores", "2", *BF16_TARGETS, "--configfile", "config/smoke-bf16.yaml"]]})
+
+
 def _workflow_runs(tmp_path_factory) -> Path:
     """The working directory (a copy of the tree) where the whole workflow ran once this
     session on ``config/smoke.yaml`` and, beside it, on ``config/frontier-smoke.yaml``.
 
     Each config builds every target of ``rule all`` with 2 cores, then its HTML report
     (``snakemake --report <results_dir>/report.html``). Both run at once: their serial
-    stages (conversion, corpus, analyses) leave a core free for the other.
+    stages (conversion, corpus, analyses) leave a core free for the other. They start in the
+    background once the tests are collected (:func:`pytest_collection_finish`).
 
     Set ``KVDIVERGE_WORKFLOW_RUNS`` to such a directory of an earlier session (a copy of
     it: pytest removes old temporary directories) to reuse it instead of running.
@@ -297,7 +362,7 @@ def _workflow_runs(tmp_path_factory) -> Path:
     reuse = os.environ.get("KVDIVERGE_WORKFLOW_RUNS")
     if reuse:
         return Path(reuse)
-    return build_once(tmp_path_factory, "workflow", _run_workflows)
+    return session_build(tmp_path_factory, "workflow", _run_workflows)
 
 
 @pytest.fixture(scope="session")
@@ -318,6 +383,95 @@ def smoke_run(tmp_path_factory) -> Path:
 def frontier_run(tmp_path_factory) -> Path:
     """The results directory of the session's frontier smoke run (beside the smoke run)."""
     return _workflow_runs(tmp_path_factory) / results_dir("frontier-smoke.yaml")
+
+
+@pytest.fixture(scope="session")
+def bf16_run(smoke_run, tmp_path_factory) -> Path:
+    """The results directory of the session's bfloat16 run (:func:`_run_bf16`), made from
+    the smoke run after it."""
+    work = session_build(tmp_path_factory, "smoke-bf16", lambda out: _run_bf16(smoke_run, out))
+    return work / Path(smoke_run).name
+
+
+# --------------------------------------------------------------------------- built in the background
+
+#: the session's builds, started in a thread once the tests are collected: name -> Future
+_BACKGROUND: dict[str, Future] = {}
+#: set when the session ends: builds still running stop
+_STOP = threading.Event()
+#: the background builds in the order they run, each with the fixtures that read it
+BACKGROUND_BUILDS = (("workflow", ("smoke_run", "frontier_run")), ("smoke-bf16", ("bf16_run",)))
+BACKGROUND_FIXTURES = {f for _, fixtures in BACKGROUND_BUILDS for f in fixtures}
+
+
+def session_build(tmp_path_factory, name: str, build) -> Path:
+    """``session_dir/name``: the background build of that name where one was started
+    (:func:`pytest_collection_finish`; waits for it), else :func:`build_once` now."""
+    future = _BACKGROUND.get(name)
+    return future.result() if future is not None else build_once(tmp_path_factory, name, build)
+
+
+def _build_in_background(factory, names: list[str]) -> None:
+    """Run the builds ``names`` (of ``BACKGROUND_BUILDS``) one after the other, each
+    result or error into its Future."""
+    workflow = None
+    for name in names:
+        future = _BACKGROUND[name]
+        try:
+            if name == "workflow":
+                workflow = build_once(factory, name, _run_workflows)
+                future.set_result(workflow)
+            else:
+                smoke = workflow / results_dir("smoke.yaml")
+                future.set_result(build_once(factory, name, lambda out: _run_bf16(smoke, out)))
+        except BaseException as exc:  # noqa: BLE001 - raised where a test waits for it
+            future.set_exception(exc)
+            for rest in names[names.index(name) + 1:]:
+                _BACKGROUND[rest].set_exception(RuntimeError(f"{rest} not built: {name} failed: {exc}"))
+            return
+
+
+def background_builds(config, items) -> list[str]:
+    """The builds of ``BACKGROUND_BUILDS`` that the tests ``items`` read, in order, where
+    they are built in the background: not with pytest-xdist (each worker builds on first
+    use, behind the file lock), nor when ``KVDIVERGE_WORKFLOW_RUNS`` or
+    ``KVDIVERGE_SMOKE_RESULTS`` points at an earlier run, nor when only collecting."""
+    if (config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER")
+            or os.environ.get("KVDIVERGE_WORKFLOW_RUNS") or os.environ.get("KVDIVERGE_SMOKE_RESULTS")):
+        return []
+    used = {f for item in items for f in item.fixturenames}
+    names = [name for name, fixtures in BACKGROUND_BUILDS if used & set(fixtures)]
+    return ["workflow", *names] if names == ["smoke-bf16"] else names
+
+
+def pytest_collection_finish(session):
+    """Start the session's workflow runs (and the bfloat16 run after them) in a background
+    thread as soon as the selected tests are known, when any of them reads one
+    (:func:`background_builds`): Snakemake and its jobs then run while the tests that need
+    no workflow run in this process, which keeps both cores busy."""
+    names = background_builds(session.config, session.items)
+    if not names:
+        return
+    for name in names:
+        _BACKGROUND[name] = Future()
+    factory = session.config._tmp_path_factory  # pytest's tmp_path_factory (tmpdir plugin)
+    factory.getbasetemp()  # made here, in this thread, before the build's thread reads it
+    thread = threading.Thread(target=_build_in_background, args=(factory, names), name="kvdiverge-builds",
+                              daemon=True)
+    thread.start()
+    _THREADS.append(thread)
+
+
+#: the background thread, joined at the end of the session
+_THREADS: list[threading.Thread] = []
+
+
+def pytest_unconfigure(config):
+    """Stop background builds that are still running (a session ended early: -x, Ctrl-C),
+    and wait until their processes are gone."""
+    _STOP.set()
+    for thread in _THREADS:
+        thread.join(timeout=60)
 
 
 # --------------------------------------------------------------------------- Snakemake in this process

@@ -3,58 +3,33 @@ shard per run, from the session smoke run's corpus), float16 on one document."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 import yaml
 
-from conftest import REPO, copy_run, results_dir, tree_env
+from conftest import BF16_TARGETS, REPO
 from kvdiverge.estimation.finite import check_finite, document_undefined
 
 pytestmark = [pytest.mark.workflow, pytest.mark.llm]
 
 
-# what the bfloat16 test reads: every estimate (pool and floor need them all), the
-# analysis tables and the provenance; the figures, summary page and report are not built
-BF16_TARGETS = ["provenance", "pool", "gaps", "floor", "confirmatory"]
-# what the model's dtype changes: the conversion and everything after it (the corpus stays)
-FROM_THE_MODEL = ("models", "prompts", "trajectories", "estimates", "analysis", "figures")
-
-
 @pytest.fixture(scope="module")
-def bf16_run(smoke_run, tmp_path_factory) -> Path:
-    """The workflow on config/smoke.yaml with ``dtype: bfloat16`` and one shard per run, up to
-    the tables the tests read (``BF16_TARGETS``: conversion, prompts, shards, estimates,
-    analysis tables), in a copy of the session's smoke run with everything made from the
-    model deleted: Snakemake keeps its corpus (same settings) and builds the rest.
+def bf16(bf16_run, smoke_run) -> Path:
+    """The session's bfloat16 run (fixture ``bf16_run``, tests/conftest.py): the smoke config
+    with ``dtype: bfloat16`` and one shard per run, up to its tables (``BF16_TARGETS``), in a
+    copy of the smoke run whose corpus it kept.
 
     Returns
     -------
     pathlib.Path
         The run's results directory (the smoke config's ``results_dir``, logs under it).
     """
-    work = copy_run(Path(smoke_run).parent, tmp_path_factory.mktemp("smoke-bf16") / "work")
-    results = work / results_dir("smoke.yaml")
-    for stage in FROM_THE_MODEL:
-        shutil.rmtree(results / stage)
-    (results / "report.html").unlink()
-    corpus = (results / "corpus" / "documents.parquet").stat().st_mtime_ns
-    config = yaml.safe_load((work / "config" / "smoke.yaml").read_text())
-    for spec in config["models"].values():
-        spec["dtype"] = "bfloat16"
-    config["shards"] = 1  # half the jobs; each shard is one process that imports torch
-    (work / "config" / "smoke-bf16.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    # targets before --configfile, which takes every following word as a config file
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *BF16_TARGETS, "--configfile", "config/smoke-bf16.yaml"]
-    res = subprocess.run(cmd, cwd=work, env=tree_env(work), capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"bfloat16 smoke run failed: {' '.join(cmd)}\n{res.stderr[-8000:]}")
-    assert not (results / "figures").exists()  # only the targets above were built
-    assert (results / "corpus" / "documents.parquet").stat().st_mtime_ns == corpus  # kept
+    results = bf16_run
+    assert not (results / "figures").exists()  # only the targets were built
+    corpus = "corpus/documents.parquet"  # kept: the copy's, with the smoke run's mtime
+    assert (results / corpus).stat().st_mtime_ns == (Path(smoke_run) / corpus).stat().st_mtime_ns
     assert len(list((results / "trajectories").rglob("shard-*.parquet"))) == 7  # 7 runs x 1 shard
     return results
 
@@ -81,9 +56,9 @@ ANALYSIS_UNDEFINED = {
 }
 
 
-def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
+def test_bfloat16_smoke_run_gives_finite_tables(bf16):
     """Every estimate and analysis table of the bfloat16 run is finite where a number belongs."""
-    results = bf16_run
+    results = bf16
     converted = results / "models/smollm2-135m/config.json"
     assert '"dtype": "bfloat16"' in converted.read_text()  # the GGUF conversion kept the dtype
     tables = sorted([*(results / "estimates").rglob("*.parquet"), *(results / "analysis").rglob("*.parquet")])
@@ -112,7 +87,7 @@ def test_bfloat16_smoke_run_gives_finite_tables(bf16_run):
     assert floor.height == 2 and (floor["p_div"] > 0).all() and (floor["tv_mean"] > 1e-4).all()
 
 
-def test_float16_runs_on_cpu(bf16_run):
+def test_float16_runs_on_cpu(bf16):
     """float16 on CPU: one short document, T = 4, through the engine; the records are finite."""
     import torch
 
@@ -124,10 +99,10 @@ def test_float16_runs_on_cpu(bf16_run):
 
     config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec = local_entry({**config["models"]["smollm2-135m"], "dtype": "float16"},
-                       bf16_run / "models/smollm2-135m")
+                       bf16 / "models/smollm2-135m")
     model, _ = load_model(spec, "smollm2-135m")
     assert next(model.parameters()).dtype == torch.float16
-    prompts = pl.read_parquet(bf16_run / "prompts/smollm2-135m.parquet")
+    prompts = pl.read_parquet(bf16 / "prompts/smollm2-135m.parquet")
     # a 48-token prompt: float16 matrix products have no fast CPU kernels (slow)
     ids = prompts.filter(pl.col("split") == "exploratory")["input_ids"][0].to_list()[:48]
     policy = Policy.from_config("snapkv-50", config["policies"]["snapkv-50"])

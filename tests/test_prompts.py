@@ -1,10 +1,8 @@
-"""Prompts stage: exclusion rules and the table, on a stand-in tokenizer; the stage through Snakemake."""
+"""Prompts stage: exclusion rules and the table, on a stand-in tokenizer; the stage through Snakemake
+(the session's smoke run, and dry runs on a copy of it)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -25,7 +23,6 @@ from kvdiverge.study.prompts import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 
 class WordTokenizer:
@@ -203,26 +200,26 @@ def test_unquoted_yaml_date_is_explained():
 
 @pytest.mark.workflow
 @pytest.mark.llm
-def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
-    """`snakemake <prompts file>` builds the corpus and the prompts from the real corpus and model."""
-    target = "results-smoke/prompts/smollm2-135m.parquet"
-    out = subprocess.run(
-        [SNAKEMAKE, "--cores", "2", "--configfile", str(ROOT / "config" / "smoke.yaml"),
-         "-d", str(tmp_path), target],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    docs = pl.read_parquet(tmp_path / "results-smoke/corpus/documents.parquet")
-    prompts = pl.read_parquet(tmp_path / target)
+def test_corpus_and_prompts_stages_through_snakemake(smoke_run, tmp_path):
+    """The corpus and prompts that Snakemake built from the real corpus and model in the
+    session's smoke run (fixture ``smoke_run``); dry runs on a copy of it (``-d``) see which
+    settings rerun the prompts stage."""
+    from conftest import copy_run, results_dir
+
+    res = results_dir("smoke.yaml")
+    target = f"{res}/prompts/smollm2-135m.parquet"
+    work = copy_run(Path(smoke_run).parent, tmp_path / "work")
+    docs = pl.read_parquet(work / res / "corpus/documents.parquet")
+    prompts = pl.read_parquet(work / target)
     assert docs.height == 4 and prompts["doc_id"].to_list() == docs["doc_id"].to_list()
     assert prompts.schema == pl.Schema(SCHEMA)
     assert prompts["exclusion_reason"].null_count() == 4
     assert (prompts["n_prompt_tokens"] > 145).all()  # snapkv-b128 needs 128 + 16 + 1
-    log = (tmp_path / "results-smoke/logs/prompts/smollm2-135m.log").read_text()
+    log = (work / res / "logs/prompts/smollm2-135m.log").read_text()
     assert "context length: 8192 tokens" in log and "exploratory: 2/2 usable" in log
-    assert "exploratory: 2 documents" in (tmp_path / "results-smoke/logs/corpus.log").read_text()
+    assert "exploratory: 2 documents" in (work / res / "logs/corpus.log").read_text()
     # no half-written files left behind by the atomic writes
-    assert not list((tmp_path / "results-smoke").rglob("*.tmp"))
+    assert not list((work / res).rglob("*.tmp"))
 
     # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
     import yaml
@@ -235,7 +232,7 @@ def test_corpus_and_prompts_stages_through_snakemake(tmp_path):
         path = tmp_path / "changed.yaml"
         path.write_text(yaml.safe_dump(config))  # keys reordered: no change
         # in this process (tests/conftest.py, snakemake_here): no interpreter start per dry run
-        out = snakemake_here(ROOT, "-n", "--configfile", str(path), "-d", str(tmp_path), target)
+        out = snakemake_here(ROOT, "-n", "--configfile", str(path), "-d", str(work), target)
         assert out.returncode == 0, out.stdout[-3000:]
         return out.stdout
 
