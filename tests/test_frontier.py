@@ -51,7 +51,9 @@ def test_names_of_frontier_points():
         frontier_name("snapkv", ratio=0.5, budget=128)
     grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
     assert [p["policy"] for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
-    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64}
+    # full-precision points name no cache
+    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64, "cache": None,
+                       "cache_settings": None}
     with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
         frontier_grid(["a"], [1.0])
 
