@@ -328,6 +328,8 @@ def common_range(spans: Mapping[str, tuple[float, float]]) -> tuple[float, float
     best = None
     for a, b in zip(edges[:-1], edges[1:]):
         members = [k for k, (lo, hi) in spans.items() if lo <= a and b <= hi]
+        if not members:
+            continue
         lo, hi = max(spans[k][0] for k in members), min(spans[k][1] for k in members)
         key = (len(members), hi - lo, -lo)
         if best is None or key > best[0]:
@@ -457,7 +459,7 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
         ``covers_range``: the curve is one of them; ``mean_*``: the mean of its ``E[M]``
         (``p_div``) over that range, interpolated linearly in bytes (:func:`range_mean`),
         with intervals; ranked by ``mean_E_M`` (then ``mean_p_div``, then the label), the
-        curves that do not cover the range after the others, by label (their ``mean_*``
+        curves that do not cover the range after the others, in grid order (their ``mean_*``
         NaN); ``diff_best_mean_*``: mean minus the rank-1 curve's mean (paired resamples);
         ``bytes_min``/``bytes_max``: the curve's own span; ``area_*``: the trapezoid area
         over the curve's compression ratios (NaN with fewer than 2), ``diff_best_area_*``
@@ -636,9 +638,13 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
                      "first_ratio_above_floor": min(above) if above else math.nan,
                      "above_floor_everywhere": bool(pts) and len(above) == len(pts)})
 
+    order = {label: i for i, label in enumerate(curves)}
+
     def key(r):
+        if not r["covers_range"]:  # after the ranked curves, in grid order
+            return (1, 0.0, 0.0, "", order[r["curve"]])
         e, p = (float(values[r["curve"]][m]["mean"][0]) for m in ("E_M", "p_div"))
-        return (not r["covers_range"], math.isnan(e), e, math.isnan(p), p, r["curve"])
+        return (0, e, p, r["curve"], 0)
 
     rows.sort(key=key)
     for i, r in enumerate(rows, start=1):

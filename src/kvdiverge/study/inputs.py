@@ -335,9 +335,14 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (), budgets: Sequen
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    for n in [*scored, *(caches or {})]:
+    for n in scored:
+        for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>")):
+            if mark in n:
+                raise ValueError(f"press {n!r}: '{mark}' in a press name is reserved for the frontier's "
+                                 f"{form} names; rename it")
+    for n in caches or {}:
         if "@" in str(n) or "+" in str(n):
-            raise ValueError(f"name {n!r}: '@' and '+' are reserved for the frontier's <press>@<ratio> and "
+            raise ValueError(f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
                              f"<press>@<ratio>+<cache> names; rename it")
     for key, values in (("ratios", ratios), ("cache_ratios", cache_ratios or ())):
         for r in values:
