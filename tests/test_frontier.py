@@ -551,6 +551,39 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
                           max_new_tokens=2, replicates=1, bootstrap=10, progress=False).frontier()
 
 
+@pytest.mark.miniature
+def test_measure_frontier_with_a_quantized_cache(tmp_path):
+    """``measure(..., ratios=, caches=)``: the cache alone and after the press, its KV bytes counted with the
+    model's sizes (2 layers x 2 kv heads x head dim 8 x 2 = 64 elements per token, float32): SnapKV at 0.5
+    stores 0.5 x 64 x 4 = 128 bytes per prompt token, the 4-bit cache in groups of 8 (0.5 + 8/8 bytes per
+    element) 96 alone and 48 after SnapKV at 0.5."""
+    import torch
+
+    import kvdiverge
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    torch.set_num_threads(1)
+    model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
+    m = kvdiverge.measure(model, None, prompts, {"snapkv": {"press": "SnapKVPress", "window_size": 8}}, ratios=[0.5],
+                          caches={"q4": {"nbits": 4, "q_group_size": 8, "residual_length": 2}}, max_new_tokens=3,
+                          replicates=1, temperature=1.0, top_p=1.0, seed=5, bootstrap=20, progress=False,
+                          model_name="mini", split="exploratory")
+    assert m.presses == ["snapkv@0.5", "q4", "snapkv@0.5+q4", "noise-floor"]
+    assert m.settings["kv_sizes"] == {"mini": {"elements_per_token": 64, "element_bytes": 4}}
+    assert m.settings["quantized_caches"] == ["q4", "snapkv@0.5+q4"]
+    points = m.frontier()
+    assert dict(zip(points["policy"], points["kv_bytes_per_token"])) == {"snapkv@0.5": 128.0, "q4": 96.0,
+                                                                         "snapkv@0.5+q4": 48.0}
+    areas = m.frontier_areas()
+    assert areas["curve"].to_list() == ["snapkv+q4", "snapkv", "q4"]  # the one curve with two points is ranked
+    assert areas["covers_range"].to_list() == [True, False, False]
+    assert (areas["range_lo"] == 48.0).all() and (areas["range_hi"] == 96.0).all()
+    assert "KV bytes per prompt token common to 1 of 3 curves" in m.format_frontier()
+    assert m.plot_frontier(tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
     from kvdiverge.cli import main
 
