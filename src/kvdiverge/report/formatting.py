@@ -155,7 +155,7 @@ def frontier_text(points, areas, confidence: float = 0.95) -> str:
                             ).sort("compression_ratio")
         by = lambda m: " ".join(f"{x:g}:{_finite(v)}" for x, v in zip(pts["compression_ratio"], pts[m]))  # noqa: E731
         first = r["first_ratio_above_floor"]
-        span = "-" if r["bytes_min"] != r["bytes_min"] else f"{number(r['bytes_min'], 4)}-{number(r['bytes_max'], 4)}"
+        span = "-" if r["bytes_min"] != r["bytes_min"] else f"{_bytes(r['bytes_min'])}-{_bytes(r['bytes_max'])}"
         body.append([str(r["rank"]), r["model"], r["curve"], ci(r, "mean_E_M"), ci(r, "mean_p_div"),
                      "(best)" if r["rank"] == 1 else ci(r, "diff_best_mean_E_M"), ci(r, "area_E_M"), span,
                      _finite(first) if first == first else "never", by("E_M"), by("p_div")])
@@ -176,5 +176,11 @@ def _frontier_range(areas) -> str:
     if on["range_lo"].is_nan().all():
         return f"the retention {where}"
     spans = sorted(set(zip(on["model"], on["range_lo"], on["range_hi"])))
-    words = ", ".join(f"{number(a, 4)}-{number(b, 4)}" + (f" ({m})" if len(spans) > 1 else "") for m, a, b in spans)
-    return f"the KV bytes per prompt token {where} ({words}; mean '-': a curve not on it)"
+    words = ", ".join(f"{_bytes(a)}-{_bytes(b)}" + (f" ({m})" if len(spans) > 1 else "") for m, a, b in spans)
+    off = "; mean '-': a curve not on it" if on.height < areas.height else ""
+    return f"the KV bytes per prompt token {where} ({words}{off})"
+
+
+def _bytes(v: float) -> str:
+    """A byte count: whole bytes from 100 up, else 4 significant digits."""
+    return f"{v:.0f}" if abs(v) >= 100 else number(v, 4)
