@@ -2,7 +2,8 @@
 
 Three documents of different prompt lengths (7, 12, 17 tokens) share one pair (two rows
 each) on a miniature random-weight Llama. A row's log-distributions after a rewind, after
-``keep_rows`` (which drops the columns no remaining row attends to) and from a merged
+``keep_rows`` (which compacts the rows of a cache with capacity in place, and drops the
+columns no remaining row attends to from a ``DynamicCache``) and from a merged
 cache must be those of its document run alone in a pair of its own, fed the row's
 surviving history directly. Batched and alone differ only by the rounding of the batched,
 padded forward: measured at most 2.1e-7 (log-probabilities, float32 weights, one CPU
@@ -46,8 +47,9 @@ def presses(kind):
     return [None if kind == "none" else KnormPress(compression_ratio=0.5) for _ in LENGTHS]
 
 
-def pair_of(model, prompts, press_list):
-    return LLMKernelPair.from_documents(model, prompts, press_list, [None] * len(prompts), temperature=1.0, eos_ids=[])
+def pair_of(model, prompts, press_list, fast=True):
+    return LLMKernelPair.from_documents(model, prompts, press_list, [None] * len(prompts), temperature=1.0,
+                                        eos_ids=[], fast=fast)
 
 
 def alone(model, ids, press, hx, hy):
@@ -75,10 +77,10 @@ class Widths:
             self.seen.append(int(kwargs["past_key_values"].get_seq_length()))
 
 
-def run_rewound(mini, prompts, kind):
+def run_rewound(mini, prompts, kind, fast=True):
     """Chains of 5 tokens, rewound per row to ``CUT`` (earlier than the chain's end but for one
     row), then 3 branch tokens that differ between the sides."""
-    pair = pair_of(mini, prompts, presses(kind))
+    pair = pair_of(mini, prompts, presses(kind), fast=fast)
     N = len(prompts) * R
     pair.start(N)
     chain = tokens(10, N, 5)
@@ -103,24 +105,43 @@ def test_rewind_to_an_earlier_step_equals_each_document_alone(mini, prompts, kin
         assert (logq[g] - aq).abs().max() < TOL, g
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["capacity-cache", "dynamic-cache"])
 @pytest.mark.parametrize("kind", ["none", "knorm"])
-def test_keep_rows_trims_unattended_columns_and_equals_each_document_alone(mini, prompts, kind):
-    pair, _, _, hist = run_rewound(mini, prompts, kind)
+def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
+    pair, _, _, hist = run_rewound(mini, prompts, kind, fast)
+    layer = pair._ref.cache.layers[0]
+    buffer = layer.keys.untyped_storage().data_ptr()
     keep = torch.tensor([0, 1, 2, 3])  # the longest document leaves; its padding columns and chain
-    pair.keep_rows(keep)               # step 5 (kept rows are cut at 1, 4, 0, 2) go with it
+    pair.keep_rows(keep)               # step 5 (kept rows are cut at 1, 4, 0, 2) are attended by no row
     nxt = tokens(13, keep.numel())
     widths = Widths(mini)
     try:
         logp, logq = pair.advance(nxt, nxt)
     finally:
         widths.handle.remove()
-    # the reference cache: 17 prompt + 5 chain + 3 branch columns, less 5 padding and 1 chain column, + 1
-    assert widths.seen[0] == 17 + 5 + 3 - 5 - 1 + 1
+    # the reference cache: 17 prompt + 5 chain + 3 branch columns + 1; a DynamicCache drops
+    # the 5 padding and 1 chain columns no kept row attends to, a cache with capacity keeps
+    # them masked and compacts its rows in its own buffers
+    if fast:
+        assert widths.seen[0] == 17 + 5 + 3 + 1
+        assert pair._ref.cache.layers[0].keys.untyped_storage().data_ptr() == buffer
+        assert pair._ref.cache.layers[0].keys.shape[0] == keep.numel()
+    else:
+        assert widths.seen[0] == 17 + 5 + 3 - 5 - 1 + 1
     for i, g in enumerate(keep.tolist()):
         hx, hy = hist[g]
         ap, aq = alone(mini, prompts[g // R], presses(kind)[0], hx + [int(nxt[i])], hy + [int(nxt[i])])
         assert (logp[i] - ap).abs().max() < TOL, g
         assert (logq[i] - aq).abs().max() < TOL, g
+
+
+def test_keep_rows_with_gaps_moves_only_later_rows_and_keeps_their_values(mini, prompts):
+    pair, _, _, _ = run_rewound(mini, prompts, "knorm")
+    layer = pair._ev.cache.layers[-1]
+    before_k, before_v = layer.keys.clone(), layer.values.clone()
+    keep = torch.tensor([0, 2, 5])
+    pair.keep_rows(keep)
+    assert torch.equal(layer.keys, before_k[keep]) and torch.equal(layer.values, before_v[keep])
 
 
 def test_without_a_press_both_sides_stay_bit_identical_through_rewind_and_keep_rows(mini, prompts):

@@ -24,7 +24,7 @@ def error_of(config: dict) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml", "quantized.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml"])
 def test_shipped_configs_validate(name):
     config = load_config(ROOT / "config" / name)
     assert set(config) == {
@@ -35,9 +35,9 @@ def test_shipped_configs_validate(name):
 
 def test_each_shipped_config_writes_to_its_own_directory():
     dirs = {name: load_config(ROOT / "config" / name)["results_dir"]
-            for name in ("config.yaml", "smoke.yaml", "paper.yaml", "quantized.yaml")}
+            for name in ("config.yaml", "smoke.yaml", "paper.yaml", "frontier-quantized.yaml")}
     assert dirs == {"config.yaml": "results", "smoke.yaml": "results-smoke", "paper.yaml": "results-paper",
-                    "quantized.yaml": "results-quantized"}
+                    "frontier-quantized.yaml": "results-frontier-quantized"}
     config = raw("smoke.yaml")
     del config["results_dir"]
     assert validate(config)["results_dir"] == "results"  # the default
@@ -445,8 +445,8 @@ def test_a_frontier_press_with_a_nested_ratio_is_named_by_its_frontier_key():
 
 
 def test_quantized_cache_policies():
-    config = load_config(ROOT / "config" / "quantized.yaml")
-    assert config["policies"]["snapkv-50-int2"]["nbits"] == 2 and "press" not in config["policies"]["int4"]
+    config = load_config(ROOT / "config" / "frontier-quantized.yaml")  # its frontier's quantized points
+    assert config["policies"]["snapkv@0.5+int2"]["nbits"] == 2 and "press" not in config["policies"]["int4"]
     bad = raw("smoke.yaml")
     bad["policies"]["snapkv-50"]["nbits"] = 4  # a quantization key without cache: quantized
     assert "nbits" in error_of(bad) and "cache" in error_of(bad)

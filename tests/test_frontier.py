@@ -1,8 +1,11 @@
 """Frontiers: the config section's expansion, the statistics, the figure, the API and the workflow.
 
-- the ``frontier`` section expands into ``<press>@<ratio>`` policies on one split, checked
-  with the key named (no model);
-- the areas and the ranking, exactly, on a hand-made table (no model);
+- the ``frontier`` section expands into ``<press>@<ratio>``, ``<cache>`` and
+  ``<press>@<ratio>+<cache>`` policies on one split, checked with the key named (no model);
+- the areas and the ranking, exactly, on hand-made tables (no model): by the area over the
+  ratios for presses alone, by the mean over the common range of KV bytes per prompt token
+  for eviction and quantized curves together; the byte count by hand and against what
+  quanto and HQQ store;
 - the expanded policies share documents and common random numbers, and the API draws the
   frontier (a miniature random-weight model, ``miniature``);
 - ``config/frontier-smoke.yaml`` runs end to end through Snakemake (``workflow``).
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +23,8 @@ import pytest
 import yaml
 
 from conftest import run_main
-from kvdiverge.estimation.frontier import frontier_grid, frontier_name, frontier_tables, trapezoid_area
+from kvdiverge.estimation.frontier import (common_range, frontier_curves, frontier_grid, frontier_name, frontier_tables,
+                                           kv_bytes_per_element, range_mean, trapezoid_area)
 from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +54,9 @@ def test_names_of_frontier_points():
         frontier_name("snapkv", ratio=0.5, budget=128)
     grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
     assert [p["policy"] for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
-    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64}
+    # full-precision points name no cache
+    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64, "cache": None,
+                       "cache_settings": None}
     with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
         frontier_grid(["a"], [1.0])
 
@@ -182,6 +189,18 @@ def test_frontier_tables_areas_and_ranking_exactly():
     np.testing.assert_allclose(points["rho"], (4 * points["E_M"] - points["p_div"]) / (3 * points["p_div"]), rtol=1e-12)
     assert (points["floor_p_div"] == 0.0).all() and points["floor_tau_mean"].is_nan().all()
     assert (points["kept_fraction"] == 0.6).all()
+    # one ratio set for every press: the mean over the common range is the area over the span (0.9 - 0.25
+    # in retention), so the ranking is the area's; in bytes (kv_sizes) the same means on 0.25..0.9 x 100 x 4
+    for sizes in (None, {"m": {"elements_per_token": 100, "element_bytes": 4}}):
+        _, by_bytes = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=sizes)
+        assert by_bytes["curve"].to_list() == ["b", "a"] and by_bytes["covers_range"].all()
+        for r in by_bytes.iter_rows(named=True):
+            assert r["mean_E_M"] == pytest.approx(area[r["press"]] / 0.65, abs=1e-12)
+            assert r["diff_best_mean_E_M"] == pytest.approx((area[r["press"]] - area["b"]) / 0.65, abs=1e-12)
+        if sizes is None:
+            assert by_bytes["range_lo"].is_nan().all() and by_bytes["bytes_min"].is_nan().all()
+        else:
+            assert by_bytes["range_lo"].to_list() == [100.0] * 2 and by_bytes["range_hi"].to_list() == [360.0] * 2
 
 
 def test_frontier_is_paired_and_knows_the_floor():
@@ -216,6 +235,271 @@ def test_frontier_figure_is_written(tmp_path):
     assert (tmp_path / "frontier.pdf").read_bytes()[:4] == b"%PDF"
     page = frontier_html(points, areas)
     assert page.count("<table>") == 2 and "a@b32" in page and "(best)" in page
+
+
+# --------------------------------------------------------------------------- quantized caches on the frontier
+
+
+Q4 = {"backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 32}
+SIZES = {"m": {"elements_per_token": 100, "element_bytes": 4}}
+
+
+def test_kv_bytes_per_element_by_hand():
+    # full precision: the dtype's bytes; quantized: nbits/8 + 2 x dtype bytes / group (a scale and a zero point)
+    assert kv_bytes_per_element(None, 4) == 4.0 and kv_bytes_per_element(None, 2) == 2.0
+    assert kv_bytes_per_element(Q4, 4) == 0.5 + 8 / 64 == 0.625
+    assert kv_bytes_per_element({**Q4, "nbits": 2}, 4) == 0.25 + 0.125 == 0.375
+    assert kv_bytes_per_element(Q4, 2) == 0.5 + 4 / 64 == 0.5625  # bfloat16 scales
+    assert kv_bytes_per_element({"backend": "hqq", "nbits": 3, "q_group_size": 32}, 4) == 0.4 + 8 / 32  # 10 per int32
+    assert kv_bytes_per_element({"backend": "hqq", "nbits": 8, "q_group_size": 64}, 4) == 1.125
+
+
+def _stored_bytes(q) -> int:
+    """Bytes a quantized tensor of optimum-quanto (data, scale, shift) or HQQ ((data, meta)) holds."""
+    import torch
+
+    if isinstance(q, tuple):
+        data, meta = q
+        parts = [data, meta["scale"], meta["zero"]]
+    else:
+        parts = [getattr(q, n) for n in ("_data", "_scale", "_shift")]
+    parts = [getattr(t, "_data", t) for t in parts]
+    assert all(isinstance(t, torch.Tensor) for t in parts)
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+@pytest.mark.parametrize("backend, nbits, dtype", [("quanto", 4, "float32"), ("quanto", 2, "float32"),
+                                                   ("quanto", 4, "bfloat16"), ("hqq", 4, "float32"),
+                                                   ("hqq", 3, "float32")])
+def test_kv_bytes_are_what_the_backend_stores(backend, nbits, dtype):
+    """transformers' quantized layers on a (1, 3, 200, 64) key tensor, groups of 64 along the head
+    dimension (the axis the engine uses): the bytes held equal the formula's, scales in the tensor's dtype."""
+    import torch
+    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+
+    x = torch.randn(1, 3, 200, 64, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+    cls, axis = (QuantoQuantizedLayer, 0) if backend == "quanto" else (HQQQuantizedLayer, 1)
+    layer = cls(nbits=nbits, axis_key=axis, axis_value=axis, q_group_size=64, residual_length=32)
+    layer.keys = x  # HQQ reads the device and compute dtype from the layer's keys
+    stored = _stored_bytes(layer._quantize(x.contiguous(), axis))
+    per_element = kv_bytes_per_element({"backend": backend, "nbits": nbits, "q_group_size": 64}, x.element_size())
+    assert stored == pytest.approx(per_element * x.numel(), rel=1e-12)
+
+
+def test_common_range_and_range_mean_by_hand():
+    # the most curves sharing an interval of positive width; a tie goes to the wider, then the lower one
+    assert common_range({"a": (0, 2), "b": (1, 3), "c": (5, 6), "d": (5, 7), "e": (3, 3)}) == (1.0, 2.0, ["a", "b"])
+    assert common_range({"a": (0, 4), "b": (1, 3), "c": (2, 6)}) == (2.0, 3.0, ["a", "b", "c"])
+    assert common_range({"a": (0, 1), "b": (1, 2), "c": (0.5, 1.5)}) == (0.5, 1.0, ["a", "c"])
+    assert common_range({"e": (3, 3)}) is None
+    x, y = np.array([0.0, 1.0, 3.0]), np.array([0.0, 2.0, 0.0])
+    # y(0.5) = 1, y(1) = 2, y(2) = 1: (0.5 (1 + 2) / 2 + 1 (2 + 1) / 2) / 1.5
+    assert range_mean(x, y, 0.5, 2.0) == pytest.approx(2.25 / 1.5, abs=1e-15)
+    assert range_mean(x, y, 2.0, 2.0) == pytest.approx(1.0, abs=1e-15)
+    np.testing.assert_allclose(range_mean(x, np.stack([y, 2 * y]), 0.0, 3.0), [1.0, 2.0], atol=1e-15)
+    with pytest.raises(ValueError, match="outside the curve"):
+        range_mean(x, y, 0.5, 3.5)
+
+
+def test_grid_names_caches_and_curves():
+    assert frontier_name("snapkv", ratio=0.5, cache="int4") == "snapkv@0.5+int4"
+    assert frontier_name(None, cache="int4") == "int4"
+    with pytest.raises(ValueError, match="ratios, not budgets"):
+        frontier_name("snapkv", budget=64, cache="int4")
+    grid = frontier_grid(["a", "b"], [0.25, 0.5], [64], caches={"q4": Q4})  # cache ratios: 0 and every ratio
+    assert [p["policy"] for p in grid] == ["a@0.25", "a@0.5", "a@b64", "b@0.25", "b@0.5", "b@b64", "q4",
+                                           "a@0.25+q4", "a@0.5+q4", "b@0.25+q4", "b@0.5+q4"]
+    assert grid[6] == {"policy": "q4", "press": None, "compression_ratio": 0.0, "budget": None, "cache": "q4",
+                       "cache_settings": Q4}
+    assert {k: c["policies"] for k, c in frontier_curves(grid).items()} == {
+        "a": ["a@0.25", "a@0.5"], "b": ["b@0.25", "b@0.5"], "q4": ["q4"],
+        "a+q4": ["q4", "a@0.25+q4", "a@0.5+q4"], "b+q4": ["q4", "b@0.25+q4", "b@0.5+q4"]}
+    no_alone = frontier_grid(["a"], [0.5], caches={"q4": Q4}, cache_ratios=[0.5])
+    assert [p["policy"] for p in no_alone] == ["a@0.5", "a@0.5+q4"]
+    for kwargs, message in [({"presses": ["a+b"]}, r"'\+' is reserved"), ({"caches": {"a": Q4}}, "also a press label"),
+                            ({"caches": {"q@4": Q4}}, r"'@' and '\+' are reserved"),
+                            ({"caches": {"q4": {"nbits": 4}}}, "missing backend, q_group_size"),
+                            ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"cache ratio 1.0 is outside \[0, 1\)")]:
+        with pytest.raises(ValueError, match=message):
+            frontier_grid(**{"presses": ["a"], "ratios": [0.5], **kwargs})
+
+
+def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
+    """Presses a, b at 0.75 and 0.875 (full precision, 4 bytes per element, 100 elements per token: 100
+    and 50 bytes), the 4-bit cache q4 (0.625 bytes per element) alone (62.5) and after each press at 0.5
+    (31.25). Curves a, b span 50..100, a+q4 and b+q4 31.25..62.5 (from q4 alone), q4 one point: all four
+    share 50..62.5. The means there, linear in bytes, by hand:
+    a: (0.6 + 0.5) / 2, b: (0.8 + 0.625) / 2, a+q4: (0.46 + 0.3) / 2, b+q4: (0.38 + 0.3) / 2."""
+    grid = frontier_grid(["a", "b"], [0.75, 0.875], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    E = {"a@0.75": 0.2, "a@0.875": 0.6, "b@0.75": 0.1, "b@0.875": 0.8, "q4": 0.3, "a@0.5+q4": 0.7, "b@0.5+q4": 0.5}
+    values = {k: (e + 0.1, e) for k, e in E.items()} | {"noise-floor": (0.0, 0.0)}
+    with pytest.raises(ValueError, match=r"quantized-cache points need kv_sizes\['m'\]"):
+        frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=SIZES)
+    by = {r["policy"]: r for r in points.iter_rows(named=True)}
+    assert {p: by[p]["kv_bytes_per_token"] for p in E} == {"a@0.75": 100.0, "a@0.875": 50.0, "b@0.75": 100.0,
+                                                           "b@0.875": 50.0, "q4": 62.5, "a@0.5+q4": 31.25,
+                                                           "b@0.5+q4": 31.25}
+    assert by["a@0.75"]["bits_per_element"] == 32.0 and by["q4"]["bits_per_element"] == 5.0
+    assert by["q4"]["curves"] == ["q4", "a+q4", "b+q4"] and by["a@0.5+q4"]["curves"] == ["a+q4"]
+    mean = {"b+q4": 0.34, "a+q4": 0.38, "a": 0.55, "b": 0.7125}
+    assert areas["curve"].to_list() == ["b+q4", "a+q4", "a", "b", "q4"] and areas["rank"].to_list() == [1, 2, 3, 4, 5]
+    assert areas["covers_range"].to_list() == [True] * 4 + [False]
+    assert (areas["range_lo"] == 50.0).all() and (areas["range_hi"] == 62.5).all()
+    for r in areas.head(4).iter_rows(named=True):
+        for suffix in ("", "_lo", "_hi"):  # identical documents: the interval is the point
+            assert r["mean_E_M" + suffix] == pytest.approx(mean[r["curve"]], abs=1e-12)
+            assert r["mean_p_div" + suffix] == pytest.approx(mean[r["curve"]] + 0.1, abs=1e-12)
+        assert r["diff_best_mean_E_M"] == pytest.approx(mean[r["curve"]] - 0.34, abs=1e-12)
+    q4 = areas.row(4, named=True)  # reported beside the ranking, with its own span
+    assert math.isnan(q4["mean_E_M"]) and q4["bytes_min"] == q4["bytes_max"] == 62.5 and q4["n_ratios"] == 1
+    # the areas over each curve's own ratios; compared with the best only between curves of the same ratios
+    a_q4 = areas.row(1, named=True)
+    assert a_q4["area_E_M"] == pytest.approx(0.5 * (0.3 + 0.7) / 2, abs=1e-12)
+    assert a_q4["diff_best_area_E_M"] == pytest.approx(0.05, abs=1e-12) and math.isnan(areas.row(2, named=True)[
+        "diff_best_area_E_M"])
+    assert points["policy"].to_list() == ["b@0.5+q4", "a@0.5+q4", "a@0.75", "a@0.875", "b@0.75", "b@0.875", "q4"]
+
+
+def test_a_curve_off_the_common_range_is_reported_not_dropped():
+    """Full precision at 0.5 and 0.75 spans 100..200 bytes, the cache curves 31.25..62.5: no byte
+    range is common to all; the two presses share the wider one and rank first, the rest follow in grid order."""
+    grid = frontier_grid(["a", "b"], [0.5, 0.75], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    values = {p["policy"]: (0.5, 0.3) for p in grid} | {"a@0.5": (0.3, 0.1), "noise-floor": (0.0, 0.0)}
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1, kv_sizes=SIZES)
+    assert areas["curve"].to_list() == ["a", "b", "q4", "a+q4", "b+q4"]
+    assert areas["covers_range"].to_list() == [True, True, False, False, False]
+    assert (areas["range_lo"] == 100.0).all() and (areas["range_hi"] == 200.0).all()
+    assert areas.filter(pl.col("curve") == "a+q4").select("bytes_min", "bytes_max").row(0) == (31.25, 62.5)
+    assert areas.filter(~pl.col("covers_range"))["mean_E_M"].is_nan().all()
+    assert areas["mean_E_M"][0] == pytest.approx((0.1 + 0.3) / 2, abs=1e-12)
+    assert points.height == 7  # every point is in the table
+
+
+def test_quantized_frontier_text_page_and_figure(tmp_path):
+    from kvdiverge.report.figures import plot_frontier
+    from kvdiverge.report.formatting import frontier_text
+    from kvdiverge.report.pages import frontier_html
+
+    grid = frontier_grid(["a", "b"], [0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    values = {p["policy"]: (0.5, 0.2 + 0.1 * (p["press"] == "b")) for p in grid} | {"noise-floor": (1e-4, 1e-5)}
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0, kv_sizes=SIZES)
+    text = frontier_text(points, areas)
+    assert "KV bytes per prompt token common to 4 of 5 curves (50-62.5;" in text.splitlines()[0]
+    rows = {line.split()[2]: line for line in text.splitlines()[3:]}
+    assert set(rows) == {"a", "b", "q4", "a+q4", "b+q4"} and "0:0.2 0.5:0.2" in rows["a+q4"]
+    assert rows["q4"].split()[3] == "-"  # not on the common range: no mean
+    page = frontier_html(points, areas)
+    assert "50–62.5 bytes per token" in page and "a@0.5+q4" in page and "full precision" in page
+    plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
+    assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quantized_frontier_config_expands_into_points():
+    config = load_config(REPO / "config" / "frontier-quantized.yaml")
+    full = [f"{p}@{r:g}" for p in ("snapkv", "streamingllm") for r in (0.5, 0.75, 0.875, 0.9375)]
+    cached = ["int4", "snapkv@0.5+int4", "streamingllm@0.5+int4", "int2", "snapkv@0.5+int2", "streamingllm@0.5+int2"]
+    assert config["runs"]["exploratory"] == full + cached
+    assert [p["policy"] for p in frontier_points(config)] == full + cached
+    q2 = {"cache": "quantized", "backend": "quanto", "nbits": 2, "q_group_size": 64, "residual_length": 32}
+    assert config["policies"]["int2"] == q2
+    assert config["policies"]["snapkv@0.5+int2"] == {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5,
+                                                     "compression_ratio": 0.5, **q2}
+    assert config["policies"]["streamingllm@0.5+int4"] == {"press": "StreamingLLMPress", "n_sink": 4,
+                                                           "compression_ratio": 0.5, **q2, "nbits": 4}
+    expl = [p for m, p, s in runs(config) if s == "exploratory"]
+    assert expl == full + cached + ["noise-floor"]
+    assert validate(config) == config and expand_frontier(config) == config
+    # the config's arithmetic: 11520 elements per token, float32; every two-point curve covers 3600..4320 bytes
+    grid = frontier_points(config)
+    per_token = {p["policy"]: (1 - p["compression_ratio"]) * 11520 * kv_bytes_per_element(p["cache_settings"], 4)
+                 for p in grid}
+    assert per_token["snapkv@0.9375"] == 2880 and per_token["snapkv@0.875"] == 5760
+    assert (per_token["int4"], per_token["snapkv@0.5+int4"], per_token["int2"], per_token["snapkv@0.5+int2"]) == \
+        (7200, 3600, 4320, 2160)
+    spans = {k: (min(per_token[p] for p in c["policies"]), max(per_token[p] for p in c["policies"]))
+             for k, c in frontier_curves(grid).items()}
+    assert common_range(spans) == (3600.0, 4320.0, ["snapkv", "streamingllm", "snapkv+int4", "streamingllm+int4",
+                                                    "snapkv+int2", "streamingllm+int2"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: f["caches"]["int4"].update(nbits=3),
+     "frontier.caches.int4: quantized cache: nbits must be one of [2, 4] for backend 'quanto', got 3"),
+    (lambda f: f["caches"]["int4"].update(bits=4),
+     "unknown config key frontier.caches.int4.bits; allowed keys at frontier.caches.int4: backend, nbits, "
+     "q_group_size, residual_length"),
+    (lambda f: f["caches"]["int4"].update(backend="gptq"), "frontier.caches.int4.backend: 'gptq' is not allowed"),
+    (lambda f: f["caches"]["int4"].update(q_group_size=0), "frontier.caches.int4.q_group_size: 0 is out of range"),
+    (lambda f: f.update(cache_ratios=[0, 1.0]), "frontier.cache_ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1"),
+    (lambda f: f.pop("caches"), "frontier.cache_ratios: given without frontier.caches, which it needs"),
+    (lambda f: f["caches"].update({"q+2": {"nbits": 2}}), "frontier.caches: 'q+2' does not match the pattern"),
+])
+def test_bad_frontier_cache_is_refused_with_the_key_named(edit, message):
+    config = raw("frontier-quantized.yaml")
+    edit(config["frontier"])
+    assert message in error_of(config)
+
+
+def test_frontier_cache_names_are_reserved():
+    config = raw("frontier-quantized.yaml")
+    config["policies"]["int4"] = {"cache": "quantized", "nbits": 2}
+    assert "policies.int4: the name belongs to the frontier point frontier.caches.int4; rename the policy" in \
+        error_of(config)
+    config = raw("frontier-quantized.yaml")
+    config["policies"]["snapkv@0.25+int4"] = {"press": "SnapKVPress", "compression_ratio": 0.25}
+    assert "policies.snapkv@0.25+int4: '@' in a policy name is reserved for the frontier" in error_of(config)
+    config = raw("frontier-quantized.yaml")  # the same entry as the frontier's: the same policy
+    config["policies"]["int2"] = validate(config)["policies"]["int2"]
+    assert validate(config)["runs"]["exploratory"].count("int2") == 1
+
+
+def test_api_and_command_line_expand_caches_as_the_config_does():
+    from kvdiverge.cli import _parser
+    from kvdiverge.study.inputs import argument_sources, check_arguments, frontier_presses
+
+    presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}
+    out, grid = frontier_presses(presses, [0.5, 0.75], caches={"int4": {"nbits": 4, "residual_length": 32}},
+                                 cache_ratios=[0, 0.5])
+    config = raw("frontier-quantized.yaml")  # the same points through the config
+    config["frontier"].update(presses=presses, ratios=[0.5, 0.75], caches={"int4": config["frontier"]["caches"]["int4"]})
+    config["analysis"]["gaps"] = []
+    expanded = validate(config)
+    assert list(out) == ["snapkv@0.5", "snapkv@0.75", "int4", "snapkv@0.5+int4", "noise-floor"]
+    assert grid == frontier_points(expanded)
+    assert all(out[p["policy"]] == expanded["policies"][p["policy"]] for p in grid)
+    for caches, message in [({"int4": {"nbits": 3}}, "cache 'int4': quantized cache: nbits must be one of [2, 4]"),
+                            ({"int4": {"bits": 4}}, "cache 'int4': unknown setting 'bits'"),
+                            ({"q@4": {"nbits": 4}}, "cache 'q@4': '@' and '+' in a cache label are reserved")]:
+        message = message.replace("+", r"\+")
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            frontier_presses(presses, [0.5], caches=caches)
+    import kvpress
+    with pytest.raises(ValueError, match="a quantized cache needs a policy entry"):
+        frontier_presses({"snapkv": kvpress.SnapKVPress()}, [0.5], caches={"int4": {}}, cache_ratios=[0.5])
+    args = _parser().parse_args(["measure", "embedded", "--sotu", "1", "--press", "SnapKVPress:window_size=64",
+                                 "--cache", "quanto:nbits=4", "--ratios", "0.5", "0.75", "--cache-ratios", "0", "0.5"])
+    check_arguments(args)
+    door, sources, caches = argument_sources(args)
+    assert door == {"SnapKVPress:window_size=64": {"press": "SnapKVPress", "params": {"window_size": 64}}}
+    assert caches == {"quanto:nbits=4": {"backend": "quanto", "nbits": 4}}
+    assert list(sources) == ["SnapKVPress:window_size=64@0.5", "SnapKVPress:window_size=64@0.75", "quanto:nbits=4",
+                             "SnapKVPress:window_size=64@0.5+quanto:nbits=4", "noise-floor"]
+    assert sources["SnapKVPress:window_size=64@0.5+quanto:nbits=4"].quantized.nbits == 4
+
+
+def test_cli_cache_ratios_bad_input_exits_2(capsys, tmp_path):
+    from kvdiverge.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = ["measure", "embedded", "--prompts", str(prompts), "-T", "2", "-R", "1", "--press", "KnormPress"]
+    for extra, message in [(["--cache-ratios", "0.5"], "--cache-ratios needs --ratios and at least one --cache"),
+                           (["--cache", "quanto", "--ratios", "0.5", "--cache-ratios", "1.5"],
+                            "--cache-ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)"),
+                           (["--cache", "quanto:nbits=3", "--ratios", "0.5"], "nbits must be one of [2, 4]")]:
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the API, CRN (miniature model)
@@ -263,6 +547,39 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     with pytest.raises(ValueError, match="not a frontier"):
         kvdiverge.measure(model, None, prompts, {"k": {"press": "KnormPress", "compression_ratio": 0.5}},
                           max_new_tokens=2, replicates=1, bootstrap=10, progress=False).frontier()
+
+
+@pytest.mark.miniature
+def test_measure_frontier_with_a_quantized_cache(tmp_path):
+    """``measure(..., ratios=, caches=)``: the cache alone and after the press, its KV bytes counted with the
+    model's sizes (2 layers x 2 kv heads x head dim 8 x 2 = 64 elements per token, float32): SnapKV at 0.5
+    stores 0.5 x 64 x 4 = 128 bytes per prompt token, the 4-bit cache in groups of 8 (0.5 + 8/8 bytes per
+    element) 96 alone and 48 after SnapKV at 0.5."""
+    import torch
+
+    import kvdiverge
+    from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+    torch.set_num_threads(1)
+    model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
+    m = kvdiverge.measure(model, None, prompts, {"snapkv": {"press": "SnapKVPress", "window_size": 8}}, ratios=[0.5],
+                          caches={"q4": {"nbits": 4, "q_group_size": 8, "residual_length": 2}}, max_new_tokens=3,
+                          replicates=1, temperature=1.0, top_p=1.0, seed=5, bootstrap=20, progress=False,
+                          model_name="mini", split="exploratory")
+    assert m.presses == ["snapkv@0.5", "q4", "snapkv@0.5+q4", "noise-floor"]
+    assert m.settings["kv_sizes"] == {"mini": {"elements_per_token": 64, "element_bytes": 4}}
+    assert m.settings["quantized_caches"] == ["q4", "snapkv@0.5+q4"]
+    points = m.frontier()
+    assert dict(zip(points["policy"], points["kv_bytes_per_token"])) == {"snapkv@0.5": 128.0, "q4": 96.0,
+                                                                         "snapkv@0.5+q4": 48.0}
+    areas = m.frontier_areas()
+    assert areas["curve"].to_list() == ["snapkv+q4", "snapkv", "q4"]  # the one curve with two points is ranked
+    assert areas["covers_range"].to_list() == [True, False, False]
+    assert (areas["range_lo"] == 48.0).all() and (areas["range_hi"] == 96.0).all()
+    assert "KV bytes per prompt token common to 1 of 3 curves" in m.format_frontier()
+    assert m.plot_frontier(tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):

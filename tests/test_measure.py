@@ -297,7 +297,9 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
         (base + ["--cache", "gptq:nbits=4"], "--cache 'gptq:nbits=4': the backend must be one of ['hqq', 'quanto']"),
         (base + ["--cache", "quanto:bits=4"], "unknown parameter 'bits'; allowed: nbits, q_group_size"),
         (base + ["--cache", "quanto:nbits=3"], "nbits must be one of [2, 4] for backend 'quanto', got 3"),
-        (base + ["--press", "KnormPress", "--cache", "quanto", "--ratios", "0.5"], "--cache with --ratios"),
+        # --cache with --ratios adds the cache's frontier points; --cache-ratios needs both
+        (base + ["--press", "KnormPress", "--cache", "quanto", "--cache-ratios", "0.5"],
+         "--cache-ratios needs --ratios and at least one --cache"),
     ]
     for argv, message in cases:
         try:

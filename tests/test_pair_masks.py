@@ -111,7 +111,7 @@ def test_ratio_zero_gives_exactly_zero_tv(model, name):
 
 
 #: Rows left of 6 (three documents, R = 2) after step 2: the longest document (rows 2, 3)
-#: leaves whole, so the columns of its longer prompt are trimmed from the batch.
+#: leaves whole; the columns of its longer prompt stay in the cache, masked for every row.
 SURVIVORS = [1, 4, 5]
 
 
@@ -124,13 +124,14 @@ def drop_and_rewind(pair, rows):
 @pytest.mark.miniature
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_three_documents_in_one_batch_equal_each_alone(model, name):
-    """Rows of three documents (R = 2), through row removal, column trimming and rewinds."""
+    """Rows of three documents (R = 2), through row removal (in place) and rewinds."""
     docs = [prompt(n) for n in LENGTHS]
     press = PRESSES[name](0.5)
     batch = LLMKernelPair.from_documents(model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs],
                                          temperature=1.0)
     together = drive(batch, 6, script={2: drop_and_rewind})
-    assert batch._ref.valid.shape[1] == max(LENGTHS[0], LENGTHS[2]) + 5  # the longest prompt's columns went
+    assert batch._ref.valid.shape[1] == max(LENGTHS) + 5  # the longest prompt's columns stay, masked
+    assert not batch._ref.valid[:, :max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
     for d, ids in enumerate(docs):
         alone = LLMKernelPair(model, ids, press, temperature=1.0)
         mine = [2 * d, 2 * d + 1]  # this document's rows in the batch, by original index

@@ -22,7 +22,9 @@ Example::
 With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same as a config's
 ``frontier`` section): ``kvdiverge measure embedded --sotu 2 -T 8 -R 2 --press SnapKVPress
 --press KnormPress --ratios 0.1 0.25 0.5 0.75`` prints the ranked frontier table and writes
-``frontier.png``/``.pdf`` (under ``--out``, else the working directory).
+``frontier.png``/``.pdf`` (under ``--out``, else the working directory). Each ``--cache`` then
+adds its points: the cache alone and after each press at each of ``--cache-ratios`` (default: 0,
+the cache alone, and every ratio), all ranked on the KV bytes per prompt token they store.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="documents per forward (default: the memory planner's choice)")
     p.add_argument("--ratios", type=float, nargs="+", metavar="R",
                    help="a frontier: run every --press at each compression ratio R in [0, 1), beside the "
-                        "noise floor; prints the ranked frontier table and writes frontier.png/.pdf")
+                        "noise floor (each --cache alone and after each press too); prints the ranked frontier "
+                        "table and writes frontier.png/.pdf")
+    p.add_argument("--cache-ratios", type=float, nargs="+", metavar="R",
+                   help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
+                        "cache alone (default: 0 and every --ratios value)")
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
@@ -138,7 +144,7 @@ def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.study.models import load_model, load_tokenizer
 
     check_arguments(args)
-    entries, sources = argument_sources(args)
+    presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
@@ -152,8 +158,8 @@ def _measure(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
         warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-        m = measure(model, tokenizer, prompts, entries if args.ratios else sources,
-                    max_new_tokens=args.max_new_tokens, ratios=args.ratios,
+        m = measure(model, tokenizer, prompts, presses, max_new_tokens=args.max_new_tokens, ratios=args.ratios,
+                    caches=caches, cache_ratios=args.cache_ratios,
                     replicates=args.replicates, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     window=args.window, instruction=instruction, system=args.system, bootstrap=args.bootstrap,
                     confidence=args.confidence, model_name=name, progress=not args.quiet,

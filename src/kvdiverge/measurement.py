@@ -190,16 +190,19 @@ class Measurement:
         return self._memo("frontier", lambda: measured_frontier(self.documents, self.settings, self.noise_floor))
 
     def frontier(self) -> pl.DataFrame:
-        """The frontier, the workflow's ``analysis/frontier``: one row per (press, ratio) with
-        ``p_div``, ``tau_mean``, ``tau_median``, ``E_M``, ``first_mismatch_term``,
-        ``exposure_rate_term``, ``rho`` with intervals, the floor's values, ``above_floor`` and
-        ``rank`` (:func:`kvdiverge.estimation.frontier.measured_frontier`). Raises ``ValueError``
-        if the measurement was not made with ``ratios``."""
+        """The frontier, the workflow's ``analysis/frontier``: one row per point (press and ratio,
+        cache alone, press and ratio with a cache) with ``p_div``, ``tau_mean``, ``tau_median``,
+        ``E_M``, ``first_mismatch_term``, ``exposure_rate_term``, ``rho`` with intervals, the KV
+        bytes per prompt token, the floor's values, ``above_floor`` and ``rank``
+        (:func:`kvdiverge.estimation.frontier.measured_frontier`). Raises ``ValueError`` if the
+        measurement was not made with ``ratios``."""
         return self._frontier()[0]
 
     def frontier_areas(self) -> pl.DataFrame:
-        """The frontier ranking: per press, the areas under its ``E[M]`` and ``p_div`` curves
-        over the ratios, with paired intervals, best first (``analysis/frontier_areas``)."""
+        """The frontier ranking: per curve (each press at full precision, each cache alone and
+        after each press), the mean of its ``E[M]`` and ``p_div`` over the KV bytes per prompt
+        token common to the curves, and the areas over its ratios, with paired intervals, best
+        first (``analysis/frontier_areas``)."""
         return self._frontier()[1]
 
     def format_frontier(self) -> str:
@@ -226,7 +229,9 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
             confidence: float = 0.95, model_name: str | None = None, split: str = "measure",
             eos_ids: Sequence[int] | None = None, progress: bool = True,
             batch_documents: int | None = None, memory_budget_gb: float | None = None,
-            ratios: Sequence[float] | None = None, budgets: Sequence[int] | None = None) -> Measurement:
+            ratios: Sequence[float] | None = None, budgets: Sequence[int] | None = None,
+            caches: Mapping[str, Mapping[str, Any]] | None = None,
+            cache_ratios: Sequence[float] | None = None) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
@@ -287,6 +292,13 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
         named ``<press>@<ratio>`` (``<press>@b<budget>``), beside the noise floor (one is
         added when no ``PermutationPress`` is given); :func:`frontier_presses`. Then
         :meth:`Measurement.frontier` and :meth:`Measurement.plot_frontier` draw it.
+    caches, cache_ratios : optional
+        Quantized caches of the frontier by label (``{"int4": {"backend": "quanto", "nbits": 4,
+        "q_group_size": 64, "residual_length": 32}}``; a policy's ``cache: quantized`` keys, the
+        same defaults), each alone (named by its label) and after each press (a policy entry)
+        at each of ``cache_ratios`` above 0 (``<press>@<ratio>+<cache>``; default: 0 and every
+        ratio; 0 is the cache alone), as a config's ``frontier.caches``. The frontier then
+        ranks every curve on the KV bytes per prompt token it stores.
 
     Returns
     -------
@@ -310,6 +322,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
 
     from kvdiverge.engine.runner import run_policies
     from kvdiverge.estimation import tables
+    from kvdiverge.study.models import kv_sizes
     from kvdiverge.study.settings import check_settings
 
     checked = check_settings({"max_new_tokens": max_new_tokens, "replicates": replicates,
@@ -319,7 +332,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
                               **({} if batch_documents is None else {"batch_documents": batch_documents})})
     T, R = checked["max_new_tokens"], checked["replicates"]
     documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios,
-                                              budgets)
+                                              budgets, caches, cache_ratios)
     if model_name is None:
         model_name = model_label(model)
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
@@ -333,7 +346,7 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     pooled = tables.pool(docs, int(bootstrap), float(confidence), int(seed))
     settings = measure_settings(model_name, split, sources, grid, T=T, R=R, temperature=temperature, top_p=top_p,
                                 seed=seed, window=window, bootstrap=bootstrap, confidence=confidence,
-                                instruction=instruction, system=system)
+                                instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
     result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
                          noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()

@@ -204,9 +204,11 @@ ALL_TARGETS.extend(
 )
 
 
-# The frontier (config `frontier`): every press against compression ratio, beside the
-# noise floor (kvdiverge.estimation.frontier). Its policies are ordinary policies
-# (<press>@<ratio>, expanded in common.smk); only this table and its figure are new.
+# The frontier (config `frontier`): every press against compression ratio and every curve
+# against KV bytes per prompt token, beside the noise floor (kvdiverge.estimation.frontier).
+# Its policies are ordinary policies (<press>@<ratio>, <cache>, <press>@<ratio>+<cache>,
+# expanded in common.smk); only this table and its figure are new. The model entries are
+# params: the byte count reads each model's config.
 FRONTIER_POINTS = kvdiverge.study.config.frontier_points(config)
 FRONTIER_SPLIT = kvdiverge.study.config.frontier_split(config)
 
@@ -245,6 +247,7 @@ if FRONTIER_POINTS:
             f"{LOGS}/analysis/frontier.log",
         params:
             grid=canonical(FRONTIER_POINTS),
+            models=canonical({m: config["models"][m] for m in MODELS}),
             split=FRONTIER_SPLIT,
             floor=FLOOR,
             seed=canonical(config["seed"]),

@@ -85,7 +85,7 @@ CONDA_ENV = "../../environment.yml"
 
 wildcard_constraints:
     model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
-    policy=r"[A-Za-z0-9][A-Za-z0-9._-]*(@b?[0-9][A-Za-z0-9._-]*)?",
+    policy=r"[A-Za-z0-9][A-Za-z0-9._-]*(@b?[0-9][A-Za-z0-9._-]*(\+[A-Za-z0-9][A-Za-z0-9._-]*)?)?",
     split=r"exploratory|confirmatory",
     shard=r"\d+",
 

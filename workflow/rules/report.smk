@@ -83,7 +83,8 @@ ALL_TARGETS.extend(
 
 
 # The frontier figure (config `frontier`): p_div, E[M] and the mean first-divergence step
-# against retention, one line per press, the noise floor as a grey band.
+# against retention, one line per press (against KV bytes per prompt token, one line per
+# curve, with quantized caches), the noise floor as a grey band.
 if FRONTIER_POINTS:
 
     rule frontier_figure:

@@ -1,27 +1,37 @@
-"""Frontiers: divergence against compression ratio, press by press, beside the noise floor.
+"""Frontiers: divergence against compression ratio and KV bytes, press by press, beside the noise floor.
 
 A frontier runs each named press at several compression ratios (and optionally fixed
-token budgets) on the same documents with common random numbers. Each (press, ratio) is an
-ordinary policy named ``<press>@<ratio>`` (``snapkv@0.5``) or ``<press>@b<budget>``
-(``snapkv@b128``): :func:`frontier_grid` makes the names, the config
+token budgets), and optionally quantized KV caches alone and after each press, on the same
+documents with common random numbers. Each point is an ordinary policy named
+``<press>@<ratio>`` (``snapkv@0.5``), ``<press>@b<budget>`` (``snapkv@b128``), ``<cache>``
+(a quantized cache alone, ``int4``) or ``<press>@<ratio>+<cache>`` (evict, then quantize
+what is kept: ``snapkv@0.5+int4``): :func:`frontier_grid` makes the names, the config
 (:func:`kvdiverge.study.config.expand_frontier`), the command line and
 :func:`kvdiverge.measure` expand through it.
+
+The points lie on **curves**, one knob varied at a fixed way of storing the cache
+(:func:`frontier_curves`): each press at full precision over ``ratios``; each quantized
+cache alone (one point); each press with each cache over ``cache_ratios``, whose ratio-0
+point is the cache alone (a press at ratio 0 evicts nothing).
 
 :func:`frontier_tables` turns the per-document estimates of those policies
 (:func:`kvdiverge.estimation.estimators.document_estimates`) into
 
-- one row per (model, press, point): ``p_div``, the mean and median first-divergence step,
+- one row per (model, point): ``p_div``, the mean and median first-divergence step,
   ``E[M]`` with its two terms ``p_div / T`` and ``(E[L] / T) rho`` and ``rho``, each with a
-  document-bootstrap interval, the noise floor's values on the same documents and
+  document-bootstrap interval, the KV bytes stored per prompt token
+  (:func:`kv_bytes_per_element`), the noise floor's values on the same documents and
   ``above_floor`` (:func:`kvdiverge.estimation.analysis.floor_comparison`);
-- one row per (model, press): the trapezoid area under its ``p_div`` and ``E[M]`` curves
-  over the compression ratios run, with intervals, ranked by the ``E[M]`` area (smallest
-  first: the most faithful press), and each area's paired difference from the best press.
+- one row per (model, curve): the mean of its ``E[M]`` and ``p_div`` over the range of KV
+  bytes per prompt token common to the ranked curves (linear interpolation in bytes,
+  :func:`common_range`, :func:`range_mean`), with intervals, ranked by the ``E[M]`` mean
+  (smallest first: the most faithful), each mean's paired difference from the best curve,
+  and the trapezoid area under each curve over its compression ratios.
 
 Every interval resamples documents with replacement, one set of resamples per model shared
-by every press, ratio and the floor (paired): the documents and random numbers are common
-to all of them, so the differences between presses are measured on equal footing.
-Symbols are those of ``estimators.md`` (§2, §3).
+by every point and the floor (paired): the documents and random numbers are common to all
+of them, so the differences between curves are measured on equal footing. Symbols are
+those of ``estimators.md`` (§2, §3).
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
 from kvdiverge.estimation.decomposition import check_decomposition
 
-__all__ = ["POINT_METRICS", "frontier_grid", "frontier_name", "frontier_tables", "measured_frontier", "trapezoid_area"]
+__all__ = ["POINT_METRICS", "common_range", "frontier_curves", "frontier_grid", "frontier_name", "frontier_tables",
+           "kv_bytes_per_element", "measured_frontier", "range_mean", "trapezoid_area"]
 
 #: Per-point metrics of the frontier table (each with ``_lo`` and ``_hi``).
 POINT_METRICS = ("p_div", "tau_mean", "tau_median", "E_M", "first_mismatch_term", "exposure_rate_term", "rho")
@@ -43,28 +54,66 @@ POINT_METRICS = ("p_div", "tau_mean", "tau_median", "E_M", "first_mismatch_term"
 #: Per-document columns a frontier reads.
 _DOC_COLUMNS = ("p_div", "E_tau_div", "E_L", "E_N_post", "E_N", "E_M")
 
+#: Settings of a quantized cache the byte count needs (``backend``, ``nbits``, ``q_group_size``).
+_CACHE_KEYS = ("backend", "nbits", "q_group_size")
+
 
 # --------------------------------------------------------------------------- the grid
 
 
-def frontier_name(press: str, ratio: float | None = None, budget: int | None = None) -> str:
-    """Policy name of one frontier point: ``press@<ratio>`` or ``press@b<budget>``.
+def frontier_name(press: str | None, ratio: float | None = None, budget: int | None = None,
+                  cache: str | None = None) -> str:
+    """Policy name of one frontier point.
 
-    The ratio is written in the shortest ``%g`` form (``0.5``, ``0.25``, ``0``).
+    ``press@<ratio>`` or ``press@b<budget>`` at full precision; ``press@<ratio>+<cache>``
+    with a quantized cache after the press; ``<cache>`` for a cache alone (``press`` None,
+    no ratio or budget). The ratio is written in the shortest ``%g`` form (``0.5``, ``0``).
 
     Raises
     ------
     ValueError
-        If not exactly one of ``ratio`` and ``budget`` is given.
+        If not exactly one of ``ratio`` and ``budget`` is given with a press, a cache
+        alone gets a ratio or budget, or a budget comes with a cache.
     """
+    if press is None:
+        if cache is None or ratio is not None or budget is not None:
+            raise ValueError("a frontier point without a press is a quantized cache alone: give only the cache")
+        return cache
     if (ratio is None) == (budget is None):
         raise ValueError(f"frontier point of {press!r}: give exactly one of ratio or budget")
-    return f"{press}@{float(ratio):g}" if ratio is not None else f"{press}@b{int(budget)}"
+    if cache is not None and budget is not None:
+        raise ValueError(f"frontier point of {press!r}: a quantized cache goes with ratios, not budgets")
+    name = f"{press}@{float(ratio):g}" if ratio is not None else f"{press}@b{int(budget)}"
+    return name if cache is None else f"{name}+{cache}"
 
 
-def frontier_grid(presses: Iterable[str], ratios: Sequence[float] = (),
-                  budgets: Sequence[int] = ()) -> list[dict[str, Any]]:
-    """Every (press, ratio) and (press, budget) point, in press order, then ratios, then budgets.
+def _check_values(ratios: Sequence[float], budgets: Sequence[int], key: str = "compression ratio") -> None:
+    for r in ratios:
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= float(r) < 1):
+            raise ValueError(f"{key} {r!r} is outside [0, 1)")
+    for b in budgets:
+        if not (isinstance(b, int) and not isinstance(b, bool) and b >= 1):
+            raise ValueError(f"budget {b!r} is not an integer >= 1")
+
+
+def _check_labels(presses: Sequence[str], caches: Mapping[str, Mapping[str, Any]]) -> None:
+    for p in presses:
+        if "+" in p:
+            raise ValueError(f"press label {p!r}: '+' is reserved for the <press>@<ratio>+<cache> names")
+    for c, settings in caches.items():
+        if "@" in c or "+" in c:
+            raise ValueError(f"cache label {c!r}: '@' and '+' are reserved for the frontier's names")
+        if c in presses:
+            raise ValueError(f"cache label {c!r} is also a press label; give the cache another label")
+        missing = [k for k in _CACHE_KEYS if not isinstance(settings, Mapping) or settings.get(k) is None]
+        if missing:
+            raise ValueError(f"cache {c!r}: its settings need {', '.join(_CACHE_KEYS)} (missing {', '.join(missing)})")
+
+
+def frontier_grid(presses: Iterable[str], ratios: Sequence[float] = (), budgets: Sequence[int] = (),
+                  caches: Mapping[str, Mapping[str, Any]] | None = None,
+                  cache_ratios: Sequence[float] | None = None) -> list[dict[str, Any]]:
+    """Every frontier point: each press at each ratio and budget, then each cache alone and after each press.
 
     Parameters
     ----------
@@ -73,35 +122,119 @@ def frontier_grid(presses: Iterable[str], ratios: Sequence[float] = (),
     ratios : sequence of float
         Compression ratios, fractions of prompt positions evicted, in ``[0, 1)``.
     budgets : sequence of int
-        Fixed numbers of prompt positions kept (tokens), ``>= 1``.
+        Fixed numbers of prompt positions kept (tokens), ``>= 1``; full precision only.
+    caches : mapping of str to mapping, optional
+        Quantized caches by label (config ``frontier.caches``): ``backend``, ``nbits``,
+        ``q_group_size`` (and ``residual_length``), complete.
+    cache_ratios : sequence of float, optional
+        Ratios of the press before each cache; 0 is the cache alone (one point per cache,
+        whatever the press). Default: 0 and every ratio of ``ratios``.
 
     Returns
     -------
     list of dict
-        ``{"policy", "press", "compression_ratio", "budget"}`` (the unused one None).
+        ``{"policy", "press", "compression_ratio", "budget", "cache", "cache_settings"}``:
+        a cache alone has ``press`` None and ratio 0; full-precision points have ``cache``
+        and ``cache_settings`` None; the unused one of ratio and budget is None. In press
+        order (ratios, then budgets), then cache order (alone, then each press at each
+        cache ratio above 0).
 
     Raises
     ------
     ValueError
-        A ratio outside ``[0, 1)``, a budget below 1, or two points with the same name.
+        A ratio outside ``[0, 1)``, a budget below 1, a label with a reserved character
+        (``+`` in a press label, ``@`` or ``+`` in a cache label), a cache label equal to a
+        press label, incomplete cache settings, or two points with the same name.
     """
+    presses, caches = list(presses), dict(caches or {})
+    cache_ratios = [0.0, *ratios] if cache_ratios is None else list(cache_ratios)
+    _check_values(ratios, budgets)
+    _check_values(cache_ratios, (), "cache ratio")
+    _check_labels(presses, caches)
     out: list[dict[str, Any]] = []
-    for r in ratios:
-        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= float(r) < 1):
-            raise ValueError(f"compression ratio {r!r} is outside [0, 1)")
-    for b in budgets:
-        if not (isinstance(b, int) and not isinstance(b, bool) and b >= 1):
-            raise ValueError(f"budget {b!r} is not an integer >= 1")
+    row = {"cache": None, "cache_settings": None}
     for press in presses:
         out += [{"policy": frontier_name(press, ratio=r), "press": press, "compression_ratio": float(r),
-                 "budget": None} for r in ratios]
+                 "budget": None, **row} for r in ratios]
         out += [{"policy": frontier_name(press, budget=b), "press": press, "compression_ratio": None,
-                 "budget": int(b)} for b in budgets]
+                 "budget": int(b), **row} for b in budgets]
+    for cache, settings in caches.items():
+        row = {"cache": cache, "cache_settings": dict(settings), "budget": None}
+        if any(float(r) == 0 for r in cache_ratios):
+            out.append({"policy": frontier_name(None, cache=cache), "press": None, "compression_ratio": 0.0, **row})
+        out += [{"policy": frontier_name(press, ratio=r, cache=cache), "press": press, "compression_ratio": float(r),
+                 **row} for press in presses for r in dict.fromkeys(float(r) for r in cache_ratios) if r > 0]
     names = [p["policy"] for p in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"frontier points share the names {dup}: give ratios that differ in %g form")
     return out
+
+
+def frontier_curves(grid: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The curves of a grid: label -> ``{"press", "cache", "policies"}`` (policies in ratio order).
+
+    ``<press>``: the press at full precision over its ratios (budgets are not on a curve);
+    ``<cache>``: the cache alone (one point); ``<press>+<cache>``: the cache alone, which is
+    the press at ratio 0, then the press at each cache ratio above 0 with the cache. In
+    grid order: the presses, then per cache its own curve and one per press.
+    """
+    curves: dict[str, dict[str, Any]] = {}
+    alone = {p["cache"]: p["policy"] for p in grid if p["press"] is None}
+    for p in grid:
+        label = _own_curve(p)
+        curve = curves.setdefault(label, {"press": p["press"], "cache": p["cache"], "policies": []})
+        if p["budget"] is not None:
+            continue  # a press with budgets only has a curve without points
+        if p["press"] is not None and p["cache"] is not None and not curve["policies"] and p["cache"] in alone:
+            curve["policies"].append(alone[p["cache"]])
+        curve["policies"].append(p["policy"])
+    return curves
+
+
+def _own_curve(point: Mapping[str, Any]) -> str:
+    """Label of the curve a grid point belongs to by its press and cache (:func:`frontier_curves`)."""
+    press, cache = point["press"], point.get("cache")
+    return press if cache is None else (cache if press is None else f"{press}+{cache}")
+
+
+def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) -> float:
+    """KV bytes stored per key or value element of the prompt cache, scales and zero points included.
+
+    Full precision: ``element_bytes`` (the model's dtype: 4 for float32, 2 for float16 and
+    bfloat16). A quantized cache (KIVI-style groups of ``q_group_size`` elements along the
+    head dimension, one scale and one zero point per group)::
+
+        data_bits / 8 + 2 * element_bytes / q_group_size
+
+    with ``data_bits = nbits``, except HQQ's 3 bits, which packs ten values into one 32-bit
+    word (3.2 bits). The scale and the zero point are stored in the cache's dtype: quanto's
+    ``MaxOptimizer`` returns ``scale`` and ``shift`` in the dtype of the tensor it
+    quantizes, and HQQ casts its ``scale`` and ``zero`` to ``compute_dtype``, the cache's
+    dtype (``transformers.cache_utils.HQQQuantizedLayer``); measured on optimum-quanto 0.2.7
+    and hqq 0.2.8 (float32: 0.625 bytes at 4 bits and 0.375 at 2 bits, groups of 64).
+    Every prompt token is stored quantized (the prompt cache is quantized whole on the first
+    forward after the prefill); the full-precision residual (at most ``residual_length``
+    newest tokens) holds generated tokens only and is not counted. The KV bytes per prompt
+    token of a point are then ``retention * elements_per_token * kv_bytes_per_element``,
+    ``elements_per_token = layers * kv_heads * head_dim * 2`` (keys and values).
+
+    Parameters
+    ----------
+    cache : mapping or None
+        ``backend``, ``nbits`` and ``q_group_size`` of a quantized cache; None for full precision.
+    element_bytes : float
+        Bytes of one full-precision element (the model's dtype).
+
+    Returns
+    -------
+    float
+        Bytes per element.
+    """
+    if cache is None:
+        return float(element_bytes)
+    bits = 3.2 if (cache["backend"], int(cache["nbits"])) == ("hqq", 3) else float(cache["nbits"])
+    return bits / 8 + 2.0 * float(element_bytes) / int(cache["q_group_size"])
 
 
 # --------------------------------------------------------------------------- statistics
@@ -170,30 +303,112 @@ def _with_intervals(row: dict[str, Any], point: Mapping[str, float], boot: Mappi
         row[prefix + m], row[prefix + m + "_lo"], row[prefix + m + "_hi"] = point[m], float(lo), float(hi)
 
 
+def common_range(spans: Mapping[str, tuple[float, float]]) -> tuple[float, float, list[str]] | None:
+    """The range of x common to the most curves: ``(lo, hi, members)``, or None without a span.
+
+    Each curve spans ``[min x, max x]`` of its points. The members are the largest set of
+    curves whose spans share an interval of positive width (every span of positive width
+    when they all overlap); among sets of that size, the one whose shared interval is
+    widest (then the one lowest in x). Curves outside the set do not cover the range.
+
+    Parameters
+    ----------
+    spans : mapping of str to (float, float)
+        Curve label -> ``(lo, hi)``; spans with ``hi <= lo`` (one point) never cover a range.
+
+    Returns
+    -------
+    (float, float, list of str) or None
+        The shared interval ``[lo, hi]`` and its members in the mapping's order.
+    """
+    spans = {k: (float(a), float(b)) for k, (a, b) in spans.items() if b > a}
+    if not spans:
+        return None
+    edges = sorted({e for span in spans.values() for e in span})
+    best = None
+    for a, b in zip(edges[:-1], edges[1:]):
+        members = [k for k, (lo, hi) in spans.items() if lo <= a and b <= hi]
+        if not members:
+            continue
+        lo, hi = max(spans[k][0] for k in members), min(spans[k][1] for k in members)
+        key = (len(members), hi - lo, -lo)
+        if best is None or key > best[0]:
+            best = (key, (lo, hi, members))
+    return best[1]
+
+
+def range_mean(x: np.ndarray, y: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Mean over ``[lo, hi]`` of the piecewise-linear interpolant of ``y`` over ``x`` (the last axis).
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape (K,)
+        Strictly ascending abscissae (KV bytes per prompt token) with ``x[0] <= lo`` and
+        ``hi <= x[-1]``.
+    y : numpy.ndarray, shape (..., K)
+        Curve values (resamples along the leading axes).
+    lo, hi : float
+        The range; ``lo == hi`` gives the interpolated value there.
+
+    Returns
+    -------
+    numpy.ndarray, shape (...)
+        ``integral_lo^hi y(x) dx / (hi - lo)``, exactly (trapezoids between ``lo``, the
+        points inside the range and ``hi``).
+
+    Raises
+    ------
+    ValueError
+        If the range lies outside ``[x[0], x[-1]]``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if not (x[0] <= lo <= hi <= x[-1]):
+        raise ValueError(f"range [{lo:g}, {hi:g}] lies outside the curve's [{x[0]:g}, {x[-1]:g}]")
+    at = np.unique(np.concatenate([[lo, hi], x[(x > lo) & (x < hi)]]))
+    seg = np.clip(np.searchsorted(x, at, side="right") - 1, 0, x.size - 2) if x.size > 1 else np.zeros(at.size, int)
+    weights = np.zeros((at.size, x.size))
+    if x.size == 1:
+        weights[:, 0] = 1.0
+    else:
+        t = (at - x[seg]) / (x[seg + 1] - x[seg])
+        weights[np.arange(at.size), seg] = 1 - t
+        weights[np.arange(at.size), seg + 1] += t
+    values = y @ weights.T
+    if at.size == 1:
+        return values[..., 0]
+    return trapezoid_area(at, values) / (hi - lo)
+
+
 #: Column types of the per-point frontier table.
 POINT_SCHEMA: dict[str, Any] = {
-    "model": pl.String, "split": pl.String, "press": pl.String, "policy": pl.String,
+    "model": pl.String, "split": pl.String, "press": pl.String, "cache": pl.String, "curve": pl.String,
+    "curves": pl.List(pl.String), "policy": pl.String,
     "compression_ratio": pl.Float64, "budget": pl.Int64, "retention": pl.Float64,
-    "kept_fraction": pl.Float64, "n_docs": pl.Int64, "T": pl.Int64, "rank": pl.Int64,
+    "kept_fraction": pl.Float64, "bits_per_element": pl.Float64, "kv_bytes_per_token": pl.Float64,
+    "n_docs": pl.Int64, "T": pl.Int64, "rank": pl.Int64,
     **{f"{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
     "floor": pl.String, "floor_n_docs": pl.Int64,
     **{f"floor_{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
     "above_floor_p_div": pl.Boolean, "above_floor_E_M": pl.Boolean, "above_floor": pl.Boolean,
 }
 
-#: Column types of the per-press area table.
+#: Column types of the per-curve table (the ranking).
 AREA_SCHEMA: dict[str, Any] = {
-    "model": pl.String, "split": pl.String, "press": pl.String, "rank": pl.Int64, "n_docs": pl.Int64,
-    "T": pl.Int64, "n_ratios": pl.Int64, "ratio_min": pl.Float64, "ratio_max": pl.Float64,
-    **{f"{pre}{m}{s}": pl.Float64 for pre in ("area_", "diff_best_area_") for m in ("E_M", "p_div")
-       for s in ("", "_lo", "_hi")},
+    "model": pl.String, "split": pl.String, "curve": pl.String, "press": pl.String, "cache": pl.String,
+    "rank": pl.Int64, "covers_range": pl.Boolean, "n_docs": pl.Int64, "T": pl.Int64, "n_ratios": pl.Int64,
+    "ratio_min": pl.Float64, "ratio_max": pl.Float64, "bytes_min": pl.Float64, "bytes_max": pl.Float64,
+    "range_lo": pl.Float64, "range_hi": pl.Float64,
+    **{f"{pre}{m}{s}": pl.Float64 for pre in ("mean_", "diff_best_mean_", "area_", "diff_best_area_")
+       for m in ("E_M", "p_div") for s in ("", "_lo", "_hi")},
     "first_ratio_above_floor": pl.Float64, "above_floor_everywhere": pl.Boolean,
 }
 
 
 def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor: str | None, n_boot: int,
-                    confidence: float, seed: int, split: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The frontier of every model: per-point table and per-press area ranking.
+                    confidence: float, seed: int, split: str | None = None,
+                    kv_sizes: Mapping[str, Mapping[str, float]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The frontier of every model: per-point table and per-curve ranking.
 
     Parameters
     ----------
@@ -203,7 +418,8 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
         ``p_div``, ``E_tau_div``, ``E_L``, ``E_N_post``, ``E_N``, ``E_M``, ``tv_mean``,
         ``f`` (list, length T), ``prompt_len``, ``kept_len``.
     grid : sequence of mapping
-        :func:`frontier_grid` rows (``policy``, ``press``, ``compression_ratio``, ``budget``).
+        :func:`frontier_grid` rows (``policy``, ``press``, ``compression_ratio``, ``budget``,
+        ``cache``, ``cache_settings``; rows without the last two are full precision).
     floor : str or None
         The noise-floor policy (``PermutationPress``); None: floor columns null and
         ``above_floor`` false.
@@ -215,30 +431,50 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
         Master seed (the resamples derive from it, the model and the split).
     split : str, optional
         The frontier's split; default the only split of the grid's rows in ``docs``.
+    kv_sizes : mapping, optional
+        Model -> ``{"elements_per_token": int, "element_bytes": int}``: key and value
+        elements one token stores (``layers * kv_heads * head_dim * 2``) and the bytes of a
+        full-precision element (the model's dtype). Needed for quantized-cache points;
+        without it the bytes columns are null and the curves (full precision only) are
+        compared over retention, which is proportional to their bytes (the same ranking).
 
     Returns
     -------
     points : polars.DataFrame
-        :data:`POINT_SCHEMA`: one row per (model, press, point), sorted by model, press rank,
-        ratio (budgets after the ratios). ``retention = 1 - compression_ratio`` (a budget's:
-        the mean kept fraction ``kept_len / prompt_len`` over documents); ``tau_mean`` and
-        ``tau_median`` in steps (given divergence; NaN when nothing diverged); ``E_M`` a
-        fraction of T; ``floor_*`` the floor's same metrics on the same documents;
-        ``above_floor_p_div`` / ``above_floor_E_M``: the lower end of the paired interval of
-        (point - floor) is above 0 (``floor_comparison``, its ``E_N`` for ``E_M``);
-        ``above_floor`` both.
+        :data:`POINT_SCHEMA`: one row per (model, point), sorted by model, curve rank, ratio
+        (budgets after the ratios). ``retention = 1 - compression_ratio`` (a budget's: the
+        mean kept fraction ``kept_len / prompt_len`` over documents); ``bits_per_element``
+        ``8 * kv_bytes_per_element`` and ``kv_bytes_per_token = retention *
+        elements_per_token * kv_bytes_per_element`` (:func:`kv_bytes_per_element`);
+        ``curve`` the point's own curve and ``curves`` every curve it lies on
+        (:func:`frontier_curves`; a cache alone lies on each press's curve with that cache);
+        ``tau_mean`` and ``tau_median`` in steps (given divergence; NaN when nothing
+        diverged); ``E_M`` a fraction of T; ``floor_*`` the floor's same metrics on the same
+        documents; ``above_floor_p_div`` / ``above_floor_E_M``: the lower end of the paired
+        interval of (point - floor) is above 0 (``floor_comparison``, its ``E_N`` for
+        ``E_M``); ``above_floor`` both.
     areas : polars.DataFrame
-        :data:`AREA_SCHEMA`: one row per (model, press), ranked by ``area_E_M``: the trapezoid
-        areas over the ratio points (budgets do not enter; NaN with fewer than 2 ratios)
-        with intervals, ``diff_best_area_*`` (area minus the rank-1 press's area, paired
-        resamples), ``first_ratio_above_floor`` (smallest ratio above the floor; NaN if none)
-        and ``above_floor_everywhere``.
+        :data:`AREA_SCHEMA`: one row per (model, curve). ``range_lo``, ``range_hi``: the
+        KV bytes per prompt token common to the ranked curves (:func:`common_range`);
+        ``covers_range``: the curve is one of them; ``mean_*``: the mean of its ``E[M]``
+        (``p_div``) over that range, interpolated linearly in bytes (:func:`range_mean`),
+        with intervals; ranked by ``mean_E_M`` (then ``mean_p_div``, then the label), the
+        curves that do not cover the range after the others, in grid order (their ``mean_*``
+        NaN); ``diff_best_mean_*``: mean minus the rank-1 curve's mean (paired resamples);
+        ``bytes_min``/``bytes_max``: the curve's own span; ``area_*``: the trapezoid area
+        over the curve's compression ratios (NaN with fewer than 2), ``diff_best_area_*``
+        its difference from the rank-1 curve's where both have the same ratios (else NaN);
+        ``first_ratio_above_floor`` (smallest ratio above the floor; NaN if none) and
+        ``above_floor_everywhere``. An eviction-only frontier (every press at the same
+        ratios) ranks as by the ``E[M]`` area: the mean over the common range is the area
+        divided by the span.
 
     Raises
     ------
     ValueError
         No grid, a grid policy without estimates, policies of one model that do not share
-        their documents, or more than one horizon T.
+        their documents, more than one horizon T, or quantized-cache points without the
+        model's ``kv_sizes``.
     kvdiverge.estimation.estimators.DecompositionError
         If the pooled §3 identity fails at a point.
     """
@@ -246,6 +482,7 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
 
     if not grid:
         raise ValueError("a frontier needs at least one (press, ratio) point")
+    grid = [{"cache": None, "cache_settings": None, **p} for p in grid]
     names = [p["policy"] for p in grid]
     rows = docs.filter(pl.col("policy").is_in(names))
     if split is None:
@@ -262,17 +499,17 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
                  for r in cmp.iter_rows(named=True)}
     points, areas = [], []
     for model in rows["model"].unique(maintain_order=True).to_list():
+        sizes = (kv_sizes or {}).get(model)
         p, a = _model_frontier(rows.filter(pl.col("model") == model), fl_rows.filter(pl.col("model") == model),
-                               grid, model, split, floor, above, n_boot, confidence, seed)
+                               grid, model, split, floor, above, n_boot, confidence, seed, sizes)
         points += p
         areas += a
     return (pl.DataFrame(points, schema=POINT_SCHEMA) if points else pl.DataFrame(schema=POINT_SCHEMA),
             pl.DataFrame(areas, schema=AREA_SCHEMA) if areas else pl.DataFrame(schema=AREA_SCHEMA))
 
 
-def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str, split: str, floor,
-                    above, n_boot: int, confidence: float, seed: int):
-    """Per-point rows and per-press area rows of one model (see :func:`frontier_tables`)."""
+def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple[str, ...]:
+    """The documents every grid policy of one model ran on (the same for all, else ValueError)."""
     doc_sets = {}
     for p in grid:
         g = rows.filter(pl.col("policy") == p["policy"])
@@ -286,17 +523,40 @@ def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str,
                          f"{grid[0]['policy']}")
     if rows["T"].n_unique() != 1:
         raise ValueError(f"frontier policies of {model} ran with different horizons T: {rows['T'].unique().to_list()}")
+    return first
+
+
+def _point_row(g: pl.DataFrame, p: Mapping[str, Any], sizes, curves, model: str, split: str, n: int, T: int):
+    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa."""
+    kept = float((g["kept_len"] / g["prompt_len"]).mean())
+    retention = 1.0 - p["compression_ratio"] if p["budget"] is None else kept
+    on = [label for label, c in curves.items() if p["policy"] in c["policies"]]
+    r = {"model": model, "split": split, "press": p["press"], "cache": p["cache"], "curve": _own_curve(p), "curves": on,
+         "policy": p["policy"], "compression_ratio": p["compression_ratio"], "budget": p["budget"],
+         "retention": retention, "kept_fraction": kept, "n_docs": n, "T": T}
+    if sizes is None:
+        return r, retention
+    per_element = kv_bytes_per_element(p["cache_settings"], sizes["element_bytes"])
+    r["bits_per_element"] = 8 * per_element
+    r["kv_bytes_per_token"] = retention * float(sizes["elements_per_token"]) * per_element
+    return r, r["kv_bytes_per_token"]
+
+
+def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str, split: str, floor,
+                    above, n_boot: int, confidence: float, seed: int, sizes=None):
+    """Per-point rows and per-curve rows of one model (see :func:`frontier_tables`)."""
+    if sizes is None and any(p["cache"] is not None for p in grid):
+        raise ValueError(f"frontier of {model}: quantized-cache points need kv_sizes[{model!r}] "
+                         f"(elements_per_token and element_bytes) to count their KV bytes")
+    first = _shared_documents(rows, grid, model, split)
     T, n = int(rows["T"][0]), len(first)
     counts = resample_counts(resample_indices(n, n_boot, seed, "frontier", model, split))
-    out, boots = [], {}
+    curves = frontier_curves(grid)
+    out, boots, xs = [], {}, {}
     for p in grid:
         g = rows.filter(pl.col("policy") == p["policy"]).sort("doc_id")
         point, boot = _point(g, counts, T)
-        kept = float((g["kept_len"] / g["prompt_len"]).mean())
-        r = {"model": model, "split": split, "press": p["press"], "policy": p["policy"],
-             "compression_ratio": p["compression_ratio"], "budget": p["budget"],
-             "retention": 1.0 - p["compression_ratio"] if p["budget"] is None else kept,
-             "kept_fraction": kept, "n_docs": n, "T": T}
+        r, xs[p["policy"]] = _point_row(g, p, sizes, curves, model, split, n, T)
         _with_intervals(r, point, boot, confidence)
         ab = above.get((model, p["policy"]))
         r.update(floor=floor, above_floor_p_div=bool(ab and ab[0]), above_floor_E_M=bool(ab and ab[1]),
@@ -311,56 +571,94 @@ def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str,
         for r in out:
             _with_intervals(r, fpoint, fboot, confidence, prefix="floor_")
             r["floor_n_docs"] = fl.height
-    areas = _areas(out, boots, grid, model, split, n, T, confidence)
-    rank = {a["press"]: a["rank"] for a in areas}
+    areas = _areas(out, boots, xs, curves, model, split, n, T, confidence, sizes is not None, n_boot)
+    rank = {a["curve"]: a["rank"] for a in areas}
     for r in out:
-        r["rank"] = rank[r["press"]]
-    out.sort(key=lambda r: (r["rank"], r["budget"] is not None, r["compression_ratio"] or 0.0, r["budget"] or 0))
+        r["rank"] = rank.get(r["curve"])
+    out.sort(key=lambda r: (r["rank"] or 0, r["budget"] is not None, r["compression_ratio"] or 0.0, r["budget"] or 0))
     return out, areas
 
 
-def _areas(points, boots, grid, model, split, n, T, confidence):
-    """Per-press area rows of one model, ranked by ``area_E_M`` (then ``area_p_div``, then name)."""
-    presses = list(dict.fromkeys(p["press"] for p in grid))
-    rows, curves = [], {}
-    for press in presses:
-        pts = sorted((r for r in points if r["press"] == press and r["budget"] is None),
-                     key=lambda r: r["compression_ratio"])
-        x = np.array([r["compression_ratio"] for r in pts])
-        curves[press] = {m: (trapezoid_area(x, np.array([r[m] for r in pts])),
-                             trapezoid_area(x, np.column_stack([boots[r["policy"]][m] for r in pts])
-                                            if pts else np.zeros((1, 0))))
+def _curve_values(pts, boots, x, lo, hi, metric, n_boot):
+    """``(value, resamples)`` of the curve's mean over ``[lo, hi]`` (None: NaN) and of its area over
+    the ratios (``pts`` in the order of ``x``)."""
+    nan = (np.float64(np.nan), np.full(n_boot, np.nan))
+    if not pts:
+        return {"mean": nan, "area": nan}
+    y = np.array([r[metric] for r in pts])
+    yb = np.column_stack([boots[r["policy"]][metric] for r in pts])
+    order = np.argsort([r["compression_ratio"] for r in pts])
+    ratios = np.array([pts[i]["compression_ratio"] for i in order])
+    mean = nan if lo is None else (range_mean(x, y, lo, hi), range_mean(x, yb, lo, hi))
+    return {"mean": mean, "area": (trapezoid_area(ratios, y[order]), trapezoid_area(ratios, yb[:, order]))}
+
+
+def _with_differences(rows, values, confidence):
+    """``mean_*``, ``area_*`` with intervals, and their paired differences from the rank-1 curve."""
+    best = rows[0]
+    for r in rows:
+        for m in ("E_M", "p_div"):
+            for kind in ("mean", "area"):
+                val, boot = values[r["curve"]][m][kind]
+                bval, bboot = values[best["curve"]][m][kind]
+                lo, hi = percentile_interval(boot, confidence)
+                r[f"{kind}_{m}"], r[f"{kind}_{m}_lo"], r[f"{kind}_{m}_hi"] = float(val), float(lo), float(hi)
+                comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
+                dlo, dhi = percentile_interval(boot - bboot, confidence) if comparable else (math.nan, math.nan)
+                r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan
+                r[f"diff_best_{kind}_{m}_lo"], r[f"diff_best_{kind}_{m}_hi"] = float(dlo), float(dhi)
+    for r in rows:
+        del r["_ratios"]
+
+
+def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: bool, n_boot: int):
+    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`)."""
+    by_policy = {r["policy"]: r for r in points}
+    members = {label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
+               for label, c in curves.items()}
+    spans = {label: (xs[pts[0]["policy"]], xs[pts[-1]["policy"]]) for label, pts in members.items() if pts}
+    common = common_range(spans)
+    lo, hi, covering = common if common else (None, None, [])
+    rows, values = [], {}
+    for label, pts in members.items():
+        x = np.array([xs[r["policy"]] for r in pts])
+        inside = label in covering
+        values[label] = {m: _curve_values(pts, boots, x, lo if inside else None, hi, m, n_boot)
                          for m in ("E_M", "p_div")}
+        ratios = sorted(r["compression_ratio"] for r in pts)
         above = [r["compression_ratio"] for r in pts if r["above_floor"]]
-        rows.append({"model": model, "split": split, "press": press, "n_docs": n, "T": T, "n_ratios": len(pts),
-                     "ratio_min": float(x.min()) if x.size else math.nan,
-                     "ratio_max": float(x.max()) if x.size else math.nan,
+        rows.append({"model": model, "split": split, "curve": label, "press": curves[label]["press"],
+                     "cache": curves[label]["cache"], "covers_range": inside, "n_docs": n, "T": T,
+                     "n_ratios": len(pts), "ratio_min": ratios[0] if pts else math.nan,
+                     "ratio_max": ratios[-1] if pts else math.nan, "_ratios": ratios,
+                     "bytes_min": float(x[0]) if in_bytes and pts else math.nan,
+                     "bytes_max": float(x[-1]) if in_bytes and pts else math.nan,
+                     "range_lo": lo if in_bytes and lo is not None else math.nan,
+                     "range_hi": hi if in_bytes and hi is not None else math.nan,
                      "first_ratio_above_floor": min(above) if above else math.nan,
                      "above_floor_everywhere": bool(pts) and len(above) == len(pts)})
 
+    order = {label: i for i, label in enumerate(curves)}
+
     def key(r):
-        e, p = float(curves[r["press"]]["E_M"][0]), float(curves[r["press"]]["p_div"][0])
-        return (math.isnan(e), e, math.isnan(p), p, r["press"])
+        if not r["covers_range"]:  # after the ranked curves, in grid order
+            return (1, 0.0, 0.0, "", order[r["curve"]])
+        e, p = (float(values[r["curve"]][m]["mean"][0]) for m in ("E_M", "p_div"))
+        return (0, e, p, r["curve"], 0)
 
     rows.sort(key=key)
-    best = rows[0]["press"]
     for i, r in enumerate(rows, start=1):
         r["rank"] = i
-        for m in ("E_M", "p_div"):
-            val, boot = curves[r["press"]][m]
-            bval, bboot = curves[best][m]
-            lo, hi = percentile_interval(boot, confidence)
-            r[f"area_{m}"], r[f"area_{m}_lo"], r[f"area_{m}_hi"] = float(val), float(lo), float(hi)
-            dlo, dhi = percentile_interval(boot - bboot, confidence)
-            r[f"diff_best_area_{m}"] = float(val - bval)
-            r[f"diff_best_area_{m}_lo"], r[f"diff_best_area_{m}_hi"] = float(dlo), float(dhi)
+    if rows:
+        _with_differences(rows, values, confidence)
     return rows
 
 
 def measured_frontier(docs: pl.DataFrame, settings: Mapping[str, Any],
                       floor: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """:func:`frontier_tables` of a measurement made with ratios (its ``settings["frontier"]`` grid,
-    ``bootstrap``, ``confidence``, ``seed`` and ``split``).
+    ``bootstrap``, ``confidence``, ``seed``, ``split`` and ``kv_sizes``: ``{model: {"elements_per_token",
+    "element_bytes"}}``).
 
     Raises
     ------
@@ -371,4 +669,5 @@ def measured_frontier(docs: pl.DataFrame, settings: Mapping[str, Any],
     if not grid:
         raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
     s = settings
-    return frontier_tables(docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"])
+    return frontier_tables(docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"],
+                           kv_sizes=s.get("kv_sizes"))

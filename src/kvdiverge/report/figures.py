@@ -10,7 +10,8 @@
   floor's mean difference beside them.
 - :func:`plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
 - :func:`plot_frontier` — ``p_div``, ``E[M]`` and the mean first-divergence step against
-  retention, one line per press, the noise floor as a grey band
+  retention, one line per press, or, with quantized-cache points, against the KV bytes
+  stored per prompt token, one line per curve; the noise floor as a grey band
   (:func:`kvdiverge.estimation.frontier.frontier_tables`).
 - :func:`plot_speculative` — the self-speculative reading: tokens per target forward
   ``A_k + 1`` of a first draft block against its length ``k``, beside the i.i.d. formula,
@@ -30,6 +31,7 @@ import matplotlib
 if not os.environ.get("MPLBACKEND"):  # headless by default; a notebook's inline backend stays
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import seaborn as sns  # noqa: E402
@@ -344,11 +346,13 @@ FRONTIER_PANELS = (("p_div", "p_div = P(divergence within T)"), ("E_M", "E[M] (m
 def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
     """Draw one model's frontier on three axes (:data:`FRONTIER_PANELS`).
 
-    Each press is a line over retention ``1 - compression_ratio`` with its interval band,
-    in rank order (legend: rank, press, ``E[M]`` area); fixed-budget points are open
-    markers at their mean kept fraction, with error bars. The noise floor (the same
-    metric of the permutation control on the same documents) is a grey band with a grey
-    dashed line.
+    Without quantized-cache points, each press is a line over retention ``1 -
+    compression_ratio`` with its interval band, in rank order (legend: rank, press);
+    fixed-budget points are open markers at their mean kept fraction, with error bars.
+    With cache points, every curve is drawn against the KV bytes stored per prompt token
+    (log scale, :func:`_draw_byte_curves`): full-precision eviction and quantized curves
+    together. The noise floor (the same metric of the permutation control on the same
+    documents) is a grey band with a grey dashed line.
 
     Parameters
     ----------
@@ -358,36 +362,84 @@ def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
     title : str, optional
         Prefix of the panel titles (default: the model).
     """
-    presses = points.sort(["rank", "press"])["press"].unique(maintain_order=True).to_list()
-    pal = dict(zip(presses, sns.color_palette(n_colors=max(len(presses), 1))))
     title = title if title is not None else ", ".join(sorted(points["model"].unique().to_list()))
+    in_bytes = "cache" in points.columns and points["cache"].is_not_null().any()
     for ax, (metric, label) in zip(axes, FRONTIER_PANELS):
-        floor = points.filter(pl.col(f"floor_{metric}").is_not_null() & pl.col(f"floor_{metric}").is_not_nan())
-        if floor.height:
-            f = floor.row(0, named=True)
-            ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
-            ax.axhline(f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1,
-                       label=f"noise floor ({f['floor']})")
-        for press in presses:
-            g = points.filter(pl.col("press") == press)
-            curve = g.filter(pl.col("budget").is_null()).sort("retention")
-            color = pal[press]
-            if curve.height:
-                rank = curve["rank"][0]
-                ax.plot(curve["retention"], curve[metric], marker="o", ms=4, color=color, label=f"{rank}. {press}")
-                ax.fill_between(curve["retention"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=color,
-                                alpha=0.15, lw=0)
-            fixed = g.filter(pl.col("budget").is_not_null())
-            for r in fixed.iter_rows(named=True):
-                v = r[metric]
-                if v is None or not np.isfinite(v):
-                    continue
-                ax.errorbar(r["retention"], v, yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]],
-                            fmt="o", mfc="white", color=color, ms=5, capsize=2)
-        ax.set(xlabel="retention = 1 − compression ratio", ylabel=label, title=f"{title}: {metric}")
+        _floor_band(ax, points, metric)
+        if in_bytes:
+            _draw_byte_curves(ax, points, metric)
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set(xlabel="KV bytes stored per prompt token (log scale)")
+        else:
+            _draw_ratio_curves(ax, points, metric)
+            ax.set(xlabel="retention = 1 − compression ratio")
+        ax.set(ylabel=label, title=f"{title}: {metric}")
         if metric in ("p_div", "E_M"):
             ax.set_ylim(bottom=0)
     axes[0].legend(fontsize="small", loc="best")
+
+
+def _floor_band(ax, points: pl.DataFrame, metric: str) -> None:
+    """The noise floor's ``metric`` on the frontier's documents: grey band and dashed line."""
+    floor = points.filter(pl.col(f"floor_{metric}").is_not_null() & pl.col(f"floor_{metric}").is_not_nan())
+    if floor.height:
+        f = floor.row(0, named=True)
+        ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
+        ax.axhline(f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1, label=f"noise floor ({f['floor']})")
+
+
+def _error_marker(ax, x, r, metric, color, marker="o", face="white", label=None) -> None:
+    v = r[metric]
+    if v is not None and np.isfinite(v):
+        ax.errorbar(x, v, yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]], fmt=marker,
+                    mfc=face, color=color, ms=5, capsize=2, label=label)
+
+
+def _draw_ratio_curves(ax, points: pl.DataFrame, metric: str) -> None:
+    """Each press over retention with its band, in rank order; budget points as open markers."""
+    presses = points.sort(["rank", "press"])["press"].unique(maintain_order=True).to_list()
+    pal = dict(zip(presses, sns.color_palette(n_colors=max(len(presses), 1))))
+    for press in presses:
+        g = points.filter(pl.col("press") == press)
+        curve = g.filter(pl.col("budget").is_null()).sort("retention")
+        if curve.height:
+            ax.plot(curve["retention"], curve[metric], marker="o", ms=4, color=pal[press],
+                    label=f"{curve['rank'][0]}. {press}")
+            ax.fill_between(curve["retention"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=pal[press],
+                            alpha=0.15, lw=0)
+        for r in g.filter(pl.col("budget").is_not_null()).iter_rows(named=True):
+            _error_marker(ax, r["retention"], r, metric, pal[press])
+
+
+#: Line styles and markers of the quantized caches, in cache order (full precision: solid, circles).
+_CACHE_STYLES = (((0, (5, 2)), "s"), ((0, (1, 1.5)), "^"), ((0, (5, 2, 1, 2)), "D"), ((0, (3, 1, 1, 1, 1, 1)), "v"))
+
+
+def _draw_byte_curves(ax, points: pl.DataFrame, metric: str) -> None:
+    """Every curve against KV bytes per prompt token: a press's colour, a cache's line style and
+    marker; a cache alone (one point) a filled marker of its own; budget points open markers."""
+    presses = [p for p in points.sort("rank")["press"].unique(maintain_order=True).to_list() if p is not None]
+    caches = [c for c in points["cache"].unique(maintain_order=True).to_list() if c is not None]
+    pal = dict(zip(presses, sns.color_palette(n_colors=max(len(presses), 1))))
+    style = {None: ("-", "o"), **{c: _CACHE_STYLES[i % len(_CACHE_STYLES)] for i, c in enumerate(caches)}}
+    rank = dict(zip(points["curve"], points["rank"]))
+    labels = points.sort("rank")["curves"].explode().drop_nulls().unique(maintain_order=True).to_list()
+    for label in sorted(labels, key=lambda c: rank.get(c) or 0):
+        curve = points.filter(pl.col("curves").list.contains(label)).sort("kv_bytes_per_token")
+        own = points.filter(pl.col("curve") == label).row(0, named=True)
+        ls, marker = style[own["cache"]]
+        if own["press"] is None:  # a cache alone
+            _error_marker(ax, own["kv_bytes_per_token"], own, metric, "black", marker, "black",
+                          f"{rank.get(label)}. {label} (alone)")
+            continue
+        color = pal[own["press"]]
+        ax.plot(curve["kv_bytes_per_token"], curve[metric], ls=ls, marker=marker, ms=4, color=color,
+                label=f"{rank.get(label)}. {label}")
+        ax.fill_between(curve["kv_bytes_per_token"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=color,
+                        alpha=0.12, lw=0)
+    for r in points.filter(pl.col("budget").is_not_null()).iter_rows(named=True):
+        _error_marker(ax, r["kv_bytes_per_token"], r, metric, pal[r["press"]])
 
 
 def frontier_figure(points: pl.DataFrame) -> plt.Figure:
@@ -405,7 +457,10 @@ def frontier_figure(points: pl.DataFrame) -> plt.Figure:
     fig, axes = plt.subplots(len(models), 3, figsize=(14, 4.2 * len(models)), squeeze=False)
     for row, model in zip(axes, models):
         draw_frontier(row, points.filter(pl.col("model") == model), title=model)
-    fig.suptitle("Frontier: divergence against retention, press by press (bands: bootstrap intervals; "
+    in_bytes = "cache" in points.columns and points["cache"].is_not_null().any()
+    fig.suptitle("Frontier: divergence against KV bytes stored per prompt token, eviction and quantized caches "
+                 "(bands: bootstrap intervals; grey: noise floor)" if in_bytes else
+                 "Frontier: divergence against retention, press by press (bands: bootstrap intervals; "
                  "grey: noise floor)")
     fig.tight_layout()
     return fig

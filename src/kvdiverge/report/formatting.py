@@ -126,9 +126,12 @@ def _finite(v: Any) -> str:
 def frontier_text(points, areas, confidence: float = 0.95) -> str:
     """The frontier ranking as a plain-text table (what ``kvdiverge measure --ratios`` prints).
 
-    One row per (model, press), best first: the ``E[M]`` and ``p_div`` areas over the ratios
-    with intervals, the ``E[M]`` area's difference from the best press, the smallest ratio
-    above the noise floor, and ``p_div`` / ``E[M]`` at each ratio.
+    One row per (model, curve), best first: the mean ``E[M]`` and ``p_div`` over the KV
+    bytes per prompt token common to the ranked curves with intervals (``-`` for a curve
+    that does not cover that range), the mean ``E[M]``'s difference from the best curve, the
+    area under ``E[M]`` over the curve's ratios, the curve's own KV bytes per prompt token,
+    the smallest ratio above the noise floor, and ``E[M]`` / ``p_div`` at each ratio (a
+    cache's curve starts at ratio 0, the cache alone).
 
     Parameters
     ----------
@@ -140,20 +143,44 @@ def frontier_text(points, areas, confidence: float = 0.95) -> str:
     import polars as pl
 
     def ci(r: Mapping[str, Any], c: str) -> str:
+        if r[c] is None or r[c] != r[c]:
+            return "-"
         return f"{_finite(r[c])} [{_finite(r[c + '_lo'])}, {_finite(r[c + '_hi'])}]"
 
-    header = ["rank", "model", "press", "area E[M] [CI]", "area p_div [CI]", "E[M] area - best [CI]",
-              "above floor from ratio", "E[M] by ratio", "p_div by ratio"]
+    header = ["rank", "model", "curve", "mean E[M] [CI]", "mean p_div [CI]", "mean E[M] - best [CI]",
+              "area E[M] [CI]", "KV bytes/token", "above floor from ratio", "E[M] by ratio", "p_div by ratio"]
     body = []
     for r in areas.iter_rows(named=True):
-        pts = points.filter((pl.col("model") == r["model"]) & (pl.col("press") == r["press"])
-                            & pl.col("budget").is_null()).sort("compression_ratio")
+        pts = points.filter((pl.col("model") == r["model"]) & pl.col("curves").list.contains(r["curve"])
+                            ).sort("compression_ratio")
         by = lambda m: " ".join(f"{x:g}:{_finite(v)}" for x, v in zip(pts["compression_ratio"], pts[m]))  # noqa: E731
         first = r["first_ratio_above_floor"]
-        body.append([str(r["rank"]), r["model"], r["press"], ci(r, "area_E_M"), ci(r, "area_p_div"),
-                     "(best)" if r["rank"] == 1 else ci(r, "diff_best_area_E_M"),
+        span = "-" if r["bytes_min"] != r["bytes_min"] else f"{_bytes(r['bytes_min'])}-{_bytes(r['bytes_max'])}"
+        body.append([str(r["rank"]), r["model"], r["curve"], ci(r, "mean_E_M"), ci(r, "mean_p_div"),
+                     "(best)" if r["rank"] == 1 else ci(r, "diff_best_mean_E_M"), ci(r, "area_E_M"), span,
                      _finite(first) if first == first else "never", by("E_M"), by("p_div")])
     n = areas["n_docs"].max() if areas.height else 0
-    return "\n".join([f"frontier: areas over the compression ratios run (trapezoid), {n} documents, "
+    return "\n".join([f"frontier: curves ranked by their mean over {_frontier_range(areas)}, {n} documents, "
                       f"[CI]: {confidence:.0%} paired document bootstrap; smaller is more faithful",
                       *text_table(header, body, left=len(header))])
+
+
+def _frontier_range(areas) -> str:
+    """The range a frontier's curves are ranked on, in words (per model when there are several)."""
+    import polars as pl
+
+    on = areas.filter(pl.col("covers_range")) if areas.height else areas
+    if not on.height:
+        return "no range common to two curves (each has one ratio)"
+    where = f"common to {on.height} of {areas.height} curves"
+    if on["range_lo"].is_nan().all():
+        return f"the retention {where}"
+    spans = sorted(set(zip(on["model"], on["range_lo"], on["range_hi"])))
+    words = ", ".join(f"{_bytes(a)}-{_bytes(b)}" + (f" ({m})" if len(spans) > 1 else "") for m, a, b in spans)
+    off = "; mean '-': a curve not on it" if on.height < areas.height else ""
+    return f"the KV bytes per prompt token {where} ({words}{off})"
+
+
+def _bytes(v: float) -> str:
+    """A byte count: whole bytes from 100 up, else 4 significant digits."""
+    return f"{v:.0f}" if abs(v) >= 100 else number(v, 4)

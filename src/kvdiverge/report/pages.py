@@ -177,15 +177,22 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
             "</body></html>")
 
 
-AREA_HEADER = ["model", "rank", "press", "ratios", "area under E[M] [CI]", "area under p_div [CI]",
-               "E[M] area − best [CI]", "p_div area − best [CI]", "above noise floor from ratio"]
-POINT_HEADER = ["model", "press", "policy", "compression ratio", "retention", "kept fraction", "documents",
+AREA_HEADER = ["model", "rank", "curve", "on the common range", "KV bytes per prompt token", "ratios",
+               "mean E[M] over the range [CI]", "mean p_div over the range [CI]", "mean E[M] − best [CI]",
+               "mean p_div − best [CI]", "area under E[M] over the ratios [CI]", "area under p_div [CI]",
+               "above noise floor from ratio"]
+POINT_HEADER = ["model", "curve", "policy", "compression ratio", "cache", "retention", "kept fraction",
+                "bits per element", "KV bytes per prompt token", "documents",
                 "p_div [CI]", "mean first-divergence step [CI]", "median step [CI]", "E[M] [CI]", "= p_div/T",
                 "+ (E[L]/T) rho", "rho [CI]", "floor p_div [CI]", "floor E[M] [CI]", "above floor (p_div / E[M])"]
 
 
+def _span(lo, hi) -> str:
+    return "–" if lo is None or not math.isfinite(lo) else f"{number(lo)}–{number(hi)}"
+
+
 def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float = 0.95) -> str:
-    """HTML page of the frontier: the ranking by area, then every (press, ratio) point.
+    """HTML page of the frontier: the ranking of the curves, then every point.
 
     Parameters
     ----------
@@ -203,31 +210,41 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         v = r["first_ratio_above_floor"]
         return "never" if v is None or not math.isfinite(v) else number(v)
 
-    area_rows = [[r["model"], r["rank"], r["press"], f"{number(r['ratio_min'])}–{number(r['ratio_max'])} ({r['n_ratios']})",
-                  with_interval(r, "area_E_M"), with_interval(r, "area_p_div"),
-                  "(best)" if r["rank"] == 1 else with_interval(r, "diff_best_area_E_M"),
-                  "(best)" if r["rank"] == 1 else with_interval(r, "diff_best_area_p_div"), first(r)]
+    best = lambda r, c: "(best)" if r["rank"] == 1 else with_interval(r, c)  # noqa: E731
+    area_rows = [[r["model"], r["rank"], r["curve"], _yes(r["covers_range"]), _span(r["bytes_min"], r["bytes_max"]),
+                  f"{_span(r['ratio_min'], r['ratio_max'])} ({r['n_ratios']})", with_interval(r, "mean_E_M"),
+                  with_interval(r, "mean_p_div"), best(r, "diff_best_mean_E_M"), best(r, "diff_best_mean_p_div"),
+                  with_interval(r, "area_E_M"), with_interval(r, "area_p_div"), first(r)]
                  for r in areas.iter_rows(named=True)]
-    point_rows = [[r["model"], r["press"], r["policy"], number(r["compression_ratio"]) if r["budget"] is None
-                   else f"budget {r['budget']}", number(r["retention"]), number(r["kept_fraction"]), r["n_docs"],
-                   with_interval(r, "p_div"), with_interval(r, "tau_mean"), with_interval(r, "tau_median"), with_interval(r, "E_M"),
-                   number(r["first_mismatch_term"]), number(r["exposure_rate_term"]), with_interval(r, "rho"),
-                   with_interval(r, "floor_p_div"), with_interval(r, "floor_E_M"),
+    point_rows = [[r["model"], r["curve"], r["policy"], number(r["compression_ratio"]) if r["budget"] is None
+                   else f"budget {r['budget']}", r["cache"] or "full precision", number(r["retention"]),
+                   number(r["kept_fraction"]), number(r["bits_per_element"]), number(r["kv_bytes_per_token"]),
+                   r["n_docs"], with_interval(r, "p_div"), with_interval(r, "tau_mean"), with_interval(r, "tau_median"),
+                   with_interval(r, "E_M"), number(r["first_mismatch_term"]), number(r["exposure_rate_term"]),
+                   with_interval(r, "rho"), with_interval(r, "floor_p_div"), with_interval(r, "floor_E_M"),
                    f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}"]
                   for r in points.iter_rows(named=True)]
     pct = f"{confidence:.0%}"
+    ranged = areas.filter(pl.col("covers_range")) if areas.height else areas
+    common = _span(ranged["range_lo"][0], ranged["range_hi"][0]) if ranged.height else "–"
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
-            f"{_STYLE}</head><body><h2>Ranking: area under each press's curve over the ratios</h2>"
+            f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
             f"{_html_table(AREA_HEADER, area_rows)}"
-            f"<p>Trapezoid areas under E[M] and p_div against the compression ratio, over the ratios "
-            f"run; smaller means the press changes generation less over the whole range (the fidelity "
-            f"counterpart of a leaderboard's average score). Brackets: {pct} document bootstrap; every "
-            "press, ratio and the floor are resampled with the same documents (paired), so a difference "
-            "from the best press whose interval excludes 0 separates the two.</p>"
-            f"<h2>Every press at every ratio</h2>{_html_table(POINT_HEADER, point_rows)}"
-            "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). The floor columns are the noise-floor "
-            "control (permutation press, equal kernels in exact arithmetic) on the same documents; "
-            "above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
+            f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
+            f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
+            f"Each is ranked by the mean of E[M] (then p_div) over the KV bytes stored per prompt token "
+            f"common to the ranked curves ({common} bytes per token; linear in bytes between its points); "
+            f"a curve that does not cover that range is listed after them, unranked by it. Smaller means "
+            f"the curve changes generation less at the same memory. The areas are the trapezoid areas "
+            f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
+            f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
+            f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
+            f"<h2>Every point</h2>{_html_table(POINT_HEADER, point_rows)}"
+            "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
+            "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
+            "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
+            "are the noise-floor control (permutation press, equal kernels in exact arithmetic) on the same "
+            "documents; above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
             "</body></html>")
 
 

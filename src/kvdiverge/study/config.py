@@ -149,6 +149,12 @@ def format_error(error) -> str:
                 f"frontier.ratios and frontier.budgets set them")
     if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
         return f"{where}: give exactly one of compression_ratio or budget"
+    if v == "dependentRequired" and isinstance(error.instance, dict):
+        for key, needs in error.validator_value.items():
+            missing = [d for d in needs if key in error.instance and d not in error.instance]
+            if missing:
+                return (f"{_key_path([*error.absolute_path, key])}: given without "
+                        f"{', '.join(_key_path([*error.absolute_path, d]) for d in missing)}, which it needs")
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
     if v in ("minItems", "maxItems"):
@@ -485,16 +491,32 @@ def _takes_ratio(entry: dict[str, Any]) -> bool:
     return isinstance(name, str) and takes_ratio(name, spec_parameters(entry))
 
 
+def cache_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A quantized cache's settings with the defaults filled in (``backend``, ``nbits``,
+    ``q_group_size``, ``residual_length``: those of
+    :class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`), unchecked."""
+    import dataclasses
+
+    from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
+
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantizedCacheSpec)}
+    return {**defaults, **{k: v for k, v in (settings or {}).items() if k != "cache"}}
+
+
 def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The frontier's points: ``{"policy", "press", "compression_ratio", "budget"}`` per
-    (press, ratio) and (press, budget), in config order; empty without a ``frontier``
-    section (:func:`kvdiverge.estimation.frontier.frontier_grid`)."""
+    """The frontier's points: ``{"policy", "press", "compression_ratio", "budget", "cache",
+    "cache_settings"}`` per (press, ratio), (press, budget), cache alone and (press, cache
+    ratio, cache), in config order; empty without a ``frontier`` section
+    (:func:`kvdiverge.estimation.frontier.frontier_grid`; the caches' settings with their
+    defaults, :func:`cache_settings`)."""
     from kvdiverge.estimation.frontier import frontier_grid
 
     f = config.get("frontier")
     if not f:
         return []
-    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []))
+    caches = {label: cache_settings(c) for label, c in (f.get("caches") or {}).items()}
+    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []), caches,
+                         f.get("cache_ratios"))
 
 
 def frontier_split(config: dict[str, Any]) -> str | None:
@@ -526,35 +548,65 @@ def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
 
 def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
     """The policy of one frontier point: the press's entry with the point's
-    ``compression_ratio`` (or ``budget``), or a press object at the point's ratio
-    (:func:`press_at_ratio`).
+    ``compression_ratio`` (or ``budget``) and, at a quantized-cache point, the cache's keys
+    (``cache: quantized``, ``backend``, ``nbits``, ...); a cache alone is the cache's keys
+    only; or a press object at the point's ratio (:func:`press_at_ratio`).
 
     Parameters
     ----------
-    press : mapping or kvpress press
+    press : mapping, kvpress press or None
         A policy entry without its ratio (``{"press": "SnapKVPress", "window_size": 16}``),
-        or a press object.
+        or a press object; None for a cache alone.
     point : dict
         A point of :func:`kvdiverge.estimation.frontier.frontier_grid`.
 
     Raises
     ------
     ValueError
-        An entry that already gives ``compression_ratio`` or ``budget``, a budget for a
-        press object, or a press object that takes no ratio.
+        An entry that already gives ``compression_ratio``, ``budget`` or a cache key, a
+        budget or a quantized cache for a press object, or a press object that takes no ratio.
     """
+    cache = point.get("cache_settings")
+    keys = {} if cache is None else {"cache": "quantized", **cache}
+    if point["press"] is None:
+        return keys
     label = point["press"]
     if isinstance(press, Mapping):
-        for key in ("compression_ratio", "budget"):
+        for key in ("compression_ratio", "budget", "cache", "backend", "nbits", "q_group_size", "residual_length"):
             if press.get(key) is not None:
                 raise ValueError(f"press {label!r}: give it without {key}; the frontier sets it")
         extra = ({"compression_ratio": point["compression_ratio"]} if point["budget"] is None
                  else {"budget": point["budget"]})
-        return {**copy.deepcopy(dict(press)), **extra}
-    if point["budget"] is not None:
-        raise ValueError(f"press {label!r}: a fixed budget needs a policy entry "
+        return {**copy.deepcopy(dict(press)), **extra, **keys}
+    if point["budget"] is not None or cache is not None:
+        what = "a fixed budget" if cache is None else "a quantized cache"
+        raise ValueError(f"press {label!r}: {what} needs a policy entry "
                          f"({{'press': 'SnapKVPress', ...}}), not a press object")
     return press_at_ratio(press, point["compression_ratio"], label)
+
+
+def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_validator) -> list[str]:
+    """What is wrong with one expanded frontier entry, named by the frontier's key (``frontier.presses.snapkv``,
+    ``frontier.caches.int4``): a press that takes no ratio, the policy schema's problems, the press built once."""
+    path = key.split(".")
+    if "press" in entry:
+        try:
+            takes = _takes_ratio(entry)
+        except ValueError:
+            takes = None  # an unknown press: the schema below names it
+        if takes is False:
+            return [f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
+                    f"nested in its params), so a frontier cannot vary it"]
+    problems: list[str] = []
+    errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
+    for e in errors:
+        e.path.extendleft(reversed(path))  # name the frontier's key
+        line = format_error(e)
+        if line not in problems:
+            problems.append(line)
+    if not errors:  # the policy built once, its problems named by the frontier's key
+        problems += [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({name: entry})]
+    return problems
 
 
 def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -562,10 +614,14 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
 
     Each press of ``frontier.presses`` (a policy entry without its ratio) and each of
     ``frontier.ratios`` (and ``frontier.budgets``) gives the policy ``<press>@<ratio>``
-    (``<press>@b<budget>``): the press's entry with that ``compression_ratio`` (``budget``),
-    added to ``policies`` and appended to ``runs.<frontier.split>``. They share the split's
-    documents, the seeds and so the common random numbers (the policy never enters the
-    seeds), and the noise floor (``runs.floor``, required) runs beside them. Expanding an
+    (``<press>@b<budget>``): the press's entry with that ``compression_ratio`` (``budget``).
+    Each cache of ``frontier.caches`` gives ``<cache>``, the cache alone (``cache:
+    quantized`` and its settings), when ``frontier.cache_ratios`` holds 0, and
+    ``<press>@<ratio>+<cache>`` for each press and each cache ratio above 0: the press's
+    entry at that ratio with the cache's keys (evict, then quantize what is kept). Every
+    point is added to ``policies`` and appended to ``runs.<frontier.split>``. They share the
+    split's documents, the seeds and so the common random numbers (the policy never enters
+    the seeds), and the noise floor (``runs.floor``, required) runs beside them. Expanding an
     expanded config changes nothing.
 
     Parameters
@@ -583,8 +639,9 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     Raises
     ------
     ConfigError
-        Naming the key: a press that takes no compression ratio, a press entry that does
-        not make a valid policy, a user policy whose name holds ``@`` (reserved for the
+        Naming the key: a press that takes no compression ratio, a press entry or cache that
+        does not make a valid policy (``frontier.caches.int3: quantized cache: nbits must be
+        one of [2, 4] ...``), a user policy whose name holds ``@`` (reserved for the
         frontier) or collides with a frontier policy, or no ``runs.floor``.
     """
     policies = config.get("policies", {})
@@ -604,44 +661,40 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return config
     config = copy.deepcopy(config)
-    schema = schema or load_schema()
-    policy_validator = _validator({"$defs": schema["$defs"], **schema["$defs"]["policy"]}, False)
-    split = frontier_split(config)
-    runs_ = config.setdefault("runs", {})
-    scheduled = runs_.setdefault(split, [])
-    checked: set[str] = set()
-    for point in grid:
-        label = point["press"]
-        key = f"frontier.presses.{label}"
-        entry = frontier_policy(f["presses"][label], point)  # the schema keeps ratios out of the entry
-        if label not in checked:
-            checked.add(label)
-            try:
-                takes = _takes_ratio(entry)
-            except ValueError:
-                takes = None  # an unknown press: the schema below names it
-            if takes is False:
-                problems.append(f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
-                                f"nested in its params), so a frontier cannot vary it")
-            else:
-                errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
-                for e in errors:
-                    e.path.extendleft(reversed(["frontier", "presses", label]))  # name the frontier's key
-                    line = format_error(e)
-                    if line not in problems:
-                        problems.append(line)
-                if not errors:  # the press built once, its problems named by the frontier's key
-                    problems += [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({point["policy"]: entry})]
-        name = point["policy"]
-        if name in policies and policies[name] != entry:
-            problems.append(f"policies.{name}: the name belongs to the frontier point {key} at "
-                            f"{name.split('@', 1)[1]}; rename the policy")
-        config["policies"][name] = entry
-        if name not in scheduled:
-            scheduled.append(name)
-    if not runs_.get("floor"):
+    problems += _expand_points(config, grid, policies, schema or load_schema())
+    if not config["runs"].get("floor"):
         problems.append("frontier: needs runs.floor, the noise floor that runs beside the frontier "
                         "(runs.floor.policy: a PermutationPress policy)")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return config
+
+
+def _expand_points(config: dict[str, Any], grid: list[dict[str, Any]], policies: Mapping[str, Any],
+                   schema: dict[str, Any]) -> list[str]:
+    """Add each frontier point to ``config`` (policies and the split's runs); the problems, by frontier key.
+
+    Each press is checked once (its first full-precision point), each cache once (alone, whatever
+    ``cache_ratios``).
+    """
+    f = config["frontier"]
+    policy_validator = _validator({"$defs": schema["$defs"], **schema["$defs"]["policy"]}, False)
+    scheduled = config.setdefault("runs", {}).setdefault(frontier_split(config), [])
+    problems: list[str] = []
+    checked: set[str] = set()
+    for point in grid:
+        entry = frontier_policy(f["presses"][point["press"]] if point["press"] else None, point)
+        name = point["policy"]
+        key, probe = ((f"frontier.presses.{point['press']}", entry) if point["cache"] is None else
+                      (f"frontier.caches.{point['cache']}", {"cache": "quantized", **point["cache_settings"]}))
+        if key not in checked:
+            checked.add(key)
+            problems += _frontier_entry_problems(key, probe, name, policy_validator)
+        own = (f"frontier.presses.{point['press']} at {name.split('@', 1)[1]}" if point["press"]
+               else f"frontier.caches.{point['cache']}")
+        if name in policies and policies[name] != entry:
+            problems.append(f"policies.{name}: the name belongs to the frontier point {own}; rename the policy")
+        config["policies"][name] = entry
+        if name not in scheduled:
+            scheduled.append(name)
+    return problems

@@ -246,9 +246,42 @@ def _floor_like(name: str, value: Any) -> bool:
     return type(value).__name__ == NOISE_FLOOR_PRESS
 
 
-def frontier_presses(presses: Any, ratios: Sequence[float] = (),
-                     budgets: Sequence[int] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Every press at every ratio (and budget), named as in the config: ``<press>@<ratio>``.
+def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
+    """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.config.cache_settings`),
+    checked as a policy of the cache alone is (:func:`kvdiverge.study.config.policy_entry_problems`)."""
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
+    from kvdiverge.study.config import cache_settings, policy_entry_problems
+
+    if not isinstance(caches, Mapping):
+        raise ValueError(f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
+                         f"got {type(caches).__name__}")
+    out = {}
+    for label, settings in caches.items():
+        if not isinstance(settings, Mapping):
+            raise ValueError(f"cache {label!r}: its settings must be a mapping (backend, nbits, q_group_size, "
+                             f"residual_length), got {type(settings).__name__}")
+        unknown = sorted(set(settings) - {"cache", "backend", "nbits", "q_group_size", "residual_length"})
+        if unknown:
+            raise ValueError(f"cache {label!r}: unknown setting {unknown[0]!r}; allowed: backend, nbits, "
+                             f"q_group_size, residual_length")
+        out[str(label)] = cache_settings(settings)
+        entry = {"cache": "quantized", **out[str(label)]}
+        problems = policy_entry_problems(entry)
+        if problems:
+            raise ValueError(f"cache {label!r}: {problems[0]}")
+        try:
+            Policy.from_config(str(label), entry, check=False)  # the backend's own checks (nbits it offers)
+        except PressError as exc:
+            raise ValueError(f"cache {label!r}: {exc.problem}") from None
+    return out
+
+
+def frontier_presses(presses: Any, ratios: Sequence[float] = (), budgets: Sequence[int] = (),
+                     caches: Mapping[str, Mapping[str, Any]] | None = None,
+                     cache_ratios: Sequence[float] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every press at every ratio (and budget), and each quantized cache alone and after each press,
+    named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
     The same grid and the same points as the config's ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`,
@@ -266,20 +299,28 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
         Compression ratios in ``[0, 1)``.
     budgets : sequence of int
         Fixed budgets (tokens kept); policy entries only.
+    caches : mapping, optional
+        Quantized caches by label: ``backend``, ``nbits``, ``q_group_size``,
+        ``residual_length`` (the defaults of a policy's ``cache: quantized``); with a cache,
+        the presses must be policy entries.
+    cache_ratios : sequence of float, optional
+        Ratios of the press before each cache; 0 is the cache alone. Default: 0 and every
+        ratio of ``ratios``.
 
     Returns
     -------
     presses : dict
         Name -> press object or policy entry, the floor last.
     grid : list of dict
-        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``).
+        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``,
+        ``cache``, ``cache_settings``).
 
     Raises
     ------
     ValueError
         A press that takes no compression ratio, a ratio outside ``[0, 1)`` (NaN included),
-        no ratio, a budget for a press object, or a press name with ``@`` (reserved for
-        the frontier's names, as in the config).
+        no ratio, a budget or a cache for a press object, a bad cache setting, or a press
+        or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
     from kvdiverge.estimation.frontier import frontier_grid
     from kvdiverge.engine.presses.project import PermutationPress
@@ -295,14 +336,23 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (),
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
     for n in scored:
-        if "@" in n:
-            raise ValueError(f"press {n!r}: '@' in a press name is reserved for the frontier's "
-                             f"<press>@<ratio> names; rename it")
-    for r in ratios:
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
-            raise ValueError(f"ratios: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
-    grid = frontier_grid(list(scored), [float(r) for r in ratios], list(budgets))
-    out = {point["policy"]: frontier_policy(scored[point["press"]], point) for point in grid}
+        for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>")):
+            if mark in n:
+                raise ValueError(f"press {n!r}: '{mark}' in a press name is reserved for the frontier's "
+                                 f"{form} names; rename it")
+    for n in caches or {}:
+        if "@" in str(n) or "+" in str(n):
+            raise ValueError(f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
+                             f"<press>@<ratio>+<cache> names; rename it")
+    for key, values in (("ratios", ratios), ("cache_ratios", cache_ratios or ())):
+        for r in values:
+            if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
+                raise ValueError(f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
+    caches = _frontier_caches(caches) if caches else {}
+    grid = frontier_grid(list(scored), [float(r) for r in ratios], list(budgets), caches,
+                         None if cache_ratios is None else [float(r) for r in cache_ratios])
+    out = {point["policy"]: frontier_policy(scored[point["press"]] if point["press"] else None, point)
+           for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
 
@@ -444,14 +494,16 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 # --------------------------------------------------------------------------- a measure() call's inputs
 
 
-def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets):
+def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets,
+                   caches=None, cache_ratios=None):
     """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
 
     The prompts as documents (:func:`prepare_documents`), their token ids checked against the
     model's vocabulary and their lengths against ``T`` and the model context
     (:func:`check_lengths`), the presses as policies (:func:`prepare_presses`, built and
-    checked later with the model), expanded over ``ratios`` and ``budgets``
-    (:func:`frontier_presses`; ``grid`` is None without them).
+    checked later with the model), expanded over ``ratios``, ``budgets`` and the quantized
+    ``caches`` at ``cache_ratios`` (:func:`frontier_presses`; ``grid`` is None without
+    ratios or budgets).
 
     Raises
     ------
@@ -468,7 +520,10 @@ def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instructi
             raise ValueError(problems[0])
     grid = None
     if ratios or budgets:
-        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()))
+        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()), caches, cache_ratios)
+    elif caches or cache_ratios is not None:
+        raise ValueError("caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
+                         "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})")
     sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
     try:
         from kvdiverge.study.models import context_length
@@ -488,17 +543,20 @@ def model_label(model: Any) -> str:
 
 def measure_settings(model_name: str, split: str, sources: Mapping[str, PressSource], grid: Any, *, T: int, R: int,
                      temperature: float, top_p: float, seed: int, window: int, bootstrap: int, confidence: float,
-                     instruction: str | None, system: str | None) -> dict[str, Any]:
+                     instruction: str | None, system: str | None,
+                     kv_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
     temperature, top_p, seed, window, bootstrap, confidence, instruction, system, presses
-    (name -> :func:`describe_press`), the ``frontier`` grid if any and ``quantized_caches``
-    (names of the quantized-cache policies) if any."""
+    (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
+    (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
+    if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
     settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
                 "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
                 "confidence": float(confidence), "instruction": instruction, "system": system,
                 "presses": {n: describe_press(s) for n, s in sources.items()}}
     if grid is not None:
         settings["frontier"] = grid
+        settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None
     quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
     if quantized:
         settings["quantized_caches"] = quantized
@@ -567,7 +625,7 @@ def check_arguments(args: Any) -> None:
     """Refuse before any work a setting the config would refuse (the same check:
     :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
     out-of-range counts of the command line's own, no press or cache, a repeated one and
-    --cache with --ratios.
+    --cache-ratios without --cache and --ratios.
 
     Parameters
     ----------
@@ -595,35 +653,50 @@ def check_arguments(args: Any) -> None:
         raise InputError("give at least one --press or --cache")
     if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
         raise InputError("the same --press or --cache is given twice")
-    if args.cache and args.ratios:
-        raise InputError("--cache with --ratios is not supported here; put quantized points in a config's frontier")
+    if args.cache_ratios and not (args.cache and args.ratios):
+        raise InputError("--cache-ratios needs --ratios and at least one --cache (the presses' ratios before "
+                         "each cache)")
     problem = device_problem(args.device, "--device")
     if problem:
         raise InputError(problem)
 
 
-def argument_sources(args: Any) -> tuple[dict[str, dict[str, Any]], dict[str, PressSource]]:
-    """``(entries, sources)``: each ``--press`` and ``--cache`` as policy entries (:func:`cli_entries`),
-    and the policies measured (every entry at every ratio with ``--ratios``), each press built and
-    checked once (:func:`prepare_presses`).
+def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
+    """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
+    and the policies measured (``sources``), each press built and checked once (:func:`prepare_presses`).
+
+    Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
+    after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
+    ``--ratios``, a frontier (:func:`frontier_presses`, the config's expansion): ``presses``
+    the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
+    value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
+    press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
+    (named by its value).
 
     Raises
     ------
     InputError
         A bad press, cache or ratio, or a press that refuses its parameters.
     """
-    # with --ratios the frontier sets each press's ratio: an entry without one
-    entries = cli_entries(args.press, args.cache, args.budget, None if args.ratios else 0.0)
-    expanded = entries
-    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=...)
+    from kvdiverge.engine.presses.expressions import policy_entry
+
+    caches = None
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
+        presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
+        caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
         try:
-            expanded, _ = frontier_presses(entries, args.ratios)
+            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
         except ValueError as exc:
-            raise InputError(f"--{exc}" if str(exc).startswith("ratios: ") else f"--ratios: {exc}") from None
+            text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
+            raise InputError(f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else
+                             f"--ratios: {text}") from None
+    else:
+        presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
     try:
-        return entries, prepare_presses(expanded)  # refusals and bad parameters stop here
+        sources = prepare_presses(expanded)  # refusals and bad parameters stop here
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    return (presses if args.ratios else sources), sources, caches
 
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:

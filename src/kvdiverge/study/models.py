@@ -248,6 +248,39 @@ def context_length(model_or_config) -> int:
     raise ValueError(f"cannot tell the context length of {type(config).__name__}")
 
 
+def kv_sizes(model) -> dict[str, int]:
+    """The KV sizes a frontier counts bytes with, of a loaded model: ``{"elements_per_token",
+    "element_bytes"}`` (:func:`kvdiverge.engine.llm.planner.kv_elements_per_token`; the bytes
+    of one element of its parameters' dtype, which its cache takes)."""
+    from kvdiverge.engine.llm.planner import kv_elements_per_token
+
+    param = next(model.parameters())
+    return {"elements_per_token": kv_elements_per_token(model.config), "element_bytes": int(param.element_size())}
+
+
+def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, int]:
+    """:func:`kv_sizes` of a config model entry, from its config alone (no weights): the entry's
+    ``dtype``; ``auto`` takes the config's own dtype (float32 when it names none).
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the model's config is not found.
+    ValueError
+        If the config lacks the attention sizes.
+    """
+    import torch
+
+    from kvdiverge.engine.llm.planner import kv_elements_per_token
+
+    config = load_model_config(spec, name)
+    dtype = torch_dtype(spec.get("dtype", "float32"))
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return {"elements_per_token": kv_elements_per_token(config), "element_bytes": torch.empty((), dtype=dtype).element_size()}
+
+
 def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
     """Save a model entry as a plain Hugging Face directory (safetensors) and return
     the ``source: local`` entry that loads it.

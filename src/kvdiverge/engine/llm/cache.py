@@ -85,11 +85,30 @@ class CapacityLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def select(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> None:
-        """Keep ``rows`` (int64, new order) and, if given, the columns ``cols`` (sorted int64), in new buffers."""
+        """Keep ``rows`` (int64, new order) and, if given, the columns ``cols`` (sorted int64).
+
+        Ascending ``rows`` without ``cols`` (the engine dropping finished rows) compact the
+        buffers in place: only the rows that move are copied, once, into the first
+        ``len(rows)`` rows, and nothing is allocated. Other selections copy into new buffers.
+        """
+        if cols is None and (rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())):
+            self._compact(rows)
+            return
         keys, values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         if cols is not None:
             keys, values = keys.index_select(2, cols), values.index_select(2, cols)
         self._fill(keys, values, self.capacity)
+
+    def _compact(self, rows: torch.Tensor) -> None:
+        """Move ascending ``rows`` to the front of the buffers; drop the rest (views, no allocation)."""
+        n = rows.numel()
+        moved = (rows != torch.arange(n, device=rows.device)).nonzero()
+        if moved.numel():
+            start, n_filled = int(moved[0, 0]), self.length
+            src = rows[start:]
+            self._k[start:n, :, :n_filled] = self._k[src, :, :n_filled]
+            self._v[start:n, :, :n_filled] = self._v[src, :, :n_filled]
+        self._k, self._v = self._k[:n], self._v[:n]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.select(indices)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOGIT_BYTES_PER_ENTRY", "cache_columns", "kv_bytes_per_token", "default_memory_budget",
+__all__ = ["LOGIT_BYTES_PER_ENTRY", "cache_columns", "kv_bytes_per_token", "kv_elements_per_token", "default_memory_budget",
            "document_bytes", "plan_batch"]
 
 #: Bytes per (row, vocabulary entry) of the logits and coupling temporaries: raw logits
@@ -70,15 +70,44 @@ def document_bytes(*, kv_bytes_per_token: int, prompt_len: int, T: int, replicat
             + 2 * int(prompt_len) * kv)
 
 
-def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
-    """KV-cache bytes one token takes in one row: layers x kv heads x head dim x 2 x dtype size.
+def kv_elements_per_token(model_config: Any) -> int:
+    """Key and value elements one token stores in one row: layers x kv heads x head dim x 2.
 
     Parameters
     ----------
     model_config : transformers.PretrainedConfig
         Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
         ``num_attention_heads``) and ``head_dim`` (default ``hidden_size //
-        num_attention_heads``).
+        num_attention_heads``); a multimodal config's text config.
+
+    Returns
+    -------
+    int
+        Elements per token per row.
+
+    Raises
+    ------
+    ValueError
+        If the config lacks ``num_hidden_layers`` or the attention sizes.
+    """
+    model_config = getattr(model_config, "get_text_config", lambda: model_config)()
+    try:
+        layers = int(model_config.num_hidden_layers)
+        heads = int(model_config.num_attention_heads)
+        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
+    except AttributeError as err:
+        raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
+    return layers * kv_heads * head_dim * 2
+
+
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in one row: :func:`kv_elements_per_token` x dtype size.
+
+    Parameters
+    ----------
+    model_config : transformers.PretrainedConfig
+        See :func:`kv_elements_per_token`.
     dtype : torch.dtype
         Dtype of the cache (the model's).
 
@@ -92,14 +121,7 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
     ValueError
         If the config lacks ``num_hidden_layers`` or the attention sizes.
     """
-    try:
-        layers = int(model_config.num_hidden_layers)
-        heads = int(model_config.num_attention_heads)
-        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
-    except AttributeError as err:
-        raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
-    return layers * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
+    return kv_elements_per_token(model_config) * torch.empty((), dtype=dtype).element_size()
 
 
 def default_memory_budget(device: torch.device | str) -> int:

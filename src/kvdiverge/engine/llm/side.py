@@ -78,6 +78,7 @@ class CacheSide:
                  modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True,
                  layer: LayerFactory = CapacityLayer):
         self.cache = cache if capacity is None else capacity_cache(cache, capacity, layer)
+        self.in_place = capacity is not None
         self.masks, self.modules, self.grouped = masks, list(modules), bool(grouped)
         self.valid = valid
         self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
@@ -110,12 +111,17 @@ class CacheSide:
         self.all_valid = bool(self.valid.all())
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (int64 indices, in the new order); drop columns no kept row attends to."""
+        """Keep only ``rows`` (int64 indices, in the new order).
+
+        A cache with capacity keeps every column (those no kept row attends to stay masked)
+        and compacts its rows in place; a ``DynamicCache`` also drops those columns.
+        """
         self.valid, self.step, self.n_gen = self.valid[rows], self.step[rows], self.n_gen[rows]
         if isinstance(self.prompt_len, torch.Tensor):
             self.prompt_len = self.prompt_len[rows]
         cols = self.valid.any(0)
-        trim = not bool(cols.all())
+        # a capacity cache keeps columns no kept row attends to (they stay masked): no copy
+        trim = not self.in_place and not bool(cols.all())
         if trim:
             cols = cols.nonzero().squeeze(1)
             self.valid, self.step = self.valid[:, cols], self.step[:, cols]

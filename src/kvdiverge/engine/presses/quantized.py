@@ -103,7 +103,8 @@ class QuantizedCacheSpec:
 
 
 def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) -> float:
-    """Stored bits per key or value element: ``nbits`` plus a scale and a zero point per group.
+    """Stored bits per key or value element: the data bits plus a scale and a zero point per group
+    (:func:`kvdiverge.estimation.frontier.kv_bytes_per_element`, in bits).
 
     Parameters
     ----------
@@ -115,12 +116,13 @@ def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) ->
     Returns
     -------
     float
-        ``nbits + 2 * full_bits / q_group_size`` (the residual's full-precision tokens are
-        not counted: at most ``residual_length`` of them, whatever the prompt length).
+        ``nbits + 2 * full_bits / q_group_size`` (HQQ's 3 bits: 3.2, ten values per 32-bit word;
+        the residual's full-precision tokens are not counted: at most ``residual_length`` of
+        them, whatever the prompt length).
     """
-    if spec is None:
-        return float(full_bits)
-    return spec.nbits + 2.0 * full_bits / spec.q_group_size
+    from kvdiverge.estimation.frontier import kv_bytes_per_element
+
+    return 8 * kv_bytes_per_element(None if spec is None else spec.describe(), full_bits / 8)
 
 
 def _head_dim(config) -> int | None:
