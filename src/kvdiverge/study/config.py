@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -41,15 +42,30 @@ class ConfigError(ValueError):
 
 
 def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Load the config JSON schema (YAML)."""
+    """Load the config JSON schema (YAML): a fresh copy, the file parsed once per version.
+
+    Parsing the schema's YAML takes most of a validation's time (a hundred milliseconds), so
+    the parsed schema is kept per path and modification time; each call returns its own copy.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no schema at ``path`` (default: the workflow's, in the checkout).
+    """
     path = Path(path) if path is not None else SCHEMA_PATH
     if not path.is_file():
         raise FileNotFoundError(
             f"config schema not found at {path}; run from a kvdiverge checkout "
             f"or pass schema_path"
         )
+    return copy.deepcopy(_parsed_schema(str(path.resolve()), path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
+    """The schema file ``path`` as parsed at modification time ``mtime_ns`` (cached)."""
     with open(path, encoding="utf-8") as fh:
-        return yaml.safe_load(fh)
+        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:
