@@ -142,6 +142,17 @@ def build_once(tmp_path_factory, name: str, build) -> Path:
 # --------------------------------------------------------------------------- the embedded model
 
 
+def pytest_sessionstart(session):
+    """Converted GGUF models are kept in a directory of this session
+    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.study.models.conversion_cache`), shared by
+    the test process, its xdist workers and the workflow runs it starts, never the user's:
+    the session converts the embedded model once per dtype, whatever was converted before."""
+    from kvdiverge.study.models import CACHE_ENV
+
+    if CACHE_ENV not in os.environ:
+        os.environ[CACHE_ENV] = str(session_dir(session.config._tmp_path_factory) / "conversions")
+
+
 @pytest.fixture(scope="session")
 def embedded_dir(tmp_path_factory) -> Path:
     """The embedded model (GGUF) converted once per session into a local Hugging Face

@@ -177,3 +177,70 @@ def test_cached_hub_model_loads_without_network(tmp_path, monkeypatch):
                         lambda repo, name, **kw: real(repo, name, cache_dir=tmp_path, **kw))
     assert resolve({"source": "hub", "id": "org/name"}) == ("org/name", {"local_files_only": True})
     assert resolve({"source": "hub", "id": "org/other"}) == ("org/other", {})
+
+
+# ---------------------------------------------------------------- the conversion cache (no loading)
+
+def _fake_gguf(tmp_path, content=b"GGUF weights") -> dict:
+    (tmp_path / "m.gguf").write_bytes(content)
+    return {"source": "local", "path": str(tmp_path), "gguf_file": "m.gguf", "dtype": "float32"}
+
+
+def test_conversion_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    from kvdiverge.study.models import CACHE_ENV, conversion_cache
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kept"))
+    assert conversion_cache() == tmp_path / "kept"
+    for off in ("off", ""):
+        monkeypatch.setenv(CACHE_ENV, off)
+        assert conversion_cache() is None
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert conversion_cache() == tmp_path / "xdg" / "kvdiverge"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert conversion_cache() == tmp_path / "home" / ".cache" / "kvdiverge"
+
+
+def test_conversion_key_changes_with_the_file_dtype_and_attention(tmp_path):
+    from kvdiverge.study.models import conversion_key
+
+    spec = _fake_gguf(tmp_path)
+    key = conversion_key(spec)
+    assert len(key) == 32 and conversion_key(dict(spec)) == key
+    assert conversion_key({**spec, "device": "cuda"}) == key  # the conversion always runs on the CPU
+    assert conversion_key({**spec, "dtype": "bfloat16"}) != key
+    assert conversion_key({**spec, "attn_implementation": "eager"}) != key
+    _fake_gguf(tmp_path, b"other weights")
+    assert conversion_key(spec) != key
+    assert conversion_key({"source": "local", "path": str(tmp_path)}) is None  # no GGUF file: no key
+    with pytest.raises(ModelNotFoundError, match="'nope.gguf' not found"):
+        conversion_key({**spec, "gguf_file": "nope.gguf"})
+
+
+def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, tmp_path):
+    from kvdiverge.study import models
+
+    calls = []
+
+    def save(spec, out, name):  # stands in for loading and saving the weights
+        calls.append((spec["dtype"], name))
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(spec["dtype"].encode())
+
+    monkeypatch.setattr(models, "_save_converted", save)
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "kept"))
+    spec = _fake_gguf(tmp_path)
+    first = models.convert_to_directory(spec, tmp_path / "run-a" / "m", "m")
+    second = models.convert_to_directory(spec, tmp_path / "run-b" / "m", "m")
+    assert calls == [("float32", "m")]  # the second run linked the first one's conversion
+    assert first == {"source": "local", "path": str(tmp_path / "run-a" / "m"), "dtype": "float32"}
+    assert second["path"] == str(tmp_path / "run-b" / "m")
+    a, b = tmp_path / "run-a/m/model.safetensors", tmp_path / "run-b/m/model.safetensors"
+    assert a.read_bytes() == b.read_bytes() == b"float32" and a.stat().st_ino == b.stat().st_ino
+    models.convert_to_directory({**spec, "dtype": "bfloat16"}, tmp_path / "run-b" / "m", "m")  # replaced
+    assert calls[-1] == ("bfloat16", "m") and b.read_bytes() == b"bfloat16" and a.read_bytes() == b"float32"
+    assert sorted(p.name for p in (tmp_path / "run-b").iterdir()) == ["m"]  # no temporary left behind
+    monkeypatch.setenv(models.CACHE_ENV, "off")
+    models.convert_to_directory(spec, tmp_path / "run-c" / "m", "m")
+    assert len(calls) == 3 and (tmp_path / "run-c/m/model.safetensors").stat().st_ino != a.stat().st_ino

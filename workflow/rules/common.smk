@@ -119,7 +119,7 @@ MODEL_DIR = f"{RESULTS}/models/{{model}}"
 
 
 def converted_model(wildcards):
-    """The converted model directory a shard loads from, if its model is a GGUF file."""
+    """The converted model directory that the prompts and shard jobs load from, if its model is a GGUF file."""
     spec = config["models"][wildcards.model]
     return MODEL_DIR.format(model=wildcards.model) if spec.get("gguf_file") else []
 

@@ -3,7 +3,7 @@
 import polars as pl
 
 from kvdiverge.estimation.io import write_parquet_atomic
-from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
+from kvdiverge.study.models import context_length, load_model_config, load_tokenizer, local_entry
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
 from kvdiverge.study.rulelog import rule_logger
 
@@ -12,6 +12,8 @@ try:
     name = snakemake.wildcards.model  # noqa: F821
     spec = dict(snakemake.params.model)  # noqa: F821
     log.info("model %s: %s", name, spec)
+    if snakemake.input.model:  # noqa: F821  (a GGUF model converted by rule convert_model)
+        spec = local_entry(spec, snakemake.input.model)  # noqa: F821
     tokenizer = load_tokenizer(spec, name)
     context = context_length(load_model_config(spec, name))
     log.info("context length: %d tokens", context)

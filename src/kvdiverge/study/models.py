@@ -281,6 +281,47 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     return {"elements_per_token": kv_elements_per_token(config), "element_bytes": torch.empty((), dtype=dtype).element_size()}
 
 
+#: environment variable naming the directory of converted GGUF models kept across runs
+#: (default ``$XDG_CACHE_HOME/kvdiverge``, else ``~/.cache/kvdiverge``; ``off`` keeps none)
+CACHE_ENV = "KVDIVERGE_CACHE_DIR"
+
+
+def conversion_cache() -> Path | None:
+    """The directory where converted GGUF models are kept (``$KVDIVERGE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvdiverge``, else ``~/.cache/kvdiverge``), or None when
+    ``KVDIVERGE_CACHE_DIR`` is ``off`` or empty."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip() in ("", "off") else Path(os.path.expanduser(value))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvdiverge"
+
+
+def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
+    """What decides a GGUF entry's converted weights, as a hex digest: the GGUF file's
+    SHA-256, the entry's ``dtype`` and ``attn_implementation``, and the versions of
+    transformers, gguf and torch. None for an entry without a GGUF file.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the entry's GGUF file is not where it says (:func:`resolve`).
+    """
+    import hashlib
+    from importlib.metadata import version
+
+    if not spec.get("gguf_file"):
+        return None
+    where, kwargs = resolve(spec, name)
+    digest = hashlib.sha256()
+    with open(Path(where) / kwargs["gguf_file"], "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    parts = [digest.hexdigest(), str(spec.get("dtype", "float32")), str(spec.get("attn_implementation", "sdpa")),
+             *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch"))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
 def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
     """Save a model entry as a plain Hugging Face directory (safetensors) and return
     the ``source: local`` entry that loads it.
@@ -289,6 +330,10 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
     embedded 135M model on a laptop CPU); the saved directory loads in well under a
     second, which matters when every trajectory shard is its own job. The weights
     are the ones ``load_model`` would produce, byte for byte in the entry's dtype.
+
+    A GGUF entry is converted once per machine: the result is kept under
+    :func:`conversion_cache` by :func:`conversion_key` (a file lock makes concurrent
+    conversions of one key wait for the first) and linked (or copied) from there.
 
     Parameters
     ----------
@@ -304,23 +349,59 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
     dict
         ``spec`` with ``source: local`` and ``path: out_dir`` (no package / GGUF keys).
     """
+    from filelock import FileLock
+
+    cache, key = conversion_cache(), conversion_key(spec, name)
+    if cache is None or key is None:
+        _write_atomically(Path(out_dir), lambda tmp: _save_converted(spec, tmp, name))
+        return local_entry(spec, out_dir)
+    kept = cache / "converted" / key
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(kept) + ".lock"):
+        if not (kept / "config.json").is_file():
+            _write_atomically(kept, lambda tmp: _save_converted(spec, tmp, name))
+    _write_atomically(Path(out_dir), lambda tmp: _link_tree(kept, tmp))
+    return local_entry(spec, out_dir)
+
+
+def _save_converted(spec: dict[str, Any], out: Path, name: str | None) -> None:
+    """Load ``spec`` on the CPU and save its weights and tokenizer into ``out``."""
+    model, tokenizer = load_model({**spec, "device": "cpu"}, name)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Fill ``dest`` with ``src``'s files: hard links where the file system allows, else copies."""
+    import shutil
+
+    for path in src.rglob("*"):
+        target = dest / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+def _write_atomically(out: Path, fill) -> None:
+    """``fill(tmp)`` into a temporary sibling of ``out``, then rename it to ``out`` (replacing it)."""
     import shutil
     import tempfile
 
-    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model({**spec, "device": "cpu"}, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return local_entry(spec, out)
 
 
 def local_entry(spec: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
