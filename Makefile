@@ -8,6 +8,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# the environment's tools first (ninja for optimum-quanto's extension: the same ninja at set-up and
+# in every run, or ninja rebuilds it for another ninja's build log)
+export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.kvdiverge-setup
 # extra pip arguments for torch, e.g. a CPU-only wheel index on a laptop without a GPU
 TORCH_PIP_ARGS ?=

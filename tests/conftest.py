@@ -444,10 +444,11 @@ def _build_in_background(factory, names: list[str]) -> None:
 
 def background_builds(config, items) -> list[str]:
     """The builds of ``BACKGROUND_BUILDS`` that the tests ``items`` read, in order, where
-    they are built in the background: not with pytest-xdist (each worker builds on first
-    use, behind the file lock), nor when ``KVDIVERGE_WORKFLOW_RUNS`` or
-    ``KVDIVERGE_SMOKE_RESULTS`` points at an earlier run, nor when only collecting."""
-    if (config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER")
+    they are built in the background: not when ``KVDIVERGE_WORKFLOW_RUNS`` or
+    ``KVDIVERGE_SMOKE_RESULTS`` points at an earlier run, nor when only collecting. Under
+    pytest-xdist every worker starts them: the first to take a build's file lock builds it
+    (:func:`build_once`), the others' threads wait for it, and their tests run meanwhile."""
+    if (config.option.collectonly
             or os.environ.get("KVDIVERGE_WORKFLOW_RUNS") or os.environ.get("KVDIVERGE_SMOKE_RESULTS")):
         return []
     used = {f for item in items for f in item.fixturenames}
