@@ -183,28 +183,13 @@ def embedded(embedded_entry):
     return load_model(embedded_entry, "smollm2-135m")
 
 
-def cached_loaders(monkeypatch, embedded_entry) -> None:
-    """In-process loads of the embedded GGUF entry (model and tokenizer: ``load_model``,
-    ``load_tokenizer``) read the session's converted copy instead (about a second instead of
-    about 20 s; the same weights and, for the chat template, the same token ids)."""
-    from kvdiverge.study import models
-
-    real_model, real_tokenizer = models.load_model, models.load_tokenizer
-
-    def cached(spec):
-        return embedded_entry if spec == models.EMBEDDED_MODEL else spec
-
-    monkeypatch.setattr(models, "load_model", lambda spec, name=None, tokenizer=None:
-                        real_model(cached(spec), name, tokenizer))
-    monkeypatch.setattr(models, "load_tokenizer", lambda spec, name=None: real_tokenizer(cached(spec), name))
-
-
 @pytest.fixture
-def embedded_cached(monkeypatch, embedded_entry):
-    """In this test, in-process loads of the embedded GGUF entry read the session's converted
-    copy (:func:`cached_loaders`): ``kvdiverge measure embedded`` through ``kvdiverge.cli.main``,
-    ``load_model(EMBEDDED_MODEL)``."""
-    cached_loaders(monkeypatch, embedded_entry)
+def embedded_cached(embedded_dir):
+    """In this test, in-process loads of the embedded GGUF entry (``load_model(EMBEDDED_MODEL)``,
+    ``kvdiverge measure embedded`` through ``kvdiverge.cli.main``) read the session's kept
+    conversion (``KVDIVERGE_CACHE_DIR``, :func:`pytest_sessionstart`), made by then: about a
+    second instead of about 20 s, the same weights and token ids."""
+    return embedded_dir
 
 
 def run_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -625,7 +625,7 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
 @pytest.mark.llm
 def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path, embedded_cached):
     """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written
-    (``kvdiverge.cli.main`` in this process; the embedded model read from the session's converted copy)."""
+    (``kvdiverge.cli.main`` in this process; the embedded model read from the session's kept conversion)."""
     res = run_main(["measure", "embedded", "--sotu", "1", "-T", "4", "-R", "2", "--bootstrap", "50",
                     "--threads", "1", "--quiet", "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
                     "--ratios", "0.25", "0.5", "--out", "out"], tmp_path)

@@ -30,7 +30,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from conftest import cached_loaders, run_main
+from conftest import run_main
 
 from kvdiverge import cli
 from kvdiverge.cli import UsageError, main, model_entry, read_prompts
@@ -315,20 +315,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory, user_presses, embedded_entry):
+def cli_run(tmp_path_factory, user_presses, embedded_dir):
     """``kvdiverge measure embedded`` (``kvdiverge.cli.main`` in this process, the embedded
-    model read from the session's converted copy): two prompts, T = 4, R = 2, SnapKV and a
-    user press."""
+    model read from the session's kept conversion, fixture ``embedded_dir``): two prompts,
+    T = 4, R = 2, SnapKV and a user press."""
     work = tmp_path_factory.mktemp("cli")
     (work / "prompts.txt").write_text(
         "Describe the water cycle in four sentences for a science class of twelve-year-olds.\n"
         "List three reasons why bridges are built with expansion joints, and explain each briefly.\n")
     start = time.perf_counter()
-    with pytest.MonkeyPatch.context() as mp:
-        cached_loaders(mp, embedded_entry)
-        res = run_main(["measure", "embedded", "--prompts", "prompts.txt", "-T", "4", "-R", "2", "--seed", "7",
-                        "--bootstrap", "200", "--press", "SnapKVPress:compression_ratio=0.5,window_size=8",
-                        "--press", "mypresses:KeepAllPress", "--out", "out"], work)
+    res = run_main(["measure", "embedded", "--prompts", "prompts.txt", "-T", "4", "-R", "2", "--seed", "7",
+                    "--bootstrap", "200", "--press", "SnapKVPress:compression_ratio=0.5,window_size=8",
+                    "--press", "mypresses:KeepAllPress", "--out", "out"], work)
     seconds = time.perf_counter() - start
     print(f"\n[measure] kvdiverge measure embedded, 2 prompts, T=4, R=2, 2 presses: {seconds:.1f} s")
     return work, res
@@ -547,7 +545,7 @@ def readme_blocks(language: str) -> list[str]:
 
 @pytest.mark.llm
 def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, embedded_cached):
-    # embedded_cached: its load_model(EMBEDDED_MODEL) reads the session's converted copy (tests/conftest.py)
+    # embedded_cached: its load_model(EMBEDDED_MODEL) reads the session's kept conversion (tests/conftest.py)
     (code,) = readme_blocks("python")
     assert len(code.strip().splitlines()) == 5
     monkeypatch.chdir(tmp_path)
@@ -563,7 +561,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, emb
 @pytest.mark.llm
 def test_readme_cli_example_runs(tmp_path, embedded_cached):
     """The README's command line, word for word, through ``kvdiverge.cli.main`` in this process
-    (the embedded model read from the session's converted copy: fixture ``embedded_cached``)."""
+    (the embedded model read from the session's kept conversion: fixture ``embedded_cached``)."""
     (code,) = readme_blocks("bash")
     command = code.replace("\\\n", " ").strip()
     argv = shlex.split(command)

@@ -32,8 +32,13 @@ SMOL = {
 
 @pytest.fixture(scope="module")
 def smol():
-    """The embedded model and tokenizer, loaded once for this file (~15 s)."""
-    return load_model(SMOL, "smollm2-135m")
+    """The embedded model and tokenizer read from the GGUF file itself (the conversion cache
+    off), once for this file (~15 s)."""
+    from kvdiverge.study.models import CACHE_ENV
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CACHE_ENV, "off")
+        return load_model(SMOL, "smollm2-135m")
 
 
 # ---------------------------------------------------------------- missing models (no loading)
@@ -244,3 +249,28 @@ def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, t
     monkeypatch.setenv(models.CACHE_ENV, "off")
     models.convert_to_directory(spec, tmp_path / "run-c" / "m", "m")
     assert len(calls) == 3 and (tmp_path / "run-c/m/model.safetensors").stat().st_ino != a.stat().st_ino
+
+
+def test_load_model_reads_a_gguf_entry_from_its_kept_conversion(monkeypatch, tmp_path):
+    from kvdiverge.study import models
+
+    saved, loaded = [], []
+
+    def save(spec, out, name):  # stands in for de-quantizing the GGUF file
+        saved.append(spec["gguf_file"])
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_save_converted", save)
+    monkeypatch.setattr(models, "_load_model", lambda spec, name, tokenizer: loaded.append(spec) or ("m", "t"))
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "kept"))
+    spec = {**_fake_gguf(tmp_path), "device": "cpu"}
+    assert models.kept_conversion(spec) is None  # nothing converted yet: the tokenizer reads the GGUF file
+    assert models.load_model(spec, "m") == ("m", "t") and models.load_model(spec, "m") == ("m", "t")
+    kept = tmp_path / "kept" / "converted" / models.conversion_key(spec)
+    assert saved == ["m.gguf"]  # converted once, on first use
+    assert loaded == [{"source": "local", "path": str(kept), "dtype": "float32", "device": "cpu"}] * 2
+    assert models.kept_conversion(spec) == loaded[0]
+    monkeypatch.setenv(models.CACHE_ENV, "off")
+    assert models.kept_conversion(spec) is None
+    models.load_model(spec, "m")
+    assert loaded[-1] == spec and saved == ["m.gguf"]  # the GGUF file itself, as asked

@@ -172,17 +172,19 @@ def _from_pretrained(auto_class, spec: dict[str, Any], name: str | None, **extra
 
 
 def load_tokenizer(spec: dict[str, Any], name: str | None = None):
-    """Load only the tokenizer of a model entry (fast: no weights)."""
+    """Load only the tokenizer of a model entry (fast: no weights; a GGUF entry's from its
+    kept conversion where there is one, :func:`convert_to_directory`)."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, spec, name)
+    return _from_pretrained(AutoTokenizer, kept_conversion(spec, name) or spec, name)
 
 
 def load_model_config(spec: dict[str, Any], name: str | None = None):
-    """Load only the model's ``PretrainedConfig`` (context length etc.; no weights)."""
+    """Load only the model's ``PretrainedConfig`` (context length etc.; no weights; a GGUF
+    entry's from its kept conversion where there is one)."""
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig, spec, name)
+    return _from_pretrained(AutoConfig, kept_conversion(spec, name) or spec, name)
 
 
 def torch_dtype(name: str):
@@ -220,7 +222,21 @@ def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
     ------
     ModelNotFoundError
         If the weights are not found (the message says where it looked).
+
+    Notes
+    -----
+    A GGUF entry loads from its conversion kept under :func:`conversion_cache`, made on
+    first use (:func:`convert_to_directory`): the same weights, byte for byte, in well under
+    a second instead of about 20 s of de-quantization (``KVDIVERGE_CACHE_DIR=off`` reads the
+    GGUF file every time).
     """
+    if spec.get("gguf_file") and conversion_cache() is not None:
+        spec = local_entry(spec, _keep_conversion(spec, name))
+    return _load_model(spec, name, tokenizer)
+
+
+def _load_model(spec: dict[str, Any], name: str | None, tokenizer):
+    """:func:`load_model` from where ``spec`` says, GGUF files included (no conversion)."""
     from transformers import AutoModelForCausalLM
 
     if tokenizer is None:
@@ -349,24 +365,40 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
     dict
         ``spec`` with ``source: local`` and ``path: out_dir`` (no package / GGUF keys).
     """
+    if conversion_cache() is None or not spec.get("gguf_file"):
+        _write_atomically(Path(out_dir), lambda tmp: _save_converted(spec, tmp, name))
+    else:
+        kept = _keep_conversion(spec, name)
+        _write_atomically(Path(out_dir), lambda tmp: _link_tree(kept, tmp))
+    return local_entry(spec, out_dir)
+
+
+def kept_conversion(spec: dict[str, Any], name: str | None = None) -> dict[str, Any] | None:
+    """The ``source: local`` entry of a GGUF entry's kept conversion, if one has been made
+    (:func:`convert_to_directory`); None otherwise, or with the cache off."""
+    if conversion_cache() is None or not spec.get("gguf_file"):
+        return None
+    kept = conversion_cache() / "converted" / conversion_key(spec, name)
+    return local_entry(spec, kept) if (kept / "config.json").is_file() else None
+
+
+def _keep_conversion(spec: dict[str, Any], name: str | None) -> Path:
+    """The directory of the GGUF entry's kept conversion, converted now if there is none (one
+    process converts a key while the others wait for it: a file lock)."""
     from filelock import FileLock
 
-    cache, key = conversion_cache(), conversion_key(spec, name)
-    if cache is None or key is None:
-        _write_atomically(Path(out_dir), lambda tmp: _save_converted(spec, tmp, name))
-        return local_entry(spec, out_dir)
-    kept = cache / "converted" / key
+    kept = conversion_cache() / "converted" / conversion_key(spec, name)
     kept.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(kept) + ".lock"):
         if not (kept / "config.json").is_file():
             _write_atomically(kept, lambda tmp: _save_converted(spec, tmp, name))
-    _write_atomically(Path(out_dir), lambda tmp: _link_tree(kept, tmp))
-    return local_entry(spec, out_dir)
+    return kept
 
 
 def _save_converted(spec: dict[str, Any], out: Path, name: str | None) -> None:
-    """Load ``spec`` on the CPU and save its weights and tokenizer into ``out``."""
-    model, tokenizer = load_model({**spec, "device": "cpu"}, name)
+    """Load ``spec`` on the CPU from where it says (the GGUF file) and save its weights and
+    tokenizer into ``out``."""
+    model, tokenizer = _load_model({**spec, "device": "cpu"}, name, None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
