@@ -284,14 +284,12 @@ def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
     config["corpus"] = {k: v for k, v in _jsonl_spec(path).items()}
     config_path = tmp_path / "corpus.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"), "--cores", "1", "--configfile", str(config_path),
-         "-d", str(tmp_path), f"{config['results_dir']}/corpus/documents.parquet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                                        os.environ.get("PYTHONPATH")]))},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    from conftest import snakemake_here
+
+    # Snakemake's command line in this process (the corpus job still runs its script as a process)
+    out = snakemake_here(ROOT, "--cores", "1", f"{config['results_dir']}/corpus/documents.parquet",
+                         "-d", str(tmp_path), "--configfile", str(config_path))
+    assert out.returncode == 0, out.stdout[-3000:]
     results = tmp_path / config["results_dir"]
     log = (results / "logs" / "corpus.log").read_text()
     assert "skipped 4 of 6 rows" in log
