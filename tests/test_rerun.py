@@ -4,7 +4,8 @@ Every test starts from a copy of the finished smoke run (session fixture ``smoke
 tests/conftest.py): its results, logs and Snakemake's metadata (``.snakemake/``), with
 the converted model hard-linked (never rewritten). The dry runs read that copy only, and run
 in this process through Snakemake's command line (``snakemake_here``); the tests that run
-jobs make their own copy and run Snakemake as a command.
+jobs make their own copy, and run Snakemake in this process too, or as commands when two
+runs go side by side.
 """
 
 from __future__ import annotations
@@ -47,14 +48,6 @@ def write_config(work: Path, change=None, name="changed.yaml") -> str:
         change(config)
     (work / name).write_text(yaml.safe_dump(config, sort_keys=True))  # keys reordered: no change
     return name
-
-
-def snakemake(work: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=work, env=env_for(work),
-                         capture_output=True, text=True, timeout=900)
-    if check:
-        assert out.returncode == 0, f"snakemake {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return out
 
 
 def planned_jobs(text: str) -> set[tuple[str, str | None]]:
@@ -201,7 +194,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
 
     estimate = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
     # targets before --configfile, which takes every following word as a config file
-    out = snakemake(work, "--cores", "1", estimate, "--configfile", "config/smoke.yaml", check=False)
+    out = snakemake_here(work, "--cores", "1", estimate, "--configfile", "config/smoke.yaml")  # in this process
     assert out.returncode != 0
     log = (work / RES / "logs" / "estimate" / MODEL / "snapkv-50" / "exploratory.log").read_text()
     assert f"{shard}: decoding.temperature = 0.9 in the shard, 0.7 in the config" in log
@@ -222,14 +215,17 @@ def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
     for stage in ("trajectories", "estimates"):  # the clean run: no shard, no estimate yet
         shutil.rmtree(clean / RES / stage)
     target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
-    # the two runs side by side: each has one single-threaded shard job at a time
-    procs = [(work, subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile",
-                                      write_config(work, setter("shards", 1))], cwd=work, env=env_for(work),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-             for work in (rerun, clean)]
-    for work, proc in procs:
+    # the two runs side by side, each with one single-threaded shard job at a time: the rerun
+    # as a command, the clean run meanwhile in this process
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile",
+                             write_config(rerun, setter("shards", 1))], cwd=rerun, env=env_for(rerun),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        res = snakemake_here(clean, "--cores", "1", target, "--configfile", write_config(clean, setter("shards", 1)))
+    finally:
         out = proc.communicate(timeout=900)[0]
-        assert proc.returncode == 0, f"snakemake in {work.name} failed:\n{out[-5000:]}"
+    assert res.returncode == 0, f"snakemake in clean failed:\n{res.stdout[-5000:]}"
+    assert proc.returncode == 0, f"snakemake in rerun failed:\n{out[-5000:]}"
 
     before = pl.read_parquet(src / target)
     shard0 = pl.read_parquet(rerun / RES / "trajectories" / MODEL / "snapkv-50" / "exploratory" / "shard-0.parquet")

@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import copy_run, results_dir, tree_env
+from conftest import copy_run, results_dir, snakemake_here, tree_env
 
 pytestmark = [pytest.mark.workflow, pytest.mark.llm]
 
@@ -61,9 +61,6 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
     # targets before --configfile, which takes every following word as a config file
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *targets, "--configfile", "config/smoke.yaml"]
 
-    def run(args):
-        return subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-
     # 1. start the run in its own process group; SIGKILL the group once generation starts
     with open(tmp_path / "killed.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -82,15 +79,17 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
     assert len(list(shards.rglob("shard-*.parquet"))) < 14  # killed during generation (7 runs x 2 shards)
     assert not any((work / t).exists() for t in targets)
 
-    # 2. the plain rerun stops at the stale lock ...
-    res = run(cmd)
+    # 2. the plain rerun stops at the stale lock ... (the same command line, in this process:
+    # Snakemake's jobs still run as processes of their own)
+    args = cmd[3:]
+    res = snakemake_here(work, *args)
     assert res.returncode != 0
-    assert "LockException" in res.stdout + res.stderr, res.stderr[-3000:]
+    assert "LockException" in res.stdout, res.stdout[-3000:]
     # 3. ... `--unlock` with the same --configfile removes it, and the same command resumes
-    res = run(cmd + ["--unlock"])
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = run(cmd)
-    assert res.returncode == 0, res.stderr[-6000:]
+    res = snakemake_here(work, *args, "--unlock")
+    assert res.returncode == 0, res.stdout[-3000:]
+    res = snakemake_here(work, *args)
+    assert res.returncode == 0, res.stdout[-6000:]
 
     # 4. every shard and estimate table equals the uninterrupted run's (timing aside)
     resumed, reference = _tables(results), _tables(smoke_run)
