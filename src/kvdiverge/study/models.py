@@ -23,6 +23,7 @@ tokenizer's ``eos_token`` is wrong under transformers 5.2: for SmolLM2 it report
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -230,7 +231,7 @@ def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
     a second instead of about 20 s of de-quantization (``KVDIVERGE_CACHE_DIR=off`` reads the
     GGUF file every time).
     """
-    if spec.get("gguf_file") and conversion_cache() is not None:
+    if _kept_path(spec, name) is not None:
         spec = local_entry(spec, _keep_conversion(spec, name))
     return _load_model(spec, name, tokenizer)
 
@@ -329,13 +330,24 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     if not spec.get("gguf_file"):
         return None
     where, kwargs = resolve(spec, name)
-    digest = hashlib.sha256()
-    with open(Path(where) / kwargs["gguf_file"], "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    parts = [digest.hexdigest(), str(spec.get("dtype", "float32")), str(spec.get("attn_implementation", "sdpa")),
+    file = Path(where) / kwargs["gguf_file"]
+    stat = file.stat()
+    parts = [_sha256(str(file.resolve()), stat.st_size, stat.st_mtime_ns), str(spec.get("dtype", "float32")),
+             str(spec.get("attn_implementation", "sdpa")),
              *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch"))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """The SHA-256 of the file ``path`` as it is at ``size`` and ``mtime_ns`` (hashed once per version)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
@@ -365,7 +377,7 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
     dict
         ``spec`` with ``source: local`` and ``path: out_dir`` (no package / GGUF keys).
     """
-    if conversion_cache() is None or not spec.get("gguf_file"):
+    if _kept_path(spec, name) is None:
         _write_atomically(Path(out_dir), lambda tmp: _save_converted(spec, tmp, name))
     else:
         kept = _keep_conversion(spec, name)
@@ -376,10 +388,16 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
 def kept_conversion(spec: dict[str, Any], name: str | None = None) -> dict[str, Any] | None:
     """The ``source: local`` entry of a GGUF entry's kept conversion, if one has been made
     (:func:`convert_to_directory`); None otherwise, or with the cache off."""
-    if conversion_cache() is None or not spec.get("gguf_file"):
+    kept = _kept_path(spec, name)
+    return local_entry(spec, kept) if kept is not None and (kept / "config.json").is_file() else None
+
+
+def _kept_path(spec: dict[str, Any], name: str | None) -> Path | None:
+    """Where the GGUF entry's conversion is kept; None for an entry without a GGUF file, or with the cache off."""
+    cache = conversion_cache()
+    if cache is None or not spec.get("gguf_file"):
         return None
-    kept = conversion_cache() / "converted" / conversion_key(spec, name)
-    return local_entry(spec, kept) if (kept / "config.json").is_file() else None
+    return cache / "converted" / conversion_key(spec, name)
 
 
 def _keep_conversion(spec: dict[str, Any], name: str | None) -> Path:
@@ -387,7 +405,7 @@ def _keep_conversion(spec: dict[str, Any], name: str | None) -> Path:
     process converts a key while the others wait for it: a file lock)."""
     from filelock import FileLock
 
-    kept = conversion_cache() / "converted" / conversion_key(spec, name)
+    kept = _kept_path(spec, name)
     kept.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(kept) + ".lock"):
         if not (kept / "config.json").is_file():
@@ -407,16 +425,13 @@ def _link_tree(src: Path, dest: Path) -> None:
     """Fill ``dest`` with ``src``'s files: hard links where the file system allows, else copies."""
     import shutil
 
-    for path in src.rglob("*"):
-        target = dest / path.relative_to(src)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
+    def link_or_copy(source, target):
         try:
-            os.link(path, target)
+            os.link(source, target)
         except OSError:
-            shutil.copy2(path, target)
+            shutil.copy2(source, target)
+
+    shutil.copytree(src, dest, dirs_exist_ok=True, copy_function=link_or_copy)
 
 
 def _write_atomically(out: Path, fill) -> None:
