@@ -6,10 +6,12 @@ On the embedded model (SmolLM2-135M, GQA 9:3 heads), SnapKV at 50 %, one prompt 
 (a0) one decoding forward of one side, from one prefill, on the engine's kernels and on
     the stock ones, at each row count (the levers alone, no prefill, no coupling);
 (a) the engine with its decoding kernels (caches written in place, grouped attention
-    without ``repeat_kv``: ``fast=True``) against the same engine on transformers'
-    ``DynamicCache`` and stock attention (``fast=False``), and ``model.generate`` at equal
-    rows: wall seconds per document (prefill included), the decoding part's time per
-    token-step, and their ratios. Runs alternate (fast, stock, generate), best of
+    without ``repeat_kv``, both sides' rows in one forward per step: ``fast=True``), the
+    same kernels with a forward per side (``joint=False``), the engine on transformers'
+    ``DynamicCache``, stock attention and a forward per side (``fast=False``), and
+    ``model.generate`` at equal rows: wall seconds per document (prefill included), the
+    decoding part's time per token-step, and their ratios. Runs alternate (fast, a
+    forward per side, stock, generate), best of
     ``--repeats``: the machine is shared, the minimum is the least disturbed;
 (b) a ``torch.profiler`` breakdown (self CPU time of the engine's whole run, prefill
     included) of each kernel set: GEMM (``mm``/``addmm``/``bmm``), attention (SDPA
@@ -74,11 +76,16 @@ class TimedPair(LLMKernelPair):
         return out
 
 
-def engine(model, ids, docs, R, T, fast=True, seed=0):
-    """Wall and CPU seconds of the engine's whole run on ``docs`` copies of one prompt, and the pair."""
+def engine(model, ids, docs, R, T, fast=True, seed=0, joint=None):
+    """Wall and CPU seconds of the engine's whole run on ``docs`` copies of one prompt, and the pair.
+
+    ``joint=None`` decodes both sides in one forward per step on the fast kernels
+    (:class:`kvdiverge.engine.llm.side.JointSides`), a forward per side on the stock ones.
+    """
     n = len(ids)
     pair = TimedPair.from_documents(model, [ids] * docs, [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
-                                    [n // 2] * docs, temperature=TEMPERATURE, top_p=TOP_P, fast=fast, horizon=T)
+                                    [n // 2] * docs, temperature=TEMPERATURE, top_p=TOP_P, fast=fast, horizon=T,
+                                    joint=joint)
     t, c = time.perf_counter(), time.process_time()
     run_batch(pair, T, R, seed, "bench", [f"doc-{d}" for d in range(docs)])
     total, cpu = time.perf_counter() - t, time.process_time() - c
@@ -137,12 +144,13 @@ def breakdown(model, ids, docs, R, T, fast):
 
 
 def timed(model, ids, rows, R, T, repeats):
-    """Best-of-``repeats`` alternating runs: the fast engine, the stock engine, ``generate``."""
+    """Best-of-``repeats`` alternating runs: the fast engine (both sides in one forward), the fast
+    kernels with a forward per side, the stock engine, ``generate``."""
     docs = max(1, rows // R)
     best: dict[str, tuple] = {}
     for _ in range(repeats):
-        for label, fast in (("fast", True), ("stock", False)):
-            dec_s, _, pair = engine(model, ids, docs, R, T, fast=fast)
+        for label, fast, joint in (("fast", True, None), ("separate", True, False), ("stock", False, None)):
+            dec_s, _, pair = engine(model, ids, docs, R, T, fast=fast, joint=joint)
             got = (pair.total_s / docs, dec_s / pair.token_steps, pair)
             if label not in best or got[0] < best[label][0]:
                 best[label] = got
@@ -223,15 +231,15 @@ def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
     """Print (a) and (b) for each row count."""
     print(f"\n(a) seconds per document and per token-step (prompt {len(ids)} tokens, R={R}, T={T}, SnapKV 50 %, "
           f"best of {repeats} alternating runs)")
-    print("| rows/side | fast s/doc | stock s/doc | stock/fast per doc | fast ms/tok-step | stock ms/tok-step "
-          "| generate ms/tok-step | fast/generate per tok-step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rows/side | fast s/doc | a forward per side s/doc | stock s/doc | stock/fast per doc | fast ms/tok-step "
+          "| a forward per side ms/tok-step | stock ms/tok-step | generate ms/tok-step | fast/generate per tok-step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     engine(model, ids, 1, 2, 4)  # warm-up
     for rows in rows_list:
         b = timed(model, ids, rows, R, T, repeats)
-        f, s, g = b["fast"], b["stock"], b["generate"][0]
-        print(f"| {rows} | {f[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} | {1e3 * s[1]:.2f} "
-              f"| {1e3 * g:.2f} | {f[1] / g:.2f}x |", flush=True)
+        f, p, s, g = b["fast"], b["separate"], b["stock"], b["generate"][0]
+        print(f"| {rows} | {f[0]:.2f} | {p[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} "
+              f"| {1e3 * p[1]:.2f} | {1e3 * s[1]:.2f} | {1e3 * g:.2f} | {f[1] / g:.2f}x |", flush=True)
     if not profile_runs:
         return
     print("\n(b) torch.profiler, self CPU time of the engine's whole run (prefill included), shares by kernel group")

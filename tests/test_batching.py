@@ -225,18 +225,20 @@ def test_batched_shards_are_reproducible_and_close_to_one_document_per_forward(m
 
 
 class Inject:
-    """Forward hook: write ``value`` into row 0 of the logits of the ``call``-th decoding forward
-    (one new token per row; prefills are not counted). Each step runs the reference side first."""
+    """Forward hook: write ``value`` into the logits of the first row of ``side`` in the ``call``-th
+    decoding forward (one new token per row; prefills are not counted). Each step is one forward
+    over both sides' rows, the reference rows first (:class:`kvdiverge.engine.llm.side.JointSides`)."""
 
-    def __init__(self, model, call: int, value: float):
-        self.n, self.call, self.value = 0, call, value
+    def __init__(self, model, call: int, value: float, side: str = "reference"):
+        self.n, self.call, self.value, self.side = 0, call, value, side
         self.handle = model.register_forward_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs, out):
         if kwargs["input_ids"].shape[1] == 1:
             self.n += 1
             if self.n == self.call:
-                out.logits[0, -1, 7] = self.value
+                row = out.logits.shape[0] // 2 if self.side == "evicted" else 0
+                out.logits[row, -1, 7] = self.value
         return out
 
 
@@ -252,7 +254,7 @@ def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
               "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}},
               "runs": {"exploratory": ["snapkv-50"]}}
     out = tmp_path / "shard-0.parquet"
-    hook = Inject(model, call=3, value=float("nan"))  # 2nd chain advance, reference side, first document
+    hook = Inject(model, call=2, value=float("nan"))  # 2nd chain advance, reference side, first document
     try:
         with pytest.raises(NonFiniteLogitsError) as err:
             run_shard(config, "smollm2", "snapkv-50", "exploratory", 0, prompts, out, model=model)
@@ -270,7 +272,7 @@ def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
 @llm
 def test_inf_logits_name_the_evicted_side(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
-    hook = Inject(model, call=2, value=float("inf"))  # 1st chain advance, evicted side
+    hook = Inject(model, call=1, value=float("inf"), side="evicted")  # 1st chain advance
     try:
         with pytest.raises(NonFiniteLogitsError, match=r"\+inf logits from model 'm', document 'doc-1'") as err:
             run_documents(model, docs[1:3], policy, T=4, replicates=2, temperature=0.8, top_p=0.95, seed=1,

@@ -20,6 +20,7 @@ import torch
 from kvpress import KnormPress
 
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
+from kvdiverge.engine.llm.side import JointSides
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 pytestmark = pytest.mark.miniature
@@ -50,6 +51,12 @@ def presses(kind):
 def pair_of(model, prompts, press_list, fast=True):
     return LLMKernelPair.from_documents(model, prompts, press_list, [None] * len(prompts), temperature=1.0,
                                         eos_ids=[], fast=fast)
+
+
+def reference_cache(pair):
+    """The cache holding the reference rows: the joint cache of both sides, or the reference side's own."""
+    sides = pair._sides
+    return sides.side.cache if isinstance(sides, JointSides) else sides.ref.cache
 
 
 def alone(model, ids, press, hx, hy):
@@ -109,12 +116,12 @@ def test_rewind_to_an_earlier_step_equals_each_document_alone(mini, prompts, kin
 @pytest.mark.parametrize("kind", ["none", "knorm"])
 def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
     pair, _, _, hist = run_rewound(mini, prompts, kind, fast)
-    layer = pair._ref.cache.layers[0]
-    buffer = layer.keys.untyped_storage().data_ptr()
+    cache = reference_cache(pair)
+    buffer = cache.layers[0].keys.untyped_storage().data_ptr()
     keep = torch.tensor([0, 1, 2, 3])  # the longest document leaves; its padding columns and chain
     pair.keep_rows(keep)               # step 5 (kept rows are cut at 1, 4, 0, 2) are attended by no row
     nxt = tokens(13, keep.numel())
-    widths = Widths(mini)
+    widths = Widths(pair.twin if fast else mini)  # the joint rows run on the twin
     try:
         logp, logq = pair.advance(nxt, nxt)
     finally:
@@ -124,8 +131,8 @@ def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
     # them masked and compacts its rows in its own buffers
     if fast:
         assert widths.seen[0] == 17 + 5 + 3 + 1
-        assert pair._ref.cache.layers[0].keys.untyped_storage().data_ptr() == buffer
-        assert pair._ref.cache.layers[0].keys.shape[0] == keep.numel()
+        assert cache.layers[0].keys.untyped_storage().data_ptr() == buffer
+        assert cache.layers[0].keys.shape[0] == 2 * keep.numel()  # both sides' rows
     else:
         assert widths.seen[0] == 17 + 5 + 3 - 5 - 1 + 1
     for i, g in enumerate(keep.tolist()):
@@ -137,11 +144,12 @@ def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
 
 def test_keep_rows_with_gaps_moves_only_later_rows_and_keeps_their_values(mini, prompts):
     pair, _, _, _ = run_rewound(mini, prompts, "knorm")
-    layer = pair._ev.cache.layers[-1]
+    layer = pair._sides.side.cache.layers[-1]  # both sides' rows: reference 0..5, evicted 6..11
     before_k, before_v = layer.keys.clone(), layer.values.clone()
     keep = torch.tensor([0, 2, 5])
     pair.keep_rows(keep)
-    assert torch.equal(layer.keys, before_k[keep]) and torch.equal(layer.values, before_v[keep])
+    rows = torch.cat([keep, keep + 6])
+    assert torch.equal(layer.keys, before_k[rows]) and torch.equal(layer.values, before_v[rows])
 
 
 def test_without_a_press_both_sides_stay_bit_identical_through_rewind_and_keep_rows(mini, prompts):

@@ -27,16 +27,16 @@ def test_smoke_cost_by_hand(smoke):
         ("none", "exploratory", 1)]
     assert [c.decode_time for c in costs] == [False, False, True, False, False, False, False]
     # per document: token-steps R x 2 sides x (2T - 1) = 2 * 2 * 15 = 60;
-    # forwards 2 prefill + 2 sides x (2T - 2) = 2 + 28 = 30
+    # forwards: 1 prefill (both caches) + 2T - 2 steps of one forward over both sides = 1 + 14 = 15
     assert [c.token_steps for c in costs] == [120] * 6 + [60]
-    assert [c.forwards for c in costs] == [60, 60, 102, 60, 60, 60, 30]
+    assert [c.forwards for c in costs] == [30, 30, 100, 30, 30, 30, 15]
     # window-50, per document: reference 2T - 2 = 14, evicted lanes (R + 1)(T - 1) = 21,
     # replays R = 2 prefills and R (T - 2) = 12 forwards (and token-steps)
     window = costs[2]
     assert (window.prefill_forwards, window.decode_forwards, window.replay_prefills, window.replay_forwards,
-            window.replay_token_steps) == (4, 70, 4, 24, 24)
-    assert totals(costs) == {"runs": 7, "documents": 13, "shards": 14, "prefill_forwards": 26,
-                             "decode_forwards": 378, "forwards": 432, "token_steps": 780,
+            window.replay_token_steps) == (2, 70, 4, 24, 24)
+    assert totals(costs) == {"runs": 7, "documents": 13, "shards": 14, "prefill_forwards": 13,
+                             "decode_forwards": 224, "forwards": 265, "token_steps": 780,
                              "replay_forwards": 28, "replay_token_steps": 24}
     floor = {**smoke, "runs": {**smoke["runs"], "floor": {"policy": "noise-floor", "documents": 1}}}
     assert [c.documents for c in study_cost(floor) if c.policy == "noise-floor"] == [1, 1]
@@ -47,14 +47,14 @@ def test_paper_cost_and_batching(paper):
     tot = totals(study_cost(paper))
     assert tot["documents"] == 3504
     assert tot["token_steps"] == 3504 * 8 * 2 * 511 == 28_648_704
-    assert tot["decode_forwards"] == 3504 * 2 * 510
+    assert tot["decode_forwards"] == 3504 * 510 and tot["prefill_forwards"] == 3504
     # B = 12: a shard of 12 documents decodes as one group; the control's 24 documents
     # over 24 shards stay one per group
     batched = study_cost(paper, batch_documents=12)
     full = next(c for c in batched if c.policy == "snapkv-50")
-    assert full.decode_forwards == 24 * 2 * 510
+    assert full.decode_forwards == 24 * 510
     control = next(c for c in batched if c.policy == "none")
-    assert control.decode_forwards == 24 * 2 * 510
+    assert control.decode_forwards == 24 * 510
     assert totals(batched)["token_steps"] == tot["token_steps"]  # rows, not forwards, set the work
     # 28,648,704 token-steps at 3,979 token-steps/s on 1 device: 2.0 h; on 4 devices: 0.5 h
     assert projected_hours(paper, 28_648_704 / 7200) == pytest.approx(2.0)

@@ -167,7 +167,7 @@ def test_measured_presses_give_the_stock_path_distributions(model, prompts, name
         pytest.skip(f"{name} is refused on this model's config")
     fast, pair = trace(model, prompts, name, True)
     stock, _ = trace(model, prompts, name, False)
-    assert all(type(layer) is CapacityLayer for layer in pair._ev.cache.layers)
+    assert all(type(layer) is CapacityLayer for layer in pair._sides.side.cache.layers)
     for t, ((p, q), (ps, qs)) in enumerate(zip(fast, stock)):
         for a, b in ((p, ps), (q, qs)):
             live = b > -13.8
@@ -191,9 +191,9 @@ def test_headwise_masks_still_apply(model, prompts):
         presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
         pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * len(prompts), temperature=1.0)
         pair.start(len(prompts) * R)
-        assert pair._ev.masks is not None
+        assert pair._sides.side.masks is not None
         if drop:
-            pair._ev.masks = None
+            pair._sides.side.masks = None
         x = torch.arange(1, 1 + len(prompts) * R)
         return pair.advance(x, x)[1]
 

@@ -130,7 +130,9 @@ def test_wrong_positions_break_the_equality(model, prompt):
 
         def wrong_start(n_rows):
             out = start(n_rows)
-            pair._ev.prompt_len = pair.kept_lens[0]
+            first = pair._sides.side.prompt_len.clone()  # reference rows, then evicted rows
+            first[first.numel() // 2:] = pair.kept_lens[0]
+            pair._sides.side.prompt_len = first
             return out
 
         pair.start = wrong_start

@@ -100,11 +100,11 @@ def until_eos(tokens, eos):
 
 
 class PositionRecorder:
-    """Records ``position_ids`` and the cache length of every one-token (decode) forward."""
+    """Records ``position_ids`` and each row's attended cache columns in every one-token (decode) forward."""
 
     def __init__(self, model):
         self.model = model
-        self.calls: list[tuple[list[int], int]] = []
+        self.calls: list[tuple[list[int], list[int]]] = []
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -112,8 +112,11 @@ class PositionRecorder:
             return
         pos = kwargs.get("position_ids")
         assert pos is not None, "decode forward without position_ids: positions would follow the cache length"
-        cache = kwargs.get("past_key_values")
-        self.calls.append((pos[:, -1].tolist(), int(cache.get_seq_length()) if cache is not None else -1))
+        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        width = int(cache.get_seq_length()) if cache is not None else -1
+        # per row, the cache columns it attends to (the mask covers them and the new token)
+        attended = [width] * ids.shape[0] if mask is None else (mask.sum(-1) - 1).tolist()
+        self.calls.append((pos[:, -1].tolist(), attended))
 
     def __enter__(self):
         self._handle = self.model.model.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -167,8 +170,8 @@ def test_every_paper_policy_keeps_counts_matches_generate_and_positions(mini, po
     assert rec.calls and seen <= allowed, sorted(seen - allowed)[:10]
     assert set(LENGTHS) <= seen  # every document's first generated token sits at its P
     if not keeps_all:
-        # the evicted side: a cache shorter than the positions it is asked to continue
-        assert any(cache_len < max(positions) for positions, cache_len in rec.calls)
+        # the evicted rows: fewer cache columns than the positions they are asked to continue
+        assert any(a < p for positions, attended in rec.calls for p, a in zip(positions, attended))
     if policy.name in ("snapkv-50", "recent-50"):
         assert differs, f"{policy.name} never changed a greedy path on {name}: the test could not fail"
 

@@ -130,8 +130,9 @@ def test_three_documents_in_one_batch_equal_each_alone(model, name):
     batch = LLMKernelPair.from_documents(model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs],
                                          temperature=1.0)
     together = drive(batch, 6, script={2: drop_and_rewind})
-    assert batch._ref.valid.shape[1] == max(LENGTHS) + 5  # the longest prompt's columns stay, masked
-    assert not batch._ref.valid[:, :max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
+    valid = batch._sides.valid(evicted=False)
+    assert valid.shape[1] == max(LENGTHS) + 5  # the longest prompt's columns stay, masked
+    assert not valid[:, :max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
     for d, ids in enumerate(docs):
         alone = LLMKernelPair(model, ids, press, temperature=1.0)
         mine = [2 * d, 2 * d + 1]  # this document's rows in the batch, by original index
@@ -323,7 +324,7 @@ def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model
         assert cache.get_seq_length() == 30
         logits = model(input_ids=x[None], past_key_values=cache, position_ids=torch.tensor([[30]])).logits[0, -1]
     assert torch.allclose(q2[0], torch.log_softmax(logits.double(), -1), atol=1e-5)
-    assert pair._ev.prompt_len == 30 and pair._ref.prompt_len == 60
+    assert pair._sides.prompt_len(evicted=True).tolist() == [30] and pair._sides.prompt_len(evicted=False).tolist() == [60]
 
 
 @pytest.mark.miniature

@@ -17,20 +17,22 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
   bound ``2T - 1``, so its figures are upper bounds (by ``(t* - 1) / (2T - 1)``, small
   for the paper's early divergence times). Per document:
   ``token_steps = R x 2 sides x (2T - 1)``.
-- A **forward** is one model call on one side. Per document each side is prefilled once
-  (the prompt, alone, under its press): ``2`` prefill forwards. Decoding takes at most
-  ``2T - 2`` forwards per side (``T - 1`` chain advances after the prefill's first
-  distribution, then ``T - t* <= T - 1`` branch advances), each on all rows at once.
-  With ``B`` documents per forward (``generation.batch_documents``, the batching
-  engine), a shard of ``n`` documents decodes ``ceil(n / B)`` groups:
-  ``decode_forwards = 2 x (2T - 2) x ceil(n / B)`` per shard.
+- A **forward** is one model call. Per document the prompt is prefilled alone under its
+  press, once for both caches when the press allows it (its row's ``prefill``,
+  :func:`kvdiverge.engine.presses.registry.shares_prefill`), else twice. Decoding takes at
+  most ``2T - 2`` steps (``T - 1`` chain advances after the prefill's first distribution,
+  then ``T - t* <= T - 1`` branch advances), each one forward over both sides' rows
+  (:class:`kvdiverge.engine.llm.side.JointSides`). With ``B`` documents per forward
+  (``generation.batch_documents``, the batching engine), a shard of ``n`` documents
+  decodes ``ceil(n / B)`` groups: ``decode_forwards = (2T - 2) x ceil(n / B)`` per shard.
 
 A **decode-time policy** (:func:`kvdiverge.engine.presses.registry.is_decode_time`) runs on
 :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
 one document each (one forward per lane per step, not batched across documents), and a
 branch starting at ``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper
-bounds per document, with every replicate in a lane of its own: evicted decode forwards
-``(R + 1)(T - 1)`` (the chain lane, then ``R`` branch lanes) instead of ``(2T - 2) / B``;
+bounds per document, with every replicate in a lane of its own: the reference side
+decodes by its own forwards, ``(2T - 2) / B``, and the evicted side's lanes take
+``(R + 1)(T - 1)`` (the chain lane, then ``R`` branch lanes);
 ``replay_prefills = R``; ``replay_forwards = replay_token_steps = R (T - 2)``.
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
@@ -74,9 +76,11 @@ class RunCost:
     batch_documents : int
         Documents per forward ``B`` assumed for ``decode_forwards``.
     prefill_forwards : int
-        ``2 x documents`` (reference and evicted prompt caches).
+        ``documents`` (both prompt caches from one forward), or ``2 x documents`` for a
+        press with a forward of its own.
     decode_forwards : int
-        Upper bound ``2 x (2T - 2) x sum over shards of ceil(n_shard / B)``.
+        Upper bound ``(2T - 2) x sum over shards of ceil(n_shard / B)`` (both sides in
+        one forward per step), plus the evicted lanes of a decode-time policy.
     token_steps : int
         Upper bound ``documents x R x 2 x (2T - 1)``.
     decode_time : bool
@@ -135,6 +139,16 @@ def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int
     return int(batch_documents)
 
 
+def _prefills(spec) -> int:
+    """Prefill forwards per document of a policy's press: 1 where one forward gives both caches, else 2."""
+    from kvdiverge.engine.presses.registry import shares_prefill
+
+    try:
+        return 1 if shares_prefill(spec) else 2
+    except (KeyError, TypeError, ValueError):  # no press of its own (a cache alone), or unknown: the bound
+        return 2
+
+
 def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
     """Cost of every run of a validated config (:func:`kvdiverge.study.config.load_config`).
 
@@ -168,13 +182,14 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         n = run_documents_count(config, policy, split)
         per_shard = [len(range(i, n, n_shards)) for i in range(n_shards)]
         groups = sum(math.ceil(k / B) for k in per_shard)
-        decode_time = is_decode_time(config["policies"].get(policy))
-        side = max(2 * T - 2, 0) * groups
+        spec = config["policies"].get(policy)
+        decode_time = is_decode_time(spec)
+        steps = max(2 * T - 2, 0) * groups
         out.append(RunCost(
             model=model, policy=policy, split=split, documents=n, shards=n_shards,
             replicates=R, T=T, batch_documents=B,
-            prefill_forwards=2 * n,
-            decode_forwards=side + ((R + 1) * max(T - 1, 0) * n if decode_time else side),
+            prefill_forwards=_prefills(spec) * n,
+            decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
             token_steps=n * R * 2 * (2 * T - 1),
             decode_time=decode_time,
             replay_prefills=R * n if decode_time else 0,

@@ -1,10 +1,11 @@
 """The language-model kernel pair: one model's weights, two KV caches (estimators.md §1).
 
-The reference side ``P`` holds the full prompt cache and runs on the plain model; the
-evicted side ``Q`` holds the prompt cache compressed by a kvpress press and runs on the
-model's twin (:func:`kvdiverge.engine.llm.twin.evicted_twin`: the same tensors, its own module
-tree), so no press hook or module state ever reaches ``P``. The pair implements
-:class:`kvdiverge.engine.core.pairs.KernelPair`.
+The reference side ``P`` holds the full prompt cache; the evicted side ``Q`` holds the
+prompt cache compressed by a kvpress press. The press is entered on the model's twin
+(:func:`kvdiverge.engine.llm.twin.evicted_twin`: the same tensors, its own module tree),
+so no press hook or module state ever reaches the model. After the prefill both sides
+decode as the rows of one cache, one forward per step (:class:`kvdiverge.engine.llm.side.JointSides`).
+The pair implements :class:`kvdiverge.engine.core.pairs.KernelPair`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
 from kvdiverge.engine.llm.pair_base import LLMPairBase, model_eos_ids
 from kvdiverge.engine.llm.prefill import prefill, seeded
-from kvdiverge.engine.llm.side import CacheSide, merge_caches
+from kvdiverge.engine.llm.side import JointSides, SeparateSides, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
 from kvdiverge.engine.presses.registry import generation_start
@@ -49,15 +50,19 @@ class LLMKernelPair(LLMPairBase):
     under its own press (kvpress compresses one sequence at a time, so no padding enters
     the compression), then the per-document caches are merged into one batched cache per
     side, left-padded to the longest with masked columns (:func:`merge_caches`). Rows are
-    document-major: row ``d*R + r`` is replicate ``r`` of document ``d``. Each side is
-    decoded by its own forward pass per step, on the same rows in the same order, and
-    with ratio 0 the two sides' caches and padding are identical, so the TV is exactly 0.
+    document-major: row ``d*R + r`` is replicate ``r`` of document ``d``.
 
-    Each side (:class:`kvdiverge.engine.llm.side.CacheSide`) decodes on a cache written in
-    place (:class:`kvdiverge.engine.llm.cache.CapacityLayer`, allocated once per side) with
-    the grouped attention (:mod:`kvdiverge.engine.llm.attention`, no ``repeat_kv``), so no
-    step copies a cache; ``fast=False`` keeps transformers' ``DynamicCache`` and the model's
-    attention. Both sides run the same kernels, so ratio 0 still gives a TV of exactly 0.
+    Both sides decode as the rows of one cache (:class:`kvdiverge.engine.llm.side.JointSides`):
+    the reference rows, then the evicted rows in the same order, each evicted document
+    left-padded to its reference width, one forward per step on the twin (its press has
+    exited; its per-head masks name evicted rows only). The weights are read once per step
+    instead of twice. Rows with equal inputs get equal outputs within a forward, so with
+    ratio 0 the TV is exactly 0. The cache is written in place
+    (:class:`kvdiverge.engine.llm.cache.CapacityLayer`, allocated once) and attended with the
+    grouped attention (:mod:`kvdiverge.engine.llm.attention`, no ``repeat_kv``), so no step
+    copies a cache. ``fast=False`` keeps the stock path for comparison: a forward per side,
+    the reference side on the model, transformers' ``DynamicCache`` and the model's attention
+    (``joint=False`` keeps a forward per side on the fast kernels).
 
     Logits are checked for NaN/±inf on every forward (:class:`NonFiniteLogitsError`).
     The decoding transform runs on the model's device in float64 (float32 where the
@@ -119,21 +124,21 @@ class LLMKernelPair(LLMPairBase):
         self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids, [prefill_seed])
 
     def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids, seeds=None, *,
-               horizon: int | None = None, fast: bool | None = None) -> None:
+               horizon: int | None = None, fast: bool | None = None, joint: bool | None = None) -> None:
         super()._setup(model, prompts, presses, expected, temperature, top_p, eos_ids, seeds,
                        horizon=horizon, fast=fast)
         self.twin = evicted_twin(model)
         self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
-        self._ref: CacheSide | None = None
-        self._ev: CacheSide | None = None
+        self.joint = self.fast if joint is None else bool(joint)
+        self._sides: JointSides | SeparateSides | None = None
 
     @classmethod
     def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
                        expected_kept: Sequence, *, temperature: float, top_p: float = 1.0,
                        eos_ids: Sequence[int] | None = None,
                        prefill_seeds: Sequence[int | None] | None = None, horizon: int | None = None,
-                       fast: bool | None = None) -> "LLMKernelPair":
+                       fast: bool | None = None, joint: bool | None = None) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
         Parameters
@@ -155,6 +160,9 @@ class LLMKernelPair(LLMPairBase):
             attention (:mod:`kvdiverge.engine.llm.attention`); ``False``: transformers'
             ``DynamicCache`` and the model's own attention, for comparison. Both give the
             same distributions up to float rounding.
+        joint : bool or None, optional
+            Decode both sides as the rows of one forward per step
+            (:class:`kvdiverge.engine.llm.side.JointSides`); ``None`` (the default): when ``fast``.
 
         Raises
         ------
@@ -167,7 +175,7 @@ class LLMKernelPair(LLMPairBase):
                              f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}")
         pair = cls.__new__(cls)
         pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, seeds,
-                    horizon=horizon, fast=fast)
+                    horizon=horizon, fast=fast, joint=joint)
         return pair
 
     def _prefill_document(self, ids: torch.Tensor, press, expected, seed):
@@ -193,9 +201,8 @@ class LLMKernelPair(LLMPairBase):
         """Prefill both caches of every document, check the compression, merge to ``n_rows`` rows.
 
         ``n_rows`` must be a multiple of the number of documents B (``R = n_rows / B``
-        rows per document). The two sides stay separate, each decoded by its own forward
-        pass per step: batching them into one pass would let the rows' batch positions
-        perturb the logits (~1e-6 on CPU), and ratio 0 must give a TV of exactly 0.
+        rows per document). The sides are then decoded jointly (one forward of ``2 n_rows``
+        rows per step) or separately (a forward per side): see the class.
 
         Returns
         -------
@@ -218,34 +225,46 @@ class LLMKernelPair(LLMPairBase):
                                                             self.prefill_seeds)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
-        masks = HeadMasks.merge([d.keep for d in done], widths, R)
-        if masks is not None:
-            check_patched(self.twin)
-        self._ref = self._side([d.ref for d in done], self.prompt_lens, self.prompt_lens, R)
-        self._ev = self._side([d.ev for d in done], widths, starts, R, masks, attention_modules(self.twin))
+        self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
         logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
         if B == 1:
             return logp.expand(n_rows, -1), logq.expand(n_rows, -1)
         return logp.repeat_interleave(R, dim=0), logq.repeat_interleave(R, dim=0)
 
+    def _separate_sides(self, done, widths, starts, R) -> SeparateSides:
+        """The reference rows on the model, the evicted rows on the twin, a forward each per step."""
+        masks = HeadMasks.merge([d.keep for d in done], widths, R)
+        if masks is not None:
+            check_patched(self.twin)
+        ref = self._side([d.ref for d in done], self.prompt_lens, self.prompt_lens, R)
+        ev = self._side([d.ev for d in done], widths, starts, R, masks, attention_modules(self.twin))
+        return SeparateSides(ref, ev, self.model, self.twin)
+
+    def _joint_sides(self, done, widths, starts, R) -> JointSides:
+        """Both sides' rows in one cache on the twin (:class:`kvdiverge.engine.llm.side.JointSides`)."""
+        full = [[torch.ones(lay.keys.shape[1], lay.keys.shape[2], dtype=torch.bool, device=self.device)
+                 for lay in d.ref.layers] for d in done]
+        lengths = self.prompt_lens + widths
+        masks = HeadMasks.merge(full + [d.keep for d in done], lengths, R)
+        if masks is not None:
+            check_patched(self.twin)
+        side = self._side([d.ref for d in done] + [d.ev for d in done], lengths, self.prompt_lens + starts, R,
+                          masks, attention_modules(self.twin))
+        return JointSides(side, self.twin)
+
     @torch.inference_mode()
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
-        ref_logits = self._ref.forward(self.model, x.to(self.device))
-        ev_logits = self._ev.forward(self.twin, y.to(self.device))
+        ref_logits, ev_logits = self._sides.forward(x.to(self.device), y.to(self.device))
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` generated tokens on both sides (int64, shape (n_rows,))."""
-        length = length.to(self.device)
-        self._ref.rewind(length)
-        self._ev.rewind(length)
+        self._sides.rewind(length.to(self.device))
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (int64 indices into the current rows) on both sides; later calls see fewer rows."""
-        rows = rows.to(self.device)
-        self._ref.keep_rows(rows)
-        self._ev.keep_rows(rows)
+        self._sides.keep_rows(rows.to(self.device))

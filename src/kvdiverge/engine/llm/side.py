@@ -19,7 +19,7 @@ from kvdiverge.engine.llm.attention import GROUPED_SDPA
 from kvdiverge.engine.llm.cache import CapacityLayer, LayerFactory, capacity_cache
 from kvdiverge.engine.llm.masks import HeadMasks
 
-__all__ = ["CacheSide", "grouped_attention", "merge_caches"]
+__all__ = ["CacheSide", "JointSides", "SeparateSides", "grouped_attention", "merge_caches"]
 
 #: Columns a cache is allocated beyond its prompt when the horizon is not known.
 DEFAULT_SPARE = 64
@@ -136,6 +136,104 @@ class CacheSide:
                 keys, values = keys[:, :, cols], values[:, :, cols]
             layer.keys, layer.values = keys, values
         self.all_valid = bool(self.valid.all())
+
+
+class SeparateSides:
+    """The two sides of a pair, each decoded by its own forward per step (the stock path).
+
+    Parameters
+    ----------
+    ref, ev : CacheSide
+        The reference and evicted rows, ``n`` each, in the same order.
+    ref_model, ev_model : torch.nn.Module
+        The module trees each side runs on (the model, its twin).
+    """
+
+    def __init__(self, ref: CacheSide, ev: CacheSide, ref_model, ev_model):
+        self.ref, self.ev, self.ref_model, self.ev_model = ref, ev, ref_model, ev_model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``x`` and ``y`` (int64 (n,)) to the reference and evicted rows; their next-token logits."""
+        return self.ref.forward(self.ref_model, x), self.ev.forward(self.ev_model, y)
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Rewind row ``r`` of both sides to ``length[r]`` generated tokens (int64 (n,))."""
+        self.ref.rewind(length)
+        self.ev.rewind(length)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` (int64 indices, new order) on both sides."""
+        self.ref.keep_rows(rows)
+        self.ev.keep_rows(rows)
+
+    def prompt_len(self, evicted: bool):
+        """RoPE position of the first generated token of one side's rows (int, or int64 (n,))."""
+        return (self.ev if evicted else self.ref).prompt_len
+
+    def valid(self, evicted: bool) -> torch.Tensor:
+        """bool (n, columns): the cache columns each row of one side attends to."""
+        return (self.ev if evicted else self.ref).valid
+
+
+class JointSides:
+    """The two sides of a pair as the rows of one cache: ``n`` reference rows, then ``n`` evicted rows.
+
+    A decoding step is one forward over ``2n`` rows instead of two over ``n``: the weights
+    are read once per step, not twice, and on a memory-bound device the weights dominate a
+    forward at a few rows (measured in ``benchmarks/engine_speed.py``). The evicted
+    documents' caches are left-padded to the reference width like any shorter document
+    (:func:`merge_caches`), their padding and per-head masks masked
+    (:class:`kvdiverge.engine.llm.masks.HeadMasks`, whose batch indices name evicted rows
+    only), and each row has its own RoPE positions.
+
+    Rows of one forward with equal inputs get equal outputs: a row's products and sums run
+    in the same order wherever it sits in the batch (the ratio-0 tests assert a TV of
+    exactly 0 through it). The forward runs on ``model`` (the pair's twin, whose press has
+    exited: the only state it keeps is the per-head mask, applied per row).
+
+    Parameters
+    ----------
+    side : CacheSide
+        ``2n`` rows: reference rows ``0..n-1``, evicted rows ``n..2n-1`` (row ``n + r`` is
+        the evicted twin of reference row ``r``).
+    model : torch.nn.Module
+        The module tree the rows run on.
+    """
+
+    def __init__(self, side: CacheSide, model):
+        self.side, self.model = side, model
+
+    @property
+    def n_rows(self) -> int:
+        """Rows per side (``n``)."""
+        return self.side.valid.shape[0] // 2
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``x`` and ``y`` (int64 (n,)) to the reference and evicted rows; their next-token logits."""
+        n = x.shape[0]
+        logits = self.side.forward(self.model, torch.cat([x, y]))
+        return logits[:n], logits[n:]
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Rewind row ``r`` of both sides to ``length[r]`` generated tokens (int64 (n,))."""
+        self.side.rewind(torch.cat([length, length]))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` (int64 indices, new order) on both sides."""
+        self.side.keep_rows(torch.cat([rows, rows + self.n_rows]))
+
+    def _half(self, evicted: bool) -> slice:
+        n = self.n_rows
+        return slice(n, 2 * n) if evicted else slice(0, n)
+
+    def prompt_len(self, evicted: bool):
+        """RoPE position of the first generated token of one side's rows (int, or int64 (n,))."""
+        p = self.side.prompt_len
+        return p[self._half(evicted)] if isinstance(p, torch.Tensor) else p
+
+    def valid(self, evicted: bool) -> torch.Tensor:
+        """bool (n, columns): the cache columns each row of one side attends to."""
+        return self.side.valid[self._half(evicted)]
 
 
 def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device) -> tuple[object, torch.Tensor]:
