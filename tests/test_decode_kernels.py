@@ -12,7 +12,10 @@ a ``DynamicCache`` that appends by concatenation: ``fast=False``):
 - every measured prefill press of the press matrix gives, on both miniatures, three
   documents batched (padding) and rewound, the stock path's log-distributions within
   :data:`TOL`;
-- with no press the two sides stay bit-identical (ratio 0: TV exactly 0);
+- both sides decode as the rows of one forward per step on the twin (none on the model),
+  and give what a forward per side gives, within :data:`TOL`, for plain, head-wise,
+  per-layer and re-rotating presses;
+- with no press the two sides stay bit-identical (ratio 0: TV exactly 0), jointly or not;
 - a head-wise press's masks still act through kvpress's attention patch: the evicted side
   differs from the same pair with its masks dropped.
 """
@@ -140,7 +143,7 @@ def _measured_prefill_presses():
         yield name
 
 
-def trace(model, prompts, name, fast):
+def trace(model, prompts, name, fast, joint=None):
     """Log-distributions of a batched, rewound run, and the pair; forced tokens, the same on both sides."""
     from kvdiverge.engine.llm.prefill import prefill_seed
 
@@ -148,7 +151,8 @@ def trace(model, prompts, name, fast):
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), p) for ids, p in zip(prompts, presses)]
     pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0, fast=fast,
-                                        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))])
+                                        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))],
+                                        joint=joint)
     n = len(prompts) * R
     out = [pair.start(n)]
     gen = torch.Generator().manual_seed(4)
@@ -175,9 +179,62 @@ def test_measured_presses_give_the_stock_path_distributions(model, prompts, name
             assert gap <= TOL, f"{name}: step {t} differs from the stock path by {gap:.2e}"
 
 
+class Forwards:
+    """Forward hook: the rows of every decoding forward (one new token per row) of a module tree."""
+
+    def __init__(self, model):
+        self.rows: list[int] = []
+        self.handle = model.register_forward_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs, out):
+        if kwargs["input_ids"].shape[1] == 1:
+            self.rows.append(int(kwargs["input_ids"].shape[0]))
+
+
 @pytest.mark.miniature
-def test_without_a_press_both_sides_are_bit_identical(model, prompts):
-    steps, _ = trace(model, prompts, None, True)
+@pytest.mark.parametrize("joint", [True, False], ids=["joint", "a-forward-per-side"])
+def test_both_sides_decode_in_one_forward_per_step_on_the_twin(model, prompts, joint):
+    """Joint: one forward of 2n rows per step on the twin, none on the model; otherwise n rows on each."""
+    import kvpress
+
+    presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
+    pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * len(prompts), temperature=1.0, joint=joint)
+    n = len(prompts) * R
+    pair.start(n)
+    on_model, on_twin = Forwards(model), Forwards(pair.twin)
+    try:
+        for k in range(3):
+            pair.advance(torch.arange(1, 1 + n), torch.arange(1, 1 + n))
+        pair.keep_rows(torch.tensor([0, 3]))
+        pair.advance(torch.tensor([5, 6]), torch.tensor([7, 8]))
+    finally:
+        on_model.handle.remove()
+        on_twin.handle.remove()
+    if joint:
+        assert on_model.rows == [] and on_twin.rows == [2 * n] * 3 + [4]
+    else:
+        assert on_model.rows == [n] * 3 + [2] and on_twin.rows == [n] * 3 + [2]
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("name", ["SnapKVPress", "AdaKVPress", "PyramidKVPress", "KeyRerotationPress"])
+def test_joint_decoding_gives_a_forward_per_sides_distributions(model, prompts, name):
+    """The joint rows (evicted documents padded to the reference width, masks on evicted rows only)
+    give what a forward per side on the same kernels gives, within :data:`TOL`."""
+    joint, _ = trace(model, prompts, name, True, joint=True)
+    apart, _ = trace(model, prompts, name, True, joint=False)
+    for t, ((p, q), (ps, qs)) in enumerate(zip(joint, apart)):
+        for a, b in ((p, ps), (q, qs)):
+            live = b > -13.8
+            gap = (a - b).abs()[live].max().item()
+            assert gap <= TOL, f"{name}: step {t} differs from a forward per side by {gap:.2e}"
+    assert any((p - q).abs().max().item() > 1e-3 for p, q in joint)  # the press matters: the test can fail
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("joint", [True, False], ids=["joint", "a-forward-per-side"])
+def test_without_a_press_both_sides_are_bit_identical(model, prompts, joint):
+    steps, _ = trace(model, prompts, None, True, joint=joint)
     for p, q in steps:
         assert torch.equal(p, q)
         assert (0.5 * (p.exp() - q.exp()).abs().sum(-1)).max().item() == 0.0
