@@ -139,7 +139,7 @@ class CacheSide:
 
 
 class SeparateSides:
-    """The two sides of a pair, each decoded by its own forward per step (the stock path).
+    """The two sides of a pair, each decoded by its own forward per step (the stock kernels, or ``joint=False``).
 
     Parameters
     ----------
