@@ -10,6 +10,12 @@ side's lane, replay and prefill counts (:attr:`kvdiverge.engine.llm.decode_pair.
     .venv/bin/python benchmarks/decode_time_cost.py --config config/config.yaml \\
         --policies recent-50 window-50 --documents 2
 
+``--apart`` runs each policy a second time with every replay lane kept apart (no lane
+merging, as for a press with step counters), right after the first run, so the merging of
+a document's lanes (``SlidingWindowPress``) shows as a ratio; ``--batch-documents`` sets the
+documents per batched forward (1 by default; the workflow's ``auto`` puts a shard's
+documents in one batch).
+
 CPU seconds (``time.process_time``, one torch thread) are the figure to compare on a
 shared machine: wall time there includes the waits for other processes.
 """
@@ -37,6 +43,8 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["recent-50", "window-50"])
     ap.add_argument("--documents", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch-documents", type=int, default=1)
+    ap.add_argument("--apart", action="store_true", help="also run with every replay lane kept apart")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
@@ -56,17 +64,23 @@ def main() -> None:
 
     decode_pair.DecodeTimePair.close = recording_close
     policies = policies_from_config(cfg)
+    merges = decode_pair._merges_lanes
+    variants = [("", merges)] + ([(" (lanes apart)", lambda press: False)] if args.apart else [])
     for policy in args.policies:
-        counts.clear()
-        wall, cpu = time.perf_counter(), time.process_time()
-        recs = run_documents(model, documents, policies[policy], T=T, replicates=R,
-                             temperature=float(cfg["decoding"]["temperature"]), top_p=float(cfg["decoding"]["top_p"]),
-                             seed=int(cfg["seed"]), model_name=name, batch_documents=1)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        steps = sum(2 * (sum(1 for v in r["tv"] if v == v) + len(r["branch_x"])) for r in recs)
-        total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
-        print(f"{policy}: wall {wall:.1f} s, CPU {cpu:.1f} s, {steps} token-steps, "
-              f"{1000 * cpu / steps:.1f} CPU ms per token-step" + (f"; {total}" if total else ""), flush=True)
+        for label, merging in variants:
+            decode_pair._merges_lanes = merging
+            counts.clear()
+            wall, cpu = time.perf_counter(), time.process_time()
+            recs = run_documents(model, documents, policies[policy], T=T, replicates=R,
+                                 temperature=float(cfg["decoding"]["temperature"]),
+                                 top_p=float(cfg["decoding"]["top_p"]), seed=int(cfg["seed"]), model_name=name,
+                                 batch_documents=args.batch_documents)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            steps = sum(2 * (sum(1 for v in r["tv"] if v == v) + len(r["branch_x"])) for r in recs)
+            total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
+            print(f"{policy}{label}: wall {wall:.1f} s, CPU {cpu:.1f} s, {steps} token-steps, "
+                  f"{1000 * cpu / steps:.1f} CPU ms per token-step" + (f"; {total}" if total else ""), flush=True)
+    decode_pair._merges_lanes = merges
 
 
 if __name__ == "__main__":

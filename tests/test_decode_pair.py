@@ -243,6 +243,48 @@ def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
     assert len(pair._lanes) == 2  # both chain lanes still hold a row; the dropped rows ride along
 
 
+@pytest.mark.miniature
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "apart"])
+def test_window_lanes_of_a_document_decode_as_one(model, prompts, monkeypatch, merge):
+    # SlidingWindowPress holds K positions per layer whatever the history: a replayed branch
+    # joins its document's lane, so the evicted side takes the reference side's forwards and
+    # row-steps exactly (one per document per step, no riding rows)
+    import kvdiverge.engine.llm.decode_pair as decode_pair
+
+    if not merge:
+        monkeypatch.setattr(decode_pair, "_merges_lanes", lambda press: False)
+    pair = DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3,
+                          temperature=TEMPERATURE)
+    lanes_per_doc = []
+    advance = pair.advance
+
+    def counting_advance(x, y):
+        out = advance(x, y)
+        lanes_per_doc.append(max(sum(lane.doc == d for lane in pair._lanes) for d in range(3)))
+        return out
+
+    pair.advance = counting_advance
+    out = run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
+    c = pair.counts
+    assert sum(1 for r in out if r["t_star"] and r["t_star"] > 1 and r["branch_y"]) >= 3  # branches replayed
+    if merge:
+        assert max(lanes_per_doc) == 1
+        assert (c["lane_forwards"], c["lane_row_steps"]) == (c["reference_forwards"], c["reference_row_steps"])
+    else:
+        assert max(lanes_per_doc) > 1
+        assert c["lane_forwards"] > c["reference_forwards"] and c["lane_row_steps"] >= c["reference_row_steps"]
+    pair.close()
+
+
+@pytest.mark.miniature
+def test_lanes_of_presses_with_step_counters_stay_apart(model, prompts):
+    # DecodingPress counts steps per lane: a replayed branch keeps a lane of its own
+    pair = DecodeTimePair(model, prompts, [decoding_press() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
+    assert pair.counts["lane_forwards"] > pair.counts["reference_forwards"]
+    pair.close()
+
+
 def test_config_entries_are_recognised():
     assert is_decode_time({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
     assert is_decode_time({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})

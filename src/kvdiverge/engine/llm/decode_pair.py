@@ -28,6 +28,13 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   in its lane (fed its last token again; its outputs are discarded) until every row of
   the lane has left, when the lane is closed. So no press buffer with a batch dimension
   is ever sliced.
+- A press whose adapter sets ``merge_lanes`` (its decode-time state is fixed at prefill and
+  equal in every lane of a document, and each row's cache keeps one length per layer,
+  ``SlidingWindowPress``) needs none of this separation. A replay lane joins a lane of
+  its document whose layers hold as many positions as its own, once its history is
+  replayed: the rows of a document then decode in one forward, each at its own RoPE
+  position. Rows that leave are cut out of the cache at once instead of riding along.
+  What a row computes is unchanged but for the rounding of a larger batch.
 
 The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
 (rewound by masking) and never sees a press. It runs one forward per document, unpadded,
@@ -58,6 +65,11 @@ from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.registry import adapter_of, refusal
 
 __all__ = ["DecodeTimePair"]
+
+def _merges_lanes(press) -> bool:
+    """True when every press in ``press`` lets the lanes of a document decode as one (``merge_lanes``)."""
+    return all(adapter_of(p).merge_lanes for p in walk(press))
+
 
 def _has_row_state(twin, press) -> bool:
     """True when a prefill left state with a batch dimension (module masks, press tensors)."""
@@ -98,7 +110,7 @@ class _Lane:
     """
 
     def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None):
-        self.prompt_len, self.n, self.n_gen, self.counts = int(ids.numel()), int(n), 0, counts
+        self.prompt_len, self.n, self.counts = int(ids.numel()), int(n), counts
         self.snapshot = None
         if start is not None:
             self._enter(model, start[0])
@@ -115,7 +127,9 @@ class _Lane:
             self.cache.batch_repeat_interleave(n)
         self.first_logits = logits
         self.chain_doc: int | None = None  # the document of a chain lane, None for a replay lane
+        self.doc: int | None = None  # the lane's document (set by the pair)
         self.last = torch.zeros(n, dtype=torch.long, device=ids.device)
+        self.position = torch.full((n,), self.prompt_len, dtype=torch.long, device=ids.device)  # next RoPE position
 
     def _enter(self, model, press) -> None:
         """A fresh twin, a deep copy of ``press`` entered on it for the lane's life."""
@@ -141,16 +155,42 @@ class _Lane:
         """Fewest positions any layer of the lane's cache holds (tokens)."""
         return min(layer.get_seq_length() for layer in self.cache.layers)  # a quantized layer's too
 
+    @property
+    def layer_lens(self) -> list[int]:
+        """Positions each layer of the lane's cache holds (tokens)."""
+        return [layer.get_seq_length() for layer in self.cache.layers]
+
     def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
-        """Append ``tokens`` (int64 (n,)) at position ``prompt_len + n_gen``; return the logits (n, vocab)."""
-        position_ids = torch.full((self.n, 1), self.prompt_len + self.n_gen, dtype=torch.long, device=tokens.device)
-        out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache, position_ids=position_ids,
-                        use_cache=True)
-        self.n_gen += 1
+        """Append ``tokens`` (int64 (n,)), each at its row's next RoPE position; return the logits (n, vocab)."""
+        out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache,
+                        position_ids=self.position.unsqueeze(1), use_cache=True)
+        self.position = self.position + 1
         self.last = tokens
         self.counts[f"{kind}_forwards"] += 1
         self.counts[f"{kind}_row_steps"] += self.n
         return out.logits[:, -1, :]
+
+    def absorb(self, other: "_Lane") -> int:
+        """Append ``other``'s rows to this lane (caches concatenated per layer) and close ``other``.
+
+        Only for presses with ``merge_lanes``, and lanes whose layers hold equal lengths.
+        Returns the slot of ``other``'s first row here.
+        """
+        first = self.n
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+        self.position = torch.cat([self.position, other.position])
+        self.last = torch.cat([self.last, other.last])
+        self.n += other.n
+        other.close()
+        return first
+
+    def keep_slots(self, slots: list[int]) -> None:
+        """Keep only the rows in ``slots`` (in that order): cut out of the cache, for ``merge_lanes`` presses."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.last.device)
+        self.cache.batch_select_indices(idx)
+        self.position, self.last, self.n = self.position[idx], self.last[idx], len(slots)
 
     def close(self) -> None:
         """Leave the press's context (its hooks come off the twin) and drop the cache."""
@@ -233,6 +273,7 @@ class DecodeTimePair(LLMPairBase):
                     horizon=horizon, fast=fast)
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
+        self._merges = [_merges_lanes(press) for press in presses]
 
     @classmethod
     def from_documents(cls, model, prompts, presses, expected_kept, **kwargs) -> "DecodeTimePair":
@@ -275,7 +316,7 @@ class DecodeTimePair(LLMPairBase):
                 lane = _Lane(self.model, ids, press, R, self.counts)
             self._starts.append(lane.snapshot)
             self._check_prefill(d, lane)
-            lane.chain_doc = d
+            lane.chain_doc = lane.doc = d
             self._lanes.append(lane)
         # per current row: its lane, its slot there, its document, its evicted-side history
         self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
@@ -345,12 +386,24 @@ class DecodeTimePair(LLMPairBase):
         for (d, n), rows in groups.items():
             with seeded(self.prefill_seeds[d], self.device):
                 lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
+            lane.doc = d
             for i in range(n):
                 tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)
                 check_logits_finite(lane.forward(tokens, "replay"), "evicted")
-            self._lanes.append(lane)
+            first, lane = self._join(lane)
             for j, r in enumerate(rows):
-                self._where[r] = (lane, j)
+                self._where[r] = (lane, first + j)
+
+    def _join(self, lane: _Lane) -> tuple[int, _Lane]:
+        """``(first slot, lane)`` where a replayed lane's rows now sit: a lane of its document
+        with equal layer lengths when its press merges lanes (:meth:`_Lane.absorb`), else its own."""
+        if self._merges[lane.doc]:
+            lens = lane.layer_lens
+            for other in self._lanes:
+                if other.doc == lane.doc and other.layer_lens == lens:
+                    return other.absorb(lane), other
+        self._lanes.append(lane)
+        return 0, lane
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -371,12 +424,22 @@ class DecodeTimePair(LLMPairBase):
         self._close_empty()
 
     def _close_empty(self) -> None:
-        """Close the lanes no current row sits in."""
+        """Close the lanes no current row sits in; cut the rows that left out of merging lanes."""
         used = {id(ln) for ln, _ in self._where if ln is not None}
         for lane in self._lanes:
             if id(lane) not in used:
                 lane.close()
         self._lanes = [lane for lane in self._lanes if id(lane) in used]
+        for lane in self._lanes:
+            if not self._merges[lane.doc]:
+                continue
+            mine = [(r, slot) for r, (ln, slot) in enumerate(self._where) if ln is lane]
+            slots = sorted(slot for _, slot in mine)
+            if slots != list(range(lane.n)):
+                lane.keep_slots(slots)
+                new = {slot: j for j, slot in enumerate(slots)}
+                for r, slot in mine:
+                    self._where[r] = (lane, new[slot])
 
     def close(self) -> None:
         """Close every lane (their presses' hooks come off their twins)."""

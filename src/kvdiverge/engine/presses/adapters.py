@@ -34,6 +34,12 @@ its class (:func:`resolve`). The fields:
 - ``row_state``: the press's prefill leaves tensors with a batch dimension in the press
   object (``DMSPress``), so a decode-time replay lane prefills anew instead of copying the
   chain's one-row prefill (:mod:`kvdiverge.engine.llm.decode_pair`).
+- ``merge_lanes``: the press's decode-time state is fixed at prefill and the same for every
+  lane of a document (no step counter, nothing with a batch dimension), and every row's
+  cache holds the same number of positions per layer whatever its history
+  (``SlidingWindowPress``); a document's decode-time lanes then decode as the rows of one
+  forward, and rows that leave are cut out of it (:mod:`kvdiverge.engine.llm.decode_pair`).
+  Not inherited: a subclass may keep state of its own.
 - ``global_rng``: the press draws from torch's global random generator (no seed of its
   own); the engine seeds that generator per document prefill
   (:func:`kvdiverge.engine.llm.prefill.seeded`), so a document keeps the same positions
@@ -113,6 +119,7 @@ class PressAdapter:
     decode_time: bool | str = INHERITED
     rerotates: bool | str = INHERITED
     row_state: bool = INHERITED
+    merge_lanes: bool = False
     global_rng: bool = False
     engine: tuple[str, ...] = ()
     config_attributes: tuple[str, ...] = ()
@@ -228,7 +235,7 @@ ADAPTERS: dict[str, PressAdapter] = {a.name: a for a in (
     PressAdapter("SimLayerKVPress", engine=("per-layer",), promise=promises.sim_layer,
                  test_params={"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}),
     PressAdapter("DecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
-    PressAdapter("SlidingWindowPress", decode_time=True),
+    PressAdapter("SlidingWindowPress", decode_time=True, merge_lanes=True),
     # a quantized cache (kvdiverge.engine.presses.quantized): its flushes follow the history's length
     PressAdapter("QuantizedCachePress", decode_time=True, promise=None),
     PressAdapter("CompressionRatioDecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
