@@ -29,12 +29,14 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
 
 A **decode-time policy** (:func:`kvdiverge.engine.presses.registry.is_decode_time`) runs on
 :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
-one document each (one forward per lane per step, not batched across documents), and a
-branch starting at ``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper
-bounds per document, with every replicate in a lane of its own: the reference side
-decodes by its own forwards, ``(2T - 2) / B``, and the evicted side's lanes take
-``(R + 1)(T - 1)`` (the chain lane, then ``R`` branch lanes);
-``replay_prefills = R``; ``replay_forwards = replay_token_steps = R (T - 2)``.
+one document each (one forward per lane per step, not batched across documents; a
+press with ``merge_lanes`` decodes a document's lanes as one), and a branch starting at
+``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper bounds per document,
+with every replicate in a lane of its own: the reference side decodes by its own
+forwards, ``2T - 2`` (one forward per document; all of a group's documents in one where
+every prefill evicts), and the evicted side's lanes take ``(R + 1)(T - 1)`` (the chain
+lane, then ``R`` branch lanes); ``replay_prefills = R``;
+``replay_forwards = replay_token_steps = R (T - 2)``.
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
@@ -185,7 +187,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         groups = sum(math.ceil(k / B) for k in per_shard)
         spec = config["policies"].get(policy)
         decode_time = is_decode_time(spec)
-        steps = max(2 * T - 2, 0) * groups
+        steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
         out.append(RunCost(
             model=model, policy=policy, split=split, documents=n, shards=n_shards,
             replicates=R, T=T, batch_documents=B,

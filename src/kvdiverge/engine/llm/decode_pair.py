@@ -37,12 +37,19 @@ included. A compressed cache cannot be cut back, so the evicted side runs in **l
   What a row computes is unchanged but for the rounding of a larger batch.
 
 The reference side ``P`` is the full cache of :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`
-(rewound by masking) and never sees a press. It runs one forward per document, unpadded,
-with the lanes' kernels (a ``DynamicCache`` and the model's own attention, not the grouped
-decoding attention of :mod:`kvdiverge.engine.llm.side`): a left-padded batch, or other
-attention kernels, would compute the same attention with other roundings, so steps before
-the first compression, where ``Q = P`` exactly, would record a TV of rounding (1e-7 on the
-embedded model) and a branch that a batch of one document does not have.
+(rewound by masking) and never sees a press. Where a document's prefill keeps every
+prompt position (a press that starts evicting while generating, or ratio 0), its reference
+runs one forward per document, unpadded, with the lanes' kernels (a ``DynamicCache`` and
+the model's own attention): a left-padded batch, or other attention kernels, would compute
+the same attention with other roundings, so steps before the first compression, where
+``Q = P`` exactly, would record a TV of rounding (1e-7 on the embedded model) and a branch
+that a batch of one document does not have. Where every document's prefill evicted (in
+some layer), no step has ``Q = P``, and the reference side is the batched one of
+:class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`: all documents' rows in one forward
+per step, left-padded, on the decoding kernels of :mod:`kvdiverge.engine.llm.side` (caches
+written in place, grouped attention). Its rounding then differs from the lanes' by the
+float32 noise floor (about 1e-6 in TV per step), against TVs that eviction makes orders
+of magnitude larger.
 
 The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
 prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
@@ -306,10 +313,6 @@ class DecodeTimePair(LLMPairBase):
         self.close()
         self.counts = _new_counts()
         ref = [self._reference_prefill(ids) for ids in self.prompts]
-        # one unpadded reference side per document, on the lanes' kernels (module docstring)
-        self._refs = [CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
-                      for (c, _), n in zip(ref, self.prompt_lens)]
-        self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):
@@ -318,6 +321,14 @@ class DecodeTimePair(LLMPairBase):
             self._check_prefill(d, lane)
             lane.chain_doc = lane.doc = d
             self._lanes.append(lane)
+        if all(min(kept) < n for kept, n in zip(self.kept_per_layer, self.prompt_lens)):
+            # every prefill evicted: Q != P from the first step, one batched reference (module docstring)
+            self._refs = [self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)]
+            self._ref_rows = [list(range(n_rows))]
+        else:  # one unpadded reference side per document, on the lanes' kernels
+            self._refs = [CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
+                          for (c, _), n in zip(ref, self.prompt_lens)]
+            self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
         # per current row: its lane, its slot there, its document, its evicted-side history
         self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
         self._doc = [g // R for g in range(n_rows)]
