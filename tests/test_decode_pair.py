@@ -298,6 +298,23 @@ def test_the_reference_side_is_batched_once_every_prefill_evicted(model, prompts
 
 
 @pytest.mark.miniature
+@pytest.mark.parametrize("name", ["window", "decoding", "dms"])
+def test_the_chain_lanes_prefill_gives_the_full_cache_and_ratio_0_gives_tv_0(model, prompts, name):
+    # one prefill forward per document: the full cache is copied before each layer's compression,
+    # and at ratio 0 (nothing evicted, ever) every step's TV is exactly 0
+    pair = DecodeTimePair(model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
+    assert pair.counts["reference_prefills"] == 0 and pair.counts["prefill_forwards"] >= 3
+    pair.close()
+    zero = DecodeTimePair(model, prompts, [SlidingWindowPress(0.0, n_sink=2) for _ in prompts], [None] * 3,
+                          temperature=TEMPERATURE)
+    out = run_batch(zero, T, 3, 11, "miniature", ["d0", "d1", "d2"])
+    assert zero.counts["reference_prefills"] == 0
+    assert all(tv == 0.0 for r in out for tv in r["tv"]) and all(r["t_star"] is None for r in out)
+    zero.close()
+
+
+@pytest.mark.miniature
 @torch.inference_mode()
 def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
     # every reference log-distribution of chains and branches, against one full forward of the

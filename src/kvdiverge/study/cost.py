@@ -19,8 +19,8 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
   ``token_steps = R x 2 sides x (2T - 1)``.
 - A **forward** is one model call. Per document the prompt is prefilled alone under its
   press, once for both caches when the press allows it (its row's ``prefill``,
-  :func:`kvdiverge.engine.presses.registry.shares_prefill`), else twice (and twice for a
-  decode-time policy: the reference, then the chain lane). Decoding takes at
+  :func:`kvdiverge.engine.presses.registry.shares_prefill`; for a decode-time policy the
+  chain lane's prefill gives the reference's full cache), else twice. Decoding takes at
   most ``2T - 2`` steps (``T - 1`` chain advances after the prefill's first distribution,
   then ``T - t* <= T - 1`` branch advances), each one forward over both sides' rows
   (:class:`kvdiverge.engine.llm.side.JointSides`). With ``B`` documents per forward
@@ -191,7 +191,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         out.append(RunCost(
             model=model, policy=policy, split=split, documents=n, shards=n_shards,
             replicates=R, T=T, batch_documents=B,
-            prefill_forwards=(2 if decode_time else _prefills(spec)) * n,
+            prefill_forwards=_prefills(spec) * n,
             decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
             token_steps=n * R * 2 * (2 * T - 1),
             decode_time=decode_time,

@@ -65,11 +65,12 @@ import torch
 
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.llm.pair_base import LLMPairBase
-from kvdiverge.engine.llm.prefill import seeded
+from kvdiverge.engine.llm.masks import attention_modules
+from kvdiverge.engine.llm.prefill import full_cache_hooks, seeded
 from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
-from kvdiverge.engine.presses.registry import adapter_of, refusal
+from kvdiverge.engine.presses.registry import adapter_of, refusal, shares_prefill
 
 __all__ = ["DecodeTimePair"]
 
@@ -114,17 +115,22 @@ class _Lane:
     snapshot : tuple or None
         After a prefill, ``(press, cache, logits)`` copied at once (one row), or ``None``
         when the prefill left state with a batch dimension (module masks, ``DMSPress``).
+    full : tuple or None
+        ``(cache, logits)``: the full cache of the prompt, copied from the lane's own prefill
+        forward before each layer's compression (as :func:`kvdiverge.engine.llm.prefill.prefill`
+        does), and that forward's last logits; ``None`` for a press that changes the
+        forward itself (its prefill is not shared), or a lane started from a snapshot.
     """
 
     def __init__(self, model, ids: torch.Tensor, press, n: int, counts: dict[str, int], start=None):
         self.prompt_len, self.n, self.counts = int(ids.numel()), int(n), counts
-        self.snapshot = None
+        self.snapshot = self.full = None
         if start is not None:
             self._enter(model, start[0])
             self.cache, logits = copy.deepcopy(start[1]), start[2]
             counts["prefills_restored"] += 1
         else:
-            logits = self._open(model, ids, press, 1)
+            logits = self._open(model, ids, press, 1, capture=shares_prefill(press))
             if not _has_row_state(self.twin, self.press):
                 self.snapshot = (copy.deepcopy(self.press), copy.deepcopy(self.cache), logits)
             elif n > 1:  # the prefill's state has a batch dimension: prefill every row
@@ -138,24 +144,32 @@ class _Lane:
         self.last = torch.zeros(n, dtype=torch.long, device=ids.device)
         self.position = torch.full((n,), self.prompt_len, dtype=torch.long, device=ids.device)  # next RoPE position
 
-    def _enter(self, model, press) -> None:
-        """A fresh twin, a deep copy of ``press`` entered on it for the lane's life."""
-        self.twin = evicted_twin(model)
+    def _enter(self, model, press, twin=None) -> None:
+        """A fresh twin (or ``twin``), a deep copy of ``press`` entered on it for the lane's life."""
+        self.twin = evicted_twin(model) if twin is None else twin
         self.press = copy.deepcopy(press)
         self.stack = ExitStack()
         self.stack.enter_context(self.press(self.twin))
 
-    def _open(self, model, ids: torch.Tensor, press, rows: int) -> torch.Tensor:
-        """Enter a fresh press on a fresh twin, prefill the prompt on ``rows`` rows; the last logits (rows, vocab)."""
+    def _open(self, model, ids: torch.Tensor, press, rows: int, capture: bool = False) -> torch.Tensor:
+        """Enter a fresh press on a fresh twin, prefill the prompt on ``rows`` rows; the last logits (rows, vocab).
+
+        With ``capture`` the full cache is copied from the same forward (:attr:`full`).
+        """
         from transformers import DynamicCache
 
-        self._enter(model, press)
-        self.cache = DynamicCache()
-        self.counts["prefill_forwards"] += 1
-        self.counts["prefill_rows"] += rows
-        out = self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache, use_cache=True,
-                        logits_to_keep=1)
-        return out.logits[:, -1, :]
+        twin = evicted_twin(model)
+        with full_cache_hooks(attention_modules(twin), ids.numel(), enabled=capture) as full:
+            self._enter(model, press, twin)  # the press's hooks after the copying ones
+            self.cache = DynamicCache()
+            self.counts["prefill_forwards"] += 1
+            self.counts["prefill_rows"] += rows
+            out = self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache,
+                            use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]
+        if full.complete:
+            self.full = (full.cache, logits)
+        return logits
 
     @property
     def cache_len(self) -> int:
@@ -207,7 +221,8 @@ class _Lane:
 
 def _new_counts() -> dict[str, int]:
     return {k: 0 for k in ("prefill_forwards", "prefill_rows", "prefills_restored", "lane_forwards", "lane_row_steps",
-                           "replay_forwards", "replay_row_steps", "reference_forwards", "reference_row_steps")}
+                           "replay_forwards", "replay_row_steps", "reference_prefills", "reference_forwards",
+                           "reference_row_steps")}
 
 
 class DecodeTimePair(LLMPairBase):
@@ -252,7 +267,9 @@ class DecodeTimePair(LLMPairBase):
         side, chain and replay lanes), ``prefills_restored`` (replay lanes started from the
         copied prefill instead), ``lane_forwards`` / ``lane_row_steps`` (one per lane
         per engine step, riding rows included), ``replay_forwards`` / ``replay_row_steps``
-        (history fed to replay lanes), ``reference_forwards`` / ``reference_row_steps``.
+        (history fed to replay lanes), ``reference_prefills`` (prefills of the plain model: 0 where
+        the chain lane's prefill forward gave the full cache), ``reference_forwards`` /
+        ``reference_row_steps``.
 
     Raises
     ------
@@ -290,6 +307,7 @@ class DecodeTimePair(LLMPairBase):
     def _reference_prefill(self, ids: torch.Tensor):
         from transformers import DynamicCache
 
+        self.counts["reference_prefills"] += 1
         cache = DynamicCache()
         out = self.model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache, out.logits[:, -1, :]
@@ -312,8 +330,7 @@ class DecodeTimePair(LLMPairBase):
         R = n_rows // B
         self.close()
         self.counts = _new_counts()
-        ref = [self._reference_prefill(ids) for ids in self.prompts]
-        self._lanes, self.kept_lens, self.kept_per_layer, self._starts = [], [], [], []
+        self._lanes, self.kept_lens, self.kept_per_layer, self._starts, ref = [], [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
             with seeded(self.prefill_seeds[d], self.device):
                 lane = _Lane(self.model, ids, press, R, self.counts)
@@ -321,6 +338,9 @@ class DecodeTimePair(LLMPairBase):
             self._check_prefill(d, lane)
             lane.chain_doc = lane.doc = d
             self._lanes.append(lane)
+            # the full cache from the chain lane's own prefill forward where the press allows it
+            ref.append(lane.full if lane.full is not None else self._reference_prefill(ids))
+            lane.full = None
         if all(min(kept) < n for kept, n in zip(self.kept_per_layer, self.prompt_lens)):
             # every prefill evicted: Q != P from the first step, one batched reference (module docstring)
             self._refs = [self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)]

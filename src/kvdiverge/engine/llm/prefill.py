@@ -36,7 +36,7 @@ import torch
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
 from kvdiverge.engine.presses.registry import needs_attentions, shares_prefill
 
-__all__ = ["Prefill", "attention_weights", "prefill", "prefill_seed", "seeded"]
+__all__ = ["FullCache", "Prefill", "attention_weights", "full_cache_hooks", "prefill", "prefill_seed", "seeded"]
 
 
 @dataclass
@@ -145,6 +145,48 @@ def _hook(full, seen: list, supply: bool):
         return None
 
     return hook
+
+
+@dataclass
+class FullCache:
+    """The full cache copied from a pressed prefill forward (:func:`full_cache_hooks`).
+
+    Attributes
+    ----------
+    cache : transformers.DynamicCache or None
+        Each layer's keys and values before the press's hook compressed them (batch as the forward's).
+    seen : list of (int, int)
+        ``(layer, tokens)`` of each attention call the hooks saw.
+    complete : bool
+        True once every layer's attention ran exactly once, on the whole prompt (then
+        ``cache`` is the full prefill cache); set on exit.
+    """
+
+    cache: object
+    seen: list
+    complete: bool = False
+
+
+@contextlib.contextmanager
+def full_cache_hooks(modules, n_tokens: int, enabled: bool = True):
+    """Copy each attention module's full cache during a prefill forward run in the block.
+
+    Registered before a press is entered on the same modules, the copying hooks run before
+    the press's: each copies the layer's keys and values just before they are compressed.
+    Yields a :class:`FullCache`, ``complete`` only when every one of ``modules`` ran once on
+    ``n_tokens`` tokens; with ``enabled=False`` nothing is registered (``complete`` stays False).
+    """
+    from transformers import DynamicCache
+
+    full = FullCache(DynamicCache() if enabled else None, [])
+    hooks = [m.register_forward_hook(_hook(full.cache, full.seen, False), with_kwargs=True)
+             for m in modules] if enabled else []
+    try:
+        yield full
+    finally:
+        for h in hooks:
+            h.remove()
+    full.complete = enabled and full.seen == [(i, int(n_tokens)) for i in range(len(modules))]
 
 
 def _forward(model, ids: torch.Tensor, cache):
