@@ -74,6 +74,7 @@ from kvdiverge.engine.presses.registry import adapter_of, refusal, shares_prefil
 
 __all__ = ["DecodeTimePair"]
 
+
 def _merges_lanes(press) -> bool:
     """True when every press in ``press`` lets the lanes of a document decode as one (``merge_lanes``)."""
     return all(adapter_of(p).merge_lanes for p in walk(press))
@@ -159,7 +160,7 @@ class _Lane:
         from transformers import DynamicCache
 
         twin = evicted_twin(model)
-        with full_cache_hooks(attention_modules(twin), ids.numel(), enabled=capture) as full:
+        with full_cache_hooks(attention_modules(twin) if capture else [], ids.numel()) as full:
             self._enter(model, press, twin)  # the press's hooks after the copying ones
             self.cache = DynamicCache()
             self.counts["prefill_forwards"] += 1
@@ -438,7 +439,8 @@ class DecodeTimePair(LLMPairBase):
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (int64 indices into the current rows); dropped rows ride along in their lanes."""
+        """Keep only ``rows`` (int64 indices into the current rows); dropped rows ride along in their lanes
+        (a ``merge_lanes`` press's lanes cut them out)."""
         idx = rows.tolist()
         for d, old in enumerate(self._ref_rows):  # each document's reference side keeps its rows
             slot = {g: j for j, g in enumerate(old)}

@@ -154,39 +154,61 @@ class FullCache:
     Attributes
     ----------
     cache : transformers.DynamicCache or None
-        Each layer's keys and values before the press's hook compressed them (batch as the forward's).
+        Each layer's keys and values before the press's hook compressed them (batch as the
+        forward's); ``None`` when not copied.
     seen : list of (int, int)
         ``(layer, tokens)`` of each attention call the hooks saw.
+    hooks : list
+        The registered hook handles (empty once removed).
+    n_layers, n_tokens : int
+        Attention modules watched, and the prompt length (tokens).
     complete : bool
-        True once every layer's attention ran exactly once, on the whole prompt (then
-        ``cache`` is the full prefill cache); set on exit.
+        Set when the hooks come off: True when every layer's attention ran exactly once, on
+        the whole prompt (then ``cache``, if copied, is the full prefill cache).
     """
 
     cache: object
     seen: list
+    hooks: list
+    n_layers: int
+    n_tokens: int
     complete: bool = False
+
+    def remove(self) -> None:
+        """Take the hooks off (again: a no-op) and set :attr:`complete`."""
+        if self.hooks:
+            for h in self.hooks:
+                h.remove()
+            self.hooks = []
+            self.complete = self.seen == [(i, self.n_tokens) for i in range(self.n_layers)]
 
 
 @contextlib.contextmanager
-def full_cache_hooks(modules, n_tokens: int, enabled: bool = True):
-    """Copy each attention module's full cache during a prefill forward run in the block.
+def full_cache_hooks(modules, n_tokens: int, *, copy: bool = True, attentions: bool = False):
+    """Watch each attention module of a prefill forward run in the block; copy its full cache.
 
-    Registered before a press is entered on the same modules, the copying hooks run before
-    the press's: each copies the layer's keys and values just before they are compressed.
-    Yields a :class:`FullCache`, ``complete`` only when every one of ``modules`` ran once on
-    ``n_tokens`` tokens; with ``enabled=False`` nothing is registered (``complete`` stays False).
+    Registered before a press is entered on the same modules, the hooks run before the
+    press's: each copies the layer's keys and values (with ``copy``) just before they are
+    compressed, and with ``attentions`` supplies the attention weights eager attention would
+    return (:func:`attention_weights`). Yields a :class:`FullCache`; the hooks come off at
+    :meth:`FullCache.remove` or on exit.
+
+    Parameters
+    ----------
+    modules : sequence of torch.nn.Module
+        The attention modules, in layer order (:func:`kvdiverge.engine.llm.masks.attention_modules`).
+    n_tokens : int
+        Prompt length (tokens), for :attr:`FullCache.complete`.
     """
     from transformers import DynamicCache
 
-    full = FullCache(DynamicCache() if enabled else None, [])
-    hooks = [m.register_forward_hook(_hook(full.cache, full.seen, False), with_kwargs=True)
-             for m in modules] if enabled else []
+    full = FullCache(DynamicCache() if copy else None, [], [], len(modules), int(n_tokens))
+    full.hooks = [m.register_forward_hook(_hook(full.cache, full.seen, attentions), with_kwargs=True)
+                  for m in modules]
     try:
         yield full
     finally:
-        for h in hooks:
-            h.remove()
-    full.complete = enabled and full.seen == [(i, int(n_tokens)) for i in range(len(modules))]
+        full.remove()
 
 
 def _forward(model, ids: torch.Tensor, cache):
@@ -231,21 +253,16 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
         keep = [torch.ones(l.keys.shape[1], l.keys.shape[2], dtype=torch.bool, device=ids.device) for l in ev.layers]
         return Prefill(ref, ev, logits, logits, keep, 1)
     one = shares_prefill(press)
-    full, seen, ev = (DynamicCache() if one else None), [], DynamicCache()
-    hooks = [m.register_forward_hook(_hook(full, seen, needs_attentions(press)), with_kwargs=True) for m in modules]
-    try:
+    ev = DynamicCache()
+    with full_cache_hooks(modules, n, copy=one, attentions=needs_attentions(press)) as full:
         with press(twin):
             ev_logits = _forward(twin, ids, ev)
-            for h in hooks:  # before the press's exit, which may run forwards of its own (KVzip)
-                h.remove()
-    finally:
-        for h in hooks:
-            h.remove()
+            full.remove()  # before the press's exit, which may run forwards of its own (KVzip)
     keep = [masked_keep(getattr(m, "masked_key_indices", None), l.keys.shape[1], l.keys.shape[2], ids.device)
             for m, l in zip(modules, ev.layers)]
     for m in modules:
         m.masked_key_indices = None
-    if one and seen == [(i, n) for i in range(len(modules))]:
-        return Prefill(full, ev, ev_logits, ev_logits, keep, 1)
+    if one and full.complete:
+        return Prefill(full.cache, ev, ev_logits, ev_logits, keep, 1)
     ref = DynamicCache()
     return Prefill(ref, ev, _forward(model, ids, ref), ev_logits, keep, 2)
