@@ -392,3 +392,53 @@ def test_hub_presses_are_refused_as_their_sentence_says_with_a_cached_copy_too(n
     assert "whether or not a copy is in the Hugging Face cache" in sentence and "HF_HUB_OFFLINE=1 changes nothing" in sentence
     press = press_from_spec(press_status.test_spec(name), None, name)
     assert registry.refusal(press) == sentence
+
+
+def _shared_rows():
+    """Measured rows whose presses share their prefill forward and evict at prefill only."""
+    return [pytest.param(name, id=name) for name in sorted(registry.ROWS)
+            if not registry.ROWS[name].refused and registry.ROWS[name].prefill == "shared"
+            and not registry.ROWS[name].decodes(press_status.test_spec(name))]
+
+
+def _same_prefill(a, b) -> bool:
+    return (torch.equal(a.ev_logits, b.ev_logits) and torch.equal(a.ref_logits, b.ref_logits)
+            and len(a.ev.layers) == len(b.ev.layers) == len(a.ref.layers)
+            and all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                    for x, y in zip(a.ev.layers + a.ref.layers, b.ev.layers + b.ref.layers))
+            and all(torch.equal(x, y) for x, y in zip(a.keep, b.keep)))
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("name", _shared_rows())
+def test_shared_prefill_equals_own(model, prompts, name):
+    """One forward for several presses gives each the caches, masks and logits of its own prefill, bit for bit.
+
+    The press sits between a head-wise press (its masks) and a press that draws from torch's
+    generator, so the hand-over of caches, masks and generator state between presses is tested.
+    """
+    from kvdiverge.engine.llm.prefill import prefill, prefill_seed, prefill_shared, seeded
+    from kvdiverge.engine.llm.twin import evicted_twin
+
+    if press_status.status(name, model) == "refused":
+        pytest.skip(f"{name} is refused on this miniature")
+    ids = torch.tensor(prompts[1])
+    n = len(prompts[1])
+    seed = prefill_seed(0, "miniature", "doc1")
+    policies = [_policy("AdaKVPress"), _policy(name), _policy("LeverageScorePress")]
+    twin = evicted_twin(model)
+    with torch.inference_mode():
+        with seeded(seed, "cpu"):
+            shared = prefill_shared(twin, ids, [p.build_press(n) for p in policies])
+        own = []
+        for p in policies:
+            with seeded(seed, "cpu"):
+                own.append(prefill(model, evicted_twin(model), ids, p.build_press(n)))
+    assert shared is not None and [s.forwards for s in shared] == [1, 0, 0]
+    for p, s, o in zip(policies, shared, own):
+        assert _same_prefill(s, o), f"{p.name}: the shared prefill differs from its own beside {name}"
+    assert not all(k.all() for k in shared[0].keep), "AdaKVPress masked nothing"
+    ev, ref = shared[1].ev.layers, shared[1].ref.layers
+    changed = any(e.keys.shape != r.keys.shape or not torch.equal(e.keys, r.keys) for e, r in zip(ev, ref))
+    if policies[1].takes_ratio:  # at ratio 0.5 (a threshold press may keep everything on a short prompt)
+        assert changed or not all(k.all() for k in shared[1].keep), f"{name} left the cache as it was"

@@ -350,19 +350,143 @@ def run_policies(
     check_prompt_lengths(documents, policies, owner)
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
                        memory_budget_gb=memory_budget_gb, decode_time=any(flags.values())) if documents else None
-    records: list[dict[str, Any]] = []
+    by_policy: dict[str, list[dict[str, Any]]] = {}
     counts: dict[str, dict[str, int]] = {}
+    shared = [name for name, decode_time in flags.items() if not decode_time]
+    if len(shared) >= 2:  # one prefill forward per document for all of them (where their presses allow)
+        group = _prefill_group(model, documents, B, T=T, replicates=replicates, memory_budget_gb=memory_budget_gb)
+        got = _run_shared(model, documents, {name: policies[name] for name in shared}, B, group, T=T,
+                          replicates=replicates, seed=seed, model_name=model_name, temperature=temperature,
+                          top_p=top_p, eos_ids=eos_ids, progress=progress)
+        for name, (recs, c) in got.items():
+            by_policy[name], counts[name] = recs, c
     for name, source in policies.items():
+        if name in by_policy:
+            continue
         if not documents:
-            counts[name] = {"documents": 0, "batches": 0}
+            by_policy[name], counts[name] = [], {"documents": 0, "batches": 0}
             continue
         with (progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()) as bar:
-            recs, counts[name] = _run_planned(model, documents, source, B, T=T, replicates=replicates,
-                                              seed=seed, model_name=model_name, temperature=temperature,
-                                              top_p=top_p, eos_ids=eos_ids, progress=bar)
-        meta = {"model": model_name, "policy": name, "split": split}
-        records += [{**meta, **rec} for rec in recs]
-    return PolicyRuns(to_frame(records), B, counts)
+            by_policy[name], counts[name] = _run_planned(model, documents, source, B, T=T, replicates=replicates,
+                                                         seed=seed, model_name=model_name, temperature=temperature,
+                                                         top_p=top_p, eos_ids=eos_ids, progress=bar)
+    records = [{"model": model_name, "policy": name, "split": split, **rec}
+               for name in policies for rec in by_policy[name]]
+    return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
+
+
+def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicates,
+                   memory_budget_gb: float | None) -> int:
+    """Policies that share one document's prefill forward: at most ``2R``, and what the memory budget leaves.
+
+    The shared prefills of one batch hold, per policy, one evicted cache per document (at
+    most the prompt's width); ``2R`` policies hold at most what the batch's own decoding
+    cache holds (``R`` rows per side). The group is also bounded by what the memory budget
+    leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
+    """
+    from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token
+
+    param = next(model.parameters())
+    budget = (default_memory_budget(param.device) if memory_budget_gb is None
+              else int(float(memory_budget_gb) * 2**30))
+    kv = kv_bytes_per_token(model.config, param.dtype)
+    longest = max(doc.prompt_len for doc in documents)
+    left = budget - B * document_bytes(kv_bytes_per_token=kv, prompt_len=longest, T=int(T),
+                                       replicates=int(replicates), vocab_size=int(model.config.vocab_size))
+    return int(max(1, min(2 * int(replicates), left // max(B * longest * kv, 1))))
+
+
+def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, PressSource], B: int, group: int, *,
+                T, replicates, seed, model_name, temperature, top_p, eos_ids, progress):
+    """``{name: (records, counts)}`` of several checked prefill policies, each document prefilled once per group.
+
+    Batch by batch (the batches of :func:`_run_planned`), the policies run in groups of
+    ``group``: each document of the batch is prefilled once for the group's presses that
+    share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
+    policy of the group runs the batch on its pair with those prefills. A press that does
+    not share its prefill, a group of one, or a shared forward that fails leaves the pair
+    to prefill the document alone (a failing press then raises there, named). The caches
+    and so the records are those of :func:`_run_planned`'s, bit for bit; ``seconds`` adds
+    the policy's share of the shared forwards.
+    """
+    import contextlib
+
+    from kvdiverge.engine.llm.twin import evicted_twin
+
+    order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
+    names = list(policies)
+    groups = [names[lo:lo + group] for lo in range(0, len(names), group)]
+    log.info("%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of %d",
+             len(documents), B, B * int(replicates), len(names), group)
+    by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
+    counts = {name: Counter(documents=len(documents)) for name in names}
+    twin = evicted_twin(model)
+    bars: dict[str, Any] = {}
+    batches = [order[lo:lo + B] for lo in range(0, len(order), B)]
+    with contextlib.ExitStack() as stack:
+        for bi, indices in enumerate(batches):
+            batch = [documents[i] for i in indices]
+            for names_ in groups:
+                presses = {name: [policies[name].build_press(doc.prompt_len) for doc in batch] for name in names_}
+                start = time.perf_counter()
+                bank = _shared_prefills(twin, batch, presses, seed=seed, model_name=model_name)
+                shared_seconds = (time.perf_counter() - start) / len(names_)
+                for name in names_:
+                    if name not in bars:
+                        bars[name] = stack.enter_context(progress(name, len(documents) * (2 * int(T) - 1))
+                                                         if progress else nullcontext())
+                    bar = bars[name]
+                    start = time.perf_counter()
+                    pair, reps = _run_one_batch(model, batch, policies[name], T=T, replicates=replicates, seed=seed,
+                                                model_name=model_name, temperature=temperature, top_p=top_p,
+                                                eos_ids=eos_ids, progress=bar, presses=presses[name],
+                                                prefilled=bank.pop(name))
+                    seconds = (time.perf_counter() - start + shared_seconds) / len(batch)
+                    counts[name].update(_pair_counts(pair))
+                    if bar is not None:
+                        done = sum(len(b) for b in batches[:bi + 1])
+                        bar.update(done * (2 * T - 1) - bar.n)
+                        if bi == len(batches) - 1:
+                            bar.close()
+                    for j, doc in enumerate(batch):
+                        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
+                                "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
+                        by_index[name][indices[j]] = [{**meta, **rec}
+                                                      for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
+                    log.info("%s: %d documents, %.1f s per document", name, len(batch), seconds)
+    return {name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name]))
+            for name in names}
+
+
+def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], *, seed: int,
+                     model_name: str) -> dict[str, list | None]:
+    """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
+
+    ``None`` for the whole policy when no document's prefill was shared (the pair prefills).
+    """
+    import torch
+
+    from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+    from kvdiverge.engine.presses.registry import shares_prefill
+
+    device = next(twin.parameters()).device
+    got: dict[str, list] = {name: [None] * len(batch) for name in presses}
+    for j, doc in enumerate(batch):
+        names = [name for name in presses if presses[name][j] is not None and shares_prefill(presses[name][j])]
+        if len(names) < 2:
+            continue
+        ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
+        try:
+            with torch.inference_mode(), seeded(prefill_seed(int(seed), model_name, doc.doc_id), device):
+                done = prefill_shared(twin, ids, [presses[name][j] for name in names])
+        except Exception as exc:  # each pair then prefills alone, where a failing press is named
+            log.warning("%s: shared prefill failed (%s: %s); each policy prefills it alone",
+                        doc.doc_id, type(exc).__name__, exc)
+            done = None
+        if done is not None:
+            for name, one in zip(names, done):
+                got[name][j] = one
+    return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
 
 
 def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: int, *, T,
@@ -419,7 +543,7 @@ def _press_files(press) -> list[str]:
 
 def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
                temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False,
-               horizon: int | None = None):
+               horizon: int | None = None, presses: Sequence | None = None, prefilled: Sequence | None = None):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
 
     With ``horizon`` (``T``, steps) each side's cache is allocated once for its widest need,
@@ -430,6 +554,10 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
     :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; each document's prefill seeds torch's
     generator from ``(seed, model_name, doc_id)`` (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+
+    ``presses`` (one per document, built by ``policy``) and ``prefilled`` (their prefills,
+    :func:`kvdiverge.engine.llm.prefill.prefill_shared`; ``None`` entries prefill alone) come
+    from a shared prefill; both default to building and prefilling here.
 
     Returns
     -------
@@ -448,22 +576,27 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
     from kvdiverge.engine.llm.prefill import prefill_seed
     from kvdiverge.engine.presses.registry import is_decode_time, refusal
 
-    presses = [policy.build_press(doc.prompt_len) for doc in batch]
+    if presses is None:
+        presses = [policy.build_press(doc.prompt_len) for doc in batch]
     reason = None if checked else refusal(presses[0], model)  # config attributes the press reads
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
-    kind = DecodeTimePair if is_decode_time(presses[0]) else LLMKernelPair
+    decode_time = is_decode_time(presses[0])
+    if prefilled is not None and decode_time:
+        raise ValueError(f"policy {policy.name!r} evicts while decoding; its prefill is not shared")
+    kind = DecodeTimePair if decode_time else LLMKernelPair
+    extra = {} if prefilled is None else {"prefilled": prefilled}
     return kind.from_documents(
-        model, [doc.input_ids for doc in batch], presses,
+        model, [doc.input_ids for doc in batch], list(presses),
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
-        horizon=horizon,
+        horizon=horizon, **extra,
     )
 
 
 def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, seed, model_name,
-                   temperature, top_p, eos_ids, progress):
+                   temperature, top_p, eos_ids, progress, presses=None, prefilled=None):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
     import torch
 
@@ -472,7 +605,7 @@ def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, s
     from kvdiverge.engine.core.pairs import PhaseTracker
 
     pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
-                      eos_ids=eos_ids, checked=True, horizon=T)
+                      eos_ids=eos_ids, checked=True, horizon=T, presses=presses, prefilled=prefilled)
     phased = PhaseTracker(pair)
     try:
         reps = run_batch(phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],

@@ -132,13 +132,15 @@ class LLMKernelPair(LLMPairBase):
         self.prefill_forwards: list[int] = []
         self.joint = self.fast if joint is None else bool(joint)
         self._sides: JointSides | SeparateSides | None = None
+        self._prefilled: list | None = None
 
     @classmethod
     def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
                        expected_kept: Sequence, *, temperature: float, top_p: float = 1.0,
                        eos_ids: Sequence[int] | None = None,
                        prefill_seeds: Sequence[int | None] | None = None, horizon: int | None = None,
-                       fast: bool | None = None, joint: bool | None = None) -> "LLMKernelPair":
+                       fast: bool | None = None, joint: bool | None = None,
+                       prefilled: Sequence | None = None) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
         Parameters
@@ -163,6 +165,11 @@ class LLMKernelPair(LLMPairBase):
         joint : bool or None, optional
             Decode both sides as the rows of one forward per step
             (:class:`kvdiverge.engine.llm.side.JointSides`); ``None`` (the default): when ``fast``.
+        prefilled : sequence of Prefill, optional
+            Per document, its prefill already run for this document's press
+            (:func:`kvdiverge.engine.llm.prefill.prefill_shared`: one forward for several
+            policies); :meth:`start` checks and merges it as its own. ``None`` (the default):
+            :meth:`start` prefills each document.
 
         Raises
         ------
@@ -170,19 +177,26 @@ class LLMKernelPair(LLMPairBase):
             If the three sequences differ in length or are empty.
         """
         seeds = [None] * len(prompts) if prefill_seeds is None else list(prefill_seeds)
+        if prefilled is not None and len(prefilled) != len(prompts):
+            raise ValueError(f"prefilled holds {len(prefilled)} prefills for {len(prompts)} documents")
         if not len(prompts) == len(presses) == len(expected_kept) == len(seeds) or not prompts:
             raise ValueError(f"prompts, presses, expected_kept and prefill_seeds must be non-empty and of one "
                              f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}")
         pair = cls.__new__(cls)
         pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, seeds,
                     horizon=horizon, fast=fast, joint=joint)
+        pair._prefilled = None if prefilled is None else list(prefilled)
         return pair
 
-    def _prefill_document(self, ids: torch.Tensor, press, expected, seed):
-        """Prefill one document (torch's generator seeded with ``seed``), check its evicted cache, record its kept counts."""
+    def _prefill_document(self, ids: torch.Tensor, press, expected, seed, given=None):
+        """Prefill one document (torch's generator seeded with ``seed``) unless ``given``; check its evicted
+        cache, record its kept counts."""
         n = int(ids.numel())
-        with seeded(seed, self.device):
-            done = prefill(self.model, self.twin, ids, press)
+        if given is not None:
+            done = given
+        else:
+            with seeded(seed, self.device):
+                done = prefill(self.model, self.twin, ids, press)
         for li, layer in enumerate(done.ev.layers):
             if layer.keys.shape[2] > n:
                 raise CompressionError(f"layer {li} of the evicted cache holds {layer.keys.shape[2]} positions, "
@@ -221,8 +235,10 @@ class LLMKernelPair(LLMPairBase):
             raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
         R = n_rows // B
         self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
+        given = self._prefilled or [None] * B
+        self._prefilled = None  # the caches are merged below; hold no second reference
         done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.presses, self.expected,
-                                                            self.prefill_seeds)]
+                                                            self.prefill_seeds, given)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
         self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)

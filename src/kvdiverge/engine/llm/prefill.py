@@ -24,6 +24,10 @@ Presses that draw from torch's global random generator (``CompactorPress``,
 generator seeded per document (:func:`prefill_seed`), so a document keeps the same
 positions alone or in any batch, and from run to run; the caller's generator state is
 restored afterwards.
+
+Several presses that share their prefill get their caches from one forward
+(:func:`prefill_shared`): each press's hook is handed a cache of its own, so a document
+is prefilled once for every such policy of a run.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
-from kvdiverge.engine.presses.registry import needs_attentions, shares_prefill
+from kvdiverge.engine.presses.registry import draws_global_rng, needs_attentions, shares_prefill
 
-__all__ = ["FullCache", "Prefill", "attention_weights", "full_cache_hooks", "prefill", "prefill_seed", "seeded"]
+__all__ = ["FullCache", "Prefill", "attention_weights", "full_cache_hooks", "prefill", "prefill_seed", "prefill_shared",
+           "seeded"]
 
 
 @dataclass
@@ -266,3 +271,129 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
         return Prefill(full.cache, ev, ev_logits, ev_logits, keep, 1)
     ref = DynamicCache()
     return Prefill(ref, ev, _forward(model, ids, ref), ev_logits, keep, 2)
+
+
+def _rng_state(device) -> tuple:
+    """torch's global generator state on the CPU (and ``device``, if CUDA)."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple, device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _view(cache):
+    """A cache object of its own over ``cache``'s tensors (no copy): callers may replace its layers' tensors."""
+    import copy
+
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
+def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
+    """Prefill one document once for several presses: each press's evicted cache from the same forward.
+
+    kvpress's prefill presses compress in a forward hook after each layer's attention and
+    never change the hidden states passed on, so one forward of the prompt serves every press
+    that enters by plain hooks (:func:`kvdiverge.engine.presses.registry.shares_prefill`). The
+    presses are entered on ``twin`` one after the other, and before each press's hooks a hook
+    of this function hands it, through the forward's keyword arguments, a cache of its own
+    whose layer holds a copy of the full keys and values; it takes back the press's
+    ``masked_key_indices`` (head-wise presses) and, for presses that draw from torch's global
+    generator, the generator state. Each press so sees exactly what it sees in a prefill of
+    its own (:func:`prefill`), from the same generator state, and the caches are equal bit
+    for bit.
+
+    Parameters
+    ----------
+    twin : transformers.PreTrainedModel
+        :func:`kvdiverge.engine.llm.twin.evicted_twin` of the reference model, no press entered.
+    ids : torch.Tensor
+        int64 (n,), the prompt.
+    presses : sequence of kvpress.BasePress
+        Presses that share their prefill, each its own object.
+
+    Returns
+    -------
+    list of Prefill or None
+        One per press, in order: each its own cache objects (the full cache's tensors shared),
+        ``forwards`` 1 for the first and 0 for the others. ``None`` when some layer's attention
+        did not run exactly once on the whole prompt; the caller then prefills each press alone.
+
+    Raises
+    ------
+    ValueError
+        If a press does not share its prefill.
+    """
+    import contextlib
+
+    from transformers import DynamicCache
+
+    refused = [type(p).__name__ for p in presses if not shares_prefill(p)]
+    if refused:
+        raise ValueError(f"presses {refused} do not share their prefill forward")
+    ids = ids.unsqueeze(0)
+    n, modules, device = int(ids.shape[1]), attention_modules(twin), ids.device
+    k = len(presses)
+    full = DynamicCache()
+    caches = [DynamicCache() for _ in presses]
+    masked = [[None] * len(modules) for _ in presses]
+    states = [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None
+    supply = any(needs_attentions(p) for p in presses)
+    seen: list = []
+
+    def before(i: int):
+        """Runs after press ``i - 1``'s hook and before press ``i``'s (``i == k``: after the last)."""
+
+        def hook(module, args, kwargs, output):
+            li = int(module.layer_idx)
+            if i == 0:
+                seen.append((li, int(kwargs["hidden_states"].shape[1])))
+            else:
+                masked[i - 1][li] = getattr(module, "masked_key_indices", None)
+                module.masked_key_indices = None
+                if states is not None:
+                    states[i - 1] = _rng_state(device)
+            if i == k:
+                kwargs["past_key_values"] = full
+                return None
+            layer = full.layers[li]
+            caches[i].update(layer.keys, layer.values, li)  # a copy (concatenation onto nothing)
+            kwargs["past_key_values"] = caches[i]
+            if states is not None:
+                _set_rng_state(states[i], device)
+            if i == 0 and supply and output[1] is None:
+                return (output[0], attention_weights(module, kwargs["hidden_states"], layer.keys, kwargs), *output[2:])
+            return None
+
+        return hook
+
+    handles = []
+    try:
+        with contextlib.ExitStack() as stack:
+            for i, press in enumerate(presses):
+                handles += [m.register_forward_hook(before(i), with_kwargs=True) for m in modules]
+                stack.enter_context(press(twin))
+            handles += [m.register_forward_hook(before(k), with_kwargs=True) for m in modules]
+            logits = _forward(twin, ids, full)
+            for h in handles:
+                h.remove()
+            handles = []
+    finally:
+        for h in handles:
+            h.remove()
+        for m in modules:
+            m.masked_key_indices = None
+    if seen != [(i, n) for i in range(len(modules))]:
+        return None
+    if states is not None:
+        _set_rng_state(states[-1], device)
+    out = []
+    for i, cache in enumerate(caches):
+        keep = [masked_keep(mk, layer.keys.shape[1], layer.keys.shape[2], device)
+                for mk, layer in zip(masked[i], cache.layers)]
+        out.append(Prefill(_view(full), cache, logits, logits, keep, 1 if i == 0 else 0))
+    return out

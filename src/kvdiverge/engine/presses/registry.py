@@ -29,8 +29,8 @@ from kvdiverge.engine.presses import promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
-__all__ = ["PRESS_CLASSES", "ROWS", "adapter_of", "generation_start", "import_press", "is_decode_time",
-           "kept_promise", "needs_attentions", "press_class", "refusal", "shares_prefill"]
+__all__ = ["PRESS_CLASSES", "ROWS", "adapter_of", "draws_global_rng", "generation_start", "import_press",
+           "is_decode_time", "kept_promise", "needs_attentions", "press_class", "refusal", "shares_prefill"]
 
 
 def _press_classes() -> dict[str, type]:
@@ -93,6 +93,11 @@ def is_decode_time(press) -> bool:
 def shares_prefill(press) -> bool:
     """True when the full cache can be copied from ``press``'s own prefill forward (its row's ``prefill``)."""
     return adapter_of(press).prefill == "shared"
+
+
+def draws_global_rng(press) -> bool:
+    """True when ``press`` or a press it wraps draws from torch's global random generator (its row's ``global_rng``)."""
+    return any(adapter_of(p).global_rng for p in walk(press))
 
 
 def needs_attentions(press) -> bool:
