@@ -37,6 +37,11 @@ if config.get("frontier"):
 validate(config, "../schemas/config.schema.yaml")
 
 SPLITS = ("exploratory", "confirmatory")
+# The frontier's points (kvdiverge.study.config.frontier_points), its split, and the
+# policies those points run as; empty without a `frontier` section.
+FRONTIER_POINTS = kvdiverge.study.config.frontier_points(config)
+FRONTIER_SPLIT = kvdiverge.study.config.frontier_split(config)
+FRONTIER_POLICIES = [pt["policy"] for pt in FRONTIER_POINTS]
 MODELS = list(config["models"])
 RUNS = kvdiverge.study.config.runs(config)  # [(model, policy, split), ...], control included
 SHARDS = list(range(int(config["shards"])))
@@ -53,6 +58,12 @@ canonical = kvdiverge.study.provenance.canonical
 def shard_settings(wildcards):
     """Settings that decide a trajectory shard (kvdiverge.study.provenance.shard_settings)."""
     return kvdiverge.study.provenance.shard_settings(config, wildcards.model, wildcards.policy, wildcards.split)
+
+
+def frontier_settings(wildcards):
+    """Settings that decide the frontier's shards of one model and shard index, per frontier policy."""
+    return {p: kvdiverge.study.provenance.shard_settings(config, wildcards.model, p, FRONTIER_SPLIT)
+            for p in FRONTIER_POLICIES}
 
 
 # The config files of this run, for the regenerate command in the estimate stage's

@@ -1,4 +1,4 @@
-"""Snakemake adapter: one trajectory shard (kvdiverge.study.shard.run_shard).
+"""Snakemake adapter: one trajectory shard of each of the job's policies (kvdiverge.study.shard.run_shard).
 
 A CUDA model is bound to a free GPU of its own for the duration of the shard
 (kvdiverge.study.devices.bind_device: one lock per device), so that local generation jobs
@@ -21,9 +21,10 @@ if snakemake.input.model:  # noqa: F821  (a GGUF model converted by rule convert
 try:
     with bind_device(str(spec.get("device", "cpu"))) as device:
         spec = {**spec, "device": device}
-        frame = run_shard(snakemake.config, w.model, w.policy, w.split, snakemake.params.shard,  # noqa: F821
-                          snakemake.input.prompts, snakemake.output[0], model_spec=spec)  # noqa: F821
-    log.info("wrote %s: %d rows", snakemake.output[0], frame.height)  # noqa: F821
+        frame = run_shard(snakemake.config, w.model, list(snakemake.params.policies), snakemake.params.split,  # noqa: F821
+                          snakemake.params.shard, snakemake.input.prompts, list(snakemake.output),  # noqa: F821
+                          model_spec=spec)
+    log.info("wrote %s: %d rows", ", ".join(snakemake.output), frame.height)  # noqa: F821
 except Exception:
     log.exception("trajectory shard failed")
     raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import polars as pl
@@ -44,15 +45,19 @@ def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, 
 def run_shard(
     config: dict[str, Any],
     model_name: str,
-    policy_name: str,
+    policy_name: str | Sequence[str],
     split: str,
     shard: int,
     prompts_path: str,
-    output_path: str,
+    output_path: str | Sequence[str],
     model=None,
     model_spec: dict[str, Any] | None = None,
 ) -> pl.DataFrame:
-    """Generate the coupled trajectories of one shard and write them atomically.
+    """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
+
+    Policies that run on the same documents run in one call of the runner
+    (:func:`kvdiverge.engine.runner.run_policies`): one model load, and each document
+    prefilled once for the policies whose presses allow it (the frontier's job).
 
     Parameters
     ----------
@@ -60,15 +65,17 @@ def run_shard(
         Validated workflow config (``seed``, ``models``, ``policies``, ``runs``,
         ``decoding``, ``replicates``, ``shards``, optional ``generation``:
         ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.engine.runner.run_policies`).
-    model_name, policy_name, split : str
-        Keys of ``config['models']`` and ``config['policies']``; ``"exploratory"`` or
-        ``"confirmatory"``.
+    model_name, split : str
+        Key of ``config['models']``; ``"exploratory"`` or ``"confirmatory"``.
+    policy_name : str or sequence of str
+        Key(s) of ``config['policies']``.
     shard : int
         Shard index in ``[0, config['shards'])``.
     prompts_path : str
         ``results/prompts/{model}.parquet`` (docs/internals.md).
-    output_path : str
-        Destination ``shard-{i}.parquet``; written only once the shard is complete.
+    output_path : str or sequence of str
+        Destination ``shard-{i}.parquet`` of each policy, in the order of ``policy_name``;
+        each written only once every policy of the call is complete.
     model : transformers.PreTrainedModel, optional
         Already loaded model (tests, benchmarks); loaded otherwise.
     model_spec : dict, optional
@@ -78,13 +85,15 @@ def run_shard(
     Returns
     -------
     polars.DataFrame
-        The shard table (:data:`TRAJECTORY_SCHEMA`), one row per (document, replicate).
-        The file also records the settings it was made with, the library versions and the
-        documents per batched forward ``B`` it ran with
-        (:func:`kvdiverge.study.provenance.shard_metadata`, parquet key-value metadata).
+        The shard tables (:data:`TRAJECTORY_SCHEMA`), one row per (policy, document,
+        replicate), policies in the given order. Each file also records the settings it was
+        made with, the library versions and the documents per batched forward ``B`` it ran
+        with (:func:`kvdiverge.study.provenance.shard_metadata`, parquet key-value metadata).
 
     Raises
     ------
+    ValueError
+        If the policies and output paths differ in number.
     kvdiverge.engine.core.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
@@ -94,26 +103,41 @@ def run_shard(
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_policies
 
-    policy = Policy.from_config(policy_name, config["policies"][policy_name])
-    docs = shard_documents(pl.read_parquet(prompts_path), config, policy_name, split, shard)
+    names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
+    outputs = [output_path] if isinstance(output_path, str) else list(output_path)
+    if len(names) != len(outputs) or not names:
+        raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
+    prompts = pl.read_parquet(prompts_path)
     T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
-    log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d",
-             model_name, policy_name, split, shard, docs.height, T, R)
-    if model is None and docs.height:
+    groups: dict[tuple[str, ...], list[str]] = {}  # policies that run on the same documents
+    for name in names:
+        docs = shard_documents(prompts, config, name, split, shard)
+        log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d", model_name, name, split, shard, docs.height, T, R)
+        groups.setdefault(tuple(docs["doc_id"].to_list()), []).append(name)
+    if model is None and any(groups):
         from kvdiverge.study.models import load_model
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     gen = config.get("generation") or {}
-    runs = run_policies(
-        model, [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)], {policy_name: policy},
-        T=T, replicates=R, temperature=float(config["decoding"]["temperature"]),
-        top_p=float(config["decoding"].get("top_p", 1.0)), seed=int(config["seed"]), model_name=model_name,
-        split=split, memory_budget_gb=gen.get("memory_budget_gb"),
-        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-        progress=lambda name, total: tqdm(total=total, desc=f"{name}/{split}/shard-{shard}", unit="step",
-                                          mininterval=5.0),
-    )
-    provenance = shard_metadata(shard_settings(config, model_name, policy_name, split), model=model_name,
-                                policy=policy_name, split=split, shard=shard, batch_documents=runs.batch_documents)
-    write_parquet_atomic(runs.trajectories, output_path, metadata=provenance)
-    return runs.trajectories
+    frames: dict[str, pl.DataFrame] = {}
+    batch: dict[str, int | None] = {}
+    for doc_ids, group in groups.items():
+        docs = shard_documents(prompts, config, group[0], split, shard)
+        runs = run_policies(
+            model, [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)],
+            {name: Policy.from_config(name, config["policies"][name]) for name in group},
+            T=T, replicates=R, temperature=float(config["decoding"]["temperature"]),
+            top_p=float(config["decoding"].get("top_p", 1.0)), seed=int(config["seed"]), model_name=model_name,
+            split=split, memory_budget_gb=gen.get("memory_budget_gb"),
+            batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
+            progress=lambda name, total: tqdm(total=total, desc=f"{name}/{split}/shard-{shard}", unit="step",
+                                              mininterval=5.0),
+        )
+        for name in group:
+            frames[name] = runs.trajectories.filter(pl.col("policy") == name)
+            batch[name] = runs.batch_documents
+    for name, path in zip(names, outputs):
+        provenance = shard_metadata(shard_settings(config, model_name, name, split), model=model_name,
+                                    policy=name, split=split, shard=shard, batch_documents=batch[name])
+        write_parquet_atomic(frames[name], path, metadata=provenance)
+    return pl.concat([frames[name] for name in names])
