@@ -25,6 +25,7 @@ import yaml
 from conftest import run_main
 from kvdiverge.estimation.frontier import (common_range, frontier_curves, frontier_grid, frontier_name, frontier_tables,
                                            kv_bytes_per_element, range_mean, trapezoid_area)
+from kvdiverge.study.provenance import read_provenance
 from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -620,6 +621,13 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
     # ordinary policies: the estimates and shards of every point exist under their own names
     for p in points["policy"]:
         assert (results / "estimates" / "smollm2-135m" / p / "exploratory.parquet").is_file()
+        shard = read_provenance(results / "trajectories" / "smollm2-135m" / p / "exploratory" / "shard-0.parquet")
+        assert shard.shard["policy"] == p and shard.settings["policy"]["compression_ratio"] == float(p.split("@")[1])
+    # ... made by one job for all points, which prefilled each document once for all of them
+    log = (results / "logs" / "frontier" / "smollm2-135m" / "exploratory" / "shard-0.log").read_text()
+    assert "4 policies, prefilled in groups of 4" in log, log[-2000:]
+    assert not any((results / "logs" / "trajectories" / "smollm2-135m" / p).exists() for p in points["policy"])
+    assert (results / "logs" / "trajectories" / "smollm2-135m" / "noise-floor").is_dir()
 
 
 @pytest.mark.llm

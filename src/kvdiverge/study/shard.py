@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ def run_shard(
     split: str,
     shard: int,
     prompts_path: str,
-    output_path: str | Sequence[str],
+    output_path: str | os.PathLike | Sequence[str | os.PathLike],
     model=None,
     model_spec: dict[str, Any] | None = None,
 ) -> pl.DataFrame:
@@ -104,7 +105,7 @@ def run_shard(
     from kvdiverge.engine.runner import Document, run_policies
 
     names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
-    outputs = [output_path] if isinstance(output_path, str) else list(output_path)
+    outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
     if len(names) != len(outputs) or not names:
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     prompts = pl.read_parquet(prompts_path)

@@ -1,0 +1,87 @@
+"""Several prefill policies on the same documents: one prefill forward per document for all of them.
+
+:func:`kvdiverge.engine.runner.run_policies` prefills each document once for a group of
+policies whose presses share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`);
+each policy's records must equal its run alone bit for bit, and the forwards counted must
+show the sharing. The press matrix (``tests/test_press_matrix.py``) checks every press's
+shared prefill against its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import polars as pl
+import pytest
+import torch
+
+from kvdiverge.engine.presses import status as press_status
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document, run_policies
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+pytestmark = pytest.mark.miniature
+
+SPECS = {
+    "snapkv": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8},
+    "knorm": {"press": "KnormPress", "compression_ratio": 0.25},
+    "adakv": {"press": "AdaKVPress", "compression_ratio": 0.5,
+              "params": {"press": {"press": "SnapKVPress", "window_size": 8}}},
+    "leverage": press_status.test_spec("LeverageScorePress"),  # draws from torch's generator
+    "window": {"press": "SlidingWindowPress", "compression_ratio": 0.5},  # evicts while decoding
+}
+SHARED = ["snapkv", "knorm", "adakv", "leverage"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(MINIATURE["qwen-2.5-7b"], seed=3)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    gen = torch.Generator().manual_seed(11)
+    return [Document(f"d{i}", torch.randint(1, 500, (n,), generator=gen).tolist()) for i, n in enumerate((48, 64, 96))]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+def _run(model, docs, names, R=2, **kw):
+    policies = {name: Policy.from_config(name, SPECS[name]) for name in names}
+    return run_policies(model, docs, policies, T=5, replicates=R, temperature=0.7, top_p=0.95, seed=5,
+                        model_name="m", split="exploratory", batch_documents=2, **kw)
+
+
+def test_policies_run_together_equal_each_alone_bit_for_bit(model, docs):
+    together = _run(model, docs, list(SPECS))
+    assert together.trajectories["policy"].unique(maintain_order=True).to_list() == list(SPECS)
+    for name in SPECS:
+        alone = _run(model, docs, [name]).trajectories.drop("seconds")
+        mine = together.trajectories.filter(pl.col("policy") == name).drop("seconds")
+        assert mine.equals(alone), f"{name}: records differ when run beside the other policies"
+    # one prefill forward per document (3) for the four prefill policies (2R = 4 to a group)
+    assert [together.counts[n]["prefill_forwards"] for n in SHARED] == [3, 0, 0, 0]
+    assert together.counts["window"]["prefill_forwards"] == 3  # its own: it evicts while decoding
+    assert _run(model, docs, ["snapkv"]).counts["snapkv"]["prefill_forwards"] == 3
+    snap = together.trajectories.filter(pl.col("policy") == "snapkv")
+    assert (snap["kept_len"] < snap["prompt_len"]).all()
+
+
+def test_groups_hold_at_most_2R_policies(model, docs):
+    runs = _run(model, docs, SHARED, R=1)  # 2R = 2: two groups of two
+    assert [runs.counts[n]["prefill_forwards"] for n in SHARED] == [3, 0, 3, 0]
+
+
+def test_a_budget_that_leaves_no_room_prefills_each_policy_alone(model, docs):
+    runs = _run(model, docs, SHARED, memory_budget_gb=1e-6)
+    assert [runs.counts[n]["prefill_forwards"] for n in SHARED] == [3, 3, 3, 3]
+    alone = _run(model, docs, SHARED).trajectories.drop("seconds")
+    assert runs.trajectories.drop("seconds").equals(alone)
