@@ -353,9 +353,8 @@ def run_policies(
     by_policy: dict[str, list[dict[str, Any]]] = {}
     counts: dict[str, dict[str, int]] = {}
     shared = [name for name, decode_time in flags.items() if not decode_time]
-    if len(shared) >= 2:  # groups of them decode as one pair, after one prefill forward per document
-        group = _policy_group(model, documents, B, len(shared), T=T, replicates=replicates,
-                              memory_budget_gb=memory_budget_gb)
+    if len(shared) >= 2:  # one prefill forward per document for all of them (where their presses allow)
+        group = _prefill_group(model, documents, B, T=T, replicates=replicates, memory_budget_gb=memory_budget_gb)
         got = _run_shared(model, documents, {name: policies[name] for name in shared}, B, group, T=T,
                           replicates=replicates, seed=seed, model_name=model_name, temperature=temperature,
                           top_p=top_p, eos_ids=eos_ids, progress=progress)
@@ -376,42 +375,39 @@ def run_policies(
     return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
 
 
-def _policy_group(model, documents: Sequence[Document], B: int, n_policies: int, *, T, replicates,
-                  memory_budget_gb: float | None) -> int:
-    """Policies that run as one kernel pair on a batch of ``B`` documents: as many as the memory budget holds.
+def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicates,
+                   memory_budget_gb: float | None) -> int:
+    """Policies that share one document's prefill forward: at most ``2R``, and what the memory budget leaves.
 
-    A group of ``G`` policies decodes ``G x B`` documents' rows together, so it takes ``G``
-    times a batch's memory (:func:`kvdiverge.engine.llm.planner.document_bytes` per document,
-    at the longest prompt); ``G`` is the most that fit ``memory_budget_gb`` (default
-    :func:`kvdiverge.engine.llm.planner.default_memory_budget`), in ``[1, n_policies]``.
+    The shared prefills of one batch hold, per policy, one evicted cache per document (at
+    most the prompt's width); ``2R`` policies hold at most what the batch's own decoding
+    cache holds (``R`` rows per side). The group is also bounded by what the memory budget
+    leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
     """
     from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token
 
     param = next(model.parameters())
     budget = (default_memory_budget(param.device) if memory_budget_gb is None
               else int(float(memory_budget_gb) * 2**30))
-    per_batch = B * document_bytes(kv_bytes_per_token=kv_bytes_per_token(model.config, param.dtype),
-                                   prompt_len=max(doc.prompt_len for doc in documents), T=int(T),
-                                   replicates=int(replicates), vocab_size=int(model.config.vocab_size))
-    return int(max(1, min(int(n_policies), budget // max(per_batch, 1))))
+    kv = kv_bytes_per_token(model.config, param.dtype)
+    longest = max(doc.prompt_len for doc in documents)
+    left = budget - B * document_bytes(kv_bytes_per_token=kv, prompt_len=longest, T=int(T),
+                                       replicates=int(replicates), vocab_size=int(model.config.vocab_size))
+    return int(max(1, min(2 * int(replicates), left // max(B * longest * kv, 1))))
 
 
 def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, PressSource], B: int, group: int, *,
                 T, replicates, seed, model_name, temperature, top_p, eos_ids, progress):
-    """``{name: (records, counts)}`` of several checked prefill policies, run in groups of ``group``.
+    """``{name: (records, counts)}`` of several checked prefill policies, each document prefilled once per group.
 
     Batch by batch (the batches of :func:`_run_planned`), the policies run in groups of
-    ``group``. Each document of the batch is prefilled once for the group's presses that
-    share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); a press that
-    does not, or a shared forward that fails, leaves the pair to prefill the document alone.
-    Then the whole group decodes as one kernel pair: each (policy, document) is one of its
-    documents (policy-major), with its own press, promise and cache, and the same uniforms
-    as the document has under any policy (the seeds hold the document, not the policy). So
-    ``group x B x R`` rows per side share each forward: the model's weights are read once for
-    all of them. A policy's records equal its run alone up to the rounding of the batched
-    forward, as documents batched together do. If the group's run raises, each policy of
-    the group reruns the batch alone, so that an error names its policy. ``seconds`` is the
-    group's time per (policy, document).
+    ``group``: each document of the batch is prefilled once for the group's presses that
+    share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
+    policy of the group runs the batch on its pair with those prefills. A press that does
+    not share its prefill, a group of one, or a shared forward that fails leaves the pair
+    to prefill the document alone (a failing press then raises there, named). The caches
+    and so the records are those of :func:`_run_planned`'s, bit for bit; ``seconds`` adds
+    the policy's share of the shared forwards.
     """
     import contextlib
 
@@ -420,82 +416,46 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     names = list(policies)
     groups = [names[lo:lo + group] for lo in range(0, len(names), group)]
-    log.info("%d documents, %d per batch; %d policies in groups of %d (%d rows per side)",
-             len(documents), B, len(names), group, B * group * int(replicates))
+    log.info("%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of %d",
+             len(documents), B, B * int(replicates), len(names), group)
     by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
     counts = {name: Counter(documents=len(documents)) for name in names}
     twin = evicted_twin(model)
     bars: dict[str, Any] = {}
     batches = [order[lo:lo + B] for lo in range(0, len(order), B)]
-    R = int(replicates)
     with contextlib.ExitStack() as stack:
         for bi, indices in enumerate(batches):
             batch = [documents[i] for i in indices]
             for names_ in groups:
+                presses = {name: [policies[name].build_press(doc.prompt_len) for doc in batch] for name in names_}
+                start = time.perf_counter()
+                bank = _shared_prefills(twin, batch, presses, seed=seed, model_name=model_name)
+                shared_seconds = (time.perf_counter() - start) / len(names_)
                 for name in names_:
                     if name not in bars:
                         bars[name] = stack.enter_context(progress(name, len(documents) * (2 * int(T) - 1))
                                                          if progress else nullcontext())
-                start = time.perf_counter()
-                presses = {name: [policies[name].build_press(doc.prompt_len) for doc in batch] for name in names_}
-                bank = _shared_prefills(twin, batch, presses, seed=seed, model_name=model_name)
-                try:
-                    pair, reps = _run_group(model, batch, {n: policies[n] for n in names_}, presses, bank, T=T,
-                                            replicates=R, seed=seed, model_name=model_name,
-                                            temperature=temperature, top_p=top_p, eos_ids=eos_ids)
-                    got = {name: (pair, reps[k * len(batch) * R:(k + 1) * len(batch) * R], k * len(batch))
-                           for k, name in enumerate(names_)}
-                except Exception as exc:  # each policy alone, where an error is named with its policy
-                    if len(names_) == 1:
-                        raise
-                    log.warning("policies %s on %d documents: %s: %s; each runs alone", ", ".join(names_),
-                                len(batch), type(exc).__name__, exc)
-                    got = {}
-                    for name in names_:
-                        one, reps = _run_one_batch(model, batch, policies[name], T=T, replicates=R, seed=seed,
-                                                   model_name=model_name, temperature=temperature, top_p=top_p,
-                                                   eos_ids=eos_ids, progress=None)
-                        got[name] = (one, reps, 0)
-                seconds = (time.perf_counter() - start) / (len(batch) * len(names_))
-                for name, (pair, reps, first) in got.items():
-                    forwards = getattr(pair, "prefill_forwards", [])[first:first + len(batch)]
-                    counts[name].update({"batches": 1, "prefill_forwards": sum(forwards)})
-                    for j, doc in enumerate(batch):
-                        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len,
-                                "kept_len": pair.kept_lens[first + j], "kept_per_layer": pair.kept_per_layer[first + j],
-                                "seconds": seconds}
-                        by_index[name][indices[j]] = [{**meta, **rec} for rec in reps[j * R:(j + 1) * R]]
                     bar = bars[name]
+                    start = time.perf_counter()
+                    pair, reps = _run_one_batch(model, batch, policies[name], T=T, replicates=replicates, seed=seed,
+                                                model_name=model_name, temperature=temperature, top_p=top_p,
+                                                eos_ids=eos_ids, progress=bar, presses=presses[name],
+                                                prefilled=bank.pop(name))
+                    seconds = (time.perf_counter() - start + shared_seconds) / len(batch)
+                    counts[name].update(_pair_counts(pair))
                     if bar is not None:
-                        bar.update(sum(len(b) for b in batches[:bi + 1]) * (2 * T - 1) - bar.n)
+                        done = sum(len(b) for b in batches[:bi + 1])
+                        bar.update(done * (2 * T - 1) - bar.n)
                         if bi == len(batches) - 1:
                             bar.close()
-                log.info("%s: %d documents, %.1f s per document and policy", ", ".join(names_), len(batch), seconds)
+                    for j, doc in enumerate(batch):
+                        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
+                                "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
+                        by_index[name][indices[j]] = [{**meta, **rec}
+                                                      for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
+                    log.info("%s: %d documents, %.1f s per document", name, len(batch), seconds)
     return {name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name]))
             for name in names}
-
-
-def _run_group(model, batch: Sequence[Document], policies: Mapping[str, PressSource], presses: Mapping[str, list],
-               bank: Mapping[str, list | None], *, T, replicates, seed, model_name, temperature, top_p, eos_ids):
-    """One kernel pair for every (policy, document) of a group, policy-major: ``(pair, records)``."""
-    from kvdiverge.engine.core.coupled import run_batch
-    from kvdiverge.engine.core.pairs import PhaseTracker
-    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
-    from kvdiverge.engine.llm.prefill import prefill_seed
-
-    docs = [doc for _ in policies for doc in batch]
-    pressed = [press for name in policies for press in presses[name]]
-    given = [one for name in policies for one in (bank.get(name) or [None] * len(batch))]
-    pair = LLMKernelPair.from_documents(
-        model, [doc.input_ids for doc in docs], pressed,
-        [policies[name].expected_kept(doc.prompt_len, press)
-         for name in policies for doc, press in zip(batch, presses[name])],
-        temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
-        prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in docs], horizon=int(T),
-        prefilled=given,
-    )
-    reps = run_batch(PhaseTracker(pair), int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in docs])
-    return pair, reps
 
 
 def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], *, seed: int,
