@@ -85,3 +85,22 @@ def test_a_budget_that_leaves_no_room_prefills_each_policy_alone(model, docs):
     assert [runs.counts[n]["prefill_forwards"] for n in SHARED] == [3, 3, 3, 3]
     alone = _run(model, docs, SHARED).trajectories.drop("seconds")
     assert runs.trajectories.drop("seconds").equals(alone)
+
+
+def test_a_press_that_fails_in_a_shared_prefill_is_named():
+    """The shared forward's failure leaves each pair to prefill alone, where the error names its policy."""
+    from kvpress import BasePress, KnormPress
+
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import PressPolicy
+
+    class Broken(BasePress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            raise TypeError("broken on purpose")
+
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=3)
+    docs = [Document("a", list(range(1, 41))), Document("b", list(range(2, 50)))]
+    policies = {"knorm": PressPolicy("knorm", KnormPress(compression_ratio=0.5)), "broken": PressPolicy("broken", Broken())}
+    with pytest.raises(PressError, match="'broken'.*broken on purpose"):
+        run_policies(model, docs, policies, T=3, replicates=2, temperature=0.7, top_p=0.95, seed=5,
+                     model_name="m", split="exploratory")

@@ -38,6 +38,11 @@ every prefill evicts), and the evicted side's lanes take ``(R + 1)(T - 1)`` (the
 lane, then ``R`` branch lanes); ``replay_prefills = R``;
 ``replay_forwards = replay_token_steps = R (T - 2)``.
 
+Policies that evict at prefill only and run in one call (a frontier's points: one job per
+model and shard) share each document's prefill forward in groups of up to ``2R``
+(:func:`kvdiverge.engine.runner.run_policies`); the counts here are each run's own, so for
+them upper bounds, and ``shards`` counts a frontier's jobs per point.
+
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
 policy is scheduled on that split in full (as :func:`kvdiverge.study.shard.shard_documents`
