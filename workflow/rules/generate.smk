@@ -75,6 +75,8 @@ if FRONTIER_POLICIES:
             split=FRONTIER_SPLIT,
             # per frontier policy: what decides its shard (a change reruns the job)
             settings=frontier_settings,
+        # the longest jobs first: the ordinary shards then fill in beside them
+        priority: 1
         threads: 1
         resources:
             gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
