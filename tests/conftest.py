@@ -89,6 +89,19 @@ def eos_kernel(hx, hy):
     return np.array([1.0, 0.0]), np.array([0.5, 0.5])
 
 
+@pytest.fixture
+def quiet_kvpress():
+    """Silence kvpress's warnings (untested models, KVzip's cost) and every Python warning for one test."""
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
 @pytest.fixture(scope="session")
 def kernel():
     """The history-dependent 3-token synthetic kernel function."""

@@ -22,8 +22,6 @@ a ``DynamicCache`` that appends by concatenation: ``fast=False``):
 
 from __future__ import annotations
 
-import logging
-import warnings
 
 import pytest
 import torch
@@ -37,20 +35,13 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
+pytestmark = pytest.mark.usefixtures("quiet_kvpress")
+
 #: Largest |log p| difference (nats, tokens of probability > 1e-6) allowed between the
 #: fast and the stock path.
 TOL = 1e-5
 LENGTHS = (24, 40, 33)
 R, STEPS = 2, 4
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    logging.disable(logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    logging.disable(logging.NOTSET)
 
 
 @pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b"])

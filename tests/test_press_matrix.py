@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-import warnings
 
 import kvpress
 import pytest
@@ -50,6 +48,8 @@ from kvdiverge.engine.presses.promises import check_kept
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.runner import Document, build_pair
 from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+pytestmark = pytest.mark.usefixtures("quiet_kvpress")
 
 T, R = 4, 2
 LENGTHS = (48, 64, 96)
@@ -149,15 +149,6 @@ def forced():
     """The tokens fed at every step, per document (the same on both sides and in every run)."""
     gen = torch.Generator().manual_seed(12)
     return torch.randint(1, 500, (len(LENGTHS), T), generator=gen)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    logging.disable(logging.WARNING)  # kvpress warns about untested models and KVzip's cost
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    logging.disable(logging.NOTSET)
 
 
 def trace(model, prompts, forced, policy: Policy | PressPolicy | None, doc_ids=None):

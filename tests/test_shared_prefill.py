@@ -9,8 +9,6 @@ shared prefill against its own.
 
 from __future__ import annotations
 
-import logging
-import warnings
 
 import polars as pl
 import pytest
@@ -21,7 +19,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_policies
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
-pytestmark = pytest.mark.miniature
+pytestmark = [pytest.mark.miniature, pytest.mark.usefixtures("quiet_kvpress")]
 
 SPECS = {
     "snapkv": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8},
@@ -43,15 +41,6 @@ def model():
 def docs():
     gen = torch.Generator().manual_seed(11)
     return [Document(f"d{i}", torch.randint(1, 500, (n,), generator=gen).tolist()) for i, n in enumerate((48, 64, 96))]
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    logging.disable(logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    logging.disable(logging.NOTSET)
 
 
 def _run(model, docs, names, R=2, **kw):
