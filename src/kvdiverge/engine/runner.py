@@ -315,7 +315,10 @@ def run_policies(
     Checks each policy's press once (:func:`check_policy`, every policy before any
     forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
     document when any policy is decode-time, so every policy runs in the same batches)
-    and runs each policy (:func:`run_documents`'s engine).
+    and runs each policy (:func:`run_documents`'s engine). Policies that evict at prefill
+    only run batch by batch, each document prefilled once for up to ``2R`` of them where
+    their presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records
+    are those of each policy run alone, bit for bit.
 
     Parameters
     ----------
@@ -448,12 +451,7 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
                         bar.update(done * (2 * T - 1) - bar.n)
                         if bi == len(batches) - 1:
                             bar.close()
-                    for j, doc in enumerate(batch):
-                        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
-                                "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
-                        by_index[name][indices[j]] = [{**meta, **rec}
-                                                      for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
-                    log.info("%s: %d documents, %.1f s per document", name, len(batch), seconds)
+                    by_index[name].update(_batch_records(batch, indices, pair, reps, replicates, seconds, f"{name}: "))
     return {name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name]))
             for name in names}
 
@@ -508,12 +506,22 @@ def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: i
         done += len(batch)
         if progress is not None:
             progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
-        for j, doc in enumerate(batch):
-            meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
-                    "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
-            by_index[order[lo + j]] = [{**meta, **rec} for rec in reps[j * int(replicates):(j + 1) * int(replicates)]]
-            log.info("%s: prompt %d tokens, kept %d, %.1f s", doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds)
+        by_index.update(_batch_records(batch, order[lo:lo + B], pair, reps, replicates, seconds))
     return [rec for i in range(len(documents)) for rec in by_index[i]], dict(counts)
+
+
+def _batch_records(batch: Sequence[Document], indices: Sequence[int], pair, reps: list, replicates,
+                   seconds: float, label: str = "") -> dict[int, list[dict[str, Any]]]:
+    """One batch's records per document (by its input index ``indices[j]``), with the document's columns; logged."""
+    R = int(replicates)
+    out = {}
+    for j, doc in enumerate(batch):
+        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
+                "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
+        out[indices[j]] = [{**meta, **rec} for rec in reps[j * R:(j + 1) * R]]
+        log.info("%s%s: prompt %d tokens, kept %d, %.1f s", label, doc.doc_id, doc.prompt_len, pair.kept_lens[j],
+                 seconds)
+    return out
 
 
 def _pair_counts(pair) -> dict[str, int]:
