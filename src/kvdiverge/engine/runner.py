@@ -351,6 +351,10 @@ def run_policies(
     flags = {name: check_policy(model, documents, source, f"{owner} {name!r}")
              for name, source in policies.items()} if documents else {}
     check_prompt_lengths(documents, policies, owner)
+    if documents and memory_budget_gb is None:  # the free memory, read once for the batch and the groups
+        from kvdiverge.engine.llm.planner import default_memory_budget
+
+        memory_budget_gb = default_memory_budget(next(model.parameters()).device) / 2**30
     B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
                        memory_budget_gb=memory_budget_gb, decode_time=any(flags.values())) if documents else None
     by_policy: dict[str, list[dict[str, Any]]] = {}
@@ -378,20 +382,18 @@ def run_policies(
     return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
 
 
-def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicates,
-                   memory_budget_gb: float | None) -> int:
+def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicates, memory_budget_gb: float) -> int:
     """Policies that share one document's prefill forward: at most ``2R``, and what the memory budget leaves.
 
     The shared prefills of one batch hold, per policy, one evicted cache per document (at
     most the prompt's width); ``2R`` policies hold at most what the batch's own decoding
     cache holds (``R`` rows per side). The group is also bounded by what the memory budget
-    leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
+    (GiB) leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
     """
-    from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token
+    from kvdiverge.engine.llm.planner import document_bytes, kv_bytes_per_token
 
     param = next(model.parameters())
-    budget = (default_memory_budget(param.device) if memory_budget_gb is None
-              else int(float(memory_budget_gb) * 2**30))
+    budget = int(float(memory_budget_gb) * 2**30)
     kv = kv_bytes_per_token(model.config, param.dtype)
     longest = max(doc.prompt_len for doc in documents)
     left = budget - B * document_bytes(kv_bytes_per_token=kv, prompt_len=longest, T=int(T),

@@ -33,7 +33,7 @@ is prefilled once for every such policy of a run.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -293,6 +293,52 @@ def _view(cache):
     return out
 
 
+@dataclass
+class _Handover:
+    """What the hooks of one shared prefill forward hand from press to press (:func:`prefill_shared`).
+
+    ``caches[i]`` and ``masked[i]`` (per layer) are press ``i``'s; ``states[i]`` its generator
+    state (``None`` when no press draws from the generator); ``seen`` the ``(layer, tokens)``
+    of each attention call.
+    """
+
+    full: object
+    caches: list
+    masked: list
+    states: list | None
+    supply: bool
+    device: torch.device
+    seen: list = field(default_factory=list)
+
+    def hook(self, i: int):
+        """The hook that runs after press ``i - 1``'s hooks and before press ``i``'s (``i == k``: after the last)."""
+        k = len(self.caches)
+
+        def hook(module, args, kwargs, output):
+            li = int(module.layer_idx)
+            if i == 0:
+                self.seen.append((li, int(kwargs["hidden_states"].shape[1])))
+            else:
+                self.masked[i - 1][li] = getattr(module, "masked_key_indices", None)
+                module.masked_key_indices = None
+                if self.states is not None:
+                    self.states[i - 1] = _rng_state(self.device)
+            if i == k:
+                kwargs["past_key_values"] = self.full
+                return None
+            layer = self.full.layers[li]
+            self.caches[i].update(layer.keys, layer.values, li)  # a copy (concatenation onto nothing)
+            kwargs["past_key_values"] = self.caches[i]
+            if self.states is not None:
+                _set_rng_state(self.states[i], self.device)
+            if i == 0 and self.supply and output[1] is None:
+                return (output[0], attention_weights(module, kwargs["hidden_states"], layer.keys, kwargs),
+                        *output[2:])
+            return None
+
+        return hook
+
+
 def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     """Prefill one document once for several presses: each press's evicted cache from the same forward.
 
@@ -338,47 +384,17 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     ids = ids.unsqueeze(0)
     n, modules, device = int(ids.shape[1]), attention_modules(twin), ids.device
     k = len(presses)
-    full = DynamicCache()
-    caches = [DynamicCache() for _ in presses]
-    masked = [[None] * len(modules) for _ in presses]
-    states = [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None
-    supply = any(needs_attentions(p) for p in presses)
-    seen: list = []
-
-    def before(i: int):
-        """Runs after press ``i - 1``'s hook and before press ``i``'s (``i == k``: after the last)."""
-
-        def hook(module, args, kwargs, output):
-            li = int(module.layer_idx)
-            if i == 0:
-                seen.append((li, int(kwargs["hidden_states"].shape[1])))
-            else:
-                masked[i - 1][li] = getattr(module, "masked_key_indices", None)
-                module.masked_key_indices = None
-                if states is not None:
-                    states[i - 1] = _rng_state(device)
-            if i == k:
-                kwargs["past_key_values"] = full
-                return None
-            layer = full.layers[li]
-            caches[i].update(layer.keys, layer.values, li)  # a copy (concatenation onto nothing)
-            kwargs["past_key_values"] = caches[i]
-            if states is not None:
-                _set_rng_state(states[i], device)
-            if i == 0 and supply and output[1] is None:
-                return (output[0], attention_weights(module, kwargs["hidden_states"], layer.keys, kwargs), *output[2:])
-            return None
-
-        return hook
-
+    hand = _Handover(DynamicCache(), [DynamicCache() for _ in presses], [[None] * len(modules) for _ in presses],
+                     [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None,
+                     any(needs_attentions(p) for p in presses), device)
     handles = []
     try:
         with contextlib.ExitStack() as stack:
             for i, press in enumerate(presses):
-                handles += [m.register_forward_hook(before(i), with_kwargs=True) for m in modules]
+                handles += [m.register_forward_hook(hand.hook(i), with_kwargs=True) for m in modules]
                 stack.enter_context(press(twin))
-            handles += [m.register_forward_hook(before(k), with_kwargs=True) for m in modules]
-            logits = _forward(twin, ids, full)
+            handles += [m.register_forward_hook(hand.hook(k), with_kwargs=True) for m in modules]
+            logits = _forward(twin, ids, hand.full)
             for h in handles:
                 h.remove()
             handles = []
@@ -387,13 +403,13 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
             h.remove()
         for m in modules:
             m.masked_key_indices = None
-    if seen != [(i, n) for i in range(len(modules))]:
+    if hand.seen != [(i, n) for i in range(len(modules))]:
         return None
-    if states is not None:
-        _set_rng_state(states[-1], device)
+    if hand.states is not None:
+        _set_rng_state(hand.states[-1], device)
     out = []
-    for i, cache in enumerate(caches):
+    for i, cache in enumerate(hand.caches):
         keep = [masked_keep(mk, layer.keys.shape[1], layer.keys.shape[2], device)
-                for mk, layer in zip(masked[i], cache.layers)]
-        out.append(Prefill(_view(full), cache, logits, logits, keep, 1 if i == 0 else 0))
+                for mk, layer in zip(hand.masked[i], cache.layers)]
+        out.append(Prefill(_view(hand.full), cache, logits, logits, keep, 1 if i == 0 else 0))
     return out
