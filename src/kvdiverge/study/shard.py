@@ -110,11 +110,11 @@ def run_shard(
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     prompts = pl.read_parquet(prompts_path)
     T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
-    groups: dict[tuple[str, ...], list[str]] = {}  # policies that run on the same documents
+    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}  # policies on the same documents
     for name in names:
         docs = shard_documents(prompts, config, name, split, shard)
         log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d", model_name, name, split, shard, docs.height, T, R)
-        groups.setdefault(tuple(docs["doc_id"].to_list()), []).append(name)
+        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
     if model is None and any(groups):
         from kvdiverge.study.models import load_model
 
@@ -122,8 +122,7 @@ def run_shard(
     gen = config.get("generation") or {}
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
-    for doc_ids, group in groups.items():
-        docs = shard_documents(prompts, config, group[0], split, shard)
+    for docs, group in groups.values():
         runs = run_policies(
             model, [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)],
             {name: Policy.from_config(name, config["policies"][name]) for name in group},
