@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -414,8 +414,6 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
     and so the records are those of :func:`_run_planned`'s, bit for bit; ``seconds`` adds
     the policy's share of the shared forwards.
     """
-    import contextlib
-
     from kvdiverge.engine.llm.twin import evicted_twin
 
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
@@ -428,7 +426,7 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
     twin = evicted_twin(model)
     bars: dict[str, Any] = {}
     batches = [order[lo:lo + B] for lo in range(0, len(order), B)]
-    with contextlib.ExitStack() as stack:
+    with ExitStack() as stack:
         for bi, indices in enumerate(batches):
             batch = [documents[i] for i in indices]
             for names_ in groups:

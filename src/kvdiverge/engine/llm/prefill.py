@@ -374,8 +374,6 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     ValueError
         If a press does not share its prefill.
     """
-    import contextlib
-
     from transformers import DynamicCache
 
     refused = [type(p).__name__ for p in presses if not shares_prefill(p)]
