@@ -160,7 +160,7 @@ class _Lane:
         from transformers import DynamicCache
 
         twin = evicted_twin(model)
-        with full_cache_hooks(attention_modules(twin) if capture else [], ids.numel()) as full:
+        with full_cache_hooks(attention_modules(twin) if capture else [], ids.numel(), copy=capture) as full:
             self._enter(model, press, twin)  # the press's hooks after the copying ones
             self.cache = DynamicCache()
             self.counts["prefill_forwards"] += 1

@@ -33,7 +33,7 @@ is prefilled once for every such policy of a run.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -298,17 +298,14 @@ class _Handover:
     """What the hooks of one shared prefill forward hand from press to press (:func:`prefill_shared`).
 
     ``caches[i]`` and ``masked[i]`` (per layer) are press ``i``'s; ``states[i]`` its generator
-    state (``None`` when no press draws from the generator); ``seen`` the ``(layer, tokens)``
-    of each attention call.
+    state (``None`` when no press draws from the generator).
     """
 
     full: object
     caches: list
     masked: list
     states: list | None
-    supply: bool
     device: torch.device
-    seen: list = field(default_factory=list)
 
     def hook(self, i: int):
         """The hook that runs after press ``i - 1``'s hooks and before press ``i``'s (``i == k``: after the last)."""
@@ -316,9 +313,7 @@ class _Handover:
 
         def hook(module, args, kwargs, output):
             li = int(module.layer_idx)
-            if i == 0:
-                self.seen.append((li, int(kwargs["hidden_states"].shape[1])))
-            else:
+            if i > 0:
                 self.masked[i - 1][li] = getattr(module, "masked_key_indices", None)
                 module.masked_key_indices = None
                 if self.states is not None:
@@ -331,9 +326,6 @@ class _Handover:
             kwargs["past_key_values"] = self.caches[i]
             if self.states is not None:
                 _set_rng_state(self.states[i], self.device)
-            if i == 0 and self.supply and output[1] is None:
-                return (output[0], attention_weights(module, kwargs["hidden_states"], layer.keys, kwargs),
-                        *output[2:])
             return None
 
         return hook
@@ -383,25 +375,22 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     n, modules, device = int(ids.shape[1]), attention_modules(twin), ids.device
     k = len(presses)
     hand = _Handover(DynamicCache(), [DynamicCache() for _ in presses], [[None] * len(modules) for _ in presses],
-                     [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None,
-                     any(needs_attentions(p) for p in presses), device)
-    handles = []
+                     [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None, device)
+    # first the watching hooks (each attention call; attention weights for presses that score with
+    # them), then each press's hooks after the hand-over's; all come off at watch.remove()
     try:
-        with contextlib.ExitStack() as stack:
-            for i, press in enumerate(presses):
-                handles += [m.register_forward_hook(hand.hook(i), with_kwargs=True) for m in modules]
-                stack.enter_context(press(twin))
-            handles += [m.register_forward_hook(hand.hook(k), with_kwargs=True) for m in modules]
-            logits = _forward(twin, ids, hand.full)
-            for h in handles:
-                h.remove()
-            handles = []
+        with full_cache_hooks(modules, n, copy=False, attentions=any(needs_attentions(p) for p in presses)) as watch:
+            with contextlib.ExitStack() as stack:
+                for i, press in enumerate(presses):
+                    watch.hooks += [m.register_forward_hook(hand.hook(i), with_kwargs=True) for m in modules]
+                    stack.enter_context(press(twin))
+                watch.hooks += [m.register_forward_hook(hand.hook(k), with_kwargs=True) for m in modules]
+                logits = _forward(twin, ids, hand.full)
+                watch.remove()
     finally:
-        for h in handles:
-            h.remove()
         for m in modules:
             m.masked_key_indices = None
-    if hand.seen != [(i, n) for i in range(len(modules))]:
+    if not watch.complete:
         return None
     if hand.states is not None:
         _set_rng_state(hand.states[-1], device)
