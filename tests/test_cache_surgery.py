@@ -2,8 +2,8 @@
 
 Three documents of different prompt lengths (7, 12, 17 tokens) share one pair (two rows
 each) on a miniature random-weight Llama. A row's log-distributions after a rewind, after
-``keep_rows`` (which compacts the rows of a cache with capacity in place, and drops the
-columns no remaining row attends to from a ``DynamicCache``) and from a merged
+``keep_rows`` (which moves later rows of a cache with capacity into the dropped rows' places, in
+place, and drops the columns no remaining row attends to from a ``DynamicCache``) and from a merged
 cache must be those of its document run alone in a pair of its own, fed the row's
 surviving history directly. Batched and alone differ only by the rounding of the batched,
 padded forward: measured at most 2.1e-7 (log-probabilities, float32 weights, one CPU
@@ -142,14 +142,17 @@ def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
         assert (logq[i] - aq).abs().max() < TOL, g
 
 
-def test_keep_rows_with_gaps_moves_only_later_rows_and_keeps_their_values(mini, prompts):
+def test_keep_rows_fills_the_gaps_with_later_rows_and_keeps_their_values(mini, prompts):
     pair, _, _, _ = run_rewound(mini, prompts, "knorm")
-    layer = pair._sides.side.cache.layers[-1]  # both sides' rows: reference 0..5, evicted 6..11
+    side = pair._sides.side
+    layer = side.cache.layers[-1]  # both sides' rows: reference 0..5, evicted 6..11
     before_k, before_v = layer.keys.clone(), layer.values.clone()
     keep = torch.tensor([0, 2, 5])
     pair.keep_rows(keep)
     rows = torch.cat([keep, keep + 6])
-    assert torch.equal(layer.keys, before_k[rows]) and torch.equal(layer.values, before_v[rows])
+    assert torch.equal(side.logical(layer.keys), before_k[rows]) and torch.equal(side.logical(layer.values), before_v[rows])
+    # rows 0, 2 and 5 stay where they are; 6, 8 and 11 move into the gaps 1, 3 and 4
+    assert torch.equal(layer.keys, before_k[[0, 6, 2, 8, 11, 5]])
 
 
 def test_without_a_press_both_sides_stay_bit_identical_through_rewind_and_keep_rows(mini, prompts):
@@ -169,8 +172,11 @@ def test_without_a_press_both_sides_stay_bit_identical_through_rewind_and_keep_r
         assert torch.equal(logp, logq)
 
 
-def test_merge_caches_left_pads_each_document_and_keeps_its_keys_and_values(mini, prompts):
+@pytest.mark.parametrize("capacity", [None, 30], ids=["dynamic", "capacity"])
+def test_merge_caches_left_pads_each_document_and_keeps_its_keys_and_values(mini, prompts, capacity):
     from transformers import DynamicCache
+
+    from kvdiverge.engine.llm.cache import CapacityLayer
 
     caches, copies = [], []
     with torch.inference_mode():
@@ -179,8 +185,10 @@ def test_merge_caches_left_pads_each_document_and_keeps_its_keys_and_values(mini
             mini(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
             caches.append(cache)
             copies.append([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
-        merged, valid = merge_caches(caches, list(LENGTHS), R, torch.device("cpu"))
+        merged, valid = merge_caches(caches, list(LENGTHS), R, torch.device("cpu"), capacity)
     longest = max(LENGTHS)
+    if capacity is not None:  # written into buffers of that many columns
+        assert all(type(layer) is CapacityLayer and layer.capacity == capacity for layer in merged.layers)
     assert valid.shape == (len(LENGTHS) * R, longest)
     for li, layer in enumerate(merged.layers):
         assert layer.keys.shape[:3] == layer.values.shape[:3] == (len(LENGTHS) * R, copies[0][li][0].shape[1], longest)
@@ -196,7 +204,7 @@ def test_merge_caches_left_pads_each_document_and_keeps_its_keys_and_values(mini
     with torch.inference_mode():
         mini(input_ids=torch.tensor([prompts[0]]), past_key_values=cache, use_cache=True)
         keys = cache.layers[0].keys.clone()
-        one, valid = merge_caches([cache], [LENGTHS[0]], R, torch.device("cpu"))
+        one, valid = merge_caches([cache], [LENGTHS[0]], R, torch.device("cpu"), capacity)
     assert valid.shape == (R, LENGTHS[0]) and bool(valid.all())
     assert all(torch.equal(one.layers[0].keys[r], keys[0]) for r in range(R))
 

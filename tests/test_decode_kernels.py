@@ -10,8 +10,8 @@ a ``DynamicCache`` that appends by concatenation: ``fast=False``):
   holds after the same updates (growing past its capacity included), and keeps rows and
   columns as asked;
 - every measured prefill press of the press matrix gives, on both miniatures, three
-  documents batched (padding) and rewound, the stock path's log-distributions within
-  :data:`TOL`;
+  documents batched (padding), rewound, and with rows dropped and reordered, the stock
+  path's log-distributions within :data:`TOL`;
 - both sides decode as the rows of one forward per step on the twin (none on the model),
   and give what a forward per side gives, within :data:`TOL`, for plain, head-wise,
   per-layer and re-rotating presses;
@@ -29,6 +29,7 @@ import torch
 from kvdiverge.engine.llm.attention import GROUPED_SDPA, grouped_sdpa
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.side import fill_holes
 from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
@@ -41,7 +42,9 @@ pytestmark = pytest.mark.usefixtures("quiet_kvpress")
 #: fast and the stock path.
 TOL = 1e-5
 LENGTHS = (24, 40, 33)
-R, STEPS = 2, 4
+R, STEPS = 2, 5
+#: Rows kept (in this order) before the fourth decoding step of :func:`trace`.
+KEEP = (4, 0, 3, 1)
 
 
 @pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b"])
@@ -114,6 +117,42 @@ def test_capacity_layer_holds_what_a_dynamic_layer_holds():
     assert cap.get_mask_sizes(torch.arange(1)) == (4, 0)
 
 
+@pytest.mark.parametrize("rows,total,want", [
+    ([0, 2, 4, 5], 6, [0, 4, 2, 5]),  # rows 1 and 3 dropped: 4 and 5 move into them
+    ([5, 0, 2], 6, [0, 5, 2]),  # the caller's order does not matter: row 5 fills row 1
+    ([0, 1, 2], 5, [0, 1, 2]),  # only the last rows dropped: nothing moves
+    ([3, 4], 5, [3, 4]),
+    ([], 3, []),
+])
+def test_fill_holes_moves_only_the_rows_past_the_new_count(rows, total, want):
+    assert fill_holes(torch.tensor(rows, dtype=torch.long), total).tolist() == want
+
+
+def test_capacity_layer_rearranges_rows_in_place():
+    gen = torch.Generator().manual_seed(2)
+    k0, v0 = torch.randn(6, 2, 5, 4, generator=gen), torch.randn(6, 2, 5, 3, generator=gen)
+    cap = CapacityLayer(k0, v0, capacity=8)
+    buffer = cap._k.data_ptr()
+    rows = torch.tensor([0, 5, 2, 4])
+    cap.select(rows)
+    assert cap._k.data_ptr() == buffer and cap.keys.shape[0] == 4
+    assert torch.equal(cap.keys, k0[rows]) and torch.equal(cap.values, v0[rows])
+    k, v = torch.randn(4, 2, 1, 4, generator=gen), torch.randn(4, 2, 1, 3, generator=gen)
+    keys, _ = cap.update(k, v)
+    assert torch.equal(keys, torch.cat([k0[rows], k], dim=2))
+
+
+def test_a_side_with_capacity_keeps_the_callers_row_order(model, prompts):
+    """Dropped rows' places are filled by later rows; the caller still sees its own order."""
+    trace_fast, pair = trace(model, prompts, None, True, joint=False)
+    side = pair._sides.ref
+    assert side.order is not None  # rows 4 and 1 moved: the cache's order is not the caller's
+    assert side.logical(side.n_gen).tolist() == [3, 3, 4, 4]  # rewound to [0, 1, 2, 1, 0, 2], rows 4, 0, 3, 1 kept
+    stock, _ = trace(model, prompts, None, False, joint=False)
+    for (p, _), (ps, _) in zip(trace_fast, stock):
+        assert (p - ps).abs().max().item() <= TOL
+
+
 def test_a_capacity_cache_copies_its_source():
     from transformers import DynamicCache
 
@@ -150,6 +189,9 @@ def trace(model, prompts, name, fast, joint=None):
     for step in range(STEPS):
         if step == 2:
             pair.rewind(torch.tensor([0, 1, 2, 1, 0, 2]))
+        if step == 3:  # drop two rows and reorder the rest: the capacity cache fills the holes in place
+            pair.keep_rows(torch.tensor(KEEP))
+            n = len(KEEP)
         x = torch.randint(1, 500, (n,), generator=gen)
         out.append(pair.advance(x, x))
     return out, pair

@@ -55,6 +55,37 @@ class CapacityLayer(CacheLayerMixin):
         self.dtype, self.device = keys.dtype, keys.device
         self._fill(keys, values, max(int(capacity), keys.shape[2]))
 
+    @classmethod
+    def stacked(cls, keys: list[torch.Tensor], values: list[torch.Tensor], width: int, rows_each: int,
+                capacity: int) -> "CapacityLayer":
+        """One layer holding several documents' caches, each repeated and left-padded, written once.
+
+        Parameters
+        ----------
+        keys, values : list of torch.Tensor
+            Per document, (1, kv_heads, n_d, D) and (1, kv_heads, n_d, Dv), ``n_d <= width``.
+        width : int
+            Columns of the merged cache; document ``d`` fills its last ``n_d`` (the rest are zeros).
+        rows_each : int
+            Rows per document: document ``d`` fills rows ``d * rows_each`` to ``(d + 1) * rows_each - 1``.
+        capacity : int
+            Columns to allocate (at least ``width``).
+        """
+        layer = cls.__new__(cls)
+        layer.is_initialized = True
+        k0, v0 = keys[0], values[0]
+        layer.dtype, layer.device = k0.dtype, k0.device
+        n_rows, capacity = rows_each * len(keys), max(int(capacity), int(width))
+        layer._k = k0.new_empty(n_rows, k0.shape[1], capacity, k0.shape[3])
+        layer._v = v0.new_empty(n_rows, v0.shape[1], capacity, v0.shape[3])
+        for d, (k, v) in enumerate(zip(keys, values)):
+            rows, pad = slice(d * rows_each, (d + 1) * rows_each), width - k.shape[2]
+            for buf, part in ((layer._k, k), (layer._v, v)):
+                buf[rows, :, :pad].zero_()
+                buf[rows, :, pad:width].copy_(part.expand(rows_each, -1, -1, -1))
+        layer.length, layer.capacity = int(width), capacity
+        return layer
+
     def _fill(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         b, h, n = keys.shape[:3]
         self._k = keys.new_empty(b, h, capacity, keys.shape[3])
@@ -85,29 +116,27 @@ class CapacityLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def select(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> None:
-        """Keep ``rows`` (int64, new order) and, if given, the columns ``cols`` (sorted int64).
+        """Keep ``rows`` (distinct int64, new order) and, if given, the columns ``cols`` (sorted int64).
 
-        Ascending ``rows`` without ``cols`` (the engine dropping finished rows) compact the
-        buffers in place: only the rows that move are copied, once, into the first
-        ``len(rows)`` rows, and nothing is allocated. Other selections copy into new buffers.
+        Without ``cols`` (the engine dropping finished rows) the buffers are rearranged in
+        place: only the rows whose position changes are copied, once, and nothing is
+        allocated beyond those rows. With ``cols`` the kept part is copied into new buffers.
         """
-        if cols is None and (rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())):
-            self._compact(rows)
+        if cols is None:
+            self._move(rows)
             return
         keys, values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
-        if cols is not None:
-            keys, values = keys.index_select(2, cols), values.index_select(2, cols)
-        self._fill(keys, values, self.capacity)
+        self._fill(keys.index_select(2, cols), values.index_select(2, cols), self.capacity)
 
-    def _compact(self, rows: torch.Tensor) -> None:
-        """Move ascending ``rows`` to the front of the buffers; drop the rest (views, no allocation)."""
+    def _move(self, rows: torch.Tensor) -> None:
+        """Row ``j`` of the buffers becomes old row ``rows[j]``; rows past ``len(rows)`` are dropped (views)."""
         n = rows.numel()
-        moved = (rows != torch.arange(n, device=rows.device)).nonzero()
+        moved = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)
         if moved.numel():
-            start, n_filled = int(moved[0, 0]), self.length
-            src = rows[start:]
-            self._k[start:n, :, :n_filled] = self._k[src, :, :n_filled]
-            self._v[start:n, :, :n_filled] = self._v[src, :, :n_filled]
+            filled = self.length
+            # the moved rows are read (into a temporary) before any is written
+            self._k[moved, :, :filled] = self._k[rows[moved], :, :filled]
+            self._v[moved, :, :filled] = self._v[rows[moved], :, :filled]
         self._k, self._v = self._k[:n], self._v[:n]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -129,6 +129,7 @@ class LLMPairBase:
     def _side(self, caches: Sequence, widths: Sequence[int], starts: Sequence[int], R: int, masks=None,
               modules: Sequence = ()) -> CacheSide:
         """One side from per-document caches: merged (:func:`merge_caches`), ``R`` rows per document."""
-        cache, valid = merge_caches(list(caches), list(widths), R, self.device)
-        return CacheSide(cache, valid, self._positions(starts, R), masks, modules,
-                         capacity=self._capacity(max(widths)), grouped=self.fast)
+        capacity = self._capacity(max(widths))
+        cache, valid = merge_caches(list(caches), list(widths), R, self.device, capacity)
+        return CacheSide(cache, valid, self._positions(starts, R), masks, modules, capacity=capacity,
+                         grouped=self.fast)

@@ -14,12 +14,13 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
 from kvdiverge.engine.llm.cache import CapacityLayer, LayerFactory, capacity_cache
 from kvdiverge.engine.llm.masks import HeadMasks
 
-__all__ = ["CacheSide", "JointSides", "SeparateSides", "grouped_attention", "merge_caches"]
+__all__ = ["CacheSide", "JointSides", "SeparateSides", "fill_holes", "grouped_attention", "merge_caches"]
 
 #: Columns a cache is allocated beyond its prompt when the horizon is not known.
 DEFAULT_SPARE = 64
@@ -59,12 +60,22 @@ class CacheSide:
     (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
 
+    Rows are addressed in the caller's order (``forward``'s tokens and logits, ``rewind``,
+    ``keep_rows``, :meth:`logical`). A cache with capacity stores them in its own order:
+    when rows are dropped, the kept rows past the new row count move into the holes the
+    dropped ones leave (one copy per hole, :func:`fill_holes`) instead of every later row
+    shifting up, and ``order`` (int64 (n_rows,), or ``None`` for the same order) maps each
+    row to the cache row that holds it. ``valid``, ``step``, ``n_gen``, ``prompt_len`` and
+    ``masks`` are in the cache's order.
+
     Parameters
     ----------
     cache : transformers.Cache
         The merged cache (:func:`merge_caches`); with ``capacity`` given it is copied into
-        ``layer`` layers of that many columns (:func:`kvdiverge.engine.llm.cache.capacity_cache`),
-        with ``None`` it is used as it is (a ``DynamicCache`` appends by concatenation).
+        ``layer`` layers of that many columns (:func:`kvdiverge.engine.llm.cache.capacity_cache`)
+        unless its layers are :class:`~kvdiverge.engine.llm.cache.CapacityLayer` already
+        (``merge_caches(..., capacity=)``), with ``None`` it is used as it is (a
+        ``DynamicCache`` appends by concatenation).
     capacity : int or None
         Columns to allocate per layer: the widest the cache gets (``prompt + 2T - 2``,
         :func:`kvdiverge.engine.llm.planner.cache_columns`).
@@ -77,7 +88,8 @@ class CacheSide:
     def __init__(self, cache, valid: torch.Tensor, prompt_len, masks: HeadMasks | None = None,
                  modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True,
                  layer: LayerFactory = CapacityLayer):
-        self.cache = cache if capacity is None else capacity_cache(cache, capacity, layer)
+        written = all(isinstance(lay, CapacityLayer) for lay in cache.layers)  # merge_caches(..., capacity)
+        self.cache = cache if capacity is None or written else capacity_cache(cache, capacity, layer)
         self.in_place = capacity is not None
         self.masks, self.modules, self.grouped = masks, list(modules), bool(grouped)
         self.valid = valid
@@ -85,10 +97,21 @@ class CacheSide:
         self.n_gen = torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
         self.prompt_len = prompt_len
         self.all_valid = bool(valid.all())
+        self.order: torch.Tensor | None = None
+        self._inverse: torch.Tensor | None = None
+
+    def logical(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (rows in the cache's order on dim 0) in the caller's row order."""
+        return t if self.order is None else t[self.order]
+
+    def _physical(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (rows in the caller's order on dim 0) in the cache's row order."""
+        return t if self._inverse is None else t[self._inverse]
 
     def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` (int64 (n_rows,)) to every row; the next-token logits (n_rows, vocab)."""
         n_rows = tokens.shape[0]
+        tokens = self._physical(tokens)
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, 1)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1)], dim=1)
         # RoPE positions continue from the *uncompressed* prompt length (estimators.md §1),
@@ -102,10 +125,11 @@ class CacheSide:
                         attention_mask=None if self.all_valid else self.valid.long(),
                         position_ids=position_ids, use_cache=True)
         self.n_gen += 1
-        return out.logits[:, -1, :]
+        return self.logical(out.logits[:, -1, :])
 
     def rewind(self, length: torch.Tensor) -> None:
         """Mask each row's generated columns from its ``length[r]``-th on (int64 (n_rows,))."""
+        length = self._physical(length)
         self.valid = self.valid & (self.step < length.unsqueeze(1))
         self.n_gen = length.clone()
         self.all_valid = bool(self.valid.all())
@@ -114,11 +138,14 @@ class CacheSide:
         """Keep only ``rows`` (int64 indices, in the new order).
 
         A cache with capacity keeps every column (those no kept row attends to stay masked)
-        and compacts its rows in place; a ``DynamicCache`` also drops those columns.
+        and fills the dropped rows' places with kept rows in place (:func:`fill_holes`); a
+        ``DynamicCache`` selects its rows in the new order and drops those columns.
         """
-        self.valid, self.step, self.n_gen = self.valid[rows], self.step[rows], self.n_gen[rows]
+        rows = rows if self.order is None else self.order[rows]  # the cache rows to keep
+        src = fill_holes(rows, self.valid.shape[0]) if self.in_place else rows
+        self.valid, self.step, self.n_gen = self.valid[src], self.step[src], self.n_gen[src]
         if isinstance(self.prompt_len, torch.Tensor):
-            self.prompt_len = self.prompt_len[rows]
+            self.prompt_len = self.prompt_len[src]
         cols = self.valid.any(0)
         # a capacity cache keeps columns no kept row attends to (they stay masked): no copy
         trim = not self.in_place and not bool(cols.all())
@@ -126,16 +153,56 @@ class CacheSide:
             cols = cols.nonzero().squeeze(1)
             self.valid, self.step = self.valid[:, cols], self.step[:, cols]
         if self.masks is not None:
-            self.masks.keep_rows(rows, cols if trim else None)
+            self.masks.keep_rows(src, cols if trim else None)
         for layer in self.cache.layers:
             if hasattr(layer, "select"):
-                layer.select(rows, cols if trim else None)
+                layer.select(src, cols if trim else None)
                 continue
-            keys, values = layer.keys[rows], layer.values[rows]
+            keys, values = layer.keys[src], layer.values[src]
             if trim:
                 keys, values = keys[:, :, cols], values[:, :, cols]
             layer.keys, layer.values = keys, values
         self.all_valid = bool(self.valid.all())
+        self._reorder(rows, src)
+
+    def _reorder(self, rows: torch.Tensor, src: torch.Tensor) -> None:
+        """Set ``order`` after the cache rows ``rows`` (caller's order) were rearranged as ``src``."""
+        where = torch.empty(int(src.max()) + 1 if src.numel() else 0, dtype=torch.long, device=src.device)
+        where[src] = torch.arange(src.numel(), device=src.device)
+        order = where[rows]
+        if bool((order == torch.arange(order.numel(), device=order.device)).all()):
+            self.order = self._inverse = None
+        else:
+            self.order, self._inverse = order, torch.argsort(order)
+
+
+def fill_holes(rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The cache rows to keep, placed so that as few rows as possible move.
+
+    Parameters
+    ----------
+    rows : torch.Tensor
+        int64 (n,), distinct cache rows to keep (any order), out of ``n_rows``.
+    n_rows : int
+        Rows the cache holds now.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 (n,): the old row that new row ``j`` holds. A kept row below ``n`` stays
+        where it is; the kept rows from ``n`` on fill, in ascending order, the rows below
+        ``n`` that were dropped. Only those rows are copied (one copy per dropped row below
+        ``n``), where keeping the caller's order would shift every row after the first
+        dropped one.
+    """
+    n = rows.numel()
+    kept = torch.zeros(n_rows, dtype=torch.bool, device=rows.device)
+    kept[rows] = True
+    src = torch.arange(n, device=rows.device)
+    holes = (~kept[:n]).nonzero().squeeze(1)
+    if holes.numel():
+        src[holes] = rows[rows >= n].sort().values
+    return src
 
 
 class SeparateSides:
@@ -168,11 +235,13 @@ class SeparateSides:
 
     def prompt_len(self, evicted: bool):
         """RoPE position of the first generated token of one side's rows (int, or int64 (n,))."""
-        return (self.ev if evicted else self.ref).prompt_len
+        side = self.ev if evicted else self.ref
+        return side.logical(side.prompt_len) if isinstance(side.prompt_len, torch.Tensor) else side.prompt_len
 
     def valid(self, evicted: bool) -> torch.Tensor:
         """bool (n, columns): the cache columns each row of one side attends to."""
-        return (self.ev if evicted else self.ref).valid
+        side = self.ev if evicted else self.ref
+        return side.logical(side.valid)
 
 
 class JointSides:
@@ -229,14 +298,15 @@ class JointSides:
     def prompt_len(self, evicted: bool):
         """RoPE position of the first generated token of one side's rows (int, or int64 (n,))."""
         p = self.side.prompt_len
-        return p[self._half(evicted)] if isinstance(p, torch.Tensor) else p
+        return self.side.logical(p)[self._half(evicted)] if isinstance(p, torch.Tensor) else p
 
     def valid(self, evicted: bool) -> torch.Tensor:
         """bool (n, columns): the cache columns each row of one side attends to."""
-        return self.side.valid[self._half(evicted)]
+        return self.side.logical(self.side.valid)[self._half(evicted)]
 
 
-def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device) -> tuple[object, torch.Tensor]:
+def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device,
+                 capacity: int | None = None) -> tuple[object, torch.Tensor]:
     """One batched cache from per-document caches, left-padded to the longest.
 
     Parameters
@@ -251,16 +321,21 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
         Rows per document (replicates ``R``): document ``d`` fills rows ``d*R .. d*R+R-1``.
     device : torch.device
         Device of the ``valid`` mask.
+    capacity : int or None
+        With a capacity (columns), each layer is a
+        :class:`~kvdiverge.engine.llm.cache.CapacityLayer` of that many columns and the
+        documents are written into its buffers directly (one copy); with ``None`` the
+        merged keys and values replace the first cache's.
 
     Returns
     -------
-    (DynamicCache, torch.Tensor)
-        The first cache, its layers replaced by the merged (B*R, kv_heads, max_len,
-        head_dim) keys and (B*R, kv_heads, max_len, v_head_dim) values (padding columns
-        hold zeros), and ``valid``, bool (B*R, max_len): ``False`` on each document's left
-        padding (a shorter layer's own padding is masked per layer,
-        :class:`kvdiverge.engine.llm.masks.HeadMasks`). With one document whose layers all have
-        its length this is ``batch_repeat_interleave(R)``.
+    (transformers.Cache, torch.Tensor)
+        The merged (B*R, kv_heads, max_len, head_dim) keys and (B*R, kv_heads, max_len,
+        v_head_dim) values (padding columns hold zeros): the first cache with its layers
+        replaced, or a cache of capacity layers. ``valid``, bool (B*R, max_len): ``False``
+        on each document's left padding (a shorter layer's own padding is masked per layer,
+        :class:`kvdiverge.engine.llm.masks.HeadMasks`). With one document whose layers all
+        have its length and no capacity this is ``batch_repeat_interleave(R)``.
 
     Raises
     ------
@@ -268,6 +343,18 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
         If a layer is longer than its document's length.
     """
     longest = max(lengths)
+    for d, (cache, n) in enumerate(zip(caches, lengths)):
+        for li, layer in enumerate(cache.layers):
+            if layer.keys.shape[2] > n:
+                raise ValueError(f"document {d}, layer {li}: {layer.keys.shape[2]} cache columns, more than its "
+                                 f"length {n}")
+    valid = torch.zeros(len(caches) * rows_each, longest, dtype=torch.bool, device=device)
+    for d, n in enumerate(lengths):
+        valid[d * rows_each:(d + 1) * rows_each, longest - n:] = True
+    if capacity is not None:
+        layers = [CapacityLayer.stacked([c.layers[li].keys for c in caches], [c.layers[li].values for c in caches],
+                                        longest, rows_each, capacity) for li in range(len(caches[0].layers))]
+        return Cache(layers=layers), valid
     even = all(layer.keys.shape[2] == n for cache, n in zip(caches, lengths) for layer in cache.layers)
     if len(caches) == 1 and even:
         cache = caches[0]
@@ -279,9 +366,6 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
         parts_k, parts_v = [], []
         for d, cache in enumerate(caches):
             k, v = cache.layers[li].keys, cache.layers[li].values
-            if k.shape[2] > lengths[d]:
-                raise ValueError(f"document {d}, layer {li}: {k.shape[2]} cache columns, more than its length "
-                                 f"{lengths[d]}")
             pad = longest - k.shape[2]
             if pad:
                 k = torch.cat([k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3]), k], dim=2)
@@ -289,7 +373,4 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
             parts_k.append(k.expand(rows_each, -1, -1, -1))
             parts_v.append(v.expand(rows_each, -1, -1, -1))
         layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
-    valid = torch.zeros(len(caches) * rows_each, longest, dtype=torch.bool, device=device)
-    for d, n in enumerate(lengths):
-        valid[d * rows_each:(d + 1) * rows_each, longest - n:] = True
     return merged, valid
