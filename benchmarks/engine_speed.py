@@ -13,6 +13,9 @@ On the embedded model (SmolLM2-135M, GQA 9:3 heads), SnapKV at 50 %, one prompt 
     decoding part's time per token-step, and their ratios. Runs alternate (fast, a
     forward per side, stock, generate), best of
     ``--repeats``: the machine is shared, the minimum is the least disturbed;
+(a2) the fast run's wall time by phase: the prompt prefills and merging the caches
+    (``start``), the decoding forwards, the decoding transform, dropping finished rows
+    (``keep_rows``) and the rest (coupling, bookkeeping);
 (b) a ``torch.profiler`` breakdown (self CPU time of the engine's whole run, prefill
     included) of each kernel set: GEMM (``mm``/``addmm``/``bmm``), attention (SDPA
     kernels), ``copy_``, ``cat``, indexing, the rest;
@@ -48,7 +51,7 @@ TEMPERATURE, TOP_P = 0.7, 0.95
 
 
 class TimedPair(LLMKernelPair):
-    """Counts token-steps and separates prefill, forward and decoding-transform time."""
+    """Counts token-steps and separates prefill, forward, decoding-transform and row-dropping time."""
 
     def start(self, n_rows):
         self.transform_s = 0.0
@@ -56,7 +59,7 @@ class TimedPair(LLMKernelPair):
         out = super().start(n_rows)
         self.prefill_s, self.prefill_cpu = time.perf_counter() - t, time.process_time() - c
         self.token_steps = self.advances = 0
-        self.forward_s = self.transform_s = 0.0
+        self.forward_s = self.transform_s = self.keep_s = 0.0
         self.rows_per_advance = []
         return out
 
@@ -65,6 +68,11 @@ class TimedPair(LLMKernelPair):
         out = super()._transform(logits, side)
         self.transform_s += time.perf_counter() - t
         return out
+
+    def keep_rows(self, rows):
+        t = time.perf_counter()
+        super().keep_rows(rows)
+        self.keep_s += time.perf_counter() - t
 
     def advance(self, x, y):
         self.token_steps += x.numel() + y.numel()
@@ -235,11 +243,21 @@ def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
           "| a forward per side ms/tok-step | stock ms/tok-step | generate ms/tok-step | fast/generate per tok-step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     engine(model, ids, 1, 2, 4)  # warm-up
+    phases = []
     for rows in rows_list:
         b = timed(model, ids, rows, R, T, repeats)
         f, p, s, g = b["fast"], b["separate"], b["stock"], b["generate"][0]
         print(f"| {rows} | {f[0]:.2f} | {p[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} "
               f"| {1e3 * p[1]:.2f} | {1e3 * s[1]:.2f} | {1e3 * g:.2f} | {f[1] / g:.2f}x |", flush=True)
+        phases.append((rows, f[2]))
+    print("\n(a2) the fast engine's wall time by phase: prompt prefills and merging (`start`), decoding forwards, "
+          "decoding transform, dropping finished rows (`keep_rows`), the rest (coupling, bookkeeping)")
+    print("| rows/side | total s | start | forwards | transform | keep_rows | rest |")
+    print("|---|---|---|---|---|---|---|")
+    for rows, pair in phases:
+        parts = (pair.prefill_s, pair.forward_s, pair.transform_s, pair.keep_s)
+        rest = pair.total_s - sum(parts)
+        print(f"| {rows} | {pair.total_s:.2f} | " + " | ".join(f"{x / pair.total_s:.0%}" for x in (*parts, rest)) + " |")
     if not profile_runs:
         return
     print("\n(b) torch.profiler, self CPU time of the engine's whole run (prefill included), shares by kernel group")
