@@ -142,6 +142,15 @@ def test_capacity_layer_rearranges_rows_in_place():
     assert torch.equal(keys, torch.cat([k0[rows], k], dim=2))
 
 
+def test_capacity_layer_selects_repeated_rows_into_new_buffers():
+    k0, v0 = torch.arange(12.0).reshape(2, 1, 3, 2), -torch.arange(12.0).reshape(2, 1, 3, 2)
+    cap = CapacityLayer(k0, v0, capacity=5)
+    rows = torch.tensor([1, 1, 0, 0])  # more rows than the buffers hold: no in-place move
+    cap.batch_select_indices(rows)
+    assert cap.keys.shape == (4, 1, 3, 2) and cap.capacity == 5
+    assert torch.equal(cap.keys, k0[rows]) and torch.equal(cap.values, v0[rows])
+
+
 def test_a_side_with_capacity_keeps_the_callers_row_order(model, prompts):
     """Dropped rows' places are filled by later rows; the caller still sees its own order."""
     trace_fast, pair = trace(model, prompts, None, True, joint=False)

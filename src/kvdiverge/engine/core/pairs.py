@@ -12,7 +12,7 @@ its KV caches between calls:
 - ``rewind(length)`` — cut both histories of row ``r`` back to their first
   ``length[r]`` tokens (which must be shared by the two sides); a row whose
   ``length[r]`` is its current length is left as it is.
-- ``keep_rows(rows)`` — keep only the given rows, in that order; the engine calls
+- ``keep_rows(rows)`` — keep only the given (distinct) rows, in that order; the engine calls
   it when rows finish, so that later steps run on fewer rows.
 
 Log-distributions are float64 tensors of shape (n_rows, vocab_size), already through

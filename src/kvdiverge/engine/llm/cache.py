@@ -8,23 +8,18 @@ free columns; ``keys`` and ``values`` are views of the filled columns, so attent
 exactly what a ``DynamicLayer`` would hold. A layer that runs out of columns grows its
 buffers by half (one copy), so a capacity that is too small costs time, never results.
 
-:func:`capacity_cache` builds a ``transformers.Cache`` of such layers from the merged
-per-document caches (:func:`kvdiverge.engine.llm.llm_pair.merge_caches`). The layer type is
-an argument (:data:`LayerFactory`), so another layer (a quantized one) can take its place
-as long as it offers ``update``, ``keys``/``values`` and :meth:`CapacityLayer.select`.
+:meth:`CapacityLayer.stacked` writes several documents' caches, each repeated to its
+rows and left-padded, straight into one layer's buffers
+(:func:`kvdiverge.engine.llm.side.merge_caches` with a capacity); :func:`capacity_cache`
+copies any cache's layers into such layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["CapacityLayer", "LayerFactory", "capacity_cache"]
-
-#: Builds one layer from its (B, kv_heads, n, D) keys and (B, kv_heads, n, Dv) values and a capacity (columns).
-LayerFactory = Callable[[torch.Tensor, torch.Tensor, int], CacheLayerMixin]
+__all__ = ["CapacityLayer", "capacity_cache"]
 
 
 class CapacityLayer(CacheLayerMixin):
@@ -118,15 +113,18 @@ class CapacityLayer(CacheLayerMixin):
     def select(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> None:
         """Keep ``rows`` (distinct int64, new order) and, if given, the columns ``cols`` (sorted int64).
 
-        Without ``cols`` (the engine dropping finished rows) the buffers are rearranged in
-        place: only the rows whose position changes are copied, once, and nothing is
-        allocated beyond those rows. With ``cols`` the kept part is copied into new buffers.
+        Distinct ``rows`` without ``cols`` (the engine dropping finished rows) rearrange the
+        buffers in place: only the rows whose position changes are copied, once, through a
+        temporary of those rows. Other selections (``cols``, repeated rows) copy the kept
+        part into new buffers.
         """
-        if cols is None:
+        if cols is None and rows.numel() <= self._k.shape[0] and rows.unique().numel() == rows.numel():
             self._move(rows)
             return
         keys, values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
-        self._fill(keys.index_select(2, cols), values.index_select(2, cols), self.capacity)
+        if cols is not None:
+            keys, values = keys.index_select(2, cols), values.index_select(2, cols)
+        self._fill(keys, values, self.capacity)
 
     def _move(self, rows: torch.Tensor) -> None:
         """Row ``j`` of the buffers becomes old row ``rows[j]``; rows past ``len(rows)`` are dropped (views)."""
@@ -158,8 +156,8 @@ class CapacityLayer(CacheLayerMixin):
         return -1
 
 
-def capacity_cache(cache, capacity: int, layer: LayerFactory = CapacityLayer) -> Cache:
-    """A cache of ``layer`` layers holding ``cache``'s keys and values, each with ``capacity`` columns.
+def capacity_cache(cache, capacity: int) -> Cache:
+    """A cache of :class:`CapacityLayer` layers holding a copy of ``cache``'s keys and values.
 
     Parameters
     ----------
@@ -167,7 +165,5 @@ def capacity_cache(cache, capacity: int, layer: LayerFactory = CapacityLayer) ->
         Any cache whose layers have ``keys`` and ``values``.
     capacity : int
         Columns per layer (the widest the decoding needs; a layer's own length if larger).
-    layer : LayerFactory
-        The layer type (default :class:`CapacityLayer`).
     """
-    return Cache(layers=[layer(lay.keys, lay.values, capacity) for lay in cache.layers])
+    return Cache(layers=[CapacityLayer(lay.keys, lay.values, capacity) for lay in cache.layers])

@@ -53,7 +53,8 @@ class LLMKernelPair(LLMPairBase):
     document-major: row ``d*R + r`` is replicate ``r`` of document ``d``.
 
     Both sides decode as the rows of one cache (:class:`kvdiverge.engine.llm.side.JointSides`):
-    the reference rows, then the evicted rows in the same order, each evicted document
+    the reference rows, then the evicted rows in the same order (the caller's order: the
+    cache may hold its rows in another, :class:`kvdiverge.engine.llm.side.CacheSide`), each evicted document
     left-padded to its reference width, one forward per step on the twin (its press has
     exited; its per-head masks name evicted rows only). The weights are read once per step
     instead of twice. Rows with equal inputs get equal outputs within a forward, so with
@@ -282,5 +283,8 @@ class LLMKernelPair(LLMPairBase):
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (int64 indices into the current rows) on both sides; later calls see fewer rows."""
+        """Keep only ``rows`` (distinct int64 indices into the current rows) on both sides.
+
+        Later calls see fewer rows, in this order.
+        """
         self._sides.keep_rows(rows.to(self.device))

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
-from kvdiverge.engine.llm.cache import CapacityLayer, LayerFactory, capacity_cache
+from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
 from kvdiverge.engine.llm.masks import HeadMasks
 
 __all__ = ["CacheSide", "JointSides", "SeparateSides", "fill_holes", "grouped_attention", "merge_caches"]
@@ -71,25 +71,23 @@ class CacheSide:
     Parameters
     ----------
     cache : transformers.Cache
-        The merged cache (:func:`merge_caches`); with ``capacity`` given it is copied into
-        ``layer`` layers of that many columns (:func:`kvdiverge.engine.llm.cache.capacity_cache`)
-        unless its layers are :class:`~kvdiverge.engine.llm.cache.CapacityLayer` already
-        (``merge_caches(..., capacity=)``), with ``None`` it is used as it is (a
-        ``DynamicCache`` appends by concatenation).
+        The merged cache (:func:`merge_caches`). With ``capacity`` given, a cache of
+        :class:`~kvdiverge.engine.llm.cache.CapacityLayer` layers (``merge_caches(...,
+        capacity=)``) is used as it is and any other is copied into such layers
+        (:func:`kvdiverge.engine.llm.cache.capacity_cache`); with ``None`` it is used as it is
+        (a ``DynamicCache`` appends by concatenation).
     capacity : int or None
-        Columns to allocate per layer: the widest the cache gets (``prompt + 2T - 2``,
-        :func:`kvdiverge.engine.llm.planner.cache_columns`).
+        Columns to allocate per layer when the cache is copied: the widest the cache gets
+        (``prompt + 2T - 2``, :func:`kvdiverge.engine.llm.planner.cache_columns`). ``None``:
+        the stock cache, appended to by concatenation.
     grouped : bool
         Decode with :func:`grouped_attention`.
-    layer : LayerFactory
-        The layer type of a cache with capacity.
     """
 
     def __init__(self, cache, valid: torch.Tensor, prompt_len, masks: HeadMasks | None = None,
-                 modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True,
-                 layer: LayerFactory = CapacityLayer):
+                 modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True):
         written = all(isinstance(lay, CapacityLayer) for lay in cache.layers)  # merge_caches(..., capacity)
-        self.cache = cache if capacity is None or written else capacity_cache(cache, capacity, layer)
+        self.cache = cache if capacity is None or written else capacity_cache(cache, capacity)
         self.in_place = capacity is not None
         self.masks, self.modules, self.grouped = masks, list(modules), bool(grouped)
         self.valid = valid
@@ -135,7 +133,7 @@ class CacheSide:
         self.all_valid = bool(self.valid.all())
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (int64 indices, in the new order).
+        """Keep only ``rows`` (distinct int64 indices, in the new order).
 
         A cache with capacity keeps every column (those no kept row attends to stay masked)
         and fills the dropped rows' places with kept rows in place (:func:`fill_holes`); a
@@ -229,7 +227,7 @@ class SeparateSides:
         self.ev.rewind(length)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep ``rows`` (int64 indices, new order) on both sides."""
+        """Keep ``rows`` (distinct int64 indices, new order) on both sides."""
         self.ref.keep_rows(rows)
         self.ev.keep_rows(rows)
 
@@ -263,8 +261,9 @@ class JointSides:
     Parameters
     ----------
     side : CacheSide
-        ``2n`` rows: reference rows ``0..n-1``, evicted rows ``n..2n-1`` (row ``n + r`` is
-        the evicted twin of reference row ``r``).
+        ``2n`` rows, in the side's row order (:meth:`CacheSide.logical`; the cache may hold
+        them in another): reference rows ``0..n-1``, evicted rows ``n..2n-1`` (row ``n + r``
+        is the evicted twin of reference row ``r``).
     model : torch.nn.Module
         The module tree the rows run on.
     """
@@ -288,7 +287,7 @@ class JointSides:
         self.side.rewind(torch.cat([length, length]))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep ``rows`` (int64 indices, new order) on both sides."""
+        """Keep ``rows`` (distinct int64 indices, new order) on both sides."""
         self.side.keep_rows(torch.cat([rows, rows + self.n_rows]))
 
     def _half(self, evicted: bool) -> slice:
