@@ -54,8 +54,8 @@ class LLMKernelPair(LLMPairBase):
 
     Both sides decode as the rows of one cache (:class:`kvdiverge.engine.llm.side.JointSides`):
     the reference rows, then the evicted rows in the same order (the caller's order: the
-    cache may hold its rows in another, :class:`kvdiverge.engine.llm.side.CacheSide`), each evicted document
-    left-padded to its reference width, one forward per step on the twin (its press has
+    cache may hold its rows in another, :class:`kvdiverge.engine.llm.side.CacheSide`), each
+    evicted document left-padded to its reference width, one forward per step on the twin (its press has
     exited; its per-head masks name evicted rows only). The weights are read once per step
     instead of twice. Rows with equal inputs get equal outputs within a forward, so with
     ratio 0 the TV is exactly 0. The cache is written in place
