@@ -42,4 +42,4 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 clean-results:
-	rm -rf results results-* logs
+	rm -rf results results-* logs measure-out
