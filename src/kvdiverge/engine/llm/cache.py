@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["CapacityLayer", "capacity_cache"]
+__all__ = ["CapacityLayer", "capacity_cache", "stack_documents"]
 
 
 class CapacityLayer(CacheLayerMixin):
@@ -68,16 +68,10 @@ class CapacityLayer(CacheLayerMixin):
         """
         layer = cls.__new__(cls)
         layer.is_initialized = True
-        k0, v0 = keys[0], values[0]
-        layer.dtype, layer.device = k0.dtype, k0.device
-        n_rows, capacity = rows_each * len(keys), max(int(capacity), int(width))
-        layer._k = k0.new_empty(n_rows, k0.shape[1], capacity, k0.shape[3])
-        layer._v = v0.new_empty(n_rows, v0.shape[1], capacity, v0.shape[3])
-        for d, (k, v) in enumerate(zip(keys, values)):
-            rows, pad = slice(d * rows_each, (d + 1) * rows_each), width - k.shape[2]
-            for buf, part in ((layer._k, k), (layer._v, v)):
-                buf[rows, :, :pad].zero_()
-                buf[rows, :, pad:width].copy_(part.expand(rows_each, -1, -1, -1))
+        layer.dtype, layer.device = keys[0].dtype, keys[0].device
+        capacity = max(int(capacity), int(width))
+        layer._k = stack_documents(keys, width, rows_each, capacity)
+        layer._v = stack_documents(values, width, rows_each, capacity)
         layer.length, layer.capacity = int(width), capacity
         return layer
 
@@ -154,6 +148,34 @@ class CapacityLayer(CacheLayerMixin):
 
     def get_max_cache_shape(self) -> int:
         return -1
+
+
+def stack_documents(parts: list[torch.Tensor], width: int, rows_each: int, columns: int) -> torch.Tensor:
+    """Several documents' keys (or values), each repeated to its rows and left-padded, in one new tensor.
+
+    Parameters
+    ----------
+    parts : list of torch.Tensor
+        Per document, (1, kv_heads, n_d, D), ``n_d <= width``.
+    width : int
+        Filled columns: document ``d`` fills the last ``n_d`` of the first ``width``, zeros before.
+    rows_each : int
+        Rows per document: document ``d`` fills rows ``d * rows_each`` to ``(d + 1) * rows_each - 1``.
+    columns : int
+        Columns to allocate (at least ``width``); those past ``width`` are left unwritten.
+
+    Returns
+    -------
+    torch.Tensor
+        (len(parts) * rows_each, kv_heads, columns, D), ``parts[0]``'s dtype and device.
+    """
+    p0 = parts[0]
+    out = p0.new_empty(rows_each * len(parts), p0.shape[1], columns, p0.shape[3])
+    for d, part in enumerate(parts):
+        rows, pad = slice(d * rows_each, (d + 1) * rows_each), width - part.shape[2]
+        out[rows, :, :pad].zero_()
+        out[rows, :, pad:width].copy_(part.expand(rows_each, -1, -1, -1))
+    return out
 
 
 def capacity_cache(cache, capacity: int) -> Cache:

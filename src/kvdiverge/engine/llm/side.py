@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
-from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
+from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache, stack_documents
 from kvdiverge.engine.llm.masks import HeadMasks
 
 __all__ = ["CacheSide", "JointSides", "SeparateSides", "fill_holes", "grouped_attention", "merge_caches"]
@@ -362,14 +362,7 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
         return cache, torch.ones(rows_each, lengths[0], dtype=torch.bool, device=device)
     merged = caches[0]
     for li, layer in enumerate(merged.layers):
-        parts_k, parts_v = [], []
-        for d, cache in enumerate(caches):
-            k, v = cache.layers[li].keys, cache.layers[li].values
-            pad = longest - k.shape[2]
-            if pad:
-                k = torch.cat([k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3]), k], dim=2)
-                v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], pad, v.shape[3]), v], dim=2)
-            parts_k.append(k.expand(rows_each, -1, -1, -1))
-            parts_v.append(v.expand(rows_each, -1, -1, -1))
-        layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
+        keys = stack_documents([c.layers[li].keys for c in caches], longest, rows_each, longest)
+        values = stack_documents([c.layers[li].values for c in caches], longest, rows_each, longest)
+        layer.keys, layer.values = keys, values
     return merged, valid
