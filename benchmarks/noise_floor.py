@@ -28,16 +28,16 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
+from kvdiverge.engine.core.coupled import to_frame
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document, run_documents
 from kvdiverge.estimation.analysis import floor_comparison
-from kvdiverge.study.config import SPLITS, floor_policy, load_config
-from kvdiverge.study.corpus import build_corpus
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
 from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.config import SPLITS, floor_policy, load_config
+from kvdiverge.study.corpus import build_corpus
 from kvdiverge.study.models import context_length, load_model, load_model_config, load_tokenizer
-from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.study.prompts import build_prompts, prompt_settings
-from kvdiverge.engine.runner import Document, run_documents
-from kvdiverge.engine.core.coupled import to_frame
 
 log = logging.getLogger("noise_floor")
 
@@ -48,8 +48,12 @@ def prompts_table(config: dict, model_name: str, out: Path) -> pl.DataFrame:
     if not path.exists():
         spec = config["models"][model_name]
         docs = build_corpus(config["corpus"])
-        table = build_prompts(docs, load_tokenizer(spec, model_name), prompt_settings(config),
-                              context_length(load_model_config(spec, model_name)))
+        table = build_prompts(
+            docs,
+            load_tokenizer(spec, model_name),
+            prompt_settings(config),
+            context_length(load_model_config(spec, model_name)),
+        )
         write_parquet_atomic(table, path)
     return pl.read_parquet(path)
 
@@ -83,17 +87,31 @@ def main() -> None:
             rows = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
             documents = [Document(r["doc_id"], r["input_ids"]) for r in rows.iter_rows(named=True)]
             start = time.perf_counter()
-            with tqdm(total=len(documents) * (2 * T - 1), desc=f"{dtype} {policy_name} {split}",
-                      mininterval=30) as bar:
-                recs = run_documents(model, documents, policy, T=T, replicates=R,
-                                     temperature=config["decoding"]["temperature"],
-                                     top_p=config["decoding"]["top_p"], seed=config["seed"],
-                                     model_name=model_name, progress=bar)
+            with tqdm(total=len(documents) * (2 * T - 1), desc=f"{dtype} {policy_name} {split}", mininterval=30) as bar:
+                recs = run_documents(
+                    model,
+                    documents,
+                    policy,
+                    T=T,
+                    replicates=R,
+                    temperature=config["decoding"]["temperature"],
+                    top_p=config["decoding"]["top_p"],
+                    seed=config["seed"],
+                    model_name=model_name,
+                    progress=bar,
+                )
             meta = {"model": model_name, "policy": policy_name, "split": split}
-            write_parquet_atomic(to_frame([{**meta, **r} for r in recs]),
-                                 args.out / dtype / policy_name / f"{split}.parquet")
-            log.info("%s %s %s: %d documents in %.0f s", dtype, policy_name, split, len(documents),
-                     time.perf_counter() - start)
+            write_parquet_atomic(
+                to_frame([{**meta, **r} for r in recs]), args.out / dtype / policy_name / f"{split}.parquet"
+            )
+            log.info(
+                "%s %s %s: %d documents in %.0f s",
+                dtype,
+                policy_name,
+                split,
+                len(documents),
+                time.perf_counter() - start,
+            )
         del model
 
     n_boot, conf, seed = config["analysis"]["bootstrap"], config["analysis"]["confidence"], config["seed"]
@@ -101,20 +119,25 @@ def main() -> None:
         files = sorted((args.out / dtype).glob("*/*.parquet"))
         if not files:
             continue
-        docs = document_estimates(replicate_estimates(pl.concat([pl.read_parquet(f) for f in files]),
-                                                      int(config["window"])))
+        docs = document_estimates(
+            replicate_estimates(pl.concat([pl.read_parquet(f) for f in files]), int(config["window"]))
+        )
         pooled = pooled_estimates(docs, n_boot, conf, seed).sort(["split", "policy"])
         print(f"\n{dtype}: T = {T}, R = {R}, {int(conf * 100)}% document-bootstrap intervals")
         for r in pooled.iter_rows(named=True):
-            print(f"  {r['policy']:12s} {r['split']:12s} docs {r['n_docs']:3d}  "
-                  f"mean TV/step {r['tv_mean']:.3g} [{r['tv_mean_lo']:.3g}, {r['tv_mean_hi']:.3g}]  "
-                  f"max TV {r['tv_max']:.3g}  p_div {r['p_div']:.3g} [{r['p_div_lo']:.3g}, {r['p_div_hi']:.3g}]  "
-                  f"E[N] {r['E_N']:.3g} [{r['E_N_lo']:.3g}, {r['E_N_hi']:.3g}]")
+            print(
+                f"  {r['policy']:12s} {r['split']:12s} docs {r['n_docs']:3d}  "
+                f"mean TV/step {r['tv_mean']:.3g} [{r['tv_mean_lo']:.3g}, {r['tv_mean_hi']:.3g}]  "
+                f"max TV {r['tv_max']:.3g}  p_div {r['p_div']:.3g} [{r['p_div_lo']:.3g}, {r['p_div_hi']:.3g}]  "
+                f"E[N] {r['E_N']:.3g} [{r['E_N_lo']:.3g}, {r['E_N_hi']:.3g}]"
+            )
         for r in floor_comparison(docs, floor, n_boot, conf, seed).sort(["split", "policy"]).iter_rows(named=True):
-            print(f"  {r['policy']:12s} {r['split']:12s} minus floor: "
-                  f"p_div {r['diff_p_div']:.3g} [{r['diff_p_div_lo']:.3g}, {r['diff_p_div_hi']:.3g}]  "
-                  f"E[N] {r['diff_E_N']:.3g} [{r['diff_E_N_lo']:.3g}, {r['diff_E_N_hi']:.3g}]  "
-                  f"above floor: p_div {r['above_floor_p_div']}, E[N] {r['above_floor_E_N']}")
+            print(
+                f"  {r['policy']:12s} {r['split']:12s} minus floor: "
+                f"p_div {r['diff_p_div']:.3g} [{r['diff_p_div_lo']:.3g}, {r['diff_p_div_hi']:.3g}]  "
+                f"E[N] {r['diff_E_N']:.3g} [{r['diff_E_N_lo']:.3g}, {r['diff_E_N_hi']:.3g}]  "
+                f"above floor: p_div {r['above_floor_p_div']}, E[N] {r['above_floor_E_N']}"
+            )
 
 
 if __name__ == "__main__":

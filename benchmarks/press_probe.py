@@ -26,10 +26,12 @@ T, R = 4, 2
 
 def prompt_ids(tokenizer) -> list[int]:
     """A chat prompt of about 200 tokens (an address to summarise)."""
-    text = ("Fellow citizens, we meet today to speak of the river, the harvest and the roads that join our "
-            "towns. ") * 8 + "\nSummarize the speech in one sentence."
-    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        return_dict=True)
+    text = (
+        "Fellow citizens, we meet today to speak of the river, the harvest and the roads that join our towns. "
+    ) * 8 + "\nSummarize the speech in one sentence."
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -52,8 +54,8 @@ def reference_untouched(model, ids: list[int], policy) -> bool:
 
 def main() -> None:
     import kvdiverge
-    from kvdiverge.engine.presses import status as press_status
     from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses import status as press_status
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.study.models import EMBEDDED_MODEL, load_model
 
@@ -74,15 +76,19 @@ def main() -> None:
             continue
         start = time.perf_counter()
         try:
-            m = kvdiverge.measure(model, tokenizer, {"p": ids}, {name: spec}, max_new_tokens=T, replicates=R,
-                                  progress=False, bootstrap=50)
+            m = kvdiverge.measure(
+                model, tokenizer, {"p": ids}, {name: spec}, max_new_tokens=T, replicates=R, progress=False, bootstrap=50
+            )
             untouched = reference_untouched(model, ids, Policy.from_config(name, spec))
         except (PressError, ValueError) as exc:
             print(f"| {name} | error | | | {type(exc).__name__}: {str(exc)[:90]} |")
             continue
         row = m.summary.row(0, named=True)
-        print(f"| {name} | measured | {row['p_div']:.2f} | {row['kept_fraction']:.2f} | "
-              f"{'yes' if untouched else 'NO'} ({time.perf_counter() - start:.1f} s) |", flush=True)
+        print(
+            f"| {name} | measured | {row['p_div']:.2f} | {row['kept_fraction']:.2f} | "
+            f"{'yes' if untouched else 'NO'} ({time.perf_counter() - start:.1f} s) |",
+            flush=True,
+        )
     rerotation_positions(model, tokenizer, ids)
 
 
@@ -95,13 +101,23 @@ def rerotation_positions(model, tokenizer, ids) -> None:
     spec, kept_start = press_status.test_spec("KeyRerotationPress"), llm_pair.generation_start
     llm_pair.generation_start = lambda press, prompt_len, cache_len: int(prompt_len)
     try:
-        m = kvdiverge.measure(model, tokenizer, {"p": ids}, {"rerotation": spec}, max_new_tokens=T, replicates=R,
-                              progress=False, bootstrap=50)
+        m = kvdiverge.measure(
+            model,
+            tokenizer,
+            {"p": ids},
+            {"rerotation": spec},
+            max_new_tokens=T,
+            replicates=R,
+            progress=False,
+            bootstrap=50,
+        )
     finally:
         llm_pair.generation_start = kept_start
     row = m.summary.row(0, named=True)
-    print(f"\nKeyRerotationPress with generated positions from the prompt length ({len(ids)}) instead of the "
-          f"cache length: p_div = {row['p_div']:.2f}")
+    print(
+        f"\nKeyRerotationPress with generated positions from the prompt length ({len(ids)}) instead of the "
+        f"cache length: p_div = {row['p_div']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -74,12 +74,23 @@ def main() -> None:
     texts = sotu_prompts(args.prompts, args.min_words, args.max_words)
     docs = prepare_documents(texts, tok, instruction="Summarise the text above in two sentences.")
     start = time.perf_counter()
-    m = kvdiverge.measure(model, tok, {d.doc_id: d.input_ids for d in docs}, PRESSES, max_new_tokens=args.k,
-                          replicates=args.replicates, seed=0, bootstrap=2000, progress=False)
+    m = kvdiverge.measure(
+        model,
+        tok,
+        {d.doc_id: d.input_ids for d in docs},
+        PRESSES,
+        max_new_tokens=args.k,
+        replicates=args.replicates,
+        seed=0,
+        bootstrap=2000,
+        progress=False,
+    )
     t_measure = time.perf_counter() - start
     spec_t = m.speculative.filter(pl.col("k") == args.k)
-    print(f"prompts: {[len(d.input_ids) for d in docs]} tokens; k={args.k}; sampler seeds {args.seeds} per "
-          f"prompt; chains {args.replicates} per prompt (measure {t_measure:.0f} s); temperature 0.7, top-p 0.95")
+    print(
+        f"prompts: {[len(d.input_ids) for d in docs]} tokens; k={args.k}; sampler seeds {args.seeds} per "
+        f"prompt; chains {args.replicates} per prompt (measure {t_measure:.0f} s); temperature 0.7, top-p 0.95"
+    )
     for name, press_spec in PRESSES.items():
         start = time.perf_counter()
         means = []
@@ -88,18 +99,22 @@ def main() -> None:
             acc = first_block_accepted(model, d.input_ids, build(press_spec), args.k, args.seeds, seed=1000 + i)
             se = acc.std(ddof=1) / math.sqrt(len(acc))
             A, se_A = A_doc[d.doc_id]
-            z = (acc.mean() - A) / math.sqrt(se ** 2 + se_A ** 2)
+            z = (acc.mean() - A) / math.sqrt(se**2 + se_A**2)
             means.append(acc.mean())
-            print(f"  {name} {d.doc_id}: sampler {acc.mean():.3f} (se {se:.3f}, first token accepted in "
-                  f"{np.mean(acc >= 1):.0%})  A_k {A:.3f} (se {se_A:.3f})  z {z:+.2f}")
+            print(
+                f"  {name} {d.doc_id}: sampler {acc.mean():.3f} (se {se:.3f}, first token accepted in "
+                f"{np.mean(acc >= 1):.0%})  A_k {A:.3f} (se {se_A:.3f})  z {z:+.2f}"
+            )
         r = spec_t.filter(pl.col("policy") == name).row(0, named=True)
         pooled = float(np.mean(means))
         inside = r["A_lo"] <= pooled <= r["A_hi"]
-        print(f"{name}: sampler mean accepted {pooled:.3f} | A_k {r['A']:.3f} [{r['A_lo']:.3f}, {r['A_hi']:.3f}] "
-              f"(inside: {'yes' if inside else 'NO'}) | i.i.d. {r['iid_tokens_per_forward'] - 1:.3f} at "
-              f"alpha {r['alpha']:.3f} | tokens per forward: sampler {pooled + 1:.3f}, A_k+1 "
-              f"{r['tokens_per_forward']:.3f}, i.i.d. {r['iid_tokens_per_forward']:.3f} "
-              f"({time.perf_counter() - start:.0f} s)")
+        print(
+            f"{name}: sampler mean accepted {pooled:.3f} | A_k {r['A']:.3f} [{r['A_lo']:.3f}, {r['A_hi']:.3f}] "
+            f"(inside: {'yes' if inside else 'NO'}) | i.i.d. {r['iid_tokens_per_forward'] - 1:.3f} at "
+            f"alpha {r['alpha']:.3f} | tokens per forward: sampler {pooled + 1:.3f}, A_k+1 "
+            f"{r['tokens_per_forward']:.3f}, i.i.d. {r['iid_tokens_per_forward']:.3f} "
+            f"({time.perf_counter() - start:.0f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 
 
 #: a test that uses one of these fixtures (directly or through another) carries the marker
-FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow",
-                   "bf16_run": "workflow"}
+FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow", "bf16_run": "workflow"}
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
@@ -53,9 +52,12 @@ def pytest_collection_modifyitems(config, items):
     (:func:`pytest_collection_finish`), the test files that read them run last (each file's
     tests stay together and in order), so that the others run meanwhile.
     """
-    unmarked = [f"{item.nodeid} uses {fixture} but is not marked {marker}"
-                for item in items for fixture, marker in FIXTURE_MARKERS.items()
-                if fixture in item.fixturenames and item.get_closest_marker(marker) is None]
+    unmarked = [
+        f"{item.nodeid} uses {fixture} but is not marked {marker}"
+        for item in items
+        for fixture, marker in FIXTURE_MARKERS.items()
+        if fixture in item.fixturenames and item.get_closest_marker(marker) is None
+    ]
     if unmarked:
         raise pytest.UsageError("\n".join(unmarked))
     if "slurm" not in (config.option.markexpr or ""):
@@ -65,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
             items[:] = keep
     if background_builds(config, items):
         readers = {item.path for item in items if set(item.fixturenames) & BACKGROUND_FIXTURES}
-        items[:] = [item for item in items if item.path not in readers] + \
-                   [item for item in items if item.path in readers]
+        items[:] = [item for item in items if item.path not in readers] + [
+            item for item in items if item.path in readers
+        ]
 
 
 # --------------------------------------------------------------------------- synthetic kernels
@@ -173,8 +176,9 @@ def embedded_dir(tmp_path_factory) -> Path:
     second, with the weights ``load_model`` gives from the GGUF file (tests/test_models.py)."""
     from kvdiverge.study.models import EMBEDDED_MODEL, convert_to_directory
 
-    return build_once(tmp_path_factory, "embedded-model",
-                      lambda out: convert_to_directory(EMBEDDED_MODEL, out, "smollm2-135m"))
+    return build_once(
+        tmp_path_factory, "embedded-model", lambda out: convert_to_directory(EMBEDDED_MODEL, out, "smollm2-135m")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -231,8 +235,12 @@ def run_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def _copy_tree(dest: Path) -> None:
     """Copy the working tree (tracked and untracked-but-not-ignored files) into ``dest``."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-                         cwd=REPO, check=True, capture_output=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
     for rel in filter(None, out.split("\0")):
         src = REPO / rel
         if not src.is_file():
@@ -256,8 +264,11 @@ def copy_run(src: Path, dest: Path) -> Path:
 
 def tree_env(work: Path, **extra: str) -> dict[str, str]:
     """The environment for a run in the copied tree ``work``: its own ``src`` first on the path."""
-    return {**os.environ, **extra,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"), os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        **extra,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
@@ -275,8 +286,9 @@ def _snakemake_all(work: Path, runs: dict[str, list[list[str]]]) -> None:
     def start(name):
         cmd = snakemake + pending[name].pop(0)
         log = open(work.parent / f"{work.name}-{name}-{len(runs[name]) - len(pending[name])}.log", "w+")
-        proc = subprocess.Popen(cmd, cwd=work, env=tree_env(work), stdout=log, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=work, env=tree_env(work), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         procs[name] = (cmd, proc, log)
 
     for name in pending:
@@ -433,9 +445,9 @@ def _build_in_background(factory, names: list[str]) -> None:
             else:
                 smoke = workflow / results_dir("smoke.yaml")
                 future.set_result(build_once(factory, name, lambda out: _run_bf16(smoke, out)))
-        except BaseException as exc:  # noqa: BLE001 - raised where a test waits for it
+        except BaseException as exc:
             future.set_exception(exc)
-            for rest in names[names.index(name) + 1:]:
+            for rest in names[names.index(name) + 1 :]:
                 _BACKGROUND[rest].set_exception(RuntimeError(f"{rest} not built: {name} failed: {exc}"))
             return
 
@@ -446,8 +458,11 @@ def background_builds(config, items) -> list[str]:
     ``KVDIVERGE_SMOKE_RESULTS`` points at an earlier run, nor when only collecting. Under
     pytest-xdist every worker starts them: the first to take a build's file lock builds it
     (:func:`build_once`), the others' threads wait for it, and their tests run meanwhile."""
-    if (config.option.collectonly
-            or os.environ.get("KVDIVERGE_WORKFLOW_RUNS") or os.environ.get("KVDIVERGE_SMOKE_RESULTS")):
+    if (
+        config.option.collectonly
+        or os.environ.get("KVDIVERGE_WORKFLOW_RUNS")
+        or os.environ.get("KVDIVERGE_SMOKE_RESULTS")
+    ):
         return []
     used = {f for item in items for f in item.fixturenames}
     names = [name for name, fixtures in BACKGROUND_BUILDS if used & set(fixtures)]
@@ -466,8 +481,7 @@ def pytest_collection_finish(session):
         _BACKGROUND[name] = Future()
     factory = session.config._tmp_path_factory  # pytest's tmp_path_factory (tmpdir plugin)
     factory.getbasetemp()  # made here, in this thread, before the build's thread reads it
-    thread = threading.Thread(target=_build_in_background, args=(factory, names), name="kvdiverge-builds",
-                              daemon=True)
+    thread = threading.Thread(target=_build_in_background, args=(factory, names), name="kvdiverge-builds", daemon=True)
     thread.start()
     _THREADS.append(thread)
 
@@ -514,7 +528,7 @@ def snakemake_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
             try:
                 parser, parsed = parse_args(list(args))
                 ok = args_to_api(parsed, parser)
-            except Exception as exc:  # noqa: BLE001 - reported as the command line reports it
+            except Exception as exc:
                 print_exception(exc)
                 ok = False
     finally:

@@ -12,14 +12,26 @@ the reference: it changes only together with a deliberate change of the engine's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kvdiverge.engine.core.coupling import inverse_cdf, maximal_coupling, overlap_draw, probabilities, residual_draws, total_variation
+from kvdiverge.engine.core.coupling import (
+    inverse_cdf,
+    maximal_coupling,
+    overlap_draw,
+    probabilities,
+    residual_draws,
+    total_variation,
+)
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.streams import PURPOSES, uniform_streams
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from kvdiverge.engine.core.pairs import KernelPair
 
 
 def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -252,10 +264,12 @@ class LLMKernelPair:
         if n_rows > 1:
             ref_cache.batch_repeat_interleave(n_rows)
             ev_cache.batch_repeat_interleave(n_rows)
-        self._ref = _CacheSide(ref_cache, torch.ones(n_rows, self.prompt_len, dtype=torch.bool,
-                                                     device=self.device), self.prompt_len)
-        self._ev = _CacheSide(ev_cache, torch.ones(n_rows, self.kept_len, dtype=torch.bool,
-                                                   device=self.device), self.prompt_len)
+        self._ref = _CacheSide(
+            ref_cache, torch.ones(n_rows, self.prompt_len, dtype=torch.bool, device=self.device), self.prompt_len
+        )
+        self._ev = _CacheSide(
+            ev_cache, torch.ones(n_rows, self.kept_len, dtype=torch.bool, device=self.device), self.prompt_len
+        )
         logp = self._transform(ref_logits).cpu().expand(n_rows, -1)
         logq = self._transform(ev_logits).cpu().expand(n_rows, -1)
         return logp, logq
@@ -395,8 +409,12 @@ def run_document(
         for k in range(int(lags.max())):
             logp, logq = _absorb_eos(logp, x_last, eos), _absorb_eos(logq, y_last, eos)
             x, y, btv = maximal_coupling(
-                probabilities(logp), probabilities(logq),
-                U["coin"][:, k], U["overlap"][:, k], U["branch_x"][:, k], U["branch_y"][:, k],
+                probabilities(logp),
+                probabilities(logq),
+                U["coin"][:, k],
+                U["overlap"][:, k],
+                U["branch_x"][:, k],
+                U["branch_y"][:, k],
             )
             for r in (lags > k).nonzero().squeeze(1).tolist():
                 rec = records_branch[r]

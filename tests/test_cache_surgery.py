@@ -49,8 +49,9 @@ def presses(kind):
 
 
 def pair_of(model, prompts, press_list, fast=True):
-    return LLMKernelPair.from_documents(model, prompts, press_list, [None] * len(prompts), temperature=1.0,
-                                        eos_ids=[], fast=fast)
+    return LLMKernelPair.from_documents(
+        model, prompts, press_list, [None] * len(prompts), temperature=1.0, eos_ids=[], fast=fast
+    )
 
 
 def reference_cache(pair):
@@ -98,8 +99,9 @@ def run_rewound(mini, prompts, kind, fast=True):
     xs, ys = tokens(11, N, 3), tokens(12, N, 3)
     for k in range(3):
         logp, logq = pair.advance(xs[:, k], ys[:, k])
-    hist = [(chain[g, :cut[g]].tolist() + xs[g].tolist(), chain[g, :cut[g]].tolist() + ys[g].tolist())
-            for g in range(N)]
+    hist = [
+        (chain[g, : cut[g]].tolist() + xs[g].tolist(), chain[g, : cut[g]].tolist() + ys[g].tolist()) for g in range(N)
+    ]
     return pair, logp, logq, hist
 
 
@@ -119,7 +121,7 @@ def test_keep_rows_equals_each_document_alone(mini, prompts, kind, fast):
     cache = reference_cache(pair)
     buffer = cache.layers[0].keys.untyped_storage().data_ptr()
     keep = torch.tensor([0, 1, 2, 3])  # the longest document leaves; its padding columns and chain
-    pair.keep_rows(keep)               # step 5 (kept rows are cut at 1, 4, 0, 2) are attended by no row
+    pair.keep_rows(keep)  # step 5 (kept rows are cut at 1, 4, 0, 2) are attended by no row
     nxt = tokens(13, keep.numel())
     widths = Widths(pair.twin if fast else mini)  # the joint rows run on the twin
     try:
@@ -150,7 +152,9 @@ def test_keep_rows_fills_the_gaps_with_later_rows_and_keeps_their_values(mini, p
     keep = torch.tensor([0, 2, 5])
     pair.keep_rows(keep)
     rows = torch.cat([keep, keep + 6])
-    assert torch.equal(side.logical(layer.keys), before_k[rows]) and torch.equal(side.logical(layer.values), before_v[rows])
+    assert torch.equal(side.logical(layer.keys), before_k[rows]) and torch.equal(
+        side.logical(layer.values), before_v[rows]
+    )
     # rows 0, 2 and 5 stay where they are; 6, 8 and 11 move into the gaps 1, 3 and 4
     assert torch.equal(layer.keys, before_k[[0, 6, 2, 8, 11, 5]])
 
@@ -195,9 +199,9 @@ def test_merge_caches_left_pads_each_document_and_keeps_its_keys_and_values(mini
         for d, n in enumerate(LENGTHS):
             k, v = copies[d][li]
             for row in range(d * R, (d + 1) * R):
-                assert torch.equal(layer.keys[row, :, longest - n:], k[0])
-                assert torch.equal(layer.values[row, :, longest - n:], v[0])
-                assert not layer.keys[row, :, :longest - n].any() and not layer.values[row, :, :longest - n].any()
+                assert torch.equal(layer.keys[row, :, longest - n :], k[0])
+                assert torch.equal(layer.values[row, :, longest - n :], v[0])
+                assert not layer.keys[row, :, : longest - n].any() and not layer.values[row, :, : longest - n].any()
                 assert valid[row].tolist() == [False] * (longest - n) + [True] * n
     # one document: its cache repeated, every column valid
     cache = DynamicCache()

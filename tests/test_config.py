@@ -28,16 +28,34 @@ def error_of(config: dict) -> str:
 def test_shipped_configs_validate(name):
     config = load_config(ROOT / "config" / name)
     assert set(config) == {
-        "seed", "corpus", "prompt", "models", "policies", "runs", "decoding",
-        "replicates", "window", "confirmatory", "analysis", "shards", "results_dir", "generation",
+        "seed",
+        "corpus",
+        "prompt",
+        "models",
+        "policies",
+        "runs",
+        "decoding",
+        "replicates",
+        "window",
+        "confirmatory",
+        "analysis",
+        "shards",
+        "results_dir",
+        "generation",
     }
 
 
 def test_each_shipped_config_writes_to_its_own_directory():
-    dirs = {name: load_config(ROOT / "config" / name)["results_dir"]
-            for name in ("config.yaml", "smoke.yaml", "paper.yaml", "frontier-quantized.yaml")}
-    assert dirs == {"config.yaml": "results", "smoke.yaml": "results-smoke", "paper.yaml": "results-paper",
-                    "frontier-quantized.yaml": "results-frontier-quantized"}
+    dirs = {
+        name: load_config(ROOT / "config" / name)["results_dir"]
+        for name in ("config.yaml", "smoke.yaml", "paper.yaml", "frontier-quantized.yaml")
+    }
+    assert dirs == {
+        "config.yaml": "results",
+        "smoke.yaml": "results-smoke",
+        "paper.yaml": "results-paper",
+        "frontier-quantized.yaml": "results-frontier-quantized",
+    }
     config = raw("smoke.yaml")
     del config["results_dir"]
     assert validate(config)["results_dir"] == "results"  # the default
@@ -141,8 +159,8 @@ def test_unknown_press_lists_the_presses():
 def test_schema_presses_are_the_registry_presses():
     import kvpress
 
-    from kvdiverge.engine.presses.registry import ROWS
     from kvdiverge.engine.presses.project import PROJECT_PRESSES
+    from kvdiverge.engine.presses.registry import ROWS
 
     presses = load_schema()["$defs"]["press_name"]["enum"]
     assert set(PROJECT_PRESSES) <= set(presses)
@@ -154,22 +172,30 @@ def test_schema_presses_are_the_registry_presses():
 
 def test_nested_presses_are_validated_by_the_schema_and_the_press():
     config = raw("smoke.yaml")
-    config["policies"]["adakv-50"] = {"press": "AdaKVPress", "compression_ratio": 0.5,
-                                      "params": {"press": {"press": "SnapKVPress", "window_size": 64}}}
+    config["policies"]["adakv-50"] = {
+        "press": "AdaKVPress",
+        "compression_ratio": 0.5,
+        "params": {"press": {"press": "SnapKVPress", "window_size": 64}},
+    }
     assert validate(config)["policies"]["adakv-50"]["params"]["press"]["press"] == "SnapKVPress"
     config["policies"]["adakv-50"]["params"]["press"]["press"] = "SnapKV"
     assert "policies.adakv-50.params.press.press: 'SnapKV' is not allowed" in error_of(config)
     config["policies"]["adakv-50"]["params"]["press"] = {"window_size": 64}
     assert "missing config key policies.adakv-50.params.press.press" in error_of(config)
     config["policies"]["adakv-50"]["params"]["press"] = {"press": "SnapKVPress", "windowsize": 64}
-    assert ("policies.adakv-50: SnapKVPress has no parameter(s) ['windowsize']; accepted: "
-            "['compression_ratio', 'kernel_size', 'window_size']") in error_of(config)
+    assert (
+        "policies.adakv-50: SnapKVPress has no parameter(s) ['windowsize']; accepted: "
+        "['compression_ratio', 'kernel_size', 'window_size']"
+    ) in error_of(config)
 
 
 def test_refused_presses_stop_at_validation_with_what_they_need():
     config = raw("smoke.yaml")
-    config["policies"]["decode"] = {"press": "CAMPress", "compression_ratio": 0.5,
-                                    "params": {"base_press": {"press": "KnormPress"}}}
+    config["policies"]["decode"] = {
+        "press": "CAMPress",
+        "compression_ratio": 0.5,
+        "params": {"base_press": {"press": "KnormPress"}},
+    }
     assert "policies.decode: CAMPress draws its merge mask from torch's global random generator" in error_of(config)
     config["policies"]["decode"] = {"press": "QFilterPress", "compression_ratio": 0.5}
     assert "policies.decode: QFilterPress needs the learned filters of the hub repository nthngdy/" in error_of(config)
@@ -379,8 +405,9 @@ def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
 
     config = raw("smoke.yaml")
     config["runs"]["floor"]["policy"] = "snapkv-50"
-    assert "runs.floor.policy: 'snapkv-50' must be a noise-floor policy, whose press keeps every position" \
-        in error_of(config)
+    assert "runs.floor.policy: 'snapkv-50' must be a noise-floor policy, whose press keeps every position" in error_of(
+        config
+    )
     config = raw("smoke.yaml")
     config["runs"]["floor"]["documents"] = 3
     assert "runs.floor.documents: 3 exceeds corpus.documents.exploratory = 2" in error_of(config)
@@ -404,8 +431,10 @@ def test_load_config_refuses_a_duplicate_key_naming_it_and_both_lines(tmp_path):
     path, one, two = _with_duplicate_policy(tmp_path)
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == (f"{path}: duplicate key 'snapkv-50' in policies at lines {one} and {two} (a key may "
-                               f"appear once in a mapping; the later entry would silently replace the earlier)")
+    assert str(info.value) == (
+        f"{path}: duplicate key 'snapkv-50' in policies at lines {one} and {two} (a key may "
+        f"appear once in a mapping; the later entry would silently replace the earlier)"
+    )
     nested = tmp_path / "nested.yaml"
     nested.write_text("decoding:\n  temperature: 0.7\n  top_p: 0.9\n  temperature: 1.0\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'temperature' in decoding at lines 2 and 4"):
@@ -423,9 +452,14 @@ def test_snakemake_refuses_a_duplicate_key_in_its_config_file(tmp_path):
     assert f"duplicate key 'snapkv-50' in policies at lines {one} and {two}" in out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("path, value", [(("frontier", "ratios", 1), float("nan")),
-                                         (("decoding", "temperature"), float("nan")),
-                                         (("decoding", "top_p"), float("inf"))])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("frontier", "ratios", 1), float("nan")),
+        (("decoding", "temperature"), float("nan")),
+        (("decoding", "top_p"), float("inf")),
+    ],
+)
 def test_a_non_finite_number_is_refused_naming_its_key(path, value):
     config = raw("frontier.yaml")
     parent = config
@@ -440,8 +474,10 @@ def test_a_frontier_press_with_a_nested_ratio_is_named_by_its_frontier_key():
     config = raw("frontier.yaml")
     config["frontier"]["presses"]["adakv-snapkv"]["params"]["press"]["compression_ratio"] = 0.3
     msg = error_of(config)
-    assert msg == ("invalid config:\n  frontier.presses.adakv-snapkv: SnapKVPress: compression_ratio is given twice "
-                   "(by the policy and as a parameter)")
+    assert msg == (
+        "invalid config:\n  frontier.presses.adakv-snapkv: SnapKVPress: compression_ratio is given twice "
+        "(by the policy and as a parameter)"
+    )
 
 
 def test_quantized_cache_policies():

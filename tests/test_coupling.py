@@ -46,9 +46,16 @@ def test_residual_draws_have_disjoint_supports():
 def test_maximal_coupling_joint_law_matches_enumeration():
     # p - q = (.3, .1, -.1, -.3): tv = .4, overlap (.1, .2, .2, .1),
     # X-residual (.75, .25, 0, 0), Y-residual (0, 0, .25, .75).
-    exact = {(0, 0): 0.1, (1, 1): 0.2, (2, 2): 0.2, (3, 3): 0.1,
-             (0, 2): 0.4 * 0.75 * 0.25, (0, 3): 0.4 * 0.75 * 0.75,
-             (1, 2): 0.4 * 0.25 * 0.25, (1, 3): 0.4 * 0.25 * 0.75}
+    exact = {
+        (0, 0): 0.1,
+        (1, 1): 0.2,
+        (2, 2): 0.2,
+        (3, 3): 0.1,
+        (0, 2): 0.4 * 0.75 * 0.25,
+        (0, 3): 0.4 * 0.75 * 0.75,
+        (1, 2): 0.4 * 0.25 * 0.25,
+        (1, 3): 0.4 * 0.25 * 0.75,
+    }
     n = 200_000
     gen = torch.Generator().manual_seed(1234)
     u = torch.rand(4, n, dtype=torch.float64, generator=gen)
@@ -104,7 +111,7 @@ def test_nucleus_with_few_candidates_equals_full_ranking():
 def test_residual_draws_when_tv_is_rounding_alone_draw_from_the_sides_own_distribution():
     """``p <= q`` everywhere with ``tv > 0`` from rounding only: ``(p - q)^+`` is all zero, so
     that side draws from ``p`` itself, never the invalid index -1."""
-    ulp = 2.0 ** -53
+    ulp = 2.0**-53
     p = t([0.25, 0.75 - ulp, 0.0], [0.5, 0.5, 0.0])
     q = t([0.25, 0.75, 0.0], [0.5, 0.5 - ulp, 0.0])  # row 1: the other side is the empty one
     tv = total_variation(p, q)

@@ -22,7 +22,6 @@ a ``DynamicCache`` that appends by concatenation: ``fast=False``):
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -117,13 +116,16 @@ def test_capacity_layer_holds_what_a_dynamic_layer_holds():
     assert cap.get_mask_sizes(torch.arange(1)) == (4, 0)
 
 
-@pytest.mark.parametrize("rows,total,want", [
-    ([0, 2, 4, 5], 6, [0, 4, 2, 5]),  # rows 1 and 3 dropped: 4 and 5 move into them
-    ([5, 0, 2], 6, [0, 5, 2]),  # the caller's order does not matter: row 5 fills row 1
-    ([0, 1, 2], 5, [0, 1, 2]),  # only the last rows dropped: nothing moves
-    ([3, 4], 5, [3, 4]),
-    ([], 3, []),
-])
+@pytest.mark.parametrize(
+    "rows,total,want",
+    [
+        ([0, 2, 4, 5], 6, [0, 4, 2, 5]),  # rows 1 and 3 dropped: 4 and 5 move into them
+        ([5, 0, 2], 6, [0, 5, 2]),  # the caller's order does not matter: row 5 fills row 1
+        ([0, 1, 2], 5, [0, 1, 2]),  # only the last rows dropped: nothing moves
+        ([3, 4], 5, [3, 4]),
+        ([], 3, []),
+    ],
+)
 def test_fill_holes_moves_only_the_rows_past_the_new_count(rows, total, want):
     assert fill_holes(torch.tensor(rows, dtype=torch.long), total).tolist() == want
 
@@ -189,9 +191,16 @@ def trace(model, prompts, name, fast, joint=None):
     policy = None if name is None else Policy.from_config(name, press_status.test_spec(name))
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), p) for ids, p in zip(prompts, presses)]
-    pair = LLMKernelPair.from_documents(model, prompts, presses, expected, temperature=1.0, fast=fast,
-                                        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))],
-                                        joint=joint)
+    pair = LLMKernelPair.from_documents(
+        model,
+        prompts,
+        presses,
+        expected,
+        temperature=1.0,
+        fast=fast,
+        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))],
+        joint=joint,
+    )
     n = len(prompts) * R
     out = [pair.start(n)]
     gen = torch.Generator().manual_seed(4)

@@ -42,7 +42,7 @@ def test_greedy_chain_equals_kvpress_generation(model_and_tokenizer, text, make)
 
     twin = evicted_twin(model)
     with torch.inference_mode(), make()(twin):
-        want = twin.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        want = twin.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
     pair = DecodeTimePair(model, [ids], [make()], [None], temperature=0.0)
     _, logq = pair.start(1)
     got = []
@@ -57,8 +57,17 @@ def test_probe_diverges_above_the_floor(model_and_tokenizer, text):
 
     model, tokenizer = model_and_tokenizer
     torch.set_num_threads(1)
-    m = measure(model, tokenizer, {"washington": text}, {"probe": probe(), "floor": PermutationPress(0)},
-                max_new_tokens=4, replicates=2, seed=1, bootstrap=50, progress=False)
+    m = measure(
+        model,
+        tokenizer,
+        {"washington": text},
+        {"probe": probe(), "floor": PermutationPress(0)},
+        max_new_tokens=4,
+        replicates=2,
+        seed=1,
+        bootstrap=50,
+        progress=False,
+    )
     s = {r["policy"]: r for r in m.summary.to_dicts()}
     assert s["probe"]["p_div"] > 0.05 > s["floor"]["p_div"]
     assert not s["probe"]["untouched"] and s["probe"]["kept_fraction"] < 0.2  # 40 of ~330 positions, reached

@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_batch
-from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.presses.window import SlidingWindowPress
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
@@ -36,10 +36,12 @@ def decoding_press():
 PRESSES = {
     "decoding": decoding_press,
     "ratio-decoding": lambda: kvpress.CompressionRatioDecodingPress(
-        kvpress.KnormPress(), compression_interval=3, target_compression_ratio=0.6),
+        kvpress.KnormPress(), compression_interval=3, target_compression_ratio=0.6
+    ),
     "prefill-decoding": lambda: kvpress.PrefillDecodingPress(
         prefilling_press=kvpress.SnapKVPress(0.5, window_size=4),
-        decoding_press=kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=6)),
+        decoding_press=kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=6),
+    ),
     "window": lambda: SlidingWindowPress(0.5, n_sink=2),
     # masks ~half of the prompt at prefill and keeps masking while generating (module state, per row)
     "dms": lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-4.0, sliding_window_size=4, decoding=True),
@@ -88,25 +90,31 @@ def replay(model, ids, press, history):
     cache = DynamicCache()
     out = []
     with press(twin):
-        logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                      logits_to_keep=1).logits[:, -1]
+        logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
         out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
         for t, tok in enumerate(history):
-            logits = twin(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                          position_ids=torch.tensor([[len(ids) + t]])).logits[:, -1]
+            logits = twin(
+                input_ids=torch.tensor([[tok]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[len(ids) + t]]),
+            ).logits[:, -1]
             out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
     return out
 
 
 def run(model, prompts, make, R):
-    rec = Recorder(DecodeTimePair(model, prompts, [make() for _ in prompts], [None] * len(prompts),
-                                  temperature=TEMPERATURE))
+    rec = Recorder(
+        DecodeTimePair(model, prompts, [make() for _ in prompts], [None] * len(prompts), temperature=TEMPERATURE)
+    )
     out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
     return rec, out
 
 
 def branch_history(r):
-    return r["chain_token"][:r["t_star"] - 1] + [r["y_star"]] + r["branch_y"]
+    return r["chain_token"][: r["t_star"] - 1] + [r["y_star"]] + r["branch_y"]
 
 
 def until_eos(tokens, model):
@@ -114,7 +122,7 @@ def until_eos(tokens, model):
     eos = set(model.generation_config.eos_token_id)
     for i, tok in enumerate(tokens):
         if tok in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
@@ -145,8 +153,9 @@ def compare(model, prompts, make, R, check):
 def test_one_row_equals_independent_replay_bit_for_bit(model, prompts, name):
     t_stars = []
     for d in range(3):
-        t_stars += compare(model, prompts[d:d + 1], PRESSES[name], 1, lambda a, b: torch.testing.assert_close(
-            a, b, rtol=0, atol=0))
+        t_stars += compare(
+            model, prompts[d : d + 1], PRESSES[name], 1, lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
+        )
     assert t_stars  # branches happened
 
 
@@ -199,8 +208,12 @@ def test_window_press_holds_the_window_every_step(model, prompts):
         first = cache.layers[0].keys.clone()
         assert first.shape[2] == 10 == press.kept_tokens(20)
         for t in range(3):
-            twin(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True,
-                 position_ids=torch.tensor([[20 + t]]))
+            twin(
+                input_ids=torch.tensor([[7]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[20 + t]]),
+            )
             keys = cache.layers[0].keys
             assert keys.shape[2] == 10
     # sinks stay, the oldest recent positions left one per step
@@ -253,8 +266,7 @@ def test_window_lanes_of_a_document_decode_as_one(model, prompts, monkeypatch, m
 
     if not merge:
         monkeypatch.setattr(decode_pair, "_merges_lanes", lambda press: False)
-    pair = DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3,
-                          temperature=TEMPERATURE)
+    pair = DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
     lanes_per_doc = []
     advance = pair.advance
 
@@ -306,8 +318,9 @@ def test_the_chain_lanes_prefill_gives_the_full_cache_and_ratio_0_gives_tv_0(mod
     run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.counts["reference_prefills"] == 0 and pair.counts["prefill_forwards"] >= 3
     pair.close()
-    zero = DecodeTimePair(model, prompts, [SlidingWindowPress(0.0, n_sink=2) for _ in prompts], [None] * 3,
-                          temperature=TEMPERATURE)
+    zero = DecodeTimePair(
+        model, prompts, [SlidingWindowPress(0.0, n_sink=2) for _ in prompts], [None] * 3, temperature=TEMPERATURE
+    )
     out = run_batch(zero, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert zero.counts["reference_prefills"] == 0
     assert all(tv == 0.0 for r in out for tv in r["tv"]) and all(r["t_star"] is None for r in out)
@@ -346,8 +359,9 @@ def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
             self.xh = [self.xh[i] for i in rows.tolist()]
             super().keep_rows(rows)
 
-    rec = RecordP(DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3,
-                                 temperature=TEMPERATURE))
+    rec = RecordP(
+        DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    )
     run_batch(rec, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert len(rec.pair._refs) == 1
     worst = 0.0
@@ -370,13 +384,18 @@ def test_lanes_of_presses_with_step_counters_stay_apart(model, prompts):
 def test_config_entries_are_recognised():
     assert is_decode_time({"press": "SlidingWindowPress", "compression_ratio": 0.5, "n_sink": 4})
     assert is_decode_time({"press": "DecodingPress", "params": {"base_press": {"press": "KnormPress"}}})
-    assert is_decode_time({"press": "PrefillDecodingPress", "params": {
-        "decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}}})
+    assert is_decode_time(
+        {
+            "press": "PrefillDecodingPress",
+            "params": {"decoding_press": {"press": "DecodingPress", "base_press": {"press": "KnormPress"}}},
+        }
+    )
     assert is_decode_time({"press": "DMSPress", "params": {"decoding": True}})
     assert not is_decode_time({"press": "DMSPress", "params": {"decoding": False}})
     assert not is_decode_time({"press": "StreamingLLMPress", "compression_ratio": 0.5})
-    assert not is_decode_time({"press": "PrefillDecodingPress",
-                                     "params": {"prefilling_press": {"press": "SnapKVPress"}}})
+    assert not is_decode_time(
+        {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "SnapKVPress"}}}
+    )
 
 
 def test_planner_counts_the_replay_lanes():
@@ -400,8 +419,18 @@ def test_runner_chooses_the_decode_time_pair(model, prompts):
     docs = [Document(f"d{i}", p) for i, p in enumerate(prompts)]
 
     def run(press, B):
-        return run_documents(model, docs, PressPolicy("p", press), T=8, replicates=2, temperature=TEMPERATURE,
-                             top_p=1.0, seed=5, model_name="miniature", batch_documents=B)
+        return run_documents(
+            model,
+            docs,
+            PressPolicy("p", press),
+            T=8,
+            replicates=2,
+            temperature=TEMPERATURE,
+            top_p=1.0,
+            seed=5,
+            model_name="miniature",
+            batch_documents=B,
+        )
 
     # kept_len: the fewest positions along the chain (the decoding press reaches target_size = 8)
     assert {r["kept_len"] for r in run(decoding_press(), 1)} == {8}
@@ -426,7 +455,7 @@ def test_a_batch_of_documents_gives_each_the_records_it_has_alone(model, prompts
         return run_batch(pair, T, R, 11, "miniature", ids)
 
     batch = records(prompts, [f"d{i}" for i in range(len(prompts))])
-    alone = [r for d in range(len(prompts)) for r in records(prompts[d:d + 1], [f"d{d}"])]
+    alone = [r for d in range(len(prompts)) for r in records(prompts[d : d + 1], [f"d{d}"])]
     assert all(r["tv"][:5] == [0.0] * 5 for r in batch)  # steps before the first compression
     assert any(r["tv"][5] > 0 for r in batch)  # the compression after the fourth token changes Q
     assert batch == alone

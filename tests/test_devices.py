@@ -78,8 +78,9 @@ print("released", flush=True)
 
 
 def _worker(env):
-    return subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _holders(procs, n, timeout_s=60):
@@ -150,8 +151,17 @@ def _dry_run(tmp_path, monkeypatch, *args, gpus="2"):
     from conftest import snakemake_here
 
     monkeypatch.setenv(ENV_GPUS, gpus)
-    res = snakemake_here(REPO, "-n", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path),
-                         "--configfile", str(REPO / "config" / "paper.yaml"), *args)
+    res = snakemake_here(
+        REPO,
+        "-n",
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(tmp_path),
+        "--configfile",
+        str(REPO / "config" / "paper.yaml"),
+        *args,
+    )
     assert res.returncode == 0, res.stdout[-3000:]
     return res.stdout
 

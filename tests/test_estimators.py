@@ -6,6 +6,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.decomposition import DecompositionError, check_decomposition
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
@@ -15,27 +17,42 @@ from kvdiverge.estimation.estimators import (
     replicate_estimates,
     survival_curve,
 )
-from kvdiverge.reference.exact import enumerate_coupled
-from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.reference.exact import enumerate_coupled
 
 
 def row(rep, survival, tau_naive, t_star, btv, bmis, doc="d0", T=3):
     tv = [1 - survival[0]] + [1 - b / a if a > 0 else float("nan") for a, b in zip(survival, survival[1:])]
     L = len(btv)
-    return {"model": "m", "policy": "p", "split": "exploratory", "doc_id": doc, "replicate": rep, "T": T,
-            "prompt_len": 100, "kept_len": 50, "chain_token": [0] * T, "tv": tv, "survival": survival,
-            "tau_naive": tau_naive, "t_star": t_star, "x_star": None if t_star is None else 0,
-            "y_star": None if t_star is None else 1, "branch_x": [0] * L, "branch_y": [1] * L,
-            "branch_tv": btv, "branch_mismatch": bmis, "seconds": 1.5}
+    return {
+        "model": "m",
+        "policy": "p",
+        "split": "exploratory",
+        "doc_id": doc,
+        "replicate": rep,
+        "T": T,
+        "prompt_len": 100,
+        "kept_len": 50,
+        "chain_token": [0] * T,
+        "tv": tv,
+        "survival": survival,
+        "tau_naive": tau_naive,
+        "t_star": t_star,
+        "x_star": None if t_star is None else 0,
+        "y_star": None if t_star is None else 1,
+        "branch_x": [0] * L,
+        "branch_y": [1] * L,
+        "branch_tv": btv,
+        "branch_mismatch": bmis,
+        "seconds": 1.5,
+    }
 
 
 def hand_table():
     """Three replicates of one document, T = 3, worked out by hand below (W = 1)."""
     rows = [
-        row(0, [0.8, 0.4, 0.2], 2, 2, [0.3], [1]),          # diverged at 2 (naive), branch mismatches
-        row(1, [1.0, 1.0, 1.0], None, None, [], []),        # never diverges
+        row(0, [0.8, 0.4, 0.2], 2, 2, [0.3], [1]),  # diverged at 2 (naive), branch mismatches
+        row(1, [1.0, 1.0, 1.0], None, None, [], []),  # never diverges
         row(2, [0.5, 0.5, 0.5], None, 1, [0.2, 0.6], [0, 1]),  # naive > T, t* drawn at 1
     ]
     return pl.DataFrame(rows, schema=TRAJECTORY_SCHEMA)
@@ -58,7 +75,7 @@ def test_replicate_estimates_by_hand():
         "N_post_cmc_tv": [0.24, 0.0, 0.4],
         "N_cmc_tv": [1.04, 0.0, 0.9],
         "L_branch": [1, 0, 2],
-        "tv_mean": [(0.2 + 0.5 + 0.5) / 3, 0.0, 0.5 / 3],   # mean chain tv_t per step
+        "tv_mean": [(0.2 + 0.5 + 0.5) / 3, 0.0, 0.5 / 3],  # mean chain tv_t per step
         "tv_max": [0.5, 0.0, 0.5],
     }
     for c, v in exp.items():
@@ -67,8 +84,7 @@ def test_replicate_estimates_by_hand():
 
 
 def test_document_estimates_by_hand():
-    d = document_estimates(replicate_estimates(hand_table(), W=1), {"early": (1, 1), "late": (2, 3),
-                                                                     "far": (3, 3)})
+    d = document_estimates(replicate_estimates(hand_table(), W=1), {"early": (1, 1), "late": (2, 3), "far": (3, 3)})
     assert d.height == 1
     r = d.row(0, named=True)
     assert r["R"] == 3 and r["T"] == 3 and r["W"] == 1
@@ -129,8 +145,9 @@ def test_shard_contract_violations_are_errors():
     t = hand_table()
     with pytest.raises(ValueError, match="lacks columns"):
         replicate_estimates(t.drop("branch_tv"), 1)
-    bad = t.with_columns(pl.when(pl.col("replicate") == 2).then(pl.lit(2)).otherwise(pl.col("t_star"))
-                         .cast(pl.Int32).alias("t_star"))
+    bad = t.with_columns(
+        pl.when(pl.col("replicate") == 2).then(pl.lit(2)).otherwise(pl.col("t_star")).cast(pl.Int32).alias("t_star")
+    )
     with pytest.raises(ValueError, match="T - t_star"):
         replicate_estimates(bad, 1)
     with pytest.raises(ValueError, match="duplicated"):
@@ -141,10 +158,19 @@ def test_shard_contract_violations_are_errors():
 
 # --------------------------------------------------------------------------- against exact enumeration
 
-TARGETS = [("p_div_hat", "p_div"), ("E_L_hat", "E_L"), ("E_L_win_hat", "E_L_win"),
-           ("E_L_tail_hat", "E_L_tail"), ("E_tau_div_hat", "E_tau_div"), ("N_cmc", "E_N"),
-           ("N_naive", "E_N"), ("N_cmc_tv", "E_N"), ("N_post_cmc", "E_N_post"),
-           ("N_win_cmc", "E_N_win"), ("N_tail_cmc", "E_N_tail")]
+TARGETS = [
+    ("p_div_hat", "p_div"),
+    ("E_L_hat", "E_L"),
+    ("E_L_win_hat", "E_L_win"),
+    ("E_L_tail_hat", "E_L_tail"),
+    ("E_tau_div_hat", "E_tau_div"),
+    ("N_cmc", "E_N"),
+    ("N_naive", "E_N"),
+    ("N_cmc_tv", "E_N"),
+    ("N_post_cmc", "E_N_post"),
+    ("N_win_cmc", "E_N_win"),
+    ("N_tail_cmc", "E_N_tail"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +197,10 @@ def test_branch_tv_numerators_unbiased(engine_reps):
     exact, reps = engine_reps
     T = exact.T
     for k in range(1, T):
-        num = np.array([w * bt[k - 1] if len(bt) >= k else 0.0
-                        for w, bt in zip(reps["w"].to_list(), reps["branch_tv"].to_list())])
-        den = np.array([w if len(bt) >= k else 0.0
-                        for w, bt in zip(reps["w"].to_list(), reps["branch_tv"].to_list())])
+        num = np.array(
+            [w * bt[k - 1] if len(bt) >= k else 0.0 for w, bt in zip(reps["w"].to_list(), reps["branch_tv"].to_list())]
+        )
+        den = np.array([w if len(bt) >= k else 0.0 for w, bt in zip(reps["w"].to_list(), reps["branch_tv"].to_list())])
         for x, truth in ((num, exact.btv_num[k - 1]), (den, exact.reach[k - 1])):
             se = x.std(ddof=1) / math.sqrt(len(x))
             assert abs(x.mean() - truth) <= 4 * se + 1e-12, (k, x.mean(), truth, se)
@@ -188,12 +214,14 @@ def test_cmc_variance_dominates_naive(engine_reps, capsys):
     v_cmc = reps["N_cmc"].var()
     v_tv = reps["N_cmc_tv"].var()
     # the naive estimator is N itself in law: its variance is Var(N) (exact)
-    var_N = exact.E_N_sq - exact.E_N ** 2
+    var_N = exact.E_N_sq - exact.E_N**2
     assert v_naive == pytest.approx(var_N, rel=0.1)
     assert v_cmc <= v_naive
     with capsys.disabled():
-        print(f"\n[variance] Var(N_naive)={v_naive:.4f} (exact Var(N)={var_N:.4f}) "
-              f"Var(N_cmc)={v_cmc:.4f} Var(N_cmc_tv)={v_tv:.4f} ratio naive/cmc={v_naive / v_cmc:.2f}")
+        print(
+            f"\n[variance] Var(N_naive)={v_naive:.4f} (exact Var(N)={var_N:.4f}) "
+            f"Var(N_cmc)={v_cmc:.4f} Var(N_cmc_tv)={v_tv:.4f} ratio naive/cmc={v_naive / v_cmc:.2f}"
+        )
 
 
 def test_eos_pair_unbiased(eos_kern):
@@ -262,14 +290,15 @@ def test_cmc_variance_dominates_on_other_pairs(which, eos_kern, capsys):
     if which == "eos":
         pair, T = TableKernelPair(eos_kern, 2, eos_ids=(1,)), 3
     else:
+
         def fn(hx, hy):
             if hx != hy:
                 return np.array([0.2, 0.3, 0.5]), np.array([0.5, 0.3, 0.2])
             return np.array([0.8, 0.1, 0.1]), np.array([0.6, 0.3, 0.1])
+
         pair, T = TableKernelPair(fn, 3), 5
     reps = replicate_estimates(simulate(pair, T, 2000, seed=9), 1)
     v_naive, v_cmc = reps["N_naive"].var(), reps["N_cmc"].var()
     assert v_cmc <= v_naive
     with capsys.disabled():
-        print(f"\n[variance {which}] Var(N_naive)={v_naive:.4f} Var(N_cmc)={v_cmc:.4f} "
-              f"ratio={v_naive / v_cmc:.2f}")
+        print(f"\n[variance {which}] Var(N_naive)={v_naive:.4f} Var(N_cmc)={v_cmc:.4f} ratio={v_naive / v_cmc:.2f}")

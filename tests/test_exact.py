@@ -28,8 +28,8 @@ def test_two_tokens_constant_kernels_by_hand():
     assert r.p_div == pytest.approx(0.75)
     np.testing.assert_allclose(r.f, [0.5, 0.25])
     np.testing.assert_allclose(r.S, [0.5, 0.25])
-    assert r.E_L == pytest.approx(0.5)          # tau = 1 w.p. 1/2, L = 1
-    assert r.E_N == pytest.approx(1.0)          # two independent-looking halves
+    assert r.E_L == pytest.approx(0.5)  # tau = 1 w.p. 1/2, L = 1
+    assert r.E_N == pytest.approx(1.0)  # two independent-looking halves
     assert r.E_N_post == pytest.approx(0.25)
     assert r.rho == pytest.approx(0.5)
     assert r.E_M == pytest.approx(0.5)
@@ -50,12 +50,12 @@ def test_three_tokens_T3_W1_by_hand():
     r = enumerate_coupled(always_mismatch_after, 3, T=3, W=1)
     np.testing.assert_allclose(r.f, [0.5, 0.25, 0.125])
     assert r.p_div == pytest.approx(0.875)
-    assert r.E_L == pytest.approx(0.5 * 2 + 0.25 * 1)       # 1.25
-    assert r.E_N_post == pytest.approx(1.25)                # every post step mismatches
+    assert r.E_L == pytest.approx(0.5 * 2 + 0.25 * 1)  # 1.25
+    assert r.E_N_post == pytest.approx(1.25)  # every post step mismatches
     assert r.E_N == pytest.approx(2.125)
-    assert r.E_N_win == pytest.approx(0.75)                 # P(L >= 1)
+    assert r.E_N_win == pytest.approx(0.75)  # P(L >= 1)
     assert r.E_L_win == pytest.approx(0.75)
-    assert r.E_L_tail == pytest.approx(0.5)                 # tau = 1: L - W = 1
+    assert r.E_L_tail == pytest.approx(0.5)  # tau = 1: L - W = 1
     assert r.E_N_tail == pytest.approx(0.5)
     assert r.rho == pytest.approx(1.0)
     assert r.E_tau_div / r.p_div == pytest.approx((0.5 + 0.5 + 0.375) / 0.875)

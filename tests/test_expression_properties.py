@@ -22,14 +22,76 @@ from kvdiverge.engine.core.errors import PressError, PressExpressionError
 from kvdiverge.engine.presses.expressions import policy_entry, press_spec
 
 OURS = (PressExpressionError, PressError)
-NAMES = ["SnapKVPress", "KnormPress", "AdaKVPress", "DecodingPress", "ComposedPress", "ThinKPress",
-         "PyramidKVPress", "DMSPress", "FinchPress", "PermutationPress", "BasePress", "ScorerPress", "NoPress",
-         "QFilterPress", "PrefillDecodingPress", "CriticalKVPress", "StreamingLLMPress", "os", "print"]
-PARAMS = ["compression_ratio", "window_size", "kernel_size", "press", "base_press", "presses", "n_sink", "threshold",
-          "decoding", "compression_interval", "target_size", "key_channel_compression_ratio", "seed", "x", "_"]
-LITERALS = ["0", "0.5", "-4", "1", "1.5", "1e308", "1e999", "-1e999", "float('nan')", "None", "True", "'a'", "[0.5]",
-            "{0.5}", "{'a': 1}", "(1, 2)", "1j", "b'x'", "...", "[]", "{}", "-0.0", "2**100", "x", "os.system",
-            "lambda: 1", "__import__('os')", "[1][0]", "'a' * 3", "not 1"]
+NAMES = [
+    "SnapKVPress",
+    "KnormPress",
+    "AdaKVPress",
+    "DecodingPress",
+    "ComposedPress",
+    "ThinKPress",
+    "PyramidKVPress",
+    "DMSPress",
+    "FinchPress",
+    "PermutationPress",
+    "BasePress",
+    "ScorerPress",
+    "NoPress",
+    "QFilterPress",
+    "PrefillDecodingPress",
+    "CriticalKVPress",
+    "StreamingLLMPress",
+    "os",
+    "print",
+]
+PARAMS = [
+    "compression_ratio",
+    "window_size",
+    "kernel_size",
+    "press",
+    "base_press",
+    "presses",
+    "n_sink",
+    "threshold",
+    "decoding",
+    "compression_interval",
+    "target_size",
+    "key_channel_compression_ratio",
+    "seed",
+    "x",
+    "_",
+]
+LITERALS = [
+    "0",
+    "0.5",
+    "-4",
+    "1",
+    "1.5",
+    "1e308",
+    "1e999",
+    "-1e999",
+    "float('nan')",
+    "None",
+    "True",
+    "'a'",
+    "[0.5]",
+    "{0.5}",
+    "{'a': 1}",
+    "(1, 2)",
+    "1j",
+    "b'x'",
+    "...",
+    "[]",
+    "{}",
+    "-0.0",
+    "2**100",
+    "x",
+    "os.system",
+    "lambda: 1",
+    "__import__('os')",
+    "[1][0]",
+    "'a' * 3",
+    "not 1",
+]
 
 
 @st.composite
@@ -50,10 +112,13 @@ def calls(draw, depth=0):
 
 @st.composite
 def colon_forms(draw):
-    items = [f"{draw(st.sampled_from(PARAMS))}={draw(st.sampled_from(['0.5', '4', '-4', 'nan', 'inf', 'none', 'true', 'x', '']))}"
-             for _ in range(draw(st.integers(0, 3)))]
+    items = [
+        f"{draw(st.sampled_from(PARAMS))}={draw(st.sampled_from(['0.5', '4', '-4', 'nan', 'inf', 'none', 'true', 'x', '']))}"
+        for _ in range(draw(st.integers(0, 3)))
+    ]
     return draw(st.sampled_from(NAMES + ["mymodule:Press", "kvpress:SnapKVPress", ":", ""])) + (
-        ":" + ",".join(items) if items else "")
+        ":" + ",".join(items) if items else ""
+    )
 
 
 def run_front(text, budget=None):
@@ -99,9 +164,15 @@ def test_random_text_parses_or_raises_our_errors(text):
         pass
 
 
-@pytest.mark.parametrize("text", ["__import__('os').system('touch /tmp/kvdiverge-pwned')",
-                                  "SnapKVPress(window_size=__import__('os').getpid())",
-                                  "SnapKVPress(window_size=(lambda: 4)())", "eval('1')"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('touch /tmp/kvdiverge-pwned')",
+        "SnapKVPress(window_size=__import__('os').getpid())",
+        "SnapKVPress(window_size=(lambda: 4)())",
+        "eval('1')",
+    ],
+)
 def test_an_expression_never_runs_code(text, tmp_path):
     with pytest.raises(PressExpressionError):
         press_spec(text)

@@ -6,10 +6,10 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.estimators import document_estimates, read_estimates, read_shards, replicate_estimates
 from kvdiverge.estimation.finite import NonFiniteError
-from kvdiverge.engine.core.pairs import TableKernelPair
-from kvdiverge.engine.core.coupled import simulate
 
 T = 4
 
@@ -39,8 +39,10 @@ def shard(tmp_path_factory):
 @pytest.fixture(scope="module")
 def estimates(tmp_path_factory):
     """A per-document estimate file with a diverging and a never-diverging document."""
-    parts = [simulate(TableKernelPair(stopping_kernel, 3), T, 2, seed=3, doc_id="stop"),
-             simulate(TableKernelPair(equal_kernel, 3), T, 2, seed=3, doc_id="equal")]
+    parts = [
+        simulate(TableKernelPair(stopping_kernel, 3), T, 2, seed=3, doc_id="stop"),
+        simulate(TableKernelPair(equal_kernel, 3), T, 2, seed=3, doc_id="equal"),
+    ]
     docs = document_estimates(replicate_estimates(pl.concat(parts), 1), {"early": (1, 1), "late": (2, 3)})
     equal = docs.filter(pl.col("doc_id") == "equal")
     assert math.isnan(equal["tau_mean"][0]) and math.isnan(equal["rho"][0])  # undefined by definition
@@ -61,12 +63,15 @@ def _set_list(frame, column, row, element, value):
     return frame.with_columns(pl.Series(column, values, dtype=frame.schema[column]))
 
 
-@pytest.mark.parametrize("column,element,value", [
-    ("survival", 1, float("nan")),
-    ("tv", 0, float("inf")),            # before the stop: a number belongs there
-    ("tv", 3, float("inf")),            # after the stop only NaN is undefined
-    ("branch_tv", 0, float("-inf")),
-])
+@pytest.mark.parametrize(
+    "column,element,value",
+    [
+        ("survival", 1, float("nan")),
+        ("tv", 0, float("inf")),  # before the stop: a number belongs there
+        ("tv", 3, float("inf")),  # after the stop only NaN is undefined
+        ("branch_tv", 0, float("-inf")),
+    ],
+)
 def test_non_finite_shard_is_refused_naming_file_and_column(shard, tmp_path, column, element, value):
     _, frame = shard
     bad = _set_list(frame, column, 1, element, value)
@@ -102,18 +107,22 @@ def test_estimates_with_undefined_values_are_read(estimates):
     assert read_estimates([str(path)]).equals(docs)
 
 
-@pytest.mark.parametrize("doc,column,value", [
-    ("stop", "p_div", float("nan")),
-    ("equal", "E_N", float("inf")),
-    ("stop", "tau_mean", float("nan")),   # p_div > 0 here: tau_mean is defined
-    ("stop", "rho", float("nan")),        # E_L > 0 here
-    ("stop", "btv_late", float("nan")),   # the window has weight
-    ("equal", "p_div_se", float("nan")),  # R = 2: the standard error is defined
-])
+@pytest.mark.parametrize(
+    "doc,column,value",
+    [
+        ("stop", "p_div", float("nan")),
+        ("equal", "E_N", float("inf")),
+        ("stop", "tau_mean", float("nan")),  # p_div > 0 here: tau_mean is defined
+        ("stop", "rho", float("nan")),  # E_L > 0 here
+        ("stop", "btv_late", float("nan")),  # the window has weight
+        ("equal", "p_div_se", float("nan")),  # R = 2: the standard error is defined
+    ],
+)
 def test_non_finite_estimates_are_refused_naming_file_and_column(estimates, tmp_path, doc, column, value):
     _, docs = estimates
-    bad = docs.with_columns(pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col(column))
-                            .alias(column))
+    bad = docs.with_columns(
+        pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col(column)).alias(column)
+    )
     path = tmp_path / "exploratory.parquet"
     bad.write_parquet(path)
     with pytest.raises(NonFiniteError) as err:
@@ -138,12 +147,18 @@ def test_infinite_variance_ratio_only_where_its_denominator_is_zero(estimates, t
     assert docs.filter(pl.col("doc_id") == "equal")["var_N_cmc"][0] == 0
     path = tmp_path / "exploratory.parquet"
     stop = pl.col("doc_id") == "stop"  # give the other document a defined ratio 0 / 0.5
-    docs = docs.with_columns(pl.when(stop).then(0.5).otherwise(pl.col("var_N_cmc")).alias("var_N_cmc"),
-                             *(pl.when(stop).then(0.0).otherwise(pl.col(c)).alias(c) for c in ("var_ratio", "var_ratio_tv")))
-    for doc, value, refused in (("equal", float("inf"), False), ("equal", float("-inf"), True),
-                                ("stop", float("inf"), True)):
-        docs.with_columns(pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col("var_ratio"))
-                          .alias("var_ratio")).write_parquet(path)
+    docs = docs.with_columns(
+        pl.when(stop).then(0.5).otherwise(pl.col("var_N_cmc")).alias("var_N_cmc"),
+        *(pl.when(stop).then(0.0).otherwise(pl.col(c)).alias(c) for c in ("var_ratio", "var_ratio_tv")),
+    )
+    for doc, value, refused in (
+        ("equal", float("inf"), False),
+        ("equal", float("-inf"), True),
+        ("stop", float("inf"), True),
+    ):
+        docs.with_columns(
+            pl.when(pl.col("doc_id") == doc).then(pl.lit(value)).otherwise(pl.col("var_ratio")).alias("var_ratio")
+        ).write_parquet(path)
         if refused:
             with pytest.raises(NonFiniteError, match="column 'var_ratio'"):
                 read_estimates([str(path)])

@@ -21,12 +21,20 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-
 from conftest import run_main
-from kvdiverge.estimation.frontier import (common_range, frontier_curves, frontier_grid, frontier_name, frontier_tables,
-                                           kv_bytes_per_element, range_mean, trapezoid_area)
-from kvdiverge.study.provenance import read_provenance
+
+from kvdiverge.estimation.frontier import (
+    common_range,
+    frontier_curves,
+    frontier_grid,
+    frontier_name,
+    frontier_tables,
+    kv_bytes_per_element,
+    range_mean,
+    trapezoid_area,
+)
 from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
+from kvdiverge.study.provenance import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 PRESSES = ["snapkv", "knorm", "streamingllm", "tova", "expected-attention", "adakv-snapkv"]
@@ -56,8 +64,14 @@ def test_names_of_frontier_points():
     grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
     assert [p["policy"] for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
     # full-precision points name no cache
-    assert grid[2] == {"policy": "a@b64", "press": "a", "compression_ratio": None, "budget": 64, "cache": None,
-                       "cache_settings": None}
+    assert grid[2] == {
+        "policy": "a@b64",
+        "press": "a",
+        "compression_ratio": None,
+        "budget": 64,
+        "cache": None,
+        "cache_settings": None,
+    }
     with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
         frontier_grid(["a"], [1.0])
 
@@ -69,12 +83,18 @@ def test_frontier_config_expands_into_policies_on_its_split():
     names = [f"{p}@{r:g}" for p in PRESSES for r in RATIOS]
     assert config["runs"]["exploratory"] == names
     assert [p["policy"] for p in frontier_points(config)] == names
-    assert config["policies"]["snapkv@0.25"] == {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5,
-                                                 "compression_ratio": 0.25}
+    assert config["policies"]["snapkv@0.25"] == {
+        "press": "SnapKVPress",
+        "window_size": 64,
+        "kernel_size": 5,
+        "compression_ratio": 0.25,
+    }
     # a nested press: the top-level ratio goes to the press that takes it (the inner scorer)
     assert config["policies"]["adakv-snapkv@0.75"] == {
-        "press": "AdaKVPress", "params": {"press": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}},
-        "compression_ratio": 0.75}
+        "press": "AdaKVPress",
+        "params": {"press": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}},
+        "compression_ratio": 0.75,
+    }
     # ordinary runs: every point on the exploratory split, the noise floor beside them
     expl = [p for m, p, s in runs(config) if s == "exploratory"]
     assert expl == names + ["noise-floor"]
@@ -88,13 +108,18 @@ def test_frontier_policy_settings_equal_a_hand_written_policy():
 
     config = load_config(REPO / "config" / "frontier.yaml")
     hand = copy.deepcopy(raw("frontier.yaml"))
-    hand["policies"]["snapkv-25"] = {"press": "SnapKVPress", "compression_ratio": 0.25, "window_size": 64,
-                                     "kernel_size": 5}
+    hand["policies"]["snapkv-25"] = {
+        "press": "SnapKVPress",
+        "compression_ratio": 0.25,
+        "window_size": 64,
+        "kernel_size": 5,
+    }
     hand["runs"]["exploratory"] = ["snapkv-25"]
     del hand["frontier"]
     hand = validate(hand)
-    assert shard_settings(config, "smollm2-135m", "snapkv@0.25", "exploratory") == \
-        shard_settings(hand, "smollm2-135m", "snapkv-25", "exploratory")
+    assert shard_settings(config, "smollm2-135m", "snapkv@0.25", "exploratory") == shard_settings(
+        hand, "smollm2-135m", "snapkv-25", "exploratory"
+    )
 
 
 def test_budgets_expand_too():
@@ -105,20 +130,31 @@ def test_budgets_expand_too():
     assert "snapkv@b96" in out["runs"]["exploratory"]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda f: f.update(ratios=[0.5, 1.0]), "frontier.ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1"),
-    (lambda f: f.update(ratios=[-0.1]), "frontier.ratios[0]: -0.1 is out of range; allowed: >= 0 and < 1"),
-    (lambda f: f["presses"].update(perm={"press": "PermutationPress"}),
-     "frontier.presses.perm: PermutationPress takes no compression_ratio"),
-    (lambda f: f["presses"].update(ada={"press": "AdaKVPress"}),
-     "frontier.presses.ada: AdaKVPress takes no compression_ratio"),
-    (lambda f: f["presses"]["snapkv"].update(compression_ratio=0.5),
-     "frontier.presses.snapkv: give the press without compression_ratio or budget"),
-    (lambda f: f["presses"]["snapkv"].update(window_size=0),
-     "frontier.presses.snapkv.window_size: 0 is out of range"),
-    (lambda f: f["presses"]["snapkv"].update(press="SnapPress"), "frontier.presses.snapkv.press: 'SnapPress'"),
-    (lambda f: f.update(split="heldout"), "frontier.split: 'heldout' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda f: f.update(ratios=[0.5, 1.0]), "frontier.ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1"),
+        (lambda f: f.update(ratios=[-0.1]), "frontier.ratios[0]: -0.1 is out of range; allowed: >= 0 and < 1"),
+        (
+            lambda f: f["presses"].update(perm={"press": "PermutationPress"}),
+            "frontier.presses.perm: PermutationPress takes no compression_ratio",
+        ),
+        (
+            lambda f: f["presses"].update(ada={"press": "AdaKVPress"}),
+            "frontier.presses.ada: AdaKVPress takes no compression_ratio",
+        ),
+        (
+            lambda f: f["presses"]["snapkv"].update(compression_ratio=0.5),
+            "frontier.presses.snapkv: give the press without compression_ratio or budget",
+        ),
+        (
+            lambda f: f["presses"]["snapkv"].update(window_size=0),
+            "frontier.presses.snapkv.window_size: 0 is out of range",
+        ),
+        (lambda f: f["presses"]["snapkv"].update(press="SnapPress"), "frontier.presses.snapkv.press: 'SnapPress'"),
+        (lambda f: f.update(split="heldout"), "frontier.split: 'heldout' is not allowed"),
+    ],
+)
 def test_bad_frontier_is_refused_with_the_key_named(edit, message):
     config = raw("frontier-smoke.yaml")
     edit(config["frontier"])
@@ -147,9 +183,25 @@ def _docs(values: dict[str, tuple[float, float]], n_docs: int = 3, T: int = 4) -
     for policy, (p, em) in values.items():
         for d in range(n_docs):
             f = [p] + [0.0] * (T - 1)
-            rows.append({"model": "m", "policy": policy, "split": "exploratory", "doc_id": f"d{d}", "T": T,
-                         "prompt_len": 100, "kept_len": 60, "p_div": p, "E_tau_div": p, "E_L": (T - 1) * p,
-                         "E_N_post": T * em - p, "E_N": T * em, "E_M": em, "tv_mean": p / 10, "f": f})
+            rows.append(
+                {
+                    "model": "m",
+                    "policy": policy,
+                    "split": "exploratory",
+                    "doc_id": f"d{d}",
+                    "T": T,
+                    "prompt_len": 100,
+                    "kept_len": 60,
+                    "p_div": p,
+                    "E_tau_div": p,
+                    "E_L": (T - 1) * p,
+                    "E_N_post": T * em - p,
+                    "E_N": T * em,
+                    "E_M": em,
+                    "tv_mean": p / 10,
+                    "f": f,
+                }
+            )
     return pl.DataFrame(rows)
 
 
@@ -208,18 +260,28 @@ def test_frontier_is_paired_and_knows_the_floor():
     """Documents that differ: intervals open, and a press well above the floor is flagged above it."""
     grid = frontier_grid(["a"], [0.25, 0.5])
     docs = _docs({"a@0.25": (0.5, 0.2), "a@0.5": (0.7, 0.3), "noise-floor": (0.0, 0.0)})
-    docs = docs.with_columns(pl.when(pl.col("doc_id") == "d0").then(pl.col("p_div") * 0.5)
-                             .otherwise(pl.col("p_div")).alias("p_div"))
-    docs = docs.with_columns((pl.col("p_div") * 3).alias("E_L"), pl.col("p_div").alias("E_tau_div"),
-                             (4 * pl.col("E_M") - pl.col("p_div")).alias("E_N_post"),
-                             pl.concat_list([pl.col("p_div"), pl.lit(0.0), pl.lit(0.0), pl.lit(0.0)]).alias("f"))
+    docs = docs.with_columns(
+        pl.when(pl.col("doc_id") == "d0").then(pl.col("p_div") * 0.5).otherwise(pl.col("p_div")).alias("p_div")
+    )
+    docs = docs.with_columns(
+        (pl.col("p_div") * 3).alias("E_L"),
+        pl.col("p_div").alias("E_tau_div"),
+        (4 * pl.col("E_M") - pl.col("p_div")).alias("E_N_post"),
+        pl.concat_list([pl.col("p_div"), pl.lit(0.0), pl.lit(0.0), pl.lit(0.0)]).alias("f"),
+    )
     points, areas = frontier_tables(docs, grid, "noise-floor", 400, 0.9, seed=3)
     assert (points["p_div_lo"] < points["p_div"]).all() and (points["p_div"] < points["p_div_hi"]).all()
     assert points["above_floor"].all()
     assert areas["first_ratio_above_floor"][0] == 0.25 and areas["above_floor_everywhere"][0]
     with pytest.raises(ValueError, match="share their documents"):
-        frontier_tables(docs.filter(~((pl.col("policy") == "a@0.5") & (pl.col("doc_id") == "d2"))), grid,
-                        "noise-floor", 10, 0.9, seed=3)
+        frontier_tables(
+            docs.filter(~((pl.col("policy") == "a@0.5") & (pl.col("doc_id") == "d2"))),
+            grid,
+            "noise-floor",
+            10,
+            0.9,
+            seed=3,
+        )
 
 
 def test_frontier_figure_is_written(tmp_path):
@@ -227,8 +289,7 @@ def test_frontier_figure_is_written(tmp_path):
     from kvdiverge.report.pages import frontier_html
 
     grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75], [32])
-    values = {p["policy"]: (0.3 + 0.5 * (p["compression_ratio"] or 0.4), 0.1 + (p["press"] == "b") * 0.1)
-              for p in grid}
+    values = {p["policy"]: (0.3 + 0.5 * (p["compression_ratio"] or 0.4), 0.1 + (p["press"] == "b") * 0.1) for p in grid}
     values["noise-floor"] = (1e-4, 1e-5)
     points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0)
     plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
@@ -269,9 +330,16 @@ def _stored_bytes(q) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
 
-@pytest.mark.parametrize("backend, nbits, dtype", [("quanto", 4, "float32"), ("quanto", 2, "float32"),
-                                                   ("quanto", 4, "bfloat16"), ("hqq", 4, "float32"),
-                                                   ("hqq", 3, "float32")])
+@pytest.mark.parametrize(
+    "backend, nbits, dtype",
+    [
+        ("quanto", 4, "float32"),
+        ("quanto", 2, "float32"),
+        ("quanto", 4, "bfloat16"),
+        ("hqq", 4, "float32"),
+        ("hqq", 3, "float32"),
+    ],
+)
 def test_kv_bytes_are_what_the_backend_stores(backend, nbits, dtype):
     """transformers' quantized layers on a (1, 3, 200, 64) key tensor, groups of 64 along the head
     dimension (the axis the engine uses): the bytes held equal the formula's, scales in the tensor's dtype."""
@@ -308,19 +376,43 @@ def test_grid_names_caches_and_curves():
     with pytest.raises(ValueError, match="ratios, not budgets"):
         frontier_name("snapkv", budget=64, cache="int4")
     grid = frontier_grid(["a", "b"], [0.25, 0.5], [64], caches={"q4": Q4})  # cache ratios: 0 and every ratio
-    assert [p["policy"] for p in grid] == ["a@0.25", "a@0.5", "a@b64", "b@0.25", "b@0.5", "b@b64", "q4",
-                                           "a@0.25+q4", "a@0.5+q4", "b@0.25+q4", "b@0.5+q4"]
-    assert grid[6] == {"policy": "q4", "press": None, "compression_ratio": 0.0, "budget": None, "cache": "q4",
-                       "cache_settings": Q4}
+    assert [p["policy"] for p in grid] == [
+        "a@0.25",
+        "a@0.5",
+        "a@b64",
+        "b@0.25",
+        "b@0.5",
+        "b@b64",
+        "q4",
+        "a@0.25+q4",
+        "a@0.5+q4",
+        "b@0.25+q4",
+        "b@0.5+q4",
+    ]
+    assert grid[6] == {
+        "policy": "q4",
+        "press": None,
+        "compression_ratio": 0.0,
+        "budget": None,
+        "cache": "q4",
+        "cache_settings": Q4,
+    }
     assert {k: c["policies"] for k, c in frontier_curves(grid).items()} == {
-        "a": ["a@0.25", "a@0.5"], "b": ["b@0.25", "b@0.5"], "q4": ["q4"],
-        "a+q4": ["q4", "a@0.25+q4", "a@0.5+q4"], "b+q4": ["q4", "b@0.25+q4", "b@0.5+q4"]}
+        "a": ["a@0.25", "a@0.5"],
+        "b": ["b@0.25", "b@0.5"],
+        "q4": ["q4"],
+        "a+q4": ["q4", "a@0.25+q4", "a@0.5+q4"],
+        "b+q4": ["q4", "b@0.25+q4", "b@0.5+q4"],
+    }
     no_alone = frontier_grid(["a"], [0.5], caches={"q4": Q4}, cache_ratios=[0.5])
     assert [p["policy"] for p in no_alone] == ["a@0.5", "a@0.5+q4"]
-    for kwargs, message in [({"presses": ["a+b"]}, r"'\+' is reserved"), ({"caches": {"a": Q4}}, "also a press label"),
-                            ({"caches": {"q@4": Q4}}, r"'@' and '\+' are reserved"),
-                            ({"caches": {"q4": {"nbits": 4}}}, "missing backend, q_group_size"),
-                            ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"cache ratio 1.0 is outside \[0, 1\)")]:
+    for kwargs, message in [
+        ({"presses": ["a+b"]}, r"'\+' is reserved"),
+        ({"caches": {"a": Q4}}, "also a press label"),
+        ({"caches": {"q@4": Q4}}, r"'@' and '\+' are reserved"),
+        ({"caches": {"q4": {"nbits": 4}}}, "missing backend, q_group_size"),
+        ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"cache ratio 1.0 is outside \[0, 1\)"),
+    ]:
         with pytest.raises(ValueError, match=message):
             frontier_grid(**{"presses": ["a"], "ratios": [0.5], **kwargs})
 
@@ -338,9 +430,15 @@ def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
         frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1)
     points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=SIZES)
     by = {r["policy"]: r for r in points.iter_rows(named=True)}
-    assert {p: by[p]["kv_bytes_per_token"] for p in E} == {"a@0.75": 100.0, "a@0.875": 50.0, "b@0.75": 100.0,
-                                                           "b@0.875": 50.0, "q4": 62.5, "a@0.5+q4": 31.25,
-                                                           "b@0.5+q4": 31.25}
+    assert {p: by[p]["kv_bytes_per_token"] for p in E} == {
+        "a@0.75": 100.0,
+        "a@0.875": 50.0,
+        "b@0.75": 100.0,
+        "b@0.875": 50.0,
+        "q4": 62.5,
+        "a@0.5+q4": 31.25,
+        "b@0.5+q4": 31.25,
+    }
     assert by["a@0.75"]["bits_per_element"] == 32.0 and by["q4"]["bits_per_element"] == 5.0
     assert by["q4"]["curves"] == ["q4", "a+q4", "b+q4"] and by["a@0.5+q4"]["curves"] == ["a+q4"]
     mean = {"b+q4": 0.34, "a+q4": 0.38, "a": 0.55, "b": 0.7125}
@@ -357,8 +455,9 @@ def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
     # the areas over each curve's own ratios; compared with the best only between curves of the same ratios
     a_q4 = areas.row(1, named=True)
     assert a_q4["area_E_M"] == pytest.approx(0.5 * (0.3 + 0.7) / 2, abs=1e-12)
-    assert a_q4["diff_best_area_E_M"] == pytest.approx(0.05, abs=1e-12) and math.isnan(areas.row(2, named=True)[
-        "diff_best_area_E_M"])
+    assert a_q4["diff_best_area_E_M"] == pytest.approx(0.05, abs=1e-12) and math.isnan(
+        areas.row(2, named=True)["diff_best_area_E_M"]
+    )
     assert points["policy"].to_list() == ["b@0.5+q4", "a@0.5+q4", "a@0.75", "a@0.875", "b@0.75", "b@0.875", "q4"]
 
 
@@ -404,38 +503,68 @@ def test_quantized_frontier_config_expands_into_points():
     assert [p["policy"] for p in frontier_points(config)] == full + cached
     q2 = {"cache": "quantized", "backend": "quanto", "nbits": 2, "q_group_size": 64, "residual_length": 32}
     assert config["policies"]["int2"] == q2
-    assert config["policies"]["snapkv@0.5+int2"] == {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5,
-                                                     "compression_ratio": 0.5, **q2}
-    assert config["policies"]["streamingllm@0.5+int4"] == {"press": "StreamingLLMPress", "n_sink": 4,
-                                                           "compression_ratio": 0.5, **q2, "nbits": 4}
+    assert config["policies"]["snapkv@0.5+int2"] == {
+        "press": "SnapKVPress",
+        "window_size": 64,
+        "kernel_size": 5,
+        "compression_ratio": 0.5,
+        **q2,
+    }
+    assert config["policies"]["streamingllm@0.5+int4"] == {
+        "press": "StreamingLLMPress",
+        "n_sink": 4,
+        "compression_ratio": 0.5,
+        **q2,
+        "nbits": 4,
+    }
     expl = [p for m, p, s in runs(config) if s == "exploratory"]
     assert expl == full + cached + ["noise-floor"]
     assert validate(config) == config and expand_frontier(config) == config
     # the config's arithmetic: 11520 elements per token, float32; every two-point curve covers 3600..4320 bytes
     grid = frontier_points(config)
-    per_token = {p["policy"]: (1 - p["compression_ratio"]) * 11520 * kv_bytes_per_element(p["cache_settings"], 4)
-                 for p in grid}
+    per_token = {
+        p["policy"]: (1 - p["compression_ratio"]) * 11520 * kv_bytes_per_element(p["cache_settings"], 4) for p in grid
+    }
     assert per_token["snapkv@0.9375"] == 2880 and per_token["snapkv@0.875"] == 5760
-    assert (per_token["int4"], per_token["snapkv@0.5+int4"], per_token["int2"], per_token["snapkv@0.5+int2"]) == \
-        (7200, 3600, 4320, 2160)
-    spans = {k: (min(per_token[p] for p in c["policies"]), max(per_token[p] for p in c["policies"]))
-             for k, c in frontier_curves(grid).items()}
-    assert common_range(spans) == (3600.0, 4320.0, ["snapkv", "streamingllm", "snapkv+int4", "streamingllm+int4",
-                                                    "snapkv+int2", "streamingllm+int2"])
+    assert (per_token["int4"], per_token["snapkv@0.5+int4"], per_token["int2"], per_token["snapkv@0.5+int2"]) == (
+        7200,
+        3600,
+        4320,
+        2160,
+    )
+    spans = {
+        k: (min(per_token[p] for p in c["policies"]), max(per_token[p] for p in c["policies"]))
+        for k, c in frontier_curves(grid).items()
+    }
+    assert common_range(spans) == (
+        3600.0,
+        4320.0,
+        ["snapkv", "streamingllm", "snapkv+int4", "streamingllm+int4", "snapkv+int2", "streamingllm+int2"],
+    )
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda f: f["caches"]["int4"].update(nbits=3),
-     "frontier.caches.int4: quantized cache: nbits must be one of [2, 4] for backend 'quanto', got 3"),
-    (lambda f: f["caches"]["int4"].update(bits=4),
-     "unknown config key frontier.caches.int4.bits; allowed keys at frontier.caches.int4: backend, nbits, "
-     "q_group_size, residual_length"),
-    (lambda f: f["caches"]["int4"].update(backend="gptq"), "frontier.caches.int4.backend: 'gptq' is not allowed"),
-    (lambda f: f["caches"]["int4"].update(q_group_size=0), "frontier.caches.int4.q_group_size: 0 is out of range"),
-    (lambda f: f.update(cache_ratios=[0, 1.0]), "frontier.cache_ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1"),
-    (lambda f: f.pop("caches"), "frontier.cache_ratios: given without frontier.caches, which it needs"),
-    (lambda f: f["caches"].update({"q+2": {"nbits": 2}}), "frontier.caches: 'q+2' does not match the pattern"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda f: f["caches"]["int4"].update(nbits=3),
+            "frontier.caches.int4: quantized cache: nbits must be one of [2, 4] for backend 'quanto', got 3",
+        ),
+        (
+            lambda f: f["caches"]["int4"].update(bits=4),
+            "unknown config key frontier.caches.int4.bits; allowed keys at frontier.caches.int4: backend, nbits, "
+            "q_group_size, residual_length",
+        ),
+        (lambda f: f["caches"]["int4"].update(backend="gptq"), "frontier.caches.int4.backend: 'gptq' is not allowed"),
+        (lambda f: f["caches"]["int4"].update(q_group_size=0), "frontier.caches.int4.q_group_size: 0 is out of range"),
+        (
+            lambda f: f.update(cache_ratios=[0, 1.0]),
+            "frontier.cache_ratios[1]: 1.0 is out of range; allowed: >= 0 and < 1",
+        ),
+        (lambda f: f.pop("caches"), "frontier.cache_ratios: given without frontier.caches, which it needs"),
+        (lambda f: f["caches"].update({"q+2": {"nbits": 2}}), "frontier.caches: 'q+2' does not match the pattern"),
+    ],
+)
 def test_bad_frontier_cache_is_refused_with_the_key_named(edit, message):
     config = raw("frontier-quantized.yaml")
     edit(config["frontier"])
@@ -445,8 +574,9 @@ def test_bad_frontier_cache_is_refused_with_the_key_named(edit, message):
 def test_frontier_cache_names_are_reserved():
     config = raw("frontier-quantized.yaml")
     config["policies"]["int4"] = {"cache": "quantized", "nbits": 2}
-    assert "policies.int4: the name belongs to the frontier point frontier.caches.int4; rename the policy" in \
-        error_of(config)
+    assert "policies.int4: the name belongs to the frontier point frontier.caches.int4; rename the policy" in error_of(
+        config
+    )
     config = raw("frontier-quantized.yaml")
     config["policies"]["snapkv@0.25+int4"] = {"press": "SnapKVPress", "compression_ratio": 0.25}
     assert "policies.snapkv@0.25+int4: '@' in a policy name is reserved for the frontier" in error_of(config)
@@ -460,32 +590,59 @@ def test_api_and_command_line_expand_caches_as_the_config_does():
     from kvdiverge.study.inputs import argument_sources, check_arguments, frontier_presses
 
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}
-    out, grid = frontier_presses(presses, [0.5, 0.75], caches={"int4": {"nbits": 4, "residual_length": 32}},
-                                 cache_ratios=[0, 0.5])
+    out, grid = frontier_presses(
+        presses, [0.5, 0.75], caches={"int4": {"nbits": 4, "residual_length": 32}}, cache_ratios=[0, 0.5]
+    )
     config = raw("frontier-quantized.yaml")  # the same points through the config
-    config["frontier"].update(presses=presses, ratios=[0.5, 0.75], caches={"int4": config["frontier"]["caches"]["int4"]})
+    config["frontier"].update(
+        presses=presses, ratios=[0.5, 0.75], caches={"int4": config["frontier"]["caches"]["int4"]}
+    )
     config["analysis"]["gaps"] = []
     expanded = validate(config)
     assert list(out) == ["snapkv@0.5", "snapkv@0.75", "int4", "snapkv@0.5+int4", "noise-floor"]
     assert grid == frontier_points(expanded)
     assert all(out[p["policy"]] == expanded["policies"][p["policy"]] for p in grid)
-    for caches, message in [({"int4": {"nbits": 3}}, "cache 'int4': quantized cache: nbits must be one of [2, 4]"),
-                            ({"int4": {"bits": 4}}, "cache 'int4': unknown setting 'bits'"),
-                            ({"q@4": {"nbits": 4}}, "cache 'q@4': '@' and '+' in a cache label are reserved")]:
+    for caches, message in [
+        ({"int4": {"nbits": 3}}, "cache 'int4': quantized cache: nbits must be one of [2, 4]"),
+        ({"int4": {"bits": 4}}, "cache 'int4': unknown setting 'bits'"),
+        ({"q@4": {"nbits": 4}}, "cache 'q@4': '@' and '+' in a cache label are reserved"),
+    ]:
         message = message.replace("+", r"\+")
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             frontier_presses(presses, [0.5], caches=caches)
     import kvpress
+
     with pytest.raises(ValueError, match="a quantized cache needs a policy entry"):
         frontier_presses({"snapkv": kvpress.SnapKVPress()}, [0.5], caches={"int4": {}}, cache_ratios=[0.5])
-    args = _parser().parse_args(["measure", "embedded", "--sotu", "1", "--press", "SnapKVPress:window_size=64",
-                                 "--cache", "quanto:nbits=4", "--ratios", "0.5", "0.75", "--cache-ratios", "0", "0.5"])
+    args = _parser().parse_args(
+        [
+            "measure",
+            "embedded",
+            "--sotu",
+            "1",
+            "--press",
+            "SnapKVPress:window_size=64",
+            "--cache",
+            "quanto:nbits=4",
+            "--ratios",
+            "0.5",
+            "0.75",
+            "--cache-ratios",
+            "0",
+            "0.5",
+        ]
+    )
     check_arguments(args)
     door, sources, caches = argument_sources(args)
     assert door == {"SnapKVPress:window_size=64": {"press": "SnapKVPress", "params": {"window_size": 64}}}
     assert caches == {"quanto:nbits=4": {"backend": "quanto", "nbits": 4}}
-    assert list(sources) == ["SnapKVPress:window_size=64@0.5", "SnapKVPress:window_size=64@0.75", "quanto:nbits=4",
-                             "SnapKVPress:window_size=64@0.5+quanto:nbits=4", "noise-floor"]
+    assert list(sources) == [
+        "SnapKVPress:window_size=64@0.5",
+        "SnapKVPress:window_size=64@0.75",
+        "quanto:nbits=4",
+        "SnapKVPress:window_size=64@0.5+quanto:nbits=4",
+        "noise-floor",
+    ]
     assert sources["SnapKVPress:window_size=64@0.5+quanto:nbits=4"].quantized.nbits == 4
 
 
@@ -495,10 +652,14 @@ def test_cli_cache_ratios_bad_input_exits_2(capsys, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     base = ["measure", "embedded", "--prompts", str(prompts), "-T", "2", "-R", "1", "--press", "KnormPress"]
-    for extra, message in [(["--cache-ratios", "0.5"], "--cache-ratios needs --ratios and at least one --cache"),
-                           (["--cache", "quanto", "--ratios", "0.5", "--cache-ratios", "1.5"],
-                            "--cache-ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)"),
-                           (["--cache", "quanto:nbits=3", "--ratios", "0.5"], "nbits must be one of [2, 4]")]:
+    for extra, message in [
+        (["--cache-ratios", "0.5"], "--cache-ratios needs --ratios and at least one --cache"),
+        (
+            ["--cache", "quanto", "--ratios", "0.5", "--cache-ratios", "1.5"],
+            "--cache-ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)",
+        ),
+        (["--cache", "quanto:nbits=3", "--ratios", "0.5"], "nbits must be one of [2, 4]"),
+    ]:
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
 
@@ -521,9 +682,22 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 8}, "knorm": {"press": "KnormPress"}}
     with pytest.warns(UserWarning, match="left the cache untouched"):  # the two ratio-0 points
-        m = kvdiverge.measure(model, None, prompts, presses, ratios=[0.0, 0.5], max_new_tokens=4, replicates=2,
-                              temperature=1.0, top_p=1.0, seed=5, bootstrap=50, progress=False,
-                              model_name="mini", split="exploratory")
+        m = kvdiverge.measure(
+            model,
+            None,
+            prompts,
+            presses,
+            ratios=[0.0, 0.5],
+            max_new_tokens=4,
+            replicates=2,
+            temperature=1.0,
+            top_p=1.0,
+            seed=5,
+            bootstrap=50,
+            progress=False,
+            model_name="mini",
+            split="exploratory",
+        )
     assert m.presses == ["snapkv@0", "snapkv@0.5", "knorm@0", "knorm@0.5", "noise-floor"]
     traj = m.trajectories
     docs = {p: sorted(g["doc_id"].to_list()) for (p,), g in traj.group_by(["policy"])}
@@ -546,8 +720,16 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     saved = {p.name for p in m.save(tmp_path / "out")}
     assert {"frontier.parquet", "frontier_areas.csv"} <= saved
     with pytest.raises(ValueError, match="not a frontier"):
-        kvdiverge.measure(model, None, prompts, {"k": {"press": "KnormPress", "compression_ratio": 0.5}},
-                          max_new_tokens=2, replicates=1, bootstrap=10, progress=False).frontier()
+        kvdiverge.measure(
+            model,
+            None,
+            prompts,
+            {"k": {"press": "KnormPress", "compression_ratio": 0.5}},
+            max_new_tokens=2,
+            replicates=1,
+            bootstrap=10,
+            progress=False,
+        ).frontier()
 
 
 @pytest.mark.miniature
@@ -565,16 +747,32 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
     gen = torch.Generator().manual_seed(3)
     prompts = {f"doc-{i}": torch.randint(1, 500, (n,), generator=gen).tolist() for i, n in enumerate((40, 48))}
-    m = kvdiverge.measure(model, None, prompts, {"snapkv": {"press": "SnapKVPress", "window_size": 8}}, ratios=[0.5],
-                          caches={"q4": {"nbits": 4, "q_group_size": 8, "residual_length": 2}}, max_new_tokens=3,
-                          replicates=1, temperature=1.0, top_p=1.0, seed=5, bootstrap=20, progress=False,
-                          model_name="mini", split="exploratory")
+    m = kvdiverge.measure(
+        model,
+        None,
+        prompts,
+        {"snapkv": {"press": "SnapKVPress", "window_size": 8}},
+        ratios=[0.5],
+        caches={"q4": {"nbits": 4, "q_group_size": 8, "residual_length": 2}},
+        max_new_tokens=3,
+        replicates=1,
+        temperature=1.0,
+        top_p=1.0,
+        seed=5,
+        bootstrap=20,
+        progress=False,
+        model_name="mini",
+        split="exploratory",
+    )
     assert m.presses == ["snapkv@0.5", "q4", "snapkv@0.5+q4", "noise-floor"]
     assert m.settings["kv_sizes"] == {"mini": {"elements_per_token": 64, "element_bytes": 4}}
     assert m.settings["quantized_caches"] == ["q4", "snapkv@0.5+q4"]
     points = m.frontier()
-    assert dict(zip(points["policy"], points["kv_bytes_per_token"])) == {"snapkv@0.5": 128.0, "q4": 96.0,
-                                                                         "snapkv@0.5+q4": 48.0}
+    assert dict(zip(points["policy"], points["kv_bytes_per_token"])) == {
+        "snapkv@0.5": 128.0,
+        "q4": 96.0,
+        "snapkv@0.5+q4": 48.0,
+    }
     areas = m.frontier_areas()
     assert areas["curve"].to_list() == ["snapkv+q4", "snapkv", "q4"]  # the one curve with two points is ranked
     assert areas["covers_range"].to_list() == [True, False, False]
@@ -589,10 +787,14 @@ def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     base = ["measure", "embedded", "--prompts", str(prompts), "-T", "2", "-R", "1"]
-    for extra, message in [(["--press", "KnormPress", "--ratios", "0.5", "1.5"],
-                            "--ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)"),
-                           (["--press", "PermutationPress", "--ratios", "0.5"], "at least one press besides"),
-                           (["--press", "AdaKVPress:press=x", "--ratios", "0.5"], "AdaKVPress")]:
+    for extra, message in [
+        (
+            ["--press", "KnormPress", "--ratios", "0.5", "1.5"],
+            "--ratios: 1.5 is not a compression ratio; allowed: numbers in [0, 1)",
+        ),
+        (["--press", "PermutationPress", "--ratios", "0.5"], "at least one press besides"),
+        (["--press", "AdaKVPress:press=x", "--ratios", "0.5"], "AdaKVPress"),
+    ]:
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
 
@@ -634,9 +836,33 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
 def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path, embedded_cached):
     """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written
     (``kvdiverge.cli.main`` in this process; the embedded model read from the session's kept conversion)."""
-    res = run_main(["measure", "embedded", "--sotu", "1", "-T", "4", "-R", "2", "--bootstrap", "50",
-                    "--threads", "1", "--quiet", "--press", "SnapKVPress:window_size=8", "--press", "KnormPress",
-                    "--ratios", "0.25", "0.5", "--out", "out"], tmp_path)
+    res = run_main(
+        [
+            "measure",
+            "embedded",
+            "--sotu",
+            "1",
+            "-T",
+            "4",
+            "-R",
+            "2",
+            "--bootstrap",
+            "50",
+            "--threads",
+            "1",
+            "--quiet",
+            "--press",
+            "SnapKVPress:window_size=8",
+            "--press",
+            "KnormPress",
+            "--ratios",
+            "0.25",
+            "0.5",
+            "--out",
+            "out",
+        ],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "area E[M] [CI]" in res.stdout and "SnapKVPress:window_size=8@0.25" in res.stdout
     table = [line for line in res.stdout.splitlines() if line.startswith(("1 ", "2 "))]

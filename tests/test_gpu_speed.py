@@ -21,8 +21,26 @@ def bench():
 @pytest.mark.miniature
 def test_tiny_cpu_run_reports_rate_batch_and_projection(bench, tmp_path, capsys):
     out_json = tmp_path / "gpu_speed.json"
-    assert bench.main(["--tiny", "--device", "cpu", "--docs", "2", "--prompt-tokens", "100", "--T", "4",
-                       "--R", "2", "--json", str(out_json)]) == 0
+    assert (
+        bench.main(
+            [
+                "--tiny",
+                "--device",
+                "cpu",
+                "--docs",
+                "2",
+                "--prompt-tokens",
+                "100",
+                "--T",
+                "4",
+                "--R",
+                "2",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "token-steps/s" in text and "projected for paper.yaml on one GPU" in text
     data = json.loads(out_json.read_text())
@@ -54,9 +72,31 @@ def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
 @pytest.mark.miniature
 def test_bfloat16_on_the_cpu_compares_the_stock_kernels(bench, tmp_path, capsys):
     out_json = tmp_path / "bf16.json"
-    assert bench.main(["--tiny", "--device", "cpu", "--dtype", "bfloat16", "--compare-stock", "--docs", "2",
-                       "--prompt-tokens", "100", "--T", "3", "--R", "2", "--models", "qwen-2.5-7b",
-                       "--json", str(out_json)]) == 0
+    assert (
+        bench.main(
+            [
+                "--tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "bfloat16",
+                "--compare-stock",
+                "--docs",
+                "2",
+                "--prompt-tokens",
+                "100",
+                "--T",
+                "3",
+                "--R",
+                "2",
+                "--models",
+                "qwen-2.5-7b",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     assert "stock kernels:" in capsys.readouterr().out
     (r,) = json.loads(out_json.read_text())["results"]
     assert r["dtype"] == "bfloat16" and r["stock_seconds"] > 0

@@ -5,9 +5,15 @@ import polars as pl
 import pytest
 
 from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
-from kvdiverge.reference.exact import enumerate_coupled
-from kvdiverge.reference.constructions import ConstructedPair, divergence_lag, lower_construction, upper_construction, wrap_pair
 from kvdiverge.estimation.intervals import sharp_interval
+from kvdiverge.reference.constructions import (
+    ConstructedPair,
+    divergence_lag,
+    lower_construction,
+    upper_construction,
+    wrap_pair,
+)
+from kvdiverge.reference.exact import enumerate_coupled
 
 
 def test_sharp_interval_formula_by_hand():
@@ -21,15 +27,14 @@ def test_sharp_interval_formula_by_hand():
     none = sharp_interval(0.0, 0.0, 0.0, 0.0, 3)
     assert none["E_N_lo"] == none["E_N_hi"] == 0.0
     assert np.isnan(none["rho_lo"]) and np.isnan(none["rho_hi"])
-    arr = sharp_interval(np.array([0.5, 0.2]), np.array([0.1, 0.0]), np.array([1.0, 2.0]),
-                         np.array([2.0, 4.0]), 4)
+    arr = sharp_interval(np.array([0.5, 0.2]), np.array([0.1, 0.0]), np.array([1.0, 2.0]), np.array([2.0, 4.0]), 4)
     np.testing.assert_allclose(arr["E_N_hi"], [1.6, 2.2])
 
 
 def test_divergence_lag():
     assert divergence_lag((), ()) is None
     assert divergence_lag((0, 1), (0, 1)) is None
-    assert divergence_lag((0,), (1,)) == 1          # diverged at step 1, next step is lag 1
+    assert divergence_lag((0,), (1,)) == 1  # diverged at step 1, next step is lag 1
     assert divergence_lag((0, 1, 2), (0, 2, 2)) == 2  # diverged at step 2, next step 4: lag 2
     with pytest.raises(ValueError):
         divergence_lag((0,), ())
@@ -82,8 +87,8 @@ def test_constructions_reject_bad_tokens(kernel):
 
 def test_wrapped_pairs_through_the_engine(kernel):
     """The engine on the constructed pairs: the lower end has no tail mismatch at all."""
-    from kvdiverge.engine.core.pairs import TableKernelPair
     from kvdiverge.engine.core.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
 
     T, W = 4, 1
     pair = TableKernelPair(kernel, 3)
@@ -104,8 +109,8 @@ def test_wrapped_pairs_through_the_engine(kernel):
 @pytest.mark.parametrize("end,kw", [("lower", {"token": 2}), ("upper", {"tokens": (2, 0)})])
 def test_construction_around_any_incremental_pair(kernel, end, kw):
     """ConstructedPair (for LLM pairs too) draws exactly what the function construction draws."""
-    from kvdiverge.engine.core.pairs import TableKernelPair
     from kvdiverge.engine.core.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
 
     T, W = 5, 1
     pair = TableKernelPair(kernel, 3)

@@ -36,8 +36,14 @@ MAX_LINES = 60
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` on the package under ``root/src`` with ``root/pyproject.toml``'s contracts."""
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def contracts() -> list[dict]:
@@ -62,9 +68,11 @@ def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
     res = lint_imports(tmp_path)
     assert res.returncode != 0
     broken = {line.removesuffix(" BROKEN") for line in res.stdout.splitlines() if line.endswith(" BROKEN")}
-    assert broken == {"No import cycles between modules or subpackages",
-                      "The engine's parts: runner > LLM cache machinery > presses > coupling core",
-                      "Estimation runs without torch, the model libraries or the engine"}, res.stdout[-3000:]
+    assert broken == {
+        "No import cycles between modules or subpackages",
+        "The engine's parts: runner > LLM cache machinery > presses > coupling core",
+        "Estimation runs without torch, the model libraries or the engine",
+    }, res.stdout[-3000:]
     assert "kvdiverge.estimation.tables -> torch" in res.stdout
     assert "No cycles are allowed in kvdiverge.engine." in res.stdout
     assert "- .core -> .runner (1 import)" in res.stdout
@@ -75,7 +83,7 @@ def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
 
 #: Runs the workflow's estimate, pool and gaps adapters (workflow/scripts) with a stand-in
 #: ``snakemake`` object, then reports which model or engine modules were imported.
-STAGE_SCRIPT = r'''
+STAGE_SCRIPT = r"""
 import json, runpy, sys
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -105,7 +113,7 @@ heavy = sorted(m for m in sys.modules
                if m.split(".")[0] in {"torch", "transformers", "kvpress", "accelerate"}
                or m.startswith(("kvdiverge.engine", "kvdiverge.reference", "kvdiverge.report")))
 print(json.dumps(heavy))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +130,12 @@ def synthetic_shards(tmp_path_factory, kernel):
         settings = {"policy": policy, "T": 5, "R": 4}
         paths = []
         for shard in range(2):
-            frame = pl.concat([simulate(TableKernelPair(kernel, 3), 5, 4, seed=10 * k + shard, doc_id=f"d{shard}{i}")
-                               for i in range(2)])
+            frame = pl.concat(
+                [
+                    simulate(TableKernelPair(kernel, 3), 5, 4, seed=10 * k + shard, doc_id=f"d{shard}{i}")
+                    for i in range(2)
+                ]
+            )
             frame = frame.with_columns(policy=pl.lit(policy), split=pl.lit("exploratory"))
             path = work / "shards" / policy / f"shard-{shard}.parquet"
             meta = shard_metadata(settings, model="synthetic", policy=policy, split="exploratory", shard=shard)
@@ -139,8 +151,9 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
     script = work / "stage.py"
     script.write_text(STAGE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    res = subprocess.run([sys.executable, str(script), str(REPO), str(work)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(script), str(REPO), str(work)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []
 
@@ -166,6 +179,7 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
 
 # --------------------------------------------------------------------------- function length (every module of the package)
 
+
 def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines from ``def`` to the function's last line, its docstring not counted."""
     lines = node.end_lineno - node.lineno + 1
@@ -178,8 +192,11 @@ def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def long_functions(path: Path, limit: int = MAX_LINES) -> list[str]:
     """``name (lines)`` of every function or method in ``path`` longer than ``limit`` lines."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [f"{node.name} ({code_lines(node)} lines)" for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(node) > limit]
+    return [
+        f"{node.name} ({code_lines(node)} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(node) > limit
+    ]
 
 
 def test_long_functions_are_found(tmp_path):
@@ -196,8 +213,17 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 
 def test_every_module_of_the_package_is_checked():
     names = {str(p.relative_to(PACKAGE)) for p in MODULES}
-    assert {"cli.py", "measurement.py", "engine/runner.py", "engine/core/coupled.py", "engine/llm/llm_pair.py",
-            "estimation/estimators.py", "study/config.py", "report/formatting.py", "reference/exact.py"} <= names
+    assert {
+        "cli.py",
+        "measurement.py",
+        "engine/runner.py",
+        "engine/core/coupled.py",
+        "engine/llm/llm_pair.py",
+        "estimation/estimators.py",
+        "study/config.py",
+        "report/formatting.py",
+        "reference/exact.py",
+    } <= names
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))

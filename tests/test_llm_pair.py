@@ -9,13 +9,13 @@ import torch
 from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
 from transformers import DynamicCache
 
+from kvdiverge.engine.core.coupled import run_document
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.prefill import prefill
-from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.engine.core.coupled import run_document
 from kvdiverge.study.shard import run_shard
 
 pytestmark = pytest.mark.llm
@@ -41,8 +41,12 @@ def speech(name: str, chars: int) -> str:
 
 @pytest.fixture(scope="module")
 def prompt(tokenizer) -> list[int]:
-    messages = [{"role": "user", "content": speech("1790-Washington-1", 1600)
-                 + "\n\nSummarize the document above in three sentences."}]
+    messages = [
+        {
+            "role": "user",
+            "content": speech("1790-Washington-1", 1600) + "\n\nSummarize the document above in three sentences.",
+        }
+    ]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
@@ -54,7 +58,7 @@ def greedy_generate(model, ids, press=None) -> list[int]:
         else:
             with press(model):
                 out = model.generate(x, max_new_tokens=T, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def coupled_greedy(model, ids, press, expected_kept, replicates=2, hook=None):
@@ -72,9 +76,11 @@ def coupled_greedy(model, ids, press, expected_kept, replicates=2, hook=None):
     return ref, ev, pair
 
 
-@pytest.mark.parametrize("press", [SnapKVPress(compression_ratio=0.5, window_size=32),
-                                   StreamingLLMPress(compression_ratio=0.5, n_sink=4)],
-                         ids=["snapkv-50", "recent-50"])
+@pytest.mark.parametrize(
+    "press",
+    [SnapKVPress(compression_ratio=0.5, window_size=32), StreamingLLMPress(compression_ratio=0.5, n_sink=4)],
+    ids=["snapkv-50", "recent-50"],
+)
 def test_greedy_coupled_run_equals_model_generate(model, prompt, press):
     n = len(prompt)
     ref, ev, pair = coupled_greedy(model, prompt, press, expected_kept=int(n * 0.5))
@@ -86,9 +92,14 @@ def test_greedy_coupled_run_equals_model_generate(model, prompt, press):
     assert want_ref != want_ev  # the eviction matters on this prompt, so the test can fail
 
 
-@pytest.mark.parametrize("press", [AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=32)),
-                                   PyramidKVPress(compression_ratio=0.5, window_size=32)],
-                         ids=["adakv-snapkv-50", "pyramidkv-50"])
+@pytest.mark.parametrize(
+    "press",
+    [
+        AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=32)),
+        PyramidKVPress(compression_ratio=0.5, window_size=32),
+    ],
+    ids=["adakv-snapkv-50", "pyramidkv-50"],
+)
 def test_headwise_and_per_layer_presses_equal_kvpress_generate(model, prompt, press):
     """The reference side is plain ``generate``; the evicted side is kvpress's own
     ``generate`` under the press (on a twin, so the press never touches ``model``)."""
@@ -131,7 +142,7 @@ def test_wrong_positions_break_the_equality(model, prompt):
         def wrong_start(n_rows):
             out = start(n_rows)
             first = pair._sides.side.prompt_len.clone()  # reference rows, then evicted rows
-            first[first.numel() // 2:] = pair.kept_lens[0]
+            first[first.numel() // 2 :] = pair.kept_lens[0]
             pair._sides.side.prompt_len = first
             return out
 
@@ -167,8 +178,9 @@ def test_silently_skipped_compression_is_caught(model, prompt):
         def compress(self, module, hidden_states, keys, values, attentions, kwargs):
             return keys, values
 
-    pair = LLMKernelPair(model, prompt, NoOpSnapKV(compression_ratio=0.5), temperature=0.7,
-                         expected_kept=len(prompt) // 2)
+    pair = LLMKernelPair(
+        model, prompt, NoOpSnapKV(compression_ratio=0.5), temperature=0.7, expected_kept=len(prompt) // 2
+    )
     with pytest.raises(CompressionError, match="promises"):
         pair.start(2)
 
@@ -177,33 +189,82 @@ def test_silently_skipped_compression_is_caught(model, prompt):
 def shard_setup(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("shards")
     rows = []
-    for i, (name, split) in enumerate([("1801-Jefferson-1", "exploratory"), ("1802-Jefferson-1", "exploratory"),
-                                        ("1803-Jefferson-1", "exploratory"), ("1804-Jefferson-1", "confirmatory")]):
+    for i, (name, split) in enumerate(
+        [
+            ("1801-Jefferson-1", "exploratory"),
+            ("1802-Jefferson-1", "exploratory"),
+            ("1803-Jefferson-1", "exploratory"),
+            ("1804-Jefferson-1", "confirmatory"),
+        ]
+    ):
         messages = [{"role": "user", "content": speech(name, 900) + "\n\nSummarize."}]
         ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-        rows.append({"doc_id": f"doc-{i}", "split": split, "n_prompt_tokens": len(ids), "input_ids": ids,
-                     "exclusion_reason": None})
-    rows.append({"doc_id": "doc-9", "split": "exploratory", "n_prompt_tokens": 5, "input_ids": [1, 2, 3, 4, 5],
-                 "exclusion_reason": "too short"})
+        rows.append(
+            {
+                "doc_id": f"doc-{i}",
+                "split": split,
+                "n_prompt_tokens": len(ids),
+                "input_ids": ids,
+                "exclusion_reason": None,
+            }
+        )
+    rows.append(
+        {
+            "doc_id": "doc-9",
+            "split": "exploratory",
+            "n_prompt_tokens": 5,
+            "input_ids": [1, 2, 3, 4, 5],
+            "exclusion_reason": "too short",
+        }
+    )
     prompts = root / "prompts.parquet"
-    pl.DataFrame(rows, schema={"doc_id": pl.String, "split": pl.String, "n_prompt_tokens": pl.Int32,
-                               "input_ids": pl.List(pl.Int32), "exclusion_reason": pl.String}).write_parquet(prompts)
+    pl.DataFrame(
+        rows,
+        schema={
+            "doc_id": pl.String,
+            "split": pl.String,
+            "n_prompt_tokens": pl.Int32,
+            "input_ids": pl.List(pl.Int32),
+            "exclusion_reason": pl.String,
+        },
+    ).write_parquet(prompts)
     # one document per forward: only then do shards equal the whole run bit for bit (batched
     # documents share rounding with their batch; test_batching checks that case)
-    config = {"seed": 3, "shards": 2, "replicates": 2, "generation": {"batch_documents": 1},
-              "decoding": {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 5},
-              "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16},
-                           "none": {"press": "SnapKVPress", "compression_ratio": 0.0}},
-              "runs": {"exploratory": ["snapkv-50"], "confirmatory": [],
-                       "control": {"policy": "none", "split": "exploratory", "documents": 1}}}
+    config = {
+        "seed": 3,
+        "shards": 2,
+        "replicates": 2,
+        "generation": {"batch_documents": 1},
+        "decoding": {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 5},
+        "policies": {
+            "snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16},
+            "none": {"press": "SnapKVPress", "compression_ratio": 0.0},
+        },
+        "runs": {
+            "exploratory": ["snapkv-50"],
+            "confirmatory": [],
+            "control": {"policy": "none", "split": "exploratory", "documents": 1},
+        },
+    }
     return root, prompts, config
 
 
 def test_shards_are_reproducible_and_partition_the_documents(model, shard_setup):
     root, prompts, config = shard_setup
-    run = lambda cfg, shard, name: run_shard(cfg, "m", "snapkv-50", "exploratory", shard, prompts,  # noqa: E731
-                                             root / name, model=model).drop("seconds")
-    b1 = run(config, 1, "b1.parquet")   # shard 1 first, then shard 0
+
+    def run(cfg, shard, name):
+        return run_shard(
+            cfg,
+            "m",
+            "snapkv-50",
+            "exploratory",
+            shard,
+            prompts,
+            root / name,
+            model=model,
+        ).drop("seconds")
+
+    b1 = run(config, 1, "b1.parquet")  # shard 1 first, then shard 0
     a0 = run(config, 0, "a0.parquet")
     again = run(config, 0, "a0-again.parquet")
     assert a0.equals(again)

@@ -28,18 +28,16 @@ from types import SimpleNamespace
 import numpy as np
 import polars as pl
 import pytest
-from polars.testing import assert_frame_equal
-
 from conftest import run_main
+from polars.testing import assert_frame_equal
 
 from kvdiverge import cli
 from kvdiverge.cli import UsageError, main, model_entry, read_prompts
 from kvdiverge.engine.core.errors import PressError, PressExpressionError
 from kvdiverge.engine.presses.expressions import parse_press, parse_value, press_spec
-from kvdiverge.engine.presses.policies import press_from_spec
-from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
-from kvdiverge.engine.presses.policies import Policy, PressPolicy
+from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_spec
 from kvdiverge.engine.runner import Document
+from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -97,8 +95,9 @@ def run_cli(args: list[str], cwd: Path, extra_path: Path | None = None) -> subpr
     """``python -m kvdiverge.cli`` with this tree's sources first on the path."""
     path = [str(REPO / "src")] + ([str(extra_path)] if extra_path else []) + [os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), **ONE_THREAD}
-    return subprocess.run([PYTHON, "-m", "kvdiverge.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=1800)
+    return subprocess.run(
+        [PYTHON, "-m", "kvdiverge.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=1800
+    )
 
 
 # --------------------------------------------------------------------------- no model
@@ -116,7 +115,9 @@ def test_parse_value_types():
 def test_parse_press_names_classes_and_parameters():
     assert parse_press("SnapKVPress") == ("SnapKVPress", {})
     assert parse_press("SnapKVPress:compression_ratio=0.5,window_size=16") == (
-        "SnapKVPress", {"compression_ratio": 0.5, "window_size": 16})
+        "SnapKVPress",
+        {"compression_ratio": 0.5, "window_size": 16},
+    )
     assert parse_press("mypkg.presses:MyPress") == ("mypkg.presses:MyPress", {})
     assert parse_press("mypkg:MyPress:k=2,flag=true") == ("mypkg:MyPress", {"k": 2, "flag": True})
     with pytest.raises(PressExpressionError, match="not name=value"):
@@ -173,11 +174,18 @@ def test_model_entry_kinds(tmp_path):
     name, spec = model_entry("embedded", "bfloat16", "cpu")
     assert name == "smollm2-135m" and spec["source"] == "gguf_package" and spec["dtype"] == "bfloat16"
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert model_entry(str(tmp_path / "m.gguf"))[1] == {"source": "local", "path": str(tmp_path),
-                                                         "gguf_file": "m.gguf", "dtype": "float32", "device": "cpu"}
+    assert model_entry(str(tmp_path / "m.gguf"))[1] == {
+        "source": "local",
+        "path": str(tmp_path),
+        "gguf_file": "m.gguf",
+        "dtype": "float32",
+        "device": "cpu",
+    }
     assert model_entry(str(tmp_path))[1]["source"] == "local"
-    assert model_entry("Qwen/Qwen2.5-7B-Instruct") == ("Qwen/Qwen2.5-7B-Instruct", {
-        "source": "hub", "id": "Qwen/Qwen2.5-7B-Instruct", "dtype": "float32", "device": "cpu"})
+    assert model_entry("Qwen/Qwen2.5-7B-Instruct") == (
+        "Qwen/Qwen2.5-7B-Instruct",
+        {"source": "hub", "id": "Qwen/Qwen2.5-7B-Instruct", "dtype": "float32", "device": "cpu"},
+    )
     with pytest.raises(UsageError, match="model not found"):
         model_entry(str(tmp_path / "nowhere" / "model"))
     (tmp_path / "w.bin").write_bytes(b"x")
@@ -196,11 +204,15 @@ def test_embedded_model_is_the_default_configs_model():
 
 def test_prepare_presses_names_and_kinds(user_presses):
     from kvpress import KnormPress, SnapKVPress
-
     from mypresses import KeepAllPress
 
-    s = prepare_presses({"snap": SnapKVPress(compression_ratio=0.5), "own": KeepAllPress(),
-                         "b64": {"press": "SnapKVPress", "budget": 64, "window_size": 8}})
+    s = prepare_presses(
+        {
+            "snap": SnapKVPress(compression_ratio=0.5),
+            "own": KeepAllPress(),
+            "b64": {"press": "SnapKVPress", "budget": 64, "window_size": 8},
+        }
+    )
     assert isinstance(s["snap"], PressPolicy) and isinstance(s["own"], PressPolicy)
     assert isinstance(s["b64"], Policy) and s["b64"].budget == 64
     auto = prepare_presses([KnormPress(0.5), KnormPress(0.25)])
@@ -226,11 +238,16 @@ def test_press_policy_minimum_and_kept():
     assert PressPolicy("k", KnormPress(0.0)).expected_kept(40, KnormPress(0.0)) == 40
     wrapped = PressPolicy("a", AdaKVPress(StreamingLLMPress(0.5, n_sink=4)))
     promise = wrapped.expected_kept(40, wrapped.press)  # head-wise: 20 per head on average, per layer
-    assert wrapped.min_prompt_tokens == 5 and promise.scope == "layer" and promise.counts(SimpleNamespace(num_hidden_layers=2)) == (20, 20)
+    assert (
+        wrapped.min_prompt_tokens == 5
+        and promise.scope == "layer"
+        and promise.counts(SimpleNamespace(num_hidden_layers=2)) == (20, 20)
+    )
     # the same kept count as the config's policy for the same ratio
     policy = Policy.from_config("p", {"press": "SnapKVPress", "compression_ratio": 0.3, "window_size": 16})
-    assert all(snap.expected_kept(n, SnapKVPress(compression_ratio=0.3)) == policy.kept_tokens(n)
-               for n in range(17, 400))
+    assert all(
+        snap.expected_kept(n, SnapKVPress(compression_ratio=0.3)) == policy.kept_tokens(n) for n in range(17, 400)
+    )
 
 
 def test_prepare_documents_ids_and_errors():
@@ -244,8 +261,9 @@ def test_prepare_documents_ids_and_errors():
     with pytest.raises(TypeError, match="token ids"):
         prepare_documents([[1.5, 2.0]])
     with pytest.raises(ValueError, match="press 'snap' needs at least 17"):
-        check_lengths(docs, prepare_presses({"snap": {"press": "SnapKVPress", "compression_ratio": 0.5,
-                                                       "window_size": 16}}), 4)
+        check_lengths(
+            docs, prepare_presses({"snap": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}}), 4
+        )
     with pytest.raises(ValueError, match="exceed the model context of 6 tokens"):
         check_lengths(docs, {}, 4, context=6)
 
@@ -255,9 +273,18 @@ def test_console_script_entry_and_light_import():
     assert scripts == {"kvdiverge": "kvdiverge.cli:main"}
     assert cli.main is main
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([PYTHON, "-c", "import sys, kvdiverge; print('torch' in sys.modules, 'polars' in sys.modules);"
-                          "import kvdiverge.measurement; print(callable(kvdiverge.measure))"],
-                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [
+            PYTHON,
+            "-c",
+            "import sys, kvdiverge; print('torch' in sys.modules, 'polars' in sys.modules);"
+            "import kvdiverge.measurement; print(callable(kvdiverge.measure))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out == ["False", "False", "True"]
 
 
@@ -273,10 +300,16 @@ def test_cli_cache_entries():
 
     got = cli_entries(["KnormPress:compression_ratio=0.5"], ["quanto:nbits=2,residual_length=16"], None, 0.0)
     q = {"cache": "quantized", "backend": "quanto", "nbits": 2, "residual_length": 16}
-    assert got == {"KnormPress:compression_ratio=0.5": {"press": "KnormPress", "params": {}, "compression_ratio": 0.5},
-                   "quanto:nbits=2,residual_length=16": q,
-                   "KnormPress:compression_ratio=0.5+quanto:nbits=2,residual_length=16":
-                       {"press": "KnormPress", "params": {}, "compression_ratio": 0.5, **q}}
+    assert got == {
+        "KnormPress:compression_ratio=0.5": {"press": "KnormPress", "params": {}, "compression_ratio": 0.5},
+        "quanto:nbits=2,residual_length=16": q,
+        "KnormPress:compression_ratio=0.5+quanto:nbits=2,residual_length=16": {
+            "press": "KnormPress",
+            "params": {},
+            "compression_ratio": 0.5,
+            **q,
+        },
+    }
 
 
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
@@ -286,20 +319,29 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     cases = [
         (base + ["--press", "SnapPress:compression_ratio=0.5"], "unknown press 'SnapPress'"),
         (base + ["--press", "SnapKVPress:ratio=0.5"], "SnapKVPress has no parameter(s) ['ratio']"),
-        (["measure", "embedded", "--prompts", str(tmp_path / "none.txt"), "--press", "KnormPress"],
-         "prompts file not found"),
+        (
+            ["measure", "embedded", "--prompts", str(tmp_path / "none.txt"), "--press", "KnormPress"],
+            "prompts file not found",
+        ),
         (base + ["--press", "KnormPress", "--field", "question"], "line 1 has no field 'question'"),
-        (["measure", str(tmp_path / "no" / "model"), "--prompts", str(prompts), "--press", "KnormPress"],
-         "model not found"),
-        (base + ["--press", "KnormPress", "-T", "0"], "-T/--max-new-tokens: 0 is not allowed; allowed: an integer >= 1"),
+        (
+            ["measure", str(tmp_path / "no" / "model"), "--prompts", str(prompts), "--press", "KnormPress"],
+            "model not found",
+        ),
+        (
+            base + ["--press", "KnormPress", "-T", "0"],
+            "-T/--max-new-tokens: 0 is not allowed; allowed: an integer >= 1",
+        ),
         (["measure", "embedded", "--press", "KnormPress"], "one of the arguments --prompts --sotu is required"),
         (base, "give at least one --press or --cache"),
         (base + ["--cache", "gptq:nbits=4"], "--cache 'gptq:nbits=4': the backend must be one of ['hqq', 'quanto']"),
         (base + ["--cache", "quanto:bits=4"], "unknown parameter 'bits'; allowed: nbits, q_group_size"),
         (base + ["--cache", "quanto:nbits=3"], "nbits must be one of [2, 4] for backend 'quanto', got 3"),
         # --cache with --ratios adds the cache's frontier points; --cache-ratios needs both
-        (base + ["--press", "KnormPress", "--cache", "quanto", "--cache-ratios", "0.5"],
-         "--cache-ratios needs --ratios and at least one --cache"),
+        (
+            base + ["--press", "KnormPress", "--cache", "quanto", "--cache-ratios", "0.5"],
+            "--cache-ratios needs --ratios and at least one --cache",
+        ),
     ]
     for argv, message in cases:
         try:
@@ -322,11 +364,32 @@ def cli_run(tmp_path_factory, user_presses, embedded_dir):
     work = tmp_path_factory.mktemp("cli")
     (work / "prompts.txt").write_text(
         "Describe the water cycle in four sentences for a science class of twelve-year-olds.\n"
-        "List three reasons why bridges are built with expansion joints, and explain each briefly.\n")
+        "List three reasons why bridges are built with expansion joints, and explain each briefly.\n"
+    )
     start = time.perf_counter()
-    res = run_main(["measure", "embedded", "--prompts", "prompts.txt", "-T", "4", "-R", "2", "--seed", "7",
-                    "--bootstrap", "200", "--press", "SnapKVPress:compression_ratio=0.5,window_size=8",
-                    "--press", "mypresses:KeepAllPress", "--out", "out"], work)
+    res = run_main(
+        [
+            "measure",
+            "embedded",
+            "--prompts",
+            "prompts.txt",
+            "-T",
+            "4",
+            "-R",
+            "2",
+            "--seed",
+            "7",
+            "--bootstrap",
+            "200",
+            "--press",
+            "SnapKVPress:compression_ratio=0.5,window_size=8",
+            "--press",
+            "mypresses:KeepAllPress",
+            "--out",
+            "out",
+        ],
+        work,
+    )
     seconds = time.perf_counter() - start
     print(f"\n[measure] kvdiverge measure embedded, 2 prompts, T=4, R=2, 2 presses: {seconds:.1f} s")
     return work, res
@@ -365,15 +428,23 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
     assert (out / "survival.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "survival.pdf").read_bytes()[:4] == b"%PDF"
     settings = json.loads((out / "measure.json").read_text())
-    assert settings["T"] == 4 and settings["R"] == 2 and settings["seed"] == 7 and list(settings["presses"]) == [snap, own]
+    assert (
+        settings["T"] == 4 and settings["R"] == 2 and settings["seed"] == 7 and list(settings["presses"]) == [snap, own]
+    )
     # the printed summary: one row per press, the decomposition, the untouched flag, the absent floor
     assert "E[M] [CI]" in res.stdout and "= p_div/T" in res.stdout and "+ (E[L]/T)*rho" in res.stdout
     assert re.search(r"mypresses:KeepAllPress\s+2\s+100%\*", res.stdout)
-    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): mypresses:KeepAllPress" in res.stdout
+    assert (
+        "left the cache untouched (TV 0 at every step: the same kernel as the full cache): mypresses:KeepAllPress"
+        in res.stdout
+    )
     assert "noise floor: not measured" in res.stdout
     # the self-speculative line: the untouched cache accepts all 4 drafted tokens, 5 per forward
-    assert re.search(r"self-speculative first block \(k=4.*mypresses:KeepAllPress 5\.00 \[5\.00, 5\.00\] "
-                     r"\(iid 5\.00\)", res.stdout)
+    assert re.search(
+        r"self-speculative first block \(k=4.*mypresses:KeepAllPress 5\.00 \[5\.00, 5\.00\] "
+        r"\(iid 5\.00\)",
+        res.stdout,
+    )
     spec = pl.read_parquet(out / "speculative.parquet")
     assert spec.height == 2 * 4 and spec.filter(pl.col("policy") == own)["A"].to_list() == [1.0, 2.0, 3.0, 4.0]
     assert "step/s" in res.stderr or "it/s" in res.stderr  # progress bars
@@ -382,12 +453,28 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
 @pytest.mark.llm
 def test_cli_prompt_shorter_than_press_needs_exits_2(tmp_path, embedded_cached):
     (tmp_path / "p.txt").write_text("Hi.\n")
-    res = run_main(["measure", "embedded", "--prompts", "p.txt", "-T", "4", "-R", "2",
-                    "--press", "SnapKVPress:compression_ratio=0.5,window_size=500"], tmp_path)
+    res = run_main(
+        [
+            "measure",
+            "embedded",
+            "--prompts",
+            "p.txt",
+            "-T",
+            "4",
+            "-R",
+            "2",
+            "--press",
+            "SnapKVPress:compression_ratio=0.5,window_size=500",
+        ],
+        tmp_path,
+    )
     assert res.returncode == 2
     line = _error_line(res.stderr)
-    assert re.fullmatch(r"kvdiverge measure: error: prompt 'prompt-0' has \d+ tokens; press "
-                        r"'SnapKVPress:compression_ratio=0.5,window_size=500' needs at least 501", line), line
+    assert re.fullmatch(
+        r"kvdiverge measure: error: prompt 'prompt-0' has \d+ tokens; press "
+        r"'SnapKVPress:compression_ratio=0.5,window_size=500' needs at least 501",
+        line,
+    ), line
 
 
 def test_the_command_as_a_process_exits_2_with_one_line(tmp_path):
@@ -397,10 +484,11 @@ def test_the_command_as_a_process_exits_2_with_one_line(tmp_path):
     if shutil.which("kvdiverge") is None:  # the console script needs `pip install -e .` (make setup)
         res = run_cli(args, tmp_path)
     else:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                          os.environ.get("PYTHONPATH")]))}
-        res = subprocess.run(["kvdiverge", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=600)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+        }
+        res = subprocess.run(["kvdiverge", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and res.stdout == ""
     assert _error_line(res.stderr).startswith("kvdiverge measure: error: prompts file not found"), res.stderr
 
@@ -418,7 +506,8 @@ def smoke(smoke_run):
     name = next(iter(config["models"]))
     model, tokenizer = load_model(local_entry(config["models"][name], smoke_run / "models" / name), name)
     prompts = pl.read_parquet(smoke_run / "prompts" / f"{name}.parquet").filter(
-        (pl.col("split") == "exploratory") & pl.col("exclusion_reason").is_null())
+        (pl.col("split") == "exploratory") & pl.col("exclusion_reason").is_null()
+    )
     return config, name, model, tokenizer, prompts
 
 
@@ -444,29 +533,48 @@ def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
     policies = config["runs"]["exploratory"]
     # one thread (fixture), as the workflow's trajectory jobs (threads: 1): the same float rounding
     m = kvdiverge.measure(
-        model, None, {r["doc_id"]: r["input_ids"] for r in prompts.iter_rows(named=True)},
+        model,
+        None,
+        {r["doc_id"]: r["input_ids"] for r in prompts.iter_rows(named=True)},
         {p: config["policies"][p] for p in policies},
-        max_new_tokens=config["decoding"]["max_new_tokens"], replicates=config["replicates"],
-        temperature=config["decoding"]["temperature"], top_p=config["decoding"]["top_p"], seed=config["seed"],
-        window=config["window"], windows={k: config["confirmatory"][k] for k in ("early", "late")},
-        bootstrap=config["analysis"]["bootstrap"], confidence=config["analysis"]["confidence"],
-        model_name=name, split="exploratory", progress=False,
-        batch_documents=1)  # as the smoke run's shards, which hold one document each
+        max_new_tokens=config["decoding"]["max_new_tokens"],
+        replicates=config["replicates"],
+        temperature=config["decoding"]["temperature"],
+        top_p=config["decoding"]["top_p"],
+        seed=config["seed"],
+        window=config["window"],
+        windows={k: config["confirmatory"][k] for k in ("early", "late")},
+        bootstrap=config["analysis"]["bootstrap"],
+        confidence=config["analysis"]["confidence"],
+        model_name=name,
+        split="exploratory",
+        progress=False,
+        batch_documents=1,
+    )  # as the smoke run's shards, which hold one document each
     run = ["model", "policy", "split", "doc_id"]
-    shards = pl.concat([pl.read_parquet(f) for p in policies
-                        for f in glob.glob(str(smoke_run / "trajectories" / name / p / "exploratory" / "*.parquet"))])
+    shards = pl.concat(
+        [
+            pl.read_parquet(f)
+            for p in policies
+            for f in glob.glob(str(smoke_run / "trajectories" / name / p / "exploratory" / "*.parquet"))
+        ]
+    )
     _same(m.trajectories, shards, run + ["replicate"], "trajectories")
     for p in policies:
         est = smoke_run / "estimates" / name / p
         _same(m.documents.filter(pl.col("policy") == p), pl.read_parquet(est / "exploratory.parquet"), run, p)
-        _same(m.replicates.filter(pl.col("policy") == p), pl.read_parquet(est / "exploratory.replicates.parquet"),
-              run + ["replicate"], p + " replicates")
+        _same(
+            m.replicates.filter(pl.col("policy") == p),
+            pl.read_parquet(est / "exploratory.replicates.parquet"),
+            run + ["replicate"],
+            p + " replicates",
+        )
     ours_runs = (pl.col("split") == "exploratory") & pl.col("policy").is_in(policies)
     for table in ("pooled", "timing", "survival", "branch_tv", "variance"):
         theirs = pl.read_parquet(smoke_run / "analysis" / f"{table}.parquet").filter(ours_runs)
         ours = getattr(m, table)
         _same(ours, theirs, [c for c in ("model", "policy", "split", "t", "lag") if c in ours.columns], table)
-    (a, b), = config["analysis"]["gaps"]
+    ((a, b),) = config["analysis"]["gaps"]
     _same(m.gap(a, b), pl.read_parquet(smoke_run / "analysis" / "gaps.parquet"), ["term"], "gaps")
 
 
@@ -474,19 +582,32 @@ def test_measure_gives_the_workflows_tables(smoke_run, smoke, one_torch_thread):
 def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_presses, tmp_path, one_torch_thread):
     import matplotlib.pyplot as plt
     from kvpress import SnapKVPress
+    from mypresses import KeepAllPress, RecentPress
 
     import kvdiverge
     from kvdiverge.engine.core.errors import CompressionError
-    from mypresses import KeepAllPress, RecentPress
 
     config, name, model, tokenizer, prompts = smoke
     ids = {r["doc_id"]: r["input_ids"] for r in prompts.head(1).iter_rows(named=True)}
-    presses = {"recent-30": RecentPress(compression_ratio=0.3), "keep-all": KeepAllPress(),
-               "snapkv": SnapKVPress(compression_ratio=0.5, window_size=16),
-               "noise-floor": {"press": "SnapKVPress", "compression_ratio": 0.0}}
+    presses = {
+        "recent-30": RecentPress(compression_ratio=0.3),
+        "keep-all": KeepAllPress(),
+        "snapkv": SnapKVPress(compression_ratio=0.5, window_size=16),
+        "noise-floor": {"press": "SnapKVPress", "compression_ratio": 0.0},
+    }
     with pytest.warns(UserWarning, match="press 'keep-all' left the cache untouched") as record:
-        m = kvdiverge.measure(model, tokenizer, ids, presses, max_new_tokens=4, replicates=2, seed=3,
-                              window=2, bootstrap=100, progress=False)
+        m = kvdiverge.measure(
+            model,
+            tokenizer,
+            ids,
+            presses,
+            max_new_tokens=4,
+            replicates=2,
+            seed=3,
+            window=2,
+            bootstrap=100,
+            progress=False,
+        )
     assert len(record) == 1  # the noise floor keeps every position by design: no warning
     n = next(iter(ids.values()))
     comp = {r["policy"]: r for r in m.compression.iter_rows(named=True)}
@@ -508,8 +629,9 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     # the identical cache accepts every drafted token: A_k = k, k + 1 tokens per target forward
     assert spec.filter(pl.col("policy") == "keep-all")["tokens_per_forward"].to_list() == [2.0, 3.0, 4.0, 5.0]
     snap = spec.filter(pl.col("policy") == "snapkv").sort("k")
-    assert snap["A"].to_numpy() == pytest.approx(np.cumsum(m.survival.filter(
-        (pl.col("policy") == "snapkv") & (pl.col("t") > 0)).sort("t")["S"].to_numpy()))
+    assert snap["A"].to_numpy() == pytest.approx(
+        np.cumsum(m.survival.filter((pl.col("policy") == "snapkv") & (pl.col("t") > 0)).sort("t")["S"].to_numpy())
+    )
     assert "self-speculative first block (k=4" in text and "keep-all 5.00 [5.00, 5.00] (iid 5.00)" in text
     assert m.gaps.height == 4 * 6  # every pair of 4 presses, 4 terms each
     with pytest.raises(ValueError, match="unknown press 'nope'"):
@@ -519,8 +641,14 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(presses)
     plt.close(fig)
     written = m.save(tmp_path / "out")
-    assert {p.name for p in written} >= {"trajectories.parquet", "summary.csv", "gaps.parquet", "measure.json",
-                                         "speculative.parquet", "speculative.csv"}
+    assert {p.name for p in written} >= {
+        "trajectories.parquet",
+        "summary.csv",
+        "gaps.parquet",
+        "measure.json",
+        "speculative.parquet",
+        "speculative.csv",
+    }
     assert m.plot_survival(tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")
     # a press that promises compression and keeps everything stops the run
     from dataclasses import dataclass
@@ -530,8 +658,9 @@ def test_measure_user_presses_compression_check_and_noise_floor(smoke, user_pres
         compression_ratio: float = 0.5
 
     with pytest.raises(CompressionError, match="left the cache at the full"):
-        kvdiverge.measure(model, tokenizer, ids, {"lying": LyingPress()}, max_new_tokens=2, replicates=1,
-                          progress=False)
+        kvdiverge.measure(
+            model, tokenizer, ids, {"lying": LyingPress()}, max_new_tokens=2, replicates=1, progress=False
+        )
 
 
 # --------------------------------------------------------------------------- README examples

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdiverge.reference.miniatures import MINIATURE, random_model
-from kvdiverge.study.config import load_config
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+from kvdiverge.study.config import load_config
 
 pytestmark = pytest.mark.miniature
 
@@ -64,7 +64,7 @@ def greedy(model, ids, press=None, max_new_tokens=T) -> list[int]:
         else:
             with press(model):
                 out = model.generate(x, **kw)
-    return out[0, x.shape[1]:].tolist()
+    return out[0, x.shape[1] :].tolist()
 
 
 def run(model, docs, policy, temperature=0.0, top_p=1.0, eos_ids=None):
@@ -72,8 +72,19 @@ def run(model, docs, policy, temperature=0.0, top_p=1.0, eos_ids=None):
     kw = {}
     if "batch_documents" in inspect.signature(run_documents).parameters:
         kw["batch_documents"] = len(docs)
-    return run_documents(model, docs, policy, T=T, replicates=R, temperature=temperature, top_p=top_p,
-                         seed=3, model_name="mini", eos_ids=eos_ids, **kw)
+    return run_documents(
+        model,
+        docs,
+        policy,
+        T=T,
+        replicates=R,
+        temperature=temperature,
+        top_p=top_p,
+        seed=3,
+        model_name="mini",
+        eos_ids=eos_ids,
+        **kw,
+    )
 
 
 def sides(records, doc_id):
@@ -82,8 +93,12 @@ def sides(records, doc_id):
     assert len(recs) == R
     first = recs[0]
     for r in recs[1:]:  # greedy: every replicate is the same
-        assert (r["chain_token"], r["t_star"], r["branch_x"], r["branch_y"]) == \
-            (first["chain_token"], first["t_star"], first["branch_x"], first["branch_y"])
+        assert (r["chain_token"], r["t_star"], r["branch_x"], r["branch_y"]) == (
+            first["chain_token"],
+            first["t_star"],
+            first["branch_x"],
+            first["branch_y"],
+        )
     ts = first["t_star"]
     if ts is None:
         return first["chain_token"], first["chain_token"]
@@ -194,7 +209,7 @@ def test_eos_is_absorbing_and_matches_generate(mini):
             assert until_eos(ref, {stop}) == want_ref and until_eos(ev, {stop}) == want_ev
             for seq in (ref, ev):  # absorbing: only EOS after the first EOS
                 if stop in seq:
-                    assert set(seq[seq.index(stop):]) == {stop}
+                    assert set(seq[seq.index(stop) :]) == {stop}
         assert len(greedy(model, docs[0].input_ids)) == 3  # generate did stop at the EOS
     finally:
         model.generation_config.eos_token_id = old

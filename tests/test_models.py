@@ -43,6 +43,7 @@ def smol():
 
 # ---------------------------------------------------------------- missing models (no loading)
 
+
 def test_missing_gguf_file_says_where_it_looked():
     with pytest.raises(ModelNotFoundError) as info:
         resolve({**SMOL, "gguf_file": "nope.gguf"}, "smollm2-135m")
@@ -75,14 +76,14 @@ def test_missing_hub_model_offline_names_the_cache(tmp_path):
         "    print(e)\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "cannot load model 'no-such-org/no-such-model'" in out.stdout, out.stderr[-2000:]
     assert str(tmp_path / "hf") in out.stdout and "HF_HUB_OFFLINE=1" in out.stdout
     assert "models.big" in out.stdout and "source: local" in out.stdout
 
 
 # ---------------------------------------------------------------- the embedded model
+
 
 @pytest.mark.llm
 def test_model_loads_in_eval_mode(smol):
@@ -110,8 +111,7 @@ def test_chat_prompt_round_trips(smol):
     ids = render_ids(tok, doc, instruction)
     text = render_text(tok, doc, instruction)
     assert tok.decode(ids) == text
-    assert text.endswith("<|im_start|>user\n" + doc + "\n\n" + instruction
-                         + "<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith("<|im_start|>user\n" + doc + "\n\n" + instruction + "<|im_end|>\n<|im_start|>assistant\n")
     assert ids[0] == 1 and ids[1] != 1  # the template's <|im_start|>, no extra BOS before it
     # with a system message the template's default system prompt is replaced
     text_sys = render_text(tok, doc, instruction, system="Be brief.")
@@ -138,16 +138,17 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
     conf = prompts.filter(pl.col("split") == "confirmatory")
     assert expl["exclusion_reason"].null_count() == expl.height
     for n, reason in conf.select(["n_prompt_tokens", "exclusion_reason"]).iter_rows():
-        assert reason == (f"too short for policy snapkv-b4096: prompt of {n} tokens, "
-                          f"policy needs at least 4113")
+        assert reason == (f"too short for policy snapkv-b4096: prompt of {n} tokens, policy needs at least 4113")
     # a context too small for prompt + T excludes everything, saying so
     tiny = build_prompts(docs, tok, prompt_settings(config), context=100)
-    assert all(r.startswith("too long: prompt of ") and "model context of 100 tokens" in r
-               for r in tiny["exclusion_reason"])
+    assert all(
+        r.startswith("too long: prompt of ") and "model context of 100 tokens" in r for r in tiny["exclusion_reason"]
+    )
     # the token ids are the rendered template: the text round-trips
     first = docs.row(0, named=True)
     assert tok.decode(prompts["input_ids"][0].to_list()) == render_text(
-        tok, first["text"], config["prompt"]["instruction"])
+        tok, first["text"], config["prompt"]["instruction"]
+    )
 
 
 @pytest.mark.llm
@@ -178,13 +179,15 @@ def test_cached_hub_model_loads_without_network(tmp_path, monkeypatch):
     (tmp_path / "models--org--name" / "refs").mkdir()
     (tmp_path / "models--org--name" / "refs" / "main").write_text("abc")
     real = huggingface_hub.try_to_load_from_cache
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
-                        lambda repo, name, **kw: real(repo, name, cache_dir=tmp_path, **kw))
+    monkeypatch.setattr(
+        huggingface_hub, "try_to_load_from_cache", lambda repo, name, **kw: real(repo, name, cache_dir=tmp_path, **kw)
+    )
     assert resolve({"source": "hub", "id": "org/name"}) == ("org/name", {"local_files_only": True})
     assert resolve({"source": "hub", "id": "org/other"}) == ("org/other", {})
 
 
 # ---------------------------------------------------------------- the conversion cache (no loading)
+
 
 def _fake_gguf(tmp_path, content=b"GGUF weights") -> dict:
     (tmp_path / "m.gguf").write_bytes(content)

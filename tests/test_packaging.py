@@ -90,8 +90,7 @@ def test_makefile_installs_torch_first_and_the_model_without_deps():
 def test_ci_runs_the_readme_test_command_and_the_slurm_tests_only():
     ci = ROOT / ".ci" / "run"
     assert ci.stat().st_mode & 0o111
-    commands = [ln.strip() for ln in ci.read_text().splitlines()
-                if ln.strip() and not ln.lstrip().startswith("#")]
+    commands = [ln.strip() for ln in ci.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert commands[-1] == "make test-all" and "set -euo pipefail" in commands
     assert all(c.startswith(("set ", "cd ")) for c in commands[:-1])
     make = (ROOT / "Makefile").read_text()

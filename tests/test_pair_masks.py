@@ -14,9 +14,9 @@ from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.engine.llm.masks import check_patched
 from kvdiverge.engine.llm.prefill import attention_weights, prefill
+from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
 from kvdiverge.engine.presses.registry import kept_promise, shares_prefill
-from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 LAYERS, HEADS = 3, 2
@@ -127,12 +127,13 @@ def test_three_documents_in_one_batch_equal_each_alone(model, name):
     """Rows of three documents (R = 2), through row removal (in place) and rewinds."""
     docs = [prompt(n) for n in LENGTHS]
     press = PRESSES[name](0.5)
-    batch = LLMKernelPair.from_documents(model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs],
-                                         temperature=1.0)
+    batch = LLMKernelPair.from_documents(
+        model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs], temperature=1.0
+    )
     together = drive(batch, 6, script={2: drop_and_rewind})
     valid = batch._sides.valid(evicted=False)
     assert valid.shape[1] == max(LENGTHS) + 5  # the longest prompt's columns stay, masked
-    assert not valid[:, :max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
+    assert not valid[:, : max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
     for d, ids in enumerate(docs):
         alone = LLMKernelPair(model, ids, press, temperature=1.0)
         mine = [2 * d, 2 * d + 1]  # this document's rows in the batch, by original index
@@ -158,8 +159,9 @@ def test_headwise_masks_are_a_per_head_top_k_when_every_head_keeps_its_share(mod
     """AdaKV with alpha_safeguard = 1 keeps n_kept positions in every head: SnapKV's choice,
     masked in place instead of gathered, so the two evicted kernels agree to rounding."""
     ids = prompt(60)
-    ada = drive(LLMKernelPair(model, ids, kvpress.AdaKVPress(snap(), alpha_safeguard=1.0), temperature=1.0), 2,
-                script=SCRIPT)
+    ada = drive(
+        LLMKernelPair(model, ids, kvpress.AdaKVPress(snap(), alpha_safeguard=1.0), temperature=1.0), 2, script=SCRIPT
+    )
     plain = drive(LLMKernelPair(model, ids, snap(), temperature=1.0), 2, script=SCRIPT)
     unmasked = drive(LLMKernelPair(model, ids, None, temperature=1.0), 2, script=SCRIPT)
     for (_, aq), (_, sq), (_, uq) in zip(ada[1:], plain[1:], unmasked[1:]):
@@ -173,8 +175,10 @@ def test_kept_counts_follow_each_press_promise(model):
     cases = {
         "adakv": (kvpress.AdaKVPress(snap()), [30 * HEADS] * LAYERS),
         "pyramidkv": (kvpress.PyramidKVPress(0.5, window_size=8), None),
-        "per-layer": (kvpress.PerLayerCompressionPress(kvpress.KnormPress(), [0.2, 0.5, 0.7]),
-                      [48 * HEADS, 30 * HEADS, 18 * HEADS]),
+        "per-layer": (
+            kvpress.PerLayerCompressionPress(kvpress.KnormPress(), [0.2, 0.5, 0.7]),
+            [48 * HEADS, 30 * HEADS, 18 * HEADS],
+        ),
     }
     pyramid = kvpress.PyramidKVPress(0.5, window_size=8)
     budgets = [pyramid.get_layer_budget(m, n) for m in (model.model.layers[i].self_attn for i in range(LAYERS))]
@@ -224,12 +228,21 @@ def test_one_prefill_gives_the_plain_reference_cache_bit_for_bit(model, name):
 
 @pytest.mark.miniature
 def test_presses_with_their_own_forward_get_two_prefills(model):
-    own = sorted(n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
-                 and issubclass(getattr(kvpress, n), kvpress.BasePress)
-                 and not shares_prefill(getattr(kvpress, n).__new__(getattr(kvpress, n))))
+    own = sorted(
+        n
+        for n in kvpress.__all__
+        if isinstance(getattr(kvpress, n), type)
+        and issubclass(getattr(kvpress, n), kvpress.BasePress)
+        and not shares_prefill(getattr(kvpress, n).__new__(getattr(kvpress, n)))
+    )
     assert own == ["FastKVzipPress", "FinchPress", "KVComposePress", "KVgradPress", "KVzipPress", "RestoreKVPress"]
-    pair = LLMKernelPair(model, prompt(60), kvpress.KVComposePress(compression_ratio=0.5), temperature=1.0,
-                         expected_kept=kept_promise(kvpress.KVComposePress(compression_ratio=0.5), 60))
+    pair = LLMKernelPair(
+        model,
+        prompt(60),
+        kvpress.KVComposePress(compression_ratio=0.5),
+        temperature=1.0,
+        expected_kept=kept_promise(kvpress.KVComposePress(compression_ratio=0.5), 60),
+    )
     pair.start(1)
     assert pair.prefill_forwards == [2] and sum(pair.kept_per_layer[0]) >= 90 * HEADS
 
@@ -243,8 +256,7 @@ def test_supplied_attention_weights_are_eager_attentions(model):
     seen = {}
 
     def grab(module, args, kwargs, output):
-        seen["w"] = attention_weights(module, kwargs["hidden_states"],
-                                      kwargs["past_key_values"].layers[0].keys, kwargs)
+        seen["w"] = attention_weights(module, kwargs["hidden_states"], kwargs["past_key_values"].layers[0].keys, kwargs)
 
     handle = model.model.layers[0].self_attn.register_forward_hook(grab, with_kwargs=True)
     with torch.inference_mode():
@@ -265,6 +277,7 @@ def test_masks_need_a_patched_attention_implementation(model):
 
 def test_merge_caches_pads_values_with_their_own_head_dim():
     """Keys of head dim 8, values of head dim 4 (as in models whose value head dim differs)."""
+
     def cache(n, seed, layers=(None, None)):
         c = DynamicCache()
         g = torch.Generator().manual_seed(seed)
@@ -303,8 +316,9 @@ def test_the_evicted_side_is_kvpress_own_decoding(model, name):
             assert len({layer.keys.shape[2] for layer in cache.layers}) == LAYERS
         for step, (_, lq) in enumerate(steps[1:]):
             y = tokens(step, 1, 1)
-            logits = twin(input_ids=y[None], past_key_values=cache, use_cache=True,
-                          position_ids=torch.tensor([[60 + step]])).logits[:, -1]
+            logits = twin(
+                input_ids=y[None], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[60 + step]])
+            ).logits[:, -1]
             want = torch.log_softmax(logits.double(), -1)
             assert (lq - want).abs().max() < 1e-5, (name, step)
 
@@ -324,7 +338,9 @@ def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model
         assert cache.get_seq_length() == 30
         logits = model(input_ids=x[None], past_key_values=cache, position_ids=torch.tensor([[30]])).logits[0, -1]
     assert torch.allclose(q2[0], torch.log_softmax(logits.double(), -1), atol=1e-5)
-    assert pair._sides.prompt_len(evicted=True).tolist() == [30] and pair._sides.prompt_len(evicted=False).tolist() == [60]
+    assert pair._sides.prompt_len(evicted=True).tolist() == [30] and pair._sides.prompt_len(evicted=False).tolist() == [
+        60
+    ]
 
 
 @pytest.mark.miniature

@@ -77,8 +77,9 @@ def test_cache_columns_of_a_one_step_horizon_is_the_prompt():
 
 def _prompts(n_docs, lengths=(12, 15, 18)):
     gen = torch.Generator().manual_seed(5)
-    return {f"doc-{i}": torch.randint(1, 500, (lengths[i % len(lengths)],), generator=gen).tolist()
-            for i in range(n_docs)}
+    return {
+        f"doc-{i}": torch.randint(1, 500, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n_docs)
+    }
 
 
 @pytest.mark.miniature
@@ -87,8 +88,9 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
     import kvdiverge
 
     kv = kv_bytes_per_token(mini.config, torch.float32)
-    one_doc = planner.document_bytes(kv_bytes_per_token=kv, prompt_len=18, T=3, replicates=2,
-                                     vocab_size=mini.config.vocab_size)
+    one_doc = planner.document_bytes(
+        kv_bytes_per_token=kv, prompt_len=18, T=3, replicates=2, vocab_size=mini.config.vocab_size
+    )
     budgets = iter([3 * one_doc, one_doc, one_doc])  # free memory shrinks as blocks stay cached
     calls = []
 
@@ -105,10 +107,13 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
 
     monkeypatch.setattr(planner, "default_memory_budget", fake_budget)
     monkeypatch.setattr(coupled, "run_batch", counting)
-    presses = {"knorm": {"press": "KnormPress", "compression_ratio": 0.5},
-               "streaming": {"press": "StreamingLLMPress", "compression_ratio": 0.5}}
-    m = kvdiverge.measure(mini, None, _prompts(3), presses, max_new_tokens=3, replicates=2, seed=1,
-                          window=1, bootstrap=10, progress=False)
+    presses = {
+        "knorm": {"press": "KnormPress", "compression_ratio": 0.5},
+        "streaming": {"press": "StreamingLLMPress", "compression_ratio": 0.5},
+    }
+    m = kvdiverge.measure(
+        mini, None, _prompts(3), presses, max_new_tokens=3, replicates=2, seed=1, window=1, bootstrap=10, progress=False
+    )
     assert len(calls) == 1
     assert sizes == [3, 3]  # each press: the three documents in one batch
     assert m.batch_documents == 3
@@ -119,30 +124,47 @@ def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, o
     import kvdiverge
     from kvdiverge.study.provenance import library_versions
 
-    m = kvdiverge.measure(mini, None, _prompts(2), {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}},
-                          max_new_tokens=2, replicates=1, seed=1, window=1, bootstrap=10, progress=False,
-                          batch_documents=1)
+    m = kvdiverge.measure(
+        mini,
+        None,
+        _prompts(2),
+        {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}},
+        max_new_tokens=2,
+        replicates=1,
+        seed=1,
+        window=1,
+        bootstrap=10,
+        progress=False,
+        batch_documents=1,
+    )
     written = m.save(tmp_path)
     assert tmp_path / "provenance.json" in written
     prov = json.loads((tmp_path / "provenance.json").read_text())
-    assert prov == {"settings_hash": settings_hash(m.settings), "versions": library_versions(),
-                    "batch_documents": 1}
+    assert prov == {"settings_hash": settings_hash(m.settings), "versions": library_versions(), "batch_documents": 1}
     assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(json.dumps(m.settings, default=str))
 
 
 @pytest.mark.miniature
 def test_a_shard_records_the_b_it_ran_with_outside_its_settings(mini, tmp_path, one_thread):
     prompts = tmp_path / "prompts.parquet"
-    pl.DataFrame([{"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
-                  for d, ids in _prompts(3).items()],
-                 schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32),
-                         "exclusion_reason": pl.String}).write_parquet(prompts)
+    pl.DataFrame(
+        [
+            {"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
+            for d, ids in _prompts(3).items()
+        ],
+        schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32), "exclusion_reason": pl.String},
+    ).write_parquet(prompts)
     hashes = set()
     for b in (2, "auto"):
-        config = {"seed": 3, "shards": 1, "replicates": 2, "generation": {"batch_documents": b},
-                  "decoding": {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": 2},
-                  "policies": {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}},
-                  "runs": {"exploratory": ["knorm"]}}
+        config = {
+            "seed": 3,
+            "shards": 1,
+            "replicates": 2,
+            "generation": {"batch_documents": b},
+            "decoding": {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": 2},
+            "policies": {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}},
+            "runs": {"exploratory": ["knorm"]},
+        }
         out = tmp_path / f"b{b}" / "shard-0.parquet"
         out.parent.mkdir()
         run_shard(config, "mini", "knorm", "exploratory", 0, prompts, out, model=mini)
@@ -157,9 +179,15 @@ def _decode_time_plan(mini, prompts, T, R, budget_gb):
     """B the planner gives a decode-time policy (3R rows per document) at ``budget_gb``, and the
     B it would give a prefill policy (2R rows): the test budgets make them differ."""
     kv = kv_bytes_per_token(mini.config, torch.float32)
-    kwargs = dict(kv_bytes_per_token=kv, prompt_len=max(map(len, prompts.values())), T=T, replicates=R,
-                  vocab_size=mini.config.vocab_size, memory_budget_bytes=int(budget_gb * 2**30),
-                  documents=len(prompts))
+    kwargs = dict(
+        kv_bytes_per_token=kv,
+        prompt_len=max(map(len, prompts.values())),
+        T=T,
+        replicates=R,
+        vocab_size=mini.config.vocab_size,
+        memory_budget_bytes=int(budget_gb * 2**30),
+        documents=len(prompts),
+    )
     return plan_batch(decode_time=True, **kwargs), plan_batch(**kwargs)
 
 
@@ -171,24 +199,44 @@ def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini
 
     T, R, prompts = 2, 2, _prompts(3)
     kv = kv_bytes_per_token(mini.config, torch.float32)
-    two_r = planner.document_bytes(kv_bytes_per_token=kv, prompt_len=18, T=T, replicates=R,
-                                   vocab_size=mini.config.vocab_size)
+    two_r = planner.document_bytes(
+        kv_bytes_per_token=kv, prompt_len=18, T=T, replicates=R, vocab_size=mini.config.vocab_size
+    )
     budget_gb = 3 * two_r / 2**30  # three documents at 2R rows each, fewer at 3R
     want, prefill_plan = _decode_time_plan(mini, prompts, T, R, budget_gb)
     assert (want, prefill_plan) == (2, 3)
     window = {"press": "SlidingWindowPress", "compression_ratio": 0.5}
-    m = kvdiverge.measure(mini, None, prompts, {"window": window}, max_new_tokens=T, replicates=R, seed=1,
-                          window=1, bootstrap=10, progress=False, memory_budget_gb=budget_gb)
+    m = kvdiverge.measure(
+        mini,
+        None,
+        prompts,
+        {"window": window},
+        max_new_tokens=T,
+        replicates=R,
+        seed=1,
+        window=1,
+        bootstrap=10,
+        progress=False,
+        memory_budget_gb=budget_gb,
+    )
     assert m.batch_documents == want
     path = tmp_path / "prompts.parquet"
-    pl.DataFrame([{"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
-                  for d, ids in prompts.items()],
-                 schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32),
-                         "exclusion_reason": pl.String}).write_parquet(path)
-    config = {"seed": 1, "shards": 1, "replicates": R,
-              "generation": {"batch_documents": "auto", "memory_budget_gb": budget_gb},
-              "decoding": {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": T},
-              "policies": {"window": window}, "runs": {"exploratory": ["window"]}}
+    pl.DataFrame(
+        [
+            {"doc_id": d, "split": "exploratory", "input_ids": ids, "exclusion_reason": None}
+            for d, ids in prompts.items()
+        ],
+        schema={"doc_id": pl.String, "split": pl.String, "input_ids": pl.List(pl.Int32), "exclusion_reason": pl.String},
+    ).write_parquet(path)
+    config = {
+        "seed": 1,
+        "shards": 1,
+        "replicates": R,
+        "generation": {"batch_documents": "auto", "memory_budget_gb": budget_gb},
+        "decoding": {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": T},
+        "policies": {"window": window},
+        "runs": {"exploratory": ["window"]},
+    }
     run_shard(config, "mini", "window", "exploratory", 0, path, tmp_path / "shard-0.parquet", model=mini)
     assert read_provenance(tmp_path / "shard-0.parquet").batch == {"batch_documents": want}
 
@@ -208,6 +256,17 @@ def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_threa
 
     monkeypatch.setattr(registry, "refusal", counting)
     presses = {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}, "snap": KnormPress(0.25)}
-    kvdiverge.measure(mini, None, _prompts(3), presses, max_new_tokens=2, replicates=1, seed=1,
-                      window=1, bootstrap=10, progress=False, batch_documents=1)
+    kvdiverge.measure(
+        mini,
+        None,
+        _prompts(3),
+        presses,
+        max_new_tokens=2,
+        replicates=1,
+        seed=1,
+        window=1,
+        bootstrap=10,
+        progress=False,
+        batch_documents=1,
+    )
     assert sorted(seen) == [("KnormPress", True), ("KnormPress", True)]

@@ -4,16 +4,28 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.report import figures as plots
-from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
-from kvdiverge.estimation.estimators import (branch_tv_curve, document_estimates, pooled_estimates,
-                                  replicate_estimates, survival_curve)
-from kvdiverge.estimation.speculative import speculative_table
-from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
+from kvdiverge.estimation.estimators import (
+    branch_tv_curve,
+    document_estimates,
+    pooled_estimates,
+    replicate_estimates,
+    survival_curve,
+)
+from kvdiverge.estimation.speculative import speculative_table
+from kvdiverge.report import figures as plots
 
-PLAN = {"policy": "B", "early": [1, 2], "late": [3, 4], "test": "wilcoxon-signed-rank",
-        "alternative": "greater", "correction": "holm", "alpha": 0.05}
+PLAN = {
+    "policy": "B",
+    "early": [1, 2],
+    "late": [3, 4],
+    "test": "wilcoxon-signed-rank",
+    "alternative": "greater",
+    "correction": "holm",
+    "alpha": 0.05,
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +34,21 @@ def tables(kernel):
     for policy, split in (("A", "exploratory"), ("B", "exploratory"), ("B", "confirmatory")):
         for i in range(4):
             f = simulate(TableKernelPair(kernel, 3), 6, 3, seed=1 if policy == "A" else 2, doc_id=f"{split}{i}")
-            frames.append(f.with_columns(pl.lit("m").alias("model"), pl.lit(policy).alias("policy"),
-                                         pl.lit(split).alias("split")))
+            frames.append(
+                f.with_columns(pl.lit("m").alias("model"), pl.lit(policy).alias("policy"), pl.lit(split).alias("split"))
+            )
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
     gaps = gap_decomposition(docs, "m", "A", "B", "exploratory", 100, 0.95, 1)
-    res, per = confirmatory_analysis(docs.filter(pl.col("split") == "confirmatory"), PLAN, "confirmatory",
-                                     100, 0.95, 1)
-    return {"docs": docs, "survival": survival_curve(docs, 100, 0.95, 1),
-            "branch": branch_tv_curve(docs, 100, 0.95, 1), "gaps": gaps, "res": res, "per": per,
-            "pooled": pooled_estimates(docs, 100, 0.95, 1)}
+    res, per = confirmatory_analysis(docs.filter(pl.col("split") == "confirmatory"), PLAN, "confirmatory", 100, 0.95, 1)
+    return {
+        "docs": docs,
+        "survival": survival_curve(docs, 100, 0.95, 1),
+        "branch": branch_tv_curve(docs, 100, 0.95, 1),
+        "gaps": gaps,
+        "res": res,
+        "per": per,
+        "pooled": pooled_estimates(docs, 100, 0.95, 1),
+    }
 
 
 def check(tmp_path, name):
@@ -52,8 +70,9 @@ def test_every_figure(tables, tmp_path):
     check(tmp_path, "c")
     plots.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
     check(tmp_path, "v")
-    plots.plot_speculative(speculative_table(t["docs"], 100, 0.95, 1), tmp_path / "k.png", tmp_path / "k.pdf",
-                           floor="A")
+    plots.plot_speculative(
+        speculative_table(t["docs"], 100, 0.95, 1), tmp_path / "k.png", tmp_path / "k.pdf", floor="A"
+    )
     check(tmp_path, "k")
 
 
@@ -63,8 +82,12 @@ def test_empty_inputs_still_give_figures(tables, tmp_path):
     plots.plot_gaps(t["gaps"].head(0), tmp_path / "g.png", tmp_path / "g.pdf")
     nan_branch = t["branch"].with_columns(pl.lit(np.nan).alias("btv"))
     plots.plot_branch_tv(nan_branch, tmp_path / "b.png", tmp_path / "b.pdf")
-    plots.plot_confirmatory(t["per"].with_columns(pl.lit(None, dtype=pl.Float64).alias("d")), t["res"],
-                            tmp_path / "c.png", tmp_path / "c.pdf")
+    plots.plot_confirmatory(
+        t["per"].with_columns(pl.lit(None, dtype=pl.Float64).alias("d")),
+        t["res"],
+        tmp_path / "c.png",
+        tmp_path / "c.pdf",
+    )
     plots.plot_variance(variance_table(t["pooled"]).head(0), tmp_path / "v.png", tmp_path / "v.pdf")
     for name in "sgbcv":
         assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").stat().st_size > 0
@@ -78,9 +101,12 @@ def test_survival_bands_share_their_lines_colour(tables, tmp_path, monkeypatch):
     s = t["survival"]
     s = s.filter((pl.col("split") == s["split"][0]) & (pl.col("policy") == s["policy"][0]))
     # three runs, given in reverse alphabetical order of their labels
-    runs = pl.concat([s.with_columns(pl.lit(p).alias("policy"), pl.col("S") * f, pl.col("S_lo") * f,
-                                     pl.col("S_hi") * f)
-                      for p, f in (("zeta", 1.0), ("mid", 0.6), ("alpha", 0.3))])
+    runs = pl.concat(
+        [
+            s.with_columns(pl.lit(p).alias("policy"), pl.col("S") * f, pl.col("S_lo") * f, pl.col("S_hi") * f)
+            for p, f in (("zeta", 1.0), ("mid", 0.6), ("alpha", 0.3))
+        ]
+    )
     figures = []
     monkeypatch.setattr(plots, "save_figure", lambda fig, png, pdf: figures.append(fig))
     plots.plot_survival(runs, tmp_path / "s.png", tmp_path / "s.pdf")

@@ -76,8 +76,16 @@ def test_every_shipped_policy_builds_its_press(config):
 
 
 # Score-based presses that need no calibration data: the test matrix over presses.
-PRESSES = ["SnapKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "RandomPress",
-           "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress"]
+PRESSES = [
+    "SnapKVPress",
+    "StreamingLLMPress",
+    "KnormPress",
+    "TOVAPress",
+    "RandomPress",
+    "ExpectedAttentionPress",
+    "KeyDiffPress",
+    "LagKVPress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +99,8 @@ def llm(embedded):
 def test_every_press_compresses_to_its_kept_count_and_decodes(llm, press_name):
     from kvpress import ScorerPress
 
-    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.core.coupled import run_document
+    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 
     model, tokenizer = llm
     messages = [{"role": "user", "content": "Fellow citizens, " * 60 + "\nSummarize."}]

@@ -22,9 +22,10 @@ def test_pair_probability_counts_walsh_pairs_with_ties_as_half():
 
 def test_noether_size_by_hand():
     z = stats.norm.ppf(0.95) + stats.norm.ppf(0.8)  # 1.6449 + 0.8416
-    assert noether_size(0.75, 0.05, 0.8) == pytest.approx(z * z / (3 * 0.25 ** 2))  # 32.97
+    assert noether_size(0.75, 0.05, 0.8) == pytest.approx(z * z / (3 * 0.25**2))  # 32.97
     assert noether_size(0.75, 0.05, 0.8, "two-sided") == pytest.approx(
-        (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / (3 * 0.0625))
+        (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / (3 * 0.0625)
+    )
     assert math.isinf(noether_size(0.5, 0.05, 0.8))
 
 

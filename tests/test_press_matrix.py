@@ -59,6 +59,7 @@ LENGTHS = (48, 64, 96)
 #: bound leaves a factor of about 20.
 BATCH_TOL = 5e-6
 
+
 @dataclasses.dataclass
 class EagerPrefill(kvpress.BasePress):
     """Keeps every position; runs the prefill in eager attention (the decode steps in sdpa)."""
@@ -84,9 +85,20 @@ RATIO0_SAME = {"KVComposePress": EagerPrefill}
 
 #: Measured presses whose kept counts the matrix checks against a promise (never ``None``):
 #: the head-wise, per-layer and channel presses among them.
-PROMISED = {"AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "PerLayerCompressionPress", "KVComposePress",
-            "ThinKPress", "SimLayerKVPress", "SnapKVPress", "KnormPress", "StreamingLLMPress", "CompactorPress",
-            "LeverageScorePress"}
+PROMISED = {
+    "AdaKVPress",
+    "CriticalAdaKVPress",
+    "PyramidKVPress",
+    "PerLayerCompressionPress",
+    "KVComposePress",
+    "ThinKPress",
+    "SimLayerKVPress",
+    "SnapKVPress",
+    "KnormPress",
+    "StreamingLLMPress",
+    "CompactorPress",
+    "LeverageScorePress",
+}
 
 #: What each refused press's sentence must name (written here, independently of the registry).
 REASONS = {
@@ -159,8 +171,9 @@ def trace(model, prompts, forced, policy: Policy | PressPolicy | None, doc_ids=N
     """
     doc_ids = range(len(prompts)) if doc_ids is None else doc_ids
     if policy is None:
-        pair = LLMKernelPair.from_documents(model, prompts, [None] * len(prompts), [None] * len(prompts),
-                                            temperature=1.0)
+        pair = LLMKernelPair.from_documents(
+            model, prompts, [None] * len(prompts), [None] * len(prompts), temperature=1.0
+        )
     else:
         docs = [Document(f"doc{d}", ids) for d, ids in zip(doc_ids, prompts)]
         pair = build_pair(model, docs, policy, seed=0, model_name="miniature", temperature=1.0, top_p=1.0)
@@ -201,7 +214,7 @@ def check_measured(model, prompts, forced, name):
             assert torch.equal(p, p0), f"{name}: the reference side changed at step {t + 1}"
     for d, ids in enumerate(prompts):
         n = len(ids)
-        alone, pair_alone = trace(model, [ids], forced[d:d + 1], policy, doc_ids=[d])
+        alone, pair_alone = trace(model, [ids], forced[d : d + 1], policy, doc_ids=[d])
         if not decode_time:
             kept = pair.kept_counts[d]
             check_kept(kept, pair.expected[d], model.config, pair.presses[d], n)
@@ -218,16 +231,22 @@ def check_measured(model, prompts, forced, name):
                 assert gap <= BATCH_TOL, f"{name}: document {d} step {t + 1} differs by {gap:.2e} in a batch"
     if policy.takes_ratio:
         # a decode-time pair decodes each document in its own lane, unpadded: compare it with one document
-        control, _ = (trace(model, prompts[:1], forced[:1], _policy(name, ratio=0.0)) if decode_time
-                      else trace(model, prompts, forced, _policy(name, ratio=0.0)))
-        same = (trace(model, prompts, forced, PressPolicy("eager", RATIO0_SAME[name]()))[0] if name in RATIO0_SAME
-                else None)
+        control, _ = (
+            trace(model, prompts[:1], forced[:1], _policy(name, ratio=0.0))
+            if decode_time
+            else trace(model, prompts, forced, _policy(name, ratio=0.0))
+        )
+        same = (
+            trace(model, prompts, forced, PressPolicy("eager", RATIO0_SAME[name]()))[0] if name in RATIO0_SAME else None
+        )
         for t, (p, q) in enumerate(control):
             tv = 0.5 * (p.exp() - q.exp()).abs().sum(-1)
             if same is not None:
                 assert torch.equal(q, same[t][1]), f"{name} at ratio 0: not the eager prefill's kernel at step {t + 1}"
             else:
-                assert torch.equal(p, q) and tv.max().item() == 0.0, f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+                assert torch.equal(p, q) and tv.max().item() == 0.0, (
+                    f"{name} at ratio 0: TV {tv.max():.2e} at step {t + 1}"
+                )
 
 
 def check_refused(model, prompts, name, monkeypatch):
@@ -241,8 +260,9 @@ def check_refused(model, prompts, name, monkeypatch):
         import kvdiverge
 
         with pytest.raises(PressError) as err:
-            kvdiverge.measure(model, None, {"p": prompts[0]}, {name: spec}, max_new_tokens=T, replicates=R,
-                              progress=False)
+            kvdiverge.measure(
+                model, None, {"p": prompts[0]}, {name: spec}, max_new_tokens=T, replicates=R, progress=False
+            )
     finally:
         handle.remove()
     assert calls == [], f"{name}: the model ran before the refusal"
@@ -273,8 +293,11 @@ def check_refused(model, prompts, name, monkeypatch):
 def test_every_kvpress_press_has_a_row():
     import kvpress
 
-    exported = {n for n in kvpress.__all__ if isinstance(getattr(kvpress, n), type)
-                and issubclass(getattr(kvpress, n), kvpress.BasePress)} - {"BasePress", "ScorerPress"}
+    exported = {
+        n
+        for n in kvpress.__all__
+        if isinstance(getattr(kvpress, n), type) and issubclass(getattr(kvpress, n), kvpress.BasePress)
+    } - {"BasePress", "ScorerPress"}
     missing = sorted(exported - set(registry.ROWS))
     assert missing == [], f"kvpress presses without a row: {missing}"
     assert all(registry.ROWS[n].name == n for n in exported)
@@ -290,8 +313,14 @@ def test_a_row_of_the_adapter_registry_decides(monkeypatch):
     press = EveryStepPress(compression_ratio=0.5)
     assert registry.refusal(press) is None and not is_decode_time(press)
     assert registry.kept_promise(press, 100) == 50  # a ScorerPress: compute_n_kept(100, 0.5)
-    row = PressAdapter("EveryStepPress", refused="EveryStepPress is refused by its row.", decode_time=True,
-                       promise=None, rerotates=True, prefill="two")
+    row = PressAdapter(
+        "EveryStepPress",
+        refused="EveryStepPress is refused by its row.",
+        decode_time=True,
+        promise=None,
+        rerotates=True,
+        prefill="two",
+    )
     monkeypatch.setitem(registry.ROWS, "EveryStepPress", resolve(EveryStepPress, {row.name: row}))
     assert registry.refusal(press) == "EveryStepPress is refused by its row."
     assert is_decode_time(press) and is_decode_time(kvpress.ComposedPress([press]))
@@ -308,20 +337,27 @@ def test_conditional_refusals_follow_the_parameters():
     ok = {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -1.0}}
     assert press_status.spec_refusal(ok) is None  # head-wise, measured
     assert press_status.spec_refusal({**ok, "params": {**ok["params"], "decoding": True}}) is None  # decode-time DMS
-    assert "params.threshold" in press_status.spec_refusal({"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}})
+    assert "params.threshold" in press_status.spec_refusal(
+        {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}}}
+    )
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7
     from kvdiverge.reference.miniatures import MINIATURE, random_model
 
     tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
-    per_layer = {"press": "PerLayerCompressionPress",
-                 "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3}}
+    per_layer = {
+        "press": "PerLayerCompressionPress",
+        "params": {"press": {"press": "KnormPress"}, "compression_ratios": [0.5] * 3},
+    }
     assert "it has 3, the model has 2 layers" in press_status.spec_refusal(per_layer, tiny)
     assert press_status.spec_refusal(per_layer) is None  # without the model: only what the parameters tell
     stats = {"press": "ExpectedAttentionStatsPress", "compression_ratio": 0.5, "params": {"stats_folder": "/x"}}
     assert press_status.spec_refusal(stats) is None
-    prefill_only = {"press": "PrefillDecodingPress", "params": {"prefilling_press": {"press": "KnormPress"}},
-                    "compression_ratio": 0.5}
+    prefill_only = {
+        "press": "PrefillDecodingPress",
+        "params": {"prefilling_press": {"press": "KnormPress"}},
+        "compression_ratio": 0.5,
+    }
     assert press_status.spec_refusal(prefill_only) is None
 
 
@@ -330,12 +366,24 @@ def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
     from kvdiverge.engine.runner import Document, run_documents
 
     # Finch with a delimiter id that is not in the prompt finds no window: kvpress fails with a bare assert
-    policy = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5,
-                                          "delimiter_token_id": 510})
-    with pytest.raises(PressError, match=r"policy 'finch' \(FinchPress\): kvpress failed during the prefill "
-                                         r"with AssertionError: window_size must be provided"):
-        run_documents(model, [Document("d", prompts[0])], policy, T=2, replicates=1, temperature=1.0, top_p=1.0,
-                      seed=0, model_name="m", batch_documents=1)
+    policy = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 510})
+    with pytest.raises(
+        PressError,
+        match=r"policy 'finch' \(FinchPress\): kvpress failed during the prefill "
+        r"with AssertionError: window_size must be provided",
+    ):
+        run_documents(
+            model,
+            [Document("d", prompts[0])],
+            policy,
+            T=2,
+            replicates=1,
+            temperature=1.0,
+            top_p=1.0,
+            seed=0,
+            model_name="m",
+            batch_documents=1,
+        )
 
 
 def test_the_readme_press_table_is_the_registry():
@@ -344,7 +392,7 @@ def test_the_readme_press_table_is_the_registry():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
     assert start in readme and end in readme
-    section = readme[readme.index(start) + len(start):readme.index(end)]
+    section = readme[readme.index(start) + len(start) : readme.index(end)]
     assert section == press_status.press_table(), "regenerate it: python -m kvdiverge.engine.presses.status"
 
 
@@ -361,8 +409,12 @@ def test_refusal_sentences_name_models_by_ids_a_model_can_have():
     assert re.search(r"published only for [^;]*\(on_the_fly", duo) and "gradientai" not in duo.split(";")[0]
 
 
-HUB_PRESSES = {"QFilterPress": "nthngdy/{name}_qfilt", "KVzapPress": "nvidia/KVzap-mlp-{name}",
-               "FastKVzipPress": "Jang-Hyun/Fast-KVzip", "RestoreKVPress": "higokri/RestoreKV-{name}"}
+HUB_PRESSES = {
+    "QFilterPress": "nthngdy/{name}_qfilt",
+    "KVzapPress": "nvidia/KVzap-mlp-{name}",
+    "FastKVzipPress": "Jang-Hyun/Fast-KVzip",
+    "RestoreKVPress": "higokri/RestoreKV-{name}",
+}
 
 
 @pytest.mark.parametrize("name", sorted(HUB_PRESSES))
@@ -380,24 +432,36 @@ def test_hub_presses_are_refused_as_their_sentence_says_with_a_cached_copy_too(n
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     sentence = registry.ROWS[name].refused
-    assert "whether or not a copy is in the Hugging Face cache" in sentence and "HF_HUB_OFFLINE=1 changes nothing" in sentence
+    assert (
+        "whether or not a copy is in the Hugging Face cache" in sentence
+        and "HF_HUB_OFFLINE=1 changes nothing" in sentence
+    )
     press = press_from_spec(press_status.test_spec(name), None, name)
     assert registry.refusal(press) == sentence
 
 
 def _shared_rows():
     """Measured rows whose presses share their prefill forward and evict at prefill only."""
-    return [pytest.param(name, id=name) for name in sorted(registry.ROWS)
-            if not registry.ROWS[name].refused and registry.ROWS[name].prefill == "shared"
-            and not registry.ROWS[name].decodes(press_status.test_spec(name))]
+    return [
+        pytest.param(name, id=name)
+        for name in sorted(registry.ROWS)
+        if not registry.ROWS[name].refused
+        and registry.ROWS[name].prefill == "shared"
+        and not registry.ROWS[name].decodes(press_status.test_spec(name))
+    ]
 
 
 def _same_prefill(a, b) -> bool:
-    return (torch.equal(a.ev_logits, b.ev_logits) and torch.equal(a.ref_logits, b.ref_logits)
-            and len(a.ev.layers) == len(b.ev.layers) == len(a.ref.layers)
-            and all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
-                    for x, y in zip(a.ev.layers + a.ref.layers, b.ev.layers + b.ref.layers))
-            and all(torch.equal(x, y) for x, y in zip(a.keep, b.keep)))
+    return (
+        torch.equal(a.ev_logits, b.ev_logits)
+        and torch.equal(a.ref_logits, b.ref_logits)
+        and len(a.ev.layers) == len(b.ev.layers) == len(a.ref.layers)
+        and all(
+            torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+            for x, y in zip(a.ev.layers + a.ref.layers, b.ev.layers + b.ref.layers)
+        )
+        and all(torch.equal(x, y) for x, y in zip(a.keep, b.keep))
+    )
 
 
 @pytest.mark.miniature

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from kvdiverge.engine.core.coupled import run_document
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.presses.project import PermutationPress
-from kvdiverge.engine.core.coupled import run_document
 
 T = 6
 
@@ -17,9 +17,17 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=299, bos_token_id=0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=299,
+        bos_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger logits than the init's: distributions far from uniform
         model.lm_head.weight.mul_(40.0)
@@ -67,8 +75,15 @@ def test_permutation_is_an_ordering_change_and_nothing_else(tiny_llama, dtype, b
     """In float64 the permuted kernel equals the full one to rounding: TV <= 1e-12 every step."""
     model = tiny_llama.to(dtype)
     try:
-        pair = LLMKernelPair(model, PROMPT, PermutationPress(seed=4), temperature=1.0, top_p=1.0,
-                             expected_kept=len(PROMPT), eos_ids=[299])
+        pair = LLMKernelPair(
+            model,
+            PROMPT,
+            PermutationPress(seed=4),
+            temperature=1.0,
+            top_p=1.0,
+            expected_kept=len(PROMPT),
+            eos_ids=[299],
+        )
         records = run_document(pair, T, 2, 0, "tiny", "doc")
     finally:
         tiny_llama.to(torch.float32)

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 class WordTokenizer:
     """Stand-in chat tokenizer: one token per word plus 3 template tokens."""
 
-    def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False, tokenize=True,
-                            **template_variables):
+    def apply_chat_template(
+        self, msgs, add_generation_prompt=True, return_dict=False, tokenize=True, **template_variables
+    ):
         assert add_generation_prompt
         text = "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"
         if not tokenize:
@@ -58,12 +59,15 @@ def test_exclusion_reasons():
     mins = {"snapkv-50": 65, "snapkv-b512": 577, "recent-50": 5}
     assert exclusion_reason(577, mins, context=8192, max_new_tokens=32) is None
     assert exclusion_reason(576, mins, 8192, 32) == (
-        "too short for policy snapkv-b512: prompt of 576 tokens, policy needs at least 577")
+        "too short for policy snapkv-b512: prompt of 576 tokens, policy needs at least 577"
+    )
     assert exclusion_reason(10, mins, 8192, 32) == (
         "too short for policy snapkv-b512: prompt of 10 tokens, policy needs at least 577 "
-        "(also too short for snapkv-50)")
+        "(also too short for snapkv-50)"
+    )
     assert exclusion_reason(8161, mins, 8192, 32) == (
-        "too long: prompt of 8161 tokens + 32 new tokens exceeds the model context of 8192 tokens")
+        "too long: prompt of 8161 tokens + 32 new tokens exceeds the model context of 8192 tokens"
+    )
     assert exclusion_reason(8160, mins, 8192, 32) is None
     assert exclusion_reason(3, {}, 8192, 32) is None
 
@@ -74,11 +78,13 @@ def test_messages_put_the_instruction_after_the_document():
 
 
 def test_build_prompts_applies_each_splits_policies(config):
-    docs = pl.DataFrame({
-        "doc_id": ["a", "b", "c", "d"],
-        "split": ["exploratory", "exploratory", "confirmatory", "confirmatory"],
-        "text": [" ".join(["w"] * n) for n in (600, 100, 100, 20)],
-    })
+    docs = pl.DataFrame(
+        {
+            "doc_id": ["a", "b", "c", "d"],
+            "split": ["exploratory", "exploratory", "confirmatory", "confirmatory"],
+            "text": [" ".join(["w"] * n) for n in (600, 100, 100, 20)],
+        }
+    )
     out = build_prompts(docs, WordTokenizer(), prompt_settings(config), context=8192)
     assert out.schema == pl.Schema(SCHEMA)
     n_instr = len(config["prompt"]["instruction"].split())
@@ -176,10 +182,13 @@ def test_build_prompts_uses_the_configured_date(byte_tokenizer, config, clock):
     assert byte_tokenizer.decode(out["input_ids"][0].to_list()).startswith("Today Date: 26 Jul 2024;")
 
 
-@pytest.mark.parametrize("date,expect", [
-    ("2026-02-30", "prompt.date: '2026-02-30' is not a date"),
-    ("1 Jan 2026", "prompt.date: '1 Jan 2026' does not match the pattern"),
-])
+@pytest.mark.parametrize(
+    "date,expect",
+    [
+        ("2026-02-30", "prompt.date: '2026-02-30' is not a date"),
+        ("1 Jan 2026", "prompt.date: '1 Jan 2026' does not match the pattern"),
+    ],
+)
 def test_bad_prompt_date_is_named(date, expect):
     from kvdiverge.study.config import ConfigError
 
@@ -223,7 +232,6 @@ def test_corpus_and_prompts_stages_through_snakemake(smoke_run, tmp_path):
 
     # a new instruction reruns the prompts stage only; an unrelated change reruns nothing
     import yaml
-
     from conftest import snakemake_here
 
     def dry_run(change):
@@ -250,15 +258,27 @@ def test_a_split_left_without_usable_documents_stops_with_the_reason():
     from kvdiverge.study.prompts import NoUsableDocumentsError, check_usable
 
     settings = {"minimums": {"exploratory": {"snapkv-b512": 577}, "confirmatory": {}}}
-    prompts = pl.DataFrame({
-        "doc_id": ["a", "b", "c"], "split": ["exploratory", "exploratory", "confirmatory"],
-        "exclusion_reason": ["too short for policy snapkv-b512: prompt of 400 tokens, policy needs at least 577",
-                             "too short for policy snapkv-b512: prompt of 420 tokens, policy needs at least 577",
-                             "too short for policy x"],
-    })
-    with pytest.raises(NoUsableDocumentsError, match=r"split 'exploratory': none of its 2 documents .*snapkv-b512.*"
-                                                     r"most frequent reason: too short for policy snapkv-b512.*min_words"):
+    prompts = pl.DataFrame(
+        {
+            "doc_id": ["a", "b", "c"],
+            "split": ["exploratory", "exploratory", "confirmatory"],
+            "exclusion_reason": [
+                "too short for policy snapkv-b512: prompt of 400 tokens, policy needs at least 577",
+                "too short for policy snapkv-b512: prompt of 420 tokens, policy needs at least 577",
+                "too short for policy x",
+            ],
+        }
+    )
+    with pytest.raises(
+        NoUsableDocumentsError,
+        match=r"split 'exploratory': none of its 2 documents .*snapkv-b512.*"
+        r"most frequent reason: too short for policy snapkv-b512.*min_words",
+    ):
         check_usable(prompts, settings)
     # one usable document is enough; a split without scheduled policies is not checked
-    check_usable(prompts.with_columns(pl.when(pl.col("doc_id") == "a").then(None)
-                                      .otherwise(pl.col("exclusion_reason")).alias("exclusion_reason")), settings)
+    check_usable(
+        prompts.with_columns(
+            pl.when(pl.col("doc_id") == "a").then(None).otherwise(pl.col("exclusion_reason")).alias("exclusion_reason")
+        ),
+        settings,
+    )

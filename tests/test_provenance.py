@@ -8,12 +8,27 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.study.config import load_config
 from kvdiverge.estimation.io import write_parquet_atomic
-from kvdiverge.study.provenance import (KEY_HASH, KEY_SETTINGS, KEY_SHARD, KEY_VERSIONS, StaleShardError, canonical,
-                                  check_shards, differences, library_versions, provenance_html, provenance_table,
-                                  read_provenance, regenerate_command, settings_hash, shard_metadata,
-                                  shard_settings, study_hash)
+from kvdiverge.study.config import load_config
+from kvdiverge.study.provenance import (
+    KEY_HASH,
+    KEY_SETTINGS,
+    KEY_SHARD,
+    KEY_VERSIONS,
+    StaleShardError,
+    canonical,
+    check_shards,
+    differences,
+    library_versions,
+    provenance_html,
+    provenance_table,
+    read_provenance,
+    regenerate_command,
+    settings_hash,
+    shard_metadata,
+    shard_settings,
+    study_hash,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,8 +40,9 @@ def smoke():
 
 def write_shard(path: Path, config, policy="snapkv-50", split="exploratory", shard=0, model="smollm2-135m"):
     frame = pl.DataFrame({"doc_id": [f"d{shard}"], "replicate": [0]})
-    meta = shard_metadata(shard_settings(config, model, policy, split), model=model, policy=policy,
-                          split=split, shard=shard)
+    meta = shard_metadata(
+        shard_settings(config, model, policy, split), model=model, policy=policy, split=split, shard=shard
+    )
     write_parquet_atomic(frame, path, metadata=meta)
     return path
 
@@ -91,8 +107,10 @@ def test_check_shards_accepts_matching_shards(tmp_path, smoke):
 
 def test_check_shards_refuses_another_temperature_naming_setting_values_and_command(tmp_path, smoke):
     hot = {**smoke, "decoding": {**smoke["decoding"], "temperature": 0.9}}
-    paths = [write_shard(tmp_path / "shard-0.parquet", hot, shard=0),
-             write_shard(tmp_path / "shard-1.parquet", smoke, shard=1)]
+    paths = [
+        write_shard(tmp_path / "shard-0.parquet", hot, shard=0),
+        write_shard(tmp_path / "shard-1.parquet", smoke, shard=1),
+    ]
     expected = shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory")
     with pytest.raises(StaleShardError) as err:
         check_shards(paths, expected, configfiles=["config/smoke.yaml"])
@@ -114,26 +132,29 @@ def test_check_shards_refuses_shards_without_settings_and_misplaced_shards(tmp_p
     with pytest.raises(StaleShardError, match=r"shard.shard = 0 in the shard, 1 in the config"):
         check_shards([moved], shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory"))
     with pytest.raises(StaleShardError, match=r'shard.policy = "snapkv-50" in the shard, "snapkv-90"'):
-        check_shards([moved], shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory"),
-                     policy="snapkv-90")
+        check_shards([moved], shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory"), policy="snapkv-90")
 
 
 def test_regenerate_command_reads_the_config_files_of_the_workflow(monkeypatch):
     monkeypatch.setenv("KVDIVERGE_CONFIGFILES", "config/smoke.yaml")
-    assert regenerate_command(["a.parquet", "b.parquet"]) == \
-        "snakemake --cores all --configfile config/smoke.yaml --forcerun a.parquet b.parquet"
+    assert (
+        regenerate_command(["a.parquet", "b.parquet"])
+        == "snakemake --cores all --configfile config/smoke.yaml --forcerun a.parquet b.parquet"
+    )
     monkeypatch.delenv("KVDIVERGE_CONFIGFILES")
     assert "--configfile <your config>" in regenerate_command(["a.parquet"])
 
 
 def test_provenance_table_one_row_per_run(tmp_path, smoke):
-    paths = [write_shard(tmp_path / p / f"shard-{i}.parquet", smoke, policy=p, shard=i)
-             for p in ("snapkv-50", "snapkv-b128") for i in range(2)]
+    paths = [
+        write_shard(tmp_path / p / f"shard-{i}.parquet", smoke, policy=p, shard=i)
+        for p in ("snapkv-50", "snapkv-b128")
+        for i in range(2)
+    ]
     table = provenance_table(read_provenance(p) for p in paths)
     assert table["policy"].to_list() == ["snapkv-50", "snapkv-b128"]
     assert table["shards"].to_list() == [2, 2]
-    assert table["settings_hash"][0] == settings_hash(shard_settings(smoke, "smollm2-135m", "snapkv-50",
-                                                                     "exploratory"))
+    assert table["settings_hash"][0] == settings_hash(shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory"))
     assert table["kvpress"].to_list() == ["0.5.5", "0.5.5"]
     html = provenance_html(table)
     assert study_hash(table) in html and table["settings_hash"][1] in html and "<table>" in html

@@ -20,11 +20,14 @@ from kvdiverge.engine.presses.quantized import (
     quantize_cache_layers,
     refusal,
 )
-from kvdiverge.engine.presses.registry import is_decode_time, refusal as registry_refusal
+from kvdiverge.engine.presses.registry import is_decode_time
+from kvdiverge.engine.presses.registry import refusal as registry_refusal
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
-quanto = pytest.mark.skipif(importlib.util.find_spec("optimum") is None
-                            or importlib.util.find_spec("optimum.quanto") is None, reason="optimum-quanto missing")
+quanto = pytest.mark.skipif(
+    importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None,
+    reason="optimum-quanto missing",
+)
 T, TEMPERATURE = 9, 2.0
 
 
@@ -59,17 +62,24 @@ def test_spec_checks_and_bits():
 @pytest.mark.miniature
 def test_refusals_are_one_sentence(model, monkeypatch):
     wide = QuantizedCacheSpec(q_group_size=64)
-    assert refusal(wide, model) == ("the quantized cache's q_group_size 64 does not divide the model's head "
-                                    "dimension 8, so a group would span two tokens")
+    assert refusal(wide, model) == (
+        "the quantized cache's q_group_size 64 does not divide the model's head "
+        "dimension 8, so a group would span two tokens"
+    )
     assert registry_refusal(QuantizedCachePress(wide, kvpress.SnapKVPress(0.5)), model) == refusal(wide, model)
     inner = kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=2, target_size=8)
     assert registry_refusal(QuantizedCachePress(spec(), inner)).startswith(
-        "a quantized cache after the decode-time press DecodingPress is not supported")
+        "a quantized cache after the decode-time press DecodingPress is not supported"
+    )
     assert is_decode_time(QuantizedCachePress(spec())) and registry_refusal(QuantizedCachePress(spec())) is None
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("optimum") else real(name, *a))
-    assert refusal(spec()) == ("the quantized cache's backend 'quanto' needs the package 'optimum-quanto', which "
-                               "is not installed (pip install -c constraints.txt optimum-quanto)")
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("optimum") else real(name, *a)
+    )
+    assert refusal(spec()) == (
+        "the quantized cache's backend 'quanto' needs the package 'optimum-quanto', which "
+        "is not installed (pip install -c constraints.txt optimum-quanto)"
+    )
 
 
 @quanto
@@ -91,13 +101,24 @@ def test_layers_quantize_row_by_row():
 @torch.inference_mode()
 def transformers_replay(model, ids, history, sp):
     """transformers' own QuantizedCache from a fresh prefill, then ``history`` one token per forward."""
-    cache = QuantizedCache(backend=sp.backend, config=model.config, nbits=sp.nbits, axis_key=sp.axis,
-                           axis_value=sp.axis, q_group_size=sp.q_group_size, residual_length=sp.residual_length)
+    cache = QuantizedCache(
+        backend=sp.backend,
+        config=model.config,
+        nbits=sp.nbits,
+        axis_key=sp.axis,
+        axis_value=sp.axis,
+        q_group_size=sp.q_group_size,
+        residual_length=sp.residual_length,
+    )
     logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     out = [decode_log_probs(logits, TEMPERATURE, 1.0)[0]]
     for t, tok in enumerate(history):
-        logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                       position_ids=torch.tensor([[len(ids) + t]])).logits[:, -1]
+        logits = model(
+            input_ids=torch.tensor([[tok]]),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[len(ids) + t]]),
+        ).logits[:, -1]
         out.append(decode_log_probs(logits, TEMPERATURE, 1.0)[0])
     return out
 
@@ -107,12 +128,17 @@ def press_replay(model, ids, history, press):
     """A fresh twin under a fresh press, a fresh prefill, then ``history`` one token per forward."""
     twin, cache = evicted_twin(model), DynamicCache()
     with press(twin):
-        logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                      logits_to_keep=1).logits[:, -1]
+        logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
         out = [decode_log_probs(logits, TEMPERATURE, 1.0)[0]]
         for t, tok in enumerate(history):
-            logits = twin(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
-                          position_ids=torch.tensor([[len(ids) + t]])).logits[:, -1]
+            logits = twin(
+                input_ids=torch.tensor([[tok]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[len(ids) + t]]),
+            ).logits[:, -1]
             out.append(decode_log_probs(logits, TEMPERATURE, 1.0)[0])
     return out
 
@@ -162,7 +188,7 @@ def check_rows(model, prompts, make, R, replay, tol, kept=None):
         ids = prompts[g // R]
         histories = [[tok for tok in r["chain_token"] if tok >= 0]]
         if r["t_star"] is not None and r["branch_y"]:
-            histories.append(r["chain_token"][:r["t_star"] - 1] + [r["y_star"]] + r["branch_y"])
+            histories.append(r["chain_token"][: r["t_star"] - 1] + [r["y_star"]] + r["branch_y"])
             n_branch += 1
         for h in histories:
             ref = replay(model, ids, h[:-1])
@@ -180,8 +206,14 @@ def test_quantized_cache_alone_equals_transformers_quantized_cache(model, prompt
     sp = spec()
     branches, tv_max = 0, 0.0
     for d in range(3):  # one row per document: the lane's forward is the replay's, bit for bit
-        rec, out, n_branch = check_rows(model, prompts[d:d + 1], lambda: QuantizedCachePress(sp), 1,
-                                        lambda m, ids, h: transformers_replay(m, ids, h, sp), tol=0.0)
+        rec, out, n_branch = check_rows(
+            model,
+            prompts[d : d + 1],
+            lambda: QuantizedCachePress(sp),
+            1,
+            lambda m, ids, h: transformers_replay(m, ids, h, sp),
+            tol=0.0,
+        )
         branches += n_branch
         tv_max = max(tv_max, max(v for v in out[0]["tv"] if v == v))
         logp, logq = rec.first
@@ -190,8 +222,14 @@ def test_quantized_cache_alone_equals_transformers_quantized_cache(model, prompt
         assert rec.pair.kept_lens == [len(prompts[d])]  # nothing evicted; the fewest positions a layer held
     assert branches >= 2 and tv_max > 0.01  # 2 bits change q after the prefill
     # four rows of one document in one lane: as the replay, up to float32 batch rounding
-    check_rows(model, prompts[:1], lambda: QuantizedCachePress(sp), 4,
-               lambda m, ids, h: transformers_replay(m, ids, h, sp), tol=1e-5)
+    check_rows(
+        model,
+        prompts[:1],
+        lambda: QuantizedCachePress(sp),
+        4,
+        lambda m, ids, h: transformers_replay(m, ids, h, sp),
+        tol=1e-5,
+    )
 
 
 @quanto
@@ -205,11 +243,19 @@ def test_press_then_quantize_one_document_alone_and_in_a_batch(model, prompts, n
 
     # one document, one row: every q equals a fresh prefill + replay exactly
     for d in range(2):
-        check_rows(model, prompts[d:d + 1], make, 1, lambda m, ids, h: press_replay(m, ids, h, make()), tol=0.0,
-                   kept=[len(prompts[d]) // 2])
+        check_rows(
+            model,
+            prompts[d : d + 1],
+            make,
+            1,
+            lambda m, ids, h: press_replay(m, ids, h, make()),
+            tol=0.0,
+            kept=[len(prompts[d]) // 2],
+        )
     # three documents, three rows each, in one pair: each row as its document alone (float32 batch rounding)
-    rec, out, n_branch = check_rows(model, prompts, make, 3, lambda m, ids, h: press_replay(m, ids, h, make()),
-                                    tol=1e-5, kept=[10, 13, 8])
+    rec, out, n_branch = check_rows(
+        model, prompts, make, 3, lambda m, ids, h: press_replay(m, ids, h, make()), tol=1e-5, kept=[10, 13, 8]
+    )
     assert n_branch >= 3 and rec.pair.kept_lens == [10, 13, 8]  # SnapKV 50% kept, then quantized
 
 
@@ -223,16 +269,32 @@ def test_policy_entries_alone_and_after_a_press():
     assert type(press.press).__name__ == "SnapKVPress" and press.press.compression_ratio == 0.0  # no eviction
     assert alone.expected_kept(20, press) == 20 and alone.min_prompt_tokens == 1 and not alone.is_control
     assert is_decode_time(press)
-    both = Policy.from_config("snap-int4", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 4,
-                                            "cache": "quantized", "nbits": 4, "q_group_size": 8})
+    both = Policy.from_config(
+        "snap-int4",
+        {
+            "press": "SnapKVPress",
+            "compression_ratio": 0.5,
+            "window_size": 4,
+            "cache": "quantized",
+            "nbits": 4,
+            "q_group_size": 8,
+        },
+    )
     p = both.build_press(20)
     assert p.spec == QuantizedCacheSpec(nbits=4, q_group_size=8) and p.press.compression_ratio == 0.5
     assert both.expected_kept(20, p) == 10
     from kvdiverge.study.inputs import describe_press
 
-    assert describe_press(both) == {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 4,
-                                    "cache": "quantized", "backend": "quanto", "nbits": 4, "q_group_size": 8,
-                                    "residual_length": 128}
+    assert describe_press(both) == {
+        "press": "SnapKVPress",
+        "compression_ratio": 0.5,
+        "window_size": 4,
+        "cache": "quantized",
+        "backend": "quanto",
+        "nbits": 4,
+        "q_group_size": 8,
+        "residual_length": 128,
+    }
     with pytest.raises(PressError, match=r"policy 'x'.*'cache' must be 'quantized'.*got 'int8'"):
         Policy.from_config("x", {"press": "SnapKVPress", "compression_ratio": 0.5, "cache": "int8"})
     with pytest.raises(PressError, match=r"policy 'x'.*nbits must be one of \[2, 4\] for backend 'quanto', got 8"):
@@ -249,8 +311,18 @@ def test_runner_runs_a_quantized_policy(model, prompts):
 
     policy = Policy.from_config("int2", {"cache": "quantized", "nbits": 2, "q_group_size": 8, "residual_length": 3})
     docs = [Document(f"d{i}", p) for i, p in enumerate(prompts[:2])]
-    recs = run_documents(model, docs, policy, T=6, replicates=2, seed=3, model_name="miniature",
-                         temperature=TEMPERATURE, top_p=1.0, batch_documents=2)
+    recs = run_documents(
+        model,
+        docs,
+        policy,
+        T=6,
+        replicates=2,
+        seed=3,
+        model_name="miniature",
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        batch_documents=2,
+    )
     assert [r["kept_len"] for r in recs] == [20, 20, 26, 26]
     assert all(r["tv"][0] == 0.0 for r in recs) and max(max(r["tv"]) for r in recs) > 0.01
 

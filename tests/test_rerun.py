@@ -20,9 +20,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from polars.testing import assert_frame_equal
-
 from conftest import copy_run, snakemake_here
+from polars.testing import assert_frame_equal
 
 pytestmark = pytest.mark.workflow
 
@@ -30,16 +29,24 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
 RES = SMOKE["results_dir"]
 MODEL = "smollm2-135m"
-RUNS = [("snapkv-50", "exploratory"), ("snapkv-b128", "exploratory"), ("window-50", "exploratory"),
-        ("noise-floor", "exploratory"),
-        ("snapkv-90", "confirmatory"), ("noise-floor", "confirmatory"), ("none", "exploratory")]
+RUNS = [
+    ("snapkv-50", "exploratory"),
+    ("snapkv-b128", "exploratory"),
+    ("window-50", "exploratory"),
+    ("noise-floor", "exploratory"),
+    ("snapkv-90", "confirmatory"),
+    ("noise-floor", "confirmatory"),
+    ("none", "exploratory"),
+]
 # rules whose jobs the tests tell apart by their first output; the others run once
 PER_FILE = ("trajectories", "estimate")
 
 
 def env_for(work: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"),
-                                                                      os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "src"), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def write_config(work: Path, change=None, name="changed.yaml") -> str:
@@ -86,13 +93,18 @@ def dry_run(work: Path, change=None, *extra: str) -> set[tuple[str, str | None]]
 
 
 def shards(policies=None, n=2):
-    return {("trajectories", f"{RES}/trajectories/{MODEL}/{p}/{s}/shard-{i}.parquet")
-            for p, s in RUNS if policies is None or p in policies for i in range(n)}
+    return {
+        ("trajectories", f"{RES}/trajectories/{MODEL}/{p}/{s}/shard-{i}.parquet")
+        for p, s in RUNS
+        if policies is None or p in policies
+        for i in range(n)
+    }
 
 
 def estimates(policies=None):
-    return {("estimate", f"{RES}/estimates/{MODEL}/{p}/{s}.parquet")
-            for p, s in RUNS if policies is None or p in policies}
+    return {
+        ("estimate", f"{RES}/estimates/{MODEL}/{p}/{s}.parquet") for p, s in RUNS if policies is None or p in policies
+    }
 
 
 def rules(*names):
@@ -107,12 +119,14 @@ GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
 
 def setter(path: str, value):
     """A config change: set the dotted key ``path`` to ``value``."""
+
     def change(config):
         *parents, last = path.split(".")
         node = config
         for key in parents:
             node = node[key]
         node[last] = value
+
     change.__name__ = f"{path}={value}"
     return change
 
@@ -125,19 +139,48 @@ CASES = [
     ("seed", 1, GENERATION),
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION),
-    ("policies.snapkv-50.compression_ratio", 0.4,
-     shards(["snapkv-50"]) | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
-     | SPECULATIVE | FIGURES_UP),
-    ("policies.snapkv-90.kernel_size", 3,
-     shards(["snapkv-90"]) | estimates(["snapkv-90"]) | rules("provenance", "pool", "confirmatory", "floor")
-     | SPECULATIVE | FIGURES_UP),
+    (
+        "policies.snapkv-50.compression_ratio",
+        0.4,
+        shards(["snapkv-50"])
+        | estimates(["snapkv-50"])
+        | rules("provenance", "pool", "gaps", "floor")
+        | SPECULATIVE
+        | FIGURES_UP,
+    ),
+    (
+        "policies.snapkv-90.kernel_size",
+        3,
+        shards(["snapkv-90"])
+        | estimates(["snapkv-90"])
+        | rules("provenance", "pool", "confirmatory", "floor")
+        | SPECULATIVE
+        | FIGURES_UP,
+    ),
     ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION),
-    ("runs.control.documents", 2,
-     shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | SPECULATIVE | FIGURES_UP),
-    ("runs.floor.documents", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
-     | rules("provenance", "pool", "floor", "confirmatory") | SPECULATIVE | FIGURES_UP),
-    ("policies.noise-floor.seed", 1, shards(["noise-floor"]) | estimates(["noise-floor"])
-     | rules("provenance", "pool", "floor", "confirmatory") | SPECULATIVE | FIGURES_UP),
+    (
+        "runs.control.documents",
+        2,
+        shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | SPECULATIVE | FIGURES_UP,
+    ),
+    (
+        "runs.floor.documents",
+        1,
+        shards(["noise-floor"])
+        | estimates(["noise-floor"])
+        | rules("provenance", "pool", "floor", "confirmatory")
+        | SPECULATIVE
+        | FIGURES_UP,
+    ),
+    (
+        "policies.noise-floor.seed",
+        1,
+        shards(["noise-floor"])
+        | estimates(["noise-floor"])
+        | rules("provenance", "pool", "floor", "confirmatory")
+        | SPECULATIVE
+        | FIGURES_UP,
+    ),
     (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION),
     ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION),
     ("window", 3, estimates() | ANALYSES),
@@ -185,8 +228,16 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workflow's shard jobs (threads: 1); more threads only contend
     try:
-        frame = run_shard(config, MODEL, "snapkv-50", "exploratory", 0,
-                          str(work / RES / "prompts" / f"{MODEL}.parquet"), str(made), model=model)
+        frame = run_shard(
+            config,
+            MODEL,
+            "snapkv-50",
+            "exploratory",
+            0,
+            str(work / RES / "prompts" / f"{MODEL}.parquet"),
+            str(made),
+            model=model,
+        )
     finally:
         torch.set_num_threads(threads)
     assert frame.height == 2  # 1 document x R = 2
@@ -203,8 +254,12 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     assert command == f"snakemake --cores all --configfile config/smoke.yaml --forcerun {shard}"
     # that command remakes the shard and what depends on it, nothing else
     assert planned_jobs(snakemake_dry(work, *command.split()[1:])) == (
-        {("trajectories", shard)} | estimates(["snapkv-50"]) | rules("provenance", "pool", "gaps", "floor")
-        | SPECULATIVE | FIGURES_UP)
+        {("trajectories", shard)}
+        | estimates(["snapkv-50"])
+        | rules("provenance", "pool", "gaps", "floor")
+        | SPECULATIVE
+        | FIGURES_UP
+    )
 
 
 @pytest.mark.llm
@@ -217,9 +272,23 @@ def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
     target = f"{RES}/estimates/{MODEL}/snapkv-50/exploratory.parquet"
     # the two runs side by side, each with one single-threaded shard job at a time: the rerun
     # as a command, the clean run meanwhile in this process
-    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", target, "--configfile",
-                             write_config(rerun, setter("shards", 1))], cwd=rerun, env=env_for(rerun),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--cores",
+            "1",
+            target,
+            "--configfile",
+            write_config(rerun, setter("shards", 1)),
+        ],
+        cwd=rerun,
+        env=env_for(rerun),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         res = snakemake_here(clean, "--cores", "1", target, "--configfile", write_config(clean, setter("shards", 1)))
     finally:

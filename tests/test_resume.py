@@ -17,7 +17,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from conftest import copy_run, results_dir, snakemake_here, tree_env
 
 pytestmark = [pytest.mark.workflow, pytest.mark.llm]
@@ -63,13 +62,13 @@ def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
 
     # 1. start the run in its own process group; SIGKILL the group once generation starts
     with open(tmp_path / "killed.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + TIMEOUT
     try:
         while not (shard_logs.exists() and any(shard_logs.rglob("*.log"))):
-            assert proc.poll() is None, "the run ended before generation started:\n" + \
-                (tmp_path / "killed.log").read_text()[-3000:]
+            assert proc.poll() is None, (
+                "the run ended before generation started:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+            )
             assert time.monotonic() < deadline, "generation did not start in time"
             time.sleep(0.2)
     finally:

@@ -26,9 +26,20 @@ SMOKE = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
 
 
 def test_each_refusal_names_the_setting_the_value_and_what_is_allowed():
-    got = setting_problems({"temperature": math.nan, "max_new_tokens": 2.7, "bootstrap": 0, "top_p": 0,
-                            "confidence": 1.0, "batch_documents": 0, "seed": -1, "window": "8",
-                            "replicates": True, "memory_budget_gb": -1})
+    got = setting_problems(
+        {
+            "temperature": math.nan,
+            "max_new_tokens": 2.7,
+            "bootstrap": 0,
+            "top_p": 0,
+            "confidence": 1.0,
+            "batch_documents": 0,
+            "seed": -1,
+            "window": "8",
+            "replicates": True,
+            "memory_budget_gb": -1,
+        }
+    )
     assert got == [
         "temperature: nan is not a finite number; allowed: a number >= 0",
         "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1",
@@ -42,27 +53,49 @@ def test_each_refusal_names_the_setting_the_value_and_what_is_allowed():
         "memory_budget_gb: -1 is not allowed; allowed: a number > 0 or None",
     ]
     assert setting_problems({"temperature": math.inf}, {"temperature": "--temperature"}) == [
-        "--temperature: inf is not a finite number; allowed: a number >= 0"]
+        "--temperature: inf is not a finite number; allowed: a number >= 0"
+    ]
     with pytest.raises(ValueError, match=r"^max_new_tokens: 2\.7 is not an integer; allowed: an integer >= 1$"):
         check_settings({"max_new_tokens": 2.7})
 
 
 def test_accepted_values_come_back_as_plain_python_numbers():
-    got = check_settings({"temperature": np.float32(0.5), "max_new_tokens": 4.0, "replicates": np.int64(3),
-                          "batch_documents": "auto", "memory_budget_gb": None, "top_p": 1})
-    assert got == {"temperature": 0.5, "max_new_tokens": 4, "replicates": 3, "batch_documents": "auto",
-                   "memory_budget_gb": None, "top_p": 1}
+    got = check_settings(
+        {
+            "temperature": np.float32(0.5),
+            "max_new_tokens": 4.0,
+            "replicates": np.int64(3),
+            "batch_documents": "auto",
+            "memory_budget_gb": None,
+            "top_p": 1,
+        }
+    )
+    assert got == {
+        "temperature": 0.5,
+        "max_new_tokens": 4,
+        "replicates": 3,
+        "batch_documents": "auto",
+        "memory_budget_gb": None,
+        "top_p": 1,
+    }
     assert type(got["max_new_tokens"]) is int and type(got["temperature"]) is float
 
 
 def test_token_ids_outside_the_vocabulary_are_named():
     assert token_id_problems("a", [0, 5, 9], 10) == []
     assert token_id_problems("a", [3, -1, 10, 2.0, True], 10) == [
-        "prompt 'a': token ids -1, 10, 2.0, ... are outside the model's vocabulary; allowed: integers from 0 to 9"]
+        "prompt 'a': token ids -1, 10, 2.0, ... are outside the model's vocabulary; allowed: integers from 0 to 9"
+    ]
 
 
-values = st.one_of(st.none(), st.booleans(), st.integers(-5, 5000), st.floats(allow_nan=True, allow_infinity=True),
-                   st.sampled_from([0, 1, 0.0, 1.0, 2.0, 0.5, -0.0, "auto", "4", [1]]), st.text(max_size=3))
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 1, 0.0, 1.0, 2.0, 0.5, -0.0, "auto", "4", [1]]),
+    st.text(max_size=3),
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

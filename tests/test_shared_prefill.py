@@ -9,7 +9,6 @@ shared prefill against its own.
 
 from __future__ import annotations
 
-
 import polars as pl
 import pytest
 import torch
@@ -24,8 +23,11 @@ pytestmark = [pytest.mark.miniature, pytest.mark.usefixtures("quiet_kvpress")]
 SPECS = {
     "snapkv": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8},
     "knorm": {"press": "KnormPress", "compression_ratio": 0.25},
-    "adakv": {"press": "AdaKVPress", "compression_ratio": 0.5,
-              "params": {"press": {"press": "SnapKVPress", "window_size": 8}}},
+    "adakv": {
+        "press": "AdaKVPress",
+        "compression_ratio": 0.5,
+        "params": {"press": {"press": "SnapKVPress", "window_size": 8}},
+    },
     "leverage": press_status.test_spec("LeverageScorePress"),  # draws from torch's generator
     "window": {"press": "SlidingWindowPress", "compression_ratio": 0.5},  # evicts while decoding
 }
@@ -45,8 +47,20 @@ def docs():
 
 def _run(model, docs, names, R=2, **kw):
     policies = {name: Policy.from_config(name, SPECS[name]) for name in names}
-    return run_policies(model, docs, policies, T=5, replicates=R, temperature=0.7, top_p=0.95, seed=5,
-                        model_name="m", split="exploratory", batch_documents=2, **kw)
+    return run_policies(
+        model,
+        docs,
+        policies,
+        T=5,
+        replicates=R,
+        temperature=0.7,
+        top_p=0.95,
+        seed=5,
+        model_name="m",
+        split="exploratory",
+        batch_documents=2,
+        **kw,
+    )
 
 
 def test_policies_run_together_equal_each_alone_bit_for_bit(model, docs):
@@ -89,7 +103,20 @@ def test_a_press_that_fails_in_a_shared_prefill_is_named():
 
     model = random_model(MINIATURE["llama-3.1-8b"], seed=3)
     docs = [Document("a", list(range(1, 41))), Document("b", list(range(2, 50)))]
-    policies = {"knorm": PressPolicy("knorm", KnormPress(compression_ratio=0.5)), "broken": PressPolicy("broken", Broken())}
+    policies = {
+        "knorm": PressPolicy("knorm", KnormPress(compression_ratio=0.5)),
+        "broken": PressPolicy("broken", Broken()),
+    }
     with pytest.raises(PressError, match="'broken'.*broken on purpose"):
-        run_policies(model, docs, policies, T=3, replicates=2, temperature=0.7, top_p=0.95, seed=5,
-                     model_name="m", split="exploratory")
+        run_policies(
+            model,
+            docs,
+            policies,
+            T=3,
+            replicates=2,
+            temperature=0.7,
+            top_p=0.95,
+            seed=5,
+            model_name="m",
+            split="exploratory",
+        )

@@ -23,12 +23,19 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from polars.testing import assert_frame_equal
 import yaml
+from polars.testing import assert_frame_equal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's import mode
-from slurm_cluster import (CONF_HEADER, SYSTEM_CONF, ClusterBusy, SlurmCluster, die_with_parent,
-                           ensure_installed, unavailable_reason)
+from slurm_cluster import (
+    CONF_HEADER,
+    SYSTEM_CONF,
+    ClusterBusy,
+    SlurmCluster,
+    die_with_parent,
+    ensure_installed,
+    unavailable_reason,
+)
 
 _UNAVAILABLE = unavailable_reason()
 # the tests that start a cluster (root; apt installs, /etc/slurm): `slurm`, outside the
@@ -45,12 +52,18 @@ SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 core
 # what goes through SLURM: one run's estimates, so every job of the chain up to them (corpus,
 # conversion, prompts, both shards, the estimate); the other runs' jobs are the same rules
 SLURM_RUN = ("smollm2-135m", "snapkv-50", "exploratory")
-SLURM_TARGETS = [f"{yaml.safe_load((REPO / 'config' / 'smoke.yaml').read_text())['results_dir']}"
-                 f"/estimates/{'/'.join(SLURM_RUN)}.parquet"]
+SLURM_TARGETS = [
+    f"{yaml.safe_load((REPO / 'config' / 'smoke.yaml').read_text())['results_dir']}"
+    f"/estimates/{'/'.join(SLURM_RUN)}.parquet"
+]
 #: the tables those jobs write, relative to the results directory
-SLURM_TABLES = ["corpus/documents.parquet", f"prompts/{SLURM_RUN[0]}.parquet",
-                *(f"trajectories/{'/'.join(SLURM_RUN)}/shard-{i}.parquet" for i in range(2)),
-                f"estimates/{'/'.join(SLURM_RUN)}.parquet", f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet"]
+SLURM_TABLES = [
+    "corpus/documents.parquet",
+    f"prompts/{SLURM_RUN[0]}.parquet",
+    *(f"trajectories/{'/'.join(SLURM_RUN)}/shard-{i}.parquet" for i in range(2)),
+    f"estimates/{'/'.join(SLURM_RUN)}.parquet",
+    f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet",
+]
 # what a run leaves in its directory: not copied into the SLURM run's directory
 RUN_OUTPUTS = ("results", "results-smoke", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
 
@@ -89,8 +102,9 @@ def test_cluster_runs_a_job_and_cleans_up(tmp_path):
     cluster = start_cluster(tmp_path)
     pids = {name: proc.pid for name, proc in cluster.procs.items()}
     try:
-        job = subprocess.run(["srun", "--cpus-per-task=1", "echo", "hello"], env=cluster.env,
-                             capture_output=True, text=True, timeout=60)
+        job = subprocess.run(
+            ["srun", "--cpus-per-task=1", "echo", "hello"], env=cluster.env, capture_output=True, text=True, timeout=60
+        )
         assert job.returncode == 0 and job.stdout.strip() == "hello", job
     finally:
         cluster.stop()
@@ -106,9 +120,18 @@ def dry_run_resources(configfile: str, workdir: Path) -> list[tuple[str, dict[st
     """(rule, resources) of every job that `snakemake -n --profile profiles/slurm` lists."""
     from conftest import snakemake_here  # in this process: no interpreter start
 
-    proc = snakemake_here(workdir, "-n", "--snakefile", str(REPO / "Snakefile"),
-                          "--configfile", str(REPO / configfile), "--profile", str(PROFILE.parent),
-                          "--directory", str(workdir))
+    proc = snakemake_here(
+        workdir,
+        "-n",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(REPO / configfile),
+        "--profile",
+        str(PROFILE.parent),
+        "--directory",
+        str(workdir),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     jobs, rule = [], None
     for line in proc.stdout.splitlines():
@@ -167,16 +190,22 @@ def cluster_overrides(cluster: SlurmCluster) -> list[str]:
         for key, value in fit_resources(resources, cluster).items()
     ]
     return [
-        "--slurm-status-command", "squeue",  # no accounting database: sacct cannot answer
-        "--slurm-init-seconds-before-status-checks", "2",
-        "--seconds-between-status-checks", "2",
+        "--slurm-status-command",
+        "squeue",  # no accounting database: sacct cannot answer
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--seconds-between-status-checks",
+        "2",
         "--slurm-no-account",
-        "--default-resources", *(f"{k}={v}" for k, v in default.items()),
+        "--default-resources",
+        *(f"{k}={v}" for k, v in default.items()),
         *(["--set-resources", *per_rule] if per_rule else []),
         # the local run's thread counts (smoke_run uses --cores 2): torch's float reductions
         # depend on the number of threads, and the numbers must match bit for bit
-        "--max-threads", str(min(LOCAL_CORES, cluster.cpus)),
-        "--retries", "0",  # fail fast: a retry would hide a flaky job
+        "--max-threads",
+        str(min(LOCAL_CORES, cluster.cpus)),
+        "--retries",
+        "0",  # fail fast: a retry would hide a flaky job
     ]
 
 
@@ -202,13 +231,19 @@ def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys
     # the very files the local run used (its working tree), so that both run one workflow
     local_tree = Path(smoke_run).parent
     work = tmp_path / "work"
-    shutil.copytree(local_tree, work, ignore=lambda d, names: [
-        n for n in names if Path(d) == local_tree and n in RUN_OUTPUTS])
+    shutil.copytree(
+        local_tree, work, ignore=lambda d, names: [n for n in names if Path(d) == local_tree and n in RUN_OUTPUTS]
+    )
     # targets before --configfile, which takes every following word as a config file
     cmd = [
-        sys.executable, "-m", "snakemake", *SLURM_TARGETS,
-        "--configfile", "config/smoke.yaml",
-        "--profile", "profiles/slurm",
+        sys.executable,
+        "-m",
+        "snakemake",
+        *SLURM_TARGETS,
+        "--configfile",
+        "config/smoke.yaml",
+        "--profile",
+        "profiles/slurm",
         *cluster_overrides(slurm),
     ]
     # the package from that tree too (smoke_run puts a src/ first as well); the executor
@@ -216,8 +251,9 @@ def test_smoke_run_through_slurm_equals_local(smoke_run, slurm, tmp_path, capsys
     pythonpath = [str(work / "src"), os.environ.get("PYTHONPATH")]
     env = {**slurm.env, "PYTHONPATH": os.pathsep.join(filter(None, pythonpath))}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
-                          timeout=SMOKE_TIMEOUT_S, preexec_fn=die_with_parent)
+    proc = subprocess.run(
+        cmd, cwd=work, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, preexec_fn=die_with_parent
+    )
     elapsed = time.monotonic() - start
     with capsys.disabled():  # shown in every run: the cost of going through SLURM
         print(f"\n[slurm] smoke run through SLURM: {elapsed:.0f} s", file=sys.stderr)

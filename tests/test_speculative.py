@@ -79,8 +79,7 @@ def test_constant_kernel_equals_the_iid_formula():
     np.testing.assert_allclose(t["A"].to_numpy(), A, atol=1e-12)
     np.testing.assert_allclose(t["tokens_per_forward"].to_numpy(), A + 1, atol=1e-12)
     np.testing.assert_allclose(t["alpha"].to_numpy(), 0.7, atol=1e-12)
-    np.testing.assert_allclose(t["iid_tokens_per_forward"].to_numpy(),
-                               (1 - 0.7 ** np.arange(2, 7)) / 0.3, atol=1e-12)
+    np.testing.assert_allclose(t["iid_tokens_per_forward"].to_numpy(), (1 - 0.7 ** np.arange(2, 7)) / 0.3, atol=1e-12)
     np.testing.assert_allclose(t["accepted_fraction"].to_numpy(), A / np.arange(1, 6), atol=1e-12)
     np.testing.assert_allclose(t["A_lo"].to_numpy(), A, atol=1e-12)  # one document: no spread
 
@@ -98,13 +97,26 @@ def test_engine_estimate_is_unbiased_for_the_sampler():
 
 
 def doc(policy, doc_id, S, tv_mean, T=3):
-    return {"model": "m", "policy": policy, "split": "exploratory", "doc_id": doc_id, "T": T,
-            "S": S, "tv_mean": tv_mean}
+    return {
+        "model": "m",
+        "policy": policy,
+        "split": "exploratory",
+        "doc_id": doc_id,
+        "T": T,
+        "S": S,
+        "tv_mean": tv_mean,
+    }
 
 
 def test_pooled_table_by_hand():
-    docs = pl.DataFrame([doc("a", "d0", [0.7, 0.45, 0.45], 0.4), doc("a", "d1", [1.0, 1.0, 1.0], 0.0),
-                         doc("b", "d0", [0.5, 0.25, 0.0], 0.75), doc("b", "d1", [0.5, 0.25, 0.0], 0.75)])
+    docs = pl.DataFrame(
+        [
+            doc("a", "d0", [0.7, 0.45, 0.45], 0.4),
+            doc("a", "d1", [1.0, 1.0, 1.0], 0.0),
+            doc("b", "d0", [0.5, 0.25, 0.0], 0.75),
+            doc("b", "d1", [0.5, 0.25, 0.0], 0.75),
+        ]
+    )
     t = speculative_table(docs, 400, 0.9, seed=3, max_block=2)
     a = t.filter(pl.col("policy") == "a")
     assert a["k"].to_list() == [1, 2] and a["n_docs"].to_list() == [2, 2]
@@ -129,21 +141,38 @@ def test_pooled_table_by_hand():
 
 def test_iid_formula_and_bad_block():
     np.testing.assert_allclose(iid_tokens_per_forward([0.0, 0.5, 1.0], 3), [1.0, 1.875, 4.0])
-    np.testing.assert_allclose(iid_tokens_per_forward(0.9, [1, 4]), [(1 - 0.81) / 0.1, (1 - 0.9 ** 5) / 0.1])
+    np.testing.assert_allclose(iid_tokens_per_forward(0.9, [1, 4]), [(1 - 0.81) / 0.1, (1 - 0.9**5) / 0.1])
     with pytest.raises(ValueError, match=r"block length K must be in \[1, T=3\], got 4"):
         accepted_tokens(np.ones(3), 4)
     with pytest.raises(ValueError, match="max_block must be >= 1, got 0"):
         speculative_table(pl.DataFrame([doc("a", "d0", [1.0, 1.0, 1.0], 0.0)]), 10, 0.9, 0, max_block=0)
-    assert speculative_table(pl.DataFrame(schema={"model": pl.String, "policy": pl.String, "split": pl.String,
-                                                   "T": pl.Int64, "S": pl.List(pl.Float64), "tv_mean": pl.Float64}),
-                             10, 0.9, 0).height == 0
+    assert (
+        speculative_table(
+            pl.DataFrame(
+                schema={
+                    "model": pl.String,
+                    "policy": pl.String,
+                    "split": pl.String,
+                    "T": pl.Int64,
+                    "S": pl.List(pl.Float64),
+                    "tv_mean": pl.Float64,
+                }
+            ),
+            10,
+            0.9,
+            0,
+        ).height
+        == 0
+    )
 
 
 # --------------------------------------------------------------------------- a real sampler on the embedded model
 
-PROMPT = ("The bridge over the river was built in 1932 by a company from Glasgow. It has three spans of steel "
-          "and carries a railway and a road. In winter the steel contracts and in summer it expands, which is "
-          "why the engineers left joints between the spans.")
+PROMPT = (
+    "The bridge over the river was built in 1932 by a company from Glasgow. It has three spans of steel "
+    "and carries a railway and a road. In winter the steel contracts and in summer it expands, which is "
+    "why the engineers left joints between the spans."
+)
 
 
 @pytest.mark.llm
@@ -159,8 +188,9 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     model, tok = embedded
     ids = prepare_documents({"bridge": PROMPT}, tok, instruction="Summarise the text in two sentences.")[0].input_ids
     k, press = 3, {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8}
-    m = kvdiverge.measure(model, tok, {"bridge": ids}, {"snapkv": press}, max_new_tokens=k, replicates=32,
-                          bootstrap=50, progress=False)
+    m = kvdiverge.measure(
+        model, tok, {"bridge": ids}, {"snapkv": press}, max_new_tokens=k, replicates=32, bootstrap=50, progress=False
+    )
     A = np.asarray(m.replicates["S"].to_list()).sum(axis=1)  # A_k per replicate (T = k)
     acc = first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 128, seed=4)
     assert acc.min() >= 1  # a prefill press: q_1 = p_1, the first drafted token is always accepted

@@ -4,11 +4,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.reference.exact import enumerate_coupled
-from kvdiverge.engine.core.pairs import TableKernelPair
-from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.engine.core.coupled import simulate
+from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.streams import uniform_streams
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+from kvdiverge.reference.exact import enumerate_coupled
 
 V = 3
 
@@ -57,8 +57,14 @@ def test_engine_is_unbiased_against_exact_enumeration(fn, eos):
     pair = TableKernelPair(fn, V, eos_ids=eos)
     df = pl.concat([simulate(pair, T, 8, seed=s) for s in range(250)])
     est = estimates(df, T, W)
-    targets = {"p_div": exact.p_div, "E_L": exact.E_L, "N_cmc": exact.E_N, "N_naive": exact.E_N,
-               "N_tv": exact.E_N, "N_win": exact.E_N_win}
+    targets = {
+        "p_div": exact.p_div,
+        "E_L": exact.E_L,
+        "N_cmc": exact.E_N,
+        "N_naive": exact.E_N,
+        "N_tv": exact.E_N,
+        "N_win": exact.E_N_win,
+    }
     for name, target in targets.items():
         x = est[name]
         se = x.std(ddof=1) / np.sqrt(len(x))
@@ -134,12 +140,15 @@ def test_runs_are_reproducible_and_streams_do_not_depend_on_policy():
 def test_the_floor_runs_on_all_documents_of_a_split_or_its_first_n():
     from kvdiverge.study.shard import shard_documents
 
-    prompts = pl.DataFrame({"doc_id": [f"d{i}" for i in range(6)],
-                            "split": ["exploratory"] * 5 + ["confirmatory"],
-                            "input_ids": [[1, 2, 3]] * 6,
-                            "exclusion_reason": [None, "too short", None, None, None, None]})
-    config = {"shards": 2, "runs": {"exploratory": ["a"], "confirmatory": ["b"],
-                                    "floor": {"policy": "noise-floor"}}}
+    prompts = pl.DataFrame(
+        {
+            "doc_id": [f"d{i}" for i in range(6)],
+            "split": ["exploratory"] * 5 + ["confirmatory"],
+            "input_ids": [[1, 2, 3]] * 6,
+            "exclusion_reason": [None, "too short", None, None, None, None],
+        }
+    )
+    config = {"shards": 2, "runs": {"exploratory": ["a"], "confirmatory": ["b"], "floor": {"policy": "noise-floor"}}}
 
     def docs(cfg, split="exploratory"):
         return sorted(d for s in range(2) for d in shard_documents(prompts, cfg, "noise-floor", split, s)["doc_id"])
@@ -148,5 +157,9 @@ def test_the_floor_runs_on_all_documents_of_a_split_or_its_first_n():
     assert docs(config, "confirmatory") == ["d5"]
     subset = {**config, "runs": {**config["runs"], "floor": {"policy": "noise-floor", "documents": 2}}}
     assert docs(subset) == ["d0", "d2"]  # the first usable ones
-    assert sorted(d for s in range(2) for d in shard_documents(prompts, subset, "a", "exploratory", s)["doc_id"]) \
-        == ["d0", "d2", "d3", "d4"]  # the policies keep all
+    assert sorted(d for s in range(2) for d in shard_documents(prompts, subset, "a", "exploratory", s)["doc_id"]) == [
+        "d0",
+        "d2",
+        "d3",
+        "d4",
+    ]  # the policies keep all

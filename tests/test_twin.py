@@ -27,8 +27,9 @@ def _prefill(model, ids, press=None):
 
 
 def _step(model, cache, n):
-    return model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True,
-                 position_ids=torch.tensor([[n]])).logits
+    return model(
+        input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[n]])
+    ).logits
 
 
 def test_twin_shares_every_tensor_and_no_module(model):

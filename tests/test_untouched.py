@@ -33,8 +33,20 @@ def measured():
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            m = kvdiverge.measure(model, None, prompts, presses, max_new_tokens=12, replicates=2, temperature=1.0,
-                                  top_p=1.0, seed=1, window=2, bootstrap=20, progress=False)
+            m = kvdiverge.measure(
+                model,
+                None,
+                prompts,
+                presses,
+                max_new_tokens=12,
+                replicates=2,
+                temperature=1.0,
+                top_p=1.0,
+                seed=1,
+                window=2,
+                bootstrap=20,
+                progress=False,
+            )
     finally:
         logging.disable(logging.NOTSET)
     return m, [str(w.message) for w in caught if "untouched" in str(w.message)]
@@ -55,7 +67,12 @@ def test_a_press_that_changes_nothing_is_untouched_and_warned_about(measured):
     m, messages = measured
     s = {r["policy"]: r for r in m.summary.iter_rows(named=True)}
     assert s["knorm-0"]["untouched"] and s["knorm-0"]["p_div"] == 0.0
-    assert messages == ["press 'knorm-0' left the cache untouched (TV 0 at every step on every prompt: the same "
-                        "kernel as the full cache)"]
+    assert messages == [
+        "press 'knorm-0' left the cache untouched (TV 0 at every step on every prompt: the same "
+        "kernel as the full cache)"
+    ]
     assert m.compression.filter(policy="knorm-0")["untouched"].to_list() == [True, True]
-    assert "left the cache untouched (TV 0 at every step: the same kernel as the full cache): knorm-0" in m.format_summary()
+    assert (
+        "left the cache untouched (TV 0 at every step: the same kernel as the full cache): knorm-0"
+        in m.format_summary()
+    )

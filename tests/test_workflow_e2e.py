@@ -16,8 +16,18 @@ pytestmark = pytest.mark.workflow
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
-TABLES = ["documents", "pooled", "timing", "survival", "branch_tv", "variance", "gaps", "confirmatory",
-          "confirmatory_documents", "floor"]
+TABLES = [
+    "documents",
+    "pooled",
+    "timing",
+    "survival",
+    "branch_tv",
+    "variance",
+    "gaps",
+    "confirmatory",
+    "confirmatory_documents",
+    "floor",
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +80,7 @@ def test_pooled_tables(smoke_run, config):
     a = smoke_run / "analysis"
     pooled = pl.read_parquet(a / "pooled.parquet")
     assert sorted(pooled.select("model", "policy", "split").rows()) == sorted(runs(config))
-    np.testing.assert_allclose(pooled["first_mismatch_term"] + pooled["exposure_rate_term"], pooled["E_M"],
-                               atol=1e-9)
+    np.testing.assert_allclose(pooled["first_mismatch_term"] + pooled["exposure_rate_term"], pooled["E_M"], atol=1e-9)
     for c in ("p_div", "E_N", "E_M"):
         assert (pooled[c + "_lo"] <= pooled[c] + 1e-12).all() and (pooled[c] <= pooled[c + "_hi"] + 1e-12).all()
     surv = pl.read_parquet(a / "survival.parquet")
@@ -94,7 +103,8 @@ def test_floor_beside_every_policy(smoke_run, config):
     want = sorted((m, s, p) for m, p, s in runs(config) if p != "noise-floor")
     assert sorted(floor.select("model", "split", "policy").rows()) == want
     prompts = pl.read_parquet(smoke_run / "prompts" / "smollm2-135m.parquet").filter(
-        pl.col("exclusion_reason").is_null())
+        pl.col("exclusion_reason").is_null()
+    )
     for r in floor.iter_rows(named=True):
         # paired on the floor's documents: all of the split's (the none control: its own few)
         n_split = prompts.filter(pl.col("split") == r["split"]).height
@@ -136,6 +146,7 @@ def test_shards_and_report_carry_the_provenance(smoke_run, config):
         want = settings_hash(shard_settings(config, row["model"], row["policy"], row["split"]))
         assert row["settings_hash"] == want and want in summary
         assert row["shards"] == config["shards"] and row["kvpress"] == "0.5.5"
-        shard = read_provenance(smoke_run / "trajectories" / row["model"] / row["policy"] / row["split"]
-                                / "shard-1.parquet")
+        shard = read_provenance(
+            smoke_run / "trajectories" / row["model"] / row["policy"] / row["split"] / "shard-1.parquet"
+        )
         assert shard.settings_hash == want and shard.versions["torch"] == row["torch"]

@@ -35,11 +35,29 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from kvdiverge.study.inputs import (OPTIONS, SOTU_INSTRUCTION, InputError, argument_prompts, argument_sources,
-                                    cache_entry, check_arguments, cli_entries, model_entry, read_prompts)
+from kvdiverge.study.inputs import (
+    OPTIONS,
+    SOTU_INSTRUCTION,
+    InputError,
+    argument_prompts,
+    argument_sources,
+    cache_entry,
+    check_arguments,
+    cli_entries,
+    model_entry,
+    read_prompts,
+)
 
-__all__ = ["OPTIONS", "SOTU_INSTRUCTION", "UsageError", "cache_entry", "cli_entries", "main", "model_entry",
-           "read_prompts"]
+__all__ = [
+    "OPTIONS",
+    "SOTU_INSTRUCTION",
+    "UsageError",
+    "cache_entry",
+    "cli_entries",
+    "main",
+    "model_entry",
+    "read_prompts",
+]
 
 PROG = "kvdiverge measure"
 
@@ -51,7 +69,7 @@ UsageError = InputError
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2)."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -59,36 +77,62 @@ def _parser() -> argparse.ArgumentParser:
     root = _Parser(prog="kvdiverge", description="kvdiverge command line.")
     sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
-        "measure", prog=PROG,
+        "measure",
+        prog=PROG,
         help="measure how presses change what a model generates",
         description="Measure how KV-cache presses change what a model generates: per press, the "
-                    "occurrence p_div and timing of first divergence from full-cache generation, and "
-                    "the mismatch fraction E[M] = p_div/T + (E[L]/T)*rho, with bootstrap intervals.",
+        "occurrence p_div and timing of first divergence from full-cache generation, and "
+        "the mismatch fraction E[M] = p_div/T + (E[L]/T)*rho, with bootstrap intervals.",
         epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
-               "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
+        "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
     )
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
-    p.add_argument("--press", action="append", default=[], metavar="NAME[:param=value,...]",
-                   help="a kvpress class name or module:Class, with constructor parameters "
-                        "(int, float, true/false or text), or a press expression such as "
-                        "'AdaKVPress(press=SnapKVPress(compression_ratio=0.5))' (literals and press "
-                        "classes only); repeat for more presses")
-    p.add_argument("--cache", action="append", default=[], metavar="BACKEND[:param=value,...]",
-                   help="a quantized KV cache (backend quanto or hqq; nbits, q_group_size, residual_length), "
-                        "e.g. quanto:nbits=4: measured alone and after each --press; repeat for more")
-    p.add_argument("--budget", type=int, metavar="TOKENS",
-                   help="keep this many prompt positions per layer and head (a per-prompt compression "
-                        "ratio of the press that takes one); instead of compression_ratio")
+    p.add_argument(
+        "--press",
+        action="append",
+        default=[],
+        metavar="NAME[:param=value,...]",
+        help="a kvpress class name or module:Class, with constructor parameters "
+        "(int, float, true/false or text), or a press expression such as "
+        "'AdaKVPress(press=SnapKVPress(compression_ratio=0.5))' (literals and press "
+        "classes only); repeat for more presses",
+    )
+    p.add_argument(
+        "--cache",
+        action="append",
+        default=[],
+        metavar="BACKEND[:param=value,...]",
+        help="a quantized KV cache (backend quanto or hqq; nbits, q_group_size, residual_length), "
+        "e.g. quanto:nbits=4: measured alone and after each --press; repeat for more",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        metavar="TOKENS",
+        help="keep this many prompt positions per layer and head (a per-prompt compression "
+        "ratio of the press that takes one); instead of compression_ratio",
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE",
-                     help="prompts: a text file (one per line), JSON lines (.jsonl) or parquet (see --field)")
+    src.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="prompts: a text file (one per line), JSON lines (.jsonl) or parquet (see --field)",
+    )
     src.add_argument("--sotu", type=int, metavar="N", help="N excerpts of the embedded State of the Union corpus")
     p.add_argument("--field", default="text", help="text field of a JSON-lines or parquet file (default: text)")
     p.add_argument("--id-field", help="id field of a JSON-lines or parquet file (default: prompt-<i>)")
-    p.add_argument("--words", type=int, nargs=2, default=(150, 250), metavar=("MIN", "MAX"),
-                   help="--sotu excerpt length in words (default: 150 250)")
-    p.add_argument("--instruction", help="text appended to each prompt after a blank line "
-                                         f"(default for --sotu: {SOTU_INSTRUCTION!r})")
+    p.add_argument(
+        "--words",
+        type=int,
+        nargs=2,
+        default=(150, 250),
+        metavar=("MIN", "MAX"),
+        help="--sotu excerpt length in words (default: 150 250)",
+    )
+    p.add_argument(
+        "--instruction",
+        help=f"text appended to each prompt after a blank line (default for --sotu: {SOTU_INSTRUCTION!r})",
+    )
     p.add_argument("--system", help="system message")
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
@@ -100,17 +144,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default: 0.95)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)")
-    p.add_argument("--batch-documents", type=int, metavar="B",
-                   help="documents per forward (default: the memory planner's choice)")
-    p.add_argument("--ratios", type=float, nargs="+", metavar="R",
-                   help="a frontier: run every --press at each compression ratio R in [0, 1), beside the "
-                        "noise floor (each --cache alone and after each press too); prints the ranked frontier "
-                        "table and writes frontier.png/.pdf")
-    p.add_argument("--cache-ratios", type=float, nargs="+", metavar="R",
-                   help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
-                        "cache alone (default: 0 and every --ratios value)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)",
+    )
+    p.add_argument(
+        "--batch-documents", type=int, metavar="B", help="documents per forward (default: the memory planner's choice)"
+    )
+    p.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="a frontier: run every --press at each compression ratio R in [0, 1), beside the "
+        "noise floor (each --cache alone and after each press too); prints the ranked frontier "
+        "table and writes frontier.png/.pdf",
+    )
+    p.add_argument(
+        "--cache-ratios",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
+        "cache alone (default: 0 and every --ratios value)",
+    )
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
@@ -158,12 +217,28 @@ def _measure(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
         warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-        m = measure(model, tokenizer, prompts, presses, max_new_tokens=args.max_new_tokens, ratios=args.ratios,
-                    caches=caches, cache_ratios=args.cache_ratios,
-                    replicates=args.replicates, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    window=args.window, instruction=instruction, system=args.system, bootstrap=args.bootstrap,
-                    confidence=args.confidence, model_name=name, progress=not args.quiet,
-                    batch_documents=args.batch_documents)
+        m = measure(
+            model,
+            tokenizer,
+            prompts,
+            presses,
+            max_new_tokens=args.max_new_tokens,
+            ratios=args.ratios,
+            caches=caches,
+            cache_ratios=args.cache_ratios,
+            replicates=args.replicates,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            window=args.window,
+            instruction=instruction,
+            system=args.system,
+            bootstrap=args.bootstrap,
+            confidence=args.confidence,
+            model_name=name,
+            progress=not args.quiet,
+            batch_documents=args.batch_documents,
+        )
     print(m.format_summary(), flush=True)
     if args.ratios:
         print(m.format_frontier(), flush=True)

@@ -33,13 +33,30 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.report.formatting import frontier_text, summary_text
-from kvdiverge.study.inputs import (NOISE_FLOOR_PRESS, check_lengths, frontier_presses, is_noise_floor, measure_inputs,
-                                    measure_settings, model_label, prepare_documents, prepare_presses)
+from kvdiverge.study.inputs import (
+    NOISE_FLOOR_PRESS,
+    check_lengths,
+    frontier_presses,
+    is_noise_floor,
+    measure_inputs,
+    measure_settings,
+    model_label,
+    prepare_documents,
+    prepare_presses,
+)
 
-__all__ = ["Measurement", "NOISE_FLOOR_PRESS", "check_lengths", "frontier_presses", "measure", "prepare_documents",
-           "prepare_presses"]
+__all__ = [
+    "Measurement",
+    "NOISE_FLOOR_PRESS",
+    "check_lengths",
+    "frontier_presses",
+    "measure",
+    "prepare_documents",
+    "prepare_presses",
+]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Measurement:
@@ -114,8 +131,9 @@ class Measurement:
         from kvdiverge.estimation.speculative import speculative_table
 
         s = self.settings
-        return self._memo("speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"],
-                                                                   s["seed"]))
+        return self._memo(
+            "speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
+        )
 
     @property
     def compression(self) -> pl.DataFrame:
@@ -143,10 +161,13 @@ class Measurement:
         reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`)."""
         from kvdiverge.estimation.speculative import format_speculative_line
 
-        return (summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS) + "\n"
-                + format_speculative_line(self.speculative, self.presses))
+        return (
+            summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
+            + "\n"
+            + format_speculative_line(self.speculative, self.presses)
+        )
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:
         return self.format_summary()
 
     def save(self, directory: str | os.PathLike) -> list[Path]:
@@ -162,10 +183,19 @@ class Measurement:
         """
         from kvdiverge.study.provenance import save_measurement
 
-        tables = {"trajectories": self.trajectories, "replicates": self.replicates, "documents": self.documents,
-                  "pooled": self.pooled, "timing": self.timing, "survival": self.survival,
-                  "branch_tv": self.branch_tv, "variance": self.variance, "gaps": self.gaps,
-                  "summary": self.summary, "speculative": self.speculative}
+        tables = {
+            "trajectories": self.trajectories,
+            "replicates": self.replicates,
+            "documents": self.documents,
+            "pooled": self.pooled,
+            "timing": self.timing,
+            "survival": self.survival,
+            "branch_tv": self.branch_tv,
+            "variance": self.variance,
+            "gaps": self.gaps,
+            "summary": self.summary,
+            "speculative": self.speculative,
+        }
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
         return save_measurement(directory, tables, self.settings, self.batch_documents)
@@ -222,16 +252,34 @@ class Measurement:
 # --------------------------------------------------------------------------- the call
 
 
-def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, replicates: int = 4,
-            temperature: float = 0.7, top_p: float = 0.95, seed: int = 0, window: int = 8,
-            instruction: str | None = None, system: str | None = None,
-            windows: Mapping[str, Sequence[int]] | None = None, bootstrap: int = 2000,
-            confidence: float = 0.95, model_name: str | None = None, split: str = "measure",
-            eos_ids: Sequence[int] | None = None, progress: bool = True,
-            batch_documents: int | None = None, memory_budget_gb: float | None = None,
-            ratios: Sequence[float] | None = None, budgets: Sequence[int] | None = None,
-            caches: Mapping[str, Mapping[str, Any]] | None = None,
-            cache_ratios: Sequence[float] | None = None) -> Measurement:
+def measure(
+    model,
+    tokenizer,
+    prompts,
+    presses,
+    *,
+    max_new_tokens: int = 32,
+    replicates: int = 4,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    seed: int = 0,
+    window: int = 8,
+    instruction: str | None = None,
+    system: str | None = None,
+    windows: Mapping[str, Sequence[int]] | None = None,
+    bootstrap: int = 2000,
+    confidence: float = 0.95,
+    model_name: str | None = None,
+    split: str = "measure",
+    eos_ids: Sequence[int] | None = None,
+    progress: bool = True,
+    batch_documents: int | None = None,
+    memory_budget_gb: float | None = None,
+    ratios: Sequence[float] | None = None,
+    budgets: Sequence[int] | None = None,
+    caches: Mapping[str, Mapping[str, Any]] | None = None,
+    cache_ratios: Sequence[float] | None = None,
+) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
@@ -325,32 +373,78 @@ def measure(model, tokenizer, prompts, presses, *, max_new_tokens: int = 32, rep
     from kvdiverge.study.models import kv_sizes
     from kvdiverge.study.settings import check_settings
 
-    checked = check_settings({"max_new_tokens": max_new_tokens, "replicates": replicates,
-                              "temperature": temperature, "top_p": top_p, "seed": seed, "window": window,
-                              "bootstrap": bootstrap, "confidence": confidence,
-                              "memory_budget_gb": memory_budget_gb,
-                              **({} if batch_documents is None else {"batch_documents": batch_documents})})
+    checked = check_settings(
+        {
+            "max_new_tokens": max_new_tokens,
+            "replicates": replicates,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "window": window,
+            "bootstrap": bootstrap,
+            "confidence": confidence,
+            "memory_budget_gb": memory_budget_gb,
+            **({} if batch_documents is None else {"batch_documents": batch_documents}),
+        }
+    )
     T, R = checked["max_new_tokens"], checked["replicates"]
-    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, T, R, instruction, system, ratios,
-                                              budgets, caches, cache_ratios)
+    documents, sources, grid = measure_inputs(
+        model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
+    )
     if model_name is None:
         model_name = model_label(model)
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
-    runs = run_policies(model, documents, sources, T=T, replicates=R, temperature=float(temperature),
-                        top_p=float(top_p), seed=int(seed), model_name=model_name, split=split, eos_ids=eos_ids,
-                        batch_documents=batch_documents, memory_budget_gb=memory_budget_gb, owner="press",
-                        progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress,
-                                                          mininterval=1.0))
+    runs = run_policies(
+        model,
+        documents,
+        sources,
+        T=T,
+        replicates=R,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=int(seed),
+        model_name=model_name,
+        split=split,
+        eos_ids=eos_ids,
+        batch_documents=batch_documents,
+        memory_budget_gb=memory_budget_gb,
+        owner="press",
+        progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress, mininterval=1.0),
+    )
     trajectories, B = runs.trajectories, runs.batch_documents
     reps, docs = tables.estimate(trajectories, int(window), windows)
     pooled = tables.pool(docs, int(bootstrap), float(confidence), int(seed))
-    settings = measure_settings(model_name, split, sources, grid, T=T, R=R, temperature=temperature, top_p=top_p,
-                                seed=seed, window=window, bootstrap=bootstrap, confidence=confidence,
-                                instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
-    result = Measurement(trajectories=trajectories, replicates=reps, documents=docs, settings=settings,
-                         noise_floor=floors[0] if floors else None, batch_documents=B, **pooled)
+    settings = measure_settings(
+        model_name,
+        split,
+        sources,
+        grid,
+        T=T,
+        R=R,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        window=window,
+        bootstrap=bootstrap,
+        confidence=confidence,
+        instruction=instruction,
+        system=system,
+        kv_sizes=kv_sizes(model) if grid else None,
+    )
+    result = Measurement(
+        trajectories=trajectories,
+        replicates=reps,
+        documents=docs,
+        settings=settings,
+        noise_floor=floors[0] if floors else None,
+        batch_documents=B,
+        **pooled,
+    )
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
-        warnings.warn(f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
-                      f"kernel as the full cache)", stacklevel=2)
+        warnings.warn(
+            f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
+            f"kernel as the full cache)",
+            stacklevel=2,
+        )
     return result

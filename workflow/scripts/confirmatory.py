@@ -6,19 +6,19 @@ from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.pages import confirmatory_html
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "confirmatory")  # noqa: F821
-p = snakemake.params  # noqa: F821
-out = snakemake.output  # noqa: F821
+log = rule_logger(snakemake.log[0], "confirmatory")
+p = snakemake.params
+out = snakemake.output
 try:
     plan = dict(p.plan)
     log.info("plan %s, sha256 %s", plan, plan_hash(plan))
-    files = list(snakemake.input)  # noqa: F821
+    files = list(snakemake.input)
     if not files:
-        raise ValueError(f"no confirmatory run of the plan's policy {plan.get('policy')!r}: "
-                         "add it to config runs.confirmatory")
+        raise ValueError(
+            f"no confirmatory run of the plan's policy {plan.get('policy')!r}: add it to config runs.confirmatory"
+        )
     docs = read_estimates(files)  # refuses non-finite inputs
-    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed,
-                                           floor=p.floor)
+    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed, floor=p.floor)
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)

@@ -3,11 +3,10 @@
 from kvdiverge.study.models import convert_to_directory
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "convert_model")  # noqa: F821
+log = rule_logger(snakemake.log[0], "convert_model")
 try:
-    entry = convert_to_directory(dict(snakemake.params.model), snakemake.output[0],  # noqa: F821
-                                 snakemake.wildcards.model)  # noqa: F821
-    log.info("converted %s -> %s", snakemake.wildcards.model, entry["path"])  # noqa: F821
+    entry = convert_to_directory(dict(snakemake.params.model), snakemake.output[0], snakemake.wildcards.model)
+    log.info("converted %s -> %s", snakemake.wildcards.model, entry["path"])
 except Exception:
     log.exception("model conversion failed")
     raise

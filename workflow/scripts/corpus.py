@@ -1,20 +1,26 @@
 """Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.study.corpus)."""
 
-from kvdiverge.study.corpus import build_corpus
 from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.corpus import build_corpus
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "corpus")  # noqa: F821
+log = rule_logger(snakemake.log[0], "corpus")
 try:
-    corpus = dict(snakemake.params.corpus)  # noqa: F821
+    corpus = dict(snakemake.params.corpus)
     log.info("corpus config: %s", corpus)
     docs = build_corpus(corpus)
     for split, n in docs.group_by("split").len().sort("split").iter_rows():
         part = docs.filter(docs["split"] == split)
-        log.info("%s: %d documents from %d addresses, %d-%d words", split, n,
-                 part["address"].n_unique(), part["n_words"].min(), part["n_words"].max())
-    write_parquet_atomic(docs, snakemake.output[0])  # noqa: F821
-    log.info("wrote %s", snakemake.output[0])  # noqa: F821
+        log.info(
+            "%s: %d documents from %d addresses, %d-%d words",
+            split,
+            n,
+            part["address"].n_unique(),
+            part["n_words"].min(),
+            part["n_words"].max(),
+        )
+    write_parquet_atomic(docs, snakemake.output[0])
+    log.info("wrote %s", snakemake.output[0])
 except Exception:
     log.exception("corpus stage failed")
     raise

@@ -2,28 +2,26 @@
 
 from kvdiverge.estimation.estimators import read_shards
 from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.estimation.tables import estimate
 from kvdiverge.study.provenance import check_shards
 from kvdiverge.study.rulelog import rule_logger
-from kvdiverge.estimation.tables import estimate
 
-log = rule_logger(snakemake.log[0], "estimate")  # noqa: F821
-w = snakemake.wildcards  # noqa: F821
+log = rule_logger(snakemake.log[0], "estimate")
+w = snakemake.wildcards
 try:
     # refuse shards made with other settings than the config's (copied in, older version)
-    records = check_shards(snakemake.input, dict(snakemake.params.settings),  # noqa: F821
-                           model=w.model, policy=w.policy, split=w.split)
-    log.info("shards match the config: settings hash %s, versions %s", records[0].settings_hash,
-             records[0].versions)
-    shards = read_shards(snakemake.input)  # noqa: F821
-    log.info("%d trajectory rows from %d shards", shards.height, len(snakemake.input))  # noqa: F821
-    reps, docs = estimate(shards, int(snakemake.params.window), dict(snakemake.params.windows),  # noqa: F821
-                          progress=True)
+    records = check_shards(
+        snakemake.input, dict(snakemake.params.settings), model=w.model, policy=w.policy, split=w.split
+    )
+    log.info("shards match the config: settings hash %s, versions %s", records[0].settings_hash, records[0].versions)
+    shards = read_shards(snakemake.input)
+    log.info("%d trajectory rows from %d shards", shards.height, len(snakemake.input))
+    reps, docs = estimate(shards, int(snakemake.params.window), dict(snakemake.params.windows), progress=True)
     log.info("%d documents; decomposition identity holds for each", docs.height)
-    log.info("\n%s", docs.select("doc_id", "p_div", "tau_mean", "E_N", "E_N_naive", "E_M", "rho",
-                                 "var_ratio"))
-    write_parquet_atomic(reps, snakemake.output.replicates)  # noqa: F821
-    write_parquet_atomic(docs, snakemake.output.documents)  # noqa: F821
-    log.info("wrote %s and %s", snakemake.output.documents, snakemake.output.replicates)  # noqa: F821
+    log.info("\n%s", docs.select("doc_id", "p_div", "tau_mean", "E_N", "E_N_naive", "E_M", "rho", "var_ratio"))
+    write_parquet_atomic(reps, snakemake.output.replicates)
+    write_parquet_atomic(docs, snakemake.output.documents)
+    log.info("wrote %s and %s", snakemake.output.documents, snakemake.output.replicates)
 except Exception:
     log.exception("estimate stage failed")
     raise

@@ -6,19 +6,36 @@ from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison, save_t
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "floor")  # noqa: F821
-p = snakemake.params  # noqa: F821
-out = snakemake.output  # noqa: F821
+log = rule_logger(snakemake.log[0], "floor")
+p = snakemake.params
+out = snakemake.output
 try:
     if p.floor is None:
         log.info("no noise-floor control configured (runs.floor): empty table")
         table = pl.DataFrame(schema=FLOOR_SCHEMA)
     else:
-        docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
+        docs = read_estimates(list(snakemake.input))
         table = floor_comparison(docs, p.floor, p.bootstrap, p.confidence, p.seed)
-        log.info("floor %s:\n%s", p.floor, table.select(
-            ["model", "split", "policy", "n_docs", "p_div", "floor_p_div", "E_N", "floor_E_N",
-             "tv_mean", "floor_tv_mean", "above_floor_p_div", "above_floor_E_N"]))
+        log.info(
+            "floor %s:\n%s",
+            p.floor,
+            table.select(
+                [
+                    "model",
+                    "split",
+                    "policy",
+                    "n_docs",
+                    "p_div",
+                    "floor_p_div",
+                    "E_N",
+                    "floor_E_N",
+                    "tv_mean",
+                    "floor_tv_mean",
+                    "above_floor_p_div",
+                    "above_floor_E_N",
+                ]
+            ),
+        )
     save_table(table, out.parquet, out.csv)
 except Exception:
     log.exception("floor comparison failed")

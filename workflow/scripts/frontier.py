@@ -4,22 +4,23 @@ the KV bytes counted with each model's sizes, read from its config (kvdiverge.st
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import frontier_tables
-from kvdiverge.report.formatting import frontier_text
 from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.report.formatting import frontier_text
 from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.models import entry_kv_sizes
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "frontier")  # noqa: F821
-p = snakemake.params  # noqa: F821
-out = snakemake.output  # noqa: F821
+log = rule_logger(snakemake.log[0], "frontier")
+p = snakemake.params
+out = snakemake.output
 try:
-    docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
+    docs = read_estimates(list(snakemake.input))
     grid = [dict(point) for point in p.grid]
     sizes = {name: entry_kv_sizes(dict(entry), name) for name, entry in p.models.items()}
     log.info("KV sizes per model: %s", sizes)
-    points, areas = frontier_tables(docs, grid, p.floor, p.bootstrap, p.confidence, p.seed, split=p.split,
-                                    kv_sizes=sizes)
+    points, areas = frontier_tables(
+        docs, grid, p.floor, p.bootstrap, p.confidence, p.seed, split=p.split, kv_sizes=sizes
+    )
     log.info("\n%s", frontier_text(points, areas, p.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)

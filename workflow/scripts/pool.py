@@ -4,15 +4,15 @@ from tqdm import tqdm
 
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.study.rulelog import rule_logger
 from kvdiverge.estimation.tables import pool
+from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "pool")  # noqa: F821
-out = snakemake.output  # noqa: F821
-p = snakemake.params  # noqa: F821
+log = rule_logger(snakemake.log[0], "pool")
+out = snakemake.output
+p = snakemake.params
 try:
-    docs = read_estimates(tqdm(snakemake.input, desc="estimates"))  # noqa: F821  (refuses non-finite)
-    log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))  # noqa: F821
+    docs = read_estimates(tqdm(snakemake.input, desc="estimates"))
+    log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))
     tables = pool(docs, p.bootstrap, p.confidence, p.seed)
     log.info("pooled decomposition identity holds for every run")
     log.info("\n%s", tables["timing"])

@@ -7,22 +7,22 @@ from kvdiverge.study.models import context_length, load_model_config, load_token
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "prompts")  # noqa: F821
+log = rule_logger(snakemake.log[0], "prompts")
 try:
-    name = snakemake.wildcards.model  # noqa: F821
-    spec = dict(snakemake.params.model)  # noqa: F821
+    name = snakemake.wildcards.model
+    spec = dict(snakemake.params.model)
     log.info("model %s: %s", name, spec)
-    if snakemake.input.model:  # noqa: F821  (a GGUF model converted by rule convert_model)
-        spec = local_entry(spec, snakemake.input.model)  # noqa: F821
+    if snakemake.input.model:
+        spec = local_entry(spec, snakemake.input.model)
     tokenizer = load_tokenizer(spec, name)
     context = context_length(load_model_config(spec, name))
     log.info("context length: %d tokens", context)
-    documents = pl.read_parquet(snakemake.input[0])  # noqa: F821
-    prompts = build_prompts(documents, tokenizer, dict(snakemake.params.settings), context)  # noqa: F821
+    documents = pl.read_parquet(snakemake.input[0])
+    prompts = build_prompts(documents, tokenizer, dict(snakemake.params.settings), context)
     log.info("\n%s", summary(prompts))
-    check_usable(prompts, dict(snakemake.params.settings))  # noqa: F821
-    write_parquet_atomic(prompts, snakemake.output[0])  # noqa: F821
-    log.info("wrote %s", snakemake.output[0])  # noqa: F821
+    check_usable(prompts, dict(snakemake.params.settings))
+    write_parquet_atomic(prompts, snakemake.output[0])
+    log.info("wrote %s", snakemake.output[0])
 except Exception:
     log.exception("prompts stage failed")
     raise

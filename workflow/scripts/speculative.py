@@ -7,14 +7,27 @@ from kvdiverge.estimation.speculative import speculative_table
 from kvdiverge.report.pages import speculative_html
 from kvdiverge.study.rulelog import rule_logger
 
-log = rule_logger(snakemake.log[0], "speculative")  # noqa: F821
-p = snakemake.params  # noqa: F821
-out = snakemake.output  # noqa: F821
+log = rule_logger(snakemake.log[0], "speculative")
+p = snakemake.params
+out = snakemake.output
 try:
-    docs = read_estimates(list(snakemake.input))  # noqa: F821  (refuses non-finite inputs)
+    docs = read_estimates(list(snakemake.input))
     table = speculative_table(docs, p.bootstrap, p.confidence, p.seed)
-    log.info("\n%s", table.select("model", "policy", "split", "k", "A", "A_lo", "A_hi", "tokens_per_forward",
-                                  "alpha", "iid_tokens_per_forward"))
+    log.info(
+        "\n%s",
+        table.select(
+            "model",
+            "policy",
+            "split",
+            "k",
+            "A",
+            "A_lo",
+            "A_hi",
+            "tokens_per_forward",
+            "alpha",
+            "iid_tokens_per_forward",
+        ),
+    )
     save_table(table, out.parquet, out.csv)
     write_text_atomic(speculative_html(table, p.confidence), out.html)
 except Exception:

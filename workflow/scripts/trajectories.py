@@ -12,19 +12,26 @@ from kvdiverge.study.models import local_entry
 from kvdiverge.study.rulelog import rule_logger
 from kvdiverge.study.shard import run_shard
 
-log = rule_logger(snakemake.log[0], "trajectories")  # noqa: F821
-torch.set_num_threads(snakemake.threads)  # noqa: F821
-w = snakemake.wildcards  # noqa: F821
-spec = snakemake.config["models"][w.model]  # noqa: F821
-if snakemake.input.model:  # noqa: F821  (a GGUF model converted by rule convert_model)
-    spec = local_entry(spec, snakemake.input.model)  # noqa: F821
+log = rule_logger(snakemake.log[0], "trajectories")
+torch.set_num_threads(snakemake.threads)
+w = snakemake.wildcards
+spec = snakemake.config["models"][w.model]
+if snakemake.input.model:
+    spec = local_entry(spec, snakemake.input.model)
 try:
     with bind_device(str(spec.get("device", "cpu"))) as device:
         spec = {**spec, "device": device}
-        frame = run_shard(snakemake.config, w.model, list(snakemake.params.policies), snakemake.params.split,  # noqa: F821
-                          snakemake.params.shard, snakemake.input.prompts, list(snakemake.output),  # noqa: F821
-                          model_spec=spec)
-    log.info("wrote %s: %d rows", ", ".join(snakemake.output), frame.height)  # noqa: F821
+        frame = run_shard(
+            snakemake.config,
+            w.model,
+            list(snakemake.params.policies),
+            snakemake.params.split,
+            snakemake.params.shard,
+            snakemake.input.prompts,
+            list(snakemake.output),
+            model_spec=spec,
+        )
+    log.info("wrote %s: %d rows", ", ".join(snakemake.output), frame.height)
 except Exception:
     log.exception("trajectory shard failed")
     raise

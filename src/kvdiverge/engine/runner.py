@@ -20,8 +20,16 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-__all__ = ["Document", "PolicyRuns", "PressSource", "build_pair", "check_policy", "plan_documents", "run_documents",
-           "run_policies"]
+__all__ = [
+    "Document",
+    "PolicyRuns",
+    "PressSource",
+    "build_pair",
+    "check_policy",
+    "plan_documents",
+    "run_documents",
+    "run_policies",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +118,21 @@ def plan_documents(
 
     param = next(model.parameters())
     if batch_documents is None:
-        budget = (default_memory_budget(param.device) if memory_budget_gb is None
-                  else int(float(memory_budget_gb) * 2**30))
+        budget = (
+            default_memory_budget(param.device) if memory_budget_gb is None else int(float(memory_budget_gb) * 2**30)
+        )
     else:
         budget = 0  # unused: the override decides
     return plan_batch(
         kv_bytes_per_token=kv_bytes_per_token(model.config, param.dtype),
-        prompt_len=max((doc.prompt_len for doc in documents), default=0), T=int(T), replicates=int(replicates),
-        vocab_size=int(model.config.vocab_size), memory_budget_bytes=budget, documents=max(len(documents), 1),
-        override=batch_documents, decode_time=decode_time,
+        prompt_len=max((doc.prompt_len for doc in documents), default=0),
+        T=int(T),
+        replicates=int(replicates),
+        vocab_size=int(model.config.vocab_size),
+        memory_budget_bytes=budget,
+        documents=max(len(documents), 1),
+        override=batch_documents,
+        decode_time=decode_time,
     )
 
 
@@ -208,11 +222,29 @@ def run_documents(
     if not documents:
         return []
     decode_time = check_policy(model, documents, policy, f"policy {policy.name!r}")
-    B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
-                       memory_budget_gb=memory_budget_gb, decode_time=decode_time)
-    records, _ = _run_planned(model, documents, policy, B, T=T, replicates=replicates, seed=seed,
-                              model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
-                              progress=progress)
+    B = plan_documents(
+        model,
+        documents,
+        T=T,
+        replicates=replicates,
+        batch_documents=batch_documents,
+        memory_budget_gb=memory_budget_gb,
+        decode_time=decode_time,
+    )
+    records, _ = _run_planned(
+        model,
+        documents,
+        policy,
+        B,
+        T=T,
+        replicates=replicates,
+        seed=seed,
+        model_name=model_name,
+        temperature=temperature,
+        top_p=top_p,
+        eos_ids=eos_ids,
+        progress=progress,
+    )
     return records
 
 
@@ -230,7 +262,6 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     """
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses import registry
-
     from kvdiverge.engine.presses.policies import min_prompt_tokens
 
     # at a length the press accepts: whether it is refused does not depend on the length, and
@@ -242,8 +273,9 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     return registry.is_decode_time(press)
 
 
-def check_prompt_lengths(documents: Sequence[Document], policies: Mapping[str, PressSource],
-                         owner: str = "press") -> None:
+def check_prompt_lengths(
+    documents: Sequence[Document], policies: Mapping[str, PressSource], owner: str = "press"
+) -> None:
     """Refuse, before any forward, a document shorter than a policy can compress.
 
     Parameters
@@ -266,8 +298,9 @@ def check_prompt_lengths(documents: Sequence[Document], policies: Mapping[str, P
         for name, source in policies.items():
             need = min_prompt_tokens(source)
             if doc.prompt_len < need:
-                raise ValueError(f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; {owner} {name!r} "
-                                 f"needs at least {need}")
+                raise ValueError(
+                    f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; {owner} {name!r} needs at least {need}"
+                )
 
 
 @dataclass(frozen=True)
@@ -348,23 +381,49 @@ def run_policies(
     """
     from kvdiverge.engine.core.coupled import to_frame
 
-    flags = {name: check_policy(model, documents, source, f"{owner} {name!r}")
-             for name, source in policies.items()} if documents else {}
+    flags = (
+        {name: check_policy(model, documents, source, f"{owner} {name!r}") for name, source in policies.items()}
+        if documents
+        else {}
+    )
     check_prompt_lengths(documents, policies, owner)
     if documents and memory_budget_gb is None:  # the free memory, read once for the batch and the groups
         from kvdiverge.engine.llm.planner import default_memory_budget
 
         memory_budget_gb = default_memory_budget(next(model.parameters()).device) / 2**30
-    B = plan_documents(model, documents, T=T, replicates=replicates, batch_documents=batch_documents,
-                       memory_budget_gb=memory_budget_gb, decode_time=any(flags.values())) if documents else None
+    B = (
+        plan_documents(
+            model,
+            documents,
+            T=T,
+            replicates=replicates,
+            batch_documents=batch_documents,
+            memory_budget_gb=memory_budget_gb,
+            decode_time=any(flags.values()),
+        )
+        if documents
+        else None
+    )
     by_policy: dict[str, list[dict[str, Any]]] = {}
     counts: dict[str, dict[str, int]] = {}
     shared = [name for name, decode_time in flags.items() if not decode_time]
     if len(shared) >= 2:  # one prefill forward per document for all of them (where their presses allow)
         group = _prefill_group(model, documents, B, T=T, replicates=replicates, memory_budget_gb=memory_budget_gb)
-        got = _run_shared(model, documents, {name: policies[name] for name in shared}, B, group, T=T,
-                          replicates=replicates, seed=seed, model_name=model_name, temperature=temperature,
-                          top_p=top_p, eos_ids=eos_ids, progress=progress)
+        got = _run_shared(
+            model,
+            documents,
+            {name: policies[name] for name in shared},
+            B,
+            group,
+            T=T,
+            replicates=replicates,
+            seed=seed,
+            model_name=model_name,
+            temperature=temperature,
+            top_p=top_p,
+            eos_ids=eos_ids,
+            progress=progress,
+        )
         for name, (recs, c) in got.items():
             by_policy[name], counts[name] = recs, c
     for name, source in policies.items():
@@ -373,12 +432,24 @@ def run_policies(
         if not documents:
             by_policy[name], counts[name] = [], {"documents": 0, "batches": 0}
             continue
-        with (progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()) as bar:
-            by_policy[name], counts[name] = _run_planned(model, documents, source, B, T=T, replicates=replicates,
-                                                         seed=seed, model_name=model_name, temperature=temperature,
-                                                         top_p=top_p, eos_ids=eos_ids, progress=bar)
-    records = [{"model": model_name, "policy": name, "split": split, **rec}
-               for name in policies for rec in by_policy[name]]
+        with progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext() as bar:
+            by_policy[name], counts[name] = _run_planned(
+                model,
+                documents,
+                source,
+                B,
+                T=T,
+                replicates=replicates,
+                seed=seed,
+                model_name=model_name,
+                temperature=temperature,
+                top_p=top_p,
+                eos_ids=eos_ids,
+                progress=bar,
+            )
+    records = [
+        {"model": model_name, "policy": name, "split": split, **rec} for name in policies for rec in by_policy[name]
+    ]
     return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
 
 
@@ -396,13 +467,32 @@ def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicate
     budget = int(float(memory_budget_gb) * 2**30)
     kv = kv_bytes_per_token(model.config, param.dtype)
     longest = max(doc.prompt_len for doc in documents)
-    left = budget - B * document_bytes(kv_bytes_per_token=kv, prompt_len=longest, T=int(T),
-                                       replicates=int(replicates), vocab_size=int(model.config.vocab_size))
+    left = budget - B * document_bytes(
+        kv_bytes_per_token=kv,
+        prompt_len=longest,
+        T=int(T),
+        replicates=int(replicates),
+        vocab_size=int(model.config.vocab_size),
+    )
     return int(max(1, min(2 * int(replicates), left // max(B * longest * kv, 1))))
 
 
-def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, PressSource], B: int, group: int, *,
-                T, replicates, seed, model_name, temperature, top_p, eos_ids, progress):
+def _run_shared(
+    model,
+    documents: Sequence[Document],
+    policies: Mapping[str, PressSource],
+    B: int,
+    group: int,
+    *,
+    T,
+    replicates,
+    seed,
+    model_name,
+    temperature,
+    top_p,
+    eos_ids,
+    progress,
+):
     """``{name: (records, counts)}`` of several checked prefill policies, each document prefilled once per group.
 
     Batch by batch (the batches of :func:`_run_planned`), the policies run in groups of
@@ -418,14 +508,20 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
 
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     names = list(policies)
-    groups = [names[lo:lo + group] for lo in range(0, len(names), group)]
-    log.info("%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of %d",
-             len(documents), B, B * int(replicates), len(names), group)
+    groups = [names[lo : lo + group] for lo in range(0, len(names), group)]
+    log.info(
+        "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of %d",
+        len(documents),
+        B,
+        B * int(replicates),
+        len(names),
+        group,
+    )
     by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
     counts = {name: Counter(documents=len(documents)) for name in names}
     twin = evicted_twin(model)
     bars: dict[str, Any] = {}
-    batches = [order[lo:lo + B] for lo in range(0, len(order), B)]
+    batches = [order[lo : lo + B] for lo in range(0, len(order), B)]
     with ExitStack() as stack:
         for bi, indices in enumerate(batches):
             batch = [documents[i] for i in indices]
@@ -436,28 +532,42 @@ def _run_shared(model, documents: Sequence[Document], policies: Mapping[str, Pre
                 shared_seconds = (time.perf_counter() - start) / len(names_)
                 for name in names_:
                     if name not in bars:
-                        bars[name] = stack.enter_context(progress(name, len(documents) * (2 * int(T) - 1))
-                                                         if progress else nullcontext())
+                        bars[name] = stack.enter_context(
+                            progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()
+                        )
                     bar = bars[name]
                     start = time.perf_counter()
-                    pair, reps = _run_one_batch(model, batch, policies[name], T=T, replicates=replicates, seed=seed,
-                                                model_name=model_name, temperature=temperature, top_p=top_p,
-                                                eos_ids=eos_ids, progress=bar, presses=presses[name],
-                                                prefilled=bank.pop(name))
+                    pair, reps = _run_one_batch(
+                        model,
+                        batch,
+                        policies[name],
+                        T=T,
+                        replicates=replicates,
+                        seed=seed,
+                        model_name=model_name,
+                        temperature=temperature,
+                        top_p=top_p,
+                        eos_ids=eos_ids,
+                        progress=bar,
+                        presses=presses[name],
+                        prefilled=bank.pop(name),
+                    )
                     seconds = (time.perf_counter() - start + shared_seconds) / len(batch)
                     counts[name].update(_pair_counts(pair))
                     if bar is not None:
-                        done = sum(len(b) for b in batches[:bi + 1])
+                        done = sum(len(b) for b in batches[: bi + 1])
                         bar.update(done * (2 * T - 1) - bar.n)
                         if bi == len(batches) - 1:
                             bar.close()
                     by_index[name].update(_batch_records(batch, indices, pair, reps, replicates, seconds, f"{name}: "))
-    return {name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name]))
-            for name in names}
+    return {
+        name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
+    }
 
 
-def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], *, seed: int,
-                     model_name: str) -> dict[str, list | None]:
+def _shared_prefills(
+    twin, batch: Sequence[Document], presses: Mapping[str, list], *, seed: int, model_name: str
+) -> dict[str, list | None]:
     """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
 
     ``None`` for the whole policy when no document's prefill was shared (the pair prefills).
@@ -478,8 +588,9 @@ def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list
             with torch.inference_mode(), seeded(prefill_seed(int(seed), model_name, doc.doc_id), device):
                 done = prefill_shared(twin, ids, [presses[name][j] for name in names])
         except Exception as exc:  # each pair then prefills alone, where a failing press is named
-            log.warning("%s: shared prefill failed (%s: %s); each policy prefills it alone",
-                        doc.doc_id, type(exc).__name__, exc)
+            log.warning(
+                "%s: shared prefill failed (%s: %s); each policy prefills it alone", doc.doc_id, type(exc).__name__, exc
+            )
             done = None
         if done is not None:
             for name, one in zip(names, done):
@@ -487,8 +598,21 @@ def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list
     return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
 
 
-def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: int, *, T,
-                 replicates, seed, model_name, temperature, top_p, eos_ids, progress):
+def _run_planned(
+    model,
+    documents: Sequence[Document],
+    policy: PressSource,
+    B: int,
+    *,
+    T,
+    replicates,
+    seed,
+    model_name,
+    temperature,
+    top_p,
+    eos_ids,
+    progress,
+):
     """``(records, counts)`` of one checked policy in batches of ``B`` (:func:`run_documents`)."""
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
@@ -496,31 +620,48 @@ def _run_planned(model, documents: Sequence[Document], policy: PressSource, B: i
     counts: Counter[str] = Counter(documents=len(documents))
     done = 0
     for lo in range(0, len(order), B):
-        batch = [documents[i] for i in order[lo:lo + B]]
+        batch = [documents[i] for i in order[lo : lo + B]]
         start = time.perf_counter()
-        pair, reps = _run_one_batch(model, batch, policy, T=T, replicates=replicates, seed=seed,
-                                    model_name=model_name, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
-                                    progress=progress)
+        pair, reps = _run_one_batch(
+            model,
+            batch,
+            policy,
+            T=T,
+            replicates=replicates,
+            seed=seed,
+            model_name=model_name,
+            temperature=temperature,
+            top_p=top_p,
+            eos_ids=eos_ids,
+            progress=progress,
+        )
         seconds = (time.perf_counter() - start) / len(batch)
         counts.update(_pair_counts(pair))
         done += len(batch)
         if progress is not None:
             progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
-        by_index.update(_batch_records(batch, order[lo:lo + B], pair, reps, replicates, seconds))
+        by_index.update(_batch_records(batch, order[lo : lo + B], pair, reps, replicates, seconds))
     return [rec for i in range(len(documents)) for rec in by_index[i]], dict(counts)
 
 
-def _batch_records(batch: Sequence[Document], indices: Sequence[int], pair, reps: list, replicates,
-                   seconds: float, label: str = "") -> dict[int, list[dict[str, Any]]]:
+def _batch_records(
+    batch: Sequence[Document], indices: Sequence[int], pair, reps: list, replicates, seconds: float, label: str = ""
+) -> dict[int, list[dict[str, Any]]]:
     """One batch's records per document (by its input index ``indices[j]``), with the document's columns; logged."""
     R = int(replicates)
     out = {}
     for j, doc in enumerate(batch):
-        meta = {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_lens[j],
-                "kept_per_layer": pair.kept_per_layer[j], "seconds": seconds}
-        out[indices[j]] = [{**meta, **rec} for rec in reps[j * R:(j + 1) * R]]
-        log.info("%s%s: prompt %d tokens, kept %d, %.1f s", label, doc.doc_id, doc.prompt_len, pair.kept_lens[j],
-                 seconds)
+        meta = {
+            "doc_id": doc.doc_id,
+            "prompt_len": doc.prompt_len,
+            "kept_len": pair.kept_lens[j],
+            "kept_per_layer": pair.kept_per_layer[j],
+            "seconds": seconds,
+        }
+        out[indices[j]] = [{**meta, **rec} for rec in reps[j * R : (j + 1) * R]]
+        log.info(
+            "%s%s: prompt %d tokens, kept %d, %.1f s", label, doc.doc_id, doc.prompt_len, pair.kept_lens[j], seconds
+        )
     return out
 
 
@@ -549,9 +690,21 @@ def _press_files(press) -> list[str]:
     return out
 
 
-def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: int, model_name: str,
-               temperature: float, top_p: float, eos_ids: Sequence[int] | None = None, checked: bool = False,
-               horizon: int | None = None, presses: Sequence | None = None, prefilled: Sequence | None = None):
+def build_pair(
+    model,
+    batch: Sequence[Document],
+    policy: PressSource,
+    *,
+    seed: int,
+    model_name: str,
+    temperature: float,
+    top_p: float,
+    eos_ids: Sequence[int] | None = None,
+    checked: bool = False,
+    horizon: int | None = None,
+    presses: Sequence | None = None,
+    prefilled: Sequence | None = None,
+):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
 
     With ``horizon`` (``T``, steps) each side's cache is allocated once for its widest need,
@@ -595,16 +748,35 @@ def build_pair(model, batch: Sequence[Document], policy: PressSource, *, seed: i
     kind = DecodeTimePair if decode_time else LLMKernelPair
     extra = {} if prefilled is None else {"prefilled": prefilled}
     return kind.from_documents(
-        model, [doc.input_ids for doc in batch], list(presses),
+        model,
+        [doc.input_ids for doc in batch],
+        list(presses),
         [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
-        temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        eos_ids=eos_ids,
         prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
-        horizon=horizon, **extra,
+        horizon=horizon,
+        **extra,
     )
 
 
-def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, seed, model_name,
-                   temperature, top_p, eos_ids, progress, presses=None, prefilled=None):
+def _run_one_batch(
+    model,
+    batch: Sequence[Document],
+    policy,
+    *,
+    T,
+    replicates,
+    seed,
+    model_name,
+    temperature,
+    top_p,
+    eos_ids,
+    progress,
+    presses=None,
+    prefilled=None,
+):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
     import torch
 
@@ -612,17 +784,34 @@ def _run_one_batch(model, batch: Sequence[Document], policy, *, T, replicates, s
     from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
     from kvdiverge.engine.core.pairs import PhaseTracker
 
-    pair = build_pair(model, batch, policy, seed=seed, model_name=model_name, temperature=temperature, top_p=top_p,
-                      eos_ids=eos_ids, checked=True, horizon=T, presses=presses, prefilled=prefilled)
+    pair = build_pair(
+        model,
+        batch,
+        policy,
+        seed=seed,
+        model_name=model_name,
+        temperature=temperature,
+        top_p=top_p,
+        eos_ids=eos_ids,
+        checked=True,
+        horizon=T,
+        presses=presses,
+        prefilled=prefilled,
+    )
     phased = PhaseTracker(pair)
     try:
-        reps = run_batch(phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch],
-                         progress=progress)
+        reps = run_batch(
+            phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch], progress=progress
+        )
     except (PressError, CompressionError, NonFiniteLogitsError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # raised inside kvpress or the user's own press: named, with the phase
-        raise_kvpress_error(exc, f"policy {policy.name!r} ({type(pair.presses[0]).__name__})", phased.phase,
-                            _press_files(pair.presses[0]))
+        raise_kvpress_error(
+            exc,
+            f"policy {policy.name!r} ({type(pair.presses[0]).__name__})",
+            phased.phase,
+            _press_files(pair.presses[0]),
+        )
     finally:
         if hasattr(pair, "close"):
             pair.close()

@@ -127,11 +127,29 @@ def timing_table(pooled: pl.DataFrame, survival: pl.DataFrame) -> pl.DataFrame:
         else:
             tmed = None
         med.append({"model": key[0], "policy": key[1], "split": key[2], "tau_median": tmed})
-    medf = pl.DataFrame(med, schema={"model": pl.String, "policy": pl.String, "split": pl.String,
-                                     "tau_median": pl.Int32})
-    cols = ["model", "policy", "split", "n_docs", "T", "p_div", "p_div_lo", "p_div_hi", "tau_mean",
-            "tau_mean_lo", "tau_mean_hi", "E_L", "E_L_lo", "E_L_hi", "E_M", "E_M_lo", "E_M_hi",
-            "exposure_share"]
+    medf = pl.DataFrame(
+        med, schema={"model": pl.String, "policy": pl.String, "split": pl.String, "tau_median": pl.Int32}
+    )
+    cols = [
+        "model",
+        "policy",
+        "split",
+        "n_docs",
+        "T",
+        "p_div",
+        "p_div_lo",
+        "p_div_hi",
+        "tau_mean",
+        "tau_mean_lo",
+        "tau_mean_hi",
+        "E_L",
+        "E_L_lo",
+        "E_L_hi",
+        "E_M",
+        "E_M_lo",
+        "E_M_hi",
+        "exposure_share",
+    ]
     return pooled.select(cols).join(medf, on=["model", "policy", "split"], how="left")
 
 
@@ -146,9 +164,22 @@ def variance_table(pooled: pl.DataFrame) -> pl.DataFrame:
         ``var_ratio = var_N_naive / var_N_cmc``, ``var_ratio_tv``, ``var_ratio_median``,
         ``frac_cmc_dominates``.
     """
-    return pooled.select(["model", "policy", "split", "n_docs", "R", "var_N_naive", "var_N_cmc",
-                          "var_N_cmc_tv", "var_ratio", "var_ratio_tv", "var_ratio_median",
-                          "frac_cmc_dominates"])
+    return pooled.select(
+        [
+            "model",
+            "policy",
+            "split",
+            "n_docs",
+            "R",
+            "var_N_naive",
+            "var_N_cmc",
+            "var_N_cmc_tv",
+            "var_ratio",
+            "var_ratio_tv",
+            "var_ratio_median",
+            "frac_cmc_dominates",
+        ]
+    )
 
 
 def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
@@ -169,8 +200,7 @@ def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
         ``exposure = Delta E[L] (rho_A + rho_B) / 2``,
         ``rate = (E_A[L] + E_B[L]) / 2 * Delta rho``, ``rho_A``, ``rho_B``.
     """
-    pA, LA, NpA, NA, pB, LB, NpB, NB = (np.asarray(v, dtype=np.float64) for v in
-                                        (pA, LA, NpA, NA, pB, LB, NpB, NB))
+    pA, LA, NpA, NA, pB, LB, NpB, NB = (np.asarray(v, dtype=np.float64) for v in (pA, LA, NpA, NA, pB, LB, NpB, NB))
     rA, rB = np.asarray(rho(NpA, LA, 0.0)), np.asarray(rho(NpB, LB, 0.0))
     return {
         "delta": NA - NB,
@@ -185,8 +215,9 @@ def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
 TERMS = ("first_mismatch", "exposure", "rate")
 
 
-def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str,
-                      n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def gap_decomposition(
+    docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str, n_boot: int, confidence: float, seed: int
+) -> pl.DataFrame:
     """Exact decomposition of a policy gap with paired document-bootstrap intervals (§7).
 
     Documents are paired by ``doc_id`` (inner join of the two policies' per-document
@@ -243,14 +274,24 @@ def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: s
     def terms(idx=None):
         def m(x):
             return x.mean() if idx is None else x[idx].mean(axis=1)
-        return gap_terms(m(A["p_div"]), m(A["E_L"]), m(A["E_N_post"]), m(A["E_N"]),
-                         m(B["p_div"]), m(B["E_L"]), m(B["E_N_post"]), m(B["E_N"]))
+
+        return gap_terms(
+            m(A["p_div"]),
+            m(A["E_L"]),
+            m(A["E_N_post"]),
+            m(A["E_N"]),
+            m(B["p_div"]),
+            m(B["E_L"]),
+            m(B["E_N_post"]),
+            m(B["E_N"]),
+        )
 
     point = terms()
     total = point["first_mismatch"] + point["exposure"] + point["rate"]
     if not np.isclose(total, point["delta"], rtol=DECOMP_RTOL, atol=DECOMP_ATOL):
         raise DecompositionError(
-            f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}")
+            f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}"
+        )
     idx = resample_indices(n, n_boot, seed, "gap", model, policy_a, policy_b, split)
     boot = terms(idx)
     rows = []
@@ -261,10 +302,26 @@ def gap_decomposition(docs: pl.DataFrame, model: str, policy_a: str, policy_b: s
             sh_b = np.where(boot["delta"] != 0, boot[term] / np.where(boot["delta"] != 0, boot["delta"], 1.0), np.nan)
         slo, shi = percentile_interval(sh_b, confidence)
         share = val / float(point["delta"]) if point["delta"] != 0 else float("nan")
-        rows.append({"model": model, "policy_a": policy_a, "policy_b": policy_b, "split": split,
-                     "n_docs": n, "T": T, "term": term, "value": val, "value_lo": float(lo),
-                     "value_hi": float(hi), "share": share, "share_lo": float(slo), "share_hi": float(shi),
-                     "value_M": val / T, "rho_A": float(point["rho_A"]), "rho_B": float(point["rho_B"])})
+        rows.append(
+            {
+                "model": model,
+                "policy_a": policy_a,
+                "policy_b": policy_b,
+                "split": split,
+                "n_docs": n,
+                "T": T,
+                "term": term,
+                "value": val,
+                "value_lo": float(lo),
+                "value_hi": float(hi),
+                "share": share,
+                "share_lo": float(slo),
+                "share_hi": float(shi),
+                "value_M": val / T,
+                "rho_A": float(point["rho_A"]),
+                "rho_B": float(point["rho_B"]),
+            }
+        )
     return pl.DataFrame(rows)
 
 
@@ -296,12 +353,17 @@ def validate_plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
         raise PlanError(f"confirmatory plan must be a mapping with fields {list(PLAN_FIELDS)}, got {plan!r}")
     missing = [f for f in PLAN_FIELDS if plan.get(f) is None]
     if missing:
-        raise PlanError(f"confirmatory plan lacks fields {missing}; a prespecified plan states all of "
-                        f"{list(PLAN_FIELDS)}")
+        raise PlanError(
+            f"confirmatory plan lacks fields {missing}; a prespecified plan states all of {list(PLAN_FIELDS)}"
+        )
     for name in ("early", "late"):
         w = plan[name]
-        if (not isinstance(w, Sequence) or len(w) != 2 or not all(isinstance(v, int) for v in w)
-                or not 1 <= w[0] <= w[1]):
+        if (
+            not isinstance(w, Sequence)
+            or len(w) != 2
+            or not all(isinstance(v, int) for v in w)
+            or not 1 <= w[0] <= w[1]
+        ):
             raise PlanError(f"confirmatory.{name} must be [a, b] with integers 1 <= a <= b, got {w!r}")
     if plan["test"] not in TESTS:
         raise PlanError(f"confirmatory.test must be one of {list(TESTS)}, got {plan['test']!r}")
@@ -369,8 +431,16 @@ def holm(pvalues: Sequence[float], method: str = "holm") -> np.ndarray:
     return out
 
 
-def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan: Mapping[str, Any],
-                      n_boot: int, confidence: float, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _late_minus_early(
+    g: pl.DataFrame,
+    model: str,
+    policy: str,
+    split: str,
+    plan: Mapping[str, Any],
+    n_boot: int,
+    confidence: float,
+    seed: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One model's per-document ``d = btv[late] - btv[early]``, test and intervals (internal)."""
     (ea, eb), (la, lb) = plan["early"], plan["late"]
     g = g.sort("doc_id")
@@ -382,10 +452,19 @@ def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan
     early, late = np.asarray(early), np.asarray(late)
     d = late - early
     ok = np.isfinite(d)
-    per_doc = [{"model": model, "policy": policy, "doc_id": doc, "btv_early": float(e), "btv_late": float(l_),
-                "d": float(dd) if o else None, "reached_early": bool(np.isfinite(e)),
-                "reached_late": bool(np.isfinite(l_))}
-               for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok)]
+    per_doc = [
+        {
+            "model": model,
+            "policy": policy,
+            "doc_id": doc,
+            "btv_early": float(e),
+            "btv_late": float(l_),
+            "d": float(dd) if o else None,
+            "reached_early": bool(np.isfinite(e)),
+            "reached_late": bool(np.isfinite(l_)),
+        }
+        for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok)
+    ]
     du = d[ok]
     stat, p = float("nan"), float("nan")
     if du.size and np.any(du != 0):
@@ -400,13 +479,23 @@ def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan
     else:
         mlo = mhi = dlo = dhi = float("nan")
     result = {
-        "model": model, "policy": policy, "split": split, "n_docs": g.height,
-        "n_no_early": int((~np.isfinite(early)).sum()), "n_no_late": int((~np.isfinite(late)).sum()),
-        "n_excluded": int((~ok).sum()), "n_used": int(du.size), "n_zero": int((du == 0).sum()),
-        "mean_diff": float(du.mean()) if du.size else float("nan"), "mean_diff_lo": mlo,
-        "mean_diff_hi": mhi, "median_diff": float(np.median(du)) if du.size else float("nan"),
-        "median_diff_lo": dlo, "median_diff_hi": dhi,
-        "statistic": stat, "p_raw": p,
+        "model": model,
+        "policy": policy,
+        "split": split,
+        "n_docs": g.height,
+        "n_no_early": int((~np.isfinite(early)).sum()),
+        "n_no_late": int((~np.isfinite(late)).sum()),
+        "n_excluded": int((~ok).sum()),
+        "n_used": int(du.size),
+        "n_zero": int((du == 0).sum()),
+        "mean_diff": float(du.mean()) if du.size else float("nan"),
+        "mean_diff_lo": mlo,
+        "mean_diff_hi": mhi,
+        "median_diff": float(np.median(du)) if du.size else float("nan"),
+        "median_diff_lo": dlo,
+        "median_diff_hi": dhi,
+        "statistic": stat,
+        "p_raw": p,
     }
     return result, per_doc
 
@@ -415,9 +504,15 @@ def _late_minus_early(g: pl.DataFrame, model: str, policy: str, split: str, plan
 FLOOR_DECISION = "floor (reference)"
 
 
-def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: str, n_boot: int,
-                          confidence: float, seed: int,
-                          floor: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def confirmatory_analysis(
+    docs: pl.DataFrame,
+    plan: Mapping[str, Any],
+    split: str,
+    n_boot: int,
+    confidence: float,
+    seed: int,
+    floor: str | None = None,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The prespecified confirmatory test of estimators.md §8.
 
     Per model, on the plan's policy: per document ``d = btv[late] - btv[early]`` from the
@@ -498,25 +593,51 @@ def confirmatory_analysis(docs: pl.DataFrame, plan: Mapping[str, Any], split: st
             results.append(r)
             per_doc.extend(pd_)
     res = pl.DataFrame(results, infer_schema_length=None).with_columns(
-        pl.lit(plan["test"]).alias("test"), pl.lit(plan["alternative"]).alias("alternative"),
-        pl.lit(plan["correction"]).alias("correction"), pl.lit(alpha).alias("alpha"),
-        pl.lit(f"[{ea}, {eb}]").alias("early"), pl.lit(f"[{la}, {lb}]").alias("late"),
+        pl.lit(plan["test"]).alias("test"),
+        pl.lit(plan["alternative"]).alias("alternative"),
+        pl.lit(plan["correction"]).alias("correction"),
+        pl.lit(alpha).alias("alpha"),
+        pl.lit(f"[{ea}, {eb}]").alias("early"),
+        pl.lit(f"[{la}, {lb}]").alias("late"),
         pl.lit(h).alias("plan_hash"),
     )
-    per = pl.DataFrame(per_doc, schema={"model": pl.String, "policy": pl.String, "doc_id": pl.String,
-                                        "btv_early": pl.Float64, "btv_late": pl.Float64, "d": pl.Float64,
-                                        "reached_early": pl.Boolean, "reached_late": pl.Boolean})
+    per = pl.DataFrame(
+        per_doc,
+        schema={
+            "model": pl.String,
+            "policy": pl.String,
+            "doc_id": pl.String,
+            "btv_early": pl.Float64,
+            "btv_late": pl.Float64,
+            "d": pl.Float64,
+            "reached_early": pl.Boolean,
+            "reached_late": pl.Boolean,
+        },
+    )
     return res, per
 
 
 # --------------------------------------------------------------------------- outputs for the report
 
 #: Column types of the gap table (also for an empty one).
-GAP_SCHEMA = {"model": pl.String, "policy_a": pl.String, "policy_b": pl.String, "split": pl.String,
-              "n_docs": pl.Int64, "T": pl.Int64, "term": pl.String, "value": pl.Float64,
-              "value_lo": pl.Float64, "value_hi": pl.Float64, "share": pl.Float64,
-              "share_lo": pl.Float64, "share_hi": pl.Float64, "value_M": pl.Float64,
-              "rho_A": pl.Float64, "rho_B": pl.Float64}
+GAP_SCHEMA = {
+    "model": pl.String,
+    "policy_a": pl.String,
+    "policy_b": pl.String,
+    "split": pl.String,
+    "n_docs": pl.Int64,
+    "T": pl.Int64,
+    "term": pl.String,
+    "value": pl.Float64,
+    "value_lo": pl.Float64,
+    "value_hi": pl.Float64,
+    "share": pl.Float64,
+    "share_lo": pl.Float64,
+    "share_hi": pl.Float64,
+    "value_M": pl.Float64,
+    "rho_A": pl.Float64,
+    "rho_B": pl.Float64,
+}
 
 
 # --------------------------------------------------------------------------- noise floor
@@ -526,8 +647,7 @@ GAP_SCHEMA = {"model": pl.String, "policy_a": pl.String, "policy_b": pl.String, 
 FLOOR_METRICS = ("p_div", "E_N", "tv_mean")
 
 
-def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: float,
-                     seed: int) -> pl.DataFrame:
+def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
     """Every policy next to the numerical noise floor, per model and split.
 
     The floor is the ``PermutationPress`` control: its two kernels are equal in exact
@@ -573,8 +693,7 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
                 continue
             j = gp.select(["doc_id", *metrics]).join(fl, on="doc_id", suffix="_floor").sort("doc_id")
             n = j.height
-            r: dict[str, Any] = {"model": model, "split": split, "policy": policy, "floor": floor,
-                                 "n_docs": n}
+            r: dict[str, Any] = {"model": model, "split": split, "policy": policy, "floor": floor, "n_docs": n}
             idx = resample_indices(n, n_boot, seed, "floor", model, policy, split)
             for m in metrics:
                 a = j[m].to_numpy().astype(np.float64)
@@ -593,16 +712,31 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
 
 #: Column types of the floor comparison (also for an empty one).
 FLOOR_SCHEMA: dict[str, pl.DataType] = {
-    "model": pl.String, "split": pl.String, "policy": pl.String, "floor": pl.String, "n_docs": pl.Int64,
-    **{f"{pre}{m}{suf}": pl.Float64 for m in FLOOR_METRICS for pre in ("", "floor_", "diff_")
-       for suf in ("", "_lo", "_hi")},
-    "above_floor_p_div": pl.Boolean, "above_floor_E_N": pl.Boolean,
+    "model": pl.String,
+    "split": pl.String,
+    "policy": pl.String,
+    "floor": pl.String,
+    "n_docs": pl.Int64,
+    **{
+        f"{pre}{m}{suf}": pl.Float64
+        for m in FLOOR_METRICS
+        for pre in ("", "floor_", "diff_")
+        for suf in ("", "_lo", "_hi")
+    },
+    "above_floor_p_div": pl.Boolean,
+    "above_floor_E_N": pl.Boolean,
 }
 
 
 #: Columns of :func:`floor_differences` besides ``policy``.
-FLOOR_DIFFERENCE_COLUMNS = ("E_M_minus_floor", "E_M_minus_floor_lo", "E_M_minus_floor_hi",
-                            "p_div_minus_floor", "p_div_minus_floor_lo", "p_div_minus_floor_hi")
+FLOOR_DIFFERENCE_COLUMNS = (
+    "E_M_minus_floor",
+    "E_M_minus_floor_lo",
+    "E_M_minus_floor_hi",
+    "p_div_minus_floor",
+    "p_div_minus_floor_lo",
+    "p_div_minus_floor_hi",
+)
 
 
 def floor_differences(gaps_to_floor: Mapping[str, pl.DataFrame | None]) -> pl.DataFrame:
@@ -630,8 +764,15 @@ def floor_differences(gaps_to_floor: Mapping[str, pl.DataFrame | None]) -> pl.Da
         if gap is not None:
             t = {row["term"]: row for row in gap.iter_rows(named=True)}
             delta, first, T = t["delta"], t["first_mismatch"], t["delta"]["T"]
-            r.update({"E_M_minus_floor": delta["value"] / T, "E_M_minus_floor_lo": delta["value_lo"] / T,
-                      "E_M_minus_floor_hi": delta["value_hi"] / T, "p_div_minus_floor": first["value"],
-                      "p_div_minus_floor_lo": first["value_lo"], "p_div_minus_floor_hi": first["value_hi"]})
+            r.update(
+                {
+                    "E_M_minus_floor": delta["value"] / T,
+                    "E_M_minus_floor_lo": delta["value_lo"] / T,
+                    "E_M_minus_floor_hi": delta["value_hi"] / T,
+                    "p_div_minus_floor": first["value"],
+                    "p_div_minus_floor_lo": first["value_lo"],
+                    "p_div_minus_floor_hi": first["value_hi"],
+                }
+            )
         rows.append(r)
     return pl.DataFrame(rows, schema={"policy": pl.String, **{c: pl.Float64 for c in FLOOR_DIFFERENCE_COLUMNS}})

@@ -57,9 +57,26 @@ __all__ = [
 RUN_KEYS = ["model", "policy", "split"]
 
 REQUIRED_COLUMNS = [
-    "model", "policy", "split", "doc_id", "replicate", "T", "prompt_len", "kept_len",
-    "chain_token", "tv", "survival", "tau_naive", "t_star", "x_star", "y_star",
-    "branch_x", "branch_y", "branch_tv", "branch_mismatch", "seconds",
+    "model",
+    "policy",
+    "split",
+    "doc_id",
+    "replicate",
+    "T",
+    "prompt_len",
+    "kept_len",
+    "chain_token",
+    "tv",
+    "survival",
+    "tau_naive",
+    "t_star",
+    "x_star",
+    "y_star",
+    "branch_x",
+    "branch_y",
+    "branch_tv",
+    "branch_mismatch",
+    "seconds",
 ]
 
 # --------------------------------------------------------------------------- helpers
@@ -262,22 +279,43 @@ def replicate_estimates(df: pl.DataFrame, W: int, progress: bool = False) -> pl.
     out = []
     from tqdm import tqdm
 
-    for row in tqdm(df.iter_rows(named=True), total=df.height, desc="replicates", unit="row",
-                    disable=not progress):
+    for row in tqdm(df.iter_rows(named=True), total=df.height, desc="replicates", unit="row", disable=not progress):
         r = _replicate_row(row, W)
         r.update({k: row[k] for k in RUN_KEYS + ["doc_id", "replicate", "prompt_len", "kept_len", "seconds"]})
         r["W"] = int(W)
         out.append(r)
     schema = {
-        "model": pl.String, "policy": pl.String, "split": pl.String, "doc_id": pl.String,
-        "replicate": pl.Int32, "T": pl.Int32, "W": pl.Int32,
-        "p_div_hat": pl.Float64, "E_L_hat": pl.Float64, "E_L_win_hat": pl.Float64,
-        "E_L_tail_hat": pl.Float64, "E_tau_div_hat": pl.Float64, "N_cmc": pl.Float64,
-        "N_naive": pl.Float64, "N_post_cmc": pl.Float64, "N_win_cmc": pl.Float64,
-        "N_tail_cmc": pl.Float64, "N_post_cmc_tv": pl.Float64, "N_cmc_tv": pl.Float64,
-        "tv_mean": pl.Float64, "tv_max": pl.Float64, "w": pl.Float64, "t_star": pl.Int32, "tau_naive": pl.Int32, "L_branch": pl.Int32,
-        "S": pl.List(pl.Float64), "f_hat": pl.List(pl.Float64), "branch_tv": pl.List(pl.Float64),
-        "prompt_len": pl.Int32, "kept_len": pl.Int32, "seconds": pl.Float64,
+        "model": pl.String,
+        "policy": pl.String,
+        "split": pl.String,
+        "doc_id": pl.String,
+        "replicate": pl.Int32,
+        "T": pl.Int32,
+        "W": pl.Int32,
+        "p_div_hat": pl.Float64,
+        "E_L_hat": pl.Float64,
+        "E_L_win_hat": pl.Float64,
+        "E_L_tail_hat": pl.Float64,
+        "E_tau_div_hat": pl.Float64,
+        "N_cmc": pl.Float64,
+        "N_naive": pl.Float64,
+        "N_post_cmc": pl.Float64,
+        "N_win_cmc": pl.Float64,
+        "N_tail_cmc": pl.Float64,
+        "N_post_cmc_tv": pl.Float64,
+        "N_cmc_tv": pl.Float64,
+        "tv_mean": pl.Float64,
+        "tv_max": pl.Float64,
+        "w": pl.Float64,
+        "t_star": pl.Int32,
+        "tau_naive": pl.Int32,
+        "L_branch": pl.Int32,
+        "S": pl.List(pl.Float64),
+        "f_hat": pl.List(pl.Float64),
+        "branch_tv": pl.List(pl.Float64),
+        "prompt_len": pl.Int32,
+        "kept_len": pl.Int32,
+        "seconds": pl.Float64,
     }
     return pl.DataFrame(out, schema=schema, orient="row") if out else pl.DataFrame(schema=schema)
 
@@ -298,9 +336,7 @@ def _branch_lag_sums(group: pl.DataFrame, T: int) -> tuple[np.ndarray, np.ndarra
     return num, den
 
 
-def document_estimates(
-    reps: pl.DataFrame, windows: Mapping[str, Sequence[int]] | None = None
-) -> pl.DataFrame:
+def document_estimates(reps: pl.DataFrame, windows: Mapping[str, Sequence[int]] | None = None) -> pl.DataFrame:
     """Per-document estimates: replicate means, standard errors, §3, §4, §6.
 
     Parameters
@@ -347,18 +383,49 @@ def document_estimates(
             raise ValueError(f"doc {doc_id!r}: T or W vary across replicates ({Ts}, {Ws})")
         T, W = int(Ts[0]), int(Ws[0])
         R = g.height
-        col = {c: g[c].to_numpy().astype(np.float64) for c in (
-            "p_div_hat", "E_L_hat", "E_L_win_hat", "E_L_tail_hat", "E_tau_div_hat", "N_cmc",
-            "N_naive", "N_cmc_tv", "N_post_cmc", "N_win_cmc", "N_tail_cmc", "tv_mean", "tv_max")}
-        r: dict = {"model": model, "policy": policy, "split": split, "doc_id": doc_id,
-                   "T": T, "W": W, "R": R,
-                   "prompt_len": int(g["prompt_len"][0]), "kept_len": int(g["kept_len"][0]),
-                   "seconds": float(g["seconds"][0])}
-        for out, src in (("p_div", "p_div_hat"), ("E_L", "E_L_hat"), ("E_L_win", "E_L_win_hat"),
-                         ("E_L_tail", "E_L_tail_hat"), ("E_tau_div", "E_tau_div_hat"),
-                         ("E_N", "N_cmc"), ("E_N_naive", "N_naive"), ("E_N_tv", "N_cmc_tv"),
-                         ("E_N_post", "N_post_cmc"), ("E_N_win", "N_win_cmc"),
-                         ("E_N_tail", "N_tail_cmc")):
+        col = {
+            c: g[c].to_numpy().astype(np.float64)
+            for c in (
+                "p_div_hat",
+                "E_L_hat",
+                "E_L_win_hat",
+                "E_L_tail_hat",
+                "E_tau_div_hat",
+                "N_cmc",
+                "N_naive",
+                "N_cmc_tv",
+                "N_post_cmc",
+                "N_win_cmc",
+                "N_tail_cmc",
+                "tv_mean",
+                "tv_max",
+            )
+        }
+        r: dict = {
+            "model": model,
+            "policy": policy,
+            "split": split,
+            "doc_id": doc_id,
+            "T": T,
+            "W": W,
+            "R": R,
+            "prompt_len": int(g["prompt_len"][0]),
+            "kept_len": int(g["kept_len"][0]),
+            "seconds": float(g["seconds"][0]),
+        }
+        for out, src in (
+            ("p_div", "p_div_hat"),
+            ("E_L", "E_L_hat"),
+            ("E_L_win", "E_L_win_hat"),
+            ("E_L_tail", "E_L_tail_hat"),
+            ("E_tau_div", "E_tau_div_hat"),
+            ("E_N", "N_cmc"),
+            ("E_N_naive", "N_naive"),
+            ("E_N_tv", "N_cmc_tv"),
+            ("E_N_post", "N_post_cmc"),
+            ("E_N_win", "N_win_cmc"),
+            ("E_N_tail", "N_tail_cmc"),
+        ):
             r[out] = float(col[src].mean())
             r[out + "_se"] = _se(col[src])
         r["tv_mean"] = float(col["tv_mean"].mean())
@@ -368,8 +435,9 @@ def document_estimates(
         r["E_M_se"] = r["E_N_se"] / T
         r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
         r["rho"] = rho(r["E_N_post"], r["E_L"])
-        first, rate = check_decomposition(r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T,
-                                          where=f"{model}/{policy}/{split} doc {doc_id!r}")
+        first, rate = check_decomposition(
+            r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"{model}/{policy}/{split} doc {doc_id!r}"
+        )
         r["first_mismatch_term"] = float(first)
         r["exposure_rate_term"] = float(rate)
         r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
@@ -408,8 +476,21 @@ def _document_curves(g: pl.DataFrame, T: int, R: int, windows: Mapping[str, Sequ
 # --------------------------------------------------------------------------- pooled
 
 #: Per-document columns pooled as equal-weight means over documents.
-POOLED_COLUMNS = ["p_div", "E_tau_div", "E_L", "E_L_win", "E_L_tail", "E_N", "E_N_naive",
-                  "E_N_tv", "E_N_post", "E_N_win", "E_N_tail", "E_M", "tv_mean"]
+POOLED_COLUMNS = [
+    "p_div",
+    "E_tau_div",
+    "E_L",
+    "E_L_win",
+    "E_L_tail",
+    "E_N",
+    "E_N_naive",
+    "E_N_tv",
+    "E_N_post",
+    "E_N_win",
+    "E_N_tail",
+    "E_M",
+    "tv_mean",
+]
 
 
 def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
@@ -458,8 +539,15 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         mean = X.mean(axis=0)
         B = resample_counts(resample_indices(n, n_boot, seed, "pooled", model, policy, split)) @ X / n
         lo, hi = percentile_interval(B, confidence)
-        r: dict = {"model": model, "policy": policy, "split": split, "n_docs": n, "T": T,
-                   "W": int(g["W"][0]), "R": int(g["R"].min())}
+        r: dict = {
+            "model": model,
+            "policy": policy,
+            "split": split,
+            "n_docs": n,
+            "T": T,
+            "W": int(g["W"][0]),
+            "R": int(g["R"].min()),
+        }
         for j, c in enumerate(POOLED_COLUMNS):
             r[c] = float(mean[j])
             r[c + "_lo"] = float(lo[j])
@@ -472,8 +560,9 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         r["rho_lo"], r["rho_hi"] = (float(v) for v in percentile_interval(rho_b, confidence))
         r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
         r["tau_mean_lo"], r["tau_mean_hi"] = (float(v) for v in percentile_interval(tau_b, confidence))
-        first, rate = check_decomposition(r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T,
-                                          where=f"pooled {model}/{policy}/{split}")
+        first, rate = check_decomposition(
+            r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"pooled {model}/{policy}/{split}"
+        )
         r["first_mismatch_term"] = float(first)
         r["exposure_rate_term"] = float(rate)
         r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
@@ -522,11 +611,23 @@ def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int
         counts = resample_counts(resample_indices(g.height, n_boot, seed, "survival", model, policy, split))
         Slo, Shi = percentile_interval(counts @ S / g.height, confidence)
         flo, fhi = percentile_interval(counts @ f / g.height, confidence)
-        parts.append(pl.DataFrame({
-            "model": [model] * (T + 1), "policy": [policy] * (T + 1), "split": [split] * (T + 1),
-            "t": np.arange(T + 1, dtype=np.int32), "S": S.mean(axis=0), "S_lo": Slo, "S_hi": Shi,
-            "f": f.mean(axis=0), "f_lo": flo, "f_hi": fhi, "n_docs": [g.height] * (T + 1),
-        }))
+        parts.append(
+            pl.DataFrame(
+                {
+                    "model": [model] * (T + 1),
+                    "policy": [policy] * (T + 1),
+                    "split": [split] * (T + 1),
+                    "t": np.arange(T + 1, dtype=np.int32),
+                    "S": S.mean(axis=0),
+                    "S_lo": Slo,
+                    "S_hi": Shi,
+                    "f": f.mean(axis=0),
+                    "f_lo": flo,
+                    "f_hi": fhi,
+                    "n_docs": [g.height] * (T + 1),
+                }
+            )
+        )
     return pl.concat(parts) if parts else pl.DataFrame()
 
 
@@ -554,11 +655,20 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(V, axis=0)
             lo, hi = percentile_interval(resampled_nanmean(counts, V), confidence)
-        parts.append(pl.DataFrame({
-            "model": [model] * T, "policy": [policy] * T, "split": [split] * T,
-            "lag": np.arange(1, T + 1, dtype=np.int32), "btv": mean, "btv_lo": lo, "btv_hi": hi,
-            "n_docs": np.isfinite(V).sum(axis=0).astype(np.int32),
-        }))
+        parts.append(
+            pl.DataFrame(
+                {
+                    "model": [model] * T,
+                    "policy": [policy] * T,
+                    "split": [split] * T,
+                    "lag": np.arange(1, T + 1, dtype=np.int32),
+                    "btv": mean,
+                    "btv_lo": lo,
+                    "btv_hi": hi,
+                    "n_docs": np.isfinite(V).sum(axis=0).astype(np.int32),
+                }
+            )
+        )
     return pl.concat(parts) if parts else pl.DataFrame()
 
 

@@ -53,9 +53,15 @@ def _where(row: Mapping) -> str:
     return ", ".join(keys)
 
 
-def check_finite(frame: pl.DataFrame, source: str | os.PathLike, *,
-                 undefined: Mapping[str, pl.Expr] | None = None, inf_ok: Iterable[str] = (),
-                 what: str = "table", hint: str = "") -> None:
+def check_finite(
+    frame: pl.DataFrame,
+    source: str | os.PathLike,
+    *,
+    undefined: Mapping[str, pl.Expr] | None = None,
+    inf_ok: Iterable[str] = (),
+    what: str = "table",
+    hint: str = "",
+) -> None:
     """Raise unless every float cell of ``frame`` is finite or allowed to be undefined.
 
     Parameters
@@ -93,17 +99,16 @@ def check_finite(frame: pl.DataFrame, source: str | os.PathLike, *,
         is_list = isinstance(dtype, (pl.List, pl.Array))
         allowed = undefined.get(column, pl.lit(False))
         cells = indexed.select(
-            "_row", *keys,
+            "_row",
+            *keys,
             pl.col(column).alias("_value"),
             allowed.alias("_allowed"),
         )
         if is_list:
             cells = cells.with_columns(pl.col("_value").cast(pl.List(dtype.inner)))
-            cells = cells.with_columns(
-                pl.int_ranges(0, pl.col("_value").list.len()).alias("_element"))
+            cells = cells.with_columns(pl.int_ranges(0, pl.col("_value").list.len()).alias("_element"))
             if cells.schema["_allowed"] == pl.Boolean:
-                cells = cells.with_columns(
-                    pl.col("_allowed").repeat_by(pl.col("_value").list.len()))
+                cells = cells.with_columns(pl.col("_allowed").repeat_by(pl.col("_value").list.len()))
             cells = cells.explode(["_value", "_element", "_allowed"])
         value = pl.col("_value")
         accepted = value.is_nan() | ((value == float("inf")) if column in inf_ok else pl.lit(False))
@@ -139,9 +144,13 @@ def check_shard(frame: pl.DataFrame, source: str | os.PathLike) -> None:
         Naming the shard file and the column.
     """
     undefined = shard_undefined() if {"tv", "chain_token"} <= set(frame.columns) else {}
-    check_finite(frame, source, undefined=undefined, what="trajectory shard",
-                 hint="Fix the model or its dtype, delete the shard and rerun: only the "
-                      "missing shards are regenerated.")
+    check_finite(
+        frame,
+        source,
+        undefined=undefined,
+        what="trajectory shard",
+        hint="Fix the model or its dtype, delete the shard and rerun: only the missing shards are regenerated.",
+    )
 
 
 def document_undefined(columns: list[str]) -> dict[str, pl.Expr]:
@@ -186,8 +195,12 @@ def check_document_estimates(frame: pl.DataFrame, source: str | os.PathLike) -> 
     NonFiniteError
         Naming the estimate file and the column.
     """
-    check_finite(frame, source, undefined=document_undefined(frame.columns),
-                 inf_ok=("var_ratio", "var_ratio_tv"),
-                 what="per-document estimate table",
-                 hint="Delete the file and rerun: the estimate stage rebuilds it from the "
-                      "trajectory shards (and refuses non-finite shards, naming them).")
+    check_finite(
+        frame,
+        source,
+        undefined=document_undefined(frame.columns),
+        inf_ok=("var_ratio", "var_ratio_tv"),
+        what="per-document estimate table",
+        hint="Delete the file and rerun: the estimate stage rebuilds it from the "
+        "trajectory shards (and refuses non-finite shards, naming them).",
+    )

@@ -45,8 +45,18 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
 from kvdiverge.estimation.decomposition import check_decomposition
 
-__all__ = ["POINT_METRICS", "common_range", "frontier_curves", "frontier_grid", "frontier_name", "frontier_tables",
-           "kv_bytes_per_element", "measured_frontier", "range_mean", "trapezoid_area"]
+__all__ = [
+    "POINT_METRICS",
+    "common_range",
+    "frontier_curves",
+    "frontier_grid",
+    "frontier_name",
+    "frontier_tables",
+    "kv_bytes_per_element",
+    "measured_frontier",
+    "range_mean",
+    "trapezoid_area",
+]
 
 #: Per-point metrics of the frontier table (each with ``_lo`` and ``_hi``).
 POINT_METRICS = ("p_div", "tau_mean", "tau_median", "E_M", "first_mismatch_term", "exposure_rate_term", "rho")
@@ -61,8 +71,9 @@ _CACHE_KEYS = ("backend", "nbits", "q_group_size")
 # --------------------------------------------------------------------------- the grid
 
 
-def frontier_name(press: str | None, ratio: float | None = None, budget: int | None = None,
-                  cache: str | None = None) -> str:
+def frontier_name(
+    press: str | None, ratio: float | None = None, budget: int | None = None, cache: str | None = None
+) -> str:
     """Policy name of one frontier point.
 
     ``press@<ratio>`` or ``press@b<budget>`` at full precision; ``press@<ratio>+<cache>``
@@ -110,9 +121,13 @@ def _check_labels(presses: Sequence[str], caches: Mapping[str, Mapping[str, Any]
             raise ValueError(f"cache {c!r}: its settings need {', '.join(_CACHE_KEYS)} (missing {', '.join(missing)})")
 
 
-def frontier_grid(presses: Iterable[str], ratios: Sequence[float] = (), budgets: Sequence[int] = (),
-                  caches: Mapping[str, Mapping[str, Any]] | None = None,
-                  cache_ratios: Sequence[float] | None = None) -> list[dict[str, Any]]:
+def frontier_grid(
+    presses: Iterable[str],
+    ratios: Sequence[float] = (),
+    budgets: Sequence[int] = (),
+    caches: Mapping[str, Mapping[str, Any]] | None = None,
+    cache_ratios: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
     """Every frontier point: each press at each ratio and budget, then each cache alone and after each press.
 
     Parameters
@@ -154,16 +169,36 @@ def frontier_grid(presses: Iterable[str], ratios: Sequence[float] = (), budgets:
     out: list[dict[str, Any]] = []
     row = {"cache": None, "cache_settings": None}
     for press in presses:
-        out += [{"policy": frontier_name(press, ratio=r), "press": press, "compression_ratio": float(r),
-                 "budget": None, **row} for r in ratios]
-        out += [{"policy": frontier_name(press, budget=b), "press": press, "compression_ratio": None,
-                 "budget": int(b), **row} for b in budgets]
+        out += [
+            {
+                "policy": frontier_name(press, ratio=r),
+                "press": press,
+                "compression_ratio": float(r),
+                "budget": None,
+                **row,
+            }
+            for r in ratios
+        ]
+        out += [
+            {
+                "policy": frontier_name(press, budget=b),
+                "press": press,
+                "compression_ratio": None,
+                "budget": int(b),
+                **row,
+            }
+            for b in budgets
+        ]
     for cache, settings in caches.items():
         row = {"cache": cache, "cache_settings": dict(settings), "budget": None}
         if any(float(r) == 0 for r in cache_ratios):
             out.append({"policy": frontier_name(None, cache=cache), "press": None, "compression_ratio": 0.0, **row})
-        out += [{"policy": frontier_name(press, ratio=r, cache=cache), "press": press, "compression_ratio": float(r),
-                 **row} for press in presses for r in dict.fromkeys(float(r) for r in cache_ratios) if r > 0]
+        out += [
+            {"policy": frontier_name(press, ratio=r, cache=cache), "press": press, "compression_ratio": float(r), **row}
+            for press in presses
+            for r in dict.fromkeys(float(r) for r in cache_ratios)
+            if r > 0
+        ]
     names = [p["policy"] for p in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -285,19 +320,26 @@ def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float
 
     def pooled(weights: np.ndarray) -> dict[str, np.ndarray]:
         m = {c: weights @ X[c] / n for c in _DOC_COLUMNS}
-        return {"p_div": m["p_div"], "tau_mean": _ratio(m["E_tau_div"], m["p_div"]),
-                "tau_median": _median_step(weights @ F / n), "E_M": m["E_M"],
-                "first_mismatch_term": m["p_div"] / T, "exposure_rate_term": m["E_M"] - m["p_div"] / T,
-                "rho": _ratio(m["E_N_post"], m["E_L"]), "E_L": m["E_L"], "E_N_post": m["E_N_post"]}
+        return {
+            "p_div": m["p_div"],
+            "tau_mean": _ratio(m["E_tau_div"], m["p_div"]),
+            "tau_median": _median_step(weights @ F / n),
+            "E_M": m["E_M"],
+            "first_mismatch_term": m["p_div"] / T,
+            "exposure_rate_term": m["E_M"] - m["p_div"] / T,
+            "rho": _ratio(m["E_N_post"], m["E_L"]),
+            "E_L": m["E_L"],
+            "E_N_post": m["E_N_post"],
+        }
 
     point = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in pooled(np.ones((1, n))).items()}
-    check_decomposition(point["E_M"], point["p_div"], point["E_L"], point["E_N_post"], T,
-                        where="frontier point")
+    check_decomposition(point["E_M"], point["p_div"], point["E_L"], point["E_N_post"], T, where="frontier point")
     return point, pooled(counts)
 
 
-def _with_intervals(row: dict[str, Any], point: Mapping[str, float], boot: Mapping[str, np.ndarray],
-                    confidence: float, prefix: str = "") -> None:
+def _with_intervals(
+    row: dict[str, Any], point: Mapping[str, float], boot: Mapping[str, np.ndarray], confidence: float, prefix: str = ""
+) -> None:
     for m in POINT_METRICS:
         lo, hi = percentile_interval(boot[m], confidence)
         row[prefix + m], row[prefix + m + "_lo"], row[prefix + m + "_hi"] = point[m], float(lo), float(hi)
@@ -382,32 +424,70 @@ def range_mean(x: np.ndarray, y: np.ndarray, lo: float, hi: float) -> np.ndarray
 
 #: Column types of the per-point frontier table.
 POINT_SCHEMA: dict[str, Any] = {
-    "model": pl.String, "split": pl.String, "press": pl.String, "cache": pl.String, "curve": pl.String,
-    "curves": pl.List(pl.String), "policy": pl.String,
-    "compression_ratio": pl.Float64, "budget": pl.Int64, "retention": pl.Float64,
-    "kept_fraction": pl.Float64, "bits_per_element": pl.Float64, "kv_bytes_per_token": pl.Float64,
-    "n_docs": pl.Int64, "T": pl.Int64, "rank": pl.Int64,
+    "model": pl.String,
+    "split": pl.String,
+    "press": pl.String,
+    "cache": pl.String,
+    "curve": pl.String,
+    "curves": pl.List(pl.String),
+    "policy": pl.String,
+    "compression_ratio": pl.Float64,
+    "budget": pl.Int64,
+    "retention": pl.Float64,
+    "kept_fraction": pl.Float64,
+    "bits_per_element": pl.Float64,
+    "kv_bytes_per_token": pl.Float64,
+    "n_docs": pl.Int64,
+    "T": pl.Int64,
+    "rank": pl.Int64,
     **{f"{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
-    "floor": pl.String, "floor_n_docs": pl.Int64,
+    "floor": pl.String,
+    "floor_n_docs": pl.Int64,
     **{f"floor_{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
-    "above_floor_p_div": pl.Boolean, "above_floor_E_M": pl.Boolean, "above_floor": pl.Boolean,
+    "above_floor_p_div": pl.Boolean,
+    "above_floor_E_M": pl.Boolean,
+    "above_floor": pl.Boolean,
 }
 
 #: Column types of the per-curve table (the ranking).
 AREA_SCHEMA: dict[str, Any] = {
-    "model": pl.String, "split": pl.String, "curve": pl.String, "press": pl.String, "cache": pl.String,
-    "rank": pl.Int64, "covers_range": pl.Boolean, "n_docs": pl.Int64, "T": pl.Int64, "n_ratios": pl.Int64,
-    "ratio_min": pl.Float64, "ratio_max": pl.Float64, "bytes_min": pl.Float64, "bytes_max": pl.Float64,
-    "range_lo": pl.Float64, "range_hi": pl.Float64,
-    **{f"{pre}{m}{s}": pl.Float64 for pre in ("mean_", "diff_best_mean_", "area_", "diff_best_area_")
-       for m in ("E_M", "p_div") for s in ("", "_lo", "_hi")},
-    "first_ratio_above_floor": pl.Float64, "above_floor_everywhere": pl.Boolean,
+    "model": pl.String,
+    "split": pl.String,
+    "curve": pl.String,
+    "press": pl.String,
+    "cache": pl.String,
+    "rank": pl.Int64,
+    "covers_range": pl.Boolean,
+    "n_docs": pl.Int64,
+    "T": pl.Int64,
+    "n_ratios": pl.Int64,
+    "ratio_min": pl.Float64,
+    "ratio_max": pl.Float64,
+    "bytes_min": pl.Float64,
+    "bytes_max": pl.Float64,
+    "range_lo": pl.Float64,
+    "range_hi": pl.Float64,
+    **{
+        f"{pre}{m}{s}": pl.Float64
+        for pre in ("mean_", "diff_best_mean_", "area_", "diff_best_area_")
+        for m in ("E_M", "p_div")
+        for s in ("", "_lo", "_hi")
+    },
+    "first_ratio_above_floor": pl.Float64,
+    "above_floor_everywhere": pl.Boolean,
 }
 
 
-def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor: str | None, n_boot: int,
-                    confidence: float, seed: int, split: str | None = None,
-                    kv_sizes: Mapping[str, Mapping[str, float]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def frontier_tables(
+    docs: pl.DataFrame,
+    grid: Sequence[Mapping[str, Any]],
+    floor: str | None,
+    n_boot: int,
+    confidence: float,
+    seed: int,
+    split: str | None = None,
+    kv_sizes: Mapping[str, Mapping[str, float]] | None = None,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The frontier of every model: per-point table and per-curve ranking.
 
     Parameters
@@ -495,17 +575,31 @@ def frontier_tables(docs: pl.DataFrame, grid: Sequence[Mapping[str, Any]], floor
     above = {}
     if floor and fl_rows.height:
         cmp = floor_comparison(pl.concat([rows, fl_rows], how="diagonal_relaxed"), floor, n_boot, confidence, seed)
-        above = {(r["model"], r["policy"]): (r["above_floor_p_div"], r["above_floor_E_N"])
-                 for r in cmp.iter_rows(named=True)}
+        above = {
+            (r["model"], r["policy"]): (r["above_floor_p_div"], r["above_floor_E_N"]) for r in cmp.iter_rows(named=True)
+        }
     points, areas = [], []
     for model in rows["model"].unique(maintain_order=True).to_list():
         sizes = (kv_sizes or {}).get(model)
-        p, a = _model_frontier(rows.filter(pl.col("model") == model), fl_rows.filter(pl.col("model") == model),
-                               grid, model, split, floor, above, n_boot, confidence, seed, sizes)
+        p, a = _model_frontier(
+            rows.filter(pl.col("model") == model),
+            fl_rows.filter(pl.col("model") == model),
+            grid,
+            model,
+            split,
+            floor,
+            above,
+            n_boot,
+            confidence,
+            seed,
+            sizes,
+        )
         points += p
         areas += a
-    return (pl.DataFrame(points, schema=POINT_SCHEMA) if points else pl.DataFrame(schema=POINT_SCHEMA),
-            pl.DataFrame(areas, schema=AREA_SCHEMA) if areas else pl.DataFrame(schema=AREA_SCHEMA))
+    return (
+        pl.DataFrame(points, schema=POINT_SCHEMA) if points else pl.DataFrame(schema=POINT_SCHEMA),
+        pl.DataFrame(areas, schema=AREA_SCHEMA) if areas else pl.DataFrame(schema=AREA_SCHEMA),
+    )
 
 
 def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple[str, ...]:
@@ -519,8 +613,9 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
     first = next(iter(doc_sets.values()))
     odd = [n for n, d in doc_sets.items() if d != first]
     if odd:
-        raise ValueError(f"frontier policies of {model} must share their documents; {odd} differ from "
-                         f"{grid[0]['policy']}")
+        raise ValueError(
+            f"frontier policies of {model} must share their documents; {odd} differ from {grid[0]['policy']}"
+        )
     if rows["T"].n_unique() != 1:
         raise ValueError(f"frontier policies of {model} ran with different horizons T: {rows['T'].unique().to_list()}")
     return first
@@ -531,9 +626,21 @@ def _point_row(g: pl.DataFrame, p: Mapping[str, Any], sizes, curves, model: str,
     kept = float((g["kept_len"] / g["prompt_len"]).mean())
     retention = 1.0 - p["compression_ratio"] if p["budget"] is None else kept
     on = [label for label, c in curves.items() if p["policy"] in c["policies"]]
-    r = {"model": model, "split": split, "press": p["press"], "cache": p["cache"], "curve": _own_curve(p), "curves": on,
-         "policy": p["policy"], "compression_ratio": p["compression_ratio"], "budget": p["budget"],
-         "retention": retention, "kept_fraction": kept, "n_docs": n, "T": T}
+    r = {
+        "model": model,
+        "split": split,
+        "press": p["press"],
+        "cache": p["cache"],
+        "curve": _own_curve(p),
+        "curves": on,
+        "policy": p["policy"],
+        "compression_ratio": p["compression_ratio"],
+        "budget": p["budget"],
+        "retention": retention,
+        "kept_fraction": kept,
+        "n_docs": n,
+        "T": T,
+    }
     if sizes is None:
         return r, retention
     per_element = kv_bytes_per_element(p["cache_settings"], sizes["element_bytes"])
@@ -542,12 +649,25 @@ def _point_row(g: pl.DataFrame, p: Mapping[str, Any], sizes, curves, model: str,
     return r, r["kv_bytes_per_token"]
 
 
-def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str, split: str, floor,
-                    above, n_boot: int, confidence: float, seed: int, sizes=None):
+def _model_frontier(
+    rows: pl.DataFrame,
+    fl_rows: pl.DataFrame,
+    grid,
+    model: str,
+    split: str,
+    floor,
+    above,
+    n_boot: int,
+    confidence: float,
+    seed: int,
+    sizes=None,
+):
     """Per-point rows and per-curve rows of one model (see :func:`frontier_tables`)."""
     if sizes is None and any(p["cache"] is not None for p in grid):
-        raise ValueError(f"frontier of {model}: quantized-cache points need kv_sizes[{model!r}] "
-                         f"(elements_per_token and element_bytes) to count their KV bytes")
+        raise ValueError(
+            f"frontier of {model}: quantized-cache points need kv_sizes[{model!r}] "
+            f"(elements_per_token and element_bytes) to count their KV bytes"
+        )
     first = _shared_documents(rows, grid, model, split)
     T, n = int(rows["T"][0]), len(first)
     counts = resample_counts(resample_indices(n, n_boot, seed, "frontier", model, split))
@@ -559,14 +679,21 @@ def _model_frontier(rows: pl.DataFrame, fl_rows: pl.DataFrame, grid, model: str,
         r, xs[p["policy"]] = _point_row(g, p, sizes, curves, model, split, n, T)
         _with_intervals(r, point, boot, confidence)
         ab = above.get((model, p["policy"]))
-        r.update(floor=floor, above_floor_p_div=bool(ab and ab[0]), above_floor_E_M=bool(ab and ab[1]),
-                 above_floor=bool(ab and ab[0] and ab[1]))
+        r.update(
+            floor=floor,
+            above_floor_p_div=bool(ab and ab[0]),
+            above_floor_E_M=bool(ab and ab[1]),
+            above_floor=bool(ab and ab[0] and ab[1]),
+        )
         out.append(r)
         boots[p["policy"]] = boot
     fl = fl_rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
     if fl.height:
-        fl_counts = counts if fl.height == n else resample_counts(
-            resample_indices(fl.height, n_boot, seed, "frontier-floor", model, split))
+        fl_counts = (
+            counts
+            if fl.height == n
+            else resample_counts(resample_indices(fl.height, n_boot, seed, "frontier-floor", model, split))
+        )
         fpoint, fboot = _point(fl, fl_counts, T)
         for r in out:
             _with_intervals(r, fpoint, fboot, confidence, prefix="floor_")
@@ -614,8 +741,10 @@ def _with_differences(rows, values, confidence):
 def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: bool, n_boot: int):
     """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`)."""
     by_policy = {r["policy"]: r for r in points}
-    members = {label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
-               for label, c in curves.items()}
+    members = {
+        label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
+        for label, c in curves.items()
+    }
     spans = {label: (xs[pts[0]["policy"]], xs[pts[-1]["policy"]]) for label, pts in members.items() if pts}
     common = common_range(spans)
     lo, hi, covering = common if common else (None, None, [])
@@ -623,20 +752,33 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     for label, pts in members.items():
         x = np.array([xs[r["policy"]] for r in pts])
         inside = label in covering
-        values[label] = {m: _curve_values(pts, boots, x, lo if inside else None, hi, m, n_boot)
-                         for m in ("E_M", "p_div")}
+        values[label] = {
+            m: _curve_values(pts, boots, x, lo if inside else None, hi, m, n_boot) for m in ("E_M", "p_div")
+        }
         ratios = sorted(r["compression_ratio"] for r in pts)
         above = [r["compression_ratio"] for r in pts if r["above_floor"]]
-        rows.append({"model": model, "split": split, "curve": label, "press": curves[label]["press"],
-                     "cache": curves[label]["cache"], "covers_range": inside, "n_docs": n, "T": T,
-                     "n_ratios": len(pts), "ratio_min": ratios[0] if pts else math.nan,
-                     "ratio_max": ratios[-1] if pts else math.nan, "_ratios": ratios,
-                     "bytes_min": float(x[0]) if in_bytes and pts else math.nan,
-                     "bytes_max": float(x[-1]) if in_bytes and pts else math.nan,
-                     "range_lo": lo if in_bytes and lo is not None else math.nan,
-                     "range_hi": hi if in_bytes and hi is not None else math.nan,
-                     "first_ratio_above_floor": min(above) if above else math.nan,
-                     "above_floor_everywhere": bool(pts) and len(above) == len(pts)})
+        rows.append(
+            {
+                "model": model,
+                "split": split,
+                "curve": label,
+                "press": curves[label]["press"],
+                "cache": curves[label]["cache"],
+                "covers_range": inside,
+                "n_docs": n,
+                "T": T,
+                "n_ratios": len(pts),
+                "ratio_min": ratios[0] if pts else math.nan,
+                "ratio_max": ratios[-1] if pts else math.nan,
+                "_ratios": ratios,
+                "bytes_min": float(x[0]) if in_bytes and pts else math.nan,
+                "bytes_max": float(x[-1]) if in_bytes and pts else math.nan,
+                "range_lo": lo if in_bytes and lo is not None else math.nan,
+                "range_hi": hi if in_bytes and hi is not None else math.nan,
+                "first_ratio_above_floor": min(above) if above else math.nan,
+                "above_floor_everywhere": bool(pts) and len(above) == len(pts),
+            }
+        )
 
     order = {label: i for i, label in enumerate(curves)}
 
@@ -654,8 +796,9 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     return rows
 
 
-def measured_frontier(docs: pl.DataFrame, settings: Mapping[str, Any],
-                      floor: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def measured_frontier(
+    docs: pl.DataFrame, settings: Mapping[str, Any], floor: str | None
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """:func:`frontier_tables` of a measurement made with ratios (its ``settings["frontier"]`` grid,
     ``bootstrap``, ``confidence``, ``seed``, ``split`` and ``kv_sizes``: ``{model: {"elements_per_token",
     "element_bytes"}}``).
@@ -669,5 +812,6 @@ def measured_frontier(docs: pl.DataFrame, settings: Mapping[str, Any],
     if not grid:
         raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
     s = settings
-    return frontier_tables(docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"],
-                           kv_sizes=s.get("kv_sizes"))
+    return frontier_tables(
+        docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"], kv_sizes=s.get("kv_sizes")
+    )

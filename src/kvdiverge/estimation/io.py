@@ -50,8 +50,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
         raise
 
 
-def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike,
-                         metadata: dict[str, str] | None = None) -> Path:
+def write_parquet_atomic(frame: pl.DataFrame, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
     """Write ``frame`` to the parquet file ``path`` atomically (see :func:`atomic_path`).
 
     ``metadata`` is stored as the file's key-value metadata (read it back with

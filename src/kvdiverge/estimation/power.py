@@ -101,8 +101,9 @@ def noether_size(p_prime: float, alpha: float, power: float, alternative: str = 
     return float(z * z / (3 * (p_prime - 0.5) ** 2))
 
 
-def simulated_power(d: Sequence[float], n: int, alpha: float, alternative: str = "greater",
-                    n_sim: int = 2000, seed: int = 0) -> float:
+def simulated_power(
+    d: Sequence[float], n: int, alpha: float, alternative: str = "greater", n_sim: int = 2000, seed: int = 0
+) -> float:
     """Share of ``n_sim`` resamples of ``n`` pilot differences (with replacement) that the
     one-sample Wilcoxon signed-rank test rejects at ``alpha``.
 
@@ -136,13 +137,21 @@ def simulated_power(d: Sequence[float], n: int, alpha: float, alternative: str =
     nonzero = np.any(draws != 0, axis=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = stats.wilcoxon(draws[nonzero], alternative=alternative, zero_method="wilcox", axis=1,
-                           method="approx").pvalue
+        p = stats.wilcoxon(
+            draws[nonzero], alternative=alternative, zero_method="wilcox", axis=1, method="approx"
+        ).pvalue
     return float(np.sum(np.asarray(p) < alpha) / n_sim)
 
 
-def confirmatory_size(d: Sequence[float], n_docs: int, alpha: float, power: float = 0.8,
-                      alternative: str = "greater", n_sim: int = 2000, seed: int = 0) -> dict[str, Any]:
+def confirmatory_size(
+    d: Sequence[float],
+    n_docs: int,
+    alpha: float,
+    power: float = 0.8,
+    alternative: str = "greater",
+    n_sim: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Documents the confirmatory split needs for ``power``, from a pilot of ``n_docs`` documents.
 
     Parameters
@@ -173,5 +182,10 @@ def confirmatory_size(d: Sequence[float], n_docs: int, alpha: float, power: floa
     if not math.isfinite(n):
         return {"p_prime": pp, "usable": usable, "n_used": None, "documents": None, "simulated_power": None}
     n_used = max(int(math.ceil(n)), 1)
-    return {"p_prime": pp, "usable": usable, "n_used": n_used, "documents": int(math.ceil(n_used / usable)),
-            "simulated_power": simulated_power(x, n_used, alpha, alternative, n_sim, seed)}
+    return {
+        "p_prime": pp,
+        "usable": usable,
+        "n_used": n_used,
+        "documents": int(math.ceil(n_used / usable)),
+        "simulated_power": simulated_power(x, n_used, alpha, alternative, n_sim, seed),
+    }

@@ -45,8 +45,14 @@ import polars as pl
 
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
 
-__all__ = ["MAX_BLOCK", "SPECULATIVE_SCHEMA", "accepted_tokens", "format_speculative_line",
-           "iid_tokens_per_forward", "speculative_table"]
+__all__ = [
+    "MAX_BLOCK",
+    "SPECULATIVE_SCHEMA",
+    "accepted_tokens",
+    "format_speculative_line",
+    "iid_tokens_per_forward",
+    "speculative_table",
+]
 
 #: Longest draft block reported by default (tokens); capped at the horizon ``T``.
 MAX_BLOCK = 8
@@ -55,13 +61,29 @@ _RUN = ["model", "policy", "split"]
 
 #: Columns of :func:`speculative_table` (``_lo``/``_hi``: document-bootstrap bounds).
 SPECULATIVE_SCHEMA = {
-    "model": pl.String, "policy": pl.String, "split": pl.String, "n_docs": pl.Int64, "T": pl.Int64,
-    "k": pl.Int64, "S_k": pl.Float64, "S_k_lo": pl.Float64, "S_k_hi": pl.Float64,
-    "A": pl.Float64, "A_lo": pl.Float64, "A_hi": pl.Float64,
-    "accepted_fraction": pl.Float64, "accepted_fraction_lo": pl.Float64, "accepted_fraction_hi": pl.Float64,
-    "tokens_per_forward": pl.Float64, "tokens_per_forward_lo": pl.Float64, "tokens_per_forward_hi": pl.Float64,
-    "alpha": pl.Float64, "alpha_lo": pl.Float64, "alpha_hi": pl.Float64,
-    "iid_tokens_per_forward": pl.Float64, "iid_tokens_per_forward_lo": pl.Float64,
+    "model": pl.String,
+    "policy": pl.String,
+    "split": pl.String,
+    "n_docs": pl.Int64,
+    "T": pl.Int64,
+    "k": pl.Int64,
+    "S_k": pl.Float64,
+    "S_k_lo": pl.Float64,
+    "S_k_hi": pl.Float64,
+    "A": pl.Float64,
+    "A_lo": pl.Float64,
+    "A_hi": pl.Float64,
+    "accepted_fraction": pl.Float64,
+    "accepted_fraction_lo": pl.Float64,
+    "accepted_fraction_hi": pl.Float64,
+    "tokens_per_forward": pl.Float64,
+    "tokens_per_forward_lo": pl.Float64,
+    "tokens_per_forward_hi": pl.Float64,
+    "alpha": pl.Float64,
+    "alpha_lo": pl.Float64,
+    "alpha_hi": pl.Float64,
+    "iid_tokens_per_forward": pl.Float64,
+    "iid_tokens_per_forward_lo": pl.Float64,
     "iid_tokens_per_forward_hi": pl.Float64,
 }
 
@@ -121,8 +143,7 @@ def iid_tokens_per_forward(alpha: np.ndarray | float, k: np.ndarray | int) -> np
     return terms.sum(axis=-1)
 
 
-def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confidence: float,
-              seed: int) -> dict:
+def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confidence: float, seed: int) -> dict:
     """Columns of one run's rows (internal; see :func:`speculative_table`)."""
     n = g.height
     S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(n, T)[:, :K]
@@ -135,21 +156,35 @@ def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confiden
     lo, hi = percentile_interval(B, confidence)
     k = np.arange(1, K + 1)
     a, a_lo, a_hi = mean[-1], lo[-1], hi[-1]
-    cols = {"k": k, "S_k": mean[:K], "S_k_lo": lo[:K], "S_k_hi": hi[:K],
-            "A": mean[K:2 * K], "A_lo": lo[K:2 * K], "A_hi": hi[K:2 * K]}
+    cols = {
+        "k": k,
+        "S_k": mean[:K],
+        "S_k_lo": lo[:K],
+        "S_k_hi": hi[:K],
+        "A": mean[K : 2 * K],
+        "A_lo": lo[K : 2 * K],
+        "A_hi": hi[K : 2 * K],
+    }
     for c in ("", "_lo", "_hi"):
         cols["accepted_fraction" + c] = cols["A" + c] / k
         cols["tokens_per_forward" + c] = cols["A" + c] + 1.0
-    cols.update({"alpha": np.full(K, a), "alpha_lo": np.full(K, a_lo), "alpha_hi": np.full(K, a_hi),
-                 # increasing in alpha: the interval's ends map to the formula's ends
-                 "iid_tokens_per_forward": iid_tokens_per_forward(a, k),
-                 "iid_tokens_per_forward_lo": iid_tokens_per_forward(a_lo, k),
-                 "iid_tokens_per_forward_hi": iid_tokens_per_forward(a_hi, k)})
+    cols.update(
+        {
+            "alpha": np.full(K, a),
+            "alpha_lo": np.full(K, a_lo),
+            "alpha_hi": np.full(K, a_hi),
+            # increasing in alpha: the interval's ends map to the formula's ends
+            "iid_tokens_per_forward": iid_tokens_per_forward(a, k),
+            "iid_tokens_per_forward_lo": iid_tokens_per_forward(a_lo, k),
+            "iid_tokens_per_forward_hi": iid_tokens_per_forward(a_hi, k),
+        }
+    )
     return cols
 
 
-def speculative_table(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int,
-                      max_block: int = MAX_BLOCK) -> pl.DataFrame:
+def speculative_table(
+    docs: pl.DataFrame, n_boot: int, confidence: float, seed: int, max_block: int = MAX_BLOCK
+) -> pl.DataFrame:
     """Accepted tokens of a first self-speculative draft block, per run and block length.
 
     Parameters
@@ -192,8 +227,13 @@ def speculative_table(docs: pl.DataFrame, n_boot: int, confidence: float, seed: 
         T = int(g["T"][0])
         K = min(int(max_block), T)
         cols = _run_rows(g, key, K, T, n_boot, confidence, seed)
-        base = {"model": [key[0]] * K, "policy": [key[1]] * K, "split": [key[2]] * K,
-                "n_docs": [g.height] * K, "T": [T] * K}
+        base = {
+            "model": [key[0]] * K,
+            "policy": [key[1]] * K,
+            "split": [key[2]] * K,
+            "n_docs": [g.height] * K,
+            "T": [T] * K,
+        }
         frames.append(pl.DataFrame({**base, **cols}).cast(SPECULATIVE_SCHEMA))
     if not frames:
         return pl.DataFrame(schema=SPECULATIVE_SCHEMA)
@@ -222,8 +262,13 @@ def format_speculative_line(table: pl.DataFrame, policies: Sequence[str], k: int
         return "self-speculative first block: no runs"
     k = min(int(k), int(table["k"].max()))
     rows = {r["policy"]: r for r in table.filter(pl.col("k") == k).iter_rows(named=True)}
-    cells = [f"{p} {rows[p]['tokens_per_forward']:.2f} [{rows[p]['tokens_per_forward_lo']:.2f}, "
-             f"{rows[p]['tokens_per_forward_hi']:.2f}] (iid {rows[p]['iid_tokens_per_forward']:.2f})"
-             for p in policies if p in rows]
-    return (f"self-speculative first block (k={k}, draft = evicted cache, target = full cache): "
-            f"tokens per target forward A_k+1 [CI] (i.i.d. (1-a^(k+1))/(1-a)): " + "; ".join(cells))
+    cells = [
+        f"{p} {rows[p]['tokens_per_forward']:.2f} [{rows[p]['tokens_per_forward_lo']:.2f}, "
+        f"{rows[p]['tokens_per_forward_hi']:.2f}] (iid {rows[p]['iid_tokens_per_forward']:.2f})"
+        for p in policies
+        if p in rows
+    ]
+    return (
+        f"self-speculative first block (k={k}, draft = evicted cache, target = full cache): "
+        f"tokens per target forward A_k+1 [CI] (i.i.d. (1-a^(k+1))/(1-a)): " + "; ".join(cells)
+    )

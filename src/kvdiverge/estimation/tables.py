@@ -25,8 +25,7 @@ from typing import Any
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.estimation.analysis import (GAP_SCHEMA, floor_differences, gap_decomposition, timing_table,
-                                           variance_table)
+from kvdiverge.estimation.analysis import GAP_SCHEMA, floor_differences, gap_decomposition, timing_table, variance_table
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -35,8 +34,17 @@ from kvdiverge.estimation.estimators import (
     survival_curve,
 )
 
-__all__ = ["POOL_TABLES", "compression_table", "estimate", "gaps", "pairwise_gaps", "pool", "press_gap",
-           "press_summary", "summary_table"]
+__all__ = [
+    "POOL_TABLES",
+    "compression_table",
+    "estimate",
+    "gaps",
+    "pairwise_gaps",
+    "pool",
+    "press_gap",
+    "press_summary",
+    "summary_table",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,9 @@ log = logging.getLogger(__name__)
 POOL_TABLES = ("pooled", "timing", "survival", "branch_tv", "variance")
 
 
-def estimate(trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequence[int]] | None = None,
-             progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+def estimate(
+    trajectories: pl.DataFrame, window: int, windows: Mapping[str, Sequence[int]] | None = None, progress: bool = False
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Per-replicate and per-document estimates of trajectory rows.
 
     Parameters
@@ -119,9 +128,16 @@ def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) 
     }
 
 
-def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstrap: int, confidence: float,
-         seed: int, split: str = "exploratory", models: Iterable[str] | None = None,
-         progress: bool = False) -> pl.DataFrame:
+def gaps(
+    documents: pl.DataFrame | None,
+    pairs: Iterable[Sequence[str]],
+    bootstrap: int,
+    confidence: float,
+    seed: int,
+    split: str = "exploratory",
+    models: Iterable[str] | None = None,
+    progress: bool = False,
+) -> pl.DataFrame:
     """Gap decompositions ``A - B`` of each pair of policies, per model (§7).
 
     A pair whose two policies were not both run on ``split`` for a model is skipped with
@@ -155,8 +171,13 @@ def gaps(documents: pl.DataFrame | None, pairs: Iterable[Sequence[str]], bootstr
     jobs = [(m, a, b) for m in models for a, b in pairs]
     frames = []
     for model, a, b in tqdm(jobs, desc="gaps", disable=not progress):
-        ran = set() if not have else set(documents.filter(
-            (pl.col("model") == model) & (pl.col("split") == split))["policy"].unique().to_list())
+        ran = (
+            set()
+            if not have
+            else set(
+                documents.filter((pl.col("model") == model) & (pl.col("split") == split))["policy"].unique().to_list()
+            )
+        )
         if not {a, b} <= ran:
             log.warning("gap %s - %s skipped for %s: policy not run on the %s split", a, b, model, split)
             continue
@@ -181,14 +202,20 @@ def compression_table(documents: pl.DataFrame, trajectories: pl.DataFrame) -> pl
         The trajectory shards the estimates come from (their ``tv`` lists).
     """
     same = trajectories.group_by("policy", "doc_id").agg(
-        pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("untouched"))
-    return documents.select("policy", "doc_id", "prompt_len", "kept_len").with_columns(
-        (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
-    ).join(same, on=["policy", "doc_id"], how="left", maintain_order="left")
+        pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("untouched")
+    )
+    return (
+        documents.select("policy", "doc_id", "prompt_len", "kept_len")
+        .with_columns(
+            (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
+        )
+        .join(same, on=["policy", "doc_id"], how="left", maintain_order="left")
+    )
 
 
-def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str],
-                  trajectories: pl.DataFrame) -> pl.DataFrame:
+def press_summary(
+    pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str], trajectories: pl.DataFrame
+) -> pl.DataFrame:
     """One row per policy, in the order of ``policies``: occurrence, timing, token loss, its
     decomposition and how much of the prompt cache the press kept.
 
@@ -211,8 +238,11 @@ def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Seque
         ``E_L``, ``E_M`` each with ``_lo``/``_hi``, ``rho``, ``first_mismatch_term``,
         ``exposure_rate_term``, ``exposure_share``.
     """
-    comp = compression_table(documents, trajectories).group_by("policy").agg(pl.col("kept_fraction").mean(),
-                                                               pl.col("untouched").all())
+    comp = (
+        compression_table(documents, trajectories)
+        .group_by("policy")
+        .agg(pl.col("kept_fraction").mean(), pl.col("untouched").all())
+    )
     stats = [c + s for c in ("p_div", "tau_mean", "E_L", "E_M") for s in ("", "_lo", "_hi")]
     rest = [*stats, "rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]
     out = pooled.select(["policy", "n_docs", "T", "R", *rest]).join(comp, on="policy", how="left")
@@ -221,8 +251,9 @@ def press_summary(pooled: pl.DataFrame, documents: pl.DataFrame, policies: Seque
     return out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched", *rest])
 
 
-def press_gap(documents: pl.DataFrame, presses: Sequence[str], a: str, b: str,
-              settings: Mapping[str, Any]) -> pl.DataFrame:
+def press_gap(
+    documents: pl.DataFrame, presses: Sequence[str], a: str, b: str, settings: Mapping[str, Any]
+) -> pl.DataFrame:
     """Gap decomposition ``A - B`` of the expected token loss of two measured presses, paired by prompt (§7).
 
     Parameters
@@ -264,9 +295,14 @@ def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
 
 
-def summary_table(pooled: pl.DataFrame, documents: pl.DataFrame, presses: Sequence[str],
-                  trajectories: pl.DataFrame, noise_floor: str | None = None,
-                  gap: Callable[[str, str], pl.DataFrame] | None = None) -> pl.DataFrame:
+def summary_table(
+    pooled: pl.DataFrame,
+    documents: pl.DataFrame,
+    presses: Sequence[str],
+    trajectories: pl.DataFrame,
+    noise_floor: str | None = None,
+    gap: Callable[[str, str], pl.DataFrame] | None = None,
+) -> pl.DataFrame:
     """:func:`press_summary`, with each press's paired difference from the noise floor when one is measured.
 
     With ``noise_floor`` (and ``gap(a, b)``, the gap of two presses: :func:`press_gap`), joins

@@ -99,9 +99,7 @@ def lower_construction(fn: KernelFn, vocab_size: int, W: int, token: int = 0) ->
     return _beyond_window(fn, W, e, e)
 
 
-def upper_construction(
-    fn: KernelFn, vocab_size: int, W: int, tokens: tuple[int, int] = (0, 1)
-) -> KernelFn:
+def upper_construction(fn: KernelFn, vocab_size: int, W: int, tokens: tuple[int, int] = (0, 1)) -> KernelFn:
     """Upper-end construction of §4: from lag ``W + 1`` on, the kernels emit two
     different deterministic tokens (reference ``tokens[0]``, evicted ``tokens[1]``).
 
@@ -221,8 +219,11 @@ class ConstructedPair:
         self._hy: list[list[int]] = []
 
     def _override(self, logp, logq):
-        rows = [r for r in range(len(self._hx))
-                if (k := divergence_lag(tuple(self._hx[r]), tuple(self._hy[r]))) is not None and k > self.W]
+        rows = [
+            r
+            for r in range(len(self._hx))
+            if (k := divergence_lag(tuple(self._hx[r]), tuple(self._hy[r]))) is not None and k > self.W
+        ]
         if not rows:
             return logp, logq
         logp, logq = logp.clone(), logq.clone()

@@ -78,9 +78,7 @@ def absorbing(fn: KernelFn, vocab_size: int, eos_ids: Sequence[int] = ()) -> Ker
         p = np.asarray(p, dtype=np.float64)
         q = np.asarray(q, dtype=np.float64)
         if p.shape != (vocab_size,) or q.shape != (vocab_size,):
-            raise ValueError(
-                f"kernel returned shapes {p.shape}, {q.shape}; expected ({vocab_size},)"
-            )
+            raise ValueError(f"kernel returned shapes {p.shape}, {q.shape}; expected ({vocab_size},)")
         if hx and hx[-1] in eos:
             p = np.zeros(vocab_size)
             p[hx[-1]] = 1.0
@@ -110,9 +108,7 @@ def coupling_joint(p: np.ndarray, q: np.ndarray) -> tuple[float, list[tuple[int,
     """
     overlap = np.minimum(p, q)
     tv = tv_distance(p, q)
-    out: list[tuple[int, int, float]] = [
-        (int(v), int(v), float(overlap[v])) for v in np.flatnonzero(overlap > 0)
-    ]
+    out: list[tuple[int, int, float]] = [(int(v), int(v), float(overlap[v])) for v in np.flatnonzero(overlap > 0)]
     if tv > 0:
         dp = np.clip(p - q, 0.0, None)
         dq = np.clip(q - p, 0.0, None)
@@ -323,8 +319,7 @@ def _paths(kern, T: int, tol: float):
             stack.append((hx + (x,), hy + (y,), prob * pr, new_tau, tvs + (tv,), ds + (d,)))
 
 
-def _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc,
-                window_law) -> None:
+def _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc, window_law) -> None:
     """Add one complete path's contributions (internal to :func:`enumerate_coupled`)."""
     n = sum(ds)
     acc["N"] += prob * n

@@ -25,39 +25,77 @@ from typing import Any
 
 __all__ = ["PAPER", "MINIATURE", "build_config", "random_model"]
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 #: Exact architectures (config.json values) by the model names of config/paper.yaml.
 PAPER: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": dict(_LLAMA3_ROPE), "rms_norm_eps": 1e-5, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA3_ROPE),
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
     },
     "qwen-2.5-7b": {
-        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu", "use_sliding_window": False,
-        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": [151645, 151643],
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": [151645, 151643],
     },
 }
 
 #: Toy sizes with the same structural features (2 layers, head dim 8, vocabulary 512).
 MINIATURE: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
-        **PAPER["llama-3.1-8b"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "bos_token_id": 0, "eos_token_id": [509, 510, 511],
+        **PAPER["llama-3.1-8b"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "bos_token_id": 0,
+        "eos_token_id": [509, 510, 511],
     },
     "qwen-2.5-7b": {
-        **PAPER["qwen-2.5-7b"], "vocab_size": 512, "hidden_size": 56, "intermediate_size": 112,
-        "num_hidden_layers": 2, "num_attention_heads": 7, "num_key_value_heads": 1,
-        "bos_token_id": 0, "eos_token_id": [510, 511],
+        **PAPER["qwen-2.5-7b"],
+        "vocab_size": 512,
+        "hidden_size": 56,
+        "intermediate_size": 112,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 7,
+        "num_key_value_heads": 1,
+        "bos_token_id": 0,
+        "eos_token_id": [510, 511],
     },
 }
 
@@ -87,8 +125,15 @@ def build_config(values: dict[str, Any], **overrides):
     return classes[kind](**values)
 
 
-def random_model(values: dict[str, Any], *, dtype="float32", device="cpu", seed: int = 0,
-                 attn_implementation: str = "sdpa", **overrides):
+def random_model(
+    values: dict[str, Any],
+    *,
+    dtype="float32",
+    device="cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    **overrides,
+):
     """A causal LM of the given architecture with random weights, in eval mode.
 
     Parameters

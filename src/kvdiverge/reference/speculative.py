@@ -49,8 +49,9 @@ def _repeat(cache, n: int):
     return c
 
 
-def _block(model, twin, full, draft, p1, q1, n: int, k: int, start: int, temperature: float, top_p: float,
-           gen: torch.Generator) -> np.ndarray:
+def _block(
+    model, twin, full, draft, p1, q1, n: int, k: int, start: int, temperature: float, top_p: float, gen: torch.Generator
+) -> np.ndarray:
     """Accepted counts of ``n`` independent first blocks of ``k`` (internal; one chunk of seeds)."""
     logq = decode_log_probs(q1.expand(n, -1), temperature, top_p)
     cache_q = _repeat(draft, n)
@@ -65,10 +66,16 @@ def _block(model, twin, full, draft, p1, q1, n: int, k: int, start: int, tempera
             logq = decode_log_probs(out.logits[:, -1, :], temperature, top_p)
     ys = torch.cat(drafted, dim=1)  # (n, k)
     pos = start + torch.arange(k - 1, dtype=torch.long).expand(n, -1)
-    logits = model(input_ids=ys[:, :-1], past_key_values=_repeat(full, n), position_ids=pos,
-                   use_cache=True).logits if k > 1 else p1.new_zeros(n, 0, p1.shape[-1])
-    logp = torch.stack([decode_log_probs(p1.expand(n, -1), temperature, top_p)]
-                       + [decode_log_probs(logits[:, j, :], temperature, top_p) for j in range(k - 1)], dim=1)
+    logits = (
+        model(input_ids=ys[:, :-1], past_key_values=_repeat(full, n), position_ids=pos, use_cache=True).logits
+        if k > 1
+        else p1.new_zeros(n, 0, p1.shape[-1])
+    )
+    logp = torch.stack(
+        [decode_log_probs(p1.expand(n, -1), temperature, top_p)]
+        + [decode_log_probs(logits[:, j, :], temperature, top_p) for j in range(k - 1)],
+        dim=1,
+    )
     logp_drafted = logp.gather(2, ys.unsqueeze(2)).squeeze(2)  # (n, k)
     ratio = (logp_drafted - torch.cat(logq_drafted, dim=1)).exp()
     u = torch.rand((n, k), generator=gen, dtype=ratio.dtype)
@@ -77,8 +84,18 @@ def _block(model, twin, full, draft, p1, q1, n: int, k: int, start: int, tempera
 
 
 @torch.no_grad()
-def first_block_accepted(model, input_ids, press, k: int, n_seeds: int, *, temperature: float = 0.7,
-                         top_p: float = 0.95, seed: int = 0, chunk: int = 64) -> np.ndarray:
+def first_block_accepted(
+    model,
+    input_ids,
+    press,
+    k: int,
+    n_seeds: int,
+    *,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    seed: int = 0,
+    chunk: int = 64,
+) -> np.ndarray:
     """Accepted tokens of the first speculative draft block, for ``n_seeds`` independent draws.
 
     Parameters

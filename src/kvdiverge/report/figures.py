@@ -30,17 +30,32 @@ import matplotlib
 
 if not os.environ.get("MPLBACKEND"):  # headless by default; a notebook's inline backend stays
     matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
-import seaborn as sns  # noqa: E402
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
+import polars as pl
+import seaborn as sns
 
-from kvdiverge.estimation.io import atomic_path  # noqa: E402
+from kvdiverge.estimation.io import atomic_path
 
-__all__ = ["draw_frontier", "draw_speculative", "frontier_figure", "plot_frontier", "plot_speculative",
-           "speculative_figure", "draw_survival", "plot_branch_tv", "plot_confirmatory", "plot_gaps", "plot_survival",
-           "plot_variance", "render_frontier", "render_survival", "save_figure", "survival_figure"]
+__all__ = [
+    "draw_frontier",
+    "draw_speculative",
+    "frontier_figure",
+    "plot_frontier",
+    "plot_speculative",
+    "speculative_figure",
+    "draw_survival",
+    "plot_branch_tv",
+    "plot_confirmatory",
+    "plot_gaps",
+    "plot_survival",
+    "plot_variance",
+    "render_frontier",
+    "render_survival",
+    "save_figure",
+    "survival_figure",
+]
 
 TERM_LABELS = {"first_mismatch": "first mismatch", "exposure": "exposure", "rate": "rate"}
 TERM_COLORS = {"first_mismatch": "#4c72b0", "exposure": "#dd8452", "rate": "#55a868"}
@@ -76,8 +91,9 @@ def _facets(n: int, width: float = 4.5, height: float = 3.5):
 FLOOR_COLORS = ("#555555", "#999999")
 
 
-def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None,
-                     floor_runs: Sequence[str] = (), **line_kw) -> None:
+def _runs_with_bands(
+    ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None, floor_runs: Sequence[str] = (), **line_kw
+) -> None:
     """One line per ``run`` with its interval band, line and band in the same colour.
 
     ``d`` is a pandas frame with a ``run`` column; ``step`` is passed to
@@ -90,8 +106,20 @@ def _runs_with_bands(ax, d, x: str, y: str, lo: str, hi: str, step: str | None =
     pal = dict(zip(policies, sns.color_palette(n_colors=max(len(policies), 1))))
     pal.update({r: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, r in enumerate(floors)})
     dashes = {r: ((4, 2) if r in floor_runs else "") for r in runs}
-    sns.lineplot(data=d, x=x, y=y, hue="run", hue_order=runs, palette=pal, style="run", style_order=runs,
-                 dashes=dashes, ax=ax, errorbar=None, **line_kw)
+    sns.lineplot(
+        data=d,
+        x=x,
+        y=y,
+        hue="run",
+        hue_order=runs,
+        palette=pal,
+        style="run",
+        style_order=runs,
+        dashes=dashes,
+        ax=ax,
+        errorbar=None,
+        **line_kw,
+    )
     for run, g in d.groupby("run"):
         ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
 
@@ -129,12 +157,20 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: s
     multi = s["split"].n_unique() > 1
     floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
     d = s.to_pandas()
-    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs,
-                     drawstyle="steps-post")
-    ax.set(title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
-           xlabel="step t (tokens generated)", ylabel="S_t = P(no divergence by t)", ylim=(0, 1.02))
-    ax.legend(title="policy (split)" if multi else "policy", fontsize="small", loc="upper center",
-              bbox_to_anchor=(0.5, -0.16), ncol=2)
+    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs, drawstyle="steps-post")
+    ax.set(
+        title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
+        xlabel="step t (tokens generated)",
+        ylabel="S_t = P(no divergence by t)",
+        ylim=(0, 1.02),
+    )
+    ax.legend(
+        title="policy (split)" if multi else "policy",
+        fontsize="small",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=2,
+    )
 
 
 def survival_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Figure:
@@ -194,24 +230,43 @@ def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
         g = gaps.filter(pl.col("model") == model)
         pairs = g.select("policy_a", "policy_b").unique(maintain_order=True).rows()
         for i, (a, b) in enumerate(pairs):
-            rows = {r["term"]: r for r in g.filter((pl.col("policy_a") == a) & (pl.col("policy_b") == b)).iter_rows(named=True)}
+            rows = {
+                r["term"]: r
+                for r in g.filter((pl.col("policy_a") == a) & (pl.col("policy_b") == b)).iter_rows(named=True)
+            }
             pos, neg = 0.0, 0.0
             for j, term in enumerate(("first_mismatch", "exposure", "rate")):
                 r = rows[term]
                 v = r["value"]
                 bottom = pos if v >= 0 else neg
-                ax.bar(i, v, bottom=bottom, width=0.5, color=TERM_COLORS[term],
-                       label=TERM_LABELS[term] if i == 0 else None)
+                ax.bar(
+                    i, v, bottom=bottom, width=0.5, color=TERM_COLORS[term], label=TERM_LABELS[term] if i == 0 else None
+                )
                 if v >= 0:
                     pos += v
                 else:
                     neg += v
                 x = i + 0.3 + 0.07 * j
-                ax.errorbar(x, v, yerr=[[max(v - r["value_lo"], 0)], [max(r["value_hi"] - v, 0)]],
-                            fmt="o", ms=3, color=TERM_COLORS[term], capsize=2)
+                ax.errorbar(
+                    x,
+                    v,
+                    yerr=[[max(v - r["value_lo"], 0)], [max(r["value_hi"] - v, 0)]],
+                    fmt="o",
+                    ms=3,
+                    color=TERM_COLORS[term],
+                    capsize=2,
+                )
             d = rows["delta"]
-            ax.errorbar(i, d["value"], yerr=[[max(d["value"] - d["value_lo"], 0)], [max(d["value_hi"] - d["value"], 0)]],
-                        fmt="D", color="black", ms=5, capsize=3, label="gap Δ" if i == 0 else None)
+            ax.errorbar(
+                i,
+                d["value"],
+                yerr=[[max(d["value"] - d["value_lo"], 0)], [max(d["value_hi"] - d["value"], 0)]],
+                fmt="D",
+                color="black",
+                ms=5,
+                capsize=3,
+                label="gap Δ" if i == 0 else None,
+            )
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xticks(range(len(pairs)))
         ax.set_xticklabels([f"{a}\nminus\n{b}" for a, b in pairs], fontsize="small")
@@ -221,8 +276,9 @@ def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
     save_figure(fig, png, pdf)
 
 
-def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = None,
-                   late: Sequence[int] | None = None) -> None:
+def plot_branch_tv(
+    curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = None, late: Sequence[int] | None = None
+) -> None:
     """Branch-aligned TV against lag since divergence per policy, one panel per model.
 
     Parameters
@@ -245,8 +301,15 @@ def plot_branch_tv(curve: pl.DataFrame, png, pdf, early: Sequence[int] | None = 
         for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
             if win is not None:
                 ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
-                ax.text((win[0] + win[1]) / 2, 0.02, f"{name} [{win[0]}, {win[1]}]", ha="center", va="bottom",
-                        transform=ax.get_xaxis_transform(), fontsize="small")
+                ax.text(
+                    (win[0] + win[1]) / 2,
+                    0.02,
+                    f"{name} [{win[0]}, {win[1]}]",
+                    ha="center",
+                    va="bottom",
+                    transform=ax.get_xaxis_transform(),
+                    fontsize="small",
+                )
         ax.set(title=model, xlabel="lag k since first divergence (steps)", ylabel="branch TV", ylim=(0, 1))
         ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle("Kernel disagreement after divergence")
@@ -275,20 +338,31 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
     rng = np.random.default_rng(0)
     for i, m in enumerate(models):
         y = d.filter(pl.col("model") == m)["d"].to_numpy()
-        ax.scatter(i - 0.1 + rng.uniform(-0.12, 0.12, y.size), y, alpha=0.6, s=18,
-                   color=sns.color_palette()[0])
+        ax.scatter(i - 0.1 + rng.uniform(-0.12, 0.12, y.size), y, alpha=0.6, s=18, color=sns.color_palette()[0])
         fr = floor_res.filter(pl.col("model") == m)
         if fr.height and np.isfinite(fr["mean_diff"][0]):
             mu, lo, hi = fr["mean_diff"][0], fr["mean_diff_lo"][0], fr["mean_diff_hi"][0]
-            ax.errorbar(i + 0.45, mu, yerr=[[mu - lo], [hi - mu]], fmt="s", color=FLOOR_COLORS[0],
-                        capsize=3, label="noise floor (mean [CI])" if i == 0 else None)
+            ax.errorbar(
+                i + 0.45,
+                mu,
+                yerr=[[mu - lo], [hi - mu]],
+                fmt="s",
+                color=FLOOR_COLORS[0],
+                capsize=3,
+                label="noise floor (mean [CI])" if i == 0 else None,
+            )
         r = result.filter(pl.col("model") == m)
         if r.height and np.isfinite(r["mean_diff"][0]):
             mu, lo, hi = r["mean_diff"][0], r["mean_diff_lo"][0], r["mean_diff_hi"][0]
             ax.errorbar(i + 0.3, mu, yerr=[[mu - lo], [hi - mu]], fmt="D", color="black", capsize=3)
-            ax.text(i, ax.get_ylim()[1], f"n={r['n_used'][0]} (excl. {r['n_excluded'][0]})\n"
-                    f"p_adj={r['p_adjusted'][0]:.3g}: {r['decision'][0]}",
-                    ha="center", va="bottom", fontsize="x-small")
+            ax.text(
+                i,
+                ax.get_ylim()[1],
+                f"n={r['n_used'][0]} (excl. {r['n_excluded'][0]})\np_adj={r['p_adjusted'][0]:.3g}: {r['decision'][0]}",
+                ha="center",
+                va="bottom",
+                fontsize="x-small",
+            )
     if floor_res.height:
         ax.legend(fontsize="x-small", loc="lower right")
     ax.axhline(0, color="grey", lw=0.8)
@@ -314,23 +388,38 @@ def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
         :func:`kvdiverge.estimation.analysis.variance_table` output.
     """
     sns.set_theme(style="whitegrid", context="paper")
-    v = variance.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite()) \
-        if variance.height else variance
+    v = (
+        variance.filter(pl.col("var_N_naive").is_finite() & pl.col("var_N_cmc").is_finite())
+        if variance.height
+        else variance
+    )
     if v.height == 0:
         return save_figure(_empty("no run with replicate variance (R >= 2 needed)"), png, pdf)
     v = v.sort(["model", "split", "policy"]).with_columns(
-        (pl.col("model") + "\n" + pl.col("policy") + " (" + pl.col("split").str.slice(0, 5) + ".)").alias("run"))
-    long = v.unpivot(index=["run", "var_ratio"], on=["var_N_naive", "var_N_cmc", "var_N_cmc_tv"],
-                     variable_name="estimator", value_name="variance").with_columns(
-        pl.col("estimator").replace({"var_N_naive": "naive", "var_N_cmc": "conditional MC",
-                                     "var_N_cmc_tv": "compensator (TV)"}))
+        (pl.col("model") + "\n" + pl.col("policy") + " (" + pl.col("split").str.slice(0, 5) + ".)").alias("run")
+    )
+    long = v.unpivot(
+        index=["run", "var_ratio"],
+        on=["var_N_naive", "var_N_cmc", "var_N_cmc_tv"],
+        variable_name="estimator",
+        value_name="variance",
+    ).with_columns(
+        pl.col("estimator").replace(
+            {"var_N_naive": "naive", "var_N_cmc": "conditional MC", "var_N_cmc_tv": "compensator (TV)"}
+        )
+    )
     fig, ax = plt.subplots(figsize=(1.5 + 1.6 * v.height, 4))
-    sns.barplot(data=long.to_pandas(), x="run", y="variance", hue="estimator", ax=ax,
-                order=v["run"].to_list())
+    sns.barplot(data=long.to_pandas(), x="run", y="variance", hue="estimator", ax=ax, order=v["run"].to_list())
     top = float(long["variance"].max() or 0.0)
     for i, r in enumerate(v.iter_rows(named=True)):
-        ax.text(i, top * 1.04, f"×{r['var_ratio']:.2f}" if np.isfinite(r["var_ratio"]) else "–",
-                ha="center", va="bottom", fontsize="small")
+        ax.text(
+            i,
+            top * 1.04,
+            f"×{r['var_ratio']:.2f}" if np.isfinite(r["var_ratio"]) else "–",
+            ha="center",
+            va="bottom",
+            fontsize="small",
+        )
     ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax.set(xlabel="", ylabel="Var across replicates, mean over documents (tokens²)")
     ax.set_title("Estimator variance of the token loss N (label: naive / conditional)")
@@ -339,8 +428,11 @@ def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
 
 
 #: Panels of the frontier figure: metric column and axis label.
-FRONTIER_PANELS = (("p_div", "p_div = P(divergence within T)"), ("E_M", "E[M] (mismatch fraction of T)"),
-                   ("tau_mean", "mean first-divergence step (given divergence)"))
+FRONTIER_PANELS = (
+    ("p_div", "p_div = P(divergence within T)"),
+    ("E_M", "E[M] (mismatch fraction of T)"),
+    ("tau_mean", "mean first-divergence step (given divergence)"),
+)
 
 
 def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
@@ -386,14 +478,25 @@ def _floor_band(ax, points: pl.DataFrame, metric: str) -> None:
     if floor.height:
         f = floor.row(0, named=True)
         ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
-        ax.axhline(f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1, label=f"noise floor ({f['floor']})")
+        ax.axhline(
+            f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1, label=f"noise floor ({f['floor']})"
+        )
 
 
 def _error_marker(ax, x, r, metric, color, marker="o", face="white", label=None) -> None:
     v = r[metric]
     if v is not None and np.isfinite(v):
-        ax.errorbar(x, v, yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]], fmt=marker,
-                    mfc=face, color=color, ms=5, capsize=2, label=label)
+        ax.errorbar(
+            x,
+            v,
+            yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]],
+            fmt=marker,
+            mfc=face,
+            color=color,
+            ms=5,
+            capsize=2,
+            label=label,
+        )
 
 
 def _draw_ratio_curves(ax, points: pl.DataFrame, metric: str) -> None:
@@ -404,10 +507,17 @@ def _draw_ratio_curves(ax, points: pl.DataFrame, metric: str) -> None:
         g = points.filter(pl.col("press") == press)
         curve = g.filter(pl.col("budget").is_null()).sort("retention")
         if curve.height:
-            ax.plot(curve["retention"], curve[metric], marker="o", ms=4, color=pal[press],
-                    label=f"{curve['rank'][0]}. {press}")
-            ax.fill_between(curve["retention"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=pal[press],
-                            alpha=0.15, lw=0)
+            ax.plot(
+                curve["retention"],
+                curve[metric],
+                marker="o",
+                ms=4,
+                color=pal[press],
+                label=f"{curve['rank'][0]}. {press}",
+            )
+            ax.fill_between(
+                curve["retention"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=pal[press], alpha=0.15, lw=0
+            )
         for r in g.filter(pl.col("budget").is_not_null()).iter_rows(named=True):
             _error_marker(ax, r["retention"], r, metric, pal[press])
 
@@ -430,14 +540,30 @@ def _draw_byte_curves(ax, points: pl.DataFrame, metric: str) -> None:
         own = points.filter(pl.col("curve") == label).row(0, named=True)
         ls, marker = style[own["cache"]]
         if own["press"] is None:  # a cache alone
-            _error_marker(ax, own["kv_bytes_per_token"], own, metric, "black", marker, "black",
-                          f"{rank.get(label)}. {label} (alone)")
+            _error_marker(
+                ax,
+                own["kv_bytes_per_token"],
+                own,
+                metric,
+                "black",
+                marker,
+                "black",
+                f"{rank.get(label)}. {label} (alone)",
+            )
             continue
         color = pal[own["press"]]
-        ax.plot(curve["kv_bytes_per_token"], curve[metric], ls=ls, marker=marker, ms=4, color=color,
-                label=f"{rank.get(label)}. {label}")
-        ax.fill_between(curve["kv_bytes_per_token"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=color,
-                        alpha=0.12, lw=0)
+        ax.plot(
+            curve["kv_bytes_per_token"],
+            curve[metric],
+            ls=ls,
+            marker=marker,
+            ms=4,
+            color=color,
+            label=f"{rank.get(label)}. {label}",
+        )
+        ax.fill_between(
+            curve["kv_bytes_per_token"], curve[f"{metric}_lo"], curve[f"{metric}_hi"], color=color, alpha=0.12, lw=0
+        )
     for r in points.filter(pl.col("budget").is_not_null()).iter_rows(named=True):
         _error_marker(ax, r["kv_bytes_per_token"], r, metric, pal[r["press"]])
 
@@ -458,10 +584,12 @@ def frontier_figure(points: pl.DataFrame) -> plt.Figure:
     for row, model in zip(axes, models):
         draw_frontier(row, points.filter(pl.col("model") == model), title=model)
     in_bytes = "cache" in points.columns and points["cache"].is_not_null().any()
-    fig.suptitle("Frontier: divergence against KV bytes stored per prompt token, eviction and quantized caches "
-                 "(bands: bootstrap intervals; grey: noise floor)" if in_bytes else
-                 "Frontier: divergence against retention, press by press (bands: bootstrap intervals; "
-                 "grey: noise floor)")
+    fig.suptitle(
+        "Frontier: divergence against KV bytes stored per prompt token, eviction and quantized caches "
+        "(bands: bootstrap intervals; grey: noise floor)"
+        if in_bytes
+        else "Frontier: divergence against retention, press by press (bands: bootstrap intervals; grey: noise floor)"
+    )
     fig.tight_layout()
     return fig
 
@@ -480,8 +608,10 @@ def plot_frontier(points: pl.DataFrame, png, pdf=None) -> None:
 
 
 #: Panels of the speculative figure: column and axis label.
-SPECULATIVE_PANELS = (("tokens_per_forward", "tokens per target forward A_k + 1"),
-                      ("accepted_fraction", "accepted fraction of the block A_k / k"))
+SPECULATIVE_PANELS = (
+    ("tokens_per_forward", "tokens per target forward A_k + 1"),
+    ("accepted_fraction", "accepted fraction of the block A_k / k"),
+)
 
 
 def draw_speculative(axes, table: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:

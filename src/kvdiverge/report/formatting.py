@@ -44,8 +44,10 @@ def number(v: Any, digits: int = 3, missing: str = MISSING) -> str:
 
 def with_interval(r: Mapping[str, Any], c: str, digits: int = 3, missing: str = MISSING) -> str:
     """``r[c] [r[c_lo], r[c_hi]]``, each formatted by :func:`number`."""
-    return (f"{number(r[c], digits, missing)} "
-            f"[{number(r[c + '_lo'], digits, missing)}, {number(r[c + '_hi'], digits, missing)}]")
+    return (
+        f"{number(r[c], digits, missing)} "
+        f"[{number(r[c + '_lo'], digits, missing)}, {number(r[c + '_hi'], digits, missing)}]"
+    )
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
@@ -94,25 +96,48 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     """
     num = partial(number, missing="-")  # plain text: an ASCII dash for a missing value
     ci = partial(with_interval, missing="-")
-    header = ["press", "prompts", "kept", "p_div [CI]", "first-div. step [CI]", "E[M] [CI]",
-              "= p_div/T", "+ (E[L]/T)*rho", "E[L]", "rho"] + ([] if floor is None else [f"E[M] - {floor} [CI]"])
+    header = [
+        "press",
+        "prompts",
+        "kept",
+        "p_div [CI]",
+        "first-div. step [CI]",
+        "E[M] [CI]",
+        "= p_div/T",
+        "+ (E[L]/T)*rho",
+        "E[L]",
+        "rho",
+    ] + ([] if floor is None else [f"E[M] - {floor} [CI]"])
     rows = []
     for r in summary.iter_rows(named=True):
         flag = "*" if r["untouched"] and r["policy"] != floor else ""
-        row = [r["policy"], str(r["n_docs"]), f"{r['kept_fraction']:.0%}{flag}",
-               ci(r, "p_div"), ci(r, "tau_mean"), ci(r, "E_M"),
-               num(r["first_mismatch_term"]), num(r["exposure_rate_term"]), num(r["E_L"]), num(r["rho"])]
+        row = [
+            r["policy"],
+            str(r["n_docs"]),
+            f"{r['kept_fraction']:.0%}{flag}",
+            ci(r, "p_div"),
+            ci(r, "tau_mean"),
+            ci(r, "E_M"),
+            num(r["first_mismatch_term"]),
+            num(r["exposure_rate_term"]),
+            num(r["E_L"]),
+            num(r["rho"]),
+        ]
         if floor is not None:
             row.append("(floor)" if r["policy"] == floor else ci(r, "E_M_minus_floor"))
         rows.append(row)
     s = settings
-    out = [f"{s['model']}: {summary['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature "
-           f"{s['temperature']}, top-p {s['top_p']}, seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
-           *text_table(header, rows)]
+    out = [
+        f"{s['model']}: {summary['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature "
+        f"{s['temperature']}, top-p {s['top_p']}, seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
+        *text_table(header, rows),
+    ]
     untouched = [r["policy"] for r in summary.iter_rows(named=True) if r["untouched"] and r["policy"] != floor]
     if untouched:
-        out.append(f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): "
-                   f"{', '.join(untouched)}")
+        out.append(
+            f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): "
+            f"{', '.join(untouched)}"
+        )
     if floor is None:
         out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
     return "\n".join(out)
@@ -147,22 +172,50 @@ def frontier_text(points, areas, confidence: float = 0.95) -> str:
             return "-"
         return f"{_finite(r[c])} [{_finite(r[c + '_lo'])}, {_finite(r[c + '_hi'])}]"
 
-    header = ["rank", "model", "curve", "mean E[M] [CI]", "mean p_div [CI]", "mean E[M] - best [CI]",
-              "area E[M] [CI]", "KV bytes/token", "above floor from ratio", "E[M] by ratio", "p_div by ratio"]
+    header = [
+        "rank",
+        "model",
+        "curve",
+        "mean E[M] [CI]",
+        "mean p_div [CI]",
+        "mean E[M] - best [CI]",
+        "area E[M] [CI]",
+        "KV bytes/token",
+        "above floor from ratio",
+        "E[M] by ratio",
+        "p_div by ratio",
+    ]
     body = []
     for r in areas.iter_rows(named=True):
-        pts = points.filter((pl.col("model") == r["model"]) & pl.col("curves").list.contains(r["curve"])
-                            ).sort("compression_ratio")
+        pts = points.filter((pl.col("model") == r["model"]) & pl.col("curves").list.contains(r["curve"])).sort(
+            "compression_ratio"
+        )
         by = lambda m: " ".join(f"{x:g}:{_finite(v)}" for x, v in zip(pts["compression_ratio"], pts[m]))  # noqa: E731
         first = r["first_ratio_above_floor"]
         span = "-" if r["bytes_min"] != r["bytes_min"] else f"{_bytes(r['bytes_min'])}-{_bytes(r['bytes_max'])}"
-        body.append([str(r["rank"]), r["model"], r["curve"], ci(r, "mean_E_M"), ci(r, "mean_p_div"),
-                     "(best)" if r["rank"] == 1 else ci(r, "diff_best_mean_E_M"), ci(r, "area_E_M"), span,
-                     _finite(first) if first == first else "never", by("E_M"), by("p_div")])
+        body.append(
+            [
+                str(r["rank"]),
+                r["model"],
+                r["curve"],
+                ci(r, "mean_E_M"),
+                ci(r, "mean_p_div"),
+                "(best)" if r["rank"] == 1 else ci(r, "diff_best_mean_E_M"),
+                ci(r, "area_E_M"),
+                span,
+                _finite(first) if first == first else "never",
+                by("E_M"),
+                by("p_div"),
+            ]
+        )
     n = areas["n_docs"].max() if areas.height else 0
-    return "\n".join([f"frontier: curves ranked by their mean over {_frontier_range(areas)}, {n} documents, "
-                      f"[CI]: {confidence:.0%} paired document bootstrap; smaller is more faithful",
-                      *text_table(header, body, left=len(header))])
+    return "\n".join(
+        [
+            f"frontier: curves ranked by their mean over {_frontier_range(areas)}, {n} documents, "
+            f"[CI]: {confidence:.0%} paired document bootstrap; smaller is more faithful",
+            *text_table(header, body, left=len(header)),
+        ]
+    )
 
 
 def _frontier_range(areas) -> str:

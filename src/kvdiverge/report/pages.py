@@ -16,8 +16,14 @@ import polars as pl
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
 from kvdiverge.report.formatting import number, with_interval
 
-__all__ = ["CONFIRMATORY_HEADER", "confirmatory_html", "floor_html", "frontier_html", "speculative_html",
-           "summary_html"]
+__all__ = [
+    "CONFIRMATORY_HEADER",
+    "confirmatory_html",
+    "floor_html",
+    "frontier_html",
+    "speculative_html",
+    "summary_html",
+]
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -28,33 +34,60 @@ def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-_STYLE = ("<style>body{font-family:sans-serif;font-size:14px;margin:1em}"
-          "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
-          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-          "th{background:#f3f3f3}code{background:#f6f6f6}</style>")
+_STYLE = (
+    "<style>body{font-family:sans-serif;font-size:14px;margin:1em}"
+    "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+    "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+    "th{background:#f3f3f3}code{background:#f6f6f6}</style>"
+)
 
 
 def _plan_block(plan: Mapping[str, Any]) -> str:
     import html
 
     rows = [(k, json.dumps(plan.get(k))) for k in PLAN_FIELDS]
-    return (_html_table(["plan field", "value"], rows)
-            + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
-              f"<code>{html.escape(plan_hash(plan))}</code></p>")
+    return (
+        _html_table(["plan field", "value"], rows)
+        + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
+        f"<code>{html.escape(plan_hash(plan))}</code></p>"
+    )
 
 
 def _confirmatory_rows(result: pl.DataFrame) -> list[list[str]]:
     def policy(r):
         return f"{r['policy']} (noise floor)" if r.get("role") == "floor" else r["policy"]
 
-    return [[r["model"], policy(r), r["n_docs"], r["n_excluded"], r["n_used"],
-             with_interval(r, "mean_diff"), with_interval(r, "median_diff"), number(r["statistic"]), number(r["p_raw"]),
-             number(r["p_adjusted"]), r["decision"]] for r in result.iter_rows(named=True)]
+    return [
+        [
+            r["model"],
+            policy(r),
+            r["n_docs"],
+            r["n_excluded"],
+            r["n_used"],
+            with_interval(r, "mean_diff"),
+            with_interval(r, "median_diff"),
+            number(r["statistic"]),
+            number(r["p_raw"]),
+            number(r["p_adjusted"]),
+            r["decision"],
+        ]
+        for r in result.iter_rows(named=True)
+    ]
 
 
-CONFIRMATORY_HEADER = ["model", "policy", "documents", "excluded (no window reached)", "tested",
-                       "mean late − early [95% CI]", "median [95% CI]", "W statistic", "p raw", "p adjusted",
-                       "decision"]
+CONFIRMATORY_HEADER = [
+    "model",
+    "policy",
+    "documents",
+    "excluded (no window reached)",
+    "tested",
+    "mean late − early [95% CI]",
+    "median [95% CI]",
+    "W statistic",
+    "p raw",
+    "p adjusted",
+    "decision",
+]
 
 
 def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
@@ -72,21 +105,34 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
     str
         A standalone HTML document.
     """
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
-            f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
-            "<h2>Result per model</h2>"
-            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
-            "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
-            "documents whose branches reach neither window, or only one, have no d and are "
-            "counted as excluded. A noise-floor row (the permutation control, equal kernels "
-            "in exact arithmetic) shows the same difference produced by rounding alone; it "
-            "is not part of the tested family.</p></body></html>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
+        f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
+        "<h2>Result per model</h2>"
+        f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
+        "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
+        "documents whose branches reach neither window, or only one, have no d and are "
+        "counted as excluded. A noise-floor row (the permutation control, equal kernels "
+        "in exact arithmetic) shows the same difference produced by rounding alone; it "
+        "is not part of the tested family.</p></body></html>"
+    )
 
 
-FLOOR_HEADER = ["model", "split", "policy", "documents (paired)", "p_div [95% CI]", "floor p_div [95% CI]",
-                "E[N] tokens [95% CI]", "floor E[N] [95% CI]", "mean TV per step [95% CI]",
-                "floor mean TV per step [95% CI]", "p_div − floor [95% CI]", "E[N] − floor [95% CI]",
-                "above floor (p_div / E[N])"]
+FLOOR_HEADER = [
+    "model",
+    "split",
+    "policy",
+    "documents (paired)",
+    "p_div [95% CI]",
+    "floor p_div [95% CI]",
+    "E[N] tokens [95% CI]",
+    "floor E[N] [95% CI]",
+    "mean TV per step [95% CI]",
+    "floor mean TV per step [95% CI]",
+    "p_div − floor [95% CI]",
+    "E[N] − floor [95% CI]",
+    "above floor (p_div / E[N])",
+]
 
 
 def _yes(v) -> str:
@@ -94,19 +140,34 @@ def _yes(v) -> str:
 
 
 def _floor_rows(floor: pl.DataFrame) -> list[list[str]]:
-    return [[r["model"], r["split"], r["policy"], r["n_docs"], with_interval(r, "p_div"), with_interval(r, "floor_p_div"),
-             with_interval(r, "E_N"), with_interval(r, "floor_E_N"), with_interval(r, "tv_mean"), with_interval(r, "floor_tv_mean"),
-             with_interval(r, "diff_p_div"), with_interval(r, "diff_E_N"),
-             f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_N'])}"]
-            for r in floor.sort(["model", "split", "policy"]).iter_rows(named=True)]
+    return [
+        [
+            r["model"],
+            r["split"],
+            r["policy"],
+            r["n_docs"],
+            with_interval(r, "p_div"),
+            with_interval(r, "floor_p_div"),
+            with_interval(r, "E_N"),
+            with_interval(r, "floor_E_N"),
+            with_interval(r, "tv_mean"),
+            with_interval(r, "floor_tv_mean"),
+            with_interval(r, "diff_p_div"),
+            with_interval(r, "diff_E_N"),
+            f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_N'])}",
+        ]
+        for r in floor.sort(["model", "split", "policy"]).iter_rows(named=True)
+    ]
 
 
-FLOOR_NOTE = ("<p>The noise floor is the permutation control: it keeps every prompt position "
-              "and only changes their order in each layer's cache, so its two kernels are equal "
-              "in exact arithmetic and whatever it measures is floating-point rounding. A policy "
-              "lies above the floor in a metric when the lower end of the paired "
-              "document-bootstrap interval of (policy − floor), on the documents both ran, is "
-              "above 0.</p>")
+FLOOR_NOTE = (
+    "<p>The noise floor is the permutation control: it keeps every prompt position "
+    "and only changes their order in each layer's cache, so its two kernels are equal "
+    "in exact arithmetic and whatever it measures is floating-point rounding. A policy "
+    "lies above the floor in a metric when the lower end of the paired "
+    "document-bootstrap interval of (policy − floor), on the documents both ran, is "
+    "above 0.</p>"
+)
 
 
 def floor_html(floor: pl.DataFrame) -> str:
@@ -116,8 +177,13 @@ def floor_html(floor: pl.DataFrame) -> str:
     return _html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
 
 
-def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.DataFrame,
-                 plan: Mapping[str, Any], floor: pl.DataFrame | None = None) -> str:
+def summary_html(
+    pooled: pl.DataFrame,
+    gaps: pl.DataFrame,
+    confirmatory: pl.DataFrame,
+    plan: Mapping[str, Any],
+    floor: pl.DataFrame | None = None,
+) -> str:
     """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
 
     Parameters
@@ -143,16 +209,41 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
     if floor is not None:
         for r in floor.iter_rows(named=True):
             above[(r["model"], r["split"], r["policy"])] = (
-                f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}")
-    runs = [[r["model"], r["policy"], r["split"], r["n_docs"], r["T"], with_interval(r, "p_div"),
-             with_interval(r, "tau_mean"), with_interval(r, "E_M"), number(r["exposure_share"]), number(r["rho"]),
-             f"[{number(r['interval_E_M_lo'])}, {number(r['interval_E_M_hi'])}]", number(r["var_ratio"]),
-             above.get((r["model"], r["split"], r["policy"]), "–")]
-            for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)]
-    run_header = ["model", "policy", "split", "documents", "T", "occurrence p_div [95% CI]",
-                  "mean first-divergence step [95% CI]", "mismatch fraction E[M] [95% CI]",
-                  "exposure share of E[M]", "rho", "§4 interval of E[M] from window W",
-                  "Var(N_naive)/Var(N_cmc)", "above noise floor (paired bootstrap)"]
+                f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}"
+            )
+    runs = [
+        [
+            r["model"],
+            r["policy"],
+            r["split"],
+            r["n_docs"],
+            r["T"],
+            with_interval(r, "p_div"),
+            with_interval(r, "tau_mean"),
+            with_interval(r, "E_M"),
+            number(r["exposure_share"]),
+            number(r["rho"]),
+            f"[{number(r['interval_E_M_lo'])}, {number(r['interval_E_M_hi'])}]",
+            number(r["var_ratio"]),
+            above.get((r["model"], r["split"], r["policy"]), "–"),
+        ]
+        for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)
+    ]
+    run_header = [
+        "model",
+        "policy",
+        "split",
+        "documents",
+        "T",
+        "occurrence p_div [95% CI]",
+        "mean first-divergence step [95% CI]",
+        "mismatch fraction E[M] [95% CI]",
+        "exposure share of E[M]",
+        "rho",
+        "§4 interval of E[M] from window W",
+        "Var(N_naive)/Var(N_cmc)",
+        "above noise floor (paired bootstrap)",
+    ]
     gap_rows = []
     for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
         t = {r["term"]: r for r in g.iter_rows(named=True)}
@@ -161,30 +252,77 @@ def summary_html(pooled: pl.DataFrame, gaps: pl.DataFrame, confirmatory: pl.Data
             r = t[term]
             return f"{number(r['share'])} [{number(r['share_lo'])}, {number(r['share_hi'])}]"
 
-        gap_rows.append([model, f"{a} − {b}", t["delta"]["n_docs"], with_interval(t["delta"], "value"),
-                         share("first_mismatch"), share("exposure"), share("rate")])
-    gap_header = ["model", "gap A − B", "documents", "Δ E[N] tokens [95% CI]", "first-mismatch share",
-                  "exposure share", "rate share"]
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
-            f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
-            f"{_html_table(run_header, runs)}"
-            "<h2>Noise floor beside each policy</h2>"
-            f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
-            "<h2>Gap decomposition (exploratory)</h2>"
-            f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
-            f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
-            f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
-            "</body></html>")
+        gap_rows.append(
+            [
+                model,
+                f"{a} − {b}",
+                t["delta"]["n_docs"],
+                with_interval(t["delta"], "value"),
+                share("first_mismatch"),
+                share("exposure"),
+                share("rate"),
+            ]
+        )
+    gap_header = [
+        "model",
+        "gap A − B",
+        "documents",
+        "Δ E[N] tokens [95% CI]",
+        "first-mismatch share",
+        "exposure share",
+        "rate share",
+    ]
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
+        f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
+        f"{_html_table(run_header, runs)}"
+        "<h2>Noise floor beside each policy</h2>"
+        f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
+        "<h2>Gap decomposition (exploratory)</h2>"
+        f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+        f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
+        f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+        "</body></html>"
+    )
 
 
-AREA_HEADER = ["model", "rank", "curve", "on the common range", "KV bytes per prompt token", "ratios",
-               "mean E[M] over the range [CI]", "mean p_div over the range [CI]", "mean E[M] − best [CI]",
-               "mean p_div − best [CI]", "area under E[M] over the ratios [CI]", "area under p_div [CI]",
-               "above noise floor from ratio"]
-POINT_HEADER = ["model", "curve", "policy", "compression ratio", "cache", "retention", "kept fraction",
-                "bits per element", "KV bytes per prompt token", "documents",
-                "p_div [CI]", "mean first-divergence step [CI]", "median step [CI]", "E[M] [CI]", "= p_div/T",
-                "+ (E[L]/T) rho", "rho [CI]", "floor p_div [CI]", "floor E[M] [CI]", "above floor (p_div / E[M])"]
+AREA_HEADER = [
+    "model",
+    "rank",
+    "curve",
+    "on the common range",
+    "KV bytes per prompt token",
+    "ratios",
+    "mean E[M] over the range [CI]",
+    "mean p_div over the range [CI]",
+    "mean E[M] − best [CI]",
+    "mean p_div − best [CI]",
+    "area under E[M] over the ratios [CI]",
+    "area under p_div [CI]",
+    "above noise floor from ratio",
+]
+POINT_HEADER = [
+    "model",
+    "curve",
+    "policy",
+    "compression ratio",
+    "cache",
+    "retention",
+    "kept fraction",
+    "bits per element",
+    "KV bytes per prompt token",
+    "documents",
+    "p_div [CI]",
+    "mean first-divergence step [CI]",
+    "median step [CI]",
+    "E[M] [CI]",
+    "= p_div/T",
+    "+ (E[L]/T) rho",
+    "rho [CI]",
+    "floor p_div [CI]",
+    "floor E[M] [CI]",
+    "above floor (p_div / E[M])",
+]
 
 
 def _span(lo, hi) -> str:
@@ -206,51 +344,94 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
     str
         A standalone HTML document.
     """
+
     def first(r):
         v = r["first_ratio_above_floor"]
         return "never" if v is None or not math.isfinite(v) else number(v)
 
     best = lambda r, c: "(best)" if r["rank"] == 1 else with_interval(r, c)  # noqa: E731
-    area_rows = [[r["model"], r["rank"], r["curve"], _yes(r["covers_range"]), _span(r["bytes_min"], r["bytes_max"]),
-                  f"{_span(r['ratio_min'], r['ratio_max'])} ({r['n_ratios']})", with_interval(r, "mean_E_M"),
-                  with_interval(r, "mean_p_div"), best(r, "diff_best_mean_E_M"), best(r, "diff_best_mean_p_div"),
-                  with_interval(r, "area_E_M"), with_interval(r, "area_p_div"), first(r)]
-                 for r in areas.iter_rows(named=True)]
-    point_rows = [[r["model"], r["curve"], r["policy"], number(r["compression_ratio"]) if r["budget"] is None
-                   else f"budget {r['budget']}", r["cache"] or "full precision", number(r["retention"]),
-                   number(r["kept_fraction"]), number(r["bits_per_element"]), number(r["kv_bytes_per_token"]),
-                   r["n_docs"], with_interval(r, "p_div"), with_interval(r, "tau_mean"), with_interval(r, "tau_median"),
-                   with_interval(r, "E_M"), number(r["first_mismatch_term"]), number(r["exposure_rate_term"]),
-                   with_interval(r, "rho"), with_interval(r, "floor_p_div"), with_interval(r, "floor_E_M"),
-                   f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}"]
-                  for r in points.iter_rows(named=True)]
+    area_rows = [
+        [
+            r["model"],
+            r["rank"],
+            r["curve"],
+            _yes(r["covers_range"]),
+            _span(r["bytes_min"], r["bytes_max"]),
+            f"{_span(r['ratio_min'], r['ratio_max'])} ({r['n_ratios']})",
+            with_interval(r, "mean_E_M"),
+            with_interval(r, "mean_p_div"),
+            best(r, "diff_best_mean_E_M"),
+            best(r, "diff_best_mean_p_div"),
+            with_interval(r, "area_E_M"),
+            with_interval(r, "area_p_div"),
+            first(r),
+        ]
+        for r in areas.iter_rows(named=True)
+    ]
+    point_rows = [
+        [
+            r["model"],
+            r["curve"],
+            r["policy"],
+            number(r["compression_ratio"]) if r["budget"] is None else f"budget {r['budget']}",
+            r["cache"] or "full precision",
+            number(r["retention"]),
+            number(r["kept_fraction"]),
+            number(r["bits_per_element"]),
+            number(r["kv_bytes_per_token"]),
+            r["n_docs"],
+            with_interval(r, "p_div"),
+            with_interval(r, "tau_mean"),
+            with_interval(r, "tau_median"),
+            with_interval(r, "E_M"),
+            number(r["first_mismatch_term"]),
+            number(r["exposure_rate_term"]),
+            with_interval(r, "rho"),
+            with_interval(r, "floor_p_div"),
+            with_interval(r, "floor_E_M"),
+            f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}",
+        ]
+        for r in points.iter_rows(named=True)
+    ]
     pct = f"{confidence:.0%}"
     ranged = areas.filter(pl.col("covers_range")) if areas.height else areas
     common = _span(ranged["range_lo"][0], ranged["range_hi"][0]) if ranged.height else "–"
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
-            f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
-            f"{_html_table(AREA_HEADER, area_rows)}"
-            f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
-            f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
-            f"Each is ranked by the mean of E[M] (then p_div) over the KV bytes stored per prompt token "
-            f"common to the ranked curves ({common} bytes per token; linear in bytes between its points); "
-            f"a curve that does not cover that range is listed after them, unranked by it. Smaller means "
-            f"the curve changes generation less at the same memory. The areas are the trapezoid areas "
-            f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
-            f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
-            f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
-            f"<h2>Every point</h2>{_html_table(POINT_HEADER, point_rows)}"
-            "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
-            "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
-            "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
-            "are the noise-floor control (permutation press, equal kernels in exact arithmetic) on the same "
-            "documents; above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
-            "</body></html>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
+        f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
+        f"{_html_table(AREA_HEADER, area_rows)}"
+        f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
+        f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
+        f"Each is ranked by the mean of E[M] (then p_div) over the KV bytes stored per prompt token "
+        f"common to the ranked curves ({common} bytes per token; linear in bytes between its points); "
+        f"a curve that does not cover that range is listed after them, unranked by it. Smaller means "
+        f"the curve changes generation less at the same memory. The areas are the trapezoid areas "
+        f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
+        f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
+        f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
+        f"<h2>Every point</h2>{_html_table(POINT_HEADER, point_rows)}"
+        "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
+        "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
+        "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
+        "are the noise-floor control (permutation press, equal kernels in exact arithmetic) on the same "
+        "documents; above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
+        "</body></html>"
+    )
 
 
-SPECULATIVE_HEADER = ["model", "policy", "split", "documents", "k", "S_k: all k accepted [CI]",
-                      "A_k accepted tokens [CI]", "A_k / k [CI]", "tokens per target forward A_k + 1 [CI]",
-                      "mean acceptance per step α [CI]", "i.i.d. (1 − α^(k+1)) / (1 − α) [CI]"]
+SPECULATIVE_HEADER = [
+    "model",
+    "policy",
+    "split",
+    "documents",
+    "k",
+    "S_k: all k accepted [CI]",
+    "A_k accepted tokens [CI]",
+    "A_k / k [CI]",
+    "tokens per target forward A_k + 1 [CI]",
+    "mean acceptance per step α [CI]",
+    "i.i.d. (1 − α^(k+1)) / (1 − α) [CI]",
+]
 
 
 def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
@@ -268,19 +449,33 @@ def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
     str
         A standalone HTML document.
     """
-    rows = [[r["model"], r["policy"], r["split"], r["n_docs"], r["k"], with_interval(r, "S_k"), with_interval(r, "A"),
-             with_interval(r, "accepted_fraction"), with_interval(r, "tokens_per_forward"),
-             with_interval(r, "alpha"), with_interval(r, "iid_tokens_per_forward")]
-            for r in table.sort(["model", "split", "policy", "k"]).iter_rows(named=True)]
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
-            f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
-            f"{_html_table(SPECULATIVE_HEADER, rows)}"
-            "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
-            "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
-            "that the first k drafted tokens are all accepted is the survival S_k, and the expected number "
-            "accepted is A_k = S_1 + … + S_k. This is exact for the first block, drafted from the prompt. "
-            "Later blocks start after a rejection, from histories distributed as the target's output rather "
-            "than as the agreement chain, and are not estimated here. α is the mean of 1 − tv_t over the "
-            "chain's T steps; the i.i.d. column is Leviathan et al.'s formula at that α, the figure the "
-            f"speculative-decoding papers quote. Brackets: {confidence:.0%} document bootstrap.</p>"
-            "</body></html>")
+    rows = [
+        [
+            r["model"],
+            r["policy"],
+            r["split"],
+            r["n_docs"],
+            r["k"],
+            with_interval(r, "S_k"),
+            with_interval(r, "A"),
+            with_interval(r, "accepted_fraction"),
+            with_interval(r, "tokens_per_forward"),
+            with_interval(r, "alpha"),
+            with_interval(r, "iid_tokens_per_forward"),
+        ]
+        for r in table.sort(["model", "split", "policy", "k"]).iter_rows(named=True)
+    ]
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
+        f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
+        f"{_html_table(SPECULATIVE_HEADER, rows)}"
+        "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
+        "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
+        "that the first k drafted tokens are all accepted is the survival S_k, and the expected number "
+        "accepted is A_k = S_1 + … + S_k. This is exact for the first block, drafted from the prompt. "
+        "Later blocks start after a rejection, from histories distributed as the target's output rather "
+        "than as the agreement chain, and are not estimated here. α is the mean of 1 − tv_t over the "
+        "chain's T steps; the i.i.d. column is Leviathan et al.'s formula at that α, the figure the "
+        f"speculative-decoding papers quote. Brackets: {confidence:.0%} document bootstrap.</p>"
+        "</body></html>"
+    )

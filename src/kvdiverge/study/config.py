@@ -54,10 +54,7 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
     """
     path = Path(path) if path is not None else SCHEMA_PATH
     if not path.is_file():
-        raise FileNotFoundError(
-            f"config schema not found at {path}; run from a kvdiverge checkout "
-            f"or pass schema_path"
-        )
+        raise FileNotFoundError(f"config schema not found at {path}; run from a kvdiverge checkout or pass schema_path")
     return copy.deepcopy(_parsed_schema(str(path.resolve()), path.stat().st_mtime_ns))
 
 
@@ -77,8 +74,10 @@ def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:
             line = key.start_mark.line + 1
             if name is not None and name != "<<" and name in seen:
                 where = f" in {_key_path(parts)}" if parts else ""
-                yield (f"duplicate key {name!r}{where} at lines {seen[name]} and {line} "
-                       f"(a key may appear once in a mapping; the later entry would silently replace the earlier)")
+                yield (
+                    f"duplicate key {name!r}{where} at lines {seen[name]} and {line} "
+                    f"(a key may appear once in a mapping; the later entry would silently replace the earlier)"
+                )
             elif name is not None:
                 seen[name] = line
             yield from _duplicate_keys(value, parts + (name,))
@@ -128,13 +127,8 @@ def format_error(error) -> str:
     if v == "additionalProperties" and isinstance(error.instance, dict):
         known = set(s.get("properties", {}))
         extra = sorted(k for k in error.instance if k not in known)
-        keys = ", ".join(
-            _key_path([*error.absolute_path, k]) for k in extra
-        )
-        return (
-            f"unknown config key {keys}; allowed keys at {where}: "
-            f"{', '.join(_allowed_keys(s)) or 'none'}"
-        )
+        keys = ", ".join(_key_path([*error.absolute_path, k]) for k in extra)
+        return f"unknown config key {keys}; allowed keys at {where}: {', '.join(_allowed_keys(s)) or 'none'}"
     if v == "required":
         missing = [k for k in error.validator_value if k not in error.instance]
         keys = ", ".join(_key_path([*error.absolute_path, k]) for k in missing)
@@ -145,8 +139,10 @@ def format_error(error) -> str:
     if v == "const":
         return f"{where}: must be {error.validator_value!r}, got {error.instance!r}"
     if v == "type" and isinstance(error.instance, datetime.date):
-        return (f"{where}: {error.instance!r} has the wrong type; expected a string: quote the "
-                f"date (\"{error.instance.isoformat()}\"), YAML reads an unquoted date as a date object")
+        return (
+            f"{where}: {error.instance!r} has the wrong type; expected a string: quote the "
+            f'date ("{error.instance.isoformat()}"), YAML reads an unquoted date as a date object'
+        )
     if v == "type":
         return f"{where}: {error.instance!r} has the wrong type; expected {error.validator_value}"
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -161,16 +157,20 @@ def format_error(error) -> str:
             rng.append(f"< {s['exclusiveMaximum']}")
         return f"{where}: {error.instance!r} is out of range; allowed: {' and '.join(rng)}"
     if v == "not" and "frontier" in list(map(str, error.absolute_path)):
-        return (f"{where}: give the press without compression_ratio or budget; "
-                f"frontier.ratios and frontier.budgets set them")
+        return (
+            f"{where}: give the press without compression_ratio or budget; "
+            f"frontier.ratios and frontier.budgets set them"
+        )
     if v == "not" and isinstance(error.instance, dict) and "press" in error.instance:
         return f"{where}: give exactly one of compression_ratio or budget"
     if v == "dependentRequired" and isinstance(error.instance, dict):
         for key, needs in error.validator_value.items():
             missing = [d for d in needs if key in error.instance and d not in error.instance]
             if missing:
-                return (f"{_key_path([*error.absolute_path, key])}: given without "
-                        f"{', '.join(_key_path([*error.absolute_path, d]) for d in missing)}, which it needs")
+                return (
+                    f"{_key_path([*error.absolute_path, key])}: given without "
+                    f"{', '.join(_key_path([*error.absolute_path, d]) for d in missing)}, which it needs"
+                )
     if v == "pattern":
         return f"{where}: {error.instance!r} does not match the pattern {error.validator_value!r}"
     if v in ("minItems", "maxItems"):
@@ -216,8 +216,9 @@ def _non_finite(node, parts: tuple = ()) -> Iterable[str]:
             yield from _non_finite(v, parts + (i,))
 
 
-def validate(config: dict[str, Any], schema_path: str | os.PathLike | None = None,
-             set_defaults: bool = True) -> dict[str, Any]:
+def validate(
+    config: dict[str, Any], schema_path: str | os.PathLike | None = None, set_defaults: bool = True
+) -> dict[str, Any]:
     """Validate ``config`` against the schema and return a copy with defaults filled.
 
     Raises
@@ -284,8 +285,12 @@ def policy_entry_problems(entry: Any) -> list[str]:
         named = {k: params.pop(k) for k in list(params) if k in policy["properties"] and k != "params"}
         entry = {**entry, **named, "params": params}
     validator = _validator({"$defs": schema["$defs"], **policy}, False)
-    lines = [line for key in policy["properties"] if isinstance(entry, dict) and key in entry
-             for line in _non_finite(entry[key], (key,))]
+    lines = [
+        line
+        for key in policy["properties"]
+        if isinstance(entry, dict) and key in entry
+        for line in _non_finite(entry[key], (key,))
+    ]
     if lines:  # the schema's bounds cannot compare them
         return lines
     kinds = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not")
@@ -334,9 +339,7 @@ def check(config: dict[str, Any]) -> None:
 
     def need_policy(key: str, name: str) -> bool:
         if name not in policies:
-            problems.append(
-                f"{key}: policy {name!r} is not defined under policies (defined: {defined})"
-            )
+            problems.append(f"{key}: policy {name!r} is not defined under policies (defined: {defined})")
             return False
         return True
 
@@ -358,8 +361,7 @@ def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
         docs = config.get("corpus", {}).get("documents", {}).get(control["split"])
         if docs is not None and control["documents"] > docs:
             problems.append(
-                f"runs.control.documents: {control['documents']} exceeds "
-                f"corpus.documents.{control['split']} = {docs}"
+                f"runs.control.documents: {control['documents']} exceeds corpus.documents.{control['split']} = {docs}"
             )
 
     problems += policy_problems(policies)
@@ -376,10 +378,7 @@ def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
         for split in SPLITS:
             docs = config.get("corpus", {}).get("documents", {}).get(split)
             if run.get(split) and floor.get("documents") and docs is not None and floor["documents"] > docs:
-                problems.append(
-                    f"runs.floor.documents: {floor['documents']} exceeds "
-                    f"corpus.documents.{split} = {docs}"
-                )
+                problems.append(f"runs.floor.documents: {floor['documents']} exceeds corpus.documents.{split} = {docs}")
 
 
 def _confirmatory_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
@@ -387,8 +386,7 @@ def _confirmatory_problems(config: dict[str, Any], need_policy, problems: list[s
     run = config.get("runs", {})
     conf = config.get("confirmatory")
     if conf:
-        if need_policy("confirmatory.policy", conf["policy"]) and \
-                conf["policy"] not in run.get("confirmatory", []):
+        if need_policy("confirmatory.policy", conf["policy"]) and conf["policy"] not in run.get("confirmatory", []):
             problems.append(
                 f"confirmatory.policy: {conf['policy']!r} must be listed in runs.confirmatory "
                 f"(now: {run.get('confirmatory', [])})"
@@ -404,9 +402,7 @@ def _confirmatory_problems(config: dict[str, Any], need_policy, problems: list[s
                     f"T - 1 = {horizon - 1} (decoding.max_new_tokens = {horizon})"
                 )
         if "early" in conf and "late" in conf and conf["early"][1] >= conf["late"][0]:
-            problems.append(
-                f"confirmatory: early {conf['early']} must end before late {conf['late']} starts"
-            )
+            problems.append(f"confirmatory: early {conf['early']} must end before late {conf['late']} starts")
 
 
 def _gap_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
@@ -414,8 +410,7 @@ def _gap_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
     run = config.get("runs", {})
     for i, pair in enumerate(config.get("analysis", {}).get("gaps", [])):
         for j, name in enumerate(pair):
-            if need_policy(f"analysis.gaps[{i}][{j}]", name) and \
-                    name not in run.get("exploratory", []):
+            if need_policy(f"analysis.gaps[{i}][{j}]", name) and name not in run.get("exploratory", []):
                 problems.append(
                     f"analysis.gaps[{i}][{j}]: {name!r} must be listed in runs.exploratory "
                     f"(gaps are exploratory; now: {run.get('exploratory', [])})"
@@ -438,8 +433,7 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
     corpus = config.get("corpus", {})
     if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:
         problems.append(
-            f"corpus.min_words ({corpus['min_words']}) must not exceed "
-            f"corpus.max_words ({corpus['max_words']})"
+            f"corpus.min_words ({corpus['min_words']}) must not exceed corpus.max_words ({corpus['max_words']})"
         )
 
 
@@ -531,8 +525,7 @@ def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:
     if not f:
         return []
     caches = {label: cache_settings(c) for label, c in (f.get("caches") or {}).items()}
-    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []), caches,
-                         f.get("cache_ratios"))
+    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []), caches, f.get("cache_ratios"))
 
 
 def frontier_split(config: dict[str, Any]) -> str | None:
@@ -558,8 +551,10 @@ def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
             return dataclasses.replace(press, compression_ratio=float(ratio))
         if "press" in fields and getattr(press, "press", None) is not None:
             return dataclasses.replace(press, press=press_at_ratio(press.press, ratio, name))
-    raise ValueError(f"press {name!r}: {type(press).__name__} takes no compression_ratio (nor does a press "
-                     f"it wraps), so a frontier cannot vary it")
+    raise ValueError(
+        f"press {name!r}: {type(press).__name__} takes no compression_ratio (nor does a press "
+        f"it wraps), so a frontier cannot vary it"
+    )
 
 
 def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
@@ -591,13 +586,17 @@ def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
         for key in ("compression_ratio", "budget", "cache", "backend", "nbits", "q_group_size", "residual_length"):
             if press.get(key) is not None:
                 raise ValueError(f"press {label!r}: give it without {key}; the frontier sets it")
-        extra = ({"compression_ratio": point["compression_ratio"]} if point["budget"] is None
-                 else {"budget": point["budget"]})
+        extra = (
+            {"compression_ratio": point["compression_ratio"]}
+            if point["budget"] is None
+            else {"budget": point["budget"]}
+        )
         return {**copy.deepcopy(dict(press)), **extra, **keys}
     if point["budget"] is not None or cache is not None:
         what = "a fixed budget" if cache is None else "a quantized cache"
-        raise ValueError(f"press {label!r}: {what} needs a policy entry "
-                         f"({{'press': 'SnapKVPress', ...}}), not a press object")
+        raise ValueError(
+            f"press {label!r}: {what} needs a policy entry ({{'press': 'SnapKVPress', ...}}), not a press object"
+        )
     return press_at_ratio(press, point["compression_ratio"], label)
 
 
@@ -611,8 +610,10 @@ def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_
         except ValueError:
             takes = None  # an unknown press: the schema below names it
         if takes is False:
-            return [f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
-                    f"nested in its params), so a frontier cannot vary it"]
+            return [
+                f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
+                f"nested in its params), so a frontier cannot vary it"
+            ]
     problems: list[str] = []
     errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
     for e in errors:
@@ -670,8 +671,9 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     made = {p["policy"] for p in grid}
     for name in policies:
         if "@" in name and name not in made:
-            problems.append(f"policies.{name}: '@' in a policy name is reserved for the frontier's "
-                            f"<press>@<ratio> policies")
+            problems.append(
+                f"policies.{name}: '@' in a policy name is reserved for the frontier's <press>@<ratio> policies"
+            )
     if not f:
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -679,15 +681,18 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     config = copy.deepcopy(config)
     problems += _expand_points(config, grid, policies, schema or load_schema())
     if not config["runs"].get("floor"):
-        problems.append("frontier: needs runs.floor, the noise floor that runs beside the frontier "
-                        "(runs.floor.policy: a PermutationPress policy)")
+        problems.append(
+            "frontier: needs runs.floor, the noise floor that runs beside the frontier "
+            "(runs.floor.policy: a PermutationPress policy)"
+        )
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return config
 
 
-def _expand_points(config: dict[str, Any], grid: list[dict[str, Any]], policies: Mapping[str, Any],
-                   schema: dict[str, Any]) -> list[str]:
+def _expand_points(
+    config: dict[str, Any], grid: list[dict[str, Any]], policies: Mapping[str, Any], schema: dict[str, Any]
+) -> list[str]:
     """Add each frontier point to ``config`` (policies and the split's runs); the problems, by frontier key.
 
     Each press is checked once (its first full-precision point), each cache once (alone, whatever
@@ -701,13 +706,19 @@ def _expand_points(config: dict[str, Any], grid: list[dict[str, Any]], policies:
     for point in grid:
         entry = frontier_policy(f["presses"][point["press"]] if point["press"] else None, point)
         name = point["policy"]
-        key, probe = ((f"frontier.presses.{point['press']}", entry) if point["cache"] is None else
-                      (f"frontier.caches.{point['cache']}", {"cache": "quantized", **point["cache_settings"]}))
+        key, probe = (
+            (f"frontier.presses.{point['press']}", entry)
+            if point["cache"] is None
+            else (f"frontier.caches.{point['cache']}", {"cache": "quantized", **point["cache_settings"]})
+        )
         if key not in checked:
             checked.add(key)
             problems += _frontier_entry_problems(key, probe, name, policy_validator)
-        own = (f"frontier.presses.{point['press']} at {name.split('@', 1)[1]}" if point["press"]
-               else f"frontier.caches.{point['cache']}")
+        own = (
+            f"frontier.presses.{point['press']} at {name.split('@', 1)[1]}"
+            if point["press"]
+            else f"frontier.caches.{point['cache']}"
+        )
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {own}; rename the policy")
         config["policies"][name] = entry

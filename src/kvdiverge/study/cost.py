@@ -61,8 +61,7 @@ from typing import Any
 
 from kvdiverge.study.config import runs
 
-__all__ = ["RunCost", "run_documents_count", "study_cost", "totals", "projected_hours",
-           "format_table", "main"]
+__all__ = ["RunCost", "run_documents_count", "study_cost", "totals", "projected_hours", "format_table", "main"]
 
 
 @dataclass(frozen=True)
@@ -193,17 +192,25 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
         spec = config["policies"].get(policy)
         decode_time = is_decode_time(spec)
         steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
-        out.append(RunCost(
-            model=model, policy=policy, split=split, documents=n, shards=n_shards,
-            replicates=R, T=T, batch_documents=B,
-            prefill_forwards=_prefills(spec) * n,
-            decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
-            token_steps=n * R * 2 * (2 * T - 1),
-            decode_time=decode_time,
-            replay_prefills=R * n if decode_time else 0,
-            replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
-            replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
-        ))
+        out.append(
+            RunCost(
+                model=model,
+                policy=policy,
+                split=split,
+                documents=n,
+                shards=n_shards,
+                replicates=R,
+                T=T,
+                batch_documents=B,
+                prefill_forwards=_prefills(spec) * n,
+                decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
+                token_steps=n * R * 2 * (2 * T - 1),
+                decode_time=decode_time,
+                replay_prefills=R * n if decode_time else 0,
+                replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
+                replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
+            )
+        )
     return out
 
 
@@ -224,8 +231,9 @@ def totals(costs: Sequence[RunCost]) -> dict[str, int]:
     }
 
 
-def projected_hours(config: dict[str, Any], token_steps_per_s: float, gpus: int = 1,
-                    batch_documents: int | None = None) -> float:
+def projected_hours(
+    config: dict[str, Any], token_steps_per_s: float, gpus: int = 1, batch_documents: int | None = None
+) -> float:
     """Hours of the generation stage at a measured rate (upper-bound token-steps / rate / GPUs).
 
     Parameters
@@ -254,14 +262,36 @@ def projected_hours(config: dict[str, Any], token_steps_per_s: float, gpus: int 
 def format_table(costs: Sequence[RunCost]) -> str:
     """A plain-text table of the runs and their totals."""
     head = ("model", "policy", "split", "docs", "shards", "B", "forwards", "token-steps")
-    rows = [(c.model, c.policy, c.split, f"{c.documents}", f"{c.shards}", f"{c.batch_documents}",
-             f"{c.forwards:,}", f"{c.token_steps:,}") for c in costs]
+    rows = [
+        (
+            c.model,
+            c.policy,
+            c.split,
+            f"{c.documents}",
+            f"{c.shards}",
+            f"{c.batch_documents}",
+            f"{c.forwards:,}",
+            f"{c.token_steps:,}",
+        )
+        for c in costs
+    ]
     tot = totals(costs)
-    rows.append(("total", "", "", f"{tot['documents']}", f"{tot['shards']}", "",
-                 f"{tot['forwards']:,}", f"{tot['token_steps']:,}"))
+    rows.append(
+        (
+            "total",
+            "",
+            "",
+            f"{tot['documents']}",
+            f"{tot['shards']}",
+            "",
+            f"{tot['forwards']:,}",
+            f"{tot['token_steps']:,}",
+        )
+    )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
-             for r in [head, *rows]]
+    lines = [
+        "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in [head, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -272,22 +302,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvdiverge.study.cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
-    ap.add_argument("--batch-documents", type=int, default=None,
-                    help="documents per forward B (default: generation.batch_documents, else 1)")
-    ap.add_argument("--rate", type=float, default=None,
-                    help="measured token-steps per second on one device: also print the hours")
+    ap.add_argument(
+        "--batch-documents",
+        type=int,
+        default=None,
+        help="documents per forward B (default: generation.batch_documents, else 1)",
+    )
+    ap.add_argument(
+        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
+    )
     ap.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
     args = ap.parse_args(argv)
     config = load_config(args.config)
     costs = study_cost(config, args.batch_documents)
     print(format_table(costs))
     tot = totals(costs)
-    print(f"\n{tot['documents']} document-policy runs, {tot['shards']} shard jobs, "
-          f"{tot['forwards']:,} forwards ({tot['prefill_forwards']:,} prefill), "
-          f"{tot['token_steps']:,} token-steps (upper bound: 2T - 1 steps per side)")
+    print(
+        f"\n{tot['documents']} document-policy runs, {tot['shards']} shard jobs, "
+        f"{tot['forwards']:,} forwards ({tot['prefill_forwards']:,} prefill), "
+        f"{tot['token_steps']:,} token-steps (upper bound: 2T - 1 steps per side)"
+    )
     if tot["replay_forwards"]:
-        print(f"decode-time branch replays: {tot['replay_forwards']:,} forwards (prefills included), "
-              f"{tot['replay_token_steps']:,} token-steps (upper bounds)")
+        print(
+            f"decode-time branch replays: {tot['replay_forwards']:,} forwards (prefills included), "
+            f"{tot['replay_token_steps']:,} token-steps (upper bounds)"
+        )
     if args.rate:
         hours = projected_hours(config, args.rate, args.gpus, args.batch_documents)
         print(f"at {args.rate:,.0f} token-steps/s on {args.gpus} device(s): {hours:.2f} h ({hours * 3600:,.0f} s)")

@@ -34,8 +34,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_GPUS", "ENV_LOCK_DIR", "gpu_count", "device_ids", "gpu_cap", "lock_dir",
-           "bind_device", "NoDeviceError", "device_problem"]
+__all__ = [
+    "ENV_GPUS",
+    "ENV_LOCK_DIR",
+    "gpu_count",
+    "device_ids",
+    "gpu_cap",
+    "lock_dir",
+    "bind_device",
+    "NoDeviceError",
+    "device_problem",
+]
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +203,23 @@ def device_problem(device: str, name: str = "device") -> str | None:
     if dev.type == "cuda":
         n = gpu_count() if torch.cuda.is_available() else 0
         if n == 0:
-            return (f"{name}: {device!r} asks for a CUDA device, but this torch ({torch.__version__}) sees none; "
-                    f"allowed here: cpu")
+            return (
+                f"{name}: {device!r} asks for a CUDA device, but this torch ({torch.__version__}) sees none; "
+                f"allowed here: cpu"
+            )
         if dev.index is not None and dev.index >= n:
-            return (f"{name}: {device!r} asks for CUDA device {dev.index}, but only {n} are visible; "
-                    f"allowed: cuda:0 to cuda:{n - 1}")
+            return (
+                f"{name}: {device!r} asks for CUDA device {dev.index}, but only {n} are visible; "
+                f"allowed: cuda:0 to cuda:{n - 1}"
+            )
         return None
     if dev.type == "mps":
         mps = getattr(torch.backends, "mps", None)
-        return None if mps is not None and mps.is_available() else (
-            f"{name}: {device!r} asks for Apple's MPS backend, which this torch does not have; allowed here: cpu")
+        return (
+            None
+            if mps is not None and mps.is_available()
+            else (f"{name}: {device!r} asks for Apple's MPS backend, which this torch does not have; allowed here: cpu")
+        )
     return f"{name}: {device!r} is a {dev.type} device, which kvdiverge does not run on; allowed: {allowed}"
 
 
@@ -215,8 +231,9 @@ def _requested_index(device: str) -> int | None:
 
 
 @contextlib.contextmanager
-def bind_device(device: str, *, poll_s: float = 1.0, timeout_s: float | None = None,
-                set_current: bool = True) -> Iterator[str]:
+def bind_device(
+    device: str, *, poll_s: float = 1.0, timeout_s: float | None = None, set_current: bool = True
+) -> Iterator[str]:
     """Hold a lock on one free CUDA device for the duration of the block.
 
     Parameters
@@ -254,7 +271,8 @@ def bind_device(device: str, *, poll_s: float = 1.0, timeout_s: float | None = N
         raise NoDeviceError(
             f"the model's device is {device!r} but no CUDA device is visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-            f"run on a machine with a GPU, or set the model's device to cpu")
+            f"run on a machine with a GPU, or set the model's device to cpu"
+        )
     if wanted >= len(ids):
         raise NoDeviceError(f"device {device!r} requested, but only {len(ids)} CUDA device(s) are visible")
     candidates = range(len(ids)) if wanted < 0 else [wanted]
@@ -282,8 +300,10 @@ def bind_device(device: str, *, poll_s: float = 1.0, timeout_s: float | None = N
                 os.close(fd)
             return
         if not waited:
-            log.warning("every candidate CUDA device (%s) is locked by another job; waiting",
-                        ", ".join(f"cuda:{i}" for i in candidates))
+            log.warning(
+                "every candidate CUDA device (%s) is locked by another job; waiting",
+                ", ".join(f"cuda:{i}" for i in candidates),
+            )
             waited = True
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise TimeoutError(f"no free CUDA device within {timeout_s} s (locks in {directory})")

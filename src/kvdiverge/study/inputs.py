@@ -31,11 +31,30 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvdiverge.engine.runner import Document, PressSource
 
-__all__ = ["InputError", "NOISE_FLOOR_POLICY", "NOISE_FLOOR_PRESS", "OPTIONS", "SOTU_INSTRUCTION", "argument_prompts",
-           "argument_sources", "cache_entry", "check_arguments", "check_lengths", "cli_entries", "describe_press",
-           "frontier_presses", "is_noise_floor", "measure_inputs", "measure_settings", "model_entry", "model_label",
-           "prepare_documents", "prepare_presses", "read_prompts",
-           "sotu_prompts"]
+__all__ = [
+    "InputError",
+    "NOISE_FLOOR_POLICY",
+    "NOISE_FLOOR_PRESS",
+    "OPTIONS",
+    "SOTU_INSTRUCTION",
+    "argument_prompts",
+    "argument_sources",
+    "cache_entry",
+    "check_arguments",
+    "check_lengths",
+    "cli_entries",
+    "describe_press",
+    "frontier_presses",
+    "is_noise_floor",
+    "measure_inputs",
+    "measure_settings",
+    "model_entry",
+    "model_label",
+    "prepare_documents",
+    "prepare_presses",
+    "read_prompts",
+    "sotu_prompts",
+]
 
 
 class InputError(ValueError):
@@ -63,8 +82,13 @@ def _as_ids(prompt: Any) -> list[int] | None:
     raise TypeError(f"a prompt must be a string or a sequence of token ids (int), got {type(prompt).__name__}")
 
 
-def prepare_documents(prompts: Sequence[Any] | Mapping[str, Any], tokenizer=None, *,
-                      instruction: str | None = None, system: str | None = None) -> list[Document]:
+def prepare_documents(
+    prompts: Sequence[Any] | Mapping[str, Any],
+    tokenizer=None,
+    *,
+    instruction: str | None = None,
+    system: str | None = None,
+) -> list[Document]:
     """Prompts as engine documents: text rendered with the chat template, ids kept as they are.
 
     Parameters
@@ -93,8 +117,11 @@ def prepare_documents(prompts: Sequence[Any] | Mapping[str, Any], tokenizer=None
     from kvdiverge.engine.runner import Document
     from kvdiverge.study.prompts import render_ids
 
-    items = list(prompts.items()) if isinstance(prompts, Mapping) else [
-        (f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+    items = (
+        list(prompts.items())
+        if isinstance(prompts, Mapping)
+        else [(f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+    )
     if not items:
         raise ValueError("no prompts given")
     docs, seen = [], set()
@@ -201,8 +228,9 @@ def _renamed(source: Any, name: str) -> Any:
     raise ValueError(f"press {name!r}: its PressSource is named {source.name!r}; use that name as the key")
 
 
-def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSource], max_new_tokens: int,
-                  context: int | None = None) -> None:
+def check_lengths(
+    documents: Sequence[Document], sources: Mapping[str, PressSource], max_new_tokens: int, context: int | None = None
+) -> None:
     """Fail before any generation when a prompt cannot run under a press.
 
     The press minimums are :func:`kvdiverge.engine.runner.check_prompt_lengths`, which
@@ -219,8 +247,10 @@ def check_lengths(documents: Sequence[Document], sources: Mapping[str, PressSour
 
     for doc in documents:
         if context is not None and doc.prompt_len + max_new_tokens > context:
-            raise ValueError(f"prompt {doc.doc_id!r}: {doc.prompt_len} tokens + {max_new_tokens} new tokens "
-                             f"exceed the model context of {context} tokens")
+            raise ValueError(
+                f"prompt {doc.doc_id!r}: {doc.prompt_len} tokens + {max_new_tokens} new tokens "
+                f"exceed the model context of {context} tokens"
+            )
     check_prompt_lengths(documents, sources)
 
 
@@ -254,17 +284,23 @@ def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
     from kvdiverge.study.config import cache_settings, policy_entry_problems
 
     if not isinstance(caches, Mapping):
-        raise ValueError(f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
-                         f"got {type(caches).__name__}")
+        raise ValueError(
+            f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
+            f"got {type(caches).__name__}"
+        )
     out = {}
     for label, settings in caches.items():
         if not isinstance(settings, Mapping):
-            raise ValueError(f"cache {label!r}: its settings must be a mapping (backend, nbits, q_group_size, "
-                             f"residual_length), got {type(settings).__name__}")
+            raise ValueError(
+                f"cache {label!r}: its settings must be a mapping (backend, nbits, q_group_size, "
+                f"residual_length), got {type(settings).__name__}"
+            )
         unknown = sorted(set(settings) - {"cache", "backend", "nbits", "q_group_size", "residual_length"})
         if unknown:
-            raise ValueError(f"cache {label!r}: unknown setting {unknown[0]!r}; allowed: backend, nbits, "
-                             f"q_group_size, residual_length")
+            raise ValueError(
+                f"cache {label!r}: unknown setting {unknown[0]!r}; allowed: backend, nbits, "
+                f"q_group_size, residual_length"
+            )
         out[str(label)] = cache_settings(settings)
         entry = {"cache": "quantized", **out[str(label)]}
         problems = policy_entry_problems(entry)
@@ -277,9 +313,13 @@ def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def frontier_presses(presses: Any, ratios: Sequence[float] = (), budgets: Sequence[int] = (),
-                     caches: Mapping[str, Mapping[str, Any]] | None = None,
-                     cache_ratios: Sequence[float] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def frontier_presses(
+    presses: Any,
+    ratios: Sequence[float] = (),
+    budgets: Sequence[int] = (),
+    caches: Mapping[str, Mapping[str, Any]] | None = None,
+    cache_ratios: Sequence[float] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every press at every ratio (and budget), and each quantized cache alone and after each press,
     named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
@@ -322,8 +362,8 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (), budgets: Sequen
         no ratio, a budget or a cache for a press object, a bad cache setting, or a press
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
-    from kvdiverge.estimation.frontier import frontier_grid
     from kvdiverge.engine.presses.project import PermutationPress
+    from kvdiverge.estimation.frontier import frontier_grid
     from kvdiverge.study.config import frontier_policy
 
     if not ratios and not budgets:
@@ -338,21 +378,30 @@ def frontier_presses(presses: Any, ratios: Sequence[float] = (), budgets: Sequen
     for n in scored:
         for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>")):
             if mark in n:
-                raise ValueError(f"press {n!r}: '{mark}' in a press name is reserved for the frontier's "
-                                 f"{form} names; rename it")
+                raise ValueError(
+                    f"press {n!r}: '{mark}' in a press name is reserved for the frontier's {form} names; rename it"
+                )
     for n in caches or {}:
         if "@" in str(n) or "+" in str(n):
-            raise ValueError(f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
-                             f"<press>@<ratio>+<cache> names; rename it")
+            raise ValueError(
+                f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
+                f"<press>@<ratio>+<cache> names; rename it"
+            )
     for key, values in (("ratios", ratios), ("cache_ratios", cache_ratios or ())):
         for r in values:
             if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
                 raise ValueError(f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
     caches = _frontier_caches(caches) if caches else {}
-    grid = frontier_grid(list(scored), [float(r) for r in ratios], list(budgets), caches,
-                         None if cache_ratios is None else [float(r) for r in cache_ratios])
-    out = {point["policy"]: frontier_policy(scored[point["press"]] if point["press"] else None, point)
-           for point in grid}
+    grid = frontier_grid(
+        list(scored),
+        [float(r) for r in ratios],
+        list(budgets),
+        caches,
+        None if cache_ratios is None else [float(r) for r in cache_ratios],
+    )
+    out = {
+        point["policy"]: frontier_policy(scored[point["press"]] if point["press"] else None, point) for point in grid
+    }
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
 
@@ -365,8 +414,13 @@ def describe_press(source: PressSource) -> str | dict[str, Any]:
     if isinstance(source, PressPolicy):
         return repr(source.press)
     if isinstance(source, Policy):
-        spec = {"press": source.press, "compression_ratio": source.compression_ratio, "budget": source.budget,
-                **source.params, **(source.quantized.describe() if source.quantized is not None else {})}
+        spec = {
+            "press": source.press,
+            "compression_ratio": source.compression_ratio,
+            "budget": source.budget,
+            **source.params,
+            **(source.quantized.describe() if source.quantized is not None else {}),
+        }
         return {k: v for k, v in spec.items() if v is not None}
     return repr(source)
 
@@ -452,8 +506,15 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
     if n < 1:
         raise InputError(f"--sotu needs at least 1 excerpt, got {n}")
     try:
-        docs = build_corpus({"source": "sotu", "min_words": min_words, "max_words": max_words,
-                             "documents": {"exploratory": n}, "split_seed": split_seed})
+        docs = build_corpus(
+            {
+                "source": "sotu",
+                "min_words": min_words,
+                "max_words": max_words,
+                "documents": {"exploratory": n},
+                "split_seed": split_seed,
+            }
+        )
     except CorpusError as exc:
         raise InputError(str(exc)) from None
     return dict(zip(docs["doc_id"].to_list(), docs["text"].to_list()))
@@ -481,11 +542,18 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
         return p.resolve().name, {"source": "local", "path": str(p), **extra}
     if p.is_file():
         if p.suffix.lower() != ".gguf":
-            raise InputError(f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                             f"a .gguf file, a hub id or 'embedded'")
+            raise InputError(
+                f"model {model!r} is a file but not a GGUF file; give a model directory, "
+                f"a .gguf file, a hub id or 'embedded'"
+            )
         return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
-    looks_like_path = (model.startswith((".", "/", "~")) or model.lower().endswith(".gguf")
-                       or model.count("/") > 1 or os.sep != "/" and os.sep in model)
+    looks_like_path = (
+        model.startswith((".", "/", "~"))
+        or model.lower().endswith(".gguf")
+        or model.count("/") > 1
+        or os.sep != "/"
+        and os.sep in model
+    )
     if looks_like_path:
         raise InputError(f"model not found: no directory or file {model!r} (and not a hub id 'org/name')")
     return model, {"source": "hub", "id": model, **extra}
@@ -494,8 +562,20 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 # --------------------------------------------------------------------------- a measure() call's inputs
 
 
-def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instruction, system, ratios, budgets,
-                   caches=None, cache_ratios=None):
+def measure_inputs(
+    model,
+    tokenizer,
+    prompts,
+    presses,
+    T: int,
+    R: int,
+    instruction,
+    system,
+    ratios,
+    budgets,
+    caches=None,
+    cache_ratios=None,
+):
     """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
 
     The prompts as documents (:func:`prepare_documents`), their token ids checked against the
@@ -522,8 +602,10 @@ def measure_inputs(model, tokenizer, prompts, presses, T: int, R: int, instructi
     if ratios or budgets:
         presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()), caches, cache_ratios)
     elif caches or cache_ratios is not None:
-        raise ValueError("caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
-                         "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})")
+        raise ValueError(
+            "caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
+            "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})"
+        )
     sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
     try:
         from kvdiverge.study.models import context_length
@@ -541,19 +623,44 @@ def model_label(model: Any) -> str:
     return os.path.basename(path.rstrip("/")) or "model"
 
 
-def measure_settings(model_name: str, split: str, sources: Mapping[str, PressSource], grid: Any, *, T: int, R: int,
-                     temperature: float, top_p: float, seed: int, window: int, bootstrap: int, confidence: float,
-                     instruction: str | None, system: str | None,
-                     kv_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+def measure_settings(
+    model_name: str,
+    split: str,
+    sources: Mapping[str, PressSource],
+    grid: Any,
+    *,
+    T: int,
+    R: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    window: int,
+    bootstrap: int,
+    confidence: float,
+    instruction: str | None,
+    system: str | None,
+    kv_sizes: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
     temperature, top_p, seed, window, bootstrap, confidence, instruction, system, presses
     (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
     (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
     if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
-    settings = {"model": model_name, "split": split, "T": T, "R": R, "temperature": float(temperature),
-                "top_p": float(top_p), "seed": int(seed), "window": int(window), "bootstrap": int(bootstrap),
-                "confidence": float(confidence), "instruction": instruction, "system": system,
-                "presses": {n: describe_press(s) for n, s in sources.items()}}
+    settings = {
+        "model": model_name,
+        "split": split,
+        "T": T,
+        "R": R,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "seed": int(seed),
+        "window": int(window),
+        "bootstrap": int(bootstrap),
+        "confidence": float(confidence),
+        "instruction": instruction,
+        "system": system,
+        "presses": {n: describe_press(s) for n, s in sources.items()},
+    }
     if grid is not None:
         settings["frontier"] = grid
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None
@@ -569,9 +676,17 @@ def measure_settings(model_name: str, split: str, sources: Mapping[str, PressSou
 SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 
 #: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
-OPTIONS = {"max_new_tokens": "-T/--max-new-tokens", "replicates": "-R/--replicates", "temperature": "--temperature",
-           "top_p": "--top-p", "seed": "--seed", "window": "-W/--window", "bootstrap": "--bootstrap",
-           "confidence": "--confidence", "batch_documents": "--batch-documents"}
+OPTIONS = {
+    "max_new_tokens": "-T/--max-new-tokens",
+    "replicates": "-R/--replicates",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "window": "-W/--window",
+    "bootstrap": "--bootstrap",
+    "confidence": "--confidence",
+    "batch_documents": "--batch-documents",
+}
 
 
 def cache_entry(text: str) -> dict[str, Any]:
@@ -597,13 +712,15 @@ def cache_entry(text: str) -> dict[str, Any]:
         raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
     if unknown:
-        raise InputError(f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, "
-                         f"residual_length")
+        raise InputError(
+            f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, residual_length"
+        )
     return {"cache": "quantized", "backend": backend, **params}
 
 
-def cli_entries(presses: Sequence[str], caches: Sequence[str], budget: int | None,
-                default_ratio: float | None) -> dict[str, dict[str, Any]]:
+def cli_entries(
+    presses: Sequence[str], caches: Sequence[str], budget: int | None, default_ratio: float | None
+) -> dict[str, dict[str, Any]]:
     """Policy entries of ``--press`` and ``--cache`` values, by name.
 
     Each press is a policy; each quantized cache is one alone (named by its value) and one
@@ -645,8 +762,10 @@ def check_arguments(args: Any) -> None:
         check_settings(values, OPTIONS)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    for name, value, low in (("--budget", 1 if args.budget is None else args.budget, 1),
-                             ("--threads", 1 if args.threads is None else args.threads, 1)):
+    for name, value, low in (
+        ("--budget", 1 if args.budget is None else args.budget, 1),
+        ("--threads", 1 if args.threads is None else args.threads, 1),
+    ):
         if value < low:
             raise InputError(f"{name} must be >= {low}, got {value}")
     if not args.press and not args.cache:
@@ -654,8 +773,9 @@ def check_arguments(args: Any) -> None:
     if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
         raise InputError("the same --press or --cache is given twice")
     if args.cache_ratios and not (args.cache and args.ratios):
-        raise InputError("--cache-ratios needs --ratios and at least one --cache (the presses' ratios before "
-                         "each cache)")
+        raise InputError(
+            "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
+        )
     problem = device_problem(args.device, "--device")
     if problem:
         raise InputError(problem)
@@ -688,8 +808,9 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
             expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
         except ValueError as exc:
             text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
-            raise InputError(f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else
-                             f"--ratios: {text}") from None
+            raise InputError(
+                f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else f"--ratios: {text}"
+            ) from None
     else:
         presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
     try:

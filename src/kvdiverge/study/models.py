@@ -30,8 +30,6 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvdiverge.engine.llm.llm_pair import model_eos_ids as eos_ids  # defined beside the pair that absorbs them
-
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 #: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
@@ -89,8 +87,7 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
         path = Path(os.path.expanduser(str(spec["path"])))
         if not path.is_dir():
             raise ModelNotFoundError(
-                f"model directory {str(path)!r} does not exist "
-                f"(looked at {str(path.resolve())!r}).\n" + _hint(name)
+                f"model directory {str(path)!r} does not exist (looked at {str(path.resolve())!r}).\n" + _hint(name)
             )
     elif source == "hub":
         if spec.get("revision"):
@@ -118,7 +115,7 @@ def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:
         from huggingface_hub import try_to_load_from_cache
 
         found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-    except Exception:  # noqa: BLE001 - an unusual id or cache layout: let transformers decide
+    except Exception:
         return False
     return isinstance(found, str)
 
@@ -156,9 +153,7 @@ def _not_found(exc: Exception, where: str, spec: dict[str, Any], name: str | Non
             cache = f" (hub cache: {constants.HF_HUB_CACHE}; HF_HUB_OFFLINE={'1' if offline else '0'})"
         except ImportError:  # pragma: no cover
             pass
-    return ModelNotFoundError(
-        f"cannot load model {where!r}{cache}: {exc}\n" + _hint(name)
-    )
+    return ModelNotFoundError(f"cannot load model {where!r}{cache}: {exc}\n" + _hint(name))
 
 
 def _from_pretrained(auto_class, spec: dict[str, Any], name: str | None, **extra):
@@ -245,7 +240,9 @@ def _load_model(spec: dict[str, Any], name: str | None, tokenizer):
     device = spec.get("device", "cpu")
     placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
     model = _from_pretrained(
-        AutoModelForCausalLM, spec, name,
+        AutoModelForCausalLM,
+        spec,
+        name,
         dtype=torch_dtype(spec.get("dtype", "float32")),
         attn_implementation=spec.get("attn_implementation", "sdpa"),
         **placement,
@@ -295,7 +292,10 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return {"elements_per_token": kv_elements_per_token(config), "element_bytes": torch.empty((), dtype=dtype).element_size()}
+    return {
+        "elements_per_token": kv_elements_per_token(config),
+        "element_bytes": torch.empty((), dtype=dtype).element_size(),
+    }
 
 
 #: environment variable naming the directory of converted GGUF models kept across runs
@@ -332,9 +332,12 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     where, kwargs = resolve(spec, name)
     file = Path(where) / kwargs["gguf_file"]
     stat = file.stat()
-    parts = [_sha256(str(file.resolve()), stat.st_size, stat.st_mtime_ns), str(spec.get("dtype", "float32")),
-             str(spec.get("attn_implementation", "sdpa")),
-             *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch"))]
+    parts = [
+        _sha256(str(file.resolve()), stat.st_size, stat.st_mtime_ns),
+        str(spec.get("dtype", "float32")),
+        str(spec.get("attn_implementation", "sdpa")),
+        *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch")),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

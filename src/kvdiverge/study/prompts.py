@@ -77,8 +77,7 @@ def parse_date(date: str | datetime.date, key: str = "prompt.date") -> datetime.
     try:
         return datetime.date.fromisoformat(str(date))
     except ValueError:
-        raise ValueError(f"{key}: {date!r} is not a date; write it as \"YYYY-MM-DD\", "
-                         f"e.g. \"{DEFAULT_DATE}\"") from None
+        raise ValueError(f'{key}: {date!r} is not a date; write it as "YYYY-MM-DD", e.g. "{DEFAULT_DATE}"') from None
 
 
 def template_clock(date: str | datetime.date = DEFAULT_DATE) -> dict[str, Any]:
@@ -108,23 +107,37 @@ def template_clock(date: str | datetime.date = DEFAULT_DATE) -> dict[str, Any]:
     return {"strftime_now": strftime_now, "date_string": moment.strftime("%d %b %Y")}
 
 
-def render_text(tokenizer, document: str, instruction: str | None, system: str | None = None,
-                date: str | datetime.date = DEFAULT_DATE) -> str:
+def render_text(
+    tokenizer,
+    document: str,
+    instruction: str | None,
+    system: str | None = None,
+    date: str | datetime.date = DEFAULT_DATE,
+) -> str:
     """The chat-rendered prompt as a string (generation prompt included), dated ``date``."""
     return tokenizer.apply_chat_template(
-        messages(document, instruction, system), add_generation_prompt=True, tokenize=False,
+        messages(document, instruction, system),
+        add_generation_prompt=True,
+        tokenize=False,
         **template_clock(date),
     )
 
 
-def render_ids(tokenizer, document: str, instruction: str | None, system: str | None = None,
-               date: str | datetime.date = DEFAULT_DATE) -> list[int]:
+def render_ids(
+    tokenizer,
+    document: str,
+    instruction: str | None,
+    system: str | None = None,
+    date: str | datetime.date = DEFAULT_DATE,
+) -> list[int]:
     """The chat-rendered prompt as token ids (generation prompt included), dated ``date``.
 
     See :func:`template_clock` for how the date reaches the template.
     """
     out = tokenizer.apply_chat_template(
-        messages(document, instruction, system), add_generation_prompt=True, return_dict=True,
+        messages(document, instruction, system),
+        add_generation_prompt=True,
+        return_dict=True,
         **template_clock(date),
     )
     return [int(i) for i in out["input_ids"]]
@@ -152,8 +165,7 @@ def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
     }
 
 
-def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int,
-                     max_new_tokens: int) -> str | None:
+def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int, max_new_tokens: int) -> str | None:
     """Why a prompt of ``n_tokens`` cannot be used, or ``None`` when it can.
 
     Parameters
@@ -177,10 +189,7 @@ def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int,
         need, name = short[-1]
         others = [n for _, n in short[:-1]]
         also = f" (also too short for {', '.join(others)})" if others else ""
-        return (
-            f"too short for policy {name}: prompt of {n_tokens} tokens, "
-            f"policy needs at least {need}{also}"
-        )
+        return f"too short for policy {name}: prompt of {n_tokens} tokens, policy needs at least {need}{also}"
     return None
 
 
@@ -202,8 +211,7 @@ def prompt_settings(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any],
-                  context: int) -> pl.DataFrame:
+def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any], context: int) -> pl.DataFrame:
     """The prompts table of one model.
 
     Parameters
@@ -219,17 +227,19 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any],
     """
     rows = []
     for doc_id, split, text in documents.select(["doc_id", "split", "text"]).iter_rows():
-        ids = render_ids(tokenizer, text, settings["instruction"], settings.get("system"),
-                         settings.get("date", DEFAULT_DATE))
-        reason = exclusion_reason(len(ids), settings["minimums"].get(split, {}), context,
-                                  settings["max_new_tokens"])
-        rows.append({
-            "doc_id": doc_id,
-            "split": split,
-            "n_prompt_tokens": len(ids),
-            "input_ids": ids,
-            "exclusion_reason": reason,
-        })
+        ids = render_ids(
+            tokenizer, text, settings["instruction"], settings.get("system"), settings.get("date", DEFAULT_DATE)
+        )
+        reason = exclusion_reason(len(ids), settings["minimums"].get(split, {}), context, settings["max_new_tokens"])
+        rows.append(
+            {
+                "doc_id": doc_id,
+                "split": split,
+                "n_prompt_tokens": len(ids),
+                "input_ids": ids,
+                "exclusion_reason": reason,
+            }
+        )
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
@@ -282,4 +292,3 @@ def summary(prompts: pl.DataFrame) -> str:
         for reason in part["exclusion_reason"].drop_nulls().to_list():
             lines.append(f"  excluded: {reason}")
     return "\n".join(lines)
-

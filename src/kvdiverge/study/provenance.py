@@ -46,10 +46,28 @@ from typing import Any
 import polars as pl
 
 __all__ = [
-    "KEY_SETTINGS", "KEY_HASH", "KEY_VERSIONS", "KEY_SHARD", "KEY_BATCH", "LIBRARIES", "CONFIGFILES_ENV",
-    "StaleShardError", "ShardProvenance", "canonical", "shard_settings", "settings_hash",
-    "library_versions", "shard_metadata", "read_provenance", "differences", "check_shards", "save_measurement",
-    "regenerate_command", "provenance_table", "study_hash", "provenance_html",
+    "KEY_SETTINGS",
+    "KEY_HASH",
+    "KEY_VERSIONS",
+    "KEY_SHARD",
+    "KEY_BATCH",
+    "LIBRARIES",
+    "CONFIGFILES_ENV",
+    "StaleShardError",
+    "ShardProvenance",
+    "canonical",
+    "shard_settings",
+    "settings_hash",
+    "library_versions",
+    "shard_metadata",
+    "read_provenance",
+    "differences",
+    "check_shards",
+    "save_measurement",
+    "regenerate_command",
+    "provenance_table",
+    "study_hash",
+    "provenance_html",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,15 +140,17 @@ def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: st
     """
     from kvdiverge.study.config import control_documents
 
-    return canonical({
-        "model": config.get("models", {}).get(model),  # None: a model given directly (tests)
-        "policy": config["policies"][policy],
-        "decoding": config["decoding"],
-        "replicates": config["replicates"],
-        "seed": config["seed"],
-        "shards": config["shards"],
-        "documents": control_documents(config, policy, split),
-    })
+    return canonical(
+        {
+            "model": config.get("models", {}).get(model),  # None: a model given directly (tests)
+            "policy": config["policies"][policy],
+            "decoding": config["decoding"],
+            "replicates": config["replicates"],
+            "seed": config["seed"],
+            "shards": config["shards"],
+            "documents": control_documents(config, policy, split),
+        }
+    )
 
 
 def _json(value: Any) -> str:
@@ -153,8 +173,9 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def shard_metadata(settings: Mapping[str, Any], *, model: str, policy: str, split: str,
-                   shard: int, batch_documents: int | None = None) -> dict[str, str]:
+def shard_metadata(
+    settings: Mapping[str, Any], *, model: str, policy: str, split: str, shard: int, batch_documents: int | None = None
+) -> dict[str, str]:
     """Parquet key-value metadata for a shard (module docstring lists the keys).
 
     ``batch_documents`` is the ``B`` the shard ran with (None: no document ran).
@@ -192,9 +213,14 @@ def read_provenance(path: str | os.PathLike) -> ShardProvenance:
     meta = pl.read_parquet_metadata(path)
     if KEY_SETTINGS not in meta:
         return ShardProvenance(str(path), None, None)
-    return ShardProvenance(str(path), json.loads(meta[KEY_SETTINGS]), meta.get(KEY_HASH),
-                           json.loads(meta.get(KEY_VERSIONS, "{}")), json.loads(meta.get(KEY_SHARD, "{}")),
-                           json.loads(meta.get(KEY_BATCH, "{}")))
+    return ShardProvenance(
+        str(path),
+        json.loads(meta[KEY_SETTINGS]),
+        meta.get(KEY_HASH),
+        json.loads(meta.get(KEY_VERSIONS, "{}")),
+        json.loads(meta.get(KEY_SHARD, "{}")),
+        json.loads(meta.get(KEY_BATCH, "{}")),
+    )
 
 
 def differences(recorded: Any, expected: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -236,9 +262,15 @@ def _show(value: Any) -> str:
     return value if value == "<absent>" else json.dumps(value, default=str)
 
 
-def check_shards(paths: Iterable[str | os.PathLike], expected: Mapping[str, Any] | None = None, *,
-                 model: str | None = None, policy: str | None = None, split: str | None = None,
-                 configfiles: Sequence[str] | None = None) -> list[ShardProvenance]:
+def check_shards(
+    paths: Iterable[str | os.PathLike],
+    expected: Mapping[str, Any] | None = None,
+    *,
+    model: str | None = None,
+    policy: str | None = None,
+    split: str | None = None,
+    configfiles: Sequence[str] | None = None,
+) -> list[ShardProvenance]:
     """Refuse shards whose recorded settings differ from ``expected`` or from each other.
 
     Parameters
@@ -274,9 +306,11 @@ def check_shards(paths: Iterable[str | os.PathLike], expected: Mapping[str, Any]
         raise StaleShardError(
             f"{len(missing)} trajectory shard(s) record no settings (made by an older kvdiverge, "
             f"or copied in by hand), so they cannot be checked against the config: "
-            f"{', '.join(missing)}. Regenerate them with:\n  {regenerate_command(missing, configfiles)}")
-    reference, against = (expected, "the config") if expected is not None else (
-        records[0].settings, f"{records[0].path}")
+            f"{', '.join(missing)}. Regenerate them with:\n  {regenerate_command(missing, configfiles)}"
+        )
+    reference, against = (
+        (expected, "the config") if expected is not None else (records[0].settings, f"{records[0].path}")
+    )
     problems, stale = [], []
     for rec in records:
         diff = differences(rec.settings, reference)
@@ -284,22 +318,31 @@ def check_shards(paths: Iterable[str | os.PathLike], expected: Mapping[str, Any]
         index = re.search(r"shard-(\d+)\.parquet$", str(rec.path))
         if index:
             want["shard"] = int(index.group(1))
-        diff += [(f"shard.{k}", rec.shard.get(k, "<absent>"), v) for k, v in want.items()
-                 if v is not None and rec.shard.get(k) != v]
+        diff += [
+            (f"shard.{k}", rec.shard.get(k, "<absent>"), v)
+            for k, v in want.items()
+            if v is not None and rec.shard.get(k) != v
+        ]
         if diff:
             stale.append(rec.path)
-            problems += [f"{rec.path}: {key} = {_show(got)} in the shard, {_show(want_)} in {against}"
-                         for key, got, want_ in diff]
+            problems += [
+                f"{rec.path}: {key} = {_show(got)} in the shard, {_show(want_)} in {against}"
+                for key, got, want_ in diff
+            ]
     if problems:
         raise StaleShardError(
             "trajectory shards were made with other settings than "
             f"{against} (Snakemake did not know: copied in by hand, made by another version, "
-            "or run with --rerun-triggers mtime):\n  " + "\n  ".join(problems)
-            + f"\nRegenerate them with:\n  {regenerate_command(stale, configfiles)}")
+            "or run with --rerun-triggers mtime):\n  "
+            + "\n  ".join(problems)
+            + f"\nRegenerate them with:\n  {regenerate_command(stale, configfiles)}"
+        )
     versions = {json.dumps(r.versions, sort_keys=True) for r in records}
     if len(versions) > 1:
-        log.warning("shards were made with different library versions: %s",
-                    "; ".join(f"{r.path}: {r.versions}" for r in records))
+        log.warning(
+            "shards were made with different library versions: %s",
+            "; ".join(f"{r.path}: {r.versions}" for r in records),
+        )
     return records
 
 
@@ -321,28 +364,45 @@ def provenance_table(records: Iterable[ShardProvenance]) -> pl.DataFrame:
     runs: dict[tuple[str, str, str], list[ShardProvenance]] = {}
     for rec in records:
         if rec.settings is None:
-            raise StaleShardError(f"{rec.path} records no settings: regenerate it with\n  "
-                                  f"{regenerate_command([rec.path])}")
+            raise StaleShardError(
+                f"{rec.path} records no settings: regenerate it with\n  {regenerate_command([rec.path])}"
+            )
         key = (rec.shard.get("model"), rec.shard.get("policy"), rec.shard.get("split"))
         runs.setdefault(key, []).append(rec)
     rows = []
     for (model, policy, split), recs in sorted(runs.items()):
         check_shards([r.path for r in recs])
-        row = {"model": model, "policy": policy, "split": split, "shards": len(recs),
-               "settings_hash": recs[0].settings_hash, "settings": _json(recs[0].settings)}
+        row = {
+            "model": model,
+            "policy": policy,
+            "split": split,
+            "shards": len(recs),
+            "settings_hash": recs[0].settings_hash,
+            "settings": _json(recs[0].settings),
+        }
         for lib in ("python", *LIBRARIES):
             row[lib] = " | ".join(sorted({r.versions.get(lib, "unknown") for r in recs}))
         rows.append(row)
-    schema = {"model": pl.String, "policy": pl.String, "split": pl.String, "shards": pl.Int64,
-              "settings_hash": pl.String, "settings": pl.String,
-              **{lib: pl.String for lib in ("python", *LIBRARIES)}}
+    schema = {
+        "model": pl.String,
+        "policy": pl.String,
+        "split": pl.String,
+        "shards": pl.Int64,
+        "settings_hash": pl.String,
+        "settings": pl.String,
+        **{lib: pl.String for lib in ("python", *LIBRARIES)},
+    }
     return pl.DataFrame(rows, schema=schema)
 
 
 def study_hash(table: pl.DataFrame) -> str:
     """One hash for the whole study: SHA-256 (16 hex digits) over every run's settings hash."""
-    items = [f"{m}/{p}/{s}={h}" for m, p, s, h in
-             table.select("model", "policy", "split", "settings_hash").sort("model", "policy", "split").rows()]
+    items = [
+        f"{m}/{p}/{s}={h}"
+        for m, p, s, h in table.select("model", "policy", "split", "settings_hash")
+        .sort("model", "policy", "split")
+        .rows()
+    ]
     return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
 
 
@@ -350,22 +410,26 @@ def provenance_html(table: pl.DataFrame) -> str:
     """An HTML section (``<h2>`` + paragraph + table) of :func:`provenance_table`."""
     libs = [c for c in ("python", *LIBRARIES) if c in table.columns]
     head = ["model", "policy", "split", "shards", "settings hash", *libs]
-    rows = [[r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
-            for r in table.iter_rows(named=True)]
+    rows = [
+        [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
+        for r in table.iter_rows(named=True)
+    ]
     th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return ("<h2>Provenance</h2><p>Study settings hash <code>"
-            f"{study_hash(table) if table.height else 'none'}</code>. Every trajectory shard records "
-            "the settings it was made with (model and policy entries, decoding, replicates, seed, "
-            "shards, control documents) and the library versions of the process that made it; "
-            "the estimate stage refuses shards whose settings differ from the config. Full "
-            "settings per run: <code>analysis/provenance.csv</code>.</p>"
-            f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>")
+    return (
+        "<h2>Provenance</h2><p>Study settings hash <code>"
+        f"{study_hash(table) if table.height else 'none'}</code>. Every trajectory shard records "
+        "the settings it was made with (model and policy entries, decoding, replicates, seed, "
+        "shards, control documents) and the library versions of the process that made it; "
+        "the estimate stage refuses shards whose settings differ from the config. Full "
+        "settings per run: <code>analysis/provenance.csv</code>.</p>"
+        f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+    )
 
 
-
-def save_measurement(directory: str | os.PathLike, tables: Mapping[str, Any], settings: Mapping[str, Any],
-                     batch_documents: int | None) -> list[Path]:
+def save_measurement(
+    directory: str | os.PathLike, tables: Mapping[str, Any], settings: Mapping[str, Any], batch_documents: int | None
+) -> list[Path]:
     """Write a measurement's tables, settings and provenance under ``directory``, atomically.
 
     Each table as ``<name>.parquet``, and its scalar columns as ``<name>.csv`` except for
@@ -400,7 +464,10 @@ def save_measurement(directory: str | os.PathLike, tables: Mapping[str, Any], se
         save_table(frame, out / f"{name}.parquet", csv)
         written += [out / f"{name}.parquet"] + ([csv] if csv else [])
     write_text_atomic(json.dumps(settings, indent=2, default=str) + "\n", out / "measure.json")
-    provenance = {"settings_hash": settings_hash(settings), "versions": library_versions(),
-                  "batch_documents": batch_documents}
+    provenance = {
+        "settings_hash": settings_hash(settings),
+        "versions": library_versions(),
+        "batch_documents": batch_documents,
+    }
     write_text_atomic(json.dumps(provenance, indent=2) + "\n", out / "provenance.json")
     return written + [out / "measure.json", out / "provenance.json"]

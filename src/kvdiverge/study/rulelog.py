@@ -19,7 +19,6 @@ def rule_logger(log_path: str, name: str) -> logging.Logger:
     name : str
         Logger name, usually the rule's.
     """
-    logging.basicConfig(filename=log_path, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(filename=log_path, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     sys.stderr = open(log_path, "a", buffering=1)
     return logging.getLogger(name)

@@ -59,12 +59,21 @@ def allowed(entry: Mapping[str, Any]) -> str:
         return "one of " + ", ".join(repr(v) for v in entry["enum"])
     types = entry.get("type", "number")
     types = [types] if isinstance(types, str) else list(types)
-    words = {"integer": "an integer", "number": "a number", "null": "None", "string": "a string",
-             "boolean": "True or False"}
-    bounds = [f"{op} {entry[k]}" for k, op in (("minimum", ">="), ("exclusiveMinimum", ">"),
-                                                ("maximum", "<="), ("exclusiveMaximum", "<")) if k in entry]
-    kinds = [words.get(t, t) + (" " + " and ".join(bounds) if bounds and t in ("integer", "number") else "")
-             for t in types]
+    words = {
+        "integer": "an integer",
+        "number": "a number",
+        "null": "None",
+        "string": "a string",
+        "boolean": "True or False",
+    }
+    bounds = [
+        f"{op} {entry[k]}"
+        for k, op in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+        if k in entry
+    ]
+    kinds = [
+        words.get(t, t) + (" " + " and ".join(bounds) if bounds and t in ("integer", "number") else "") for t in types
+    ]
     return " or ".join(kinds)
 
 
@@ -146,10 +155,11 @@ def check_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = 
 
 def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[str]:
     """Sentences for the token ids of prompt ``name`` that are not integers in ``[0, vocab_size)``."""
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
-           or not 0 <= int(t) < vocab_size]
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab_size]
     if not bad:
         return []
     shown = ", ".join(repr(t) for t in bad[:3]) + (", ..." if len(bad) > 3 else "")
-    return [f"prompt {name!r}: token ids {shown} are outside the model's vocabulary; allowed: integers "
-            f"from 0 to {vocab_size - 1}"]
+    return [
+        f"prompt {name!r}: token ids {shown} are outside the model's vocabulary; allowed: integers "
+        f"from 0 to {vocab_size - 1}"
+    ]

@@ -15,8 +15,7 @@ __all__ = ["shard_documents", "run_shard"]
 log = logging.getLogger(__name__)
 
 
-def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, split: str,
-                    shard: int) -> pl.DataFrame:
+def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, split: str, shard: int) -> pl.DataFrame:
     """The prompt rows one shard runs: usable documents of ``split``, by ``doc_id``.
 
     Documents with an ``exclusion_reason`` are skipped (the prompts table reports
@@ -99,10 +98,10 @@ def run_shard(
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
     """
-    from kvdiverge.estimation.io import write_parquet_atomic
-    from kvdiverge.study.provenance import shard_metadata, shard_settings
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_policies
+    from kvdiverge.estimation.io import write_parquet_atomic
+    from kvdiverge.study.provenance import shard_metadata, shard_settings
 
     names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
@@ -124,20 +123,33 @@ def run_shard(
     batch: dict[str, int | None] = {}
     for docs, group in groups.values():
         runs = run_policies(
-            model, [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)],
+            model,
+            [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)],
             {name: Policy.from_config(name, config["policies"][name]) for name in group},
-            T=T, replicates=R, temperature=float(config["decoding"]["temperature"]),
-            top_p=float(config["decoding"].get("top_p", 1.0)), seed=int(config["seed"]), model_name=model_name,
-            split=split, memory_budget_gb=gen.get("memory_budget_gb"),
+            T=T,
+            replicates=R,
+            temperature=float(config["decoding"]["temperature"]),
+            top_p=float(config["decoding"].get("top_p", 1.0)),
+            seed=int(config["seed"]),
+            model_name=model_name,
+            split=split,
+            memory_budget_gb=gen.get("memory_budget_gb"),
             batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-            progress=lambda name, total: tqdm(total=total, desc=f"{name}/{split}/shard-{shard}", unit="step",
-                                              mininterval=5.0),
+            progress=lambda name, total: tqdm(
+                total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
+            ),
         )
         for name in group:
             frames[name] = runs.trajectories.filter(pl.col("policy") == name)
             batch[name] = runs.batch_documents
     for name, path in zip(names, outputs):
-        provenance = shard_metadata(shard_settings(config, model_name, name, split), model=model_name,
-                                    policy=name, split=split, shard=shard, batch_documents=batch[name])
+        provenance = shard_metadata(
+            shard_settings(config, model_name, name, split),
+            model=model_name,
+            policy=name,
+            split=split,
+            shard=shard,
+            batch_documents=batch[name],
+        )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])

@@ -183,8 +183,7 @@ class BatchState:
     last_y: torch.Tensor
 
     @classmethod
-    def new(cls, T: int, R: int, seed: int, model: str, doc_ids: Sequence[str],
-            eos: Sequence[int]) -> "BatchState":
+    def new(cls, T: int, R: int, seed: int, model: str, doc_ids: Sequence[str], eos: Sequence[int]) -> "BatchState":
         """Every row at the start of its chain, with its uniforms drawn; on the CPU, float64."""
         N = len(doc_ids) * R
         streams = [uniform_streams(seed, model, doc_ids[g // R], g % R, T) for g in range(N)]
@@ -195,18 +194,36 @@ class BatchState:
 
         f64 = torch.float64
         return cls(
-            T=T, R=R, model=model, doc_ids=tuple(doc_ids), uniforms=uniforms,
-            eos=torch.tensor(tuple(eos), dtype=torch.long), act=torch.arange(N), phase=full((N,), 0),
-            hist=full((N,), 0), t_star=full((N,), 0), kk=full((N,), 0), lags=full((N,), 0),
-            tv=full((N, T), float("nan"), f64), survival=full((N, T), 0.0, f64), chain=full((N, T), -1),
-            residuals=(full((N, T), -1), full((N, T), -1)), tau_naive=full((N,), T + 1),
-            S=full((N,), 1.0, f64), x_star=full((N,), -1), y_star=full((N,), -1),
-            bx=full((N, T), -1), by=full((N, T), -1), btv=full((N, T), float("nan"), f64),
-            last_x=full((N,), -1), last_y=full((N,), -1),
+            T=T,
+            R=R,
+            model=model,
+            doc_ids=tuple(doc_ids),
+            uniforms=uniforms,
+            eos=torch.tensor(tuple(eos), dtype=torch.long),
+            act=torch.arange(N),
+            phase=full((N,), 0),
+            hist=full((N,), 0),
+            t_star=full((N,), 0),
+            kk=full((N,), 0),
+            lags=full((N,), 0),
+            tv=full((N, T), float("nan"), f64),
+            survival=full((N, T), 0.0, f64),
+            chain=full((N, T), -1),
+            residuals=(full((N, T), -1), full((N, T), -1)),
+            tau_naive=full((N,), T + 1),
+            S=full((N,), 1.0, f64),
+            x_star=full((N,), -1),
+            y_star=full((N,), -1),
+            bx=full((N, T), -1),
+            by=full((N, T), -1),
+            btv=full((N, T), float("nan"), f64),
+            last_x=full((N,), -1),
+            last_y=full((N,), -1),
         )
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "BatchState":
         """The state on ``device``, its float tensors in ``dtype`` (index tensors stay int64)."""
+
         def move(x):
             if isinstance(x, torch.Tensor):
                 return x.to(device, dtype) if x.is_floating_point() else x.to(device)
@@ -252,9 +269,18 @@ def _step(state: BatchState, logp: torch.Tensor, logq: torch.Tensor) -> _Step:
     diff, low = p - q, torch.minimum(p, q)  # computed once, shared by TV and the draws
     ph = state.phase[act]
     tokens = torch.zeros_like(act)  # every row that goes on gets its token; the others leave
-    return _Step(p=p, q=q, diff=diff, low=low, tv=total_variation(p, q, diff, low),
-                 chain_rows=(ph == 0).nonzero().squeeze(1), branch_rows=(ph == 1).nonzero().squeeze(1),
-                 x_in=tokens, y_in=tokens.clone(), go_on=torch.zeros_like(act, dtype=torch.bool))
+    return _Step(
+        p=p,
+        q=q,
+        diff=diff,
+        low=low,
+        tv=total_variation(p, q, diff, low),
+        chain_rows=(ph == 0).nonzero().squeeze(1),
+        branch_rows=(ph == 1).nonzero().squeeze(1),
+        x_in=tokens,
+        y_in=tokens.clone(),
+        go_on=torch.zeros_like(act, dtype=torch.bool),
+    )
 
 
 def _chain_step(state: BatchState, step: _Step, t: int) -> None:
@@ -274,21 +300,26 @@ def _chain_step(state: BatchState, step: _Step, t: int) -> None:
         gs = gc[split]
         res_x, res_y = state.residuals
         res_x[gs, t], res_y[gs, t] = residual_draws(
-            _rows(pc, split), _rows(qc, split), U["residual_x"][gs, t], U["residual_y"][gs, t],
-            diff=_rows(_rows(step.diff, ic), split))
+            _rows(pc, split),
+            _rows(qc, split),
+            U["residual_x"][gs, t],
+            U["residual_y"][gs, t],
+            diff=_rows(_rows(step.diff, ic), split),
+        )
     go = tvc < 1
     ig = go.nonzero().squeeze(1)
     if ig.numel():
-        state.chain[gc[ig], t] = overlap_draw(_rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t],
-                                              low=_rows(_rows(step.low, ic), ig))
+        state.chain[gc[ig], t] = overlap_draw(
+            _rows(pc, ig), _rows(qc, ig), U["chain"][gc[ig], t], low=_rows(_rows(step.low, ic), ig)
+        )
     tok = state.chain[gc, t]
     at_eos = go & torch.isin(tok, state.eos)
     done = ~go | at_eos | (t == T - 1)
     if t < T - 1 and bool(at_eos.any()):  # EOS is absorbing: the rest of the chain is known
         ge = gc[at_eos]
-        state.tv[ge, t + 1:] = 0.0
-        state.chain[ge, t + 1:] = tok[at_eos].unsqueeze(1)
-        state.survival[ge, t + 1:] = state.S[ge].unsqueeze(1)
+        state.tv[ge, t + 1 :] = 0.0
+        state.chain[ge, t + 1 :] = tok[at_eos].unsqueeze(1)
+        state.survival[ge, t + 1 :] = state.S[ge].unsqueeze(1)
     cont = ic[~done]
     step.x_in[cont] = step.y_in[cont] = tok[~done]
     step.go_on[cont] = True
@@ -345,9 +376,16 @@ def _branch_step(state: BatchState, step: _Step) -> None:
     k = state.kk[gb]
     U = state.uniforms
     x, y, b = maximal_coupling(
-        _rows(step.p, ib), _rows(step.q, ib), U["coin"][gb, k], U["overlap"][gb, k],
-        U["branch_x"][gb, k], U["branch_y"][gb, k], tv=step.tv[ib], diff=_rows(step.diff, ib),
-        low=_rows(step.low, ib))
+        _rows(step.p, ib),
+        _rows(step.q, ib),
+        U["coin"][gb, k],
+        U["overlap"][gb, k],
+        U["branch_x"][gb, k],
+        U["branch_y"][gb, k],
+        tv=step.tv[ib],
+        diff=_rows(step.diff, ib),
+        low=_rows(step.low, ib),
+    )
     state.bx[gb, k], state.by[gb, k], state.btv[gb, k] = x, y, b
     state.kk[gb] = k + 1
     done = k + 1 >= state.lags[gb]
@@ -392,36 +430,47 @@ def _checked(state: BatchState, call, *args, starting: bool = False):
         in_branch = bool(state.phase[g] == 1)
         # the logits are for the step after the row's history (+ the token being appended)
         step = int(state.t_star[g] + state.kk[g] + 1) if in_branch else int(state.hist[g]) + (1 if starting else 2)
-        raise NonFiniteLogitsError(err.side, err.rows, err.kind, model=state.model,
-                                   doc_id=state.doc_ids[g // state.R], replicate=g % state.R, step=step,
-                                   phase="residual branch" if in_branch else "agreement chain") from None
+        raise NonFiniteLogitsError(
+            err.side,
+            err.rows,
+            err.kind,
+            model=state.model,
+            doc_id=state.doc_ids[g // state.R],
+            replicate=g % state.R,
+            step=step,
+            phase="residual branch" if in_branch else "agreement chain",
+        ) from None
 
 
 def _records(state: BatchState) -> list[dict[str, Any]]:
     """One record per row, document-major; the outputs are copied to the CPU once."""
-    cpu = {name: getattr(state, name).cpu() for name in (
-        "tv", "survival", "chain", "tau_naive", "t_star", "x_star", "y_star", "lags", "bx", "by", "btv")}
+    cpu = {
+        name: getattr(state, name).cpu()
+        for name in ("tv", "survival", "chain", "tau_naive", "t_star", "x_star", "y_star", "lags", "bx", "by", "btv")
+    }
     T, R = state.T, state.R
     out = []
     for g in range(cpu["lags"].shape[0]):
         L = int(cpu["lags"][g])
         has_branch = int(cpu["t_star"][g]) > 0
         xs, ys = cpu["bx"][g, :L].tolist(), cpu["by"][g, :L].tolist()
-        out.append({
-            "replicate": g % R,
-            "T": T,
-            "chain_token": cpu["chain"][g].tolist(),
-            "tv": cpu["tv"][g].tolist(),
-            "survival": cpu["survival"][g].tolist(),
-            "tau_naive": int(cpu["tau_naive"][g]) if cpu["tau_naive"][g] <= T else None,
-            "t_star": int(cpu["t_star"][g]) if has_branch else None,
-            "x_star": int(cpu["x_star"][g]) if has_branch else None,
-            "y_star": int(cpu["y_star"][g]) if has_branch else None,
-            "branch_x": xs,
-            "branch_y": ys,
-            "branch_tv": cpu["btv"][g, :L].tolist(),
-            "branch_mismatch": [int(a != b) for a, b in zip(xs, ys)],
-        })
+        out.append(
+            {
+                "replicate": g % R,
+                "T": T,
+                "chain_token": cpu["chain"][g].tolist(),
+                "tv": cpu["tv"][g].tolist(),
+                "survival": cpu["survival"][g].tolist(),
+                "tau_naive": int(cpu["tau_naive"][g]) if cpu["tau_naive"][g] <= T else None,
+                "t_star": int(cpu["t_star"][g]) if has_branch else None,
+                "x_star": int(cpu["x_star"][g]) if has_branch else None,
+                "y_star": int(cpu["y_star"][g]) if has_branch else None,
+                "branch_x": xs,
+                "branch_y": ys,
+                "branch_tv": cpu["btv"][g, :L].tolist(),
+                "branch_mismatch": [int(a != b) for a, b in zip(xs, ys)],
+            }
+        )
     return out
 
 
@@ -485,8 +534,10 @@ def run_batch(
     """
     missing = [m for m in ("start", "advance", "rewind", "keep_rows") if not callable(getattr(pair, m, None))]
     if missing:
-        raise TypeError(f"{type(pair).__name__} is not a kernel pair: it lacks {', '.join(missing)} "
-                        f"(kvdiverge.engine.core.pairs.KernelPair)")
+        raise TypeError(
+            f"{type(pair).__name__} is not a kernel pair: it lacks {', '.join(missing)} "
+            f"(kvdiverge.engine.core.pairs.KernelPair)"
+        )
     R, B, T = int(replicates), len(doc_ids), int(T)
     state = BatchState.new(T, R, seed, model, doc_ids, tuple(pair.eos_ids))
     logp, logq = _checked(state, pair.start, B * R, starting=True)
@@ -539,6 +590,13 @@ def simulate(pair: KernelPair, T: int, replicates: int, seed: int, doc_id: str =
     start = time.perf_counter()
     records = run_document(pair, T, replicates, seed, "synthetic", doc_id)
     seconds = time.perf_counter() - start
-    meta = {"model": "synthetic", "policy": "synthetic", "split": "synthetic", "doc_id": doc_id,
-            "prompt_len": 0, "kept_len": 0, "seconds": seconds}
+    meta = {
+        "model": "synthetic",
+        "policy": "synthetic",
+        "split": "synthetic",
+        "doc_id": doc_id,
+        "prompt_len": 0,
+        "kept_len": 0,
+        "seconds": seconds,
+    }
     return to_frame([{**meta, **rec} for rec in records])

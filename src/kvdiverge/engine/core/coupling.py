@@ -49,8 +49,9 @@ def probabilities(logp: torch.Tensor) -> torch.Tensor:
     return logp.to(coupling_dtype(logp.device)).exp()
 
 
-def total_variation(p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor | None = None,
-                    low: torch.Tensor | None = None) -> torch.Tensor:
+def total_variation(
+    p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor | None = None, low: torch.Tensor | None = None
+) -> torch.Tensor:
     """Total variation ``tv = 1/2 sum_v |p(v) - q(v)| = 1 - sum_v min(p(v), q(v))``.
 
     Parameters
@@ -208,6 +209,7 @@ def maximal_coupling(
         y[agree] = z
     split = ~agree
     if split.any():
-        x[split], y[split] = residual_draws(p[split], q[split], u_x[split], u_y[split],
-                                            None if diff is None else diff[split])
+        x[split], y[split] = residual_draws(
+            p[split], q[split], u_x[split], u_y[split], None if diff is None else diff[split]
+        )
     return x, y, tv

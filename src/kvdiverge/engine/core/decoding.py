@@ -13,8 +13,9 @@ import torch
 __all__ = ["decode_log_probs", "nucleus"]
 
 
-def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def decode_log_probs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Log-probabilities of the transformed next-token distribution.
 
     The nucleus is ranked on the raw logits (``torch.topk`` of the model's own dtype, half
@@ -63,8 +64,9 @@ def decode_log_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.
     return logp
 
 
-def nucleus(logp: torch.Tensor, top_p: float, candidates: int = 1024,
-            scores: torch.Tensor | None = None) -> torch.Tensor:
+def nucleus(
+    logp: torch.Tensor, top_p: float, candidates: int = 1024, scores: torch.Tensor | None = None
+) -> torch.Tensor:
     """Tokens of the top-p nucleus: the most likely tokens until their mass reaches ``top_p``.
 
     A token is kept when the mass of the tokens ranked above it is below ``top_p``

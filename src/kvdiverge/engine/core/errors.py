@@ -7,8 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CompressionError", "NonFiniteLogitsError", "PressError", "PressExpressionError", "check_logits_finite",
-           "raise_kvpress_error"]
+__all__ = [
+    "CompressionError",
+    "NonFiniteLogitsError",
+    "PressError",
+    "PressExpressionError",
+    "check_logits_finite",
+    "raise_kvpress_error",
+]
 
 
 class PressError(ValueError):
@@ -91,17 +97,28 @@ class NonFiniteLogitsError(FloatingPointError):
         ``"chain"`` or ``"branch"``.
     """
 
-    def __init__(self, side: str, rows: Sequence[int], kind: str, *, model: str | None = None,
-                 doc_id: str | None = None, replicate: int | None = None, step: int | None = None,
-                 phase: str | None = None):
+    def __init__(
+        self,
+        side: str,
+        rows: Sequence[int],
+        kind: str,
+        *,
+        model: str | None = None,
+        doc_id: str | None = None,
+        replicate: int | None = None,
+        step: int | None = None,
+        phase: str | None = None,
+    ):
         self.side, self.rows, self.kind = side, list(rows), kind
         self.model, self.doc_id, self.replicate, self.step, self.phase = model, doc_id, replicate, step, phase
         if doc_id is None:
             msg = f"{kind} logits on the {side} side (pair rows {self.rows})"
         else:
-            msg = (f"{kind} logits from model {model!r}, document {doc_id!r}, replicate {replicate}, "
-                   f"step {step} ({phase}), {side} side: the shard is not written; check the model's "
-                   f"dtype (float16 overflows) and weights, then rerun")
+            msg = (
+                f"{kind} logits from model {model!r}, document {doc_id!r}, replicate {replicate}, "
+                f"step {step} ({phase}), {side} side: the shard is not written; check the model's "
+                f"dtype (float16 overflows) and weights, then rerun"
+            )
         super().__init__(msg)
 
 

@@ -125,19 +125,19 @@ class PhaseTracker:
     def __getattr__(self, name):
         return getattr(self._pair, name)
 
-    def start(self, n_rows: int):  # noqa: D102
+    def start(self, n_rows: int):
         self.phase, self._forwards = "during the prefill", 0
         return self._pair.start(n_rows)
 
-    def advance(self, x, y):  # noqa: D102
+    def advance(self, x, y):
         self._forwards += 1
         self.phase = f"while decoding (forward {self._forwards} after the prefill)"
         return self._pair.advance(x, y)
 
-    def rewind(self, length):  # noqa: D102
+    def rewind(self, length):
         self.phase = "while rewinding rows to their branch start"
         return self._pair.rewind(length)
 
-    def keep_rows(self, rows):  # noqa: D102
+    def keep_rows(self, rows):
         self.phase = "while dropping finished rows"
         return self._pair.keep_rows(rows)

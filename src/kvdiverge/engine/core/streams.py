@@ -15,16 +15,17 @@ __all__ = ["PURPOSES", "uniform_streams"]
 
 #: Purposes of the uniform streams; the code is part of each generator's seed.
 PURPOSES = {
-    "chain": 0,        # overlap draw of the agreement chain, per step
-    "divergence": 1,   # U_t of tau_naive, per step
-    "residual_x": 2,   # divergent pair at each chain step, reference side
-    "residual_y": 3,   # divergent pair at each chain step, evicted side
-    "t_star": 4,       # t* drawn from f_hat when tau_naive > T (first entry)
-    "coin": 5,         # branch: agree (overlap) or split (residuals), per lag
-    "overlap": 6,      # branch: overlap draw, per lag
-    "branch_x": 7,     # branch: reference residual draw, per lag
-    "branch_y": 8,     # branch: evicted residual draw, per lag
+    "chain": 0,  # overlap draw of the agreement chain, per step
+    "divergence": 1,  # U_t of tau_naive, per step
+    "residual_x": 2,  # divergent pair at each chain step, reference side
+    "residual_y": 3,  # divergent pair at each chain step, evicted side
+    "t_star": 4,  # t* drawn from f_hat when tau_naive > T (first entry)
+    "coin": 5,  # branch: agree (overlap) or split (residuals), per lag
+    "overlap": 6,  # branch: overlap draw, per lag
+    "branch_x": 7,  # branch: reference residual draw, per lag
+    "branch_y": 8,  # branch: evicted residual draw, per lag
 }
+
 
 def _stable_int(text: str) -> int:
     """A 64-bit integer from a string, stable across runs and machines (BLAKE2b)."""

@@ -32,9 +32,17 @@ __all__ = ["GROUPED_SDPA", "grouped_sdpa", "decoding_model", "uses_grouped_sdpa"
 GROUPED_SDPA = "kvdiverge_grouped_sdpa"
 
 
-def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def grouped_sdpa(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention of one query position per row over an unrepeated grouped-query cache.
 
     Parameters
@@ -61,11 +69,13 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     B, heads, L, D = query.shape
     kv_heads = key.shape[1]
     if L != 1 or heads == kv_heads or kwargs.get("output_attentions", False):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     q = query.reshape(B, kv_heads, heads // kv_heads, D)  # the group's heads as query positions
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
     return out.reshape(B, 1, heads, value.shape[-1]), None
 
 

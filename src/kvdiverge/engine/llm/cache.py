@@ -51,8 +51,9 @@ class CapacityLayer(CacheLayerMixin):
         self._fill(keys, values, max(int(capacity), keys.shape[2]))
 
     @classmethod
-    def stacked(cls, keys: list[torch.Tensor], values: list[torch.Tensor], width: int, rows_each: int,
-                capacity: int) -> "CapacityLayer":
+    def stacked(
+        cls, keys: list[torch.Tensor], values: list[torch.Tensor], width: int, rows_each: int, capacity: int
+    ) -> "CapacityLayer":
         """One layer holding several documents' caches, each repeated and left-padded, written once.
 
         Parameters
@@ -85,11 +86,11 @@ class CapacityLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._k[:, :, :self.length]
+        return self._k[:, :, : self.length]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._v[:, :, :self.length]
+        return self._v[:, :, : self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: a layer is built from its keys and values."""
@@ -99,8 +100,8 @@ class CapacityLayer(CacheLayerMixin):
         m = key_states.shape[2]
         if self.length + m > self.capacity:
             self._fill(self.keys, self.values, max(self.length + m, self.capacity + self.capacity // 2))
-        self._k[:, :, self.length:self.length + m].copy_(key_states)
-        self._v[:, :, self.length:self.length + m].copy_(value_states)
+        self._k[:, :, self.length : self.length + m].copy_(key_states)
+        self._v[:, :, self.length : self.length + m].copy_(value_states)
         self.length += m
         return self.keys, self.values
 

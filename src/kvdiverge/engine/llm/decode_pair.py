@@ -64,8 +64,8 @@ from contextlib import ExitStack
 import torch
 
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
-from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.masks import attention_modules
+from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import full_cache_hooks, seeded
 from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -165,8 +165,12 @@ class _Lane:
             self.cache = DynamicCache()
             self.counts["prefill_forwards"] += 1
             self.counts["prefill_rows"] += rows
-            out = self.twin(input_ids=ids.unsqueeze(0).expand(rows, -1), past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1)
+            out = self.twin(
+                input_ids=ids.unsqueeze(0).expand(rows, -1),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         logits = out.logits[:, -1, :]
         if full.complete:
             self.full = (full.cache, logits)
@@ -184,8 +188,12 @@ class _Lane:
 
     def forward(self, tokens: torch.Tensor, kind: str) -> torch.Tensor:
         """Append ``tokens`` (int64 (n,)), each at its row's next RoPE position; return the logits (n, vocab)."""
-        out = self.twin(input_ids=tokens.unsqueeze(1), past_key_values=self.cache,
-                        position_ids=self.position.unsqueeze(1), use_cache=True)
+        out = self.twin(
+            input_ids=tokens.unsqueeze(1),
+            past_key_values=self.cache,
+            position_ids=self.position.unsqueeze(1),
+            use_cache=True,
+        )
         self.position = self.position + 1
         self.last = tokens
         self.counts[f"{kind}_forwards"] += 1
@@ -221,9 +229,21 @@ class _Lane:
 
 
 def _new_counts() -> dict[str, int]:
-    return {k: 0 for k in ("prefill_forwards", "prefill_rows", "prefills_restored", "lane_forwards", "lane_row_steps",
-                           "replay_forwards", "replay_row_steps", "reference_prefills", "reference_forwards",
-                           "reference_row_steps")}
+    return {
+        k: 0
+        for k in (
+            "prefill_forwards",
+            "prefill_rows",
+            "prefills_restored",
+            "lane_forwards",
+            "lane_row_steps",
+            "replay_forwards",
+            "replay_row_steps",
+            "reference_prefills",
+            "reference_forwards",
+            "reference_row_steps",
+        )
+    }
 
 
 class DecodeTimePair(LLMPairBase):
@@ -283,19 +303,41 @@ class DecodeTimePair(LLMPairBase):
         From :meth:`start`, :meth:`advance` and :meth:`rewind`.
     """
 
-    def __init__(self, model, prompts: Sequence[Sequence[int]], presses: Sequence, expected_kept: Sequence,
-                 *, temperature: float, top_p: float = 1.0, eos_ids: Sequence[int] | None = None,
-                 prefill_seeds: Sequence[int | None] | None = None, horizon: int | None = None,
-                 fast: bool | None = None):
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[Sequence[int]],
+        presses: Sequence,
+        expected_kept: Sequence,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] | None = None,
+        prefill_seeds: Sequence[int | None] | None = None,
+        horizon: int | None = None,
+        fast: bool | None = None,
+    ):
         if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
-            raise ValueError(f"prompts, presses and expected_kept must be non-empty and of one length, got "
-                             f"{len(prompts)}, {len(presses)}, {len(expected_kept)}")
+            raise ValueError(
+                f"prompts, presses and expected_kept must be non-empty and of one length, got "
+                f"{len(prompts)}, {len(presses)}, {len(expected_kept)}"
+            )
         for press in presses:
             why = refusal(press)
             if why:
                 raise ValueError(f"press {type(press).__name__}: {why}")
-        self._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, prefill_seeds,
-                    horizon=horizon, fast=fast)
+        self._setup(
+            model,
+            prompts,
+            presses,
+            expected_kept,
+            temperature,
+            top_p,
+            eos_ids,
+            prefill_seeds,
+            horizon=horizon,
+            fast=fast,
+        )
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
         self._merges = [_merges_lanes(press) for press in presses]
@@ -347,8 +389,10 @@ class DecodeTimePair(LLMPairBase):
             self._refs = [self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)]
             self._ref_rows = [list(range(n_rows))]
         else:  # one unpadded reference side per document, on the lanes' kernels
-            self._refs = [CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
-                          for (c, _), n in zip(ref, self.prompt_lens)]
+            self._refs = [
+                CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
+                for (c, _), n in zip(ref, self.prompt_lens)
+            ]
             self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
         # per current row: its lane, its slot there, its document, its evicted-side history
         self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
@@ -364,7 +408,8 @@ class DecodeTimePair(LLMPairBase):
         if self.expected[d] is not None and lengths != {int(self.expected[d])}:
             raise CompressionError(
                 f"evicted cache keeps {sorted(lengths)} of {self.prompt_lens[d]} prompt positions per layer, "
-                f"the policy promises {self.expected[d]}: the press did not compress as configured")
+                f"the policy promises {self.expected[d]}: the press did not compress as configured"
+            )
         self.kept_lens.append(kept)
         self.kept_per_layer.append([layer.keys.shape[-2] for layer in lane.cache.layers])
 
@@ -394,8 +439,9 @@ class DecodeTimePair(LLMPairBase):
             if lane.chain_doc is not None:
                 d = lane.chain_doc
                 self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
-                self.kept_per_layer[d] = [min(k, layer.get_seq_length()) for k, layer in
-                                          zip(self.kept_per_layer[d], lane.cache.layers)]
+                self.kept_per_layer[d] = [
+                    min(k, layer.get_seq_length()) for k, layer in zip(self.kept_per_layer[d], lane.cache.layers)
+                ]
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")

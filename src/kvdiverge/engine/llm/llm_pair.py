@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError
+from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
 from kvdiverge.engine.llm.pair_base import LLMPairBase, model_eos_ids
 from kvdiverge.engine.llm.prefill import prefill, seeded
@@ -124,10 +124,24 @@ class LLMKernelPair(LLMPairBase):
     ):
         self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids, [prefill_seed])
 
-    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids, seeds=None, *,
-               horizon: int | None = None, fast: bool | None = None, joint: bool | None = None) -> None:
-        super()._setup(model, prompts, presses, expected, temperature, top_p, eos_ids, seeds,
-                       horizon=horizon, fast=fast)
+    def _setup(
+        self,
+        model,
+        prompts,
+        presses,
+        expected,
+        temperature,
+        top_p,
+        eos_ids,
+        seeds=None,
+        *,
+        horizon: int | None = None,
+        fast: bool | None = None,
+        joint: bool | None = None,
+    ) -> None:
+        super()._setup(
+            model, prompts, presses, expected, temperature, top_p, eos_ids, seeds, horizon=horizon, fast=fast
+        )
         self.twin = evicted_twin(model)
         self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
@@ -136,12 +150,22 @@ class LLMKernelPair(LLMPairBase):
         self._prefilled: list | None = None
 
     @classmethod
-    def from_documents(cls, model, prompts: Sequence[Sequence[int]], presses: Sequence,
-                       expected_kept: Sequence, *, temperature: float, top_p: float = 1.0,
-                       eos_ids: Sequence[int] | None = None,
-                       prefill_seeds: Sequence[int | None] | None = None, horizon: int | None = None,
-                       fast: bool | None = None, joint: bool | None = None,
-                       prefilled: Sequence | None = None) -> "LLMKernelPair":
+    def from_documents(
+        cls,
+        model,
+        prompts: Sequence[Sequence[int]],
+        presses: Sequence,
+        expected_kept: Sequence,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] | None = None,
+        prefill_seeds: Sequence[int | None] | None = None,
+        horizon: int | None = None,
+        fast: bool | None = None,
+        joint: bool | None = None,
+        prefilled: Sequence | None = None,
+    ) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
         Parameters
@@ -181,11 +205,24 @@ class LLMKernelPair(LLMPairBase):
         if prefilled is not None and len(prefilled) != len(prompts):
             raise ValueError(f"prefilled holds {len(prefilled)} prefills for {len(prompts)} documents")
         if not len(prompts) == len(presses) == len(expected_kept) == len(seeds) or not prompts:
-            raise ValueError(f"prompts, presses, expected_kept and prefill_seeds must be non-empty and of one "
-                             f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}")
+            raise ValueError(
+                f"prompts, presses, expected_kept and prefill_seeds must be non-empty and of one "
+                f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}"
+            )
         pair = cls.__new__(cls)
-        pair._setup(model, prompts, presses, expected_kept, temperature, top_p, eos_ids, seeds,
-                    horizon=horizon, fast=fast, joint=joint)
+        pair._setup(
+            model,
+            prompts,
+            presses,
+            expected_kept,
+            temperature,
+            top_p,
+            eos_ids,
+            seeds,
+            horizon=horizon,
+            fast=fast,
+            joint=joint,
+        )
         pair._prefilled = None if prefilled is None else list(prefilled)
         return pair
 
@@ -200,9 +237,11 @@ class LLMKernelPair(LLMPairBase):
                 done = prefill(self.model, self.twin, ids, press)
         for li, layer in enumerate(done.ev.layers):
             if layer.keys.shape[2] > n:
-                raise CompressionError(f"layer {li} of the evicted cache holds {layer.keys.shape[2]} positions, "
-                                       f"more than the {n} of the prompt: press {type(press).__name__} "
-                                       f"left extra positions in the cache")
+                raise CompressionError(
+                    f"layer {li} of the evicted cache holds {layer.keys.shape[2]} positions, "
+                    f"more than the {n} of the prompt: press {type(press).__name__} "
+                    f"left extra positions in the cache"
+                )
         kept = done.kept
         check_kept(kept, expected, self.twin.config, press, n)
         self.kept_lens.append(int(torch.round(kept.double().mean())))
@@ -238,8 +277,10 @@ class LLMKernelPair(LLMPairBase):
         self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
         given = self._prefilled or [None] * B
         self._prefilled = None  # the caches are merged below; hold no second reference
-        done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.presses, self.expected,
-                                                            self.prefill_seeds, given)]
+        done = [
+            self._prefill_document(*doc)
+            for doc in zip(self.prompts, self.presses, self.expected, self.prefill_seeds, given)
+        ]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
         self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)
@@ -260,14 +301,25 @@ class LLMKernelPair(LLMPairBase):
 
     def _joint_sides(self, done, widths, starts, R) -> JointSides:
         """Both sides' rows in one cache on the twin (:class:`kvdiverge.engine.llm.side.JointSides`)."""
-        full = [[torch.ones(lay.keys.shape[1], lay.keys.shape[2], dtype=torch.bool, device=self.device)
-                 for lay in d.ref.layers] for d in done]
+        full = [
+            [
+                torch.ones(lay.keys.shape[1], lay.keys.shape[2], dtype=torch.bool, device=self.device)
+                for lay in d.ref.layers
+            ]
+            for d in done
+        ]
         lengths = self.prompt_lens + widths
         masks = HeadMasks.merge(full + [d.keep for d in done], lengths, R)
         if masks is not None:
             check_patched(self.twin)
-        side = self._side([d.ref for d in done] + [d.ev for d in done], lengths, self.prompt_lens + starts, R,
-                          masks, attention_modules(self.twin))
+        side = self._side(
+            [d.ref for d in done] + [d.ev for d in done],
+            lengths,
+            self.prompt_lens + starts,
+            R,
+            masks,
+            attention_modules(self.twin),
+        )
         return JointSides(side, self.twin)
 
     @torch.inference_mode()

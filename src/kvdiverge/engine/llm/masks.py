@@ -72,8 +72,10 @@ def check_patched(model) -> None:
     name = model.config._attn_implementation
     fn = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS else None
     if fn is None or "attention_patch" not in getattr(fn, "__qualname__", ""):
-        raise ValueError(f"attention implementation {name!r} does not apply kvpress's per-head key masks; "
-                         f"load the model with attn_implementation='sdpa'")
+        raise ValueError(
+            f"attention implementation {name!r} does not apply kvpress's per-head key masks; "
+            f"load the model with attn_implementation='sdpa'"
+        )
 
 
 class HeadMasks:
@@ -94,8 +96,9 @@ class HeadMasks:
         self._indices: list | None = None
 
     @classmethod
-    def merge(cls, doc_keeps: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int],
-              rows_each: int) -> "HeadMasks | None":
+    def merge(
+        cls, doc_keeps: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], rows_each: int
+    ) -> "HeadMasks | None":
         """Masks of the merged cache from each document's per-layer masks, left-padded like the cache.
 
         Parameters
@@ -121,8 +124,8 @@ class HeadMasks:
             for keeps, n in zip(doc_keeps, lengths):
                 k = keeps[li]
                 full = k.new_ones(k.shape[0], width)
-                full[:, width - n:width - k.shape[1]] = False  # this layer's own left padding
-                full[:, width - k.shape[1]:] = k
+                full[:, width - n : width - k.shape[1]] = False  # this layer's own left padding
+                full[:, width - k.shape[1] :] = k
                 parts.append(full.expand(rows_each, -1, -1))
             layer = torch.cat(parts)
             keep.append(None if bool(layer.all()) else layer)
@@ -143,8 +146,9 @@ class HeadMasks:
     def indices(self) -> list:
         """Per layer, ``(batch, head, seq)`` of the masked keys (``masked_key_indices``), or ``None``."""
         if self._indices is None:
-            self._indices = [None if k is None or bool(k.all()) else tuple((~k).nonzero(as_tuple=True))
-                             for k in self.keep]
+            self._indices = [
+                None if k is None or bool(k.all()) else tuple((~k).nonzero(as_tuple=True)) for k in self.keep
+            ]
         return self._indices
 
     def apply(self, modules: Sequence) -> None:

@@ -82,8 +82,20 @@ class LLMPairBase:
         ``True`` but inside :func:`stock_kernels`.
     """
 
-    def _setup(self, model, prompts, presses, expected, temperature, top_p, eos_ids, seeds=None, *,
-               horizon: int | None = None, fast: bool | None = None) -> None:
+    def _setup(
+        self,
+        model,
+        prompts,
+        presses,
+        expected,
+        temperature,
+        top_p,
+        eos_ids,
+        seeds=None,
+        *,
+        horizon: int | None = None,
+        fast: bool | None = None,
+    ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = coupling_dtype(self.device)
@@ -126,10 +138,10 @@ class LLMPairBase:
             return None
         return cache_columns(width, self.horizon) if self.horizon is not None else int(width) + DEFAULT_SPARE
 
-    def _side(self, caches: Sequence, widths: Sequence[int], starts: Sequence[int], R: int, masks=None,
-              modules: Sequence = ()) -> CacheSide:
+    def _side(
+        self, caches: Sequence, widths: Sequence[int], starts: Sequence[int], R: int, masks=None, modules: Sequence = ()
+    ) -> CacheSide:
         """One side from per-document caches: merged (:func:`merge_caches`), ``R`` rows per document."""
         capacity = self._capacity(max(widths))
         cache, valid = merge_caches(list(caches), list(widths), R, self.device, capacity)
-        return CacheSide(cache, valid, self._positions(starts, R), masks, modules, capacity=capacity,
-                         grouped=self.fast)
+        return CacheSide(cache, valid, self._positions(starts, R), masks, modules, capacity=capacity, grouped=self.fast)

@@ -36,8 +36,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOGIT_BYTES_PER_ENTRY", "cache_columns", "kv_bytes_per_token", "kv_elements_per_token", "default_memory_budget",
-           "document_bytes", "plan_batch"]
+__all__ = [
+    "LOGIT_BYTES_PER_ENTRY",
+    "cache_columns",
+    "kv_bytes_per_token",
+    "kv_elements_per_token",
+    "default_memory_budget",
+    "document_bytes",
+    "plan_batch",
+]
 
 #: Bytes per (row, vocabulary entry) of the logits and coupling temporaries: raw logits
 #: (4) plus about six float64 (B, V) tensors alive at once (48).
@@ -62,13 +69,15 @@ def cache_columns(prompt_len: int, T: int) -> int:
     return int(prompt_len) + max(2 * int(T) - 2, 0)
 
 
-def document_bytes(*, kv_bytes_per_token: int, prompt_len: int, T: int, replicates: int, vocab_size: int,
-                   decode_time: bool = False) -> int:
+def document_bytes(
+    *, kv_bytes_per_token: int, prompt_len: int, T: int, replicates: int, vocab_size: int, decode_time: bool = False
+) -> int:
     """Bytes one document adds to a batch (module docstring for the formula; ``3R`` rows when decode-time)."""
     kv = int(kv_bytes_per_token)
     rows = int(replicates) * (3 if decode_time else 2)
-    return (rows * (cache_columns(prompt_len, T) * kv + int(vocab_size) * LOGIT_BYTES_PER_ENTRY)
-            + 2 * int(prompt_len) * kv)
+    return (
+        rows * (cache_columns(prompt_len, T) * kv + int(vocab_size) * LOGIT_BYTES_PER_ENTRY) + 2 * int(prompt_len) * kv
+    )
 
 
 def kv_elements_per_token(model_config: Any) -> int:
@@ -189,6 +198,12 @@ def plan_batch(
         if int(override) < 1:
             raise ValueError(f"generation.batch_documents must be >= 1 or 'auto', got {override}")
         return max(1, min(int(override), int(documents)))
-    per_doc = document_bytes(kv_bytes_per_token=kv_bytes_per_token, prompt_len=prompt_len, T=T,
-                             replicates=replicates, vocab_size=vocab_size, decode_time=decode_time)
+    per_doc = document_bytes(
+        kv_bytes_per_token=kv_bytes_per_token,
+        prompt_len=prompt_len,
+        T=T,
+        replicates=replicates,
+        vocab_size=vocab_size,
+        decode_time=decode_time,
+    )
     return max(1, min(int(documents), math.floor(memory_budget_bytes / per_doc)))

@@ -40,8 +40,16 @@ import torch
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
 from kvdiverge.engine.presses.registry import draws_global_rng, needs_attentions, shares_prefill
 
-__all__ = ["FullCache", "Prefill", "attention_weights", "full_cache_hooks", "prefill", "prefill_seed", "prefill_shared",
-           "seeded"]
+__all__ = [
+    "FullCache",
+    "Prefill",
+    "attention_weights",
+    "full_cache_hooks",
+    "prefill",
+    "prefill_seed",
+    "prefill_shared",
+    "seeded",
+]
 
 
 @dataclass
@@ -208,8 +216,7 @@ def full_cache_hooks(modules, n_tokens: int, *, copy: bool = True, attentions: b
     from transformers import DynamicCache
 
     full = FullCache(DynamicCache() if copy else None, [], [], len(modules), int(n_tokens))
-    full.hooks = [m.register_forward_hook(_hook(full.cache, full.seen, attentions), with_kwargs=True)
-                  for m in modules]
+    full.hooks = [m.register_forward_hook(_hook(full.cache, full.seen, attentions), with_kwargs=True) for m in modules]
     try:
         yield full
     finally:
@@ -255,7 +262,10 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
         ref = DynamicCache()
         logits = _forward(model, ids, ref)
         ev = _copy(ref)
-        keep = [torch.ones(l.keys.shape[1], l.keys.shape[2], dtype=torch.bool, device=ids.device) for l in ev.layers]
+        keep = [
+            torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool, device=ids.device)
+            for layer in ev.layers
+        ]
         return Prefill(ref, ev, logits, logits, keep, 1)
     one = shares_prefill(press)
     ev = DynamicCache()
@@ -263,8 +273,10 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
         with press(twin):
             ev_logits = _forward(twin, ids, ev)
             full.remove()  # before the press's exit, which may run forwards of its own (KVzip)
-    keep = [masked_keep(getattr(m, "masked_key_indices", None), l.keys.shape[1], l.keys.shape[2], ids.device)
-            for m, l in zip(modules, ev.layers)]
+    keep = [
+        masked_keep(getattr(m, "masked_key_indices", None), layer.keys.shape[1], layer.keys.shape[2], ids.device)
+        for m, layer in zip(modules, ev.layers)
+    ]
     for m in modules:
         m.masked_key_indices = None
     if one and full.complete:
@@ -374,8 +386,13 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     ids = ids.unsqueeze(0)
     n, modules, device = int(ids.shape[1]), attention_modules(twin), ids.device
     k = len(presses)
-    hand = _Handover(DynamicCache(), [DynamicCache() for _ in presses], [[None] * len(modules) for _ in presses],
-                     [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None, device)
+    hand = _Handover(
+        DynamicCache(),
+        [DynamicCache() for _ in presses],
+        [[None] * len(modules) for _ in presses],
+        [_rng_state(device)] * k if any(draws_global_rng(p) for p in presses) else None,
+        device,
+    )
     # first the watching hooks (each attention call; attention weights for presses that score with
     # them), then each press's hooks after the hand-over's; all come off at watch.remove()
     try:
@@ -396,7 +413,9 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
         _set_rng_state(hand.states[-1], device)
     out = []
     for i, cache in enumerate(hand.caches):
-        keep = [masked_keep(mk, layer.keys.shape[1], layer.keys.shape[2], device)
-                for mk, layer in zip(hand.masked[i], cache.layers)]
+        keep = [
+            masked_keep(mk, layer.keys.shape[1], layer.keys.shape[2], device)
+            for mk, layer in zip(hand.masked[i], cache.layers)
+        ]
         out.append(Prefill(_view(hand.full), cache, logits, logits, keep, 1 if i == 0 else 0))
     return out

@@ -84,8 +84,17 @@ class CacheSide:
         Decode with :func:`grouped_attention`.
     """
 
-    def __init__(self, cache, valid: torch.Tensor, prompt_len, masks: HeadMasks | None = None,
-                 modules: Sequence = (), *, capacity: int | None = None, grouped: bool = True):
+    def __init__(
+        self,
+        cache,
+        valid: torch.Tensor,
+        prompt_len,
+        masks: HeadMasks | None = None,
+        modules: Sequence = (),
+        *,
+        capacity: int | None = None,
+        grouped: bool = True,
+    ):
         written = all(isinstance(lay, CapacityLayer) for lay in cache.layers)  # merge_caches(..., capacity)
         self.cache = cache if capacity is None or written else capacity_cache(cache, capacity)
         self.in_place = capacity is not None
@@ -119,9 +128,13 @@ class CacheSide:
         if self.masks is not None:
             self.masks.apply(self.modules)
         with grouped_attention(model, self.grouped):
-            out = model(input_ids=tokens.unsqueeze(1), past_key_values=self.cache,
-                        attention_mask=None if self.all_valid else self.valid.long(),
-                        position_ids=position_ids, use_cache=True)
+            out = model(
+                input_ids=tokens.unsqueeze(1),
+                past_key_values=self.cache,
+                attention_mask=None if self.all_valid else self.valid.long(),
+                position_ids=position_ids,
+                use_cache=True,
+            )
         self.n_gen += 1
         return self.logical(out.logits[:, -1, :])
 
@@ -304,8 +317,9 @@ class JointSides:
         return self.side.logical(self.side.valid)[self._half(evicted)]
 
 
-def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, device,
-                 capacity: int | None = None) -> tuple[object, torch.Tensor]:
+def merge_caches(
+    caches: Sequence, lengths: Sequence[int], rows_each: int, device, capacity: int | None = None
+) -> tuple[object, torch.Tensor]:
     """One batched cache from per-document caches, left-padded to the longest.
 
     Parameters
@@ -345,14 +359,19 @@ def merge_caches(caches: Sequence, lengths: Sequence[int], rows_each: int, devic
     for d, (cache, n) in enumerate(zip(caches, lengths)):
         for li, layer in enumerate(cache.layers):
             if layer.keys.shape[2] > n:
-                raise ValueError(f"document {d}, layer {li}: {layer.keys.shape[2]} cache columns, more than its "
-                                 f"length {n}")
+                raise ValueError(
+                    f"document {d}, layer {li}: {layer.keys.shape[2]} cache columns, more than its length {n}"
+                )
     valid = torch.zeros(len(caches) * rows_each, longest, dtype=torch.bool, device=device)
     for d, n in enumerate(lengths):
-        valid[d * rows_each:(d + 1) * rows_each, longest - n:] = True
+        valid[d * rows_each : (d + 1) * rows_each, longest - n :] = True
     if capacity is not None:
-        layers = [CapacityLayer.stacked([c.layers[li].keys for c in caches], [c.layers[li].values for c in caches],
-                                        longest, rows_each, capacity) for li in range(len(caches[0].layers))]
+        layers = [
+            CapacityLayer.stacked(
+                [c.layers[li].keys for c in caches], [c.layers[li].values for c in caches], longest, rows_each, capacity
+            )
+            for li in range(len(caches[0].layers))
+        ]
         return Cache(layers=layers), valid
     even = all(layer.keys.shape[2] == n for cache, n in zip(caches, lengths) for layer in cache.layers)
     if len(caches) == 1 and even:

@@ -46,9 +46,11 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
             for hook in hooks.values():
                 if _is_press_hook(hook):
-                    raise ValueError(f"module {name or type(module).__name__!r} has forward hooks of a press "
-                                     f"(a press is active on the reference model); build the twin before "
-                                     f"entering any press")
+                    raise ValueError(
+                        f"module {name or type(module).__name__!r} has forward hooks of a press "
+                        f"(a press is active on the reference model); build the twin before "
+                        f"entering any press"
+                    )
                 memo[id(hook)] = hook
     return copy.deepcopy(model, memo)
 
@@ -64,5 +66,9 @@ def shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     """True when ``a`` and ``b`` hold the very same parameter and buffer tensors, name by name."""
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
-    return (pa.keys() == pb.keys() and ba.keys() == bb.keys()
-            and all(pa[k] is pb[k] for k in pa) and all(ba[k] is bb[k] for k in ba))
+    return (
+        pa.keys() == pb.keys()
+        and ba.keys() == bb.keys()
+        and all(pa[k] is pb[k] for k in pa)
+        and all(ba[k] is bb[k] for k in ba)
+    )

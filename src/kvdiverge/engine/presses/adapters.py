@@ -79,8 +79,17 @@ from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
 from kvdiverge.engine.presses import promises
 
-__all__ = ["ADAPTERS", "INNER_TEST_PRESS", "PRESS_PARAMETERS", "PressAdapter", "inner", "is_press_spec", "resolve",
-           "spec_parameters", "walk"]
+__all__ = [
+    "ADAPTERS",
+    "INNER_TEST_PRESS",
+    "PRESS_PARAMETERS",
+    "PressAdapter",
+    "inner",
+    "is_press_spec",
+    "resolve",
+    "spec_parameters",
+    "walk",
+]
 
 #: The inner press of wrappers in test instances (a score-based press with a short window).
 INNER_TEST_PRESS: dict[str, Any] = {"press": "SnapKVPress", "window_size": 8, "kernel_size": 3}
@@ -195,99 +204,180 @@ def walk(node) -> list:
 #: What works for the presses that load their own weights from the hub: nothing yet. kvdiverge
 #: refuses them whatever the Hugging Face cache holds (no test model has such weights, so the
 #: press matrix could not check them).
-_HUB_COPY = ("kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, "
-             "HF_HUB_OFFLINE=1 changes nothing)")
+_HUB_COPY = (
+    "kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, "
+    "HF_HUB_OFFLINE=1 changes nothing)"
+)
 #: The models DuoAttentionPress finds patterns for: kvpress looks the model's name_or_path up
 #: in PATTERNS_DICT, whose Gradient keys carry a double slash that no hub id has.
 _DUO_MODELS = ", ".join(sorted(k for k in PATTERNS_DICT if "//" not in k))
 _DUO_UNREACHABLE = sorted(k.replace("//", "/") for k in PATTERNS_DICT if "//" in k)
-_DUO_NOTE = (f"; kvpress lists {' and '.join(_DUO_UNREACHABLE)} under ids with a double slash, which no "
-             "model's name_or_path matches" if _DUO_UNREACHABLE else "")
-_REFUSED_KVZIP = ("{press} reloads the tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path) "
-                  "and replays the context through the model, so it needs a model loaded from a hub id or a "
-                  "directory with tokenizer files (an in-memory or GGUF model fails with a bare ImportError).")
+_DUO_NOTE = (
+    f"; kvpress lists {' and '.join(_DUO_UNREACHABLE)} under ids with a double slash, which no "
+    "model's name_or_path matches"
+    if _DUO_UNREACHABLE
+    else ""
+)
+_REFUSED_KVZIP = (
+    "{press} reloads the tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path) "
+    "and replays the context through the model, so it needs a model loaded from a hub id or a "
+    "directory with tokenizer files (an in-memory or GGUF model fails with a bare ImportError)."
+)
 _KNORM = {"press": "KnormPress"}
 
 #: The rows written here, by class name; every other press class gets the row of its class (:func:`resolve`).
-ADAPTERS: dict[str, PressAdapter] = {a.name: a for a in (
-    PressAdapter("AdaKVPress", engine=("head-wise",), promise=promises.head_wise),
-    PressAdapter("CriticalAdaKVPress", engine=("head-wise",), promise=promises.head_wise,
-                 config_attributes=("head_dim",), test_params={"press": INNER_TEST_PRESS}),
-    PressAdapter("CriticalKVPress", config_attributes=("head_dim",)),
-    PressAdapter("KVComposePress", engine=("head-wise", "per-layer"), promise=promises.composed),
-    PressAdapter("PyramidKVPress", engine=("per-layer",), promise=promises.pyramid,
-                 test_params={"window_size": 8, "kernel_size": 3}),
-    PressAdapter("PerLayerCompressionPress", engine=("per-layer",), promise=promises.per_layer, takes_ratio=False,
-                 per_layer_list="compression_ratios",
-                 test_params={"press": INNER_TEST_PRESS, "compression_ratios": [0.25, 0.75]}),
-    PressAdapter("DMSPress", engine=("head-wise",), decode_time="decoding", row_state=True, takes_ratio=False,
-                 required={"threshold": "DMSPress evicts the keys scored below a threshold and has none by default: "
-                                        "give params.threshold (kvpress otherwise fails with TypeError: '<' not "
-                                        "supported between Tensor and NoneType)."},
-                 test_params={"press": _KNORM, "threshold": -0.45, "sliding_window_size": 8}),
-    PressAdapter("ObservedAttentionPress", attentions=True),
-    PressAdapter("LeverageScorePress", global_rng=True),
-    PressAdapter("CompactorPress", global_rng=True),
-    PressAdapter("RandomPress", test_params={"seed": 0}),
-    PressAdapter("SnapKVPress", test_params={"window_size": 8, "kernel_size": 3}),
-    PressAdapter("ThinKPress", engine=("channels",), promise=promises.every_position,
-                 test_params={"key_channel_compression_ratio": 0.5, "window_size": 8}),
-    PressAdapter("SimLayerKVPress", engine=("per-layer",), promise=promises.sim_layer,
-                 test_params={"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4}),
-    PressAdapter("DecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
-    PressAdapter("SlidingWindowPress", decode_time=True, merge_lanes=True),
-    # a quantized cache (kvdiverge.engine.presses.quantized): its flushes follow the history's length
-    PressAdapter("QuantizedCachePress", decode_time=True, promise=None),
-    PressAdapter("CompressionRatioDecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
-    PressAdapter("CAMPress", decode_time=True, test_params={"base_press": _KNORM},
-                 refused="CAMPress draws its merge mask from torch's global random generator once for all "
-                         "rows of a batch, so its evicted kernel is not a function of the history and a "
-                         "branch cannot be replayed exactly."),
-    PressAdapter("PrefillDecodingPress", decode_time="decoding_press",
-                 test_params={"prefilling_press": INNER_TEST_PRESS,
-                              "decoding_press": {"press": "DecodingPress", "base_press": _KNORM}}),
-    PressAdapter("KeyRerotationPress", rerotates=True,
-                 note="it re-rotates the kept keys to the compacted positions, so on the evicted side "
-                      "generated tokens take RoPE positions from the compressed cache length, as in "
-                      "kvpress's pipeline (the reference side from the prompt length)."),
-    PressAdapter("FinchPress", rerotates="rerotate_keys", settable=("delimiter_token_id",),
-                 note="with rerotate_keys (its default) generated tokens on the evicted side take RoPE positions "
-                      "from the compressed cache length, as in kvpress's pipeline.",
-                 required={"delimiter_token_id": "FinchPress needs the id of a delimiter token that separates "
-                                                 "context and question, once in every prompt: give it as "
-                                                 "params.delimiter_token_id (FinchPress(delimiter_token_id=ID) on "
-                                                 "the command line)."}),
-    PressAdapter("ExpectedAttentionStatsPress",
-                 required={"stats_folder": "ExpectedAttentionStatsPress needs precomputed query statistics: give "
-                                           "the local folder written by `python -m kvpress.presses."
-                                           "expected_attention_with_stats --model_name <model>` as "
-                                           "params.stats_folder (without it they come from the hub collection "
-                                           "alessiodevoto/expectedattentionstats)."}),
-    PressAdapter("RestoreKVPress", refused="RestoreKVPress needs the hub repository higokri/RestoreKV-<model name> "
-                                           "(restore_embeddings.safetensors and a LoRA adapter, published for "
-                                           "Llama-3.1-8B-Instruct and Qwen3-8B), found by the model's name_or_path; "
-                                           f"{_HUB_COPY}."),
-    PressAdapter("QFilterPress", refused="QFilterPress needs the learned filters of the hub repository "
-                                         "nthngdy/<model name>_qfilt, found by the model's name_or_path; "
-                                         f"{_HUB_COPY}."),
-    PressAdapter("KVzapPress", refused="KVzapPress needs the surrogate model of the hub repository "
-                                       "nvidia/KVzap-<model_type>-<model name> (model_type mlp or linear), found by "
-                                       f"the model's name_or_path; {_HUB_COPY}."),
-    PressAdapter("FastKVzipPress", refused="FastKVzipPress needs the gate weights <model name>/q<group>_dim16_sink16.pt "
-                                           "of the hub repository Jang-Hyun/Fast-KVzip and the model's config by "
-                                           f"AutoConfig.from_pretrained(name_or_path); {_HUB_COPY}."),
-    PressAdapter("LUKVPress", refused="LUKVPress needs a per-layer, per-head budget curve (.npy of shape [99, layers, "
-                                      "kv heads]) listed in kvpress.presses.lukv_press.BUDGET_CURVE_URLS for the "
-                                      "model's name_or_path and scorer (only meta-llama/Llama-3.1-8B-Instruct with "
-                                      "ExpectedAttentionPress), fetched over HTTP with no offline copy."),
-    PressAdapter("DuoAttentionPress", refused="DuoAttentionPress needs per-head attention patterns, fetched over HTTP "
-                                              "from github.com/mit-han-lab/duo-attention and published only for "
-                                              f"{_DUO_MODELS} (on_the_fly_scoring needs the kmfoda/booksum dataset "
-                                              f"from the hub instead){_DUO_NOTE}."),
-    PressAdapter("ValueNormPress", promise=promises.scorer),  # test instance: compression_ratio 0.5
-    PressAdapter("KVzipPress", refused=_REFUSED_KVZIP.format(press="KVzipPress")),
-    PressAdapter("KVgradPress", refused=_REFUSED_KVZIP.format(press="KVgradPress")),
-)}
+ADAPTERS: dict[str, PressAdapter] = {
+    a.name: a
+    for a in (
+        PressAdapter("AdaKVPress", engine=("head-wise",), promise=promises.head_wise),
+        PressAdapter(
+            "CriticalAdaKVPress",
+            engine=("head-wise",),
+            promise=promises.head_wise,
+            config_attributes=("head_dim",),
+            test_params={"press": INNER_TEST_PRESS},
+        ),
+        PressAdapter("CriticalKVPress", config_attributes=("head_dim",)),
+        PressAdapter("KVComposePress", engine=("head-wise", "per-layer"), promise=promises.composed),
+        PressAdapter(
+            "PyramidKVPress",
+            engine=("per-layer",),
+            promise=promises.pyramid,
+            test_params={"window_size": 8, "kernel_size": 3},
+        ),
+        PressAdapter(
+            "PerLayerCompressionPress",
+            engine=("per-layer",),
+            promise=promises.per_layer,
+            takes_ratio=False,
+            per_layer_list="compression_ratios",
+            test_params={"press": INNER_TEST_PRESS, "compression_ratios": [0.25, 0.75]},
+        ),
+        PressAdapter(
+            "DMSPress",
+            engine=("head-wise",),
+            decode_time="decoding",
+            row_state=True,
+            takes_ratio=False,
+            required={
+                "threshold": "DMSPress evicts the keys scored below a threshold and has none by default: "
+                "give params.threshold (kvpress otherwise fails with TypeError: '<' not "
+                "supported between Tensor and NoneType)."
+            },
+            test_params={"press": _KNORM, "threshold": -0.45, "sliding_window_size": 8},
+        ),
+        PressAdapter("ObservedAttentionPress", attentions=True),
+        PressAdapter("LeverageScorePress", global_rng=True),
+        PressAdapter("CompactorPress", global_rng=True),
+        PressAdapter("RandomPress", test_params={"seed": 0}),
+        PressAdapter("SnapKVPress", test_params={"window_size": 8, "kernel_size": 3}),
+        PressAdapter(
+            "ThinKPress",
+            engine=("channels",),
+            promise=promises.every_position,
+            test_params={"key_channel_compression_ratio": 0.5, "window_size": 8},
+        ),
+        PressAdapter(
+            "SimLayerKVPress",
+            engine=("per-layer",),
+            promise=promises.sim_layer,
+            test_params={"lazy_threshold": 0.5, "n_recent": 16, "n_initial": 4},
+        ),
+        PressAdapter("DecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
+        PressAdapter("SlidingWindowPress", decode_time=True, merge_lanes=True),
+        # a quantized cache (kvdiverge.engine.presses.quantized): its flushes follow the history's length
+        PressAdapter("QuantizedCachePress", decode_time=True, promise=None),
+        PressAdapter("CompressionRatioDecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
+        PressAdapter(
+            "CAMPress",
+            decode_time=True,
+            test_params={"base_press": _KNORM},
+            refused="CAMPress draws its merge mask from torch's global random generator once for all "
+            "rows of a batch, so its evicted kernel is not a function of the history and a "
+            "branch cannot be replayed exactly.",
+        ),
+        PressAdapter(
+            "PrefillDecodingPress",
+            decode_time="decoding_press",
+            test_params={
+                "prefilling_press": INNER_TEST_PRESS,
+                "decoding_press": {"press": "DecodingPress", "base_press": _KNORM},
+            },
+        ),
+        PressAdapter(
+            "KeyRerotationPress",
+            rerotates=True,
+            note="it re-rotates the kept keys to the compacted positions, so on the evicted side "
+            "generated tokens take RoPE positions from the compressed cache length, as in "
+            "kvpress's pipeline (the reference side from the prompt length).",
+        ),
+        PressAdapter(
+            "FinchPress",
+            rerotates="rerotate_keys",
+            settable=("delimiter_token_id",),
+            note="with rerotate_keys (its default) generated tokens on the evicted side take RoPE positions "
+            "from the compressed cache length, as in kvpress's pipeline.",
+            required={
+                "delimiter_token_id": "FinchPress needs the id of a delimiter token that separates "
+                "context and question, once in every prompt: give it as "
+                "params.delimiter_token_id (FinchPress(delimiter_token_id=ID) on "
+                "the command line)."
+            },
+        ),
+        PressAdapter(
+            "ExpectedAttentionStatsPress",
+            required={
+                "stats_folder": "ExpectedAttentionStatsPress needs precomputed query statistics: give "
+                "the local folder written by `python -m kvpress.presses."
+                "expected_attention_with_stats --model_name <model>` as "
+                "params.stats_folder (without it they come from the hub collection "
+                "alessiodevoto/expectedattentionstats)."
+            },
+        ),
+        PressAdapter(
+            "RestoreKVPress",
+            refused="RestoreKVPress needs the hub repository higokri/RestoreKV-<model name> "
+            "(restore_embeddings.safetensors and a LoRA adapter, published for "
+            "Llama-3.1-8B-Instruct and Qwen3-8B), found by the model's name_or_path; "
+            f"{_HUB_COPY}.",
+        ),
+        PressAdapter(
+            "QFilterPress",
+            refused="QFilterPress needs the learned filters of the hub repository "
+            "nthngdy/<model name>_qfilt, found by the model's name_or_path; "
+            f"{_HUB_COPY}.",
+        ),
+        PressAdapter(
+            "KVzapPress",
+            refused="KVzapPress needs the surrogate model of the hub repository "
+            "nvidia/KVzap-<model_type>-<model name> (model_type mlp or linear), found by "
+            f"the model's name_or_path; {_HUB_COPY}.",
+        ),
+        PressAdapter(
+            "FastKVzipPress",
+            refused="FastKVzipPress needs the gate weights <model name>/q<group>_dim16_sink16.pt "
+            "of the hub repository Jang-Hyun/Fast-KVzip and the model's config by "
+            f"AutoConfig.from_pretrained(name_or_path); {_HUB_COPY}.",
+        ),
+        PressAdapter(
+            "LUKVPress",
+            refused="LUKVPress needs a per-layer, per-head budget curve (.npy of shape [99, layers, "
+            "kv heads]) listed in kvpress.presses.lukv_press.BUDGET_CURVE_URLS for the "
+            "model's name_or_path and scorer (only meta-llama/Llama-3.1-8B-Instruct with "
+            "ExpectedAttentionPress), fetched over HTTP with no offline copy.",
+        ),
+        PressAdapter(
+            "DuoAttentionPress",
+            refused="DuoAttentionPress needs per-head attention patterns, fetched over HTTP "
+            "from github.com/mit-han-lab/duo-attention and published only for "
+            f"{_DUO_MODELS} (on_the_fly_scoring needs the kmfoda/booksum dataset "
+            f"from the hub instead){_DUO_NOTE}.",
+        ),
+        PressAdapter("ValueNormPress", promise=promises.scorer),  # test instance: compression_ratio 0.5
+        PressAdapter("KVzipPress", refused=_REFUSED_KVZIP.format(press="KVzipPress")),
+        PressAdapter("KVgradPress", refused=_REFUSED_KVZIP.format(press="KVgradPress")),
+    )
+}
 
 #: How kvpress enters a press that leaves the forward alone: its own ``__call__``, or a decoding
 #: wrapper's, which only adds a reset of its decoding state.

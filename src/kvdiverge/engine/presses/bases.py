@@ -26,14 +26,23 @@ def abstract_reason(cls: type) -> str | None:
     base, scorer = kvpress.BasePress, kvpress.ScorerPress
     if not (isinstance(cls, type) and issubclass(cls, base)):
         return None
-    if issubclass(cls, scorer) and cls.score is scorer.score and cls.compress is scorer.compress \
-            and cls.forward_hook is base.forward_hook and cls.__call__ is base.__call__:
-        return (f"{cls.__name__} is an abstract press (kvpress.ScorerPress: its score raises "
-                f"NotImplementedError); name a press that scores, such as SnapKVPress, or subclass it "
-                f"and override score")
+    if (
+        issubclass(cls, scorer)
+        and cls.score is scorer.score
+        and cls.compress is scorer.compress
+        and cls.forward_hook is base.forward_hook
+        and cls.__call__ is base.__call__
+    ):
+        return (
+            f"{cls.__name__} is an abstract press (kvpress.ScorerPress: its score raises "
+            f"NotImplementedError); name a press that scores, such as SnapKVPress, or subclass it "
+            f"and override score"
+        )
     if cls.compress is base.compress and cls.forward_hook is base.forward_hook and cls.__call__ is base.__call__:
-        return (f"{cls.__name__} is an abstract press (kvpress.BasePress: its compress raises "
-                f"NotImplementedError); name a press, such as KnormPress, or subclass it and override compress")
+        return (
+            f"{cls.__name__} is an abstract press (kvpress.BasePress: its compress raises "
+            f"NotImplementedError); name a press, such as KnormPress, or subclass it and override compress"
+        )
     return None
 
 
@@ -48,13 +57,14 @@ def press_problem(value: Any) -> str | None:
 
     if isinstance(value, type):
         if issubclass(value, kvpress.BasePress):
-            return (f"{value.__name__} is a press class, not a press: pass an instance, "
-                    f"{value.__name__}(...)")
+            return f"{value.__name__} is a press class, not a press: pass an instance, {value.__name__}(...)"
         return f"{value.__name__} is a class, not a press; allowed: a kvpress.BasePress instance or a policy entry"
     if not isinstance(value, kvpress.BasePress):
         what = repr(getattr(value, "__name__", None) or value)
         what = what if len(what) <= 60 else what[:57] + "..."
-        return (f"{what} ({type(value).__name__}) is not a press; allowed: a kvpress.BasePress instance "
-                f"(your own subclasses too) or a policy entry such as {{'press': 'SnapKVPress', "
-                f"'compression_ratio': 0.5}}")
+        return (
+            f"{what} ({type(value).__name__}) is not a press; allowed: a kvpress.BasePress instance "
+            f"(your own subclasses too) or a policy entry such as {{'press': 'SnapKVPress', "
+            f"'compression_ratio': 0.5}}"
+        )
     return abstract_reason(type(value))

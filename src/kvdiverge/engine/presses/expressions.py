@@ -115,7 +115,9 @@ def _press_call(node, text: str) -> dict[str, Any]:
     params: dict[str, Any] = {names[i]: _literal(arg, text) for i, arg in enumerate(node.args)}
     for kw in node.keywords:
         if kw.arg is None or kw.arg in params:
-            raise PressExpressionError(f"press {text!r}: parameter {kw.arg or '**'!r} of {cls.__name__} given twice or unpacked")
+            raise PressExpressionError(
+                f"press {text!r}: parameter {kw.arg or '**'!r} of {cls.__name__} given twice or unpacked"
+            )
         params[kw.arg] = _literal(kw.value, text)
     return {"press": cls.__name__, "params": params}
 

@@ -123,14 +123,21 @@ class Policy:
         params = {k: v for k, v in spec.items() if k not in _POLICY_KEYS}
         params.update(spec.get("params") or {})
         try:
-            problem = ratio_problem(press, params, spec.get("compression_ratio") is not None,
-                                    spec.get("budget") is not None)
+            problem = ratio_problem(
+                press, params, spec.get("compression_ratio") is not None, spec.get("budget") is not None
+            )
         except ValueError as exc:  # an unknown press, here or nested
             raise PressError(owner, str(exc)) from None
         if problem:
             raise PressError(owner, problem)
-        policy = cls(name=name, press=press, compression_ratio=spec.get("compression_ratio"),
-                     budget=spec.get("budget"), params=params, quantized=quantized)
+        policy = cls(
+            name=name,
+            press=press,
+            compression_ratio=spec.get("compression_ratio"),
+            budget=spec.get("budget"),
+            params=params,
+            quantized=quantized,
+        )
         if check:
             policy.check()
         return policy
@@ -138,8 +145,11 @@ class Policy:
     @cached_property
     def _probe(self):
         """The press built once at a placeholder ratio: for checks and its windows."""
-        ratio = None if not self.takes_ratio else (
-            _PROBE_RATIO if self.compression_ratio is None else float(self.compression_ratio))
+        ratio = (
+            None
+            if not self.takes_ratio
+            else (_PROBE_RATIO if self.compression_ratio is None else float(self.compression_ratio))
+        )
         return press_from_spec({"press": self.press, "params": self.params}, ratio, f"policy {self.name!r}")
 
     @property
@@ -191,9 +201,7 @@ class Policy:
         """
         need = self.min_prompt_tokens
         if prompt_len < need:
-            raise ValueError(
-                f"policy {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
-            )
+            raise ValueError(f"policy {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}")
         if self.budget is None:
             return float(self.compression_ratio or 0.0)
         return 1.0 - (self.budget + 0.5) / prompt_len
@@ -248,8 +256,11 @@ def _quantized_spec(owner: str, spec: Mapping[str, Any]):
     if not keys:
         return None
     if spec.get("cache") != "quantized":
-        raise PressError(owner, f"'cache' must be 'quantized' (with backend, nbits, q_group_size, "
-                                f"residual_length), got {spec.get('cache')!r}")
+        raise PressError(
+            owner,
+            f"'cache' must be 'quantized' (with backend, nbits, q_group_size, "
+            f"residual_length), got {spec.get('cache')!r}",
+        )
     try:
         return QuantizedCacheSpec(**{k: spec[k] for k in keys - {"cache"}})
     except ValueError as exc:
@@ -362,8 +373,9 @@ def press_from_spec(spec: Mapping[str, Any], ratio: float | None, owner: str):
     accepted = press_parameters(cls)
     unknown = sorted(set(params) - accepted - set(settable))
     if unknown:
-        raise PressError(owner, f"{cls.__name__} has no parameter(s) {unknown}; "
-                                f"accepted: {sorted(accepted | set(settable))}")
+        raise PressError(
+            owner, f"{cls.__name__} has no parameter(s) {unknown}; accepted: {sorted(accepted | set(settable))}"
+        )
     own = ratio is not None and "compression_ratio" in accepted and takes_ratio(spec["press"], params)
     if own and "compression_ratio" in params:
         raise PressError(owner, f"{cls.__name__}: compression_ratio is given twice (by the policy and as a parameter)")
@@ -379,8 +391,9 @@ def press_from_spec(spec: Mapping[str, Any], ratio: float | None, owner: str):
         press = cls(**kwargs)
     except (ImportError, AssertionError, TypeError, ValueError, AttributeError, KeyError) as exc:
         cause = str(exc).strip() or "no message"
-        raise PressError(owner, f"{cls.__name__}({_format_kwargs(kwargs)}) failed: "
-                                f"{type(exc).__name__}: {cause}") from None
+        raise PressError(
+            owner, f"{cls.__name__}({_format_kwargs(kwargs)}) failed: {type(exc).__name__}: {cause}"
+        ) from None
     for key in settable:
         if key in params:
             setattr(press, key, params[key])
@@ -472,9 +485,7 @@ class PressPolicy:
         """
         need = self.min_prompt_tokens
         if prompt_len < need:
-            raise ValueError(
-                f"press {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}"
-            )
+            raise ValueError(f"press {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}")
         return self.press
 
     def expected_kept(self, prompt_len: int, press):

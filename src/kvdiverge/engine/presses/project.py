@@ -123,6 +123,8 @@ class ValueNormPress(ScorerPress):
 
 
 #: Presses of the project that a policy can name beside kvpress's (``policies.press_class``).
-PROJECT_PRESSES: dict[str, type[BasePress]] = {"PermutationPress": PermutationPress,
-                                               "SlidingWindowPress": SlidingWindowPress,
-                                               "ValueNormPress": ValueNormPress}
+PROJECT_PRESSES: dict[str, type[BasePress]] = {
+    "PermutationPress": PermutationPress,
+    "SlidingWindowPress": SlidingWindowPress,
+    "ValueNormPress": ValueNormPress,
+}

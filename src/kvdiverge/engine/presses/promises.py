@@ -21,8 +21,17 @@ import torch
 
 from kvdiverge.engine.core.errors import CompressionError
 
-__all__ = ["KeptPromise", "check_kept", "composed", "every_position", "head_wise", "per_layer", "pyramid", "scorer",
-           "sim_layer"]
+__all__ = [
+    "KeptPromise",
+    "check_kept",
+    "composed",
+    "every_position",
+    "head_wise",
+    "per_layer",
+    "pyramid",
+    "scorer",
+    "sim_layer",
+]
 
 #: How a promise counts: every head of a layer (``head``), the layer's heads together
 #: (``layer``, as a mean per head), or every layer and head together (``model``, per head
@@ -66,7 +75,8 @@ class KeptPromise:
             if got != total and not (self.at_least and got > total):
                 raise CompressionError(
                     f"evicted cache keeps {got} prompt positions over all {layers} layers and {heads} heads, "
-                    f"{self.press} promises {total} ({self.rule}): the press did not compress as configured")
+                    f"{self.press} promises {total} ({self.rule}): the press did not compress as configured"
+                )
             return
         for layer in range(layers):
             row = kept[layer]
@@ -77,13 +87,15 @@ class KeptPromise:
                 raise CompressionError(
                     f"layer {layer} of the evicted cache keeps {row.tolist()} prompt positions per head, "
                     f"{self.press} promises {want[layer]} in every head ({self.rule}): "
-                    f"the press did not compress as configured")
+                    f"the press did not compress as configured"
+                )
             got, total = int(row.sum()), want[layer] * heads
             if got != total and not (self.at_least and got > total):
                 raise CompressionError(
                     f"layer {layer} of the evicted cache keeps {got} prompt positions over its {heads} heads "
                     f"{row.tolist()}, {self.press} promises {total} ({self.rule}): "
-                    f"the press did not compress as configured")
+                    f"the press did not compress as configured"
+                )
 
 
 def check_kept(kept: torch.Tensor, promise: "KeptPromise | int | None", config, press, prompt_len: int) -> None:
@@ -119,7 +131,8 @@ def check_kept(kept: torch.Tensor, promise: "KeptPromise | int | None", config, 
     if ratio > 0 and bool((kept >= prompt_len).all()):
         raise CompressionError(
             f"press {type(press).__name__} (compression_ratio={ratio}) left the cache "
-            f"at the full {prompt_len} positions in every layer and head")
+            f"at the full {prompt_len} positions in every layer and head"
+        )
 
 
 def _ratio(press) -> float:
@@ -156,8 +169,10 @@ def pyramid(press, n: int) -> KeptPromise:
         return KeptPromise(name, "compression_ratio 0", "head", lambda c: (n,) * _layers(c))
 
     def counts(config):
-        return tuple(int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n))
-                     for i in range(_layers(config)))
+        return tuple(
+            int(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), n)) for i in range(_layers(config))
+        )
+
     return KeptPromise(name, f"get_layer_budget(layer, {n})", "head", counts)
 
 
@@ -165,15 +180,15 @@ def head_wise(press, n: int) -> KeptPromise:
     """``AdaKVPress`` / ``CriticalAdaKVPress``: ``compute_n_kept(n, ratio) * heads`` in each layer in all."""
     ratio = float(press.compression_ratio)
     k = _n_kept(n, ratio) if ratio > 0 else n
-    return KeptPromise(type(press).__name__, f"compute_n_kept({n}, {ratio}) x heads", "layer",
-                       lambda c: (k,) * _layers(c))
+    return KeptPromise(
+        type(press).__name__, f"compute_n_kept({n}, {ratio}) x heads", "layer", lambda c: (k,) * _layers(c)
+    )
 
 
 def per_layer(press, n: int) -> KeptPromise:
     """``PerLayerCompressionPress``: ``compute_n_kept(n, compression_ratios[l])`` in every head of layer ``l``."""
     ks = tuple(_n_kept(n, float(r)) if float(r) > 0 else n for r in press.compression_ratios)
-    return KeptPromise(type(press).__name__, f"compute_n_kept({n}, compression_ratios[layer])", "head",
-                       lambda c: ks)
+    return KeptPromise(type(press).__name__, f"compute_n_kept({n}, compression_ratios[layer])", "head", lambda c: ks)
 
 
 def composed(press, n: int) -> KeptPromise | None:
@@ -185,8 +200,8 @@ def composed(press, n: int) -> KeptPromise | None:
 
     def counts(config):
         return (_n_kept(_layers(config) * n, ratio) if ratio > 0 else _layers(config) * n,)
-    return KeptPromise(type(press).__name__, f"compute_n_kept(layers x {n}, {ratio})", "model", counts,
-                       at_least=True)
+
+    return KeptPromise(type(press).__name__, f"compute_n_kept(layers x {n}, {ratio})", "model", counts, at_least=True)
 
 
 def sim_layer(press, n: int) -> KeptPromise:
@@ -199,7 +214,10 @@ def sim_layer(press, n: int) -> KeptPromise:
     def counts(config):
         ratios = list(press.compression_ratios)
         if len(ratios) != _layers(config):
-            raise CompressionError(f"{name} recorded {len(ratios)} per-layer decisions for a model of "
-                                   f"{_layers(config)} layers: its prefill did not run once per layer")
+            raise CompressionError(
+                f"{name} recorded {len(ratios)} per-layer decisions for a model of "
+                f"{_layers(config)} layers: its prefill did not run once per layer"
+            )
         return tuple(lazy if r > 0 else n for r in ratios)
+
     return KeptPromise(name, f"n_initial + n_recent - n_last = {lazy} in lazy layers, {n} in others", "head", counts)

@@ -42,8 +42,14 @@ from typing import Any
 
 from kvpress import BasePress
 
-__all__ = ["BACKENDS", "QuantizedCacheSpec", "QuantizedCachePress", "kv_bits_per_element", "quantize_cache_layers",
-           "refusal"]
+__all__ = [
+    "BACKENDS",
+    "QuantizedCacheSpec",
+    "QuantizedCachePress",
+    "kv_bits_per_element",
+    "quantize_cache_layers",
+    "refusal",
+]
 
 #: Backend -> (import name checked, allowed nbits, axis that groups along the last dimension, pip package).
 BACKENDS: dict[str, tuple[str, tuple[int, ...], int, str]] = {
@@ -84,8 +90,9 @@ class QuantizedCacheSpec:
             raise ValueError(f"quantized cache: backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
         bits = BACKENDS[self.backend][1]
         if isinstance(self.nbits, bool) or self.nbits not in bits:
-            raise ValueError(f"quantized cache: nbits must be one of {list(bits)} for backend "
-                             f"{self.backend!r}, got {self.nbits!r}")
+            raise ValueError(
+                f"quantized cache: nbits must be one of {list(bits)} for backend {self.backend!r}, got {self.nbits!r}"
+            )
         for key in ("q_group_size", "residual_length"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -98,8 +105,13 @@ class QuantizedCacheSpec:
 
     def describe(self) -> dict[str, Any]:
         """The settings as a config mapping (``cache: quantized`` and the four keys)."""
-        return {"cache": "quantized", "backend": self.backend, "nbits": self.nbits,
-                "q_group_size": self.q_group_size, "residual_length": self.residual_length}
+        return {
+            "cache": "quantized",
+            "backend": self.backend,
+            "nbits": self.nbits,
+            "q_group_size": self.q_group_size,
+            "residual_length": self.residual_length,
+        }
 
 
 def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) -> float:
@@ -146,12 +158,16 @@ def refusal(spec: QuantizedCacheSpec, model=None) -> str | None:
     """
     module, _, _, package = BACKENDS[spec.backend]
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-        return (f"the quantized cache's backend {spec.backend!r} needs the package {package!r}, which is not "
-                f"installed (pip install -c constraints.txt {package})")
+        return (
+            f"the quantized cache's backend {spec.backend!r} needs the package {package!r}, which is not "
+            f"installed (pip install -c constraints.txt {package})"
+        )
     hd = _head_dim(getattr(model, "config", None)) if model is not None else None
     if hd is not None and hd % spec.q_group_size:
-        return (f"the quantized cache's q_group_size {spec.q_group_size} does not divide the model's head "
-                f"dimension {hd}, so a group would span two tokens")
+        return (
+            f"the quantized cache's q_group_size {spec.q_group_size} does not divide the model's head "
+            f"dimension {hd}, so a group would span two tokens"
+        )
     return None
 
 
@@ -166,8 +182,10 @@ def _layer_class(spec: QuantizedCacheSpec):
         quantizing a batch at once would make a row's result depend on the other rows."""
 
         def _quantize(self, tensor, axis):
-            return [super(RowwiseHQQLayer, self)._quantize(tensor[i:i + 1].contiguous(), axis)
-                    for i in range(tensor.shape[0])]
+            return [
+                super(RowwiseHQQLayer, self)._quantize(tensor[i : i + 1].contiguous(), axis)
+                for i in range(tensor.shape[0])
+            ]
 
         def _dequantize(self, qtensor):
             import torch
@@ -209,10 +227,16 @@ def quantize_cache_layers(cache, spec: QuantizedCacheSpec) -> int:
         if isinstance(layer, QuantizedLayer):
             continue
         if type(layer) is not DynamicLayer:
-            raise TypeError(f"layer {i} of the cache is a {type(layer).__name__}; a quantized cache needs "
-                            f"DynamicLayer layers")
-        q = cls(nbits=spec.nbits, axis_key=spec.axis, axis_value=spec.axis, q_group_size=spec.q_group_size,
-                residual_length=spec.residual_length)
+            raise TypeError(
+                f"layer {i} of the cache is a {type(layer).__name__}; a quantized cache needs DynamicLayer layers"
+            )
+        q = cls(
+            nbits=spec.nbits,
+            axis_key=spec.axis,
+            axis_value=spec.axis,
+            q_group_size=spec.q_group_size,
+            residual_length=spec.residual_length,
+        )
         q.update(layer.keys, layer.values)
         cache.layers[i] = q
         done += 1
@@ -244,7 +268,7 @@ class QuantizedCachePress(BasePress):
             quantize_cache_layers(cache, self.spec)
         return None
 
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):  # noqa: D102 (never reached)
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         return keys, values
 
     @contextlib.contextmanager

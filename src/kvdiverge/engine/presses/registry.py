@@ -29,8 +29,20 @@ from kvdiverge.engine.presses import promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
 
-__all__ = ["PRESS_CLASSES", "ROWS", "adapter_of", "draws_global_rng", "generation_start", "import_press",
-           "is_decode_time", "kept_promise", "needs_attentions", "press_class", "refusal", "shares_prefill"]
+__all__ = [
+    "PRESS_CLASSES",
+    "ROWS",
+    "adapter_of",
+    "draws_global_rng",
+    "generation_start",
+    "import_press",
+    "is_decode_time",
+    "kept_promise",
+    "needs_attentions",
+    "press_class",
+    "refusal",
+    "shares_prefill",
+]
 
 
 def _press_classes() -> dict[str, type]:
@@ -38,8 +50,11 @@ def _press_classes() -> dict[str, type]:
     out: dict[str, type] = dict(PROJECT_PRESSES)
     for name in kvpress.__all__:
         cls = getattr(kvpress, name, None)
-        if (isinstance(cls, type) and issubclass(cls, kvpress.BasePress)
-                and cls not in (kvpress.BasePress, kvpress.ScorerPress)):
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, kvpress.BasePress)
+            and cls not in (kvpress.BasePress, kvpress.ScorerPress)
+        ):
             out[name] = cls
     return out
 
@@ -236,8 +251,10 @@ def _quantized_refusal(press, model) -> str | None:
 
     reason = quantized_refusal(press.spec, model)
     if reason is None and press.press is not None and is_decode_time(press.press):
-        reason = (f"a quantized cache after the decode-time press {type(press.press).__name__} is not supported: "
-                  f"the press would evict from a quantized cache while generating")
+        reason = (
+            f"a quantized cache after the decode-time press {type(press.press).__name__} is not supported: "
+            f"the press would evict from a quantized cache while generating"
+        )
     return reason
 
 
@@ -247,10 +264,14 @@ def _model_refusal(row: PressAdapter, press, config) -> str | None:
         return None
     for attr in row.config_attributes:
         if not hasattr(config, attr):
-            return (f"{row.name} reads model.config.{attr}, which this model's {type(config).__name__} "
-                    f"does not have (kvpress would fail with AttributeError).")
+            return (
+                f"{row.name} reads model.config.{attr}, which this model's {type(config).__name__} "
+                f"does not have (kvpress would fail with AttributeError)."
+            )
     values, layers = getattr(press, row.per_layer_list or "", None), getattr(config, "num_hidden_layers", None)
     if row.per_layer_list and values is not None and layers is not None and len(values) != layers:
-        return (f"{row.name} needs one value per layer in {row.per_layer_list}: it has {len(values)}, "
-                f"the model has {layers} layers.")
+        return (
+            f"{row.name} needs one value per layer in {row.per_layer_list}: it has {len(values)}, "
+            f"the model has {layers} layers."
+        )
     return None

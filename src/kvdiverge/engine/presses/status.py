@@ -45,8 +45,12 @@ def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
 def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
     """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
     ratio = spec.get("compression_ratio")
-    return refusal(press_from_spec({"press": spec["press"], "params": spec.get("params") or {}}, ratio,
-                                   owner=f"press {spec['press']!r}"), model)
+    return refusal(
+        press_from_spec(
+            {"press": spec["press"], "params": spec.get("params") or {}}, ratio, owner=f"press {spec['press']!r}"
+        ),
+        model,
+    )
 
 
 def press_table() -> str:
@@ -57,13 +61,18 @@ def press_table() -> str:
         reason = spec_refusal(spec)
         if reason is None:
             needs = sorted(set(_spec_needs(spec)))
-            reason = (", ".join(needs) + " engine" if needs else
-                      "keeps every position (noise-floor control)" if getattr(PRESS_CLASSES[name],
-                                                                                 "keeps_every_position", False)
-                      else "prefill eviction")
+            reason = (
+                ", ".join(needs) + " engine"
+                if needs
+                else "keeps every position (noise-floor control)"
+                if getattr(PRESS_CLASSES[name], "keeps_every_position", False)
+                else "prefill eviction"
+            )
         if row.global_rng:
-            reason += ("; draws from torch's global random generator, which kvdiverge seeds per document prefill "
-                       "from (seed, model, document id)")
+            reason += (
+                "; draws from torch's global random generator, which kvdiverge seeds per document prefill "
+                "from (seed, model, document id)"
+            )
         if row.required and reason != next(iter(row.required.values())):
             reason += "; refused without " + ", ".join(f"`{p}`" for p in row.required)
         if row.note:

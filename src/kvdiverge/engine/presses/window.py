@@ -79,8 +79,10 @@ class SlidingWindowPress(BasePress):
         keys, values = extract_keys_and_values(cache, layer)
         if is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             if keys.shape[2] <= self.n_sink:
-                raise ValueError(f"SlidingWindowPress: a prompt of {keys.shape[2]} tokens has no more than "
-                                 f"n_sink={self.n_sink} positions")
+                raise ValueError(
+                    f"SlidingWindowPress: a prompt of {keys.shape[2]} tokens has no more than "
+                    f"n_sink={self.n_sink} positions"
+                )
             self.window[layer] = self.kept_tokens(keys.shape[2])
         elif layer not in self.window:
             return output  # entered after the prefill: nothing to hold
