@@ -10,10 +10,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from kvdiverge.engine.llm.llm_pair import model_eos_ids as eos_ids
 from kvdiverge.study.models import (
     ModelNotFoundError,
     context_length,
-    eos_ids,
     load_model,
     resolve,
 )
