@@ -49,8 +49,14 @@ nitpicky = True
 # transformers, kvpress, scipy, matplotlib, snakemake.
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|transformers|kvpress|polars|pl|numpy|np|scipy|matplotlib|pandas|snakemake|argparse)(\..*)?"),
-    (r"py:.*", r"(pathlib|typing|collections|dataclasses|concurrent|contextlib|logging|json|random|ast|datetime|os|io|re)(\..*)?"),
-    (r"py:(class|exc|obj|data)", r"(int|float|str|bool|bytes|dict|list|tuple|set|None|object|type|Exception|ValueError|TypeError|KeyError|RuntimeError|OSError|FileNotFoundError)"),
+    (
+        r"py:.*",
+        r"(pathlib|typing|collections|dataclasses|concurrent|contextlib|logging|json|random|ast|datetime|os|io|re)(\..*)?",
+    ),
+    (
+        r"py:(class|exc|obj|data)",
+        r"(int|float|str|bool|bytes|dict|list|tuple|set|None|object|type|Exception|ValueError|TypeError|KeyError|RuntimeError|OSError|FileNotFoundError)",
+    ),
 ]
 
 
