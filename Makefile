@@ -47,4 +47,4 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 clean-results:
-	rm -rf results results-* logs measure-out docs/_build docs/reference/api
+	rm -rf results results-* logs measure-out
