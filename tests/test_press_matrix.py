@@ -386,10 +386,10 @@ def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
         )
 
 
-def test_the_readme_press_table_is_the_registry():
+def test_the_docs_press_table_is_the_registry():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "presses.md").read_text(encoding="utf-8")
     start, end = "<!-- press-table:start -->\n", "\n<!-- press-table:end -->"
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start) : readme.index(end)]

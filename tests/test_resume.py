@@ -1,5 +1,5 @@
 """A run killed hard (SIGKILL) during generation resumes after `snakemake --unlock` and
-gives the same tables as an uninterrupted run (README, "an interrupted run resumes").
+gives the same tables as an uninterrupted run (docs/configs.md, "an interrupted run resumes").
 
 The interrupted run starts from a copy of the session's smoke run (fixture ``smoke_run``)
 with the shards and estimate of one run deleted, builds that estimate again, and is

@@ -317,7 +317,7 @@ class PolicyRuns:
     counts : dict of str to dict of str to int
         Per policy: ``documents``, ``batches``, and the forwards its kernel pairs counted
         (``prefill_forwards``; a decode-time pair's lane, replay and reference forwards and
-        row-steps too, :attr:`kvdiverge.engine.llm.decode_pair.DecodeTimePair.counts`).
+        row-steps too, ``DecodeTimePair.counts``).
     """
 
     trajectories: Any

@@ -1,4 +1,4 @@
-"""Exploratory and confirmatory analyses (``../shared/design/estimators.md`` §7–§8).
+"""Exploratory and confirmatory analyses (``docs/estimators.md`` §7–§8).
 
 Exploratory (exploratory split):
 
@@ -526,7 +526,7 @@ def confirmatory_analysis(
     With ``floor`` (the noise-floor policy, config ``runs.floor.policy``) present in
     ``docs``, the floor's own late − early difference is computed the same way, per
     model, and reported in rows with ``role = "floor"``: its p-value is not adjusted
-    and its decision is :data:`FLOOR_DECISION` (the plan's family holds the plan's
+    and its decision is ``FLOOR_DECISION`` (the plan's family holds the plan's
     policy only).
 
     Parameters

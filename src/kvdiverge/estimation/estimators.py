@@ -1,6 +1,6 @@
 """Estimators of divergence timing and cumulative disagreement.
 
-Implements ``../shared/design/estimators.md`` §3, §5 and §6 on the trajectory shard
+Implements ``docs/estimators.md`` §3, §5 and §6 on the trajectory shard
 table of ``docs/internals.md`` (one row per document and replicate), and the
 corpus-level pooling of §7:
 

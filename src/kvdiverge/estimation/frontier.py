@@ -521,7 +521,7 @@ def frontier_tables(
     Returns
     -------
     points : polars.DataFrame
-        :data:`POINT_SCHEMA`: one row per (model, point), sorted by model, curve rank, ratio
+        ``POINT_SCHEMA``: one row per (model, point), sorted by model, curve rank, ratio
         (budgets after the ratios). ``retention = 1 - compression_ratio`` (a budget's: the
         mean kept fraction ``kept_len / prompt_len`` over documents); ``bits_per_element``
         ``8 * kv_bytes_per_element`` and ``kv_bytes_per_token = retention *
@@ -534,7 +534,7 @@ def frontier_tables(
         interval of (point - floor) is above 0 (``floor_comparison``, its ``E_N`` for
         ``E_M``); ``above_floor`` both.
     areas : polars.DataFrame
-        :data:`AREA_SCHEMA`: one row per (model, curve). ``range_lo``, ``range_hi``: the
+        ``AREA_SCHEMA``: one row per (model, curve). ``range_lo``, ``range_hi``: the
         KV bytes per prompt token common to the ranked curves (:func:`common_range`);
         ``covers_range``: the curve is one of them; ``mean_*``: the mean of its ``E[M]``
         (``p_div``) over that range, interpolated linearly in bytes (:func:`range_mean`),

@@ -3,7 +3,7 @@
 One path for both doors: the workflow's scripts (``workflow/scripts/estimate.py``,
 ``pool.py``, ``gaps.py``) and :func:`kvdiverge.measure` call these functions, so the
 tables under ``results/estimates`` and ``results/analysis`` and those of a
-:class:`kvdiverge.measure.Measurement` cannot drift apart.
+:class:`kvdiverge.measurement.Measurement` cannot drift apart.
 
 - :func:`estimate` — per replicate and per document (estimators.md §3–§6).
 - :func:`pool` — pooled estimates, timing, survival, branch TV and variance tables (§7).
@@ -163,7 +163,7 @@ def gaps(
     polars.DataFrame
         :func:`kvdiverge.estimation.analysis.gap_decomposition` rows (4 per gap: ``delta``,
         ``first_mismatch``, ``exposure``, ``rate``; values in tokens), schema
-        :data:`kvdiverge.estimation.analysis.GAP_SCHEMA` when empty.
+        ``kvdiverge.estimation.analysis.GAP_SCHEMA`` when empty.
     """
     have = documents is not None and documents.height > 0
     if models is None:
@@ -290,7 +290,7 @@ def press_gap(
 
 def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str]) -> pl.DataFrame:
     """``gap(a, b)`` of every pair of ``presses``, ``a`` before ``b`` in their order, concatenated
-    (an empty :data:`kvdiverge.estimation.analysis.GAP_SCHEMA` table for fewer than two)."""
+    (an empty ``kvdiverge.estimation.analysis.GAP_SCHEMA`` table for fewer than two)."""
     frames = [gap(a, b) for a, b in itertools.combinations(presses, 2)]
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
 
@@ -307,7 +307,7 @@ def summary_table(
 
     With ``noise_floor`` (and ``gap(a, b)``, the gap of two presses: :func:`press_gap`), joins
     ``E_M_minus_floor`` and ``p_div_minus_floor`` (each with ``_lo``/``_hi``;
-    :func:`kvdiverge.estimation.analysis.floor_differences`), null on the floor's own row.
+    ``kvdiverge.estimation.analysis.floor_differences``), null on the floor's own row.
     """
     out = press_summary(pooled, documents, presses, trajectories)
     if noise_floor is None:

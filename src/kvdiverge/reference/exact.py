@@ -2,7 +2,7 @@
 
 Given a pure kernel-pair function ``fn(ref_history, evicted_history) -> (p, q)`` over a
 tiny vocabulary and a short horizon ``T``, :func:`enumerate_coupled` walks every
-outcome of the stepwise maximal coupling (``../shared/design/estimators.md`` §2) and
+outcome of the stepwise maximal coupling (``docs/estimators.md`` §2) and
 returns the exact values of every target the estimators of §5–§6 aim at:
 ``p_div``, ``f_t``, ``S_t``, ``E[L]``, ``E[L_win]``, ``E[L_tail]``, ``E[N]``,
 ``E[N_post]``, ``E[N_win]``, ``E[N_tail]``, ``E[M]``, ``rho`` and the branch-aligned TV

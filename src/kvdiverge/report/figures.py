@@ -436,13 +436,13 @@ FRONTIER_PANELS = (
 
 
 def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
-    """Draw one model's frontier on three axes (:data:`FRONTIER_PANELS`).
+    """Draw one model's frontier on three axes (``FRONTIER_PANELS``).
 
     Without quantized-cache points, each press is a line over retention ``1 -
     compression_ratio`` with its interval band, in rank order (legend: rank, press);
     fixed-budget points are open markers at their mean kept fraction, with error bars.
     With cache points, every curve is drawn against the KV bytes stored per prompt token
-    (log scale, :func:`_draw_byte_curves`): full-precision eviction and quantized curves
+    (log scale, ``_draw_byte_curves``): full-precision eviction and quantized curves
     together. The noise floor (the same metric of the permutation control on the same
     documents) is a grey band with a grey dashed line.
 
@@ -615,7 +615,7 @@ SPECULATIVE_PANELS = (
 
 
 def draw_speculative(axes, table: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:
-    """Draw one model's speculative reading on two axes (:data:`SPECULATIVE_PANELS`).
+    """Draw one model's speculative reading on two axes (``SPECULATIVE_PANELS``).
 
     One line per run over the block length ``k`` with its document-bootstrap band; on the
     first panel the i.i.d. formula ``(1 - alpha^{k+1}) / (1 - alpha)`` of the same run is a

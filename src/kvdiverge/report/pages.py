@@ -98,7 +98,7 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
     plan : mapping
         Config section ``confirmatory``.
     result : polars.DataFrame
-        First output of :func:`confirmatory_analysis`.
+        First output of :func:`~kvdiverge.estimation.analysis.confirmatory_analysis`.
 
     Returns
     -------
@@ -191,9 +191,9 @@ def summary_html(
     pooled : polars.DataFrame
         :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
     gaps : polars.DataFrame
-        :func:`gap_decomposition` rows.
+        :func:`~kvdiverge.estimation.analysis.gap_decomposition` rows.
     confirmatory : polars.DataFrame
-        :func:`confirmatory_analysis` result.
+        :func:`~kvdiverge.estimation.analysis.confirmatory_analysis` result.
     plan : mapping
         Config section ``confirmatory``.
     floor : polars.DataFrame, optional

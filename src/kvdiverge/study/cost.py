@@ -2,7 +2,7 @@
 
 Counts, per (model, policy, split) run of :func:`kvdiverge.study.config.runs`, the documents,
 the forward passes and the token-steps that the trajectory engine performs, so that the
-README's study estimate and the GPU benchmark's projection come from one place::
+study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come from one place::
 
     python -m kvdiverge.study.cost config/paper.yaml                 # table and totals
     python -m kvdiverge.study.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s

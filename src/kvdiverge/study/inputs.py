@@ -161,7 +161,7 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
         (``SnapKVPress``, ``SnapKVPress-2`` for a second one).
     check : bool
         Ask the registry whether kvdiverge measures each press (without the model);
-        :func:`measure` leaves it to :func:`kvdiverge.engine.runner.run_policies`, which
+        :func:`~kvdiverge.measurement.measure` leaves it to :func:`kvdiverge.engine.runner.run_policies`, which
         asks once, with the model.
 
     Returns
@@ -233,7 +233,7 @@ def check_lengths(
 ) -> None:
     """Fail before any generation when a prompt cannot run under a press.
 
-    The press minimums are :func:`kvdiverge.engine.runner.check_prompt_lengths`, which
+    The press minimums are ``kvdiverge.engine.runner.check_prompt_lengths``, which
     :func:`kvdiverge.engine.runner.run_policies` asks again after its refusal check; pass
     no ``sources`` to check the context alone.
 

@@ -85,7 +85,7 @@ def run_shard(
     Returns
     -------
     polars.DataFrame
-        The shard tables (:data:`TRAJECTORY_SCHEMA`), one row per (policy, document,
+        The shard tables (:data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`), one row per (policy, document,
         replicate), policies in the given order. Each file also records the settings it was
         made with, the library versions and the documents per batched forward ``B`` it ran
         with (:func:`kvdiverge.study.provenance.shard_metadata`, parquet key-value metadata).

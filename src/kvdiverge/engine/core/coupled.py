@@ -106,7 +106,7 @@ def run_document(
     -------
     list[dict]
         One record per replicate with the trajectory columns of
-        :data:`TRAJECTORY_SCHEMA` (without ``model``, ``policy``, ``split``,
+        :data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA` (without ``model``, ``policy``, ``split``,
         ``doc_id``, ``prompt_len``, ``kept_len``, ``seconds``).
     """
     return run_batch(pair, T, replicates, seed, model, [doc_id], progress=progress)
@@ -521,7 +521,7 @@ def run_batch(
     -------
     list[dict]
         One record per (document, replicate), document-major, with ``replicate`` and the
-        trajectory columns of :data:`TRAJECTORY_SCHEMA` (without ``model``, ``policy``,
+        trajectory columns of :data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA` (without ``model``, ``policy``,
         ``split``, ``doc_id``, ``prompt_len``, ``kept_len``, ``seconds``).
 
     Raises
@@ -559,7 +559,7 @@ def run_batch(
 
 
 def to_frame(records: Sequence[dict[str, Any]]) -> pl.DataFrame:
-    """Trajectory records as a polars table with :data:`TRAJECTORY_SCHEMA`."""
+    """Trajectory records as a polars table with :data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`."""
     return pl.DataFrame(list(records), schema=TRAJECTORY_SCHEMA)
 
 
@@ -585,7 +585,7 @@ def simulate(pair: KernelPair, T: int, replicates: int, seed: int, doc_id: str =
     Returns
     -------
     polars.DataFrame
-        ``replicates`` rows, :data:`TRAJECTORY_SCHEMA`.
+        ``replicates`` rows, :data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`.
     """
     start = time.perf_counter()
     records = run_document(pair, T, replicates, seed, "synthetic", doc_id)

@@ -78,7 +78,7 @@ class CompressionError(RuntimeError):
 class NonFiniteLogitsError(FloatingPointError):
     """A language model returned NaN or infinite logits.
 
-    Raised by :class:`LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
+    Raised by :class:`~kvdiverge.engine.llm.llm_pair.LLMKernelPair` with ``side`` and the pair's ``rows`` set; the engine
     (:func:`kvdiverge.engine.core.coupled.run_batch`) re-raises it with the model, document,
     replicate and step of the first bad row filled in, so the message names them all.
 

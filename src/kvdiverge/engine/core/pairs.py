@@ -112,7 +112,7 @@ class TableKernelPair:
 class PhaseTracker:
     """A kernel pair that remembers which of its calls runs: where an error came from.
 
-    Delegates everything to ``pair``; :attr:`phase` names the call in progress (or the
+    Delegates everything to ``pair``; ``phase`` names the call in progress (or the
     last one): ``"during the prefill"`` (``start``), ``"while decoding (forward k after
     the prefill)"`` (``advance``), ``"while rewinding rows to their branch start"``
     (``rewind``, which replays the evicted side's history for a decode-time press),

@@ -51,7 +51,7 @@ written in place, grouped attention). Its rounding then differs from the lanes' 
 float32 noise floor (about 1e-6 in TV per step), against TVs that eviction makes orders
 of magnitude larger.
 
-The extra work is counted in :attr:`DecodeTimePair.counts` (forwards and row-steps of
+The extra work is counted in ``DecodeTimePair.counts`` (forwards and row-steps of
 prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
 """
 
@@ -105,7 +105,7 @@ class _Lane:
     n : int
         Rows of the lane.
     counts : dict
-        The pair's counters (:attr:`DecodeTimePair.counts`), updated in place.
+        The pair's counters (``DecodeTimePair.counts``), updated in place.
     start : tuple or None
         ``(press, cache, logits)`` just after a one-row prefill of this document (its
         :attr:`snapshot`): the lane starts from copies of them instead of prefilling. The
@@ -273,7 +273,7 @@ class DecodeTimePair(LLMPairBase):
         Per document, the seed of torch's generator during its prefills.
     horizon, fast
         As :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents` (the
-        reference side's cache and attention; the lanes keep the stock ones, see :class:`_Lane`).
+        reference side's cache and attention; the lanes keep the stock ones, see ``_Lane``).
 
     Attributes
     ----------

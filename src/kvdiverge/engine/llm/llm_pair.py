@@ -65,9 +65,9 @@ class LLMKernelPair(LLMPairBase):
     the reference side on the model, transformers' ``DynamicCache`` and the model's attention
     (``joint=False`` keeps a forward per side on the fast kernels).
 
-    Logits are checked for NaN/±inf on every forward (:class:`NonFiniteLogitsError`).
+    Logits are checked for NaN/±inf on every forward (:class:`~kvdiverge.engine.core.errors.NonFiniteLogitsError`).
     The decoding transform runs on the model's device in float64 (float32 where the
-    device has no float64, :func:`coupling_dtype`); returned log-distributions stay there.
+    device has no float64, :func:`~kvdiverge.engine.core.coupling.coupling_dtype`); returned log-distributions stay there.
 
     Parameters
     ----------
@@ -80,7 +80,7 @@ class LLMKernelPair(LLMPairBase):
     temperature, top_p : float
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
     expected_kept : int, KeptPromise or None
-        What the press promises to keep (:func:`kvdiverge.engine.presses.promises.kept_promise`);
+        What the press promises to keep (:func:`kvdiverge.engine.presses.registry.kept_promise`);
         an int: that many prompt positions in every layer and head. Checked after
         prefill; ``None`` only checks that a compressing press evicted something.
     eos_ids : sequence of int or None

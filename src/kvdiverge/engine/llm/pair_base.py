@@ -59,8 +59,10 @@ def model_eos_ids(model) -> list[int]:
 class LLMPairBase:
     """One model, ``B`` documents, the decoding transform and the batched reference side.
 
-    Parameters (of :meth:`_setup`)
-    ------------------------------
+    The subclasses' constructors pass these to ``_setup``.
+
+    Parameters
+    ----------
     model : transformers.PreTrainedModel
         A causal LM in eval mode, with no press entered.
     prompts : sequence of sequence of int
@@ -75,7 +77,7 @@ class LLMPairBase:
         Per document, the seed of torch's generator during its prefill.
     horizon : int or None
         ``T``: each side's cache is allocated for ``prompt + 2T - 2`` columns; ``None``
-        allocates :data:`~kvdiverge.engine.llm.side.DEFAULT_SPARE` extra columns and grows.
+        allocates ``DEFAULT_SPARE`` extra columns and grows.
     fast : bool or None
         ``True``: caches with capacity and grouped decoding attention; ``False``: the
         stock ``DynamicCache`` and the model's attention (for comparison); ``None``:

@@ -3,7 +3,7 @@
 The engine decodes ``B`` documents x ``R`` replicates x 2 sides as the rows of one forward
 per step (:func:`kvdiverge.engine.runner.run_documents`, :class:`kvdiverge.engine.llm.side.JointSides`;
 every evicted row is as wide as its reference row). Its memory grows with the KV cache of
-those rows:
+those rows::
 
     kv_bytes_per_token = layers x kv_heads x head_dim x 2 (keys and values) x dtype_bytes
     bytes_per_document = R x 2 sides x (prompt_len + 2T - 2) x kv_bytes_per_token

@@ -46,13 +46,13 @@ its class (:func:`resolve`). The fields:
   alone or in a batch, and from run to run.
 - ``engine``: the engine parts the press uses besides plain prefill eviction
   (``"head-wise"``: masks keys per key-value head; ``"per-layer"``: layers keep different
-  counts; ``"channels"``: prunes key channels and keeps every position), for the README table.
+  counts; ``"channels"``: prunes key channels and keeps every position), for the press table.
 - ``config_attributes``: attributes of the model's config that the press reads (a model
   whose config lacks one is refused once the model is known).
 - ``per_layer_list``: a parameter holding one value per layer (checked against the model's
   ``num_hidden_layers`` once the model is known).
 - ``note``: one sentence on how kvdiverge measures the press, where that departs from the
-  plain prefill path (added to its README row).
+  plain prefill path (added to its press-table row).
 - ``test_params``: parameters of the press matrix's test instance (``tests/test_press_matrix.py``);
   nested presses are specs ``{"press": Name, **params}``. Required inner presses default to
   :data:`INNER_TEST_PRESS`.
@@ -410,7 +410,7 @@ def resolve(cls: type, rows: Mapping[str, PressAdapter] = ADAPTERS) -> PressAdap
     """The complete row of press class ``cls``: its row in ``rows`` (or an empty one), every field set.
 
     Inheritable fields left unset come from the nearest base class with a row; ``prefill``
-    from how the class is entered (:data:`_PLAIN_ENTRY`: ``"shared"``, else ``"two"``);
+    from how the class is entered (``_PLAIN_ENTRY``: ``"shared"``, else ``"two"``);
     ``test_params`` gain an inner test press for every press-valued parameter without a default.
     """
     row = rows.get(cls.__name__) or PressAdapter(cls.__name__)

@@ -67,7 +67,7 @@ class KeptPromise:
     at_least: bool = False
 
     def check(self, kept: torch.Tensor, config) -> None:
-        """Raise :class:`CompressionError` when ``kept`` (int64, (layers, kv_heads)) breaks the promise."""
+        """Raise :class:`~kvdiverge.engine.core.errors.CompressionError` when ``kept`` (int64, (layers, kv_heads)) breaks the promise."""
         want = tuple(int(c) for c in self.counts(config))
         layers, heads = kept.shape
         if self.scope == "model":

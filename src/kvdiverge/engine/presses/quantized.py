@@ -148,7 +148,7 @@ def _head_dim(config) -> int | None:
 def refusal(spec: QuantizedCacheSpec, model=None) -> str | None:
     """Why a quantized-cache policy cannot run (one sentence), or ``None`` when it can.
 
-    (A decode-time press inside is refused by :func:`kvdiverge.engine.llm.decode_pair.refusal`.)
+    (A decode-time press inside is refused by :func:`kvdiverge.engine.presses.registry.refusal`.)
 
     Parameters
     ----------

@@ -15,7 +15,7 @@ while generating), :func:`shares_prefill` and :func:`needs_attentions` (the pref
 (:mod:`kvdiverge.engine.presses.policies`) refuse before any work: at config validation, in
 ``kvdiverge.measure``'s argument checks and while the command line is parsed.
 :mod:`kvdiverge.engine.presses.status` builds each row's test instance, says its status and
-renders the README's press table from these rows.
+renders the press table of ``docs/presses.md`` from these rows.
 """
 
 from __future__ import annotations

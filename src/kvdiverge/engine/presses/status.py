@@ -1,8 +1,9 @@
-"""Each press's status from its registry row: its test instance, measured or refused, the README table.
+"""Each press's status from its registry row: its test instance, measured or refused, the press table
+of ``docs/presses.md``.
 
 Built on :mod:`kvdiverge.engine.presses.registry` (the rows) and
 :mod:`kvdiverge.engine.presses.policies` (building a press from a spec), which the registry itself
-does not import. ``python -m kvdiverge.engine.presses.status`` prints the README's press table.
+does not import. ``python -m kvdiverge.engine.presses.status`` prints that press table.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _spec_needs(spec: Mapping[str, Any]) -> list[str]:
 
 
 def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
-    """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`refusal` of its press)."""
+    """The refusal of a policy entry ``{"press", "params", "compression_ratio"}`` (:func:`~kvdiverge.engine.presses.registry.refusal` of its press)."""
     ratio = spec.get("compression_ratio")
     return refusal(
         press_from_spec(
@@ -54,7 +55,7 @@ def spec_refusal(spec: Mapping[str, Any], model=None) -> str | None:
 
 
 def press_table() -> str:
-    """The README's press table (markdown): every press, its status, what it needs or why it is refused."""
+    """The press table of ``docs/presses.md`` (markdown): every press, its status, what it needs or why it is refused."""
     lines = ["| press | status | needs / reason |", "|---|---|---|"]
     for name in sorted(ROWS):
         row, spec = ROWS[name], test_spec(name)
