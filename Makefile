@@ -46,18 +46,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $@
 
-# constraints.txt: pip-compile resolves pyproject.toml's dependencies and both extras, keeping the
+# constraints.txt: pip-compile resolves pyproject.toml's dependencies and every extra, keeping the
 # versions the file already pins where they still fit (pip-compile --upgrade moves them all). torch
 # resolves to the CPU build where the index offers one (no nvidia-* packages in the lock); its
 # local label (+cpu) is dropped so that the same pin admits the CUDA build of that version.
 lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || ($(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install --quiet pip-tools==7.6.2)
-	$(LOCK_VENV)/bin/pip-compile --quiet --no-header --allow-unsafe --strip-extras --extra test --extra slurm \
+	$(LOCK_VENV)/bin/pip-compile --quiet --no-header --allow-unsafe --strip-extras --all-extras \
 		--no-emit-index-url --no-emit-find-links --output-file constraints.txt pyproject.toml
 	sed -i -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' constraints.txt
 	printf '%s\n' \
-		"# The lock: the exact version of every package kvdiverge installs (its dependencies and the" \
-		"# test and slurm extras, transitive ones included), made by pip-compile from pyproject.toml." \
+		"# The lock: the exact version of every package kvdiverge installs (its dependencies and all its" \
+		"# extras, transitive ones included), made by pip-compile from pyproject.toml." \
 		"# Regenerate with: make lock.  Use with every install after torch:" \
 		"#   pip install -c constraints.txt -e \".[test,slurm]\"" \
 		"# torch comes first and alone (see the Makefile): installing anything that depends on torch" \
