@@ -69,7 +69,7 @@ def test_the_post_deploy_script_installs_the_project_from_the_snakefiles_checkou
     directory, exported by the Snakefile) and refuses, with a sentence, to run without it."""
     script = (ROOT / "environment.post-deploy.sh").read_text()
     assert 'pip install --no-deps -e "$source_dir"' in script
-    assert 'os.environ["KVDIVERGE_SOURCE"] = workflow.basedir' in (ROOT / "Snakefile").read_text()
+    assert "os.environ.update(KVDIVERGE_SOURCE=workflow.basedir)" in (ROOT / "Snakefile").read_text()
     copy = tmp_path / "abc_.post-deploy.sh"
     copy.write_text(script)
     for value in (None, str(tmp_path)):
