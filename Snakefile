@@ -6,9 +6,15 @@
 #
 # Stages (workflow/rules): corpus -> prompts -> generate -> estimate -> analyse -> report.
 
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
+
+# With --use-conda, environment.post-deploy.sh installs the project into the rules' environment
+# from this checkout, by its absolute path (Snakemake runs a copy of the script elsewhere).
+os.environ.update(KVDIVERGE_SOURCE=workflow.basedir)
 
 
 # The embedded default config is read only when no --configfile is given: a config file

@@ -1,7 +1,7 @@
 """Bad input at every door: one sentence naming the key or argument, the value and what is allowed.
 
-The command line exits 2 with one line on stderr for every error (``--debug`` shows the
-traceback), and refuses what the input alone decides before any model is loaded; the API
+The command line exits 2 (a usage error) with one line on stderr for bad input and 1 for a
+failure at run time (``--debug`` shows the traceback), and refuses what the input alone decides before any model is loaded; the API
 (:func:`kvdiverge.measure`) refuses the same values with the same sentences.
 """
 
@@ -70,7 +70,7 @@ def test_the_command_line_refuses_a_setting_before_loading_the_model(extra, mess
     assert error_line(capsys).startswith(message)
 
 
-def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypatch, capsys):
+def test_a_failure_at_run_time_is_one_line_exit_1_and_debug_shows_the_traceback(prompts, monkeypatch, capsys):
     from kvdiverge.study import inputs
 
     def broken(*args, **kwargs):
@@ -78,7 +78,7 @@ def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypa
 
     monkeypatch.setattr(inputs, "prepare_presses", broken)
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
-    assert run(argv) == 2
+    assert run(argv) == 1  # not a usage error: the input did not decide it
     assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
     with pytest.raises(RuntimeError, match="something inside broke"):
         cli.main(argv + ["--debug"])

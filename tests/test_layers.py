@@ -70,7 +70,7 @@ def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
     broken = {line.removesuffix(" BROKEN") for line in res.stdout.splitlines() if line.endswith(" BROKEN")}
     assert broken == {
         "No import cycles between modules or subpackages",
-        "The engine's parts: runner > LLM cache machinery > presses > coupling core",
+        "The engine's parts: runner > llm > presses > core > hf (transformers)",
         "Estimation runs without torch, the model libraries or the engine",
     }, res.stdout[-3000:]
     assert "kvdiverge.estimation.tables -> torch" in res.stdout

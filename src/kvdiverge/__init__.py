@@ -12,10 +12,16 @@ confirmatory -> figures, summary.
 The front door for one model and a few presses: :func:`kvdiverge.measure`
 (:mod:`kvdiverge.measurement`; the command ``kvdiverge measure``, :mod:`kvdiverge.cli`).
 It is imported on first use, so ``import kvdiverge`` stays light (no torch).
+``kvdiverge.__version__`` is the installed distribution's version (:mod:`importlib.metadata`).
 """
 
-__version__ = "0.1.0"
-__all__ = ["Measurement", "measure"]
+from importlib.metadata import PackageNotFoundError, version
+
+try:  # the one version literal is pyproject.toml's, read from the installed metadata
+    __version__ = version("kvdiverge")
+except PackageNotFoundError:  # sources on the path without an install (PYTHONPATH=src)
+    __version__ = "0+unknown"
+__all__ = ["Measurement", "__version__", "measure"]
 
 
 def __getattr__(name):

@@ -4,13 +4,15 @@ Argument parsing, loading the model, a progress bar, the printed summary and the
 under ``--out``; the arguments are checked and the prompts read by :mod:`kvdiverge.study.inputs`,
 everything else is :mod:`kvdiverge.measurement` and the workflow's own engine and tables.
 Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
-``python -m kvdiverge.cli measure ...``.
+``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
 
-Bad input (an unknown press or parameter, a value a setting does not allow, a missing file
-or field, a model or device that cannot be found, a prompt shorter than a press needs)
-prints one line on stderr, ``kvdiverge measure: error: ...``, and exits with code 2, before
-the model is loaded where the input alone decides; so does any other failure, named by its
-exception type. ``--debug`` shows the traceback instead.
+Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`): 0 on success; 2 for a
+usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
+value a setting does not allow, a missing file or field, a model or device that cannot be
+found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge measure: error:
+...``, before the model is loaded where the input alone decides; 1 for a failure at run time
+(anything else, named by its exception type, e.g. running out of memory). ``--debug`` shows
+the traceback instead of the line.
 
 Example::
 
@@ -35,6 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from kvdiverge import __version__
 from kvdiverge.study.inputs import (
     OPTIONS,
     SOTU_INSTRUCTION,
@@ -49,6 +52,9 @@ from kvdiverge.study.inputs import (
 )
 
 __all__ = [
+    "EXIT_FAILURE",
+    "EXIT_OK",
+    "EXIT_USAGE",
     "OPTIONS",
     "SOTU_INSTRUCTION",
     "UsageError",
@@ -61,6 +67,19 @@ __all__ = [
 
 PROG = "kvdiverge measure"
 
+#: Exit status: success.
+EXIT_OK = 0
+#: Exit status: a failure at run time (not decided by the input).
+EXIT_FAILURE = 1
+#: Exit status: a usage error, bad arguments or bad input (argparse's convention).
+EXIT_USAGE = 2
+
+EXIT_STATUS = (
+    "exit status: 0 on success; 2 for a usage error (bad arguments or input: an unknown press, "
+    "a value a setting does not allow, a missing file, a model that cannot be found), one line "
+    "on stderr; 1 for a failure at run time (e.g. out of memory), named by its exception type"
+)
+
 #: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
 #: (:mod:`kvdiverge.study.inputs`) raise it too.
 UsageError = InputError
@@ -70,11 +89,16 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    root = _Parser(prog="kvdiverge", description="kvdiverge command line.")
+    root = _Parser(
+        prog="kvdiverge",
+        description="kvdiverge command line: measure how KV-cache compression changes what a model generates.",
+        epilog=EXIT_STATUS,
+    )
+    root.add_argument("--version", action="version", version=f"kvdiverge {__version__}")
     sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "measure",
@@ -84,8 +108,15 @@ def _parser() -> argparse.ArgumentParser:
         "occurrence p_div and timing of first divergence from full-cache generation, and "
         "the mismatch fraction E[M] = p_div/T + (E[L]/T)*rho, with bootstrap intervals.",
         epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
-        "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
+        "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out. " + EXIT_STATUS + ".",
     )
+    _add_inputs(p)
+    _add_settings(p)
+    return root
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    """``kvdiverge measure``'s model, presses, caches and prompts."""
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
     p.add_argument(
         "--press",
@@ -134,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"text appended to each prompt after a blank line (default for --sotu: {SOTU_INSTRUCTION!r})",
     )
     p.add_argument("--system", help="system message")
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    """``kvdiverge measure``'s generation, estimation, device and output settings."""
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
     p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7")
@@ -173,7 +208,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
-    return root
 
 
 def _say(quiet: bool, message: str) -> None:
@@ -247,7 +281,7 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def _bad_input(exc: BaseException) -> bool:
-    """True for errors that report bad input (one line, exit code 2) rather than a bug."""
+    """True for errors that report bad input (a usage error, exit code 2) rather than a failure at run time."""
     from kvdiverge.engine.core.errors import CompressionError
     from kvdiverge.study.models import ModelNotFoundError
 
@@ -256,7 +290,12 @@ def _bad_input(exc: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 on any error: one line on stderr).
+    """Run the command line; returns the exit code.
+
+    0 on success, 2 (:data:`EXIT_USAGE`) for bad arguments or input, 1 (:data:`EXIT_FAILURE`)
+    for a failure at run time; an error is one line on stderr (the traceback with ``--debug``).
+    argparse's own errors (an unknown option, ``--help``, ``--version``) raise ``SystemExit``
+    with code 2 (0 for ``--help`` and ``--version``).
 
     Parameters
     ----------
@@ -270,10 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "debug", False):
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
-        if not _bad_input(exc):  # a failure the input did not decide: named by its type
-            first = f"{type(exc).__name__}: {first} (rerun with --debug for the traceback)"
-        print(f"{PROG}: error: {first}", file=sys.stderr)
-        return 2
+        if _bad_input(exc):
+            print(f"{PROG}: error: {first}", file=sys.stderr)
+            return EXIT_USAGE
+        # a failure the input did not decide: named by its type
+        print(f"{PROG}: error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -27,14 +27,14 @@ from snakemake.utils import validate
 try:
     for _configfile in workflow.configfiles:
         kvdiverge.study.config.read_yaml(_configfile)
-    _checked = kvdiverge.study.config.validate(config, workflow.source_path("../schemas/config.schema.yaml"))
+    _checked = kvdiverge.study.config.validate(config)
 except kvdiverge.study.config.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 # A `frontier` section becomes ordinary policies (<press>@<ratio>) scheduled on its split
 # before any rule sees the config (kvdiverge.study.config.expand_frontier).
 if config.get("frontier"):
     config["policies"], config["runs"] = _checked["policies"], _checked["runs"]
-validate(config, "../schemas/config.schema.yaml")
+validate(config, str(kvdiverge.study.config.SCHEMA_PATH))  # the package's schema
 
 SPLITS = ("exploratory", "confirmatory")
 # The frontier's points (kvdiverge.study.config.frontier_points), its split, and the

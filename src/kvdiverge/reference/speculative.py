@@ -32,7 +32,7 @@ __all__ = ["first_block_accepted"]
 
 def _prefill(model, ids: torch.Tensor, press=None):
     """One prompt's cache and its last-position logits (1, V); ``press`` entered around the forward."""
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     cache = DynamicCache()
     if press is None:

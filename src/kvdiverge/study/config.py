@@ -1,8 +1,9 @@
 """Workflow config: load, validate against the JSON schema, check cross-references.
 
-The schema is ``workflow/schemas/config.schema.yaml``; Snakemake validates with it
-through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this module
-validates with the same file for use outside Snakemake (tests, notebooks)::
+The schema is package data, ``kvdiverge/schemas/config.schema.yaml`` (:data:`SCHEMA_PATH`,
+found with :mod:`importlib.resources`, so it is there in a wheel as in a checkout); Snakemake
+validates with it through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this
+module validates with the same file for use outside Snakemake (tests, notebooks)::
 
     from kvdiverge.study.config import load_config, runs
     config = load_config("config/config.yaml")   # defaults filled in
@@ -26,6 +27,7 @@ import functools
 import math
 import os
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -33,8 +35,9 @@ import yaml
 
 SPLITS = ("exploratory", "confirmatory")
 
-#: The schema shipped with the workflow (repository checkout / editable install).
-SCHEMA_PATH = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+#: The config schema, package data of :mod:`kvdiverge` (a file in every install: checkout, editable
+#: or wheel); the workflow validates with the same file.
+SCHEMA_PATH = Path(str(resources.files("kvdiverge") / "schemas" / "config.schema.yaml"))
 
 
 class ConfigError(ValueError):
@@ -50,11 +53,11 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
     Raises
     ------
     FileNotFoundError
-        If there is no schema at ``path`` (default: the workflow's, in the checkout).
+        If there is no schema at ``path`` (default: :data:`SCHEMA_PATH`, the package's).
     """
     path = Path(path) if path is not None else SCHEMA_PATH
     if not path.is_file():
-        raise FileNotFoundError(f"config schema not found at {path}; run from a kvdiverge checkout or pass schema_path")
+        raise FileNotFoundError(f"config schema not found at {path}; pass the path of a config schema file")
     return copy.deepcopy(_parsed_schema(str(path.resolve()), path.stat().st_mtime_ns))
 
 
@@ -608,7 +611,7 @@ def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_
         try:
             takes = _takes_ratio(entry)
         except ValueError:
-            takes = None  # an unknown press: the schema below names it
+            takes = None  # an unknown press: the registry names it below (policy_problems)
         if takes is False:
             return [
                 f"{key}: {entry['press']} takes no compression_ratio (nor does a press "

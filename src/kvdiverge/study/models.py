@@ -123,24 +123,17 @@ def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence transformers' progress bars and its GGUF de-quantisation bar."""
-    import transformers
     from transformers.utils import logging as tlog
 
+    from kvdiverge.engine.hf import gguf_reader
+
     tlog.disable_progress_bar()
-    gguf_mod = getattr(transformers, "modeling_gguf_pytorch_utils", None)
-    if gguf_mod is None:
-        try:
-            import transformers.modeling_gguf_pytorch_utils as gguf_mod  # type: ignore[no-redef]
-        except ImportError:  # pragma: no cover - transformers without gguf support
-            gguf_mod = None
-    original = getattr(gguf_mod, "tqdm", None)
-    if original is not None:
-        gguf_mod.tqdm = lambda it, *a, **k: it
+    original = gguf_reader.tqdm
+    gguf_reader.tqdm = lambda it, *a, **k: it
     try:
         yield
     finally:
-        if original is not None:
-            gguf_mod.tqdm = original
+        gguf_reader.tqdm = original
 
 
 def _not_found(exc: Exception, where: str, spec: dict[str, Any], name: str | None) -> ModelNotFoundError:

@@ -1,7 +1,7 @@
 """The measurement settings, checked once for every door: config, ``kvdiverge.measure``, command line.
 
 Each setting a measurement takes is a key of the workflow config, whose JSON schema
-(``workflow/schemas/config.schema.yaml``) states what it allows; :func:`setting_problems`
+(``kvdiverge/schemas/config.schema.yaml``, package data) states what it allows; :func:`setting_problems`
 checks the API's arguments and the command line's options against that same schema entry,
 so the three doors refuse the same values with the same sentence, naming the argument as
 that door spells it::

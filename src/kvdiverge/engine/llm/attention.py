@@ -64,7 +64,7 @@ def grouped_sdpa(
         The attention output, (B, L, heads, Dv), and no weights. With ``L > 1`` this is
         ``sdpa_attention_forward``'s result.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from kvdiverge.engine.hf import sdpa_attention_forward
 
     B, heads, L, D = query.shape
     kv_heads = key.shape[1]
@@ -82,8 +82,8 @@ def grouped_sdpa(
 def _register() -> None:
     import kvpress  # noqa: F401  (patches the attention functions registered so far; ours is patched here)
     from kvpress.attention_patch import attention_patch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from kvdiverge.engine.hf import AttentionInterface, AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(GROUPED_SDPA, attention_patch(grouped_sdpa))
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)

@@ -17,7 +17,8 @@ copies any cache's layers into such layers.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvdiverge.engine.hf import Cache, CacheLayerMixin
 
 __all__ = ["CapacityLayer", "capacity_cache", "stack_documents"]
 

@@ -157,7 +157,7 @@ class _Lane:
 
         With ``capture`` the full cache is copied from the same forward (:attr:`full`).
         """
-        from transformers import DynamicCache
+        from kvdiverge.engine.hf import DynamicCache
 
         twin = evicted_twin(model)
         with full_cache_hooks(attention_modules(twin) if capture else [], ids.numel(), copy=capture) as full:
@@ -348,7 +348,7 @@ class DecodeTimePair(LLMPairBase):
         return cls(model, prompts, presses, expected_kept, **kwargs)
 
     def _reference_prefill(self, ids: torch.Tensor):
-        from transformers import DynamicCache
+        from kvdiverge.engine.hf import DynamicCache
 
         self.counts["reference_prefills"] += 1
         cache = DynamicCache()

@@ -67,7 +67,7 @@ def check_patched(model) -> None:
     the functions registered in ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``sdpa``,
     ``flash_attention_2``, ...), not to the built-in ``eager`` path.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from kvdiverge.engine.hf import ALL_ATTENTION_FUNCTIONS
 
     name = model.config._attn_implementation
     fn = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS else None

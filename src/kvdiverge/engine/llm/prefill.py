@@ -133,7 +133,8 @@ def attention_weights(module, hidden_states: torch.Tensor, keys: torch.Tensor, k
         (1, heads, n, n), the dtype of the queries; rows sum to 1.
     """
     from kvpress.utils import get_prerope_query_states
-    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+
+    from kvdiverge.engine.hf import repeat_kv, rotate_half
 
     query = get_prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
@@ -213,7 +214,7 @@ def full_cache_hooks(modules, n_tokens: int, *, copy: bool = True, attentions: b
     n_tokens : int
         Prompt length (tokens), for :attr:`FullCache.complete`.
     """
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     full = FullCache(DynamicCache() if copy else None, [], [], len(modules), int(n_tokens))
     full.hooks = [m.register_forward_hook(_hook(full.cache, full.seen, attentions), with_kwargs=True) for m in modules]
@@ -228,7 +229,7 @@ def _forward(model, ids: torch.Tensor, cache):
 
 
 def _copy(cache):
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     out = DynamicCache()
     for li, layer in enumerate(cache.layers):
@@ -254,7 +255,7 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
     -------
     Prefill
     """
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     ids = ids.unsqueeze(0)
     n, modules = int(ids.shape[1]), attention_modules(twin)
@@ -378,7 +379,7 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     ValueError
         If a press does not share its prefill.
     """
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     refused = [type(p).__name__ for p in presses if not shares_prefill(p)]
     if refused:

@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache
 
+from kvdiverge.engine.hf import Cache
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache, stack_documents
 from kvdiverge.engine.llm.masks import HeadMasks

@@ -172,7 +172,7 @@ def refusal(spec: QuantizedCacheSpec, model=None) -> str | None:
 
 
 def _layer_class(spec: QuantizedCacheSpec):
-    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+    from kvdiverge.engine.hf import HQQQuantizedLayer, QuantoQuantizedLayer
 
     if spec.backend == "quanto":
         return QuantoQuantizedLayer
@@ -219,7 +219,7 @@ def quantize_cache_layers(cache, spec: QuantizedCacheSpec) -> int:
         If a layer is neither a plain ``DynamicLayer`` nor a ``QuantizedLayer`` (a sliding-window
         or static layer): the quantized cache is defined for full dynamic layers only.
     """
-    from transformers.cache_utils import DynamicLayer, QuantizedLayer
+    from kvdiverge.engine.hf import DynamicLayer, QuantizedLayer
 
     cls = _layer_class(spec)
     done = 0
