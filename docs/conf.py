@@ -6,6 +6,7 @@ cross-reference must resolve (``nitpicky``); the few ignored targets below are t
 names that no intersphinx inventory is fetched for (the build runs offline).
 """
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -49,8 +50,17 @@ nitpicky = True
 # runs offline), so references to them cannot resolve; every kvdiverge reference must.
 nitpick_ignore_regex = [
     (r"py:.*", r"(numpy|torch|transformers|kvpress|polars|scipy|matplotlib|seaborn|snakemake)(\..*)?"),
-    (r"py:.*", r"(ast|collections\.abc|datetime)(\..*)?"),  # the standard library
+    (r"py:.*", r"(ast|collections\.abc|datetime|importlib(\..*)?)(\..*)?"),  # the standard library
 ]
+
+
+def _skip_foreign(app, what, name, obj, skip, options):
+    """Leave out members defined outside kvdiverge (``engine.hf`` lists transformers' own in ``__all__``)."""
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        return None
+    if not str(getattr(obj, "__module__", "")).startswith("kvdiverge"):
+        return True
+    return None
 
 
 def setup(app):
@@ -62,3 +72,4 @@ def setup(app):
     from sphinx.ext.autodoc import _directive_options
 
     _directive_options._AutoDocumenterOptions.no_value = True
+    app.connect("autodoc-skip-member", _skip_foreign)

