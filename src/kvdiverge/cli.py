@@ -10,7 +10,9 @@ Bad input (an unknown press or parameter, a value a setting does not allow, a mi
 or field, a model or device that cannot be found, a prompt shorter than a press needs)
 prints one line on stderr, ``kvdiverge measure: error: ...``, and exits with code 2, before
 the model is loaded where the input alone decides; so does any other failure, named by its
-exception type. ``--debug`` shows the traceback instead.
+exception type. ``--debug`` shows the traceback instead. ``--out`` (or, for ``--ratios``
+without it, the working directory) is checked before anything else, and locked while the
+run writes it: a second run on the same ``--out`` is refused (:mod:`kvdiverge.study.outputs`).
 
 Example::
 
@@ -263,9 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv : sequence of str, optional
         Arguments after the program name (default ``sys.argv[1:]``).
     """
+    from kvdiverge.study.outputs import output_guard
+
     args = _parser().parse_args(argv)
     try:
-        return _measure(args)
+        with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
+            return _measure(args)
     except Exception as exc:
         if getattr(args, "debug", False):
             raise
