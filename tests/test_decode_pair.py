@@ -486,3 +486,31 @@ def test_sampled_chain_tv_equals_kvpress_pipeline(model, prompts, name):
             assert abs(r["tv"][t] - expected) < 1e-5, (g, t, r["tv"][t], expected)
             steps += expected > 1e-3  # compressed steps, not only the prompt-wide prefill eviction
     assert steps >= 8 and len({tuple(r["chain_token"]) for r in out}) == 4  # sampled, distinct chains
+
+
+@pytest.mark.miniature
+def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
+    """The decoding kernels (caches written in place, grouped attention) are the reference side's
+    alone: after the same history the evicted side's ``q`` is the same, bit for bit, with the stock
+    kernels (:func:`stock_kernels`); only ``p`` moves, by float32 rounding."""
+    from kvdiverge.engine.llm.pair_base import stock_kernels
+
+    docs = prompts[:2]
+
+    def records(fast):
+        pair = Recorder(
+            DecodeTimePair(
+                model, docs, [PRESSES["prefill-decoding"]() for _ in docs], [None] * 2, temperature=1.0, fast=fast
+            )
+        )
+        return pair, run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
+
+    (fast, out_fast), (stock, out_stock) = records(True), records(False)
+    with stock_kernels():
+        assert not DecodeTimePair(model, docs[:1], [None], [None], temperature=1.0).fast
+    shared = fast.seen.keys() & stock.seen.keys()
+    assert len(shared) >= 4 * T  # every chain prefix at least
+    assert all(torch.equal(fast.seen[k], stock.seen[k]) for k in shared)
+    assert [r["chain_token"] for r in out_fast] == [r["chain_token"] for r in out_stock]
+    gap = max(abs(a - b) for r, s in zip(out_fast, out_stock) for a, b in zip(r["tv"], s["tv"]))
+    assert 0 < gap < 1e-5  # the reference side's rounding
