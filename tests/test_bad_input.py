@@ -248,3 +248,82 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
         assert str(info.value) == (
             f"policy {name!r} ({type(press).__name__}): the press failed {phase} with RuntimeError: boom in score"
         )
+
+
+# --------------------------------------------------------------------------- where the outputs go
+
+
+def test_a_bad_out_is_refused_before_loading_the_model(tmp_path, prompts, no_model, capsys):
+    (tmp_path / "some_file").write_text("not a directory")
+    argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
+    cases = {
+        str(tmp_path / "some_file" / "out"): f"{str(tmp_path / 'some_file')!r} is a file, not a directory, so no "
+        f"directory can be made under it",
+        str(tmp_path / "some_file"): f"{str(tmp_path / 'some_file')!r} is a file, not a directory",
+        "/proc/kvdiverge-out": "the directory '/proc' is not writable, so '/proc/kvdiverge-out' cannot be made in it",
+    }
+    for out, message in cases.items():
+        assert run([*argv, "--out", out]) == 2
+        assert error_line(capsys) == f"--out {out!r}: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt", "some_file"]  # nothing made on the way
+
+
+def test_a_frontier_without_out_checks_the_working_directory(prompts, no_model, capsys, monkeypatch):
+    monkeypatch.chdir("/proc")
+    argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", "--ratios", "0.5"]
+    assert run(argv) == 2
+    assert error_line(capsys) == "the working directory '.': the directory '.' is not writable"
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path, prompts, no_model, capsys):
+    from kvdiverge.study.outputs import LOCK_NAME, OutputError, output_guard
+
+    out = tmp_path / "runs" / "out"
+    argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", "--out", str(out)]
+    with output_guard(out) as held:  # a first run writing ``out``
+        assert held == out and (out / LOCK_NAME).is_file()
+        assert run(argv) == 2
+        assert error_line(capsys) == (
+            f"--out {str(out)!r} is being written by another kvdiverge run (it holds "
+            f"{str(out / LOCK_NAME)!r}); wait for that run to finish or give another --out"
+        )
+        with pytest.raises(OutputError, match="is being written by another kvdiverge run"):
+            with output_guard(out):
+                pass
+    with output_guard(out):  # the lock is free again once the first run is done
+        pass
+    assert (out / LOCK_NAME).is_file()  # the lock file stays: a run that finished made the directory
+    # a run that fails leaves no directory it made behind
+    with pytest.raises(RuntimeError):
+        with output_guard(tmp_path / "fresh"):
+            raise RuntimeError("interrupted")
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_an_empty_model_directory_says_it_holds_no_model(tmp_path, prompts, capsys):
+    empty = tmp_path / "model"
+    empty.mkdir()
+    assert run(["measure", str(empty), "--prompts", str(prompts), "--press", "KnormPress"]) == 2
+    assert error_line(capsys) == (
+        f"model directory {str(empty)!r} holds no model: looked for config.json (a Hugging Face model "
+        f"directory: config.json, weights *.safetensors or pytorch_model.bin, tokenizer files) and *.gguf "
+        f"files; it holds 0 files and none of these."
+    )
+    (empty / "m.gguf").write_bytes(b"GGUF")
+    assert run(["measure", str(empty), "--prompts", str(prompts), "--press", "KnormPress"]) == 2
+    assert error_line(capsys).endswith("*.gguf files; it holds GGUF files (m.gguf): give one of them as the model.")
+
+
+@pytest.mark.parametrize("prompts", [None, 3, b"bytes"])
+def test_the_api_says_what_prompts_accepts(tiny, prompts):
+    import kvpress
+
+    import kvdiverge
+
+    model, _ = tiny
+    with pytest.raises(TypeError) as info:
+        kvdiverge.measure(model, None, prompts, {"snap": kvpress.SnapKVPress(compression_ratio=0.5)}, progress=False)
+    assert str(info.value) == (
+        "prompts must be a string, a sequence of strings or of token-id sequences, or a mapping of prompt id "
+        f"to one of them, got {type(prompts).__name__}"
+    )

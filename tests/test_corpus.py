@@ -331,3 +331,75 @@ def test_the_corpus_stage_log_reports_skipped_rows(tmp_path):
     log = (results / "logs" / "corpus.log").read_text()
     assert "skipped 4 of 6 rows" in log
     assert pl.read_parquet(results / "corpus/documents.parquet").height == 2
+
+
+# ---------------------------------------------------------------- duplicates and empty rows
+
+
+def _odd_corpus(tmp_path, rows):
+    path = tmp_path / "odd.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {
+        "source": "datasets",
+        "dataset": {"path": "json", "data_files": str(path)},
+        "text_field": "body",
+        "id_field": "uid",
+        "group_field": "outlet",
+        "min_words": 30,
+        "max_words": 60,
+        "documents": {"exploratory": 1, "confirmatory": 1},
+        "split_seed": 0,
+    }
+
+
+def _groups_in_both_splits(n=2):
+    """Group names whose splits differ (split seed 0): the first exploratory, the second confirmatory."""
+    expl = next(f"g{i}" for i in range(100) if C.split_of(f"g{i}", 0) == "exploratory")
+    conf = next(f"g{i}" for i in range(100) if C.split_of(f"g{i}", 0) == "confirmatory")
+    return expl, conf
+
+
+def test_duplicates_empty_and_out_of_range_rows_are_dropped_with_their_reason(tmp_path):
+    expl, conf = _groups_in_both_splits()
+    text = _paragraph(1, 40)
+    rows = [
+        {"uid": "a", "body": text, "outlet": expl},
+        # the same text in a group of the other split: spaced and cased otherwise
+        {"uid": "b", "body": "  " + text.upper().replace(" ", "\n "), "outlet": conf},
+        {"uid": "c", "body": _paragraph(2, 40), "outlet": conf},
+        {"uid": "d", "body": _paragraph(3, 40), "outlet": expl},
+        {"uid": "e", "body": "", "outlet": conf},
+        {"uid": "f", "body": " \n\t ", "outlet": expl},
+        {"uid": "g", "body": _paragraph(4, 80), "outlet": conf},  # one paragraph above max_words
+    ]
+    table = C.build_corpus(_odd_corpus(tmp_path, rows), exclusions=True)
+    kept = table.filter(pl.col("exclusion_reason").is_null())
+    dropped = dict(
+        table.filter(pl.col("exclusion_reason").is_not_null()).select("doc_id", "exclusion_reason").iter_rows()
+    )
+    assert dropped == {
+        "b:p0-0": "duplicate of a:p0-0",
+        "e": "empty document",
+        "f": "whitespace-only document",
+        "g": "no excerpt of whole paragraphs within 30-60 words (80 words in 1 paragraphs, the longest 80)",
+    }
+    splits = dict(table.select("doc_id", "split").iter_rows())
+    assert splits["b:p0-0"] == "confirmatory" and splits["e"] == "confirmatory" and splits["f"] == "exploratory"
+    normal = kept.with_columns(pl.col("text").map_elements(C.normalised_text, return_dtype=pl.String))
+    assert normal.group_by("text").agg(pl.col("split").n_unique())["split"].max() == 1  # no text in both splits
+    assert set(kept["doc_id"]) <= {"a:p0-0", "c:p0-0", "d:p0-0"} and kept.height == 2
+    assert C.build_corpus(_odd_corpus(tmp_path, rows)).columns == list(C.SCHEMA)  # the plain table as before
+    assert C.exclusion_lines(table)[:1] == ["confirmatory: excluded b:p0-0: duplicate of a:p0-0"]
+
+
+def test_too_few_documents_counts_what_was_dropped(tmp_path):
+    expl, conf = _groups_in_both_splits()
+    text = _paragraph(1, 40)
+    rows = [{"uid": "a", "body": text, "outlet": expl}, {"uid": "b", "body": text, "outlet": conf}]
+    rows.append({"uid": "c", "body": "", "outlet": conf})
+    with pytest.raises(
+        C.CorpusError,
+        match=r"confirmatory: requested 1, found 0.*Dropped before selection: "
+        r"1 duplicate, 1 empty document\.$",
+    ):
+        C.build_corpus(_odd_corpus(tmp_path, rows))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import kvpress
 import pytest
 import torch
@@ -84,16 +86,17 @@ class Recorder:
 
 
 @torch.inference_mode()
-def replay(model, ids, press, history):
-    """Independent replay: fresh twin, fresh press, fresh prefill, then ``history`` one token per forward."""
+def replay(model, ids, press, history, temperature=TEMPERATURE):
+    """Independent replay: fresh twin, fresh press, fresh prefill, then ``history`` one token per forward
+    (``press`` None: the plain model, the full cache)."""
     twin = evicted_twin(model)
     cache = DynamicCache()
     out = []
-    with press(twin):
+    with press(twin) if press is not None else contextlib.nullcontext():
         logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
             :, -1
         ]
-        out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
+        out.append(decode_log_probs(logits, temperature, 1.0, dtype=torch.float64)[0])
         for t, tok in enumerate(history):
             logits = twin(
                 input_ids=torch.tensor([[tok]]),
@@ -101,7 +104,7 @@ def replay(model, ids, press, history):
                 use_cache=True,
                 position_ids=torch.tensor([[len(ids) + t]]),
             ).logits[:, -1]
-            out.append(decode_log_probs(logits, TEMPERATURE, 1.0, dtype=torch.float64)[0])
+            out.append(decode_log_probs(logits, temperature, 1.0, dtype=torch.float64)[0])
     return out
 
 
@@ -459,3 +462,55 @@ def test_a_batch_of_documents_gives_each_the_records_it_has_alone(model, prompts
     assert all(r["tv"][:5] == [0.0] * 5 for r in batch)  # steps before the first compression
     assert any(r["tv"][5] > 0 for r in batch)  # the compression after the fourth token changes Q
     assert batch == alone
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("name", ["prefill-decoding", "decoding"])
+def test_sampled_chain_tv_equals_kvpress_pipeline(model, prompts, name):
+    """Sampled at temperature 1, two documents of different lengths (the reference side left-padded,
+    on the decoding kernels), R = 2 rows per chain lane: every recorded chain ``tv_t`` is
+    ``TV(P, Q)`` of the plain model and of kvpress's own pipeline (fresh prefill under a fresh
+    press, then one token per forward) after the same history, within float32 rounding
+    (the lane's two rows decode in one forward, the pipeline's one alone)."""
+    docs = prompts[:2]
+    pair = DecodeTimePair(model, docs, [PRESSES[name]() for _ in docs], [None] * 2, temperature=1.0)
+    out = run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
+    steps = 0
+    for g, r in enumerate(out):
+        chain = until_eos([tok for tok in r["chain_token"] if tok >= 0], model)
+        ids = docs[g // 2]
+        logp = replay(model, ids, None, chain[:-1], temperature=1.0)
+        logq = replay(model, ids, PRESSES[name](), chain[:-1], temperature=1.0)
+        for t in range(len(chain)):
+            expected = 0.5 * float((logp[t].exp() - logq[t].exp()).abs().sum())
+            assert abs(r["tv"][t] - expected) < 1e-5, (g, t, r["tv"][t], expected)
+            steps += expected > 1e-3  # compressed steps, not only the prompt-wide prefill eviction
+    assert steps >= 8 and len({tuple(r["chain_token"]) for r in out}) == 4  # sampled, distinct chains
+
+
+@pytest.mark.miniature
+def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
+    """The decoding kernels (caches written in place, grouped attention) are the reference side's
+    alone: after the same history the evicted side's ``q`` is the same, bit for bit, with the stock
+    kernels (:func:`stock_kernels`); only ``p`` moves, by float32 rounding."""
+    from kvdiverge.engine.llm.pair_base import stock_kernels
+
+    docs = prompts[:2]
+
+    def records(fast):
+        pair = Recorder(
+            DecodeTimePair(
+                model, docs, [PRESSES["prefill-decoding"]() for _ in docs], [None] * 2, temperature=1.0, fast=fast
+            )
+        )
+        return pair, run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
+
+    (fast, out_fast), (stock, out_stock) = records(True), records(False)
+    with stock_kernels():
+        assert not DecodeTimePair(model, docs[:1], [None], [None], temperature=1.0).fast
+    shared = fast.seen.keys() & stock.seen.keys()
+    assert len(shared) >= 4 * T  # every chain prefix at least
+    assert all(torch.equal(fast.seen[k], stock.seen[k]) for k in shared)
+    assert [r["chain_token"] for r in out_fast] == [r["chain_token"] for r in out_stock]
+    gap = max(abs(a - b) for r, s in zip(out_fast, out_stock) for a, b in zip(r["tv"], s["tv"]))
+    assert 0 < gap < 1e-5  # the reference side's rounding

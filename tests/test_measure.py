@@ -171,6 +171,14 @@ def test_read_prompts_text_jsonl_parquet(tmp_path):
         read_prompts(tmp_path / "empty.txt")
 
 
+def test_read_prompts_drops_a_byte_order_mark(tmp_path):
+    txt, jl = tmp_path / "p.txt", tmp_path / "p.jsonl"
+    txt.write_bytes(b"\xef\xbb\xbffirst prompt\r\nsecond prompt\r\n")
+    assert read_prompts(txt) == {"prompt-0": "first prompt", "prompt-1": "second prompt"}
+    jl.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "alpha"}\n')
+    assert read_prompts(jl, id_field="id") == {"a": "alpha"}
+
+
 def test_model_entry_kinds(tmp_path):
     name, spec = model_entry("embedded", "bfloat16", "cpu")
     assert name == "smollm2-135m" and spec["source"] == "gguf_package" and spec["dtype"] == "bfloat16"

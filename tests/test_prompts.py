@@ -282,3 +282,62 @@ def test_a_split_left_without_usable_documents_stops_with_the_reason():
         ),
         settings,
     )
+
+
+def test_the_corpus_stages_exclusions_reach_the_prompts_table_and_its_log(config):
+    from kvdiverge.study.corpus import SCHEMA as CORPUS_SCHEMA
+
+    reasons = [None, "duplicate of a", "empty document", "whitespace-only document", None]
+    docs = pl.DataFrame(
+        {
+            "doc_id": ["a", "b", "e", "f", "long"],
+            "split": ["exploratory"] * 4 + ["confirmatory"],
+            "text": [" ".join(["w"] * 600), " ".join(["w"] * 600), "", "  ", " ".join(["w"] * 9000)],
+            "exclusion_reason": reasons,
+        },
+        schema_overrides={k: v for k, v in CORPUS_SCHEMA.items() if k in ("doc_id", "split", "text")},
+    )
+    out = build_prompts(docs, WordTokenizer(), prompt_settings(config), context=8192)
+    assert out.schema == pl.Schema(SCHEMA)
+    got = out["exclusion_reason"].to_list()
+    assert got[:4] == reasons[:4] and got[4].startswith("too long: prompt of 9010 tokens")
+    assert out["n_prompt_tokens"].to_list()[1:4] == [0, 0, 0] and out["input_ids"].to_list()[1:4] == [[], [], []]
+    lines = summary(out).splitlines()
+    assert lines[0] == "confirmatory: 0/1 usable; prompt tokens 9010-9010"
+    assert lines[2:] == [
+        "exploratory: 1/4 usable; prompt tokens 610-610",
+        "  excluded b: duplicate of a",
+        "  excluded e: empty document",
+        "  excluded f: whitespace-only document",
+    ]
+    assert lines[1].startswith("  excluded long: too long: prompt of 9010 tokens")
+
+
+def test_the_advice_follows_from_the_reasons():
+    from kvdiverge.study.prompts import NoUsableDocumentsError, check_usable
+
+    settings = {"minimums": {"exploratory": {"snapkv": 65}}}
+
+    def advice(*reasons):
+        prompts = pl.DataFrame(
+            {"doc_id": [f"d{i}" for i in range(len(reasons))], "split": "exploratory", "exclusion_reason": reasons}
+        )
+        with pytest.raises(NoUsableDocumentsError) as info:
+            check_usable(prompts, settings)
+        return str(info.value).split("most frequent reason: ")[1]
+
+    too_long = "too long: prompt of 9000 tokens + 32 new tokens exceeds the model context of 8192 tokens"
+    assert advice(too_long) == (
+        f"{too_long}. Shorten the prompts (a lower corpus.max_words) or decoding.max_new_tokens, or use a model "
+        f"with a longer context."
+    )
+    assert "min_words" not in advice(too_long)
+    assert advice("duplicate of a", "empty document", "duplicate of a").endswith(
+        "Add distinct documents to the corpus source (duplicates are dropped); or Add documents with text to "
+        "the corpus source."
+    )
+    short = "too short for policy snapkv: prompt of 40 tokens, policy needs at least 65"
+    assert advice(short).endswith(
+        "Widen corpus.min_words/max_words (longer prompts), or drop the policy from runs.exploratory "
+        "(and analysis.gaps / confirmatory)."
+    )

@@ -13,6 +13,9 @@ found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge mea
 ...``, before the model is loaded where the input alone decides; 1 for a failure at run time
 (anything else, named by its exception type, e.g. running out of memory). ``--debug`` shows
 the traceback instead of the line.
+``--out`` (or, for ``--ratios`` without it, the working directory) is checked before
+anything else, and locked while the run writes it: a second run on the same ``--out`` is refused
+(:mod:`kvdiverge.study.outputs`).
 
 Example::
 
@@ -50,6 +53,7 @@ from kvdiverge.study.inputs import (
     model_entry,
     read_prompts,
 )
+from kvdiverge.study.outputs import output_guard
 
 __all__ = [
     "EXIT_FAILURE",
@@ -304,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        return _measure(args)
+        with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
+            return _measure(args)
     except Exception as exc:
         if getattr(args, "debug", False):
             raise

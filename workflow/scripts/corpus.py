@@ -1,14 +1,15 @@
 """Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.study.corpus)."""
 
 from kvdiverge.estimation.io import write_parquet_atomic
-from kvdiverge.study.corpus import build_corpus
+from kvdiverge.study.corpus import build_corpus, exclusion_lines
 from kvdiverge.study.rulelog import rule_logger
 
 log = rule_logger(snakemake.log[0], "corpus")
 try:
     corpus = dict(snakemake.params.corpus)
     log.info("corpus config: %s", corpus)
-    docs = build_corpus(corpus)
+    table = build_corpus(corpus, exclusions=True)
+    docs = table.filter(table["exclusion_reason"].is_null())
     for split, n in docs.group_by("split").len().sort("split").iter_rows():
         part = docs.filter(docs["split"] == split)
         log.info(
@@ -19,7 +20,9 @@ try:
             part["n_words"].min(),
             part["n_words"].max(),
         )
-    write_parquet_atomic(docs, snakemake.output[0])
+    for line in exclusion_lines(table):
+        log.info("%s", line)
+    write_parquet_atomic(table, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])
 except Exception:
     log.exception("corpus stage failed")

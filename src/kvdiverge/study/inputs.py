@@ -112,11 +112,13 @@ def prepare_documents(
     ValueError
         No prompts, an empty prompt, a duplicated id, or text prompts without a tokenizer.
     TypeError
-        A prompt that is neither text nor token ids.
+        ``prompts`` that is not a string, sequence or mapping (None, a number), or a prompt
+        that is neither text nor token ids.
     """
     from kvdiverge.engine.runner import Document
     from kvdiverge.study.prompts import render_ids
 
+    _check_prompts_type(prompts)
     items = (
         list(prompts.items())
         if isinstance(prompts, Mapping)
@@ -141,6 +143,16 @@ def prepare_documents(
             raise ValueError(f"prompt {doc_id!r} has no tokens")
         docs.append(Document(doc_id, ids))
     return docs
+
+
+def _check_prompts_type(prompts: Any) -> None:
+    """Refuse ``prompts`` that is neither text nor a collection of prompts (None, a number, bytes)."""
+    if isinstance(prompts, (str, Mapping)) or (hasattr(prompts, "__iter__") and not isinstance(prompts, bytes)):
+        return
+    raise TypeError(
+        "prompts must be a string, a sequence of strings or of token-id sequences, or a mapping of prompt "
+        f"id to one of them, got {type(prompts).__name__}"
+    )
 
 
 def _is_source(obj: Any) -> bool:
@@ -431,7 +443,8 @@ def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | N
     Parameters
     ----------
     path : path
-        The file; blank lines of a text file are skipped.
+        The file, UTF-8 (a byte-order mark at its start is dropped); blank lines of a text
+        file are skipped.
     field : str
         Column (parquet) or key (JSON lines) holding the prompt text.
     id_field : str, optional
@@ -462,7 +475,7 @@ def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | N
         ids = frame[id_field].cast(str).to_list() if id_field else None
     elif suffix in (".jsonl", ".json", ".ndjson"):
         texts, ids = [], [] if id_field else None
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        for i, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -478,7 +491,7 @@ def read_prompts(path: str | os.PathLike, field: str = "text", id_field: str | N
             if ids is not None:
                 ids.append(str(row[id_field]))
     else:
-        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = [line.strip() for line in p.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
         ids = None
     if not texts:
         raise InputError(f"{p}: no prompts")

@@ -98,6 +98,8 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
     else:
         raise ValueError(f"model source must be gguf_package, local or hub, got {source!r}")
     gguf = spec.get("gguf_file")
+    if source == "local" and not gguf:
+        _check_model_directory(path, name)
     if gguf:
         if not (path / gguf).is_file():
             present = sorted(p.name for p in path.glob("*.gguf"))
@@ -107,6 +109,24 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
             )
         kwargs["gguf_file"] = gguf
     return str(path), kwargs
+
+
+def _check_model_directory(path: Path, name: str | None) -> None:
+    """Refuse a local model directory without ``config.json``: it holds no Hugging Face model
+    (transformers would blame a missing library instead); a GGUF file there is named."""
+    if (path / "config.json").is_file():
+        return
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    found = (
+        f"it holds GGUF files ({', '.join(ggufs)}): give one of them as the model"
+        if ggufs
+        else f"it holds {len(list(path.iterdir()))} files and none of these"
+    )
+    raise ModelNotFoundError(
+        f"model directory {str(path)!r} holds no model: looked for config.json (a Hugging Face model "
+        f"directory: config.json, weights *.safetensors or pytorch_model.bin, tokenizer files) and "
+        f"*.gguf files; {found}.\n" + _hint(name)
+    )
 
 
 def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:

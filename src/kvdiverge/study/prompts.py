@@ -14,6 +14,8 @@ instead (:func:`template_clock`): ``strftime_now`` formats that date (at 00:00:0
 
 A document is excluded, with the reason recorded, when
 
+- the corpus stage dropped it (an empty or whitespace-only document, one without an excerpt
+  in the word range, a duplicate: its ``exclusion_reason`` is carried over, with no tokens),
 - its prompt plus ``max_new_tokens`` exceeds the model's context, or
 - it is shorter than what a policy scheduled on its split needs
   (``kvdiverge.engine.presses.policies.min_prompt_tokens``), so that every policy of a split sees
@@ -217,7 +219,8 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any], 
     Parameters
     ----------
     documents : polars.DataFrame
-        The corpus table (``doc_id``, ``split``, ``text``).
+        The corpus table (``doc_id``, ``split``, ``text``; rows with an ``exclusion_reason``,
+        dropped by the corpus stage, keep it and get no tokens).
     tokenizer
         The model's tokenizer (with a chat template).
     settings : dict
@@ -226,7 +229,11 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any], 
         The model's context length in tokens.
     """
     rows = []
-    for doc_id, split, text in documents.select(["doc_id", "split", "text"]).iter_rows():
+    dropped = documents["exclusion_reason"] if "exclusion_reason" in documents.columns else None
+    for i, (doc_id, split, text) in enumerate(documents.select(["doc_id", "split", "text"]).iter_rows()):
+        if dropped is not None and dropped[i] is not None:  # dropped by the corpus stage: carried, not rendered
+            rows.append(_excluded_row(doc_id, split, dropped[i]))
+            continue
         ids = render_ids(
             tokenizer, text, settings["instruction"], settings.get("system"), settings.get("date", DEFAULT_DATE)
         )
@@ -241,6 +248,11 @@ def build_prompts(documents: pl.DataFrame, tokenizer, settings: dict[str, Any], 
             }
         )
     return pl.DataFrame(rows, schema=SCHEMA)
+
+
+def _excluded_row(doc_id: str, split: str, reason: str) -> dict[str, Any]:
+    """A prompts-table row of a document the corpus stage dropped: no tokens, its reason."""
+    return {"doc_id": doc_id, "split": split, "n_prompt_tokens": 0, "input_ids": [], "exclusion_reason": reason}
 
 
 class NoUsableDocumentsError(ValueError):
@@ -265,13 +277,39 @@ def check_usable(prompts: pl.DataFrame, settings: dict[str, Any]) -> None:
         if usable(part).height:
             continue
         reasons = part["exclusion_reason"].drop_nulls()
-        top = reasons.value_counts(sort=True).row(0)[0] if reasons.len() else "no documents in this split"
+        ranked = reasons.value_counts(sort=True)[:, 0].to_list() if reasons.len() else []
+        top = ranked[0] if ranked else "no documents in this split"
         raise NoUsableDocumentsError(
             f"split {split!r}: none of its {part.height} documents is usable for the policies "
             f"scheduled on it ({', '.join(sorted(minimums))}); most frequent reason: {top}. "
-            f"Widen corpus.min_words/max_words (longer prompts), or drop the policy from "
-            f"runs.{split} (and analysis.gaps / confirmatory)."
+            f"{remedy(ranked, split)}"
         )
+
+
+#: What to change for each kind of exclusion reason (by the reason's start), ``{split}`` filled in.
+REMEDIES = {
+    "too long": "Shorten the prompts (a lower corpus.max_words) or decoding.max_new_tokens, or use a model "
+    "with a longer context",
+    "too short for policy": "Widen corpus.min_words/max_words (longer prompts), or drop the policy from "
+    "runs.{split} (and analysis.gaps / confirmatory)",
+    "duplicate of": "Add distinct documents to the corpus source (duplicates are dropped)",
+    "empty document": "Add documents with text to the corpus source",
+    "whitespace-only document": "Add documents with text to the corpus source",
+    "no excerpt": "Widen corpus.min_words/max_words to the documents' paragraph lengths",
+}
+
+
+def remedy(reasons: list[str], split: str) -> str:
+    """What to change, following from the exclusion ``reasons`` (most frequent first): one sentence
+    per kind of reason (:data:`REMEDIES`), in that order; for no reason, request documents."""
+    out: list[str] = []
+    for reason in reasons:
+        fix = next((v for k, v in REMEDIES.items() if reason.startswith(k)), None)
+        if fix is not None and fix.format(split=split) not in out:
+            out.append(fix.format(split=split))
+    if not out:
+        out.append(f"Request documents for the split in corpus.documents.{split}, or use a larger source")
+    return "; or ".join(out) + "."
 
 
 def usable(prompts: pl.DataFrame) -> pl.DataFrame:
@@ -280,15 +318,16 @@ def usable(prompts: pl.DataFrame) -> pl.DataFrame:
 
 
 def summary(prompts: pl.DataFrame) -> str:
-    """One line per split: usable / total and the exclusion counts."""
+    """One line per split: usable / total and the range of prompt tokens, then one line per excluded
+    document: its id and reason."""
     lines = []
     for split in sorted(prompts["split"].unique().to_list()):
         part = prompts.filter(pl.col("split") == split)
         ok = usable(part).height
-        lines.append(
-            f"{split}: {ok}/{part.height} usable; prompt tokens "
-            f"{part['n_prompt_tokens'].min()}-{part['n_prompt_tokens'].max()}"
-        )
-        for reason in part["exclusion_reason"].drop_nulls().to_list():
-            lines.append(f"  excluded: {reason}")
+        tokens = part.filter(pl.col("input_ids").list.len() > 0)["n_prompt_tokens"]
+        lines.append(f"{split}: {ok}/{part.height} usable; prompt tokens {tokens.min()}-{tokens.max()}")
+        for doc_id, reason in (
+            part.filter(pl.col("exclusion_reason").is_not_null()).select("doc_id", "exclusion_reason").iter_rows()
+        ):
+            lines.append(f"  excluded {doc_id}: {reason}")
     return "\n".join(lines)
