@@ -11,14 +11,20 @@ confirmatory -> figures, summary.
 
 The front door for one model and a few presses: :func:`kvdiverge.measure`
 (:mod:`kvdiverge.measurement`; the command ``kvdiverge measure``, :mod:`kvdiverge.cli`).
-It is imported on first use, so ``import kvdiverge`` stays light (no torch).
+:func:`kvdiverge.screen` (:mod:`kvdiverge.screening`; ``kvdiverge measure --screen``) runs only
+the teacher-forced pass (``docs/teacher-forced.md``). Both are imported on first use, so
+``import kvdiverge`` stays light (no torch).
 """
 
 __version__ = "0.1.0"
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "Screen", "measure", "screen"]
 
 
 def __getattr__(name):
+    if name in ("Screen", "screen"):
+        from kvdiverge import screening
+
+        return getattr(screening, name)
     if name in __all__:
         from kvdiverge import measurement
 
