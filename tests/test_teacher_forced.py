@@ -255,3 +255,18 @@ def test_screen_and_measure_doors(model):
     snap = m.summary.filter(pl.col("policy") == "snap").row(0, named=True)
     assert snap["kld_mean"] == s.table.filter(pl.col("policy") == "snap")["kld_mean"].item()
     assert "mean KLD" in m.format_summary()
+    # a frontier: the points carry the teacher-forced headline
+    f = kvdiverge.measure(
+        model,
+        None,
+        prompts,
+        {"snap": kvpress.SnapKVPress(window_size=8)},
+        ratios=[0.5],
+        max_new_tokens=3,
+        replicates=2,
+        bootstrap=20,
+        progress=False,
+        teacher_tokens=4,
+    ).frontier()
+    point = f.filter(pl.col("policy") == "snap@0.5").row(0, named=True)
+    assert point["kld_mean"] > 0 and 0 < point["same_top_p"] <= 1 and point["kld_mean_lo"] <= point["kld_mean"]

@@ -228,16 +228,24 @@ class Measurement:
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
         from kvdiverge.estimation.frontier import measured_frontier
+        from kvdiverge.estimation.teacher_forced import with_teacher_columns
 
-        return self._memo("frontier", lambda: measured_frontier(self.documents, self.settings, self.noise_floor))
+        def compute():
+            points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
+            teacher = None if self.teacher_forced is None else self.teacher_forced.table
+            return with_teacher_columns(points, teacher), areas
+
+        return self._memo("frontier", compute)
 
     def frontier(self) -> pl.DataFrame:
         """The frontier, the workflow's ``analysis/frontier``: one row per point (press and ratio,
         cache alone, press and ratio with a cache) with ``p_div``, ``tau_mean``, ``tau_median``,
         ``E_M``, ``first_mismatch_term``, ``exposure_rate_term``, ``rho`` with intervals, the KV
         bytes per prompt token, the floor's values, ``above_floor`` and ``rank``
-        (:func:`kvdiverge.estimation.frontier.measured_frontier`). Raises ``ValueError`` if the
-        measurement was not made with ``ratios``."""
+        (:func:`kvdiverge.estimation.frontier.measured_frontier`), and with ``teacher_tokens`` the
+        teacher-forced ``kld_mean`` (with its interval), ``ppl_ratio``, ``same_top_p`` and
+        ``delta_p_rms`` (:func:`kvdiverge.estimation.teacher_forced.with_teacher_columns`). Raises
+        ``ValueError`` if the measurement was not made with ``ratios``."""
         return self._frontier()[0]
 
     def frontier_areas(self) -> pl.DataFrame:

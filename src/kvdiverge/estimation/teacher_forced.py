@@ -48,6 +48,7 @@ __all__ = [
     "kl_statistics",
     "mean_and_uncertainty",
     "summary_table",
+    "with_teacher_columns",
 ]
 
 #: Per-position values of the teacher-forced pass (``results/teacher_forced/.../positions``).
@@ -357,3 +358,20 @@ def format_llama(stats: dict[str, float]) -> str:
     lines.append(f"{LLAMA_LABELS['delta_p_rms']}: {100 * s['delta_p_rms']:6.3f} ± {100 * s['delta_p_rms_se']:5.3f} %")
     lines.append(f"{LLAMA_LABELS['same_top_p']}: {100 * s['same_top_p']:6.3f} ± {100 * s['same_top_p_se']:5.3f} %")
     return "\n".join(lines)
+
+
+def with_teacher_columns(table: pl.DataFrame, teacher: pl.DataFrame | None) -> pl.DataFrame:
+    """``table`` (keyed by ``model``, ``policy`` and, if present in both, ``split``) with the teacher-forced
+    headline columns of :func:`summary_table` joined on the left (frontier points, summaries).
+
+    Adds ``kld_mean``, ``kld_mean_lo``, ``kld_mean_hi``, ``ppl_ratio``, ``same_top_p`` and
+    ``delta_p_rms`` (those ``teacher`` holds), prefixed ``tf_`` where ``table`` has a column
+    of that name already; ``teacher`` None or empty returns ``table`` unchanged.
+    """
+    if teacher is None or teacher.is_empty():
+        return table
+    keys = [k for k in _KEYS if k in table.columns and k in teacher.columns]
+    wanted = ["kld_mean", "kld_mean_lo", "kld_mean_hi", "ppl_ratio", "same_top_p", "delta_p_rms"]
+    cols = [c for c in wanted if c in teacher.columns]
+    right = teacher.select(*keys, *[pl.col(c).alias(f"tf_{c}" if c in table.columns else c) for c in cols])
+    return table.join(right, on=keys, how="left")
