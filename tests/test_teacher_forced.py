@@ -270,3 +270,21 @@ def test_screen_and_measure_doors(model):
     ).frontier()
     point = f.filter(pl.col("policy") == "snap@0.5").row(0, named=True)
     assert point["kld_mean"] > 0 and 0 < point["same_top_p"] <= 1 and point["kld_mean_lo"] <= point["kld_mean"]
+
+
+@pytest.mark.miniature
+def test_shared_prefill_gives_each_policy_alone(model):
+    """Policies whose presses share one prefill forward get the values each gets alone."""
+    docs = [Document("a", prompt(44))]
+    policies = {
+        "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)),
+        "knorm": PressPolicy("knorm", kvpress.KnormPress(0.5)),
+    }
+    run = lambda ps: teacher_forced_policies(  # noqa: E731
+        model, docs, ps, sampling=SAMPLING, forcing=TeacherForcing(length=8), split="s", continuations={"a": prompt(9)}
+    )
+    together = run(policies)
+    assert together["policy"].to_list() == ["snap"] * 8 + ["knorm"] * 8
+    for name, source in policies.items():
+        alone = run({name: source})
+        assert together.filter(pl.col("policy") == name).equals(alone)

@@ -2,7 +2,8 @@
 
 Each (document, policy) gets its own one-document kernel pair, built by the runner's
 :func:`kvdiverge.engine.runner.build_pair` exactly as the coupled run builds it (the same
-press per prompt length, kept-count promise and prefill seed), at temperature 1 and
+press per prompt length, kept-count promise and prefill seed; a document's prefill forward is
+shared by every policy whose press allows it, as in the coupled run), at temperature 1 and
 ``top_p`` 1, and :func:`kvdiverge.engine.llm.teacher.forced_pass` feeds it the document's
 continuation. Where the caller gives no continuation for a document, the full-cache model's
 greedy continuation is generated once and shared by every policy.
@@ -108,19 +109,41 @@ def teacher_forced_policies(
     check_prompt_lengths(documents, policies, "policy")
     context = getattr(model.config, "max_position_embeddings", None)
     given = continuations or {}
-    conts = {
-        doc.doc_id: _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context) for doc in documents
-    }
-    frames = [
-        _one(model, doc, name, source, conts[doc.doc_id], sampling, forcing, split)
-        for name, source in policies.items()
-        for doc in documents
-    ]
-    return pl.concat(frames) if frames else pl.DataFrame(schema=POSITION_SCHEMA)
+    frames = []
+    for doc in documents:
+        cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
+        presses, prefilled = _shared_prefills(model, doc, policies, sampling)
+        for name, source in policies.items():
+            made = (presses[name], prefilled.get(name))
+            frames.append(_one(model, doc, (name, source, made), cont, sampling, forcing, split))
+    order = {name: i for i, name in enumerate(policies)}
+    out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
+    return out.sort("_order", maintain_order=True).drop("_order")
 
 
-def _one(model, doc, name, source, cont: Continuation, sampling: Sampling, forcing, split) -> pl.DataFrame:
-    """One (document, policy): its pair, the pass, the rows."""
+def _shared_prefills(model, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
+    """Each policy's press for ``doc``, and the prefills of those that share one forward
+    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`, as the coupled run shares them)."""
+    import torch
+
+    from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+    from kvdiverge.engine.llm.twin import evicted_twin
+    from kvdiverge.engine.presses.registry import shares_prefill
+
+    presses = {name: source.build_press(doc.prompt_len) for name, source in policies.items()}
+    names = [n for n, p in presses.items() if p is not None and shares_prefill(p)]
+    if len(names) < 2:
+        return presses, {}
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
+    with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
+        done = prefill_shared(evicted_twin(model), ids, [presses[n] for n in names])
+    return presses, ({} if done is None else dict(zip(names, done)))
+
+
+def _one(model, doc, policy, cont: Continuation, sampling: Sampling, forcing, split) -> pl.DataFrame:
+    """One (document, policy): its pair (``policy`` = name, source, (press, shared prefill or None)), the pass, the rows."""
+    name, source, (press, prefilled) = policy
     pair = build_pair(
         model,
         [doc],
@@ -132,6 +155,8 @@ def _one(model, doc, name, source, cont: Continuation, sampling: Sampling, forci
         eos_ids=sampling.eos_ids,
         checked=True,
         horizon=len(cont.tokens),
+        presses=[press],
+        prefilled=None if prefilled is None else [prefilled],
     )
     try:
         values, one = forced_pass(pair, cont.tokens, forcing)
