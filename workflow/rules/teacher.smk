@@ -9,6 +9,23 @@
 TEACHER_POSITIONS = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"
 
 
+def teacher_settings(wildcards):
+    """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model):
+    the model and policy entries, the seed (prefill seeds), the control's document count and
+    the `teacher_forced` section. Decoding settings, replicates and shards do not enter."""
+    from kvdiverge.study.config import control_documents
+
+    return canonical(
+        {
+            "model": config["models"][wildcards.model],
+            "policy": config["policies"][wildcards.policy],
+            "seed": config["seed"],
+            "documents": control_documents(config, wildcards.policy, wildcards.split),
+            "teacher_forced": config.get("teacher_forced") or {},
+        }
+    )
+
+
 def teacher_files():
     """Teacher-forced positions of every run (the control and the noise floor included)."""
     return [TEACHER_POSITIONS.format(model=m, policy=p, split=s) for m, p, s in RUNS]
@@ -24,10 +41,7 @@ rule teacher_forced:
     log:
         f"{LOGS}/teacher_forced/{{model}}/{{policy}}/{{split}}.log",
     params:
-        # what decides the run's documents and prefill, and the pass's own settings
-        settings=shard_settings,
-        teacher=canonical(config.get("teacher_forced") or {}),
-        corpus=canonical(config["corpus"]),
+        settings=teacher_settings,
     threads: 1
     resources:
         gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
