@@ -6,29 +6,13 @@
 # (model, policy, split) with document-bootstrap intervals and the noise floor beside each
 # policy; `teacher_forced_documents` holds the headline means per document (joins on doc_id).
 
+import kvdiverge.study.teacher
+
 TEACHER_POSITIONS = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"
 
 
-def teacher_settings(wildcards):
-    """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model):
-    the model and policy entries, the seed (prefill seeds), the control's document count and
-    the `teacher_forced` section. Decoding settings, replicates and shards do not enter."""
-    from kvdiverge.study.config import control_documents
-
-    return canonical(
-        {
-            "model": config["models"][wildcards.model],
-            "policy": config["policies"][wildcards.policy],
-            "seed": config["seed"],
-            "documents": control_documents(config, wildcards.policy, wildcards.split),
-            "teacher_forced": config.get("teacher_forced") or {},
-        }
-    )
-
-
-def teacher_files():
-    """Teacher-forced positions of every run (the control and the noise floor included)."""
-    return [TEACHER_POSITIONS.format(model=m, policy=p, split=s) for m, p, s in RUNS]
+# Teacher-forced positions of every run (the control and the noise floor included).
+TEACHER_FILES = [TEACHER_POSITIONS.format(model=m, policy=p, split=s) for m, p, s in RUNS]
 
 
 rule teacher_forced:
@@ -41,7 +25,11 @@ rule teacher_forced:
     log:
         f"{LOGS}/teacher_forced/{{model}}/{{policy}}/{{split}}.log",
     params:
-        settings=teacher_settings,
+        # model and policy entries, seed, control documents, the teacher_forced section
+        # (no decoding setting, replicates or shards)
+        settings=lambda wildcards: kvdiverge.study.teacher.teacher_settings(
+            config, wildcards.model, wildcards.policy, wildcards.split
+        ),
     threads: 1
     resources:
         gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
@@ -55,7 +43,7 @@ rule teacher_forced:
 
 rule teacher_forced_table:
     input:
-        teacher_files(),
+        TEACHER_FILES,
     output:
         parquet=f"{ANALYSIS}/teacher_forced.parquet",
         csv=f"{ANALYSIS}/teacher_forced.csv",

@@ -15,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-__all__ = ["forcing_settings", "run_teacher_forced", "corpus_continuations"]
+__all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced", "teacher_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,28 @@ def forcing_settings(config: dict[str, Any]):
 
     section = config.get("teacher_forced") or {}
     return TeacherForcing(length=int(section.get("length", 128)))
+
+
+def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str) -> dict[str, Any]:
+    """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model).
+
+    Canonical (:func:`kvdiverge.study.provenance.canonical`) ``{"model", "policy", "seed",
+    "documents", "teacher_forced"}``: the model and policy entries, the master seed (prefill
+    seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`)
+    and the ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
+    """
+    from kvdiverge.study.config import control_documents
+    from kvdiverge.study.provenance import canonical
+
+    return canonical(
+        {
+            "model": config["models"][model],
+            "policy": config["policies"][policy],
+            "seed": config["seed"],
+            "documents": control_documents(config, policy, split),
+            "teacher_forced": config.get("teacher_forced") or {},
+        }
+    )
 
 
 def corpus_continuations(
