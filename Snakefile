@@ -4,7 +4,8 @@
 #   snakemake --configfile config/paper.yaml --profile profiles/slurm
 #   snakemake --cores 2 results/prompts/smollm2-135m.parquet   # one stage by its file
 #
-# Stages (workflow/rules): corpus -> prompts -> generate -> estimate -> analyse -> report.
+# Stages (workflow/rules): corpus -> prompts -> generate -> estimate -> analyse -> report;
+# teacher (teacher-forced fidelity) beside generate, from the prompts.
 
 import os
 
@@ -31,6 +32,7 @@ include: "workflow/rules/prompts.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/estimate.smk"
 include: "workflow/rules/analyse.smk"
+include: "workflow/rules/teacher.smk"
 include: "workflow/rules/report.smk"
 
 

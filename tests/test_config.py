@@ -42,7 +42,9 @@ def test_shipped_configs_validate(name):
         "shards",
         "results_dir",
         "generation",
+        "teacher_forced",
     }
+    assert config["teacher_forced"]["length"] >= 1 and config["teacher_forced"]["continuation"] == "corpus"
 
 
 def test_each_shipped_config_writes_to_its_own_directory():

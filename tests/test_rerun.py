@@ -39,7 +39,7 @@ RUNS = [
     ("none", "exploratory"),
 ]
 # rules whose jobs the tests tell apart by their first output; the others run once
-PER_FILE = ("trajectories", "estimate")
+PER_FILE = ("trajectories", "estimate", "teacher_forced")
 
 
 def env_for(work: Path) -> dict[str, str]:
@@ -111,6 +111,15 @@ def rules(*names):
     return {(n, None) for n in names}
 
 
+def teacher(policies=None):
+    """The teacher-forced jobs of the runs (of ``policies``) and their table."""
+    return {
+        ("teacher_forced", f"{RES}/teacher_forced/{MODEL}/{p}/{s}.parquet")
+        for p, s in RUNS
+        if policies is None or p in policies
+    } | rules("teacher_forced_table", "all")
+
+
 FIGURES_UP = rules("figures", "summary", "all")
 SPECULATIVE = rules("speculative", "speculative_figure")  # reads every estimate
 ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
@@ -132,13 +141,15 @@ def setter(path: str, value):
 
 
 CASES = [
-    # setting, new value, the jobs that must rerun (and no other)
+    # setting, new value, the jobs that must rerun (and no other);
+    # the teacher-forced pass reads no decoding setting, replicates or shards
     ("decoding.temperature", 0.9, GENERATION),
     ("decoding.top_p", 0.9, GENERATION),
     ("replicates", 3, GENERATION),
-    ("seed", 1, GENERATION),
+    ("seed", 1, GENERATION | teacher()),
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
-    ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION),
+    ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION | teacher()),
+    ("teacher_forced.length", 8, teacher()),
     (
         "policies.snapkv-50.compression_ratio",
         0.4,
@@ -146,7 +157,8 @@ CASES = [
         | estimates(["snapkv-50"])
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
-        | FIGURES_UP,
+        | FIGURES_UP
+        | teacher(["snapkv-50"]),
     ),
     (
         "policies.snapkv-90.kernel_size",
@@ -155,13 +167,19 @@ CASES = [
         | estimates(["snapkv-90"])
         | rules("provenance", "pool", "confirmatory", "floor")
         | SPECULATIVE
-        | FIGURES_UP,
+        | FIGURES_UP
+        | teacher(["snapkv-90"]),
     ),
-    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION),
+    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION | teacher()),
     (
         "runs.control.documents",
         2,
-        shards(["none"]) | estimates(["none"]) | rules("provenance", "pool", "floor") | SPECULATIVE | FIGURES_UP,
+        shards(["none"])
+        | estimates(["none"])
+        | rules("provenance", "pool", "floor")
+        | SPECULATIVE
+        | FIGURES_UP
+        | teacher(["none"]),
     ),
     (
         "runs.floor.documents",
@@ -170,7 +188,8 @@ CASES = [
         | estimates(["noise-floor"])
         | rules("provenance", "pool", "floor", "confirmatory")
         | SPECULATIVE
-        | FIGURES_UP,
+        | FIGURES_UP
+        | teacher(["noise-floor"]),
     ),
     (
         "policies.noise-floor.seed",
@@ -179,19 +198,21 @@ CASES = [
         | estimates(["noise-floor"])
         | rules("provenance", "pool", "floor", "confirmatory")
         | SPECULATIVE
-        | FIGURES_UP,
+        | FIGURES_UP
+        | teacher(["noise-floor"]),
     ),
-    (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION),
-    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION),
+    (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION | teacher()),
+    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher()),
     ("window", 3, estimates() | ANALYSES),
     ("confirmatory.late", [3, 5], estimates() | ANALYSES),
-    ("analysis.bootstrap", 100, ANALYSES),
-    ("analysis.confidence", 0.9, ANALYSES),
+    ("analysis.bootstrap", 100, ANALYSES | rules("teacher_forced_table")),
+    ("analysis.confidence", 0.9, ANALYSES | rules("teacher_forced_table")),
     ("confirmatory.alpha", 0.1, rules("confirmatory") | FIGURES_UP),
     ("analysis.gaps", [["snapkv-b128", "snapkv-50"]], rules("gaps") | FIGURES_UP),
     # the same settings written differently: nothing
     ("replicates", 2.0, set()),
     ("decoding.max_new_tokens", 8.0, set()),
+    ("teacher_forced.length", 16.0, set()),
 ]
 
 

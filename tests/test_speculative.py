@@ -10,6 +10,7 @@ from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.speculative import (
+    accepted_distribution,
     accepted_tokens,
     format_speculative_line,
     iid_tokens_per_forward,
@@ -53,6 +54,42 @@ def speculative_accepted(fn, vocab, k, h=()):
     return total
 
 
+def speculative_lengths(fn, vocab, k, h=()):
+    """P(accepted = j), j = 0..k, of one block of k under speculative sampling, enumerated from the
+    sampler's definition (as :func:`speculative_accepted`)."""
+    out = np.zeros(k + 1)
+    if k == 0:
+        out[0] = 1.0
+        return out
+    p, q = fn(h, h)
+    for y in range(vocab):
+        if q[y] <= 0:
+            continue
+        accept = q[y] * min(1.0, p[y] / q[y])
+        out[0] += q[y] - accept  # rejected: the block stops with 0 accepted
+        out[1:] += accept * speculative_lengths(fn, vocab, k - 1, h + (y,))
+    return out
+
+
+def test_serving_terms_are_the_sampler_s(kernel):
+    """vLLM's acceptance length and histogram, the conditional acceptance, against the real sampler."""
+    exact = enumerate_coupled(kernel, 3, T=4, W=1)
+    for k in range(1, 5):
+        lengths = speculative_lengths(kernel, 3, k)
+        np.testing.assert_allclose(accepted_distribution(exact.S, k), lengths, atol=1e-12)
+        # vLLM: 1 + accepted / steps, one step per block
+        assert 1 + accepted_tokens(exact.S, k)[-1] == pytest.approx(1 + lengths @ np.arange(k + 1), abs=1e-12)
+        # NeMo-Skills: P(position k accepted | the k - 1 before accepted)
+        reached = lengths[k - 1 :].sum()  # P(accepted >= k - 1)
+        cond = lengths[k:].sum() / reached
+        assert cond == pytest.approx(exact.S[k - 1] / (exact.S[k - 2] if k > 1 else 1.0), abs=1e-12)
+    # hand kernel: S = (.7, .45, .45) -> accepted of a block of 3 is 0 w.p. .3, 1 w.p. .25, 3 w.p. .45
+    np.testing.assert_allclose(speculative_lengths(hand_kernel, 2, 3), [0.3, 0.25, 0.0, 0.45], atol=1e-12)
+    np.testing.assert_allclose(accepted_distribution([0.7, 0.45, 0.45], 3), [0.3, 0.25, 0.0, 0.45], atol=1e-12)
+    with pytest.raises(ValueError, match=r"block length k must be in \[1, T=3\], got 0"):
+        accepted_distribution([0.7, 0.45, 0.45], 0)
+
+
 def test_hand_kernel_by_hand():
     # S_1 = .7; S_2 = .5 * .5 (draft 0 accepted, then TV .5) + .2 (draft 1 accepted, then TV 0)
     exact = enumerate_coupled(hand_kernel, 2, T=3, W=1)
@@ -82,6 +119,13 @@ def test_constant_kernel_equals_the_iid_formula():
     np.testing.assert_allclose(t["iid_tokens_per_forward"].to_numpy(), (1 - 0.7 ** np.arange(2, 7)) / 0.3, atol=1e-12)
     np.testing.assert_allclose(t["accepted_fraction"].to_numpy(), A / np.arange(1, 6), atol=1e-12)
     np.testing.assert_allclose(t["A_lo"].to_numpy(), A, atol=1e-12)  # one document: no spread
+    # i.i.d. acceptance: the curve's own terms are MagicDec's predictions
+    np.testing.assert_allclose(t["conditional_acceptance"].to_numpy(), 0.7, atol=1e-12)
+    np.testing.assert_allclose(t["iid_S_k"].to_numpy(), t["S_k"].to_numpy(), atol=1e-12)
+    np.testing.assert_allclose(t["acceptance_length"].to_numpy(), t["iid_tokens_per_forward"].to_numpy(), atol=1e-12)
+    hist = t["accepted_hist"].to_list()
+    np.testing.assert_allclose(hist[1], [0.3, 0.7 * 0.3, 0.49], atol=1e-12)
+    assert [len(h) for h in hist] == [2, 3, 4, 5, 6] and all(sum(h) == pytest.approx(1.0) for h in hist)
 
 
 def test_engine_estimate_is_unbiased_for_the_sampler():
@@ -129,6 +173,14 @@ def test_pooled_table_by_hand():
     np.testing.assert_allclose(a["A_hi"].to_numpy(), [1.0, 2.0])
     np.testing.assert_allclose(a["tokens_per_forward_hi"].to_numpy(), [2.0, 3.0])
     np.testing.assert_allclose(a["iid_tokens_per_forward_lo"].to_numpy(), [1.6, 1.96])  # alpha .6
+    # pooled survival (.85, .725): conditional .725 / .85; MagicDec's alpha .8 predicts .8, .64
+    np.testing.assert_allclose(a["conditional_acceptance"].to_numpy(), [0.85, 0.725 / 0.85])
+    np.testing.assert_allclose(a["iid_S_k"].to_numpy(), [0.8, 0.64])
+    np.testing.assert_allclose(a["acceptance_length"].to_numpy(), [1.85, 2.575])
+    np.testing.assert_allclose(a["accepted_hist"].to_list()[1], [0.15, 0.125, 0.725])
+    # resampled conditionals of d0 (.45/.7) and d1 (1) bound the interval
+    np.testing.assert_allclose(a["conditional_acceptance_lo"].to_numpy()[1], 0.45 / 0.7)
+    np.testing.assert_allclose(a["conditional_acceptance_hi"].to_numpy()[1], 1.0)
     b = t.filter(pl.col("policy") == "b")
     np.testing.assert_allclose(b["A"].to_numpy(), [0.5, 0.75])
     np.testing.assert_allclose(b["A_hi"].to_numpy(), b["A_lo"].to_numpy())
@@ -199,5 +251,13 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     se = math.sqrt(acc.var(ddof=1) / len(acc) + A.var(ddof=1) / len(A))
     assert abs(acc.mean() - A.mean()) <= 4 * se, (acc.mean(), A.mean(), se)
     assert acc.mean() < k - 0.05  # the press does change the kernel: not every block is accepted whole
+    # vLLM's histogram of accepted lengths and the conditional acceptance, against the sampler's blocks
+    row = m.speculative.filter(pl.col("k") == k).row(0, named=True)
+    seen = np.bincount(acc, minlength=k + 1) / len(acc)
+    for j, (p_hat, p_est) in enumerate(zip(seen, row["accepted_hist"])):
+        assert abs(p_hat - p_est) <= 4 * math.sqrt(max(p_est * (1 - p_est), 1e-4) / len(acc)) + 0.03, (j, seen)
+    assert row["acceptance_length"] == pytest.approx(1 + row["A"])
+    reached = (acc >= k - 1).mean()
+    assert (acc >= k).mean() / reached == pytest.approx(row["conditional_acceptance"], abs=0.2)
     with pytest.raises(ValueError, match="speculative sampling needs temperature > 0, got 0"):
         first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 4, temperature=0)

@@ -11,7 +11,9 @@ confirmatory -> figures, summary.
 
 The front door for one model and a few presses: :func:`kvdiverge.measure`
 (:mod:`kvdiverge.measurement`; the command ``kvdiverge measure``, :mod:`kvdiverge.cli`).
-It is imported on first use, so ``import kvdiverge`` stays light (no torch).
+:func:`kvdiverge.screen` (:mod:`kvdiverge.screening`; ``kvdiverge measure --screen``) runs only
+the teacher-forced pass (``docs/teacher-forced.md``). Both are imported on first use, so
+``import kvdiverge`` stays light (no torch).
 ``kvdiverge.__version__`` is the installed distribution's version (:mod:`importlib.metadata`).
 """
 
@@ -21,10 +23,14 @@ try:  # the one version literal is pyproject.toml's, read from the installed met
     __version__ = version("kvdiverge")
 except PackageNotFoundError:  # sources on the path without an install (PYTHONPATH=src)
     __version__ = "0+unknown"
-__all__ = ["Measurement", "__version__", "measure"]
+__all__ = ["Measurement", "Screen", "__version__", "measure", "screen"]
 
 
 def __getattr__(name):
+    if name in ("Screen", "screen"):
+        from kvdiverge import screening
+
+        return getattr(screening, name)
     if name in __all__:
         from kvdiverge import measurement
 

@@ -209,9 +209,54 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
         help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
         "cache alone (default: 0 and every --ratios value)",
     )
+    _teacher_arguments(p)
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
+
+
+def _teacher_arguments(p: argparse.ArgumentParser) -> None:
+    """``--screen`` and ``--teacher-tokens``: the teacher-forced pass (docs/teacher-forced.md)."""
+    p.add_argument(
+        "--screen",
+        action="store_true",
+        help="run only the teacher-forced pass (llama.cpp's KLD, PPL ratio, Same top p, RMS Δp per press, "
+        "ranked by mean KLD): a frontier in a fraction of the coupled run's time",
+    )
+    p.add_argument(
+        "--teacher-tokens",
+        type=int,
+        metavar="N",
+        help="continuation tokens of the teacher-forced pass (default 128 with --screen); without "
+        "--screen, also run the pass and add its columns to the summary",
+    )
+
+
+def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches, instruction) -> int:
+    """``--screen``: the teacher-forced pass only; its table printed, and written with ``--out``."""
+    from kvdiverge.screening import screen
+
+    s = screen(
+        model,
+        tokenizer,
+        prompts,
+        presses,
+        length=args.teacher_tokens or 128,
+        seed=args.seed,
+        frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
+        options={
+            "instruction": instruction,
+            "system": args.system,
+            "model_name": args.model_name,
+            "bootstrap": args.bootstrap,
+            "confidence": args.confidence,
+        },
+    )
+    print(s.format(), flush=True)
+    if args.out:
+        s.save(args.out)
+        _say(args.quiet, f"{PROG}: wrote the teacher-forced tables to {args.out}")
+    return 0
 
 
 def _say(quiet: bool, message: str) -> None:
@@ -253,6 +298,9 @@ def _measure(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
     model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
+    if args.screen:
+        args.model_name = name
+        return _screen(args, model, tokenizer, prompts, presses, caches, instruction)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
         warnings.filterwarnings("ignore", message="press .* left the cache untouched")
         m = measure(
@@ -276,6 +324,7 @@ def _measure(args: argparse.Namespace) -> int:
             model_name=name,
             progress=not args.quiet,
             batch_documents=args.batch_documents,
+            teacher_tokens=args.teacher_tokens,
         )
     print(m.format_summary(), flush=True)
     if args.ratios:

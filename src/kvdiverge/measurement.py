@@ -81,6 +81,9 @@ class Measurement:
     batch_documents : int or None
         Documents per batched forward ``B`` every press ran with (planned once per
         :func:`measure` call); not a setting, since results depend on it only by rounding.
+    teacher_forced : kvdiverge.screening.Screen or None
+        The teacher-forced pass (``measure(..., teacher_tokens=N)``): llama.cpp's KLD, PPL
+        ratio, Same top p and RMS Δp per press (``docs/teacher-forced.md``); None when not run.
     """
 
     trajectories: pl.DataFrame
@@ -94,6 +97,7 @@ class Measurement:
     settings: dict[str, Any]
     noise_floor: str | None = None
     batch_documents: int | None = None
+    teacher_forced: Any = None
     _gaps: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -153,7 +157,11 @@ class Measurement:
         ``E_M_minus_floor`` and ``p_div_minus_floor`` (:func:`kvdiverge.estimation.tables.summary_table`)."""
         from kvdiverge.estimation.tables import summary_table
 
-        return summary_table(self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
+        out = summary_table(self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
+        if self.teacher_forced is None:
+            return out
+        cols = ["kld_mean", "ppl_ratio", "same_top_p", "delta_p_rms"]
+        return out.join(self.teacher_forced.table.select("policy", *cols), on="policy", how="left")
 
     def format_summary(self) -> str:
         """The summary as a plain-text table, with notes (what ``kvdiverge measure`` prints;
@@ -161,11 +169,12 @@ class Measurement:
         reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`)."""
         from kvdiverge.estimation.speculative import format_speculative_line
 
-        return (
+        text = (
             summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
             + "\n"
             + format_speculative_line(self.speculative, self.presses)
         )
+        return text if self.teacher_forced is None else text + "\n" + self.teacher_forced.format()
 
     def __repr__(self) -> str:
         return self.format_summary()
@@ -198,6 +207,9 @@ class Measurement:
         }
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
+        if self.teacher_forced is not None:
+            tables["teacher_forced"] = self.teacher_forced.table
+            tables["teacher_forced_documents"] = self.teacher_forced.documents
         return save_measurement(directory, tables, self.settings, self.batch_documents)
 
     def plot_survival(self, target=None):
@@ -216,16 +228,24 @@ class Measurement:
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
         from kvdiverge.estimation.frontier import measured_frontier
+        from kvdiverge.estimation.teacher_forced import with_teacher_columns
 
-        return self._memo("frontier", lambda: measured_frontier(self.documents, self.settings, self.noise_floor))
+        def compute():
+            points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
+            teacher = None if self.teacher_forced is None else self.teacher_forced.table
+            return with_teacher_columns(points, teacher), areas
+
+        return self._memo("frontier", compute)
 
     def frontier(self) -> pl.DataFrame:
         """The frontier, the workflow's ``analysis/frontier``: one row per point (press and ratio,
         cache alone, press and ratio with a cache) with ``p_div``, ``tau_mean``, ``tau_median``,
         ``E_M``, ``first_mismatch_term``, ``exposure_rate_term``, ``rho`` with intervals, the KV
         bytes per prompt token, the floor's values, ``above_floor`` and ``rank``
-        (:func:`kvdiverge.estimation.frontier.measured_frontier`). Raises ``ValueError`` if the
-        measurement was not made with ``ratios``."""
+        (:func:`kvdiverge.estimation.frontier.measured_frontier`), and with ``teacher_tokens`` the
+        teacher-forced ``kld_mean`` (with its interval), ``ppl_ratio``, ``same_top_p`` and
+        ``delta_p_rms`` (:func:`kvdiverge.estimation.teacher_forced.with_teacher_columns`). Raises
+        ``ValueError`` if the measurement was not made with ``ratios``."""
         return self._frontier()[0]
 
     def frontier_areas(self) -> pl.DataFrame:
@@ -279,6 +299,7 @@ def measure(
     budgets: Sequence[int] | None = None,
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
+    teacher_tokens: int | None = None,
 ) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
@@ -347,6 +368,11 @@ def measure(
         at each of ``cache_ratios`` above 0 (``<press>@<ratio>+<cache>``; default: 0 and every
         ratio; 0 is the cache alone), as a config's ``frontier.caches``. The frontier then
         ranks every curve on the KV bytes per prompt token it stores.
+    teacher_tokens : int, optional
+        Also run the teacher-forced pass (:func:`kvdiverge.screening.run_screen`): the full-cache
+        model's greedy continuation of each prompt, this many tokens, fed to both sides; its
+        headline columns (``kld_mean``, ``ppl_ratio``, ``same_top_p``, ``delta_p_rms``) join the
+        summary and :attr:`Measurement.teacher_forced` holds its tables. None (default): not run.
 
     Returns
     -------
@@ -440,6 +466,8 @@ def measure(
         batch_documents=B,
         **pooled,
     )
+    if teacher_tokens:
+        result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
         warnings.warn(
@@ -448,3 +476,17 @@ def measure(
             stacklevel=2,
         )
     return result
+
+
+def _teacher_pass(model, documents, sources, settings: dict[str, Any], length: int, eos_ids):
+    """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`)."""
+    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.llm.pair_base import model_eos_ids
+    from kvdiverge.engine.llm.teacher import TeacherForcing
+    from kvdiverge.screening import run_screen
+
+    eos = tuple(model_eos_ids(model) if eos_ids is None else eos_ids)
+    sampling = Sampling(T=int(length), replicates=1, temperature=1.0, seed=int(settings["seed"]), eos_ids=eos)
+    sampling = sampling.replace(model_name=settings["model"])
+    options = {k: settings[k] for k in ("split", "bootstrap", "confidence")}
+    return run_screen(model, documents, sources, sampling, TeacherForcing(length=int(length)), options)

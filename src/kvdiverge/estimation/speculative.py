@@ -29,7 +29,25 @@ Per document the survival is the replicate mean of the chain survival
 unbiased too; documents are pooled with equal weight and get percentile document-bootstrap
 intervals (:mod:`kvdiverge.estimation.bootstrap`).
 
+The serving engines' own terms, read off the same curve (each a column of :func:`speculative_table`):
+
+- vLLM's mean acceptance length ``1 + accepted / steps`` (its per-request speculative
+  metrics: ``num_accepted_tokens / num_drafts + 1``): for a first block of depth ``k``,
+  ``1 + A_k`` (``acceptance_length``, equal to ``tokens_per_forward``); its draft acceptance
+  rate ``accepted / drafted`` is ``A_k / k`` (``accepted_fraction``);
+- the distribution of accepted lengths (vLLM's histogram of accepted draft tokens):
+  ``P(accepted = j) = S_j - S_{j+1}`` for ``j < k`` and ``P(accepted = k) = S_k``
+  (``S_0 = 1``; :func:`accepted_distribution`, the list column ``accepted_hist``);
+- the conditional acceptance at draft position ``k`` (NeMo-Skills' per-position rate):
+  ``S_k / S_{k-1}``, the chance that token ``k`` is accepted given the ``k - 1`` before it were
+  (``conditional_acceptance``, the ratio of the pooled survivals);
+- MagicDec's and TriForce's single acceptance rate ``alpha`` (the mean per-step acceptance
+  ``1 - tv`` along the chain) and the i.i.d. predictions it implies beside the curve's own:
+  ``alpha^k`` for ``S_k`` (``iid_S_k``), ``alpha`` for every conditional acceptance, and
+  ``(1 - alpha^{k+1}) / (1 - alpha)`` for ``1 + A_k`` (``iid_tokens_per_forward``).
+
 - :func:`accepted_tokens` — ``A_k`` per document for ``k = 1..K``.
+- :func:`accepted_distribution` — ``P(accepted = j)``, ``j = 0..k``.
 - :func:`iid_tokens_per_forward` — the i.i.d. approximation ``(1 - alpha^{k+1}) / (1 - alpha)``
   of Leviathan et al., quoted beside the estimate.
 - :func:`speculative_table` — one row per (model, policy, split, k).
@@ -48,6 +66,7 @@ from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts,
 __all__ = [
     "MAX_BLOCK",
     "SPECULATIVE_SCHEMA",
+    "accepted_distribution",
     "accepted_tokens",
     "format_speculative_line",
     "iid_tokens_per_forward",
@@ -85,6 +104,16 @@ SPECULATIVE_SCHEMA = {
     "iid_tokens_per_forward": pl.Float64,
     "iid_tokens_per_forward_lo": pl.Float64,
     "iid_tokens_per_forward_hi": pl.Float64,
+    "acceptance_length": pl.Float64,
+    "acceptance_length_lo": pl.Float64,
+    "acceptance_length_hi": pl.Float64,
+    "conditional_acceptance": pl.Float64,
+    "conditional_acceptance_lo": pl.Float64,
+    "conditional_acceptance_hi": pl.Float64,
+    "iid_S_k": pl.Float64,
+    "iid_S_k_lo": pl.Float64,
+    "iid_S_k_hi": pl.Float64,
+    "accepted_hist": pl.List(pl.Float64),
 }
 
 
@@ -113,6 +142,37 @@ def accepted_tokens(S: np.ndarray, K: int) -> np.ndarray:
     if not 1 <= K <= T:
         raise ValueError(f"block length K must be in [1, T={T}], got {K}")
     return np.cumsum(S[..., :K], axis=-1)
+
+
+def accepted_distribution(S: np.ndarray, k: int) -> np.ndarray:
+    """Distribution of the accepted tokens of a first draft block of depth ``k``.
+
+    ``P(accepted = j) = S_j - S_{j+1}`` for ``j = 0..k-1`` (``S_0 = 1``: the block stops at
+    its first rejection) and ``P(accepted = k) = S_k`` (every draft accepted). Its mean is
+    ``A_k`` (:func:`accepted_tokens`).
+
+    Parameters
+    ----------
+    S : numpy.ndarray, shape (..., T)
+        Survival ``S_t`` for ``t = 1..T`` (non-increasing, in [0, 1]).
+    k : int
+        Block depth, ``1 <= k <= T``.
+
+    Returns
+    -------
+    numpy.ndarray, float64, shape (..., k + 1)
+        Probabilities summing to 1, index ``j``.
+
+    Raises
+    ------
+    ValueError
+        If ``k`` is not in ``[1, T]``.
+    """
+    S = np.asarray(S, dtype=np.float64)
+    if not 1 <= k <= S.shape[-1]:
+        raise ValueError(f"block length k must be in [1, T={S.shape[-1]}], got {k}")
+    full = np.concatenate([np.ones(S.shape[:-1] + (1,)), S[..., :k]], axis=-1)  # S_0 .. S_k
+    return np.concatenate([full[..., :-1] - full[..., 1:], full[..., -1:]], axis=-1)
 
 
 def iid_tokens_per_forward(alpha: np.ndarray | float, k: np.ndarray | int) -> np.ndarray:
@@ -155,6 +215,8 @@ def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confiden
     mean = X.mean(axis=0)
     lo, hi = percentile_interval(B, confidence)
     k = np.arange(1, K + 1)
+    cond = _conditional(mean[None, :K])[0]
+    cond_lo, cond_hi = percentile_interval(_conditional(B[:, :K]), confidence)
     a, a_lo, a_hi = mean[-1], lo[-1], hi[-1]
     cols = {
         "k": k,
@@ -177,9 +239,26 @@ def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confiden
             "iid_tokens_per_forward": iid_tokens_per_forward(a, k),
             "iid_tokens_per_forward_lo": iid_tokens_per_forward(a_lo, k),
             "iid_tokens_per_forward_hi": iid_tokens_per_forward(a_hi, k),
+            "acceptance_length": cols["tokens_per_forward"],
+            "acceptance_length_lo": cols["tokens_per_forward_lo"],
+            "acceptance_length_hi": cols["tokens_per_forward_hi"],
+            "conditional_acceptance": cond,
+            "conditional_acceptance_lo": cond_lo,
+            "conditional_acceptance_hi": cond_hi,
+            "iid_S_k": a**k,
+            "iid_S_k_lo": a_lo**k,
+            "iid_S_k_hi": a_hi**k,
+            "accepted_hist": [accepted_distribution(mean[:K], int(j)).tolist() for j in k],
         }
     )
     return cols
+
+
+def _conditional(S: np.ndarray) -> np.ndarray:
+    """``S_k / S_{k-1}`` along the last axis (``S_0 = 1``); NaN where ``S_{k-1} = 0``."""
+    prev = np.concatenate([np.ones(S.shape[:-1] + (1,)), S[..., :-1]], axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(prev > 0, S / np.where(prev > 0, prev, 1.0), np.nan)
 
 
 def speculative_table(
@@ -210,8 +289,12 @@ def speculative_table(
         per-step acceptance ``1 - tv_t`` along the agreement chain, over its ``T`` steps,
         the same for every ``k`` of a run) and ``iid_tokens_per_forward`` (Leviathan et al.'s
         ``(1 - alpha^{k+1}) / (1 - alpha)`` at that ``alpha``), each with document-bootstrap
-        bounds ``_lo``/``_hi``. Units: tokens, except ``S_k``, ``accepted_fraction`` and
-        ``alpha`` (probabilities).
+        bounds ``_lo``/``_hi``; the serving engines' terms (module docstring):
+        ``acceptance_length`` (vLLM's ``1 + accepted / steps``), ``conditional_acceptance``
+        (``S_k / S_{k-1}``), ``iid_S_k`` (``alpha^k``), each with bounds, and
+        ``accepted_hist`` (list of ``k + 1`` probabilities ``P(accepted = j)``, of the pooled
+        survival). Units: tokens, except ``S_k``, ``accepted_fraction``, ``alpha``,
+        ``conditional_acceptance``, ``iid_S_k`` and ``accepted_hist`` (probabilities).
 
     Raises
     ------

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-__all__ = ["MISSING", "frontier_text", "number", "summary_text", "text_table", "with_interval"]
+__all__ = ["MISSING", "frontier_text", "number", "summary_text", "teacher_text", "text_table", "with_interval"]
 
 #: What a missing value or NaN reads as (an en dash).
 MISSING = "–"
@@ -141,6 +141,41 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     if floor is None:
         out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
     return "\n".join(out)
+
+
+def teacher_text(table, floor: str | None = None) -> str:
+    """The teacher-forced table as plain text, presses ranked by mean KLD (``kvdiverge measure --screen``).
+
+    One row per press: prompts, positions, mean KLD ± its standard error and bootstrap
+    interval, ``PPL(Q)/PPL(base)``, Same top p and RMS Δp (%), as llama.cpp's
+    ``--kl-divergence`` prints them (:mod:`kvdiverge.estimation.teacher_forced`).
+
+    Parameters
+    ----------
+    table : polars.DataFrame
+        :func:`kvdiverge.estimation.teacher_forced.summary_table` of one model and split.
+    floor : str or None
+        The noise-floor press, marked ``(floor)``.
+    """
+    num = partial(number, missing="-")
+    header = ["press", "prompts", "positions", "mean KLD ± se", "[CI]", "PPL ratio", "Same top p", "RMS Δp"]
+    rows = []
+    for r in table.sort("kld_mean").iter_rows(named=True):
+        interval = f"[{num(r.get('kld_mean_lo'))}, {num(r.get('kld_mean_hi'))}]" if "kld_mean_lo" in r else "-"
+        rows.append(
+            [
+                r["policy"] + (" (floor)" if r["policy"] == floor else ""),
+                str(r["n_documents"]),
+                str(int(r["n_positions"])),
+                f"{num(r['kld_mean'])} ± {num(r['kld_se'], 2)}",
+                interval,
+                f"{r['ppl_ratio']:.4f}",
+                f"{100 * r['same_top_p']:.2f} %",
+                f"{100 * r['delta_p_rms']:.3f} %",
+            ]
+        )
+    note = "teacher-forced at temperature 1 on the raw logits; KLD = KL(full || compressed), nats"
+    return "\n".join([*text_table(header, rows), note])
 
 
 def _finite(v: Any) -> str:

@@ -433,6 +433,52 @@ def source_label(corpus: dict[str, Any]) -> str:
     return label
 
 
+def _units(corpus: dict[str, Any]) -> tuple[Iterable[Unit], bool]:
+    """The source's units and whether editorial brackets are stripped (sotu)."""
+    source = corpus.get("source", "sotu")
+    if source == "sotu":
+        return sotu_units(), True
+    if source == "datasets":
+        return datasets_units(corpus), False
+    raise CorpusError(f"corpus.source must be 'sotu' or 'datasets', got {source!r}")
+
+
+def following_texts(corpus: dict[str, Any], documents: pl.DataFrame, max_words: int = 400) -> dict[str, str]:
+    """The text that follows each excerpt in its source: whole paragraphs, up to ``max_words`` words.
+
+    Re-reads the source's units (the ``corpus`` config section) and, for each document row
+    (``doc_id``, ``paragraph_end``; its unit is the ``doc_id`` before ``:p``), joins the
+    paragraphs after ``paragraph_end`` with blank lines until they hold at least
+    ``max_words`` words. A document at the end of its unit gets ``""``. The
+    teacher-forced pass scores this text after the prompt, as llama.cpp and the KV
+    perplexity papers score a fixed text.
+
+    Returns
+    -------
+    dict of str to str
+        ``doc_id`` -> following text (documents whose unit is not found are left out).
+    """
+    wanted: dict[str, list[tuple[str, int]]] = {}
+    for doc_id, end in documents.select("doc_id", "paragraph_end").iter_rows():
+        wanted.setdefault(doc_id.rsplit(":p", 1)[0], []).append((doc_id, int(end)))
+    units, strip = _units(corpus)
+    out: dict[str, str] = {}
+    for unit in units:
+        if unit.unit_id not in wanted:
+            continue
+        paras = paragraphs(unit.text, strip_brackets=strip)
+        for doc_id, end in wanted[unit.unit_id]:
+            taken, words = [], 0
+            for para in paras[end + 1 :]:
+                if words >= max_words:
+                    break
+                if para:
+                    taken.append(para)
+                    words += count_words(para)
+            out[doc_id] = "\n\n".join(taken)
+    return out
+
+
 def build_corpus(corpus: dict[str, Any], exclusions: bool = False) -> pl.DataFrame:
     """Build the documents table from the ``corpus`` config section.
 
@@ -454,15 +500,7 @@ def build_corpus(corpus: dict[str, Any], exclusions: bool = False) -> pl.DataFra
     CorpusError
         A bad source or word range, or too few usable documents in a split.
     """
-    source = corpus.get("source", "sotu")
-    if source == "sotu":
-        units: Iterable[Unit] = sotu_units()
-        strip = True
-    elif source == "datasets":
-        units = datasets_units(corpus)
-        strip = False
-    else:
-        raise CorpusError(f"corpus.source must be 'sotu' or 'datasets', got {source!r}")
+    units, strip = _units(corpus)
     min_words, max_words = int(corpus["min_words"]), int(corpus["max_words"])
     if min_words > max_words:
         raise CorpusError(f"corpus.min_words ({min_words}) exceeds corpus.max_words ({max_words})")

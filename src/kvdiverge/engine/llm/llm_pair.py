@@ -329,6 +329,25 @@ class LLMKernelPair(LLMPairBase):
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
+    def advance_block(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the same ``tokens`` (int64 (n_rows, L)) to both sides, one forward; log-dists (n_rows, L, vocab) each.
+
+        The teacher-forced pass (:mod:`kvdiverge.engine.llm.teacher`); rows then hold ``L``
+        more generated tokens, as after ``L`` calls of :meth:`advance`.
+        """
+        tokens = tokens.to(self.device)
+        ref_logits, ev_logits = self._sides.forward_block(tokens, tokens)
+        shape = ref_logits.shape
+        logp = self._transform(ref_logits.flatten(0, 1), "reference").view(shape)
+        return logp, self._transform(ev_logits.flatten(0, 1), "evicted").view(shape)
+
+    @property
+    def head_masked(self) -> bool:
+        """True when some evicted row attends per layer and head to its own columns (after :meth:`start`)."""
+        side = self._sides.side if isinstance(self._sides, JointSides) else self._sides.ev
+        return side.masks is not None
+
+    @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` generated tokens on both sides (int64, shape (n_rows,))."""
         self._sides.rewind(length.to(self.device))

@@ -138,6 +138,35 @@ class CacheSide:
         self.n_gen += 1
         return self.logical(out.logits[:, -1, :])
 
+    def forward_block(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (int64 (n_rows, L)) to every row in one forward; logits (n_rows, L, vocab).
+
+        Token ``j`` of a row sits at RoPE position ``prompt_len + n_gen + j`` and attends,
+        causally, to the row's valid columns and the block's earlier tokens: what ``L``
+        calls of :meth:`forward` compute, up to float rounding. Per-head masks
+        (:class:`~kvdiverge.engine.llm.masks.HeadMasks`) are applied as in :meth:`forward`,
+        but kvpress's fake key is then searched for all ``L`` queries at once (the
+        teacher-forced pass steps instead, :mod:`kvdiverge.engine.llm.teacher`).
+        """
+        n_rows, L = tokens.shape
+        tokens = self._physical(tokens)
+        offsets = torch.arange(L, device=tokens.device)
+        self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, L)], dim=1)
+        self.step = torch.cat([self.step, self.n_gen.unsqueeze(1) + offsets], dim=1)
+        position_ids = (self.prompt_len + self.n_gen).unsqueeze(1) + offsets
+        if self.masks is not None:
+            self.masks.apply(self.modules)
+        with grouped_attention(model, self.grouped):  # several query positions: the stock sdpa path
+            out = model(
+                input_ids=tokens,
+                past_key_values=self.cache,
+                attention_mask=None if self.all_valid else self.valid.long(),
+                position_ids=position_ids,
+                use_cache=True,
+            )
+        self.n_gen += L
+        return self.logical(out.logits)
+
     def rewind(self, length: torch.Tensor) -> None:
         """Mask each row's generated columns from its ``length[r]``-th on (int64 (n_rows,))."""
         length = self._physical(length)
@@ -234,6 +263,10 @@ class SeparateSides:
         """Append ``x`` and ``y`` (int64 (n,)) to the reference and evicted rows; their next-token logits."""
         return self.ref.forward(self.ref_model, x), self.ev.forward(self.ev_model, y)
 
+    def forward_block(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``x`` and ``y`` (int64 (n, L)) in one forward per side; logits (n, L, vocab) each."""
+        return self.ref.forward_block(self.ref_model, x), self.ev.forward_block(self.ev_model, y)
+
     def rewind(self, length: torch.Tensor) -> None:
         """Rewind row ``r`` of both sides to ``length[r]`` generated tokens (int64 (n,))."""
         self.ref.rewind(length)
@@ -293,6 +326,12 @@ class JointSides:
         """Append ``x`` and ``y`` (int64 (n,)) to the reference and evicted rows; their next-token logits."""
         n = x.shape[0]
         logits = self.side.forward(self.model, torch.cat([x, y]))
+        return logits[:n], logits[n:]
+
+    def forward_block(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``x`` and ``y`` (int64 (n, L)) to both sides' rows in one forward; logits (n, L, vocab) each."""
+        n = x.shape[0]
+        logits = self.side.forward_block(self.model, torch.cat([x, y]))
         return logits[:n], logits[n:]
 
     def rewind(self, length: torch.Tensor) -> None:

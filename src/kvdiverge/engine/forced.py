@@ -1,0 +1,181 @@
+"""The teacher-forced pass over documents and policies: what the doors call for the ``teacher_forced`` tables.
+
+Each (document, policy) gets its own one-document kernel pair, built by the runner's
+:func:`kvdiverge.engine.runner.build_pair` exactly as the coupled run builds it (the same
+press per prompt length, kept-count promise and prefill seed; a document's prefill forward is
+shared by every policy whose press allows it, as in the coupled run), at temperature 1 and
+``top_p`` 1, and :func:`kvdiverge.engine.llm.teacher.forced_pass` feeds it the document's
+continuation. Where the caller gives no continuation for a document, the full-cache model's
+greedy continuation is generated once and shared by every policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation
+from kvdiverge.engine.runner import Document, PressSource, build_pair, check_policy, check_prompt_lengths
+from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
+
+__all__ = ["Continuation", "continuation_budget", "teacher_forced_policies"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The tokens fed after one document's prompt, and where they come from.
+
+    Parameters
+    ----------
+    tokens : tuple of int
+        ``c_1 .. c_L``.
+    source : str
+        ``"corpus"`` (the text that follows the excerpt in its source) or ``"greedy"``
+        (the full-cache model's arg-max continuation).
+    """
+
+    tokens: tuple[int, ...]
+    source: str
+
+
+def continuation_budget(prompt_len: int, forcing: TeacherForcing, context: int | None) -> int:
+    """Continuation tokens for a prompt: ``forcing.length``, cut to what ``context`` leaves (at least 1)."""
+    if context is None:
+        return forcing.length
+    return max(1, min(forcing.length, int(context) - int(prompt_len)))
+
+
+def _continuation(model, doc: Document, given, forcing: TeacherForcing, sampling: Sampling, context) -> Continuation:
+    budget = continuation_budget(doc.prompt_len, forcing, context)
+    if given is not None and len(given):
+        return Continuation(tuple(int(t) for t in given[:budget]), "corpus")
+    return Continuation(tuple(greedy_continuation(model, doc.input_ids, budget, sampling.eos_ids)), "greedy")
+
+
+def teacher_forced_policies(
+    model,
+    documents: Sequence[Document],
+    policies: Mapping[str, PressSource],
+    *,
+    sampling: Sampling,
+    forcing: TeacherForcing,
+    split: str,
+    continuations: Mapping[str, Sequence[int]] | None = None,
+) -> pl.DataFrame:
+    """Every policy's teacher-forced pass on the same documents and continuations.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model, in eval mode, no press entered.
+    documents : sequence of Document
+        The prompts.
+    policies : mapping of str to PressSource
+        Policy name (the ``policy`` column) -> policy.
+    sampling : Sampling
+        ``seed`` and ``model_name`` (prefill seeds, the ``model`` column) and ``eos_ids``
+        (where a greedy continuation stops); its temperature and ``top_p`` are not used:
+        the pass runs at temperature 1 on the raw logits.
+    forcing : TeacherForcing
+        Continuation length and whether to feed it in one forward.
+    split : str
+        The ``split`` column.
+    continuations : mapping of str to sequence of int, optional
+        Per ``doc_id``, the corpus text that follows the document (tokens, no special
+        tokens); documents without one get the greedy continuation.
+
+    Returns
+    -------
+    polars.DataFrame
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, one row per
+        (policy, document, position), policies in the given order.
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.PressError, ValueError
+        As :func:`kvdiverge.engine.runner.run_policies`: a press the model cannot run, a
+        document shorter than a policy needs.
+    """
+    if not documents:
+        return pl.DataFrame(schema=POSITION_SCHEMA)
+    for name, source in policies.items():
+        check_policy(model, documents, source, f"policy {name!r}")
+    check_prompt_lengths(documents, policies, "policy")
+    context = getattr(model.config, "max_position_embeddings", None)
+    given = continuations or {}
+    frames = []
+    for doc in documents:
+        cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
+        presses, prefilled = _shared_prefills(model, doc, policies, sampling)
+        for name, source in policies.items():
+            made = (presses[name], prefilled.get(name))
+            frames.append(_one(model, doc, (name, source, made), cont, sampling, forcing, split))
+    order = {name: i for i, name in enumerate(policies)}
+    out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
+    return out.sort("_order", maintain_order=True).drop("_order")
+
+
+def _shared_prefills(model, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
+    """Each policy's press for ``doc``, and the prefills of those that share one forward
+    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`, as the coupled run shares them)."""
+    import torch
+
+    from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+    from kvdiverge.engine.llm.twin import evicted_twin
+    from kvdiverge.engine.presses.registry import shares_prefill
+
+    presses = {name: source.build_press(doc.prompt_len) for name, source in policies.items()}
+    names = [n for n, p in presses.items() if p is not None and shares_prefill(p)]
+    if len(names) < 2:
+        return presses, {}
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
+    with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
+        done = prefill_shared(evicted_twin(model), ids, [presses[n] for n in names])
+    return presses, ({} if done is None else dict(zip(names, done)))
+
+
+def _one(model, doc, policy, cont: Continuation, sampling: Sampling, forcing, split) -> pl.DataFrame:
+    """One (document, policy): its pair (``policy`` = name, source, (press, shared prefill or None)), the pass, the rows."""
+    name, source, (press, prefilled) = policy
+    pair = build_pair(
+        model,
+        [doc],
+        source,
+        seed=sampling.seed,
+        model_name=sampling.model_name,
+        temperature=1.0,
+        top_p=1.0,
+        eos_ids=sampling.eos_ids,
+        checked=True,
+        horizon=len(cont.tokens),
+        presses=[press],
+        prefilled=None if prefilled is None else [prefilled],
+    )
+    try:
+        values, one = forced_pass(pair, cont.tokens, forcing)
+    finally:
+        if hasattr(pair, "close"):
+            pair.close()
+    L = len(cont.tokens)
+    cols = {k: v.numpy() for k, v in values.items()}
+    return pl.DataFrame(
+        {
+            "model": [sampling.model_name] * L,
+            "policy": [name] * L,
+            "split": [split] * L,
+            "doc_id": [doc.doc_id] * L,
+            "position": list(range(L)),
+            "token": list(cont.tokens),
+            "continuation": [cont.source] * L,
+            "one_forward": [one] * L,
+            **cols,
+        },
+        schema=POSITION_SCHEMA,
+    )

