@@ -26,6 +26,7 @@ include: "workflow/rules/generate.smk"
 include: "workflow/rules/estimate.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/task.smk"
 
 
 # Every stage appends its final outputs to ALL_TARGETS (defined in common.smk) when
