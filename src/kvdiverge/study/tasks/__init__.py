@@ -162,3 +162,53 @@ def build_task_prompts(documents: pl.DataFrame, tokenizer, settings: Mapping[str
                 out["exclusion_reason"] = exclusion_reason(out["n_prompt_tokens"], minimums, context, T)
             rows.append(out)
     return pl.DataFrame(rows, schema={**SCHEMA, **TASK_COLUMNS}).sort("doc_id")
+
+
+def task_documents(prompts: Mapping[str, str], tokenizer, block: Mapping[str, Any], T: int, render: Mapping) -> tuple:
+    """The task's engine documents and prompts table for :func:`kvdiverge.measure` (``task=``).
+
+    Parameters
+    ----------
+    prompts : mapping of str to str
+        Document id -> text (paragraphs separated by blank lines).
+    tokenizer
+        The model's tokenizer.
+    block : mapping
+        The task's settings as the config's ``task`` block (``{"name": "niah", ...}``).
+    T : int
+        The answer budget (``max_new_tokens``).
+    render : mapping
+        ``system``, ``seed``, ``split``.
+
+    Returns
+    -------
+    (list of kvdiverge.engine.runner.Document, polars.DataFrame)
+        The usable documents (with ``n_question``) and the whole prompts table.
+
+    Raises
+    ------
+    TaskError
+        No document takes its needle (the first reason is given), or a bad setting.
+    """
+    import warnings
+
+    from kvdiverge.engine.runner import Document
+
+    frame = pl.DataFrame(
+        {
+            "doc_id": list(prompts),
+            "split": [render.get("split", "measure")] * len(prompts),
+            "text": list(prompts.values()),
+        }
+    )
+    settings = {"task": dict(block), "seed": int(render.get("seed", 0)), "max_new_tokens": int(T), "minimums": {}}
+    settings["system"] = render.get("system")
+    table = build_task_prompts(frame, tokenizer, settings, context=10**9)
+    bad = table.filter(pl.col("exclusion_reason").is_not_null())
+    if bad.height == table.height:
+        raise TaskError(f"no prompt takes the task: {bad['exclusion_reason'][0]}")
+    for reason in bad["exclusion_reason"]:
+        warnings.warn(f"left out of the task: {reason}", stacklevel=3)
+    usable = table.filter(pl.col("exclusion_reason").is_null())
+    docs = [Document(r["doc_id"], r["input_ids"], int(r["n_question"])) for r in usable.iter_rows(named=True)]
+    return docs, table
