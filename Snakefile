@@ -34,6 +34,7 @@ include: "workflow/rules/estimate.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/teacher.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/task.smk"
 
 
 # Every stage appends its final outputs to ALL_TARGETS (defined in common.smk) when

@@ -175,7 +175,8 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
     """``kvdiverge measure``'s generation, estimation, device and output settings."""
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
-    p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7")
+    p.add_argument("--temperature", type=float, help="default: 0.7, or 0 (greedy) with --task")
+    _task_arguments(p)
     p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
     p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
     p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
@@ -259,6 +260,23 @@ def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches
     return 0
 
 
+def _task_arguments(p: argparse.ArgumentParser) -> None:
+    """``--task`` and ``--question`` (:mod:`kvdiverge.study.tasks`)."""
+    p.add_argument(
+        "--task",
+        choices=["niah"],
+        help="a task score beside the measures: RULER's single needle in each text prompt, answered "
+        "greedily under the full cache and each press; prints accuracy, rank correlations and AUC "
+        "(docs/task.md)",
+    )
+    p.add_argument(
+        "--question",
+        choices=["inside", "after"],
+        default="inside",
+        help="with --task: the question inside the compressed prompt, or prefilled after compression",
+    )
+
+
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
         print(message, file=sys.stderr, flush=True)
@@ -280,18 +298,31 @@ def _write(args: argparse.Namespace, m) -> None:
         _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
 
 
+def _print_task(tables) -> None:
+    """The task's accuracy per press and the correlations, as plain tables."""
+    import polars as pl
+
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, float_precision=3):
+        print(tables["accuracy"].select("policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"))
+        print(tables["correlations"].select("measure", "n_points", "spearman", "spearman_lo", "spearman_hi", "kendall"))
+        print(tables["auc"].select("measure", "n_pairs", "n_broken", "auc", "auc_lo", "auc_hi"))
+
+
 def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.measurement import measure
     from kvdiverge.study.inputs import check_lengths, prepare_documents
     from kvdiverge.study.models import load_model, load_tokenizer
 
+    if args.temperature is None:
+        args.temperature = 0.0 if args.task else 0.7
     check_arguments(args)
     presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
-    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-    check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
+    if not args.task:  # a task builds its own prompts (measure checks them)
+        documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
+        check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
     if args.threads is not None:
         import torch
 
@@ -325,8 +356,11 @@ def _measure(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             batch_documents=args.batch_documents,
             teacher_tokens=args.teacher_tokens,
+            task={"name": args.task, "question": args.question} if args.task else None,
         )
     print(m.format_summary(), flush=True)
+    if m.task is not None:
+        _print_task(m.task)
     if args.ratios:
         print(m.format_frontier(), flush=True)
     _write(args, m)

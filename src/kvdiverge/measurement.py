@@ -84,6 +84,9 @@ class Measurement:
     teacher_forced : kvdiverge.screening.Screen or None
         The teacher-forced pass (``measure(..., teacher_tokens=N)``): llama.cpp's KLD, PPL
         ratio, Same top p and RMS Δp per press (``docs/teacher-forced.md``); None when not run.
+    task : dict of polars.DataFrame or None
+        With :func:`measure`'s ``task``: the task's ``documents``, ``accuracy``,
+        ``correlations`` and ``auc`` tables (:func:`kvdiverge.study.tasks.tables.task_tables`).
     """
 
     trajectories: pl.DataFrame
@@ -98,6 +101,7 @@ class Measurement:
     noise_floor: str | None = None
     batch_documents: int | None = None
     teacher_forced: Any = None
+    task: dict[str, pl.DataFrame] | None = None
     _gaps: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -184,7 +188,8 @@ class Measurement:
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``, ``survival``,
         ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier ``frontier``
-        and ``frontier_areas`` (``.parquet``; ``.csv`` too except for trajectories and replicates),
+        and ``frontier_areas``, with a task ``task_documents``, ``task_accuracy``, ``task_correlations``,
+        ``task_auc`` (``.parquet``; ``.csv`` too except for trajectories and replicates),
         ``measure.json`` (the settings) and ``provenance.json``: ``settings_hash``
         (:func:`kvdiverge.study.provenance.settings_hash` of the settings), ``versions``
         (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents`` (the ``B`` used).
@@ -204,6 +209,7 @@ class Measurement:
             "gaps": self.gaps,
             "summary": self.summary,
             "speculative": self.speculative,
+            **{f"task_{name}": table for name, table in (self.task or {}).items()},
         }
         if self.settings.get("frontier"):
             tables["frontier"], tables["frontier_areas"] = self._frontier()
@@ -272,6 +278,41 @@ class Measurement:
 # --------------------------------------------------------------------------- the call
 
 
+def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: Mapping[str, Any]):
+    """``(documents, prompts table)`` of the task, or ``None`` without one; refuses non-greedy decoding."""
+    if task is None:
+        return None
+    from kvdiverge.study.tasks import task_documents
+
+    if float(temperature) != 0:
+        raise ValueError(f"task={task!r} scores greedy answers: pass temperature=0 (got {temperature})")
+    if isinstance(prompts, str) or not isinstance(prompts, Mapping):
+        prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
+    if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
+        raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
+    block = {"name": task} if isinstance(task, str) else dict(task)
+    return task_documents(prompts, tokenizer, block, T, render)
+
+
+def _task_tables(result: Measurement, table, tokenizer, task, bootstrap: int, confidence: float, seed: int):
+    """The task's tables of a measurement (the workflow's ``task`` rule's function)."""
+    from kvdiverge.study.tasks import task_settings
+    from kvdiverge.study.tasks.tables import task_tables
+
+    entry, _ = task_settings({"name": task} if isinstance(task, str) else task)
+    controls = [result.noise_floor] if result.noise_floor else []
+    return task_tables(
+        result.trajectories,
+        result.documents,
+        table,
+        tokenizer,
+        entry.score,
+        controls=controls,
+        floor=result.noise_floor,
+        bootstrap={"n_boot": int(bootstrap), "confidence": float(confidence), "seed": int(seed)},
+    )
+
+
 def measure(
     model,
     tokenizer,
@@ -300,6 +341,7 @@ def measure(
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
     teacher_tokens: int | None = None,
+    task: str | Mapping[str, Any] | None = None,
 ) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
@@ -373,6 +415,13 @@ def measure(
         model's greedy continuation of each prompt, this many tokens, fed to both sides; its
         headline columns (``kld_mean``, ``ppl_ratio``, ``same_top_p``, ``delta_p_rms``) join the
         summary and :attr:`Measurement.teacher_forced` holds its tables. None (default): not run.
+    task : str or mapping, optional
+        A task score beside the measures (:mod:`kvdiverge.study.tasks`): ``"niah"`` or a
+        config ``task`` block (``{"name": "niah", "depths": [0, 50, 100], "question":
+        "after"}``). Text prompts become the task's prompts; needs ``temperature=0`` (the
+        answers are the greedy coupled run's own). :attr:`Measurement.task` then holds the
+        workflow's task tables (``documents``, ``accuracy``, ``correlations``, ``auc``:
+        :func:`kvdiverge.study.tasks.tables.task_tables`).
 
     Returns
     -------
@@ -414,9 +463,14 @@ def measure(
         }
     )
     T, R = checked["max_new_tokens"], checked["replicates"]
+    task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
+    if task_docs:
+        prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]}
     documents, sources, grid = measure_inputs(
         model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
     )
+    if task_docs:
+        documents = task_docs[0]
     if model_name is None:
         model_name = model_label(model)
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
@@ -468,6 +522,8 @@ def measure(
     )
     if teacher_tokens:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
+    if task_docs:
+        result.task = _task_tables(result, task_docs[1], tokenizer, task, bootstrap, confidence, seed)
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
         warnings.warn(

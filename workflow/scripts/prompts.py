@@ -6,6 +6,7 @@ from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.study.models import context_length, load_model_config, load_tokenizer, local_entry
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
 from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.tasks import build_task_prompts
 
 log = rule_logger(snakemake.log[0], "prompts")
 try:
@@ -18,7 +19,9 @@ try:
     context = context_length(load_model_config(spec, name))
     log.info("context length: %d tokens", context)
     documents = pl.read_parquet(snakemake.input[0])
-    prompts = build_prompts(documents, tokenizer, dict(snakemake.params.settings), context)
+    settings = dict(snakemake.params.settings)
+    build = build_task_prompts if settings.get("task") else build_prompts
+    prompts = build(documents, tokenizer, settings, context)
     log.info("\n%s", summary(prompts))
     check_usable(prompts, dict(snakemake.params.settings))
     write_parquet_atomic(prompts, snakemake.output[0])

@@ -44,10 +44,20 @@ class Document:
         Document id; enters the seeds of the uniform streams.
     input_ids : sequence of int
         Chat-rendered prompt token ids (tokens), used as they are.
+    n_question : int
+        Trailing tokens (the question) prefilled after compression and never evicted, as
+        kvpress's pipeline does (:func:`kvdiverge.engine.llm.prefill.append_question`); the
+        press sees the ``context_len`` tokens before them. 0: the press sees the whole prompt.
     """
 
     doc_id: str
     input_ids: Sequence[int]
+    n_question: int = 0
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the press sees (the prompt without its trailing question)."""
+        return len(self.input_ids) - int(self.n_question)
 
     @property
     def prompt_len(self) -> int:
@@ -526,7 +536,7 @@ def _run_shared(
         for bi, indices in enumerate(batches):
             batch = [documents[i] for i in indices]
             for names_ in groups:
-                presses = {name: [policies[name].build_press(doc.prompt_len) for doc in batch] for name in names_}
+                presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in names_}
                 start = time.perf_counter()
                 bank = _shared_prefills(twin, batch, presses, seed=seed, model_name=model_name)
                 shared_seconds = (time.perf_counter() - start) / len(names_)
@@ -581,7 +591,7 @@ def _shared_prefills(
     got: dict[str, list] = {name: [None] * len(batch) for name in presses}
     for j, doc in enumerate(batch):
         names = [name for name in presses if presses[name][j] is not None and shares_prefill(presses[name][j])]
-        if len(names) < 2:
+        if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
             continue
         ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
         try:
@@ -738,7 +748,7 @@ def build_pair(
     from kvdiverge.engine.presses.registry import is_decode_time, refusal
 
     if presses is None:
-        presses = [policy.build_press(doc.prompt_len) for doc in batch]
+        presses = [policy.build_press(doc.context_len) for doc in batch]
     reason = None if checked else refusal(presses[0], model)  # config attributes the press reads
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
@@ -747,11 +757,17 @@ def build_pair(
         raise ValueError(f"policy {policy.name!r} evicts while decoding; its prefill is not shared")
     kind = DecodeTimePair if decode_time else LLMKernelPair
     extra = {} if prefilled is None else {"prefilled": prefilled}
+    if any(doc.n_question for doc in batch):
+        if decode_time:
+            raise ValueError(
+                f"policy {policy.name!r} evicts while decoding; a question after compression needs a prefill press"
+            )
+        extra["n_questions"] = [doc.n_question for doc in batch]
     return kind.from_documents(
         model,
         [doc.input_ids for doc in batch],
         list(presses),
-        [policy.expected_kept(doc.prompt_len, press) for doc, press in zip(batch, presses)],
+        [policy.expected_kept(doc.context_len, press) for doc, press in zip(batch, presses)],
         temperature=float(temperature),
         top_p=float(top_p),
         eos_ids=eos_ids,

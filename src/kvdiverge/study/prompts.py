@@ -201,10 +201,13 @@ def prompt_settings(config: dict[str, Any]) -> dict[str, Any]:
     The prompts rule passes it as ``params``, so Snakemake reruns the stage exactly when
     one of these changes: ``instruction``, ``system``, ``date`` (the ISO date the chat
     template sees, :func:`template_clock`), ``minimums`` (per split, the minimum prompt
-    tokens of each scheduled policy) and ``max_new_tokens``.
+    tokens of each scheduled policy) and ``max_new_tokens``; with a ``task`` block also
+    ``task`` and ``seed`` (the task's prompts, :func:`kvdiverge.study.tasks.build_task_prompts`).
     """
     prompt = config.get("prompt", {})
+    task = {"task": dict(config["task"]), "seed": int(config["seed"])} if config.get("task") else {}
     return {
+        **task,
         "instruction": prompt["instruction"],
         "system": prompt.get("system"),
         "date": parse_date(prompt.get("date", DEFAULT_DATE)).isoformat(),

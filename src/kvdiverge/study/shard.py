@@ -124,7 +124,10 @@ def run_shard(
     for docs, group in groups.values():
         runs = run_policies(
             model,
-            [Document(row["doc_id"], row["input_ids"]) for row in docs.iter_rows(named=True)],
+            [
+                Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
+                for row in docs.iter_rows(named=True)
+            ],
             {name: Policy.from_config(name, config["policies"][name]) for name in group},
             T=T,
             replicates=R,

@@ -165,6 +165,7 @@ class LLMKernelPair(LLMPairBase):
         fast: bool | None = None,
         joint: bool | None = None,
         prefilled: Sequence | None = None,
+        n_questions: Sequence[int] | None = None,
     ) -> "LLMKernelPair":
         """A pair over several documents, each with its own press and kept count.
 
@@ -195,6 +196,11 @@ class LLMKernelPair(LLMPairBase):
             (:func:`kvdiverge.engine.llm.prefill.prefill_shared`: one forward for several
             policies); :meth:`start` checks and merges it as its own. ``None`` (the default):
             :meth:`start` prefills each document.
+        n_questions : sequence of int, optional
+            Per document, its trailing question tokens, prefilled after compression onto both
+            caches and never evicted (:func:`kvdiverge.engine.llm.prefill.append_question`, as
+            kvpress's pipeline); the press sees, and promises its kept count for, the tokens
+            before them. ``None``: the press sees every prompt token.
 
         Raises
         ------
@@ -224,17 +230,18 @@ class LLMKernelPair(LLMPairBase):
             joint=joint,
         )
         pair._prefilled = None if prefilled is None else list(prefilled)
+        pair.n_questions = [0] * len(prompts) if n_questions is None else [int(n) for n in n_questions]
         return pair
 
-    def _prefill_document(self, ids: torch.Tensor, press, expected, seed, given=None):
+    def _prefill_document(self, ids: torch.Tensor, press, expected, seed, given=None, n_question: int = 0):
         """Prefill one document (torch's generator seeded with ``seed``) unless ``given``; check its evicted
-        cache, record its kept counts."""
+        cache (the context's part against the promise), record its kept counts (question included)."""
         n = int(ids.numel())
         if given is not None:
             done = given
         else:
             with seeded(seed, self.device):
-                done = prefill(self.model, self.twin, ids, press)
+                done = prefill(self.model, self.twin, ids, press, n_question=n_question)
         for li, layer in enumerate(done.ev.layers):
             if layer.keys.shape[2] > n:
                 raise CompressionError(
@@ -243,7 +250,7 @@ class LLMKernelPair(LLMPairBase):
                     f"left extra positions in the cache"
                 )
         kept = done.kept
-        check_kept(kept, expected, self.twin.config, press, n)
+        check_kept(kept - n_question, expected, self.twin.config, press, n - n_question)
         self.kept_lens.append(int(torch.round(kept.double().mean())))
         self.kept_per_layer.append([int(k) for k in kept.sum(1)])
         self.kept_counts.append(kept.cpu())
@@ -277,9 +284,10 @@ class LLMKernelPair(LLMPairBase):
         self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
         given = self._prefilled or [None] * B
         self._prefilled = None  # the caches are merged below; hold no second reference
+        questions = getattr(self, "n_questions", None) or [0] * B
         done = [
             self._prefill_document(*doc)
-            for doc in zip(self.prompts, self.presses, self.expected, self.prefill_seeds, given)
+            for doc in zip(self.prompts, self.presses, self.expected, self.prefill_seeds, given, questions)
         ]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]

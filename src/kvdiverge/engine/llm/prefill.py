@@ -42,6 +42,7 @@ from kvdiverge.engine.presses.registry import draws_global_rng, needs_attentions
 
 __all__ = [
     "FullCache",
+    "append_question",
     "Prefill",
     "attention_weights",
     "full_cache_hooks",
@@ -237,8 +238,59 @@ def _copy(cache):
     return out
 
 
-def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
+def append_question(model, twin, done: Prefill, question: torch.Tensor, context_len: int) -> Prefill:
+    """Prefill a question onto both caches of a compressed context: the question is never evicted.
+
+    kvpress's pipeline (``KVPressTextGenerationPipeline``: the context prefilled under the
+    press, then ``generate_answer``) does this: one forward of the question's tokens on the
+    compressed cache, at RoPE positions ``context_len + i`` (the uncompressed context's
+    length), with the press no longer entered. Here the same forward runs on both sides: the
+    reference on ``model`` over the full cache, the evicted on ``twin`` over the compressed
+    one, with a head-wise press's kept columns (``done.keep``) as ``masked_key_indices`` so
+    kvpress's attention patch masks the same keys it masked at prefill. The question's
+    columns are kept in every head.
+
+    Parameters
+    ----------
+    model, twin : transformers.PreTrainedModel
+        As :func:`prefill`.
+    done : Prefill
+        The context's prefill; its caches grow in place.
+    question : torch.Tensor
+        int64 (m,), the question's tokens (m >= 1).
+    context_len : int
+        Tokens of the uncompressed context.
+
+    Returns
+    -------
+    Prefill
+        The caches with the question appended, the logits of its last token, ``keep``
+        extended by ``m`` columns of True, ``forwards`` plus 2.
+    """
+    ids = question.unsqueeze(0)
+    m = int(ids.shape[1])
+    pos = torch.arange(context_len, context_len + m, device=ids.device).unsqueeze(0)
+    ref_logits = model(input_ids=ids, past_key_values=done.ref, position_ids=pos, use_cache=True, logits_to_keep=1)
+    modules = attention_modules(twin)
+    for mod, keep in zip(modules, done.keep):
+        masked = (~keep).nonzero(as_tuple=True)
+        if masked[0].numel():
+            mod.masked_key_indices = (torch.zeros_like(masked[0]), masked[0], masked[1])
+    try:
+        ev_logits = twin(input_ids=ids, past_key_values=done.ev, position_ids=pos, use_cache=True, logits_to_keep=1)
+    finally:
+        for mod in modules:
+            mod.masked_key_indices = None
+    keep = [torch.cat([k, k.new_ones(k.shape[0], m)], dim=1) for k in done.keep]
+    return Prefill(done.ref, done.ev, ref_logits.logits[:, -1, :], ev_logits.logits[:, -1, :], keep, done.forwards + 2)
+
+
+def prefill(model, twin, ids: torch.Tensor, press, n_question: int = 0) -> Prefill:
     """Prefill one document: the full cache on ``model`` (or copied from the press's forward), the evicted on ``twin``.
+
+    With ``n_question`` the last ``n_question`` tokens are the question, prefilled after
+    compression onto both caches and never evicted (:func:`append_question`); the press
+    sees only the tokens before them.
 
     Parameters
     ----------
@@ -250,11 +302,16 @@ def prefill(model, twin, ids: torch.Tensor, press) -> Prefill:
         int64 (n,), the prompt.
     press : kvpress.BasePress or None
         ``None``: the evicted cache is a copy of the full one.
+    n_question : int
+        Trailing question tokens (0: the press sees the whole prompt).
 
     Returns
     -------
     Prefill
     """
+    if n_question:
+        n = int(ids.shape[0]) - int(n_question)
+        return append_question(model, twin, prefill(model, twin, ids[:n], press), ids[n:], n)
     from kvdiverge.engine.hf import DynamicCache
 
     ids = ids.unsqueeze(0)

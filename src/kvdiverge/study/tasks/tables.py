@@ -1,0 +1,69 @@
+"""The task's tables from a coupled run: one path for the workflow's ``task`` rule and :func:`kvdiverge.measure`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import polars as pl
+
+from kvdiverge.estimation.task import MEASURES, accuracy_table, auc_table, correlation_table, task_documents
+from kvdiverge.study.tasks.answers import score_answers
+
+__all__ = ["TASK_TABLES", "task_tables"]
+
+#: Tables :func:`task_tables` returns, by name (``results/analysis/task/{name}.parquet``).
+TASK_TABLES = ("documents", "accuracy", "correlations", "auc")
+
+
+def task_tables(
+    trajectories: pl.DataFrame,
+    estimates: pl.DataFrame,
+    prompts: pl.DataFrame,
+    tokenizer,
+    score,
+    controls: Sequence[str] = (),
+    floor: str | None = None,
+    bootstrap: Mapping[str, float] | None = None,
+    extra: pl.DataFrame | None = None,
+) -> dict[str, pl.DataFrame]:
+    """Answers, accuracy, correlations and AUC of a greedy coupled run on the task's prompts.
+
+    Parameters
+    ----------
+    trajectories, estimates : polars.DataFrame
+        Shard rows and document estimates of every run (greedy decoding).
+    prompts : polars.DataFrame
+        The task's prompts table (:func:`kvdiverge.study.tasks.build_task_prompts`).
+    tokenizer
+        The model's tokenizer.
+    score : callable
+        The task's scoring function (:attr:`kvdiverge.study.tasks.Task.score`).
+    controls : sequence of str
+        Policies left out of the correlations and AUC (the ``none`` control, the noise floor).
+    floor : str, optional
+        The noise floor's policy (the figure's band).
+    bootstrap : mapping, optional
+        ``n_boot``, ``confidence``, ``seed``.
+    extra : polars.DataFrame, optional
+        More per-document measures on (model, policy, split, doc_id), e.g. teacher-forced
+        ones; every numeric column but the keys becomes a measure.
+
+    Returns
+    -------
+    dict of polars.DataFrame
+        ``documents`` (:func:`kvdiverge.estimation.task.task_documents`), ``accuracy``,
+        ``correlations``, ``auc`` (:mod:`kvdiverge.estimation.task`).
+    """
+    b = {"n_boot": 2000, "confidence": 0.95, "seed": 0, **(bootstrap or {})}
+    answers = score_answers(trajectories, prompts, tokenizer, score)
+    docs = task_documents(answers, estimates, extra)
+    measures = list(MEASURES)
+    if extra is not None:
+        keys = {"model", "policy", "split", "doc_id"}
+        measures += [c for c, t in extra.schema.items() if c not in keys and t.is_numeric()]
+    return {
+        "documents": docs,
+        "accuracy": accuracy_table(docs, measures, int(b["n_boot"]), float(b["confidence"]), int(b["seed"])),
+        "correlations": correlation_table(docs, measures, controls, floor, b),
+        "auc": auc_table(docs, measures, controls, b),
+    }

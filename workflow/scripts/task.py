@@ -1,0 +1,41 @@
+"""Snakemake adapter: the task's tables and figure (kvdiverge.study.tasks.tables, kvdiverge.report.task)."""
+
+import polars as pl
+
+from kvdiverge.estimation.io import write_parquet_atomic, write_text_atomic
+from kvdiverge.report.task import plot_task
+from kvdiverge.study.models import load_tokenizer, local_entry
+from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.tasks import task_settings
+from kvdiverge.study.tasks.tables import TASK_TABLES, task_tables
+
+log = rule_logger(snakemake.log[0], "task")
+i, o, p = snakemake.input, snakemake.output, snakemake.params
+try:
+    spec = dict(p.model)
+    if i.model:
+        spec = local_entry(spec, i.model)
+    tokenizer = load_tokenizer(spec, snakemake.wildcards.model)
+    task, _ = task_settings(p.task)
+    tables = task_tables(
+        pl.concat([pl.read_parquet(f) for f in i.shards], how="diagonal_relaxed"),
+        pl.concat([pl.read_parquet(f) for f in i.estimates], how="diagonal_relaxed"),
+        pl.read_parquet(i.prompts),
+        tokenizer,
+        task.score,
+        controls=p.controls,
+        floor=p.floor,
+        bootstrap=dict(p.bootstrap),
+    )
+    for name in TASK_TABLES:
+        write_parquet_atomic(tables[name], o[name])
+        write_text_atomic(tables[name].drop(pl.selectors.by_dtype(pl.List)).write_csv(), o[f"{name}_csv"])
+    acc = tables["accuracy"]
+    log.info("accuracy:\n%s", acc.select("policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"))
+    log.info("correlations:\n%s", tables["correlations"])
+    log.info("auc:\n%s", tables["auc"])
+    plot_task(acc, tables["correlations"], o.png, o.pdf, controls=p.controls)
+    log.info("wrote %s", list(o))
+except Exception:
+    log.exception("task stage failed")
+    raise
