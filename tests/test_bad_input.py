@@ -212,8 +212,9 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     import torch
 
     from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.presses.policies import PressPolicy
-    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.engine.runner import Document, RunOptions, run_documents
     from kvdiverge.reference.miniatures import MINIATURE, random_model
 
     (tmp_path / "boompress.py").write_text(BOOM)
@@ -237,13 +238,8 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
                 model,
                 [Document("d", ids)],
                 PressPolicy(name, press),
-                T=4,
-                replicates=1,
-                temperature=1.0,
-                top_p=1.0,
-                seed=0,
-                model_name="m",
-                batch_documents=1,
+                Sampling(T=4, replicates=1, temperature=1.0, top_p=1.0, seed=0, model_name="m"),
+                RunOptions(batch_documents=1),
             )
         assert str(info.value) == (
             f"policy {name!r} ({type(press).__name__}): the press failed {phase} with RuntimeError: boom in score"
