@@ -1,4 +1,4 @@
-"""A reference trajectory engine: one document per kernel pair, the coupling on the CPU, one row at a time.
+"""The oracle engine: one document per kernel pair, the coupling on the CPU, one row at a time.
 
 The unbatched path that the batched engine (:func:`kvdiverge.engine.core.coupled.run_batch`)
 must reproduce: :func:`decode_log_probs` and :func:`nucleus` (the decoding transform),
