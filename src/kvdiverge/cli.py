@@ -245,6 +245,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
         "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out",
     )
+    _press_arguments(p)
+    _prompt_arguments(p)
+    _setting_arguments(p)
+    return root
+
+
+def _press_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the presses, the caches and the budget."""
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
     p.add_argument(
         "--press",
@@ -271,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
         help="keep this many prompt positions per layer and head (a per-prompt compression "
         "ratio of the press that takes one); instead of compression_ratio",
     )
+
+
+def _prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the prompts come from and how they are rendered."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--prompts",
@@ -293,6 +305,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"text appended to each prompt after a blank line (default for --sotu: {SOTU_INSTRUCTION!r})",
     )
     p.add_argument("--system", help="system message")
+
+
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The measurement settings, the device, the frontier and the outputs."""
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
     p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7")
@@ -332,7 +348,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
-    return root
 
 
 def _say(quiet: bool, message: str) -> None:
