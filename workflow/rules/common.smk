@@ -41,7 +41,7 @@ SPLITS = ("exploratory", "confirmatory")
 # policies those points run as; empty without a `frontier` section.
 FRONTIER_POINTS = kvdiverge.study.config.frontier_points(config)
 FRONTIER_SPLIT = kvdiverge.study.config.frontier_split(config)
-FRONTIER_POLICIES = [pt["policy"] for pt in FRONTIER_POINTS]
+FRONTIER_POLICIES = [pt.policy for pt in FRONTIER_POINTS]
 MODELS = list(config["models"])
 RUNS = kvdiverge.study.config.runs(config)  # [(model, policy, split), ...], control included
 SHARDS = list(range(int(config["shards"])))

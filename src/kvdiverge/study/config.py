@@ -27,9 +27,12 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import yaml
+
+if TYPE_CHECKING:
+    from kvdiverge.estimation.frontier import FrontierPoint
 
 SPLITS = ("exploratory", "confirmatory")
 
@@ -513,10 +516,10 @@ def cache_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     return {**defaults, **{k: v for k, v in (settings or {}).items() if k != "cache"}}
 
 
-def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The frontier's points: ``{"policy", "press", "compression_ratio", "budget", "cache",
-    "cache_settings"}`` per (press, ratio), (press, budget), cache alone and (press, cache
-    ratio, cache), in config order; empty without a ``frontier`` section
+def frontier_points(config: dict[str, Any]) -> list[FrontierPoint]:
+    """The frontier's points (:class:`kvdiverge.estimation.frontier.FrontierPoint`) per (press,
+    ratio), (press, budget), cache alone and (press, cache ratio, cache), in config order;
+    empty without a ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`; the caches' settings with their
     defaults, :func:`cache_settings`)."""
     from kvdiverge.estimation.frontier import frontier_grid
@@ -557,7 +560,7 @@ def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
     )
 
 
-def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
+def frontier_policy(press: Any, point: FrontierPoint) -> Any:
     """The policy of one frontier point: the press's entry with the point's
     ``compression_ratio`` (or ``budget``) and, at a quantized-cache point, the cache's keys
     (``cache: quantized``, ``backend``, ``nbits``, ...); a cache alone is the cache's keys
@@ -568,7 +571,7 @@ def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
     press : mapping, kvpress press or None
         A policy entry without its ratio (``{"press": "SnapKVPress", "window_size": 16}``),
         or a press object; None for a cache alone.
-    point : dict
+    point : kvdiverge.estimation.frontier.FrontierPoint
         A point of :func:`kvdiverge.estimation.frontier.frontier_grid`.
 
     Raises
@@ -577,27 +580,23 @@ def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
         An entry that already gives ``compression_ratio``, ``budget`` or a cache key, a
         budget or a quantized cache for a press object, or a press object that takes no ratio.
     """
-    cache = point.get("cache_settings")
+    cache = point.cache_settings
     keys = {} if cache is None else {"cache": "quantized", **cache}
-    if point["press"] is None:
+    if point.press is None:
         return keys
-    label = point["press"]
+    label = point.press
     if isinstance(press, Mapping):
         for key in ("compression_ratio", "budget", "cache", "backend", "nbits", "q_group_size", "residual_length"):
             if press.get(key) is not None:
                 raise ValueError(f"press {label!r}: give it without {key}; the frontier sets it")
-        extra = (
-            {"compression_ratio": point["compression_ratio"]}
-            if point["budget"] is None
-            else {"budget": point["budget"]}
-        )
+        extra = {"compression_ratio": point.compression_ratio} if point.budget is None else {"budget": point.budget}
         return {**copy.deepcopy(dict(press)), **extra, **keys}
-    if point["budget"] is not None or cache is not None:
+    if point.budget is not None or cache is not None:
         what = "a fixed budget" if cache is None else "a quantized cache"
         raise ValueError(
             f"press {label!r}: {what} needs a policy entry ({{'press': 'SnapKVPress', ...}}), not a press object"
         )
-    return press_at_ratio(press, point["compression_ratio"], label)
+    return press_at_ratio(press, point.compression_ratio, label)
 
 
 def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_validator) -> list[str]:
@@ -661,6 +660,8 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         one of [2, 4] ...``), a user policy whose name holds ``@`` (reserved for the
         frontier) or collides with a frontier policy, or no ``runs.floor``.
     """
+    from kvdiverge.estimation.frontier import frontier_problems
+
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []
@@ -668,12 +669,8 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         grid = frontier_points(config) if f else []
     except ValueError as exc:  # a value the schema's bounds cannot express (two points of one name)
         raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
-    made = {p["policy"] for p in grid}
-    for name in policies:
-        if "@" in name and name not in made:
-            problems.append(
-                f"policies.{name}: '@' in a policy name is reserved for the frontier's <press>@<ratio> policies"
-            )
+    made = {p.policy for p in grid}
+    problems += frontier_problems((), policies=[name for name in policies if name not in made])
     if not f:
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -691,7 +688,7 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
 
 
 def _expand_points(
-    config: dict[str, Any], grid: list[dict[str, Any]], policies: Mapping[str, Any], schema: dict[str, Any]
+    config: dict[str, Any], grid: list[FrontierPoint], policies: Mapping[str, Any], schema: dict[str, Any]
 ) -> list[str]:
     """Add each frontier point to ``config`` (policies and the split's runs); the problems, by frontier key.
 
@@ -704,20 +701,20 @@ def _expand_points(
     problems: list[str] = []
     checked: set[str] = set()
     for point in grid:
-        entry = frontier_policy(f["presses"][point["press"]] if point["press"] else None, point)
-        name = point["policy"]
+        entry = frontier_policy(f["presses"][point.press] if point.press else None, point)
+        name = point.policy
         key, probe = (
-            (f"frontier.presses.{point['press']}", entry)
-            if point["cache"] is None
-            else (f"frontier.caches.{point['cache']}", {"cache": "quantized", **point["cache_settings"]})
+            (f"frontier.presses.{point.press}", entry)
+            if point.cache is None
+            else (f"frontier.caches.{point.cache}", {"cache": "quantized", **point.cache_settings})
         )
         if key not in checked:
             checked.add(key)
             problems += _frontier_entry_problems(key, probe, name, policy_validator)
         own = (
-            f"frontier.presses.{point['press']} at {name.split('@', 1)[1]}"
-            if point["press"]
-            else f"frontier.caches.{point['cache']}"
+            f"frontier.presses.{point.press} at {name.split('@', 1)[1]}"
+            if point.press
+            else f"frontier.caches.{point.cache}"
         )
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {own}; rename the policy")

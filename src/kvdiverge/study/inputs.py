@@ -20,7 +20,6 @@ before parsing its arguments).
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvdiverge.engine.runner import Document, PressSource
+    from kvdiverge.estimation.frontier import FrontierPoint
 
 __all__ = [
     "InputError",
@@ -310,7 +310,7 @@ def frontier_presses(
     budgets: Sequence[int] = (),
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[FrontierPoint]]:
     """Every press at every ratio (and budget), and each quantized cache alone and after each press,
     named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
@@ -342,9 +342,8 @@ def frontier_presses(
     -------
     presses : dict
         Name -> press object or policy entry, the floor last.
-    grid : list of dict
-        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``,
-        ``cache``, ``cache_settings``).
+    grid : list of kvdiverge.estimation.frontier.FrontierPoint
+        The frontier points.
 
     Raises
     ------
@@ -354,7 +353,7 @@ def frontier_presses(
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
     from kvdiverge.engine.presses.project import PermutationPress
-    from kvdiverge.estimation.frontier import frontier_grid
+    from kvdiverge.estimation.frontier import frontier_grid, frontier_problems
     from kvdiverge.study.config import frontier_policy
 
     if not ratios and not budgets:
@@ -366,22 +365,9 @@ def frontier_presses(
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    for n in scored:
-        for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>")):
-            if mark in n:
-                raise ValueError(
-                    f"press {n!r}: '{mark}' in a press name is reserved for the frontier's {form} names; rename it"
-                )
-    for n in caches or {}:
-        if "@" in str(n) or "+" in str(n):
-            raise ValueError(
-                f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
-                f"<press>@<ratio>+<cache> names; rename it"
-            )
-    for key, values in (("ratios", ratios), ("cache_ratios", cache_ratios or ())):
-        for r in values:
-            if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
-                raise ValueError(f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
+    problems = frontier_problems(scored, ratios, budgets, dict.fromkeys(caches or {}), cache_ratios)
+    if problems:  # the labels and values, before the caches' settings are completed and checked
+        raise ValueError(problems[0])
     caches = _frontier_caches(caches) if caches else {}
     grid = frontier_grid(
         list(scored),
@@ -390,9 +376,7 @@ def frontier_presses(
         caches,
         None if cache_ratios is None else [float(r) for r in cache_ratios],
     )
-    out = {
-        point["policy"]: frontier_policy(scored[point["press"]] if point["press"] else None, point) for point in grid
-    }
+    out = {point.policy: frontier_policy(scored[point.press] if point.press else None, point) for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
 
@@ -653,7 +637,7 @@ def measure_settings(
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
     if grid is not None:
-        settings["frontier"] = grid
+        settings["frontier"] = [point.as_dict() for point in grid]
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None
     quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
     if quantized:
