@@ -34,7 +34,8 @@ from kvdiverge.estimation.frontier import (
     range_mean,
     trapezoid_area,
 )
-from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
+from kvdiverge.study.config import ConfigError, expand_frontier, load_config, runs, validate
+from kvdiverge.study.frontier import frontier_points
 from kvdiverge.study.provenance import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]

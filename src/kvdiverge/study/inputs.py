@@ -4,7 +4,7 @@
   engine documents and presses as policies, checked before any generation
   (:func:`kvdiverge.measure`).
 - :func:`frontier_presses`: every press at every ratio, the config frontier's points
-  (:func:`kvdiverge.study.config.frontier_policy`), beside the noise floor.
+  (:func:`kvdiverge.study.frontier.frontier_policy`), beside the noise floor.
 - :func:`read_prompts` reads a text, JSON-lines or parquet file; :func:`sotu_prompts` takes
   excerpts of the embedded corpus as the workflow's exploratory split does;
   :func:`model_entry` turns a model argument (``embedded``, a directory, a ``.gguf`` file,
@@ -268,11 +268,12 @@ def _floor_like(name: str, value: Any) -> bool:
 
 
 def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
-    """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.config.cache_settings`),
+    """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.frontier.cache_settings`),
     checked as a policy of the cache alone is (:func:`kvdiverge.study.config.policy_entry_problems`)."""
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.study.config import cache_settings, policy_entry_problems
+    from kvdiverge.study.config import policy_entry_problems
+    from kvdiverge.study.frontier import cache_settings
 
     if not isinstance(caches, Mapping):
         raise ValueError(
@@ -316,7 +317,7 @@ def frontier_presses(
 
     The same grid and the same points as the config's ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`,
-    :func:`kvdiverge.study.config.frontier_policy`). A noise-floor press
+    :func:`kvdiverge.study.frontier.frontier_policy`). A noise-floor press
     (``PermutationPress``) is kept as it is, not expanded; when there is none, one is
     added as ``noise-floor``, so that the frontier has its floor beside it.
 
@@ -354,7 +355,7 @@ def frontier_presses(
     """
     from kvdiverge.engine.presses.project import PermutationPress
     from kvdiverge.estimation.frontier import frontier_grid, frontier_problems
-    from kvdiverge.study.config import frontier_policy
+    from kvdiverge.study.frontier import frontier_policy
 
     if not ratios and not budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
