@@ -44,8 +44,15 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
+from kvdiverge.estimation.bootstrap import (
+    interval_columns,
+    percentile_interval,
+    put_interval,
+    resample_counts,
+    resample_indices,
+)
 from kvdiverge.estimation.decomposition import check_decomposition
+from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "POINT_METRICS",
@@ -385,11 +392,6 @@ def _median_step(f: np.ndarray) -> np.ndarray:
     return np.where(mass > 0, step, np.nan)
 
 
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
-
-
 def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Pooled metrics of one point (documents in ``g``, sorted as ``counts``' columns) and their resamples."""
     X = {c: g[c].to_numpy().astype(np.float64) for c in _DOC_COLUMNS}
@@ -400,12 +402,12 @@ def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float
         m = {c: weights @ X[c] / n for c in _DOC_COLUMNS}
         return {
             "p_div": m["p_div"],
-            "tau_mean": _ratio(m["E_tau_div"], m["p_div"]),
+            "tau_mean": safe_divide(m["E_tau_div"], m["p_div"]),
             "tau_median": _median_step(weights @ F / n),
             "E_M": m["E_M"],
             "first_mismatch_term": m["p_div"] / T,
             "exposure_rate_term": m["E_M"] - m["p_div"] / T,
-            "rho": _ratio(m["E_N_post"], m["E_L"]),
+            "rho": safe_divide(m["E_N_post"], m["E_L"]),
             "E_L": m["E_L"],
             "E_N_post": m["E_N_post"],
         }
@@ -420,7 +422,7 @@ def _with_intervals(
 ) -> None:
     for m in POINT_METRICS:
         lo, hi = percentile_interval(boot[m], confidence)
-        row[prefix + m], row[prefix + m + "_lo"], row[prefix + m + "_hi"] = point[m], float(lo), float(hi)
+        put_interval(row, prefix + m, point[m], lo, hi)
 
 
 def common_range(spans: Mapping[str, tuple[float, float]]) -> tuple[float, float, list[str]] | None:
@@ -518,10 +520,10 @@ POINT_SCHEMA: dict[str, Any] = {
     "n_docs": pl.Int64,
     "T": pl.Int64,
     "rank": pl.Int64,
-    **{f"{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
+    **{c: pl.Float64 for m in POINT_METRICS for c in interval_columns(m)},
     "floor": pl.String,
     "floor_n_docs": pl.Int64,
-    **{f"floor_{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
+    **{c: pl.Float64 for m in POINT_METRICS for c in interval_columns(f"floor_{m}")},
     "above_floor_p_div": pl.Boolean,
     "above_floor_E_M": pl.Boolean,
     "above_floor": pl.Boolean,
@@ -546,10 +548,10 @@ AREA_SCHEMA: dict[str, Any] = {
     "range_lo": pl.Float64,
     "range_hi": pl.Float64,
     **{
-        f"{pre}{m}{s}": pl.Float64
+        c: pl.Float64
         for pre in ("mean_", "diff_best_mean_", "area_", "diff_best_area_")
         for m in ("E_M", "p_div")
-        for s in ("", "_lo", "_hi")
+        for c in interval_columns(pre + m)
     },
     "first_ratio_above_floor": pl.Float64,
     "above_floor_everywhere": pl.Boolean,
@@ -805,7 +807,7 @@ def _with_differences(rows, values, confidence):
                 val, boot = values[r["curve"]][m][kind]
                 bval, bboot = values[best["curve"]][m][kind]
                 lo, hi = percentile_interval(boot, confidence)
-                r[f"{kind}_{m}"], r[f"{kind}_{m}_lo"], r[f"{kind}_{m}_hi"] = float(val), float(lo), float(hi)
+                put_interval(r, f"{kind}_{m}", val, lo, hi)
                 comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
                 dlo, dhi = percentile_interval(boot - bboot, confidence) if comparable else (math.nan, math.nan)
                 r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan
