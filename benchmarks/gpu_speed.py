@@ -75,12 +75,9 @@ def make_documents(n: int, tokens: int, vocab: int, eos: set[int], seed: int = 0
 def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None, override: int | None) -> tuple[int, str]:
     """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
-    1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
     ``kvdiverge.engine.llm.planner.plan_batch`` with the arguments the runner gives it (matched by
     name; a planner this script cannot call falls back to ``override`` or 1).
     """
-    if "batch_documents" not in inspect.signature(run_documents).parameters:
-        return 1, "engine without batch_documents: one document per forward"
     try:
         from kvdiverge.engine.llm import planner
     except ImportError:

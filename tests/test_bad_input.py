@@ -71,12 +71,10 @@ def test_the_command_line_refuses_a_setting_before_loading_the_model(extra, mess
 
 
 def test_every_error_is_one_line_and_debug_shows_the_traceback(prompts, monkeypatch, capsys):
-    from kvdiverge.study import inputs
-
     def broken(*args, **kwargs):
         raise RuntimeError("something inside broke")
 
-    monkeypatch.setattr(inputs, "prepare_presses", broken)
+    monkeypatch.setattr(cli, "prepare_presses", broken)  # the command line builds its presses before the model
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
     assert run(argv) == 2
     assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
