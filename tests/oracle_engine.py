@@ -203,7 +203,7 @@ class LLMKernelPair:
         self.top_p = float(top_p)
         self.expected_kept = expected_kept
         if eos_ids is None:
-            from kvdiverge.study.models import eos_ids as model_eos_ids
+            from kvdiverge.engine.llm.pair_base import model_eos_ids
 
             eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)
