@@ -29,8 +29,9 @@ import polars as pl
 import torch
 
 import kvdiverge.engine.llm.decode_pair as decode_pair
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.presses.policies import policies_from_config
-from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
 from kvdiverge.study.corpus import build_corpus
 from kvdiverge.study.models import load_model
@@ -77,13 +78,15 @@ def main() -> None:
                 model,
                 documents,
                 policies[policy],
-                T=T,
-                replicates=R,
-                temperature=float(cfg["decoding"]["temperature"]),
-                top_p=float(cfg["decoding"]["top_p"]),
-                seed=int(cfg["seed"]),
-                model_name=name,
-                batch_documents=args.batch_documents,
+                Sampling(
+                    T=T,
+                    replicates=R,
+                    temperature=float(cfg["decoding"]["temperature"]),
+                    top_p=float(cfg["decoding"]["top_p"]),
+                    seed=int(cfg["seed"]),
+                    model_name=name,
+                ),
+                RunOptions(batch_documents=args.batch_documents),
             )
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             steps = sum(2 * (sum(1 for v in r["tv"] if v == v) + len(r["branch_x"])) for r in recs)

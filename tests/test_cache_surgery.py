@@ -19,6 +19,7 @@ import pytest
 import torch
 from kvpress import KnormPress
 
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.engine.llm.side import JointSides
 from kvdiverge.reference.miniatures import MINIATURE, random_model
@@ -50,7 +51,7 @@ def presses(kind):
 
 def pair_of(model, prompts, press_list, fast=True):
     return LLMKernelPair.from_documents(
-        model, prompts, press_list, [None] * len(prompts), temperature=1.0, eos_ids=[], fast=fast
+        model, prompts, press_list, [None] * len(prompts), decoding=Decoding(temperature=1.0, eos_ids=[]), fast=fast
     )
 
 

@@ -29,6 +29,7 @@ import torch
 
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.reference.constructions import ConstructedPair
 from kvdiverge.reference.miniatures import MINIATURE, random_model
@@ -119,7 +120,7 @@ def llm_cases():
         for name, eos, temperature, press, T in LLM:
             presses = [getattr(kvpress, press)(compression_ratio=0.5) for _ in prompts]
             pair = LLMKernelPair.from_documents(
-                model, prompts, presses, [None] * 3, temperature=temperature, eos_ids=eos
+                model, prompts, presses, [None] * 3, decoding=Decoding(temperature=temperature, eos_ids=eos)
             )
             out[f"llm {name}"] = exact(run_batch(pair, T, 4, 7, "mini", ["p0", "p1", "p2"]))
         return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.attention import GROUPED_SDPA, grouped_sdpa
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
@@ -196,7 +197,7 @@ def trace(model, prompts, name, fast, joint=None):
         prompts,
         presses,
         expected,
-        temperature=1.0,
+        decoding=Decoding(temperature=1.0),
         fast=fast,
         prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))],
         joint=joint,
@@ -249,7 +250,9 @@ def test_both_sides_decode_in_one_forward_per_step_on_the_twin(model, prompts, j
     import kvpress
 
     presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
-    pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * len(prompts), temperature=1.0, joint=joint)
+    pair = LLMKernelPair.from_documents(
+        model, prompts, presses, [None] * len(prompts), decoding=Decoding(temperature=1.0), joint=joint
+    )
     n = len(prompts) * R
     pair.start(n)
     on_model, on_twin = Forwards(model), Forwards(pair.twin)
@@ -297,7 +300,9 @@ def test_headwise_masks_still_apply(model, prompts):
 
     def run(drop):
         presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
-        pair = LLMKernelPair.from_documents(model, prompts, presses, [None] * len(prompts), temperature=1.0)
+        pair = LLMKernelPair.from_documents(
+            model, prompts, presses, [None] * len(prompts), decoding=Decoding(temperature=1.0)
+        )
         pair.start(len(prompts) * R)
         assert pair._sides.side.masks is not None
         if drop:

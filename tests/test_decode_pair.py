@@ -11,10 +11,12 @@ from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.presses.window import SlidingWindowPress
+from kvdiverge.engine.runner import RunOptions
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 T, TEMPERATURE = 10, 2.0  # a flat sampling temperature spreads the branch starts t*
@@ -110,7 +112,9 @@ def replay(model, ids, press, history, temperature=TEMPERATURE):
 
 def run(model, prompts, make, R):
     rec = Recorder(
-        DecodeTimePair(model, prompts, [make() for _ in prompts], [None] * len(prompts), temperature=TEMPERATURE)
+        DecodeTimePair(
+            model, prompts, [make() for _ in prompts], [None] * len(prompts), decoding=Decoding(temperature=TEMPERATURE)
+        )
     )
     out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
     return rec, out
@@ -183,7 +187,9 @@ def test_three_documents_equal_replay_within_batch_tolerance(model, prompts, nam
 
 @pytest.mark.miniature
 def test_chain_compresses_and_counts_replay(model, prompts):
-    pair = DecodeTimePair(model, prompts, [decoding_press() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts, [decoding_press() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+    )
     out = run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.kept_lens == [8, 8, 8]  # target_size, reached along the chain (the prompt is kept at prefill)
     starts = [(r["t_star"], i // 3) for i, r in enumerate(out) if r["t_star"] and r["branch_y"]]
@@ -236,14 +242,18 @@ def test_decode_time_detection_and_refusal():
     assert is_decode_time(cam) and "random" in refusal(cam)
     assert refusal(decoding_press()) is None
     with pytest.raises(ValueError, match="CAMPress"):
-        DecodeTimePair(random_model(MINIATURE["qwen-2.5-7b"]), [[1, 2, 3]], [cam], [None], temperature=1.0)
+        DecodeTimePair(
+            random_model(MINIATURE["qwen-2.5-7b"]), [[1, 2, 3]], [cam], [None], decoding=Decoding(temperature=1.0)
+        )
 
 
 @pytest.mark.miniature
 @torch.inference_mode()
 def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
     make = decoding_press
-    pair = DecodeTimePair(model, prompts[:2], [make(), make()], [None, None], temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts[:2], [make(), make()], [None, None], decoding=Decoding(temperature=TEMPERATURE)
+    )
     pair.start(4)
     hist = [[5], [6], [7], [8]]
     for step in range(5):  # compression events after steps 2 and 4
@@ -269,7 +279,9 @@ def test_window_lanes_of_a_document_decode_as_one(model, prompts, monkeypatch, m
 
     if not merge:
         monkeypatch.setattr(decode_pair, "_merges_lanes", lambda press: False)
-    pair = DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+    )
     lanes_per_doc = []
     advance = pair.advance
 
@@ -298,7 +310,9 @@ def test_the_reference_side_is_batched_once_every_prefill_evicted(model, prompts
     # SlidingWindowPress evicts at prefill: Q != P from step 1, so every document's reference rows
     # decode in one forward; DecodingPress keeps the prompt at prefill (Q = P exactly until its
     # first compression), so each document keeps an unpadded reference on the lanes' kernels
-    pair = DecodeTimePair(model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+    )
     advances = []
     advance = pair.advance
     pair.advance = lambda x, y: advances.append(x.numel()) or advance(x, y)
@@ -317,12 +331,18 @@ def test_the_reference_side_is_batched_once_every_prefill_evicted(model, prompts
 def test_the_chain_lanes_prefill_gives_the_full_cache_and_ratio_0_gives_tv_0(model, prompts, name):
     # one prefill forward per document: the full cache is copied before each layer's compression,
     # and at ratio 0 (nothing evicted, ever) every step's TV is exactly 0
-    pair = DecodeTimePair(model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+    )
     run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.counts["reference_prefills"] == 0 and pair.counts["prefill_forwards"] >= 3
     pair.close()
     zero = DecodeTimePair(
-        model, prompts, [SlidingWindowPress(0.0, n_sink=2) for _ in prompts], [None] * 3, temperature=TEMPERATURE
+        model,
+        prompts,
+        [SlidingWindowPress(0.0, n_sink=2) for _ in prompts],
+        [None] * 3,
+        decoding=Decoding(temperature=TEMPERATURE),
     )
     out = run_batch(zero, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert zero.counts["reference_prefills"] == 0
@@ -363,7 +383,13 @@ def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
             super().keep_rows(rows)
 
     rec = RecordP(
-        DecodeTimePair(model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+        DecodeTimePair(
+            model,
+            prompts,
+            [PRESSES["window"]() for _ in prompts],
+            [None] * 3,
+            decoding=Decoding(temperature=TEMPERATURE),
+        )
     )
     run_batch(rec, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert len(rec.pair._refs) == 1
@@ -378,7 +404,9 @@ def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
 @pytest.mark.miniature
 def test_lanes_of_presses_with_step_counters_stay_apart(model, prompts):
     # DecodingPress counts steps per lane: a replayed branch keeps a lane of its own
-    pair = DecodeTimePair(model, prompts, [decoding_press() for _ in prompts], [None] * 3, temperature=TEMPERATURE)
+    pair = DecodeTimePair(
+        model, prompts, [decoding_press() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+    )
     run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.counts["lane_forwards"] > pair.counts["reference_forwards"]
     pair.close()
@@ -426,13 +454,8 @@ def test_runner_chooses_the_decode_time_pair(model, prompts):
             model,
             docs,
             PressPolicy("p", press),
-            T=8,
-            replicates=2,
-            temperature=TEMPERATURE,
-            top_p=1.0,
-            seed=5,
-            model_name="miniature",
-            batch_documents=B,
+            Sampling(T=8, replicates=2, temperature=TEMPERATURE, top_p=1.0, seed=5, model_name="miniature"),
+            RunOptions(batch_documents=B),
         )
 
     # kept_len: the fewest positions along the chain (the decoding press reaches target_size = 8)
@@ -454,7 +477,9 @@ def test_a_batch_of_documents_gives_each_the_records_it_has_alone(model, prompts
     R = 3
 
     def records(docs, ids):
-        pair = DecodeTimePair(model, docs, [make() for _ in docs], [None] * len(docs), temperature=TEMPERATURE)
+        pair = DecodeTimePair(
+            model, docs, [make() for _ in docs], [None] * len(docs), decoding=Decoding(temperature=TEMPERATURE)
+        )
         return run_batch(pair, T, R, 11, "miniature", ids)
 
     batch = records(prompts, [f"d{i}" for i in range(len(prompts))])

@@ -20,3 +20,12 @@ def test_with_interval():
     r = {"E_M": 0.25, "E_M_lo": 0.125, "E_M_hi": None}
     assert with_interval(r, "E_M") == "0.25 [0.125, –]"
     assert with_interval(r, "E_M", digits=1, missing="-") == "0.2 [0.1, -]"
+
+
+def test_the_table_renderers():
+    from kvdiverge.estimation.render import html_table, text_table
+
+    assert text_table(["run", "p"], [["a", "0.5"], ["bb", "12"]]) == ["run    p", "---  ---", "a    0.5", "bb    12"]
+    assert html_table(["x<y"], [[1], ["&"]]) == (
+        "<table><thead><tr><th>x&lt;y</th></tr></thead><tbody><tr><td>1</td></tr><tr><td>&amp;</td></tr></tbody></table>"
+    )

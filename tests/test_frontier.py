@@ -24,6 +24,7 @@ import yaml
 from conftest import run_main
 
 from kvdiverge.estimation.frontier import (
+    FrontierPoint,
     common_range,
     frontier_curves,
     frontier_grid,
@@ -33,7 +34,8 @@ from kvdiverge.estimation.frontier import (
     range_mean,
     trapezoid_area,
 )
-from kvdiverge.study.config import ConfigError, expand_frontier, frontier_points, load_config, runs, validate
+from kvdiverge.study.config import ConfigError, expand_frontier, load_config, runs, validate
+from kvdiverge.study.frontier import frontier_points
 from kvdiverge.study.provenance import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,9 +64,10 @@ def test_names_of_frontier_points():
     with pytest.raises(ValueError, match="exactly one"):
         frontier_name("snapkv", ratio=0.5, budget=128)
     grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
-    assert [p["policy"] for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
+    assert [p.policy for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
     # full-precision points name no cache
-    assert grid[2] == {
+    assert grid[2] == FrontierPoint("a@b64", "a", None, 64)
+    assert grid[2].as_dict() == {
         "policy": "a@b64",
         "press": "a",
         "compression_ratio": None,
@@ -72,8 +75,10 @@ def test_names_of_frontier_points():
         "cache": None,
         "cache_settings": None,
     }
-    with pytest.raises(ValueError, match=r"outside \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"^ratios: 1\.0 is not a compression ratio; allowed: numbers in \[0, 1\)$"):
         frontier_grid(["a"], [1.0])
+    with pytest.raises(ValueError, match=r"^budgets: 0 is not a number of tokens; allowed: integers >= 1$"):
+        frontier_grid(["a"], [], [0])
 
 
 def test_frontier_config_expands_into_policies_on_its_split():
@@ -82,7 +87,7 @@ def test_frontier_config_expands_into_policies_on_its_split():
     assert raw("frontier.yaml") == before  # the file's dict is not touched
     names = [f"{p}@{r:g}" for p in PRESSES for r in RATIOS]
     assert config["runs"]["exploratory"] == names
-    assert [p["policy"] for p in frontier_points(config)] == names
+    assert [p.policy for p in frontier_points(config)] == names
     assert config["policies"]["snapkv@0.25"] == {
         "press": "SnapKVPress",
         "window_size": 64,
@@ -292,7 +297,7 @@ def test_frontier_figure_is_written(tmp_path):
     from kvdiverge.report.pages import frontier_html
 
     grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75], [32])
-    values = {p["policy"]: (0.3 + 0.5 * (p["compression_ratio"] or 0.4), 0.1 + (p["press"] == "b") * 0.1) for p in grid}
+    values = {p.policy: (0.3 + 0.5 * (p.compression_ratio or 0.4), 0.1 + (p.press == "b") * 0.1) for p in grid}
     values["noise-floor"] = (1e-4, 1e-5)
     points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0)
     plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
@@ -379,7 +384,7 @@ def test_grid_names_caches_and_curves():
     with pytest.raises(ValueError, match="ratios, not budgets"):
         frontier_name("snapkv", budget=64, cache="int4")
     grid = frontier_grid(["a", "b"], [0.25, 0.5], [64], caches={"q4": Q4})  # cache ratios: 0 and every ratio
-    assert [p["policy"] for p in grid] == [
+    assert [p.policy for p in grid] == [
         "a@0.25",
         "a@0.5",
         "a@b64",
@@ -392,7 +397,7 @@ def test_grid_names_caches_and_curves():
         "b@0.25+q4",
         "b@0.5+q4",
     ]
-    assert grid[6] == {
+    assert grid[6].as_dict() == {
         "policy": "q4",
         "press": None,
         "compression_ratio": 0.0,
@@ -408,13 +413,13 @@ def test_grid_names_caches_and_curves():
         "b+q4": ["q4", "b@0.25+q4", "b@0.5+q4"],
     }
     no_alone = frontier_grid(["a"], [0.5], caches={"q4": Q4}, cache_ratios=[0.5])
-    assert [p["policy"] for p in no_alone] == ["a@0.5", "a@0.5+q4"]
+    assert [p.policy for p in no_alone] == ["a@0.5", "a@0.5+q4"]
     for kwargs, message in [
-        ({"presses": ["a+b"]}, r"'\+' is reserved"),
-        ({"caches": {"a": Q4}}, "also a press label"),
-        ({"caches": {"q@4": Q4}}, r"'@' and '\+' are reserved"),
+        ({"presses": ["a+b"]}, r"^press 'a\+b': '\+' in a press name is reserved"),
+        ({"caches": {"a": Q4}}, "^cache 'a': the label is also a press label"),
+        ({"caches": {"q@4": Q4}}, r"^cache 'q@4': '@' and '\+' in a cache label are reserved"),
         ({"caches": {"q4": {"nbits": 4}}}, "missing backend, q_group_size"),
-        ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"cache ratio 1.0 is outside \[0, 1\)"),
+        ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"^cache_ratios: 1.0 is not a compression ratio"),
     ]:
         with pytest.raises(ValueError, match=message):
             frontier_grid(**{"presses": ["a"], "ratios": [0.5], **kwargs})
@@ -468,7 +473,7 @@ def test_a_curve_off_the_common_range_is_reported_not_dropped():
     """Full precision at 0.5 and 0.75 spans 100..200 bytes, the cache curves 31.25..62.5: no byte
     range is common to all; the two presses share the wider one and rank first, the rest follow in grid order."""
     grid = frontier_grid(["a", "b"], [0.5, 0.75], caches={"q4": Q4}, cache_ratios=[0, 0.5])
-    values = {p["policy"]: (0.5, 0.3) for p in grid} | {"a@0.5": (0.3, 0.1), "noise-floor": (0.0, 0.0)}
+    values = {p.policy: (0.5, 0.3) for p in grid} | {"a@0.5": (0.3, 0.1), "noise-floor": (0.0, 0.0)}
     points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1, kv_sizes=SIZES)
     assert areas["curve"].to_list() == ["a", "b", "q4", "a+q4", "b+q4"]
     assert areas["covers_range"].to_list() == [True, True, False, False, False]
@@ -485,7 +490,7 @@ def test_quantized_frontier_text_page_and_figure(tmp_path):
     from kvdiverge.report.pages import frontier_html
 
     grid = frontier_grid(["a", "b"], [0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5])
-    values = {p["policy"]: (0.5, 0.2 + 0.1 * (p["press"] == "b")) for p in grid} | {"noise-floor": (1e-4, 1e-5)}
+    values = {p.policy: (0.5, 0.2 + 0.1 * (p.press == "b")) for p in grid} | {"noise-floor": (1e-4, 1e-5)}
     points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0, kv_sizes=SIZES)
     text = frontier_text(points, areas)
     assert "KV bytes per prompt token common to 4 of 5 curves (50-62.5;" in text.splitlines()[0]
@@ -503,7 +508,7 @@ def test_quantized_frontier_config_expands_into_points():
     full = [f"{p}@{r:g}" for p in ("snapkv", "streamingllm") for r in (0.5, 0.75, 0.875, 0.9375)]
     cached = ["int4", "snapkv@0.5+int4", "streamingllm@0.5+int4", "int2", "snapkv@0.5+int2", "streamingllm@0.5+int2"]
     assert config["runs"]["exploratory"] == full + cached
-    assert [p["policy"] for p in frontier_points(config)] == full + cached
+    assert [p.policy for p in frontier_points(config)] == full + cached
     q2 = {"cache": "quantized", "backend": "quanto", "nbits": 2, "q_group_size": 64, "residual_length": 32}
     assert config["policies"]["int2"] == q2
     assert config["policies"]["snapkv@0.5+int2"] == {
@@ -525,9 +530,7 @@ def test_quantized_frontier_config_expands_into_points():
     assert validate(config) == config and expand_frontier(config) == config
     # the config's arithmetic: 11520 elements per token, float32; every two-point curve covers 3600..4320 bytes
     grid = frontier_points(config)
-    per_token = {
-        p["policy"]: (1 - p["compression_ratio"]) * 11520 * kv_bytes_per_element(p["cache_settings"], 4) for p in grid
-    }
+    per_token = {p.policy: (1 - p.compression_ratio) * 11520 * kv_bytes_per_element(p.cache_settings, 4) for p in grid}
     assert per_token["snapkv@0.9375"] == 2880 and per_token["snapkv@0.875"] == 5760
     assert (per_token["int4"], per_token["snapkv@0.5+int4"], per_token["int2"], per_token["snapkv@0.5+int2"]) == (
         7200,
@@ -589,8 +592,8 @@ def test_frontier_cache_names_are_reserved():
 
 
 def test_api_and_command_line_expand_caches_as_the_config_does():
-    from kvdiverge.cli import _parser
-    from kvdiverge.study.inputs import argument_sources, check_arguments, frontier_presses
+    from kvdiverge.cli import _parser, argument_sources, check_arguments
+    from kvdiverge.study.inputs import frontier_presses
 
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}
     out, grid = frontier_presses(
@@ -604,7 +607,7 @@ def test_api_and_command_line_expand_caches_as_the_config_does():
     expanded = validate(config)
     assert list(out) == ["snapkv@0.5", "snapkv@0.75", "int4", "snapkv@0.5+int4", "noise-floor"]
     assert grid == frontier_points(expanded)
-    assert all(out[p["policy"]] == expanded["policies"][p["policy"]] for p in grid)
+    assert all(out[p.policy] == expanded["policies"][p.policy] for p in grid)
     for caches, message in [
         ({"int4": {"nbits": 3}}, "cache 'int4': quantized cache: nbits must be one of [2, 4]"),
         ({"int4": {"bits": 4}}, "cache 'int4': unknown setting 'bits'"),

@@ -29,3 +29,18 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("interrupted")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]
+
+
+def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "model"
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "a.txt").write_text("first")
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "b.txt").write_text("second")
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]  # the old folder is gone, not merged
+    with pytest.raises(RuntimeError, match="half way"):
+        with atomic_path(out, directory=True) as tmp:
+            (tmp / "c.txt").write_text("partial")
+            raise RuntimeError("half way")
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary folder left

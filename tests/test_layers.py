@@ -1,4 +1,4 @@
-"""The package's layers: import contracts, the estimate stage without torch, function length.
+"""The package's layers: import contracts, the estimate stage without torch, function length and parameters.
 
 The contracts live in ``pyproject.toml`` (``[tool.importlinter]``) and are checked with
 import-linter's ``lint-imports``, which follows every import statement, those inside
@@ -229,3 +229,83 @@ def test_every_module_of_the_package_is_checked():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_functions_are_short(path):
     assert long_functions(path) == [], f"{path.name}: functions over {MAX_LINES} lines"
+
+
+# --------------------------------------------------------------------------- parameter count (every module of the package)
+
+MAX_PARAMETERS = 7
+
+#: Functions allowed more than :data:`MAX_PARAMETERS` parameters, by ``module:qualified name``, and why.
+#: A function leaves the list when it is brought under the limit (the test refuses a stale entry).
+MANY_PARAMETERS = {
+    "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
+    "study/inputs.py:measure_settings": "records every measure option in the settings table",
+    "study/inputs.py:measure_inputs": "checks measure's prompt and frontier options together",
+    "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
+    "reference/exact.py:_accumulate": "the exact enumeration's recursion state",
+    "reference/speculative.py:_block": "the exact enumeration's recursion state",
+    "reference/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
+    "estimation/frontier.py:_model_frontier": "one model's frontier: tables and their settings",
+    "estimation/frontier.py:_areas": "one curve's areas: the curve and its bootstrap settings",
+    "estimation/frontier.py:frontier_tables": "the frontier's tables and their bootstrap settings",
+    "estimation/frontier.py:_point_row": "one frontier point's row and its bootstrap settings",
+    "estimation/tables.py:gaps": "the gap table's documents, pairs and bootstrap settings",
+    "estimation/analysis.py:gap_terms": "the gap decomposition's terms and bootstrap settings",
+    "estimation/analysis.py:gap_decomposition": "the gap decomposition and its bootstrap settings",
+    "estimation/analysis.py:_late_minus_early": "the confirmatory test's windows and settings",
+    "report/figures.py:_runs_with_bands": "one panel's data, axes and styling",
+    "report/figures.py:_error_marker": "one marker's position and styling",
+    "engine/llm/llm_pair.py:LLMKernelPair.from_documents": "per-document prompts, presses, promises, seeds, prefills",
+    "engine/llm/llm_pair.py:LLMKernelPair._setup": "the constructor's state",
+    "engine/llm/pair_base.py:LLMPairBase._setup": "the constructor's state",
+    "engine/llm/decode_pair.py:DecodeTimePair.__init__": "per-document prompts, presses, promises, seeds",
+    "engine/llm/planner.py:plan_batch": "the planner's sizes, one keyword each",
+    "engine/llm/attention.py:grouped_sdpa": "torch's scaled_dot_product_attention's arguments",
+    "engine/core/coupling.py:maximal_coupling": "the coupling's tensors and options",
+    "engine/core/errors.py:NonFiniteLogitsError.__init__": "what the message names",
+}
+
+
+def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Parameter names of a function, keyword-only and ``*args``/``**kwargs`` included, ``self``/``cls`` not."""
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    names += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+def many_parameters(path: Path, limit: int = MAX_PARAMETERS) -> dict[str, int]:
+    """``{qualified name: parameters}`` of every function or method in ``path`` with more than ``limit``."""
+    found = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if len(parameters(child)) > limit:
+                    found[f"{prefix}{child.name}"] = len(parameters(child))
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text(), filename=str(path)), "")
+    return found
+
+
+def test_many_parameters_are_found(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "def ok(a, b, c, d, e, f, g): pass\n"
+        "def wide(a, b, c, d, *, e, f, g, h): pass\n"
+        "class K:\n    def m(self, a, b, c, d, e, f, g): pass\n    def n(self, *args, a, b, c, d, e, f, **kw): pass\n"
+    )
+    assert many_parameters(path) == {"wide": 8, "K.n": 8}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_functions_take_few_parameters(path):
+    module = str(path.relative_to(PACKAGE))
+    found = {f"{module}:{name}": n for name, n in many_parameters(path).items()}
+    unlisted = {name: n for name, n in found.items() if name not in MANY_PARAMETERS}
+    assert unlisted == {}, f"functions over {MAX_PARAMETERS} parameters: take a settings object"
+    stale = [name for name in MANY_PARAMETERS if name.startswith(f"{module}:") and name not in found]
+    assert stale == [], "listed in MANY_PARAMETERS but no longer over the limit: remove the entry"

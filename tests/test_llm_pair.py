@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_document
 from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.prefill import prefill
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -62,7 +63,7 @@ def greedy_generate(model, ids, press=None) -> list[int]:
 
 
 def coupled_greedy(model, ids, press, expected_kept, replicates=2, hook=None):
-    pair = LLMKernelPair(model, ids, press, temperature=0.0, expected_kept=expected_kept)
+    pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=0.0), expected_kept=expected_kept)
     if hook is not None:
         hook(pair)
     rec = run_document(pair, T, replicates, 0, "m", "d")
@@ -154,7 +155,9 @@ def test_wrong_positions_break_the_equality(model, prompt):
 
 def test_ratio_zero_gives_exactly_zero_tv_and_never_diverges(model, prompt):
     press = SnapKVPress(compression_ratio=0.0)
-    pair = LLMKernelPair(model, prompt, press, temperature=0.7, top_p=0.95, expected_kept=len(prompt))
+    pair = LLMKernelPair(
+        model, prompt, press, decoding=Decoding(temperature=0.7, top_p=0.95), expected_kept=len(prompt)
+    )
     rec = run_document(pair, 16, 3, 5, "m", "d")
     assert all(tv == 0.0 for r in rec for tv in r["tv"])
     assert all(r["t_star"] is None and r["tau_naive"] is None for r in rec)
@@ -163,7 +166,9 @@ def test_ratio_zero_gives_exactly_zero_tv_and_never_diverges(model, prompt):
 
 def test_sampled_run_diverges_and_records_a_branch(model, prompt):
     press = SnapKVPress(compression_ratio=0.5, window_size=32)
-    pair = LLMKernelPair(model, prompt, press, temperature=0.7, top_p=0.95, expected_kept=len(prompt) // 2)
+    pair = LLMKernelPair(
+        model, prompt, press, decoding=Decoding(temperature=0.7, top_p=0.95), expected_kept=len(prompt) // 2
+    )
     rec = run_document(pair, 16, 4, 5, "m", "d")
     assert rec[0]["tv"][0] == 0.0  # kvpress: the prefill's own logits use the full attention
     assert any(r["t_star"] is not None for r in rec)
@@ -179,7 +184,11 @@ def test_silently_skipped_compression_is_caught(model, prompt):
             return keys, values
 
     pair = LLMKernelPair(
-        model, prompt, NoOpSnapKV(compression_ratio=0.5), temperature=0.7, expected_kept=len(prompt) // 2
+        model,
+        prompt,
+        NoOpSnapKV(compression_ratio=0.5),
+        decoding=Decoding(temperature=0.7),
+        expected_kept=len(prompt) // 2,
     )
     with pytest.raises(CompressionError, match="promises"):
         pair.start(2)

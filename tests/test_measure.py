@@ -33,12 +33,19 @@ from conftest import run_main
 from polars.testing import assert_frame_equal
 
 from kvdiverge import cli
-from kvdiverge.cli import UsageError, main, model_entry, read_prompts
+from kvdiverge.cli import main
 from kvdiverge.engine.core.errors import PressError, PressExpressionError
 from kvdiverge.engine.presses.expressions import parse_press, parse_value, press_spec
 from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_spec
 from kvdiverge.engine.runner import Document
-from kvdiverge.measurement import check_lengths, prepare_documents, prepare_presses
+from kvdiverge.study.inputs import (
+    InputError,
+    check_lengths,
+    model_entry,
+    prepare_documents,
+    prepare_presses,
+    read_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -160,14 +167,14 @@ def test_read_prompts_text_jsonl_parquet(tmp_path):
     pq = tmp_path / "p.parquet"
     pl.DataFrame({"question": ["x?", "y?", "z?"]}).write_parquet(pq)
     assert list(read_prompts(pq, field="question").values()) == ["x?", "y?", "z?"]
-    with pytest.raises(UsageError, match=r"no column 'text' \(columns: question\)"):
+    with pytest.raises(InputError, match=r"no column 'text' \(columns: question\)"):
         read_prompts(pq)
-    with pytest.raises(UsageError, match="line 1 has no field 'text'"):
+    with pytest.raises(InputError, match="line 1 has no field 'text'"):
         read_prompts(jl)
-    with pytest.raises(UsageError, match="prompts file not found"):
+    with pytest.raises(InputError, match="prompts file not found"):
         read_prompts(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_text("\n\n")
-    with pytest.raises(UsageError, match="no prompts"):
+    with pytest.raises(InputError, match="no prompts"):
         read_prompts(tmp_path / "empty.txt")
 
 
@@ -195,10 +202,10 @@ def test_model_entry_kinds(tmp_path):
         "Qwen/Qwen2.5-7B-Instruct",
         {"source": "hub", "id": "Qwen/Qwen2.5-7B-Instruct", "dtype": "float32", "device": "cpu"},
     )
-    with pytest.raises(UsageError, match="model not found"):
+    with pytest.raises(InputError, match="model not found"):
         model_entry(str(tmp_path / "nowhere" / "model"))
     (tmp_path / "w.bin").write_bytes(b"x")
-    with pytest.raises(UsageError, match="not a GGUF file"):
+    with pytest.raises(InputError, match="not a GGUF file"):
         model_entry(str(tmp_path / "w.bin"))
 
 

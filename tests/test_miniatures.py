@@ -15,14 +15,14 @@ ratio-0 control.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.runner import Document, run_documents
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 from kvdiverge.study.config import load_config
 
@@ -69,22 +69,10 @@ def greedy(model, ids, press=None, max_new_tokens=T) -> list[int]:
 
 def run(model, docs, policy, temperature=0.0, top_p=1.0, eos_ids=None):
     """run_documents on all documents at once (batched where the engine supports it)."""
-    kw = {}
-    if "batch_documents" in inspect.signature(run_documents).parameters:
-        kw["batch_documents"] = len(docs)
-    return run_documents(
-        model,
-        docs,
-        policy,
-        T=T,
-        replicates=R,
-        temperature=temperature,
-        top_p=top_p,
-        seed=3,
-        model_name="mini",
-        eos_ids=eos_ids,
-        **kw,
+    sampling = Sampling(
+        T=T, replicates=R, temperature=temperature, top_p=top_p, seed=3, model_name="mini", eos_ids=eos_ids
     )
+    return run_documents(model, docs, policy, sampling, RunOptions(batch_documents=len(docs)))
 
 
 def sides(records, doc_id):

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
 from kvdiverge.engine.llm.masks import check_patched
 from kvdiverge.engine.llm.prefill import attention_weights, prefill
@@ -91,8 +92,8 @@ SCRIPT = {2: keep_and_rewind}
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_the_reference_side_equals_a_no_press_pair_at_every_step(model, name):
     ids = prompt(60)
-    pressed = drive(LLMKernelPair(model, ids, PRESSES[name](0.5), temperature=1.0), 4, script=SCRIPT)
-    plain = drive(LLMKernelPair(model, ids, None, temperature=1.0), 4, script=SCRIPT)
+    pressed = drive(LLMKernelPair(model, ids, PRESSES[name](0.5), decoding=Decoding(temperature=1.0)), 4, script=SCRIPT)
+    plain = drive(LLMKernelPair(model, ids, None, decoding=Decoding(temperature=1.0)), 4, script=SCRIPT)
     for (lp, lq), (bp, bq) in zip(pressed, plain):
         assert torch.equal(lp, bp)
     assert any(not torch.equal(lq, bq) for (_, lq), (_, bq) in zip(pressed, plain))  # the press acted
@@ -101,7 +102,7 @@ def test_the_reference_side_equals_a_no_press_pair_at_every_step(model, name):
 @pytest.mark.miniature
 @pytest.mark.parametrize("name", [n for n in PRESSES if n != "dms"] + ["dms"])
 def test_ratio_zero_gives_exactly_zero_tv(model, name):
-    pair = LLMKernelPair(model, prompt(60), PRESSES[name](0.0), temperature=1.0)
+    pair = LLMKernelPair(model, prompt(60), PRESSES[name](0.0), decoding=Decoding(temperature=1.0))
     out = [pair.start(2)]
     for step in range(5):
         x = tokens(step, 2, 0)
@@ -128,14 +129,14 @@ def test_three_documents_in_one_batch_equal_each_alone(model, name):
     docs = [prompt(n) for n in LENGTHS]
     press = PRESSES[name](0.5)
     batch = LLMKernelPair.from_documents(
-        model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs], temperature=1.0
+        model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs], decoding=Decoding(temperature=1.0)
     )
     together = drive(batch, 6, script={2: drop_and_rewind})
     valid = batch._sides.valid(evicted=False)
     assert valid.shape[1] == max(LENGTHS) + 5  # the longest prompt's columns stay, masked
     assert not valid[:, : max(LENGTHS) - max(LENGTHS[0], LENGTHS[2])].any()
     for d, ids in enumerate(docs):
-        alone = LLMKernelPair(model, ids, press, temperature=1.0)
+        alone = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=1.0))
         mine = [2 * d, 2 * d + 1]  # this document's rows in the batch, by original index
         out, where = [alone.start(2)], [mine]
         for step in range(5):
@@ -160,10 +161,12 @@ def test_headwise_masks_are_a_per_head_top_k_when_every_head_keeps_its_share(mod
     masked in place instead of gathered, so the two evicted kernels agree to rounding."""
     ids = prompt(60)
     ada = drive(
-        LLMKernelPair(model, ids, kvpress.AdaKVPress(snap(), alpha_safeguard=1.0), temperature=1.0), 2, script=SCRIPT
+        LLMKernelPair(model, ids, kvpress.AdaKVPress(snap(), alpha_safeguard=1.0), decoding=Decoding(temperature=1.0)),
+        2,
+        script=SCRIPT,
     )
-    plain = drive(LLMKernelPair(model, ids, snap(), temperature=1.0), 2, script=SCRIPT)
-    unmasked = drive(LLMKernelPair(model, ids, None, temperature=1.0), 2, script=SCRIPT)
+    plain = drive(LLMKernelPair(model, ids, snap(), decoding=Decoding(temperature=1.0)), 2, script=SCRIPT)
+    unmasked = drive(LLMKernelPair(model, ids, None, decoding=Decoding(temperature=1.0)), 2, script=SCRIPT)
     for (_, aq), (_, sq), (_, uq) in zip(ada[1:], plain[1:], unmasked[1:]):
         assert (aq - sq).abs().max() < 1e-5
         assert (aq - uq).abs().max() > 1e-3  # the masks matter
@@ -185,7 +188,9 @@ def test_kept_counts_follow_each_press_promise(model):
     cases["pyramidkv"] = (pyramid, [b * HEADS for b in budgets])
     assert len(set(budgets)) == LAYERS  # the layers really keep different counts
     for name, (press, want) in cases.items():
-        pair = LLMKernelPair(model, prompt(n), press, temperature=1.0, expected_kept=kept_promise(press, n))
+        pair = LLMKernelPair(
+            model, prompt(n), press, decoding=Decoding(temperature=1.0), expected_kept=kept_promise(press, n)
+        )
         pair.start(1)
         assert pair.kept_per_layer == [want], name
         assert pair.kept_lens == [round(sum(want) / (HEADS * LAYERS))], name
@@ -198,7 +203,7 @@ def test_kept_counts_follow_each_press_promise(model):
 @pytest.mark.miniature
 def test_a_broken_promise_names_the_layer(model):
     press = kvpress.PyramidKVPress(0.5, window_size=8)
-    pair = LLMKernelPair(model, prompt(60), press, temperature=1.0, expected_kept=30)
+    pair = LLMKernelPair(model, prompt(60), press, decoding=Decoding(temperature=1.0), expected_kept=30)
     with pytest.raises(CompressionError, match="layer 0 of the evicted cache keeps"):
         pair.start(1)
     ada = KeptPromise("AdaKVPress", "test", "layer", lambda c: (30,) * LAYERS)
@@ -240,7 +245,7 @@ def test_presses_with_their_own_forward_get_two_prefills(model):
         model,
         prompt(60),
         kvpress.KVComposePress(compression_ratio=0.5),
-        temperature=1.0,
+        decoding=Decoding(temperature=1.0),
         expected_kept=kept_promise(kvpress.KVComposePress(compression_ratio=0.5), 60),
     )
     pair.start(1)
@@ -306,7 +311,7 @@ def test_the_evicted_side_is_kvpress_own_decoding(model, name):
     """Log q at every step equals a plain kvpress decode of the pressed cache (one sequence,
     no padding: per-layer caches keep their own lengths, head-wise masks their own indices)."""
     ids, press = prompt(60), PRESSES[name](0.5)
-    pair = LLMKernelPair(model, ids, press, temperature=1.0)
+    pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=1.0))
     steps = drive(pair, 1, steps=4)
     twin, cache = evicted_twin(model), DynamicCache()
     with torch.inference_mode():
@@ -328,7 +333,7 @@ def test_rerotated_keys_continue_from_the_cache_length_as_kvpress_pipeline(model
     """KeyRerotationPress's evicted side: the first generated token at RoPE position len(cache), as kvpress's pipeline."""
     ids, x = prompt(60), torch.tensor([7])
     press = kvpress.KeyRerotationPress(snap())
-    pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=kept_promise(press, 60))
+    pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=1.0), expected_kept=kept_promise(press, 60))
     pair.start(1)
     _, q2 = pair.advance(x, x)
     cache = DynamicCache()

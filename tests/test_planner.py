@@ -12,6 +12,7 @@ from kvpress import KnormPress
 import kvdiverge.engine.core.coupled as coupled
 import kvdiverge.engine.llm.planner as planner
 from kvdiverge.engine.core.coupled import run_batch
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
 from kvdiverge.reference.miniatures import MINIATURE, random_model
@@ -54,7 +55,9 @@ def test_the_planner_covers_the_widest_cache_a_run_reaches(mini, one_thread):
     ids = torch.randint(1, 500, (prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     widths = Widths(mini)
     try:
-        pair = LLMKernelPair.from_documents(mini, [ids], [KnormPress(0.5)], [None], temperature=1.0, eos_ids=[])
+        pair = LLMKernelPair.from_documents(
+            mini, [ids], [KnormPress(0.5)], [None], decoding=Decoding(temperature=1.0, eos_ids=[])
+        )
         recs = run_batch(pair, T, R, 2, "m", ["a"])
     finally:
         widths.handle.remove()

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.presses.policies import Policy, min_prompt_tokens, policies_from_config, press_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_every_press_compresses_to_its_kept_count_and_decodes(llm, press_name):
     policy = Policy.from_config(press_name, {"press": press_name, "compression_ratio": 0.5})
     press = policy.build_press(len(ids))
     expected = policy.kept_tokens(len(ids)) if isinstance(press, ScorerPress) else None
-    pair = LLMKernelPair(model, ids, press, temperature=1.0, expected_kept=expected)
+    pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=1.0), expected_kept=expected)
     records = run_document(pair, 3, 2, 0, "m", press_name)
     assert pair.kept_lens == [len(ids) // 2]
     assert len(records) == 2 and all(len(r["tv"]) == 3 for r in records)

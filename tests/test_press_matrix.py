@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
@@ -46,7 +47,7 @@ from kvdiverge.engine.presses.adapters import PressAdapter, resolve
 from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_spec
 from kvdiverge.engine.presses.promises import check_kept
 from kvdiverge.engine.presses.registry import is_decode_time
-from kvdiverge.engine.runner import Document, build_pair
+from kvdiverge.engine.runner import Document, RunOptions, build_pair
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 pytestmark = pytest.mark.usefixtures("quiet_kvpress")
@@ -172,11 +173,13 @@ def trace(model, prompts, forced, policy: Policy | PressPolicy | None, doc_ids=N
     doc_ids = range(len(prompts)) if doc_ids is None else doc_ids
     if policy is None:
         pair = LLMKernelPair.from_documents(
-            model, prompts, [None] * len(prompts), [None] * len(prompts), temperature=1.0
+            model, prompts, [None] * len(prompts), [None] * len(prompts), decoding=Decoding(temperature=1.0)
         )
     else:
         docs = [Document(f"doc{d}", ids) for d, ids in zip(doc_ids, prompts)]
-        pair = build_pair(model, docs, policy, seed=0, model_name="miniature", temperature=1.0, top_p=1.0)
+        pair = build_pair(
+            model, docs, policy, Sampling(T=T, replicates=R, temperature=1.0, top_p=1.0, seed=0, model_name="miniature")
+        )
     steps = [pair.start(len(prompts) * R)]
     for t in range(T - 1):
         tokens = forced[:, t].repeat_interleave(R)
@@ -376,13 +379,8 @@ def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
             model,
             [Document("d", prompts[0])],
             policy,
-            T=2,
-            replicates=1,
-            temperature=1.0,
-            top_p=1.0,
-            seed=0,
-            model_name="m",
-            batch_documents=1,
+            Sampling(T=2, replicates=1, temperature=1.0, top_p=1.0, seed=0, model_name="m"),
+            RunOptions(batch_documents=1),
         )
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvdiverge.engine.core.coupled import run_document
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.presses.project import PermutationPress
@@ -79,10 +80,8 @@ def test_permutation_is_an_ordering_change_and_nothing_else(tiny_llama, dtype, b
             model,
             PROMPT,
             PermutationPress(seed=4),
-            temperature=1.0,
-            top_p=1.0,
+            decoding=Decoding(temperature=1.0, top_p=1.0, eos_ids=[299]),
             expected_kept=len(PROMPT),
-            eos_ids=[299],
         )
         records = run_document(pair, T, 2, 0, "tiny", "doc")
     finally:

@@ -11,6 +11,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.quantized import (
@@ -22,6 +23,7 @@ from kvdiverge.engine.presses.quantized import (
 )
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.presses.registry import refusal as registry_refusal
+from kvdiverge.engine.runner import RunOptions
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 quanto = pytest.mark.skipif(
@@ -181,7 +183,9 @@ class Recorder:
 def check_rows(model, prompts, make, R, replay, tol, kept=None):
     """Every recorded q of every row (chain and branch) against ``replay`` of the row's own history."""
     kept = [len(p) for p in prompts] if kept is None else kept
-    rec = Recorder(DecodeTimePair(model, prompts, [make() for _ in prompts], kept, temperature=TEMPERATURE))
+    rec = Recorder(
+        DecodeTimePair(model, prompts, [make() for _ in prompts], kept, decoding=Decoding(temperature=TEMPERATURE))
+    )
     out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
     n_branch = 0
     for g, r in enumerate(out):
@@ -315,13 +319,8 @@ def test_runner_runs_a_quantized_policy(model, prompts):
         model,
         docs,
         policy,
-        T=6,
-        replicates=2,
-        seed=3,
-        model_name="miniature",
-        temperature=TEMPERATURE,
-        top_p=1.0,
-        batch_documents=2,
+        Sampling(T=6, replicates=2, temperature=TEMPERATURE, top_p=1.0, seed=3, model_name="miniature"),
+        RunOptions(batch_documents=2),
     )
     assert [r["kept_len"] for r in recs] == [20, 20, 26, 26]
     assert all(r["tv"][0] == 0.0 for r in recs) and max(max(r["tv"]) for r in recs) > 0.01

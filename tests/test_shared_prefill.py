@@ -13,9 +13,10 @@ import polars as pl
 import pytest
 import torch
 
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.runner import Document, run_policies
+from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.reference.miniatures import MINIATURE, random_model
 
 pytestmark = [pytest.mark.miniature, pytest.mark.usefixtures("quiet_kvpress")]
@@ -45,21 +46,15 @@ def docs():
     return [Document(f"d{i}", torch.randint(1, 500, (n,), generator=gen).tolist()) for i, n in enumerate((48, 64, 96))]
 
 
-def _run(model, docs, names, R=2, **kw):
+def _run(model, docs, names, R=2, memory_budget_gb=None):
     policies = {name: Policy.from_config(name, SPECS[name]) for name in names}
     return run_policies(
         model,
         docs,
         policies,
-        T=5,
-        replicates=R,
-        temperature=0.7,
-        top_p=0.95,
-        seed=5,
-        model_name="m",
+        Sampling(T=5, replicates=R, temperature=0.7, top_p=0.95, seed=5, model_name="m"),
         split="exploratory",
-        batch_documents=2,
-        **kw,
+        options=RunOptions(batch_documents=2, memory_budget_gb=memory_budget_gb),
     )
 
 
@@ -112,11 +107,6 @@ def test_a_press_that_fails_in_a_shared_prefill_is_named():
             model,
             docs,
             policies,
-            T=3,
-            replicates=2,
-            temperature=0.7,
-            top_p=0.95,
-            seed=5,
-            model_name="m",
+            Sampling(T=3, replicates=2, temperature=0.7, top_p=0.95, seed=5, model_name="m"),
             split="exploratory",
         )

@@ -233,8 +233,8 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     from kvpress import SnapKVPress
 
     import kvdiverge
-    from kvdiverge.measurement import prepare_documents
     from kvdiverge.reference.speculative import first_block_accepted
+    from kvdiverge.study.inputs import prepare_documents
 
     torch.set_num_threads(1)
     model, tok = embedded

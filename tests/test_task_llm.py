@@ -8,6 +8,8 @@ import polars as pl
 import pytest
 import torch
 
+from kvdiverge.engine.core.sampling import Sampling
+
 pytestmark = pytest.mark.llm
 
 
@@ -40,12 +42,7 @@ def greedy_answers(model, tokenizer, docs, policies, T=16):
         model,
         [d for d, _ in docs],
         policies,
-        T=T,
-        replicates=1,
-        temperature=0.0,
-        top_p=1.0,
-        seed=1,
-        model_name="smollm2-135m",
+        Sampling(T=T, replicates=1, temperature=0.0, top_p=1.0, seed=1, model_name="smollm2-135m"),
         split="exploratory",
     )
     value = {d.doc_id: n.value for d, n in docs}
@@ -106,12 +103,7 @@ def test_question_after_compression_equals_kvpress_pipeline(embedded, press_entr
         model,
         [d for d, _ in docs],
         {"p": policy},
-        T=T,
-        replicates=1,
-        temperature=0.0,
-        top_p=1.0,
-        seed=1,
-        model_name="smollm2-135m",
+        Sampling(T=T, replicates=1, temperature=0.0, top_p=1.0, seed=1, model_name="smollm2-135m"),
         split="exploratory",
     ).trajectories
     rows = {row["doc_id"]: row for row in got.iter_rows(named=True)}

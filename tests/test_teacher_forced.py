@@ -147,10 +147,7 @@ def run_pass(model, press, tokens, block):
         model,
         [Document("d", prompt(48))],
         PressPolicy("p", press),
-        seed=5,
-        model_name="tiny",
-        temperature=1.0,
-        top_p=1.0,
+        SAMPLING.replace(T=len(tokens)),
     )
     return forced_pass(pair, tokens, TeacherForcing(length=len(tokens), block=block))
 

@@ -1,7 +1,8 @@
 """The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.measure`.
 
 Argument parsing, loading the model, a progress bar, the printed summary and the files
-under ``--out``; the arguments are checked and the prompts read by :mod:`kvdiverge.study.inputs`,
+under ``--out``; the arguments are checked here (:func:`check_arguments`, :func:`argument_sources`,
+:func:`argument_prompts`) and the prompts read by :mod:`kvdiverge.study.inputs`,
 everything else is :mod:`kvdiverge.measurement` and the workflow's own engine and tables.
 Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
 ``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
@@ -37,23 +38,23 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvdiverge import __version__
 from kvdiverge.study.inputs import (
-    OPTIONS,
-    SOTU_INSTRUCTION,
     InputError,
-    argument_prompts,
-    argument_sources,
-    cache_entry,
-    check_arguments,
-    cli_entries,
+    frontier_presses,
     model_entry,
+    prepare_presses,
     read_prompts,
+    sotu_prompts,
 )
 from kvdiverge.study.outputs import output_guard
+
+if TYPE_CHECKING:
+    from kvdiverge.engine.runner import PressSource
 
 __all__ = [
     "EXIT_FAILURE",
@@ -61,12 +62,12 @@ __all__ = [
     "EXIT_USAGE",
     "OPTIONS",
     "SOTU_INSTRUCTION",
-    "UsageError",
+    "argument_prompts",
+    "argument_sources",
     "cache_entry",
+    "check_arguments",
     "cli_entries",
     "main",
-    "model_entry",
-    "read_prompts",
 ]
 
 PROG = "kvdiverge measure"
@@ -84,9 +85,170 @@ EXIT_STATUS = (
     "on stderr; 1 for a failure at run time (e.g. out of memory), named by its exception type"
 )
 
-#: Bad command-line input; printed as one line, exit code 2. The prompt and model readers
-#: (:mod:`kvdiverge.study.inputs`) raise it too.
-UsageError = InputError
+
+# --------------------------------------------------------------------------- the arguments
+
+#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
+SOTU_INSTRUCTION = "Summarize the document above in three sentences."
+
+#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
+OPTIONS = {
+    "max_new_tokens": "-T/--max-new-tokens",
+    "replicates": "-R/--replicates",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "window": "-W/--window",
+    "bootstrap": "--bootstrap",
+    "confidence": "--confidence",
+    "batch_documents": "--batch-documents",
+}
+
+
+def cache_entry(text: str) -> dict[str, Any]:
+    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
+
+    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
+    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+
+    Raises
+    ------
+    InputError
+        An unknown backend or parameter.
+    """
+    from kvdiverge.engine.presses.expressions import parse_press
+    from kvdiverge.engine.presses.quantized import BACKENDS
+
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise InputError(f"--cache {text!r}: {exc}") from None
+    if backend not in BACKENDS:
+        raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
+    if unknown:
+        raise InputError(
+            f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, residual_length"
+        )
+    return {"cache": "quantized", "backend": backend, **params}
+
+
+def cli_entries(
+    presses: Sequence[str], caches: Sequence[str], budget: int | None, default_ratio: float | None
+) -> dict[str, dict[str, Any]]:
+    """Policy entries of ``--press`` and ``--cache`` values, by name.
+
+    Each press is a policy; each quantized cache is one alone (named by its value) and one
+    after each press (``<press>+<cache>``: evict, then quantize what is kept).
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry
+
+    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
+    quantized = {text: cache_entry(text) for text in caches}
+    out = dict(entries)
+    for text, keys in quantized.items():
+        out[text] = dict(keys)
+        for spec, entry in entries.items():
+            out[f"{spec}+{text}"] = {**entry, **keys}
+    return out
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse before any work a setting the config would refuse (the same check:
+    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
+    out-of-range counts of the command line's own, no press or cache, a repeated one and
+    --cache-ratios without --cache and --ratios. An unset ``--temperature`` is filled in
+    first: 0 (greedy) with ``--task``, else 0.7.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed ``kvdiverge measure`` arguments.
+
+    Raises
+    ------
+    InputError
+        The first refused argument, in one sentence.
+    """
+    from kvdiverge.study.devices import device_problem
+    from kvdiverge.study.settings import check_settings
+
+    if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
+        args.temperature = 0.0 if getattr(args, "task", None) else 0.7
+    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
+    try:
+        check_settings(values, OPTIONS)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    for name, value, low in (
+        ("--budget", 1 if args.budget is None else args.budget, 1),
+        ("--threads", 1 if args.threads is None else args.threads, 1),
+    ):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    if not args.press and not args.cache:
+        raise InputError("give at least one --press or --cache")
+    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
+        raise InputError("the same --press or --cache is given twice")
+    if args.cache_ratios and not (args.cache and args.ratios):
+        raise InputError(
+            "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
+        )
+    problem = device_problem(args.device, "--device")
+    if problem:
+        raise InputError(problem)
+
+
+def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
+    """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
+    and the policies measured (``sources``), each press built and checked once (:func:`prepare_presses`).
+
+    Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
+    after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
+    ``--ratios``, a frontier (:func:`frontier_presses`, the config's expansion): ``presses``
+    the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
+    value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
+    press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
+    (named by its value).
+
+    Raises
+    ------
+    InputError
+        A bad press, cache or ratio, or a press that refuses its parameters.
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry
+
+    caches = None
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
+        presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
+        caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
+        try:
+            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+        except ValueError as exc:
+            text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
+            raise InputError(
+                f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else f"--ratios: {text}"
+            ) from None
+    else:
+        presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
+    try:
+        sources = prepare_presses(expanded)  # refusals and bad parameters stop here
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return (presses if args.ratios else sources), sources, caches
+
+
+def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
+    """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
+    ``--instruction`` is given) or ``--prompts`` (:func:`sotu_prompts`, :func:`read_prompts`)."""
+    if args.sotu is not None:
+        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
+        return sotu_prompts(args.sotu, *args.words), instruction
+    return read_prompts(args.prompts, args.field, args.id_field), args.instruction
+
+
+# --------------------------------------------------------------------------- the parser and the run
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,13 +276,17 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
         "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out. " + EXIT_STATUS + ".",
     )
-    _add_inputs(p)
-    _add_settings(p)
+    _press_arguments(p)
+    _prompt_arguments(p)
+    _setting_arguments(p)
+    _task_arguments(p)
+    _teacher_arguments(p)
+    _output_arguments(p)
     return root
 
 
-def _add_inputs(p: argparse.ArgumentParser) -> None:
-    """``kvdiverge measure``'s model, presses, caches and prompts."""
+def _press_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the presses, the caches and the budget."""
     p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
     p.add_argument(
         "--press",
@@ -147,6 +313,10 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
         help="keep this many prompt positions per layer and head (a per-prompt compression "
         "ratio of the press that takes one); instead of compression_ratio",
     )
+
+
+def _prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the prompts come from and how they are rendered."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--prompts",
@@ -171,12 +341,11 @@ def _add_inputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message")
 
 
-def _add_settings(p: argparse.ArgumentParser) -> None:
-    """``kvdiverge measure``'s generation, estimation, device and output settings."""
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The measurement settings, the device, the frontier and the outputs."""
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
     p.add_argument("--temperature", type=float, help="default: 0.7, or 0 (greedy) with --task")
-    _task_arguments(p)
     p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
     p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
     p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
@@ -210,7 +379,10 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
         help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
         "cache alone (default: 0 and every --ratios value)",
     )
-    _teacher_arguments(p)
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the tables go, and how much is printed."""
     p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
@@ -313,8 +485,6 @@ def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.study.inputs import check_lengths, prepare_documents
     from kvdiverge.study.models import load_model, load_tokenizer
 
-    if args.temperature is None:
-        args.temperature = 0.0 if args.task else 0.7
     check_arguments(args)
     presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
@@ -372,7 +542,7 @@ def _bad_input(exc: BaseException) -> bool:
     from kvdiverge.engine.core.errors import CompressionError
     from kvdiverge.study.models import ModelNotFoundError
 
-    # ValueError covers UsageError, CorpusError, policy and prompt-length errors
+    # ValueError covers InputError, CorpusError, policy and prompt-length errors
     return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))
 
 

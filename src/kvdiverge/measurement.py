@@ -1,6 +1,6 @@
 """Measure presses in one call: the Python front door, ``kvdiverge.measure``.
 
-:func:`measure` runs prompts through the same engine (:func:`kvdiverge.engine.runner.run_documents`),
+:func:`measure` runs prompts through the same engine (:func:`kvdiverge.engine.runner.run_policies`),
 estimators and analyses (:mod:`kvdiverge.estimation.tables`) as the workflow, for one model and any
 number of presses on the same prompts, with common random numbers (the seeds derive from
 (seed, model name, prompt id, replicate), never from the press). It returns a
@@ -33,27 +33,9 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.report.formatting import frontier_text, summary_text
-from kvdiverge.study.inputs import (
-    NOISE_FLOOR_PRESS,
-    check_lengths,
-    frontier_presses,
-    is_noise_floor,
-    measure_inputs,
-    measure_settings,
-    model_label,
-    prepare_documents,
-    prepare_presses,
-)
+from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, is_noise_floor, measure_inputs, measure_settings, model_label
 
-__all__ = [
-    "Measurement",
-    "NOISE_FLOOR_PRESS",
-    "check_lengths",
-    "frontier_presses",
-    "measure",
-    "prepare_documents",
-    "prepare_presses",
-]
+__all__ = ["Measurement", "measure"]
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +328,7 @@ def measure(
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
     Every press runs on the same prompts with common random numbers, through the
-    workflow's engine (:func:`kvdiverge.engine.runner.run_documents`) and table functions
+    workflow's engine (:func:`kvdiverge.engine.runner.run_policies`) and table functions
     (:mod:`kvdiverge.estimation.tables`): per prompt and replicate, an agreement chain of the
     full-cache and the compressed-cache generation under a stepwise maximal coupling,
     and one residual branch after their first divergence (``docs/estimators.md``).
@@ -358,12 +340,12 @@ def measure(
     tokenizer : transformers tokenizer or None
         Renders text prompts with the chat template; may be None for token-id prompts.
     prompts : sequence or mapping
-        Strings (rendered as the workflow does: :func:`prepare_documents`) or token-id
+        Strings (rendered as the workflow does: :func:`kvdiverge.study.inputs.prepare_documents`) or token-id
         sequences (used as they are); a mapping names them (ids enter the seeds).
     presses : mapping of str to press, policy entry or PressSource
         kvpress press objects (the user's own ``BasePress`` subclasses too), config policy
         entries (``{"press": "SnapKVPress", "compression_ratio": 0.5}``), or policies;
-        see :func:`prepare_presses`.
+        see :func:`kvdiverge.study.inputs.prepare_presses`.
     max_new_tokens : int
         Horizon ``T`` (tokens = steps).
     replicates : int
@@ -401,7 +383,7 @@ def measure(
     ratios, budgets : sequence, optional
         Measure a frontier: every press at every compression ratio (and fixed budget),
         named ``<press>@<ratio>`` (``<press>@b<budget>``), beside the noise floor (one is
-        added when no ``PermutationPress`` is given); :func:`frontier_presses`. Then
+        added when no ``PermutationPress`` is given); :func:`kvdiverge.study.inputs.frontier_presses`. Then
         :meth:`Measurement.frontier` and :meth:`Measurement.plot_frontier` draw it.
     caches, cache_ratios : optional
         Quantized caches of the frontier by label (``{"int4": {"backend": "quanto", "nbits": 4,
@@ -430,7 +412,7 @@ def measure(
     Raises
     ------
     ValueError
-        Bad prompts or presses (see :func:`prepare_documents`, :func:`prepare_presses`),
+        Bad prompts or presses (see :func:`kvdiverge.study.inputs.prepare_documents`, :func:`kvdiverge.study.inputs.prepare_presses`),
         token ids outside the model's vocabulary, a prompt shorter than a press needs or
         too long for the model context, a setting the config would refuse (NaN, out of
         range, a fraction for a count: :func:`kvdiverge.study.settings.check_settings`,
@@ -443,7 +425,8 @@ def measure(
     """
     from tqdm.auto import tqdm
 
-    from kvdiverge.engine.runner import run_policies
+    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.runner import RunOptions, run_policies
     from kvdiverge.estimation import tables
     from kvdiverge.study.models import kv_sizes
     from kvdiverge.study.settings import check_settings
@@ -474,23 +457,22 @@ def measure(
     if model_name is None:
         model_name = model_label(model)
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
-    runs = run_policies(
-        model,
-        documents,
-        sources,
+    sampling = Sampling(
         T=T,
         replicates=R,
         temperature=float(temperature),
         top_p=float(top_p),
         seed=int(seed),
         model_name=model_name,
-        split=split,
-        eos_ids=eos_ids,
+        eos_ids=None if eos_ids is None else tuple(eos_ids),
+    )
+    options = RunOptions(
         batch_documents=batch_documents,
         memory_budget_gb=memory_budget_gb,
         owner="press",
         progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress, mininterval=1.0),
     )
+    runs = run_policies(model, documents, sources, sampling, split=split, options=options)
     trajectories, B = runs.trajectories, runs.batch_documents
     reps, docs = tables.estimate(trajectories, int(window), windows)
     pooled = tables.pool(docs, int(bootstrap), float(confidence), int(seed))

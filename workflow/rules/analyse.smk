@@ -217,7 +217,7 @@ if FRONTIER_POINTS:
             [
                 ESTIMATES.format(model=m, policy=p, split=FRONTIER_SPLIT)
                 for m in MODELS
-                for p in [pt["policy"] for pt in FRONTIER_POINTS] + [FLOOR]
+                for p in [pt.policy for pt in FRONTIER_POINTS] + [FLOOR]
                 if (m, p, FRONTIER_SPLIT) in RUNS
             ],
         output:
@@ -244,7 +244,7 @@ if FRONTIER_POINTS:
         log:
             f"{LOGS}/analysis/frontier.log",
         params:
-            grid=canonical(FRONTIER_POINTS),
+            grid=canonical([pt.as_dict() for pt in FRONTIER_POINTS]),
             models=canonical({m: config["models"][m] for m in MODELS}),
             split=FRONTIER_SPLIT,
             floor=FLOOR,

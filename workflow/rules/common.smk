@@ -16,6 +16,7 @@ import sys
 
 import kvdiverge.study.config
 import kvdiverge.study.devices
+import kvdiverge.study.frontier
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
 from snakemake.utils import validate
@@ -37,11 +38,11 @@ if config.get("frontier"):
 validate(config, str(kvdiverge.study.config.SCHEMA_PATH))  # the package's schema
 
 SPLITS = ("exploratory", "confirmatory")
-# The frontier's points (kvdiverge.study.config.frontier_points), its split, and the
+# The frontier's points (kvdiverge.study.frontier.frontier_points), its split, and the
 # policies those points run as; empty without a `frontier` section.
-FRONTIER_POINTS = kvdiverge.study.config.frontier_points(config)
-FRONTIER_SPLIT = kvdiverge.study.config.frontier_split(config)
-FRONTIER_POLICIES = [pt["policy"] for pt in FRONTIER_POINTS]
+FRONTIER_POINTS = kvdiverge.study.frontier.frontier_points(config)
+FRONTIER_SPLIT = kvdiverge.study.frontier.frontier_split(config)
+FRONTIER_POLICIES = [pt.policy for pt in FRONTIER_POINTS]
 MODELS = list(config["models"])
 RUNS = kvdiverge.study.config.runs(config)  # [(model, policy, split), ...], control included
 SHARDS = list(range(int(config["shards"])))

@@ -3,7 +3,7 @@ the KV bytes counted with each model's sizes, read from its config (kvdiverge.st
 
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.estimation.frontier import frontier_tables
+from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.formatting import frontier_text
 from kvdiverge.report.pages import frontier_html
@@ -15,7 +15,7 @@ p = snakemake.params
 out = snakemake.output
 try:
     docs = read_estimates(list(snakemake.input))
-    grid = [dict(point) for point in p.grid]
+    grid = [FrontierPoint.of(point) for point in p.grid]
     sizes = {name: entry_kv_sizes(dict(entry), name) for name, entry in p.models.items()}
     log.info("KV sizes per model: %s", sizes)
     points, areas = frontier_tables(

@@ -4,7 +4,8 @@ Both doors call :func:`run_policies`: the workflow (``kvdiverge.study.shard.run_
 one shard of one (model, policy, split)) and the Python/command-line front door
 (``kvdiverge.measure``, any number of policies on the same prompts). It checks each press
 once, plans the documents per batched forward once (decode-time policies counted) and runs
-every policy through :func:`run_documents`'s engine. Batching, device placement and progress live here or below
+every policy in one batch loop. Each door builds one
+:class:`~kvdiverge.engine.core.sampling.Sampling` and passes it down. Batching, device placement and progress live here or below
 (:mod:`kvdiverge.engine.core.pairs`, :mod:`kvdiverge.engine.core.coupled`), never in the doors.
 """
 
@@ -18,12 +19,13 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tqdm.auto import tqdm
+from kvdiverge.engine.core.sampling import Sampling
 
 __all__ = [
     "Document",
     "PolicyRuns",
     "PressSource",
+    "RunOptions",
     "build_pair",
     "check_policy",
     "plan_documents",
@@ -84,19 +86,17 @@ class PressSource(Protocol):
 def plan_documents(
     model,
     documents: Sequence[Document],
-    *,
-    T: int,
-    replicates: int,
+    sampling: Sampling,
     batch_documents: int | None = None,
     memory_budget_gb: float | None = None,
+    *,
     decode_time: bool = False,
 ) -> int:
     """Documents per batched forward ``B`` for running ``documents`` on ``model``.
 
-    Reads the device's free memory once (when ``memory_budget_gb`` is None); a caller
-    that runs the same documents under several policies plans once and passes the
-    result as ``batch_documents`` to each :func:`run_documents`, so every policy runs
-    in the same batches.
+    Reads the device's free memory once (when ``memory_budget_gb`` is None);
+    :func:`run_policies` plans once for all its policies, so every policy runs in the same
+    batches.
 
     Parameters
     ----------
@@ -104,8 +104,8 @@ def plan_documents(
         The model (its config gives the KV bytes per token and the vocabulary size).
     documents : sequence of Document
         The documents to run (the longest prompt sizes the batch).
-    T, replicates : int
-        Horizon (tokens) and ``R``.
+    sampling : kvdiverge.engine.core.sampling.Sampling
+        Its horizon ``T`` (tokens) and ``R``.
     batch_documents : int, optional
         ``B`` to use (clipped to the number of documents); None plans it.
     decode_time : bool
@@ -136,8 +136,8 @@ def plan_documents(
     return plan_batch(
         kv_bytes_per_token=kv_bytes_per_token(model.config, param.dtype),
         prompt_len=max((doc.prompt_len for doc in documents), default=0),
-        T=int(T),
-        replicates=int(replicates),
+        T=sampling.T,
+        replicates=sampling.replicates,
         vocab_size=int(model.config.vocab_size),
         memory_budget_bytes=budget,
         documents=max(len(documents), 1),
@@ -146,116 +146,37 @@ def plan_documents(
     )
 
 
-def run_documents(
-    model,
-    documents: Sequence[Document],
-    policy: PressSource,
-    *,
-    T: int,
-    replicates: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    model_name: str,
-    eos_ids: Sequence[int] | None = None,
-    progress: tqdm | None = None,
-    batch_documents: int | None = None,
-    memory_budget_gb: float | None = None,
-) -> list[dict[str, Any]]:
-    """Coupled trajectories of every document under one policy.
-
-    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
-    also evicts while tokens are generated) runs on
-    :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
-    every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
-    the fewest positions the evicted cache held along the agreement chain.
-
-    Documents run ``B`` at a time as the rows of one kernel pair
-    (:meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents`, :func:`kvdiverge.engine.core.coupled.run_batch`):
-    ``B x R`` rows per side per forward. Batches group documents of similar length
-    (sorted by prompt length, ties by input order) to keep padding small; records come
-    back in input order. A document's results depend on its batch only through the
-    rounding of the batched forward; for a given config and document set they are
-    reproducible bit for bit.
+@dataclass(frozen=True)
+class RunOptions:
+    """How :func:`run_policies` batches and reports; never what it computes.
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel
-        Causal LM in eval mode, supported by kvpress.
-    documents : sequence of Document
-        Prompts (token ids), each run with its own press from ``policy``.
-    policy : PressSource
-        Supplies ``build_press(prompt_len)`` and ``expected_kept(prompt_len, press)``.
-    T : int
-        Horizon ``max_new_tokens`` (tokens = steps).
-    replicates : int
-        ``R`` coupled replicates per document.
-    temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
-    seed : int
-        Master seed.
-    model_name : str
-        Enters the seeds (with ``doc_id`` and the replicate; never the policy).
-    eos_ids : sequence of int, optional
-        End-of-sequence ids; default ``model.generation_config.eos_token_id``.
-    progress : tqdm, optional
-        Advanced by ``2T - 1`` per document.
     batch_documents : int, optional
         Documents per batched forward ``B``; ``None`` lets :func:`plan_documents` choose it
-        from the model's KV bytes per token and ``memory_budget_gb``.
+        from the model's KV bytes per token and ``memory_budget_gb`` (config
+        ``generation.batch_documents: auto``).
     memory_budget_gb : float, optional
         Memory the batch may take (GiB); default
         :func:`kvdiverge.engine.llm.planner.default_memory_budget` of the model's device.
-
-    Returns
-    -------
-    list[dict]
-        One record per (document, replicate), in input order: ``doc_id``, ``prompt_len``,
-        ``kept_len`` (prompt positions kept per key-value head, mean over layers and heads),
-        ``kept_per_layer`` (per layer, summed over its key-value heads), ``seconds`` (the batch's wall time divided by its documents) and the
-        columns of :func:`kvdiverge.engine.core.coupled.run_batch`.
-
-    Raises
-    ------
-    kvdiverge.engine.core.errors.CompressionError
-        When a press does not keep the promised number of positions.
-    kvdiverge.engine.core.errors.PressError
-        Before any forward, when the registry refuses the press on this model
-        (:func:`kvdiverge.engine.presses.registry.refusal`); when kvpress raises an
-        ``ImportError``, ``AssertionError``, ``TypeError``, ``AttributeError`` or ``IndexError`` during the
-        run (the message names the policy, the press and the cause).
-    kvdiverge.engine.core.errors.NonFiniteLogitsError
-        When the model returns NaN/±inf logits (names model, document, replicate, step, side).
-    ValueError
-        When a prompt is too short for the policy.
+    progress : callable, optional
+        ``progress(name, total)`` returns a tqdm bar (a context manager) for one policy of
+        ``total`` steps (``2T - 1`` per document); None shows none.
+    owner : str
+        What a refused press is called in the message: ``"policy"`` or ``"press"``.
     """
-    if not documents:
-        return []
-    decode_time = check_policy(model, documents, policy, f"policy {policy.name!r}")
-    B = plan_documents(
-        model,
-        documents,
-        T=T,
-        replicates=replicates,
-        batch_documents=batch_documents,
-        memory_budget_gb=memory_budget_gb,
-        decode_time=decode_time,
-    )
-    records, _ = _run_planned(
-        model,
-        documents,
-        policy,
-        B,
-        T=T,
-        replicates=replicates,
-        seed=seed,
-        model_name=model_name,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        progress=progress,
-    )
-    return records
+
+    batch_documents: int | None = None
+    memory_budget_gb: float | None = None
+    progress: Callable[[str, int], Any] | None = None
+    owner: str = "policy"
+
+
+def run_documents(
+    model, documents: Sequence[Document], policy: PressSource, sampling: Sampling, options: RunOptions = RunOptions()
+) -> list[dict[str, Any]]:
+    """The records of :func:`run_policies` for one policy, without ``model``, ``policy`` and ``split``."""
+    return _run_records(model, documents, {policy.name: policy}, sampling, options)[0][policy.name]
 
 
 def check_policy(model, documents: Sequence[Document], policy: PressSource, owner: str) -> bool:
@@ -339,131 +260,115 @@ def run_policies(
     model,
     documents: Sequence[Document],
     policies: Mapping[str, PressSource],
+    sampling: Sampling,
     *,
-    T: int,
-    replicates: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    model_name: str,
     split: str,
-    eos_ids: Sequence[int] | None = None,
-    batch_documents: int | None = None,
-    memory_budget_gb: float | None = None,
-    progress: Callable[[str, int], Any] | None = None,
-    owner: str = "policy",
+    options: RunOptions = RunOptions(),
 ) -> PolicyRuns:
-    """Every policy on the same documents, in the same batches: what both doors run.
+    """Every policy on the same documents, in the same batches: the engine both doors run.
 
     Checks each policy's press once (:func:`check_policy`, every policy before any
     forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
     document when any policy is decode-time, so every policy runs in the same batches)
-    and runs each policy (:func:`run_documents`'s engine). Policies that evict at prefill
-    only run batch by batch, each document prefilled once for up to ``2R`` of them where
-    their presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records
-    are those of each policy run alone, bit for bit.
+    and runs the documents batch by batch, every policy on each batch. Policies that evict
+    at prefill only share each document's prefill forward, up to ``2R`` of them where their
+    presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are
+    those of each policy run alone, bit for bit.
+
+    A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
+    also evicts while tokens are generated) runs on
+    :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
+    every other on :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; ``kept_len`` is then
+    the fewest positions the evicted cache held along the agreement chain.
+
+    Documents run ``B`` at a time as the rows of one kernel pair (:func:`build_pair`,
+    :func:`kvdiverge.engine.core.coupled.run_batch`): ``B x R`` rows per side per forward.
+    Batches group documents of similar length (sorted by prompt length, ties by input
+    order) to keep padding small; records come back in input order. A document's results
+    depend on its batch only through the rounding of the batched forward; for a given
+    config and document set they are reproducible bit for bit.
 
     Parameters
     ----------
-    model, documents, T, replicates, temperature, top_p, seed, model_name, eos_ids
-        As :func:`run_documents`.
+    model : transformers.PreTrainedModel
+        Causal LM in eval mode, supported by kvpress.
+    documents : sequence of Document
+        Prompts (token ids), each run with its own press from each policy.
     policies : mapping of str to PressSource
-        Policy name (the ``policy`` column) -> policy, run in this order.
+        Policy name (the ``policy`` column) -> policy, run in this order; each supplies
+        ``build_press(prompt_len)`` and ``expected_kept(prompt_len, press)``.
+    sampling : kvdiverge.engine.core.sampling.Sampling
+        ``T``, ``R``, the decoding transform, the master seed and the model name (which
+        enters the seeds with ``doc_id`` and the replicate; never the policy); ``eos_ids``
+        ``None`` takes ``model.generation_config.eos_token_id``.
     split : str
         The ``split`` column.
-    batch_documents : int, optional
-        ``B`` to use; None plans it (config ``generation.batch_documents: auto``).
-    memory_budget_gb : float, optional
-        As :func:`plan_documents`.
-    progress : callable, optional
-        ``progress(name, total)`` returns a tqdm bar (a context manager) for one policy of
-        ``total`` steps (``2T - 1`` per document); None shows none.
-    owner : str
-        What a refused press is called in the message: ``"policy"`` or ``"press"``.
+    options : RunOptions
+        Batch size, memory budget, progress bars and the message's word for a policy.
 
     Returns
     -------
     PolicyRuns
+        Its trajectories hold, per (policy, document, replicate): ``model``, ``policy``,
+        ``split``, ``doc_id``, ``prompt_len``, ``kept_len`` (prompt positions kept per
+        key-value head, mean over layers and heads), ``kept_per_layer`` (per layer, summed
+        over its key-value heads), ``seconds`` (the batch's wall time divided by its
+        documents, the policy's share of shared prefills included) and the columns of
+        :func:`kvdiverge.engine.core.coupled.run_batch`.
 
     Raises
     ------
-    As :func:`run_documents`.
+    kvdiverge.engine.core.errors.CompressionError
+        When a press does not keep the promised number of positions.
+    kvdiverge.engine.core.errors.PressError
+        Before any forward, when the registry refuses the press on this model
+        (:func:`kvdiverge.engine.presses.registry.refusal`); when kvpress raises an
+        ``ImportError``, ``AssertionError``, ``TypeError``, ``AttributeError`` or ``IndexError`` during the
+        run (the message names the policy, the press and the cause).
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
+        When the model returns NaN/±inf logits (names model, document, replicate, step, side).
+    ValueError
+        When a prompt is too short for a policy.
     """
     from kvdiverge.engine.core.coupled import to_frame
 
-    flags = (
-        {name: check_policy(model, documents, source, f"{owner} {name!r}") for name, source in policies.items()}
-        if documents
-        else {}
-    )
-    check_prompt_lengths(documents, policies, owner)
-    if documents and memory_budget_gb is None:  # the free memory, read once for the batch and the groups
-        from kvdiverge.engine.llm.planner import default_memory_budget
-
-        memory_budget_gb = default_memory_budget(next(model.parameters()).device) / 2**30
-    B = (
-        plan_documents(
-            model,
-            documents,
-            T=T,
-            replicates=replicates,
-            batch_documents=batch_documents,
-            memory_budget_gb=memory_budget_gb,
-            decode_time=any(flags.values()),
-        )
-        if documents
-        else None
-    )
-    by_policy: dict[str, list[dict[str, Any]]] = {}
-    counts: dict[str, dict[str, int]] = {}
-    shared = [name for name, decode_time in flags.items() if not decode_time]
-    if len(shared) >= 2:  # one prefill forward per document for all of them (where their presses allow)
-        group = _prefill_group(model, documents, B, T=T, replicates=replicates, memory_budget_gb=memory_budget_gb)
-        got = _run_shared(
-            model,
-            documents,
-            {name: policies[name] for name in shared},
-            B,
-            group,
-            T=T,
-            replicates=replicates,
-            seed=seed,
-            model_name=model_name,
-            temperature=temperature,
-            top_p=top_p,
-            eos_ids=eos_ids,
-            progress=progress,
-        )
-        for name, (recs, c) in got.items():
-            by_policy[name], counts[name] = recs, c
-    for name, source in policies.items():
-        if name in by_policy:
-            continue
-        if not documents:
-            by_policy[name], counts[name] = [], {"documents": 0, "batches": 0}
-            continue
-        with progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext() as bar:
-            by_policy[name], counts[name] = _run_planned(
-                model,
-                documents,
-                source,
-                B,
-                T=T,
-                replicates=replicates,
-                seed=seed,
-                model_name=model_name,
-                temperature=temperature,
-                top_p=top_p,
-                eos_ids=eos_ids,
-                progress=bar,
-            )
-    records = [
-        {"model": model_name, "policy": name, "split": split, **rec} for name in policies for rec in by_policy[name]
-    ]
+    by_policy, counts, B = _run_records(model, documents, policies, sampling, options)
+    name_ = sampling.model_name
+    records = [{"model": name_, "policy": name, "split": split, **rec} for name in policies for rec in by_policy[name]]
     return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
 
 
-def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicates, memory_budget_gb: float) -> int:
+def _run_records(model, documents: Sequence[Document], policies: Mapping[str, PressSource], sampling, options):
+    """``(records, counts, B)`` of :func:`run_policies`: per policy, its records in input order and its counts."""
+    if not documents:
+        return {name: [] for name in policies}, {name: {"documents": 0, "batches": 0} for name in policies}, None
+    flags = {name: check_policy(model, documents, src, f"{options.owner} {name!r}") for name, src in policies.items()}
+    check_prompt_lengths(documents, policies, options.owner)
+    budget = options.memory_budget_gb
+    if budget is None:  # the free memory, read once for the batch and the groups
+        from kvdiverge.engine.llm.planner import default_memory_budget
+
+        budget = default_memory_budget(next(model.parameters()).device) / 2**30
+    decode_time = any(flags.values())
+    B = plan_documents(model, documents, sampling, options.batch_documents, budget, decode_time=decode_time)
+    shared = [name for name, flag in flags.items() if not flag]
+    group = _prefill_group(model, documents, B, sampling, budget) if len(shared) >= 2 else 1
+    groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
+    groups += [[name] for name, flag in flags.items() if flag]
+    got = _run_batches(model, documents, policies, _Plan(B, groups), sampling, options.progress)
+    return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Documents per batched forward ``B``, and the policies in the order and groups they run
+    (a group's policies share each document's prefill forward where their presses allow)."""
+
+    B: int
+    groups: list[list[str]]
+
+
+def _prefill_group(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float) -> int:
     """Policies that share one document's prefill forward: at most ``2R``, and what the memory budget leaves.
 
     The shared prefills of one batch hold, per policy, one evicted cache per document (at
@@ -480,52 +385,39 @@ def _prefill_group(model, documents: Sequence[Document], B: int, *, T, replicate
     left = budget - B * document_bytes(
         kv_bytes_per_token=kv,
         prompt_len=longest,
-        T=int(T),
-        replicates=int(replicates),
+        T=sampling.T,
+        replicates=sampling.replicates,
         vocab_size=int(model.config.vocab_size),
     )
-    return int(max(1, min(2 * int(replicates), left // max(B * longest * kv, 1))))
+    return int(max(1, min(2 * sampling.replicates, left // max(B * longest * kv, 1))))
 
 
-def _run_shared(
-    model,
-    documents: Sequence[Document],
-    policies: Mapping[str, PressSource],
-    B: int,
-    group: int,
-    *,
-    T,
-    replicates,
-    seed,
-    model_name,
-    temperature,
-    top_p,
-    eos_ids,
-    progress,
+def _run_batches(
+    model, documents: Sequence[Document], policies: Mapping[str, PressSource], plan: _Plan, sampling, progress
 ):
-    """``{name: (records, counts)}`` of several checked prefill policies, each document prefilled once per group.
+    """``{name: (records, counts)}`` of checked policies: the one batch loop.
 
-    Batch by batch (the batches of :func:`_run_planned`), the policies run in groups of
-    ``group``: each document of the batch is prefilled once for the group's presses that
-    share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
+    Batch by batch (``plan.B`` documents, sorted by prompt length), the policies run in
+    ``plan.groups``: each document of the batch is prefilled once for the group's presses
+    that share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
     policy of the group runs the batch on its pair with those prefills. A press that does
     not share its prefill, a group of one, or a shared forward that fails leaves the pair
     to prefill the document alone (a failing press then raises there, named). The caches
-    and so the records are those of :func:`_run_planned`'s, bit for bit; ``seconds`` adds
+    and so the records are those of each policy run alone, bit for bit; ``seconds`` adds
     the policy's share of the shared forwards.
     """
     from kvdiverge.engine.llm.twin import evicted_twin
 
+    B, T = plan.B, sampling.T
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
-    names = list(policies)
-    groups = [names[lo : lo + group] for lo in range(0, len(names), group)]
+    names = [name for group in plan.groups for name in group]
     log.info(
-        "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of %d",
+        "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of up to %d",
         len(documents),
         B,
-        B * int(replicates),
+        B * sampling.replicates,
         len(names),
-        group,
+        max(len(group) for group in plan.groups),
     )
     by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
     counts = {name: Counter(documents=len(documents)) for name in names}
@@ -535,49 +427,37 @@ def _run_shared(
     with ExitStack() as stack:
         for bi, indices in enumerate(batches):
             batch = [documents[i] for i in indices]
-            for names_ in groups:
-                presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in names_}
+            for group in plan.groups:
+                presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in group}
                 start = time.perf_counter()
-                bank = _shared_prefills(twin, batch, presses, seed=seed, model_name=model_name)
-                shared_seconds = (time.perf_counter() - start) / len(names_)
-                for name in names_:
+                bank = _shared_prefills(twin, batch, presses, sampling)
+                shared_seconds = (time.perf_counter() - start) / len(group)
+                for name in group:
                     if name not in bars:
                         bars[name] = stack.enter_context(
-                            progress(name, len(documents) * (2 * int(T) - 1)) if progress else nullcontext()
+                            progress(name, len(documents) * (2 * T - 1)) if progress else nullcontext()
                         )
                     bar = bars[name]
                     start = time.perf_counter()
                     pair, reps = _run_one_batch(
-                        model,
-                        batch,
-                        policies[name],
-                        T=T,
-                        replicates=replicates,
-                        seed=seed,
-                        model_name=model_name,
-                        temperature=temperature,
-                        top_p=top_p,
-                        eos_ids=eos_ids,
-                        progress=bar,
-                        presses=presses[name],
-                        prefilled=bank.pop(name),
+                        model, batch, policies[name], sampling, bar, presses=presses[name], prefilled=bank.pop(name)
                     )
                     seconds = (time.perf_counter() - start + shared_seconds) / len(batch)
                     counts[name].update(_pair_counts(pair))
-                    if bar is not None:
-                        done = sum(len(b) for b in batches[: bi + 1])
-                        bar.update(done * (2 * T - 1) - bar.n)
+                    if bar is not None:  # chains that stop early skip steps
+                        bar.update(sum(len(b) for b in batches[: bi + 1]) * (2 * T - 1) - bar.n)
                         if bi == len(batches) - 1:
                             bar.close()
-                    by_index[name].update(_batch_records(batch, indices, pair, reps, replicates, seconds, f"{name}: "))
+                    label = f"{name}: " if len(names) > 1 else ""
+                    by_index[name].update(
+                        _batch_records(batch, indices, pair, reps, sampling.replicates, seconds, label)
+                    )
     return {
         name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
     }
 
 
-def _shared_prefills(
-    twin, batch: Sequence[Document], presses: Mapping[str, list], *, seed: int, model_name: str
-) -> dict[str, list | None]:
+def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
     """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
 
     ``None`` for the whole policy when no document's prefill was shared (the pair prefills).
@@ -595,7 +475,7 @@ def _shared_prefills(
             continue
         ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
         try:
-            with torch.inference_mode(), seeded(prefill_seed(int(seed), model_name, doc.doc_id), device):
+            with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
                 done = prefill_shared(twin, ids, [presses[name][j] for name in names])
         except Exception as exc:  # each pair then prefills alone, where a failing press is named
             log.warning(
@@ -606,52 +486,6 @@ def _shared_prefills(
             for name, one in zip(names, done):
                 got[name][j] = one
     return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
-
-
-def _run_planned(
-    model,
-    documents: Sequence[Document],
-    policy: PressSource,
-    B: int,
-    *,
-    T,
-    replicates,
-    seed,
-    model_name,
-    temperature,
-    top_p,
-    eos_ids,
-    progress,
-):
-    """``(records, counts)`` of one checked policy in batches of ``B`` (:func:`run_documents`)."""
-    order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
-    log.info("%d documents, %d per batched forward (%d rows per side)", len(documents), B, B * int(replicates))
-    by_index: dict[int, list[dict[str, Any]]] = {}
-    counts: Counter[str] = Counter(documents=len(documents))
-    done = 0
-    for lo in range(0, len(order), B):
-        batch = [documents[i] for i in order[lo : lo + B]]
-        start = time.perf_counter()
-        pair, reps = _run_one_batch(
-            model,
-            batch,
-            policy,
-            T=T,
-            replicates=replicates,
-            seed=seed,
-            model_name=model_name,
-            temperature=temperature,
-            top_p=top_p,
-            eos_ids=eos_ids,
-            progress=progress,
-        )
-        seconds = (time.perf_counter() - start) / len(batch)
-        counts.update(_pair_counts(pair))
-        done += len(batch)
-        if progress is not None:
-            progress.update(done * (2 * T - 1) - progress.n)  # chains that stop early skip steps
-        by_index.update(_batch_records(batch, order[lo : lo + B], pair, reps, replicates, seconds))
-    return [rec for i in range(len(documents)) for rec in by_index[i]], dict(counts)
 
 
 def _batch_records(
@@ -704,27 +538,22 @@ def build_pair(
     model,
     batch: Sequence[Document],
     policy: PressSource,
+    sampling: Sampling,
     *,
-    seed: int,
-    model_name: str,
-    temperature: float,
-    top_p: float,
-    eos_ids: Sequence[int] | None = None,
     checked: bool = False,
-    horizon: int | None = None,
     presses: Sequence | None = None,
     prefilled: Sequence | None = None,
 ):
     """The kernel pair of one batch of documents under one policy, each document with its own press.
 
-    With ``horizon`` (``T``, steps) each side's cache is allocated once for its widest need,
-    ``prompt + 2T - 2`` columns (:func:`kvdiverge.engine.llm.planner.cache_columns`); without
-    it, caches grow as they fill.
+    Each side's cache is allocated once for its widest need, ``prompt + 2T - 2`` columns
+    (:func:`kvdiverge.engine.llm.planner.cache_columns`, ``T`` of ``sampling``).
 
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`) gets a
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, every other an
-    :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`; each document's prefill seeds torch's
-    generator from ``(seed, model_name, doc_id)`` (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+    :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair`, with ``sampling.decoding``; each
+    document's prefill seeds torch's generator from ``(seed, model_name, doc_id)``
+    (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
 
     ``presses`` (one per document, built by ``policy``) and ``prefilled`` (their prefills,
     :func:`kvdiverge.engine.llm.prefill.prefill_shared`; ``None`` entries prefill alone) come
@@ -768,56 +597,32 @@ def build_pair(
         [doc.input_ids for doc in batch],
         list(presses),
         [policy.expected_kept(doc.context_len, press) for doc, press in zip(batch, presses)],
-        temperature=float(temperature),
-        top_p=float(top_p),
-        eos_ids=eos_ids,
-        prefill_seeds=[prefill_seed(int(seed), model_name, doc.doc_id) for doc in batch],
-        horizon=horizon,
+        decoding=sampling.decoding,
+        prefill_seeds=[prefill_seed(sampling.seed, sampling.model_name, doc.doc_id) for doc in batch],
+        horizon=sampling.T,
         **extra,
     )
 
 
-def _run_one_batch(
-    model,
-    batch: Sequence[Document],
-    policy,
-    *,
-    T,
-    replicates,
-    seed,
-    model_name,
-    temperature,
-    top_p,
-    eos_ids,
-    progress,
-    presses=None,
-    prefilled=None,
-):
-    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_documents`)."""
+def _run_one_batch(model, batch: Sequence[Document], policy, sampling: Sampling, progress, *, presses, prefilled):
+    """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_policies`)."""
     import torch
 
     from kvdiverge.engine.core.coupled import run_batch
     from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
     from kvdiverge.engine.core.pairs import PhaseTracker
 
-    pair = build_pair(
-        model,
-        batch,
-        policy,
-        seed=seed,
-        model_name=model_name,
-        temperature=temperature,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        checked=True,
-        horizon=T,
-        presses=presses,
-        prefilled=prefilled,
-    )
+    pair = build_pair(model, batch, policy, sampling, checked=True, presses=presses, prefilled=prefilled)
     phased = PhaseTracker(pair)
     try:
         reps = run_batch(
-            phased, int(T), int(replicates), int(seed), model_name, [doc.doc_id for doc in batch], progress=progress
+            phased,
+            sampling.T,
+            sampling.replicates,
+            sampling.seed,
+            sampling.model_name,
+            [doc.doc_id for doc in batch],
+            progress=progress,
         )
     except (PressError, CompressionError, NonFiniteLogitsError, torch.OutOfMemoryError):
         raise

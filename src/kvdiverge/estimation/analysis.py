@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -41,9 +42,10 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_indices
+from kvdiverge.estimation.bootstrap import interval_columns, percentile_interval, put_interval, resample_indices
 from kvdiverge.estimation.decomposition import DECOMP_ATOL, DECOMP_RTOL, DecompositionError, rho
 from kvdiverge.estimation.estimators import btv_window
+from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "CONFIRMATORY_SPLIT",
@@ -298,10 +300,9 @@ def gap_decomposition(
     for term in ("delta",) + TERMS:
         val = float(point[term])
         lo, hi = percentile_interval(boot[term], confidence)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sh_b = np.where(boot["delta"] != 0, boot[term] / np.where(boot["delta"] != 0, boot["delta"], 1.0), np.nan)
+        sh_b = safe_divide(boot[term], boot["delta"], where=boot["delta"] != 0)
         slo, shi = percentile_interval(sh_b, confidence)
-        share = val / float(point["delta"]) if point["delta"] != 0 else float("nan")
+        share = safe_divide(val, point["delta"], where=point["delta"] != 0)
         rows.append(
             {
                 "model": model,
@@ -700,10 +701,9 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
                 b = j[m + "_floor"].to_numpy().astype(np.float64)
                 for name, x in ((m, a), (f"floor_{m}", b), (f"diff_{m}", a - b)):
                     if n == 0:
-                        r[name] = r[name + "_lo"] = r[name + "_hi"] = float("nan")
+                        put_interval(r, name, math.nan, math.nan, math.nan)
                         continue
-                    lo, hi = percentile_interval(x[idx].mean(axis=1), confidence)
-                    r[name], r[name + "_lo"], r[name + "_hi"] = float(x.mean()), float(lo), float(hi)
+                    put_interval(r, name, x.mean(), *percentile_interval(x[idx].mean(axis=1), confidence))
             for m in ("p_div", "E_N"):
                 r[f"above_floor_{m}"] = bool(n > 0 and r[f"diff_{m}_lo"] > 0)
             rows.append(r)
@@ -717,12 +717,7 @@ FLOOR_SCHEMA: dict[str, pl.DataType] = {
     "policy": pl.String,
     "floor": pl.String,
     "n_docs": pl.Int64,
-    **{
-        f"{pre}{m}{suf}": pl.Float64
-        for m in FLOOR_METRICS
-        for pre in ("", "floor_", "diff_")
-        for suf in ("", "_lo", "_hi")
-    },
+    **{c: pl.Float64 for m in FLOOR_METRICS for pre in ("", "floor_", "diff_") for c in interval_columns(pre + m)},
     "above_floor_p_div": pl.Boolean,
     "above_floor_E_N": pl.Boolean,
 }

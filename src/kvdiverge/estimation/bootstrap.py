@@ -20,7 +20,32 @@ import warnings
 
 import numpy as np
 
-__all__ = ["bootstrap_rng", "percentile_interval", "resample_counts", "resample_indices", "resampled_nanmean"]
+from kvdiverge.estimation.numeric import safe_divide
+
+__all__ = [
+    "INTERVAL",
+    "bootstrap_rng",
+    "interval_columns",
+    "percentile_interval",
+    "put_interval",
+    "resample_counts",
+    "resample_indices",
+    "resampled_nanmean",
+]
+
+#: Suffixes of an estimate's columns: the value, the interval's lower and upper ends.
+INTERVAL = ("", "_lo", "_hi")
+
+
+def interval_columns(name: str) -> tuple[str, str, str]:
+    """The columns of an estimate with its interval: ``(name, name_lo, name_hi)``."""
+    return tuple(name + suffix for suffix in INTERVAL)
+
+
+def put_interval(row: dict, name: str, value: float, lo: float, hi: float) -> None:
+    """Set ``row[name]``, ``row[name_lo]``, ``row[name_hi]`` (in that order) to floats (:func:`interval_columns`)."""
+    for column, v in zip(interval_columns(name), (value, lo, hi)):
+        row[column] = float(v)
 
 
 def bootstrap_rng(seed: int, *purpose: object) -> np.random.Generator:
@@ -101,8 +126,7 @@ def resampled_nanmean(counts: np.ndarray, X: np.ndarray) -> np.ndarray:
     ok = np.isfinite(X)
     num = counts @ np.where(ok, X, 0.0)
     den = counts @ ok.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+    return safe_divide(num, den)
 
 
 def percentile_interval(samples: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvdiverge.estimation.numeric import safe_divide
+
 __all__ = ["DECOMP_ATOL", "DECOMP_RTOL", "DecompositionError", "check_decomposition", "rho"]
 
 #: Relative and absolute tolerance of the §3 identity check.
@@ -39,11 +41,7 @@ def rho(E_N_post, E_L, undefined: float = float("nan")):
     float or numpy.ndarray of float64
         A Python float for scalar inputs, else an array of the inputs' shape.
     """
-    if np.ndim(E_N_post) == 0 and np.ndim(E_L) == 0:
-        return float(E_N_post) / float(E_L) if E_L > 0 else float(undefined)
-    E_N_post, E_L = np.asarray(E_N_post, dtype=np.float64), np.asarray(E_L, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(E_L > 0, E_N_post / np.where(E_L > 0, E_L, 1.0), undefined)
+    return safe_divide(E_N_post, E_L, undefined)
 
 
 def check_decomposition(E_M, p_div, E_L, E_N_post, T, where: str = "") -> tuple[np.ndarray, np.ndarray]:

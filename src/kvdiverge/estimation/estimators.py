@@ -33,12 +33,14 @@ import polars as pl
 
 from kvdiverge.estimation.bootstrap import (
     percentile_interval,
+    put_interval,
     resample_counts,
     resample_indices,
     resampled_nanmean,
 )
 from kvdiverge.estimation.decomposition import check_decomposition, rho
 from kvdiverge.estimation.intervals import sharp_interval
+from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "REQUIRED_COLUMNS",
@@ -433,14 +435,14 @@ def document_estimates(reps: pl.DataFrame, windows: Mapping[str, Sequence[int]] 
         r["tv_max"] = float(col["tv_max"].max())
         r["E_M"] = r["E_N"] / T
         r["E_M_se"] = r["E_N_se"] / T
-        r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
+        r["tau_mean"] = safe_divide(r["E_tau_div"], r["p_div"])
         r["rho"] = rho(r["E_N_post"], r["E_L"])
         first, rate = check_decomposition(
             r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"{model}/{policy}/{split} doc {doc_id!r}"
         )
         r["first_mismatch_term"] = float(first)
         r["exposure_rate_term"] = float(rate)
-        r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
+        r["exposure_share"] = safe_divide(rate, r["E_M"])
         r.update(sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T))
         r["E_N_in_interval"] = bool(r["E_N_lo"] - 1e-12 <= r["E_N"] <= r["E_N_hi"] + 1e-12)
         r["var_N_naive"] = _var(col["N_naive"])
@@ -464,8 +466,7 @@ def _document_curves(g: pl.DataFrame, T: int, R: int, windows: Mapping[str, Sequ
     num, den = _branch_lag_sums(g, T)
     r["btv_num"] = num.tolist()
     r["btv_den"] = den.tolist()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r["btv_lag"] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan).tolist()
+    r["btv_lag"] = safe_divide(num, den).tolist()
     for name, (a, b) in windows.items():
         v, wgt = btv_window(num, den, int(a), int(b))
         r[f"btv_{name}"] = v
@@ -549,23 +550,18 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
             "R": int(g["R"].min()),
         }
         for j, c in enumerate(POOLED_COLUMNS):
-            r[c] = float(mean[j])
-            r[c + "_lo"] = float(lo[j])
-            r[c + "_hi"] = float(hi[j])
+            put_interval(r, c, mean[j], lo[j], hi[j])
         ci = {c: j for j, c in enumerate(POOLED_COLUMNS)}
-        with np.errstate(divide="ignore", invalid="ignore"):
-            tau_b = np.where(B[:, ci["p_div"]] > 0, B[:, ci["E_tau_div"]] / B[:, ci["p_div"]], np.nan)
-        r["rho"] = rho(r["E_N_post"], r["E_L"])
+        tau_b = safe_divide(B[:, ci["E_tau_div"]], B[:, ci["p_div"]])
         rho_b = rho(B[:, ci["E_N_post"]], B[:, ci["E_L"]])  # (n_boot,)
-        r["rho_lo"], r["rho_hi"] = (float(v) for v in percentile_interval(rho_b, confidence))
-        r["tau_mean"] = r["E_tau_div"] / r["p_div"] if r["p_div"] > 0 else float("nan")
-        r["tau_mean_lo"], r["tau_mean_hi"] = (float(v) for v in percentile_interval(tau_b, confidence))
+        put_interval(r, "rho", rho(r["E_N_post"], r["E_L"]), *percentile_interval(rho_b, confidence))
+        put_interval(r, "tau_mean", safe_divide(r["E_tau_div"], r["p_div"]), *percentile_interval(tau_b, confidence))
         first, rate = check_decomposition(
             r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"pooled {model}/{policy}/{split}"
         )
         r["first_mismatch_term"] = float(first)
         r["exposure_rate_term"] = float(rate)
-        r["exposure_share"] = float(rate) / r["E_M"] if r["E_M"] > 0 else float("nan")
+        r["exposure_share"] = safe_divide(rate, r["E_M"])
         iv = sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T)
         r.update({"interval_" + k: v for k, v in iv.items()})
         vn = g["var_N_naive"].to_numpy().astype(np.float64)

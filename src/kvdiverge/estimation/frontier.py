@@ -37,20 +37,31 @@ those of ``estimators.md`` (§2, §3).
 from __future__ import annotations
 
 import math
+import numbers
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
+from kvdiverge.estimation.bootstrap import (
+    interval_columns,
+    percentile_interval,
+    put_interval,
+    resample_counts,
+    resample_indices,
+)
 from kvdiverge.estimation.decomposition import check_decomposition
+from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "POINT_METRICS",
+    "FrontierPoint",
     "common_range",
     "frontier_curves",
     "frontier_grid",
     "frontier_name",
+    "frontier_problems",
     "frontier_tables",
     "kv_bytes_per_element",
     "measured_frontier",
@@ -98,27 +109,130 @@ def frontier_name(
     return name if cache is None else f"{name}+{cache}"
 
 
-def _check_values(ratios: Sequence[float], budgets: Sequence[int], key: str = "compression ratio") -> None:
-    for r in ratios:
-        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= float(r) < 1):
-            raise ValueError(f"{key} {r!r} is outside [0, 1)")
-    for b in budgets:
-        if not (isinstance(b, int) and not isinstance(b, bool) and b >= 1):
-            raise ValueError(f"budget {b!r} is not an integer >= 1")
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One point of a frontier: the policy it runs as, and what it varies.
+
+    Parameters
+    ----------
+    policy : str
+        Policy name (:func:`frontier_name`): ``<press>@<ratio>``, ``<press>@b<budget>``,
+        ``<cache>`` or ``<press>@<ratio>+<cache>``.
+    press : str or None
+        Press label (config ``frontier.presses`` key); None for a quantized cache alone.
+    compression_ratio : float or None
+        Fraction of prompt positions evicted, in ``[0, 1)``; None at a budget point.
+    budget : int or None
+        Prompt positions kept (tokens); None at a ratio point.
+    cache : str or None
+        Quantized-cache label (config ``frontier.caches`` key); None at full precision.
+    cache_settings : mapping or None
+        The cache's ``backend``, ``nbits``, ``q_group_size``, ``residual_length``; None at
+        full precision.
+    """
+
+    policy: str
+    press: str | None
+    compression_ratio: float | None
+    budget: int | None = None
+    cache: str | None = None
+    cache_settings: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, point: FrontierPoint | Mapping[str, Any]) -> FrontierPoint:
+        """``point`` itself, or the point of a mapping of its fields (a workflow param, a saved settings record)."""
+        if isinstance(point, cls):
+            return point
+        return cls(**{"cache": None, "cache_settings": None, **point})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (Snakemake params, the settings record)."""
+        out = asdict(self)
+        out["cache_settings"] = None if self.cache_settings is None else dict(self.cache_settings)
+        return out
+
+    @property
+    def curve(self) -> str:
+        """Label of the curve the point belongs to by its press and cache (:func:`frontier_curves`)."""
+        if self.cache is None:
+            return self.press
+        return self.cache if self.press is None else f"{self.press}+{self.cache}"
 
 
-def _check_labels(presses: Sequence[str], caches: Mapping[str, Mapping[str, Any]]) -> None:
-    for p in presses:
-        if "+" in p:
-            raise ValueError(f"press label {p!r}: '+' is reserved for the <press>@<ratio>+<cache> names")
+def _ratio_problem(key: str, r: Any) -> str | None:
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
+        return f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)"
+    return None
+
+
+def frontier_problems(
+    presses: Iterable[str],
+    ratios: Sequence[Any] = (),
+    budgets: Sequence[Any] = (),
+    caches: Mapping[str, Any] | None = None,
+    cache_ratios: Sequence[Any] | None = None,
+    policies: Iterable[str] = (),
+) -> list[str]:
+    """What is wrong with a frontier's labels and values, one sentence each: the one check every door uses.
+
+    The config (:func:`kvdiverge.study.config.expand_frontier`), :func:`kvdiverge.measure`
+    and the command line (:func:`kvdiverge.study.inputs.frontier_presses`) expand a frontier
+    through :func:`frontier_grid`, which raises the first of these.
+
+    Parameters
+    ----------
+    presses : iterable of str
+        Press labels: no ``@`` or ``+`` (reserved for the points' names).
+    ratios, cache_ratios : sequence
+        Compression ratios, numbers in ``[0, 1)``.
+    budgets : sequence
+        Prompt positions kept, integers ``>= 1``.
+    caches : mapping, optional
+        Cache label -> settings: no ``@`` or ``+`` in a label, no label equal to a press
+        label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not checked).
+    policies : iterable of str
+        Names of the other policies beside the frontier (a config's own): no ``@``.
+
+    Returns
+    -------
+    list of str
+        Empty when the frontier is well formed.
+    """
+    presses, caches = [str(p) for p in presses], dict(caches or {})
+    problems = [
+        f"press {p!r}: {mark!r} in a press name is reserved for the frontier's {form} names; rename it"
+        for p in presses
+        for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>"))
+        if mark in p
+    ]
+    problems += [
+        q
+        for key, rs in (("ratios", ratios), ("cache_ratios", cache_ratios or ()))
+        for r in rs
+        if (q := _ratio_problem(key, r))
+    ]
+    problems += [
+        f"budgets: {b!r} is not a number of tokens; allowed: integers >= 1"
+        for b in budgets
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
+    ]
     for c, settings in caches.items():
-        if "@" in c or "+" in c:
-            raise ValueError(f"cache label {c!r}: '@' and '+' are reserved for the frontier's names")
+        if "@" in str(c) or "+" in str(c):
+            problems.append(
+                f"cache {c!r}: '@' and '+' in a cache label are reserved for the frontier's "
+                f"<press>@<ratio>+<cache> names; rename it"
+            )
         if c in presses:
-            raise ValueError(f"cache label {c!r} is also a press label; give the cache another label")
+            problems.append(f"cache {c!r}: the label is also a press label; give the cache another label")
         missing = [k for k in _CACHE_KEYS if not isinstance(settings, Mapping) or settings.get(k) is None]
-        if missing:
-            raise ValueError(f"cache {c!r}: its settings need {', '.join(_CACHE_KEYS)} (missing {', '.join(missing)})")
+        if missing and settings is not None:
+            problems.append(f"cache {c!r}: its settings need {', '.join(_CACHE_KEYS)} (missing {', '.join(missing)})")
+    problems += [
+        f"policies.{name}: '@' in a policy name is reserved for the frontier's <press>@<ratio> policies"
+        for name in policies
+        if "@" in name
+    ]
+    return problems
 
 
 def frontier_grid(
@@ -127,7 +241,7 @@ def frontier_grid(
     budgets: Sequence[int] = (),
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[FrontierPoint]:
     """Every frontier point: each press at each ratio and budget, then each cache alone and after each press.
 
     Parameters
@@ -147,9 +261,8 @@ def frontier_grid(
 
     Returns
     -------
-    list of dict
-        ``{"policy", "press", "compression_ratio", "budget", "cache", "cache_settings"}``:
-        a cache alone has ``press`` None and ratio 0; full-precision points have ``cache``
+    list of FrontierPoint
+        A cache alone has ``press`` None and ratio 0; full-precision points have ``cache``
         and ``cache_settings`` None; the unused one of ratio and budget is None. In press
         order (ratios, then budgets), then cache order (alone, then each press at each
         cache ratio above 0).
@@ -157,56 +270,34 @@ def frontier_grid(
     Raises
     ------
     ValueError
-        A ratio outside ``[0, 1)``, a budget below 1, a label with a reserved character
-        (``+`` in a press label, ``@`` or ``+`` in a cache label), a cache label equal to a
-        press label, incomplete cache settings, or two points with the same name.
+        The first of :func:`frontier_problems`, or two points with the same name.
     """
     presses, caches = list(presses), dict(caches or {})
+    problems = frontier_problems(presses, ratios, budgets, caches, cache_ratios)
+    if problems:
+        raise ValueError(problems[0])
     cache_ratios = [0.0, *ratios] if cache_ratios is None else list(cache_ratios)
-    _check_values(ratios, budgets)
-    _check_values(cache_ratios, (), "cache ratio")
-    _check_labels(presses, caches)
-    out: list[dict[str, Any]] = []
-    row = {"cache": None, "cache_settings": None}
+    out: list[FrontierPoint] = []
     for press in presses:
-        out += [
-            {
-                "policy": frontier_name(press, ratio=r),
-                "press": press,
-                "compression_ratio": float(r),
-                "budget": None,
-                **row,
-            }
-            for r in ratios
-        ]
-        out += [
-            {
-                "policy": frontier_name(press, budget=b),
-                "press": press,
-                "compression_ratio": None,
-                "budget": int(b),
-                **row,
-            }
-            for b in budgets
-        ]
+        out += [FrontierPoint(frontier_name(press, ratio=r), press, float(r)) for r in ratios]
+        out += [FrontierPoint(frontier_name(press, budget=b), press, None, int(b)) for b in budgets]
     for cache, settings in caches.items():
-        row = {"cache": cache, "cache_settings": dict(settings), "budget": None}
         if any(float(r) == 0 for r in cache_ratios):
-            out.append({"policy": frontier_name(None, cache=cache), "press": None, "compression_ratio": 0.0, **row})
+            out.append(FrontierPoint(frontier_name(None, cache=cache), None, 0.0, None, cache, dict(settings)))
         out += [
-            {"policy": frontier_name(press, ratio=r, cache=cache), "press": press, "compression_ratio": float(r), **row}
+            FrontierPoint(frontier_name(press, ratio=r, cache=cache), press, r, None, cache, dict(settings))
             for press in presses
             for r in dict.fromkeys(float(r) for r in cache_ratios)
             if r > 0
         ]
-    names = [p["policy"] for p in out]
+    names = [p.policy for p in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"frontier points share the names {dup}: give ratios that differ in %g form")
     return out
 
 
-def frontier_curves(grid: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+def frontier_curves(grid: Sequence[FrontierPoint | Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The curves of a grid: label -> ``{"press", "cache", "policies"}`` (policies in ratio order).
 
     ``<press>``: the press at full precision over its ratios (budgets are not on a curve);
@@ -214,23 +305,17 @@ def frontier_curves(grid: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, An
     the press at ratio 0, then the press at each cache ratio above 0 with the cache. In
     grid order: the presses, then per cache its own curve and one per press.
     """
+    grid = [FrontierPoint.of(p) for p in grid]
     curves: dict[str, dict[str, Any]] = {}
-    alone = {p["cache"]: p["policy"] for p in grid if p["press"] is None}
+    alone = {p.cache: p.policy for p in grid if p.press is None}
     for p in grid:
-        label = _own_curve(p)
-        curve = curves.setdefault(label, {"press": p["press"], "cache": p["cache"], "policies": []})
-        if p["budget"] is not None:
+        curve = curves.setdefault(p.curve, {"press": p.press, "cache": p.cache, "policies": []})
+        if p.budget is not None:
             continue  # a press with budgets only has a curve without points
-        if p["press"] is not None and p["cache"] is not None and not curve["policies"] and p["cache"] in alone:
-            curve["policies"].append(alone[p["cache"]])
-        curve["policies"].append(p["policy"])
+        if p.press is not None and p.cache is not None and not curve["policies"] and p.cache in alone:
+            curve["policies"].append(alone[p.cache])
+        curve["policies"].append(p.policy)
     return curves
-
-
-def _own_curve(point: Mapping[str, Any]) -> str:
-    """Label of the curve a grid point belongs to by its press and cache (:func:`frontier_curves`)."""
-    press, cache = point["press"], point.get("cache")
-    return press if cache is None else (cache if press is None else f"{press}+{cache}")
 
 
 def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) -> float:
@@ -307,11 +392,6 @@ def _median_step(f: np.ndarray) -> np.ndarray:
     return np.where(mass > 0, step, np.nan)
 
 
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
-
-
 def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Pooled metrics of one point (documents in ``g``, sorted as ``counts``' columns) and their resamples."""
     X = {c: g[c].to_numpy().astype(np.float64) for c in _DOC_COLUMNS}
@@ -322,12 +402,12 @@ def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float
         m = {c: weights @ X[c] / n for c in _DOC_COLUMNS}
         return {
             "p_div": m["p_div"],
-            "tau_mean": _ratio(m["E_tau_div"], m["p_div"]),
+            "tau_mean": safe_divide(m["E_tau_div"], m["p_div"]),
             "tau_median": _median_step(weights @ F / n),
             "E_M": m["E_M"],
             "first_mismatch_term": m["p_div"] / T,
             "exposure_rate_term": m["E_M"] - m["p_div"] / T,
-            "rho": _ratio(m["E_N_post"], m["E_L"]),
+            "rho": safe_divide(m["E_N_post"], m["E_L"]),
             "E_L": m["E_L"],
             "E_N_post": m["E_N_post"],
         }
@@ -342,7 +422,7 @@ def _with_intervals(
 ) -> None:
     for m in POINT_METRICS:
         lo, hi = percentile_interval(boot[m], confidence)
-        row[prefix + m], row[prefix + m + "_lo"], row[prefix + m + "_hi"] = point[m], float(lo), float(hi)
+        put_interval(row, prefix + m, point[m], lo, hi)
 
 
 def common_range(spans: Mapping[str, tuple[float, float]]) -> tuple[float, float, list[str]] | None:
@@ -440,10 +520,10 @@ POINT_SCHEMA: dict[str, Any] = {
     "n_docs": pl.Int64,
     "T": pl.Int64,
     "rank": pl.Int64,
-    **{f"{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
+    **{c: pl.Float64 for m in POINT_METRICS for c in interval_columns(m)},
     "floor": pl.String,
     "floor_n_docs": pl.Int64,
-    **{f"floor_{m}{s}": pl.Float64 for m in POINT_METRICS for s in ("", "_lo", "_hi")},
+    **{c: pl.Float64 for m in POINT_METRICS for c in interval_columns(f"floor_{m}")},
     "above_floor_p_div": pl.Boolean,
     "above_floor_E_M": pl.Boolean,
     "above_floor": pl.Boolean,
@@ -468,10 +548,10 @@ AREA_SCHEMA: dict[str, Any] = {
     "range_lo": pl.Float64,
     "range_hi": pl.Float64,
     **{
-        f"{pre}{m}{s}": pl.Float64
+        c: pl.Float64
         for pre in ("mean_", "diff_best_mean_", "area_", "diff_best_area_")
         for m in ("E_M", "p_div")
-        for s in ("", "_lo", "_hi")
+        for c in interval_columns(pre + m)
     },
     "first_ratio_above_floor": pl.Float64,
     "above_floor_everywhere": pl.Boolean,
@@ -480,7 +560,7 @@ AREA_SCHEMA: dict[str, Any] = {
 
 def frontier_tables(
     docs: pl.DataFrame,
-    grid: Sequence[Mapping[str, Any]],
+    grid: Sequence[FrontierPoint | Mapping[str, Any]],
     floor: str | None,
     n_boot: int,
     confidence: float,
@@ -497,9 +577,9 @@ def frontier_tables(
         the grid's policies and the floor on one split (other rows are ignored); needs
         ``p_div``, ``E_tau_div``, ``E_L``, ``E_N_post``, ``E_N``, ``E_M``, ``tv_mean``,
         ``f`` (list, length T), ``prompt_len``, ``kept_len``.
-    grid : sequence of mapping
-        :func:`frontier_grid` rows (``policy``, ``press``, ``compression_ratio``, ``budget``,
-        ``cache``, ``cache_settings``; rows without the last two are full precision).
+    grid : sequence of FrontierPoint or mapping
+        :func:`frontier_grid`'s points, or mappings of their fields (:meth:`FrontierPoint.of`;
+        without ``cache`` and ``cache_settings``, full precision).
     floor : str or None
         The noise-floor policy (``PermutationPress``); None: floor columns null and
         ``above_floor`` false.
@@ -562,8 +642,8 @@ def frontier_tables(
 
     if not grid:
         raise ValueError("a frontier needs at least one (press, ratio) point")
-    grid = [{"cache": None, "cache_settings": None, **p} for p in grid]
-    names = [p["policy"] for p in grid]
+    grid = [FrontierPoint.of(p) for p in grid]
+    names = [p.policy for p in grid]
     rows = docs.filter(pl.col("policy").is_in(names))
     if split is None:
         splits = rows["split"].unique().to_list()
@@ -606,36 +686,34 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
     """The documents every grid policy of one model ran on (the same for all, else ValueError)."""
     doc_sets = {}
     for p in grid:
-        g = rows.filter(pl.col("policy") == p["policy"])
+        g = rows.filter(pl.col("policy") == p.policy)
         if g.height == 0:
-            raise ValueError(f"no per-document estimates for frontier policy {model}/{p['policy']}/{split}")
-        doc_sets[p["policy"]] = tuple(sorted(g["doc_id"].to_list()))
+            raise ValueError(f"no per-document estimates for frontier policy {model}/{p.policy}/{split}")
+        doc_sets[p.policy] = tuple(sorted(g["doc_id"].to_list()))
     first = next(iter(doc_sets.values()))
     odd = [n for n, d in doc_sets.items() if d != first]
     if odd:
-        raise ValueError(
-            f"frontier policies of {model} must share their documents; {odd} differ from {grid[0]['policy']}"
-        )
+        raise ValueError(f"frontier policies of {model} must share their documents; {odd} differ from {grid[0].policy}")
     if rows["T"].n_unique() != 1:
         raise ValueError(f"frontier policies of {model} ran with different horizons T: {rows['T'].unique().to_list()}")
     return first
 
 
-def _point_row(g: pl.DataFrame, p: Mapping[str, Any], sizes, curves, model: str, split: str, n: int, T: int):
+def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, split: str, n: int, T: int):
     """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa."""
     kept = float((g["kept_len"] / g["prompt_len"]).mean())
-    retention = 1.0 - p["compression_ratio"] if p["budget"] is None else kept
-    on = [label for label, c in curves.items() if p["policy"] in c["policies"]]
+    retention = 1.0 - p.compression_ratio if p.budget is None else kept
+    on = [label for label, c in curves.items() if p.policy in c["policies"]]
     r = {
         "model": model,
         "split": split,
-        "press": p["press"],
-        "cache": p["cache"],
-        "curve": _own_curve(p),
+        "press": p.press,
+        "cache": p.cache,
+        "curve": p.curve,
         "curves": on,
-        "policy": p["policy"],
-        "compression_ratio": p["compression_ratio"],
-        "budget": p["budget"],
+        "policy": p.policy,
+        "compression_ratio": p.compression_ratio,
+        "budget": p.budget,
         "retention": retention,
         "kept_fraction": kept,
         "n_docs": n,
@@ -643,7 +721,7 @@ def _point_row(g: pl.DataFrame, p: Mapping[str, Any], sizes, curves, model: str,
     }
     if sizes is None:
         return r, retention
-    per_element = kv_bytes_per_element(p["cache_settings"], sizes["element_bytes"])
+    per_element = kv_bytes_per_element(p.cache_settings, sizes["element_bytes"])
     r["bits_per_element"] = 8 * per_element
     r["kv_bytes_per_token"] = retention * float(sizes["elements_per_token"]) * per_element
     return r, r["kv_bytes_per_token"]
@@ -663,7 +741,7 @@ def _model_frontier(
     sizes=None,
 ):
     """Per-point rows and per-curve rows of one model (see :func:`frontier_tables`)."""
-    if sizes is None and any(p["cache"] is not None for p in grid):
+    if sizes is None and any(p.cache is not None for p in grid):
         raise ValueError(
             f"frontier of {model}: quantized-cache points need kv_sizes[{model!r}] "
             f"(elements_per_token and element_bytes) to count their KV bytes"
@@ -674,11 +752,11 @@ def _model_frontier(
     curves = frontier_curves(grid)
     out, boots, xs = [], {}, {}
     for p in grid:
-        g = rows.filter(pl.col("policy") == p["policy"]).sort("doc_id")
+        g = rows.filter(pl.col("policy") == p.policy).sort("doc_id")
         point, boot = _point(g, counts, T)
-        r, xs[p["policy"]] = _point_row(g, p, sizes, curves, model, split, n, T)
+        r, xs[p.policy] = _point_row(g, p, sizes, curves, model, split, n, T)
         _with_intervals(r, point, boot, confidence)
-        ab = above.get((model, p["policy"]))
+        ab = above.get((model, p.policy))
         r.update(
             floor=floor,
             above_floor_p_div=bool(ab and ab[0]),
@@ -686,7 +764,7 @@ def _model_frontier(
             above_floor=bool(ab and ab[0] and ab[1]),
         )
         out.append(r)
-        boots[p["policy"]] = boot
+        boots[p.policy] = boot
     fl = fl_rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
     if fl.height:
         fl_counts = (
@@ -729,7 +807,7 @@ def _with_differences(rows, values, confidence):
                 val, boot = values[r["curve"]][m][kind]
                 bval, bboot = values[best["curve"]][m][kind]
                 lo, hi = percentile_interval(boot, confidence)
-                r[f"{kind}_{m}"], r[f"{kind}_{m}_lo"], r[f"{kind}_{m}_hi"] = float(val), float(lo), float(hi)
+                put_interval(r, f"{kind}_{m}", val, lo, hi)
                 comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
                 dlo, dhi = percentile_interval(boot - bboot, confidence) if comparable else (math.nan, math.nan)
                 r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan

@@ -1,9 +1,10 @@
-"""Output files written atomically, so an interrupted run never leaves a half file."""
+"""Output files and folders written atomically, so an interrupted run never leaves a half one."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,32 +22,45 @@ def _default_mode() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it replaces ``path``.
 
-    Write the file to the yielded path inside the ``with`` block. When the block
-    ends normally the file gets ordinary permissions and is renamed onto ``path``
-    (``os.replace``, atomic on POSIX); when it raises, the temporary file is removed
-    and ``path`` is left as it was. Parent folders are created.
+    Write the file (or, with ``directory``, fill the folder) at the yielded path inside the
+    ``with`` block. When the block ends normally a file gets ordinary permissions, a folder
+    already at ``path`` is removed, and the new one is renamed onto ``path`` (``os.replace``,
+    atomic on POSIX for a file); when it raises, the temporary one is removed and ``path`` is
+    left as it was. Parent folders are created.
 
     Parameters
     ----------
     path : str or os.PathLike
-        Destination file.
+        Destination file or folder.
     suffix : str
         Suffix of the temporary file (some writers choose the format from it,
         e.g. ``".png"``).
+    directory : bool
+        Yield an empty temporary folder instead of a file (a converted model).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
+    if directory:
+        tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+        os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, _default_mode())
+        if directory:
+            if path.exists():
+                shutil.rmtree(path)
+        else:
+            os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if directory:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

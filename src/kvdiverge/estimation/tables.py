@@ -26,6 +26,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from kvdiverge.estimation.analysis import GAP_SCHEMA, floor_differences, gap_decomposition, timing_table, variance_table
+from kvdiverge.estimation.bootstrap import interval_columns
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -243,7 +244,7 @@ def press_summary(
         .group_by("policy")
         .agg(pl.col("kept_fraction").mean(), pl.col("untouched").all())
     )
-    stats = [c + s for c in ("p_div", "tau_mean", "E_L", "E_M") for s in ("", "_lo", "_hi")]
+    stats = [c for m in ("p_div", "tau_mean", "E_L", "E_M") for c in interval_columns(m)]
     rest = [*stats, "rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]
     out = pooled.select(["policy", "n_docs", "T", "R", *rest]).join(comp, on="policy", how="left")
     order = {p: i for i, p in enumerate(policies)}

@@ -2,19 +2,21 @@
 
 - :func:`number` — 3 significant digits (``%g``), a dash for a missing value or NaN.
 - :func:`with_interval` — ``value [lo, hi]`` from a row's ``c``, ``c_lo`` and ``c_hi``.
-- :func:`text_table` — the one plain-text table renderer;
-  :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
-  workflow's frontier log) use it.
+- :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
+  workflow's frontier log), plain-text tables of
+  :func:`kvdiverge.estimation.render.text_table`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-__all__ = ["MISSING", "frontier_text", "number", "summary_text", "teacher_text", "text_table", "with_interval"]
+from kvdiverge.estimation.render import text_table
+
+__all__ = ["MISSING", "frontier_text", "number", "summary_text", "teacher_text", "with_interval"]
 
 #: What a missing value or NaN reads as (an en dash).
 MISSING = "–"
@@ -48,31 +50,6 @@ def with_interval(r: Mapping[str, Any], c: str, digits: int = 3, missing: str = 
         f"{number(r[c], digits, missing)} "
         f"[{number(r[c + '_lo'], digits, missing)}, {number(r[c + '_hi'], digits, missing)}]"
     )
-
-
-def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-    """A plain-text table: the header, a rule of dashes, the rows; columns two spaces apart.
-
-    Parameters
-    ----------
-    header : sequence of str
-        Column titles.
-    rows : sequence of sequence of str
-        Cells, already formatted, one sequence per row (as long as ``header``).
-    left : int
-        The first ``left`` columns are left-aligned, the others right-aligned.
-
-    Returns
-    -------
-    list of str
-        The lines, trailing spaces stripped.
-    """
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
 
 def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_press: str) -> str:

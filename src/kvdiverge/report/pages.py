@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import polars as pl
 
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
+from kvdiverge.estimation.render import html_table
 from kvdiverge.report.formatting import number, with_interval
 
 __all__ = [
@@ -24,14 +25,6 @@ __all__ = [
     "speculative_html",
     "summary_html",
 ]
-
-
-def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    import html
-
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 _STYLE = (
@@ -47,7 +40,7 @@ def _plan_block(plan: Mapping[str, Any]) -> str:
 
     rows = [(k, json.dumps(plan.get(k))) for k in PLAN_FIELDS]
     return (
-        _html_table(["plan field", "value"], rows)
+        html_table(["plan field", "value"], rows)
         + f"<p>SHA-256 of the config section <code>confirmatory</code> (canonical JSON): "
         f"<code>{html.escape(plan_hash(plan))}</code></p>"
     )
@@ -109,7 +102,7 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
         f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
         "<h2>Result per model</h2>"
-        f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
+        f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
         "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
         "documents whose branches reach neither window, or only one, have no d and are "
         "counted as excluded. A noise-floor row (the permutation control, equal kernels "
@@ -174,7 +167,7 @@ def floor_html(floor: pl.DataFrame) -> str:
     """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.analysis.floor_comparison`)."""
     if floor.height == 0:
         return "<p>No noise-floor control ran (config <code>runs.floor</code>).</p>"
-    return _html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
+    return html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
 
 
 def summary_html(
@@ -275,13 +268,13 @@ def summary_html(
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
         f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
-        f"{_html_table(run_header, runs)}"
+        f"{html_table(run_header, runs)}"
         "<h2>Noise floor beside each policy</h2>"
         f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
         "<h2>Gap decomposition (exploratory)</h2>"
-        f"{_html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+        f"{html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
-        f"{_html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+        f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
         "</body></html>"
     )
 
@@ -399,7 +392,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
         f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
-        f"{_html_table(AREA_HEADER, area_rows)}"
+        f"{html_table(AREA_HEADER, area_rows)}"
         f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
         f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
         f"Each is ranked by the mean of E[M] (then p_div) over the KV bytes stored per prompt token "
@@ -409,7 +402,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
         f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
         f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
-        f"<h2>Every point</h2>{_html_table(POINT_HEADER, point_rows)}"
+        f"<h2>Every point</h2>{html_table(POINT_HEADER, point_rows)}"
         "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
         "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
         "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
@@ -468,7 +461,7 @@ def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
         f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
-        f"{_html_table(SPECULATIVE_HEADER, rows)}"
+        f"{html_table(SPECULATIVE_HEADER, rows)}"
         "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
         "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
         "that the first k drafted tokens are all accepted is the survival S_k, and the expected number "

@@ -10,7 +10,7 @@ module validates with the same file for use outside Snakemake (tests, notebooks)
     runs(config)   # [("smollm2-135m", "snapkv-50", "exploratory"), ...]
 
 A ``frontier`` section (presses without their ratio, a list of ratios, optionally fixed
-budgets) is expanded here, before any rule sees the config, into one ordinary policy per
+budgets) is expanded here, through :mod:`kvdiverge.study.frontier`, into one ordinary policy per
 (press, ratio) named ``<press>@<ratio>`` (``<press>@b<budget>``) and scheduled on the
 frontier's split (:func:`expand_frontier`): every stage, :func:`runs`, sharding, caching
 and provenance then treat them as any policy.
@@ -29,9 +29,12 @@ import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import yaml
+
+if TYPE_CHECKING:
+    from kvdiverge.estimation.frontier import FrontierPoint
 
 SPLITS = ("exploratory", "confirmatory")
 
@@ -491,125 +494,18 @@ def control_documents(config: dict[str, Any], policy: str, split: str) -> int | 
     return None
 
 
-# --------------------------------------------------------------------------- frontier
-
-
-def _takes_ratio(entry: dict[str, Any]) -> bool:
-    """True when the press of a policy entry, or a press nested in it, takes a ``compression_ratio``
-    (:func:`kvdiverge.engine.presses.policies.takes_ratio`; the top-level ratio goes to the press that takes it)."""
-    from kvdiverge.engine.presses.adapters import spec_parameters
-    from kvdiverge.engine.presses.policies import takes_ratio
-
-    name = entry.get("press")
-    return isinstance(name, str) and takes_ratio(name, spec_parameters(entry))
-
-
-def cache_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A quantized cache's settings with the defaults filled in (``backend``, ``nbits``,
-    ``q_group_size``, ``residual_length``: those of
-    :class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`), unchecked."""
-    import dataclasses
-
-    from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
-
-    defaults = {f.name: f.default for f in dataclasses.fields(QuantizedCacheSpec)}
-    return {**defaults, **{k: v for k, v in (settings or {}).items() if k != "cache"}}
-
-
-def frontier_points(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The frontier's points: ``{"policy", "press", "compression_ratio", "budget", "cache",
-    "cache_settings"}`` per (press, ratio), (press, budget), cache alone and (press, cache
-    ratio, cache), in config order; empty without a ``frontier`` section
-    (:func:`kvdiverge.estimation.frontier.frontier_grid`; the caches' settings with their
-    defaults, :func:`cache_settings`)."""
-    from kvdiverge.estimation.frontier import frontier_grid
-
-    f = config.get("frontier")
-    if not f:
-        return []
-    caches = {label: cache_settings(c) for label, c in (f.get("caches") or {}).items()}
-    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []), caches, f.get("cache_ratios"))
-
-
-def frontier_split(config: dict[str, Any]) -> str | None:
-    """The split the frontier runs on (``frontier.split``, default exploratory), or None."""
-    f = config.get("frontier")
-    return f.get("split", "exploratory") if f else None
-
-
-def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
-    """A copy of a press object with ``compression_ratio = ratio`` set on the press that takes
-    it (the press itself, else the press it wraps, ``.press``).
-
-    Raises
-    ------
-    ValueError
-        If neither the press nor a press it wraps takes a ``compression_ratio``.
-    """
-    import dataclasses
-
-    if dataclasses.is_dataclass(press) and not isinstance(press, type):
-        fields = {f.name for f in dataclasses.fields(press) if f.init}
-        if "compression_ratio" in fields:
-            return dataclasses.replace(press, compression_ratio=float(ratio))
-        if "press" in fields and getattr(press, "press", None) is not None:
-            return dataclasses.replace(press, press=press_at_ratio(press.press, ratio, name))
-    raise ValueError(
-        f"press {name!r}: {type(press).__name__} takes no compression_ratio (nor does a press "
-        f"it wraps), so a frontier cannot vary it"
-    )
-
-
-def frontier_policy(press: Any, point: dict[str, Any]) -> Any:
-    """The policy of one frontier point: the press's entry with the point's
-    ``compression_ratio`` (or ``budget``) and, at a quantized-cache point, the cache's keys
-    (``cache: quantized``, ``backend``, ``nbits``, ...); a cache alone is the cache's keys
-    only; or a press object at the point's ratio (:func:`press_at_ratio`).
-
-    Parameters
-    ----------
-    press : mapping, kvpress press or None
-        A policy entry without its ratio (``{"press": "SnapKVPress", "window_size": 16}``),
-        or a press object; None for a cache alone.
-    point : dict
-        A point of :func:`kvdiverge.estimation.frontier.frontier_grid`.
-
-    Raises
-    ------
-    ValueError
-        An entry that already gives ``compression_ratio``, ``budget`` or a cache key, a
-        budget or a quantized cache for a press object, or a press object that takes no ratio.
-    """
-    cache = point.get("cache_settings")
-    keys = {} if cache is None else {"cache": "quantized", **cache}
-    if point["press"] is None:
-        return keys
-    label = point["press"]
-    if isinstance(press, Mapping):
-        for key in ("compression_ratio", "budget", "cache", "backend", "nbits", "q_group_size", "residual_length"):
-            if press.get(key) is not None:
-                raise ValueError(f"press {label!r}: give it without {key}; the frontier sets it")
-        extra = (
-            {"compression_ratio": point["compression_ratio"]}
-            if point["budget"] is None
-            else {"budget": point["budget"]}
-        )
-        return {**copy.deepcopy(dict(press)), **extra, **keys}
-    if point["budget"] is not None or cache is not None:
-        what = "a fixed budget" if cache is None else "a quantized cache"
-        raise ValueError(
-            f"press {label!r}: {what} needs a policy entry ({{'press': 'SnapKVPress', ...}}), not a press object"
-        )
-    return press_at_ratio(press, point["compression_ratio"], label)
+# --------------------------------------------------------------------------- frontier (kvdiverge.study.frontier expands it)
 
 
 def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_validator) -> list[str]:
     """What is wrong with one expanded frontier entry, named by the frontier's key (``frontier.presses.snapkv``,
     ``frontier.caches.int4``): a press that takes no ratio, the policy schema's problems, the press built once."""
+    from kvdiverge.study.frontier import entry_takes_ratio
+
     path = key.split(".")
     if "press" in entry:
         try:
-            takes = _takes_ratio(entry)
+            takes = entry_takes_ratio(entry)
         except ValueError:
             takes = None  # an unknown press: the registry names it below (policy_problems)
         if takes is False:
@@ -664,6 +560,9 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         one of [2, 4] ...``), a user policy whose name holds ``@`` (reserved for the
         frontier) or collides with a frontier policy, or no ``runs.floor``.
     """
+    from kvdiverge.estimation.frontier import frontier_problems
+    from kvdiverge.study.frontier import frontier_points
+
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []
@@ -671,12 +570,8 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         grid = frontier_points(config) if f else []
     except ValueError as exc:  # a value the schema's bounds cannot express (two points of one name)
         raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
-    made = {p["policy"] for p in grid}
-    for name in policies:
-        if "@" in name and name not in made:
-            problems.append(
-                f"policies.{name}: '@' in a policy name is reserved for the frontier's <press>@<ratio> policies"
-            )
+    made = {p.policy for p in grid}
+    problems += frontier_problems((), policies=[name for name in policies if name not in made])
     if not f:
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -694,33 +589,35 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
 
 
 def _expand_points(
-    config: dict[str, Any], grid: list[dict[str, Any]], policies: Mapping[str, Any], schema: dict[str, Any]
+    config: dict[str, Any], grid: list[FrontierPoint], policies: Mapping[str, Any], schema: dict[str, Any]
 ) -> list[str]:
     """Add each frontier point to ``config`` (policies and the split's runs); the problems, by frontier key.
 
     Each press is checked once (its first full-precision point), each cache once (alone, whatever
     ``cache_ratios``).
     """
+    from kvdiverge.study.frontier import frontier_policy, frontier_split
+
     f = config["frontier"]
     policy_validator = _validator({"$defs": schema["$defs"], **schema["$defs"]["policy"]}, False)
     scheduled = config.setdefault("runs", {}).setdefault(frontier_split(config), [])
     problems: list[str] = []
     checked: set[str] = set()
     for point in grid:
-        entry = frontier_policy(f["presses"][point["press"]] if point["press"] else None, point)
-        name = point["policy"]
+        entry = frontier_policy(f["presses"][point.press] if point.press else None, point)
+        name = point.policy
         key, probe = (
-            (f"frontier.presses.{point['press']}", entry)
-            if point["cache"] is None
-            else (f"frontier.caches.{point['cache']}", {"cache": "quantized", **point["cache_settings"]})
+            (f"frontier.presses.{point.press}", entry)
+            if point.cache is None
+            else (f"frontier.caches.{point.cache}", {"cache": "quantized", **point.cache_settings})
         )
         if key not in checked:
             checked.add(key)
             problems += _frontier_entry_problems(key, probe, name, policy_validator)
         own = (
-            f"frontier.presses.{point['press']} at {name.split('@', 1)[1]}"
-            if point["press"]
-            else f"frontier.caches.{point['cache']}"
+            f"frontier.presses.{point.press} at {name.split('@', 1)[1]}"
+            if point.press
+            else f"frontier.caches.{point.cache}"
         )
         if name in policies and policies[name] != entry:
             problems.append(f"policies.{name}: the name belongs to the frontier point {own}; rename the policy")

@@ -288,12 +288,9 @@ def format_table(costs: Sequence[RunCost]) -> str:
             f"{tot['token_steps']:,}",
         )
     )
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = [
-        "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in [head, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    from kvdiverge.estimation.render import text_table
+
+    return "\n".join(text_table(head, rows, left=3))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

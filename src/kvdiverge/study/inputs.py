@@ -4,16 +4,14 @@
   engine documents and presses as policies, checked before any generation
   (:func:`kvdiverge.measure`).
 - :func:`frontier_presses`: every press at every ratio, the config frontier's points
-  (:func:`kvdiverge.study.config.frontier_policy`), beside the noise floor.
+  (:func:`kvdiverge.study.frontier.frontier_policy`), beside the noise floor.
 - :func:`read_prompts` reads a text, JSON-lines or parquet file; :func:`sotu_prompts` takes
   excerpts of the embedded corpus as the workflow's exploratory split does;
   :func:`model_entry` turns a model argument (``embedded``, a directory, a ``.gguf`` file,
   a hub id) into a config model entry (:func:`kvdiverge.study.models.load_model`). These
   three raise :class:`InputError` (a ``ValueError``), one sentence naming the file, field
-  or argument (``kvdiverge measure`` prints it).
-- :func:`check_arguments`, :func:`argument_sources`, :func:`argument_prompts`: the
-  ``kvdiverge measure`` arguments checked, its presses and caches as policies
-  (:func:`cli_entries`, :func:`cache_entry`) and its prompts, before the model is loaded.
+  or argument (``kvdiverge measure`` prints it; its argparse arguments are read in
+  :mod:`kvdiverge.cli`).
 
 The module imports no torch until a function needs the engine (the command line loads it
 before parsing its arguments).
@@ -22,7 +20,6 @@ before parsing its arguments).
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,19 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvdiverge.engine.runner import Document, PressSource
+    from kvdiverge.estimation.frontier import FrontierPoint
 
 __all__ = [
     "InputError",
     "NOISE_FLOOR_POLICY",
     "NOISE_FLOOR_PRESS",
-    "OPTIONS",
-    "SOTU_INSTRUCTION",
-    "argument_prompts",
-    "argument_sources",
-    "cache_entry",
-    "check_arguments",
     "check_lengths",
-    "cli_entries",
     "describe_press",
     "frontier_presses",
     "is_noise_floor",
@@ -289,11 +280,12 @@ def _floor_like(name: str, value: Any) -> bool:
 
 
 def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
-    """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.config.cache_settings`),
+    """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.frontier.cache_settings`),
     checked as a policy of the cache alone is (:func:`kvdiverge.study.config.policy_entry_problems`)."""
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.study.config import cache_settings, policy_entry_problems
+    from kvdiverge.study.config import policy_entry_problems
+    from kvdiverge.study.frontier import cache_settings
 
     if not isinstance(caches, Mapping):
         raise ValueError(
@@ -331,13 +323,13 @@ def frontier_presses(
     budgets: Sequence[int] = (),
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[FrontierPoint]]:
     """Every press at every ratio (and budget), and each quantized cache alone and after each press,
     named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
     The same grid and the same points as the config's ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`,
-    :func:`kvdiverge.study.config.frontier_policy`). A noise-floor press
+    :func:`kvdiverge.study.frontier.frontier_policy`). A noise-floor press
     (``PermutationPress``) is kept as it is, not expanded; when there is none, one is
     added as ``noise-floor``, so that the frontier has its floor beside it.
 
@@ -363,9 +355,8 @@ def frontier_presses(
     -------
     presses : dict
         Name -> press object or policy entry, the floor last.
-    grid : list of dict
-        The frontier points (``policy``, ``press``, ``compression_ratio``, ``budget``,
-        ``cache``, ``cache_settings``).
+    grid : list of kvdiverge.estimation.frontier.FrontierPoint
+        The frontier points.
 
     Raises
     ------
@@ -375,8 +366,8 @@ def frontier_presses(
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
     from kvdiverge.engine.presses.project import PermutationPress
-    from kvdiverge.estimation.frontier import frontier_grid
-    from kvdiverge.study.config import frontier_policy
+    from kvdiverge.estimation.frontier import frontier_grid, frontier_problems
+    from kvdiverge.study.frontier import frontier_policy
 
     if not ratios and not budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
@@ -387,22 +378,9 @@ def frontier_presses(
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    for n in scored:
-        for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>")):
-            if mark in n:
-                raise ValueError(
-                    f"press {n!r}: '{mark}' in a press name is reserved for the frontier's {form} names; rename it"
-                )
-    for n in caches or {}:
-        if "@" in str(n) or "+" in str(n):
-            raise ValueError(
-                f"cache {n!r}: '@' and '+' in a cache label are reserved for the frontier's "
-                f"<press>@<ratio>+<cache> names; rename it"
-            )
-    for key, values in (("ratios", ratios), ("cache_ratios", cache_ratios or ())):
-        for r in values:
-            if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
-                raise ValueError(f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)")
+    problems = frontier_problems(scored, ratios, budgets, dict.fromkeys(caches or {}), cache_ratios)
+    if problems:  # the labels and values, before the caches' settings are completed and checked
+        raise ValueError(problems[0])
     caches = _frontier_caches(caches) if caches else {}
     grid = frontier_grid(
         list(scored),
@@ -411,9 +389,7 @@ def frontier_presses(
         caches,
         None if cache_ratios is None else [float(r) for r in cache_ratios],
     )
-    out = {
-        point["policy"]: frontier_policy(scored[point["press"]] if point["press"] else None, point) for point in grid
-    }
+    out = {point.policy: frontier_policy(scored[point.press] if point.press else None, point) for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
 
@@ -675,168 +651,9 @@ def measure_settings(
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
     if grid is not None:
-        settings["frontier"] = grid
+        settings["frontier"] = [point.as_dict() for point in grid]
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None
     quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
     if quantized:
         settings["quantized_caches"] = quantized
     return settings
-
-
-# --------------------------------------------------------------------------- the command line's inputs
-
-#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
-SOTU_INSTRUCTION = "Summarize the document above in three sentences."
-
-#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
-OPTIONS = {
-    "max_new_tokens": "-T/--max-new-tokens",
-    "replicates": "-R/--replicates",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "seed": "--seed",
-    "window": "-W/--window",
-    "bootstrap": "--bootstrap",
-    "confidence": "--confidence",
-    "batch_documents": "--batch-documents",
-}
-
-
-def cache_entry(text: str) -> dict[str, Any]:
-    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
-
-    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
-    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
-    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
-
-    Raises
-    ------
-    InputError
-        An unknown backend or parameter.
-    """
-    from kvdiverge.engine.presses.expressions import parse_press
-    from kvdiverge.engine.presses.quantized import BACKENDS
-
-    try:
-        backend, params = parse_press(text)
-    except ValueError as exc:
-        raise InputError(f"--cache {text!r}: {exc}") from None
-    if backend not in BACKENDS:
-        raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
-    if unknown:
-        raise InputError(
-            f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, residual_length"
-        )
-    return {"cache": "quantized", "backend": backend, **params}
-
-
-def cli_entries(
-    presses: Sequence[str], caches: Sequence[str], budget: int | None, default_ratio: float | None
-) -> dict[str, dict[str, Any]]:
-    """Policy entries of ``--press`` and ``--cache`` values, by name.
-
-    Each press is a policy; each quantized cache is one alone (named by its value) and one
-    after each press (``<press>+<cache>``: evict, then quantize what is kept).
-    """
-    from kvdiverge.engine.presses.expressions import policy_entry
-
-    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
-    quantized = {text: cache_entry(text) for text in caches}
-    out = dict(entries)
-    for text, keys in quantized.items():
-        out[text] = dict(keys)
-        for spec, entry in entries.items():
-            out[f"{spec}+{text}"] = {**entry, **keys}
-    return out
-
-
-def check_arguments(args: Any) -> None:
-    """Refuse before any work a setting the config would refuse (the same check:
-    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
-    out-of-range counts of the command line's own, no press or cache, a repeated one and
-    --cache-ratios without --cache and --ratios.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-        The parsed ``kvdiverge measure`` arguments (:mod:`kvdiverge.cli`).
-
-    Raises
-    ------
-    InputError
-        The first refused argument, in one sentence.
-    """
-    from kvdiverge.study.devices import device_problem
-    from kvdiverge.study.settings import check_settings
-
-    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
-    try:
-        check_settings(values, OPTIONS)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    for name, value, low in (
-        ("--budget", 1 if args.budget is None else args.budget, 1),
-        ("--threads", 1 if args.threads is None else args.threads, 1),
-    ):
-        if value < low:
-            raise InputError(f"{name} must be >= {low}, got {value}")
-    if not args.press and not args.cache:
-        raise InputError("give at least one --press or --cache")
-    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
-        raise InputError("the same --press or --cache is given twice")
-    if args.cache_ratios and not (args.cache and args.ratios):
-        raise InputError(
-            "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
-        )
-    problem = device_problem(args.device, "--device")
-    if problem:
-        raise InputError(problem)
-
-
-def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
-    """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
-    and the policies measured (``sources``), each press built and checked once (:func:`prepare_presses`).
-
-    Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
-    after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
-    ``--ratios``, a frontier (:func:`frontier_presses`, the config's expansion): ``presses``
-    the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
-    value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
-    press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
-    (named by its value).
-
-    Raises
-    ------
-    InputError
-        A bad press, cache or ratio, or a press that refuses its parameters.
-    """
-    from kvdiverge.engine.presses.expressions import policy_entry
-
-    caches = None
-    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
-        presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
-        caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
-        try:
-            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
-        except ValueError as exc:
-            text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
-            raise InputError(
-                f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else f"--ratios: {text}"
-            ) from None
-    else:
-        presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
-    try:
-        sources = prepare_presses(expanded)  # refusals and bad parameters stop here
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    return (presses if args.ratios else sources), sources, caches
-
-
-def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
-    """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
-    ``--instruction`` is given) or ``--prompts`` (:func:`sotu_prompts`, :func:`read_prompts`)."""
-    if args.sotu is not None:
-        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
-        return sotu_prompts(args.sotu, *args.words), instruction
-    return read_prompts(args.prompts, args.field, args.id_field), args.instruction

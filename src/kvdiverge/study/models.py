@@ -451,20 +451,12 @@ def _link_tree(src: Path, dest: Path) -> None:
 
 
 def _write_atomically(out: Path, fill) -> None:
-    """``fill(tmp)`` into a temporary sibling of ``out``, then rename it to ``out`` (replacing it)."""
-    import shutil
-    import tempfile
+    """``fill(tmp)`` into a temporary sibling folder of ``out``, then rename it to ``out`` (replacing it):
+    :func:`kvdiverge.estimation.io.atomic_path`."""
+    from kvdiverge.estimation.io import atomic_path
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_path(out, directory=True) as tmp:
         fill(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def local_entry(spec: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:

@@ -31,7 +31,6 @@ Sources: Snakemake's rerun triggers (``snakemake --help``, ``--rerun-triggers``;
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import logging
 import os
@@ -414,8 +413,8 @@ def provenance_html(table: pl.DataFrame) -> str:
         [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
         for r in table.iter_rows(named=True)
     ]
-    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    from kvdiverge.estimation.render import html_table
+
     return (
         "<h2>Provenance</h2><p>Study settings hash <code>"
         f"{study_hash(table) if table.height else 'none'}</code>. Every trajectory shard records "
@@ -423,7 +422,7 @@ def provenance_html(table: pl.DataFrame) -> str:
         "shards, control documents) and the library versions of the process that made it; "
         "the estimate stage refuses shards whose settings differ from the config. Full "
         "settings per run: <code>analysis/provenance.csv</code>.</p>"
-        f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+        f"{html_table(head, rows)}"
     )
 
 

@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["SETTINGS", "check_settings", "setting_problems", "token_id_problems", "allowed"]
+__all__ = ["SETTINGS", "allowed", "check_settings", "config_sampling", "setting_problems", "token_id_problems"]
 
 #: Each setting by its ``kvdiverge.measure`` argument name: its config key.
 SETTINGS: dict[str, str] = {
@@ -163,3 +163,32 @@ def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[st
         f"prompt {name!r}: token ids {shown} are outside the model's vocabulary; allowed: integers "
         f"from 0 to {vocab_size - 1}"
     ]
+
+
+def config_sampling(config: Mapping[str, Any], model_name: str):
+    """The :class:`kvdiverge.engine.core.sampling.Sampling` of a validated workflow config.
+
+    Parameters
+    ----------
+    config : mapping
+        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``),
+        ``replicates``, ``seed``.
+    model_name : str
+        Key of ``config['models']``; enters the seeds and the ``model`` column.
+
+    Returns
+    -------
+    kvdiverge.engine.core.sampling.Sampling
+        End-of-sequence ids ``None``: the model's own.
+    """
+    from kvdiverge.engine.core.sampling import Sampling
+
+    decoding = config["decoding"]
+    return Sampling(
+        T=int(decoding["max_new_tokens"]),
+        replicates=int(config["replicates"]),
+        temperature=float(decoding["temperature"]),
+        top_p=float(decoding.get("top_p", 1.0)),
+        seed=int(config["seed"]),
+        model_name=model_name,
+    )

@@ -99,9 +99,10 @@ def run_shard(
         fix regenerates the shard.
     """
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document, run_policies
+    from kvdiverge.engine.runner import Document, RunOptions, run_policies
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata, shard_settings
+    from kvdiverge.study.settings import config_sampling
 
     names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
@@ -118,7 +119,15 @@ def run_shard(
         from kvdiverge.study.models import load_model
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
+    sampling = config_sampling(config, model_name)
     gen = config.get("generation") or {}
+    options = RunOptions(
+        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
+        memory_budget_gb=gen.get("memory_budget_gb"),
+        progress=lambda name, total: tqdm(
+            total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
+        ),
+    )
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
     for docs, group in groups.values():
@@ -129,18 +138,9 @@ def run_shard(
                 for row in docs.iter_rows(named=True)
             ],
             {name: Policy.from_config(name, config["policies"][name]) for name in group},
-            T=T,
-            replicates=R,
-            temperature=float(config["decoding"]["temperature"]),
-            top_p=float(config["decoding"].get("top_p", 1.0)),
-            seed=int(config["seed"]),
-            model_name=model_name,
+            sampling,
             split=split,
-            memory_budget_gb=gen.get("memory_budget_gb"),
-            batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-            progress=lambda name, total: tqdm(
-                total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
-            ),
+            options=options,
         )
         for name in group:
             frames[name] = runs.trajectories.filter(pl.col("policy") == name)

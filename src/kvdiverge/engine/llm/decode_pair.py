@@ -64,6 +64,7 @@ from contextlib import ExitStack
 import torch
 
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.masks import attention_modules
 from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import full_cache_hooks, seeded
@@ -265,10 +266,9 @@ class DecodeTimePair(LLMPairBase):
         never entered themselves.
     expected_kept : sequence of int or None
         Positions every layer must hold after prefill, per document (``None``: not checked).
-    temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
-    eos_ids : sequence of int, optional
-        End-of-sequence ids; default ``model.generation_config.eos_token_id``.
+    decoding : kvdiverge.engine.core.sampling.Decoding
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
+        end-of-sequence ids (``None``: ``model.generation_config.eos_token_id``).
     prefill_seeds : sequence of int or None, optional
         Per document, the seed of torch's generator during its prefills.
     horizon, fast
@@ -310,9 +310,7 @@ class DecodeTimePair(LLMPairBase):
         presses: Sequence,
         expected_kept: Sequence,
         *,
-        temperature: float,
-        top_p: float = 1.0,
-        eos_ids: Sequence[int] | None = None,
+        decoding: Decoding,
         prefill_seeds: Sequence[int | None] | None = None,
         horizon: int | None = None,
         fast: bool | None = None,
@@ -331,9 +329,7 @@ class DecodeTimePair(LLMPairBase):
             prompts,
             presses,
             expected_kept,
-            temperature,
-            top_p,
-            eos_ids,
+            decoding,
             prefill_seeds,
             horizon=horizon,
             fast=fast,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
 from kvdiverge.engine.llm.pair_base import LLMPairBase, model_eos_ids
 from kvdiverge.engine.llm.prefill import prefill, seeded
@@ -77,14 +78,13 @@ class LLMKernelPair(LLMPairBase):
         The chat-rendered prompt, length ``prompt_len`` (tokens).
     press : kvpress.BasePress or None
         The eviction press; ``None`` leaves the evicted cache equal to the full one.
-    temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
+    decoding : kvdiverge.engine.core.sampling.Decoding
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
+        end-of-sequence ids (``None``: ``model.generation_config.eos_token_id``).
     expected_kept : int, KeptPromise or None
         What the press promises to keep (:func:`kvdiverge.engine.presses.registry.kept_promise`);
         an int: that many prompt positions in every layer and head. Checked after
         prefill; ``None`` only checks that a compressing press evicted something.
-    eos_ids : sequence of int or None
-        End-of-sequence ids; defaults to ``model.generation_config.eos_token_id``.
     prefill_seed : int or None
         Seed of torch's global generator during the prefill (:func:`kvdiverge.engine.llm.prefill.seeded`),
         for presses that draw from it; ``None`` leaves the generator as it is.
@@ -116,13 +116,11 @@ class LLMKernelPair(LLMPairBase):
         input_ids: Sequence[int],
         press=None,
         *,
-        temperature: float,
-        top_p: float = 1.0,
+        decoding: Decoding,
         expected_kept: "int | KeptPromise | None" = None,
-        eos_ids: Sequence[int] | None = None,
         prefill_seed: int | None = None,
     ):
-        self._setup(model, [input_ids], [press], [expected_kept], temperature, top_p, eos_ids, [prefill_seed])
+        self._setup(model, [input_ids], [press], [expected_kept], decoding, [prefill_seed])
 
     def _setup(
         self,
@@ -130,18 +128,14 @@ class LLMKernelPair(LLMPairBase):
         prompts,
         presses,
         expected,
-        temperature,
-        top_p,
-        eos_ids,
+        decoding: Decoding,
         seeds=None,
         *,
         horizon: int | None = None,
         fast: bool | None = None,
         joint: bool | None = None,
     ) -> None:
-        super()._setup(
-            model, prompts, presses, expected, temperature, top_p, eos_ids, seeds, horizon=horizon, fast=fast
-        )
+        super()._setup(model, prompts, presses, expected, decoding, seeds, horizon=horizon, fast=fast)
         self.twin = evicted_twin(model)
         self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
@@ -157,9 +151,7 @@ class LLMKernelPair(LLMPairBase):
         presses: Sequence,
         expected_kept: Sequence,
         *,
-        temperature: float,
-        top_p: float = 1.0,
-        eos_ids: Sequence[int] | None = None,
+        decoding: Decoding,
         prefill_seeds: Sequence[int | None] | None = None,
         horizon: int | None = None,
         fast: bool | None = None,
@@ -171,6 +163,8 @@ class LLMKernelPair(LLMPairBase):
 
         Parameters
         ----------
+        decoding : kvdiverge.engine.core.sampling.Decoding
+            As the class.
         prompts : sequence of sequence of int
             The documents' prompt token ids.
         presses, expected_kept : sequence
@@ -221,9 +215,7 @@ class LLMKernelPair(LLMPairBase):
             prompts,
             presses,
             expected_kept,
-            temperature,
-            top_p,
-            eos_ids,
+            decoding,
             seeds,
             horizon=horizon,
             fast=fast,

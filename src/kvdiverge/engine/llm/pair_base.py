@@ -17,6 +17,7 @@ import torch
 from kvdiverge.engine.core.coupling import coupling_dtype
 from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.errors import check_logits_finite
+from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.planner import cache_columns
 from kvdiverge.engine.llm.side import DEFAULT_SPARE, CacheSide, merge_caches
 
@@ -31,7 +32,7 @@ def stock_kernels():
     """Within the block, pairs built without ``fast`` use the stock ``DynamicCache`` and attention.
 
     For comparisons through callers that build their own pairs
-    (:func:`kvdiverge.engine.runner.run_documents`, ``benchmarks/``).
+    (:func:`kvdiverge.engine.runner.run_policies`, ``benchmarks/``).
     """
     _FAST_DEFAULT.append(False)
     try:
@@ -69,10 +70,9 @@ class LLMPairBase:
         The documents' prompt ids.
     presses, expected : sequence
         One press and one kept-count promise per document.
-    temperature, top_p : float
-        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`).
-    eos_ids : sequence of int or None
-        End-of-sequence ids; default :func:`model_eos_ids`.
+    decoding : kvdiverge.engine.core.sampling.Decoding
+        Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
+        end-of-sequence ids (``None``: :func:`model_eos_ids`).
     seeds : sequence of int or None, or None
         Per document, the seed of torch's generator during its prefill.
     horizon : int or None
@@ -90,9 +90,7 @@ class LLMPairBase:
         prompts,
         presses,
         expected,
-        temperature,
-        top_p,
-        eos_ids,
+        decoding: Decoding,
         seeds=None,
         *,
         horizon: int | None = None,
@@ -105,9 +103,8 @@ class LLMPairBase:
         self.presses = list(presses)
         self.expected = list(expected)
         self.prefill_seeds = list(seeds) if seeds is not None else [None] * len(self.prompts)
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.eos_ids = tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
+        self.decoding = decoding
+        self.eos_ids = tuple(model_eos_ids(model) if decoding.eos_ids is None else decoding.eos_ids)
         self.vocab_size = int(model.config.vocab_size)
         self.horizon = None if horizon is None else int(horizon)
         self.fast = _FAST_DEFAULT[-1] if fast is None else bool(fast)
@@ -126,7 +123,7 @@ class LLMPairBase:
 
     def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
         check_logits_finite(logits, side)
-        return decode_log_probs(logits, self.temperature, self.top_p, dtype=self.dtype)
+        return decode_log_probs(logits, self.decoding.temperature, self.decoding.top_p, dtype=self.dtype)
 
     def _positions(self, starts: Sequence[int], R: int):
         """RoPE position of each row's first generated token: an int for one document, else int64 (B * R,)."""

@@ -1,7 +1,7 @@
 """How many documents share one batched forward: the memory planner.
 
 The engine decodes ``B`` documents x ``R`` replicates x 2 sides as the rows of one forward
-per step (:func:`kvdiverge.engine.runner.run_documents`, :class:`kvdiverge.engine.llm.side.JointSides`;
+per step (:func:`kvdiverge.engine.runner.run_policies`, :class:`kvdiverge.engine.llm.side.JointSides`;
 every evicted row is as wide as its reference row). Its memory grows with the KV cache of
 those rows::
 

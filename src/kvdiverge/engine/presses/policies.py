@@ -451,7 +451,7 @@ class PressPolicy:
 
     Satisfies :class:`kvdiverge.engine.runner.PressSource`, so any kvpress press, or a user's own
     ``kvpress.BasePress`` subclass, runs through the one engine path
-    (:func:`kvdiverge.engine.runner.run_documents`).
+    (:func:`kvdiverge.engine.runner.run_policies`).
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""A reference trajectory engine: one document per kernel pair, the coupling on the CPU, one row at a time.
+"""The oracle engine: one document per kernel pair, the coupling on the CPU, one row at a time.
 
 The unbatched path that the batched engine (:func:`kvdiverge.engine.core.coupled.run_batch`)
 must reproduce: :func:`decode_log_probs` and :func:`nucleus` (the decoding transform),
@@ -203,7 +203,7 @@ class LLMKernelPair:
         self.top_p = float(top_p)
         self.expected_kept = expected_kept
         if eos_ids is None:
-            from kvdiverge.engine.llm.llm_pair import model_eos_ids
+            from kvdiverge.engine.llm.pair_base import model_eos_ids
 
             eos_ids = model_eos_ids(model)
         self.eos_ids = tuple(int(e) for e in eos_ids)
