@@ -1,8 +1,8 @@
 """Workflow config: load, validate against the JSON schema, check cross-references.
 
-The schema is ``workflow/schemas/config.schema.yaml``; Snakemake validates with it
-through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this module
-validates with the same file for use outside Snakemake (tests, notebooks)::
+The schema is ``workflow/schemas/config.schema.yaml``; the workflow validates with it
+through :func:`validate` (once, ``workflow/rules/common.smk``), and :func:`load_config`
+reads and validates a file outside Snakemake (tests, notebooks)::
 
     from kvdiverge.study.config import load_config, runs
     config = load_config("config/config.yaml")   # defaults filled in
