@@ -2,6 +2,8 @@
 #   make run       set up .venv if needed, run the workflow on the embedded default, build the report
 #   make test      set up .venv if needed, run the test suite but the `slurm` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
+#   make rehearse  config/paper-rehearsal.yaml (the paper's study on stand-in models) at a small
+#                  size, locally (docs/rehearsal.md); not part of `make test`
 # Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it ends by
 # compiling optimum-quanto's CPU extension, which the quantized caches use.
 
@@ -17,7 +19,10 @@ TORCH_PIP_ARGS ?=
 # extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all setup clean-results
+# the rehearsal at a small size: config/paper-rehearsal.yaml with config/rehearsal-small.yaml merged on
+REHEARSE_CONFIG ?= config/paper-rehearsal.yaml config/rehearsal-small.yaml
+
+.PHONY: run test test-all setup clean-results rehearse
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all
@@ -28,6 +33,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "slurm or not slurm" $(PYTEST_ARGS)
+
+rehearse: $(STAMP)
+	$(BIN)/snakemake --cores all --configfile $(REHEARSE_CONFIG)
+	$(BIN)/snakemake --report results-rehearsal-small/report.html --configfile $(REHEARSE_CONFIG)
 
 setup: $(STAMP)
 
