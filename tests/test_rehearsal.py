@@ -51,6 +51,7 @@ def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
     assert paper["trajectories"] == 2 * 7 * 24 and paper["estimate"] == 2 * 7 and paper["prompts"] == 2
 
 
+@pytest.mark.miniature
 @pytest.mark.parametrize(
     "arch, kv_heads, heads, bias",
     [("llama-3.1-8b", 2, 8, False), ("qwen-2.5-7b", 1, 7, True)],
