@@ -3,10 +3,12 @@
 #   make test      set up .venv if needed, run the test suite but the `slurm` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt): CI
 #   make docs      the documentation site (docs/_build/html), warnings as errors
+#   make rehearse  config/paper-rehearsal.yaml (the paper's study on stand-in models) at a small
+#                  size, locally (docs/rehearsal.md); not part of `make test`
+#   make lock      regenerate constraints.txt, the lock of the whole dependency set (pip-compile)
 # Set-up runs again only when pyproject.toml or constraints.txt change (stamp file); it installs
 # the project (editable) with its `docs`, `test` and `slurm` extras at the locked versions and ends by
 # compiling optimum-quanto's CPU extension, which the quantized caches use.
-#   make lock      regenerate constraints.txt, the lock of the whole dependency set (pip-compile)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +25,10 @@ PYTEST_ARGS ?=
 # where `make lock` installs pip-compile (a separate environment: the lock tool is not a dependency)
 LOCK_VENV ?= .venv-lock
 
-.PHONY: run test test-all docs setup lock clean-results
+# the rehearsal at a small size: config/paper-rehearsal.yaml with config/rehearsal-small.yaml merged on
+REHEARSE_CONFIG ?= config/paper-rehearsal.yaml config/rehearsal-small.yaml
+
+.PHONY: run test test-all docs setup lock clean-results rehearse
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all
@@ -38,6 +43,10 @@ test-all: $(STAMP)
 # the documentation site from docs/ (Sphinx, myst-parser, numpydoc; the `docs` extra), warnings as errors
 docs: $(STAMP)
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+rehearse: $(STAMP)
+	$(BIN)/snakemake --cores all --configfile $(REHEARSE_CONFIG)
+	$(BIN)/snakemake --report results-rehearsal-small/report.html --configfile $(REHEARSE_CONFIG)
 
 setup: $(STAMP)
 

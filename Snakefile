@@ -5,7 +5,10 @@
 #   snakemake --cores 2 results/prompts/smollm2-135m.parquet   # one stage by its file
 #
 # Stages (workflow/rules): corpus -> prompts -> generate -> estimate -> analyse -> report;
-# teacher (teacher-forced fidelity) beside generate, from the prompts.
+# teacher (teacher-forced fidelity) beside generate, from the prompts; task (a task score)
+# beside estimate, when the config has a task block.
+# Threads (1 unless set) and cluster resources come from the profile (profiles/);
+# the generation rules' GPU, memory and time from generation_resources (common.smk).
 
 import os
 
@@ -27,19 +30,20 @@ if not workflow.overwrite_configfiles:
 
 
 include: "workflow/rules/common.smk"
+
+
+# What a plain `snakemake` makes: every stage's final outputs (all_targets, common.smk).
+rule all:
+    default_target: True
+    input:
+        all_targets,
+
+
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/prompts.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/estimate.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/teacher.smk"
-include: "workflow/rules/report.smk"
 include: "workflow/rules/task.smk"
-
-
-# Every stage appends its final outputs to ALL_TARGETS (defined in common.smk) when
-# its rules file is included above; this rule therefore comes last.
-rule all:
-    default_target: True
-    input:
-        ALL_TARGETS,
+include: "workflow/rules/report.smk"

@@ -120,8 +120,8 @@ def teacher(policies=None):
     } | rules("teacher_forced_table", "all")
 
 
-FIGURES_UP = rules("figures", "summary", "all")
-SPECULATIVE = rules("speculative", "speculative_figure")  # reads every estimate
+FIGURES_UP = rules("figure", "summary", "all")
+SPECULATIVE = rules("speculative", "figure")  # reads every estimate
 ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
 GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
 

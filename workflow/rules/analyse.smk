@@ -1,23 +1,22 @@
 # Stage 5: exploratory and confirmatory analyses — kvdiverge.estimation.analysis (estimators.md §7-§8).
 # Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns). The
 # noise floor (config runs.floor) is compared with every policy of its splits
-# (floor.parquet) and reported beside the confirmatory test.
+# (floor.parquet) and reported beside the confirmatory test. Every analysis with a
+# document bootstrap takes ANALYSIS_PARAMS (seed, bootstrap, confidence; common.smk).
 
-ANALYSIS = f"{RESULTS}/analysis"
-CONFIRMATORY_PLAN = config["confirmatory"]
+CONFIRMATORY_PLAN = CONFIG["confirmatory"]
 # estimate tables the analyses read
-GAP_ESTIMATES = sorted(
+GAP_RUNS = list(
     {
-        ESTIMATES.format(model=m, policy=p, split="exploratory")
+        (m, p, "exploratory")
         for m in MODELS
-        for pair in config["analysis"]["gaps"]
+        for pair in CONFIG["analysis"]["gaps"]
         for p in pair
         if (m, p, "exploratory") in RUNS
     }
 )
-FLOOR = kvdiverge.study.config.floor_policy(config)  # the noise-floor control, or None
-CONFIRMATORY_ESTIMATES = [
-    ESTIMATES.format(model=m, policy=p, split="confirmatory")
+CONFIRMATORY_RUNS = [
+    (m, p, "confirmatory")
     for m in MODELS
     for p in (CONFIRMATORY_PLAN["policy"], FLOOR)
     if p and (m, p, "confirmatory") in RUNS
@@ -53,14 +52,10 @@ rule pool:
         ),
     log:
         f"{LOGS}/analysis/pool.log",
+    benchmark:
+        benchmark_file("pool/pool")
     params:
-        seed=canonical(config["seed"]),
-        bootstrap=canonical(config["analysis"]["bootstrap"]),
-        confidence=canonical(config["analysis"]["confidence"]),
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=30,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
@@ -69,7 +64,7 @@ rule pool:
 
 rule gaps:
     input:
-        GAP_ESTIMATES,
+        sorted(run_files(rules.estimate.output.documents, GAP_RUNS)),
     output:
         parquet=f"{ANALYSIS}/gaps.parquet",
         csv=report(
@@ -80,16 +75,12 @@ rule gaps:
         ),
     log:
         f"{LOGS}/analysis/gaps.log",
+    benchmark:
+        benchmark_file("gaps/gaps")
     params:
-        gaps=canonical(config["analysis"]["gaps"]),
+        gaps=canonical(CONFIG["analysis"]["gaps"]),
         models=MODELS,
-        seed=canonical(config["seed"]),
-        bootstrap=canonical(config["analysis"]["bootstrap"]),
-        confidence=canonical(config["analysis"]["confidence"]),
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=30,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
@@ -109,15 +100,11 @@ rule floor:
         ),
     log:
         f"{LOGS}/analysis/floor.log",
+    benchmark:
+        benchmark_file("floor/floor")
     params:
         floor=FLOOR,
-        seed=config["seed"],
-        bootstrap=config["analysis"]["bootstrap"],
-        confidence=config["analysis"]["confidence"],
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=20,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
@@ -126,7 +113,7 @@ rule floor:
 
 rule confirmatory:
     input:
-        CONFIRMATORY_ESTIMATES,
+        run_files(rules.estimate.output.documents, CONFIRMATORY_RUNS),
     output:
         parquet=f"{ANALYSIS}/confirmatory.parquet",
         csv=f"{ANALYSIS}/confirmatory.csv",
@@ -140,17 +127,13 @@ rule confirmatory:
         ),
     log:
         f"{LOGS}/analysis/confirmatory.log",
+    benchmark:
+        benchmark_file("confirmatory/confirmatory")
     params:
         plan=canonical(CONFIRMATORY_PLAN),
         floor=FLOOR,
         split="confirmatory",
-        seed=canonical(config["seed"]),
-        bootstrap=canonical(config["analysis"]["bootstrap"]),
-        confidence=canonical(config["analysis"]["confidence"]),
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=20,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
@@ -179,47 +162,35 @@ rule speculative:
         ),
     log:
         f"{LOGS}/analysis/speculative.log",
+    benchmark:
+        benchmark_file("speculative/speculative")
     params:
-        seed=canonical(config["seed"]),
-        bootstrap=canonical(config["analysis"]["bootstrap"]),
-        confidence=canonical(config["analysis"]["confidence"]),
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=20,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
         "../scripts/speculative.py"
 
 
-ALL_TARGETS.extend(
-    [
-        f"{ANALYSIS}/speculative.parquet",
-        *(f"{ANALYSIS}/{t}.parquet" for t in ANALYSIS_TABLES),
-        f"{ANALYSIS}/gaps.parquet",
-        f"{ANALYSIS}/floor.parquet",
-        f"{ANALYSIS}/confirmatory.parquet",
-    ]
-)
-
-
 # The frontier (config `frontier`): every press against compression ratio and every curve
 # against KV bytes per prompt token, beside the noise floor (kvdiverge.estimation.frontier).
 # Its policies are ordinary policies (<press>@<ratio>, <cache>, <press>@<ratio>+<cache>,
-# expanded in common.smk, generated by rule frontier_trajectories); only this table and its
-# figure are new. The model entries are params: the byte count reads each model's config.
-
+# expanded by kvdiverge.study.config.validate, generated by rule frontier_trajectories); only
+# this table and its figure are new. The model entries are params: the byte count reads each
+# model's config.
 if FRONTIER_POINTS:
 
     rule frontier:
         input:
-            [
-                ESTIMATES.format(model=m, policy=p, split=FRONTIER_SPLIT)
-                for m in MODELS
-                for p in [pt.policy for pt in FRONTIER_POINTS] + [FLOOR]
-                if (m, p, FRONTIER_SPLIT) in RUNS
-            ],
+            run_files(
+                rules.estimate.output.documents,
+                [
+                    (m, p, FRONTIER_SPLIT)
+                    for m in MODELS
+                    for p in FRONTIER_POLICIES + [FLOOR]
+                    if (m, p, FRONTIER_SPLIT) in RUNS
+                ],
+            ),
         output:
             parquet=f"{ANALYSIS}/frontier.parquet",
             csv=report(
@@ -243,21 +214,15 @@ if FRONTIER_POINTS:
             ),
         log:
             f"{LOGS}/analysis/frontier.log",
+        benchmark:
+            benchmark_file("frontier/frontier")
         params:
             grid=canonical([pt.as_dict() for pt in FRONTIER_POINTS]),
-            models=canonical({m: config["models"][m] for m in MODELS}),
+            models=canonical({m: CONFIG["models"][m] for m in MODELS}),
             split=FRONTIER_SPLIT,
             floor=FLOOR,
-            seed=canonical(config["seed"]),
-            bootstrap=canonical(config["analysis"]["bootstrap"]),
-            confidence=canonical(config["analysis"]["confidence"]),
-        threads: 1
-        resources:
-            mem_mb=2000,
-            runtime=20,
+            **ANALYSIS_PARAMS,
         conda:
             CONDA_ENV
         script:
             "../scripts/frontier.py"
-
-    ALL_TARGETS.extend([f"{ANALYSIS}/frontier.parquet", f"{ANALYSIS}/frontier_areas.parquet"])

@@ -1,12 +1,5 @@
-# Shared definitions: config validation, output paths, target helpers.
-#
-# Targets of the final "all" rule (in the Snakefile). The list ALL_TARGETS below starts
-# with the stages defined here (corpus, prompts); every later stage's .smk file appends
-# its own final outputs, e.g. in generate.smk
-#     ALL_TARGETS.extend(all_trajectory_shards())
-# and in estimate.smk
-#     ALL_TARGETS.extend(estimate_files())
-# The Snakefile defines "all" after every include, so it sees the full list.
+# Shared definitions: the validated config, the settings derived from it, output paths,
+# the helpers of the rules (params, resources, benchmarks) and the targets of rule `all`.
 #
 # Helper functions live here, not in the stage files (snakemake --lint wants rules and
 # functions apart).
@@ -19,33 +12,31 @@ import kvdiverge.study.devices
 import kvdiverge.study.frontier
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
-from snakemake.utils import validate
+import kvdiverge.study.teacher
 
-# Clear messages (key path, allowed values, cross-references) first; then Snakemake's
-# own validation against the same schema, which also fills in the defaults. Snakemake's
-# YAML reader keeps the last of two equal keys, so each config file is read again by
-# kvdiverge.study.config.read_yaml, which refuses duplicate keys with their lines.
+# The config is validated once, by kvdiverge.study.config.validate: clear messages (key
+# path, allowed values, cross-references), the schema's defaults filled in, and the
+# `frontier` section expanded into ordinary policies (<press>@<ratio>) scheduled on its
+# split. Snakemake's own `config` stays as read from the files; the rules read CONFIG.
+# Snakemake's YAML reader keeps the last of two equal keys, so each config file is read
+# again by kvdiverge.study.config.read_yaml, which refuses duplicate keys with their lines.
 try:
     for _configfile in workflow.configfiles:
         kvdiverge.study.config.read_yaml(_configfile)
-    _checked = kvdiverge.study.config.validate(config)
+    CONFIG = kvdiverge.study.config.validate(config)  # the package's schema (SCHEMA_PATH)
 except kvdiverge.study.config.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
-# A `frontier` section becomes ordinary policies (<press>@<ratio>) scheduled on its split
-# before any rule sees the config (kvdiverge.study.config.expand_frontier).
-if config.get("frontier"):
-    config["policies"], config["runs"] = _checked["policies"], _checked["runs"]
-validate(config, str(kvdiverge.study.config.SCHEMA_PATH))  # the package's schema
 
 SPLITS = ("exploratory", "confirmatory")
 # The frontier's points (kvdiverge.study.frontier.frontier_points), its split, and the
 # policies those points run as; empty without a `frontier` section.
-FRONTIER_POINTS = kvdiverge.study.frontier.frontier_points(config)
-FRONTIER_SPLIT = kvdiverge.study.frontier.frontier_split(config)
+FRONTIER_POINTS = kvdiverge.study.frontier.frontier_points(CONFIG)
+FRONTIER_SPLIT = kvdiverge.study.frontier.frontier_split(CONFIG)
 FRONTIER_POLICIES = [pt.policy for pt in FRONTIER_POINTS]
-MODELS = list(config["models"])
-RUNS = kvdiverge.study.config.runs(config)  # [(model, policy, split), ...], control included
-SHARDS = list(range(int(config["shards"])))
+MODELS = list(CONFIG["models"])
+RUNS = kvdiverge.study.config.runs(CONFIG)  # [(model, policy, split), ...], control included
+SHARDS = list(range(int(CONFIG["shards"])))
+FLOOR = kvdiverge.study.config.floor_policy(CONFIG)  # the noise-floor control, or None
 
 
 # Every rule declares, as params, exactly the settings that decide its output, in
@@ -55,39 +46,59 @@ SHARDS = list(range(int(config["shards"])))
 # is no change. README.md "Rerunning stages" tabulates which setting reruns what.
 canonical = kvdiverge.study.provenance.canonical
 
+# The settings of every document-bootstrap analysis (pool, gaps, floor, confirmatory,
+# speculative, frontier): `params: **ANALYSIS_PARAMS` in each.
+ANALYSIS_PARAMS = {
+    "seed": canonical(CONFIG["seed"]),
+    "bootstrap": canonical(CONFIG["analysis"]["bootstrap"]),
+    "confidence": canonical(CONFIG["analysis"]["confidence"]),
+}
+
 
 def shard_settings(wildcards):
     """Settings that decide a trajectory shard (kvdiverge.study.provenance.shard_settings)."""
-    return kvdiverge.study.provenance.shard_settings(config, wildcards.model, wildcards.policy, wildcards.split)
+    return kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
 
 
 def frontier_settings(wildcards):
     """Settings that decide the frontier's shards of one model and shard index, per frontier policy."""
-    return {p: kvdiverge.study.provenance.shard_settings(config, wildcards.model, p, FRONTIER_SPLIT)
-            for p in FRONTIER_POLICIES}
+    return {
+        p: kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
+        for p in FRONTIER_POLICIES
+    }
 
 
 # The config files of this run, for the regenerate command in the estimate stage's
 # error messages; an environment variable, not a param: the same settings from another
 # file rerun nothing.
 os.environ[kvdiverge.study.provenance.CONFIGFILES_ENV] = os.pathsep.join(
-    os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f)
-    for f in workflow.configfiles
+    os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f) for f in workflow.configfiles
 )
 
 
 # what decides the prompts tables (a change reruns the prompts stage)
-PROMPT_SETTINGS = canonical(kvdiverge.study.prompts.prompt_settings(config))
+PROMPT_SETTINGS = canonical(kvdiverge.study.prompts.prompt_settings(CONFIG))
 
-# Output paths (docs/internals.md). Use these names in rules rather than literals.
-# Everything a config makes, logs included, goes under its `results_dir` (default
-# `results`), so configs run side by side in one clone without touching each other.
-RESULTS = config["results_dir"].rstrip("/")
+# Output paths (docs/internals.md), each named once: in its rule's `output:`; the rules
+# that read it name it as rules.<rule>.output.<name>. Everything a config makes, logs and
+# benchmarks included, goes under its `results_dir` (default `results`), so configs run
+# side by side in one clone without touching each other.
+RESULTS = CONFIG["results_dir"].rstrip("/")
 CORPUS = f"{RESULTS}/corpus/documents.parquet"
 PROMPTS = f"{RESULTS}/prompts/{{model}}.parquet"
+MODEL_DIR = f"{RESULTS}/models/{{model}}"  # a GGUF model converted once (rule convert_model)
 SHARD = f"{RESULTS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.parquet"
 ESTIMATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.parquet"
+ANALYSIS = f"{RESULTS}/analysis"
+FIGURES = f"{RESULTS}/figures"
 LOGS = f"{RESULTS}/logs"
+
+
+def benchmark_file(job):
+    """Snakemake's `benchmark:` file of a job, {results_dir}/benchmarks/<rule>/<job>.tsv:
+    wall time, peak memory (max_rss, MB) and CPU time of the job, one row per run."""
+    return f"{RESULTS}/benchmarks/{job}.tsv"
+
 
 # Software of every rule: environment.yml at the top of the repository (used with
 # --use-conda; without it, rules run in the current environment, e.g. make's .venv).
@@ -95,20 +106,85 @@ LOGS = f"{RESULTS}/logs"
 CONDA_ENV = "../../environment.yml"
 
 
+# The figures (report.smk, one job each): name -> the tables it draws
+# ({script's name: (rule, output)}), the settings it reads (of FIGURE_SETTINGS), the
+# report's category and label. The frontier's figure exists with a `frontier` section only.
+FIGURE_TABLE = {
+    "survival": {"input": {"survival": ("pool", "survival_parquet")}, "settings": ["floor"]},
+    "gap_decomposition": {"input": {"gaps": ("gaps", "parquet")}},
+    "branch_tv": {"input": {"branch_tv": ("pool", "branch_tv_parquet")}, "settings": ["early", "late"]},
+    "confirmatory_differences": {
+        "input": {
+            "confirmatory": ("confirmatory", "parquet"),
+            "confirmatory_documents": ("confirmatory", "documents_parquet"),
+        }
+    },
+    "variance": {"input": {"variance": ("pool", "variance_parquet")}},
+    "speculative": {
+        "input": {"speculative": ("speculative", "parquet")},
+        "settings": ["floor"],
+        "label": "self-speculative reading",
+    },
+}
+if FRONTIER_POINTS:
+    FIGURE_TABLE["frontier"] = {"input": {"frontier": ("frontier", "parquet")}, "category": "Frontier"}
+FIGURE_SETTINGS = {
+    "floor": FLOOR,
+    "early": canonical(CONFIG["confirmatory"]["early"]),
+    "late": canonical(CONFIG["confirmatory"]["late"]),
+}
+
+
+def figure_inputs(wildcards):
+    """The tables one figure draws, by the names its drawing reads (FIGURE_TABLE)."""
+    inputs = FIGURE_TABLE[wildcards.figure]["input"]
+    return {name: getattr(getattr(rules, rule).output, key) for name, (rule, key) in inputs.items()}
+
+
+def figure_settings(wildcards):
+    """The settings one figure reads, and no other (a changed setting redraws only its figures)."""
+    return {k: FIGURE_SETTINGS[k] for k in FIGURE_TABLE[wildcards.figure].get("settings", [])}
+
+
+def figure_category(wildcards):
+    """The report category of one figure."""
+    return FIGURE_TABLE[wildcards.figure].get("category", "Figures")
+
+
+def figure_labels(wildcards):
+    """The report label of one figure: its name, or the table's label."""
+    entry = FIGURE_TABLE[wildcards.figure]
+    return {"figure": entry.get("label", wildcards.figure.replace("_", " "))}
+
+
 wildcard_constraints:
     model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     policy=r"[A-Za-z0-9][A-Za-z0-9._-]*(@b?[0-9][A-Za-z0-9._-]*(\+[A-Za-z0-9][A-Za-z0-9._-]*)?)?",
     split=r"exploratory|confirmatory",
     shard=r"\d+",
+    figure="|".join(FIGURE_TABLE),
 
 
 def model_on_gpu(model):
     """True when the model runs on a CUDA device (its jobs then request a GPU)."""
-    return str(config["models"][model].get("device", "cpu")).startswith("cuda")
+    return str(CONFIG["models"][model].get("device", "cpu")).startswith("cuda")
 
 
-# Local runs: at most one generation job per GPU (kvdiverge.study.devices). The trajectories
-# rule requests gpu=1 per job with a CUDA model; without a cap Snakemake would start one
+def generation_resources(points=1):
+    """Resources of a generation job of `points` policies, by where its model runs: one GPU
+    (the `gpu` resource, which the SLURM profile turns into --gpus=1), 64 GB and 12 h on
+    CUDA; no GPU, 6 GB and 2 h on the CPU; the runtime grows with every 4 points, which run
+    one after the other. Every other rule takes its resources from the profile."""
+    scale = max(1, points // 4)
+    return {
+        "gpu": lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
+        "mem_mb": lambda wildcards: 64000 if model_on_gpu(wildcards.model) else 6000,
+        "runtime": lambda wildcards: (720 if model_on_gpu(wildcards.model) else 120) * scale,
+    }
+
+
+# Local runs: at most one generation job per GPU (kvdiverge.study.devices). The generation
+# rules request gpu=1 per job with a CUDA model; without a cap Snakemake would start one
 # such job per core. --resources gpu=N wins; otherwise the config key `gpus`, otherwise the
 # number of visible CUDA devices (KVDIVERGE_GPUS simulates a device list). Cluster runs
 # (--jobs / the SLURM profile) are left alone: SLURM hands each job its own GPU.
@@ -116,44 +192,83 @@ if workflow.is_main_process and workflow.nodes is None and any(model_on_gpu(m) f
     if "gpu" in workflow.global_resources:
         _gpu_cap, _gpu_source = workflow.global_resources["gpu"].value, "--resources"
     else:
-        _gpu_cap, _gpu_source = kvdiverge.study.devices.gpu_cap(config)
+        _gpu_cap, _gpu_source = kvdiverge.study.devices.gpu_cap(CONFIG)
         workflow.register_resource("gpu", _gpu_cap)
-    print(f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
-          f"generation job(s) at once, each bound to its own GPU", file=sys.stderr)
+    print(
+        f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
+        f"generation job(s) at once, each bound to its own GPU",
+        file=sys.stderr,
+    )
     if not _gpu_cap:
-        print("kvdiverge: WARNING: no CUDA device visible; generation jobs of CUDA models "
-              "will fail (set the model's device to cpu, or run where there is a GPU)",
-              file=sys.stderr)
-
-
-# GGUF models are converted once to a safetensors directory (rule convert_model).
-MODEL_DIR = f"{RESULTS}/models/{{model}}"
+        print(
+            "kvdiverge: WARNING: no CUDA device visible; generation jobs of CUDA models "
+            "will fail (set the model's device to cpu, or run where there is a GPU)",
+            file=sys.stderr,
+        )
 
 
 def converted_model(wildcards):
     """The converted model directory that the prompts and shard jobs load from, if its model is a GGUF file."""
-    spec = config["models"][wildcards.model]
+    spec = CONFIG["models"][wildcards.model]
     return MODEL_DIR.format(model=wildcards.model) if spec.get("gguf_file") else []
 
 
-def prompts_files():
-    """Prompt tables of every model."""
-    return expand(PROMPTS, model=MODELS)
-
-
-def trajectory_shards(model, policy, split):
-    """All shard files of one (model, policy, split)."""
-    return expand(SHARD, model=model, policy=policy, split=split, shard=SHARDS)
+def run_files(pattern, runs=None, partial=False):
+    """`pattern` (with {model}, {policy}, {split}) of every run of `runs` (default: RUNS);
+    `partial`: other wildcards stay in place."""
+    runs = RUNS if runs is None else runs
+    return [expand(pattern, model=m, policy=p, split=s, allow_missing=partial)[0] for m, p, s in runs]
 
 
 def all_trajectory_shards():
-    """Shard files of every run in kvdiverge.study.config.runs(config)."""
-    return [f for m, p, s in RUNS for f in trajectory_shards(m, p, s)]
+    """Shard files of every run in kvdiverge.study.config.runs."""
+    return [f for path in run_files(rules.trajectories.output[0], partial=True) for f in expand(path, shard=SHARDS)]
 
 
 def estimate_files():
     """Estimate tables of every run."""
-    return [ESTIMATES.format(model=m, policy=p, split=s) for m, p, s in RUNS]
+    return run_files(rules.estimate.output.documents)
 
 
-ALL_TARGETS = [CORPUS, *prompts_files()]
+# The task (config `task`): its runs are the frontier's split when there is a frontier (its
+# points are the study's), else every split; the noise floor and the `none` control are left
+# out of the correlations and the AUC. TASK_RUNS is empty without a `task` block.
+TASK_TABLES = ("documents", "accuracy", "correlations", "auc")
+TASK_DIR = f"{RESULTS}/analysis/task/{{model}}"
+TASK_RUNS = [(m, p, s) for m, p, s in RUNS if FRONTIER_SPLIT is None or s == FRONTIER_SPLIT] if CONFIG.get("task") else []
+TASK_CONTROLS = sorted({p for p in (FLOOR, (CONFIG["runs"].get("control") or {}).get("policy")) if p})
+
+
+def task_shards(wildcards):
+    """The trajectory shards of one model's task runs."""
+    runs = [r for r in TASK_RUNS if r[0] == wildcards.model]
+    return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
+
+
+def task_estimates(wildcards):
+    """The estimate tables of one model's task runs."""
+    return run_files(rules.estimate.output.documents, [r for r in TASK_RUNS if r[0] == wildcards.model])
+
+
+def all_targets(wildcards):
+    """What a plain `snakemake` makes (the `all` rule): every stage's final outputs."""
+    outputs = [
+        rules.corpus.output[0],
+        *expand(rules.prompts.output[0], model=MODELS),
+        *all_trajectory_shards(),
+        *estimate_files(),
+        rules.provenance.output.parquet,
+        *(rules.pool.output[f"{t}_parquet"] for t in ANALYSIS_TABLES),
+        rules.gaps.output.parquet,
+        rules.floor.output.parquet,
+        rules.confirmatory.output.parquet,
+        rules.speculative.output.parquet,
+        *expand(rules.figure.output, figure=list(FIGURE_TABLE)),
+        rules.summary.output[0],
+    ]
+    if FRONTIER_POINTS:
+        outputs += [rules.frontier.output.parquet, rules.frontier.output.areas_parquet]
+    if TASK_RUNS:
+        outputs += expand(rules.task.output.accuracy, model=MODELS)
+    outputs += [rules.teacher_forced_table.output.parquet, rules.teacher_forced_table.output.documents_parquet]
+    return outputs

@@ -6,12 +6,10 @@ rule corpus:
         CORPUS,
     log:
         f"{LOGS}/corpus.log",
+    benchmark:
+        benchmark_file("corpus/corpus")
     params:
-        corpus=canonical(config["corpus"]),
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=20,
+        corpus=canonical(CONFIG["corpus"]),
     conda:
         CONDA_ENV
     script:

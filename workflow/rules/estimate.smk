@@ -7,25 +7,21 @@
 # regenerates it. `settings` is that check's reference; it changes only together with
 # the shards (whose params are the same settings), so it adds no rerun of its own.
 
-ESTIMATE_REPLICATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.replicates.parquet"
-
 
 rule estimate:
     input:
-        expand(SHARD, shard=SHARDS, allow_missing=True),
+        expand(rules.trajectories.output[0], shard=SHARDS, allow_missing=True),
     output:
         documents=ESTIMATES,
-        replicates=ESTIMATE_REPLICATES,
+        replicates=f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.replicates.parquet",
     log:
         f"{LOGS}/estimate/{{model}}/{{policy}}/{{split}}.log",
+    benchmark:
+        benchmark_file("estimate/{model}/{policy}/{split}")
     params:
-        window=canonical(config["window"]),
-        windows=canonical({"early": config["confirmatory"]["early"], "late": config["confirmatory"]["late"]}),
+        window=canonical(CONFIG["window"]),
+        windows=canonical({"early": CONFIG["confirmatory"]["early"], "late": CONFIG["confirmatory"]["late"]}),
         settings=shard_settings,
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=30,
     conda:
         CONDA_ENV
     script:
@@ -34,30 +30,22 @@ rule estimate:
 
 # The provenance of every run (settings hash, settings, library versions), read from its
 # shards, for the report (summary page) and {results_dir}/analysis/provenance.csv.
-PROVENANCE = f"{RESULTS}/analysis/provenance.parquet"
-
-
 rule provenance:
     input:
         all_trajectory_shards(),
     output:
-        parquet=PROVENANCE,
+        parquet=f"{ANALYSIS}/provenance.parquet",
         csv=report(
-            f"{RESULTS}/analysis/provenance.csv",
+            f"{ANALYSIS}/provenance.csv",
             caption="../report/provenance.rst",
             category="Tables",
             labels={"table": "provenance"},
         ),
     log:
         f"{LOGS}/provenance.log",
-    threads: 1
-    resources:
-        mem_mb=1000,
-        runtime=10,
+    benchmark:
+        benchmark_file("provenance/provenance")
     conda:
         CONDA_ENV
     script:
         "../scripts/provenance.py"
-
-
-ALL_TARGETS.extend([*estimate_files(), PROVENANCE])

@@ -2,54 +2,49 @@
 # One job per shard; a shard is written atomically, so an interrupted run resumes by
 # regenerating only the missing shards. The frontier's points (config `frontier`) run as one
 # job per (model, shard) that writes every point's shard: one start-up, and each document
-# prefilled once for the points whose presses allow it (kvdiverge.engine.runner.run_policies). Jobs whose model runs on CUDA request one GPU
-# (`gpu` resource, read by the SLURM profile); CPU jobs request none.
+# prefilled once for the points whose presses allow it (kvdiverge.engine.runner.run_policies).
+# Both rules take their resources from generation_resources (common.smk): one GPU per job
+# whose model runs on CUDA, none on the CPU.
 #
 # A GGUF model (the embedded default) is first converted once to a plain safetensors
 # directory under {results_dir}/models/: de-quantizing GGUF costs ~20 s per load, and every
 # shard is its own job.
+
 
 rule convert_model:
     output:
         directory(MODEL_DIR),
     log:
         f"{LOGS}/convert_model/{{model}}.log",
+    benchmark:
+        benchmark_file("convert_model/{model}")
     params:
         # what the conversion reads (it always runs on the CPU, whatever the entry's device)
-        model=lambda wildcards: canonical(
-            {k: v for k, v in config["models"][wildcards.model].items() if k != "device"}
-        ),
-    threads: 1
-    resources:
-        mem_mb=8000,
-        runtime=30,
+        model=lambda wildcards: canonical({k: v for k, v in CONFIG["models"][wildcards.model].items() if k != "device"}),
     conda:
         CONDA_ENV
     script:
         "../scripts/convert_model.py"
 
 
-
 rule trajectories:
     input:
-        prompts=PROMPTS,
+        prompts=rules.prompts.output[0],
         model=converted_model,
     output:
         SHARD,
     log:
         f"{LOGS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.log",
+    benchmark:
+        benchmark_file("trajectories/{model}/{policy}/{split}/shard-{shard}")
     params:
         shard=lambda wildcards: int(wildcards.shard),
         policies=lambda wildcards: [wildcards.policy],
         split=lambda wildcards: wildcards.split,
         # model entry, policy entry, decoding, replicates, seed, shards, control documents
         settings=shard_settings,
-    # CPU: two 1-thread jobs beat one 2-thread job (no thread oversubscription).
-    threads: 1
     resources:
-        gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
-        mem_mb=lambda wildcards: 64000 if model_on_gpu(wildcards.model) else 6000,
-        runtime=lambda wildcards: 720 if model_on_gpu(wildcards.model) else 120,
+        **generation_resources(),
     conda:
         CONDA_ENV
     script:
@@ -63,12 +58,14 @@ if FRONTIER_POLICIES:
 
     rule frontier_trajectories:
         input:
-            prompts=PROMPTS,
+            prompts=rules.prompts.output[0],
             model=converted_model,
         output:
             expand(SHARD, policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True),
         log:
             f"{LOGS}/frontier/{{model}}/{FRONTIER_SPLIT}/shard-{{shard}}.log",
+        benchmark:
+            benchmark_file(f"frontier_trajectories/{{model}}/{FRONTIER_SPLIT}/shard-{{shard}}")
         params:
             shard=lambda wildcards: int(wildcards.shard),
             policies=FRONTIER_POLICIES,
@@ -77,17 +74,9 @@ if FRONTIER_POLICIES:
             settings=frontier_settings,
         # the longest jobs first: the ordinary shards then fill in beside them
         priority: 1
-        threads: 1
         resources:
-            gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
-            mem_mb=lambda wildcards: 64000 if model_on_gpu(wildcards.model) else 6000,
-            # the points run one after the other
-            runtime=lambda wildcards: (720 if model_on_gpu(wildcards.model) else 120)
-            * max(1, len(FRONTIER_POLICIES) // 4),
+            **generation_resources(len(FRONTIER_POLICIES)),
         conda:
             CONDA_ENV
         script:
             "../scripts/trajectories.py"
-
-
-ALL_TARGETS.extend(all_trajectory_shards())

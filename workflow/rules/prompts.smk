@@ -5,19 +5,17 @@
 
 rule prompts:
     input:
-        CORPUS,
+        rules.corpus.output[0],
         model=converted_model,
     output:
         PROMPTS,
     log:
         f"{LOGS}/prompts/{{model}}.log",
+    benchmark:
+        benchmark_file("prompts/{model}")
     params:
-        model=lambda wildcards: canonical(config["models"][wildcards.model]),
+        model=lambda wildcards: canonical(CONFIG["models"][wildcards.model]),
         settings=PROMPT_SETTINGS,
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=30,
     conda:
         CONDA_ENV
     script:

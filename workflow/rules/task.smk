@@ -5,51 +5,36 @@
 # rank correlations across the frontier's points between the accuracy drop and each
 # coupled measure, the per-document ROC AUC, and the figure, under {results_dir}/analysis/task/.
 
-if config.get("task"):
-
-    TASK_DIR = f"{RESULTS}/analysis/task/{{model}}"
-    # left out of the correlations and AUC: the noise floor and the `none` control
-    TASK_FLOOR = kvdiverge.study.config.floor_policy(config)
-    # the frontier's split when there is a frontier (its points are the study's), else every split
-    TASK_RUNS = [(m, p, s) for m, p, s in RUNS if FRONTIER_SPLIT is None or s == FRONTIER_SPLIT]
-    TASK_CONTROLS = sorted({p for p in (TASK_FLOOR, (config["runs"].get("control") or {}).get("policy")) if p})
+if TASK_RUNS:
 
     rule task:
         input:
-            prompts=PROMPTS,
+            prompts=rules.prompts.output[0],
             model=converted_model,
-            shards=lambda wildcards: [
-                f for m, p, s in TASK_RUNS if m == wildcards.model for f in trajectory_shards(m, p, s)
-            ],
-            estimates=lambda wildcards: [
-                ESTIMATES.format(model=m, policy=p, split=s) for m, p, s in TASK_RUNS if m == wildcards.model
-            ],
+            shards=task_shards,
+            estimates=task_estimates,
         output:
-            **{name: f"{TASK_DIR}/{name}.parquet" for name in ("documents", "accuracy", "correlations", "auc")},
-            **{f"{name}_csv": f"{TASK_DIR}/{name}.csv" for name in ("documents", "accuracy", "correlations", "auc")},
+            **{name: f"{TASK_DIR}/{name}.parquet" for name in TASK_TABLES},
+            **{f"{name}_csv": f"{TASK_DIR}/{name}.csv" for name in TASK_TABLES},
             png=f"{TASK_DIR}/task.png",
             pdf=f"{TASK_DIR}/task.pdf",
         log:
             f"{LOGS}/task/{{model}}.log",
+        benchmark:
+            benchmark_file("task/{model}")
         params:
-            model=lambda wildcards: canonical(config["models"][wildcards.model]),
-            task=canonical(config["task"]),
+            model=lambda wildcards: canonical(CONFIG["models"][wildcards.model]),
+            task=canonical(CONFIG["task"]),
             controls=TASK_CONTROLS,
-            floor=TASK_FLOOR,
+            floor=FLOOR,
             bootstrap=canonical(
                 {
-                    "n_boot": config["analysis"]["bootstrap"],
-                    "confidence": config["analysis"]["confidence"],
-                    "seed": config["seed"],
+                    "n_boot": CONFIG["analysis"]["bootstrap"],
+                    "confidence": CONFIG["analysis"]["confidence"],
+                    "seed": CONFIG["seed"],
                 }
             ),
-        threads: 1
-        resources:
-            mem_mb=4000,
-            runtime=30,
         conda:
             CONDA_ENV
         script:
             "../scripts/task.py"
-
-    ALL_TARGETS.extend(expand(f"{TASK_DIR}/accuracy.parquet", model=MODELS))

@@ -6,35 +6,26 @@
 # (model, policy, split) with document-bootstrap intervals and the noise floor beside each
 # policy; `teacher_forced_documents` holds the headline means per document (joins on doc_id).
 
-import kvdiverge.study.teacher
-
-TEACHER_POSITIONS = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"
-
-
-# Teacher-forced positions of every run (the control and the noise floor included).
-TEACHER_FILES = [TEACHER_POSITIONS.format(model=m, policy=p, split=s) for m, p, s in RUNS]
-
 
 rule teacher_forced:
     input:
-        prompts=PROMPTS,
-        corpus=CORPUS,
+        prompts=rules.prompts.output[0],
+        corpus=rules.corpus.output[0],
         model=converted_model,
     output:
-        TEACHER_POSITIONS,
+        f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet",
     log:
         f"{LOGS}/teacher_forced/{{model}}/{{policy}}/{{split}}.log",
+    benchmark:
+        benchmark_file("teacher_forced/{model}/{policy}/{split}")
     params:
         # model and policy entries, seed, control documents, the teacher_forced section
         # (no decoding setting, replicates or shards)
         settings=lambda wildcards: kvdiverge.study.teacher.teacher_settings(
-            config, wildcards.model, wildcards.policy, wildcards.split
+            CONFIG, wildcards.model, wildcards.policy, wildcards.split
         ),
-    threads: 1
     resources:
-        gpu=lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
-        mem_mb=lambda wildcards: 64000 if model_on_gpu(wildcards.model) else 6000,
-        runtime=lambda wildcards: 240 if model_on_gpu(wildcards.model) else 60,
+        **generation_resources(),
     conda:
         CONDA_ENV
     script:
@@ -43,7 +34,8 @@ rule teacher_forced:
 
 rule teacher_forced_table:
     input:
-        TEACHER_FILES,
+        # the positions of every run (the control and the noise floor included)
+        run_files(rules.teacher_forced.output[0]),
     output:
         parquet=f"{ANALYSIS}/teacher_forced.parquet",
         csv=f"{ANALYSIS}/teacher_forced.csv",
@@ -51,19 +43,12 @@ rule teacher_forced_table:
         documents_csv=f"{ANALYSIS}/teacher_forced_documents.csv",
     log:
         f"{LOGS}/analysis/teacher_forced.log",
+    benchmark:
+        benchmark_file("teacher_forced_table/teacher_forced_table")
     params:
-        seed=canonical(config["seed"]),
-        bootstrap=canonical(config["analysis"]["bootstrap"]),
-        confidence=canonical(config["analysis"]["confidence"]),
-        floor=(config["runs"].get("floor") or {}).get("policy"),
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=30,
+        floor=FLOOR,
+        **ANALYSIS_PARAMS,
     conda:
         CONDA_ENV
     script:
         "../scripts/teacher_forced.py"
-
-
-ALL_TARGETS.extend([f"{ANALYSIS}/teacher_forced.parquet", f"{ANALYSIS}/teacher_forced_documents.parquet"])

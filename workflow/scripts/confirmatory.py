@@ -4,12 +4,11 @@ from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash, save
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.pages import confirmatory_html
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "confirmatory")
 p = snakemake.params
 out = snakemake.output
-try:
+with rule_log(snakemake.log[0], "confirmatory", "confirmatory analysis") as log:
     plan = dict(p.plan)
     log.info("plan %s, sha256 %s", plan, plan_hash(plan))
     files = list(snakemake.input)
@@ -23,6 +22,3 @@ try:
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)
     write_text_atomic(confirmatory_html(plan, result), out.html)
-except Exception:
-    log.exception("confirmatory analysis failed")
-    raise

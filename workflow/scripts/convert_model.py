@@ -1,12 +1,8 @@
 """Snakemake adapter: convert a GGUF model entry to a safetensors directory (kvdiverge.study.models)."""
 
 from kvdiverge.study.models import convert_to_directory
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "convert_model")
-try:
+with rule_log(snakemake.log[0], "convert_model", "model conversion") as log:
     entry = convert_to_directory(dict(snakemake.params.model), snakemake.output[0], snakemake.wildcards.model)
     log.info("converted %s -> %s", snakemake.wildcards.model, entry["path"])
-except Exception:
-    log.exception("model conversion failed")
-    raise

@@ -2,10 +2,9 @@
 
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.study.corpus import build_corpus, exclusion_lines
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "corpus")
-try:
+with rule_log(snakemake.log[0], "corpus", "corpus stage") as log:
     corpus = dict(snakemake.params.corpus)
     log.info("corpus config: %s", corpus)
     table = build_corpus(corpus, exclusions=True)
@@ -24,6 +23,3 @@ try:
         log.info("%s", line)
     write_parquet_atomic(table, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])
-except Exception:
-    log.exception("corpus stage failed")
-    raise

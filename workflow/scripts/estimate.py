@@ -4,11 +4,10 @@ from kvdiverge.estimation.estimators import read_shards
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.estimation.tables import estimate
 from kvdiverge.study.provenance import check_shards
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "estimate")
 w = snakemake.wildcards
-try:
+with rule_log(snakemake.log[0], "estimate", "estimate stage") as log:
     # refuse shards made with other settings than the config's (copied in, older version)
     records = check_shards(
         snakemake.input, dict(snakemake.params.settings), model=w.model, policy=w.policy, split=w.split
@@ -22,6 +21,3 @@ try:
     write_parquet_atomic(reps, snakemake.output.replicates)
     write_parquet_atomic(docs, snakemake.output.documents)
     log.info("wrote %s and %s", snakemake.output.documents, snakemake.output.replicates)
-except Exception:
-    log.exception("estimate stage failed")
-    raise

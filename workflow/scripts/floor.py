@@ -4,12 +4,11 @@ import polars as pl
 
 from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison, save_table
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "floor")
 p = snakemake.params
 out = snakemake.output
-try:
+with rule_log(snakemake.log[0], "floor", "floor comparison") as log:
     if p.floor is None:
         log.info("no noise-floor control configured (runs.floor): empty table")
         table = pl.DataFrame(schema=FLOOR_SCHEMA)
@@ -37,6 +36,3 @@ try:
             ),
         )
     save_table(table, out.parquet, out.csv)
-except Exception:
-    log.exception("floor comparison failed")
-    raise

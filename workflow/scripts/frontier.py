@@ -8,12 +8,11 @@ from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.formatting import frontier_text
 from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.models import entry_kv_sizes
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "frontier")
 p = snakemake.params
 out = snakemake.output
-try:
+with rule_log(snakemake.log[0], "frontier", "frontier analysis") as log:
     docs = read_estimates(list(snakemake.input))
     grid = [FrontierPoint.of(point) for point in p.grid]
     sizes = {name: entry_kv_sizes(dict(entry), name) for name, entry in p.models.items()}
@@ -25,6 +24,3 @@ try:
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)
     write_text_atomic(frontier_html(points, areas, p.confidence), out.html)
-except Exception:
-    log.exception("frontier analysis failed")
-    raise

@@ -3,15 +3,11 @@
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import gaps
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "gaps")
 p = snakemake.params
-try:
+with rule_log(snakemake.log[0], "gaps", "gap decomposition") as log:
     files = list(snakemake.input)
     docs = read_estimates(files) if files else None  # refuses non-finite inputs
     table = gaps(docs, p.gaps, p.bootstrap, p.confidence, p.seed, split="exploratory", models=p.models, progress=True)
     save_table(table, snakemake.output.parquet, snakemake.output.csv)
-except Exception:
-    log.exception("gap decomposition failed")
-    raise

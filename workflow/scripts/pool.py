@@ -5,12 +5,11 @@ from tqdm import tqdm
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import pool
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "pool")
 out = snakemake.output
 p = snakemake.params
-try:
+with rule_log(snakemake.log[0], "pool", "pooling") as log:
     docs = read_estimates(tqdm(snakemake.input, desc="estimates"))
     log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))
     tables = pool(docs, p.bootstrap, p.confidence, p.seed)
@@ -20,6 +19,3 @@ try:
     save_table(docs, out.documents_parquet, out.documents_csv)
     for name, frame in tables.items():
         save_table(frame, getattr(out, f"{name}_parquet"), getattr(out, f"{name}_csv"))
-except Exception:
-    log.exception("pooling failed")
-    raise

@@ -5,11 +5,10 @@ import polars as pl
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.study.models import context_length, load_model_config, load_tokenizer, local_entry
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 from kvdiverge.study.tasks import build_task_prompts
 
-log = rule_logger(snakemake.log[0], "prompts")
-try:
+with rule_log(snakemake.log[0], "prompts", "prompts stage") as log:
     name = snakemake.wildcards.model
     spec = dict(snakemake.params.model)
     log.info("model %s: %s", name, spec)
@@ -26,6 +25,3 @@ try:
     check_usable(prompts, dict(snakemake.params.settings))
     write_parquet_atomic(prompts, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])
-except Exception:
-    log.exception("prompts stage failed")
-    raise

@@ -5,12 +5,11 @@ from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.estimation.speculative import speculative_table
 from kvdiverge.report.pages import speculative_html
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "speculative")
 p = snakemake.params
 out = snakemake.output
-try:
+with rule_log(snakemake.log[0], "speculative", "speculative reading") as log:
     docs = read_estimates(list(snakemake.input))
     table = speculative_table(docs, p.bootstrap, p.confidence, p.seed)
     log.info(
@@ -30,6 +29,3 @@ try:
     )
     save_table(table, out.parquet, out.csv)
     write_text_atomic(speculative_html(table, p.confidence), out.html)
-except Exception:
-    log.exception("speculative reading failed")
-    raise

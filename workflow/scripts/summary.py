@@ -5,11 +5,10 @@ import polars as pl
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.pages import summary_html
 from kvdiverge.study.provenance import provenance_html
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
-log = rule_logger(snakemake.log[0], "summary")
 i = snakemake.input
-try:
+with rule_log(snakemake.log[0], "summary") as log:
     html = summary_html(
         pl.read_parquet(i.pooled),
         pl.read_parquet(i.gaps),
@@ -21,6 +20,3 @@ try:
     html = html.replace("</body>", provenance_html(pl.read_parquet(i.provenance)) + "</body>", 1)
     write_text_atomic(html, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])
-except Exception:
-    log.exception("summary failed")
-    raise

@@ -5,13 +5,12 @@ import polars as pl
 from kvdiverge.estimation.io import write_parquet_atomic, write_text_atomic
 from kvdiverge.report.task import plot_task
 from kvdiverge.study.models import load_tokenizer, local_entry
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 from kvdiverge.study.tasks import task_settings
 from kvdiverge.study.tasks.tables import TASK_TABLES, task_tables
 
-log = rule_logger(snakemake.log[0], "task")
 i, o, p = snakemake.input, snakemake.output, snakemake.params
-try:
+with rule_log(snakemake.log[0], "task", "task stage") as log:
     spec = dict(p.model)
     if i.model:
         spec = local_entry(spec, i.model)
@@ -36,6 +35,3 @@ try:
     log.info("auc:\n%s", tables["auc"])
     plot_task(acc, tables["correlations"], o.png, o.pdf, controls=p.controls)
     log.info("wrote %s", list(o))
-except Exception:
-    log.exception("task stage failed")
-    raise

@@ -9,25 +9,28 @@ import polars as pl
 
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.io import write_parquet_atomic
-from kvdiverge.study.rulelog import rule_logger
+from kvdiverge.study.rulelog import rule_log
 
 
 def one_run():
     import torch
 
+    from kvdiverge.study.config import validate
     from kvdiverge.study.devices import bind_device
     from kvdiverge.study.models import local_entry
     from kvdiverge.study.teacher import run_teacher_forced
 
     torch.set_num_threads(snakemake.threads)
     w = snakemake.wildcards
-    spec = snakemake.config["models"][w.model]
+    # the config as the workflow validated it (defaults filled, the frontier's policies expanded)
+    config = validate(snakemake.config)
+    spec = config["models"][w.model]
     if snakemake.input.model:
         spec = local_entry(spec, snakemake.input.model)
     paths = {"prompts": snakemake.input.prompts, "corpus": snakemake.input.corpus}
     with bind_device(str(spec.get("device", "cpu"))) as device:
         spec = {**spec, "device": device}
-        frame = run_teacher_forced(snakemake.config, w.model, [w.policy], w.split, paths, model_spec=spec)
+        frame = run_teacher_forced(config, w.model, [w.policy], w.split, paths, model_spec=spec)
     write_parquet_atomic(frame, snakemake.output[0])
     return f"wrote {snakemake.output[0]}: {frame.height} positions"
 
@@ -43,9 +46,5 @@ def tables():
     return f"{summary.height} runs, {positions.height} positions\n{summary.select('model', 'policy', 'split', 'kld_mean', 'ppl_ratio', 'same_top_p')}"
 
 
-log = rule_logger(snakemake.log[0], snakemake.rule)
-try:
+with rule_log(snakemake.log[0], snakemake.rule, snakemake.rule) as log:
     log.info("%s", one_run() if snakemake.rule == "teacher_forced" else tables())
-except Exception:
-    log.exception("%s failed", snakemake.rule)
-    raise

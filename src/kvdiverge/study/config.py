@@ -1,9 +1,9 @@
 """Workflow config: load, validate against the JSON schema, check cross-references.
 
 The schema is package data, ``kvdiverge/schemas/config.schema.yaml`` (:data:`SCHEMA_PATH`,
-found with :mod:`importlib.resources`, so it is there in a wheel as in a checkout); Snakemake
-validates with it through ``snakemake.utils.validate`` (``workflow/rules/common.smk``), and this
-module validates with the same file for use outside Snakemake (tests, notebooks)::
+found with :mod:`importlib.resources`, so it is there in a wheel as in a checkout); the workflow
+validates with it through :func:`validate` (once, ``workflow/rules/common.smk``), and
+:func:`load_config` reads and validates a file outside Snakemake (tests, notebooks)::
 
     from kvdiverge.study.config import load_config, runs
     config = load_config("config/config.yaml")   # defaults filled in

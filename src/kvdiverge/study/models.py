@@ -11,8 +11,14 @@ A model entry of the config (``models.<name>``) says where the weights are:
 - ``source: hub`` - a hub id (``id``, optional ``revision``). A model already in the
   local Hugging Face cache loads from it without any network access; otherwise it is
   downloaded, unless ``HF_HUB_OFFLINE=1``.
+- ``source: miniature`` - a stand-in with random weights for one of the paper's
+  architectures (``architecture: llama-3.1-8b`` or ``qwen-2.5-7b``): the miniature's
+  structure (:data:`kvdiverge.reference.miniatures.MINIATURE`: grouped-query ratio, biases,
+  RoPE) with the real model's vocabulary size and EOS ids, and the embedded model's
+  tokenizer. It rehearses the study's bookkeeping; its numbers say nothing about the real
+  models.
 
-All three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
+The first three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
 the entry's ``dtype``, ``device`` and ``attn_implementation``.
 
 End-of-sequence ids come from ``model.generation_config.eos_token_id`` (the GGUF
@@ -48,6 +54,27 @@ EMBEDDED_NAME = "smollm2-135m"
 
 class ModelNotFoundError(FileNotFoundError):
     """The weights named by a model entry are not where the entry says."""
+
+
+def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The architecture of a ``source: miniature`` entry: the miniature of its
+    ``architecture`` (:data:`kvdiverge.reference.miniatures.MINIATURE`) with the real model's
+    vocabulary size and BOS/EOS ids (:data:`~kvdiverge.reference.miniatures.PAPER`), so that
+    every id of the embedded tokenizer (49,152) is in range and the logits have the real width.
+
+    Raises
+    ------
+    ValueError
+        If ``architecture`` is not one of the paper's.
+    """
+    from kvdiverge.reference.miniatures import MINIATURE, PAPER
+
+    arch = spec.get("architecture")
+    if arch not in MINIATURE:
+        key = f"models.{name}.architecture" if name else "architecture"
+        raise ValueError(f"{key}: {arch!r} is not one of the miniature architectures {sorted(MINIATURE)}")
+    real = PAPER[arch]
+    return {**MINIATURE[arch], **{k: real[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
 
 
 def _hint(name: str | None) -> str:
@@ -185,6 +212,8 @@ def load_tokenizer(spec: dict[str, Any], name: str | None = None):
     kept conversion where there is one, :func:`convert_to_directory`)."""
     from transformers import AutoTokenizer
 
+    if spec.get("source") == "miniature":
+        return load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
     return _from_pretrained(AutoTokenizer, kept_conversion(spec, name) or spec, name)
 
 
@@ -193,6 +222,10 @@ def load_model_config(spec: dict[str, Any], name: str | None = None):
     entry's from its kept conversion where there is one)."""
     from transformers import AutoConfig
 
+    if spec.get("source") == "miniature":
+        from kvdiverge.reference.miniatures import build_config
+
+        return build_config(miniature_values(spec, name))
     return _from_pretrained(AutoConfig, kept_conversion(spec, name) or spec, name)
 
 
@@ -251,6 +284,16 @@ def _load_model(spec: dict[str, Any], name: str | None, tokenizer):
     if tokenizer is None:
         tokenizer = load_tokenizer(spec, name)
     device = spec.get("device", "cpu")
+    if spec.get("source") == "miniature":
+        from kvdiverge.reference.miniatures import random_model
+
+        model = random_model(
+            miniature_values(spec, name),
+            dtype=torch_dtype(spec.get("dtype", "float32")),
+            device=device,
+            attn_implementation=spec.get("attn_implementation", "sdpa"),
+        )
+        return model, tokenizer
     placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
     model = _from_pretrained(
         AutoModelForCausalLM,

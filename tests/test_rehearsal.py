@@ -1,0 +1,81 @@
+"""config/paper-rehearsal.yaml stays the paper's study with stand-in models: the same config
+apart from the models (and results_dir), and the same job graph (`snakemake -n`, jobs per
+rule), and its stand-ins load as the architectures they stand in for."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvdiverge.study.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER, REHEARSAL = "config/paper.yaml", "config/paper-rehearsal.yaml"
+
+
+def without_models(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in ("models", "results_dir")}
+
+
+def test_the_rehearsal_is_the_paper_but_for_its_models():
+    paper, rehearsal = load_config(REPO / PAPER), load_config(REPO / REHEARSAL)
+    assert without_models(rehearsal) == without_models(paper)
+    assert list(rehearsal["models"]) == list(paper["models"])  # same names: same seeds, same paths
+    for name, entry in rehearsal["models"].items():
+        assert entry["source"] == "miniature" and entry["architecture"] == name
+        assert entry["dtype"] == paper["models"][name]["dtype"] and entry["device"] == "cpu"
+    assert rehearsal["results_dir"] != paper["results_dir"]
+
+
+def job_counts(configfile: str, workdir: Path) -> Counter:
+    """Jobs per rule of `snakemake -n` on `configfile` in an empty `workdir`."""
+    from conftest import snakemake_here  # in this process: no interpreter start
+
+    workdir.mkdir(parents=True)
+    args = ["-n", "--snakefile", str(REPO / "Snakefile"), "--configfile", str(REPO / configfile)]
+    proc = snakemake_here(workdir, *args, "--directory", str(workdir))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return Counter(m.group(1) for m in re.finditer(r"^(?:local)?rule (\w+):$", proc.stdout, re.M))
+
+
+@pytest.mark.workflow
+def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
+    paper = job_counts(PAPER, tmp_path / "paper")
+    rehearsal = job_counts(REHEARSAL, tmp_path / "rehearsal")
+    assert rehearsal == paper
+    # 2 models x 7 runs (3 exploratory policies, snapkv-90, the floor on both splits, the
+    # control) x 24 shards; one estimate per run
+    assert paper["trajectories"] == 2 * 7 * 24 and paper["estimate"] == 2 * 7 and paper["prompts"] == 2
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize(
+    "arch, kv_heads, heads, bias",
+    [("llama-3.1-8b", 2, 8, False), ("qwen-2.5-7b", 1, 7, True)],
+)
+def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch, kv_heads, heads, bias):
+    from kvdiverge.reference.miniatures import PAPER as REAL
+    from kvdiverge.study.models import entry_kv_sizes, load_model, load_model_config
+
+    spec = {"source": "miniature", "architecture": arch, "dtype": "float32", "device": "cpu"}
+    config = load_model_config(spec, arch)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+    assert config.vocab_size == REAL[arch]["vocab_size"]
+    model, tokenizer = load_model(spec, arch)
+    assert model.get_output_embeddings().weight.shape[0] == REAL[arch]["vocab_size"]
+    assert model.generation_config.eos_token_id == REAL[arch]["eos_token_id"]
+    assert (model.model.layers[0].self_attn.q_proj.bias is not None) == bias
+    assert max(tokenizer.get_vocab().values()) < config.vocab_size  # every prompt id is in range
+    head_dim = config.hidden_size // heads
+    # K and V, per layer, per KV head: 2 layers x kv_heads x head_dim x 2
+    assert entry_kv_sizes(spec, arch) == {"elements_per_token": 2 * 2 * kv_heads * head_dim, "element_bytes": 4}
+
+
+def test_a_miniature_entry_names_an_unknown_architecture():
+    from kvdiverge.study.models import load_model_config
+
+    with pytest.raises(ValueError, match=r"models.m.architecture: 'gpt-2' is not one of the miniature"):
+        load_model_config({"source": "miniature", "architecture": "gpt-2"}, "m")

@@ -1,0 +1,30 @@
+"""Snakemake adapter: one figure of the study, PNG and PDF (kvdiverge.report.figures), by its name
+(the `figure` wildcard; workflow/rules/common.smk FIGURE_TABLE names its tables and settings)."""
+
+import polars as pl
+
+from kvdiverge.report import figures as plots
+from kvdiverge.study.rulelog import rule_log
+
+
+def read(name):
+    return pl.read_parquet(snakemake.input[name])
+
+
+# each figure's drawing, from its tables (by name) and settings, to (png, pdf)
+DRAW = {
+    "survival": lambda s, out: plots.plot_survival(read("survival"), *out, floor=s["floor"]),
+    "gap_decomposition": lambda s, out: plots.plot_gaps(read("gaps"), *out),
+    "branch_tv": lambda s, out: plots.plot_branch_tv(read("branch_tv"), *out, early=s["early"], late=s["late"]),
+    "confirmatory_differences": lambda s, out: plots.plot_confirmatory(
+        read("confirmatory_documents"), read("confirmatory"), *out
+    ),
+    "variance": lambda s, out: plots.plot_variance(read("variance"), *out),
+    "speculative": lambda s, out: plots.plot_speculative(read("speculative"), *out, floor=s["floor"]),
+    "frontier": lambda s, out: plots.plot_frontier(read("frontier"), *out),
+}
+
+name = snakemake.wildcards.figure
+with rule_log(snakemake.log[0], "figure", f"figure {name}") as log:
+    DRAW[name](dict(snakemake.params.settings), (snakemake.output.png, snakemake.output.pdf))
+    log.info("wrote %s", list(snakemake.output))
