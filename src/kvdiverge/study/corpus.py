@@ -46,6 +46,7 @@ SPLITS = ("exploratory", "confirmatory")
 
 log = logging.getLogger(__name__)
 
+#: Columns and dtypes of the corpus table (one row per excerpt).
 SCHEMA = {
     "doc_id": pl.String,
     "split": pl.String,

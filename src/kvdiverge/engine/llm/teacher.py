@@ -12,13 +12,13 @@ positions), then the continuation ``c_1 .. c_L`` is appended to *both* sides, an
 How the continuation enters:
 
 - **Prefill-only presses** (the press acts once, on the prompt): ``c_1 .. c_{L-1}`` in one
-  forward per pair (:meth:`LLMKernelPair.advance_block`; both sides are rows of that
+  forward per pair (:meth:`~kvdiverge.engine.llm.llm_pair.LLMKernelPair.advance_block`; both sides are rows of that
   forward when the pair decodes them jointly), the first position's distributions being
   the prefill's own. Equal to feeding token by token up to float rounding (a test).
 - **Head-wise masks** (AdaKV, DMS, ...): token by token, since kvpress's masked keys are a
   fake key searched for the forward's queries, and the search over many queries at once
   would differ from decoding's.
-- **Decode-time presses and quantized caches** (:class:`DecodeTimePair`): token by token,
+- **Decode-time presses and quantized caches** (:class:`~kvdiverge.engine.llm.decode_pair.DecodeTimePair`): token by token,
   as decoding runs them. A quantized cache (``transformers``' ``QuantizedLayer``) then
   holds the continuation's keys and values exactly as decoding would: the prompt
   quantized before the first continuation token, the newest ``residual_length`` tokens in
@@ -165,7 +165,7 @@ def greedy_continuation(model, input_ids: Sequence[int], length: int, eos_ids: S
     list of int
         The arg-max tokens of the raw logits (first index on ties), one forward each.
     """
-    from transformers import DynamicCache
+    from kvdiverge.engine.hf import DynamicCache
 
     device = next(model.parameters()).device
     cache, eos = DynamicCache(), {int(e) for e in eos_ids}

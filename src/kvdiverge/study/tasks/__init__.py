@@ -5,7 +5,7 @@ answer against it. Tasks are rows of :data:`TASKS`, each a :class:`Task`: RULER'
 needle (``niah``, :mod:`kvdiverge.study.tasks.niah`) is the first; multi-key needles or
 variable tracking follow as rows of the same kind.
 
-The config block ``task`` (``workflow/schemas/config.schema.yaml``) names the task and its
+The config block ``task`` (``kvdiverge/schemas/config.schema.yaml``) names the task and its
 settings; :func:`task_settings` reads it, :func:`build_task_prompts` makes the prompts table
 (the prompts stage calls it instead of :func:`kvdiverge.study.prompts.build_prompts`), with
 the task's columns (:data:`TASK_COLUMNS`) beside the usual ones.
@@ -65,6 +65,7 @@ class Task:
     score: Callable
 
 
+#: The tasks by config name (``task.name``): one :class:`Task` each.
 TASKS: dict[str, Task] = {
     "niah": Task("niah", niah.NiahSettings, niah.make_needle, niah.task_prompt, niah.check_budget, niah.score_answer),
 }
