@@ -500,3 +500,14 @@ def test_quantized_cache_policies():
     bad = raw("smoke.yaml")
     bad["policies"]["snapkv-50"].update({"cache": "quantized", "nbits": 3})
     assert "nbits must be one of [2, 4] for backend 'quanto', got 3" in error_of(bad)
+
+
+def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
+    """``params.press`` is the inner press (a mapping), not the policy's own press name; a named
+    parameter under ``params`` (``window_size``) is checked as if it sat beside the press."""
+    from kvdiverge.study.config import policy_entry_problems
+
+    nested = {"press": {"press": "SnapKVPress", "window_size": 8}}
+    assert policy_entry_problems({"press": "CriticalKVPress", "params": nested, "compression_ratio": 0.5}) == []
+    bad = {"press": "SnapKVPress", "params": {"window_size": -4}, "compression_ratio": 0.5}
+    assert [line.split(":")[0] for line in policy_entry_problems(bad)] == ["window_size"]

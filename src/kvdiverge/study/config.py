@@ -288,7 +288,8 @@ def policy_entry_problems(entry: Any) -> list[str]:
     policy = schema["$defs"]["policy"]
     if isinstance(entry, dict) and isinstance(entry.get("params"), dict):
         params = dict(entry["params"])
-        named = {k: params.pop(k) for k in list(params) if k in policy["properties"] and k != "params"}
+        # a press-valued parameter (params.press) is a nested press, not the policy's own press
+        named = {k: params.pop(k) for k in list(params) if k in policy["properties"] and k not in ("press", "params")}
         entry = {**entry, **named, "params": params}
     validator = _validator({"$defs": schema["$defs"], **policy}, False)
     lines = [
