@@ -255,6 +255,38 @@ def gap_decomposition(
     DecompositionError
         If the terms do not sum to the gap to float tolerance.
     """
+    A, B, T = _paired_columns(docs, model, policy_a, policy_b, split)
+    n = len(A["p_div"])
+    point = _gap_means(A, B)
+    total = point["first_mismatch"] + point["exposure"] + point["rate"]
+    if not np.isclose(total, point["delta"], rtol=DECOMP_RTOL, atol=DECOMP_ATOL):
+        raise DecompositionError(
+            f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}"
+        )
+    idx = resample_indices(n, n_boot, seed, "gap", model, policy_a, policy_b, split)
+    boot = _gap_means(A, B, idx)
+    head = {"model": model, "policy_a": policy_a, "policy_b": policy_b, "split": split, "n_docs": n, "T": T}
+    return pl.DataFrame(_gap_rows(head, point, boot, confidence))
+
+
+def _paired_columns(
+    docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """The two runs of a gap, paired by ``doc_id`` (:func:`gap_decomposition`).
+
+    Returns
+    -------
+    A, B : dict of str to numpy.ndarray
+        ``p_div``, ``E_L``, ``E_N_post``, ``E_N`` of policies A and B (float64, shape
+        ``(n_docs,)``, documents in ``doc_id`` order, the same for both).
+    T : int
+        The horizon both runs share.
+
+    Raises
+    ------
+    ValueError
+        If a run is missing, the two share no document, or ``T`` differs.
+    """
     cols = ["doc_id", "T", "p_div", "E_L", "E_N_post", "E_N"]
 
     def run(policy: str) -> pl.DataFrame:
@@ -271,31 +303,48 @@ def gap_decomposition(
         raise ValueError("gap decomposition needs one horizon T for both policies")
     A = {c: j[c].to_numpy().astype(np.float64) for c in cols[2:]}
     B = {c: j[c + "_B"].to_numpy().astype(np.float64) for c in cols[2:]}
-    n = j.height
+    return A, B, T
 
-    def terms(idx=None):
-        def m(x):
-            return x.mean() if idx is None else x[idx].mean(axis=1)
 
-        return gap_terms(
-            m(A["p_div"]),
-            m(A["E_L"]),
-            m(A["E_N_post"]),
-            m(A["E_N"]),
-            m(B["p_div"]),
-            m(B["E_L"]),
-            m(B["E_N_post"]),
-            m(B["E_N"]),
-        )
+def _gap_means(
+    A: Mapping[str, np.ndarray], B: Mapping[str, np.ndarray], idx: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
+    """:func:`gap_terms` of the document means of two paired runs.
 
-    point = terms()
-    total = point["first_mismatch"] + point["exposure"] + point["rate"]
-    if not np.isclose(total, point["delta"], rtol=DECOMP_RTOL, atol=DECOMP_ATOL):
-        raise DecompositionError(
-            f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}"
-        )
-    idx = resample_indices(n, n_boot, seed, "gap", model, policy_a, policy_b, split)
-    boot = terms(idx)
+    Returns
+    -------
+    dict
+        :func:`gap_terms`' entries: scalars over all documents when ``idx`` is None, else
+        arrays of shape ``(n_boot,)``, one per resample (row) of ``idx`` ``(n_boot, n_docs)``.
+    """
+
+    def m(x):
+        return x.mean() if idx is None else x[idx].mean(axis=1)
+
+    return gap_terms(
+        m(A["p_div"]),
+        m(A["E_L"]),
+        m(A["E_N_post"]),
+        m(A["E_N"]),
+        m(B["p_div"]),
+        m(B["E_L"]),
+        m(B["E_N_post"]),
+        m(B["E_N"]),
+    )
+
+
+def _gap_rows(
+    head: Mapping[str, Any], point: Mapping[str, np.ndarray], boot: Mapping[str, np.ndarray], confidence: float
+) -> list[dict[str, Any]]:
+    """The rows of :func:`gap_decomposition`, from the point terms and their resamples.
+
+    Returns
+    -------
+    list of dict
+        One per term (``delta`` and :data:`TERMS`): ``head``'s entries (model, policy_a,
+        policy_b, split, n_docs, T), then ``term``, ``value`` (+ ``_lo``, ``_hi``),
+        ``share`` (+ ``_lo``, ``_hi``), ``value_M``, ``rho_A``, ``rho_B``.
+    """
     rows = []
     for term in ("delta",) + TERMS:
         val = float(point[term])
@@ -305,12 +354,7 @@ def gap_decomposition(
         share = safe_divide(val, point["delta"], where=point["delta"] != 0)
         rows.append(
             {
-                "model": model,
-                "policy_a": policy_a,
-                "policy_b": policy_b,
-                "split": split,
-                "n_docs": n,
-                "T": T,
+                **head,
                 "term": term,
                 "value": val,
                 "value_lo": float(lo),
@@ -318,12 +362,12 @@ def gap_decomposition(
                 "share": share,
                 "share_lo": float(slo),
                 "share_hi": float(shi),
-                "value_M": val / T,
+                "value_M": val / head["T"],
                 "rho_A": float(point["rho_A"]),
                 "rho_B": float(point["rho_B"]),
             }
         )
-    return pl.DataFrame(rows)
+    return rows
 
 
 # --------------------------------------------------------------------------- confirmatory
@@ -443,29 +487,11 @@ def _late_minus_early(
     seed: int,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One model's per-document ``d = btv[late] - btv[early]``, test and intervals (internal)."""
-    (ea, eb), (la, lb) = plan["early"], plan["late"]
     g = g.sort("doc_id")
-    early, late = [], []
-    for num, den in zip(g["btv_num"].to_list(), g["btv_den"].to_list()):
-        num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
-        early.append(btv_window(num, den, ea, eb)[0])
-        late.append(btv_window(num, den, la, lb)[0])
-    early, late = np.asarray(early), np.asarray(late)
+    early, late = _window_btv(g, plan)
     d = late - early
     ok = np.isfinite(d)
-    per_doc = [
-        {
-            "model": model,
-            "policy": policy,
-            "doc_id": doc,
-            "btv_early": float(e),
-            "btv_late": float(l_),
-            "d": float(dd) if o else None,
-            "reached_early": bool(np.isfinite(e)),
-            "reached_late": bool(np.isfinite(l_)),
-        }
-        for doc, e, l_, dd, o in zip(g["doc_id"].to_list(), early, late, d, ok)
-    ]
+    per_doc = _per_document_rows(g["doc_id"].to_list(), model, policy, early, late, d, ok)
     du = d[ok]
     stat, p = float("nan"), float("nan")
     if du.size and np.any(du != 0):
@@ -499,6 +525,55 @@ def _late_minus_early(
         "p_raw": p,
     }
     return result, per_doc
+
+
+def _window_btv(g: pl.DataFrame, plan: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's §6 branch-aligned TV over the plan's early and late windows.
+
+    Returns
+    -------
+    early, late : numpy.ndarray
+        Shape ``(n_docs,)``, in the row order of ``g``; NaN where no branch reached the window.
+    """
+    (ea, eb), (la, lb) = plan["early"], plan["late"]
+    early, late = [], []
+    for num, den in zip(g["btv_num"].to_list(), g["btv_den"].to_list()):
+        num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+        early.append(btv_window(num, den, ea, eb)[0])
+        late.append(btv_window(num, den, la, lb)[0])
+    return np.asarray(early), np.asarray(late)
+
+
+def _per_document_rows(
+    doc_ids: Sequence[str],
+    model: str,
+    policy: str,
+    early: np.ndarray,
+    late: np.ndarray,
+    d: np.ndarray,
+    ok: np.ndarray,
+) -> list[dict[str, Any]]:
+    """The per-document rows of :func:`confirmatory_analysis` for one model and policy.
+
+    Returns
+    -------
+    list of dict
+        One per document: model, policy, doc_id, ``btv_early``, ``btv_late``, ``d`` (None
+        where not ``ok``), ``reached_early``, ``reached_late``.
+    """
+    return [
+        {
+            "model": model,
+            "policy": policy,
+            "doc_id": doc,
+            "btv_early": float(e),
+            "btv_late": float(l_),
+            "d": float(dd) if o else None,
+            "reached_early": bool(np.isfinite(e)),
+            "reached_late": bool(np.isfinite(l_)),
+        }
+        for doc, e, l_, dd, o in zip(doc_ids, early, late, d, ok)
+    ]
 
 
 #: Decision of the noise floor's row: reported beside the test, not part of its family.
@@ -564,11 +639,7 @@ def confirmatory_analysis(
     PlanError
         If the plan is incomplete or invalid.
     """
-    if split != CONFIRMATORY_SPLIT:
-        raise ValueError(f"the confirmatory test runs on the {CONFIRMATORY_SPLIT!r} split only; refusing {split!r}")
-    if docs.height and (docs["split"] != CONFIRMATORY_SPLIT).any():
-        bad = sorted(set(docs["split"].to_list()) - {CONFIRMATORY_SPLIT})
-        raise ValueError(f"the confirmatory test refuses documents of split(s) {bad}")
+    _check_confirmatory_split(docs, split)
     plan = validate_plan(plan)
     h = plan_hash(plan)
     policy = plan["policy"]
@@ -602,7 +673,34 @@ def confirmatory_analysis(
         pl.lit(f"[{la}, {lb}]").alias("late"),
         pl.lit(h).alias("plan_hash"),
     )
-    per = pl.DataFrame(
+    return res, _per_document_table(per_doc)
+
+
+def _check_confirmatory_split(docs: pl.DataFrame, split: str) -> None:
+    """Refuse any split but the confirmatory one, asked for or among ``docs``' rows.
+
+    Raises
+    ------
+    ValueError
+        If ``split`` is not the confirmatory split, or ``docs`` holds rows of another split.
+    """
+    if split != CONFIRMATORY_SPLIT:
+        raise ValueError(f"the confirmatory test runs on the {CONFIRMATORY_SPLIT!r} split only; refusing {split!r}")
+    if docs.height and (docs["split"] != CONFIRMATORY_SPLIT).any():
+        bad = sorted(set(docs["split"].to_list()) - {CONFIRMATORY_SPLIT})
+        raise ValueError(f"the confirmatory test refuses documents of split(s) {bad}")
+
+
+def _per_document_table(per_doc: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
+    """The ``per_doc`` table of :func:`confirmatory_analysis` from its rows.
+
+    Returns
+    -------
+    polars.DataFrame
+        model, policy, doc_id (String), ``btv_early``, ``btv_late``, ``d`` (Float64),
+        ``reached_early``, ``reached_late`` (Boolean); these columns also when empty.
+    """
+    return pl.DataFrame(
         per_doc,
         schema={
             "model": pl.String,
@@ -615,7 +713,6 @@ def confirmatory_analysis(
             "reached_late": pl.Boolean,
         },
     )
-    return res, per
 
 
 # --------------------------------------------------------------------------- outputs for the report

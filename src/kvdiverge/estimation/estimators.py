@@ -376,85 +376,136 @@ def document_estimates(reps: pl.DataFrame, windows: Mapping[str, Sequence[int]] 
         If ``T`` or ``W`` vary within a document.
     """
     windows = dict(windows or {})
-    rows = []
-    for key, g in reps.group_by(RUN_KEYS + ["doc_id"], maintain_order=True):
-        model, policy, split, doc_id = key
-        Ts = g["T"].unique().to_list()
-        Ws = g["W"].unique().to_list()
-        if len(Ts) != 1 or len(Ws) != 1:
-            raise ValueError(f"doc {doc_id!r}: T or W vary across replicates ({Ts}, {Ws})")
-        T, W = int(Ts[0]), int(Ws[0])
-        R = g.height
-        col = {
-            c: g[c].to_numpy().astype(np.float64)
-            for c in (
-                "p_div_hat",
-                "E_L_hat",
-                "E_L_win_hat",
-                "E_L_tail_hat",
-                "E_tau_div_hat",
-                "N_cmc",
-                "N_naive",
-                "N_cmc_tv",
-                "N_post_cmc",
-                "N_win_cmc",
-                "N_tail_cmc",
-                "tv_mean",
-                "tv_max",
-            )
-        }
-        r: dict = {
-            "model": model,
-            "policy": policy,
-            "split": split,
-            "doc_id": doc_id,
-            "T": T,
-            "W": W,
-            "R": R,
-            "prompt_len": int(g["prompt_len"][0]),
-            "kept_len": int(g["kept_len"][0]),
-            "seconds": float(g["seconds"][0]),
-        }
-        for out, src in (
-            ("p_div", "p_div_hat"),
-            ("E_L", "E_L_hat"),
-            ("E_L_win", "E_L_win_hat"),
-            ("E_L_tail", "E_L_tail_hat"),
-            ("E_tau_div", "E_tau_div_hat"),
-            ("E_N", "N_cmc"),
-            ("E_N_naive", "N_naive"),
-            ("E_N_tv", "N_cmc_tv"),
-            ("E_N_post", "N_post_cmc"),
-            ("E_N_win", "N_win_cmc"),
-            ("E_N_tail", "N_tail_cmc"),
-        ):
-            r[out] = float(col[src].mean())
-            r[out + "_se"] = _se(col[src])
-        r["tv_mean"] = float(col["tv_mean"].mean())
-        r["tv_mean_se"] = _se(col["tv_mean"])
-        r["tv_max"] = float(col["tv_max"].max())
-        r["E_M"] = r["E_N"] / T
-        r["E_M_se"] = r["E_N_se"] / T
-        r["tau_mean"] = safe_divide(r["E_tau_div"], r["p_div"])
-        r["rho"] = rho(r["E_N_post"], r["E_L"])
-        first, rate = check_decomposition(
-            r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"{model}/{policy}/{split} doc {doc_id!r}"
-        )
-        r["first_mismatch_term"] = float(first)
-        r["exposure_rate_term"] = float(rate)
-        r["exposure_share"] = safe_divide(rate, r["E_M"])
-        r.update(sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T))
-        r["E_N_in_interval"] = bool(r["E_N_lo"] - 1e-12 <= r["E_N"] <= r["E_N_hi"] + 1e-12)
-        r["var_N_naive"] = _var(col["N_naive"])
-        r["var_N_cmc"] = _var(col["N_cmc"])
-        r["var_N_cmc_tv"] = _var(col["N_cmc_tv"])
-        r["var_ratio"] = _ratio(r["var_N_naive"], r["var_N_cmc"])
-        r["var_ratio_tv"] = _ratio(r["var_N_cmc_tv"], r["var_N_cmc"])
-        r.update(_document_curves(g, T, R, windows))
-        rows.append(r)
+    rows = [_document_row(key, g, windows) for key, g in reps.group_by(RUN_KEYS + ["doc_id"], maintain_order=True)]
     if not rows:
         raise ValueError("no replicate rows to aggregate")
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _document_row(key: tuple, g: pl.DataFrame, windows: Mapping[str, Sequence[int]]) -> dict:
+    """One document's row of :func:`document_estimates` from its replicates ``g``.
+
+    Returns
+    -------
+    dict
+        model, policy, split, doc_id (from ``key``), ``T``, ``W``, ``R``, ``prompt_len``,
+        ``kept_len``, ``seconds``, then :func:`_replicate_means`, :func:`_document_terms`
+        and :func:`_document_curves` in that order.
+
+    Raises
+    ------
+    ValueError
+        If ``T`` or ``W`` vary across the replicates.
+    """
+    model, policy, split, doc_id = key
+    Ts = g["T"].unique().to_list()
+    Ws = g["W"].unique().to_list()
+    if len(Ts) != 1 or len(Ws) != 1:
+        raise ValueError(f"doc {doc_id!r}: T or W vary across replicates ({Ts}, {Ws})")
+    T, W = int(Ts[0]), int(Ws[0])
+    R = g.height
+    col = {c: g[c].to_numpy().astype(np.float64) for c in _REPLICATE_COLUMNS}
+    r: dict = {
+        "model": model,
+        "policy": policy,
+        "split": split,
+        "doc_id": doc_id,
+        "T": T,
+        "W": W,
+        "R": R,
+        "prompt_len": int(g["prompt_len"][0]),
+        "kept_len": int(g["kept_len"][0]),
+        "seconds": float(g["seconds"][0]),
+    }
+    r.update(_replicate_means(col))
+    r.update(_document_terms(r, col, T, where=f"{model}/{policy}/{split} doc {doc_id!r}"))
+    r.update(_document_curves(g, T, R, windows))
+    return r
+
+
+#: Per-document means (and ``_se``) of :func:`document_estimates`: output column, replicate column.
+_DOCUMENT_MEANS = (
+    ("p_div", "p_div_hat"),
+    ("E_L", "E_L_hat"),
+    ("E_L_win", "E_L_win_hat"),
+    ("E_L_tail", "E_L_tail_hat"),
+    ("E_tau_div", "E_tau_div_hat"),
+    ("E_N", "N_cmc"),
+    ("E_N_naive", "N_naive"),
+    ("E_N_tv", "N_cmc_tv"),
+    ("E_N_post", "N_post_cmc"),
+    ("E_N_win", "N_win_cmc"),
+    ("E_N_tail", "N_tail_cmc"),
+)
+
+#: Replicate columns :func:`document_estimates` reads as float64 arrays.
+_REPLICATE_COLUMNS = (
+    "p_div_hat",
+    "E_L_hat",
+    "E_L_win_hat",
+    "E_L_tail_hat",
+    "E_tau_div_hat",
+    "N_cmc",
+    "N_naive",
+    "N_cmc_tv",
+    "N_post_cmc",
+    "N_win_cmc",
+    "N_tail_cmc",
+    "tv_mean",
+    "tv_max",
+)
+
+
+def _replicate_means(col: Mapping[str, np.ndarray]) -> dict:
+    """One document's means over replicates and their standard errors.
+
+    Returns
+    -------
+    dict
+        Each output column of :data:`_DOCUMENT_MEANS` and its ``_se``, then ``tv_mean``,
+        ``tv_mean_se`` and ``tv_max`` (largest over replicates).
+    """
+    r: dict = {}
+    for out, src in _DOCUMENT_MEANS:
+        r[out] = float(col[src].mean())
+        r[out + "_se"] = _se(col[src])
+    r["tv_mean"] = float(col["tv_mean"].mean())
+    r["tv_mean_se"] = _se(col["tv_mean"])
+    r["tv_max"] = float(col["tv_max"].max())
+    return r
+
+
+def _document_terms(r: Mapping, col: Mapping[str, np.ndarray], T: int, where: str) -> dict:
+    """One document's §3 decomposition, §4 interval and §5 variances, from its means ``r``.
+
+    Returns
+    -------
+    dict
+        ``E_M``, ``E_M_se``, ``tau_mean``, ``rho``, ``first_mismatch_term``,
+        ``exposure_rate_term``, ``exposure_share``, the :func:`sharp_interval` ends,
+        ``E_N_in_interval``, ``var_N_naive``, ``var_N_cmc``, ``var_N_cmc_tv``,
+        ``var_ratio``, ``var_ratio_tv``.
+
+    Raises
+    ------
+    kvdiverge.estimation.decomposition.DecompositionError
+        If the §3 identity fails.
+    """
+    t: dict = {"E_M": r["E_N"] / T, "E_M_se": r["E_N_se"] / T}
+    t["tau_mean"] = safe_divide(r["E_tau_div"], r["p_div"])
+    t["rho"] = rho(r["E_N_post"], r["E_L"])
+    first, rate = check_decomposition(t["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=where)
+    t["first_mismatch_term"] = float(first)
+    t["exposure_rate_term"] = float(rate)
+    t["exposure_share"] = safe_divide(rate, t["E_M"])
+    t.update(sharp_interval(r["p_div"], r["E_N_win"], r["E_L_tail"], r["E_L"], T))
+    t["E_N_in_interval"] = bool(t["E_N_lo"] - 1e-12 <= r["E_N"] <= t["E_N_hi"] + 1e-12)
+    t["var_N_naive"] = _var(col["N_naive"])
+    t["var_N_cmc"] = _var(col["N_cmc"])
+    t["var_N_cmc_tv"] = _var(col["N_cmc_tv"])
+    t["var_ratio"] = _ratio(t["var_N_naive"], t["var_N_cmc"])
+    t["var_ratio_tv"] = _ratio(t["var_N_cmc_tv"], t["var_N_cmc"])
+    return t
 
 
 def _document_curves(g: pl.DataFrame, T: int, R: int, windows: Mapping[str, Sequence[int]]) -> dict:

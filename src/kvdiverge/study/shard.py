@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from kvdiverge.engine.runner import RunOptions
 
 __all__ = ["shard_documents", "run_shard"]
 
@@ -99,7 +102,7 @@ def run_shard(
         fix regenerates the shard.
     """
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document, RunOptions, run_policies
+    from kvdiverge.engine.runner import Document, run_policies
     from kvdiverge.estimation.io import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata, shard_settings
     from kvdiverge.study.settings import config_sampling
@@ -108,26 +111,13 @@ def run_shard(
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
     if len(names) != len(outputs) or not names:
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
-    prompts = pl.read_parquet(prompts_path)
-    T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
-    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}  # policies on the same documents
-    for name in names:
-        docs = shard_documents(prompts, config, name, split, shard)
-        log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d", model_name, name, split, shard, docs.height, T, R)
-        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
+    groups = _document_groups(pl.read_parquet(prompts_path), config, model_name, names, split, shard)
     if model is None and any(groups):
         from kvdiverge.study.models import load_model
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     sampling = config_sampling(config, model_name)
-    gen = config.get("generation") or {}
-    options = RunOptions(
-        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-        memory_budget_gb=gen.get("memory_budget_gb"),
-        progress=lambda name, total: tqdm(
-            total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
-        ),
-    )
+    options = _run_options(config, split, shard)
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
     for docs, group in groups.values():
@@ -156,3 +146,44 @@ def run_shard(
         )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
+
+
+def _document_groups(
+    prompts: pl.DataFrame, config: dict[str, Any], model_name: str, names: Sequence[str], split: str, shard: int
+) -> dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]]:
+    """The policies of a shard job grouped by the documents they run on (:func:`shard_documents`).
+
+    Returns
+    -------
+    dict
+        ``doc_id``s (tuple, in order) -> (their prompt rows, the policies of ``names`` that run
+        on exactly them, in the given order); groups in order of first appearance.
+    """
+    T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
+    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
+    for name in names:
+        docs = shard_documents(prompts, config, name, split, shard)
+        log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d", model_name, name, split, shard, docs.height, T, R)
+        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
+    return groups
+
+
+def _run_options(config: dict[str, Any], split: str, shard: int) -> RunOptions:
+    """The runner's options of a shard job from config ``generation``.
+
+    Returns
+    -------
+    kvdiverge.engine.runner.RunOptions
+        ``batch_documents`` (None for ``"auto"`` or unset), ``memory_budget_gb`` and a
+        progress bar per policy named ``{policy}/{split}/shard-{shard}``.
+    """
+    from kvdiverge.engine.runner import RunOptions
+
+    gen = config.get("generation") or {}
+    return RunOptions(
+        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
+        memory_budget_gb=gen.get("memory_budget_gb"),
+        progress=lambda name, total: tqdm(
+            total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
+        ),
+    )
