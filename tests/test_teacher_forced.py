@@ -238,10 +238,13 @@ def test_following_texts_continue_the_excerpt():
 def test_screen_and_measure_doors(model):
     import kvdiverge
     from kvdiverge.engine.presses.project import PermutationPress
+    from kvdiverge.screening import ScreenOptions
 
     prompts = {"a": prompt(40), "b": prompt(36)}
     presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
-    s = kvdiverge.screen(model, None, prompts, presses, length=6, options={"bootstrap": 20})
+    s = kvdiverge.screen(model, None, prompts, presses, options=ScreenOptions(length=6, bootstrap=20))
+    by_name = kvdiverge.screen(model, None, prompts, presses, options={"length": 6, "bootstrap": 20})
+    assert by_name.table.equals(s.table) and by_name.settings == s.settings
     assert s.table["policy"].to_list() == ["floor", "snap"] and s.settings["noise_floor"] == "floor"
     assert s.positions.height == 2 * 2 * 6 and (s.positions["continuation"] == "greedy").all()
     text = s.format()

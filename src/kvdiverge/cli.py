@@ -407,23 +407,23 @@ def _teacher_arguments(p: argparse.ArgumentParser) -> None:
 
 def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches, instruction) -> int:
     """``--screen``: the teacher-forced pass only; its table printed, and written with ``--out``."""
-    from kvdiverge.screening import screen
+    from kvdiverge.screening import ScreenOptions, screen
 
     s = screen(
         model,
         tokenizer,
         prompts,
         presses,
-        length=args.teacher_tokens or 128,
-        seed=args.seed,
         frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
-        options={
-            "instruction": instruction,
-            "system": args.system,
-            "model_name": args.model_name,
-            "bootstrap": args.bootstrap,
-            "confidence": args.confidence,
-        },
+        options=ScreenOptions(
+            length=args.teacher_tokens or 128,
+            seed=args.seed,
+            instruction=instruction,
+            system=args.system,
+            model_name=args.model_name,
+            bootstrap=args.bootstrap,
+            confidence=args.confidence,
+        ),
     )
     print(s.format(), flush=True)
     if args.out:

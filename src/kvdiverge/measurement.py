@@ -276,23 +276,93 @@ def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: M
     return task_documents(prompts, tokenizer, block, T, render)
 
 
-def _task_tables(result: Measurement, table, tokenizer, task, bootstrap: int, confidence: float, seed: int):
-    """The task's tables of a measurement (the workflow's ``task`` rule's function)."""
+def _task_tables(result: Measurement, table, tokenizer, task):
+    """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
     from kvdiverge.study.tasks import task_settings
-    from kvdiverge.study.tasks.tables import task_tables
+    from kvdiverge.study.tasks.tables import TaskTableOptions, task_tables
 
     entry, _ = task_settings({"name": task} if isinstance(task, str) else task)
-    controls = [result.noise_floor] if result.noise_floor else []
-    return task_tables(
-        result.trajectories,
-        result.documents,
-        table,
-        tokenizer,
-        entry.score,
-        controls=controls,
+    s = result.settings
+    options = TaskTableOptions(
+        controls=[result.noise_floor] if result.noise_floor else [],
         floor=result.noise_floor,
-        bootstrap={"n_boot": int(bootstrap), "confidence": float(confidence), "seed": int(seed)},
+        n_boot=s["bootstrap"],
+        confidence=s["confidence"],
+        seed=s["seed"],
     )
+    return task_tables(result.trajectories, result.documents, table, tokenizer, entry.score, options=options)
+
+
+def _horizon(given: Mapping[str, Any], batch_documents: int | None) -> tuple[int, int]:
+    """``(T, R)`` of :func:`measure`'s settings ``given``, checked (:func:`kvdiverge.study.settings.check_settings`)."""
+    from kvdiverge.study.settings import check_settings
+
+    checked = check_settings({**given, **({} if batch_documents is None else {"batch_documents": batch_documents})})
+    return checked["max_new_tokens"], checked["replicates"]
+
+
+def _sampling(given: Mapping[str, Any], T: int, R: int, model_name: str, eos_ids: Sequence[int] | None):
+    """The coupled run's :class:`kvdiverge.engine.core.sampling.Sampling` of :func:`measure`'s settings ``given``."""
+    from kvdiverge.engine.core.sampling import Sampling
+
+    return Sampling(
+        T=T,
+        replicates=R,
+        temperature=float(given["temperature"]),
+        top_p=float(given["top_p"]),
+        seed=int(given["seed"]),
+        model_name=model_name,
+        eos_ids=None if eos_ids is None else tuple(eos_ids),
+    )
+
+
+def _run_options(batch_documents: int | None, memory_budget_gb: float | None, progress: bool):
+    """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
+    from tqdm.auto import tqdm
+
+    from kvdiverge.engine.runner import RunOptions
+
+    return RunOptions(
+        batch_documents=batch_documents,
+        memory_budget_gb=memory_budget_gb,
+        owner="press",
+        progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress, mininterval=1.0),
+    )
+
+
+def _floors(sources: Mapping[str, Any]) -> list[str]:
+    """Names of the noise-floor presses among ``sources``."""
+    return [n for n, s in sources.items() if is_noise_floor(n, s)]
+
+
+def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, Any]) -> Measurement:
+    """The :class:`Measurement` of a coupled run: its estimates and pooled tables (window, bootstrap: ``settings``)."""
+    from kvdiverge.estimation import tables
+
+    reps, docs = tables.estimate(runs.trajectories, settings["window"], windows)
+    pooled = tables.pool(docs, settings["bootstrap"], settings["confidence"], settings["seed"])
+    floors = _floors(sources)
+    return Measurement(
+        trajectories=runs.trajectories,
+        replicates=reps,
+        documents=docs,
+        settings=settings,
+        noise_floor=floors[0] if floors else None,
+        batch_documents=runs.batch_documents,
+        **pooled,
+    )
+
+
+def _warn_untouched(result: Measurement, sources: Mapping[str, Any]) -> None:
+    """Warn, from :func:`measure`'s caller, of each press but a noise floor that left the cache untouched."""
+    untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
+    floors = _floors(sources)
+    for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
+        warnings.warn(
+            f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
+            f"kernel as the full cache)",
+            stacklevel=3,
+        )
 
 
 def measure(
@@ -423,96 +493,31 @@ def measure(
         kernel as the full cache's (TV 0 at every step) runs and is reported
         (``summary['untouched']``, and a warning).
     """
-    from tqdm.auto import tqdm
-
-    from kvdiverge.engine.core.sampling import Sampling
-    from kvdiverge.engine.runner import RunOptions, run_policies
-    from kvdiverge.estimation import tables
+    from kvdiverge.engine.runner import run_policies
     from kvdiverge.study.models import kv_sizes
-    from kvdiverge.study.settings import check_settings
 
-    checked = check_settings(
-        {
-            "max_new_tokens": max_new_tokens,
-            "replicates": replicates,
-            "temperature": temperature,
-            "top_p": top_p,
-            "seed": seed,
-            "window": window,
-            "bootstrap": bootstrap,
-            "confidence": confidence,
-            "memory_budget_gb": memory_budget_gb,
-            **({} if batch_documents is None else {"batch_documents": batch_documents}),
-        }
-    )
-    T, R = checked["max_new_tokens"], checked["replicates"]
+    given = dict(max_new_tokens=max_new_tokens, replicates=replicates, temperature=temperature, top_p=top_p, seed=seed)
+    given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
+    T, R = _horizon(given, batch_documents)
     task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
-    if task_docs:
-        prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]}
+    prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
     documents, sources, grid = measure_inputs(
         model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
     )
-    if task_docs:
-        documents = task_docs[0]
-    if model_name is None:
-        model_name = model_label(model)
-    floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
-    sampling = Sampling(
-        T=T,
-        replicates=R,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        seed=int(seed),
-        model_name=model_name,
-        eos_ids=None if eos_ids is None else tuple(eos_ids),
-    )
-    options = RunOptions(
-        batch_documents=batch_documents,
-        memory_budget_gb=memory_budget_gb,
-        owner="press",
-        progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress, mininterval=1.0),
-    )
+    documents = task_docs[0] if task_docs else documents
+    model_name = model_label(model) if model_name is None else model_name
+    sampling = _sampling(given, T, R, model_name, eos_ids)
+    options = _run_options(batch_documents, memory_budget_gb, progress)
     runs = run_policies(model, documents, sources, sampling, split=split, options=options)
-    trajectories, B = runs.trajectories, runs.batch_documents
-    reps, docs = tables.estimate(trajectories, int(window), windows)
-    pooled = tables.pool(docs, int(bootstrap), float(confidence), int(seed))
-    settings = measure_settings(
-        model_name,
-        split,
-        sources,
-        grid,
-        T=T,
-        R=R,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        window=window,
-        bootstrap=bootstrap,
-        confidence=confidence,
-        instruction=instruction,
-        system=system,
-        kv_sizes=kv_sizes(model) if grid else None,
-    )
-    result = Measurement(
-        trajectories=trajectories,
-        replicates=reps,
-        documents=docs,
-        settings=settings,
-        noise_floor=floors[0] if floors else None,
-        batch_documents=B,
-        **pooled,
-    )
+    recorded = {k: given[k] for k in ("temperature", "top_p", "seed", "window", "bootstrap", "confidence")}
+    recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
+    settings = measure_settings(model_name, split, sources, grid, T=T, R=R, **recorded)
+    result = _measurement(runs, windows, settings, sources)
     if teacher_tokens:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
     if task_docs:
-        result.task = _task_tables(result, task_docs[1], tokenizer, task, bootstrap, confidence, seed)
-    untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
-    for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
-        warnings.warn(
-            f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
-            f"kernel as the full cache)",
-            stacklevel=2,
-        )
+        result.task = _task_tables(result, task_docs[1], tokenizer, task)
+    _warn_untouched(result, sources)
     return result
 
 

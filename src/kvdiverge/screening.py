@@ -10,7 +10,7 @@ estimator then spends its time on the points that matter.
 
 Example::
 
-    s = kvdiverge.screen(model, tokenizer, prompts, {"snapkv": "SnapKVPress"}, ratios=[0.25, 0.5, 0.75])
+    s = kvdiverge.screen(model, tokenizer, prompts, {"snapkv": "SnapKVPress"}, frontier={"ratios": [0.25, 0.5, 0.75]})
     print(s.format())       # llama.cpp's headline numbers per press, ranked by mean KLD
     s.table                 # kvdiverge.estimation.teacher_forced.summary_table
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import polars as pl
 
-__all__ = ["Screen", "run_screen", "screen", "teacher_forced_tables"]
+__all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
 
 @dataclass
@@ -85,17 +85,53 @@ def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, bootstrap:
     return document_table(positions), table
 
 
+@dataclass(frozen=True)
+class ScreenOptions:
+    """Settings of :func:`screen`.
+
+    Attributes
+    ----------
+    length : int
+        Continuation tokens per prompt (cut to what the context leaves).
+    seed : int
+        Master seed (prefill seeds of presses that draw, the bootstrap).
+    instruction, system : str or None
+        Appended instruction and system message of text prompts.
+    model_name : str or None
+        ``model`` column, enters the seeds; None: the model's ``name_or_path`` basename.
+    split : str
+        ``split`` column (enters the bootstrap seeds).
+    eos_ids : sequence of int or None
+        End-of-sequence token ids; None: from ``model.generation_config``.
+    bootstrap : int
+        Document-bootstrap resamples of the intervals (a count).
+    confidence : float
+        Interval coverage (a fraction in (0, 1)).
+    block : bool
+        Feed the continuation in one forward where the press allows it.
+    """
+
+    length: int = 128
+    seed: int = 0
+    instruction: str | None = None
+    system: str | None = None
+    model_name: str | None = None
+    split: str = "measure"
+    eos_ids: Sequence[int] | None = None
+    bootstrap: int = 2000
+    confidence: float = 0.95
+    block: bool = True
+
+
 def screen(
     model,
     tokenizer,
     prompts,
     presses,
     *,
-    length: int = 128,
     continuations: Mapping[str, Sequence[int]] | None = None,
-    seed: int = 0,
     frontier: Mapping[str, Any] | None = None,
-    options: Mapping[str, Any] | None = None,
+    options: ScreenOptions | Mapping[str, Any] | None = None,
 ) -> Screen:
     """Run only the teacher-forced pass of ``presses`` on ``prompts``.
 
@@ -103,19 +139,14 @@ def screen(
     ----------
     model, tokenizer, prompts, presses
         As :func:`kvdiverge.measure`.
-    length : int
-        Continuation tokens per prompt (cut to what the context leaves).
     continuations : mapping of str to sequence of int, optional
         Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
         without one get the full-cache model's greedy continuation.
-    seed : int
-        Master seed (prefill seeds of presses that draw, the bootstrap).
     frontier : mapping, optional
         ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`.
-    options : mapping, optional
-        ``instruction``, ``system`` (text prompts), ``model_name``, ``split``, ``eos_ids``,
-        ``bootstrap`` (default 2000), ``confidence`` (0.95), ``block`` (one forward where the
-        press allows it, default True).
+    options : ScreenOptions or mapping, optional
+        Length, seed, prompt rendering, bootstrap and forward settings (:class:`ScreenOptions`;
+        a mapping gives its fields by name); None: the defaults.
 
     Returns
     -------
@@ -131,17 +162,18 @@ def screen(
     from kvdiverge.engine.llm.teacher import TeacherForcing
     from kvdiverge.study.inputs import measure_inputs, model_label
 
-    opt, grid = dict(options or {}), dict(frontier or {})
-    forcing = TeacherForcing(length=length, block=bool(opt.get("block", True)))
+    opt = options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {}))
+    grid = dict(frontier or {})
+    forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
     documents, sources, _ = measure_inputs(
-        model, tokenizer, prompts, presses, forcing.length, 1, opt.get("instruction"), opt.get("system"),
+        model, tokenizer, prompts, presses, forcing.length, 1, opt.instruction, opt.system,
         grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
     )  # fmt: skip
-    name = opt.get("model_name") or model_label(model)
-    eos = opt.get("eos_ids")
-    sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(seed), model_name=name)
-    sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if eos is None else eos))
-    return run_screen(model, documents, sources, sampling, forcing, {**opt, "continuations": continuations})
+    name = opt.model_name or model_label(model)
+    sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(opt.seed), model_name=name)
+    sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))
+    run = {"split": opt.split, "bootstrap": opt.bootstrap, "confidence": opt.confidence, "continuations": continuations}
+    return run_screen(model, documents, sources, sampling, forcing, run)
 
 
 def run_screen(model, documents, sources, sampling, forcing, options: Mapping[str, Any] | None = None) -> Screen:

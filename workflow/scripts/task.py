@@ -7,7 +7,7 @@ from kvdiverge.report.task import plot_task
 from kvdiverge.study.models import load_tokenizer, local_entry
 from kvdiverge.study.rulelog import rule_log
 from kvdiverge.study.tasks import task_settings
-from kvdiverge.study.tasks.tables import TASK_TABLES, task_tables
+from kvdiverge.study.tasks.tables import TASK_TABLES, TaskTableOptions, task_tables
 
 i, o, p = snakemake.input, snakemake.output, snakemake.params
 with rule_log(snakemake.log[0], "task", "task stage") as log:
@@ -22,9 +22,7 @@ with rule_log(snakemake.log[0], "task", "task stage") as log:
         pl.read_parquet(i.prompts),
         tokenizer,
         task.score,
-        controls=p.controls,
-        floor=p.floor,
-        bootstrap=dict(p.bootstrap),
+        options=TaskTableOptions(controls=p.controls, floor=p.floor, **dict(p.bootstrap)),
     )
     for name in TASK_TABLES:
         write_parquet_atomic(tables[name], o[name])

@@ -170,6 +170,84 @@ def floor_html(floor: pl.DataFrame) -> str:
     return html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
 
 
+_RUN_HEADER = [
+    "model",
+    "policy",
+    "split",
+    "documents",
+    "T",
+    "occurrence p_div [95% CI]",
+    "mean first-divergence step [95% CI]",
+    "mismatch fraction E[M] [95% CI]",
+    "exposure share of E[M]",
+    "rho",
+    "§4 interval of E[M] from window W",
+    "Var(N_naive)/Var(N_cmc)",
+    "above noise floor (paired bootstrap)",
+]
+_GAP_HEADER = [
+    "model",
+    "gap A − B",
+    "documents",
+    "Δ E[N] tokens [95% CI]",
+    "first-mismatch share",
+    "exposure share",
+    "rate share",
+]
+
+
+def _run_rows(pooled: pl.DataFrame, floor: pl.DataFrame | None) -> list[list]:
+    """Rows of the headline table (:data:`_RUN_HEADER`): one per run, with its floor decision if ``floor`` is given."""
+    above = {}
+    if floor is not None:
+        for r in floor.iter_rows(named=True):
+            above[(r["model"], r["split"], r["policy"])] = (
+                f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}"
+            )
+    return [
+        [
+            r["model"],
+            r["policy"],
+            r["split"],
+            r["n_docs"],
+            r["T"],
+            with_interval(r, "p_div"),
+            with_interval(r, "tau_mean"),
+            with_interval(r, "E_M"),
+            number(r["exposure_share"]),
+            number(r["rho"]),
+            f"[{number(r['interval_E_M_lo'])}, {number(r['interval_E_M_hi'])}]",
+            number(r["var_ratio"]),
+            above.get((r["model"], r["split"], r["policy"]), "–"),
+        ]
+        for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)
+    ]
+
+
+def _gap_rows(gaps: pl.DataFrame) -> list[list]:
+    """Rows of the gap table (:data:`_GAP_HEADER`): one per (model, A, B), the gap and its terms' shares."""
+    gap_rows = []
+    for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
+        t = {r["term"]: r for r in g.iter_rows(named=True)}
+
+        def share(term):
+            r = t[term]
+            return f"{number(r['share'])} [{number(r['share_lo'])}, {number(r['share_hi'])}]"
+
+        gap_rows.append(
+            [
+                model,
+                f"{a} − {b}",
+                t["delta"]["n_docs"],
+                with_interval(t["delta"], "value"),
+                share("first_mismatch"),
+                share("exposure"),
+                share("rate"),
+            ]
+        )
+    return gap_rows
+
+
 def summary_html(
     pooled: pl.DataFrame,
     gaps: pl.DataFrame,
@@ -198,81 +276,15 @@ def summary_html(
     str
         A standalone HTML document.
     """
-    above = {}
-    if floor is not None:
-        for r in floor.iter_rows(named=True):
-            above[(r["model"], r["split"], r["policy"])] = (
-                f"p_div {_yes(r['above_floor_p_div'])}, E[N] {_yes(r['above_floor_E_N'])}"
-            )
-    runs = [
-        [
-            r["model"],
-            r["policy"],
-            r["split"],
-            r["n_docs"],
-            r["T"],
-            with_interval(r, "p_div"),
-            with_interval(r, "tau_mean"),
-            with_interval(r, "E_M"),
-            number(r["exposure_share"]),
-            number(r["rho"]),
-            f"[{number(r['interval_E_M_lo'])}, {number(r['interval_E_M_hi'])}]",
-            number(r["var_ratio"]),
-            above.get((r["model"], r["split"], r["policy"]), "–"),
-        ]
-        for r in pooled.sort(["model", "split", "policy"]).iter_rows(named=True)
-    ]
-    run_header = [
-        "model",
-        "policy",
-        "split",
-        "documents",
-        "T",
-        "occurrence p_div [95% CI]",
-        "mean first-divergence step [95% CI]",
-        "mismatch fraction E[M] [95% CI]",
-        "exposure share of E[M]",
-        "rho",
-        "§4 interval of E[M] from window W",
-        "Var(N_naive)/Var(N_cmc)",
-        "above noise floor (paired bootstrap)",
-    ]
-    gap_rows = []
-    for (model, a, b), g in gaps.group_by(["model", "policy_a", "policy_b"], maintain_order=True):
-        t = {r["term"]: r for r in g.iter_rows(named=True)}
-
-        def share(term):
-            r = t[term]
-            return f"{number(r['share'])} [{number(r['share_lo'])}, {number(r['share_hi'])}]"
-
-        gap_rows.append(
-            [
-                model,
-                f"{a} − {b}",
-                t["delta"]["n_docs"],
-                with_interval(t["delta"], "value"),
-                share("first_mismatch"),
-                share("exposure"),
-                share("rate"),
-            ]
-        )
-    gap_header = [
-        "model",
-        "gap A − B",
-        "documents",
-        "Δ E[N] tokens [95% CI]",
-        "first-mismatch share",
-        "exposure share",
-        "rate share",
-    ]
+    runs, gap_rows = _run_rows(pooled, floor), _gap_rows(gaps)
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
         f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
-        f"{html_table(run_header, runs)}"
+        f"{html_table(_RUN_HEADER, runs)}"
         "<h2>Noise floor beside each policy</h2>"
         f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
         "<h2>Gap decomposition (exploratory)</h2>"
-        f"{html_table(gap_header, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+        f"{html_table(_GAP_HEADER, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
         f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
         "</body></html>"
@@ -322,28 +334,15 @@ def _span(lo, hi) -> str:
     return "–" if lo is None or not math.isfinite(lo) else f"{number(lo)}–{number(hi)}"
 
 
-def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float = 0.95) -> str:
-    """HTML page of the frontier: the ranking of the curves, then every point.
-
-    Parameters
-    ----------
-    points, areas : polars.DataFrame
-        :func:`kvdiverge.estimation.frontier.frontier_tables` outputs.
-    confidence : float
-        Interval coverage (for the caption).
-
-    Returns
-    -------
-    str
-        A standalone HTML document.
-    """
+def _area_rows(areas: pl.DataFrame) -> list[list]:
+    """Rows of the frontier ranking (:data:`AREA_HEADER`): one per curve, in the table's order."""
 
     def first(r):
         v = r["first_ratio_above_floor"]
         return "never" if v is None or not math.isfinite(v) else number(v)
 
     best = lambda r, c: "(best)" if r["rank"] == 1 else with_interval(r, c)  # noqa: E731
-    area_rows = [
+    return [
         [
             r["model"],
             r["rank"],
@@ -361,7 +360,11 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         ]
         for r in areas.iter_rows(named=True)
     ]
-    point_rows = [
+
+
+def _point_rows(points: pl.DataFrame) -> list[list]:
+    """Rows of the frontier's points (:data:`POINT_HEADER`): one per point, in the table's order."""
+    return [
         [
             r["model"],
             r["curve"],
@@ -386,6 +389,24 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         ]
         for r in points.iter_rows(named=True)
     ]
+
+
+def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float = 0.95) -> str:
+    """HTML page of the frontier: the ranking of the curves, then every point.
+
+    Parameters
+    ----------
+    points, areas : polars.DataFrame
+        :func:`kvdiverge.estimation.frontier.frontier_tables` outputs.
+    confidence : float
+        Interval coverage (for the caption).
+
+    Returns
+    -------
+    str
+        A standalone HTML document.
+    """
+    area_rows, point_rows = _area_rows(areas), _point_rows(points)
     pct = f"{confidence:.0%}"
     ranged = areas.filter(pl.col("covers_range")) if areas.height else areas
     common = _span(ranged["range_lo"][0], ranged["range_hi"][0]) if ranged.height else "–"

@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import polars as pl
 
 from kvdiverge.estimation.task import MEASURES, accuracy_table, auc_table, correlation_table, task_documents
 from kvdiverge.study.tasks.answers import score_answers
 
-__all__ = ["TASK_TABLES", "task_tables"]
+__all__ = ["TASK_TABLES", "TaskTableOptions", "task_tables"]
 
 #: Tables :func:`task_tables` returns, by name (``results/analysis/task/{name}.parquet``).
 TASK_TABLES = ("documents", "accuracy", "correlations", "auc")
+
+
+@dataclass(frozen=True)
+class TaskTableOptions:
+    """Settings of :func:`task_tables`.
+
+    Attributes
+    ----------
+    controls : sequence of str
+        Policy names left out of the correlations and AUC (the ``none`` control, the noise floor).
+    floor : str or None
+        The noise floor's policy name (the figure's band); None: no band.
+    n_boot : int
+        Document-bootstrap resamples (a count).
+    confidence : float
+        Interval coverage (a fraction in (0, 1)).
+    seed : int
+        Master seed of the resamples.
+    """
+
+    controls: Sequence[str] = ()
+    floor: str | None = None
+    n_boot: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
 
 
 def task_tables(
@@ -21,9 +47,8 @@ def task_tables(
     prompts: pl.DataFrame,
     tokenizer,
     score,
-    controls: Sequence[str] = (),
-    floor: str | None = None,
-    bootstrap: Mapping[str, float] | None = None,
+    *,
+    options: TaskTableOptions | None = None,
     extra: pl.DataFrame | None = None,
 ) -> dict[str, pl.DataFrame]:
     """Answers, accuracy, correlations and AUC of a greedy coupled run on the task's prompts.
@@ -38,12 +63,8 @@ def task_tables(
         The model's tokenizer.
     score : callable
         The task's scoring function (:attr:`kvdiverge.study.tasks.Task.score`).
-    controls : sequence of str
-        Policies left out of the correlations and AUC (the ``none`` control, the noise floor).
-    floor : str, optional
-        The noise floor's policy (the figure's band).
-    bootstrap : mapping, optional
-        ``n_boot``, ``confidence``, ``seed``.
+    options : TaskTableOptions, optional
+        Controls, noise floor and bootstrap settings; None: the defaults (:class:`TaskTableOptions`).
     extra : polars.DataFrame, optional
         More per-document measures on (model, policy, split, doc_id), e.g. teacher-forced
         ones; every numeric column but the keys becomes a measure.
@@ -54,7 +75,8 @@ def task_tables(
         ``documents`` (:func:`kvdiverge.estimation.task.task_documents`), ``accuracy``,
         ``correlations``, ``auc`` (:mod:`kvdiverge.estimation.task`).
     """
-    b = {"n_boot": 2000, "confidence": 0.95, "seed": 0, **(bootstrap or {})}
+    o = TaskTableOptions() if options is None else options
+    b = {"n_boot": o.n_boot, "confidence": o.confidence, "seed": o.seed}
     answers = score_answers(trajectories, prompts, tokenizer, score)
     docs = task_documents(answers, estimates, extra)
     measures = list(MEASURES)
@@ -64,6 +86,6 @@ def task_tables(
     return {
         "documents": docs,
         "accuracy": accuracy_table(docs, measures, int(b["n_boot"]), float(b["confidence"]), int(b["seed"])),
-        "correlations": correlation_table(docs, measures, controls, floor, b),
-        "auc": auc_table(docs, measures, controls, b),
+        "correlations": correlation_table(docs, measures, o.controls, o.floor, b),
+        "auc": auc_table(docs, measures, o.controls, b),
     }
