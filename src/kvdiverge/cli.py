@@ -202,11 +202,11 @@ def check_arguments(args: Any) -> None:
 
 def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
     """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
-    and the policies measured (``sources``), each press built and checked once (:func:`prepare_presses`).
+    and the policies measured (``sources``), each press built and checked once (:func:`~kvdiverge.study.inputs.prepare_presses`).
 
     Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
     after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
-    ``--ratios``, a frontier (:func:`frontier_presses`, the config's expansion): ``presses``
+    ``--ratios``, a frontier (:func:`~kvdiverge.study.inputs.frontier_presses`, the config's expansion): ``presses``
     the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
     value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
     press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
@@ -241,7 +241,7 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
     """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
-    ``--instruction`` is given) or ``--prompts`` (:func:`sotu_prompts`, :func:`read_prompts`)."""
+    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.study.inputs.sotu_prompts`, :func:`~kvdiverge.study.inputs.read_prompts`)."""
     if args.sotu is not None:
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
         return sotu_prompts(args.sotu, *args.words), instruction
