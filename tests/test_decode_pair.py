@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_batch
-from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.decoding import decode_log_probs, penalize_repeats
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -88,9 +88,18 @@ class Recorder:
 
 
 @torch.inference_mode()
-def replay(model, ids, press, history, temperature=TEMPERATURE):
+def replay(model, ids, press, history, temperature=TEMPERATURE, penalty=1.0):
     """Independent replay: fresh twin, fresh press, fresh prefill, then ``history`` one token per forward
-    (``press`` None: the plain model, the full cache)."""
+    (``press`` None: the plain model, the full cache); with a repetition ``penalty``, each step's raw
+    logits penalized on the prompt and the history before it (transformers' rule, by hand)."""
+
+    def decode(logits, context):
+        if penalty != 1.0:
+            seen = torch.zeros(logits.shape, dtype=torch.bool)
+            seen[0, context] = True
+            logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+        return decode_log_probs(logits, temperature, 1.0, dtype=torch.float64)[0]
+
     twin = evicted_twin(model)
     cache = DynamicCache()
     out = []
@@ -98,7 +107,7 @@ def replay(model, ids, press, history, temperature=TEMPERATURE):
         logits = twin(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
             :, -1
         ]
-        out.append(decode_log_probs(logits, temperature, 1.0, dtype=torch.float64)[0])
+        out.append(decode(logits, list(ids)))
         for t, tok in enumerate(history):
             logits = twin(
                 input_ids=torch.tensor([[tok]]),
@@ -106,7 +115,7 @@ def replay(model, ids, press, history, temperature=TEMPERATURE):
                 use_cache=True,
                 position_ids=torch.tensor([[len(ids) + t]]),
             ).logits[:, -1]
-            out.append(decode_log_probs(logits, temperature, 1.0, dtype=torch.float64)[0])
+            out.append(decode(logits, list(ids) + list(history[: t + 1])))
     return out
 
 
@@ -164,6 +173,22 @@ def test_one_row_equals_independent_replay_bit_for_bit(model, prompts, name):
             model, prompts[d : d + 1], PRESSES[name], 1, lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
         )
     assert t_stars  # branches happened
+
+
+@pytest.mark.miniature
+def test_a_repetition_penalty_penalizes_each_rows_own_evicted_context(model, prompts):
+    """Along chains and branches, the evicted side's distribution equals a replay penalized on the
+    prompt and that row's own evicted history, bit for bit."""
+    penalty, ids = 1.5, prompts[0]
+    decoding = Decoding(temperature=TEMPERATURE, repetition_penalty=penalty)
+    rec = Recorder(DecodeTimePair(model, [ids], [decoding_press()], [None], decoding=decoding))
+    out = run_batch(rec, T, 1, 11, "miniature", ["d0"])  # one row: its lane is unbatched, bit for bit
+    assert out[0]["t_star"] is not None and out[0]["branch_y"]  # a branch happened
+    for (_, history), logq in rec.seen.items():
+        want = replay(model, ids, decoding_press(), list(history), penalty=penalty)[-1]
+        torch.testing.assert_close(logq, want, rtol=0, atol=0)
+    plain = replay(model, ids, decoding_press(), [], penalty=1.0)[0]
+    assert not torch.equal(rec.seen[(0, ())], plain)  # the prompt's tokens are penalized from the first step
 
 
 @pytest.mark.miniature

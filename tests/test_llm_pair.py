@@ -51,19 +51,19 @@ def prompt(tokenizer) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
-def greedy_generate(model, ids, press=None) -> list[int]:
+def greedy_generate(model, ids, press=None, **options) -> list[int]:
     x = torch.tensor([ids])
     with torch.inference_mode():
         if press is None:
-            out = model.generate(x, max_new_tokens=T, do_sample=False)
+            out = model.generate(x, max_new_tokens=T, do_sample=False, **options)
         else:
             with press(model):
-                out = model.generate(x, max_new_tokens=T, do_sample=False)
+                out = model.generate(x, max_new_tokens=T, do_sample=False, **options)
     return out[0, len(ids) :].tolist()
 
 
-def coupled_greedy(model, ids, press, expected_kept, replicates=2, hook=None):
-    pair = LLMKernelPair(model, ids, press, decoding=Decoding(temperature=0.0), expected_kept=expected_kept)
+def coupled_greedy(model, ids, press, expected_kept, replicates=2, hook=None, decoding=Decoding(temperature=0.0)):
+    pair = LLMKernelPair(model, ids, press, decoding=decoding, expected_kept=expected_kept)
     if hook is not None:
         hook(pair)
     rec = run_document(pair, T, replicates, 0, "m", "d")
@@ -91,6 +91,20 @@ def test_greedy_coupled_run_equals_model_generate(model, prompt, press):
     assert ref[: len(want_ref)] == want_ref
     assert ev[: len(want_ev)] == want_ev
     assert want_ref != want_ev  # the eviction matters on this prompt, so the test can fail
+
+
+def test_greedy_coupled_run_with_a_repetition_penalty_equals_model_generate(model, prompt):
+    """Each side penalizes its own context (the prompt and the tokens it generated, the residual
+    branch's own after the divergence), as ``model.generate(repetition_penalty=1.3)`` does."""
+    press = SnapKVPress(compression_ratio=0.5, window_size=32)
+    decoding = Decoding(temperature=0.0, repetition_penalty=1.3)
+    ref, ev, _ = coupled_greedy(model, prompt, press, expected_kept=len(prompt) // 2, decoding=decoding)
+    want_ref = greedy_generate(model, prompt, repetition_penalty=1.3)
+    want_ev = greedy_generate(evicted_twin(model), prompt, press, repetition_penalty=1.3)
+    assert ref[: len(want_ref)] == want_ref
+    assert ev[: len(want_ev)] == want_ev
+    assert want_ref != greedy_generate(model, prompt)  # the penalty changes the generation: the test can fail
+    assert want_ref != want_ev
 
 
 @pytest.mark.parametrize(

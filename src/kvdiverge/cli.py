@@ -97,6 +97,7 @@ OPTIONS = {
     "replicates": "-R/--replicates",
     "temperature": "--temperature",
     "top_p": "--top-p",
+    "repetition_penalty": "--repetition-penalty",
     "seed": "--seed",
     "window": "-W/--window",
     "bootstrap": "--bootstrap",
@@ -347,6 +348,13 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
     p.add_argument("--temperature", type=float, help="default: 0.7, or 0 (greedy) with --task")
     p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="THETA",
+        help="CTRL's repetition penalty on both generations, as model.generate's (default: 1, none)",
+    )
     p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
     p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: 2000)")
@@ -516,6 +524,7 @@ def _measure(args: argparse.Namespace) -> int:
             replicates=args.replicates,
             temperature=args.temperature,
             top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
             seed=args.seed,
             window=args.window,
             instruction=instruction,

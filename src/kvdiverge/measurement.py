@@ -56,7 +56,8 @@ class Measurement:
         Pooled over prompts with document-bootstrap intervals (``results/analysis``;
         :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
-        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence,
+        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and
+        repetition_penalty when not 1),
         presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
@@ -310,6 +311,7 @@ def _sampling(given: Mapping[str, Any], T: int, R: int, model_name: str, eos_ids
         replicates=R,
         temperature=float(given["temperature"]),
         top_p=float(given["top_p"]),
+        repetition_penalty=float(given["repetition_penalty"]),
         seed=int(given["seed"]),
         model_name=model_name,
         eos_ids=None if eos_ids is None else tuple(eos_ids),
@@ -375,6 +377,7 @@ def measure(
     replicates: int = 4,
     temperature: float = 0.7,
     top_p: float = 0.95,
+    repetition_penalty: float = 1.0,
     seed: int = 0,
     window: int = 8,
     instruction: str | None = None,
@@ -422,6 +425,10 @@ def measure(
         ``R`` coupled replicates per prompt (>= 2 for standard errors and variances).
     temperature, top_p : float
         Decoding transform of both generations.
+    repetition_penalty : float
+        CTRL's repetition penalty on both generations, as ``model.generate``'s
+        (:func:`kvdiverge.engine.core.decoding.penalize_repeats`); each side penalizes its own
+        context. 1 (the default): none.
     seed : int
         Master seed.
     window : int
@@ -497,6 +504,7 @@ def measure(
     from kvdiverge.study.models import kv_sizes
 
     given = dict(max_new_tokens=max_new_tokens, replicates=replicates, temperature=temperature, top_p=top_p, seed=seed)
+    given.update(repetition_penalty=repetition_penalty)
     given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
     T, R = _horizon(given, batch_documents)
     task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
@@ -509,9 +517,9 @@ def measure(
     sampling = _sampling(given, T, R, model_name, eos_ids)
     options = _run_options(batch_documents, memory_budget_gb, progress)
     runs = run_policies(model, documents, sources, sampling, split=split, options=options)
-    recorded = {k: given[k] for k in ("temperature", "top_p", "seed", "window", "bootstrap", "confidence")}
+    recorded = {k: given[k] for k in ("window", "bootstrap", "confidence")}
     recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
-    settings = measure_settings(model_name, split, sources, grid, T=T, R=R, **recorded)
+    settings = measure_settings(model_name, split, sources, grid, sampling=sampling, **recorded)
     result = _measurement(runs, windows, settings, sources)
     if teacher_tokens:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)

@@ -148,7 +148,7 @@ def _one(model, doc, policy, cont: Continuation, sampling: Sampling, forcing, sp
         model,
         [doc],
         source,
-        sampling.replace(T=len(cont.tokens), temperature=1.0, top_p=1.0),
+        sampling.replace(T=len(cont.tokens), temperature=1.0, top_p=1.0, repetition_penalty=1.0),
         checked=True,
         presses=[press],
         prefilled=None if prefilled is None else [prefilled],

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.runner import Document, PressSource
     from kvdiverge.estimation.frontier import FrontierPoint
 
@@ -618,11 +619,7 @@ def measure_settings(
     sources: Mapping[str, PressSource],
     grid: Any,
     *,
-    T: int,
-    R: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
+    sampling: Sampling,
     window: int,
     bootstrap: int,
     confidence: float,
@@ -631,18 +628,19 @@ def measure_settings(
     kv_sizes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
-    temperature, top_p, seed, window, bootstrap, confidence, instruction, system, presses
+    temperature, top_p, seed (of ``sampling``, a :class:`kvdiverge.engine.core.sampling.Sampling`;
+    its ``repetition_penalty`` too, when not 1), window, bootstrap, confidence, instruction, system, presses
     (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
     (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
     if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
     settings = {
         "model": model_name,
         "split": split,
-        "T": T,
-        "R": R,
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "seed": int(seed),
+        "T": sampling.T,
+        "R": sampling.replicates,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "seed": int(sampling.seed),
         "window": int(window),
         "bootstrap": int(bootstrap),
         "confidence": float(confidence),
@@ -650,6 +648,8 @@ def measure_settings(
         "system": system,
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
+    if sampling.repetition_penalty != 1:
+        settings["repetition_penalty"] = float(sampling.repetition_penalty)
     if grid is not None:
         settings["frontier"] = [point.as_dict() for point in grid]
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None

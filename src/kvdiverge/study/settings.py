@@ -29,6 +29,7 @@ SETTINGS: dict[str, str] = {
     "replicates": "replicates",
     "temperature": "decoding.temperature",
     "top_p": "decoding.top_p",
+    "repetition_penalty": "decoding.repetition_penalty",
     "seed": "seed",
     "window": "window",
     "bootstrap": "analysis.bootstrap",
@@ -171,7 +172,8 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
     Parameters
     ----------
     config : mapping
-        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``),
+        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``,
+        optional ``repetition_penalty``),
         ``replicates``, ``seed``.
     model_name : str
         Key of ``config['models']``; enters the seeds and the ``model`` column.
@@ -189,6 +191,7 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
         replicates=int(config["replicates"]),
         temperature=float(decoding["temperature"]),
         top_p=float(decoding.get("top_p", 1.0)),
+        repetition_penalty=float(decoding.get("repetition_penalty", 1.0)),
         seed=int(config["seed"]),
         model_name=model_name,
     )

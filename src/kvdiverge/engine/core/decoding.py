@@ -1,8 +1,10 @@
 """The decoding transform applied to both kernels before any coupling math.
 
-Temperature scaling then nucleus (top-p) truncation, with the semantics of
-``transformers``' ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``
-(Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration").
+An optional repetition penalty on the raw logits (CTRL, Keskar et al., 2019, with the
+semantics of ``transformers``' ``RepetitionPenaltyLogitsProcessor``: :func:`penalize_repeats`,
+each side's context kept by :class:`RepeatHistory`), then temperature scaling and nucleus
+(top-p) truncation, with the semantics of ``transformers``' ``TemperatureLogitsWarper`` and
+``TopPLogitsWarper`` (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration").
 Temperature 0 is greedy decoding: the point mass on the arg-max token.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_log_probs", "nucleus"]
+__all__ = ["RepeatHistory", "decode_log_probs", "nucleus", "penalize_repeats"]
 
 
 def decode_log_probs(
@@ -107,3 +109,104 @@ def nucleus(
             probs = top.exp()
             keep[rows] = torch.zeros_like(keep[rows]).scatter_(-1, order, probs.cumsum(-1) - probs < top_p)
     return keep
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al., 2019) on raw logits, as ``transformers``'
+    ``RepetitionPenaltyLogitsProcessor``.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Raw logits, shape (B, V), any float dtype.
+    seen : torch.Tensor
+        bool, shape (B, V): the tokens in each row's context (prompt and generated tokens).
+    penalty : float
+        ``> 0``; a seen token's logit is divided by it when positive, multiplied when negative.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor, ``logits``' shape and dtype; unseen tokens unchanged.
+    """
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+class RepeatHistory:
+    """Each row's context on both sides of a kernel pair, for :func:`penalize_repeats`.
+
+    A row's context is its document's prompt and the tokens its side generated, which differ
+    between the sides after the generations part. The pair reports what it does to its rows
+    (:meth:`begin`, :meth:`append`, :meth:`rewind`, :meth:`keep_rows`) and asks for the
+    penalized logits (:meth:`penalize`).
+
+    Parameters
+    ----------
+    prompts : sequence of torch.Tensor
+        Each document's prompt ids, int64, 1-D.
+    vocab_size : int
+        ``V``; every id must be below it.
+    penalty : float
+        The repetition penalty (``> 0``).
+    """
+
+    SIDES = ("reference", "evicted")
+
+    def __init__(self, prompts, vocab_size: int, penalty: float) -> None:
+        device = prompts[0].device
+        self.penalty = float(penalty)
+        self.prompt_seen = torch.zeros(len(prompts), int(vocab_size), dtype=torch.bool, device=device)
+        for d, ids in enumerate(prompts):
+            self.prompt_seen[d, ids] = True
+        self.doc = None  # (rows,) int64: each row's document, once begun
+        self.tokens = {side: None for side in self.SIDES}  # (rows, steps) int64 per side
+        self.length = None  # (rows,) int64: generated tokens each row keeps
+
+    def reset(self) -> None:
+        """Back to one row per document and no row begun (before a pair's prefill)."""
+        self.doc = None
+
+    def begin(self, rows_per_document: int) -> None:
+        """Start ``rows_per_document`` rows per document (documents in order), no token generated."""
+        n = self.prompt_seen.shape[0]
+        device = self.prompt_seen.device
+        self.doc = torch.arange(n, device=device).repeat_interleave(int(rows_per_document))
+        self.tokens = {side: torch.zeros(len(self.doc), 0, dtype=torch.long, device=device) for side in self.SIDES}
+        self.length = torch.zeros(len(self.doc), dtype=torch.long, device=device)
+
+    def append(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One more generated token per row: ``x`` on the reference side, ``y`` on the evicted side ((rows,) int64)."""
+        for side, tok in zip(self.SIDES, (x, y)):
+            buf = self.tokens[side]
+            if int(self.length.max()) >= buf.shape[1]:
+                more = torch.zeros(buf.shape[0], max(8, buf.shape[1]), dtype=buf.dtype, device=buf.device)
+                buf = torch.cat([buf, more], 1)
+            buf[torch.arange(len(tok), device=buf.device), self.length] = tok.to(buf.device)
+            self.tokens[side] = buf
+        self.length = self.length + 1
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Keep each row's first ``length[r]`` generated tokens ((rows,) int64)."""
+        self.length = torch.minimum(self.length, length.to(self.length.device))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows), in this order."""
+        rows = rows.to(self.doc.device)
+        self.doc, self.length = self.doc[rows], self.length[rows]
+        self.tokens = {side: buf[rows] for side, buf in self.tokens.items()}
+
+    def seen(self, side: str) -> torch.Tensor:
+        """bool (rows, V): each row's context on ``side``; before :meth:`begin`, one row per document (its prompt)."""
+        if self.doc is None:
+            return self.prompt_seen
+        seen = self.prompt_seen[self.doc]
+        buf = self.tokens[side]
+        live = torch.arange(buf.shape[1], device=buf.device) < self.length[:, None]
+        rows = torch.arange(len(self.doc), device=buf.device)[:, None].expand_as(buf)
+        seen[rows[live], buf[live]] = True
+        return seen
+
+    def penalize(self, logits: torch.Tensor, side: str) -> torch.Tensor:
+        """``logits`` (rows, V) of ``side`` with the penalty applied (:func:`penalize_repeats`)."""
+        return penalize_repeats(logits, self.seen(side), self.penalty)

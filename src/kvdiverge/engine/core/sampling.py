@@ -26,6 +26,12 @@ class Decoding:
         Softmax temperature (>= 0); 0 means greedy decoding (a point mass on the arg-max).
     top_p : float
         Nucleus mass in (0, 1]; 1 keeps the whole distribution (Holtzman et al., 2020).
+    repetition_penalty : float
+        CTRL's repetition penalty (Keskar et al., 2019), as ``transformers``'
+        ``RepetitionPenaltyLogitsProcessor``: before temperature and top-p, the raw logit of
+        every token already in a row's context (prompt and the tokens that side generated)
+        is divided by it when positive and multiplied by it when negative. ``> 0``; 1 (the
+        default) changes nothing.
     eos_ids : tuple of int or None
         End-of-sequence token ids; ``None`` (the default) takes the model's
         (:func:`kvdiverge.engine.llm.pair_base.model_eos_ids`); empty means generation never
@@ -39,6 +45,7 @@ class Decoding:
 
     temperature: float = 1.0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
     eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +69,7 @@ class Sampling:
         Generation horizon: new tokens per replicate, steps (>= 1).
     replicates : int
         Coupled replicates R per document (>= 1).
-    temperature, top_p, eos_ids
+    temperature, top_p, repetition_penalty, eos_ids
         The decoding transform, as :class:`Decoding` (:attr:`decoding`).
     seed : int
         Master seed of the uniform streams (:func:`kvdiverge.engine.core.streams.uniform_streams`).
@@ -79,6 +86,7 @@ class Sampling:
     replicates: int
     temperature: float
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     model_name: str = "model"
     eos_ids: tuple[int, ...] | None = None
@@ -90,7 +98,12 @@ class Sampling:
     @property
     def decoding(self) -> Decoding:
         """The decoding transform's settings (what the kernel pairs read)."""
-        return Decoding(temperature=self.temperature, top_p=self.top_p, eos_ids=self.eos_ids)
+        return Decoding(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            eos_ids=self.eos_ids,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +123,9 @@ def _check_decoding(d: Decoding) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {d.temperature!r}")
     if isinstance(d.top_p, bool) or not (isinstance(d.top_p, (int, float)) and 0 < d.top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1], got {d.top_p!r}")
+    penalty = d.repetition_penalty
+    if isinstance(penalty, bool) or not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
     if d.eos_ids is not None and (not isinstance(d.eos_ids, Sequence) or isinstance(d.eos_ids, str)):
         raise ValueError(f"eos_ids must be a sequence of token ids or None, got {d.eos_ids!r}")
 

@@ -368,6 +368,7 @@ class DecodeTimePair(LLMPairBase):
             raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
         R = n_rows // B
         self.close()
+        self._record("reset")
         self.counts = _new_counts()
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts, ref = [], [], [], [], []
         for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
@@ -396,6 +397,7 @@ class DecodeTimePair(LLMPairBase):
         self._hist: list[list[int]] = [[] for _ in range(n_rows)]
         logp = self._transform(torch.cat([lg for _, lg in ref]), "reference").repeat_interleave(R, dim=0)
         logq = self._transform(torch.cat([lane.first_logits for lane in self._lanes]), "evicted")
+        self._record("begin", R)
         return logp, logq.repeat_interleave(R, dim=0)
 
     def _check_prefill(self, d: int, lane: _Lane) -> None:
@@ -440,12 +442,14 @@ class DecodeTimePair(LLMPairBase):
                 ]
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)
+        self._record("append", x, y)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` tokens; a row cut back is replayed in a fresh lane."""
         length = length.to(self.device)
+        self._record("rewind", length)
         for side, rows in zip(self._refs, self._ref_rows):
             if rows:
                 side.rewind(length[torch.tensor(rows, dtype=torch.long, device=self.device)])
@@ -496,6 +500,7 @@ class DecodeTimePair(LLMPairBase):
         self._where = [self._where[i] for i in idx]
         self._doc = [self._doc[i] for i in idx]
         self._hist = [self._hist[i] for i in idx]
+        self._record("keep_rows", rows)
         self._close_empty()
 
     def _close_empty(self) -> None:

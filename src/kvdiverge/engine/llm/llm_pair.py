@@ -273,6 +273,7 @@ class LLMKernelPair(LLMPairBase):
         if n_rows % B:
             raise ValueError(f"n_rows = {n_rows} is not a multiple of the {B} documents of the pair")
         R = n_rows // B
+        self._record("reset")
         self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
         given = self._prefilled or [None] * B
         self._prefilled = None  # the caches are merged below; hold no second reference
@@ -286,6 +287,7 @@ class LLMKernelPair(LLMPairBase):
         self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
         logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
+        self._record("begin", R)
         if B == 1:
             return logp.expand(n_rows, -1), logq.expand(n_rows, -1)
         return logp.repeat_interleave(R, dim=0), logq.repeat_interleave(R, dim=0)
@@ -326,6 +328,7 @@ class LLMKernelPair(LLMPairBase):
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
         ref_logits, ev_logits = self._sides.forward(x.to(self.device), y.to(self.device))
+        self._record("append", x, y)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
@@ -335,6 +338,8 @@ class LLMKernelPair(LLMPairBase):
         The teacher-forced pass (:mod:`kvdiverge.engine.llm.teacher`); rows then hold ``L``
         more generated tokens, as after ``L`` calls of :meth:`advance`.
         """
+        if self._repeats is not None:
+            raise ValueError("advance_block decodes without a repetition penalty (the teacher-forced pass)")
         tokens = tokens.to(self.device)
         ref_logits, ev_logits = self._sides.forward_block(tokens, tokens)
         shape = ref_logits.shape
@@ -351,6 +356,7 @@ class LLMKernelPair(LLMPairBase):
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` generated tokens on both sides (int64, shape (n_rows,))."""
         self._sides.rewind(length.to(self.device))
+        self._record("rewind", length)
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -359,3 +365,4 @@ class LLMKernelPair(LLMPairBase):
         Later calls see fewer rows, in this order.
         """
         self._sides.keep_rows(rows.to(self.device))
+        self._record("keep_rows", rows)

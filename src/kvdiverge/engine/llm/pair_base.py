@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdiverge.engine.core.coupling import coupling_dtype
-from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.core.decoding import RepeatHistory, decode_log_probs
 from kvdiverge.engine.core.errors import check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.planner import cache_columns
@@ -106,6 +106,8 @@ class LLMPairBase:
         self.decoding = decoding
         self.eos_ids = tuple(model_eos_ids(model) if decoding.eos_ids is None else decoding.eos_ids)
         self.vocab_size = int(model.config.vocab_size)
+        penalty = decoding.repetition_penalty
+        self._repeats = None if penalty == 1 else RepeatHistory(self.prompts, self.vocab_size, penalty)
         self.horizon = None if horizon is None else int(horizon)
         self.fast = _FAST_DEFAULT[-1] if fast is None else bool(fast)
         self.kept_lens: list[int] = []
@@ -121,8 +123,17 @@ class LLMPairBase:
         """Uncompressed prompt length of each document (tokens)."""
         return [int(p.numel()) for p in self.prompts]
 
+    def _record(self, event: str, *args) -> None:
+        """Tell the repetition penalty's :class:`~kvdiverge.engine.core.decoding.RepeatHistory` what
+        the pair did to its rows (``reset``, ``begin``, ``append``, ``rewind``, ``keep_rows``);
+        nothing without a penalty."""
+        if self._repeats is not None:
+            getattr(self._repeats, event)(*args)
+
     def _transform(self, logits: torch.Tensor, side: str) -> torch.Tensor:
         check_logits_finite(logits, side)
+        if self._repeats is not None:
+            logits = self._repeats.penalize(logits, side)
         return decode_log_probs(logits, self.decoding.temperature, self.decoding.top_p, dtype=self.dtype)
 
     def _positions(self, starts: Sequence[int], R: int):
