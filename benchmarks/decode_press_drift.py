@@ -154,10 +154,15 @@ def explain(model, ids, chains, row):
 
 def compare(model, prompts, seed, label):
     from kvdiverge.engine.core.coupled import run_batch
+    from kvdiverge.engine.core.sampling import Decoding
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 
     pair = DecodeTimePair(
-        model, prompts, [make_press() for _ in prompts], [None] * len(prompts), temperature=TEMPERATURE
+        model,
+        prompts,
+        [make_press() for _ in prompts],
+        [None] * len(prompts),
+        decoding=Decoding(temperature=TEMPERATURE),
     )
     rec = Recorder(pair)
     out = run_batch(rec, T, R, seed, "smollm2", [f"d{i}" for i in range(len(prompts))])

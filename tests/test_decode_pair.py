@@ -523,7 +523,7 @@ def test_sampled_chain_tv_equals_kvpress_pipeline(model, prompts, name):
     press, then one token per forward) after the same history, within float32 rounding
     (the lane's two rows decode in one forward, the pipeline's one alone)."""
     docs = prompts[:2]
-    pair = DecodeTimePair(model, docs, [PRESSES[name]() for _ in docs], [None] * 2, temperature=1.0)
+    pair = DecodeTimePair(model, docs, [PRESSES[name]() for _ in docs], [None] * 2, decoding=Decoding(temperature=1.0))
     out = run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
     steps = 0
     for g, r in enumerate(out):
@@ -550,14 +550,19 @@ def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
     def records(fast):
         pair = Recorder(
             DecodeTimePair(
-                model, docs, [PRESSES["prefill-decoding"]() for _ in docs], [None] * 2, temperature=1.0, fast=fast
+                model,
+                docs,
+                [PRESSES["prefill-decoding"]() for _ in docs],
+                [None] * 2,
+                decoding=Decoding(temperature=1.0),
+                fast=fast,
             )
         )
         return pair, run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
 
     (fast, out_fast), (stock, out_stock) = records(True), records(False)
     with stock_kernels():
-        assert not DecodeTimePair(model, docs[:1], [None], [None], temperature=1.0).fast
+        assert not DecodeTimePair(model, docs[:1], [None], [None], decoding=Decoding(temperature=1.0)).fast
     shared = fast.seen.keys() & stock.seen.keys()
     assert len(shared) >= 4 * T  # every chain prefix at least
     assert all(torch.equal(fast.seen[k], stock.seen[k]) for k in shared)
