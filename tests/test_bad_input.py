@@ -52,6 +52,7 @@ def run(argv) -> int:
         (["--temperature", "nan"], "--temperature: nan is not a finite number; allowed: a number >= 0"),
         (["--temperature", "-1"], "--temperature: -1.0 is not allowed; allowed: a number >= 0"),
         (["--top-p", "0"], "--top-p: 0.0 is not allowed; allowed: a number > 0 and <= 1"),
+        (["--repetition-penalty", "0"], "--repetition-penalty: 0.0 is not allowed; allowed: a number > 0"),
         (["--bootstrap", "0"], "--bootstrap: 0 is not allowed; allowed: an integer >= 1"),
         (["--confidence", "1"], "--confidence: 1.0 is not allowed; allowed: a number > 0 and < 1"),
         (["-W", "0"], "-W/--window: 0 is not allowed; allowed: an integer >= 1"),

@@ -511,3 +511,23 @@ def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
     assert policy_entry_problems({"press": "CriticalKVPress", "params": nested, "compression_ratio": 0.5}) == []
     bad = {"press": "SnapKVPress", "params": {"window_size": -4}, "compression_ratio": 0.5}
     assert [line.split(":")[0] for line in policy_entry_problems(bad)] == ["window_size"]
+
+
+def test_the_repetition_penalty_is_read_when_given_and_absent_otherwise():
+    """Absent: none (1), and the shard settings, hence their hashes, stay as they were; given: the
+    workflow's Sampling carries it; 0 is refused naming the key."""
+    from kvdiverge.study.provenance import shard_settings
+    from kvdiverge.study.settings import config_sampling
+
+    plain = validate(raw("smoke.yaml"))
+    assert "repetition_penalty" not in plain["decoding"]
+    assert config_sampling(plain, "smollm2-135m").repetition_penalty == 1.0
+    config = raw("smoke.yaml")
+    config["decoding"]["repetition_penalty"] = 1.2
+    penalized = validate(config)
+    assert config_sampling(penalized, "smollm2-135m").repetition_penalty == 1.2
+    run = ("smollm2-135m", "snapkv-50", "exploratory")
+    assert shard_settings(penalized, *run)["decoding"]["repetition_penalty"] == 1.2
+    assert "repetition_penalty" not in shard_settings(plain, *run)["decoding"]
+    config["decoding"]["repetition_penalty"] = 0
+    assert "decoding.repetition_penalty" in error_of(config)

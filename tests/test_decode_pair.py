@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.coupled import run_batch
-from kvdiverge.engine.core.decoding import decode_log_probs, penalize_repeats
+from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.twin import evicted_twin

@@ -106,7 +106,9 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     s = settings
     out = [
         f"{s['model']}: {summary['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature "
-        f"{s['temperature']}, top-p {s['top_p']}, seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
+        f"{s['temperature']}, top-p {s['top_p']}"
+        + (f", repetition penalty {s['repetition_penalty']}" if "repetition_penalty" in s else "")
+        + f", seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
         *text_table(header, rows),
     ]
     untouched = [r["policy"] for r in summary.iter_rows(named=True) if r["untouched"] and r["policy"] != floor]
