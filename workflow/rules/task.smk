@@ -15,8 +15,19 @@ if TASK_RUNS:
             estimates=task_estimates,
         output:
             **{name: f"{TASK_DIR}/{name}.parquet" for name in TASK_TABLES},
-            **{f"{name}_csv": f"{TASK_DIR}/{name}.csv" for name in TASK_TABLES},
-            png=f"{TASK_DIR}/task.png",
+            **{f"{name}_csv": f"{TASK_DIR}/{name}.csv" for name in TASK_TABLES if name != "accuracy"},
+            accuracy_csv=report(
+                f"{TASK_DIR}/accuracy.csv",
+                caption="../report/task.rst",
+                category="Task",
+                labels={"model": "{model}", "table": "accuracy"},
+            ),
+            png=report(
+                f"{TASK_DIR}/task.png",
+                caption="../report/task.rst",
+                category="Task",
+                labels={"model": "{model}", "table": "figure"},
+            ),
             pdf=f"{TASK_DIR}/task.pdf",
         log:
             f"{LOGS}/task/{{model}}.log",
