@@ -531,3 +531,9 @@ def test_the_repetition_penalty_is_read_when_given_and_absent_otherwise():
     assert "repetition_penalty" not in shard_settings(plain, *run)["decoding"]
     config["decoding"]["repetition_penalty"] = 0
     assert "decoding.repetition_penalty" in error_of(config)
+
+
+def test_a_frontier_press_with_params_that_are_not_a_mapping_is_named():
+    config = raw("frontier.yaml")
+    config["frontier"]["presses"]["snapkv"]["params"] = True
+    assert "frontier.presses.snapkv.params: True has the wrong type" in error_of(config)

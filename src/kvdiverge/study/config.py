@@ -504,6 +504,15 @@ def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_
     from kvdiverge.study.frontier import entry_takes_ratio
 
     path = key.split(".")
+    problems: list[str] = []
+    errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
+    for e in errors:
+        e.path.extendleft(reversed(path))  # name the frontier's key
+        line = format_error(e)
+        if line not in problems:
+            problems.append(line)
+    if errors:  # the schema's problems first: the checks below read the entry's keys
+        return problems
     if "press" in entry:
         try:
             takes = entry_takes_ratio(entry)
@@ -514,16 +523,8 @@ def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_
                 f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
                 f"nested in its params), so a frontier cannot vary it"
             ]
-    problems: list[str] = []
-    errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
-    for e in errors:
-        e.path.extendleft(reversed(path))  # name the frontier's key
-        line = format_error(e)
-        if line not in problems:
-            problems.append(line)
-    if not errors:  # the policy built once, its problems named by the frontier's key
-        problems += [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({name: entry})]
-    return problems
+    # the policy built once, its problems named by the frontier's key
+    return [f"{key}: {p.split(': ', 1)[1]}" for p in policy_problems({name: entry})]
 
 
 def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
