@@ -220,9 +220,9 @@ def run_files(pattern, runs=None, partial=False):
     return [expand(pattern, model=m, policy=p, split=s, allow_missing=partial)[0] for m, p, s in runs]
 
 
-def all_trajectory_shards():
-    """Shard files of every run in kvdiverge.study.config.runs."""
-    return [f for path in run_files(rules.trajectories.output[0], partial=True) for f in expand(path, shard=SHARDS)]
+def all_trajectory_shards(runs=None):
+    """Shard files of every run of `runs` (default: every run in kvdiverge.study.config.runs)."""
+    return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
 
 
 def estimate_files():
@@ -241,8 +241,7 @@ TASK_CONTROLS = sorted({p for p in (FLOOR, (CONFIG["runs"].get("control") or {})
 
 def task_shards(wildcards):
     """The trajectory shards of one model's task runs."""
-    runs = [r for r in TASK_RUNS if r[0] == wildcards.model]
-    return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
+    return all_trajectory_shards([r for r in TASK_RUNS if r[0] == wildcards.model])
 
 
 def task_estimates(wildcards):
