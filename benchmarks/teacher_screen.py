@@ -44,8 +44,8 @@ from kvdiverge.estimation import tables
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.teacher_forced import summary_table
 from kvdiverge.study.config import floor_policy, load_config
-from kvdiverge.study.frontier import frontier_split
 from kvdiverge.study.corpus import build_corpus
+from kvdiverge.study.frontier import frontier_split
 from kvdiverge.study.models import context_length, load_model
 from kvdiverge.study.prompts import build_prompts, prompt_settings
 from kvdiverge.study.settings import config_sampling
