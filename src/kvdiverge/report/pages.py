@@ -22,6 +22,7 @@ __all__ = [
     "confirmatory_html",
     "floor_html",
     "frontier_html",
+    "provenance_html",
     "speculative_html",
     "summary_html",
 ]
@@ -248,12 +249,43 @@ def _gap_rows(gaps: pl.DataFrame) -> list[list]:
     return gap_rows
 
 
+def provenance_html(table: pl.DataFrame, study_hash: str | None) -> str:
+    """An HTML section (``<h2>`` + paragraph + table) of the provenance table.
+
+    Parameters
+    ----------
+    table : polars.DataFrame
+        :func:`kvdiverge.study.provenance.provenance_table` rows: ``model``, ``policy``,
+        ``split``, ``shards``, ``settings_hash`` and a column per library version (those present).
+    study_hash : str or None
+        :func:`kvdiverge.study.provenance.study_hash` of ``table`` (``None``: no runs).
+    """
+    fixed = ("model", "policy", "split", "shards", "settings_hash", "settings")
+    libs = [c for c in table.columns if c not in fixed]
+    head = ["model", "policy", "split", "shards", "settings hash", *libs]
+    rows = [
+        [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
+        for r in table.iter_rows(named=True)
+    ]
+    return (
+        "<h2>Provenance</h2><p>Study settings hash <code>"
+        f"{study_hash or 'none'}</code>. Every trajectory shard records "
+        "the settings it was made with (model and policy entries, decoding, replicates, seed, "
+        "shards, control documents) and the library versions of the process that made it; "
+        "the estimate stage refuses shards whose settings differ from the config. Full "
+        "settings per run: <code>analysis/provenance.csv</code>.</p>"
+        f"{html_table(head, rows)}"
+    )
+
+
 def summary_html(
     pooled: pl.DataFrame,
     gaps: pl.DataFrame,
     confirmatory: pl.DataFrame,
     plan: Mapping[str, Any],
+    *,
     floor: pl.DataFrame | None = None,
+    provenance: str | None = None,
 ) -> str:
     """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
 
@@ -270,6 +302,8 @@ def summary_html(
     floor : polars.DataFrame, optional
         :func:`kvdiverge.estimation.analysis.floor_comparison` output: adds the column "above noise
         floor" to the headline table and the floor table below it.
+    provenance : str, optional
+        :func:`provenance_html`'s section, the page's last.
 
     Returns
     -------
@@ -287,7 +321,7 @@ def summary_html(
         f"{html_table(_GAP_HEADER, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
         f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
-        "</body></html>"
+        f"{provenance or ''}</body></html>"
     )
 
 
