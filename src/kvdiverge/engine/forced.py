@@ -172,7 +172,7 @@ def _one(model, doc, policy, cont: Continuation, run: _Run, reference) -> tuple[
         model,
         [doc],
         source,
-        sampling.replace(T=len(cont.tokens), temperature=1.0, top_p=1.0, repetition_penalty=1.0),
+        sampling.untransformed().replace(T=len(cont.tokens)),
         checked=True,
         presses=[press],
         prefilled=None if prefilled is None else [prefilled],
