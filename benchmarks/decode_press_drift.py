@@ -121,7 +121,7 @@ def compare(model, prompts, seed, label):
     from kvdiverge.engine.core.coupled import run_batch
     from kvdiverge.engine.core.sampling import Decoding
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-    from kvdiverge.reference.recording import RecordingPair
+    from kvdiverge.testing.recording import RecordingPair
 
     pair = DecodeTimePair(
         model,

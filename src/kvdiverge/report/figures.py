@@ -440,7 +440,7 @@ TEACHER_PANEL = ("kld_mean", "teacher-forced mean KLD (nats per token)")
 
 
 def frontier_panels(points: pl.DataFrame) -> tuple[tuple[str, str], ...]:
-    """:data:`FRONTIER_PANELS`, and :data:`TEACHER_PANEL` where ``points`` has a non-null ``kld_mean``."""
+    """``FRONTIER_PANELS``, and ``TEACHER_PANEL`` where ``points`` has a non-null ``kld_mean``."""
     teacher = "kld_mean" in points.columns and points["kld_mean"].is_not_null().any()
     return FRONTIER_PANELS + ((TEACHER_PANEL,) if teacher else ())
 
