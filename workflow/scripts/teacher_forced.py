@@ -52,4 +52,4 @@ def tables():
 
 
 with rule_log(snakemake.log[0], snakemake.rule, snakemake.rule) as log:
-    log.info("%s", one_run() if snakemake.rule == "teacher_forced" else tables())
+    log.info("%s", tables() if snakemake.rule == "teacher_forced_table" else one_run())
