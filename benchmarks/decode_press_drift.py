@@ -53,41 +53,6 @@ def _record_scores():
     kvpress.KnormPress.score = score
 
 
-class Recorder:
-    """Records ``log q`` by (row, chain history)."""
-
-    def __init__(self, pair):
-        self.pair, self.vocab_size, self.eos_ids = pair, pair.vocab_size, pair.eos_ids
-        self.seen = {}
-
-    def _record(self, logq):
-        for i, g in enumerate(self.ids):
-            self.seen[(g, tuple(self.hist[i]))] = logq[i].clone()
-
-    def start(self, n):
-        self.ids, self.hist = list(range(n)), [[] for _ in range(n)]
-        logp, logq = self.pair.start(n)
-        self._record(logq)
-        return logp, logq
-
-    def advance(self, x, y):
-        for i, tok in enumerate(y.tolist()):
-            self.hist[i].append(tok)
-        logp, logq = self.pair.advance(x, y)
-        self._record(logq)
-        return logp, logq
-
-    def rewind(self, length):
-        for i, n in enumerate(length.tolist()):
-            del self.hist[i][n:]
-        self.pair.rewind(length)
-
-    def keep_rows(self, rows):
-        self.ids = [self.ids[i] for i in rows.tolist()]
-        self.hist = [self.hist[i] for i in rows.tolist()]
-        self.pair.keep_rows(rows)
-
-
 @torch.inference_mode()
 def lane(model, ids, histories):
     """kvpress's pipeline on ``len(histories)`` rows decoded together, as a chain lane does: a one-row
@@ -156,6 +121,7 @@ def compare(model, prompts, seed, label):
     from kvdiverge.engine.core.coupled import run_batch
     from kvdiverge.engine.core.sampling import Decoding
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+    from kvdiverge.testing.recording import RecordingPair
 
     pair = DecodeTimePair(
         model,
@@ -164,7 +130,7 @@ def compare(model, prompts, seed, label):
         [None] * len(prompts),
         decoding=Decoding(temperature=TEMPERATURE),
     )
-    rec = Recorder(pair)
+    rec = RecordingPair(pair)
     out = run_batch(rec, T, R, seed, "smollm2", [f"d{i}" for i in range(len(prompts))])
     worst = 0.0
     for d in range(len(prompts)):

@@ -1,7 +1,7 @@
 """Check the self-speculative reading against a real speculative sampler on the embedded model.
 
 For each press and prompt, the first draft block of ``k`` tokens is run by speculative
-sampling (:func:`kvdiverge.reference.speculative.first_block_accepted`: draft = the model's
+sampling (:func:`kvdiverge.testing.speculative.first_block_accepted`: draft = the model's
 evicted twin under the press, target = the full cache) with ``--seeds`` independent seeds,
 and its mean accepted length is set beside the survival-based estimate
 ``A_k = S_1 + ... + S_k`` of :func:`kvdiverge.measure` (``Measurement.speculative``, the
@@ -31,9 +31,9 @@ import torch
 
 import kvdiverge
 from kvdiverge.cli import sotu_prompts
-from kvdiverge.reference.speculative import first_block_accepted
 from kvdiverge.study.inputs import prepare_documents
 from kvdiverge.study.models import EMBEDDED_MODEL, load_model, local_entry
+from kvdiverge.testing.speculative import first_block_accepted
 
 PRESSES = {  # the default config's prefill presses (config/config.yaml)
     "snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64, "kernel_size": 5},

@@ -43,10 +43,12 @@ from kvdiverge.engine.runner import Document, run_policies
 from kvdiverge.estimation import tables
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.teacher_forced import summary_table
-from kvdiverge.study.config import floor_policy, frontier_split, load_config
+from kvdiverge.study.config import floor_policy, load_config
 from kvdiverge.study.corpus import build_corpus
+from kvdiverge.study.frontier import frontier_split
 from kvdiverge.study.models import context_length, load_model
 from kvdiverge.study.prompts import build_prompts, prompt_settings
+from kvdiverge.study.settings import config_sampling
 from kvdiverge.study.teacher import corpus_continuations
 
 log = logging.getLogger("teacher_screen")
@@ -83,20 +85,9 @@ def screen(config, loaded, length: int) -> tuple[pl.DataFrame, tuple[float, floa
 def coupled(config, loaded) -> tuple[pl.DataFrame, tuple[float, float]]:
     """The coupled run's pooled table of every point, and the (wall, CPU) seconds its generation took."""
     name, model, _, _, docs, policies = loaded
-    dec = config["decoding"]
+    sampling = config_sampling(config, name).replace(eos_ids=tuple(model_eos_ids(model)))
     t0, c0 = time.perf_counter(), time.process_time()
-    runs = run_policies(
-        model,
-        docs,
-        policies,
-        T=int(dec["max_new_tokens"]),
-        replicates=int(config["replicates"]),
-        temperature=float(dec["temperature"]),
-        top_p=float(dec["top_p"]),
-        seed=int(config["seed"]),
-        model_name=name,
-        split="screen",
-    )
+    runs = run_policies(model, docs, policies, sampling, split="screen")
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
     _, per_doc = tables.estimate(runs.trajectories, int(config["window"]))
     return tables.pool(per_doc, 200, 0.95, int(config["seed"]))["pooled"], seconds

@@ -37,6 +37,9 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 # --------------------------------------------------------------------------- markers
 
 
+#: markers whose tests run only when ``-m`` names them (CI's ``make test-all`` names both)
+OPT_IN = ("slurm", "docs")
+
 #: a test that uses one of these fixtures (directly or through another) carries the marker
 FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow", "bf16_run": "workflow"}
 
@@ -44,8 +47,9 @@ FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
     """Check the markers of tests on the shared fixtures (``FIXTURE_MARKERS``), then leave
-    out the ``slurm`` tests (they install system packages and write /etc/slurm) unless
-    ``-m`` names the marker: ``-m slurm`` alone, ``-m "slurm or not slurm"`` for
+    out the tests of :data:`OPT_IN` (``slurm``: they install system packages and write
+    /etc/slurm; ``docs``: the documentation site's build, ``make docs``) unless ``-m``
+    names their marker: ``-m slurm`` alone, ``-m "slurm or docs or not slurm"`` for
     everything (``make test-all``, ``.ci/run``).
 
     Where the session's workflow runs will be built in the background
@@ -60,11 +64,12 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError("\n".join(unmarked))
-    if "slurm" not in (config.option.markexpr or ""):
-        keep = [item for item in items if item.get_closest_marker("slurm") is None]
-        if len(keep) < len(items):
-            config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slurm")])
-            items[:] = keep
+    for opt_in in OPT_IN:
+        if opt_in not in (config.option.markexpr or ""):
+            keep = [item for item in items if item.get_closest_marker(opt_in) is None]
+            if len(keep) < len(items):
+                config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker(opt_in)])
+                items[:] = keep
     if background_builds(config, items):
         readers = {item.path for item in items if set(item.fixturenames) & BACKGROUND_FIXTURES}
         items[:] = [item for item in items if item.path not in readers] + [

@@ -9,7 +9,7 @@ import torch
 from kvdiverge.engine.core.coupled import BatchState, run_batch
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
 from kvdiverge.engine.core.pairs import TableKernelPair
-from kvdiverge.reference.constructions import ConstructedPair
+from kvdiverge.testing.constructions import ConstructedPair
 
 
 class Counting(TableKernelPair):

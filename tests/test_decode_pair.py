@@ -17,7 +17,8 @@ from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.presses.window import SlidingWindowPress
 from kvdiverge.engine.runner import RunOptions
-from kvdiverge.reference.miniatures import MINIATURE, random_model
+from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.testing.recording import RecordingPair
 
 T, TEMPERATURE = 10, 2.0  # a flat sampling temperature spreads the branch starts t*
 
@@ -50,41 +51,6 @@ PRESSES = {
     # masks ~half of the prompt at prefill and keeps masking while generating (module state, per row)
     "dms": lambda: kvpress.DMSPress(kvpress.KnormPress(), threshold=-4.0, sliding_window_size=4, decoding=True),
 }
-
-
-class Recorder:
-    """A kernel pair wrapper that records every evicted log-distribution by (row, evicted history)."""
-
-    def __init__(self, pair):
-        self.pair, self.vocab_size, self.eos_ids = pair, pair.vocab_size, pair.eos_ids
-        self.seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-
-    def _record(self, logq):
-        for i, g in enumerate(self.ids):
-            self.seen[(g, tuple(self.hist[i]))] = logq[i].clone()
-
-    def start(self, n):
-        self.ids, self.hist = list(range(n)), [[] for _ in range(n)]
-        logp, logq = self.pair.start(n)
-        self._record(logq)
-        return logp, logq
-
-    def advance(self, x, y):
-        for i, tok in enumerate(y.tolist()):
-            self.hist[i].append(tok)
-        logp, logq = self.pair.advance(x, y)
-        self._record(logq)
-        return logp, logq
-
-    def rewind(self, length):
-        for i, n in enumerate(length.tolist()):
-            del self.hist[i][n:]
-        self.pair.rewind(length)
-
-    def keep_rows(self, rows):
-        self.ids = [self.ids[i] for i in rows.tolist()]
-        self.hist = [self.hist[i] for i in rows.tolist()]
-        self.pair.keep_rows(rows)
 
 
 @torch.inference_mode()
@@ -120,7 +86,7 @@ def replay(model, ids, press, history, temperature=TEMPERATURE, penalty=1.0):
 
 
 def run(model, prompts, make, R):
-    rec = Recorder(
+    rec = RecordingPair(
         DecodeTimePair(
             model, prompts, [make() for _ in prompts], [None] * len(prompts), decoding=Decoding(temperature=TEMPERATURE)
         )
@@ -181,7 +147,7 @@ def test_a_repetition_penalty_penalizes_each_rows_own_evicted_context(model, pro
     prompt and that row's own evicted history, bit for bit."""
     penalty, ids = 1.5, prompts[0]
     decoding = Decoding(temperature=TEMPERATURE, repetition_penalty=penalty)
-    rec = Recorder(DecodeTimePair(model, [ids], [decoding_press()], [None], decoding=decoding))
+    rec = RecordingPair(DecodeTimePair(model, [ids], [decoding_press()], [None], decoding=decoding))
     out = run_batch(rec, T, 1, 11, "miniature", ["d0"])  # one row: its lane is unbatched, bit for bit
     assert out[0]["t_star"] is not None and out[0]["branch_y"]  # a branch happened
     for (_, history), logq in rec.seen.items():
@@ -380,7 +346,7 @@ def test_the_chain_lanes_prefill_gives_the_full_cache_and_ratio_0_gives_tv_0(mod
 def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
     # every reference log-distribution of chains and branches, against one full forward of the
     # prompt and the row's reference history: the float32 rounding of the padded batch only
-    class RecordP(Recorder):
+    class RecordP(RecordingPair):
         def start(self, n):
             self.xh, self.p = [[] for _ in range(n)], {}
             logp, logq = super().start(n)
@@ -548,7 +514,7 @@ def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
     docs = prompts[:2]
 
     def records(fast):
-        pair = Recorder(
+        pair = RecordingPair(
             DecodeTimePair(
                 model,
                 docs,

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import kvdiverge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +98,7 @@ def test_the_module_map_places_every_name_in_its_module():
     assert not misplaced, f"names docs/internals.md places in modules that do not define them: {misplaced}"
 
 
+@pytest.mark.docs
 def test_the_site_builds_with_every_reference_resolved(tmp_path):
     """``sphinx-build -W`` (as ``make docs``): a broken cross-reference in a docstring or page fails.
 

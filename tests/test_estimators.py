@@ -18,7 +18,7 @@ from kvdiverge.estimation.estimators import (
     survival_curve,
 )
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.testing.exact import enumerate_coupled
 
 
 def row(rep, survival, tau_naive, t_star, btv, bmis, doc="d0", T=3):

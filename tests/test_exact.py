@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvdiverge.reference.exact import coupling_joint, enumerate_coupled, tv_distance
+from kvdiverge.testing.exact import coupling_joint, enumerate_coupled, tv_distance
 
 
 def test_coupling_joint_is_the_maximal_coupling():

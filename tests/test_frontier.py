@@ -680,7 +680,7 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.reference.miniatures import MINIATURE, random_model
+    from kvdiverge.testing.miniatures import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
@@ -747,7 +747,7 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.reference.miniatures import MINIATURE, random_model
+    from kvdiverge.testing.miniatures import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
@@ -836,6 +836,17 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
     assert "4 policies, prefilled in groups of up to 4" in log, log[-2000:]
     assert not any((results / "logs" / "trajectories" / "smollm2-135m" / p).exists() for p in points["policy"])
     assert (results / "logs" / "trajectories" / "smollm2-135m" / "noise-floor").is_dir()
+    # each point's teacher-forced headline joins its row, from one teacher-forced job for all points
+    teacher = pl.read_parquet(results / "analysis" / "teacher_forced.parquet")
+    joined = points.select("policy", "kld_mean", "ppl_ratio").join(
+        teacher.filter(pl.col("split") == "exploratory").select("policy", "kld_mean", "ppl_ratio"), on="policy"
+    )
+    assert joined.height == 4 and (joined["kld_mean"] == joined["kld_mean_right"]).all()
+    assert (points["kld_mean"] > 1e-4).all() and (points["floor_kld_mean"] < 1e-9).all()
+    assert "teacher-forced mean KLD" in (results / "analysis" / "frontier.html").read_text()
+    tf_log = (results / "logs" / "teacher_forced" / "smollm2-135m" / "exploratory" / "frontier.log").read_text()
+    assert "wrote 4 runs" in tf_log, tf_log[-2000:]
+    assert not any((results / "logs" / "teacher_forced" / "smollm2-135m" / p).exists() for p in points["policy"])
 
 
 @pytest.mark.llm

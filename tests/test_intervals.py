@@ -6,14 +6,14 @@ import pytest
 
 from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.intervals import sharp_interval
-from kvdiverge.reference.constructions import (
+from kvdiverge.testing.constructions import (
     ConstructedPair,
     divergence_lag,
     lower_construction,
     upper_construction,
     wrap_pair,
 )
-from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.testing.exact import enumerate_coupled
 
 
 def test_sharp_interval_formula_by_hand():

@@ -111,7 +111,7 @@ runpy.run_path(str(scripts / "gaps.py"), init_globals={"snakemake": NS(
     output=NS(parquet=str(ana / "gaps.parquet"), csv=str(ana / "gaps.csv")))})
 heavy = sorted(m for m in sys.modules
                if m.split(".")[0] in {"torch", "transformers", "kvpress", "accelerate"}
-               or m.startswith(("kvdiverge.engine", "kvdiverge.reference", "kvdiverge.report")))
+               or m.startswith(("kvdiverge.engine", "kvdiverge.testing", "kvdiverge.report")))
 print(json.dumps(heavy))
 """
 
@@ -222,7 +222,7 @@ def test_every_module_of_the_package_is_checked():
         "estimation/estimators.py",
         "study/config.py",
         "report/formatting.py",
-        "reference/exact.py",
+        "testing/exact.py",
     } <= names
 
 
@@ -242,9 +242,9 @@ MANY_PARAMETERS = {
     "study/inputs.py:measure_settings": "records every measure option in the settings table",
     "study/inputs.py:measure_inputs": "checks measure's prompt and frontier options together",
     "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
-    "reference/exact.py:_accumulate": "the exact enumeration's recursion state",
-    "reference/speculative.py:_block": "the exact enumeration's recursion state",
-    "reference/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
+    "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
+    "testing/speculative.py:_block": "the exact enumeration's recursion state",
+    "testing/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
     "estimation/frontier.py:_model_frontier": "one model's frontier: tables and their settings",
     "estimation/frontier.py:_areas": "one curve's areas: the curve and its bootstrap settings",
     "estimation/frontier.py:frontier_tables": "the frontier's tables and their bootstrap settings",

@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.report.pages import provenance_html
 from kvdiverge.study.config import load_config
 from kvdiverge.study.provenance import (
     KEY_HASH,
@@ -20,7 +21,6 @@ from kvdiverge.study.provenance import (
     check_shards,
     differences,
     library_versions,
-    provenance_html,
     provenance_table,
     read_provenance,
     regenerate_command,
@@ -156,6 +156,7 @@ def test_provenance_table_one_row_per_run(tmp_path, smoke):
     assert table["shards"].to_list() == [2, 2]
     assert table["settings_hash"][0] == settings_hash(shard_settings(smoke, "smollm2-135m", "snapkv-50", "exploratory"))
     assert table["kvpress"].to_list() == ["0.5.5", "0.5.5"]
-    html = provenance_html(table)
+    html = provenance_html(table, study_hash(table))
     assert study_hash(table) in html and table["settings_hash"][1] in html and "<table>" in html
+    assert "<th>kvpress</th>" in html and "<th>settings</th>" not in html
     assert study_hash(table) != study_hash(table.head(1))

@@ -57,8 +57,8 @@ def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
     [("llama-3.1-8b", 2, 8, False), ("qwen-2.5-7b", 1, 7, True)],
 )
 def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch, kv_heads, heads, bias):
-    from kvdiverge.reference.miniatures import PAPER as REAL
     from kvdiverge.study.models import entry_kv_sizes, load_model, load_model_config
+    from kvdiverge.testing.miniatures import PAPER as REAL
 
     spec = {"source": "miniature", "architecture": arch, "dtype": "float32", "device": "cpu"}
     config = load_model_config(spec, arch)

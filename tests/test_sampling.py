@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvdiverge.engine.core.sampling import Decoding, Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 
 
 def test_sampling_hands_the_pairs_its_decoding_part():
@@ -71,3 +71,38 @@ def test_the_repeat_history_follows_each_sides_rows_through_rewinds_and_dropped_
     h.keep_rows(torch.tensor([3, 1]))
     assert rows(h.seen("reference")) == [[0, 1, 3], [0, 4]]
     assert rows(h.seen("evicted")) == [[0, 1, 5], [0, 3]]
+
+
+@pytest.mark.parametrize("name", list(decoding_options()))
+def test_every_decoding_option_reaches_every_door_by_name(name):
+    """A decoding setting of ``decoding_options`` needs nothing at the doors: the config key, the
+    measure() keyword check, the command-line option, the recorded settings and the neutral transform
+    of the teacher-forced pass all come from the field."""
+    from kvdiverge.cli import OPTIONS, _parser
+    from kvdiverge.study.config import load_schema
+    from kvdiverge.study.inputs import measure_settings
+    from kvdiverge.study.settings import SETTINGS, setting_problems
+
+    default = decoding_options()[name]["default"]
+    assert SETTINGS[name] == f"decoding.{name}"
+    entry = load_schema()["properties"]["decoding"]["properties"][name]
+    assert "default" not in entry  # an unset setting keeps a config's settings hash
+    assert setting_problems({name: default}) == []
+    flag = "--" + name.replace("_", "-")
+    assert OPTIONS[name] == flag
+    args = _parser().parse_args(["measure", "embedded", "--sotu", "1", flag, "1.5"])
+    assert getattr(args, name) == 1.5
+    s = Sampling(T=2, replicates=1, temperature=0.7, **{name: 1.5})
+    assert getattr(s.decoding, name) == 1.5 and getattr(s.untransformed(), name) == default
+    recorded = measure_settings("m", "s", {}, None, sampling=s, window=8, bootstrap=0, confidence=0.95,
+                                instruction=None, system=None)  # fmt: skip
+    assert recorded[name] == 1.5
+    assert name not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
+                                        bootstrap=0, confidence=0.95, instruction=None, system=None)  # fmt: skip
+
+
+def test_measure_refuses_an_unknown_decoding_keyword():
+    import kvdiverge
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'min_q'"):
+        kvdiverge.measure(None, None, {"a": [1, 2, 3]}, {}, min_q=0.1)

@@ -16,7 +16,7 @@ from kvdiverge.estimation.speculative import (
     iid_tokens_per_forward,
     speculative_table,
 )
-from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.testing.exact import enumerate_coupled
 
 
 def hand_kernel(hx, hy):
@@ -233,8 +233,8 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     from kvpress import SnapKVPress
 
     import kvdiverge
-    from kvdiverge.reference.speculative import first_block_accepted
     from kvdiverge.study.inputs import prepare_documents
+    from kvdiverge.testing.speculative import first_block_accepted
 
     torch.set_num_threads(1)
     model, tok = embedded

@@ -24,7 +24,7 @@ from kvdiverge.estimation.teacher_forced import (
     mean_and_uncertainty,
     summary_table,
 )
-from kvdiverge.reference.miniatures import MINIATURE, random_model
+from kvdiverge.testing.miniatures import MINIATURE, random_model
 
 
 def test_position_measures_by_hand():
@@ -142,13 +142,14 @@ def prompt(n, seed=1):
 SAMPLING = Sampling(T=1, replicates=1, temperature=1.0, seed=5, model_name="tiny", eos_ids=())
 
 
-def run_pass(model, press, tokens, block):
+def run_pass(model, press, tokens, block, joint=True):
     pair = build_pair(
         model,
         [Document("d", prompt(48))],
         PressPolicy("p", press),
         SAMPLING.replace(T=len(tokens)),
     )
+    pair.joint = joint
     return forced_pass(pair, tokens, TeacherForcing(length=len(tokens), block=block))
 
 
@@ -171,7 +172,8 @@ def test_one_forward_equals_token_by_token(model, press):
 @pytest.mark.miniature
 def test_none_control_and_greedy_continuation(model):
     docs = [Document("a", prompt(40)), Document("b", prompt(33))]
-    policies = {"none": PressPolicy("none", None), "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8))}
+    # snap first: its pair computes the reference side, which the none pair then takes
+    policies = {"snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)), "none": PressPolicy("none", None)}
     frame = teacher_forced_policies(
         model,
         docs,
@@ -196,11 +198,66 @@ def test_none_control_and_greedy_continuation(model):
 
 
 @pytest.mark.miniature
-def test_head_masked_presses_step(model):
-    """Per-layer lengths (PyramidKV) mask keys per head: kvpress's fake key cannot serve 19 queries at once
-    (its hyperplane search fails), so the pass steps token by token, as decoding does."""
-    _, one = run_pass(model, kvpress.PyramidKVPress(0.5, window_size=8), prompt(20, seed=9), True)
-    assert not one
+@pytest.mark.parametrize(
+    "press",
+    [kvpress.PyramidKVPress(0.5, window_size=8), kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8))],
+    ids=["pyramidkv", "adakv"],
+)
+def test_head_masked_presses_in_one_forward(model, press):
+    """Per-layer lengths (PyramidKV) and per-head eviction (AdaKV) mask keys per head: in one forward
+    the grouped attention masks them with a boolean mask, where stepping uses kvpress's fake key;
+    both give the same distributions, on the joint and the separate sides."""
+    tokens = prompt(20, seed=9)
+    block, one = run_pass(model, press, tokens, True)
+    steps, stepped = run_pass(model, press, tokens, False)
+    assert one and not stepped
+    for key in ("kld", "delta_p", "ll_ref", "ll_ev"):
+        assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
+    assert bool((block["kld"] > 1e-3).any())
+    apart, _ = run_pass(model, press, tokens, True, joint=False)
+    assert torch.allclose(apart["kld"], block["kld"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.miniature
+def test_shared_reference_equals_each_policy_alone(model):
+    """A document's reference side runs once and serves every later policy: each policy's values are
+    those of its pass alone, bit for bit (head-wise, prefill-only and decode-time presses mixed)."""
+    from kvdiverge.engine.presses.window import SlidingWindowPress
+
+    docs = [Document("a", prompt(40)), Document("b", prompt(35))]
+    presses = {
+        "snap": kvpress.SnapKVPress(0.5, window_size=8),
+        "ada": kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8)),
+        "window": SlidingWindowPress(0.5, n_sink=2),
+        "floor": PermutationPress(seed=0),
+    }
+    policies = {n: PressPolicy(n, p) for n, p in presses.items()}
+    run = dict(sampling=SAMPLING, forcing=TeacherForcing(length=10), split="s", continuations={"a": prompt(30, seed=4)})
+    together = teacher_forced_policies(model, docs, policies, **run)
+    assert together["one_forward"].to_list() == [n != "window" for n in together["policy"]]
+    for name, policy in policies.items():
+        alone = teacher_forced_policies(model, docs, {name: policy}, **run)
+        assert together.filter(pl.col("policy") == name).equals(alone), name
+
+
+def test_block_masks_weigh_exactly_zero():
+    """The block attention with per-head masks equals attention over the kept keys alone, head by head."""
+    from kvdiverge.engine.llm.attention import _head_masked_block
+
+    g = torch.Generator().manual_seed(0)
+    B, kv_heads, groups, L, S, D = 2, 2, 3, 4, 9, 5
+    q = torch.randn(B, kv_heads * groups, L, D, generator=g)
+    k, v = torch.randn(B, kv_heads, S, D, generator=g), torch.randn(B, kv_heads, S, D, generator=g)
+    keep = torch.ones(B, kv_heads, 5, dtype=torch.bool)
+    keep[0, 1, [0, 3]] = False
+    keep[1, 0, 2] = False
+    out, _ = _head_masked_block(q, k, v, None, (keep, 5), dropout=0.0, scaling=None)
+    for b in range(B):
+        for h in range(kv_heads * groups):
+            for i in range(L):
+                cols = [j for j in range(S - L + i + 1) if j >= 5 or keep[b, h // groups, j]]
+                w = torch.softmax(q[b, h, i] @ k[b, h // groups, cols].T / D**0.5, -1)
+                assert torch.allclose(out[b, i, h], w @ v[b, h // groups, cols], atol=1e-6)
 
 
 @pytest.mark.miniature

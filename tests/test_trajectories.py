@@ -8,7 +8,7 @@ from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.streams import uniform_streams
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.reference.exact import enumerate_coupled
+from kvdiverge.testing.exact import enumerate_coupled
 
 V = 3
 

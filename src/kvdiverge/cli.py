@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdiverge import __version__
+from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.study.inputs import (
     InputError,
     frontier_presses,
@@ -97,7 +98,7 @@ OPTIONS = {
     "replicates": "-R/--replicates",
     "temperature": "--temperature",
     "top_p": "--top-p",
-    "repetition_penalty": "--repetition-penalty",
+    **{name: "--" + name.replace("_", "-") for name in decoding_options()},
     "seed": "--seed",
     "window": "-W/--window",
     "bootstrap": "--bootstrap",
@@ -177,7 +178,8 @@ def check_arguments(args: Any) -> None:
 
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    values = {k: getattr(args, k) for k in OPTIONS if k != "batch_documents" or args.batch_documents is not None}
+    unset_allowed = {"batch_documents", *decoding_options()}  # None: the default
+    values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
     try:
         check_settings(values, OPTIONS)
     except ValueError as exc:
@@ -348,13 +350,8 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
     p.add_argument("--temperature", type=float, help="default: 0.7, or 0 (greedy) with --task")
     p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
-    p.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        metavar="THETA",
-        help="CTRL's repetition penalty on both generations, as model.generate's (default: 1, none)",
-    )
+    for name, option in decoding_options().items():  # unset: measure()'s default, which changes nothing
+        p.add_argument("--" + name.replace("_", "-"), type=float, metavar=option["metavar"], help=option["help"])
     p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
     p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: 2000)")
@@ -524,7 +521,6 @@ def _measure(args: argparse.Namespace) -> int:
             replicates=args.replicates,
             temperature=args.temperature,
             top_p=args.top_p,
-            repetition_penalty=args.repetition_penalty,
             seed=args.seed,
             window=args.window,
             instruction=instruction,
@@ -536,6 +532,7 @@ def _measure(args: argparse.Namespace) -> int:
             batch_documents=args.batch_documents,
             teacher_tokens=args.teacher_tokens,
             task={"name": args.task, "question": args.question} if args.task else None,
+            **{name: getattr(args, name) for name in decoding_options() if getattr(args, name) is not None},
         )
     print(m.format_summary(), flush=True)
     if m.task is not None:

@@ -56,8 +56,8 @@ class Measurement:
         Pooled over prompts with document-bootstrap intervals (``results/analysis``;
         :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
-        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and
-        repetition_penalty when not 1),
+        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and each
+        decoding setting of :func:`kvdiverge.engine.core.sampling.decoding_options` not at its default),
         presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
@@ -302,16 +302,27 @@ def _horizon(given: Mapping[str, Any], batch_documents: int | None) -> tuple[int
     return checked["max_new_tokens"], checked["replicates"]
 
 
+def _decoding_given(decoding: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`measure`'s further decoding settings, every name one of
+    :func:`kvdiverge.engine.core.sampling.decoding_options` (else ``TypeError``, as Python's own)."""
+    from kvdiverge.engine.core.sampling import decoding_options
+
+    unknown = sorted(set(decoding) - set(decoding_options()))
+    if unknown:
+        raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
+    return dict(decoding)
+
+
 def _sampling(given: Mapping[str, Any], T: int, R: int, model_name: str, eos_ids: Sequence[int] | None):
     """The coupled run's :class:`kvdiverge.engine.core.sampling.Sampling` of :func:`measure`'s settings ``given``."""
-    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.core.sampling import Sampling, decoding_options
 
     return Sampling(
         T=T,
         replicates=R,
         temperature=float(given["temperature"]),
         top_p=float(given["top_p"]),
-        repetition_penalty=float(given["repetition_penalty"]),
+        **{name: given[name] for name in decoding_options() if name in given},
         seed=int(given["seed"]),
         model_name=model_name,
         eos_ids=None if eos_ids is None else tuple(eos_ids),
@@ -377,7 +388,6 @@ def measure(
     replicates: int = 4,
     temperature: float = 0.7,
     top_p: float = 0.95,
-    repetition_penalty: float = 1.0,
     seed: int = 0,
     window: int = 8,
     instruction: str | None = None,
@@ -397,6 +407,7 @@ def measure(
     cache_ratios: Sequence[float] | None = None,
     teacher_tokens: int | None = None,
     task: str | Mapping[str, Any] | None = None,
+    **decoding: float,
 ) -> Measurement:
     """Measure how each press changes what ``model`` generates on ``prompts``.
 
@@ -425,10 +436,6 @@ def measure(
         ``R`` coupled replicates per prompt (>= 2 for standard errors and variances).
     temperature, top_p : float
         Decoding transform of both generations.
-    repetition_penalty : float
-        CTRL's repetition penalty on both generations, as ``model.generate``'s
-        (:func:`kvdiverge.engine.core.decoding.penalize_repeats`); each side penalizes its own
-        context. 1 (the default): none.
     seed : int
         Master seed.
     window : int
@@ -482,6 +489,12 @@ def measure(
         workflow's task tables (``documents``, ``accuracy``, ``correlations``, ``auc``:
         :func:`kvdiverge.study.tasks.tables.task_tables`).
 
+    **decoding : float
+        Further decoding settings of both generations, by name
+        (:func:`kvdiverge.engine.core.sampling.decoding_options`), each at a default that
+        changes nothing: ``repetition_penalty`` (CTRL's, as ``model.generate``'s,
+        :func:`kvdiverge.engine.core.decoding.penalize_repeats`; each side penalizes its own
+        context). Another name raises ``TypeError``, as for any unknown keyword.
     Returns
     -------
     Measurement
@@ -504,7 +517,7 @@ def measure(
     from kvdiverge.study.models import kv_sizes
 
     given = dict(max_new_tokens=max_new_tokens, replicates=replicates, temperature=temperature, top_p=top_p, seed=seed)
-    given.update(repetition_penalty=repetition_penalty)
+    given.update(_decoding_given(decoding))
     given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
     T, R = _horizon(given, batch_documents)
     task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})

@@ -32,6 +32,41 @@ rule teacher_forced:
         "../scripts/teacher_forced.py"
 
 
+# The frontier's points of one model in one job (as rule frontier_trajectories): one model load,
+# each document prefilled once for every point and its reference side run once.
+if FRONTIER_POINTS:
+
+    ruleorder: teacher_forced_frontier > teacher_forced
+
+    rule teacher_forced_frontier:
+        input:
+            prompts=rules.prompts.output[0],
+            corpus=rules.corpus.output[0],
+            model=converted_model,
+        output:
+            expand(
+                rules.teacher_forced.output[0], policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True
+            ),
+        log:
+            f"{LOGS}/teacher_forced/{{model}}/{FRONTIER_SPLIT}/frontier.log",
+        benchmark:
+            benchmark_file(f"teacher_forced_frontier/{{model}}/{FRONTIER_SPLIT}")
+        params:
+            policies=FRONTIER_POLICIES,
+            split=FRONTIER_SPLIT,
+            # per frontier point: what decides its positions (a change reruns the job)
+            settings=lambda wildcards: {
+                p: kvdiverge.study.teacher.teacher_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
+                for p in FRONTIER_POLICIES
+            },
+        resources:
+            **generation_resources(),
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/teacher_forced.py"
+
+
 rule teacher_forced_table:
     input:
         # the positions of every run (the control and the noise floor included)

@@ -1,10 +1,14 @@
 """Snakemake adapter: the frontier table and ranking (kvdiverge.estimation.frontier.frontier_tables),
-the KV bytes counted with each model's sizes, read from its config (kvdiverge.study.models.entry_kv_sizes)."""
+the KV bytes counted with each model's sizes, read from its config (kvdiverge.study.models.entry_kv_sizes),
+and each point's teacher-forced headline (kvdiverge.estimation.teacher_forced.with_teacher_columns)."""
+
+import polars as pl
 
 from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
 from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text
 from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.models import entry_kv_sizes
@@ -13,13 +17,14 @@ from kvdiverge.study.rulelog import rule_log
 p = snakemake.params
 out = snakemake.output
 with rule_log(snakemake.log[0], "frontier", "frontier analysis") as log:
-    docs = read_estimates(list(snakemake.input))
+    docs = read_estimates(list(snakemake.input.documents))
     grid = [FrontierPoint.of(point) for point in p.grid]
     sizes = {name: entry_kv_sizes(dict(entry), name) for name, entry in p.models.items()}
     log.info("KV sizes per model: %s", sizes)
     points, areas = frontier_tables(
         docs, grid, p.floor, p.bootstrap, p.confidence, p.seed, split=p.split, kv_sizes=sizes
     )
+    points = with_teacher_columns(points, pl.read_parquet(snakemake.input.teacher))
     log.info("\n%s", frontier_text(points, areas, p.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)

@@ -1,22 +1,23 @@
-"""Snakemake adapter: headline numbers as an HTML page for the report (kvdiverge.estimation.analysis)."""
+"""Snakemake adapter: headline numbers as an HTML page for the report (kvdiverge.report.pages.summary_html),
+the provenance of every run (settings hash, library versions) its last section."""
 
 import polars as pl
 
 from kvdiverge.estimation.io import write_text_atomic
-from kvdiverge.report.pages import summary_html
-from kvdiverge.study.provenance import provenance_html
+from kvdiverge.report.pages import provenance_html, summary_html
+from kvdiverge.study.provenance import study_hash
 from kvdiverge.study.rulelog import rule_log
 
 i = snakemake.input
 with rule_log(snakemake.log[0], "summary") as log:
+    runs = pl.read_parquet(i.provenance)
     html = summary_html(
         pl.read_parquet(i.pooled),
         pl.read_parquet(i.gaps),
         pl.read_parquet(i.confirmatory),
         dict(snakemake.params.plan),
         floor=pl.read_parquet(i.floor),
+        provenance=provenance_html(runs, study_hash(runs) if runs.height else None),
     )
-    # settings hash and library versions of every run, at the end of the page
-    html = html.replace("</body>", provenance_html(pl.read_parquet(i.provenance)) + "</body>", 1)
     write_text_atomic(html, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])

@@ -1,7 +1,8 @@
 """Snakemake adapter: the teacher-forced pass of one run (rule teacher_forced), or its tables (rule teacher_forced_table).
 
 teacher_forced: kvdiverge.study.teacher.run_teacher_forced on one (model, policy, split), the
-per-position table written atomically. teacher_forced_table: every run's positions through
+per-position table written atomically; teacher_forced_frontier: the same for every frontier point
+of one model in one pass, a table per point. teacher_forced_table: every run's positions through
 kvdiverge.estimation.teacher_forced (summary_table, document_table).
 """
 
@@ -28,11 +29,15 @@ def one_run():
     if snakemake.input.model:
         spec = local_entry(spec, snakemake.input.model)
     paths = {"prompts": snakemake.input.prompts, "corpus": snakemake.input.corpus}
+    # one run (rule teacher_forced), or the frontier's points in one pass (rule teacher_forced_frontier)
+    policies = list(snakemake.params.policies) if hasattr(snakemake.params, "policies") else [w.policy]
+    split = snakemake.params.split if hasattr(snakemake.params, "split") else w.split
     with bind_device(str(spec.get("device", "cpu"))) as device:
         spec = {**spec, "device": device}
-        frame = run_teacher_forced(config, w.model, [w.policy], w.split, paths, model_spec=spec)
-    write_parquet_atomic(frame, snakemake.output[0])
-    return f"wrote {snakemake.output[0]}: {frame.height} positions"
+        frame = run_teacher_forced(config, w.model, policies, split, paths, model_spec=spec)
+    for policy, path in zip(policies, snakemake.output):
+        write_parquet_atomic(frame.filter(pl.col("policy") == policy), path)
+    return f"wrote {len(policies)} runs: {frame.height} positions"
 
 
 def tables():
@@ -47,4 +52,4 @@ def tables():
 
 
 with rule_log(snakemake.log[0], snakemake.rule, snakemake.rule) as log:
-    log.info("%s", one_run() if snakemake.rule == "teacher_forced" else tables())
+    log.info("%s", tables() if snakemake.rule == "teacher_forced_table" else one_run())

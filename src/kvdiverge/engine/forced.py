@@ -4,8 +4,10 @@ Each (document, policy) gets its own one-document kernel pair, built by the runn
 :func:`kvdiverge.engine.runner.build_pair` exactly as the coupled run builds it (the same
 press per prompt length, kept-count promise and prefill seed; a document's prefill forward is
 shared by every policy whose press allows it, as in the coupled run), at temperature 1 and
-``top_p`` 1, and :func:`kvdiverge.engine.llm.teacher.forced_pass` feeds it the document's
-continuation. Where the caller gives no continuation for a document, the full-cache model's
+``top_p`` 1, with its sides decoding apart, and
+:func:`kvdiverge.engine.llm.teacher.forced_log_probs` feeds it the document's continuation;
+the reference side's log-distributions are computed once per document and given to the
+later policies' pairs, which run their evicted side only. Where the caller gives no continuation for a document, the full-cache model's
 greedy continuation is generated once and shared by every policy.
 """
 
@@ -16,10 +18,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import polars as pl
+import torch
 
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation
-from kvdiverge.engine.runner import Document, PressSource, build_pair, check_policy, check_prompt_lengths
+from kvdiverge.engine.llm.teacher import (
+    Forced,
+    TeacherForcing,
+    forced_log_probs,
+    greedy_continuation,
+    position_measures,
+)
+from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.runner import (
+    Document,
+    PressSource,
+    build_pair,
+    check_policy,
+    check_prompt_lengths,
+    shared_prefills,
+)
 from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 
 __all__ = ["Continuation", "continuation_budget", "teacher_forced_policies"]
@@ -109,68 +126,79 @@ def teacher_forced_policies(
     check_prompt_lengths(documents, policies, "policy")
     context = getattr(model.config, "max_position_embeddings", None)
     given = continuations or {}
-    frames = []
+    frames, run = [], _Run(sampling, forcing, split)
+    twin = evicted_twin(model)  # where the shared prefills' presses enter
     for doc in documents:
         cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
-        presses, prefilled = _shared_prefills(model, doc, policies, sampling)
+        presses, prefilled = _shared_prefills(twin, doc, policies, sampling)
+        reference = None  # the reference side's log-distributions, once per document
         for name, source in policies.items():
             made = (presses[name], prefilled.get(name))
-            frames.append(_one(model, doc, (name, source, made), cont, sampling, forcing, split))
+            frame, forced = _one(model, doc, (name, source, made), cont, run, reference)
+            frames.append(frame)
+            if reference is None and forced.shareable:
+                reference = forced.logp
     order = {name: i for i, name in enumerate(policies)}
     out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
     return out.sort("_order", maintain_order=True).drop("_order")
 
 
-def _shared_prefills(model, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
-    """Each policy's press for ``doc``, and the prefills of those that share one forward
-    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`, as the coupled run shares them)."""
-    import torch
+def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
+    """Each policy's press for ``doc``, and the prefills of the prefill-only presses that share one
+    forward (:func:`kvdiverge.engine.runner.shared_prefills`, as the coupled run shares them)."""
+    from kvdiverge.engine.presses.registry import is_decode_time
 
-    from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
-    from kvdiverge.engine.llm.twin import evicted_twin
-    from kvdiverge.engine.presses.registry import shares_prefill
-
-    presses = {name: source.build_press(doc.prompt_len) for name, source in policies.items()}
-    names = [n for n, p in presses.items() if p is not None and shares_prefill(p)]
-    if len(names) < 2:
-        return presses, {}
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
-    with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
-        done = prefill_shared(evicted_twin(model), ids, [presses[n] for n in names])
-    return presses, ({} if done is None else dict(zip(names, done)))
+    presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}
+    sharing = {n: [p] for n, p in presses.items() if p is None or not is_decode_time(p)}
+    bank = shared_prefills(twin, [doc], sharing, sampling)
+    return presses, {name: got[0] for name, got in bank.items() if got is not None}
 
 
-def _one(model, doc, policy, cont: Continuation, sampling: Sampling, forcing, split) -> pl.DataFrame:
-    """One (document, policy): its pair (``policy`` = name, source, (press, shared prefill or None)), the pass, the rows."""
+@dataclass(frozen=True)
+class _Run:
+    """What every (document, policy) of one pass shares."""
+
+    sampling: Sampling
+    forcing: TeacherForcing
+    split: str
+
+
+def _one(model, doc, policy, cont: Continuation, run: _Run, reference) -> tuple[pl.DataFrame, Forced]:
+    """One (document, policy): its pair (``policy`` = name, source, (press, shared prefill or None)), the
+    pass (the document's ``reference`` log-distributions where an earlier pair gave them), the rows."""
     name, source, (press, prefilled) = policy
+    sampling = run.sampling
     pair = build_pair(
         model,
         [doc],
         source,
-        sampling.replace(T=len(cont.tokens), temperature=1.0, top_p=1.0, repetition_penalty=1.0),
+        sampling.untransformed().replace(T=len(cont.tokens)),
         checked=True,
         presses=[press],
         prefilled=None if prefilled is None else [prefilled],
     )
+    if hasattr(pair, "joint"):
+        pair.joint = False  # the sides apart: a forward for the evicted side alone (forced_log_probs)
+    ids = torch.as_tensor(list(cont.tokens), dtype=torch.long, device=pair.device)
     try:
-        values, one = forced_pass(pair, cont.tokens, forcing)
+        forced = forced_log_probs(pair, ids, run.forcing, reference)
     finally:
         if hasattr(pair, "close"):
             pair.close()
     L = len(cont.tokens)
-    cols = {k: v.numpy() for k, v in values.items()}
-    return pl.DataFrame(
+    cols = {k: v.cpu().numpy() for k, v in position_measures(forced.logp, forced.logq, ids).items()}
+    frame = pl.DataFrame(
         {
             "model": [sampling.model_name] * L,
             "policy": [name] * L,
-            "split": [split] * L,
+            "split": [run.split] * L,
             "doc_id": [doc.doc_id] * L,
             "position": list(range(L)),
             "token": list(cont.tokens),
             "continuation": [cont.source] * L,
-            "one_forward": [one] * L,
+            "one_forward": [forced.one_forward] * L,
             **cols,
         },
         schema=POSITION_SCHEMA,
     )
+    return frame, forced

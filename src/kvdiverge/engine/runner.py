@@ -31,6 +31,7 @@ __all__ = [
     "plan_documents",
     "run_documents",
     "run_policies",
+    "shared_prefills",
 ]
 
 log = logging.getLogger(__name__)
@@ -430,7 +431,7 @@ def _run_batches(
             for group in plan.groups:
                 presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in group}
                 start = time.perf_counter()
-                bank = _shared_prefills(twin, batch, presses, sampling)
+                bank = shared_prefills(twin, batch, presses, sampling)
                 shared_seconds = (time.perf_counter() - start) / len(group)
                 for name in group:
                     if name not in bars:
@@ -457,10 +458,30 @@ def _run_batches(
     }
 
 
-def _shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
+def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
     """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
 
-    ``None`` for the whole policy when no document's prefill was shared (the pair prefills).
+    Parameters
+    ----------
+    twin : torch.nn.Module
+        The model's evicted twin (:func:`kvdiverge.engine.llm.twin.evicted_twin`) the presses enter.
+    batch : sequence of Document
+        The documents.
+    presses : mapping of str to list
+        Policy name -> one press (or ``None``) per document; prefill-only presses (a
+        decode-time press's prefill is not shared).
+    sampling : Sampling
+        ``seed`` and ``model_name``: each document's prefill seed
+        (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+
+    Returns
+    -------
+    dict of str to list or None
+        Per policy, per document, a :func:`kvdiverge.engine.llm.prefill.prefill_shared`
+        prefill (``None`` where the document was not shared: fewer than two presses allow it,
+        a question after compression, or the shared forward failed and each pair prefills
+        alone, where a failing press is named); ``None`` for the whole policy when no
+        document's prefill was shared.
     """
     import torch
 

@@ -8,7 +8,7 @@ prefixes and on the first ``W`` post-divergence steps is exactly
     [ p_div + E[N_win],  p_div + E[N_win] + E[L_tail] ].
 
 :func:`sharp_interval` evaluates the ends (and the implied ones for ``E[M]`` and ``rho``);
-the constructions that attain them are in :mod:`kvdiverge.reference.constructions`.
+the constructions that attain them are in :mod:`kvdiverge.testing.constructions`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`text_table` serves the measurement summary and the frontier ranking
 (:mod:`kvdiverge.report.formatting`) and the study's cost table (:mod:`kvdiverge.study.cost`);
 :func:`html_table` the report pages (:mod:`kvdiverge.report.pages`) and the provenance section
-(:func:`kvdiverge.study.provenance.provenance_html`). Cells arrive formatted; nothing here
+(:func:`kvdiverge.report.pages.provenance_html`). Cells arrive formatted; nothing here
 reads numbers.
 """
 

@@ -364,14 +364,15 @@ def with_teacher_columns(table: pl.DataFrame, teacher: pl.DataFrame | None) -> p
     """``table`` (keyed by ``model``, ``policy`` and, if present in both, ``split``) with the teacher-forced
     headline columns of :func:`summary_table` joined on the left (frontier points, summaries).
 
-    Adds ``kld_mean``, ``kld_mean_lo``, ``kld_mean_hi``, ``ppl_ratio``, ``same_top_p`` and
-    ``delta_p_rms`` (those ``teacher`` holds), prefixed ``tf_`` where ``table`` has a column
-    of that name already; ``teacher`` None or empty returns ``table`` unchanged.
+    Adds ``kld_mean``, ``kld_mean_lo``, ``kld_mean_hi``, ``ppl_ratio``, ``same_top_p``,
+    ``delta_p_rms`` and ``floor_kld_mean`` (those ``teacher`` holds), prefixed ``tf_`` where
+    ``table`` has a column of that name already; ``teacher`` None or empty returns ``table``
+    unchanged.
     """
     if teacher is None or teacher.is_empty():
         return table
     keys = [k for k in _KEYS if k in table.columns and k in teacher.columns]
-    wanted = ["kld_mean", "kld_mean_lo", "kld_mean_hi", "ppl_ratio", "same_top_p", "delta_p_rms"]
+    wanted = ["kld_mean", "kld_mean_lo", "kld_mean_hi", "ppl_ratio", "same_top_p", "delta_p_rms", "floor_kld_mean"]
     cols = [c for c in wanted if c in teacher.columns]
     right = teacher.select(*keys, *[pl.col(c).alias(f"tf_{c}" if c in table.columns else c) for c in cols])
     return table.join(right, on=keys, how="left")

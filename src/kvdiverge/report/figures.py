@@ -42,6 +42,7 @@ __all__ = [
     "draw_frontier",
     "draw_speculative",
     "frontier_figure",
+    "frontier_panels",
     "plot_frontier",
     "plot_speculative",
     "speculative_figure",
@@ -434,9 +435,18 @@ FRONTIER_PANELS = (
     ("tau_mean", "mean first-divergence step (given divergence)"),
 )
 
+#: The frontier figure's optional panel, drawn where the points carry the teacher-forced mean KLD.
+TEACHER_PANEL = ("kld_mean", "teacher-forced mean KLD (nats per token)")
+
+
+def frontier_panels(points: pl.DataFrame) -> tuple[tuple[str, str], ...]:
+    """``FRONTIER_PANELS``, and ``TEACHER_PANEL`` where ``points`` has a non-null ``kld_mean``."""
+    teacher = "kld_mean" in points.columns and points["kld_mean"].is_not_null().any()
+    return FRONTIER_PANELS + ((TEACHER_PANEL,) if teacher else ())
+
 
 def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
-    """Draw one model's frontier on three axes (``FRONTIER_PANELS``).
+    """Draw one model's frontier on three or four axes (:func:`frontier_panels`).
 
     Without quantized-cache points, each press is a line over retention ``1 -
     compression_ratio`` with its interval band, in rank order (legend: rank, press);
@@ -448,15 +458,17 @@ def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
 
     Parameters
     ----------
-    axes : sequence of 3 matplotlib Axes
+    axes : sequence of matplotlib Axes
+        One per panel of :func:`frontier_panels`.
     points : polars.DataFrame
-        :func:`kvdiverge.estimation.frontier.frontier_tables` points of one model.
+        :func:`kvdiverge.estimation.frontier.frontier_tables` points of one model, with the
+        teacher-forced columns or without them.
     title : str, optional
         Prefix of the panel titles (default: the model).
     """
     title = title if title is not None else ", ".join(sorted(points["model"].unique().to_list()))
     in_bytes = "cache" in points.columns and points["cache"].is_not_null().any()
-    for ax, (metric, label) in zip(axes, FRONTIER_PANELS):
+    for ax, (metric, label) in zip(axes, frontier_panels(points)):
         _floor_band(ax, points, metric)
         if in_bytes:
             _draw_byte_curves(ax, points, metric)
@@ -467,17 +479,20 @@ def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
             _draw_ratio_curves(ax, points, metric)
             ax.set(xlabel="retention = 1 − compression ratio")
         ax.set(ylabel=label, title=f"{title}: {metric}")
-        if metric in ("p_div", "E_M"):
+        if metric in ("p_div", "E_M", "kld_mean"):
             ax.set_ylim(bottom=0)
     axes[0].legend(fontsize="small", loc="best")
 
 
 def _floor_band(ax, points: pl.DataFrame, metric: str) -> None:
     """The noise floor's ``metric`` on the frontier's documents: grey band and dashed line."""
+    if f"floor_{metric}" not in points.columns:
+        return
     floor = points.filter(pl.col(f"floor_{metric}").is_not_null() & pl.col(f"floor_{metric}").is_not_nan())
     if floor.height:
         f = floor.row(0, named=True)
-        ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
+        if f"floor_{metric}_lo" in f:
+            ax.axhspan(f[f"floor_{metric}_lo"], f[f"floor_{metric}_hi"], color="#bbbbbb", alpha=0.5, lw=0)
         ax.axhline(
             f[f"floor_{metric}"], color=FLOOR_COLORS[0], ls=(0, (4, 2)), lw=1, label=f"noise floor ({f['floor']})"
         )
@@ -569,7 +584,7 @@ def _draw_byte_curves(ax, points: pl.DataFrame, metric: str) -> None:
 
 
 def frontier_figure(points: pl.DataFrame) -> plt.Figure:
-    """The frontier figure: one row of three panels per model (:func:`draw_frontier`).
+    """The frontier figure: one row of panels per model (:func:`draw_frontier`, :func:`frontier_panels`).
 
     Parameters
     ----------
@@ -580,7 +595,8 @@ def frontier_figure(points: pl.DataFrame) -> plt.Figure:
     if points.height == 0:
         return _empty("no frontier points")
     models = sorted(points["model"].unique().to_list())
-    fig, axes = plt.subplots(len(models), 3, figsize=(14, 4.2 * len(models)), squeeze=False)
+    n = len(frontier_panels(points))
+    fig, axes = plt.subplots(len(models), n, figsize=(14 * n / 3, 4.2 * len(models)), squeeze=False)
     for row, model in zip(axes, models):
         draw_frontier(row, points.filter(pl.col("model") == model), title=model)
     in_bytes = "cache" in points.columns and points["cache"].is_not_null().any()

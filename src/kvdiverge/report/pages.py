@@ -22,6 +22,7 @@ __all__ = [
     "confirmatory_html",
     "floor_html",
     "frontier_html",
+    "provenance_html",
     "speculative_html",
     "summary_html",
 ]
@@ -248,12 +249,43 @@ def _gap_rows(gaps: pl.DataFrame) -> list[list]:
     return gap_rows
 
 
+def provenance_html(table: pl.DataFrame, study_hash: str | None) -> str:
+    """An HTML section (``<h2>`` + paragraph + table) of the provenance table.
+
+    Parameters
+    ----------
+    table : polars.DataFrame
+        :func:`kvdiverge.study.provenance.provenance_table` rows: ``model``, ``policy``,
+        ``split``, ``shards``, ``settings_hash`` and a column per library version (those present).
+    study_hash : str or None
+        :func:`kvdiverge.study.provenance.study_hash` of ``table`` (``None``: no runs).
+    """
+    fixed = ("model", "policy", "split", "shards", "settings_hash", "settings")
+    libs = [c for c in table.columns if c not in fixed]
+    head = ["model", "policy", "split", "shards", "settings hash", *libs]
+    rows = [
+        [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
+        for r in table.iter_rows(named=True)
+    ]
+    return (
+        "<h2>Provenance</h2><p>Study settings hash <code>"
+        f"{study_hash or 'none'}</code>. Every trajectory shard records "
+        "the settings it was made with (model and policy entries, decoding, replicates, seed, "
+        "shards, control documents) and the library versions of the process that made it; "
+        "the estimate stage refuses shards whose settings differ from the config. Full "
+        "settings per run: <code>analysis/provenance.csv</code>.</p>"
+        f"{html_table(head, rows)}"
+    )
+
+
 def summary_html(
     pooled: pl.DataFrame,
     gaps: pl.DataFrame,
     confirmatory: pl.DataFrame,
     plan: Mapping[str, Any],
+    *,
     floor: pl.DataFrame | None = None,
+    provenance: str | None = None,
 ) -> str:
     """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
 
@@ -270,6 +302,8 @@ def summary_html(
     floor : polars.DataFrame, optional
         :func:`kvdiverge.estimation.analysis.floor_comparison` output: adds the column "above noise
         floor" to the headline table and the floor table below it.
+    provenance : str, optional
+        :func:`provenance_html`'s section, the page's last.
 
     Returns
     -------
@@ -287,7 +321,7 @@ def summary_html(
         f"{html_table(_GAP_HEADER, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
         f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
-        "</body></html>"
+        f"{provenance or ''}</body></html>"
     )
 
 
@@ -362,8 +396,19 @@ def _area_rows(areas: pl.DataFrame) -> list[list]:
     ]
 
 
+#: The frontier page's teacher-forced columns, where the points carry them
+#: (:func:`kvdiverge.estimation.teacher_forced.with_teacher_columns`).
+POINT_TEACHER_HEADER = ["teacher-forced mean KLD [CI]", "PPL ratio", "Same top p", "RMS Δp"]
+
+
+def _teacher_cells(r) -> list:
+    return [with_interval(r, "kld_mean"), number(r["ppl_ratio"]), number(r["same_top_p"]), number(r["delta_p_rms"])]
+
+
 def _point_rows(points: pl.DataFrame) -> list[list]:
-    """Rows of the frontier's points (:data:`POINT_HEADER`): one per point, in the table's order."""
+    """Rows of the frontier's points (:data:`POINT_HEADER`, then :data:`POINT_TEACHER_HEADER` where the
+    points carry the teacher-forced columns): one per point, in the table's order."""
+    teacher = "kld_mean" in points.columns
     return [
         [
             r["model"],
@@ -387,6 +432,7 @@ def _point_rows(points: pl.DataFrame) -> list[list]:
             with_interval(r, "floor_E_M"),
             f"{_yes(r['above_floor_p_div'])} / {_yes(r['above_floor_E_M'])}",
         ]
+        + (_teacher_cells(r) if teacher else [])
         for r in points.iter_rows(named=True)
     ]
 
@@ -407,6 +453,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         A standalone HTML document.
     """
     area_rows, point_rows = _area_rows(areas), _point_rows(points)
+    point_header = POINT_HEADER + (POINT_TEACHER_HEADER if "kld_mean" in points.columns else [])
     pct = f"{confidence:.0%}"
     ranged = areas.filter(pl.col("covers_range")) if areas.height else areas
     common = _span(ranged["range_lo"][0], ranged["range_hi"][0]) if ranged.height else "–"
@@ -423,12 +470,14 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
         f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
         f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
-        f"<h2>Every point</h2>{html_table(POINT_HEADER, point_rows)}"
+        f"<h2>Every point</h2>{html_table(point_header, point_rows)}"
         "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
         "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
         "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
         "are the noise-floor control (permutation press, equal kernels in exact arithmetic) on the same "
-        "documents; above floor: the lower end of the paired interval of (point − floor) is above 0.</p>"
+        "documents; above floor: the lower end of the paired interval of (point − floor) is above 0. "
+        "The teacher-forced columns, where present, are llama.cpp's --kl-divergence statistics of the "
+        "same point on a continuation fed to both caches (the teacher_forced table).</p>"
         "</body></html>"
     )
 

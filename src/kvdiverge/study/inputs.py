@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvdiverge.engine.core.sampling import decoding_options
+
 if TYPE_CHECKING:
     from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.runner import Document, PressSource
@@ -629,7 +631,7 @@ def measure_settings(
 ) -> dict[str, Any]:
     """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
     temperature, top_p, seed (of ``sampling``, a :class:`kvdiverge.engine.core.sampling.Sampling`;
-    its ``repetition_penalty`` too, when not 1), window, bootstrap, confidence, instruction, system, presses
+    each of its :func:`~kvdiverge.engine.core.sampling.decoding_options` too, when not at its default), window, bootstrap, confidence, instruction, system, presses
     (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
     (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
     if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
@@ -648,8 +650,9 @@ def measure_settings(
         "system": system,
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
-    if sampling.repetition_penalty != 1:
-        settings["repetition_penalty"] = float(sampling.repetition_penalty)
+    for name, option in decoding_options().items():  # recorded when set, so old records stay as they were
+        if getattr(sampling, name) != option["default"]:
+            settings[name] = getattr(sampling, name)
     if grid is not None:
         settings["frontier"] = [point.as_dict() for point in grid]
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None

@@ -66,7 +66,6 @@ __all__ = [
     "regenerate_command",
     "provenance_table",
     "study_hash",
-    "provenance_html",
 ]
 
 log = logging.getLogger(__name__)
@@ -403,27 +402,6 @@ def study_hash(table: pl.DataFrame) -> str:
         .rows()
     ]
     return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
-
-
-def provenance_html(table: pl.DataFrame) -> str:
-    """An HTML section (``<h2>`` + paragraph + table) of :func:`provenance_table`."""
-    libs = [c for c in ("python", *LIBRARIES) if c in table.columns]
-    head = ["model", "policy", "split", "shards", "settings hash", *libs]
-    rows = [
-        [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
-        for r in table.iter_rows(named=True)
-    ]
-    from kvdiverge.estimation.render import html_table
-
-    return (
-        "<h2>Provenance</h2><p>Study settings hash <code>"
-        f"{study_hash(table) if table.height else 'none'}</code>. Every trajectory shard records "
-        "the settings it was made with (model and policy entries, decoding, replicates, seed, "
-        "shards, control documents) and the library versions of the process that made it; "
-        "the estimate stage refuses shards whose settings differ from the config. Full "
-        "settings per run: <code>analysis/provenance.csv</code>.</p>"
-        f"{html_table(head, rows)}"
-    )
 
 
 def save_measurement(

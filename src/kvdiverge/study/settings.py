@@ -21,15 +21,18 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdiverge.engine.core.sampling import decoding_options
+
 __all__ = ["SETTINGS", "allowed", "check_settings", "config_sampling", "setting_problems", "token_id_problems"]
 
-#: Each setting by its ``kvdiverge.measure`` argument name: its config key.
+#: Each setting by its ``kvdiverge.measure`` argument name: its config key (the decoding
+#: settings of :func:`kvdiverge.engine.core.sampling.decoding_options` as ``decoding.<name>``).
 SETTINGS: dict[str, str] = {
     "max_new_tokens": "decoding.max_new_tokens",
     "replicates": "replicates",
     "temperature": "decoding.temperature",
     "top_p": "decoding.top_p",
-    "repetition_penalty": "decoding.repetition_penalty",
+    **{name: f"decoding.{name}" for name in decoding_options()},
     "seed": "seed",
     "window": "window",
     "bootstrap": "analysis.bootstrap",
@@ -172,8 +175,8 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
     Parameters
     ----------
     config : mapping
-        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``,
-        optional ``repetition_penalty``),
+        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``, and
+        any of :func:`kvdiverge.engine.core.sampling.decoding_options`),
         ``replicates``, ``seed``.
     model_name : str
         Key of ``config['models']``; enters the seeds and the ``model`` column.
@@ -191,7 +194,7 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
         replicates=int(config["replicates"]),
         temperature=float(decoding["temperature"]),
         top_p=float(decoding.get("top_p", 1.0)),
-        repetition_penalty=float(decoding.get("repetition_penalty", 1.0)),
+        **{name: decoding[name] for name in decoding_options() if name in decoding},
         seed=int(config["seed"]),
         model_name=model_name,
     )

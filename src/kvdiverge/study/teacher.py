@@ -101,7 +101,9 @@ def run_teacher_forced(
     Returns
     -------
     polars.DataFrame
-        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`.
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, policies grouped by
+        their documents (those on the same documents run in one pass: one prefill forward
+        and one reference side per document, :func:`kvdiverge.engine.forced.teacher_forced_policies`).
     """
     from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.forced import teacher_forced_policies
@@ -120,19 +122,22 @@ def run_teacher_forced(
     one_shard = {**config, "shards": 1}
     sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(config["seed"]))
     sampling = sampling.replace(model_name=model_name, eos_ids=tuple(model_eos_ids(model)))
-    frames = []
-    for name in policies:
+    frames, groups = [], {}
+    for name in policies:  # policies on the same documents run together: shared prefills and reference
         docs = shard_documents(prompts, one_shard, name, split, 0)
+        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
+    corpus_text = (config.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
+    for doc_ids, (docs, names) in groups.items():
         conts = {}
-        if (config.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus":
+        if corpus_text:
             corpus = pl.read_parquet(paths["corpus"])
-            conts = corpus_continuations(config, corpus, tokenizer, docs["doc_id"].to_list(), forcing.length)
-        log.info("%s / %s / %s: %d documents, %d with corpus text", model_name, name, split, docs.height, len(conts))
+            conts = corpus_continuations(config, corpus, tokenizer, list(doc_ids), forcing.length)
+        log.info("%s / %s / %s: %d documents, %d with corpus text", model_name, names, split, docs.height, len(conts))
         frames.append(
             teacher_forced_policies(
                 model,
                 [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-                {name: Policy.from_config(name, config["policies"][name])},
+                {name: Policy.from_config(name, config["policies"][name]) for name in names},
                 sampling=sampling,
                 forcing=forcing,
                 split=split,

@@ -3,17 +3,24 @@
 Each door (``kvdiverge.measure``, ``kvdiverge measure``, the workflow's shard job) builds one
 :class:`Sampling` and passes it down: the runner and the coupled run read their generation
 settings from it, and the kernel pairs read the decoding transform's part of it
-(:attr:`Sampling.decoding`, a :class:`Decoding`), from nowhere else. A new decoding setting
-is then one field of each here, one schema entry, the place that uses it, and a test.
+(:attr:`Sampling.decoding`, a :class:`Decoding`), from nowhere else.
+
+A decoding setting beyond temperature and top-p is a :class:`Decoding` field whose metadata
+carries its help text (:func:`decoding_options`): the doors take every such field by name,
+with nothing of their own to edit (the config's ``decoding.<name>``, ``kvdiverge.measure(...,
+<name>=...)``, the command line's ``--<name>``, the recorded settings, the teacher-forced
+pass's neutral transform). A new one is then its field here (in both classes, with its
+check), the transform that uses it (:mod:`kvdiverge.engine.core.decoding`, or the pairs for
+one that reads the context), one schema entry, and its tests.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["Decoding", "Sampling"]
+__all__ = ["Decoding", "Sampling", "decoding_options"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +52,13 @@ class Decoding:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "CTRL's repetition penalty on both generations, as model.generate's (default: 1, none)",
+            "metavar": "THETA",
+        },
+    )
     eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -57,6 +70,34 @@ class Decoding:
     def greedy(self) -> bool:
         """Whether decoding is greedy (temperature 0)."""
         return self.temperature == 0
+
+    def log_probs(self, logits, dtype):
+        """The transformed next-token log-distributions of raw ``logits`` (B, V): temperature and top-p
+        (:func:`kvdiverge.engine.core.decoding.decode_log_probs`), in ``dtype``. A setting that reads
+        each row's context (the repetition penalty) is applied before, by the pair that holds the context."""
+        from kvdiverge.engine.core.decoding import decode_log_probs
+
+        return decode_log_probs(logits, self.temperature, self.top_p, dtype=dtype)
+
+
+def decoding_options() -> dict[str, dict]:
+    """The decoding settings the doors take by name: :class:`Decoding`'s fields with a ``help`` in their metadata.
+
+    Returns
+    -------
+    dict of str to dict
+        Name -> ``{"default": ..., "help": str, "metavar": str}``, in field order. The
+        default changes nothing, so an unset setting leaves a config's settings hash as it was.
+    """
+    return {
+        f.name: {"default": f.default, "help": f.metadata["help"], "metavar": f.metadata.get("metavar", "X")}
+        for f in fields(Decoding)
+        if "help" in f.metadata
+    }
+
+
+#: The fields a :class:`Sampling` shares with its :class:`Decoding`: every field of :class:`Decoding`.
+_SHARED = tuple(f.name for f in fields(Decoding))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,12 +139,7 @@ class Sampling:
     @property
     def decoding(self) -> Decoding:
         """The decoding transform's settings (what the kernel pairs read)."""
-        return Decoding(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            repetition_penalty=self.repetition_penalty,
-            eos_ids=self.eos_ids,
-        )
+        return Decoding(**{name: getattr(self, name) for name in _SHARED})
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +149,13 @@ class Sampling:
     def replace(self, **changes) -> Sampling:
         """A copy with ``changes`` applied (and checked)."""
         return replace(self, **changes)
+
+    def untransformed(self) -> Sampling:
+        """A copy whose decoding transform is off: temperature 1, top-p 1 and every setting of
+        :func:`decoding_options` at its default, so the pairs return the raw logits' log-softmax
+        (the teacher-forced pass, as llama.cpp scores)."""
+        neutral = {name: option["default"] for name, option in decoding_options().items()}
+        return replace(self, temperature=1.0, top_p=1.0, **neutral)
 
 
 def _check_decoding(d: Decoding) -> None:

@@ -68,6 +68,9 @@ def grouped_sdpa(
 
     B, heads, L, D = query.shape
     kv_heads = key.shape[1]
+    block_keep = getattr(module, "block_keep", None)
+    if L > 1 and block_keep is not None:
+        return _head_masked_block(query, key, value, attention_mask, block_keep, dropout=dropout, scaling=scaling)
     if L != 1 or heads == kv_heads or kwargs.get("output_attentions", False):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -77,6 +80,38 @@ def grouped_sdpa(
         q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )
     return out.reshape(B, 1, heads, value.shape[-1]), None
+
+
+def _head_masked_block(query, key, value, attention_mask, block_keep, *, dropout: float, scaling) -> tuple:
+    """Attention of ``L > 1`` query positions with per-head key masks given as a boolean mask.
+
+    ``block_keep`` is ``(keep, width)``: ``keep`` bool (B, kv_heads, width), ``False`` on the
+    prompt columns a row's key-value head does not attend to
+    (:meth:`kvdiverge.engine.llm.masks.HeadMasks.block`); columns from ``width`` on are
+    attended by every head. The per-head mask is combined with ``attention_mask`` (bool
+    (B, 1, L, S); ``None``: causal, the ``L`` queries being the last ``L`` columns) and the
+    keys and values are repeated per query head (``repeat_kv``), so a masked key's weight is
+    exactly 0, where kvpress's fake key gives a weight that underflows to 0 in decoding.
+    Returns ``(output (B, L, heads, Dv), None)`` as ``sdpa_attention_forward``.
+    """
+    B, heads, L, _ = query.shape
+    kv_heads, S = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    keep, width = block_keep
+    cols = torch.ones(B, kv_heads, 1, S, dtype=torch.bool, device=key.device)
+    cols[:, :, 0, :width] = keep
+    if attention_mask is None:
+        attention_mask = torch.ones(L, S, dtype=torch.bool, device=key.device).tril(S - L)
+    mask = (cols & attention_mask.to(torch.bool)).repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(groups, dim=1),
+        value.repeat_interleave(groups, dim=1),
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:

@@ -332,25 +332,42 @@ class LLMKernelPair(LLMPairBase):
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
 
     @torch.inference_mode()
-    def advance_block(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance_block(
+        self, tokens: torch.Tensor, *, reference: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Append the same ``tokens`` (int64 (n_rows, L)) to both sides, one forward; log-dists (n_rows, L, vocab) each.
 
         The teacher-forced pass (:mod:`kvdiverge.engine.llm.teacher`); rows then hold ``L``
-        more generated tokens, as after ``L`` calls of :meth:`advance`.
+        more generated tokens, as after ``L`` calls of :meth:`advance`. ``reference=False``
+        runs the evicted side alone and returns ``None`` for the reference (the pass shares
+        one reference side among a document's policies); it needs a pair whose sides decode
+        apart (``joint=False``) and leaves the reference side behind, so the pair is done after it.
+
+        Raises
+        ------
+        ValueError
+            With a repetition penalty; with ``reference=False`` on a pair decoding its sides jointly.
         """
         if self._repeats is not None:
             raise ValueError("advance_block decodes without a repetition penalty (the teacher-forced pass)")
         tokens = tokens.to(self.device)
+        if not reference:
+            if not isinstance(self._sides, SeparateSides):
+                raise ValueError("advance_block(reference=False) needs a pair built with joint=False")
+            ev_logits = self._sides.ev.forward_block(self.twin, tokens)
+            return None, self._transform(ev_logits.flatten(0, 1), "evicted").view(ev_logits.shape)
         ref_logits, ev_logits = self._sides.forward_block(tokens, tokens)
         shape = ref_logits.shape
         logp = self._transform(ref_logits.flatten(0, 1), "reference").view(shape)
         return logp, self._transform(ev_logits.flatten(0, 1), "evicted").view(shape)
 
     @property
-    def head_masked(self) -> bool:
-        """True when some evicted row attends per layer and head to its own columns (after :meth:`start`)."""
-        side = self._sides.side if isinstance(self._sides, JointSides) else self._sides.ev
-        return side.masks is not None
+    def block_forward(self) -> bool:
+        """True when :meth:`advance_block` can run (after :meth:`start`): the evicted rows have no
+        per-head masks, or they run on the grouped attention, which takes the masks as a boolean mask."""
+        if isinstance(self._sides, JointSides):
+            return self._sides.side.block_masks(self.twin)
+        return self._sides.ev.block_masks(self.twin)
 
     @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ left padding, rewound columns).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -155,3 +156,24 @@ class HeadMasks:
         """Set each attention module's ``masked_key_indices`` for the next decoding forward."""
         for module, idx in zip(modules, self.indices()):
             module.masked_key_indices = idx
+
+    @contextlib.contextmanager
+    def block(self, modules: Sequence):
+        """Mask per head by a boolean attention mask during a forward of several query positions.
+
+        Inside the block each attention module holds ``block_keep = (keep, width)`` (its
+        layer's mask, or ``None``) and no ``masked_key_indices``, so kvpress's attention
+        patch leaves the keys alone and :func:`kvdiverge.engine.llm.attention.grouped_sdpa`
+        masks the keys itself (exactly 0 weight). kvpress's fake key is searched for all the
+        forward's queries at once, and for many queries that search can fail; decoding
+        (one query position) keeps :meth:`apply`. Only for a model on the grouped
+        attention: another implementation would ignore ``block_keep``.
+        """
+        for module, keep in zip(modules, self.keep):
+            module.masked_key_indices = None
+            module.block_keep = None if keep is None else (keep, self.width)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.block_keep = None

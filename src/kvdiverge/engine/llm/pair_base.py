@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdiverge.engine.core.coupling import coupling_dtype
-from kvdiverge.engine.core.decoding import RepeatHistory, decode_log_probs
+from kvdiverge.engine.core.decoding import RepeatHistory
 from kvdiverge.engine.core.errors import check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.planner import cache_columns
@@ -134,7 +134,7 @@ class LLMPairBase:
         check_logits_finite(logits, side)
         if self._repeats is not None:
             logits = self._repeats.penalize(logits, side)
-        return decode_log_probs(logits, self.decoding.temperature, self.decoding.top_p, dtype=self.dtype)
+        return self.decoding.log_probs(logits, self.dtype)
 
     def _positions(self, starts: Sequence[int], R: int):
         """RoPE position of each row's first generated token: an int for one document, else int64 (B * R,)."""

@@ -144,19 +144,22 @@ class CacheSide:
         Token ``j`` of a row sits at RoPE position ``prompt_len + n_gen + j`` and attends,
         causally, to the row's valid columns and the block's earlier tokens: what ``L``
         calls of :meth:`forward` compute, up to float rounding. Per-head masks
-        (:class:`~kvdiverge.engine.llm.masks.HeadMasks`) are applied as in :meth:`forward`,
-        but kvpress's fake key is then searched for all ``L`` queries at once (the
-        teacher-forced pass steps instead, :mod:`kvdiverge.engine.llm.teacher`).
+        (:class:`~kvdiverge.engine.llm.masks.HeadMasks`) enter the grouped attention as a
+        boolean mask (:meth:`~kvdiverge.engine.llm.masks.HeadMasks.block`: the masked keys
+        weigh exactly 0, as kvpress's fake key makes them weigh in decoding); raises
+        ``ValueError`` when the side has such masks but not the grouped attention
+        (:meth:`block_masks`).
         """
         n_rows, L = tokens.shape
+        if self.masks is not None and not self.block_masks(model):
+            raise ValueError("a forward of several tokens with per-head masks needs the grouped sdpa attention")
         tokens = self._physical(tokens)
         offsets = torch.arange(L, device=tokens.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, L)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1) + offsets], dim=1)
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1) + offsets
-        if self.masks is not None:
-            self.masks.apply(self.modules)
-        with grouped_attention(model, self.grouped):  # several query positions: the stock sdpa path
+        masked = self.masks.block(self.modules) if self.masks is not None else contextlib.nullcontext()
+        with grouped_attention(model, self.grouped), masked:
             out = model(
                 input_ids=tokens,
                 past_key_values=self.cache,
@@ -166,6 +169,11 @@ class CacheSide:
             )
         self.n_gen += L
         return self.logical(out.logits)
+
+    def block_masks(self, model) -> bool:
+        """True when :meth:`forward_block` can run on ``model``: no per-head masks, or the grouped attention."""
+        name = getattr(model.config, "_attn_implementation", None)
+        return self.masks is None or (self.grouped and name in ("sdpa", GROUPED_SDPA))
 
     def rewind(self, length: torch.Tensor) -> None:
         """Mask each row's generated columns from its ``length[r]``-th on (int64 (n_rows,))."""

@@ -12,12 +12,16 @@ positions), then the continuation ``c_1 .. c_L`` is appended to *both* sides, an
 How the continuation enters:
 
 - **Prefill-only presses** (the press acts once, on the prompt): ``c_1 .. c_{L-1}`` in one
-  forward per pair (:meth:`~kvdiverge.engine.llm.llm_pair.LLMKernelPair.advance_block`; both sides are rows of that
-  forward when the pair decodes them jointly), the first position's distributions being
-  the prefill's own. Equal to feeding token by token up to float rounding (a test).
-- **Head-wise masks** (AdaKV, DMS, ...): token by token, since kvpress's masked keys are a
-  fake key searched for the forward's queries, and the search over many queries at once
-  would differ from decoding's.
+  forward per side (:meth:`~kvdiverge.engine.llm.llm_pair.LLMKernelPair.advance_block`),
+  the first position's distributions being the prefill's own. Equal to feeding token by
+  token up to float rounding (a test). The reference side is the same for every policy of
+  a document: :func:`forced_log_probs` takes it from an earlier pair (``reference``), so
+  each further policy runs its evicted side only.
+- **Head-wise masks** (AdaKV, PyramidKV, DMS, ...) go in the same one forward: the grouped
+  attention takes the per-head masks as a boolean attention mask
+  (:meth:`kvdiverge.engine.llm.masks.HeadMasks.block`), a masked key weighing exactly 0.
+  Decoding masks them with kvpress's fake key, whose weight underflows to 0 for the one
+  query it is searched for (its search over all of a block's queries can fail).
 - **Decode-time presses and quantized caches** (:class:`~kvdiverge.engine.llm.decode_pair.DecodeTimePair`): token by token,
   as decoding runs them. A quantized cache (``transformers``' ``QuantizedLayer``) then
   holds the continuation's keys and values exactly as decoding would: the prompt
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TeacherForcing", "forced_pass", "greedy_continuation", "position_measures"]
+__all__ = ["Forced", "TeacherForcing", "forced_log_probs", "forced_pass", "greedy_continuation", "position_measures"]
 
 
 @dataclass(frozen=True)
@@ -128,21 +132,76 @@ def forced_pass(pair, tokens: Sequence[int], forcing: TeacherForcing) -> tuple[d
     ValueError
         If ``tokens`` is empty or the pair holds more than one document.
     """
-    if not len(tokens):
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=pair.device)
+    forced = forced_log_probs(pair, ids, forcing)
+    return {k: v.cpu() for k, v in position_measures(forced.logp, forced.logq, ids).items()}, forced.one_forward
+
+
+@dataclass(frozen=True)
+class Forced:
+    """The two sides' log-distributions over a fed continuation (:func:`forced_log_probs`).
+
+    Attributes
+    ----------
+    logp, logq : torch.Tensor
+        Reference and evicted log-probabilities, (L, vocab), float64, on the pair's device.
+    one_forward : bool
+        The evicted side took the continuation in one forward.
+    shareable : bool
+        ``logp`` came from a one-forward pass on the reference model with the sides apart,
+        so another policy's pair of the same document can take it as its ``reference``
+        (its own reference side would compute the same values, bit for bit).
+    """
+
+    logp: torch.Tensor
+    logq: torch.Tensor
+    one_forward: bool
+    shareable: bool
+
+
+@torch.inference_mode()
+def forced_log_probs(pair, ids: torch.Tensor, forcing: TeacherForcing, reference: torch.Tensor | None = None) -> Forced:
+    """Both sides' log-distributions at every position of a continuation fed after the prefill.
+
+    Parameters
+    ----------
+    pair : LLMKernelPair or DecodeTimePair
+        One document, not started, built with ``temperature=1.0`` and ``top_p=1.0``; an
+        :class:`~kvdiverge.engine.llm.llm_pair.LLMKernelPair` built with ``joint=False``
+        can take a ``reference``.
+    ids : torch.Tensor
+        int64 (L,): the continuation ``c_1 .. c_L`` (L >= 1).
+    forcing : TeacherForcing
+        ``block``: one forward where the press allows it (see the module).
+    reference : torch.Tensor, optional
+        ``logp`` of a :class:`Forced` with ``shareable`` from another pair of the same
+        document, prompt and continuation: the reference side is then not run again
+        (used only where this pair runs the continuation in one forward with its sides apart).
+
+    Returns
+    -------
+    Forced
+
+    Raises
+    ------
+    ValueError
+        If ``ids`` is empty or the pair holds more than one document.
+    """
+    if not ids.numel():
         raise ValueError("teacher-forced pass: the continuation is empty")
     if pair.n_documents != 1:
         raise ValueError(f"teacher-forced pass: one document per pair, got {pair.n_documents}")
-    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=pair.device)
     logp1, logq1 = pair.start(1)
-    block = forcing.block and hasattr(pair, "advance_block") and not pair.head_masked and ids.numel() > 1
-    if block:
-        lp, lq = pair.advance_block(ids[:-1].unsqueeze(0))
-        logp, logq = torch.cat([logp1, lp[0]]), torch.cat([logq1, lq[0]])
-    else:
+    block = forcing.block and getattr(pair, "block_forward", False) and ids.numel() > 1
+    if not block:
         steps = [(logp1, logq1)] + [pair.advance(t.view(1), t.view(1)) for t in ids[:-1]]
-        logp, logq = torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])
-    out = {k: v.cpu() for k, v in position_measures(logp, logq, ids).items()}
-    return out, bool(block)
+        return Forced(torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps]), False, False)
+    apart = not getattr(pair, "joint", True)
+    if reference is not None and apart:
+        _, lq = pair.advance_block(ids[:-1].unsqueeze(0), reference=False)
+        return Forced(reference, torch.cat([logq1, lq[0]]), True, True)
+    lp, lq = pair.advance_block(ids[:-1].unsqueeze(0))
+    return Forced(torch.cat([logp1, lp[0]]), torch.cat([logq1, lq[0]]), True, apart)
 
 
 @torch.inference_mode()

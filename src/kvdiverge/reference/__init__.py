@@ -1,2 +1,0 @@
-"""Reference constructions for tests and benchmarks: exact enumeration, the §4
-constructions, miniature random-weight architectures."""
