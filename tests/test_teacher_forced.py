@@ -156,16 +156,27 @@ def run_pass(model, press, tokens, block, joint=True):
 @pytest.mark.miniature
 @pytest.mark.parametrize(
     "press",
-    [kvpress.SnapKVPress(0.5, window_size=8), kvpress.StreamingLLMPress(0.5, n_sink=4), PermutationPress(seed=0)],
-    ids=["snapkv", "streaming", "permutation"],
+    [
+        kvpress.SnapKVPress(0.5, window_size=8),
+        kvpress.StreamingLLMPress(0.5, n_sink=4),
+        PermutationPress(seed=0),
+        kvpress.PyramidKVPress(0.5, window_size=8),
+        kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8)),
+    ],
+    ids=["snapkv", "streaming", "permutation", "pyramidkv", "adakv"],
 )
 def test_one_forward_equals_token_by_token(model, press):
+    """One forward per side gives the stepped distributions, on the joint and on the separate sides.
+    Per-layer lengths (PyramidKV) and per-head eviction (AdaKV) mask keys per head: in one forward
+    the grouped attention masks them with a boolean mask, where stepping uses kvpress's fake key."""
     tokens = prompt(20, seed=9)
     block, one = run_pass(model, press, tokens, True)
     steps, stepped = run_pass(model, press, tokens, False)
+    apart, _ = run_pass(model, press, tokens, True, joint=False)
     assert one and not stepped
     for key in ("kld", "delta_p", "ll_ref", "ll_ev"):
         assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
+        assert torch.allclose(apart[key], block[key], atol=1e-5, rtol=0), key
     assert bool((block["kld"] > 1e-3).any()) or isinstance(press, PermutationPress)  # the press moved something
 
 
@@ -195,27 +206,6 @@ def test_none_control_and_greedy_continuation(model):
     assert row["kld_mean"] == 0.0 and row["same_top_p"] == 1.0 and row["ppl_ratio"] == 1.0
     assert t.filter(pl.col("policy") == "snap")["kld_mean"].item() > 0
     assert continuation_budget(100, TeacherForcing(length=128), 160) == 60
-
-
-@pytest.mark.miniature
-@pytest.mark.parametrize(
-    "press",
-    [kvpress.PyramidKVPress(0.5, window_size=8), kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8))],
-    ids=["pyramidkv", "adakv"],
-)
-def test_head_masked_presses_in_one_forward(model, press):
-    """Per-layer lengths (PyramidKV) and per-head eviction (AdaKV) mask keys per head: in one forward
-    the grouped attention masks them with a boolean mask, where stepping uses kvpress's fake key;
-    both give the same distributions, on the joint and the separate sides."""
-    tokens = prompt(20, seed=9)
-    block, one = run_pass(model, press, tokens, True)
-    steps, stepped = run_pass(model, press, tokens, False)
-    assert one and not stepped
-    for key in ("kld", "delta_p", "ll_ref", "ll_ev"):
-        assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
-    assert bool((block["kld"] > 1e-3).any())
-    apart, _ = run_pass(model, press, tokens, True, joint=False)
-    assert torch.allclose(apart["kld"], block["kld"], atol=1e-5, rtol=0)
 
 
 @pytest.mark.miniature
