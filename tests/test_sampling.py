@@ -98,8 +98,8 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     assert getattr(s.decoding, name) == value and getattr(s.untransformed(), name) == default
     recorded = measure_settings("m", "s", {}, None, sampling=s, window=8, bootstrap=0, confidence=0.95,
                                 instruction=None, system=None)  # fmt: skip
-    assert recorded[name] == value
-    assert name not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
+    assert recorded["decoding"] == {name: value}
+    assert "decoding" not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
                                         bootstrap=0, confidence=0.95, instruction=None, system=None)  # fmt: skip
 
 
