@@ -203,7 +203,7 @@ def test_makefile_installs_torch_first_and_the_model_without_deps():
     assert "snakemake --cores all" in text and "snakemake --report results/report.html" in text
 
 
-def test_ci_runs_the_readme_test_command_and_the_slurm_tests_only():
+def test_ci_runs_the_readme_test_command_with_the_slurm_and_docs_tests():
     ci = ROOT / ".ci" / "run"
     assert ci.stat().st_mode & 0o111
     commands = [ln.strip() for ln in ci.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -212,8 +212,8 @@ def test_ci_runs_the_readme_test_command_and_the_slurm_tests_only():
     make = (ROOT / "Makefile").read_text()
     test = re.search(r"^test: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
     test_all = re.search(r"^test-all: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
-    assert test == "$(BIN)/python -m pytest $(PYTEST_ARGS)"  # the slurm tests left out (tests/conftest.py)
-    assert test_all == '$(BIN)/python -m pytest -m "slurm or not slurm" $(PYTEST_ARGS)'
+    assert test == "$(BIN)/python -m pytest $(PYTEST_ARGS)"  # the slurm and docs tests left out (tests/conftest.py)
+    assert test_all == '$(BIN)/python -m pytest -m "slurm or docs or not slurm" $(PYTEST_ARGS)'
 
 
 def test_readme_quick_start_has_exactly_two_commands():

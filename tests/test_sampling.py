@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 
@@ -84,20 +85,21 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     from kvdiverge.study.settings import SETTINGS, setting_problems
 
     default = decoding_options()[name]["default"]
+    value = default + 0.25  # in range for each: a penalty of 1.25, a min-p of 0.25
     assert SETTINGS[name] == f"decoding.{name}"
     entry = load_schema()["properties"]["decoding"]["properties"][name]
     assert "default" not in entry  # an unset setting keeps a config's settings hash
     assert setting_problems({name: default}) == []
     flag = "--" + name.replace("_", "-")
     assert OPTIONS[name] == flag
-    args = _parser().parse_args(["measure", "embedded", "--sotu", "1", flag, "1.5"])
-    assert getattr(args, name) == 1.5
-    s = Sampling(T=2, replicates=1, temperature=0.7, **{name: 1.5})
-    assert getattr(s.decoding, name) == 1.5 and getattr(s.untransformed(), name) == default
+    args = _parser().parse_args(["measure", "embedded", "--sotu", "1", flag, str(value)])
+    assert getattr(args, name) == value
+    s = Sampling(T=2, replicates=1, temperature=0.7, **{name: value})
+    assert getattr(s.decoding, name) == value and getattr(s.untransformed(), name) == default
     recorded = measure_settings("m", "s", {}, None, sampling=s, window=8, bootstrap=0, confidence=0.95,
                                 instruction=None, system=None)  # fmt: skip
-    assert recorded[name] == 1.5
-    assert name not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
+    assert recorded["decoding"] == {name: value}
+    assert "decoding" not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
                                         bootstrap=0, confidence=0.95, instruction=None, system=None)  # fmt: skip
 
 
@@ -106,3 +108,31 @@ def test_measure_refuses_an_unknown_decoding_keyword():
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'min_q'"):
         kvdiverge.measure(None, None, {"a": [1, 2, 3]}, {}, min_q=0.1)
+
+
+def test_min_p_keeps_tokens_of_at_least_min_p_times_the_top_probability():
+    from kvdiverge.engine.core.decoding import decode_log_probs
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
+    out = decode_log_probs(probs.log(), 1.0, min_p=0.2).exp()  # threshold 0.2 * 0.5 = 0.1
+    assert torch.allclose(out, torch.tensor([[0.5, 0.3, 0.15, 0.0]], dtype=torch.float64) / 0.95, atol=1e-15)
+    assert torch.equal(decode_log_probs(probs.log(), 1.0, min_p=1.0).exp(), torch.tensor([[1.0, 0, 0, 0]]).double())
+    assert torch.equal(decode_log_probs(probs.log(), 1.0, min_p=0.0), decode_log_probs(probs.log(), 1.0))
+    with pytest.raises(ValueError, match="min_p must lie in"):
+        Sampling(T=2, replicates=1, temperature=0.7, min_p=1.5)
+
+
+@pytest.mark.parametrize("temperature, top_p, min_p", [(0.7, 0.9, 0.1), (1.3, 1.0, 0.05), (1.0, 0.5, 0.3)])
+def test_min_p_after_top_p_equals_transformers_warpers(temperature, top_p, min_p):
+    """Temperature, top-p, then min-p: ``model.generate``'s warper order, on random logits."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = torch.log_softmax(MinPLogitsWarper(min_p)(None, scores), dim=-1)
+    got = Decoding(temperature=temperature, top_p=top_p, min_p=min_p).log_probs(logits, torch.float64)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-12, rtol=0)
+    assert bool(torch.isinf(got).any())  # it truncated something

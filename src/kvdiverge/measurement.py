@@ -56,8 +56,9 @@ class Measurement:
         Pooled over prompts with document-bootstrap intervals (``results/analysis``;
         :func:`kvdiverge.estimation.tables.pool`).
     settings : dict
-        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and each
-        decoding setting of :func:`kvdiverge.engine.core.sampling.decoding_options` not at its default),
+        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and
+        ``decoding``: the settings of :func:`kvdiverge.engine.core.sampling.decoding_options` not
+        at their default, when any),
         presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.

@@ -107,7 +107,7 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     out = [
         f"{s['model']}: {summary['n_docs'].max()} prompts, T={s['T']}, R={s['R']}, temperature "
         f"{s['temperature']}, top-p {s['top_p']}"
-        + (f", repetition penalty {s['repetition_penalty']}" if "repetition_penalty" in s else "")
+        + "".join(f", {name.replace('_', ' ')} {v}" for name, v in s.get("decoding", {}).items())
         + f", seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
         *text_table(header, rows),
     ]

@@ -631,7 +631,7 @@ def measure_settings(
 ) -> dict[str, Any]:
     """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
     temperature, top_p, seed (of ``sampling``, a :class:`kvdiverge.engine.core.sampling.Sampling`;
-    each of its :func:`~kvdiverge.engine.core.sampling.decoding_options` too, when not at its default), window, bootstrap, confidence, instruction, system, presses
+    ``decoding``: its :func:`~kvdiverge.engine.core.sampling.decoding_options` not at their default, when any), window, bootstrap, confidence, instruction, system, presses
     (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
     (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
     if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
@@ -650,9 +650,11 @@ def measure_settings(
         "system": system,
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
-    for name, option in decoding_options().items():  # recorded when set, so old records stay as they were
-        if getattr(sampling, name) != option["default"]:
-            settings[name] = getattr(sampling, name)
+    decoding = {
+        n: getattr(sampling, n) for n, option in decoding_options().items() if getattr(sampling, n) != option["default"]
+    }
+    if decoding:  # recorded when set, so records without them stay as they were
+        settings["decoding"] = decoding
     if grid is not None:
         settings["frontier"] = [point.as_dict() for point in grid]
         settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None

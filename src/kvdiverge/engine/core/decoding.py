@@ -2,13 +2,16 @@
 
 An optional repetition penalty on the raw logits (CTRL, Keskar et al., 2019, with the
 semantics of ``transformers``' ``RepetitionPenaltyLogitsProcessor``: :func:`penalize_repeats`,
-each side's context kept by :class:`RepeatHistory`), then temperature scaling and nucleus
-(top-p) truncation, with the semantics of ``transformers``' ``TemperatureLogitsWarper`` and
-``TopPLogitsWarper`` (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration").
+each side's context kept by :class:`RepeatHistory`), then temperature scaling, nucleus
+(top-p) and min-p truncation, with the semantics of ``transformers``' ``TemperatureLogitsWarper``,
+``TopPLogitsWarper`` (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration") and
+``MinPLogitsWarper`` (Nguyen et al., 2024), applied in that order as ``model.generate`` does.
 Temperature 0 is greedy decoding: the point mass on the arg-max token.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,7 +19,12 @@ __all__ = ["RepeatHistory", "decode_log_probs", "nucleus", "penalize_repeats"]
 
 
 def decode_log_probs(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0, dtype: torch.dtype = torch.float64
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    *,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
     """Log-probabilities of the transformed next-token distribution.
 
@@ -37,6 +45,10 @@ def decode_log_probs(
     top_p : float
         Nucleus mass in (0, 1]; keeps the smallest set of most likely tokens whose
         mass reaches ``top_p`` (always at least one token). 1 keeps all.
+    min_p : float
+        Min-p truncation in [0, 1] (Nguyen et al., 2024, "Turning Up the Heat: Min-p
+        Sampling"), after top-p, as ``transformers``' ``MinPLogitsWarper``: a token is kept
+        when its probability is at least ``min_p`` times the most likely token's. 0 keeps all.
     dtype : torch.dtype
         Working and output dtype: float64, or float32 on devices without float64.
 
@@ -49,12 +61,14 @@ def decode_log_probs(
     Raises
     ------
     ValueError
-        If ``temperature < 0`` or ``top_p`` is outside (0, 1].
+        If ``temperature < 0``, ``top_p`` is outside (0, 1] or ``min_p`` outside [0, 1].
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if temperature == 0:
         out = torch.full(logits.shape, float("-inf"), dtype=dtype, device=logits.device)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
@@ -63,6 +77,9 @@ def decode_log_probs(
     if top_p < 1:
         keep = nucleus(logp, top_p, scores=logits)
         logp = torch.log_softmax(logp.masked_fill_(~keep, float("-inf")), dim=-1)
+    if min_p > 0:  # p >= min_p * p_max, in logs; the arg-max always stays
+        floor = logp.amax(-1, keepdim=True) + math.log(min_p)
+        logp = torch.log_softmax(logp.masked_fill_(logp < floor, float("-inf")), dim=-1)
     return logp
 
 

@@ -39,6 +39,10 @@ class Decoding:
         every token already in a row's context (prompt and the tokens that side generated)
         is divided by it when positive and multiplied by it when negative. ``> 0``; 1 (the
         default) changes nothing.
+    min_p : float
+        Min-p truncation (Nguyen et al., 2024), as ``transformers``' ``MinPLogitsWarper``,
+        after top-p: tokens below ``min_p`` times the most likely token's probability are
+        dropped. In [0, 1]; 0 (the default) changes nothing.
     eos_ids : tuple of int or None
         End-of-sequence token ids; ``None`` (the default) takes the model's
         (:func:`kvdiverge.engine.llm.pair_base.model_eos_ids`); empty means generation never
@@ -59,6 +63,14 @@ class Decoding:
             "metavar": "THETA",
         },
     )
+    min_p: float = field(
+        default=0.0,
+        metadata={
+            "help": "min-p truncation after top-p, as model.generate's: keep tokens with at least "
+            "MIN_P times the top token's probability (default: 0, none)",
+            "metavar": "MIN_P",
+        },
+    )
     eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -72,12 +84,12 @@ class Decoding:
         return self.temperature == 0
 
     def log_probs(self, logits, dtype):
-        """The transformed next-token log-distributions of raw ``logits`` (B, V): temperature and top-p
-        (:func:`kvdiverge.engine.core.decoding.decode_log_probs`), in ``dtype``. A setting that reads
+        """The transformed next-token log-distributions of raw ``logits`` (B, V): temperature, top-p and
+        min-p (:func:`kvdiverge.engine.core.decoding.decode_log_probs`), in ``dtype``. A setting that reads
         each row's context (the repetition penalty) is applied before, by the pair that holds the context."""
         from kvdiverge.engine.core.decoding import decode_log_probs
 
-        return decode_log_probs(logits, self.temperature, self.top_p, dtype=dtype)
+        return decode_log_probs(logits, self.temperature, self.top_p, dtype=dtype, min_p=self.min_p)
 
 
 def decoding_options() -> dict[str, dict]:
@@ -110,7 +122,7 @@ class Sampling:
         Generation horizon: new tokens per replicate, steps (>= 1).
     replicates : int
         Coupled replicates R per document (>= 1).
-    temperature, top_p, repetition_penalty, eos_ids
+    temperature, top_p, repetition_penalty, min_p, eos_ids
         The decoding transform, as :class:`Decoding` (:attr:`decoding`).
     seed : int
         Master seed of the uniform streams (:func:`kvdiverge.engine.core.streams.uniform_streams`).
@@ -128,6 +140,7 @@ class Sampling:
     temperature: float
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     model_name: str = "model"
     eos_ids: tuple[int, ...] | None = None
@@ -169,6 +182,8 @@ def _check_decoding(d: Decoding) -> None:
     penalty = d.repetition_penalty
     if isinstance(penalty, bool) or not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+    if isinstance(d.min_p, bool) or not (isinstance(d.min_p, (int, float)) and 0 <= d.min_p <= 1):
+        raise ValueError(f"min_p must lie in [0, 1], got {d.min_p!r}")
     if d.eos_ids is not None and (not isinstance(d.eos_ids, Sequence) or isinstance(d.eos_ids, str)):
         raise ValueError(f"eos_ids must be a sequence of token ids or None, got {d.eos_ids!r}")
 
