@@ -7,8 +7,9 @@ shared by every policy whose press allows it, as in the coupled run), at tempera
 ``top_p`` 1, with its sides decoding apart, and
 :func:`kvdiverge.engine.llm.teacher.forced_log_probs` feeds it the document's continuation;
 the reference side's log-distributions are computed once per document and given to the
-later policies' pairs, which run their evicted side only. Where the caller gives no continuation for a document, the full-cache model's
-greedy continuation is generated once and shared by every policy.
+later policies' pairs, which run their evicted side only. Where the caller gives no
+continuation for a document, the full-cache model's greedy continuation is generated once
+and shared by every policy.
 """
 
 from __future__ import annotations

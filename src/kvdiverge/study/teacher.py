@@ -127,10 +127,10 @@ def run_teacher_forced(
         docs = shard_documents(prompts, one_shard, name, split, 0)
         groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
     corpus_text = (config.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
+    corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every group
     for doc_ids, (docs, names) in groups.items():
         conts = {}
-        if corpus_text:
-            corpus = pl.read_parquet(paths["corpus"])
+        if corpus is not None:
             conts = corpus_continuations(config, corpus, tokenizer, list(doc_ids), forcing.length)
         log.info("%s / %s / %s: %d documents, %d with corpus text", model_name, names, split, docs.height, len(conts))
         frames.append(
