@@ -104,12 +104,24 @@ def test_needle_longer_than_the_budget_is_refused():
 
 
 def test_bad_task_settings_are_refused_naming_the_key():
-    with pytest.raises(TaskError, match="task.question must be 'inside' or 'after'"):
-        task_settings({"question": "before"})
-    with pytest.raises(TaskError, match=r"task.depths must be percentages in \[0, 100\]"):
-        task_settings({"depths": [120]})
-    with pytest.raises(TaskError, match="task.name 'mkey' is not a known task"):
-        task_settings({"name": "mkey"})
+    cases = {
+        "task.question: 'before' is not allowed; allowed: one of 'inside', 'after'": {"question": "before"},
+        "task.depths: [120] is not allowed; allowed: ": {"depths": [120]},
+        "task.name: 'mkey' is not allowed; allowed: one of 'niah'": {"name": "mkey"},
+        "task.digits: 2.5 is not an integer; allowed: an integer >= 1 and <= 18": {"digits": 2.5},
+        "task.digits: '7' is not allowed; allowed: an integer >= 1 and <= 18": {"digits": "7"},
+        "task.depth_tolerance: nan is not a finite number; allowed: a number >= 0 and <= 100": {
+            "depth_tolerance": float("nan")
+        },
+        "task: unknown key 'depth'; allowed: name, depths, digits": {"depth": [50]},
+        "task: 1 is not a task; allowed: a task name": 1,
+        "task: ['niah'] is not a task; allowed: a task name": ["niah"],
+    }
+    for message, block in cases.items():
+        with pytest.raises(TaskError) as info:
+            task_settings(block)
+        assert str(info.value).startswith(message), (block, str(info.value))
+    assert task_settings({"digits": 3.0})[1].digits == 3  # an integral float is the integer
 
 
 # --- greedy answers from trajectory rows ---------------------------------------------------

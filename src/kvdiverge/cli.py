@@ -7,13 +7,14 @@ everything else is :mod:`kvdiverge.measurement` and the workflow's own engine an
 Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
 ``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
 
-Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`): 0 on success; 2 for a
+Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`, :data:`EXIT_INTERRUPTED`): 0 on success; 2 for a
 usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
 value a setting does not allow, a missing file or field, a model or device that cannot be
 found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge measure: error:
 ...``, before the model is loaded where the input alone decides; 1 for a failure at run time
-(anything else, named by its exception type, e.g. running out of memory). ``--debug`` shows
-the traceback instead of the line.
+(anything else, named by its exception type, e.g. running out of memory, on the host or the
+device); 130 when interrupted (Ctrl-C), in one line. ``--debug`` shows the traceback instead of
+the line.
 ``--out`` (or, for ``--ratios`` without it, the working directory) is checked before
 anything else, and locked while the run writes it: a second run on the same ``--out`` is refused
 (:mod:`kvdiverge.study.outputs`).
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
     "OPTIONS",
@@ -79,11 +81,14 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 #: Exit status: a usage error, bad arguments or bad input (argparse's convention).
 EXIT_USAGE = 2
+#: Exit status: interrupted (Ctrl-C, SIGINT: the shell's 128 + 2).
+EXIT_INTERRUPTED = 130
 
 EXIT_STATUS = (
     "exit status: 0 on success; 2 for a usage error (bad arguments or input: an unknown press, "
     "a value a setting does not allow, a missing file, a model that cannot be found), one line "
-    "on stderr; 1 for a failure at run time (e.g. out of memory), named by its exception type"
+    "on stderr; 1 for a failure at run time (e.g. out of memory), named by its exception type; 130 "
+    "when interrupted (Ctrl-C)"
 )
 
 
@@ -104,6 +109,7 @@ OPTIONS = {
     "bootstrap": "--bootstrap",
     "confidence": "--confidence",
     "batch_documents": "--batch-documents",
+    "teacher_tokens": "--teacher-tokens",
 }
 
 
@@ -159,9 +165,11 @@ def cli_entries(
 def check_arguments(args: Any) -> None:
     """Refuse before any work a setting the config would refuse (the same check:
     :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
-    out-of-range counts of the command line's own, no press or cache, a repeated one and
-    --cache-ratios without --cache and --ratios. An unset ``--temperature`` is filled in
-    first: 0 (greedy) with ``--task``, else 0.7.
+    out-of-range counts of the command line's own, no press or cache, a repeated one,
+    --cache-ratios without --cache and --ratios, --question without --task, --task with
+    --screen (the screen scores no task) or with a temperature other than 0 (a task scores
+    greedy answers). An unset ``--temperature`` is filled in first: 0 (greedy) with
+    ``--task``, else 0.7.
 
     Parameters
     ----------
@@ -178,7 +186,7 @@ def check_arguments(args: Any) -> None:
 
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    unset_allowed = {"batch_documents", *decoding_options()}  # None: the default
+    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: the default
     values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
     try:
         check_settings(values, OPTIONS)
@@ -198,6 +206,13 @@ def check_arguments(args: Any) -> None:
         raise InputError(
             "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
         )
+    task, question = getattr(args, "task", None), getattr(args, "question", None)
+    if question is not None and not task:
+        raise InputError("--question places a task's question: give --task too")
+    if task and getattr(args, "screen", False):
+        raise InputError("--task scores the coupled run's greedy answers; the teacher-forced --screen runs no task")
+    if task and args.temperature != 0:
+        raise InputError(f"--task scores greedy answers: --temperature must be 0, got {args.temperature:g}")
     problem = device_problem(args.device, "--device")
     if problem:
         raise InputError(problem)
@@ -421,7 +436,7 @@ def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches
         presses,
         frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
         options=ScreenOptions(
-            length=args.teacher_tokens or 128,
+            length=128 if args.teacher_tokens is None else args.teacher_tokens,
             seed=args.seed,
             instruction=instruction,
             system=args.system,
@@ -449,8 +464,7 @@ def _task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--question",
         choices=["inside", "after"],
-        default="inside",
-        help="with --task: the question inside the compressed prompt, or prefilled after compression",
+        help="with --task: the question inside the compressed prompt (default), or prefilled after compression",
     )
 
 
@@ -486,18 +500,28 @@ def _print_task(tables) -> None:
 
 
 def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.engine.runner import question_after_problems
     from kvdiverge.measurement import measure
     from kvdiverge.study.inputs import check_lengths, prepare_documents
     from kvdiverge.study.models import load_model, load_tokenizer
+    from kvdiverge.study.tasks import task_documents
 
     check_arguments(args)
     presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
-    if not args.task:  # a task builds its own prompts (measure checks them)
+    task = _task_block(args)
+    if task:  # the task's prompts, checked before loading the weights (measure builds them again)
+        docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, {"system": args.system})
+        check_lengths(docs, sources, args.max_new_tokens)
+        if any(doc.n_question for doc in docs):
+            problems = question_after_problems(sources)
+            if problems:
+                raise InputError(f"--question after: {problems[0]}")
+    else:
         documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-        check_lengths(documents, sources, args.max_new_tokens)  # fail before loading the weights
+        check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)  # before loading the weights
     if args.threads is not None:
         import torch
 
@@ -531,7 +555,7 @@ def _measure(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             batch_documents=args.batch_documents,
             teacher_tokens=args.teacher_tokens,
-            task={"name": args.task, "question": args.question} if args.task else None,
+            task=task,
             **{name: getattr(args, name) for name in decoding_options() if getattr(args, name) is not None},
         )
     print(m.format_summary(), flush=True)
@@ -541,6 +565,13 @@ def _measure(args: argparse.Namespace) -> int:
         print(m.format_frontier(), flush=True)
     _write(args, m)
     return 0
+
+
+def _task_block(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The config ``task`` block of ``--task`` and ``--question`` (None without ``--task``)."""
+    if not args.task:
+        return None
+    return {"name": args.task, **({"question": args.question} if args.question else {})}
 
 
 def _bad_input(exc: BaseException) -> bool:
@@ -569,6 +600,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
             return _measure(args)
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:
         if getattr(args, "debug", False):
             raise

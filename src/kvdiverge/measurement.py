@@ -266,15 +266,16 @@ def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: M
     """``(documents, prompts table)`` of the task, or ``None`` without one; refuses non-greedy decoding."""
     if task is None:
         return None
+    from kvdiverge.study.settings import check_task
     from kvdiverge.study.tasks import task_documents
 
+    block = check_task(task)  # the config's rules for a task block, before any work
     if float(temperature) != 0:
         raise ValueError(f"task={task!r} scores greedy answers: pass temperature=0 (got {temperature})")
     if isinstance(prompts, str) or not isinstance(prompts, Mapping):
         prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
     if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
         raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
-    block = {"name": task} if isinstance(task, str) else dict(task)
     return task_documents(prompts, tokenizer, block, T, render)
 
 
@@ -295,11 +296,12 @@ def _task_tables(result: Measurement, table, tokenizer, task):
     return task_tables(result.trajectories, result.documents, table, tokenizer, entry.score, options=options)
 
 
-def _horizon(given: Mapping[str, Any], batch_documents: int | None) -> tuple[int, int]:
-    """``(T, R)`` of :func:`measure`'s settings ``given``, checked (:func:`kvdiverge.study.settings.check_settings`)."""
+def _horizon(given: Mapping[str, Any], unset_allowed: Mapping[str, Any]) -> tuple[int, int]:
+    """``(T, R)`` of :func:`measure`'s settings ``given``, checked with the settings of ``unset_allowed``
+    that are not None (:func:`kvdiverge.study.settings.check_settings`)."""
     from kvdiverge.study.settings import check_settings
 
-    checked = check_settings({**given, **({} if batch_documents is None else {"batch_documents": batch_documents})})
+    checked = check_settings({**given, **{k: v for k, v in unset_allowed.items() if v is not None}})
     return checked["max_new_tokens"], checked["replicates"]
 
 
@@ -479,14 +481,18 @@ def measure(
         ranks every curve on the KV bytes per prompt token it stores.
     teacher_tokens : int, optional
         Also run the teacher-forced pass (:func:`kvdiverge.screening.run_screen`): the full-cache
-        model's greedy continuation of each prompt, this many tokens, fed to both sides; its
-        headline columns (``kld_mean``, ``ppl_ratio``, ``same_top_p``, ``delta_p_rms``) join the
-        summary and :attr:`Measurement.teacher_forced` holds its tables. None (default): not run.
+        model's greedy continuation of each prompt, this many tokens (an integer >= 1, the
+        config's ``teacher_forced.length``; cut to what the model context leaves after each
+        prompt), fed to both sides; its headline columns (``kld_mean``, ``ppl_ratio``,
+        ``same_top_p``, ``delta_p_rms``) join the summary and :attr:`Measurement.teacher_forced`
+        holds its tables. Checked before the coupled run. None (default): not run.
     task : str or mapping, optional
         A task score beside the measures (:mod:`kvdiverge.study.tasks`): ``"niah"`` or a
         config ``task`` block (``{"name": "niah", "depths": [0, 50, 100], "question":
-        "after"}``). Text prompts become the task's prompts; needs ``temperature=0`` (the
-        answers are the greedy coupled run's own). :attr:`Measurement.task` then holds the
+        "after"}``), checked by the config's rules (:func:`kvdiverge.study.settings.check_task`).
+        Text prompts become the task's prompts; needs ``temperature=0`` (the answers are the
+        greedy coupled run's own), and with ``question: after`` presses that act on the prefill
+        only. :attr:`Measurement.task` then holds the
         workflow's task tables (``documents``, ``accuracy``, ``correlations``, ``auc``:
         :func:`kvdiverge.study.tasks.tables.task_tables`).
 
@@ -495,7 +501,8 @@ def measure(
         (:func:`kvdiverge.engine.core.sampling.decoding_options`), each at a default that
         changes nothing: ``repetition_penalty`` (CTRL's, as ``model.generate``'s,
         :func:`kvdiverge.engine.core.decoding.penalize_repeats`; each side penalizes its own
-        context). Another name raises ``TypeError``, as for any unknown keyword.
+        context) and ``min_p`` (min-p truncation after top-p, as ``model.generate``'s). Another
+        name raises ``TypeError``, as for any unknown keyword.
     Returns
     -------
     Measurement
@@ -520,12 +527,14 @@ def measure(
     given = dict(max_new_tokens=max_new_tokens, replicates=replicates, temperature=temperature, top_p=top_p, seed=seed)
     given.update(_decoding_given(decoding))
     given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
-    T, R = _horizon(given, batch_documents)
+    T, R = _horizon(given, {"batch_documents": batch_documents, "teacher_tokens": teacher_tokens})
     task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
     documents, sources, grid = measure_inputs(
         model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
     )
+    if task_docs and any(d.n_question for d in task_docs[0]):
+        _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents
     model_name = model_label(model) if model_name is None else model_name
     sampling = _sampling(given, T, R, model_name, eos_ids)
@@ -535,12 +544,22 @@ def measure(
     recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
     settings = measure_settings(model_name, split, sources, grid, sampling=sampling, **recorded)
     result = _measurement(runs, windows, settings, sources)
-    if teacher_tokens:
+    if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
     if task_docs:
         result.task = _task_tables(result, task_docs[1], tokenizer, task)
     _warn_untouched(result, sources)
     return result
+
+
+def _check_question_after(sources) -> None:
+    """Refuse, before any forward, a policy that cannot take a question prefilled after compression
+    (:func:`kvdiverge.engine.runner.question_after_problems`)."""
+    from kvdiverge.engine.runner import question_after_problems
+
+    problems = question_after_problems(sources)
+    if problems:
+        raise ValueError(problems[0])
 
 
 def _teacher_pass(model, documents, sources, settings: dict[str, Any], length: int, eos_ids):

@@ -155,18 +155,20 @@ def screen(
     Raises
     ------
     ValueError
-        As :func:`kvdiverge.measure`: bad prompts, presses or lengths, named in one sentence.
+        As :func:`kvdiverge.measure`: bad prompts, presses or lengths, or an option the config's
+        rule for that setting refuses (``options.length``: ``teacher_forced.length``;
+        ``options.bootstrap``, ``options.confidence``, ``options.seed``), named in one sentence.
     """
     from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.llm.teacher import TeacherForcing
     from kvdiverge.study.inputs import measure_inputs, model_label
 
-    opt = options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {}))
+    opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
     grid = dict(frontier or {})
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
-    documents, sources, _ = measure_inputs(
-        model, tokenizer, prompts, presses, forcing.length, 1, opt.instruction, opt.system,
+    documents, sources, _ = measure_inputs(  # a prompt needs room for 1 token: the continuation is cut to fit
+        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system,
         grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
     )  # fmt: skip
     name = opt.model_name or model_label(model)
@@ -174,6 +176,19 @@ def screen(
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))
     run = {"split": opt.split, "bootstrap": opt.bootstrap, "confidence": opt.confidence, "continuations": continuations}
     return run_screen(model, documents, sources, sampling, forcing, run)
+
+
+def _checked(opt: ScreenOptions) -> ScreenOptions:
+    """``opt`` with its counts as ``int``, or ``ValueError`` naming each field (``options.bootstrap``) the
+    config's rule for that setting refuses (:data:`kvdiverge.study.settings.SCREEN_SETTINGS`)."""
+    from dataclasses import replace
+
+    from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
+
+    values = {setting: getattr(opt, field) for field, setting in SCREEN_SETTINGS.items()}
+    names = {setting: f"options.{field}" for field, setting in SCREEN_SETTINGS.items()}
+    checked = check_settings(values, names)
+    return replace(opt, **{field: checked[setting] for field, setting in SCREEN_SETTINGS.items()})
 
 
 def run_screen(model, documents, sources, sampling, forcing, options: Mapping[str, Any] | None = None) -> Screen:

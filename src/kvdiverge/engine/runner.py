@@ -29,6 +29,7 @@ __all__ = [
     "build_pair",
     "check_policy",
     "plan_documents",
+    "question_after_problems",
     "run_documents",
     "run_policies",
     "shared_prefills",
@@ -203,6 +204,24 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     if reason:
         raise PressError(owner, reason)
     return registry.is_decode_time(press)
+
+
+def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:
+    """One sentence per policy that cannot take a question prefilled after compression (a quantized
+    cache, a press that evicts while decoding:
+    :func:`kvdiverge.engine.presses.registry.question_after_problem`), before any forward.
+
+    A config policy's press is built once at a placeholder ratio, a press object is read as it
+    is; another ``PressSource`` is checked when its pair is built."""
+    from kvdiverge.engine.presses.registry import question_after_problem
+
+    out = []
+    for name, policy in policies.items():
+        press = getattr(policy, "probe_press", None) or getattr(policy, "press", None)
+        problem = None if isinstance(press, str) or press is None else question_after_problem(press)
+        if problem:
+            out.append(f"policy {name!r}: {problem}")
+    return out
 
 
 def check_prompt_lengths(
@@ -595,7 +614,7 @@ def build_pair(
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.llm.prefill import prefill_seed
-    from kvdiverge.engine.presses.registry import is_decode_time, refusal
+    from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal
 
     if presses is None:
         presses = [policy.build_press(doc.context_len) for doc in batch]
@@ -608,10 +627,9 @@ def build_pair(
     kind = DecodeTimePair if decode_time else LLMKernelPair
     extra = {} if prefilled is None else {"prefilled": prefilled}
     if any(doc.n_question for doc in batch):
-        if decode_time:
-            raise ValueError(
-                f"policy {policy.name!r} evicts while decoding; a question after compression needs a prefill press"
-            )
+        problem = question_after_problem(presses[0])
+        if problem:
+            raise ValueError(f"policy {policy.name!r}: {problem}")
         extra["n_questions"] = [doc.n_question for doc in batch]
     return kind.from_documents(
         model,

@@ -350,7 +350,7 @@ def check(config: dict[str, Any]) -> None:
             return False
         return True
 
-    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems):
+    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems, _task_problems):
         part(config, need_policy, problems)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -442,6 +442,38 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
         problems.append(
             f"corpus.min_words ({corpus['min_words']}) must not exceed corpus.max_words ({corpus['max_words']})"
         )
+
+
+def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``task``: greedy decoding (the answers are the coupled run's own), and with
+    ``question: after`` only policies that act on the prefill (no quantized cache, no eviction while
+    decoding: :func:`kvdiverge.engine.presses.registry.question_after_problem`)."""
+    task = config.get("task")
+    if not task:
+        return
+    temperature = config.get("decoding", {}).get("temperature")
+    if temperature is not None and temperature != 0:
+        problems.append(
+            f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}"
+        )
+    if task.get("question") != "after":
+        return
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
+    from kvdiverge.engine.presses.registry import question_after_problem
+
+    policies, run = config.get("policies", {}), config.get("runs", {})
+    scheduled = [n for split in SPLITS for n in run.get(split, [])]
+    scheduled += [run[k]["policy"] for k in ("control", "floor") if run.get(k)]
+    for name in dict.fromkeys(scheduled):
+        if name not in policies:
+            continue  # reported by need_policy
+        try:
+            problem = question_after_problem(Policy.from_config(name, policies[name], check=False).probe_press)
+        except (PressError, ValueError):
+            continue  # reported by policy_problems
+        if problem:
+            problems.append(f"task.question: 'after' cannot run policy {name!r}: {problem}")
 
 
 def floor_policy(config: dict[str, Any]) -> str | None:

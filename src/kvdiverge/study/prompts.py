@@ -289,7 +289,7 @@ def check_usable(prompts: pl.DataFrame, settings: dict[str, Any]) -> None:
         )
 
 
-#: What to change for each kind of exclusion reason (by the reason's start), ``{split}`` filled in.
+#: What to change for each kind of exclusion reason (a phrase of the reason), ``{split}`` filled in.
 REMEDIES = {
     "too long": "Shorten the prompts (a lower corpus.max_words) or decoding.max_new_tokens, or use a model "
     "with a longer context",
@@ -299,20 +299,25 @@ REMEDIES = {
     "empty document": "Add documents with text to the corpus source",
     "whitespace-only document": "Add documents with text to the corpus source",
     "no excerpt": "Widen corpus.min_words/max_words to the documents' paragraph lengths",
+    "has no paragraph break": "Use excerpts of several paragraphs (a higher corpus.min_words) from a source "
+    "that separates paragraphs by blank lines: the task's needle goes between paragraphs",
+    "is too short for needle depth": "Use longer excerpts with more paragraphs (a higher corpus.min_words), "
+    "or a larger task.depth_tolerance",
 }
 
 
 def remedy(reasons: list[str], split: str) -> str:
     """What to change, following from the exclusion ``reasons`` (most frequent first): one sentence
-    per kind of reason (:data:`REMEDIES`), in that order; for no reason, request documents."""
+    per kind of reason (:data:`REMEDIES`), in that order, joined by "; or"; for no reason, request
+    documents."""
     out: list[str] = []
     for reason in reasons:
-        fix = next((v for k, v in REMEDIES.items() if reason.startswith(k)), None)
+        fix = next((v for k, v in REMEDIES.items() if k in reason), None)
         if fix is not None and fix.format(split=split) not in out:
             out.append(fix.format(split=split))
     if not out:
         out.append(f"Request documents for the split in corpus.documents.{split}, or use a larger source")
-    return "; or ".join(out) + "."
+    return "; or ".join([out[0], *(fix[0].lower() + fix[1:] for fix in out[1:])]) + "."
 
 
 def usable(prompts: pl.DataFrame) -> pl.DataFrame:

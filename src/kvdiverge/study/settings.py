@@ -23,7 +23,17 @@ from typing import Any
 
 from kvdiverge.engine.core.sampling import decoding_options
 
-__all__ = ["SETTINGS", "allowed", "check_settings", "config_sampling", "setting_problems", "token_id_problems"]
+__all__ = [
+    "SCREEN_SETTINGS",
+    "SETTINGS",
+    "allowed",
+    "check_settings",
+    "check_task",
+    "config_sampling",
+    "setting_problems",
+    "task_problems",
+    "token_id_problems",
+]
 
 #: Each setting by its ``kvdiverge.measure`` argument name: its config key (the decoding
 #: settings of :func:`kvdiverge.engine.core.sampling.decoding_options` as ``decoding.<name>``).
@@ -39,6 +49,16 @@ SETTINGS: dict[str, str] = {
     "confidence": "analysis.confidence",
     "batch_documents": "generation.batch_documents",
     "memory_budget_gb": "generation.memory_budget_gb",
+    "teacher_tokens": "teacher_forced.length",
+}
+
+#: The settings of :class:`kvdiverge.screening.ScreenOptions` checked against the schema, by field
+#: name: the :data:`SETTINGS` name each one is.
+SCREEN_SETTINGS: dict[str, str] = {
+    "length": "teacher_tokens",
+    "seed": "seed",
+    "bootstrap": "bootstrap",
+    "confidence": "confidence",
 }
 
 
@@ -63,6 +83,11 @@ def allowed(entry: Mapping[str, Any]) -> str:
         return "one of " + ", ".join(repr(v) for v in entry["enum"])
     types = entry.get("type", "number")
     types = [types] if isinstance(types, str) else list(types)
+    if types == ["array"]:
+        least = entry.get("minItems", 0)
+        return ("a non-empty list of " if least == 1 else "a list of ") + allowed(entry.get("items", {})).replace(
+            "a ", "", 1
+        ).replace("an ", "", 1).replace("number", "numbers", 1).replace("integer", "integers", 1)
     words = {
         "integer": "an integer",
         "number": "a number",
@@ -92,6 +117,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _value_problem(entry: Mapping[str, Any], name: str, value: Any) -> str | None:
+    """The sentence refusing ``value`` under the schema ``entry`` (spelled ``name``), or None.
+
+    NaN and infinities are refused wherever a number is (a JSON schema's bounds let NaN
+    through), also inside an array; an integral float is taken where only an integer is."""
+    from jsonschema import Draft202012Validator
+
+    plain = _plain(value)
+    what = allowed(entry)
+    integer_only = entry.get("type") == "integer"
+    items = plain if isinstance(plain, (list, tuple)) else [plain]
+    if any(isinstance(_plain(v), float) and not math.isfinite(_plain(v)) for v in items):
+        return f"{name}: {value!r} is not a finite number; allowed: {what}"
+    if isinstance(plain, float) and integer_only and not plain.is_integer():
+        return f"{name}: {value!r} is not an integer; allowed: {what}"
+    plain = int(plain) if isinstance(plain, float) and integer_only else plain
+    plain = [_plain(v) for v in plain] if isinstance(plain, tuple) else plain
+    if next(Draft202012Validator(entry).iter_errors(plain), None) is not None:
+        return f"{name}: {value!r} is not allowed; allowed: {what}"
+    return None
+
+
 def setting_problems(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per setting whose value the config schema does not allow.
 
@@ -114,23 +161,11 @@ def setting_problems(values: Mapping[str, Any], names: Mapping[str, str] | None 
     KeyError
         A name that is not a setting (a programming error, not bad input).
     """
-    from jsonschema import Draft202012Validator
-
     out = []
     for arg, value in values.items():
-        entry = _entry(SETTINGS[arg])
-        name = (names or {}).get(arg, arg)
-        plain = _plain(value)
-        what = allowed(entry)
-        integer_only = entry.get("type") == "integer"
-        if isinstance(plain, float) and not math.isfinite(plain):
-            out.append(f"{name}: {value!r} is not a finite number; allowed: {what}")
-        elif isinstance(plain, float) and integer_only and not plain.is_integer():
-            out.append(f"{name}: {value!r} is not an integer; allowed: {what}")
-        else:
-            plain = int(plain) if isinstance(plain, float) and integer_only else plain
-            if next(Draft202012Validator(entry).iter_errors(plain), None) is not None:
-                out.append(f"{name}: {value!r} is not allowed; allowed: {what}")
+        problem = _value_problem(_entry(SETTINGS[arg]), (names or {}).get(arg, arg), value)
+        if problem:
+            out.append(problem)
     return out
 
 
@@ -155,6 +190,57 @@ def check_settings(values: Mapping[str, Any], names: Mapping[str, str] | None = 
             plain = int(plain)
         out[arg] = plain
     return out
+
+
+def task_problems(task: Any, name: str = "task") -> list[str]:
+    """One sentence per problem of a task given to a door: the config's ``task`` block rules.
+
+    Parameters
+    ----------
+    task : str or mapping
+        A task name (``"niah"``) or a ``task`` block (``{"name": "niah", "digits": 7, ...}``),
+        each key checked against its schema entry (``kvdiverge/schemas/config.schema.yaml``,
+        ``task``): the same rules as the config's, for :func:`kvdiverge.measure` and the
+        command line.
+    name : str
+        How the door spells the task (``task``, ``--task``).
+
+    Returns
+    -------
+    list of str
+        ``"task.digits: 2.5 is not an integer; allowed: ..."``; empty when the task is allowed.
+    """
+    if isinstance(task, str):
+        task = {"name": task}
+    if not isinstance(task, Mapping):
+        return [
+            f"{name}: {task!r} is not a task; allowed: a task name ('niah') or a mapping of the config's "
+            f"task keys ({{'name': 'niah', 'question': 'after'}})"
+        ]
+    properties = _entry("task")["properties"]
+    out = []
+    for key, value in task.items():
+        if key not in properties:
+            out.append(f"{name}: unknown key {key!r}; allowed: {', '.join(properties)}")
+            continue
+        problem = _value_problem(_entry(f"task.{key}"), f"{name}.{key}", value)
+        if problem:
+            out.append(problem)
+    return out
+
+
+def check_task(task: Any, name: str = "task") -> dict[str, Any] | None:
+    """The task as a config ``task`` block (``{"name": ..., **settings}``), or ``ValueError`` naming
+    every problem (:func:`task_problems`); None stays None."""
+    if task is None:
+        return None
+    problems = task_problems(task, name)
+    if problems:
+        raise ValueError("; ".join(problems))
+    block = {"name": task} if isinstance(task, str) else {k: _plain(v) for k, v in task.items()}
+    if isinstance(block.get("digits"), float):
+        block["digits"] = int(block["digits"])
+    return block
 
 
 def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[str]:

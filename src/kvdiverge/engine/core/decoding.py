@@ -225,5 +225,18 @@ class RepeatHistory:
         return seen
 
     def penalize(self, logits: torch.Tensor, side: str) -> torch.Tensor:
-        """``logits`` (rows, V) of ``side`` with the penalty applied (:func:`penalize_repeats`)."""
-        return penalize_repeats(logits, self.seen(side), self.penalty)
+        """``logits`` (rows, V) of ``side`` with the penalty applied (:func:`penalize_repeats`).
+
+        Raises
+        ------
+        ValueError
+            When the penalty turns a finite logit non-finite in ``logits``' dtype (it overflows
+            or underflows there), naming the setting.
+        """
+        out = penalize_repeats(logits, self.seen(side), self.penalty)
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError(
+                f"repetition_penalty: {self.penalty!r} turns the {side} side's {str(logits.dtype).removeprefix('torch.')} "
+                f"logits non-finite; use a penalty nearer 1 (CTRL uses 1.2)"
+            )
+        return out

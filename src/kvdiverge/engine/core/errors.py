@@ -44,8 +44,9 @@ def raise_kvpress_error(exc: BaseException, owner: str, stage: str, press_files:
     kvpress reports a press's unmet needs with bare ``ImportError``, ``AssertionError`` or
     ``TypeError``, and a user's own press may raise anything from its ``score`` or
     ``compress``; this names the press, the phase (``stage``: ``"during the prefill"``,
-    ``"while decoding ..."``) and the cause. An exception raised elsewhere is re-raised
-    unchanged.
+    ``"while decoding ..."``) and the cause. An exception raised elsewhere, and running out of
+    memory anywhere (host ``MemoryError``, ``torch.OutOfMemoryError``: a failure at run time,
+    not a fault of the press), is re-raised unchanged.
 
     Parameters
     ----------
@@ -61,6 +62,8 @@ def raise_kvpress_error(exc: BaseException, owner: str, stage: str, press_files:
     """
     import traceback
 
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        raise exc
     frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
     own = {str(f).replace("\\", "/") for f in press_files}
     in_kvpress = any("/kvpress/" in f for f in frames)

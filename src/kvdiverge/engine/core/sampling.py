@@ -37,8 +37,8 @@ class Decoding:
         CTRL's repetition penalty (Keskar et al., 2019), as ``transformers``'
         ``RepetitionPenaltyLogitsProcessor``: before temperature and top-p, the raw logit of
         every token already in a row's context (prompt and the tokens that side generated)
-        is divided by it when positive and multiplied by it when negative. ``> 0``; 1 (the
-        default) changes nothing.
+        is divided by it when positive and multiplied by it when negative. ``> 0`` (the
+        config and the doors allow 1e-4 to 1e4); 1 (the default) changes nothing.
     min_p : float
         Min-p truncation (Nguyen et al., 2024), as ``transformers``' ``MinPLogitsWarper``,
         after top-p: tokens below ``min_p`` times the most likely token's probability are

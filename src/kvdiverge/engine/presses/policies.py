@@ -165,9 +165,15 @@ class Policy:
         kvdiverge.engine.core.errors.PressError
             As :meth:`from_config`.
         """
-        reason = refusal(self._probe if self.quantized is None else self._wrap(self._probe))
+        reason = refusal(self.probe_press)
         if reason:
             raise PressError(f"policy {self.name!r}", reason)
+
+    @property
+    def probe_press(self):
+        """The press built once at a placeholder ratio (inside its quantized cache, if any): what the
+        checks that need no prompt read."""
+        return self._probe if self.quantized is None else self._wrap(self._probe)
 
     def _wrap(self, press):
         """``press`` inside the policy's quantized cache (:class:`QuantizedCachePress`)."""

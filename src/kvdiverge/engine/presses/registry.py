@@ -40,6 +40,7 @@ __all__ = [
     "kept_promise",
     "needs_attentions",
     "press_class",
+    "question_after_problem",
     "refusal",
     "shares_prefill",
 ]
@@ -103,6 +104,21 @@ def is_decode_time(press) -> bool:
         return any(adapter_of(p).decodes(p) for p in walk(press))
     except ValueError:
         return False
+
+
+def question_after_problem(press) -> str | None:
+    """Why a question prefilled after compression cannot follow ``press``, or None when it can.
+
+    The question is prefilled onto the compressed cache and never evicted, so the press must
+    act on the prefill alone: a quantized cache (which quantizes while decoding) or a press
+    that evicts while decoding (:func:`is_decode_time`) cannot take it."""
+    from kvdiverge.engine.presses.quantized import QuantizedCachePress
+
+    if not is_decode_time(press):
+        return None
+    if isinstance(press, QuantizedCachePress) and (press.press is None or not is_decode_time(press.press)):
+        return "its quantized cache quantizes while decoding; a question after compression needs a prefill press"
+    return "it evicts while decoding; a question after compression needs a prefill press"
 
 
 def shares_prefill(press) -> bool:

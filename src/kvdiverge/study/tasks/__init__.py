@@ -71,32 +71,38 @@ TASKS: dict[str, Task] = {
 }
 
 
-def task_settings(block: Mapping[str, Any] | None, seed: int = 0) -> tuple[Task, Any] | None:
+def task_settings(block: Any, seed: int = 0) -> tuple[Task, Any] | None:
     """The task and its settings from the config's ``task`` block (``None`` without one).
+
+    Every door's task goes through here: the block is checked against the config schema's
+    ``task`` entry (:func:`kvdiverge.study.settings.check_task`), so the config, the command
+    line and :func:`kvdiverge.measure` refuse the same values with the same sentence.
 
     Parameters
     ----------
-    block : mapping or None
-        ``{"name": ..., **settings}``; a missing ``seed`` takes ``seed`` (the config's).
+    block : str, mapping or None
+        A task name, or ``{"name": ..., **settings}``; a missing ``seed`` takes ``seed``
+        (the config's).
 
     Raises
     ------
     TaskError
-        An unknown task name or a setting out of range, in one sentence naming it.
+        An unknown task name or key, or a setting the schema does not allow, in one
+        sentence naming it (``task.digits: 2.5 is not an integer; allowed: ...``).
     """
-    if not block:
+    from kvdiverge.study.settings import check_task
+
+    if block is None or (isinstance(block, Mapping) and not block):
         return None
-    entry = dict(block)
+    try:
+        entry = check_task(block)
+    except ValueError as exc:
+        raise TaskError(str(exc)) from None
     name = entry.pop("name", "niah")
-    if name not in TASKS:
-        raise TaskError(f"task.name {name!r} is not a known task; known: {', '.join(sorted(TASKS))}")
     entry.setdefault("seed", int(seed))
     if "depths" in entry:
         entry["depths"] = tuple(entry["depths"])
-    try:
-        return TASKS[name], TASKS[name].settings(**entry)
-    except TypeError as exc:
-        raise TaskError(f"task: {exc}") from None
+    return TASKS[name], TASKS[name].settings(**entry)
 
 
 def _task_row(task: Task, settings, tokenizer, row: Mapping[str, Any], index: int, render: Mapping) -> dict:
