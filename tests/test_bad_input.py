@@ -52,8 +52,14 @@ def run(argv) -> int:
         (["--temperature", "nan"], "--temperature: nan is not a finite number; allowed: a number >= 0"),
         (["--temperature", "-1"], "--temperature: -1.0 is not allowed; allowed: a number >= 0"),
         (["--top-p", "0"], "--top-p: 0.0 is not allowed; allowed: a number > 0 and <= 1"),
-        (["--repetition-penalty", "0"], "--repetition-penalty: 0.0 is not allowed; allowed: a number >= 0.0001 and <= 10000"),
-        (["--repetition-penalty", "1e-320"], "--repetition-penalty: 1e-320 is not allowed; allowed: a number >= 0.0001"),
+        (
+            ["--repetition-penalty", "0"],
+            "--repetition-penalty: 0.0 is not allowed; allowed: a number >= 0.0001 and <= 10000",
+        ),
+        (
+            ["--repetition-penalty", "1e-320"],
+            "--repetition-penalty: 1e-320 is not allowed; allowed: a number >= 0.0001",
+        ),
         (["--bootstrap", "0"], "--bootstrap: 0 is not allowed; allowed: an integer >= 1"),
         (["--confidence", "1"], "--confidence: 1.0 is not allowed; allowed: a number > 0 and < 1"),
         (["-W", "0"], "-W/--window: 0 is not allowed; allowed: an integer >= 1"),
@@ -323,3 +329,241 @@ def test_the_api_says_what_prompts_accepts(tiny, prompts):
         "prompts must be a string, a sequence of strings or of token-id sequences, or a mapping of prompt id "
         f"to one of them, got {type(prompts).__name__}"
     )
+
+
+# --------------------------------------------------------------------------- one rule, every door
+
+# (config key, bad value, the sentence's end): each door refuses the value before any work, naming
+# the key as it spells it; the config schema's entry decides for all of them.
+EVERY_DOOR = [
+    ("teacher_forced.length", 0, "0 is not allowed; allowed: an integer >= 1"),
+    ("teacher_forced.length", -3, "-3 is not allowed; allowed: an integer >= 1"),
+    ("teacher_forced.length", 2.7, "2.7 is not an integer; allowed: an integer >= 1"),
+    ("teacher_forced.length", "abc", "'abc' is not allowed; allowed: an integer >= 1"),
+    ("analysis.bootstrap", 0, "0 is not allowed; allowed: an integer >= 1"),
+    ("analysis.confidence", 1.5, "1.5 is not allowed; allowed: a number > 0 and < 1"),
+    ("task.digits", 2.5, "2.5 is not an integer; allowed: an integer >= 1 and <= 18"),
+    ("task.digits", "7", "'7' is not allowed; allowed: an integer >= 1 and <= 18"),
+    ("task.depth_tolerance", float("nan"), "nan is not a finite number; allowed: a number >= 0 and <= 100"),
+    ("decoding.repetition_penalty", 1e-320, "1e-320 is not allowed; allowed: a number >= 0.0001 and <= 10000"),
+]
+
+#: Each door's spelling of the keys it takes: measure()'s arguments, screen()'s options, the command line's options.
+MEASURE_NAMES = {
+    "teacher_forced.length": "teacher_tokens",
+    "analysis.bootstrap": "bootstrap",
+    "analysis.confidence": "confidence",
+    "decoding.repetition_penalty": "repetition_penalty",
+}
+SCREEN_NAMES = {
+    "teacher_forced.length": "options.length",
+    "analysis.bootstrap": "options.bootstrap",
+    "analysis.confidence": "options.confidence",
+}
+CLI_NAMES = {
+    "teacher_forced.length": "--teacher-tokens",
+    "analysis.bootstrap": "--bootstrap",
+    "analysis.confidence": "--confidence",
+    "decoding.repetition_penalty": "--repetition-penalty",
+}
+
+
+def raw(name: str) -> dict:
+    """A shipped config as written (not validated)."""
+    from pathlib import Path
+
+    from kvdiverge.study.config import read_yaml
+
+    return read_yaml(Path(__file__).resolve().parents[1] / "config" / name)
+
+
+def _ids(case):
+    return f"{case[0]}={case[1]!r}"
+
+
+@pytest.mark.parametrize("key, value, tail", EVERY_DOOR, ids=[_ids(c) for c in EVERY_DOOR])
+def test_the_config_refuses_the_value_before_any_job(key, value, tail):
+    from kvdiverge.study.config import ConfigError, validate
+
+    config = raw("smoke.yaml")
+    section, name = key.split(".")
+    config.setdefault(section, {})[name] = value
+    if section == "task":
+        config["decoding"]["temperature"] = 0
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert f"{key}: {value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("key, value, tail", EVERY_DOOR, ids=[_ids(c) for c in EVERY_DOOR])
+def test_measure_refuses_the_value_before_any_forward(tiny, key, value, tail):
+    if key.startswith("task."):
+        kwargs, name = {"task": {key.split(".")[1]: value}, "temperature": 0}, key
+    else:
+        kwargs, name = {MEASURE_NAMES[key]: value}, MEASURE_NAMES[key]
+    with pytest.raises(ValueError) as info:
+        measure(tiny, **kwargs)
+    assert str(info.value) == f"{name}: {tail}"
+
+
+SCREEN_CASES = [c for c in EVERY_DOOR if c[0] in SCREEN_NAMES]
+CLI_CASES = [c for c in EVERY_DOOR if c[0] in CLI_NAMES]
+
+
+@pytest.mark.parametrize("key, value, tail", SCREEN_CASES, ids=[_ids(c) for c in SCREEN_CASES])
+def test_screen_refuses_the_value_before_any_forward(tiny, key, value, tail):
+    import kvdiverge
+
+    model, ids = tiny
+    field = SCREEN_NAMES[key].removeprefix("options.")
+    with pytest.raises(ValueError) as info:
+        kvdiverge.screen(model, None, ids, {"snap": {"press": "SnapKVPress", "compression_ratio": 0.5}},
+                         options={field: value})  # fmt: skip
+    assert str(info.value) == f"{SCREEN_NAMES[key]}: {tail}"
+
+
+@pytest.mark.parametrize("key, value, tail", CLI_CASES, ids=[_ids(c) for c in CLI_CASES])
+def test_the_command_line_refuses_the_value_before_loading_the_model(key, value, tail, prompts, no_model, capsys):
+    rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", CLI_NAMES[key], str(value)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    if isinstance(value, float) and key == "teacher_forced.length" or isinstance(value, str):
+        assert f"argument {CLI_NAMES[key]}: invalid int value" in err  # argparse's own type check
+    else:
+        assert err.strip() == f"kvdiverge measure: error: {CLI_NAMES[key]}: {tail}"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--question", "after"], "--question places a task's question: give --task too"),
+        (["--task", "niah", "--screen"], "--task scores the coupled run's greedy answers; the teacher-forced --screen"),
+        (["--task", "niah", "--temperature", "0.7"], "--task scores greedy answers: --temperature must be 0, got 0.7"),
+    ],
+)
+def test_the_command_line_refuses_task_options_that_do_not_go_together(extra, message, prompts, no_model, capsys):
+    assert run(["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", *extra]) == 2
+    assert error_line(capsys).startswith(message)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading a model's weights fails the test (its tokenizer may load): the refusal must come first."""
+    from kvdiverge.study import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the refusal")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.llm
+def test_the_command_line_refuses_what_the_task_decides_before_loading_the_weights(tmp_path, no_weights, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"text": "A single paragraph with no blank line in it, about the harbour."}\n')
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"text": "First paragraph about the harbour.\\n\\nSecond paragraph about the city."}\n')
+    base = ["measure", "embedded", "--task", "niah", "--press"]
+    cases = [
+        (
+            [*base, "SnapKVPress:compression_ratio=0.5", "--prompts", str(one)],
+            "no prompt takes the task: document 'prompt-0' has no paragraph break",
+        ),
+        (
+            [*base, "SnapKVPress:compression_ratio=0.5", "--prompts", str(two), "-T", "3"],
+            "takes 8 tokens, more than the answer budget -T/--max-new-tokens = 3; raise -T/--max-new-tokens",
+        ),
+        (
+            [*base, "SlidingWindowPress:compression_ratio=0.5", "--prompts", str(two), "--question", "after"],
+            "--question after: policy 'SlidingWindowPress:compression_ratio=0.5': it evicts while decoding; a "
+            "question after compression needs a prefill press",
+        ),
+        (
+            ["measure", "embedded", "--task", "niah", "--cache", "quanto:nbits=4", "--prompts", str(two)]
+            + ["--question", "after"],
+            "--question after: policy 'quanto:nbits=4': its quantized cache quantizes while decoding",
+        ),
+    ]
+    for argv, message in cases:
+        assert run(argv) == 2, argv
+        assert message in error_line(capsys)
+
+
+def test_the_config_refuses_task_settings_the_run_would_refuse_before_any_job():
+    from kvdiverge.study.config import ConfigError, validate
+
+    config = raw("smoke.yaml")
+    config["task"] = {"name": "niah"}
+    config["decoding"]["temperature"] = 0.7
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert "task: the task scores greedy answers, so decoding.temperature must be 0, got 0.7" in str(info.value)
+
+    config["decoding"]["temperature"] = 0
+    config["task"]["question"] = "after"
+    config["policies"]["window-50"] = {"press": "SlidingWindowPress", "compression_ratio": 0.5}
+    config["policies"]["int4"] = {"cache": "quantized", "nbits": 4}
+    config["runs"]["exploratory"] = [
+        *(n for n in config["runs"]["exploratory"] if n != "window-50"),
+        "window-50",
+        "int4",
+    ]
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert "task.question: 'after' cannot run policy 'window-50': it evicts while decoding" in str(info.value)
+    assert "task.question: 'after' cannot run policy 'int4': its quantized cache quantizes while decoding" in str(
+        info.value
+    )
+
+
+def test_measure_refuses_a_task_that_is_not_a_task_in_one_sentence(tiny):
+    for task in (1, ["niah"]):
+        with pytest.raises(ValueError) as info:
+            measure(tiny, task=task, temperature=0)
+        assert str(info.value).startswith(f"task: {task!r} is not a task; allowed: a task name ('niah') or a mapping")
+
+
+def test_out_of_memory_inside_a_press_is_a_failure_at_run_time_not_bad_input():
+    import torch
+
+    from kvdiverge.engine.core.errors import PressError, raise_kvpress_error
+
+    def raised(exc):
+        try:
+            raise exc
+        except BaseException as caught:
+            return caught
+
+    for exc in (MemoryError("host"), torch.OutOfMemoryError("device")):
+        with pytest.raises(type(exc)):  # unchanged, though the press's own file raised it
+            raise_kvpress_error(raised(exc), "press 'p'", "during the prefill", press_files=[__file__])
+    with pytest.raises(PressError, match="the press failed during the prefill with RuntimeError: boom"):
+        raise_kvpress_error(raised(RuntimeError("boom")), "press 'p'", "during the prefill", press_files=[__file__])
+
+
+def test_a_memory_error_exits_1_and_ctrl_c_exits_130_in_one_line(prompts, monkeypatch, capsys):
+    argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
+    for exc, code, line in (
+        (MemoryError("no more"), 1, "MemoryError: no more (rerun with --debug for the traceback)"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ):
+
+        def broken(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(cli, "prepare_presses", broken)
+        assert run(argv) == code
+        err = capsys.readouterr().err
+        assert err == f"kvdiverge measure: {'error: ' if code == 1 else ''}{line}\n"  # one line, no traceback
+
+
+def test_a_penalty_that_turns_the_logits_non_finite_is_named():
+    import torch
+
+    from kvdiverge.engine.core.decoding import RepeatHistory
+
+    history = RepeatHistory([torch.tensor([1, 2])], vocab_size=4, penalty=1e-4)
+    logits = torch.tensor([[1.0, 30.0, -2.0, 0.5]], dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^repetition_penalty: 0.0001 turns the reference side's float16 logits"):
+        history.penalize(logits, "reference")
+    assert torch.isfinite(history.penalize(logits.float(), "reference")).all()  # float32 holds 30 / 1e-4

@@ -333,8 +333,20 @@ def test_the_advice_follows_from_the_reasons():
     )
     assert "min_words" not in advice(too_long)
     assert advice("duplicate of a", "empty document", "duplicate of a").endswith(
-        "Add distinct documents to the corpus source (duplicates are dropped); or Add documents with text to "
+        "Add distinct documents to the corpus source (duplicates are dropped); or add documents with text to "
         "the corpus source."
+    )
+    no_break = (
+        "document 'd0' has no paragraph break (no blank line): the needle goes between paragraphs, so the "
+        "corpus must separate paragraphs by blank lines"
+    )
+    assert advice(no_break).endswith(
+        f"{no_break}. Use excerpts of several paragraphs (a higher corpus.min_words) from a source that "
+        f"separates paragraphs by blank lines: the task's needle goes between paragraphs."
+    )
+    shallow = "document 'd0' is too short for needle depth 50%: its 2 paragraphs allow depths 0, 40, 100%"
+    assert advice(shallow).endswith(
+        "Use longer excerpts with more paragraphs (a higher corpus.min_words), or a larger task.depth_tolerance."
     )
     short = "too short for policy snapkv: prompt of 40 tokens, policy needs at least 65"
     assert advice(short).endswith(

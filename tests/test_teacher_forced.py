@@ -335,3 +335,16 @@ def test_shared_prefill_gives_each_policy_alone(model):
     for name, source in policies.items():
         alone = run({name: source})
         assert together.filter(pl.col("policy") == name).equals(alone)
+
+
+@pytest.mark.miniature
+def test_a_length_beyond_the_context_is_cut_to_what_the_context_leaves(model, monkeypatch):
+    import kvdiverge
+
+    monkeypatch.setattr(model.config, "max_position_embeddings", 48)
+    prompts = {"a": prompt(40), "b": prompt(44)}
+    presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8)}
+    s = kvdiverge.screen(model, None, prompts, presses, options={"length": 10**6, "bootstrap": 20, "eos_ids": ()})
+    counts = dict(s.positions.group_by("doc_id").len().iter_rows())
+    assert counts == {"a": 8, "b": 4}  # 48 - 40 and 48 - 44 positions: cut, not refused
+    assert s.settings["length"] == 10**6

@@ -499,12 +499,32 @@ def _print_task(tables) -> None:
         print(tables["auc"].select("measure", "n_pairs", "n_broken", "auc", "auc_lo", "auc_hi"))
 
 
-def _measure(args: argparse.Namespace) -> int:
+def _check_prompts(args: argparse.Namespace, prompts, tokenizer, sources, instruction, task) -> None:
+    """Refuse, with the tokenizer alone, prompts that cannot run: shorter than a press needs, or that
+    the task cannot take (its prompts are built here, and again by :func:`kvdiverge.measure`)."""
     from kvdiverge.engine.runner import question_after_problems
-    from kvdiverge.measurement import measure
     from kvdiverge.study.inputs import check_lengths, prepare_documents
-    from kvdiverge.study.models import load_model, load_tokenizer
+    from kvdiverge.study.settings import spelled
     from kvdiverge.study.tasks import task_documents
+
+    if not task:
+        documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
+        check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)
+        return
+    try:
+        docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, {"system": args.system})
+    except ValueError as exc:  # the task names the config's keys: name the options
+        raise InputError(spelled(str(exc), OPTIONS)) from None
+    check_lengths(docs, sources, args.max_new_tokens)
+    if any(doc.n_question for doc in docs):
+        problems = question_after_problems(sources)
+        if problems:
+            raise InputError(f"--question after: {problems[0]}")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from kvdiverge.measurement import measure
+    from kvdiverge.study.models import load_model, load_tokenizer
 
     check_arguments(args)
     presses, sources, caches = argument_sources(args)
@@ -512,16 +532,7 @@ def _measure(args: argparse.Namespace) -> int:
     name, entry = model_entry(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(entry, name)
     task = _task_block(args)
-    if task:  # the task's prompts, checked before loading the weights (measure builds them again)
-        docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, {"system": args.system})
-        check_lengths(docs, sources, args.max_new_tokens)
-        if any(doc.n_question for doc in docs):
-            problems = question_after_problems(sources)
-            if problems:
-                raise InputError(f"--question after: {problems[0]}")
-    else:
-        documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-        check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)  # before loading the weights
+    _check_prompts(args, prompts, tokenizer, sources, instruction, task)  # before loading the weights
     if args.threads is not None:
         import torch
 

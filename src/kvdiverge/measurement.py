@@ -266,7 +266,7 @@ def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: M
     """``(documents, prompts table)`` of the task, or ``None`` without one; refuses non-greedy decoding."""
     if task is None:
         return None
-    from kvdiverge.study.settings import check_task
+    from kvdiverge.study.settings import check_task, spelled
     from kvdiverge.study.tasks import task_documents
 
     block = check_task(task)  # the config's rules for a task block, before any work
@@ -276,7 +276,10 @@ def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: M
         prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
     if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
         raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
-    return task_documents(prompts, tokenizer, block, T, render)
+    try:
+        return task_documents(prompts, tokenizer, block, T, render)
+    except ValueError as exc:  # the task names the config's keys: name measure()'s arguments
+        raise type(exc)(spelled(str(exc))) from None
 
 
 def _task_tables(result: Measurement, table, tokenizer, task):

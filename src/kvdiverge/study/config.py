@@ -453,9 +453,7 @@ def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> 
         return
     temperature = config.get("decoding", {}).get("temperature")
     if temperature is not None and temperature != 0:
-        problems.append(
-            f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}"
-        )
+        problems.append(f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}")
     if task.get("question") != "after":
         return
     from kvdiverge.engine.core.errors import PressError

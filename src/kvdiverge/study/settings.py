@@ -31,6 +31,7 @@ __all__ = [
     "check_task",
     "config_sampling",
     "setting_problems",
+    "spelled",
     "task_problems",
     "token_id_problems",
 ]
@@ -241,6 +242,15 @@ def check_task(task: Any, name: str = "task") -> dict[str, Any] | None:
     if isinstance(block.get("digits"), float):
         block["digits"] = int(block["digits"])
     return block
+
+
+def spelled(message: str, names: Mapping[str, str] | None = None) -> str:
+    """``message`` with each setting's config key (:data:`SETTINGS`, ``decoding.max_new_tokens``) spelled
+    as a door spells it: ``names`` maps a setting to its spelling (``{"max_new_tokens":
+    "-T/--max-new-tokens"}``); a setting not in ``names`` takes its argument name."""
+    for arg, key in sorted(SETTINGS.items(), key=lambda item: -len(item[1])):
+        message = message.replace(key, (names or {}).get(arg, arg))
+    return message
 
 
 def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[str]:

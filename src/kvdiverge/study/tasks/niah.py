@@ -309,5 +309,5 @@ def check_budget(tokenizer, value: str, max_new_tokens: int) -> None:
     if n > max_new_tokens:
         raise TaskError(
             f"the needle's value {value!r} takes {n} tokens, more than the answer budget "
-            f"decoding.max_new_tokens = {max_new_tokens}; raise max_new_tokens or lower task.digits"
+            f"decoding.max_new_tokens = {max_new_tokens}; raise decoding.max_new_tokens or lower task.digits"
         )
