@@ -448,13 +448,22 @@ def test_the_command_line_refuses_task_options_that_do_not_go_together(extra, me
 
 @pytest.fixture
 def no_weights(monkeypatch):
-    """Loading a model's weights fails the test (its tokenizer may load): the refusal must come first."""
+    """Loading a model's weights fails the test (its tokenizer loads, once): the refusal must come first."""
     from kvdiverge.study import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before the refusal")
 
+    loaded = {}
+    real = models.load_tokenizer
+
+    def load_tokenizer(entry, name):
+        if name not in loaded:
+            loaded[name] = real(entry, name)
+        return loaded[name]
+
     monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
 
 
 @pytest.mark.llm
