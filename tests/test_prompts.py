@@ -345,6 +345,17 @@ def test_the_advice_follows_from_the_reasons():
         f"separates paragraphs by blank lines: the task's needle goes between paragraphs."
     )
     shallow = "document 'd0' is too short for needle depth 50%: its 2 paragraphs allow depths 0, 40, 100%"
+    with pytest.raises(NoUsableDocumentsError, match=r"none of its 1 documents \(2 more dropped before selection\)"):
+        check_usable(
+            pl.DataFrame(
+                {
+                    "doc_id": ["a", "b", "c"],
+                    "split": "exploratory",
+                    "exclusion_reason": ["duplicate of x", "empty document", shallow],
+                }
+            ),
+            settings,
+        )
     assert advice(shallow).endswith(
         "Use longer excerpts with more paragraphs (a higher corpus.min_words), or a larger task.depth_tolerance."
     )

@@ -282,11 +282,18 @@ def check_usable(prompts: pl.DataFrame, settings: dict[str, Any]) -> None:
         reasons = part["exclusion_reason"].drop_nulls()
         ranked = reasons.value_counts(sort=True)[:, 0].to_list() if reasons.len() else []
         top = ranked[0] if ranked else "no documents in this split"
+        before = sum(reason.startswith(CORPUS_REASONS) for reason in reasons.to_list())
+        also = f" ({before} more dropped before selection)" if before else ""
         raise NoUsableDocumentsError(
-            f"split {split!r}: none of its {part.height} documents is usable for the policies "
+            f"split {split!r}: none of its {part.height - before} documents{also} is usable for the policies "
             f"scheduled on it ({', '.join(sorted(minimums))}); most frequent reason: {top}. "
             f"{remedy(ranked, split)}"
         )
+
+
+#: How the reasons of rows the corpus stage dropped before selection start (they reach the prompts
+#: table with their reason and no tokens: :func:`kvdiverge.study.corpus.build_corpus`).
+CORPUS_REASONS = ("empty document", "whitespace-only document", "no excerpt", "duplicate of")
 
 
 #: What to change for each kind of exclusion reason (a phrase of the reason), ``{split}`` filled in.
