@@ -251,6 +251,10 @@ def test_timing_summary_and_tables(tmp_path, kernel):
     conf, _ = confirmatory_analysis(btv_docs([(0.1, 0.3), (0.2, 0.4)]), PLAN, "confirmatory", 50, 0.95, 1)
     page = summary_html(pooled, gaps, conf, PLAN)
     assert plan_hash(PLAN) in page and "synthetic" in page and "not rejected" in page
+    assert "[95% CI]" in page and "90%" not in page
+    ninety = summary_html(pooled, gaps, conf, PLAN, confidence=0.9)  # analysis.confidence: 0.9
+    assert ninety.count("[90% CI]") == page.count("[95% CI]") > 5 and "95%" not in ninety
+    assert confidence_labels(confirmatory_html(PLAN, conf, confidence=0.9)) == {"90% CI"}
     save_table(docs, tmp_path / "d.parquet", tmp_path / "d.csv")
     back = pl.read_csv(tmp_path / "d.csv")
     assert "S" not in back.columns and back.height == 4
@@ -336,3 +340,35 @@ def test_summary_page_says_which_policies_lie_above_the_floor():
     t = floor_comparison(docs, "noise-floor", 200, 0.95, seed=1)
     page = floor_html(t)
     assert "above floor (p_div / E[N])" in page and "yes / yes" in page and "no / no" in page
+    assert confidence_labels(page) == {"95% CI"} and confidence_labels(floor_html(t, confidence=0.9)) == {"90% CI"}
+
+
+def confidence_labels(page: str) -> set[str]:
+    """The interval labels a page's headers carry (``[95% CI]`` gives ``95% CI``)."""
+    import re
+
+    return set(re.findall(r"\[([0-9.]+% CI)\]", page))
+
+
+def test_every_caption_says_the_configured_confidence():
+    """The report's captions spell the interval coverage from ``analysis.confidence``, not a fixed 95%."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import jinja2
+
+    from kvdiverge.study.config import read_yaml, validate
+
+    root = Path(__file__).resolve().parents[1]
+    config = read_yaml(root / "config" / "smoke.yaml")
+    config["analysis"]["confidence"] = 0.9
+    config = validate(config)
+    figures = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "speculative", "frontier"]
+    said = 0
+    for caption in sorted((root / "workflow" / "report").glob("*.rst")):
+        for figure in figures if caption.name == "figure.rst" else [None]:
+            snakemake = SimpleNamespace(config=config, wildcards=SimpleNamespace(figure=figure), params={})
+            text = jinja2.Template(caption.read_text()).render(snakemake=snakemake)
+            assert "95%" not in text, (caption.name, figure)
+            said += text.count("90%")
+    assert said >= 12  # every caption that names a coverage

@@ -305,6 +305,8 @@ def test_frontier_figure_is_written(tmp_path):
     assert (tmp_path / "frontier.pdf").read_bytes()[:4] == b"%PDF"
     page = frontier_html(points, areas)
     assert page.count("<table>") == 2 and "a@b32" in page and "(best)" in page
+    ninety = frontier_html(points, areas, 0.9)
+    assert "[90% CI]" in ninety and "95%" not in ninety and "[95% CI]" in page
 
 
 # --------------------------------------------------------------------------- quantized caches on the frontier

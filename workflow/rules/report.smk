@@ -52,6 +52,7 @@ rule summary:
         benchmark_file("summary/summary")
     params:
         plan=canonical(CONFIG["confirmatory"]),
+        confidence=canonical(CONFIG["analysis"]["confidence"]),
     conda:
         CONDA_ENV
     script:

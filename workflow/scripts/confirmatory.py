@@ -21,4 +21,4 @@ with rule_log(snakemake.log[0], "confirmatory", "confirmatory analysis") as log:
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)
-    write_text_atomic(confirmatory_html(plan, result), out.html)
+    write_text_atomic(confirmatory_html(plan, result, confidence=p.confidence), out.html)

@@ -18,6 +18,7 @@ with rule_log(snakemake.log[0], "summary") as log:
         dict(snakemake.params.plan),
         floor=pl.read_parquet(i.floor),
         provenance=provenance_html(runs, study_hash(runs) if runs.height else None),
+        confidence=snakemake.params.confidence,
     )
     write_text_atomic(html, snakemake.output[0])
     log.info("wrote %s", snakemake.output[0])

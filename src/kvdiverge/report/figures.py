@@ -211,7 +211,7 @@ def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) ->
 
 
 def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
-    """Stacked gap decomposition with 95% paired-bootstrap intervals, one panel per model.
+    """Stacked gap decomposition with paired-bootstrap intervals (the table's coverage), one panel per model.
 
     Each bar stacks the first-mismatch, exposure and rate terms (positive terms upward,
     negative downward from 0); the black diamond is the gap ``Delta`` (tokens) with its

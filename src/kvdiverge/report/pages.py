@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import polars as pl
 
@@ -19,6 +20,7 @@ from kvdiverge.report.formatting import number, with_interval
 
 __all__ = [
     "CONFIRMATORY_HEADER",
+    "ci_label",
     "confirmatory_html",
     "floor_html",
     "frontier_html",
@@ -34,6 +36,16 @@ _STYLE = (
     "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
     "th{background:#f3f3f3}code{background:#f6f6f6}</style>"
 )
+
+
+def ci_label(confidence: float) -> str:
+    """The interval label of a coverage: ``0.95`` gives ``"95% CI"``, ``0.9`` ``"90% CI"``, ``0.975`` ``"97.5% CI"``."""
+    return f"{float(confidence) * 100:g}% CI"
+
+
+def _labelled(header: Sequence[str], confidence: float) -> list[str]:
+    """``header`` with each ``[CI]`` spelled with its coverage (:func:`ci_label`)."""
+    return [h.replace("[CI]", f"[{ci_label(confidence)}]") for h in header]
 
 
 def _plan_block(plan: Mapping[str, Any]) -> str:
@@ -75,8 +87,8 @@ CONFIRMATORY_HEADER = [
     "documents",
     "excluded (no window reached)",
     "tested",
-    "mean late − early [95% CI]",
-    "median [95% CI]",
+    "mean late − early [CI]",
+    "median [CI]",
     "W statistic",
     "p raw",
     "p adjusted",
@@ -84,7 +96,7 @@ CONFIRMATORY_HEADER = [
 ]
 
 
-def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
+def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame, *, confidence: float = 0.95) -> str:
     """HTML page of the confirmatory plan (with its hash) and the per-model results.
 
     Parameters
@@ -93,6 +105,8 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
         Config section ``confirmatory``.
     result : polars.DataFrame
         First output of :func:`~kvdiverge.estimation.analysis.confirmatory_analysis`.
+    confidence : float
+        Coverage of the intervals (``analysis.confidence``): the headers' label.
 
     Returns
     -------
@@ -103,7 +117,7 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame) -> str:
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
         f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
         "<h2>Result per model</h2>"
-        f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(result))}"
+        f"{html_table(_labelled(CONFIRMATORY_HEADER, confidence), _confirmatory_rows(result))}"
         "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
         "documents whose branches reach neither window, or only one, have no d and are "
         "counted as excluded. A noise-floor row (the permutation control, equal kernels "
@@ -117,14 +131,14 @@ FLOOR_HEADER = [
     "split",
     "policy",
     "documents (paired)",
-    "p_div [95% CI]",
-    "floor p_div [95% CI]",
-    "E[N] tokens [95% CI]",
-    "floor E[N] [95% CI]",
-    "mean TV per step [95% CI]",
-    "floor mean TV per step [95% CI]",
-    "p_div − floor [95% CI]",
-    "E[N] − floor [95% CI]",
+    "p_div [CI]",
+    "floor p_div [CI]",
+    "E[N] tokens [CI]",
+    "floor E[N] [CI]",
+    "mean TV per step [CI]",
+    "floor mean TV per step [CI]",
+    "p_div − floor [CI]",
+    "E[N] − floor [CI]",
     "above floor (p_div / E[N])",
 ]
 
@@ -164,11 +178,12 @@ FLOOR_NOTE = (
 )
 
 
-def floor_html(floor: pl.DataFrame) -> str:
-    """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.analysis.floor_comparison`)."""
+def floor_html(floor: pl.DataFrame, *, confidence: float = 0.95) -> str:
+    """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.analysis.floor_comparison`),
+    its intervals labelled with their coverage ``confidence``."""
     if floor.height == 0:
         return "<p>No noise-floor control ran (config <code>runs.floor</code>).</p>"
-    return html_table(FLOOR_HEADER, _floor_rows(floor)) + FLOOR_NOTE
+    return html_table(_labelled(FLOOR_HEADER, confidence), _floor_rows(floor)) + FLOOR_NOTE
 
 
 _RUN_HEADER = [
@@ -177,9 +192,9 @@ _RUN_HEADER = [
     "split",
     "documents",
     "T",
-    "occurrence p_div [95% CI]",
-    "mean first-divergence step [95% CI]",
-    "mismatch fraction E[M] [95% CI]",
+    "occurrence p_div [CI]",
+    "mean first-divergence step [CI]",
+    "mismatch fraction E[M] [CI]",
     "exposure share of E[M]",
     "rho",
     "§4 interval of E[M] from window W",
@@ -190,7 +205,7 @@ _GAP_HEADER = [
     "model",
     "gap A − B",
     "documents",
-    "Δ E[N] tokens [95% CI]",
+    "Δ E[N] tokens [CI]",
     "first-mismatch share",
     "exposure share",
     "rate share",
@@ -286,6 +301,7 @@ def summary_html(
     *,
     floor: pl.DataFrame | None = None,
     provenance: str | None = None,
+    confidence: float = 0.95,
 ) -> str:
     """HTML page of the headline numbers: occurrence, timing, decomposition, gaps, decisions.
 
@@ -304,6 +320,8 @@ def summary_html(
         floor" to the headline table and the floor table below it.
     provenance : str, optional
         :func:`provenance_html`'s section, the page's last.
+    confidence : float
+        Coverage of the intervals (``analysis.confidence``): the headers' label.
 
     Returns
     -------
@@ -314,13 +332,13 @@ def summary_html(
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
         f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
-        f"{html_table(_RUN_HEADER, runs)}"
+        f"{html_table(_labelled(_RUN_HEADER, confidence), runs)}"
         "<h2>Noise floor beside each policy</h2>"
-        f"{floor_html(floor) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
+        f"{floor_html(floor, confidence=confidence) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
         "<h2>Gap decomposition (exploratory)</h2>"
-        f"{html_table(_GAP_HEADER, gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
+        f"{html_table(_labelled(_GAP_HEADER, confidence), gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
-        f"{html_table(CONFIRMATORY_HEADER, _confirmatory_rows(confirmatory))}"
+        f"{html_table(_labelled(CONFIRMATORY_HEADER, confidence), _confirmatory_rows(confirmatory))}"
         f"{provenance or ''}</body></html>"
     )
 
@@ -460,7 +478,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
         f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
-        f"{html_table(AREA_HEADER, area_rows)}"
+        f"{html_table(_labelled(AREA_HEADER, confidence), area_rows)}"
         f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
         f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
         f"Each is ranked by the mean of E[M] (then p_div) over the KV bytes stored per prompt token "
@@ -470,7 +488,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         f"under E[M] and p_div against the compression ratio, over the curve's own ratios. Brackets: "
         f"{pct} document bootstrap; every point and the floor are resampled with the same documents "
         f"(paired), so a difference from the best curve whose interval excludes 0 separates the two.</p>"
-        f"<h2>Every point</h2>{html_table(point_header, point_rows)}"
+        f"<h2>Every point</h2>{html_table(_labelled(point_header, confidence), point_rows)}"
         "<p>E[M] = p_div/T + (E[L]/T) rho (estimators.md §3). KV bytes per prompt token = retention × "
         "layers × kv heads × head dim × 2 × bytes per element (the model's dtype; a quantized cache's "
         "nbits/8 + 2 × dtype bytes / q_group_size, a scale and a zero point per group). The floor columns "
@@ -531,7 +549,7 @@ def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
         f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
-        f"{html_table(SPECULATIVE_HEADER, rows)}"
+        f"{html_table(_labelled(SPECULATIVE_HEADER, confidence), rows)}"
         "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
         "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
         "that the first k drafted tokens are all accepted is the survival S_k, and the expected number "
