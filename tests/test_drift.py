@@ -149,7 +149,7 @@ def test_the_table_sees_the_drift_of_a_kernel_that_stops_later():
     table = drift_table(drift_replicates(pl.concat(frames), [EOS]), 400, 0.95, 0)
     stop = table.filter(pl.col("measure") == "stop_rate").row(0, named=True)
     exact = exact_length_law(_q)[:T].sum() - exact_length_law(_p)[:T].sum()
-    assert stop["diff"] == pytest.approx(exact, abs=0.03) and stop["diff_hi"] < 0  # Q stops less often
+    assert stop["diff"] == pytest.approx(exact, abs=0.06) and stop["diff_hi"] < 0  # Q stops less often (SE ~0.025)
     assert stop["diff_lo"] <= stop["diff"] <= stop["diff_hi"]
     length = table.filter(pl.col("measure") == "length_mean").row(0, named=True)
     assert length["diff_lo"] > 0 and length["n_docs"] == 8
