@@ -71,6 +71,8 @@ class Measurement:
     task : dict of polars.DataFrame or None
         With :func:`measure`'s ``task``: the task's ``documents``, ``accuracy``,
         ``correlations`` and ``auc`` tables (:func:`kvdiverge.study.tasks.tables.task_tables`).
+    eos_ids : tuple of int or None
+        The end-of-sequence ids both generations stopped at (the length drift's stops).
     """
 
     trajectories: pl.DataFrame
@@ -86,6 +88,7 @@ class Measurement:
     batch_documents: int | None = None
     teacher_forced: Any = None
     task: dict[str, pl.DataFrame] | None = None
+    eos_ids: tuple[int, ...] | None = None
     _gaps: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict, repr=False)
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -128,6 +131,34 @@ class Measurement:
         )
 
     @property
+    def drift_replicates(self) -> pl.DataFrame:
+        """Per press, prompt and replicate: each side's length to EOS, stop, loop and repetition, paired
+        (:func:`kvdiverge.estimation.drift.drift_replicates`)."""
+        from kvdiverge.estimation.drift import drift_replicates
+
+        return self._memo("drift_replicates", lambda: drift_replicates(self.trajectories, self.eos_ids or ()))
+
+    @property
+    def drift(self) -> pl.DataFrame:
+        """Length and loop drift per press: ``length_mean``, ``length_median`` (tokens), ``stop_rate``,
+        ``loop_rate``, ``rep4``, ``distinct2`` on the full-cache and the compressed side and their paired
+        difference, with document-bootstrap intervals (:func:`kvdiverge.estimation.drift.drift_table`)."""
+        from kvdiverge.estimation.drift import drift_table
+
+        s = self.settings
+        return self._memo(
+            "drift", lambda: drift_table(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
+        )
+
+    @property
+    def length_survival(self) -> pl.DataFrame:
+        """Per press and side, ``P(EOS step > t)`` for ``t = 0..T``: the Kaplan–Meier curve of the EOS time
+        censored at ``T`` (:func:`kvdiverge.estimation.drift.length_survival`)."""
+        from kvdiverge.estimation.drift import length_survival
+
+        return self._memo("length_survival", lambda: length_survival(self.drift_replicates))
+
+    @property
     def compression(self) -> pl.DataFrame:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
         ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
@@ -155,12 +186,15 @@ class Measurement:
         """The summary as a plain-text table, with notes (what ``kvdiverge measure`` prints;
         :func:`kvdiverge.report.formatting.summary_text`), and one line of the self-speculative
         reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`)."""
+        from kvdiverge.estimation.drift import format_drift_line
         from kvdiverge.estimation.speculative import format_speculative_line
 
         text = (
             summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
             + "\n"
             + format_speculative_line(self.speculative, self.presses)
+            + "\n"
+            + format_drift_line(self.drift, self.presses)
         )
         return text if self.teacher_forced is None else text + "\n" + self.teacher_forced.format()
 
@@ -171,7 +205,8 @@ class Measurement:
         """Write every table as parquet (and the scalar columns as CSV), atomically.
 
         Files: ``trajectories``, ``replicates``, ``documents``, ``pooled``, ``timing``, ``survival``,
-        ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, for a frontier ``frontier``
+        ``branch_tv``, ``variance``, ``gaps``, ``summary``, ``speculative``, ``drift``,
+        ``length_survival``, for a frontier ``frontier``
         and ``frontier_areas``, with a task ``task_documents``, ``task_accuracy``, ``task_correlations``,
         ``task_auc`` (``.parquet``; ``.csv`` too except for trajectories and replicates),
         ``measure.json`` (the settings) and ``provenance.json``: ``settings_hash``
@@ -193,6 +228,8 @@ class Measurement:
             "gaps": self.gaps,
             "summary": self.summary,
             "speculative": self.speculative,
+            "drift": self.drift,
+            "length_survival": self.length_survival,
             **{f"task_{name}": table for name, table in (self.task or {}).items()},
         }
         if self.settings.get("frontier"):
@@ -354,7 +391,7 @@ def _floors(sources: Mapping[str, Any]) -> list[str]:
     return [n for n, s in sources.items() if is_noise_floor(n, s)]
 
 
-def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, Any]) -> Measurement:
+def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, Any], eos_ids) -> Measurement:
     """The :class:`Measurement` of a coupled run: its estimates and pooled tables (window, bootstrap: ``settings``)."""
     from kvdiverge.estimation import tables
 
@@ -368,6 +405,7 @@ def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, 
         settings=settings,
         noise_floor=floors[0] if floors else None,
         batch_documents=runs.batch_documents,
+        eos_ids=eos_ids,
         **pooled,
     )
 
@@ -546,13 +584,20 @@ def measure(
     recorded = {k: given[k] for k in ("window", "bootstrap", "confidence")}
     recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
     settings = measure_settings(model_name, split, sources, grid, sampling=sampling, **recorded)
-    result = _measurement(runs, windows, settings, sources)
+    result = _measurement(runs, windows, settings, sources, _eos(model, eos_ids))
     if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
     if task_docs:
         result.task = _task_tables(result, task_docs[1], tokenizer, task)
     _warn_untouched(result, sources)
     return result
+
+
+def _eos(model, eos_ids) -> tuple[int, ...]:
+    """The end-of-sequence ids the generations stopped at: ``eos_ids``, else the model's."""
+    from kvdiverge.engine.llm.pair_base import model_eos_ids
+
+    return tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
 
 
 def _check_question_after(sources) -> None:

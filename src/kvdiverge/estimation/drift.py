@@ -61,6 +61,7 @@ __all__ = [
     "drift_problems",
     "drift_replicates",
     "drift_table",
+    "format_drift_line",
     "length_survival",
     "loop_onset",
     "repeated_ngram_rate",
@@ -342,3 +343,28 @@ def length_survival(reps: pl.DataFrame) -> pl.DataFrame:
                 )
             )
     return pl.concat(frames) if frames else pl.DataFrame()
+
+
+def format_drift_line(table: pl.DataFrame, policies: Sequence[str]) -> str:
+    """One line: per policy, the paired length difference (tokens) and the stop and loop rates' differences.
+
+    Returns
+    -------
+    str
+        ``"length drift (compressed - full) [CI]: snapkv +1.2 tokens [0.3, 2.0], stop -0.05 [...], loop
+        +0.00 [...]; ..."``; a note when the table is empty.
+    """
+    if table.height == 0:
+        return "length drift: no runs"
+    by = {(r["policy"], r["measure"]): r for r in table.iter_rows(named=True)}
+    cells = []
+    for p in policies:
+        if (p, "length_mean") not in by:
+            continue
+        length, stop, loop = (by[(p, m)] for m in ("length_mean", "stop_rate", "loop_rate"))
+        cells.append(
+            f"{p} {length['diff']:+.2f} tokens [{length['diff_lo']:+.2f}, {length['diff_hi']:+.2f}], "
+            f"stop {stop['diff']:+.3f} [{stop['diff_lo']:+.3f}, {stop['diff_hi']:+.3f}], "
+            f"loop {loop['diff']:+.3f} [{loop['diff_lo']:+.3f}, {loop['diff_hi']:+.3f}]"
+        )
+    return "length drift (compressed - full, paired) [CI]: " + "; ".join(cells)
