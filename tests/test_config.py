@@ -43,7 +43,9 @@ def test_shipped_configs_validate(name):
         "results_dir",
         "generation",
         "teacher_forced",
+        "drift",
     }
+    assert config["drift"] == {"min_repeats": 3}  # the period: 32 or the horizon, whichever is shorter
     assert config["teacher_forced"]["length"] >= 1 and config["teacher_forced"]["continuation"] == "corpus"
 
 

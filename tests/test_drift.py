@@ -49,11 +49,23 @@ def test_repetition_rates_enumerated_by_hand():
 
 
 def test_settings_that_cannot_see_a_loop_are_named():
-    assert drift_problems(96) == []
+    assert drift_problems(32) == [] and drift_problems(96, 32, 3) == []
     assert drift_problems(16) == [
-        "the loop period 32 repeated 3 times (96 tokens) is longer than the horizon T = 16: loops of the "
-        "longest periods cannot be seen; lower the period to 5 or raise T"
+        "drift.max_period: a loop period of 32 tokens is longer than the horizon decoding.max_new_tokens = 16; "
+        "lower it to at most 16 (or raise the horizon)"
     ]
+    assert drift_problems(32, 8, 1) == ["drift.min_repeats: a loop repeats its period at least twice, got 1"]
+
+
+def test_a_horizon_that_sees_no_stop_is_named():
+    from kvdiverge.estimation.drift import no_stop_note
+
+    row = {"model": "m", "policy": "p", "split": "s", "T": 8, "measure": "stop_rate", "full": 0.0, "compressed": 0.0}
+    assert no_stop_note(pl.DataFrame([row])) == [
+        "m/p/s: no draw stopped within the horizon T = 8 on either side, so a change of length cannot be seen; "
+        "raise decoding.max_new_tokens above the full cache's lengths (config/length.yaml)"
+    ]
+    assert no_stop_note(pl.DataFrame([{**row, "compressed": 0.25}])) == []
 
 
 # --------------------------------------------------------------------------- the coupled draw's marginals
@@ -153,3 +165,42 @@ def test_the_table_sees_the_drift_of_a_kernel_that_stops_later():
     assert stop["diff_lo"] <= stop["diff"] <= stop["diff_hi"]
     length = table.filter(pl.col("measure") == "length_mean").row(0, named=True)
     assert length["diff_lo"] > 0 and length["n_docs"] == 8
+
+
+def test_the_length_ratio_joins_the_frontier_points():
+    from kvdiverge.engine.core.coupled import simulate
+    from kvdiverge.engine.core.pairs import TableKernelPair
+    from kvdiverge.estimation.drift import length_ratios, with_drift_columns
+
+    frames = [simulate(TableKernelPair(kernel, V, eos_ids=(EOS,)), T, 20, seed=2, doc_id=f"d{i}") for i in range(4)]
+    reps = drift_replicates(pl.concat(frames), [EOS])
+    ratios = length_ratios(reps, 300, 0.95, 0)
+    r = ratios.row(0, named=True)
+    means = reps.group_by("doc_id").agg(pl.col("length_full").mean(), pl.col("length_compressed").mean())
+    assert r["length_ratio"] == pytest.approx(means["length_compressed"].mean() / means["length_full"].mean())
+    assert 1 < r["length_ratio_lo"] <= r["length_ratio"] <= r["length_ratio_hi"]  # Q stops later: longer
+    points = pl.DataFrame({"model": ["synthetic"], "policy": ["synthetic"], "split": ["synthetic"], "E_M": [0.1]})
+    joined = with_drift_columns(points, ratios)
+    assert joined["length_ratio"].to_list() == [r["length_ratio"]] and with_drift_columns(points, None).equals(points)
+
+
+@pytest.mark.miniature
+def test_measure_reports_the_drift_and_the_none_control_is_exactly_0(tmp_path):
+    import kvpress
+    import torch
+
+    import kvdiverge
+    from kvdiverge.testing.miniatures import MINIATURE, random_model
+
+    model = random_model(MINIATURE["llama-3.1-8b"], num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {f"p{i}": torch.randint(1, 500, (40,), generator=gen).tolist() for i in range(3)}
+    presses = {"none": {"press": "SnapKVPress", "compression_ratio": 0.0}, "snap": kvpress.SnapKVPress(0.75, window_size=8)}
+    m = kvdiverge.measure(model, None, prompts, presses, max_new_tokens=6, replicates=2, bootstrap=50,
+                          progress=False, eos_ids=[3, 7, 11])  # fmt: skip
+    none = m.drift.filter(pl.col("policy") == "none")
+    assert none.height == 6 and (none["diff"] == 0).all() and (none["diff_hi"] == 0).all()
+    assert set(m.drift["policy"]) == {"none", "snap"} and m.eos_ids == (3, 7, 11)
+    assert "length drift (compressed - full, paired)" in m.format_summary()
+    files = {p.name for p in m.save(tmp_path)}
+    assert {"drift.parquet", "length_survival.parquet"} <= files

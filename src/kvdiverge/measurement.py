@@ -134,9 +134,10 @@ class Measurement:
     def drift_replicates(self) -> pl.DataFrame:
         """Per press, prompt and replicate: each side's length to EOS, stop, loop and repetition, paired
         (:func:`kvdiverge.estimation.drift.drift_replicates`)."""
-        from kvdiverge.estimation.drift import drift_replicates
+        from kvdiverge.estimation.drift import drift_replicates, loop_settings
 
-        return self._memo("drift_replicates", lambda: drift_replicates(self.trajectories, self.eos_ids or ()))
+        loops = loop_settings(None, self.settings["T"])
+        return self._memo("drift_replicates", lambda: drift_replicates(self.trajectories, self.eos_ids or (), **loops))
 
     @property
     def drift(self) -> pl.DataFrame:
@@ -254,13 +255,16 @@ class Measurement:
         return self._cache[key]
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        from kvdiverge.estimation.drift import length_ratios, with_drift_columns
         from kvdiverge.estimation.frontier import measured_frontier
         from kvdiverge.estimation.teacher_forced import with_teacher_columns
 
         def compute():
             points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
             teacher = None if self.teacher_forced is None else self.teacher_forced.table
-            return with_teacher_columns(points, teacher), areas
+            s = self.settings
+            ratios = length_ratios(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
+            return with_drift_columns(with_teacher_columns(points, teacher), ratios), areas
 
         return self._memo("frontier", compute)
 

@@ -172,6 +172,34 @@ rule speculative:
         "../scripts/speculative.py"
 
 
+# Length and loop drift (kvdiverge.estimation.drift): per policy, each side's mean and median
+# length to EOS, stop rate, loop rate, seq-rep-4 and distinct-2, and the paired difference
+# (compressed minus full) with document-bootstrap intervals; the EOS time's survival per side.
+rule drift:
+    input:
+        drift_files(),
+    output:
+        parquet=f"{ANALYSIS}/drift.parquet",
+        csv=report(
+            f"{ANALYSIS}/drift.csv",
+            caption="../report/drift.rst",
+            category="Tables",
+            labels={"table": "length and loop drift"},
+        ),
+        survival_parquet=f"{ANALYSIS}/length_survival.parquet",
+        survival_csv=f"{ANALYSIS}/length_survival.csv",
+    log:
+        f"{LOGS}/analysis/drift.log",
+    benchmark:
+        benchmark_file("drift/drift")
+    params:
+        **ANALYSIS_PARAMS,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/drift.py"
+
+
 # The frontier (config `frontier`): every press against compression ratio and every curve
 # against KV bytes per prompt token, beside the noise floor (kvdiverge.estimation.frontier).
 # Its policies are ordinary policies (<press>@<ratio>, <cache>, <press>@<ratio>+<cache>,
@@ -193,6 +221,11 @@ if FRONTIER_POINTS:
             ),
             # the teacher-forced headline of every point joins its row (and the figure's fourth panel)
             teacher=rules.teacher_forced_table.output.parquet,
+            # and its length ratio, compressed over full (the figure's length panel)
+            drift=run_files(
+                rules.estimate.output.drift,
+                [(m, p, FRONTIER_SPLIT) for m in MODELS for p in FRONTIER_POLICIES if (m, p, FRONTIER_SPLIT) in RUNS],
+            ),
         output:
             parquet=f"{ANALYSIS}/frontier.parquet",
             csv=report(

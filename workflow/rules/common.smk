@@ -7,6 +7,7 @@
 import os
 import sys
 
+import kvdiverge.estimation.drift
 import kvdiverge.study.config
 import kvdiverge.study.devices
 import kvdiverge.study.frontier
@@ -37,6 +38,8 @@ MODELS = list(CONFIG["models"])
 RUNS = kvdiverge.study.config.runs(CONFIG)  # [(model, policy, split), ...], control included
 SHARDS = list(range(int(CONFIG["shards"])))
 FLOOR = kvdiverge.study.config.floor_policy(CONFIG)  # the noise-floor control, or None
+# the loop detector of the length drift (config `drift`; the period at most the horizon)
+DRIFT_LOOP = kvdiverge.estimation.drift.loop_settings(CONFIG["drift"], CONFIG["decoding"]["max_new_tokens"])
 
 
 # Every rule declares, as params, exactly the settings that decide its output, in
@@ -124,6 +127,11 @@ FIGURE_TABLE = {
         "input": {"speculative": ("speculative", "parquet")},
         "settings": ["floor"],
         "label": "self-speculative reading",
+    },
+    "length": {
+        "input": {"length_survival": ("drift", "survival_parquet")},
+        "settings": ["floor"],
+        "label": "output length (EOS time)",
     },
 }
 if FRONTIER_POINTS:
@@ -230,6 +238,11 @@ def estimate_files():
     return run_files(rules.estimate.output.documents)
 
 
+def drift_files():
+    """Length-drift tables (per replicate) of every run."""
+    return run_files(rules.estimate.output.drift)
+
+
 # The task (config `task`): its runs are the frontier's split when there is a frontier (its
 # points are the study's), else every split; the noise floor and the `none` control are left
 # out of the correlations and the AUC. TASK_RUNS is empty without a `task` block.
@@ -262,6 +275,8 @@ def all_targets(wildcards):
         rules.floor.output.parquet,
         rules.confirmatory.output.parquet,
         rules.speculative.output.parquet,
+        rules.drift.output.parquet,
+        rules.drift.output.survival_parquet,
         *expand(rules.figure.output, figure=list(FIGURE_TABLE)),
         rules.summary.output[0],
     ]

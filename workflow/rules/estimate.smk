@@ -5,7 +5,9 @@
 # recorded settings are checked against the config (kvdiverge.study.provenance.check_shards):
 # a shard copied in by hand or made by another version is refused with the command that
 # regenerates it. `settings` is that check's reference; it changes only together with
-# the shards (whose params are the same settings), so it adds no rerun of its own.
+# the shards (whose params are the same settings), so it adds no rerun of its own. Each side of
+# every replicate is also read for its length, stop and loops (kvdiverge.estimation.drift, with
+# the model's end-of-sequence ids the shards record): the `drift` table, paired per replicate.
 
 
 rule estimate:
@@ -14,6 +16,7 @@ rule estimate:
     output:
         documents=ESTIMATES,
         replicates=f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.replicates.parquet",
+        drift=f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.drift.parquet",
     log:
         f"{LOGS}/estimate/{{model}}/{{policy}}/{{split}}.log",
     benchmark:
@@ -22,6 +25,7 @@ rule estimate:
         window=canonical(CONFIG["window"]),
         windows=canonical({"early": CONFIG["confirmatory"]["early"], "late": CONFIG["confirmatory"]["late"]}),
         settings=shard_settings,
+        drift=canonical(DRIFT_LOOP),
     conda:
         CONDA_ENV
     script:

@@ -1,9 +1,11 @@
-"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimation.tables.estimate)."""
+"""Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimation.tables.estimate),
+and each side's length, stop and loops per replicate (kvdiverge.estimation.drift.drift_replicates)."""
 
+from kvdiverge.estimation.drift import drift_replicates
 from kvdiverge.estimation.estimators import read_shards
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.estimation.tables import estimate
-from kvdiverge.study.provenance import check_shards
+from kvdiverge.study.provenance import StaleShardError, check_shards, recorded_eos_ids, regenerate_command
 from kvdiverge.study.rulelog import rule_log
 
 w = snakemake.wildcards
@@ -18,6 +20,15 @@ with rule_log(snakemake.log[0], "estimate", "estimate stage") as log:
     reps, docs = estimate(shards, int(snakemake.params.window), dict(snakemake.params.windows), progress=True)
     log.info("%d documents; decomposition identity holds for each", docs.height)
     log.info("\n%s", docs.select("doc_id", "p_div", "tau_mean", "E_N", "E_N_naive", "E_M", "rho", "var_ratio"))
+    eos = recorded_eos_ids(records)
+    if eos is None and shards.height:
+        raise StaleShardError(
+            f"the shards of {w.model}/{w.policy}/{w.split} record no end-of-sequence ids (made by an older "
+            f"version), which the length drift reads; regenerate them: {regenerate_command(list(snakemake.input))}"
+        )
+    drift = drift_replicates(shards, eos or [], **dict(snakemake.params.drift))
+    log.info("length drift per replicate: EOS ids %s, loop settings %s", eos, dict(snakemake.params.drift))
     write_parquet_atomic(reps, snakemake.output.replicates)
+    write_parquet_atomic(drift, snakemake.output.drift)
     write_parquet_atomic(docs, snakemake.output.documents)
-    log.info("wrote %s and %s", snakemake.output.documents, snakemake.output.replicates)
+    log.info("wrote %s, %s and %s", snakemake.output.documents, snakemake.output.replicates, snakemake.output.drift)

@@ -22,6 +22,7 @@ DRAW = {
     "variance": lambda s, out: plots.plot_variance(read("variance"), *out),
     "speculative": lambda s, out: plots.plot_speculative(read("speculative"), *out, floor=s["floor"]),
     "frontier": lambda s, out: plots.plot_frontier(read("frontier"), *out),
+    "length": lambda s, out: plots.plot_length(read("length_survival"), *out, floor=s["floor"]),
 }
 
 name = snakemake.wildcards.figure

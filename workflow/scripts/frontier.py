@@ -1,10 +1,12 @@
 """Snakemake adapter: the frontier table and ranking (kvdiverge.estimation.frontier.frontier_tables),
 the KV bytes counted with each model's sizes, read from its config (kvdiverge.study.models.entry_kv_sizes),
-and each point's teacher-forced headline (kvdiverge.estimation.teacher_forced.with_teacher_columns)."""
+each point's teacher-forced headline (kvdiverge.estimation.teacher_forced.with_teacher_columns) and its length
+ratio, compressed over full (kvdiverge.estimation.drift.with_drift_columns)."""
 
 import polars as pl
 
 from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.drift import length_ratios, with_drift_columns
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
 from kvdiverge.estimation.io import write_text_atomic
@@ -25,6 +27,8 @@ with rule_log(snakemake.log[0], "frontier", "frontier analysis") as log:
         docs, grid, p.floor, p.bootstrap, p.confidence, p.seed, split=p.split, kv_sizes=sizes
     )
     points = with_teacher_columns(points, pl.read_parquet(snakemake.input.teacher))
+    drift = pl.concat([pl.read_parquet(f) for f in snakemake.input.drift], how="vertical")
+    points = with_drift_columns(points, length_ratios(drift, p.bootstrap, p.confidence, p.seed))
     log.info("\n%s", frontier_text(points, areas, p.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)

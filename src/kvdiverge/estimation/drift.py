@@ -62,9 +62,13 @@ __all__ = [
     "drift_replicates",
     "drift_table",
     "format_drift_line",
+    "length_ratios",
     "length_survival",
     "loop_onset",
+    "loop_settings",
+    "no_stop_note",
     "repeated_ngram_rate",
+    "with_drift_columns",
 ]
 
 #: Longest loop period, tokens (LoopGuard's window).
@@ -148,17 +152,42 @@ def _draw(seq: Sequence[int], T: int, eos: frozenset, max_period: int, min_repea
 
 
 def drift_problems(T: int, max_period: int = LOOP_MAX_PERIOD, min_repeats: int = LOOP_MIN_REPEATS) -> list[str]:
-    """One sentence per setting that leaves the drift unmeasurable: a loop that cannot fit in the
-    horizon ``T`` (``min_repeats * 1`` tokens), or a period no loop of ``min_repeats`` repeats can fit."""
+    """One sentence per loop setting the horizon ``T`` cannot use: a period longer than the horizon, or
+    fewer than 2 repeats (a single pass is no loop)."""
     out = []
-    if max_period < 1 or min_repeats < 2:
-        out.append(f"a loop needs a period >= 1 and >= 2 repeats, got period {max_period}, repeats {min_repeats}")
-    elif max_period * min_repeats > T:
+    if max_period > T:
         out.append(
-            f"the loop period {max_period} repeated {min_repeats} times ({max_period * min_repeats} tokens) is "
-            f"longer than the horizon T = {T}: loops of the longest periods cannot be seen; lower the period to "
-            f"{max(1, T // min_repeats)} or raise T"
+            f"drift.max_period: a loop period of {max_period} tokens is longer than the horizon "
+            f"decoding.max_new_tokens = {T}; lower it to at most {T} (or raise the horizon)"
         )
+    if min_repeats < 2:
+        out.append(f"drift.min_repeats: a loop repeats its period at least twice, got {min_repeats}")
+    return out
+
+
+def loop_settings(block: dict | None, T: int) -> dict[str, int]:
+    """The loop detector's settings of a config's ``drift`` block at horizon ``T``: ``max_period`` (given,
+    else :data:`LOOP_MAX_PERIOD` or ``T``, whichever is shorter) and ``min_repeats`` (given, else
+    :data:`LOOP_MIN_REPEATS`)."""
+    block = block or {}
+    return {
+        "max_period": int(block.get("max_period", min(LOOP_MAX_PERIOD, int(T)))),
+        "min_repeats": int(block.get("min_repeats", LOOP_MIN_REPEATS)),
+    }
+
+
+def no_stop_note(table: pl.DataFrame) -> list[str]:
+    """One sentence per run whose draws never stopped, on either side, within the horizon: the
+    length drift cannot be seen there (:func:`drift_table` rows)."""
+    out = []
+    rates = table.filter(pl.col("measure") == "stop_rate")
+    for r in rates.iter_rows(named=True):
+        if r["full"] == 0 and r["compressed"] == 0:
+            out.append(
+                f"{r['model']}/{r['policy']}/{r['split']}: no draw stopped within the horizon T = {r['T']} on "
+                f"either side, so a change of length cannot be seen; raise decoding.max_new_tokens above the "
+                f"full cache's lengths (config/length.yaml)"
+            )
     return out
 
 
@@ -299,6 +328,45 @@ def drift_table(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -
     if out.height == 0:
         return out
     return out.sort(*_KEYS, pl.col("measure").replace_strict(order, list(range(len(order)))), maintain_order=True)
+
+
+def length_ratios(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+    """Per policy, the mean length on the compressed side over the full-cache side's, with its interval.
+
+    The frontier's length panel (:func:`with_drift_columns`): 1 means the compressed cache changes
+    no length, above 1 it makes the model talk longer. The resamples are :func:`drift_table`'s.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per (model, policy, split): ``length_ratio``, ``length_ratio_lo``, ``length_ratio_hi``
+        (float64, a ratio of mean lengths in tokens).
+    """
+    rows = []
+    for key, part in reps.group_by(_KEYS, maintain_order=True):
+        means = part.group_by("doc_id").agg(pl.col("length_full").mean(), pl.col("length_compressed").mean())
+        X = means.sort("doc_id").select("length_full", "length_compressed").to_numpy()
+        n = X.shape[0]
+        counts = resample_counts(resample_indices(n, int(n_boot), int(seed), "drift", *key))
+        boot = counts @ X / n
+        lo, hi = percentile_interval(boot[:, 1] / boot[:, 0], confidence)
+        row = dict(zip(_KEYS, key))
+        put_interval(row, "length_ratio", float(X[:, 1].mean() / X[:, 0].mean()), float(lo), float(hi))
+        rows.append(row)
+    schema = {
+        **{k: pl.String for k in _KEYS},
+        **dict.fromkeys(["length_ratio", "length_ratio_lo", "length_ratio_hi"], pl.Float64),
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+def with_drift_columns(table: pl.DataFrame, ratios: pl.DataFrame | None) -> pl.DataFrame:
+    """``table`` (frontier points, keyed by model, policy and split) with :func:`length_ratios` joined on
+    the left; ``ratios`` None or empty returns ``table`` unchanged."""
+    if ratios is None or ratios.is_empty():
+        return table
+    keys = [k for k in _KEYS if k in table.columns and k in ratios.columns]
+    return table.join(ratios.select(*keys, pl.col("^length_ratio.*$")), on=keys, how="left")
 
 
 def _row(base: dict, measure: str, point: np.ndarray, boot: np.ndarray, confidence: float) -> dict:

@@ -39,6 +39,8 @@ import seaborn as sns
 from kvdiverge.estimation.io import atomic_path
 
 __all__ = [
+    "length_figure",
+    "plot_length",
     "draw_frontier",
     "draw_speculative",
     "frontier_figure",
@@ -208,6 +210,37 @@ def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) ->
         The noise-floor policy (config ``runs.floor.policy``), drawn grey and dashed.
     """
     save_figure(survival_figure(survival, floor), png, pdf)
+
+
+def length_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Figure:
+    """The EOS time's survival ``P(EOS step > t)`` per policy on each side, one panel per model: the
+    compressed side solid, the paired full-cache side dashed, in the policy's colour.
+
+    Parameters
+    ----------
+    survival : polars.DataFrame
+        :func:`kvdiverge.estimation.drift.length_survival` output.
+    floor : str, optional
+        The noise-floor policy, labelled "noise floor".
+    """
+    sns.set_theme(style="whitegrid", context="paper")
+    if survival.height == 0:
+        return _empty("no runs")
+    models = sorted(survival["model"].unique().to_list())
+    fig, axes = _facets(len(models))
+    for ax, model in zip(axes, models):
+        s = _run_labels(survival.filter(pl.col("model") == model), floor).to_pandas()
+        sns.lineplot(data=s, x="t", y="survival", hue="run", style="side", style_order=["compressed", "full"],
+                     drawstyle="steps-post", ax=ax)  # fmt: skip
+        ax.set(title=model, xlabel="step t (tokens generated)", ylabel="P(no EOS by t)", ylim=(0, 1.02))
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.suptitle("Output length: survival of the end-of-sequence time (paired sides)")
+    return fig
+
+
+def plot_length(survival: pl.DataFrame, png, pdf, floor: str | None = None) -> None:
+    """Write :func:`length_figure` as PNG and PDF."""
+    save_figure(length_figure(survival, floor), png, pdf)
 
 
 def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
@@ -439,14 +472,20 @@ FRONTIER_PANELS = (
 TEACHER_PANEL = ("kld_mean", "teacher-forced mean KLD (nats per token)")
 
 
+#: The frontier figure's optional panel, drawn where the points carry the length ratio (length drift).
+LENGTH_PANEL = ("length_ratio", "mean length, compressed / full (paired)")
+
+
 def frontier_panels(points: pl.DataFrame) -> tuple[tuple[str, str], ...]:
-    """``FRONTIER_PANELS``, and ``TEACHER_PANEL`` where ``points`` has a non-null ``kld_mean``."""
+    """``FRONTIER_PANELS``, ``TEACHER_PANEL`` where ``points`` has a non-null ``kld_mean`` and ``LENGTH_PANEL``
+    where it has a non-null ``length_ratio``."""
     teacher = "kld_mean" in points.columns and points["kld_mean"].is_not_null().any()
-    return FRONTIER_PANELS + ((TEACHER_PANEL,) if teacher else ())
+    length = "length_ratio" in points.columns and points["length_ratio"].is_not_null().any()
+    return FRONTIER_PANELS + ((TEACHER_PANEL,) if teacher else ()) + ((LENGTH_PANEL,) if length else ())
 
 
 def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
-    """Draw one model's frontier on three or four axes (:func:`frontier_panels`).
+    """Draw one model's frontier on three to five axes (:func:`frontier_panels`).
 
     Without quantized-cache points, each press is a line over retention ``1 -
     compression_ratio`` with its interval band, in rank order (legend: rank, press);
@@ -481,6 +520,8 @@ def draw_frontier(axes, points: pl.DataFrame, title: str | None = None) -> None:
         ax.set(ylabel=label, title=f"{title}: {metric}")
         if metric in ("p_div", "E_M", "kld_mean"):
             ax.set_ylim(bottom=0)
+        if metric == "length_ratio":
+            ax.axhline(1.0, color="black", lw=0.8, ls=":")  # no change of length
     axes[0].legend(fontsize="small", loc="best")
 
 

@@ -427,7 +427,8 @@ def _gap_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
 
 
 def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
-    """:func:`check` of single values: ``prompt.date`` a calendar date, the word range ordered."""
+    """:func:`check` of single values: ``prompt.date`` a calendar date, the word range ordered, a loop period
+    within the horizon."""
     date = config.get("prompt", {}).get("date")
     if isinstance(date, str):
         from kvdiverge.study.prompts import parse_date
@@ -436,6 +437,12 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
             parse_date(date)
         except ValueError as exc:
             problems.append(str(exc))
+
+    drift, horizon = config.get("drift") or {}, config.get("decoding", {}).get("max_new_tokens")
+    if "max_period" in drift and horizon is not None:
+        from kvdiverge.estimation.drift import drift_problems
+
+        problems += drift_problems(horizon, drift["max_period"], drift.get("min_repeats", 3))
 
     corpus = config.get("corpus", {})
     if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:

@@ -18,6 +18,10 @@ so each shard also carries its settings inside the file, as parquet key-value me
     ``{"batch_documents": B}``: the documents per batched forward the shard ran with, as
     JSON. Not a setting: results depend on ``B`` only through rounding, so shards made
     with different ``B`` stay compatible (it enters neither the settings nor their hash).
+``kvdiverge.eos``
+    ``{"eos_ids": [...]}``: the end-of-sequence ids the model stopped at (its generation
+    config's; null when no document ran), as JSON: what the length drift reads stops with
+    (:mod:`kvdiverge.estimation.drift`). The model's, not a setting.
 
 The estimate stage calls :func:`check_shards`, which refuses shards whose settings differ
 from the current config or from each other, naming the setting, both values and the
@@ -63,6 +67,7 @@ __all__ = [
     "differences",
     "check_shards",
     "save_measurement",
+    "recorded_eos_ids",
     "regenerate_command",
     "provenance_table",
     "study_hash",
@@ -75,6 +80,7 @@ KEY_HASH = "kvdiverge.settings_hash"
 KEY_VERSIONS = "kvdiverge.versions"
 KEY_SHARD = "kvdiverge.shard"
 KEY_BATCH = "kvdiverge.batch"
+KEY_EOS = "kvdiverge.eos"
 #: Libraries whose versions a shard records (besides Python); numbers may change with them.
 LIBRARIES = ("torch", "transformers", "kvpress", "kvdiverge")
 #: Environment variable through which the workflow tells its scripts its config files
@@ -172,11 +178,19 @@ def library_versions() -> dict[str, str]:
 
 
 def shard_metadata(
-    settings: Mapping[str, Any], *, model: str, policy: str, split: str, shard: int, batch_documents: int | None = None
+    settings: Mapping[str, Any],
+    *,
+    model: str,
+    policy: str,
+    split: str,
+    shard: int,
+    batch_documents: int | None = None,
+    eos_ids: Sequence[int] | None = None,
 ) -> dict[str, str]:
     """Parquet key-value metadata for a shard (module docstring lists the keys).
 
-    ``batch_documents`` is the ``B`` the shard ran with (None: no document ran).
+    ``batch_documents`` is the ``B`` the shard ran with and ``eos_ids`` the model's end-of-sequence
+    ids (None: no document ran).
     """
     return {
         KEY_SETTINGS: _json(settings),
@@ -184,13 +198,14 @@ def shard_metadata(
         KEY_VERSIONS: _json(library_versions()),
         KEY_SHARD: _json({"model": model, "policy": policy, "split": split, "shard": int(shard)}),
         KEY_BATCH: _json({"batch_documents": None if batch_documents is None else int(batch_documents)}),
+        KEY_EOS: _json({"eos_ids": None if eos_ids is None else sorted(int(e) for e in eos_ids)}),
     }
 
 
 @dataclass(frozen=True)
 class ShardProvenance:
     """The recorded provenance of one shard file (``settings`` is None when none was recorded;
-    ``batch`` is ``{"batch_documents": B}``, empty when not recorded)."""
+    ``batch`` is ``{"batch_documents": B}`` and ``eos`` ``{"eos_ids": [...]}``, empty when not recorded)."""
 
     path: str
     settings: dict[str, Any] | None
@@ -198,6 +213,7 @@ class ShardProvenance:
     versions: dict[str, str] = field(default_factory=dict)
     shard: dict[str, Any] = field(default_factory=dict)
     batch: dict[str, Any] = field(default_factory=dict)
+    eos: dict[str, Any] = field(default_factory=dict)
 
 
 def read_provenance(path: str | os.PathLike) -> ShardProvenance:
@@ -218,6 +234,7 @@ def read_provenance(path: str | os.PathLike) -> ShardProvenance:
         json.loads(meta.get(KEY_VERSIONS, "{}")),
         json.loads(meta.get(KEY_SHARD, "{}")),
         json.loads(meta.get(KEY_BATCH, "{}")),
+        json.loads(meta.get(KEY_EOS, "{}")),
     )
 
 
@@ -240,6 +257,13 @@ def differences(recorded: Any, expected: Any, prefix: str = "") -> list[tuple[st
     if canonical(recorded) != canonical(expected):
         return [(prefix or "<settings>", recorded, expected)]
     return []
+
+
+def recorded_eos_ids(records: Sequence[ShardProvenance]) -> list[int] | None:
+    """The end-of-sequence ids the shards record (the union over those that ran a document); None when
+    none records any (shards of an older version, or no document ran)."""
+    found = [r.eos.get("eos_ids") for r in records if r.eos.get("eos_ids") is not None]
+    return sorted({int(e) for ids in found for e in ids}) if found else None
 
 
 def regenerate_command(paths: Sequence[str], configfiles: Sequence[str] | None = None) -> str:

@@ -101,6 +101,7 @@ def run_shard(
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
     """
+    from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_policies
     from kvdiverge.estimation.io import write_parquet_atomic
@@ -117,6 +118,7 @@ def run_shard(
 
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     sampling = config_sampling(config, model_name)
+    eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
     options = _run_options(config, split, shard)
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
@@ -143,6 +145,7 @@ def run_shard(
             split=split,
             shard=shard,
             batch_documents=batch[name],
+            eos_ids=None if batch[name] is None else eos_ids,
         )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
