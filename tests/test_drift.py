@@ -195,7 +195,10 @@ def test_measure_reports_the_drift_and_the_none_control_is_exactly_0(tmp_path):
     model = random_model(MINIATURE["llama-3.1-8b"], num_hidden_layers=2)
     gen = torch.Generator().manual_seed(0)
     prompts = {f"p{i}": torch.randint(1, 500, (40,), generator=gen).tolist() for i in range(3)}
-    presses = {"none": {"press": "SnapKVPress", "compression_ratio": 0.0}, "snap": kvpress.SnapKVPress(0.75, window_size=8)}
+    presses = {
+        "none": {"press": "SnapKVPress", "compression_ratio": 0.0},
+        "snap": kvpress.SnapKVPress(0.75, window_size=8),
+    }
     m = kvdiverge.measure(model, None, prompts, presses, max_new_tokens=6, replicates=2, bootstrap=50,
                           progress=False, eos_ids=[3, 7, 11])  # fmt: skip
     none = m.drift.filter(pl.col("policy") == "none")

@@ -95,9 +95,11 @@ est = work / "estimates"
 for policy, shards in spec["shards"].items():
     sm = NS(input=shards, log=[str(work / f"estimate-{policy}.log")],
             wildcards=NS(model="synthetic", policy=policy, split="exploratory"),
-            params=NS(settings=spec["settings"][policy], window=2, windows={"early": [1, 2], "late": [3, 5]}),
+            params=NS(settings=spec["settings"][policy], window=2, windows={"early": [1, 2], "late": [3, 5]},
+                      drift={"max_period": 5, "min_repeats": 3}),
             output=NS(replicates=str(est / f"{policy}.replicates.parquet"),
-                      documents=str(est / f"{policy}.documents.parquet")))
+                      documents=str(est / f"{policy}.documents.parquet"),
+                      drift=str(est / f"{policy}.drift.parquet")))
     runpy.run_path(str(scripts / "estimate.py"), init_globals={"snakemake": sm})
 docs = [str(est / f"{p}.documents.parquet") for p in spec["shards"]]
 ana = work / "analysis"
@@ -109,6 +111,10 @@ runpy.run_path(str(scripts / "pool.py"), init_globals={"snakemake": NS(
 runpy.run_path(str(scripts / "gaps.py"), init_globals={"snakemake": NS(
     input=docs, log=[str(work / "gaps.log")], params=NS(gaps=[["a", "b"]], models=None, **vars(params)),
     output=NS(parquet=str(ana / "gaps.parquet"), csv=str(ana / "gaps.csv")))})
+runpy.run_path(str(scripts / "drift.py"), init_globals={"snakemake": NS(
+    input=[str(est / f"{p}.drift.parquet") for p in spec["shards"]], log=[str(work / "drift.log")], params=params,
+    output=NS(parquet=str(ana / "drift.parquet"), csv=str(ana / "drift.csv"),
+              survival_parquet=str(ana / "length_survival.parquet"), survival_csv=str(ana / "length_survival.csv")))})
 heavy = sorted(m for m in sys.modules
                if m.split(".")[0] in {"torch", "transformers", "kvpress", "accelerate"}
                or m.startswith(("kvdiverge.engine", "kvdiverge.testing", "kvdiverge.report")))
@@ -138,7 +144,9 @@ def synthetic_shards(tmp_path_factory, kernel):
             )
             frame = frame.with_columns(policy=pl.lit(policy), split=pl.lit("exploratory"))
             path = work / "shards" / policy / f"shard-{shard}.parquet"
-            meta = shard_metadata(settings, model="synthetic", policy=policy, split="exploratory", shard=shard)
+            meta = shard_metadata(
+                settings, model="synthetic", policy=policy, split="exploratory", shard=shard, eos_ids=[]
+            )
             write_parquet_atomic(frame, path, metadata=meta)
             paths.append(str(path))
         spec["shards"][policy], spec["settings"][policy] = paths, settings
@@ -175,6 +183,8 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
     table = gaps(docs, [["a", "b"]], 50, 0.9, 5)
     assert table.height == 4
     assert_frame_equal(pl.read_parquet(work / "analysis" / "gaps.parquet"), table)
+    drift = pl.read_parquet(work / "analysis" / "drift.parquet")
+    assert drift.height == 2 * 6 and set(drift["policy"]) == {"a", "b"}
 
 
 # --------------------------------------------------------------------------- function length (every module of the package)
