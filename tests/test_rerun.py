@@ -121,7 +121,7 @@ def teacher(policies=None):
 
 
 FIGURES_UP = rules("figure", "summary", "all")
-SPECULATIVE = rules("speculative", "figure")  # reads every estimate
+SPECULATIVE = rules("speculative", "drift", "figure")  # read every estimate (the drift: every estimate's drift table)
 ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
 GENERATION = shards() | estimates() | rules("provenance") | ANALYSES
 
@@ -133,7 +133,7 @@ def setter(path: str, value):
         *parents, last = path.split(".")
         node = config
         for key in parents:
-            node = node[key]
+            node = node.setdefault(key, {})  # a section the config leaves to its defaults
         node[last] = value
 
     change.__name__ = f"{path}={value}"
@@ -204,6 +204,7 @@ CASES = [
     (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION | teacher()),
     ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher()),
     ("window", 3, estimates() | ANALYSES),
+    ("drift.min_repeats", 4, estimates() | ANALYSES),
     ("confirmatory.late", [3, 5], estimates() | ANALYSES),
     ("analysis.bootstrap", 100, ANALYSES | rules("teacher_forced_table")),
     ("analysis.confidence", 0.9, ANALYSES | rules("teacher_forced_table")),

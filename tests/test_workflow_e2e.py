@@ -15,7 +15,7 @@ from kvdiverge.study.config import load_config, runs
 pytestmark = pytest.mark.workflow
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance"]
+FIGURES = ["survival", "gap_decomposition", "branch_tv", "confirmatory_differences", "variance", "length"]
 TABLES = [
     "documents",
     "pooled",
@@ -27,6 +27,8 @@ TABLES = [
     "confirmatory",
     "confirmatory_documents",
     "floor",
+    "drift",
+    "length_survival",
 ]
 
 
@@ -50,6 +52,24 @@ def test_every_output_exists(smoke_run, config):
         assert "<table>" in (res / "analysis" / page).read_text()
     report = res / "report.html"
     assert report.stat().st_size > 100_000
+
+
+def test_the_length_drift_of_the_controls(smoke_run, config):
+    """The none control's paired differences are exactly 0; the noise floor's lie within their intervals of 0."""
+    drift = pl.read_parquet(smoke_run / "analysis" / "drift.parquet")
+    assert sorted(set(drift.select("model", "policy", "split").rows())) == sorted(runs(config))
+    none = drift.filter(pl.col("policy") == "none")
+    assert none.height == 6 and (none["diff"] == 0).all() and (none["diff_lo"] == 0).all()
+    floor = drift.filter(pl.col("policy") == "noise-floor")
+    assert ((floor["diff_lo"] <= 0) & (floor["diff_hi"] >= 0)).all()
+    for model, policy, split in runs(config):
+        reps = pl.read_parquet(smoke_run / "estimates" / model / policy / f"{split}.drift.parquet")
+        assert (
+            reps.height
+            == pl.read_parquet(smoke_run / "estimates" / model / policy / f"{split}.replicates.parquet").height
+        )
+        T = config["decoding"]["max_new_tokens"]
+        assert reps["length_full"].is_between(1, T).all() and reps["length_compressed"].is_between(1, T).all()
 
 
 def test_per_document_estimates_are_sane(smoke_run, config):
