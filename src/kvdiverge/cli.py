@@ -512,7 +512,10 @@ def _check_prompts(args: argparse.Namespace, prompts, tokenizer, sources, instru
         check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)
         return
     try:
-        docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, {"system": args.system})
+        render = {"system": args.system, "seed": args.seed}  # as measure() renders them: the same needles
+        with warnings.catch_warnings():  # measure() warns of the documents the task leaves out
+            warnings.simplefilter("ignore")
+            docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, render)
     except ValueError as exc:  # the task names the config's keys: name the options
         raise InputError(spelled(str(exc), OPTIONS)) from None
     check_lengths(docs, sources, args.max_new_tokens)
