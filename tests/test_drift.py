@@ -207,3 +207,28 @@ def test_measure_reports_the_drift_and_the_none_control_is_exactly_0(tmp_path):
     assert "length drift (compressed - full, paired)" in m.format_summary()
     files = {p.name for p in m.save(tmp_path)}
     assert {"drift.parquet", "length_survival.parquet"} <= files
+
+
+def test_the_eos_survival_is_kaplan_meier_censored_at_the_horizon():
+    """With whole-chain or whole-branch draws (S_T 0 or 1), the survival is scipy's Kaplan–Meier estimate of the
+    EOS time, right-censored at T for the draws that did not stop."""
+    from scipy.stats import CensoredData, ecdf
+
+    rng = np.random.default_rng(0)
+    n, T8 = 40, 8
+    eos_step = rng.integers(1, 12, size=n)  # steps beyond T8 never stop within the horizon
+    rows = []
+    for i, step in enumerate(eos_step):
+        tokens = [5] * (int(step) - 1) + [EOS] if step <= T8 else [5, 6] * T8
+        rows.append(
+            {
+                "model": "m", "policy": "p", "split": "s", "doc_id": f"d{i}", "replicate": 0, "T": T8,
+                "chain_token": (tokens + [EOS] * T8)[:T8], "survival": [1.0] * T8, "t_star": None,
+                "x_star": None, "y_star": None, "branch_x": [], "branch_y": [],
+            }
+        )  # fmt: skip
+    reps = drift_replicates(pl.DataFrame(rows), [EOS])
+    got = length_survival(reps).filter(pl.col("side") == "full").sort("t")["survival"].to_numpy()
+    stopped = eos_step[eos_step <= T8].astype(float)
+    km = ecdf(CensoredData(uncensored=stopped, right=np.full((eos_step > T8).sum(), float(T8))))
+    np.testing.assert_allclose(got[:T8], km.sf.evaluate(np.arange(T8)), atol=1e-12)
