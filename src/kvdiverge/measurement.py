@@ -185,8 +185,9 @@ class Measurement:
 
     def format_summary(self) -> str:
         """The summary as a plain-text table, with notes (what ``kvdiverge measure`` prints;
-        :func:`kvdiverge.report.formatting.summary_text`), and one line of the self-speculative
-        reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`)."""
+        :func:`kvdiverge.report.formatting.summary_text`), one line of the self-speculative
+        reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`), and
+        one of the length drift: the paired differences in length, stop and loop rate (:attr:`drift`)."""
         from kvdiverge.estimation.drift import format_drift_line
         from kvdiverge.estimation.speculative import format_speculative_line
 
