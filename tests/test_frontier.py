@@ -846,6 +846,10 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
     assert joined.height == 4 and (joined["kld_mean"] == joined["kld_mean_right"]).all()
     assert (points["kld_mean"] > 1e-4).all() and (points["floor_kld_mean"] < 1e-9).all()
     assert "teacher-forced mean KLD" in (results / "analysis" / "frontier.html").read_text()
+    # and its length ratio, compressed over full, with its interval (the figure's length panel)
+    assert points["length_ratio"].is_between(0.25, 4.0).all()
+    assert (points["length_ratio_lo"] <= points["length_ratio"]).all()
+    assert (points["length_ratio"] <= points["length_ratio_hi"]).all()
     tf_log = (results / "logs" / "teacher_forced" / "smollm2-135m" / "exploratory" / "frontier.log").read_text()
     assert "wrote 4 runs" in tf_log, tf_log[-2000:]
     assert not any((results / "logs" / "teacher_forced" / "smollm2-135m" / p).exists() for p in points["policy"])

@@ -72,8 +72,8 @@ def test_bfloat16_smoke_run_gives_finite_tables(bf16):
     assert '"dtype": "bfloat16"' in converted.read_text()  # the GGUF conversion kept the dtype
     tables = sorted([*(results / "estimates").rglob("*.parquet"), *(results / "analysis").rglob("*.parquet")])
     # 7 runs (the noise floor on both splits, the decode-time window-50) x (documents,
-    # replicates); 9 analysis tables, provenance and floor
-    assert len(tables) == 14 + 11
+    # replicates, drift); 9 analysis tables, provenance and floor
+    assert len(tables) == 21 + 11
     for path in tables:
         frame = pl.read_parquet(path)
         assert frame.height > 0, path

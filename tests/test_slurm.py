@@ -64,6 +64,7 @@ SLURM_TABLES = [
     *(f"trajectories/{'/'.join(SLURM_RUN)}/shard-{i}.parquet" for i in range(2)),
     f"estimates/{'/'.join(SLURM_RUN)}.parquet",
     f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet",
+    f"estimates/{'/'.join(SLURM_RUN)}.drift.parquet",
 ]
 # what a run leaves in its directory: not copied into the SLURM run's directory
 RUN_OUTPUTS = ("results", "results-smoke", "logs", ".snakemake", ".venv", ".git", ".pytest_cache")
