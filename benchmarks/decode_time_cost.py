@@ -29,7 +29,7 @@ import polars as pl
 import torch
 
 import kvdiverge.engine.llm.decode_pair as decode_pair
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import policies_from_config
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
@@ -81,8 +81,9 @@ def main() -> None:
                 Sampling(
                     T=T,
                     replicates=R,
-                    temperature=float(cfg["decoding"]["temperature"]),
-                    top_p=float(cfg["decoding"]["top_p"]),
+                    decoding=Decoding(
+                        temperature=float(cfg["decoding"]["temperature"]), top_p=float(cfg["decoding"]["top_p"])
+                    ),
                     seed=int(cfg["seed"]),
                     model_name=name,
                 ),

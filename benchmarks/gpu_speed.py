@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
@@ -146,7 +146,9 @@ def bench_model(name: str, args, config: dict[str, Any]) -> dict[str, Any]:
     docs = make_documents(args.docs, args.prompt_tokens, model.config.vocab_size, eos)
     policy = Policy.from_config(args.policy, config["policies"][args.policy])
     B, why = plan(model, docs, args.R, args.T, args.memory_budget_gb, args.batch_documents)
-    sampling = Sampling(T=args.T, replicates=args.R, temperature=0.7, top_p=0.95, seed=1, model_name=name)
+    sampling = Sampling(
+        T=args.T, replicates=args.R, decoding=Decoding(temperature=0.7, top_p=0.95), seed=1, model_name=name
+    )
     common = {"sampling": sampling, "options": RunOptions(batch_documents=B, memory_budget_gb=args.memory_budget_gb)}
     # warm-up (kernels, allocator): one short document, not timed
     run_documents(model, docs[:1], policy, sampling.replace(T=min(4, args.T)), common["options"])

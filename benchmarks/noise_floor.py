@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvdiverge.engine.core.coupled import to_frame
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.estimation.analysis import floor_comparison
@@ -96,8 +96,9 @@ def main() -> None:
                     Sampling(
                         T=T,
                         replicates=R,
-                        temperature=config["decoding"]["temperature"],
-                        top_p=config["decoding"]["top_p"],
+                        decoding=Decoding(
+                            temperature=config["decoding"]["temperature"], top_p=config["decoding"]["top_p"]
+                        ),
                         seed=config["seed"],
                         model_name=model_name,
                     ),

@@ -83,7 +83,9 @@ def main() -> None:
                 model,
                 docs,
                 policy,
-                Sampling(T=args.T, replicates=4, temperature=0.7, top_p=0.95, seed=0, model_name="m"),
+                Sampling(
+                    T=args.T, replicates=4, decoding=Decoding(temperature=0.7, top_p=0.95), seed=0, model_name="m"
+                ),
                 RunOptions(batch_documents=1),
             )
 

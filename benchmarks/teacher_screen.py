@@ -34,7 +34,7 @@ import polars as pl
 import torch
 from scipy.stats import spearmanr
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.forced import teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import TeacherForcing
@@ -73,7 +73,9 @@ def screen(config, loaded, length: int) -> tuple[pl.DataFrame, tuple[float, floa
     name, model, tok, corpus, docs, policies = loaded
     forcing = TeacherForcing(length=length)
     conts = corpus_continuations(config, corpus, tok, [d.doc_id for d in docs], length)
-    sampling = Sampling(T=length, replicates=1, temperature=1.0, seed=int(config["seed"]), model_name=name)
+    sampling = Sampling(
+        T=length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(config["seed"]), model_name=name
+    )
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model)))
     t0, c0 = time.perf_counter(), time.process_time()
     positions = teacher_forced_policies(

@@ -218,7 +218,7 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     import torch
 
     from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.presses.policies import PressPolicy
     from kvdiverge.engine.runner import Document, RunOptions, run_documents
     from kvdiverge.testing.miniatures import MINIATURE, random_model
@@ -244,7 +244,7 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
                 model,
                 [Document("d", ids)],
                 PressPolicy(name, press),
-                Sampling(T=4, replicates=1, temperature=1.0, top_p=1.0, seed=0, model_name="m"),
+                Sampling(T=4, replicates=1, decoding=Decoding(temperature=1.0, top_p=1.0), seed=0, model_name="m"),
                 RunOptions(batch_documents=1),
             )
         assert str(info.value) == (

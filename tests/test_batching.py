@@ -191,7 +191,7 @@ def test_new_engine_equals_the_old_one_on_the_model(model, docs):
             model,
             docs[:2],
             policy,
-            Sampling(T=6, replicates=1, temperature=0.8, top_p=0.95, seed=4, model_name="m"),
+            Sampling(T=6, replicates=1, decoding=Decoding(temperature=0.8, top_p=0.95), seed=4, model_name="m"),
             RunOptions(batch_documents=1),
         )
 
@@ -273,7 +273,7 @@ def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
         model,
         docs,
         policy,
-        Sampling(T=6, replicates=2, temperature=0.7, top_p=0.95, seed=1, model_name="m"),
+        Sampling(T=6, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95), seed=1, model_name="m"),
         RunOptions(batch_documents=3),
     )
     assert [r["doc_id"] for r in recs] == [d.doc_id for d in docs for _ in range(2)]  # input order
@@ -284,7 +284,7 @@ def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
 @llm
 def test_batched_shards_are_reproducible_and_close_to_one_document_per_forward(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
-    sampling = Sampling(T=6, replicates=2, temperature=0.8, top_p=0.95, seed=2, model_name="m")
+    sampling = Sampling(T=6, replicates=2, decoding=Decoding(temperature=0.8, top_p=0.95), seed=2, model_name="m")
     a = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=3))
     b = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=3))
     one = run_documents(model, docs, policy, sampling, RunOptions(batch_documents=1))
@@ -362,7 +362,7 @@ def test_inf_logits_name_the_evicted_side(model, docs):
                 model,
                 docs[1:3],
                 policy,
-                Sampling(T=4, replicates=2, temperature=0.8, top_p=0.95, seed=1, model_name="m"),
+                Sampling(T=4, replicates=2, decoding=Decoding(temperature=0.8, top_p=0.95), seed=1, model_name="m"),
                 RunOptions(batch_documents=2),
             )
     finally:

@@ -523,11 +523,11 @@ def test_the_repetition_penalty_is_read_when_given_and_absent_otherwise():
 
     plain = validate(raw("smoke.yaml"))
     assert "repetition_penalty" not in plain["decoding"]
-    assert config_sampling(plain, "smollm2-135m").repetition_penalty == 1.0
+    assert config_sampling(plain, "smollm2-135m").decoding.repetition_penalty == 1.0
     config = raw("smoke.yaml")
     config["decoding"]["repetition_penalty"] = 1.2
     penalized = validate(config)
-    assert config_sampling(penalized, "smollm2-135m").repetition_penalty == 1.2
+    assert config_sampling(penalized, "smollm2-135m").decoding.repetition_penalty == 1.2
     run = ("smollm2-135m", "snapkv-50", "exploratory")
     assert shard_settings(penalized, *run)["decoding"]["repetition_penalty"] == 1.2
     assert "repetition_penalty" not in shard_settings(plain, *run)["decoding"]

@@ -86,10 +86,12 @@ def test_decoding_top_p_keeps_smallest_nucleus():
 
 
 def test_decoding_rejects_bad_parameters():
-    with pytest.raises(ValueError, match="temperature"):
-        decode_log_probs(torch.zeros(1, 3), temperature=-1)
-    with pytest.raises(ValueError, match="top_p"):
-        decode_log_probs(torch.zeros(1, 3), temperature=1, top_p=0)
+    from kvdiverge.engine.core.sampling import Decoding
+
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0, got -1$"):
+        Decoding(temperature=-1)
+    with pytest.raises(ValueError, match=r"^top_p must be a finite number > 0 and <= 1, got 0$"):
+        Decoding(top_p=0)
 
 
 def test_nucleus_with_few_candidates_equals_full_ranking():

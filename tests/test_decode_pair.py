@@ -445,7 +445,9 @@ def test_runner_chooses_the_decode_time_pair(model, prompts):
             model,
             docs,
             PressPolicy("p", press),
-            Sampling(T=8, replicates=2, temperature=TEMPERATURE, top_p=1.0, seed=5, model_name="miniature"),
+            Sampling(
+                T=8, replicates=2, decoding=Decoding(temperature=TEMPERATURE, top_p=1.0), seed=5, model_name="miniature"
+            ),
             RunOptions(batch_documents=B),
         )
 

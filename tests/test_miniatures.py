@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
@@ -70,7 +70,11 @@ def greedy(model, ids, press=None, max_new_tokens=T) -> list[int]:
 def run(model, docs, policy, temperature=0.0, top_p=1.0, eos_ids=None):
     """run_documents on all documents at once (batched where the engine supports it)."""
     sampling = Sampling(
-        T=T, replicates=R, temperature=temperature, top_p=top_p, seed=3, model_name="mini", eos_ids=eos_ids
+        T=T,
+        replicates=R,
+        decoding=Decoding(temperature=temperature, top_p=top_p, eos_ids=eos_ids),
+        seed=3,
+        model_name="mini",
     )
     return run_documents(model, docs, policy, sampling, RunOptions(batch_documents=len(docs)))
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.estimation.finite import check_finite, document_undefined
 
 pytestmark = [pytest.mark.workflow, pytest.mark.llm]
@@ -117,7 +117,7 @@ def test_float16_runs_on_cpu(bf16):
         model,
         [Document("d0", ids)],
         policy,
-        Sampling(T=4, replicates=2, temperature=0.7, top_p=0.95, seed=1, model_name="smollm2-135m"),
+        Sampling(T=4, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95), seed=1, model_name="smollm2-135m"),
     )
     frame = to_frame([{"model": "smollm2-135m", "policy": "snapkv-50", "split": "exploratory", **r} for r in records])
     check_shard(frame, "float16 records")

@@ -178,7 +178,10 @@ def trace(model, prompts, forced, policy: Policy | PressPolicy | None, doc_ids=N
     else:
         docs = [Document(f"doc{d}", ids) for d, ids in zip(doc_ids, prompts)]
         pair = build_pair(
-            model, docs, policy, Sampling(T=T, replicates=R, temperature=1.0, top_p=1.0, seed=0, model_name="miniature")
+            model,
+            docs,
+            policy,
+            Sampling(T=T, replicates=R, decoding=Decoding(temperature=1.0, top_p=1.0), seed=0, model_name="miniature"),
         )
     steps = [pair.start(len(prompts) * R)]
     for t in range(T - 1):
@@ -379,7 +382,7 @@ def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
             model,
             [Document("d", prompts[0])],
             policy,
-            Sampling(T=2, replicates=1, temperature=1.0, top_p=1.0, seed=0, model_name="m"),
+            Sampling(T=2, replicates=1, decoding=Decoding(temperature=1.0, top_p=1.0), seed=0, model_name="m"),
             RunOptions(batch_documents=1),
         )
 

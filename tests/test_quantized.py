@@ -319,7 +319,9 @@ def test_runner_runs_a_quantized_policy(model, prompts):
         model,
         docs,
         policy,
-        Sampling(T=6, replicates=2, temperature=TEMPERATURE, top_p=1.0, seed=3, model_name="miniature"),
+        Sampling(
+            T=6, replicates=2, decoding=Decoding(temperature=TEMPERATURE, top_p=1.0), seed=3, model_name="miniature"
+        ),
         RunOptions(batch_documents=2),
     )
     assert [r["kept_len"] for r in recs] == [20, 20, 26, 26]

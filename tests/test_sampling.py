@@ -9,12 +9,14 @@ from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 
 
 def test_sampling_hands_the_pairs_its_decoding_part():
-    s = Sampling(T=8, replicates=2, temperature=0.7, top_p=0.95, seed=3, model_name="m", eos_ids=[2, 7])
+    s = Sampling(
+        T=8, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95, eos_ids=[2, 7]), seed=3, model_name="m"
+    )
     assert s.eos_ids == (2, 7)
     assert s.decoding == Decoding(temperature=0.7, top_p=0.95, eos_ids=(2, 7))
     assert s.decoding.repetition_penalty == 1.0  # none unless asked
     assert s.replace(repetition_penalty=1.3).decoding.repetition_penalty == 1.3
-    assert Sampling(T=1, replicates=1, temperature=0.0).decoding.eos_ids is None  # the model's own
+    assert Sampling(T=1, replicates=1, decoding=Decoding(temperature=0.0)).decoding.eos_ids is None  # the model's own
     assert s.replace(T=4).T == 4 and s.T == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.T = 2
@@ -25,16 +27,46 @@ def test_sampling_hands_the_pairs_its_decoding_part():
     [
         ({"T": 0}, r"T \(new tokens\) must be an integer >= 1, got 0"),
         ({"replicates": 2.0}, "replicates must be an integer >= 1, got 2.0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
-        ({"top_p": 0}, r"top_p must lie in \(0, 1\], got 0"),
         ({"seed": "1"}, "seed must be an integer, got '1'"),
-        ({"eos_ids": "2"}, "eos_ids must be a sequence of token ids or None, got '2'"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0, got 0"),
+        ({"decoding": {"temperature": 0.7}}, r"decoding must be a Decoding, got \{'temperature': 0.7\}"),
     ],
 )
-def test_a_setting_out_of_range_is_named(changes, message):
+def test_a_sampling_setting_out_of_range_is_named(changes, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
-        Sampling(**{"T": 4, "replicates": 2, "temperature": 1.0, **changes})
+        Sampling(**{"T": 4, "replicates": 2, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+        ({"temperature": True}, "temperature must be a finite number >= 0, got True"),
+        ({"top_p": 0}, "top_p must be a finite number > 0 and <= 1, got 0"),
+        ({"top_k": 2.5}, "top_k must be an integer >= 0, got 2.5"),
+        ({"top_k": -1}, "top_k must be an integer >= 0, got -1"),
+        ({"eos_ids": "2"}, "eos_ids must be a sequence of token ids or None, got '2'"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a finite number >= 0.0001 and <= 10000, got 0"),
+        ({"min_p": 1.5}, "min_p must be a finite number >= 0 and <= 1, got 1.5"),
+    ],
+)
+def test_a_decoding_setting_out_of_range_is_named(changes, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        Decoding(**changes)
+
+
+@pytest.mark.parametrize("name", list(decoding_options()))
+def test_the_config_schema_takes_each_decoding_range_from_its_field(name):
+    """One declaration of each range: the schema entry is the field's, so the config refuses what the object does."""
+    from kvdiverge.study.config import load_schema
+    from kvdiverge.study.settings import setting_problems
+
+    option = decoding_options()[name]
+    entry = load_schema()["properties"]["decoding"]["properties"][name]
+    assert {k: entry[k] for k in option["schema"]} == option["schema"]
+    outside = {"temperature": -0.5, "top_k": -1, "top_p": 1.5, "repetition_penalty": 0.0, "min_p": 2.0}[name]
+    assert setting_problems({name: outside}) != []
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        Decoding(**{name: outside})
 
 
 def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
@@ -84,23 +116,27 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     from kvdiverge.study.inputs import measure_settings
     from kvdiverge.study.settings import SETTINGS, setting_problems
 
-    default = decoding_options()[name]["default"]
-    value = default + 0.25  # in range for each: a penalty of 1.25, a min-p of 0.25
+    default, neutral = decoding_options()[name]["default"], decoding_options()[name]["neutral"]
+    value = {"top_k": 5, "top_p": 0.5}.get(name, default + 0.25)  # in range for each
     assert SETTINGS[name] == f"decoding.{name}"
     entry = load_schema()["properties"]["decoding"]["properties"][name]
-    assert "default" not in entry  # an unset setting keeps a config's settings hash
+    assert entry.get("default") == (default if decoding_options()[name]["recorded"] else None)  # else: hash kept
     assert setting_problems({name: default}) == []
     flag = "--" + name.replace("_", "-")
     assert OPTIONS[name] == flag
     args = _parser().parse_args(["measure", "embedded", "--sotu", "1", flag, str(value)])
+    assert getattr(_parser().parse_args(["measure", "embedded", "--sotu", "1"]), name) is None  # measure()'s
     assert getattr(args, name) == value
-    s = Sampling(T=2, replicates=1, temperature=0.7, **{name: value})
-    assert getattr(s.decoding, name) == value and getattr(s.untransformed(), name) == default
+    s = Sampling(T=2, replicates=1, decoding=Decoding(**{"temperature": 0.7, name: value}))
+    assert getattr(s.decoding, name) == value and getattr(s.untransformed().decoding, name) == neutral
     recorded = measure_settings("m", "s", {}, None, sampling=s, window=8, bootstrap=0, confidence=0.95,
                                 instruction=None, system=None)  # fmt: skip
-    assert recorded["decoding"] == {name: value}
-    assert "decoding" not in measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8,
-                                        bootstrap=0, confidence=0.95, instruction=None, system=None)  # fmt: skip
+    plain = measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8, bootstrap=0,
+                             confidence=0.95, instruction=None, system=None)  # fmt: skip
+    if decoding_options()[name]["recorded"]:  # always recorded, at the top level
+        assert recorded[name] == value and plain[name] == default and "decoding" not in recorded
+    else:  # recorded when set, so records without it stay as they were
+        assert recorded["decoding"] == {name: value} and "decoding" not in plain
 
 
 def test_measure_refuses_an_unknown_decoding_keyword():
@@ -118,8 +154,8 @@ def test_min_p_keeps_tokens_of_at_least_min_p_times_the_top_probability():
     assert torch.allclose(out, torch.tensor([[0.5, 0.3, 0.15, 0.0]], dtype=torch.float64) / 0.95, atol=1e-15)
     assert torch.equal(decode_log_probs(probs.log(), 1.0, min_p=1.0).exp(), torch.tensor([[1.0, 0, 0, 0]]).double())
     assert torch.equal(decode_log_probs(probs.log(), 1.0, min_p=0.0), decode_log_probs(probs.log(), 1.0))
-    with pytest.raises(ValueError, match="min_p must lie in"):
-        Sampling(T=2, replicates=1, temperature=0.7, min_p=1.5)
+    with pytest.raises(ValueError, match="min_p must be a finite number >= 0 and <= 1"):
+        Sampling(T=2, replicates=1, decoding=Decoding(temperature=0.7, min_p=1.5))
 
 
 @pytest.mark.parametrize("temperature, top_p, min_p", [(0.7, 0.9, 0.1), (1.3, 1.0, 0.05), (1.0, 0.5, 0.3)])
@@ -136,3 +172,41 @@ def test_min_p_after_top_p_equals_transformers_warpers(temperature, top_p, min_p
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-12, rtol=0)
     assert bool(torch.isinf(got).any())  # it truncated something
+
+
+def test_top_k_keeps_the_k_most_likely_tokens_and_their_ties():
+    """By hand: logits (3, 1, 1, 0), top-k 2 keeps the token of 3 and both of 1 (tied with the 2nd)."""
+    from kvdiverge.engine.core.decoding import decode_log_probs
+
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    kept = torch.softmax(logits[:, :3], -1)
+    assert torch.allclose(decode_log_probs(logits, 1.0, top_k=2).exp()[:, :3], kept, atol=1e-15)
+    assert decode_log_probs(logits, 1.0, top_k=2).exp()[0, 3] == 0
+    assert torch.equal(decode_log_probs(logits, 1.0, top_k=0), decode_log_probs(logits, 1.0))
+    assert torch.equal(decode_log_probs(logits, 1.0, top_k=4), decode_log_probs(logits, 1.0))  # k >= V: all kept
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p", [(0.7, 20, 0.9, 0.0), (1.3, 5, 1.0, 0.05), (1.0, 50, 0.5, 0.3), (0.9, 1, 1, 0)]
+)
+def test_top_k_equals_transformers_warpers_in_generates_order(temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p, then min-p: ``model.generate``'s warper order, on random logits."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+    logits[0, :4] = logits[0, :4].max()  # a tie at the top
+    scores = TopKLogitsWarper(top_k)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    expected = torch.log_softmax(scores, dim=-1)
+    got = Decoding(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).log_probs(logits, torch.float64)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-12, rtol=0)
+    assert int((~torch.isinf(got)).sum(-1).max()) <= max(top_k, 4)  # it truncated to k (the tie: 4)

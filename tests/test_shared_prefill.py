@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
@@ -52,7 +52,7 @@ def _run(model, docs, names, R=2, memory_budget_gb=None):
         model,
         docs,
         policies,
-        Sampling(T=5, replicates=R, temperature=0.7, top_p=0.95, seed=5, model_name="m"),
+        Sampling(T=5, replicates=R, decoding=Decoding(temperature=0.7, top_p=0.95), seed=5, model_name="m"),
         split="exploratory",
         options=RunOptions(batch_documents=2, memory_budget_gb=memory_budget_gb),
     )
@@ -107,6 +107,6 @@ def test_a_press_that_fails_in_a_shared_prefill_is_named():
             model,
             docs,
             policies,
-            Sampling(T=3, replicates=2, temperature=0.7, top_p=0.95, seed=5, model_name="m"),
+            Sampling(T=3, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95), seed=5, model_name="m"),
             split="exploratory",
         )

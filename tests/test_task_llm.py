@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 
 pytestmark = pytest.mark.llm
 
@@ -42,7 +42,7 @@ def greedy_answers(model, tokenizer, docs, policies, T=16):
         model,
         [d for d, _ in docs],
         policies,
-        Sampling(T=T, replicates=1, temperature=0.0, top_p=1.0, seed=1, model_name="smollm2-135m"),
+        Sampling(T=T, replicates=1, decoding=Decoding(temperature=0.0, top_p=1.0), seed=1, model_name="smollm2-135m"),
         split="exploratory",
     )
     value = {d.doc_id: n.value for d, n in docs}
@@ -103,7 +103,7 @@ def test_question_after_compression_equals_kvpress_pipeline(embedded, press_entr
         model,
         [d for d, _ in docs],
         {"p": policy},
-        Sampling(T=T, replicates=1, temperature=0.0, top_p=1.0, seed=1, model_name="smollm2-135m"),
+        Sampling(T=T, replicates=1, decoding=Decoding(temperature=0.0, top_p=1.0), seed=1, model_name="smollm2-135m"),
         split="exploratory",
     ).trajectories
     rows = {row["doc_id"]: row for row in got.iter_rows(named=True)}

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.forced import continuation_budget, teacher_forced_policies
 from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation, position_measures
 from kvdiverge.engine.presses.policies import PressPolicy
@@ -139,7 +139,7 @@ def prompt(n, seed=1):
     return [int(i) for i in torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed + n))]
 
 
-SAMPLING = Sampling(T=1, replicates=1, temperature=1.0, seed=5, model_name="tiny", eos_ids=())
+SAMPLING = Sampling(T=1, replicates=1, decoding=Decoding(temperature=1.0, eos_ids=()), seed=5, model_name="tiny")
 
 
 def run_pass(model, press, tokens, block, joint=True):

@@ -101,8 +101,6 @@ SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 OPTIONS = {
     "max_new_tokens": "-T/--max-new-tokens",
     "replicates": "-R/--replicates",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
     **{name: "--" + name.replace("_", "-") for name in decoding_options()},
     "seed": "--seed",
     "window": "-W/--window",
@@ -186,7 +184,7 @@ def check_arguments(args: Any) -> None:
 
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: the default
+    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: measure()'s default
     values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
     try:
         check_settings(values, OPTIONS)
@@ -363,10 +361,10 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
     """The measurement settings, the device, the frontier and the outputs."""
     p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
     p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
-    p.add_argument("--temperature", type=float, help="default: 0.7, or 0 (greedy) with --task")
-    p.add_argument("--top-p", type=float, default=0.95, help="default: 0.95")
-    for name, option in decoding_options().items():  # unset: measure()'s default, which changes nothing
-        p.add_argument("--" + name.replace("_", "-"), type=float, metavar=option["metavar"], help=option["help"])
+    for name, option in decoding_options().items():  # unset: measure()'s default (temperature: 0 with --task)
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=option["type"], metavar=option["metavar"], help=option["help"]
+        )
     p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
     p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: 2000)")
@@ -557,8 +555,6 @@ def _measure(args: argparse.Namespace) -> int:
             caches=caches,
             cache_ratios=args.cache_ratios,
             replicates=args.replicates,
-            temperature=args.temperature,
-            top_p=args.top_p,
             seed=args.seed,
             window=args.window,
             instruction=instruction,

@@ -351,30 +351,23 @@ def _horizon(given: Mapping[str, Any], unset_allowed: Mapping[str, Any]) -> tupl
 
 
 def _decoding_given(decoding: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`measure`'s further decoding settings, every name one of
-    :func:`kvdiverge.engine.core.sampling.decoding_options` (else ``TypeError``, as Python's own)."""
+    """:func:`measure`'s decoding settings, every one of :func:`kvdiverge.engine.core.sampling.decoding_options`
+    at its default unless given (an unknown name raises ``TypeError``, as Python's own)."""
     from kvdiverge.engine.core.sampling import decoding_options
 
-    unknown = sorted(set(decoding) - set(decoding_options()))
+    options = decoding_options()
+    unknown = sorted(set(decoding) - set(options))
     if unknown:
         raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
-    return dict(decoding)
+    return {name: decoding.get(name, option["default"]) for name, option in options.items()}
 
 
 def _sampling(given: Mapping[str, Any], T: int, R: int, model_name: str, eos_ids: Sequence[int] | None):
     """The coupled run's :class:`kvdiverge.engine.core.sampling.Sampling` of :func:`measure`'s settings ``given``."""
-    from kvdiverge.engine.core.sampling import Sampling, decoding_options
+    from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 
-    return Sampling(
-        T=T,
-        replicates=R,
-        temperature=float(given["temperature"]),
-        top_p=float(given["top_p"]),
-        **{name: given[name] for name in decoding_options() if name in given},
-        seed=int(given["seed"]),
-        model_name=model_name,
-        eos_ids=None if eos_ids is None else tuple(eos_ids),
-    )
+    decoding = Decoding(**{name: given[name] for name in decoding_options()}, eos_ids=eos_ids)
+    return Sampling(T=T, replicates=R, decoding=decoding, seed=int(given["seed"]), model_name=model_name)
 
 
 def _run_options(batch_documents: int | None, memory_budget_gb: float | None, progress: bool):
@@ -435,8 +428,6 @@ def measure(
     *,
     max_new_tokens: int = 32,
     replicates: int = 4,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
     seed: int = 0,
     window: int = 8,
     instruction: str | None = None,
@@ -483,8 +474,6 @@ def measure(
         Horizon ``T`` (tokens = steps).
     replicates : int
         ``R`` coupled replicates per prompt (>= 2 for standard errors and variances).
-    temperature, top_p : float
-        Decoding transform of both generations.
     seed : int
         Master seed.
     window : int
@@ -542,13 +531,16 @@ def measure(
         workflow's task tables (``documents``, ``accuracy``, ``correlations``, ``auc``:
         :func:`kvdiverge.study.tasks.tables.task_tables`).
 
-    **decoding : float
-        Further decoding settings of both generations, by name
-        (:func:`kvdiverge.engine.core.sampling.decoding_options`), each at a default that
-        changes nothing: ``repetition_penalty`` (CTRL's, as ``model.generate``'s,
-        :func:`kvdiverge.engine.core.decoding.penalize_repeats`; each side penalizes its own
-        context) and ``min_p`` (min-p truncation after top-p, as ``model.generate``'s). Another
-        name raises ``TypeError``, as for any unknown keyword.
+    **decoding : float or int
+        The decoding transform of both generations, by name
+        (:func:`kvdiverge.engine.core.sampling.decoding_options`, ranges as
+        :class:`kvdiverge.engine.core.sampling.Decoding`): ``temperature`` (default 0.7; 0 is
+        greedy), ``top_k`` (default 0, none), ``top_p`` (default 0.95), ``repetition_penalty``
+        (CTRL's, as ``model.generate``'s, :func:`kvdiverge.engine.core.decoding.penalize_repeats`;
+        each side penalizes its own context; default 1, none) and ``min_p`` (min-p truncation
+        after top-p; default 0, none). Another name raises ``TypeError``, as for any unknown
+        keyword.
+
     Returns
     -------
     Measurement
@@ -570,11 +562,12 @@ def measure(
     from kvdiverge.engine.runner import run_policies
     from kvdiverge.study.models import kv_sizes
 
-    given = dict(max_new_tokens=max_new_tokens, replicates=replicates, temperature=temperature, top_p=top_p, seed=seed)
-    given.update(_decoding_given(decoding))
+    given = dict(max_new_tokens=max_new_tokens, replicates=replicates, seed=seed, **_decoding_given(decoding))
     given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
     T, R = _horizon(given, {"batch_documents": batch_documents, "teacher_tokens": teacher_tokens})
-    task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
+    task_docs = _task_inputs(
+        task, prompts, tokenizer, T, given["temperature"], {"system": system, "seed": seed, "split": split}
+    )
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
     documents, sources, grid = measure_inputs(
         model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
@@ -617,13 +610,15 @@ def _check_question_after(sources) -> None:
 
 def _teacher_pass(model, documents, sources, settings: dict[str, Any], length: int, eos_ids):
     """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`)."""
-    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.llm.teacher import TeacherForcing
     from kvdiverge.screening import run_screen
 
     eos = tuple(model_eos_ids(model) if eos_ids is None else eos_ids)
-    sampling = Sampling(T=int(length), replicates=1, temperature=1.0, seed=int(settings["seed"]), eos_ids=eos)
+    sampling = Sampling(
+        T=int(length), replicates=1, decoding=Decoding(temperature=1.0, eos_ids=eos), seed=int(settings["seed"])
+    )
     sampling = sampling.replace(model_name=settings["model"])
     options = {k: settings[k] for k in ("split", "bootstrap", "confidence")}
     return run_screen(model, documents, sources, sampling, TeacherForcing(length=int(length)), options)

@@ -159,7 +159,7 @@ def screen(
         rule for that setting refuses (``options.length``: ``teacher_forced.length``;
         ``options.bootstrap``, ``options.confidence``, ``options.seed``), named in one sentence.
     """
-    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.llm.teacher import TeacherForcing
     from kvdiverge.study.inputs import measure_inputs, model_label
@@ -172,7 +172,9 @@ def screen(
         grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
     )  # fmt: skip
     name = opt.model_name or model_label(model)
-    sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(opt.seed), model_name=name)
+    sampling = Sampling(
+        T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(opt.seed), model_name=name
+    )
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))
     run = {"split": opt.split, "bootstrap": opt.bootstrap, "confidence": opt.confidence, "continuations": continuations}
     return run_screen(model, documents, sources, sampling, forcing, run)

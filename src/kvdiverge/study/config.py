@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import yaml
 
+from kvdiverge.engine.core.sampling import decoding_options
+
 if TYPE_CHECKING:
     from kvdiverge.estimation.frontier import FrontierPoint
 
@@ -66,9 +68,15 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
-    """The schema file ``path`` as parsed at modification time ``mtime_ns`` (cached)."""
+    """The schema file ``path`` as parsed at modification time ``mtime_ns`` (cached), with each decoding
+    setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field."""
     with open(path, encoding="utf-8") as fh:
-        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    decoding = schema.get("properties", {}).get("decoding", {}).get("properties")
+    if decoding is not None:  # each decoding setting's type and range: its Decoding field's
+        for name, option in decoding_options().items():
+            decoding[name] = {"description": option["help"], **decoding.get(name, {}), **option["schema"]}
+    return schema
 
 
 def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:

@@ -640,8 +640,7 @@ def measure_settings(
         "split": split,
         "T": sampling.T,
         "R": sampling.replicates,
-        "temperature": float(sampling.temperature),
-        "top_p": float(sampling.top_p),
+        **{n: getattr(sampling.decoding, n) for n, option in decoding_options().items() if option["recorded"]},
         "seed": int(sampling.seed),
         "window": int(window),
         "bootstrap": int(bootstrap),
@@ -651,7 +650,9 @@ def measure_settings(
         "presses": {n: describe_press(s) for n, s in sources.items()},
     }
     decoding = {
-        n: getattr(sampling, n) for n, option in decoding_options().items() if getattr(sampling, n) != option["default"]
+        n: getattr(sampling.decoding, n)
+        for n, option in decoding_options().items()
+        if not option["recorded"] and getattr(sampling.decoding, n) != option["neutral"]
     }
     if decoding:  # recorded when set, so records without them stay as they were
         settings["decoding"] = decoding

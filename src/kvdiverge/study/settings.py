@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 
 __all__ = [
     "SCREEN_SETTINGS",
@@ -41,8 +41,6 @@ __all__ = [
 SETTINGS: dict[str, str] = {
     "max_new_tokens": "decoding.max_new_tokens",
     "replicates": "replicates",
-    "temperature": "decoding.temperature",
-    "top_p": "decoding.top_p",
     **{name: f"decoding.{name}" for name in decoding_options()},
     "seed": "seed",
     "window": "window",
@@ -271,8 +269,8 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
     Parameters
     ----------
     config : mapping
-        Validated config: ``decoding`` (``max_new_tokens``, ``temperature``, ``top_p``, and
-        any of :func:`kvdiverge.engine.core.sampling.decoding_options`),
+        Validated config: ``decoding`` (``max_new_tokens`` and any of
+        :func:`kvdiverge.engine.core.sampling.decoding_options`; one not given is neutral),
         ``replicates``, ``seed``.
     model_name : str
         Key of ``config['models']``; enters the seeds and the ``model`` column.
@@ -282,15 +280,11 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
     kvdiverge.engine.core.sampling.Sampling
         End-of-sequence ids ``None``: the model's own.
     """
-    from kvdiverge.engine.core.sampling import Sampling
-
     decoding = config["decoding"]
     return Sampling(
         T=int(decoding["max_new_tokens"]),
         replicates=int(config["replicates"]),
-        temperature=float(decoding["temperature"]),
-        top_p=float(decoding.get("top_p", 1.0)),
-        **{name: decoding[name] for name in decoding_options() if name in decoding},
+        decoding=Decoding(**{name: decoding[name] for name in decoding_options() if name in decoding}),
         seed=int(config["seed"]),
         model_name=model_name,
     )

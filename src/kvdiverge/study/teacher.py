@@ -105,7 +105,7 @@ def run_teacher_forced(
         their documents (those on the same documents run in one pass: one prefill forward
         and one reference side per document, :func:`kvdiverge.engine.forced.teacher_forced_policies`).
     """
-    from kvdiverge.engine.core.sampling import Sampling
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.forced import teacher_forced_policies
     from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.presses.policies import Policy
@@ -120,7 +120,7 @@ def run_teacher_forced(
     forcing = forcing_settings(config)
     prompts = pl.read_parquet(paths["prompts"])
     one_shard = {**config, "shards": 1}
-    sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(config["seed"]))
+    sampling = Sampling(T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(config["seed"]))
     sampling = sampling.replace(model_name=model_name, eos_ids=tuple(model_eos_ids(model)))
     frames, groups = [], {}
     for name in policies:  # policies on the same documents run together: shared prefills and reference

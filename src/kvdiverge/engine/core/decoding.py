@@ -2,8 +2,9 @@
 
 An optional repetition penalty on the raw logits (CTRL, Keskar et al., 2019, with the
 semantics of ``transformers``' ``RepetitionPenaltyLogitsProcessor``: :func:`penalize_repeats`,
-each side's context kept by :class:`RepeatHistory`), then temperature scaling, nucleus
+each side's context kept by :class:`RepeatHistory`), then temperature scaling, top-k, nucleus
 (top-p) and min-p truncation, with the semantics of ``transformers``' ``TemperatureLogitsWarper``,
+``TopKLogitsWarper`` (Fan et al., 2018, "Hierarchical Neural Story Generation"),
 ``TopPLogitsWarper`` (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration") and
 ``MinPLogitsWarper`` (Nguyen et al., 2024), applied in that order as ``model.generate`` does.
 Temperature 0 is greedy decoding: the point mass on the arg-max token.
@@ -20,10 +21,11 @@ __all__ = ["RepeatHistory", "decode_log_probs", "nucleus", "penalize_repeats"]
 
 def decode_log_probs(
     logits: torch.Tensor,
-    temperature: float,
+    temperature: float = 1.0,
     top_p: float = 1.0,
     dtype: torch.dtype = torch.float64,
     *,
+    top_k: int = 0,
     min_p: float = 0.0,
 ) -> torch.Tensor:
     """Log-probabilities of the transformed next-token distribution.
@@ -45,6 +47,10 @@ def decode_log_probs(
     top_p : float
         Nucleus mass in (0, 1]; keeps the smallest set of most likely tokens whose
         mass reaches ``top_p`` (always at least one token). 1 keeps all.
+    top_k : int
+        Top-k truncation (>= 0), after temperature and before top-p, as ``transformers``'
+        ``TopKLogitsWarper``: tokens whose logit is below the ``top_k``-th largest are dropped
+        (ties with it stay). 0 keeps all.
     min_p : float
         Min-p truncation in [0, 1] (Nguyen et al., 2024, "Turning Up the Heat: Min-p
         Sampling"), after top-p, as ``transformers``' ``MinPLogitsWarper``: a token is kept
@@ -58,22 +64,17 @@ def decode_log_probs(
         Log-probabilities, ``dtype``, shape (B, V), on ``logits``' device, ``-inf``
         outside the support.
 
-    Raises
-    ------
-    ValueError
-        If ``temperature < 0``, ``top_p`` is outside (0, 1] or ``min_p`` outside [0, 1].
+    The settings' ranges are :class:`kvdiverge.engine.core.sampling.Decoding`'s, checked when it is
+    built (:meth:`~kvdiverge.engine.core.sampling.Decoding.log_probs` calls this function).
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if temperature == 0:
         out = torch.full(logits.shape, float("-inf"), dtype=dtype, device=logits.device)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
         return out
     logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    if 0 < top_k < logits.shape[-1]:  # ranked on the raw logits, as the scaled ones rank
+        kth = logits.topk(int(top_k), dim=-1).values[..., -1:]
+        logp = torch.log_softmax(logp.masked_fill_(logits < kth, float("-inf")), dim=-1)
     if top_p < 1:
         keep = nucleus(logp, top_p, scores=logits)
         logp = torch.log_softmax(logp.masked_fill_(~keep, float("-inf")), dim=-1)

@@ -2,16 +2,18 @@
 
 Each door (``kvdiverge.measure``, ``kvdiverge measure``, the workflow's shard job) builds one
 :class:`Sampling` and passes it down: the runner and the coupled run read their generation
-settings from it, and the kernel pairs read the decoding transform's part of it
-(:attr:`Sampling.decoding`, a :class:`Decoding`), from nowhere else.
+settings from it, and the kernel pairs read its decoding transform (:attr:`Sampling.decoding`,
+a :class:`Decoding`), from nowhere else.
 
-A decoding setting beyond temperature and top-p is a :class:`Decoding` field whose metadata
-carries its help text (:func:`decoding_options`): the doors take every such field by name,
-with nothing of their own to edit (the config's ``decoding.<name>``, ``kvdiverge.measure(...,
-<name>=...)``, the command line's ``--<name>``, the recorded settings, the teacher-forced
-pass's neutral transform). A new one is then its field here (in both classes, with its
-check), the transform that uses it (:mod:`kvdiverge.engine.core.decoding`, or the pairs for
-one that reads the context), one schema entry, and its tests.
+Every decoding setting is a :class:`Decoding` field whose metadata carries its help text, its
+doors' default and its range as a JSON-schema fragment (:func:`decoding_options`). The range is
+checked here only: :class:`Decoding` checks it, and the config schema's ``decoding.<name>``
+entry takes it from the field (:func:`kvdiverge.study.config.load_schema`), so the doors
+(``kvdiverge.measure(..., <name>=...)``, the command line's ``--<name>``, the config) refuse the
+same values. The doors, the recorded settings and the teacher-forced pass's neutral transform
+loop over :func:`decoding_options`. A new setting is then its field here and the transform that
+uses it (:func:`kvdiverge.engine.core.decoding.decode_log_probs`, or the pairs for one that reads
+the context), with its tests and its line in ``docs/configs.md``.
 """
 
 from __future__ import annotations
@@ -19,26 +21,43 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
-__all__ = ["Decoding", "Sampling", "decoding_options"]
+__all__ = ["Decoding", "Sampling", "decoding_options", "range_problem"]
+
+
+def _option(neutral: Any, *, help: str, metavar: str, schema: dict, default: Any = None, stage: str = "transform"):
+    """A :class:`Decoding` field: ``neutral`` changes nothing; ``default`` is the doors' default (None: the
+    neutral value, and the setting is recorded only when set); ``schema`` the allowed values (JSON schema);
+    ``stage``: ``transform`` (a keyword of :func:`~kvdiverge.engine.core.decoding.decode_log_probs`) or
+    ``context`` (applied by the pair that holds each row's context)."""
+    meta = {"help": help, "metavar": metavar, "schema": schema, "default": default, "stage": stage}
+    return field(default=neutral, metadata=meta)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decoding:
     """The decoding transform of both kernels: what a kernel pair needs of the settings.
 
+    Applied in ``model.generate``'s order: the repetition penalty on the raw logits, then
+    temperature, top-k, top-p and min-p (``transformers``' warpers).
+
     Parameters
     ----------
     temperature : float
         Softmax temperature (>= 0); 0 means greedy decoding (a point mass on the arg-max).
+    top_k : int
+        Top-k truncation (Fan et al., 2018), as ``transformers``' ``TopKLogitsWarper``: the ``top_k``
+        most likely tokens are kept (ties with the ``top_k``-th kept too). ``>= 0``; 0 (the default)
+        keeps all.
     top_p : float
         Nucleus mass in (0, 1]; 1 keeps the whole distribution (Holtzman et al., 2020).
     repetition_penalty : float
         CTRL's repetition penalty (Keskar et al., 2019), as ``transformers``'
         ``RepetitionPenaltyLogitsProcessor``: before temperature and top-p, the raw logit of
         every token already in a row's context (prompt and the tokens that side generated)
-        is divided by it when positive and multiplied by it when negative. ``> 0`` (the
-        config and the doors allow 1e-4 to 1e4); 1 (the default) changes nothing.
+        is divided by it when positive and multiplied by it when negative. In [1e-4, 1e4];
+        1 (the default) changes nothing.
     min_p : float
         Min-p truncation (Nguyen et al., 2024), as ``transformers``' ``MinPLogitsWarper``,
         after top-p: tokens below ``min_p`` times the most likely token's probability are
@@ -51,31 +70,54 @@ class Decoding:
     Raises
     ------
     ValueError
-        A setting outside its range, named with its value.
+        A setting outside its range, named with its value and what is allowed (:func:`range_problem`).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    repetition_penalty: float = field(
-        default=1.0,
-        metadata={
-            "help": "CTRL's repetition penalty on both generations, as model.generate's (default: 1, none)",
-            "metavar": "THETA",
-        },
+    temperature: float = _option(
+        1.0,
+        help="sampling temperature of both generations; 0 means greedy (default: 0.7, or 0 with --task)",
+        metavar="TEMP",
+        schema={"type": "number", "minimum": 0},
+        default=0.7,
     )
-    min_p: float = field(
-        default=0.0,
-        metadata={
-            "help": "min-p truncation after top-p, as model.generate's: keep tokens with at least "
-            "MIN_P times the top token's probability (default: 0, none)",
-            "metavar": "MIN_P",
-        },
+    top_k: int = _option(
+        0,
+        help="top-k truncation after temperature, as model.generate's: keep the TOP_K most likely "
+        "tokens (default: 0, none)",
+        metavar="TOP_K",
+        schema={"type": "integer", "minimum": 0},
+    )
+    top_p: float = _option(
+        1.0,
+        help="nucleus mass of both generations, in (0, 1] (default: 0.95)",
+        metavar="TOP_P",
+        schema={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        default=0.95,
+    )
+    repetition_penalty: float = _option(
+        1.0,
+        help="CTRL's repetition penalty on both generations, as model.generate's (default: 1, none)",
+        metavar="THETA",
+        schema={"type": "number", "minimum": 0.0001, "maximum": 10000},
+        stage="context",
+    )
+    min_p: float = _option(
+        0.0,
+        help="min-p truncation after top-p, as model.generate's: keep tokens with at least "
+        "MIN_P times the top token's probability (default: 0, none)",
+        metavar="MIN_P",
+        schema={"type": "number", "minimum": 0, "maximum": 1},
     )
     eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_decoding(self)
+        for name, option in decoding_options().items():
+            problem = range_problem(getattr(self, name), option["schema"])
+            if problem:
+                raise ValueError(f"{name} must be {problem}, got {getattr(self, name)!r}")
         if self.eos_ids is not None:
+            if not isinstance(self.eos_ids, Sequence) or isinstance(self.eos_ids, str):
+                raise ValueError(f"eos_ids must be a sequence of token ids or None, got {self.eos_ids!r}")
             object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
 
     @property
@@ -83,33 +125,76 @@ class Decoding:
         """Whether decoding is greedy (temperature 0)."""
         return self.temperature == 0
 
-    def log_probs(self, logits, dtype):
-        """The transformed next-token log-distributions of raw ``logits`` (B, V): temperature, top-p and
-        min-p (:func:`kvdiverge.engine.core.decoding.decode_log_probs`), in ``dtype``. A setting that reads
-        each row's context (the repetition penalty) is applied before, by the pair that holds the context."""
-        from kvdiverge.engine.core.decoding import decode_log_probs
+    def replace(self, **changes) -> Decoding:
+        """A copy with ``changes`` applied (and checked)."""
+        return replace(self, **changes)
 
-        return decode_log_probs(logits, self.temperature, self.top_p, dtype=dtype, min_p=self.min_p)
+    def untransformed(self) -> Decoding:
+        """A copy whose transform is off: every setting of :func:`decoding_options` at its neutral value,
+        so the pairs return the raw logits' log-softmax (the teacher-forced pass, as llama.cpp scores)."""
+        return replace(self, **{name: option["neutral"] for name, option in decoding_options().items()})
+
+    def log_probs(self, logits, dtype):
+        """The transformed next-token log-distributions of raw ``logits`` (B, V): the ``transform`` settings
+        (:func:`kvdiverge.engine.core.decoding.decode_log_probs`), in ``dtype``. A setting that reads each
+        row's context (the repetition penalty) is applied before, by the pair that holds the context."""
+        from kvdiverge.engine.core.decoding import decode_log_probs  # torch: this module stays torch-free
+
+        transform = {n: getattr(self, n) for n, o in decoding_options().items() if o["stage"] == "transform"}
+        return decode_log_probs(logits, dtype=dtype, **transform)
 
 
 def decoding_options() -> dict[str, dict]:
-    """The decoding settings the doors take by name: :class:`Decoding`'s fields with a ``help`` in their metadata.
+    """Every decoding setting the doors take by name: :class:`Decoding`'s fields with a ``help`` in their metadata.
 
     Returns
     -------
     dict of str to dict
-        Name -> ``{"default": ..., "help": str, "metavar": str}``, in field order. The
-        default changes nothing, so an unset setting leaves a config's settings hash as it was.
+        Name -> ``{"default", "neutral", "recorded", "help", "metavar", "schema", "type", "stage"}``, in field
+        order: ``neutral`` changes nothing; ``default`` is the doors' (the config's and ``kvdiverge.measure``'s)
+        default; ``recorded`` is True for a setting always recorded in a run's settings (one with a default
+        of its own), False for one recorded only away from neutral, so an unset setting leaves a config's
+        settings hash as it was; ``schema`` is the JSON-schema fragment of the allowed values; ``type``
+        ``int`` or ``float``.
     """
     return {
-        f.name: {"default": f.default, "help": f.metadata["help"], "metavar": f.metadata.get("metavar", "X")}
+        f.name: {
+            "neutral": f.default,
+            "default": f.default if f.metadata["default"] is None else f.metadata["default"],
+            "recorded": f.metadata["default"] is not None,
+            "help": f.metadata["help"],
+            "metavar": f.metadata["metavar"],
+            "schema": dict(f.metadata["schema"]),
+            "type": int if f.metadata["schema"]["type"] == "integer" else float,
+            "stage": f.metadata["stage"],
+        }
         for f in fields(Decoding)
         if "help" in f.metadata
     }
 
 
-#: The fields a :class:`Sampling` shares with its :class:`Decoding`: every field of :class:`Decoding`.
-_SHARED = tuple(f.name for f in fields(Decoding))
+def range_problem(value: Any, schema: dict) -> str | None:
+    """What a decoding setting allows, in words, when ``value`` is outside ``schema`` (a JSON-schema fragment
+    with ``type`` ``number`` or ``integer`` and optional bounds); None when it is inside. Booleans, NaN and
+    infinities are outside; an integer is a number."""
+    kinds = (int,) if schema["type"] == "integer" else (int, float)
+    bounds = [
+        (key, op, schema[key])
+        for key, op in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+        if key in schema
+    ]
+    words = ("an integer" if schema["type"] == "integer" else "a finite number") + "".join(
+        f"{' and' if i else ''} {op} {bound:g}" for i, (_, op, bound) in enumerate(bounds)
+    )
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        return words
+    inside = {
+        "minimum": lambda b: value >= b,
+        "exclusiveMinimum": lambda b: value > b,
+        "maximum": lambda b: value <= b,
+        "exclusiveMaximum": lambda b: value < b,
+    }
+    return None if all(inside[key](bound) for key, _, bound in bounds) else words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,8 +207,8 @@ class Sampling:
         Generation horizon: new tokens per replicate, steps (>= 1).
     replicates : int
         Coupled replicates R per document (>= 1).
-    temperature, top_p, repetition_penalty, min_p, eos_ids
-        The decoding transform, as :class:`Decoding` (:attr:`decoding`).
+    decoding : Decoding
+        The decoding transform of both sides (default: temperature 1 on the raw logits, nothing else).
     seed : int
         Master seed of the uniform streams (:func:`kvdiverge.engine.core.streams.uniform_streams`).
     model_name : str
@@ -137,63 +222,38 @@ class Sampling:
 
     T: int
     replicates: int
-    temperature: float
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    decoding: Decoding = field(default_factory=Decoding)
     seed: int = 0
     model_name: str = "model"
-    eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        _check(self)
-        object.__setattr__(self, "eos_ids", self.decoding.eos_ids)
-
-    @property
-    def decoding(self) -> Decoding:
-        """The decoding transform's settings (what the kernel pairs read)."""
-        return Decoding(**{name: getattr(self, name) for name in _SHARED})
+        if isinstance(self.T, bool) or not isinstance(self.T, int) or self.T < 1:
+            raise ValueError(f"T (new tokens) must be an integer >= 1, got {self.T!r}")
+        if isinstance(self.replicates, bool) or not isinstance(self.replicates, int) or self.replicates < 1:
+            raise ValueError(f"replicates must be an integer >= 1, got {self.replicates!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.decoding, Decoding):
+            raise ValueError(f"decoding must be a Decoding, got {self.decoding!r}")
 
     @property
     def greedy(self) -> bool:
         """Whether decoding is greedy (temperature 0)."""
-        return self.temperature == 0
+        return self.decoding.greedy
+
+    @property
+    def eos_ids(self) -> tuple[int, ...] | None:
+        """The decoding's end-of-sequence ids (None: the model's)."""
+        return self.decoding.eos_ids
 
     def replace(self, **changes) -> Sampling:
-        """A copy with ``changes`` applied (and checked)."""
+        """A copy with ``changes`` applied (and checked); a :class:`Decoding` field's name changes the decoding."""
+        names = {f.name for f in fields(Decoding)}
+        inner = {k: changes.pop(k) for k in list(changes) if k in names}
+        if inner:
+            changes["decoding"] = changes.get("decoding", self.decoding).replace(**inner)
         return replace(self, **changes)
 
     def untransformed(self) -> Sampling:
-        """A copy whose decoding transform is off: temperature 1, top-p 1 and every setting of
-        :func:`decoding_options` at its default, so the pairs return the raw logits' log-softmax
-        (the teacher-forced pass, as llama.cpp scores)."""
-        neutral = {name: option["default"] for name, option in decoding_options().items()}
-        return replace(self, temperature=1.0, top_p=1.0, **neutral)
-
-
-def _check_decoding(d: Decoding) -> None:
-    """Raise ``ValueError`` naming the first decoding setting outside its range."""
-    if isinstance(d.temperature, bool) or not (
-        isinstance(d.temperature, (int, float)) and math.isfinite(d.temperature) and d.temperature >= 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {d.temperature!r}")
-    if isinstance(d.top_p, bool) or not (isinstance(d.top_p, (int, float)) and 0 < d.top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {d.top_p!r}")
-    penalty = d.repetition_penalty
-    if isinstance(penalty, bool) or not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
-        raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
-    if isinstance(d.min_p, bool) or not (isinstance(d.min_p, (int, float)) and 0 <= d.min_p <= 1):
-        raise ValueError(f"min_p must lie in [0, 1], got {d.min_p!r}")
-    if d.eos_ids is not None and (not isinstance(d.eos_ids, Sequence) or isinstance(d.eos_ids, str)):
-        raise ValueError(f"eos_ids must be a sequence of token ids or None, got {d.eos_ids!r}")
-
-
-def _check(s: Sampling) -> None:
-    """Raise ``ValueError`` naming the first setting outside its range."""
-    if isinstance(s.T, bool) or not isinstance(s.T, int) or s.T < 1:
-        raise ValueError(f"T (new tokens) must be an integer >= 1, got {s.T!r}")
-    if isinstance(s.replicates, bool) or not isinstance(s.replicates, int) or s.replicates < 1:
-        raise ValueError(f"replicates must be an integer >= 1, got {s.replicates!r}")
-    if isinstance(s.seed, bool) or not isinstance(s.seed, int):
-        raise ValueError(f"seed must be an integer, got {s.seed!r}")
-    _check_decoding(s.decoding)
+        """A copy whose decoding transform is off (:meth:`Decoding.untransformed`)."""
+        return replace(self, decoding=self.decoding.untransformed())
