@@ -251,7 +251,11 @@ def test_task_prompts_exclude_documents_the_task_cannot_use_with_the_reason():
 
 
 def test_measure_task_refuses_sampling_and_builds_documents_with_their_question():
-    from kvdiverge.measurement import _task_inputs
+    from kvdiverge.study.measuring import MeasureOptions, task_inputs
+
+    def _task_inputs(task, prompts, tokenizer, T, temperature):
+        opts = MeasureOptions.checked({"temperature": temperature}, task=task, max_new_tokens=T)
+        return task_inputs(opts, prompts, tokenizer)
 
     class Chat(CharTokenizer):
         def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
@@ -259,11 +263,11 @@ def test_measure_task_refuses_sampling_and_builds_documents_with_their_question(
 
     prompts = {"a": doc(40, 40, 40, 40), "b": "no breaks here"}
     with pytest.raises(ValueError, match=r"task='niah' scores greedy answers: pass temperature=0 \(got 0.7\)"):
-        _task_inputs("niah", prompts, Chat(), 16, 0.7, {})
+        _task_inputs("niah", prompts, Chat(), 16, 0.7)
     with pytest.warns(UserWarning, match="left out of the task: document 'b' has no paragraph break"):
-        docs, table = _task_inputs({"name": "niah", "question": "after", "depths": [50]}, prompts, Chat(), 16, 0.0, {})
+        docs, table = _task_inputs({"name": "niah", "question": "after", "depths": [50]}, prompts, Chat(), 16, 0.0)
     assert [d.doc_id for d in docs] == ["a"] and table.height == 2
     tail = "".join(map(chr, docs[0].input_ids[docs[0].context_len :]))
     assert tail.startswith("What are all the special magic numbers for ")
     with pytest.raises(TaskError, match="no prompt takes the task: document 'b' has no paragraph break"):
-        _task_inputs("niah", {"b": "no breaks here"}, Chat(), 16, 0.0, {})
+        _task_inputs("niah", {"b": "no breaks here"}, Chat(), 16, 0.0)

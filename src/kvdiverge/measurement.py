@@ -32,8 +32,23 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.drift import (
+    drift_replicates,
+    drift_table,
+    format_drift_line,
+    length_ratios,
+    length_survival,
+    loop_settings,
+    with_drift_columns,
+)
+from kvdiverge.estimation.frontier import measured_frontier
+from kvdiverge.estimation.speculative import format_speculative_line, speculative_table
+from kvdiverge.estimation.tables import compression_table, pairwise_gaps, press_gap, summary_table
+from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text, summary_text
-from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, is_noise_floor, measure_inputs, measure_settings, model_label
+from kvdiverge.study import measuring
+from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, measure_settings, model_label
+from kvdiverge.study.provenance import save_measurement
 
 __all__ = ["Measurement", "measure"]
 
@@ -103,8 +118,6 @@ class Measurement:
         ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap and
         ``value_M = value / T`` (:func:`kvdiverge.estimation.tables.press_gap`). Raises
         ``ValueError`` if ``a`` or ``b`` is not a measured press, or ``a == b``."""
-        from kvdiverge.estimation.tables import press_gap
-
         if (a, b) not in self._gaps:  # a refused pair is never stored
             self._gaps[(a, b)] = press_gap(self.documents, self.presses, a, b, self.settings)
         return self._gaps[(a, b)]
@@ -112,8 +125,6 @@ class Measurement:
     @property
     def gaps(self) -> pl.DataFrame:
         """Gap decompositions of every pair ``(A, B)`` of presses, A before B in the given order."""
-        from kvdiverge.estimation.tables import pairwise_gaps
-
         return pairwise_gaps(self.gap, self.presses)
 
     @property
@@ -123,8 +134,6 @@ class Measurement:
         ``A = sum_{j<=k} S_j`` of a first draft block of ``k``, ``tokens_per_forward = A + 1``, the
         per-step acceptance ``alpha`` and the i.i.d. formula
         (:func:`kvdiverge.estimation.speculative.speculative_table`)."""
-        from kvdiverge.estimation.speculative import speculative_table
-
         s = self.settings
         return self._memo(
             "speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
@@ -134,8 +143,6 @@ class Measurement:
     def drift_replicates(self) -> pl.DataFrame:
         """Per press, prompt and replicate: each side's length to EOS, stop, loop and repetition, paired
         (:func:`kvdiverge.estimation.drift.drift_replicates`)."""
-        from kvdiverge.estimation.drift import drift_replicates, loop_settings
-
         loops = loop_settings(None, self.settings["T"])
         return self._memo("drift_replicates", lambda: drift_replicates(self.trajectories, self.eos_ids or (), **loops))
 
@@ -144,8 +151,6 @@ class Measurement:
         """Length and loop drift per press: ``length_mean``, ``length_median`` (tokens), ``stop_rate``,
         ``loop_rate``, ``rep4``, ``distinct2`` on the full-cache and the compressed side and their paired
         difference, with document-bootstrap intervals (:func:`kvdiverge.estimation.drift.drift_table`)."""
-        from kvdiverge.estimation.drift import drift_table
-
         s = self.settings
         return self._memo(
             "drift", lambda: drift_table(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
@@ -155,8 +160,6 @@ class Measurement:
     def length_survival(self) -> pl.DataFrame:
         """Per press and side, ``P(EOS step > t)`` for ``t = 0..T``: the Kaplan–Meier curve of the EOS time
         censored at ``T`` (:func:`kvdiverge.estimation.drift.length_survival`)."""
-        from kvdiverge.estimation.drift import length_survival
-
         return self._memo("length_survival", lambda: length_survival(self.drift_replicates))
 
     @property
@@ -164,8 +167,6 @@ class Measurement:
         """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
         ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
         every step of every replicate; :func:`kvdiverge.estimation.tables.compression_table`)."""
-        from kvdiverge.estimation.tables import compression_table
-
         return compression_table(self.documents, self.trajectories)
 
     @property
@@ -175,8 +176,6 @@ class Measurement:
         ``E_M`` (mismatch fraction), each with ``_lo``/``_hi`` bootstrap bounds, ``rho``,
         ``first_mismatch_term + exposure_rate_term = E_M``, ``exposure_share``; with a noise floor,
         ``E_M_minus_floor`` and ``p_div_minus_floor`` (:func:`kvdiverge.estimation.tables.summary_table`)."""
-        from kvdiverge.estimation.tables import summary_table
-
         out = summary_table(self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
         if self.teacher_forced is None:
             return out
@@ -188,9 +187,6 @@ class Measurement:
         :func:`kvdiverge.report.formatting.summary_text`), one line of the self-speculative
         reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`), and
         one of the length drift: the paired differences in length, stop and loop rate (:attr:`drift`)."""
-        from kvdiverge.estimation.drift import format_drift_line
-        from kvdiverge.estimation.speculative import format_speculative_line
-
         text = (
             summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
             + "\n"
@@ -216,8 +212,6 @@ class Measurement:
         (:func:`kvdiverge.study.provenance.library_versions`) and ``batch_documents`` (the ``B`` used).
         Returns the files written (list of pathlib.Path).
         """
-        from kvdiverge.study.provenance import save_measurement
-
         tables = {
             "trajectories": self.trajectories,
             "replicates": self.replicates,
@@ -256,10 +250,6 @@ class Measurement:
         return self._cache[key]
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
-        from kvdiverge.estimation.drift import length_ratios, with_drift_columns
-        from kvdiverge.estimation.frontier import measured_frontier
-        from kvdiverge.estimation.teacher_forced import with_teacher_columns
-
         def compute():
             points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
             teacher = None if self.teacher_forced is None else self.teacher_forced.table
@@ -304,98 +294,13 @@ class Measurement:
 # --------------------------------------------------------------------------- the call
 
 
-def _task_inputs(task, prompts, tokenizer, T: int, temperature: float, render: Mapping[str, Any]):
-    """``(documents, prompts table)`` of the task, or ``None`` without one; refuses non-greedy decoding."""
-    if task is None:
-        return None
-    from kvdiverge.study.settings import check_task, spelled
-    from kvdiverge.study.tasks import task_documents
-
-    block = check_task(task)  # the config's rules for a task block, before any work
-    if float(temperature) != 0:
-        raise ValueError(f"task={task!r} scores greedy answers: pass temperature=0 (got {temperature})")
-    if isinstance(prompts, str) or not isinstance(prompts, Mapping):
-        prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
-    if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
-        raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
-    try:
-        return task_documents(prompts, tokenizer, block, T, render)
-    except ValueError as exc:  # the task names the config's keys: name measure()'s arguments
-        raise type(exc)(spelled(str(exc))) from None
-
-
-def _task_tables(result: Measurement, table, tokenizer, task):
-    """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
-    from kvdiverge.study.tasks import task_settings
-    from kvdiverge.study.tasks.tables import TaskTableOptions, task_tables
-
-    entry, _ = task_settings({"name": task} if isinstance(task, str) else task)
-    s = result.settings
-    options = TaskTableOptions(
-        controls=[result.noise_floor] if result.noise_floor else [],
-        floor=result.noise_floor,
-        n_boot=s["bootstrap"],
-        confidence=s["confidence"],
-        seed=s["seed"],
-    )
-    return task_tables(result.trajectories, result.documents, table, tokenizer, entry.score, options=options)
-
-
-def _horizon(given: Mapping[str, Any], unset_allowed: Mapping[str, Any]) -> tuple[int, int]:
-    """``(T, R)`` of :func:`measure`'s settings ``given``, checked with the settings of ``unset_allowed``
-    that are not None (:func:`kvdiverge.study.settings.check_settings`)."""
-    from kvdiverge.study.settings import check_settings
-
-    checked = check_settings({**given, **{k: v for k, v in unset_allowed.items() if v is not None}})
-    return checked["max_new_tokens"], checked["replicates"]
-
-
-def _decoding_given(decoding: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`measure`'s decoding settings, every one of :func:`kvdiverge.engine.core.sampling.decoding_options`
-    at its default unless given (an unknown name raises ``TypeError``, as Python's own)."""
-    from kvdiverge.engine.core.sampling import decoding_options
-
-    options = decoding_options()
-    unknown = sorted(set(decoding) - set(options))
-    if unknown:
-        raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
-    return {name: decoding.get(name, option["default"]) for name, option in options.items()}
-
-
-def _sampling(given: Mapping[str, Any], T: int, R: int, model_name: str, eos_ids: Sequence[int] | None):
-    """The coupled run's :class:`kvdiverge.engine.core.sampling.Sampling` of :func:`measure`'s settings ``given``."""
-    from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
-
-    decoding = Decoding(**{name: given[name] for name in decoding_options()}, eos_ids=eos_ids)
-    return Sampling(T=T, replicates=R, decoding=decoding, seed=int(given["seed"]), model_name=model_name)
-
-
-def _run_options(batch_documents: int | None, memory_budget_gb: float | None, progress: bool):
-    """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
-    from tqdm.auto import tqdm
-
-    from kvdiverge.engine.runner import RunOptions
-
-    return RunOptions(
-        batch_documents=batch_documents,
-        memory_budget_gb=memory_budget_gb,
-        owner="press",
-        progress=lambda name, total: tqdm(total=total, desc=name, unit="step", disable=not progress, mininterval=1.0),
-    )
-
-
-def _floors(sources: Mapping[str, Any]) -> list[str]:
-    """Names of the noise-floor presses among ``sources``."""
-    return [n for n, s in sources.items() if is_noise_floor(n, s)]
-
-
 def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, Any], eos_ids) -> Measurement:
     """The :class:`Measurement` of a coupled run: its estimates and pooled tables (window, bootstrap: ``settings``)."""
     from kvdiverge.estimation import tables
 
     reps, docs = tables.estimate(runs.trajectories, settings["window"], windows)
     pooled = tables.pool(docs, settings["bootstrap"], settings["confidence"], settings["seed"])
-    floors = _floors(sources)
+    floors = measuring.floors(sources)
     return Measurement(
         trajectories=runs.trajectories,
         replicates=reps,
@@ -411,7 +316,7 @@ def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, 
 def _warn_untouched(result: Measurement, sources: Mapping[str, Any]) -> None:
     """Warn, from :func:`measure`'s caller, of each press but a noise floor that left the cache untouched."""
     untouched = result.summary.filter(pl.col("untouched"))["policy"].to_list()
-    floors = _floors(sources)
+    floors = measuring.floors(sources)
     for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
         warnings.warn(
             f"press {name!r} left the cache untouched (TV 0 at every step on every prompt: the same "
@@ -562,33 +467,41 @@ def measure(
     from kvdiverge.engine.runner import run_policies
     from kvdiverge.study.models import kv_sizes
 
-    given = dict(max_new_tokens=max_new_tokens, replicates=replicates, seed=seed, **_decoding_given(decoding))
-    given.update(window=window, bootstrap=bootstrap, confidence=confidence, memory_budget_gb=memory_budget_gb)
-    T, R = _horizon(given, {"batch_documents": batch_documents, "teacher_tokens": teacher_tokens})
-    task_docs = _task_inputs(
-        task, prompts, tokenizer, T, given["temperature"], {"system": system, "seed": seed, "split": split}
-    )
+    opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
+    task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
+    frontier = (opts.ratios, opts.budgets, opts.caches, opts.cache_ratios)
     documents, sources, grid = measure_inputs(
-        model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
+        model,
+        tokenizer,
+        prompts,
+        presses,
+        opts.max_new_tokens,
+        opts.replicates,
+        opts.instruction,
+        opts.system,
+        *frontier,
     )
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents
-    model_name = model_label(model) if model_name is None else model_name
-    sampling = _sampling(given, T, R, model_name, eos_ids)
-    options = _run_options(batch_documents, memory_budget_gb, progress)
-    runs = run_policies(model, documents, sources, sampling, split=split, options=options)
-    recorded = {k: given[k] for k in ("window", "bootstrap", "confidence")}
+    sampling = opts.sampling(model_label(model) if model_name is None else model_name)
+    runs = run_policies(model, documents, sources, sampling, split=split, options=opts.run_options())
+    recorded = {"window": opts.window, "bootstrap": opts.bootstrap, "confidence": opts.confidence}
     recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
-    settings = measure_settings(model_name, split, sources, grid, sampling=sampling, **recorded)
+    settings = measure_settings(sampling.model_name, split, sources, grid, sampling=sampling, **recorded)
     result = _measurement(runs, windows, settings, sources, _eos(model, eos_ids))
     if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
     if task_docs:
-        result.task = _task_tables(result, task_docs[1], tokenizer, task)
+        args = (result.trajectories, result.documents, task_docs[1], tokenizer, result.noise_floor)
+        result.task = measuring.task_tables(opts, *args)
     _warn_untouched(result, sources)
     return result
+
+
+#: :func:`measure`'s keyword options, as :class:`kvdiverge.study.measuring.MeasureOptions` takes them.
+_OPTIONS = frozenset(f for f in measuring.MeasureOptions.__dataclass_fields__ if f != "decoding")
 
 
 def _eos(model, eos_ids) -> tuple[int, ...]:

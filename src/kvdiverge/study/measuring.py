@@ -1,0 +1,153 @@
+"""The settings of one ``kvdiverge.measure`` call, as one object, and the steps it takes below the door.
+
+:class:`MeasureOptions` holds every option of :func:`kvdiverge.measure` but the model, the tokenizer,
+the prompts and the presses. It is built once from the call's keywords (:meth:`MeasureOptions.checked`),
+which checks every setting against the config schema before any work
+(:func:`kvdiverge.study.settings.check_settings`), and the door reads its settings from it only:
+the coupled run's :class:`~kvdiverge.engine.core.sampling.Sampling` (:meth:`MeasureOptions.sampling`),
+the runner's :class:`~kvdiverge.engine.runner.RunOptions` (:meth:`MeasureOptions.run_options`), the
+task's documents (:func:`task_inputs`) and tables (:func:`task_tables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
+from kvdiverge.study.inputs import is_noise_floor
+from kvdiverge.study.settings import check_settings, check_task, spelled
+
+__all__ = ["MeasureOptions", "floors", "task_inputs", "task_tables"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureOptions:
+    """Every option of :func:`kvdiverge.measure` but its four inputs; see its docstring for each.
+
+    ``decoding`` holds every setting of :func:`kvdiverge.engine.core.sampling.decoding_options`
+    by name, at its doors' default unless given. ``T`` and ``R`` are ``max_new_tokens`` and
+    ``replicates`` as checked.
+    """
+
+    max_new_tokens: int = 32
+    replicates: int = 4
+    seed: int = 0
+    window: int = 8
+    instruction: str | None = None
+    system: str | None = None
+    windows: Mapping[str, Sequence[int]] | None = None
+    bootstrap: int = 2000
+    confidence: float = 0.95
+    model_name: str | None = None
+    split: str = "measure"
+    eos_ids: Sequence[int] | None = None
+    progress: bool = True
+    batch_documents: int | None = None
+    memory_budget_gb: float | None = None
+    ratios: Sequence[float] | None = None
+    budgets: Sequence[int] | None = None
+    caches: Mapping[str, Mapping[str, Any]] | None = None
+    cache_ratios: Sequence[float] | None = None
+    teacher_tokens: int | None = None
+    task: str | Mapping[str, Any] | None = None
+    decoding: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(cls, decoding: Mapping[str, Any], **options: Any) -> MeasureOptions:
+        """The options of a call, every setting checked as the config checks it.
+
+        Raises
+        ------
+        TypeError
+            A decoding keyword that is not one of :func:`~kvdiverge.engine.core.sampling.decoding_options`,
+            as Python's own for an unknown keyword.
+        ValueError
+            A setting the config would refuse, naming the argument, the value and what is allowed.
+        """
+        known = decoding_options()
+        unknown = sorted(set(decoding) - set(known))
+        if unknown:
+            raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
+        decoding = {name: decoding.get(name, option["default"]) for name, option in known.items()}
+        opts = cls(**options, decoding=decoding)
+        given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
+        given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
+        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens")  # None: the default
+        given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})
+        checked = check_settings(given)
+        return cls(**{**options, "max_new_tokens": checked["max_new_tokens"], "replicates": checked["replicates"]},
+                   decoding=decoding)  # fmt: skip
+
+    def sampling(self, model_name: str) -> Sampling:
+        """The coupled run's :class:`~kvdiverge.engine.core.sampling.Sampling`."""
+        decoding = Decoding(**self.decoding, eos_ids=self.eos_ids)
+        return Sampling(T=self.max_new_tokens, replicates=self.replicates, decoding=decoding, seed=int(self.seed),
+                        model_name=model_name)  # fmt: skip
+
+    def run_options(self):
+        """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
+        from tqdm.auto import tqdm
+
+        from kvdiverge.engine.runner import RunOptions
+
+        return RunOptions(
+            batch_documents=self.batch_documents,
+            memory_budget_gb=self.memory_budget_gb,
+            owner="press",
+            progress=lambda name, total: tqdm(
+                total=total, desc=name, unit="step", disable=not self.progress, mininterval=1.0
+            ),  # fmt: skip
+        )
+
+
+def floors(sources: Mapping[str, Any]) -> list[str]:
+    """Names of the noise-floor presses among ``sources`` (:func:`kvdiverge.study.inputs.is_noise_floor`)."""
+    return [n for n, s in sources.items() if is_noise_floor(n, s)]
+
+
+def task_inputs(opts: MeasureOptions, prompts, tokenizer):
+    """``(documents, prompts table)`` of the options' task, or ``None`` without one.
+
+    Raises
+    ------
+    ValueError
+        A task block the config refuses (:func:`kvdiverge.study.settings.check_task`), a temperature
+        other than 0, prompts that are not text or no tokenizer, or prompts the task cannot take,
+        in :func:`kvdiverge.measure`'s spelling.
+    """
+    task = opts.task
+    if task is None:
+        return None
+    from kvdiverge.study.tasks import task_documents
+
+    block = check_task(task)  # the config's rules for a task block, before any work
+    temperature = opts.decoding["temperature"]
+    if float(temperature) != 0:
+        raise ValueError(f"task={task!r} scores greedy answers: pass temperature=0 (got {temperature})")
+    if isinstance(prompts, str) or not isinstance(prompts, Mapping):
+        prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
+    if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
+        raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
+    render = {"system": opts.system, "seed": opts.seed, "split": opts.split}
+    try:
+        return task_documents(prompts, tokenizer, block, opts.max_new_tokens, render)
+    except ValueError as exc:  # the task names the config's keys: name measure()'s arguments
+        raise type(exc)(spelled(str(exc))) from None
+
+
+def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer, floor: str | None):
+    """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
+    from kvdiverge.study.tasks import task_settings
+    from kvdiverge.study.tasks.tables import TaskTableOptions, task_tables
+
+    entry, _ = task_settings({"name": opts.task} if isinstance(opts.task, str) else opts.task)
+    options = TaskTableOptions(
+        controls=[floor] if floor else [],
+        floor=floor,
+        n_boot=opts.bootstrap,
+        confidence=opts.confidence,
+        seed=opts.seed,
+    )
+    return task_tables(trajectories, documents, table, tokenizer, entry.score, options=options)
