@@ -30,26 +30,11 @@ rule pool:
     output:
         **{f"{t}_parquet": f"{ANALYSIS}/{t}.parquet" for t in ANALYSIS_TABLES},
         documents_csv=f"{ANALYSIS}/documents.csv",
-        pooled_csv=report(
-            f"{ANALYSIS}/pooled.csv",
-            caption="../report/pooled.rst",
-            category="Tables",
-            labels={"table": "pooled estimates"},
-        ),
-        timing_csv=report(
-            f"{ANALYSIS}/timing.csv",
-            caption="../report/timing.rst",
-            category="Tables",
-            labels={"table": "divergence timing"},
-        ),
+        pooled_csv=table_report(f"{ANALYSIS}/pooled.csv", "pooled", "pooled estimates"),
+        timing_csv=table_report(f"{ANALYSIS}/timing.csv", "timing", "divergence timing"),
         survival_csv=f"{ANALYSIS}/survival.csv",
         branch_tv_csv=f"{ANALYSIS}/branch_tv.csv",
-        variance_csv=report(
-            f"{ANALYSIS}/variance.csv",
-            caption="../report/variance_table.rst",
-            category="Tables",
-            labels={"table": "naive vs CMC variance"},
-        ),
+        variance_csv=table_report(f"{ANALYSIS}/variance.csv", "variance_table", "naive vs CMC variance"),
     log:
         f"{LOGS}/analysis/pool.log",
     benchmark:
@@ -67,12 +52,7 @@ rule gaps:
         sorted(run_files(rules.estimate.output.documents, GAP_RUNS)),
     output:
         parquet=f"{ANALYSIS}/gaps.parquet",
-        csv=report(
-            f"{ANALYSIS}/gaps.csv",
-            caption="../report/gaps_table.rst",
-            category="Tables",
-            labels={"table": "gap decomposition"},
-        ),
+        csv=table_report(f"{ANALYSIS}/gaps.csv", "gaps_table", "gap decomposition"),
     log:
         f"{LOGS}/analysis/gaps.log",
     benchmark:
@@ -92,12 +72,7 @@ rule floor:
         estimate_files(),
     output:
         parquet=f"{ANALYSIS}/floor.parquet",
-        csv=report(
-            f"{ANALYSIS}/floor.csv",
-            caption="../report/floor.rst",
-            category="Tables",
-            labels={"table": "noise floor beside each policy"},
-        ),
+        csv=table_report(f"{ANALYSIS}/floor.csv", "floor", "noise floor beside each policy"),
     log:
         f"{LOGS}/analysis/floor.log",
     benchmark:
@@ -119,11 +94,11 @@ rule confirmatory:
         csv=f"{ANALYSIS}/confirmatory.csv",
         documents_parquet=f"{ANALYSIS}/confirmatory_documents.parquet",
         documents_csv=f"{ANALYSIS}/confirmatory_documents.csv",
-        html=report(
+        html=table_report(
             f"{ANALYSIS}/confirmatory.html",
-            caption="../report/confirmatory.rst",
+            "confirmatory",
+            "confirmatory test",
             category="Confirmatory",
-            labels={"table": "confirmatory test"},
         ),
     log:
         f"{LOGS}/analysis/confirmatory.log",
@@ -148,18 +123,8 @@ rule speculative:
         estimate_files(),
     output:
         parquet=f"{ANALYSIS}/speculative.parquet",
-        csv=report(
-            f"{ANALYSIS}/speculative.csv",
-            caption="../report/speculative_table.rst",
-            category="Tables",
-            labels={"table": "self-speculative reading"},
-        ),
-        html=report(
-            f"{ANALYSIS}/speculative.html",
-            caption="../report/speculative_page.rst",
-            category="Tables",
-            labels={"table": "self-speculative page"},
-        ),
+        csv=table_report(f"{ANALYSIS}/speculative.csv", "speculative_table", "self-speculative reading"),
+        html=table_report(f"{ANALYSIS}/speculative.html", "speculative_page", "self-speculative page"),
     log:
         f"{LOGS}/analysis/speculative.log",
     benchmark:
@@ -180,12 +145,7 @@ rule drift:
         drift_files(),
     output:
         parquet=f"{ANALYSIS}/drift.parquet",
-        csv=report(
-            f"{ANALYSIS}/drift.csv",
-            caption="../report/drift.rst",
-            category="Tables",
-            labels={"table": "length and loop drift"},
-        ),
+        csv=table_report(f"{ANALYSIS}/drift.csv", "drift", "length and loop drift"),
         survival_parquet=f"{ANALYSIS}/length_survival.parquet",
         survival_csv=f"{ANALYSIS}/length_survival.csv",
     log:
@@ -228,25 +188,15 @@ if FRONTIER_POINTS:
             ),
         output:
             parquet=f"{ANALYSIS}/frontier.parquet",
-            csv=report(
-                f"{ANALYSIS}/frontier.csv",
-                caption="../report/frontier_table.rst",
-                category="Frontier",
-                labels={"table": "frontier points"},
-            ),
+            csv=table_report(f"{ANALYSIS}/frontier.csv", "frontier_table", "frontier points", category="Frontier"),
             areas_parquet=f"{ANALYSIS}/frontier_areas.parquet",
-            areas_csv=report(
+            areas_csv=table_report(
                 f"{ANALYSIS}/frontier_areas.csv",
-                caption="../report/frontier_areas.rst",
+                "frontier_areas",
+                "frontier ranking",
                 category="Frontier",
-                labels={"table": "frontier ranking"},
             ),
-            html=report(
-                f"{ANALYSIS}/frontier.html",
-                caption="../report/frontier_page.rst",
-                category="Frontier",
-                labels={"table": "frontier page"},
-            ),
+            html=table_report(f"{ANALYSIS}/frontier.html", "frontier_page", "frontier page", category="Frontier"),
         log:
             f"{LOGS}/analysis/frontier.log",
         benchmark:

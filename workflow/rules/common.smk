@@ -97,6 +97,12 @@ FIGURES = f"{RESULTS}/figures"
 LOGS = f"{RESULTS}/logs"
 
 
+def table_report(path, caption, table, category="Tables"):
+    """`path` marked for the report: captioned by workflow/report/<caption>.rst, under
+    `category`, labelled `table` (Snakemake's report(), one shape for every table)."""
+    return report(path, caption=f"../report/{caption}.rst", category=category, labels={"table": table})
+
+
 def benchmark_file(job):
     """Snakemake's `benchmark:` file of a job, {results_dir}/benchmarks/<rule>/<job>.tsv:
     wall time, peak memory (max_rss, MB) and CPU time of the job, one row per run."""

@@ -39,12 +39,7 @@ rule provenance:
         all_trajectory_shards(),
     output:
         parquet=f"{ANALYSIS}/provenance.parquet",
-        csv=report(
-            f"{ANALYSIS}/provenance.csv",
-            caption="../report/provenance.rst",
-            category="Tables",
-            labels={"table": "provenance"},
-        ),
+        csv=table_report(f"{ANALYSIS}/provenance.csv", "provenance", "provenance"),
     log:
         f"{LOGS}/provenance.log",
     benchmark:

@@ -40,12 +40,7 @@ rule summary:
         floor=rules.floor.output.parquet,
         provenance=rules.provenance.output.parquet,
     output:
-        report(
-            f"{ANALYSIS}/summary.html",
-            caption="../report/summary.rst",
-            category="Summary",
-            labels={"table": "headline numbers"},
-        ),
+        table_report(f"{ANALYSIS}/summary.html", "summary", "headline numbers", category="Summary"),
     log:
         f"{LOGS}/summary.log",
     benchmark:

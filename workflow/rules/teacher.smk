@@ -73,12 +73,7 @@ rule teacher_forced_table:
         run_files(rules.teacher_forced.output[0]),
     output:
         parquet=f"{ANALYSIS}/teacher_forced.parquet",
-        csv=report(
-            f"{ANALYSIS}/teacher_forced.csv",
-            caption="../report/teacher_forced.rst",
-            category="Tables",
-            labels={"table": "teacher-forced fidelity"},
-        ),
+        csv=table_report(f"{ANALYSIS}/teacher_forced.csv", "teacher_forced", "teacher-forced fidelity"),
         documents_parquet=f"{ANALYSIS}/teacher_forced_documents.parquet",
         documents_csv=f"{ANALYSIS}/teacher_forced_documents.csv",
     log:
