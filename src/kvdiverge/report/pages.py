@@ -38,6 +38,11 @@ _STYLE = (
 )
 
 
+def _page(title: str, body: str) -> str:
+    """A standalone HTML document: ``title`` and the shared style in its head, ``body`` (HTML) as its body."""
+    return f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>{_STYLE}</head><body>{body}</body></html>"
+
+
 def ci_label(confidence: float) -> str:
     """The interval label of a coverage: ``0.95`` gives ``"95% CI"``, ``0.9`` ``"90% CI"``, ``0.975`` ``"97.5% CI"``."""
     return f"{float(confidence) * 100:g}% CI"
@@ -113,16 +118,16 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame, *, confiden
     str
         A standalone HTML document.
     """
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Confirmatory test</title>"
-        f"{_STYLE}</head><body><h2>Prespecified plan</h2>{_plan_block(plan)}"
+    return _page(
+        "Confirmatory test",
+        f"<h2>Prespecified plan</h2>{_plan_block(plan)}"
         "<h2>Result per model</h2>"
         f"{html_table(_labelled(CONFIRMATORY_HEADER, confidence), _confirmatory_rows(result))}"
         "<p>Per document d = btv[late] − btv[early] (branch-aligned TV, estimators.md §6); "
         "documents whose branches reach neither window, or only one, have no d and are "
         "counted as excluded. A noise-floor row (the permutation control, equal kernels "
         "in exact arithmetic) shows the same difference produced by rounding alone; it "
-        "is not part of the tested family.</p></body></html>"
+        "is not part of the tested family.</p>",
     )
 
 
@@ -329,9 +334,9 @@ def summary_html(
         A standalone HTML document.
     """
     runs, gap_rows = _run_rows(pooled, floor), _gap_rows(gaps)
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Headline numbers</title>"
-        f"{_STYLE}</head><body><h2>Divergence and token loss per run</h2>"
+    return _page(
+        "Headline numbers",
+        f"<h2>Divergence and token loss per run</h2>"
         f"{html_table(_labelled(_RUN_HEADER, confidence), runs)}"
         "<h2>Noise floor beside each policy</h2>"
         f"{floor_html(floor, confidence=confidence) if floor is not None else '<p>No noise-floor comparison given.</p>'}"
@@ -339,7 +344,7 @@ def summary_html(
         f"{html_table(_labelled(_GAP_HEADER, confidence), gap_rows) if gap_rows else '<p>No gap configured.</p>'}"
         f"<h2>Confirmatory test</h2>{_plan_block(plan)}"
         f"{html_table(_labelled(CONFIRMATORY_HEADER, confidence), _confirmatory_rows(confirmatory))}"
-        f"{provenance or ''}</body></html>"
+        f"{provenance or ''}",
     )
 
 
@@ -475,9 +480,9 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
     pct = f"{confidence:.0%}"
     ranged = areas.filter(pl.col("covers_range")) if areas.height else areas
     common = _span(ranged["range_lo"][0], ranged["range_hi"][0]) if ranged.height else "–"
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Frontier</title>"
-        f"{_STYLE}</head><body><h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
+    return _page(
+        "Frontier",
+        f"<h2>Ranking: each curve's mean over the KV bytes common to the curves</h2>"
         f"{html_table(_labelled(AREA_HEADER, confidence), area_rows)}"
         f"<p>A curve is one press at full precision over the compression ratios, one quantized cache "
         f"alone, or one press with one cache over the cache ratios (from the cache alone at ratio 0). "
@@ -495,8 +500,7 @@ def frontier_html(points: pl.DataFrame, areas: pl.DataFrame, confidence: float =
         "are the noise-floor control (permutation press, equal kernels in exact arithmetic) on the same "
         "documents; above floor: the lower end of the paired interval of (point − floor) is above 0. "
         "The teacher-forced columns, where present, are llama.cpp's --kl-divergence statistics of the "
-        "same point on a continuation fed to both caches (the teacher_forced table).</p>"
-        "</body></html>"
+        "same point on a continuation fed to both caches (the teacher_forced table).</p>",
     )
 
 
@@ -546,9 +550,9 @@ def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
         ]
         for r in table.sort(["model", "split", "policy", "k"]).iter_rows(named=True)
     ]
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Self-speculative reading</title>"
-        f"{_STYLE}</head><body><h2>First draft block: evicted cache drafts, full cache verifies</h2>"
+    return _page(
+        "Self-speculative reading",
+        f"<h2>First draft block: evicted cache drafts, full cache verifies</h2>"
         f"{html_table(_labelled(SPECULATIVE_HEADER, confidence), rows)}"
         "<p>Speculative sampling accepts a drafted token with probability 1 − TV(p_t, q_t) and, given "
         "acceptance, the token follows the normalised overlap: the agreement chain's step. So the chance "
@@ -557,6 +561,5 @@ def speculative_html(table: pl.DataFrame, confidence: float = 0.95) -> str:
         "Later blocks start after a rejection, from histories distributed as the target's output rather "
         "than as the agreement chain, and are not estimated here. α is the mean of 1 − tv_t over the "
         "chain's T steps; the i.i.d. column is Leviathan et al.'s formula at that α, the figure the "
-        f"speculative-decoding papers quote. Brackets: {confidence:.0%} document bootstrap.</p>"
-        "</body></html>"
+        f"speculative-decoding papers quote. Brackets: {confidence:.0%} document bootstrap.</p>",
     )
