@@ -30,8 +30,7 @@ import polars as pl
 import torch
 
 import kvdiverge
-from kvdiverge.cli import sotu_prompts
-from kvdiverge.study.inputs import prepare_documents
+from kvdiverge.study.inputs import prepare_documents, sotu_prompts
 from kvdiverge.study.models import EMBEDDED_MODEL, load_model, local_entry
 from kvdiverge.testing.speculative import first_block_accepted
 

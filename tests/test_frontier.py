@@ -594,7 +594,8 @@ def test_frontier_cache_names_are_reserved():
 
 
 def test_api_and_command_line_expand_caches_as_the_config_does():
-    from kvdiverge.cli import _parser, argument_sources, check_arguments
+    from kvdiverge.cli import _parser
+    from kvdiverge.study.arguments import argument_sources, check_arguments
     from kvdiverge.study.inputs import frontier_presses
 
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}

@@ -312,7 +312,7 @@ def _error_line(err: str) -> str:
 
 
 def test_cli_cache_entries():
-    from kvdiverge.cli import cli_entries
+    from kvdiverge.study.arguments import cli_entries
 
     got = cli_entries(["KnormPress:compression_ratio=0.5"], ["quanto:nbits=2,residual_length=16"], None, 0.0)
     q = {"cache": "quantized", "backend": "quanto", "nbits": 2, "residual_length": 16}

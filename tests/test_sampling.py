@@ -111,7 +111,8 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     """A decoding setting of ``decoding_options`` needs nothing at the doors: the config key, the
     measure() keyword check, the command-line option, the recorded settings and the neutral transform
     of the teacher-forced pass all come from the field."""
-    from kvdiverge.cli import OPTIONS, _parser
+    from kvdiverge.cli import _parser
+    from kvdiverge.study.arguments import OPTIONS
     from kvdiverge.study.config import load_schema
     from kvdiverge.study.inputs import measure_settings
     from kvdiverge.study.settings import SETTINGS, setting_problems

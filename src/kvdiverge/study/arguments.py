@@ -1,0 +1,257 @@
+"""What the command line's arguments mean: policy entries, prompts and the options of one measurement.
+
+``kvdiverge measure`` (:mod:`kvdiverge.cli`) parses its arguments and hands them here: they are
+checked before any work as the config checks the same settings (:func:`check_arguments`), read as
+policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``) and prompts
+(:func:`argument_prompts`), the prompts checked with the tokenizer alone (:func:`check_prompts`),
+and turned into :func:`kvdiverge.measure`'s keywords (:func:`measure_keywords`). A refusal is an
+:class:`~kvdiverge.study.inputs.InputError` naming the option as the command line spells it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.runner import question_after_problems
+from kvdiverge.study.devices import device_problem
+from kvdiverge.study.inputs import (
+    InputError,
+    check_lengths,
+    frontier_presses,
+    prepare_documents,
+    prepare_presses,
+    read_prompts,
+    sotu_prompts,
+)
+from kvdiverge.study.settings import check_settings, spelled
+from kvdiverge.study.tasks import task_documents
+
+if TYPE_CHECKING:
+    from kvdiverge.engine.runner import PressSource
+
+__all__ = [
+    "OPTIONS",
+    "SOTU_INSTRUCTION",
+    "argument_prompts",
+    "argument_sources",
+    "cache_entry",
+    "check_arguments",
+    "check_prompts",
+    "cli_entries",
+    "measure_keywords",
+    "task_block",
+]
+
+#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
+SOTU_INSTRUCTION = "Summarize the document above in three sentences."
+
+
+#: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
+OPTIONS = {
+    "max_new_tokens": "-T/--max-new-tokens",
+    "replicates": "-R/--replicates",
+    **{name: "--" + name.replace("_", "-") for name in decoding_options()},
+    "seed": "--seed",
+    "window": "-W/--window",
+    "bootstrap": "--bootstrap",
+    "confidence": "--confidence",
+    "batch_documents": "--batch-documents",
+    "teacher_tokens": "--teacher-tokens",
+}
+
+
+def cache_entry(text: str) -> dict[str, Any]:
+    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
+
+    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
+    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+
+    Raises
+    ------
+    InputError
+        An unknown backend or parameter.
+    """
+    # kvpress and torch load here, not with the module: `kvdiverge --help` and the settings checks stay fast
+    from kvdiverge.engine.presses.expressions import parse_press
+    from kvdiverge.engine.presses.quantized import BACKENDS
+
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise InputError(f"--cache {text!r}: {exc}") from None
+    if backend not in BACKENDS:
+        raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
+    if unknown:
+        raise InputError(
+            f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, residual_length"
+        )
+    return {"cache": "quantized", "backend": backend, **params}
+
+
+def cli_entries(
+    presses: Sequence[str], caches: Sequence[str], budget: int | None, default_ratio: float | None
+) -> dict[str, dict[str, Any]]:
+    """Policy entries of ``--press`` and ``--cache`` values, by name.
+
+    Each press is a policy; each quantized cache is one alone (named by its value) and one
+    after each press (``<press>+<cache>``: evict, then quantize what is kept).
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry  # kvpress: as in cache_entry
+
+    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
+    quantized = {text: cache_entry(text) for text in caches}
+    out = dict(entries)
+    for text, keys in quantized.items():
+        out[text] = dict(keys)
+        for spec, entry in entries.items():
+            out[f"{spec}+{text}"] = {**entry, **keys}
+    return out
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse before any work a setting the config would refuse (the same check:
+    :func:`kvdiverge.study.settings.check_settings`), a device this torch does not have,
+    out-of-range counts of the command line's own, no press or cache, a repeated one,
+    --cache-ratios without --cache and --ratios, --question without --task, --task with
+    --screen (the screen scores no task) or with a temperature other than 0 (a task scores
+    greedy answers). An unset ``--temperature`` is filled in first: 0 (greedy) with
+    ``--task``, else 0.7.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed ``kvdiverge measure`` arguments.
+
+    Raises
+    ------
+    InputError
+        The first refused argument, in one sentence.
+    """
+    if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
+        args.temperature = 0.0 if getattr(args, "task", None) else 0.7
+    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: measure()'s default
+    values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
+    try:
+        check_settings(values, OPTIONS)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    for name, value, low in (
+        ("--budget", 1 if args.budget is None else args.budget, 1),
+        ("--threads", 1 if args.threads is None else args.threads, 1),
+    ):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    if not args.press and not args.cache:
+        raise InputError("give at least one --press or --cache")
+    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
+        raise InputError("the same --press or --cache is given twice")
+    if args.cache_ratios and not (args.cache and args.ratios):
+        raise InputError(
+            "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
+        )
+    task, question = getattr(args, "task", None), getattr(args, "question", None)
+    if question is not None and not task:
+        raise InputError("--question places a task's question: give --task too")
+    if task and getattr(args, "screen", False):
+        raise InputError("--task scores the coupled run's greedy answers; the teacher-forced --screen runs no task")
+    if task and args.temperature != 0:
+        raise InputError(f"--task scores greedy answers: --temperature must be 0, got {args.temperature:g}")
+    problem = device_problem(args.device, "--device")
+    if problem:
+        raise InputError(problem)
+
+
+def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
+    """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
+    and the policies measured (``sources``), each press built and checked once (:func:`~kvdiverge.study.inputs.prepare_presses`).
+
+    Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
+    after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
+    ``--ratios``, a frontier (:func:`~kvdiverge.study.inputs.frontier_presses`, the config's expansion): ``presses``
+    the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
+    value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
+    press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
+    (named by its value).
+
+    Raises
+    ------
+    InputError
+        A bad press, cache or ratio, or a press that refuses its parameters.
+    """
+    from kvdiverge.engine.presses.expressions import policy_entry  # kvpress: as in cache_entry
+
+    caches = None
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
+        presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
+        caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
+        try:
+            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+        except ValueError as exc:
+            text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
+            raise InputError(
+                f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else f"--ratios: {text}"
+            ) from None
+    else:
+        presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
+    try:
+        sources = prepare_presses(expanded)  # refusals and bad parameters stop here
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return (presses if args.ratios else sources), sources, caches
+
+
+def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
+    """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
+    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.study.inputs.sotu_prompts`, :func:`~kvdiverge.study.inputs.read_prompts`)."""
+    if args.sotu is not None:
+        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
+        return sotu_prompts(args.sotu, *args.words), instruction
+    return read_prompts(args.prompts, args.field, args.id_field), args.instruction
+
+
+def task_block(args: Any) -> dict[str, Any] | None:
+    """The config ``task`` block of ``--task`` and ``--question`` (None without ``--task``)."""
+    if not args.task:
+        return None
+    return {"name": args.task, **({"question": args.question} if args.question else {})}
+
+
+def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task) -> None:
+    """Refuse, with the tokenizer alone, prompts that cannot run: shorter than a press needs, or that
+    the task cannot take (its prompts are built here, and again by :func:`kvdiverge.measure`)."""
+    if not task:
+        documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
+        check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)
+        return
+    try:
+        render = {"system": args.system, "seed": args.seed}  # as measure() renders them: the same needles
+        with warnings.catch_warnings():  # measure() warns of the documents the task leaves out
+            warnings.simplefilter("ignore")
+            docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, render)
+    except ValueError as exc:  # the task names the config's keys: name the options
+        raise InputError(spelled(str(exc), OPTIONS)) from None
+    check_lengths(docs, sources, args.max_new_tokens)
+    if any(doc.n_question for doc in docs):
+        problems = question_after_problems(sources)
+        if problems:
+            raise InputError(f"--question after: {problems[0]}")
+
+
+#: :func:`kvdiverge.measure`'s keywords that the command line passes as they are, by option name.
+_PLAIN = ("max_new_tokens", "ratios", "cache_ratios", "replicates", "seed", "window", "system", "bootstrap",
+          "confidence", "batch_documents", "teacher_tokens")  # fmt: skip
+
+
+def measure_keywords(args: Any, model_name: str, instruction: str | None, caches, task) -> dict[str, Any]:
+    """:func:`kvdiverge.measure`'s keyword options of the parsed arguments: the settings as given, the
+    decoding settings given (an unset one takes ``measure``'s default), ``caches`` and ``task`` as
+    :func:`argument_sources` and :func:`task_block` read them."""
+    decoding = {name: getattr(args, name) for name in decoding_options() if getattr(args, name) is not None}
+    plain = {name: getattr(args, name) for name in _PLAIN}
+    return {**plain, **decoding, "instruction": instruction, "caches": caches, "task": task,
+            "model_name": model_name, "progress": not args.quiet}  # fmt: skip
