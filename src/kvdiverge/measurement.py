@@ -470,18 +470,9 @@ def measure(
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
+    given = (opts.max_new_tokens, opts.replicates, opts.instruction, opts.system)
     frontier = (opts.ratios, opts.budgets, opts.caches, opts.cache_ratios)
-    documents, sources, grid = measure_inputs(
-        model,
-        tokenizer,
-        prompts,
-        presses,
-        opts.max_new_tokens,
-        opts.replicates,
-        opts.instruction,
-        opts.system,
-        *frontier,
-    )
+    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, *given, *frontier)
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents
