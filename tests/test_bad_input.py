@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvdiverge import cli
+from kvdiverge.study import arguments
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_a_failure_at_run_time_is_one_line_exit_1_and_debug_shows_the_traceback(
     def broken(*args, **kwargs):
         raise RuntimeError("something inside broke")
 
-    monkeypatch.setattr(cli, "prepare_presses", broken)  # the command line builds its presses before the model
+    monkeypatch.setattr(arguments, "prepare_presses", broken)  # the command line builds its presses before the model
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress"]
     assert run(argv) == 1  # not a usage error: the input did not decide it
     assert error_line(capsys) == "RuntimeError: something inside broke (rerun with --debug for the traceback)"
@@ -560,7 +561,7 @@ def test_a_memory_error_exits_1_and_ctrl_c_exits_130_in_one_line(prompts, monkey
         def broken(*args, exc=exc, **kwargs):
             raise exc
 
-        monkeypatch.setattr(cli, "prepare_presses", broken)
+        monkeypatch.setattr(arguments, "prepare_presses", broken)
         assert run(argv) == code
         err = capsys.readouterr().err
         assert err == f"kvdiverge measure: {'error: ' if code == 1 else ''}{line}\n"  # one line, no traceback
