@@ -23,6 +23,7 @@ import pytest
 import yaml
 from conftest import run_main
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import (
     FrontierPoint,
     common_range,
@@ -227,7 +228,7 @@ def test_frontier_tables_areas_and_ranking_exactly():
     P = {"a": [0.4, 0.8, 1.0], "b": [0.2, 0.6, 0.9]}
     values = {f"{k}@{r:g}": (P[k][i], E[k][i]) for k in "ab" for i, r in enumerate([0.1, 0.5, 0.75])}
     values["noise-floor"] = (0.0, 0.0)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1))
     area = {"a": 0.4 * (0.1 + 0.3) / 2 + 0.25 * (0.3 + 0.6) / 2, "b": 0.4 * (0.05 + 0.2) / 2 + 0.25 * (0.2 + 0.4) / 2}
     assert areas["press"].to_list() == ["b", "a"] and areas["rank"].to_list() == [1, 2]
     for r in areas.iter_rows(named=True):
@@ -253,7 +254,7 @@ def test_frontier_tables_areas_and_ranking_exactly():
     # one ratio set for every press: the mean over the common range is the area over the span (0.9 - 0.25
     # in retention), so the ranking is the area's; in bytes (kv_sizes) the same means on 0.25..0.9 x 100 x 4
     for sizes in (None, {"m": {"elements_per_token": 100, "element_bytes": 4}}):
-        _, by_bytes = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=sizes)
+        _, by_bytes = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1), kv_sizes=sizes)
         assert by_bytes["curve"].to_list() == ["b", "a"] and by_bytes["covers_range"].all()
         for r in by_bytes.iter_rows(named=True):
             assert r["mean_E_M"] == pytest.approx(area[r["press"]] / 0.65, abs=1e-12)
@@ -277,7 +278,7 @@ def test_frontier_is_paired_and_knows_the_floor():
         (4 * pl.col("E_M") - pl.col("p_div")).alias("E_N_post"),
         pl.concat_list([pl.col("p_div"), pl.lit(0.0), pl.lit(0.0), pl.lit(0.0)]).alias("f"),
     )
-    points, areas = frontier_tables(docs, grid, "noise-floor", 400, 0.9, seed=3)
+    points, areas = frontier_tables(docs, grid, "noise-floor", Bootstrap(400, 0.9, 3))
     assert (points["p_div_lo"] < points["p_div"]).all() and (points["p_div"] < points["p_div_hi"]).all()
     assert points["above_floor"].all()
     assert areas["first_ratio_above_floor"][0] == 0.25 and areas["above_floor_everywhere"][0]
@@ -286,9 +287,7 @@ def test_frontier_is_paired_and_knows_the_floor():
             docs.filter(~((pl.col("policy") == "a@0.5") & (pl.col("doc_id") == "d2"))),
             grid,
             "noise-floor",
-            10,
-            0.9,
-            seed=3,
+            Bootstrap(10, 0.9, 3),
         )
 
 
@@ -299,7 +298,7 @@ def test_frontier_figure_is_written(tmp_path):
     grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75], [32])
     values = {p.policy: (0.3 + 0.5 * (p.compression_ratio or 0.4), 0.1 + (p.press == "b") * 0.1) for p in grid}
     values["noise-floor"] = (1e-4, 1e-5)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 0))
     plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "frontier.pdf").read_bytes()[:4] == b"%PDF"
@@ -437,8 +436,8 @@ def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
     E = {"a@0.75": 0.2, "a@0.875": 0.6, "b@0.75": 0.1, "b@0.875": 0.8, "q4": 0.3, "a@0.5+q4": 0.7, "b@0.5+q4": 0.5}
     values = {k: (e + 0.1, e) for k, e in E.items()} | {"noise-floor": (0.0, 0.0)}
     with pytest.raises(ValueError, match=r"quantized-cache points need kv_sizes\['m'\]"):
-        frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=SIZES)
+        frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 1))
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1), kv_sizes=SIZES)
     by = {r["policy"]: r for r in points.iter_rows(named=True)}
     assert {p: by[p]["kv_bytes_per_token"] for p in E} == {
         "a@0.75": 100.0,
@@ -476,7 +475,7 @@ def test_a_curve_off_the_common_range_is_reported_not_dropped():
     range is common to all; the two presses share the wider one and rank first, the rest follow in grid order."""
     grid = frontier_grid(["a", "b"], [0.5, 0.75], caches={"q4": Q4}, cache_ratios=[0, 0.5])
     values = {p.policy: (0.5, 0.3) for p in grid} | {"a@0.5": (0.3, 0.1), "noise-floor": (0.0, 0.0)}
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1, kv_sizes=SIZES)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 1), kv_sizes=SIZES)
     assert areas["curve"].to_list() == ["a", "b", "q4", "a+q4", "b+q4"]
     assert areas["covers_range"].to_list() == [True, True, False, False, False]
     assert (areas["range_lo"] == 100.0).all() and (areas["range_hi"] == 200.0).all()
@@ -493,7 +492,7 @@ def test_quantized_frontier_text_page_and_figure(tmp_path):
 
     grid = frontier_grid(["a", "b"], [0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5])
     values = {p.policy: (0.5, 0.2 + 0.1 * (p.press == "b")) for p in grid} | {"noise-floor": (1e-4, 1e-5)}
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0, kv_sizes=SIZES)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 0), kv_sizes=SIZES)
     text = frontier_text(points, areas)
     assert "KV bytes per prompt token common to 4 of 5 curves (50-62.5;" in text.splitlines()[0]
     rows = {line.split()[2]: line for line in text.splitlines()[3:]}

@@ -32,6 +32,7 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.report.formatting import frontier_text, summary_text
 from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, is_noise_floor, measure_inputs, measure_settings, model_label
 
@@ -125,10 +126,7 @@ class Measurement:
         (:func:`kvdiverge.estimation.speculative.speculative_table`)."""
         from kvdiverge.estimation.speculative import speculative_table
 
-        s = self.settings
-        return self._memo(
-            "speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
-        )
+        return self._memo("speculative", lambda: speculative_table(self.documents, Bootstrap.of(self.settings)))
 
     @property
     def drift_replicates(self) -> pl.DataFrame:
@@ -146,10 +144,7 @@ class Measurement:
         difference, with document-bootstrap intervals (:func:`kvdiverge.estimation.drift.drift_table`)."""
         from kvdiverge.estimation.drift import drift_table
 
-        s = self.settings
-        return self._memo(
-            "drift", lambda: drift_table(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
-        )
+        return self._memo("drift", lambda: drift_table(self.drift_replicates, Bootstrap.of(self.settings)))
 
     @property
     def length_survival(self) -> pl.DataFrame:
@@ -263,8 +258,7 @@ class Measurement:
         def compute():
             points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
             teacher = None if self.teacher_forced is None else self.teacher_forced.table
-            s = self.settings
-            ratios = length_ratios(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
+            ratios = length_ratios(self.drift_replicates, Bootstrap.of(self.settings))
             return with_drift_columns(with_teacher_columns(points, teacher), ratios), areas
 
         return self._memo("frontier", compute)
@@ -330,13 +324,10 @@ def _task_tables(result: Measurement, table, tokenizer, task):
     from kvdiverge.study.tasks.tables import TaskTableOptions, task_tables
 
     entry, _ = task_settings({"name": task} if isinstance(task, str) else task)
-    s = result.settings
     options = TaskTableOptions(
         controls=[result.noise_floor] if result.noise_floor else [],
         floor=result.noise_floor,
-        n_boot=s["bootstrap"],
-        confidence=s["confidence"],
-        seed=s["seed"],
+        boot=Bootstrap.of(result.settings),
     )
     return task_tables(result.trajectories, result.documents, table, tokenizer, entry.score, options=options)
 
@@ -401,7 +392,7 @@ def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, 
     from kvdiverge.estimation import tables
 
     reps, docs = tables.estimate(runs.trajectories, settings["window"], windows)
-    pooled = tables.pool(docs, settings["bootstrap"], settings["confidence"], settings["seed"])
+    pooled = tables.pool(docs, Bootstrap.of(settings))
     floors = _floors(sources)
     return Measurement(
         trajectories=runs.trajectories,

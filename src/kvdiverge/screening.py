@@ -25,6 +25,8 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
+
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
 
@@ -77,11 +79,12 @@ class Screen:
         return files
 
 
-def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, bootstrap: int, confidence: float, seed: int):
-    """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`)."""
+def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, boot: Bootstrap):
+    """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`), with the
+    intervals of ``boot`` (:class:`kvdiverge.estimation.bootstrap.Bootstrap`)."""
     from kvdiverge.estimation.teacher_forced import document_table, summary_table
 
-    table = summary_table(positions, floor=floor, n_boot=int(bootstrap), confidence=float(confidence), seed=int(seed))
+    table = summary_table(positions, floor=floor, boot=boot)
     return document_table(positions), table
 
 
@@ -223,8 +226,8 @@ def run_screen(model, documents, sources, sampling, forcing, options: Mapping[st
     )
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
     floor = floors[0] if floors else None
-    boot, conf = int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95))
-    docs, table = teacher_forced_tables(positions, floor, boot, conf, sampling.seed)
+    boot = Bootstrap(int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95)), sampling.seed)
+    docs, table = teacher_forced_tables(positions, floor, boot)
     settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed}
-    settings.update(bootstrap=boot, confidence=conf, presses=list(sources), noise_floor=floor)
+    settings.update(bootstrap=boot.n_boot, confidence=boot.confidence, presses=list(sources), noise_floor=floor)
     return Screen(positions, docs, table, settings)

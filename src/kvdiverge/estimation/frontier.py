@@ -44,13 +44,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import (
-    interval_columns,
-    percentile_interval,
-    put_interval,
-    resample_counts,
-    resample_indices,
-)
+from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, put_interval, resample_counts
 from kvdiverge.estimation.decomposition import check_decomposition
 from kvdiverge.estimation.numeric import safe_divide
 
@@ -418,10 +412,10 @@ def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float
 
 
 def _with_intervals(
-    row: dict[str, Any], point: Mapping[str, float], boot: Mapping[str, np.ndarray], confidence: float, prefix: str = ""
+    row: dict[str, Any], point: Mapping[str, float], resampled: Mapping[str, np.ndarray], boot: Bootstrap, prefix=""
 ) -> None:
     for m in POINT_METRICS:
-        lo, hi = percentile_interval(boot[m], confidence)
+        lo, hi = boot.interval(resampled[m])
         put_interval(row, prefix + m, point[m], lo, hi)
 
 
@@ -562,9 +556,7 @@ def frontier_tables(
     docs: pl.DataFrame,
     grid: Sequence[FrontierPoint | Mapping[str, Any]],
     floor: str | None,
-    n_boot: int,
-    confidence: float,
-    seed: int,
+    boot: Bootstrap,
     split: str | None = None,
     kv_sizes: Mapping[str, Mapping[str, float]] | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -583,12 +575,9 @@ def frontier_tables(
     floor : str or None
         The noise-floor policy (``PermutationPress``); None: floor columns null and
         ``above_floor`` false.
-    n_boot : int
-        Bootstrap resamples.
-    confidence : float
-        Interval coverage in (0, 1).
-    seed : int
-        Master seed (the resamples derive from it, the model and the split).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap (the resamples derive from its seed, the model and
+        the split).
     split : str, optional
         The frontier's split; default the only split of the grid's rows in ``docs``.
     kv_sizes : mapping, optional
@@ -654,26 +643,15 @@ def frontier_tables(
     fl_rows = docs.filter((pl.col("policy") == floor) & (pl.col("split") == split)) if floor else docs.clear()
     above = {}
     if floor and fl_rows.height:
-        cmp = floor_comparison(pl.concat([rows, fl_rows], how="diagonal_relaxed"), floor, n_boot, confidence, seed)
+        cmp = floor_comparison(pl.concat([rows, fl_rows], how="diagonal_relaxed"), floor, boot)
         above = {
             (r["model"], r["policy"]): (r["above_floor_p_div"], r["above_floor_E_N"]) for r in cmp.iter_rows(named=True)
         }
     points, areas = [], []
     for model in rows["model"].unique(maintain_order=True).to_list():
+        beside = _Floor(floor, fl_rows.filter(pl.col("model") == model), above)
         sizes = (kv_sizes or {}).get(model)
-        p, a = _model_frontier(
-            rows.filter(pl.col("model") == model),
-            fl_rows.filter(pl.col("model") == model),
-            grid,
-            model,
-            split,
-            floor,
-            above,
-            n_boot,
-            confidence,
-            seed,
-            sizes,
-        )
+        p, a = _model_frontier(rows.filter(pl.col("model") == model), grid, beside, model, split, boot, sizes)
         points += p
         areas += a
     return (
@@ -699,14 +677,17 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
     return first
 
 
-def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, split: str, n: int, T: int):
-    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa."""
+def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any], sizes):
+    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa.
+
+    ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``sizes``: its KV sizes or None.
+    """
     kept = float((g["kept_len"] / g["prompt_len"]).mean())
     retention = 1.0 - p.compression_ratio if p.budget is None else kept
     on = [label for label, c in curves.items() if p.policy in c["policies"]]
     r = {
-        "model": model,
-        "split": split,
+        "model": head["model"],
+        "split": head["split"],
         "press": p.press,
         "cache": p.cache,
         "curve": p.curve,
@@ -716,8 +697,8 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, spl
         "budget": p.budget,
         "retention": retention,
         "kept_fraction": kept,
-        "n_docs": n,
-        "T": T,
+        "n_docs": head["n_docs"],
+        "T": head["T"],
     }
     if sizes is None:
         return r, retention
@@ -727,19 +708,21 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, spl
     return r, r["kv_bytes_per_token"]
 
 
-def _model_frontier(
-    rows: pl.DataFrame,
-    fl_rows: pl.DataFrame,
-    grid,
-    model: str,
-    split: str,
-    floor,
-    above,
-    n_boot: int,
-    confidence: float,
-    seed: int,
-    sizes=None,
-):
+@dataclass(frozen=True)
+class _Floor:
+    """The noise floor beside one model's frontier (internal).
+
+    ``name``: its policy, or None; ``rows``: its per-document estimates on the model and
+    split; ``above``: ``(model, policy)`` -> whether the point lies above the floor in
+    ``p_div`` and in ``E_N`` (:func:`kvdiverge.estimation.analysis.floor_comparison`).
+    """
+
+    name: str | None
+    rows: pl.DataFrame
+    above: Mapping[tuple[str, str], tuple[bool, bool]]
+
+
+def _model_frontier(rows: pl.DataFrame, grid, floor: _Floor, model: str, split: str, boot: Bootstrap, sizes=None):
     """Per-point rows and per-curve rows of one model (see :func:`frontier_tables`)."""
     if sizes is None and any(p.cache is not None for p in grid):
         raise ValueError(
@@ -748,35 +731,33 @@ def _model_frontier(
         )
     first = _shared_documents(rows, grid, model, split)
     T, n = int(rows["T"][0]), len(first)
-    counts = resample_counts(resample_indices(n, n_boot, seed, "frontier", model, split))
+    head = {"model": model, "split": split, "n_docs": n, "T": T}
+    counts = resample_counts(boot.indices(n, "frontier", model, split))
     curves = frontier_curves(grid)
-    out, boots, xs = [], {}, {}
+    out, resampled, xs = [], {}, {}
     for p in grid:
         g = rows.filter(pl.col("policy") == p.policy).sort("doc_id")
-        point, boot = _point(g, counts, T)
-        r, xs[p.policy] = _point_row(g, p, sizes, curves, model, split, n, T)
-        _with_intervals(r, point, boot, confidence)
-        ab = above.get((model, p.policy))
+        point, resampled[p.policy] = _point(g, counts, T)
+        r, xs[p.policy] = _point_row(g, p, curves, head, sizes)
+        _with_intervals(r, point, resampled[p.policy], boot)
+        ab = floor.above.get((model, p.policy))
         r.update(
-            floor=floor,
+            floor=floor.name,
             above_floor_p_div=bool(ab and ab[0]),
             above_floor_E_M=bool(ab and ab[1]),
             above_floor=bool(ab and ab[0] and ab[1]),
         )
         out.append(r)
-        boots[p.policy] = boot
-    fl = fl_rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
+    fl = floor.rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
     if fl.height:
         fl_counts = (
-            counts
-            if fl.height == n
-            else resample_counts(resample_indices(fl.height, n_boot, seed, "frontier-floor", model, split))
+            counts if fl.height == n else resample_counts(boot.indices(fl.height, "frontier-floor", model, split))
         )
-        fpoint, fboot = _point(fl, fl_counts, T)
+        fpoint, fresampled = _point(fl, fl_counts, T)
         for r in out:
-            _with_intervals(r, fpoint, fboot, confidence, prefix="floor_")
+            _with_intervals(r, fpoint, fresampled, boot, prefix="floor_")
             r["floor_n_docs"] = fl.height
-    areas = _areas(out, boots, xs, curves, model, split, n, T, confidence, sizes is not None, n_boot)
+    areas = _areas(out, resampled, xs, curves, head, boot, sizes is not None)
     rank = {a["curve"]: a["rank"] for a in areas}
     for r in out:
         r["rank"] = rank.get(r["curve"])
@@ -784,40 +765,44 @@ def _model_frontier(
     return out, areas
 
 
-def _curve_values(pts, boots, x, lo, hi, metric, n_boot):
-    """``(value, resamples)`` of the curve's mean over ``[lo, hi]`` (None: NaN) and of its area over
-    the ratios (``pts`` in the order of ``x``)."""
-    nan = (np.float64(np.nan), np.full(n_boot, np.nan))
+def _curve_values(pts, resampled, x, span, metric, boot: Bootstrap):
+    """``(value, resamples)`` of the curve's mean over ``span = (lo, hi)`` (None: NaN) and of its area
+    over the ratios (``pts`` in the order of ``x``; ``resampled``: policy -> metric -> resamples)."""
+    nan = (np.float64(np.nan), np.full(boot.n_boot, np.nan))
     if not pts:
         return {"mean": nan, "area": nan}
     y = np.array([r[metric] for r in pts])
-    yb = np.column_stack([boots[r["policy"]][metric] for r in pts])
+    yb = np.column_stack([resampled[r["policy"]][metric] for r in pts])
     order = np.argsort([r["compression_ratio"] for r in pts])
     ratios = np.array([pts[i]["compression_ratio"] for i in order])
-    mean = nan if lo is None else (range_mean(x, y, lo, hi), range_mean(x, yb, lo, hi))
+    mean = nan if span is None else (range_mean(x, y, *span), range_mean(x, yb, *span))
     return {"mean": mean, "area": (trapezoid_area(ratios, y[order]), trapezoid_area(ratios, yb[:, order]))}
 
 
-def _with_differences(rows, values, confidence):
+def _with_differences(rows, values, boot: Bootstrap):
     """``mean_*``, ``area_*`` with intervals, and their paired differences from the rank-1 curve."""
     best = rows[0]
     for r in rows:
         for m in ("E_M", "p_div"):
             for kind in ("mean", "area"):
-                val, boot = values[r["curve"]][m][kind]
-                bval, bboot = values[best["curve"]][m][kind]
-                lo, hi = percentile_interval(boot, confidence)
+                val, samples = values[r["curve"]][m][kind]
+                bval, bsamples = values[best["curve"]][m][kind]
+                lo, hi = boot.interval(samples)
                 put_interval(r, f"{kind}_{m}", val, lo, hi)
                 comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
-                dlo, dhi = percentile_interval(boot - bboot, confidence) if comparable else (math.nan, math.nan)
+                dlo, dhi = boot.interval(samples - bsamples) if comparable else (math.nan, math.nan)
                 r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan
                 r[f"diff_best_{kind}_{m}_lo"], r[f"diff_best_{kind}_{m}_hi"] = float(dlo), float(dhi)
     for r in rows:
         del r["_ratios"]
 
 
-def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: bool, n_boot: int):
-    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`)."""
+def _areas(points, resampled, xs, curves, head: Mapping[str, Any], boot: Bootstrap, in_bytes: bool):
+    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`).
+
+    ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``in_bytes``: the abscissae ``xs``
+    are KV bytes per prompt token (else retention).
+    """
     by_policy = {r["policy"]: r for r in points}
     members = {
         label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
@@ -830,21 +815,20 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     for label, pts in members.items():
         x = np.array([xs[r["policy"]] for r in pts])
         inside = label in covering
-        values[label] = {
-            m: _curve_values(pts, boots, x, lo if inside else None, hi, m, n_boot) for m in ("E_M", "p_div")
-        }
+        span = (lo, hi) if inside else None
+        values[label] = {m: _curve_values(pts, resampled, x, span, m, boot) for m in ("E_M", "p_div")}
         ratios = sorted(r["compression_ratio"] for r in pts)
         above = [r["compression_ratio"] for r in pts if r["above_floor"]]
         rows.append(
             {
-                "model": model,
-                "split": split,
+                "model": head["model"],
+                "split": head["split"],
                 "curve": label,
                 "press": curves[label]["press"],
                 "cache": curves[label]["cache"],
                 "covers_range": inside,
-                "n_docs": n,
-                "T": T,
+                "n_docs": head["n_docs"],
+                "T": head["T"],
                 "n_ratios": len(pts),
                 "ratio_min": ratios[0] if pts else math.nan,
                 "ratio_max": ratios[-1] if pts else math.nan,
@@ -870,7 +854,7 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     for i, r in enumerate(rows, start=1):
         r["rank"] = i
     if rows:
-        _with_differences(rows, values, confidence)
+        _with_differences(rows, values, boot)
     return rows
 
 
@@ -890,6 +874,4 @@ def measured_frontier(
     if not grid:
         raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
     s = settings
-    return frontier_tables(
-        docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"], kv_sizes=s.get("kv_sizes")
-    )
+    return frontier_tables(docs, grid, floor, Bootstrap.of(s), split=s["split"], kv_sizes=s.get("kv_sizes"))
