@@ -236,13 +236,15 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
         A bad press, cache or ratio, or a press that refuses its parameters.
     """
     from kvdiverge.engine.presses.expressions import policy_entry
+    from kvdiverge.estimation.frontier import FrontierSpec
 
     caches = None
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
         presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
         caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
         try:
-            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+            spec = FrontierSpec(args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+            expanded, _ = frontier_presses(presses, spec)
         except ValueError as exc:
             text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
             raise InputError(

@@ -33,6 +33,7 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.report.formatting import frontier_text, summary_text
 from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, is_noise_floor, measure_inputs, measure_settings, model_label
 
@@ -567,9 +568,8 @@ def measure(
     T, R = _horizon(given, {"batch_documents": batch_documents, "teacher_tokens": teacher_tokens})
     task_docs = _task_inputs(task, prompts, tokenizer, T, temperature, {"system": system, "seed": seed, "split": split})
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
-    documents, sources, grid = measure_inputs(
-        model, tokenizer, prompts, presses, T, R, instruction, system, ratios, budgets, caches, cache_ratios
-    )
+    frontier = FrontierSpec(ratios, budgets, caches, cache_ratios)
+    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, T, R, instruction, system, frontier)
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents

@@ -26,6 +26,7 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.frontier import FrontierSpec
 
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
@@ -133,7 +134,7 @@ def screen(
     presses,
     *,
     continuations: Mapping[str, Sequence[int]] | None = None,
-    frontier: Mapping[str, Any] | None = None,
+    frontier: FrontierSpec | Mapping[str, Any] | None = None,
     options: ScreenOptions | Mapping[str, Any] | None = None,
 ) -> Screen:
     """Run only the teacher-forced pass of ``presses`` on ``prompts``.
@@ -145,8 +146,9 @@ def screen(
     continuations : mapping of str to sequence of int, optional
         Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
         without one get the full-cache model's greedy continuation.
-    frontier : mapping, optional
-        ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`.
+    frontier : kvdiverge.estimation.frontier.FrontierSpec or mapping, optional
+        ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`
+        (a mapping gives them by name, :meth:`kvdiverge.estimation.frontier.FrontierSpec.of`).
     options : ScreenOptions or mapping, optional
         Length, seed, prompt rendering, bootstrap and forward settings (:class:`ScreenOptions`;
         a mapping gives its fields by name); None: the defaults.
@@ -168,12 +170,10 @@ def screen(
     from kvdiverge.study.inputs import measure_inputs, model_label
 
     opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
-    grid = dict(frontier or {})
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
     documents, sources, _ = measure_inputs(  # a prompt needs room for 1 token: the continuation is cut to fit
-        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system,
-        grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
-    )  # fmt: skip
+        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system, FrontierSpec.of(frontier)
+    )
     name = opt.model_name or model_label(model)
     sampling = Sampling(T=forcing.length, replicates=1, temperature=1.0, seed=int(opt.seed), model_name=name)
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))

@@ -5,7 +5,8 @@ token budgets), and optionally quantized KV caches alone and after each press, o
 documents with common random numbers. Each point is an ordinary policy named
 ``<press>@<ratio>`` (``snapkv@0.5``), ``<press>@b<budget>`` (``snapkv@b128``), ``<cache>``
 (a quantized cache alone, ``int4``) or ``<press>@<ratio>+<cache>`` (evict, then quantize
-what is kept: ``snapkv@0.5+int4``): :func:`frontier_grid` makes the names, the config
+what is kept: ``snapkv@0.5+int4``): :func:`frontier_grid` makes the names from the presses and
+a :class:`FrontierSpec` (the ratios, budgets, caches and cache ratios), the config
 (:func:`kvdiverge.study.config.expand_frontier`), the command line and
 :func:`kvdiverge.measure` expand through it.
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -51,6 +52,7 @@ from kvdiverge.estimation.numeric import safe_divide
 __all__ = [
     "POINT_METRICS",
     "FrontierPoint",
+    "FrontierSpec",
     "common_range",
     "frontier_curves",
     "frontier_grid",
@@ -153,6 +155,52 @@ class FrontierPoint:
         return self.cache if self.press is None else f"{self.press}+{self.cache}"
 
 
+@dataclass(frozen=True)
+class FrontierSpec:
+    """What a frontier varies besides its presses: ratios, budgets, quantized caches, ratios before a cache.
+
+    Holds the values as given (the containers as tuples and a dict); :func:`frontier_problems`
+    checks them, :func:`frontier_grid` expands them into points.
+
+    Parameters
+    ----------
+    ratios : sequence of float
+        Compression ratios, fractions of prompt positions evicted, in ``[0, 1)`` (config
+        ``frontier.ratios``).
+    budgets : sequence of int
+        Fixed numbers of prompt positions kept (tokens), ``>= 1``; full precision only
+        (``frontier.budgets``).
+    caches : mapping of str to mapping
+        Quantized caches by label (``frontier.caches``): ``backend``, ``nbits``,
+        ``q_group_size`` (and ``residual_length``); a label's settings may be None where only
+        the labels are checked.
+    cache_ratios : sequence of float or None
+        Ratios of the press before each cache, in ``[0, 1)``; 0 is the cache alone
+        (``frontier.cache_ratios``). None: 0 and every ratio of ``ratios``.
+    """
+
+    ratios: Sequence[Any] = ()
+    budgets: Sequence[Any] = ()
+    caches: Mapping[str, Any] = field(default_factory=dict)
+    cache_ratios: Sequence[Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratios", tuple(() if self.ratios is None else self.ratios))
+        object.__setattr__(self, "budgets", tuple(() if self.budgets is None else self.budgets))
+        object.__setattr__(self, "caches", dict(self.caches or {}))
+        if self.cache_ratios is not None:
+            object.__setattr__(self, "cache_ratios", tuple(self.cache_ratios))
+
+    @classmethod
+    def of(cls, block: FrontierSpec | Mapping[str, Any] | None) -> FrontierSpec:
+        """``block`` itself, or the spec of a config's ``frontier`` section or a mapping of the fields
+        (other keys, such as ``presses`` and ``split``, ignored); None or empty: no ratio, budget or cache."""
+        if isinstance(block, cls):
+            return block
+        block = block or {}
+        return cls(*(block.get(k) for k in ("ratios", "budgets", "caches", "cache_ratios")))
+
+
 def _ratio_problem(key: str, r: Any) -> str | None:
     if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
         return f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)"
@@ -160,12 +208,7 @@ def _ratio_problem(key: str, r: Any) -> str | None:
 
 
 def frontier_problems(
-    presses: Iterable[str],
-    ratios: Sequence[Any] = (),
-    budgets: Sequence[Any] = (),
-    caches: Mapping[str, Any] | None = None,
-    cache_ratios: Sequence[Any] | None = None,
-    policies: Iterable[str] = (),
+    presses: Iterable[str], spec: FrontierSpec = FrontierSpec(), policies: Iterable[str] = ()
 ) -> list[str]:
     """What is wrong with a frontier's labels and values, one sentence each: the one check every door uses.
 
@@ -177,13 +220,11 @@ def frontier_problems(
     ----------
     presses : iterable of str
         Press labels: no ``@`` or ``+`` (reserved for the points' names).
-    ratios, cache_ratios : sequence
-        Compression ratios, numbers in ``[0, 1)``.
-    budgets : sequence
-        Prompt positions kept, integers ``>= 1``.
-    caches : mapping, optional
-        Cache label -> settings: no ``@`` or ``+`` in a label, no label equal to a press
-        label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not checked).
+    spec : FrontierSpec
+        Its ``ratios`` and ``cache_ratios`` must be numbers in ``[0, 1)``, its ``budgets``
+        integers ``>= 1``; its ``caches``: no ``@`` or ``+`` in a label, no label equal to a
+        press label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not
+        checked).
     policies : iterable of str
         Names of the other policies beside the frontier (a config's own): no ``@``.
 
@@ -192,7 +233,7 @@ def frontier_problems(
     list of str
         Empty when the frontier is well formed.
     """
-    presses, caches = [str(p) for p in presses], dict(caches or {})
+    presses, caches = [str(p) for p in presses], spec.caches
     problems = [
         f"press {p!r}: {mark!r} in a press name is reserved for the frontier's {form} names; rename it"
         for p in presses
@@ -201,13 +242,13 @@ def frontier_problems(
     ]
     problems += [
         q
-        for key, rs in (("ratios", ratios), ("cache_ratios", cache_ratios or ()))
+        for key, rs in (("ratios", spec.ratios), ("cache_ratios", spec.cache_ratios or ()))
         for r in rs
         if (q := _ratio_problem(key, r))
     ]
     problems += [
         f"budgets: {b!r} is not a number of tokens; allowed: integers >= 1"
-        for b in budgets
+        for b in spec.budgets
         if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
     ]
     for c, settings in caches.items():
@@ -229,29 +270,17 @@ def frontier_problems(
     return problems
 
 
-def frontier_grid(
-    presses: Iterable[str],
-    ratios: Sequence[float] = (),
-    budgets: Sequence[int] = (),
-    caches: Mapping[str, Mapping[str, Any]] | None = None,
-    cache_ratios: Sequence[float] | None = None,
-) -> list[FrontierPoint]:
+def frontier_grid(presses: Iterable[str], spec: FrontierSpec) -> list[FrontierPoint]:
     """Every frontier point: each press at each ratio and budget, then each cache alone and after each press.
 
     Parameters
     ----------
     presses : iterable of str
         Press labels (config ``frontier.presses`` keys).
-    ratios : sequence of float
-        Compression ratios, fractions of prompt positions evicted, in ``[0, 1)``.
-    budgets : sequence of int
-        Fixed numbers of prompt positions kept (tokens), ``>= 1``; full precision only.
-    caches : mapping of str to mapping, optional
-        Quantized caches by label (config ``frontier.caches``): ``backend``, ``nbits``,
-        ``q_group_size`` (and ``residual_length``), complete.
-    cache_ratios : sequence of float, optional
-        Ratios of the press before each cache; 0 is the cache alone (one point per cache,
-        whatever the press). Default: 0 and every ratio of ``ratios``.
+    spec : FrontierSpec
+        The ratios, budgets, quantized caches (their settings complete) and ratios before
+        each cache; a cache ratio of 0 is the cache alone (one point per cache, whatever
+        the press).
 
     Returns
     -------
@@ -266,16 +295,16 @@ def frontier_grid(
     ValueError
         The first of :func:`frontier_problems`, or two points with the same name.
     """
-    presses, caches = list(presses), dict(caches or {})
-    problems = frontier_problems(presses, ratios, budgets, caches, cache_ratios)
+    presses = list(presses)
+    problems = frontier_problems(presses, spec)
     if problems:
         raise ValueError(problems[0])
-    cache_ratios = [0.0, *ratios] if cache_ratios is None else list(cache_ratios)
+    cache_ratios = (0.0, *spec.ratios) if spec.cache_ratios is None else spec.cache_ratios
     out: list[FrontierPoint] = []
     for press in presses:
-        out += [FrontierPoint(frontier_name(press, ratio=r), press, float(r)) for r in ratios]
-        out += [FrontierPoint(frontier_name(press, budget=b), press, None, int(b)) for b in budgets]
-    for cache, settings in caches.items():
+        out += [FrontierPoint(frontier_name(press, ratio=r), press, float(r)) for r in spec.ratios]
+        out += [FrontierPoint(frontier_name(press, budget=b), press, None, int(b)) for b in spec.budgets]
+    for cache, settings in spec.caches.items():
         if any(float(r) == 0 for r in cache_ratios):
             out.append(FrontierPoint(frontier_name(None, cache=cache), None, 0.0, None, cache, dict(settings)))
         out += [
