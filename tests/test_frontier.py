@@ -440,6 +440,8 @@ def test_frontier_spec_holds_a_section_as_given():
     assert FrontierSpec([True]).ratios == (True,)
     with pytest.raises(ValueError, match="^ratios: True is not a compression ratio"):
         frontier_grid(["a"], FrontierSpec([True]))
+    with pytest.raises(ValueError, match=r"^caches must map a label to a quantized cache's settings .* got list$"):
+        frontier_grid(["a"], FrontierSpec([0.5], caches=["int4"]))
 
 
 def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():

@@ -159,8 +159,8 @@ class FrontierPoint:
 class FrontierSpec:
     """What a frontier varies besides its presses: ratios, budgets, quantized caches, ratios before a cache.
 
-    Holds the values as given (the containers as tuples and a dict); :func:`frontier_problems`
-    checks them, :func:`frontier_grid` expands them into points.
+    Holds the values as given (the sequences as tuples, a mapping of caches as a dict, None as
+    empty); :func:`frontier_problems` checks them, :func:`frontier_grid` expands them into points.
 
     Parameters
     ----------
@@ -187,7 +187,8 @@ class FrontierSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratios", tuple(() if self.ratios is None else self.ratios))
         object.__setattr__(self, "budgets", tuple(() if self.budgets is None else self.budgets))
-        object.__setattr__(self, "caches", dict(self.caches or {}))
+        caches = {} if self.caches is None else self.caches
+        object.__setattr__(self, "caches", dict(caches) if isinstance(caches, Mapping) else caches)
         if self.cache_ratios is not None:
             object.__setattr__(self, "cache_ratios", tuple(self.cache_ratios))
 
@@ -233,8 +234,14 @@ def frontier_problems(
     list of str
         Empty when the frontier is well formed.
     """
-    presses, caches = [str(p) for p in presses], spec.caches
-    problems = [
+    presses, caches, problems = [str(p) for p in presses], spec.caches, []
+    if not isinstance(caches, Mapping):
+        problems.append(
+            f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
+            f"got {type(caches).__name__}"
+        )
+        caches = {}
+    problems += [
         f"press {p!r}: {mark!r} in a press name is reserved for the frontier's {form} names; rename it"
         for p in presses
         for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>"))
