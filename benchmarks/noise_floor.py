@@ -33,6 +33,7 @@ from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.estimation.analysis import floor_comparison
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
 from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.study.config import SPLITS, floor_policy, load_config
@@ -118,7 +119,7 @@ def main() -> None:
             )
         del model
 
-    n_boot, conf, seed = config["analysis"]["bootstrap"], config["analysis"]["confidence"], config["seed"]
+    boot = Bootstrap(config["analysis"]["bootstrap"], config["analysis"]["confidence"], config["seed"])
     for dtype in args.dtypes:
         files = sorted((args.out / dtype).glob("*/*.parquet"))
         if not files:
@@ -126,8 +127,8 @@ def main() -> None:
         docs = document_estimates(
             replicate_estimates(pl.concat([pl.read_parquet(f) for f in files]), int(config["window"]))
         )
-        pooled = pooled_estimates(docs, n_boot, conf, seed).sort(["split", "policy"])
-        print(f"\n{dtype}: T = {T}, R = {R}, {int(conf * 100)}% document-bootstrap intervals")
+        pooled = pooled_estimates(docs, boot).sort(["split", "policy"])
+        print(f"\n{dtype}: T = {T}, R = {R}, {int(boot.confidence * 100)}% document-bootstrap intervals")
         for r in pooled.iter_rows(named=True):
             print(
                 f"  {r['policy']:12s} {r['split']:12s} docs {r['n_docs']:3d}  "
@@ -135,7 +136,7 @@ def main() -> None:
                 f"max TV {r['tv_max']:.3g}  p_div {r['p_div']:.3g} [{r['p_div_lo']:.3g}, {r['p_div_hi']:.3g}]  "
                 f"E[N] {r['E_N']:.3g} [{r['E_N_lo']:.3g}, {r['E_N_hi']:.3g}]"
             )
-        for r in floor_comparison(docs, floor, n_boot, conf, seed).sort(["split", "policy"]).iter_rows(named=True):
+        for r in floor_comparison(docs, floor, boot).sort(["split", "policy"]).iter_rows(named=True):
             print(
                 f"  {r['policy']:12s} {r['split']:12s} minus floor: "
                 f"p_div {r['diff_p_div']:.3g} [{r['diff_p_div_lo']:.3g}, {r['diff_p_div_hi']:.3g}]  "

@@ -42,6 +42,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_policies
 from kvdiverge.estimation import tables
 from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import summary_table
 from kvdiverge.study.config import floor_policy, load_config
 from kvdiverge.study.corpus import build_corpus
@@ -92,7 +93,7 @@ def coupled(config, loaded) -> tuple[pl.DataFrame, tuple[float, float]]:
     runs = run_policies(model, docs, policies, sampling, split="screen")
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
     _, per_doc = tables.estimate(runs.trajectories, int(config["window"]))
-    return tables.pool(per_doc, 200, 0.95, int(config["seed"]))["pooled"], seconds
+    return tables.pool(per_doc, Bootstrap(200, 0.95, int(config["seed"])))["pooled"], seconds
 
 
 def compare(teacher: pl.DataFrame, pooled: pl.DataFrame, floor: str | None, gap: int) -> tuple[pl.DataFrame, str]:
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     floor = floor_policy(config)
     positions, t_screen = screen(config, loaded, args.length)
     positions.write_parquet(out / "teacher_forced_positions.parquet")
-    teacher = summary_table(positions, floor=floor, n_boot=200, seed=int(config["seed"]))
+    teacher = summary_table(positions, floor=floor, boot=Bootstrap(200, seed=int(config["seed"])))
     save_table(teacher, str(out / "teacher_forced.parquet"), str(out / "teacher_forced.csv"))
     log.info("screen: %.1f s wall, %.1f s CPU, %d points x %d documents", *t_screen, len(loaded[5]), len(loaded[4]))
     pooled, t_coupled = coupled(config, loaded)

@@ -20,6 +20,7 @@ from kvdiverge.estimation.analysis import (
     timing_table,
     validate_plan,
 )
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
 from kvdiverge.report.pages import confirmatory_html, summary_html
 
@@ -37,23 +38,34 @@ PLAN = {
 # --------------------------------------------------------------------------- gaps
 
 
+def means(p, L, Np, N):
+    """A policy's pooled means, as :func:`gap_terms` reads them."""
+    return {"p_div": p, "E_L": L, "E_N_post": Np, "E_N": N}
+
+
 def test_gap_terms_sum_exactly_to_the_gap():
     rng = np.random.default_rng(0)
     for _ in range(200):
         pA, pB = rng.uniform(0, 1, 2)
         LA, LB = rng.uniform(0, 20, 2)
         NpA, NpB = LA * rng.uniform(0, 1), LB * rng.uniform(0, 1)
-        t = gap_terms(pA, LA, NpA, pA + NpA, pB, LB, NpB, pB + NpB)
+        t = gap_terms(means(pA, LA, NpA, pA + NpA), means(pB, LB, NpB, pB + NpB))
         assert t["first_mismatch"] + t["exposure"] + t["rate"] == pytest.approx(t["delta"], abs=1e-12)
     # by hand: A = (p .5, L 4, N_post 2), B = (p .25, L 2, N_post .5): rho_A = .5, rho_B = .25
-    t = gap_terms(0.5, 4.0, 2.0, 2.5, 0.25, 2.0, 0.5, 0.75)
+    t = gap_terms(means(0.5, 4.0, 2.0, 2.5), means(0.25, 2.0, 0.5, 0.75))
     assert t["delta"] == pytest.approx(1.75)
     assert t["first_mismatch"] == pytest.approx(0.25)
     assert t["exposure"] == pytest.approx(2 * 0.375)
     assert t["rate"] == pytest.approx(3 * 0.25)
     # no exposure at all (the none control): rho := 0, still exact
-    t = gap_terms(0.0, 0.0, 0.0, 0.0, 0.5, 2.0, 1.0, 1.5)
+    t = gap_terms(means(0.0, 0.0, 0.0, 0.0), means(0.5, 2.0, 1.0, 1.5))
     assert t["first_mismatch"] + t["exposure"] + t["rate"] == pytest.approx(-1.5)
+    # resamples: arrays elementwise, the same as the scalars one by one
+    arr = gap_terms(
+        means(np.array([0.5, 0.0]), np.array([4.0, 0.0]), np.array([2.0, 0.0]), np.array([2.5, 0.0])),
+        means(np.array([0.25, 0.5]), np.array([2.0, 2.0]), np.array([0.5, 1.0]), np.array([0.75, 1.5])),
+    )
+    assert arr["delta"].tolist() == pytest.approx([1.75, -1.5]) and arr["rate"][0] == pytest.approx(0.75)
 
 
 def doc_frame(policy, p, L, Np, split="exploratory", model="m", docs=None, T=10):
@@ -85,7 +97,7 @@ def test_gap_decomposition_is_paired_by_document():
     B = doc_frame("B", pB, LB, NpB)
     # shuffle B's rows: pairing must go by doc_id, not row order
     docs = pl.concat([A, B.sample(fraction=1.0, shuffle=True, seed=3)])
-    g = gap_decomposition(docs, "m", "A", "B", "exploratory", 2000, 0.95, seed=7)
+    g = gap_decomposition(docs, "m", "A", "B", "exploratory", Bootstrap(2000, 0.95, 7))
     t = {r["term"]: r for r in g.iter_rows(named=True)}
     assert t["delta"]["value"] == pytest.approx(0.6)
     assert t["delta"]["n_docs"] == n
@@ -109,11 +121,11 @@ def test_gap_decomposition_is_paired_by_document():
 def test_gap_decomposition_uses_shared_documents_only():
     A = doc_frame("A", [0.5, 0.4, 0.3], [2, 2, 2], [1, 1, 1], docs=["a", "b", "c"])
     B = doc_frame("B", [0.2, 0.2], [1, 1], [0.5, 0.5], docs=["b", "c"])
-    g = gap_decomposition(pl.concat([A, B]), "m", "A", "B", "exploratory", 100, 0.9, seed=1)
+    g = gap_decomposition(pl.concat([A, B]), "m", "A", "B", "exploratory", Bootstrap(100, 0.9, 1))
     assert set(g["n_docs"].to_list()) == {2}
     assert g.filter(pl.col("term") == "first_mismatch")["value"][0] == pytest.approx(0.35 - 0.2)
     with pytest.raises(ValueError, match="no per-document"):
-        gap_decomposition(pl.concat([A, B]), "m", "A", "C", "exploratory", 100, 0.9, seed=1)
+        gap_decomposition(pl.concat([A, B]), "m", "A", "C", "exploratory", Bootstrap(100, 0.9, 1))
 
 
 # --------------------------------------------------------------------------- confirmatory
@@ -178,7 +190,7 @@ def test_confirmatory_statistics_match_scipy_and_count_exclusions():
     pairs = [(0.1, 0.3), (0.2, 0.25), (0.3, 0.2), (0.1, 0.5), (0.2, 0.6), (0.15, 0.35), (0.1, None), (None, None)]
     other = [(0.3, 0.1), (0.2, 0.2), (0.4, 0.1), (0.3, 0.2), (0.2, 0.1)]
     docs = pl.concat([btv_docs(pairs, model="m1"), btv_docs(other, model="m2")])
-    res, per = confirmatory_analysis(docs, PLAN, "confirmatory", 1000, 0.95, seed=1)
+    res, per = confirmatory_analysis(docs, PLAN, "confirmatory", Bootstrap(1000, 0.95, 1))
     r1 = res.filter(pl.col("model") == "m1").row(0, named=True)
     r2 = res.filter(pl.col("model") == "m2").row(0, named=True)
     d1 = np.array([0.2, 0.05, -0.1, 0.4, 0.4, 0.2])
@@ -205,18 +217,22 @@ def test_confirmatory_statistics_match_scipy_and_count_exclusions():
 def test_confirmatory_refuses_exploratory_split_and_incomplete_plans():
     docs = btv_docs([(0.1, 0.3), (0.2, 0.4)])
     with pytest.raises(ValueError, match="refusing 'exploratory'"):
-        confirmatory_analysis(docs, PLAN, "exploratory", 100, 0.95, seed=1)
+        confirmatory_analysis(docs, PLAN, "exploratory", Bootstrap(100, 0.95, 1))
     with pytest.raises(ValueError, match="exploratory"):
-        confirmatory_analysis(btv_docs([(0.1, 0.3)], split="exploratory"), PLAN, "confirmatory", 100, 0.95, 1)
+        confirmatory_analysis(
+            btv_docs([(0.1, 0.3)], split="exploratory"), PLAN, "confirmatory", Bootstrap(100, 0.95, 1)
+        )
     incomplete = {k: v for k, v in PLAN.items() if k not in ("late", "alpha")}
     with pytest.raises(PlanError, match=r"\['late', 'alpha'\]"):
-        confirmatory_analysis(docs, incomplete, "confirmatory", 100, 0.95, seed=1)
+        confirmatory_analysis(docs, incomplete, "confirmatory", Bootstrap(100, 0.95, 1))
     with pytest.raises(ValueError, match="policy"):
-        confirmatory_analysis(docs, {**PLAN, "policy": "other"}, "confirmatory", 100, 0.95, seed=1)
+        confirmatory_analysis(docs, {**PLAN, "policy": "other"}, "confirmatory", Bootstrap(100, 0.95, 1))
 
 
 def test_confirmatory_with_no_document_reaching_a_window():
-    res, per = confirmatory_analysis(btv_docs([(None, None), (0.1, None)]), PLAN, "confirmatory", 100, 0.95, 1)
+    res, per = confirmatory_analysis(
+        btv_docs([(None, None), (0.1, None)]), PLAN, "confirmatory", Bootstrap(100, 0.95, 1)
+    )
     r = res.row(0, named=True)
     assert r["n_used"] == 0 and r["n_excluded"] == 2 and r["decision"] == "not tested"
     assert np.isnan(r["p_raw"])
@@ -232,8 +248,8 @@ def test_timing_summary_and_tables(tmp_path, kernel):
 
     frames = [simulate(TableKernelPair(kernel, 3), 5, 3, seed=4, doc_id=f"doc{i}") for i in range(4)]
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
-    pooled = pooled_estimates(docs, 100, 0.95, 1)
-    surv = survival_curve(docs, 100, 0.95, 1)
+    pooled = pooled_estimates(docs, Bootstrap(100, 0.95, 1))
+    surv = survival_curve(docs, Bootstrap(100, 0.95, 1))
     t = timing_table(pooled, surv)
     f = surv["f"].to_numpy()
     c = np.cumsum(f) / f.sum()
@@ -245,12 +261,10 @@ def test_timing_summary_and_tables(tmp_path, kernel):
         "A",
         "B",
         "synthetic",
-        50,
-        0.9,
-        1,
+        Bootstrap(50, 0.9, 1),
     )
     assert gaps.filter(pl.col("term") == "delta")["value"][0] == 0.0
-    conf, _ = confirmatory_analysis(btv_docs([(0.1, 0.3), (0.2, 0.4)]), PLAN, "confirmatory", 50, 0.95, 1)
+    conf, _ = confirmatory_analysis(btv_docs([(0.1, 0.3), (0.2, 0.4)]), PLAN, "confirmatory", Bootstrap(50, 0.95, 1))
     page = summary_html(pooled, gaps, conf, PLAN)
     assert plan_hash(PLAN) in page and "synthetic" in page and "not rejected" in page
     assert "[95% CI]" in page and "90%" not in page
@@ -290,7 +304,7 @@ def test_floor_comparison_is_paired_on_the_floor_documents():
     equal = floor_frame("B", fp, fN, ftv)  # the floor itself
     other = floor_frame("C", fp + 0.5, fN, ftv, split="confirmatory")  # no floor on that split
     docs = pl.concat([above.sample(fraction=1.0, shuffle=True, seed=2), floor, equal, other])
-    t = floor_comparison(docs, "noise-floor", 500, 0.95, seed=3)
+    t = floor_comparison(docs, "noise-floor", Bootstrap(500, 0.95, 3))
     assert sorted(t["policy"].to_list()) == ["A", "B"] and set(t["split"]) == {"exploratory"}
     a = t.filter(pl.col("policy") == "A").row(0, named=True)
     b = t.filter(pl.col("policy") == "B").row(0, named=True)
@@ -305,16 +319,16 @@ def test_floor_comparison_is_paired_on_the_floor_documents():
     assert a["p_div_lo"] <= a["p_div"] <= a["p_div_hi"]
     assert b["diff_p_div"] == 0.0 and not b["above_floor_p_div"] and not b["above_floor_E_N"]
     # no floor at all: an empty table with the same columns
-    empty = floor_comparison(equal, "noise-floor", 100, 0.95, seed=3)
+    empty = floor_comparison(equal, "noise-floor", Bootstrap(100, 0.95, 3))
     assert empty.height == 0 and "above_floor_E_N" in empty.columns
 
 
 def test_confirmatory_reports_the_floor_outside_the_family():
     pairs = [(0.1, 0.3), (0.2, 0.25), (0.3, 0.2), (0.1, 0.5), (0.2, 0.6)]
     floor_pairs = [(0.01, 0.02), (0.02, 0.01), (0.0, 0.03), (0.01, 0.01), (None, 0.02)]
-    plain, _ = confirmatory_analysis(btv_docs(pairs), PLAN, "confirmatory", 500, 0.95, seed=1)
+    plain, _ = confirmatory_analysis(btv_docs(pairs), PLAN, "confirmatory", Bootstrap(500, 0.95, 1))
     docs = pl.concat([btv_docs(pairs), btv_docs(floor_pairs, policy="noise-floor")])
-    res, per = confirmatory_analysis(docs, PLAN, "confirmatory", 500, 0.95, seed=1, floor="noise-floor")
+    res, per = confirmatory_analysis(docs, PLAN, "confirmatory", Bootstrap(500, 0.95, 1), floor="noise-floor")
     plan_row = res.filter(pl.col("role") == "plan").row(0, named=True)
     fl = res.filter(pl.col("role") == "floor").row(0, named=True)
     assert plan_row["p_adjusted"] == pytest.approx(plain["p_adjusted"][0])  # family unchanged
@@ -339,7 +353,7 @@ def test_summary_page_says_which_policies_lie_above_the_floor():
             floor_frame("B", fp, fp, fp / 10),
         ]
     )
-    t = floor_comparison(docs, "noise-floor", 200, 0.95, seed=1)
+    t = floor_comparison(docs, "noise-floor", Bootstrap(200, 0.95, 1))
     page = floor_html(t)
     assert "above floor (p_div / E[N])" in page and "yes / yes" in page and "no / no" in page
     assert confidence_labels(page) == {"95% CI"} and confidence_labels(floor_html(t, confidence=0.9)) == {"90% CI"}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvdiverge.estimation.bootstrap import (
+    Bootstrap,
     bootstrap_rng,
     percentile_interval,
     resample_counts,
@@ -75,3 +76,36 @@ def test_an_interval_fills_its_three_columns_in_order():
     put_interval(row, "p_div", np.float64(0.5), 0.25, np.array(0.75))
     assert list(row.items()) == [("model", "m"), ("p_div", 0.5), ("p_div_lo", 0.25), ("p_div_hi", 0.75)]
     assert all(type(row[c]) is float for c in interval_columns("p_div"))
+
+
+def test_bootstrap_settings_default_and_convert():
+    assert Bootstrap() == Bootstrap(2000, 0.95, 0)
+    b = Bootstrap(np.int64(50), 0.9, np.int64(3))  # numpy integers (a config read through numpy) become int
+    assert (b.n_boot, b.confidence, b.seed) == (50, 0.9, 3) and type(b.n_boot) is int and type(b.seed) is int
+    assert Bootstrap.of({"bootstrap": 50, "confidence": 0.9, "seed": 3, "split": "x"}) == b
+    # the settings draw exactly the low-level functions' resamples and intervals
+    assert np.array_equal(b.indices(7, "pooled", "m"), resample_indices(7, 50, 3, "pooled", "m"))
+    x = np.arange(20.0)
+    assert b.interval(x) == percentile_interval(x, 0.9)
+    assert Bootstrap(0).indices(4, "x").shape == (0, 4)  # no resamples: allowed (intervals left out)
+    with pytest.raises(AttributeError):
+        b.n_boot = 3  # frozen
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n_boot": -1}, "Bootstrap.n_boot must be an integer >= 0, got -1"),
+        ({"n_boot": 2.5}, "Bootstrap.n_boot must be an integer >= 0, got 2.5"),
+        ({"n_boot": True}, "Bootstrap.n_boot must be an integer >= 0, got True"),
+        ({"confidence": 1.0}, r"Bootstrap.confidence must be a number in \(0, 1\), got 1.0"),
+        ({"confidence": 0}, r"Bootstrap.confidence must be a number in \(0, 1\), got 0"),
+        ({"confidence": "0.9"}, r"Bootstrap.confidence must be a number in \(0, 1\), got '0.9'"),
+        ({"confidence": math.nan}, r"Bootstrap.confidence must be a number in \(0, 1\), got nan"),
+        ({"seed": -2}, "Bootstrap.seed must be an integer >= 0, got -2"),
+        ({"seed": 1.0}, "Bootstrap.seed must be an integer >= 0, got 1.0"),
+    ],
+)
+def test_bootstrap_settings_out_of_range_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        Bootstrap(**kwargs)

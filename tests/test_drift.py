@@ -7,6 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import (
     distinct_n,
     drift_problems,
@@ -148,7 +149,7 @@ def test_the_none_control_differs_by_exactly_0():
     frames = [simulate(same, T, 4, seed=1, doc_id=f"d{i}") for i in range(5)]
     reps = drift_replicates(pl.concat(frames), [EOS])
     assert (reps["weight_branch"] == 0).all() and (reps.select(pl.col("^.*_diff$")) == 0).to_numpy().all()
-    table = drift_table(reps, 200, 0.95, 0)
+    table = drift_table(reps, Bootstrap(200, 0.95, 0))
     assert table["measure"].to_list() == ["length_mean", "length_median", "stop_rate", "loop_rate", "rep4", "distinct2"]
     assert (table["diff"] == 0).all() and (table["diff_lo"] == 0).all() and (table["diff_hi"] == 0).all()
 
@@ -158,7 +159,7 @@ def test_the_table_sees_the_drift_of_a_kernel_that_stops_later():
     from kvdiverge.engine.core.pairs import TableKernelPair
 
     frames = [simulate(TableKernelPair(kernel, V, eos_ids=(EOS,)), T, 50, seed=2, doc_id=f"d{i}") for i in range(8)]
-    table = drift_table(drift_replicates(pl.concat(frames), [EOS]), 400, 0.95, 0)
+    table = drift_table(drift_replicates(pl.concat(frames), [EOS]), Bootstrap(400, 0.95, 0))
     stop = table.filter(pl.col("measure") == "stop_rate").row(0, named=True)
     exact = exact_length_law(_q)[:T].sum() - exact_length_law(_p)[:T].sum()
     assert stop["diff"] == pytest.approx(exact, abs=0.06) and stop["diff_hi"] < 0  # Q stops less often (SE ~0.025)
@@ -174,7 +175,7 @@ def test_the_length_ratio_joins_the_frontier_points():
 
     frames = [simulate(TableKernelPair(kernel, V, eos_ids=(EOS,)), T, 20, seed=2, doc_id=f"d{i}") for i in range(4)]
     reps = drift_replicates(pl.concat(frames), [EOS])
-    ratios = length_ratios(reps, 300, 0.95, 0)
+    ratios = length_ratios(reps, Bootstrap(300, 0.95, 0))
     r = ratios.row(0, named=True)
     means = reps.group_by("doc_id").agg(pl.col("length_full").mean(), pl.col("length_compressed").mean())
     assert r["length_ratio"] == pytest.approx(means["length_compressed"].mean() / means["length_full"].mean())

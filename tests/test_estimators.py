@@ -8,6 +8,7 @@ import pytest
 
 from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.decomposition import DecompositionError, check_decomposition
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
@@ -246,7 +247,7 @@ def docs(kernel):
 
 
 def test_pooled_equal_weight_means_and_bootstrap(docs):
-    p = pooled_estimates(docs, 500, 0.9, seed=1)
+    p = pooled_estimates(docs, Bootstrap(500, 0.9, 1))
     assert p.height == 1
     r = p.row(0, named=True)
     assert r["n_docs"] == 7
@@ -259,19 +260,19 @@ def test_pooled_equal_weight_means_and_bootstrap(docs):
     assert r["interval_E_N_hi"] == pytest.approx(docs["E_N_hi"].mean())
     assert r["var_ratio"] == pytest.approx(docs["var_N_naive"].mean() / docs["var_N_cmc"].mean())
     # deterministic given the seed, different with another
-    assert pooled_estimates(docs, 500, 0.9, seed=1).equals(p)
-    assert pooled_estimates(docs, 500, 0.9, seed=2)["p_div_lo"][0] != r["p_div_lo"]
+    assert pooled_estimates(docs, Bootstrap(500, 0.9, 1)).equals(p)
+    assert pooled_estimates(docs, Bootstrap(500, 0.9, 2))["p_div_lo"][0] != r["p_div_lo"]
 
 
 def test_survival_and_branch_curves(docs):
-    s = survival_curve(docs, 200, 0.95, seed=1)
+    s = survival_curve(docs, Bootstrap(200, 0.95, 1))
     assert s["t"].to_list() == list(range(6))
     S = s["S"].to_numpy()
     assert S[0] == 1.0 and np.all(np.diff(S) <= 1e-12)
     np.testing.assert_allclose(1 - S[-1], docs["p_div"].mean())
     np.testing.assert_allclose(s["f"].sum(), docs["p_div"].mean())
     assert (s["S_lo"] <= s["S"] + 1e-12).all() and (s["S"] <= s["S_hi"] + 1e-12).all()
-    b = branch_tv_curve(docs, 200, 0.95, seed=1)
+    b = branch_tv_curve(docs, Bootstrap(200, 0.95, 1))
     assert b["lag"].to_list() == [1, 2, 3, 4, 5]
     assert b["n_docs"][0] == 7 and b["n_docs"][4] == 0
     v = b.filter(pl.col("n_docs") > 0)["btv"].to_numpy()

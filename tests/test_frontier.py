@@ -23,8 +23,10 @@ import pytest
 import yaml
 from conftest import run_main
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import (
     FrontierPoint,
+    FrontierSpec,
     common_range,
     frontier_curves,
     frontier_grid,
@@ -63,7 +65,7 @@ def test_names_of_frontier_points():
     assert frontier_name("snapkv", budget=128) == "snapkv@b128"
     with pytest.raises(ValueError, match="exactly one"):
         frontier_name("snapkv", ratio=0.5, budget=128)
-    grid = frontier_grid(["a", "b"], [0.1, 0.5], [64])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.1, 0.5], [64]))
     assert [p.policy for p in grid] == ["a@0.1", "a@0.5", "a@b64", "b@0.1", "b@0.5", "b@b64"]
     # full-precision points name no cache
     assert grid[2] == FrontierPoint("a@b64", "a", None, 64)
@@ -76,9 +78,9 @@ def test_names_of_frontier_points():
         "cache_settings": None,
     }
     with pytest.raises(ValueError, match=r"^ratios: 1\.0 is not a compression ratio; allowed: numbers in \[0, 1\)$"):
-        frontier_grid(["a"], [1.0])
+        frontier_grid(["a"], FrontierSpec([1.0]))
     with pytest.raises(ValueError, match=r"^budgets: 0 is not a number of tokens; allowed: integers >= 1$"):
-        frontier_grid(["a"], [], [0])
+        frontier_grid(["a"], FrontierSpec([], [0]))
 
 
 def test_frontier_config_expands_into_policies_on_its_split():
@@ -222,12 +224,12 @@ def test_trapezoid_area_by_hand():
 
 
 def test_frontier_tables_areas_and_ranking_exactly():
-    grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.1, 0.5, 0.75]))
     E = {"a": [0.1, 0.3, 0.6], "b": [0.05, 0.2, 0.4]}
     P = {"a": [0.4, 0.8, 1.0], "b": [0.2, 0.6, 0.9]}
     values = {f"{k}@{r:g}": (P[k][i], E[k][i]) for k in "ab" for i, r in enumerate([0.1, 0.5, 0.75])}
     values["noise-floor"] = (0.0, 0.0)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1))
     area = {"a": 0.4 * (0.1 + 0.3) / 2 + 0.25 * (0.3 + 0.6) / 2, "b": 0.4 * (0.05 + 0.2) / 2 + 0.25 * (0.2 + 0.4) / 2}
     assert areas["press"].to_list() == ["b", "a"] and areas["rank"].to_list() == [1, 2]
     for r in areas.iter_rows(named=True):
@@ -253,7 +255,7 @@ def test_frontier_tables_areas_and_ranking_exactly():
     # one ratio set for every press: the mean over the common range is the area over the span (0.9 - 0.25
     # in retention), so the ranking is the area's; in bytes (kv_sizes) the same means on 0.25..0.9 x 100 x 4
     for sizes in (None, {"m": {"elements_per_token": 100, "element_bytes": 4}}):
-        _, by_bytes = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=sizes)
+        _, by_bytes = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1), kv_sizes=sizes)
         assert by_bytes["curve"].to_list() == ["b", "a"] and by_bytes["covers_range"].all()
         for r in by_bytes.iter_rows(named=True):
             assert r["mean_E_M"] == pytest.approx(area[r["press"]] / 0.65, abs=1e-12)
@@ -266,7 +268,7 @@ def test_frontier_tables_areas_and_ranking_exactly():
 
 def test_frontier_is_paired_and_knows_the_floor():
     """Documents that differ: intervals open, and a press well above the floor is flagged above it."""
-    grid = frontier_grid(["a"], [0.25, 0.5])
+    grid = frontier_grid(["a"], FrontierSpec([0.25, 0.5]))
     docs = _docs({"a@0.25": (0.5, 0.2), "a@0.5": (0.7, 0.3), "noise-floor": (0.0, 0.0)})
     docs = docs.with_columns(
         pl.when(pl.col("doc_id") == "d0").then(pl.col("p_div") * 0.5).otherwise(pl.col("p_div")).alias("p_div")
@@ -277,7 +279,7 @@ def test_frontier_is_paired_and_knows_the_floor():
         (4 * pl.col("E_M") - pl.col("p_div")).alias("E_N_post"),
         pl.concat_list([pl.col("p_div"), pl.lit(0.0), pl.lit(0.0), pl.lit(0.0)]).alias("f"),
     )
-    points, areas = frontier_tables(docs, grid, "noise-floor", 400, 0.9, seed=3)
+    points, areas = frontier_tables(docs, grid, "noise-floor", Bootstrap(400, 0.9, 3))
     assert (points["p_div_lo"] < points["p_div"]).all() and (points["p_div"] < points["p_div_hi"]).all()
     assert points["above_floor"].all()
     assert areas["first_ratio_above_floor"][0] == 0.25 and areas["above_floor_everywhere"][0]
@@ -286,9 +288,7 @@ def test_frontier_is_paired_and_knows_the_floor():
             docs.filter(~((pl.col("policy") == "a@0.5") & (pl.col("doc_id") == "d2"))),
             grid,
             "noise-floor",
-            10,
-            0.9,
-            seed=3,
+            Bootstrap(10, 0.9, 3),
         )
 
 
@@ -296,10 +296,10 @@ def test_frontier_figure_is_written(tmp_path):
     from kvdiverge.report.figures import plot_frontier
     from kvdiverge.report.pages import frontier_html
 
-    grid = frontier_grid(["a", "b"], [0.1, 0.5, 0.75], [32])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.1, 0.5, 0.75], [32]))
     values = {p.policy: (0.3 + 0.5 * (p.compression_ratio or 0.4), 0.1 + (p.press == "b") * 0.1) for p in grid}
     values["noise-floor"] = (1e-4, 1e-5)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 0))
     plot_frontier(points, tmp_path / "frontier.png", tmp_path / "frontier.pdf")
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "frontier.pdf").read_bytes()[:4] == b"%PDF"
@@ -385,7 +385,9 @@ def test_grid_names_caches_and_curves():
     assert frontier_name(None, cache="int4") == "int4"
     with pytest.raises(ValueError, match="ratios, not budgets"):
         frontier_name("snapkv", budget=64, cache="int4")
-    grid = frontier_grid(["a", "b"], [0.25, 0.5], [64], caches={"q4": Q4})  # cache ratios: 0 and every ratio
+    grid = frontier_grid(
+        ["a", "b"], FrontierSpec([0.25, 0.5], [64], caches={"q4": Q4})
+    )  # cache ratios: 0 and every ratio
     assert [p.policy for p in grid] == [
         "a@0.25",
         "a@0.5",
@@ -414,7 +416,7 @@ def test_grid_names_caches_and_curves():
         "a+q4": ["q4", "a@0.25+q4", "a@0.5+q4"],
         "b+q4": ["q4", "b@0.25+q4", "b@0.5+q4"],
     }
-    no_alone = frontier_grid(["a"], [0.5], caches={"q4": Q4}, cache_ratios=[0.5])
+    no_alone = frontier_grid(["a"], FrontierSpec([0.5], caches={"q4": Q4}, cache_ratios=[0.5]))
     assert [p.policy for p in no_alone] == ["a@0.5", "a@0.5+q4"]
     for kwargs, message in [
         ({"presses": ["a+b"]}, r"^press 'a\+b': '\+' in a press name is reserved"),
@@ -423,8 +425,23 @@ def test_grid_names_caches_and_curves():
         ({"caches": {"q4": {"nbits": 4}}}, "missing backend, q_group_size"),
         ({"caches": {"q4": Q4}, "cache_ratios": [1.0]}, r"^cache_ratios: 1.0 is not a compression ratio"),
     ]:
+        presses = kwargs.pop("presses", ["a"])
         with pytest.raises(ValueError, match=message):
-            frontier_grid(**{"presses": ["a"], "ratios": [0.5], **kwargs})
+            frontier_grid(presses, FrontierSpec(**{"ratios": [0.5], **kwargs}))
+
+
+def test_frontier_spec_holds_a_section_as_given():
+    section = {"presses": {"a": {}}, "ratios": [0.5, 0.25], "caches": {"q4": Q4}, "cache_ratios": [0], "split": "x"}
+    spec = FrontierSpec.of(section)
+    assert spec == FrontierSpec((0.5, 0.25), (), {"q4": Q4}, (0,)) and FrontierSpec.of(spec) is spec
+    assert FrontierSpec.of(None) == FrontierSpec() == FrontierSpec(None, None, None, None)
+    assert FrontierSpec().cache_ratios is None  # the default: 0 and every ratio
+    # the values stay as given, for frontier_problems to name
+    assert FrontierSpec([True]).ratios == (True,)
+    with pytest.raises(ValueError, match="^ratios: True is not a compression ratio"):
+        frontier_grid(["a"], FrontierSpec([True]))
+    with pytest.raises(ValueError, match=r"^caches must map a label to a quantized cache's settings .* got list$"):
+        frontier_grid(["a"], FrontierSpec([0.5], caches=["int4"]))
 
 
 def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
@@ -433,12 +450,12 @@ def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
     (31.25). Curves a, b span 50..100, a+q4 and b+q4 31.25..62.5 (from q4 alone), q4 one point: all four
     share 50..62.5. The means there, linear in bytes, by hand:
     a: (0.6 + 0.5) / 2, b: (0.8 + 0.625) / 2, a+q4: (0.46 + 0.3) / 2, b+q4: (0.38 + 0.3) / 2."""
-    grid = frontier_grid(["a", "b"], [0.75, 0.875], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.75, 0.875], caches={"q4": Q4}, cache_ratios=[0, 0.5]))
     E = {"a@0.75": 0.2, "a@0.875": 0.6, "b@0.75": 0.1, "b@0.875": 0.8, "q4": 0.3, "a@0.5+q4": 0.7, "b@0.5+q4": 0.5}
     values = {k: (e + 0.1, e) for k, e in E.items()} | {"noise-floor": (0.0, 0.0)}
     with pytest.raises(ValueError, match=r"quantized-cache points need kv_sizes\['m'\]"):
-        frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1)
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 50, 0.95, seed=1, kv_sizes=SIZES)
+        frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 1))
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(50, 0.95, 1), kv_sizes=SIZES)
     by = {r["policy"]: r for r in points.iter_rows(named=True)}
     assert {p: by[p]["kv_bytes_per_token"] for p in E} == {
         "a@0.75": 100.0,
@@ -474,9 +491,9 @@ def test_quantized_frontier_ranks_every_curve_on_the_common_byte_range():
 def test_a_curve_off_the_common_range_is_reported_not_dropped():
     """Full precision at 0.5 and 0.75 spans 100..200 bytes, the cache curves 31.25..62.5: no byte
     range is common to all; the two presses share the wider one and rank first, the rest follow in grid order."""
-    grid = frontier_grid(["a", "b"], [0.5, 0.75], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.5, 0.75], caches={"q4": Q4}, cache_ratios=[0, 0.5]))
     values = {p.policy: (0.5, 0.3) for p in grid} | {"a@0.5": (0.3, 0.1), "noise-floor": (0.0, 0.0)}
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=1, kv_sizes=SIZES)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 1), kv_sizes=SIZES)
     assert areas["curve"].to_list() == ["a", "b", "q4", "a+q4", "b+q4"]
     assert areas["covers_range"].to_list() == [True, True, False, False, False]
     assert (areas["range_lo"] == 100.0).all() and (areas["range_hi"] == 200.0).all()
@@ -491,9 +508,9 @@ def test_quantized_frontier_text_page_and_figure(tmp_path):
     from kvdiverge.report.formatting import frontier_text
     from kvdiverge.report.pages import frontier_html
 
-    grid = frontier_grid(["a", "b"], [0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5])
+    grid = frontier_grid(["a", "b"], FrontierSpec([0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5]))
     values = {p.policy: (0.5, 0.2 + 0.1 * (p.press == "b")) for p in grid} | {"noise-floor": (1e-4, 1e-5)}
-    points, areas = frontier_tables(_docs(values), grid, "noise-floor", 20, 0.95, seed=0, kv_sizes=SIZES)
+    points, areas = frontier_tables(_docs(values), grid, "noise-floor", Bootstrap(20, 0.95, 0), kv_sizes=SIZES)
     text = frontier_text(points, areas)
     assert "KV bytes per prompt token common to 4 of 5 curves (50-62.5;" in text.splitlines()[0]
     rows = {line.split()[2]: line for line in text.splitlines()[3:]}
@@ -600,7 +617,7 @@ def test_api_and_command_line_expand_caches_as_the_config_does():
 
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}
     out, grid = frontier_presses(
-        presses, [0.5, 0.75], caches={"int4": {"nbits": 4, "residual_length": 32}}, cache_ratios=[0, 0.5]
+        presses, FrontierSpec([0.5, 0.75], caches={"int4": {"nbits": 4, "residual_length": 32}}, cache_ratios=[0, 0.5])
     )
     config = raw("frontier-quantized.yaml")  # the same points through the config
     config["frontier"].update(
@@ -618,11 +635,12 @@ def test_api_and_command_line_expand_caches_as_the_config_does():
     ]:
         message = message.replace("+", r"\+")
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            frontier_presses(presses, [0.5], caches=caches)
+            frontier_presses(presses, FrontierSpec([0.5], caches=caches))
     import kvpress
 
     with pytest.raises(ValueError, match="a quantized cache needs a policy entry"):
-        frontier_presses({"snapkv": kvpress.SnapKVPress()}, [0.5], caches={"int4": {}}, cache_ratios=[0.5])
+        spec = FrontierSpec([0.5], caches={"int4": {}}, cache_ratios=[0.5])
+        frontier_presses({"snapkv": kvpress.SnapKVPress()}, spec)
     args = _parser().parse_args(
         [
             "measure",

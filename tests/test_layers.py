@@ -166,6 +166,7 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []
 
     # the subprocess's tables are those of the same functions run here
+    from kvdiverge.estimation.bootstrap import Bootstrap
     from kvdiverge.estimation.estimators import read_shards
     from kvdiverge.estimation.tables import estimate, gaps, pool
 
@@ -178,9 +179,9 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
         assert_frame_equal(pl.read_parquet(work / "estimates" / f"{policy}.replicates.parquet"), reps)
         docs.append(d)
     docs = pl.concat(docs)
-    for name, frame in pool(docs, 50, 0.9, 5).items():
+    for name, frame in pool(docs, Bootstrap(50, 0.9, 5)).items():
         assert_frame_equal(pl.read_parquet(work / "analysis" / f"{name}.parquet"), frame)
-    table = gaps(docs, [["a", "b"]], 50, 0.9, 5)
+    table = gaps(docs, [["a", "b"]], Bootstrap(50, 0.9, 5))
     assert table.height == 4
     assert_frame_equal(pl.read_parquet(work / "analysis" / "gaps.parquet"), table)
     drift = pl.read_parquet(work / "analysis" / "drift.parquet")
@@ -255,14 +256,6 @@ MANY_PARAMETERS = {
     "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
     "testing/speculative.py:_block": "the exact enumeration's recursion state",
     "testing/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
-    "estimation/frontier.py:_model_frontier": "one model's frontier: tables and their settings",
-    "estimation/frontier.py:_areas": "one curve's areas: the curve and its bootstrap settings",
-    "estimation/frontier.py:frontier_tables": "the frontier's tables and their bootstrap settings",
-    "estimation/frontier.py:_point_row": "one frontier point's row and its bootstrap settings",
-    "estimation/tables.py:gaps": "the gap table's documents, pairs and bootstrap settings",
-    "estimation/analysis.py:gap_terms": "the gap decomposition's terms and bootstrap settings",
-    "estimation/analysis.py:gap_decomposition": "the gap decomposition and its bootstrap settings",
-    "estimation/analysis.py:_late_minus_early": "the confirmatory test's windows and settings",
     "report/figures.py:_runs_with_bands": "one panel's data, axes and styling",
     "report/figures.py:_error_marker": "one marker's position and styling",
     "engine/llm/llm_pair.py:LLMKernelPair.from_documents": "per-document prompts, presses, promises, seeds, prefills",

@@ -7,6 +7,7 @@ import pytest
 from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -38,16 +39,18 @@ def tables(kernel):
                 f.with_columns(pl.lit("m").alias("model"), pl.lit(policy).alias("policy"), pl.lit(split).alias("split"))
             )
     docs = document_estimates(replicate_estimates(pl.concat(frames), 2))
-    gaps = gap_decomposition(docs, "m", "A", "B", "exploratory", 100, 0.95, 1)
-    res, per = confirmatory_analysis(docs.filter(pl.col("split") == "confirmatory"), PLAN, "confirmatory", 100, 0.95, 1)
+    gaps = gap_decomposition(docs, "m", "A", "B", "exploratory", Bootstrap(100, 0.95, 1))
+    res, per = confirmatory_analysis(
+        docs.filter(pl.col("split") == "confirmatory"), PLAN, "confirmatory", Bootstrap(100, 0.95, 1)
+    )
     return {
         "docs": docs,
-        "survival": survival_curve(docs, 100, 0.95, 1),
-        "branch": branch_tv_curve(docs, 100, 0.95, 1),
+        "survival": survival_curve(docs, Bootstrap(100, 0.95, 1)),
+        "branch": branch_tv_curve(docs, Bootstrap(100, 0.95, 1)),
         "gaps": gaps,
         "res": res,
         "per": per,
-        "pooled": pooled_estimates(docs, 100, 0.95, 1),
+        "pooled": pooled_estimates(docs, Bootstrap(100, 0.95, 1)),
     }
 
 
@@ -71,7 +74,7 @@ def test_every_figure(tables, tmp_path):
     plots.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
     check(tmp_path, "v")
     plots.plot_speculative(
-        speculative_table(t["docs"], 100, 0.95, 1), tmp_path / "k.png", tmp_path / "k.pdf", floor="A"
+        speculative_table(t["docs"], Bootstrap(100, 0.95, 1)), tmp_path / "k.png", tmp_path / "k.pdf", floor="A"
     )
     check(tmp_path, "k")
 
@@ -123,7 +126,7 @@ def test_survival_bands_share_their_lines_colour(tables, tmp_path, monkeypatch):
 def test_speculative_figure_draws_each_run_and_its_iid_line(tables):
     import matplotlib.pyplot as plt
 
-    table = speculative_table(tables["docs"].filter(pl.col("split") == "exploratory"), 100, 0.95, 1)
+    table = speculative_table(tables["docs"].filter(pl.col("split") == "exploratory"), Bootstrap(100, 0.95, 1))
     fig = plots.speculative_figure(table, floor="A")
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]

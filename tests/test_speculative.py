@@ -8,6 +8,7 @@ import pytest
 
 from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.speculative import (
     accepted_distribution,
@@ -110,7 +111,7 @@ def test_sum_of_survival_is_the_speculative_sampler_on_a_history_kernel(kernel):
 def test_constant_kernel_equals_the_iid_formula():
     # per replicate the chain survival is .7^t exactly, so the table is exact
     docs = document_estimates(replicate_estimates(simulate(TableKernelPair(constant_kernel, 2), 5, 8, seed=1), 1))
-    t = speculative_table(docs, 50, 0.9, seed=0)
+    t = speculative_table(docs, Bootstrap(50, 0.9, 0))
     assert t["k"].to_list() == [1, 2, 3, 4, 5]
     A = np.cumsum(0.7 ** np.arange(1, 6))
     np.testing.assert_allclose(t["A"].to_numpy(), A, atol=1e-12)
@@ -161,7 +162,7 @@ def test_pooled_table_by_hand():
             doc("b", "d1", [0.5, 0.25, 0.0], 0.75),
         ]
     )
-    t = speculative_table(docs, 400, 0.9, seed=3, max_block=2)
+    t = speculative_table(docs, Bootstrap(400, 0.9, 3), max_block=2)
     a = t.filter(pl.col("policy") == "a")
     assert a["k"].to_list() == [1, 2] and a["n_docs"].to_list() == [2, 2]
     np.testing.assert_allclose(a["A"].to_numpy(), [0.85, 1.575])
@@ -184,8 +185,8 @@ def test_pooled_table_by_hand():
     b = t.filter(pl.col("policy") == "b")
     np.testing.assert_allclose(b["A"].to_numpy(), [0.5, 0.75])
     np.testing.assert_allclose(b["A_hi"].to_numpy(), b["A_lo"].to_numpy())
-    assert speculative_table(docs, 400, 0.9, seed=3, max_block=2).equals(t)
-    assert speculative_table(docs, 400, 0.9, seed=3)["k"].max() == 3  # capped at T
+    assert speculative_table(docs, Bootstrap(400, 0.9, 3), max_block=2).equals(t)
+    assert speculative_table(docs, Bootstrap(400, 0.9, 3))["k"].max() == 3  # capped at T
     line = format_speculative_line(t, ["b", "a", "absent"], k=4)
     assert "k=2" in line and line.index(" b 1.75 [1.75, 1.75] (iid 1.31)") < line.index(" a 2.58 [2.15, 3.00]")
     assert "absent" not in line
@@ -197,7 +198,7 @@ def test_iid_formula_and_bad_block():
     with pytest.raises(ValueError, match=r"block length K must be in \[1, T=3\], got 4"):
         accepted_tokens(np.ones(3), 4)
     with pytest.raises(ValueError, match="max_block must be >= 1, got 0"):
-        speculative_table(pl.DataFrame([doc("a", "d0", [1.0, 1.0, 1.0], 0.0)]), 10, 0.9, 0, max_block=0)
+        speculative_table(pl.DataFrame([doc("a", "d0", [1.0, 1.0, 1.0], 0.0)]), Bootstrap(10, 0.9, 0), max_block=0)
     assert (
         speculative_table(
             pl.DataFrame(
@@ -210,9 +211,7 @@ def test_iid_formula_and_bad_block():
                     "tv_mean": pl.Float64,
                 }
             ),
-            10,
-            0.9,
-            0,
+            Bootstrap(10, 0.9, 0),
         ).height
         == 0
     )

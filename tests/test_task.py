@@ -8,6 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.task import accuracy_table, auc_table, correlation_table, roc_auc
 from kvdiverge.study.tasks import TaskError, build_task_prompts, task_settings
 from kvdiverge.study.tasks.answers import greedy_pair
@@ -174,7 +175,7 @@ POINTS = {
 
 
 def test_accuracy_table_counts_failed_broken_and_fixed_and_the_control_is_exactly_zero():
-    t = {r["policy"]: r for r in accuracy_table(frame(POINTS), n_boot=200).iter_rows(named=True)}
+    t = {r["policy"]: r for r in accuracy_table(frame(POINTS), boot=Bootstrap(200)).iter_rows(named=True)}
     assert t["none"]["drop"] == 0.0 and t["none"]["drop_lo"] == 0.0 and t["none"]["drop_hi"] == 0.0
     assert t["none"]["tv_max"] == 0.0
     a = t["a@0.9"]
@@ -186,7 +187,7 @@ def test_accuracy_table_counts_failed_broken_and_fixed_and_the_control_is_exactl
 
 
 def test_correlations_rank_the_points_and_leave_out_the_controls():
-    t = correlation_table(frame(POINTS), controls=["none"], bootstrap={"n_boot": 200})
+    t = correlation_table(frame(POINTS), controls=["none"], boot=Bootstrap(200))
     r = {row["measure"]: row for row in t.iter_rows(named=True)}
     # drops 0.25, 0.25, 0.75 against mean E[M] 0.2, 0.575, 0.875: one tie in the drop
     assert r["E_M"]["n_points"] == 3 and r["E_M"]["n_docs"] == 4
@@ -205,8 +206,7 @@ def test_roc_auc_counts_pairs_with_ties_one_half():
 
 def test_auc_table_orients_measures_and_uses_only_documents_the_full_cache_answers():
     t = {
-        r["measure"]: r
-        for r in auc_table(frame(POINTS), controls=["none"], bootstrap={"n_boot": 200}).iter_rows(named=True)
+        r["measure"]: r for r in auc_table(frame(POINTS), controls=["none"], boot=Bootstrap(200)).iter_rows(named=True)
     }
     assert t["E_M"]["n_pairs"] == 9 and t["E_M"]["n_broken"] == 6
     # kept E[M] 0.0, 0.1, 0.2; broken 0.5, 0.6, 0.8, 0.9, 0.7, 1.0: perfect separation

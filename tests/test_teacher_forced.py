@@ -16,6 +16,7 @@ from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_con
 from kvdiverge.engine.presses.policies import PressPolicy
 from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.runner import Document, build_pair
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import (
     POSITION_SCHEMA,
     document_table,
@@ -114,7 +115,7 @@ def test_equal_sides_give_exact_zero_and_one():
             positions([0.1] * 30, [0.01] * 30, ll, ll - 0.1, [False] * 30, policy="q"),
         ]
     )
-    t = summary_table(frame, floor="p", n_boot=200, seed=3)
+    t = summary_table(frame, floor="p", boot=Bootstrap(200, seed=3))
     none = t.filter(pl.col("policy") == "p").row(0, named=True)
     assert none["kld_mean"] == 0.0 and none["same_top_p"] == 1.0 and none["ppl_ratio"] == 1.0
     assert none["ln_ppl_ratio"] == 0.0 and none["ln_ppl_ratio_se"] == 0.0 and none["delta_p_rms"] == 0.0
@@ -201,7 +202,7 @@ def test_none_control_and_greedy_continuation(model):
     assert frame.filter((pl.col("policy") == "none") & (pl.col("doc_id") == "b"))["token"].to_list() == greedy
     none = frame.filter(pl.col("policy") == "none")
     assert (none["kld"] == 0.0).all() and none["same_top"].all() and (none["ll_ref"] == none["ll_ev"]).all()
-    t = summary_table(frame, floor="none", n_boot=0)
+    t = summary_table(frame, floor="none", boot=Bootstrap(0))
     row = t.filter(pl.col("policy") == "none").row(0, named=True)
     assert row["kld_mean"] == 0.0 and row["same_top_p"] == 1.0 and row["ppl_ratio"] == 1.0
     assert t.filter(pl.col("policy") == "snap")["kld_mean"].item() > 0

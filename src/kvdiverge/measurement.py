@@ -32,6 +32,7 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import (
     drift_replicates,
     drift_table,
@@ -134,10 +135,7 @@ class Measurement:
         ``A = sum_{j<=k} S_j`` of a first draft block of ``k``, ``tokens_per_forward = A + 1``, the
         per-step acceptance ``alpha`` and the i.i.d. formula
         (:func:`kvdiverge.estimation.speculative.speculative_table`)."""
-        s = self.settings
-        return self._memo(
-            "speculative", lambda: speculative_table(self.documents, s["bootstrap"], s["confidence"], s["seed"])
-        )
+        return self._memo("speculative", lambda: speculative_table(self.documents, Bootstrap.of(self.settings)))
 
     @property
     def drift_replicates(self) -> pl.DataFrame:
@@ -151,10 +149,7 @@ class Measurement:
         """Length and loop drift per press: ``length_mean``, ``length_median`` (tokens), ``stop_rate``,
         ``loop_rate``, ``rep4``, ``distinct2`` on the full-cache and the compressed side and their paired
         difference, with document-bootstrap intervals (:func:`kvdiverge.estimation.drift.drift_table`)."""
-        s = self.settings
-        return self._memo(
-            "drift", lambda: drift_table(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
-        )
+        return self._memo("drift", lambda: drift_table(self.drift_replicates, Bootstrap.of(self.settings)))
 
     @property
     def length_survival(self) -> pl.DataFrame:
@@ -253,8 +248,7 @@ class Measurement:
         def compute():
             points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
             teacher = None if self.teacher_forced is None else self.teacher_forced.table
-            s = self.settings
-            ratios = length_ratios(self.drift_replicates, s["bootstrap"], s["confidence"], s["seed"])
+            ratios = length_ratios(self.drift_replicates, Bootstrap.of(self.settings))
             return with_drift_columns(with_teacher_columns(points, teacher), ratios), areas
 
         return self._memo("frontier", compute)
@@ -299,7 +293,7 @@ def _measurement(runs, windows, settings: dict[str, Any], sources: Mapping[str, 
     from kvdiverge.estimation import tables
 
     reps, docs = tables.estimate(runs.trajectories, settings["window"], windows)
-    pooled = tables.pool(docs, settings["bootstrap"], settings["confidence"], settings["seed"])
+    pooled = tables.pool(docs, Bootstrap.of(settings))
     floors = measuring.floors(sources)
     return Measurement(
         trajectories=runs.trajectories,
@@ -471,8 +465,7 @@ def measure(
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
     given = (opts.max_new_tokens, opts.replicates, opts.instruction, opts.system)
-    frontier = (opts.ratios, opts.budgets, opts.caches, opts.cache_ratios)
-    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, *given, *frontier)
+    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, *given, opts.frontier)
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents

@@ -25,6 +25,9 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.frontier import FrontierSpec
+
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
 
@@ -77,11 +80,12 @@ class Screen:
         return files
 
 
-def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, bootstrap: int, confidence: float, seed: int):
-    """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`)."""
+def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, boot: Bootstrap):
+    """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`), with the
+    intervals of ``boot`` (:class:`kvdiverge.estimation.bootstrap.Bootstrap`)."""
     from kvdiverge.estimation.teacher_forced import document_table, summary_table
 
-    table = summary_table(positions, floor=floor, n_boot=int(bootstrap), confidence=float(confidence), seed=int(seed))
+    table = summary_table(positions, floor=floor, boot=boot)
     return document_table(positions), table
 
 
@@ -130,7 +134,7 @@ def screen(
     presses,
     *,
     continuations: Mapping[str, Sequence[int]] | None = None,
-    frontier: Mapping[str, Any] | None = None,
+    frontier: FrontierSpec | Mapping[str, Any] | None = None,
     options: ScreenOptions | Mapping[str, Any] | None = None,
 ) -> Screen:
     """Run only the teacher-forced pass of ``presses`` on ``prompts``.
@@ -142,8 +146,9 @@ def screen(
     continuations : mapping of str to sequence of int, optional
         Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
         without one get the full-cache model's greedy continuation.
-    frontier : mapping, optional
-        ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`.
+    frontier : kvdiverge.estimation.frontier.FrontierSpec or mapping, optional
+        ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`
+        (a mapping gives them by name, :meth:`kvdiverge.estimation.frontier.FrontierSpec.of`).
     options : ScreenOptions or mapping, optional
         Length, seed, prompt rendering, bootstrap and forward settings (:class:`ScreenOptions`;
         a mapping gives its fields by name); None: the defaults.
@@ -165,12 +170,10 @@ def screen(
     from kvdiverge.study.inputs import measure_inputs, model_label
 
     opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
-    grid = dict(frontier or {})
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
     documents, sources, _ = measure_inputs(  # a prompt needs room for 1 token: the continuation is cut to fit
-        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system,
-        grid.get("ratios"), grid.get("budgets"), grid.get("caches"), grid.get("cache_ratios"),
-    )  # fmt: skip
+        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system, FrontierSpec.of(frontier)
+    )
     name = opt.model_name or model_label(model)
     sampling = Sampling(
         T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(opt.seed), model_name=name
@@ -225,8 +228,8 @@ def run_screen(model, documents, sources, sampling, forcing, options: Mapping[st
     )
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
     floor = floors[0] if floors else None
-    boot, conf = int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95))
-    docs, table = teacher_forced_tables(positions, floor, boot, conf, sampling.seed)
+    boot = Bootstrap(int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95)), sampling.seed)
+    docs, table = teacher_forced_tables(positions, floor, boot)
     settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed}
-    settings.update(bootstrap=boot, confidence=conf, presses=list(sources), noise_floor=floor)
+    settings.update(bootstrap=boot.n_boot, confidence=boot.confidence, presses=list(sources), noise_floor=floor)
     return Screen(positions, docs, table, settings)

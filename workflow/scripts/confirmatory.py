@@ -1,6 +1,7 @@
 """Snakemake adapter: the prespecified confirmatory test (kvdiverge.estimation.analysis.confirmatory_analysis)."""
 
 from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash, save_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.report.pages import confirmatory_html
@@ -17,7 +18,8 @@ with rule_log(snakemake.log[0], "confirmatory", "confirmatory analysis") as log:
             f"no confirmatory run of the plan's policy {plan.get('policy')!r}: add it to config runs.confirmatory"
         )
     docs = read_estimates(files)  # refuses non-finite inputs
-    result, per_doc = confirmatory_analysis(docs, plan, p.split, p.bootstrap, p.confidence, p.seed, floor=p.floor)
+    boot = Bootstrap(p.bootstrap, p.confidence, p.seed)
+    result, per_doc = confirmatory_analysis(docs, plan, p.split, boot, floor=p.floor)
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)

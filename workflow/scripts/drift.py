@@ -3,6 +3,7 @@
 import polars as pl
 
 from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import drift_table, length_survival, no_stop_note
 from kvdiverge.study.rulelog import rule_log
 
@@ -10,7 +11,7 @@ p = snakemake.params
 out = snakemake.output
 with rule_log(snakemake.log[0], "drift", "length and loop drift") as log:
     reps = pl.concat([pl.read_parquet(f) for f in snakemake.input], how="vertical")
-    table = drift_table(reps, p.bootstrap, p.confidence, p.seed)
+    table = drift_table(reps, Bootstrap(p.bootstrap, p.confidence, p.seed))
     for note in no_stop_note(table):
         log.warning(note)
     log.info(

@@ -3,6 +3,7 @@
 import polars as pl
 
 from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison, save_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.study.rulelog import rule_log
 
@@ -14,7 +15,7 @@ with rule_log(snakemake.log[0], "floor", "floor comparison") as log:
         table = pl.DataFrame(schema=FLOOR_SCHEMA)
     else:
         docs = read_estimates(list(snakemake.input))
-        table = floor_comparison(docs, p.floor, p.bootstrap, p.confidence, p.seed)
+        table = floor_comparison(docs, p.floor, Bootstrap(p.bootstrap, p.confidence, p.seed))
         log.info(
             "floor %s:\n%s",
             p.floor,

@@ -1,6 +1,7 @@
 """Snakemake adapter: the self-speculative reading (kvdiverge.estimation.speculative.speculative_table)."""
 
 from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.estimation.speculative import speculative_table
@@ -11,7 +12,7 @@ p = snakemake.params
 out = snakemake.output
 with rule_log(snakemake.log[0], "speculative", "speculative reading") as log:
     docs = read_estimates(list(snakemake.input))
-    table = speculative_table(docs, p.bootstrap, p.confidence, p.seed)
+    table = speculative_table(docs, Bootstrap(p.bootstrap, p.confidence, p.seed))
     log.info(
         "\n%s",
         table.select(

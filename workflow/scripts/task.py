@@ -2,6 +2,7 @@
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.io import write_parquet_atomic, write_text_atomic
 from kvdiverge.report.task import plot_task
 from kvdiverge.study.models import load_tokenizer, local_entry
@@ -22,7 +23,7 @@ with rule_log(snakemake.log[0], "task", "task stage") as log:
         pl.read_parquet(i.prompts),
         tokenizer,
         task.score,
-        options=TaskTableOptions(controls=p.controls, floor=p.floor, **dict(p.bootstrap)),
+        options=TaskTableOptions(controls=p.controls, floor=p.floor, boot=Bootstrap(**dict(p.bootstrap))),
     )
     for name in TASK_TABLES:
         write_parquet_atomic(tables[name], o[name])

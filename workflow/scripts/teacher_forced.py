@@ -41,11 +41,12 @@ def one_run():
 
 
 def tables():
+    from kvdiverge.estimation.bootstrap import Bootstrap
     from kvdiverge.estimation.teacher_forced import document_table, summary_table
 
     out, p = snakemake.output, snakemake.params
     positions = pl.concat([pl.read_parquet(f) for f in snakemake.input])
-    summary = summary_table(positions, floor=p.floor, n_boot=int(p.bootstrap), confidence=p.confidence, seed=p.seed)
+    summary = summary_table(positions, floor=p.floor, boot=Bootstrap(p.bootstrap, p.confidence, p.seed))
     save_table(summary, out.parquet, out.csv)
     save_table(document_table(positions), out.documents_parquet, out.documents_csv)
     return f"{summary.height} runs, {positions.height} positions\n{summary.select('model', 'policy', 'split', 'kld_mean', 'ppl_ratio', 'same_top_p')}"

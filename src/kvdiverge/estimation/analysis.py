@@ -42,13 +42,14 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
-from kvdiverge.estimation.bootstrap import interval_columns, percentile_interval, put_interval, resample_indices
+from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, percentile_interval, put_interval
 from kvdiverge.estimation.decomposition import DECOMP_ATOL, DECOMP_RTOL, DecompositionError, rho
 from kvdiverge.estimation.estimators import btv_window
 from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "CONFIRMATORY_SPLIT",
+    "GAP_COLUMNS",
     "save_table",
     "scalar_columns",
     "PLAN_FIELDS",
@@ -184,7 +185,11 @@ def variance_table(pooled: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
+#: The pooled means of a policy that :func:`gap_terms` reads.
+GAP_COLUMNS = ("p_div", "E_L", "E_N_post", "E_N")
+
+
+def gap_terms(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The §7 two-factor symmetric split of ``Delta = E_A[N] - E_B[N]``.
 
     Elementwise on pooled means (floats or arrays of bootstrap resamples):
@@ -192,8 +197,9 @@ def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
 
     Parameters
     ----------
-    pA, LA, NpA, NA, pB, LB, NpB, NB : float or numpy.ndarray
-        ``p_div``, ``E[L]`` (steps), ``E[N_post]``, ``E[N]`` (tokens) of policies A and B.
+    a, b : mapping of str to float or numpy.ndarray
+        The pooled means of policies A and B, by :data:`GAP_COLUMNS`: ``p_div``, ``E_L``
+        (steps), ``E_N_post``, ``E_N`` (tokens); arrays of one shape for resamples.
 
     Returns
     -------
@@ -202,7 +208,8 @@ def gap_terms(pA, LA, NpA, NA, pB, LB, NpB, NB) -> dict[str, np.ndarray]:
         ``exposure = Delta E[L] (rho_A + rho_B) / 2``,
         ``rate = (E_A[L] + E_B[L]) / 2 * Delta rho``, ``rho_A``, ``rho_B``.
     """
-    pA, LA, NpA, NA, pB, LB, NpB, NB = (np.asarray(v, dtype=np.float64) for v in (pA, LA, NpA, NA, pB, LB, NpB, NB))
+    pA, LA, NpA, NA = (np.asarray(a[c], dtype=np.float64) for c in GAP_COLUMNS)
+    pB, LB, NpB, NB = (np.asarray(b[c], dtype=np.float64) for c in GAP_COLUMNS)
     rA, rB = np.asarray(rho(NpA, LA, 0.0)), np.asarray(rho(NpB, LB, 0.0))
     return {
         "delta": NA - NB,
@@ -218,7 +225,7 @@ TERMS = ("first_mismatch", "exposure", "rate")
 
 
 def gap_decomposition(
-    docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str, n_boot: int, confidence: float, seed: int
+    docs: pl.DataFrame, model: str, policy_a: str, policy_b: str, split: str, boot: Bootstrap
 ) -> pl.DataFrame:
     """Exact decomposition of a policy gap with paired document-bootstrap intervals (§7).
 
@@ -233,12 +240,9 @@ def gap_decomposition(
         at least the two runs ``(model, policy_a, split)`` and ``(model, policy_b, split)``.
     model, policy_a, policy_b, split : str
         The gap ``A - B``.
-    n_boot : int
-        Bootstrap resamples.
-    confidence : float
-        Interval coverage.
-    seed : int
-        Master seed.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the paired document bootstrap (purpose ``("gap", model, policy_a,
+        policy_b, split)``).
 
     Returns
     -------
@@ -263,10 +267,9 @@ def gap_decomposition(
         raise DecompositionError(
             f"gap terms of {model} {policy_a} - {policy_b} sum to {total!r}, not Delta={point['delta']!r}"
         )
-    idx = resample_indices(n, n_boot, seed, "gap", model, policy_a, policy_b, split)
-    boot = _gap_means(A, B, idx)
+    resampled = _gap_means(A, B, boot.indices(n, "gap", model, policy_a, policy_b, split))
     head = {"model": model, "policy_a": policy_a, "policy_b": policy_b, "split": split, "n_docs": n, "T": T}
-    return pl.DataFrame(_gap_rows(head, point, boot, confidence))
+    return pl.DataFrame(_gap_rows(head, point, resampled, boot.confidence))
 
 
 def _paired_columns(
@@ -287,7 +290,7 @@ def _paired_columns(
     ValueError
         If a run is missing, the two share no document, or ``T`` differs.
     """
-    cols = ["doc_id", "T", "p_div", "E_L", "E_N_post", "E_N"]
+    cols = ["doc_id", "T", *GAP_COLUMNS]
 
     def run(policy: str) -> pl.DataFrame:
         d = docs.filter((pl.col("model") == model) & (pl.col("policy") == policy) & (pl.col("split") == split))
@@ -321,20 +324,11 @@ def _gap_means(
     def m(x):
         return x.mean() if idx is None else x[idx].mean(axis=1)
 
-    return gap_terms(
-        m(A["p_div"]),
-        m(A["E_L"]),
-        m(A["E_N_post"]),
-        m(A["E_N"]),
-        m(B["p_div"]),
-        m(B["E_L"]),
-        m(B["E_N_post"]),
-        m(B["E_N"]),
-    )
+    return gap_terms({c: m(A[c]) for c in GAP_COLUMNS}, {c: m(B[c]) for c in GAP_COLUMNS})
 
 
 def _gap_rows(
-    head: Mapping[str, Any], point: Mapping[str, np.ndarray], boot: Mapping[str, np.ndarray], confidence: float
+    head: Mapping[str, Any], point: Mapping[str, np.ndarray], resampled: Mapping[str, np.ndarray], confidence: float
 ) -> list[dict[str, Any]]:
     """The rows of :func:`gap_decomposition`, from the point terms and their resamples.
 
@@ -348,8 +342,8 @@ def _gap_rows(
     rows = []
     for term in ("delta",) + TERMS:
         val = float(point[term])
-        lo, hi = percentile_interval(boot[term], confidence)
-        sh_b = safe_divide(boot[term], boot["delta"], where=boot["delta"] != 0)
+        lo, hi = percentile_interval(resampled[term], confidence)
+        sh_b = safe_divide(resampled[term], resampled["delta"], where=resampled["delta"] != 0)
         slo, shi = percentile_interval(sh_b, confidence)
         share = safe_divide(val, point["delta"], where=point["delta"] != 0)
         rows.append(
@@ -482,9 +476,7 @@ def _late_minus_early(
     policy: str,
     split: str,
     plan: Mapping[str, Any],
-    n_boot: int,
-    confidence: float,
-    seed: int,
+    boot: Bootstrap,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One model's per-document ``d = btv[late] - btv[early]``, test and intervals (internal)."""
     g = g.sort("doc_id")
@@ -500,9 +492,9 @@ def _late_minus_early(
             res = stats.wilcoxon(du, alternative=plan["alternative"], zero_method="wilcox")
         stat, p = float(res.statistic), float(res.pvalue)
     if du.size:
-        resampled = du[resample_indices(du.size, n_boot, seed, "confirmatory", model, policy)]
-        mlo, mhi = (float(v) for v in percentile_interval(resampled.mean(axis=1), confidence))
-        dlo, dhi = (float(v) for v in percentile_interval(np.median(resampled, axis=1), confidence))
+        resampled = du[boot.indices(du.size, "confirmatory", model, policy)]
+        mlo, mhi = (float(v) for v in boot.interval(resampled.mean(axis=1)))
+        dlo, dhi = (float(v) for v in boot.interval(np.median(resampled, axis=1)))
     else:
         mlo = mhi = dlo = dhi = float("nan")
     result = {
@@ -584,9 +576,7 @@ def confirmatory_analysis(
     docs: pl.DataFrame,
     plan: Mapping[str, Any],
     split: str,
-    n_boot: int,
-    confidence: float,
-    seed: int,
+    boot: Bootstrap,
     floor: str | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The prespecified confirmatory test of estimators.md §8.
@@ -613,8 +603,9 @@ def confirmatory_analysis(
         Config section ``confirmatory`` (validated here).
     split : str
         Must be ``"confirmatory"``.
-    n_boot, confidence, seed
-        Bootstrap resamples, coverage, master seed.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap of the mean and median difference (purpose
+        ``("confirmatory", model, policy)``).
     floor : str, optional
         The noise-floor policy's name.
 
@@ -649,7 +640,7 @@ def confirmatory_analysis(
         raise ValueError(f"no confirmatory estimates for the plan's policy {policy!r}")
     results, per_doc = [], []
     for (model,), g in sel.group_by(["model"], maintain_order=True):
-        r, pd_ = _late_minus_early(g, model, policy, split, plan, n_boot, confidence, seed)
+        r, pd_ = _late_minus_early(g, model, policy, split, plan, boot)
         results.append(r)
         per_doc.extend(pd_)
     adj = holm([r["p_raw"] for r in results], plan["correction"])
@@ -660,7 +651,7 @@ def confirmatory_analysis(
         r["role"] = "plan"
     if floor is not None and floor != policy:
         for (model,), g in docs.filter(pl.col("policy") == floor).group_by(["model"], maintain_order=True):
-            r, pd_ = _late_minus_early(g, model, floor, split, plan, n_boot, confidence, seed)
+            r, pd_ = _late_minus_early(g, model, floor, split, plan, boot)
             r.update(p_adjusted=float("nan"), decision=FLOOR_DECISION, role="floor")
             results.append(r)
             per_doc.extend(pd_)
@@ -745,7 +736,7 @@ GAP_SCHEMA = {
 FLOOR_METRICS = ("p_div", "E_N", "tv_mean")
 
 
-def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def floor_comparison(docs: pl.DataFrame, floor: str, boot: Bootstrap) -> pl.DataFrame:
     """Every policy next to the numerical noise floor, per model and split.
 
     The floor is the ``PermutationPress`` control: its two kernels are equal in exact
@@ -762,12 +753,8 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
         any runs, with ``p_div``, ``E_N`` (tokens) and ``tv_mean``.
     floor : str
         Name of the floor policy (config ``runs.floor.policy``).
-    n_boot : int
-        Bootstrap resamples.
-    confidence : float
-        Interval coverage.
-    seed : int
-        Master seed.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the paired document bootstrap (purpose ``("floor", model, policy, split)``).
 
     Returns
     -------
@@ -792,7 +779,7 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
             j = gp.select(["doc_id", *metrics]).join(fl, on="doc_id", suffix="_floor").sort("doc_id")
             n = j.height
             r: dict[str, Any] = {"model": model, "split": split, "policy": policy, "floor": floor, "n_docs": n}
-            idx = resample_indices(n, n_boot, seed, "floor", model, policy, split)
+            idx = boot.indices(n, "floor", model, policy, split)
             for m in metrics:
                 a = j[m].to_numpy().astype(np.float64)
                 b = j[m + "_floor"].to_numpy().astype(np.float64)
@@ -800,7 +787,7 @@ def floor_comparison(docs: pl.DataFrame, floor: str, n_boot: int, confidence: fl
                     if n == 0:
                         put_interval(r, name, math.nan, math.nan, math.nan)
                         continue
-                    put_interval(r, name, x.mean(), *percentile_interval(x[idx].mean(axis=1), confidence))
+                    put_interval(r, name, x.mean(), *boot.interval(x[idx].mean(axis=1)))
             for m in ("p_div", "E_N"):
                 r[f"above_floor_{m}"] = bool(n > 0 and r[f"diff_{m}_lo"] > 0)
             rows.append(r)

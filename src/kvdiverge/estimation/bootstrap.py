@@ -11,12 +11,17 @@ from their own generator, derived from the master seed and a purpose tuple
   ``counts @ X / n`` is the resampled mean of every column of ``X``.
 - :func:`resampled_nanmean` — resampled means over the finite entries of each column.
 - :func:`percentile_interval` — the percentile interval of resampled statistics.
+- :class:`Bootstrap` — the settings every table's intervals share: resamples, coverage, seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import numbers
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +29,7 @@ from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "INTERVAL",
+    "Bootstrap",
     "bootstrap_rng",
     "interval_columns",
     "percentile_interval",
@@ -35,6 +41,83 @@ __all__ = [
 
 #: Suffixes of an estimate's columns: the value, the interval's lower and upper ends.
 INTERVAL = ("", "_lo", "_hi")
+
+
+def _bootstrap_iv(n_boot: Any, confidence: Any, seed: Any) -> tuple[int, float, int]:
+    """The settings of a :class:`Bootstrap` checked and converted (``int``, ``float``, ``int``).
+
+    Raises
+    ------
+    ValueError
+        Naming the first field out of range: ``n_boot`` not an integer ``>= 0``,
+        ``confidence`` not a number in (0, 1), ``seed`` not an integer ``>= 0``.
+    """
+    for name, value in (("n_boot", n_boot), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"Bootstrap.{name} must be an integer >= 0, got {value!r}")
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
+        raise ValueError(f"Bootstrap.confidence must be a number in (0, 1), got {confidence!r}")
+    return int(n_boot), float(confidence), int(seed)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Settings of the document bootstrap (estimators.md §7): how many resamples, which coverage, which seed.
+
+    Every table with intervals takes one: the pooled tables, the gap decomposition, the
+    confirmatory test, the noise-floor comparison, the drift, teacher-forced, speculative,
+    task and frontier tables. The resamples of a table derive from ``seed`` and the
+    table's purpose (:func:`resample_indices`), the interval from ``confidence``
+    (:func:`percentile_interval`).
+
+    Parameters
+    ----------
+    n_boot : int
+        Number of resamples of the documents (a count, ``>= 0``; config
+        ``analysis.bootstrap``). 0 draws none: the intervals are NaN, or left out where a
+        table says so (:func:`kvdiverge.estimation.teacher_forced.summary_table`).
+    confidence : float
+        Coverage of the percentile intervals, a fraction in (0, 1) (config
+        ``analysis.confidence``): 0.95 gives the 2.5 % and 97.5 % percentiles.
+    seed : int
+        Master seed of the resamples, ``>= 0`` (config ``seed``): with the purpose tuple it
+        seeds each table's generator (:func:`bootstrap_rng`).
+
+    Raises
+    ------
+    ValueError
+        Naming the field out of range (``Bootstrap.n_boot must be an integer >= 0, got -1``).
+
+    Examples
+    --------
+    >>> Bootstrap(n_boot=200, seed=3)
+    Bootstrap(n_boot=200, confidence=0.95, seed=3)
+    """
+
+    n_boot: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        n_boot, confidence, seed = _bootstrap_iv(self.n_boot, self.confidence, self.seed)
+        object.__setattr__(self, "n_boot", n_boot)
+        object.__setattr__(self, "confidence", confidence)
+        object.__setattr__(self, "seed", seed)
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> Bootstrap:
+        """The settings of a settings record or workflow params: its ``bootstrap`` (resamples),
+        ``confidence`` and ``seed`` (those of a :class:`kvdiverge.measurement.Measurement` and
+        of the analysis rules' ``ANALYSIS_PARAMS``)."""
+        return cls(settings["bootstrap"], settings["confidence"], settings["seed"])
+
+    def indices(self, n: int, *purpose: object) -> np.ndarray:
+        """:func:`resample_indices` of ``n`` documents with these settings, shape (n_boot, n)."""
+        return resample_indices(n, self.n_boot, self.seed, *purpose)
+
+    def interval(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`percentile_interval` of resampled statistics at this coverage."""
+        return percentile_interval(samples, self.confidence)
 
 
 def interval_columns(name: str) -> tuple[str, str, str]:

@@ -46,12 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import (
-    percentile_interval,
-    put_interval,
-    resample_counts,
-    resample_indices,
-)
+from kvdiverge.estimation.bootstrap import Bootstrap, percentile_interval, put_interval, resample_counts
 
 __all__ = [
     "DRIFT_MEASURES",
@@ -280,20 +275,17 @@ def _median_length(H: np.ndarray) -> np.ndarray:
     return (np.argmax(cum >= 0.5 - 1e-12, axis=-1) + 1).astype(np.float64)
 
 
-def drift_table(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def drift_table(reps: pl.DataFrame, boot: Bootstrap) -> pl.DataFrame:
     """Per policy, each measure on both sides and the paired difference, with document-bootstrap intervals.
 
     Parameters
     ----------
     reps : polars.DataFrame
         :func:`drift_replicates` output.
-    n_boot : int
-        Document-bootstrap resamples (documents resampled with replacement, both sides together:
-        the intervals of the differences are paired).
-    confidence : float
-        Interval coverage in (0, 1).
-    seed : int
-        Master seed (the resamples' generator also derives from model, policy and split).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap (documents resampled with replacement, both sides
+        together: the intervals of the differences are paired; the resamples' generator also
+        derives from model, policy and split).
 
     Returns
     -------
@@ -314,15 +306,15 @@ def drift_table(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -
         docs, Hx, Hy = _eos_histograms(part, T)
         means = means.sort("doc_id")
         n = len(docs)
-        counts = resample_counts(resample_indices(n, int(n_boot), int(seed), "drift", *key))
+        counts = resample_counts(boot.indices(n, "drift", *key))
         base = dict(zip(_KEYS, key)) | {"n_docs": n, "T": T}
         for m in DRIFT_MEASURES:
             X = means.select(f"{m}_full", f"{m}_compressed").to_numpy()
-            point, boot = X.mean(axis=0), counts @ X / n
-            rows.append(_row(base, names.get(m, m), point, boot, confidence))
+            point, resampled = X.mean(axis=0), counts @ X / n
+            rows.append(_row(base, names.get(m, m), point, resampled, boot.confidence))
         point = np.array([_median_length(Hx.mean(0)), _median_length(Hy.mean(0))])
-        boot = np.stack([_median_length(counts @ Hx / n), _median_length(counts @ Hy / n)], axis=1)
-        rows.append(_row(base, "length_median", point, boot, confidence))
+        resampled = np.stack([_median_length(counts @ Hx / n), _median_length(counts @ Hy / n)], axis=1)
+        rows.append(_row(base, "length_median", point, resampled, boot.confidence))
     order = ["length_mean", "length_median", "stop_rate", "loop_rate", "rep4", "distinct2"]
     out = pl.DataFrame(rows)
     if out.height == 0:
@@ -330,11 +322,18 @@ def drift_table(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -
     return out.sort(*_KEYS, pl.col("measure").replace_strict(order, list(range(len(order)))), maintain_order=True)
 
 
-def length_ratios(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def length_ratios(reps: pl.DataFrame, boot: Bootstrap) -> pl.DataFrame:
     """Per policy, the mean length on the compressed side over the full-cache side's, with its interval.
 
     The frontier's length panel (:func:`with_drift_columns`): 1 means the compressed cache changes
     no length, above 1 it makes the model talk longer. The resamples are :func:`drift_table`'s.
+
+    Parameters
+    ----------
+    reps : polars.DataFrame
+        :func:`drift_replicates` output.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap (the same resamples as :func:`drift_table` with them).
 
     Returns
     -------
@@ -347,9 +346,8 @@ def length_ratios(reps: pl.DataFrame, n_boot: int, confidence: float, seed: int)
         means = part.group_by("doc_id").agg(pl.col("length_full").mean(), pl.col("length_compressed").mean())
         X = means.sort("doc_id").select("length_full", "length_compressed").to_numpy()
         n = X.shape[0]
-        counts = resample_counts(resample_indices(n, int(n_boot), int(seed), "drift", *key))
-        boot = counts @ X / n
-        lo, hi = percentile_interval(boot[:, 1] / boot[:, 0], confidence)
+        resampled = resample_counts(boot.indices(n, "drift", *key)) @ X / n
+        lo, hi = boot.interval(resampled[:, 1] / resampled[:, 0])
         row = dict(zip(_KEYS, key))
         put_interval(row, "length_ratio", float(X[:, 1].mean() / X[:, 0].mean()), float(lo), float(hi))
         rows.append(row)
@@ -369,11 +367,11 @@ def with_drift_columns(table: pl.DataFrame, ratios: pl.DataFrame | None) -> pl.D
     return table.join(ratios.select(*keys, pl.col("^length_ratio.*$")), on=keys, how="left")
 
 
-def _row(base: dict, measure: str, point: np.ndarray, boot: np.ndarray, confidence: float) -> dict:
+def _row(base: dict, measure: str, point: np.ndarray, resampled: np.ndarray, confidence: float) -> dict:
     """One row of :func:`drift_table`: full, compressed and their difference, each with its interval."""
     row = {**base, "measure": measure}
     values = np.array([point[0], point[1], point[1] - point[0]])
-    samples = np.column_stack([boot[:, 0], boot[:, 1], boot[:, 1] - boot[:, 0]])
+    samples = np.column_stack([resampled[:, 0], resampled[:, 1], resampled[:, 1] - resampled[:, 0]])
     lo, hi = percentile_interval(samples, confidence)
     for i, name in enumerate(("full", "compressed", "diff")):
         put_interval(row, name, float(values[i]), float(lo[i]), float(hi[i]))

@@ -31,13 +31,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import (
-    percentile_interval,
-    put_interval,
-    resample_counts,
-    resample_indices,
-    resampled_nanmean,
-)
+from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts, resampled_nanmean
 from kvdiverge.estimation.decomposition import check_decomposition, rho
 from kvdiverge.estimation.intervals import sharp_interval
 from kvdiverge.estimation.numeric import safe_divide
@@ -545,7 +539,7 @@ POOLED_COLUMNS = [
 ]
 
 
-def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def pooled_estimates(docs: pl.DataFrame, boot: Bootstrap) -> pl.DataFrame:
     """Pooled per (model, policy, split): equal-weight means over documents (§7).
 
     Each mean gets a percentile document-bootstrap interval (``<col>_lo``, ``<col>_hi``);
@@ -563,12 +557,9 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
     ----------
     docs : polars.DataFrame
         Output of :func:`document_estimates` (any number of runs).
-    n_boot : int
-        Bootstrap resamples (config ``analysis.bootstrap``).
-    confidence : float
-        Interval coverage (config ``analysis.confidence``).
-    seed : int
-        Master seed.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Resamples, coverage and master seed of the intervals; each run's resamples derive
+        from (seed, "pooled", model, policy, split).
 
     Returns
     -------
@@ -589,8 +580,8 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         n = g.height
         X = np.column_stack([g[c].to_numpy().astype(np.float64) for c in POOLED_COLUMNS])
         mean = X.mean(axis=0)
-        B = resample_counts(resample_indices(n, n_boot, seed, "pooled", model, policy, split)) @ X / n
-        lo, hi = percentile_interval(B, confidence)
+        B = resample_counts(boot.indices(n, "pooled", model, policy, split)) @ X / n
+        lo, hi = boot.interval(B)
         r: dict = {
             "model": model,
             "policy": policy,
@@ -605,8 +596,8 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
         ci = {c: j for j, c in enumerate(POOLED_COLUMNS)}
         tau_b = safe_divide(B[:, ci["E_tau_div"]], B[:, ci["p_div"]])
         rho_b = rho(B[:, ci["E_N_post"]], B[:, ci["E_L"]])  # (n_boot,)
-        put_interval(r, "rho", rho(r["E_N_post"], r["E_L"]), *percentile_interval(rho_b, confidence))
-        put_interval(r, "tau_mean", safe_divide(r["E_tau_div"], r["p_div"]), *percentile_interval(tau_b, confidence))
+        put_interval(r, "rho", rho(r["E_N_post"], r["E_L"]), *boot.interval(rho_b))
+        put_interval(r, "tau_mean", safe_divide(r["E_tau_div"], r["p_div"]), *boot.interval(tau_b))
         first, rate = check_decomposition(
             r["E_M"], r["p_div"], r["E_L"], r["E_N_post"], T, where=f"pooled {model}/{policy}/{split}"
         )
@@ -634,12 +625,19 @@ def pooled_estimates(docs: pl.DataFrame, n_boot: int, confidence: float, seed: i
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
-def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def survival_curve(docs: pl.DataFrame, boot: Bootstrap) -> pl.DataFrame:
     """Mean survival ``S_t`` and divergence-time law ``f_t`` over documents, per run.
 
     The Kaplan–Meier-style curve of first divergence: per document ``S_t`` is the
     replicate mean of the chain survival (unbiased, §5), pooled with equal weight.
     Steps ``t = 0..T`` (``S_0 = 1``, ``f_0 = 0``).
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Output of :func:`document_estimates` (any number of runs).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document-bootstrap intervals (purpose ``"survival"``).
 
     Returns
     -------
@@ -655,9 +653,9 @@ def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int
         f = np.asarray(g["f"].to_list(), dtype=np.float64).reshape(g.height, T)
         S = np.column_stack([np.ones(g.height), S])
         f = np.column_stack([np.zeros(g.height), f])
-        counts = resample_counts(resample_indices(g.height, n_boot, seed, "survival", model, policy, split))
-        Slo, Shi = percentile_interval(counts @ S / g.height, confidence)
-        flo, fhi = percentile_interval(counts @ f / g.height, confidence)
+        counts = resample_counts(boot.indices(g.height, "survival", model, policy, split))
+        Slo, Shi = boot.interval(counts @ S / g.height)
+        flo, fhi = boot.interval(counts @ f / g.height)
         parts.append(
             pl.DataFrame(
                 {
@@ -678,11 +676,18 @@ def survival_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int
     return pl.concat(parts) if parts else pl.DataFrame()
 
 
-def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: int) -> pl.DataFrame:
+def branch_tv_curve(docs: pl.DataFrame, boot: Bootstrap) -> pl.DataFrame:
     """Branch-aligned TV by lag since divergence (§6), pooled over documents per run.
 
     Per lag ``k``, the equal-weight mean over documents whose branches reached lag ``k``
     of the per-document ``btv_lag``, with a document-bootstrap interval.
+
+    Parameters
+    ----------
+    docs : polars.DataFrame
+        Output of :func:`document_estimates` (any number of runs).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document-bootstrap intervals (purpose ``"branch_tv"``).
 
     Returns
     -------
@@ -697,11 +702,11 @@ def branch_tv_curve(docs: pl.DataFrame, n_boot: int, confidence: float, seed: in
         model, policy, split = key
         T = int(g["T"][0])
         V = np.asarray(g["btv_lag"].to_list(), dtype=np.float64).reshape(g.height, T)
-        counts = resample_counts(resample_indices(g.height, n_boot, seed, "branch_tv", model, policy, split))
+        counts = resample_counts(boot.indices(g.height, "branch_tv", model, policy, split))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(V, axis=0)
-            lo, hi = percentile_interval(resampled_nanmean(counts, V), confidence)
+            lo, hi = boot.interval(resampled_nanmean(counts, V))
         parts.append(
             pl.DataFrame(
                 {

@@ -5,7 +5,8 @@ token budgets), and optionally quantized KV caches alone and after each press, o
 documents with common random numbers. Each point is an ordinary policy named
 ``<press>@<ratio>`` (``snapkv@0.5``), ``<press>@b<budget>`` (``snapkv@b128``), ``<cache>``
 (a quantized cache alone, ``int4``) or ``<press>@<ratio>+<cache>`` (evict, then quantize
-what is kept: ``snapkv@0.5+int4``): :func:`frontier_grid` makes the names, the config
+what is kept: ``snapkv@0.5+int4``): :func:`frontier_grid` makes the names from the presses and
+a :class:`FrontierSpec` (the ratios, budgets, caches and cache ratios), the config
 (:func:`kvdiverge.study.config.expand_frontier`), the command line and
 :func:`kvdiverge.measure` expand through it.
 
@@ -38,25 +39,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import (
-    interval_columns,
-    percentile_interval,
-    put_interval,
-    resample_counts,
-    resample_indices,
-)
+from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, put_interval, resample_counts
 from kvdiverge.estimation.decomposition import check_decomposition
 from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "POINT_METRICS",
     "FrontierPoint",
+    "FrontierSpec",
     "common_range",
     "frontier_curves",
     "frontier_grid",
@@ -159,6 +155,53 @@ class FrontierPoint:
         return self.cache if self.press is None else f"{self.press}+{self.cache}"
 
 
+@dataclass(frozen=True)
+class FrontierSpec:
+    """What a frontier varies besides its presses: ratios, budgets, quantized caches, ratios before a cache.
+
+    Holds the values as given (the sequences as tuples, a mapping of caches as a dict, None as
+    empty); :func:`frontier_problems` checks them, :func:`frontier_grid` expands them into points.
+
+    Parameters
+    ----------
+    ratios : sequence of float
+        Compression ratios, fractions of prompt positions evicted, in ``[0, 1)`` (config
+        ``frontier.ratios``).
+    budgets : sequence of int
+        Fixed numbers of prompt positions kept (tokens), ``>= 1``; full precision only
+        (``frontier.budgets``).
+    caches : mapping of str to mapping
+        Quantized caches by label (``frontier.caches``): ``backend``, ``nbits``,
+        ``q_group_size`` (and ``residual_length``); a label's settings may be None where only
+        the labels are checked.
+    cache_ratios : sequence of float or None
+        Ratios of the press before each cache, in ``[0, 1)``; 0 is the cache alone
+        (``frontier.cache_ratios``). None: 0 and every ratio of ``ratios``.
+    """
+
+    ratios: Sequence[Any] = ()
+    budgets: Sequence[Any] = ()
+    caches: Mapping[str, Any] = field(default_factory=dict)
+    cache_ratios: Sequence[Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratios", tuple(() if self.ratios is None else self.ratios))
+        object.__setattr__(self, "budgets", tuple(() if self.budgets is None else self.budgets))
+        caches = {} if self.caches is None else self.caches
+        object.__setattr__(self, "caches", dict(caches) if isinstance(caches, Mapping) else caches)
+        if self.cache_ratios is not None:
+            object.__setattr__(self, "cache_ratios", tuple(self.cache_ratios))
+
+    @classmethod
+    def of(cls, block: FrontierSpec | Mapping[str, Any] | None) -> FrontierSpec:
+        """``block`` itself, or the spec of a config's ``frontier`` section or a mapping of the fields
+        (other keys, such as ``presses`` and ``split``, ignored); None or empty: no ratio, budget or cache."""
+        if isinstance(block, cls):
+            return block
+        block = block or {}
+        return cls(*(block.get(k) for k in ("ratios", "budgets", "caches", "cache_ratios")))
+
+
 def _ratio_problem(key: str, r: Any) -> str | None:
     if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 <= float(r) < 1:
         return f"{key}: {r!r} is not a compression ratio; allowed: numbers in [0, 1)"
@@ -166,12 +209,7 @@ def _ratio_problem(key: str, r: Any) -> str | None:
 
 
 def frontier_problems(
-    presses: Iterable[str],
-    ratios: Sequence[Any] = (),
-    budgets: Sequence[Any] = (),
-    caches: Mapping[str, Any] | None = None,
-    cache_ratios: Sequence[Any] | None = None,
-    policies: Iterable[str] = (),
+    presses: Iterable[str], spec: FrontierSpec = FrontierSpec(), policies: Iterable[str] = ()
 ) -> list[str]:
     """What is wrong with a frontier's labels and values, one sentence each: the one check every door uses.
 
@@ -183,13 +221,11 @@ def frontier_problems(
     ----------
     presses : iterable of str
         Press labels: no ``@`` or ``+`` (reserved for the points' names).
-    ratios, cache_ratios : sequence
-        Compression ratios, numbers in ``[0, 1)``.
-    budgets : sequence
-        Prompt positions kept, integers ``>= 1``.
-    caches : mapping, optional
-        Cache label -> settings: no ``@`` or ``+`` in a label, no label equal to a press
-        label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not checked).
+    spec : FrontierSpec
+        Its ``ratios`` and ``cache_ratios`` must be numbers in ``[0, 1)``, its ``budgets``
+        integers ``>= 1``; its ``caches``: no ``@`` or ``+`` in a label, no label equal to a
+        press label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not
+        checked).
     policies : iterable of str
         Names of the other policies beside the frontier (a config's own): no ``@``.
 
@@ -198,8 +234,14 @@ def frontier_problems(
     list of str
         Empty when the frontier is well formed.
     """
-    presses, caches = [str(p) for p in presses], dict(caches or {})
-    problems = [
+    presses, caches, problems = [str(p) for p in presses], spec.caches, []
+    if not isinstance(caches, Mapping):
+        problems.append(
+            f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
+            f"got {type(caches).__name__}"
+        )
+        caches = {}
+    problems += [
         f"press {p!r}: {mark!r} in a press name is reserved for the frontier's {form} names; rename it"
         for p in presses
         for mark, form in (("@", "<press>@<ratio>"), ("+", "<press>@<ratio>+<cache>"))
@@ -207,13 +249,13 @@ def frontier_problems(
     ]
     problems += [
         q
-        for key, rs in (("ratios", ratios), ("cache_ratios", cache_ratios or ()))
+        for key, rs in (("ratios", spec.ratios), ("cache_ratios", spec.cache_ratios or ()))
         for r in rs
         if (q := _ratio_problem(key, r))
     ]
     problems += [
         f"budgets: {b!r} is not a number of tokens; allowed: integers >= 1"
-        for b in budgets
+        for b in spec.budgets
         if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
     ]
     for c, settings in caches.items():
@@ -235,29 +277,17 @@ def frontier_problems(
     return problems
 
 
-def frontier_grid(
-    presses: Iterable[str],
-    ratios: Sequence[float] = (),
-    budgets: Sequence[int] = (),
-    caches: Mapping[str, Mapping[str, Any]] | None = None,
-    cache_ratios: Sequence[float] | None = None,
-) -> list[FrontierPoint]:
+def frontier_grid(presses: Iterable[str], spec: FrontierSpec) -> list[FrontierPoint]:
     """Every frontier point: each press at each ratio and budget, then each cache alone and after each press.
 
     Parameters
     ----------
     presses : iterable of str
         Press labels (config ``frontier.presses`` keys).
-    ratios : sequence of float
-        Compression ratios, fractions of prompt positions evicted, in ``[0, 1)``.
-    budgets : sequence of int
-        Fixed numbers of prompt positions kept (tokens), ``>= 1``; full precision only.
-    caches : mapping of str to mapping, optional
-        Quantized caches by label (config ``frontier.caches``): ``backend``, ``nbits``,
-        ``q_group_size`` (and ``residual_length``), complete.
-    cache_ratios : sequence of float, optional
-        Ratios of the press before each cache; 0 is the cache alone (one point per cache,
-        whatever the press). Default: 0 and every ratio of ``ratios``.
+    spec : FrontierSpec
+        The ratios, budgets, quantized caches (their settings complete) and ratios before
+        each cache; a cache ratio of 0 is the cache alone (one point per cache, whatever
+        the press).
 
     Returns
     -------
@@ -272,16 +302,16 @@ def frontier_grid(
     ValueError
         The first of :func:`frontier_problems`, or two points with the same name.
     """
-    presses, caches = list(presses), dict(caches or {})
-    problems = frontier_problems(presses, ratios, budgets, caches, cache_ratios)
+    presses = list(presses)
+    problems = frontier_problems(presses, spec)
     if problems:
         raise ValueError(problems[0])
-    cache_ratios = [0.0, *ratios] if cache_ratios is None else list(cache_ratios)
+    cache_ratios = (0.0, *spec.ratios) if spec.cache_ratios is None else spec.cache_ratios
     out: list[FrontierPoint] = []
     for press in presses:
-        out += [FrontierPoint(frontier_name(press, ratio=r), press, float(r)) for r in ratios]
-        out += [FrontierPoint(frontier_name(press, budget=b), press, None, int(b)) for b in budgets]
-    for cache, settings in caches.items():
+        out += [FrontierPoint(frontier_name(press, ratio=r), press, float(r)) for r in spec.ratios]
+        out += [FrontierPoint(frontier_name(press, budget=b), press, None, int(b)) for b in spec.budgets]
+    for cache, settings in spec.caches.items():
         if any(float(r) == 0 for r in cache_ratios):
             out.append(FrontierPoint(frontier_name(None, cache=cache), None, 0.0, None, cache, dict(settings)))
         out += [
@@ -418,10 +448,10 @@ def _point(g: pl.DataFrame, counts: np.ndarray, T: int) -> tuple[dict[str, float
 
 
 def _with_intervals(
-    row: dict[str, Any], point: Mapping[str, float], boot: Mapping[str, np.ndarray], confidence: float, prefix: str = ""
+    row: dict[str, Any], point: Mapping[str, float], resampled: Mapping[str, np.ndarray], boot: Bootstrap, prefix=""
 ) -> None:
     for m in POINT_METRICS:
-        lo, hi = percentile_interval(boot[m], confidence)
+        lo, hi = boot.interval(resampled[m])
         put_interval(row, prefix + m, point[m], lo, hi)
 
 
@@ -562,9 +592,7 @@ def frontier_tables(
     docs: pl.DataFrame,
     grid: Sequence[FrontierPoint | Mapping[str, Any]],
     floor: str | None,
-    n_boot: int,
-    confidence: float,
-    seed: int,
+    boot: Bootstrap,
     split: str | None = None,
     kv_sizes: Mapping[str, Mapping[str, float]] | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -583,12 +611,9 @@ def frontier_tables(
     floor : str or None
         The noise-floor policy (``PermutationPress``); None: floor columns null and
         ``above_floor`` false.
-    n_boot : int
-        Bootstrap resamples.
-    confidence : float
-        Interval coverage in (0, 1).
-    seed : int
-        Master seed (the resamples derive from it, the model and the split).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap (the resamples derive from its seed, the model and
+        the split).
     split : str, optional
         The frontier's split; default the only split of the grid's rows in ``docs``.
     kv_sizes : mapping, optional
@@ -654,26 +679,15 @@ def frontier_tables(
     fl_rows = docs.filter((pl.col("policy") == floor) & (pl.col("split") == split)) if floor else docs.clear()
     above = {}
     if floor and fl_rows.height:
-        cmp = floor_comparison(pl.concat([rows, fl_rows], how="diagonal_relaxed"), floor, n_boot, confidence, seed)
+        cmp = floor_comparison(pl.concat([rows, fl_rows], how="diagonal_relaxed"), floor, boot)
         above = {
             (r["model"], r["policy"]): (r["above_floor_p_div"], r["above_floor_E_N"]) for r in cmp.iter_rows(named=True)
         }
     points, areas = [], []
     for model in rows["model"].unique(maintain_order=True).to_list():
+        beside = _Floor(floor, fl_rows.filter(pl.col("model") == model), above)
         sizes = (kv_sizes or {}).get(model)
-        p, a = _model_frontier(
-            rows.filter(pl.col("model") == model),
-            fl_rows.filter(pl.col("model") == model),
-            grid,
-            model,
-            split,
-            floor,
-            above,
-            n_boot,
-            confidence,
-            seed,
-            sizes,
-        )
+        p, a = _model_frontier(rows.filter(pl.col("model") == model), grid, beside, model, split, boot, sizes)
         points += p
         areas += a
     return (
@@ -699,14 +713,17 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
     return first
 
 
-def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, split: str, n: int, T: int):
-    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa."""
+def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any], sizes):
+    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa.
+
+    ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``sizes``: its KV sizes or None.
+    """
     kept = float((g["kept_len"] / g["prompt_len"]).mean())
     retention = 1.0 - p.compression_ratio if p.budget is None else kept
     on = [label for label, c in curves.items() if p.policy in c["policies"]]
     r = {
-        "model": model,
-        "split": split,
+        "model": head["model"],
+        "split": head["split"],
         "press": p.press,
         "cache": p.cache,
         "curve": p.curve,
@@ -716,8 +733,8 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, spl
         "budget": p.budget,
         "retention": retention,
         "kept_fraction": kept,
-        "n_docs": n,
-        "T": T,
+        "n_docs": head["n_docs"],
+        "T": head["T"],
     }
     if sizes is None:
         return r, retention
@@ -727,19 +744,21 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, sizes, curves, model: str, spl
     return r, r["kv_bytes_per_token"]
 
 
-def _model_frontier(
-    rows: pl.DataFrame,
-    fl_rows: pl.DataFrame,
-    grid,
-    model: str,
-    split: str,
-    floor,
-    above,
-    n_boot: int,
-    confidence: float,
-    seed: int,
-    sizes=None,
-):
+@dataclass(frozen=True)
+class _Floor:
+    """The noise floor beside one model's frontier (internal).
+
+    ``name``: its policy, or None; ``rows``: its per-document estimates on the model and
+    split; ``above``: ``(model, policy)`` -> whether the point lies above the floor in
+    ``p_div`` and in ``E_N`` (:func:`kvdiverge.estimation.analysis.floor_comparison`).
+    """
+
+    name: str | None
+    rows: pl.DataFrame
+    above: Mapping[tuple[str, str], tuple[bool, bool]]
+
+
+def _model_frontier(rows: pl.DataFrame, grid, floor: _Floor, model: str, split: str, boot: Bootstrap, sizes=None):
     """Per-point rows and per-curve rows of one model (see :func:`frontier_tables`)."""
     if sizes is None and any(p.cache is not None for p in grid):
         raise ValueError(
@@ -748,35 +767,33 @@ def _model_frontier(
         )
     first = _shared_documents(rows, grid, model, split)
     T, n = int(rows["T"][0]), len(first)
-    counts = resample_counts(resample_indices(n, n_boot, seed, "frontier", model, split))
+    head = {"model": model, "split": split, "n_docs": n, "T": T}
+    counts = resample_counts(boot.indices(n, "frontier", model, split))
     curves = frontier_curves(grid)
-    out, boots, xs = [], {}, {}
+    out, resampled, xs = [], {}, {}
     for p in grid:
         g = rows.filter(pl.col("policy") == p.policy).sort("doc_id")
-        point, boot = _point(g, counts, T)
-        r, xs[p.policy] = _point_row(g, p, sizes, curves, model, split, n, T)
-        _with_intervals(r, point, boot, confidence)
-        ab = above.get((model, p.policy))
+        point, resampled[p.policy] = _point(g, counts, T)
+        r, xs[p.policy] = _point_row(g, p, curves, head, sizes)
+        _with_intervals(r, point, resampled[p.policy], boot)
+        ab = floor.above.get((model, p.policy))
         r.update(
-            floor=floor,
+            floor=floor.name,
             above_floor_p_div=bool(ab and ab[0]),
             above_floor_E_M=bool(ab and ab[1]),
             above_floor=bool(ab and ab[0] and ab[1]),
         )
         out.append(r)
-        boots[p.policy] = boot
-    fl = fl_rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
+    fl = floor.rows.filter(pl.col("doc_id").is_in(list(first))).sort("doc_id")
     if fl.height:
         fl_counts = (
-            counts
-            if fl.height == n
-            else resample_counts(resample_indices(fl.height, n_boot, seed, "frontier-floor", model, split))
+            counts if fl.height == n else resample_counts(boot.indices(fl.height, "frontier-floor", model, split))
         )
-        fpoint, fboot = _point(fl, fl_counts, T)
+        fpoint, fresampled = _point(fl, fl_counts, T)
         for r in out:
-            _with_intervals(r, fpoint, fboot, confidence, prefix="floor_")
+            _with_intervals(r, fpoint, fresampled, boot, prefix="floor_")
             r["floor_n_docs"] = fl.height
-    areas = _areas(out, boots, xs, curves, model, split, n, T, confidence, sizes is not None, n_boot)
+    areas = _areas(out, resampled, xs, curves, head, boot, sizes is not None)
     rank = {a["curve"]: a["rank"] for a in areas}
     for r in out:
         r["rank"] = rank.get(r["curve"])
@@ -784,40 +801,44 @@ def _model_frontier(
     return out, areas
 
 
-def _curve_values(pts, boots, x, lo, hi, metric, n_boot):
-    """``(value, resamples)`` of the curve's mean over ``[lo, hi]`` (None: NaN) and of its area over
-    the ratios (``pts`` in the order of ``x``)."""
-    nan = (np.float64(np.nan), np.full(n_boot, np.nan))
+def _curve_values(pts, resampled, x, span, metric, boot: Bootstrap):
+    """``(value, resamples)`` of the curve's mean over ``span = (lo, hi)`` (None: NaN) and of its area
+    over the ratios (``pts`` in the order of ``x``; ``resampled``: policy -> metric -> resamples)."""
+    nan = (np.float64(np.nan), np.full(boot.n_boot, np.nan))
     if not pts:
         return {"mean": nan, "area": nan}
     y = np.array([r[metric] for r in pts])
-    yb = np.column_stack([boots[r["policy"]][metric] for r in pts])
+    yb = np.column_stack([resampled[r["policy"]][metric] for r in pts])
     order = np.argsort([r["compression_ratio"] for r in pts])
     ratios = np.array([pts[i]["compression_ratio"] for i in order])
-    mean = nan if lo is None else (range_mean(x, y, lo, hi), range_mean(x, yb, lo, hi))
+    mean = nan if span is None else (range_mean(x, y, *span), range_mean(x, yb, *span))
     return {"mean": mean, "area": (trapezoid_area(ratios, y[order]), trapezoid_area(ratios, yb[:, order]))}
 
 
-def _with_differences(rows, values, confidence):
+def _with_differences(rows, values, boot: Bootstrap):
     """``mean_*``, ``area_*`` with intervals, and their paired differences from the rank-1 curve."""
     best = rows[0]
     for r in rows:
         for m in ("E_M", "p_div"):
             for kind in ("mean", "area"):
-                val, boot = values[r["curve"]][m][kind]
-                bval, bboot = values[best["curve"]][m][kind]
-                lo, hi = percentile_interval(boot, confidence)
+                val, samples = values[r["curve"]][m][kind]
+                bval, bsamples = values[best["curve"]][m][kind]
+                lo, hi = boot.interval(samples)
                 put_interval(r, f"{kind}_{m}", val, lo, hi)
                 comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
-                dlo, dhi = percentile_interval(boot - bboot, confidence) if comparable else (math.nan, math.nan)
+                dlo, dhi = boot.interval(samples - bsamples) if comparable else (math.nan, math.nan)
                 r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan
                 r[f"diff_best_{kind}_{m}_lo"], r[f"diff_best_{kind}_{m}_hi"] = float(dlo), float(dhi)
     for r in rows:
         del r["_ratios"]
 
 
-def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: bool, n_boot: int):
-    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`)."""
+def _areas(points, resampled, xs, curves, head: Mapping[str, Any], boot: Bootstrap, in_bytes: bool):
+    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`).
+
+    ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``in_bytes``: the abscissae ``xs``
+    are KV bytes per prompt token (else retention).
+    """
     by_policy = {r["policy"]: r for r in points}
     members = {
         label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
@@ -830,21 +851,20 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     for label, pts in members.items():
         x = np.array([xs[r["policy"]] for r in pts])
         inside = label in covering
-        values[label] = {
-            m: _curve_values(pts, boots, x, lo if inside else None, hi, m, n_boot) for m in ("E_M", "p_div")
-        }
+        span = (lo, hi) if inside else None
+        values[label] = {m: _curve_values(pts, resampled, x, span, m, boot) for m in ("E_M", "p_div")}
         ratios = sorted(r["compression_ratio"] for r in pts)
         above = [r["compression_ratio"] for r in pts if r["above_floor"]]
         rows.append(
             {
-                "model": model,
-                "split": split,
+                "model": head["model"],
+                "split": head["split"],
                 "curve": label,
                 "press": curves[label]["press"],
                 "cache": curves[label]["cache"],
                 "covers_range": inside,
-                "n_docs": n,
-                "T": T,
+                "n_docs": head["n_docs"],
+                "T": head["T"],
                 "n_ratios": len(pts),
                 "ratio_min": ratios[0] if pts else math.nan,
                 "ratio_max": ratios[-1] if pts else math.nan,
@@ -870,7 +890,7 @@ def _areas(points, boots, xs, curves, model, split, n, T, confidence, in_bytes: 
     for i, r in enumerate(rows, start=1):
         r["rank"] = i
     if rows:
-        _with_differences(rows, values, confidence)
+        _with_differences(rows, values, boot)
     return rows
 
 
@@ -890,6 +910,4 @@ def measured_frontier(
     if not grid:
         raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
     s = settings
-    return frontier_tables(
-        docs, grid, floor, s["bootstrap"], s["confidence"], s["seed"], split=s["split"], kv_sizes=s.get("kv_sizes")
-    )
+    return frontier_tables(docs, grid, floor, Bootstrap.of(s), split=s["split"], kv_sizes=s.get("kv_sizes"))

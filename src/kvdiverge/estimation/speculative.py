@@ -61,7 +61,7 @@ from typing import Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
+from kvdiverge.estimation.bootstrap import Bootstrap, resample_counts
 
 __all__ = [
     "MAX_BLOCK",
@@ -203,20 +203,20 @@ def iid_tokens_per_forward(alpha: np.ndarray | float, k: np.ndarray | int) -> np
     return terms.sum(axis=-1)
 
 
-def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, n_boot: int, confidence: float, seed: int) -> dict:
+def _run_rows(g: pl.DataFrame, key: tuple, K: int, T: int, boot: Bootstrap) -> dict:
     """Columns of one run's rows (internal; see :func:`speculative_table`)."""
     n = g.height
     S = np.asarray(g["S"].to_list(), dtype=np.float64).reshape(n, T)[:, :K]
     A = accepted_tokens(S, K)
     alpha = 1.0 - g["tv_mean"].to_numpy().astype(np.float64)
     X = np.column_stack([S, A, alpha])  # (n, 2K + 1)
-    counts = resample_counts(resample_indices(n, n_boot, seed, "speculative", *key))
+    counts = resample_counts(boot.indices(n, "speculative", *key))
     B = counts @ X / n
     mean = X.mean(axis=0)
-    lo, hi = percentile_interval(B, confidence)
+    lo, hi = boot.interval(B)
     k = np.arange(1, K + 1)
     cond = _conditional(mean[None, :K])[0]
-    cond_lo, cond_hi = percentile_interval(_conditional(B[:, :K]), confidence)
+    cond_lo, cond_hi = boot.interval(_conditional(B[:, :K]))
     a, a_lo, a_hi = mean[-1], lo[-1], hi[-1]
     cols = {
         "k": k,
@@ -261,9 +261,7 @@ def _conditional(S: np.ndarray) -> np.ndarray:
         return np.where(prev > 0, S / np.where(prev > 0, prev, 1.0), np.nan)
 
 
-def speculative_table(
-    docs: pl.DataFrame, n_boot: int, confidence: float, seed: int, max_block: int = MAX_BLOCK
-) -> pl.DataFrame:
+def speculative_table(docs: pl.DataFrame, boot: Bootstrap, max_block: int = MAX_BLOCK) -> pl.DataFrame:
     """Accepted tokens of a first self-speculative draft block, per run and block length.
 
     Parameters
@@ -271,12 +269,9 @@ def speculative_table(
     docs : polars.DataFrame
         Per-document estimates (:func:`kvdiverge.estimation.estimators.document_estimates`),
         any number of runs; reads ``T``, ``S`` (list, length T) and ``tv_mean``.
-    n_boot : int
-        Bootstrap resamples (config ``analysis.bootstrap``).
-    confidence : float
-        Interval coverage in (0, 1) (config ``analysis.confidence``).
-    seed : int
-        Master seed; each run's resamples derive from (seed, "speculative", model, policy, split).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the document bootstrap; each run's resamples derive from (seed,
+        "speculative", model, policy, split).
     max_block : int
         Longest block ``K``; rows ``k = 1..min(max_block, T)``.
 
@@ -309,7 +304,7 @@ def speculative_table(
             raise ValueError(f"{'/'.join(key)}: T varies across documents")
         T = int(g["T"][0])
         K = min(int(max_block), T)
-        cols = _run_rows(g, key, K, T, n_boot, confidence, seed)
+        cols = _run_rows(g, key, K, T, boot)
         base = {
             "model": [key[0]] * K,
             "policy": [key[1]] * K,

@@ -26,7 +26,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from kvdiverge.estimation.analysis import GAP_SCHEMA, floor_differences, gap_decomposition, timing_table, variance_table
-from kvdiverge.estimation.bootstrap import interval_columns
+from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -90,19 +90,16 @@ def estimate(
     return reps, docs
 
 
-def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) -> dict[str, pl.DataFrame]:
+def pool(documents: pl.DataFrame, boot: Bootstrap) -> dict[str, pl.DataFrame]:
     """Pooled tables of per-document estimates, with document-bootstrap intervals.
 
     Parameters
     ----------
     documents : polars.DataFrame
         Per-document estimates (:func:`estimate`), any number of runs.
-    bootstrap : int
-        Bootstrap resamples (config ``analysis.bootstrap``).
-    confidence : float
-        Interval coverage in (0, 1) (config ``analysis.confidence``).
-    seed : int
-        Master seed; each run's resamples derive from (seed, table, model, policy, split).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Resamples (config ``analysis.bootstrap``), coverage (``analysis.confidence``) and
+        master seed (``seed``); each run's resamples derive from (seed, table, model, policy, split).
 
     Returns
     -------
@@ -117,9 +114,9 @@ def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) 
     kvdiverge.estimation.decomposition.DecompositionError
         If the pooled §3 identity fails.
     """
-    pooled = pooled_estimates(documents, bootstrap, confidence, seed)
-    survival = survival_curve(documents, bootstrap, confidence, seed)
-    branch = branch_tv_curve(documents, bootstrap, confidence, seed)
+    pooled = pooled_estimates(documents, boot)
+    survival = survival_curve(documents, boot)
+    branch = branch_tv_curve(documents, boot)
     return {
         "pooled": pooled,
         "timing": timing_table(pooled, survival),
@@ -132,9 +129,7 @@ def pool(documents: pl.DataFrame, bootstrap: int, confidence: float, seed: int) 
 def gaps(
     documents: pl.DataFrame | None,
     pairs: Iterable[Sequence[str]],
-    bootstrap: int,
-    confidence: float,
-    seed: int,
+    boot: Bootstrap,
     split: str = "exploratory",
     models: Iterable[str] | None = None,
     progress: bool = False,
@@ -150,7 +145,7 @@ def gaps(
         Per-document estimates (:func:`estimate`); None or empty gives an empty table.
     pairs : iterable of (str, str)
         Policy pairs ``(A, B)``.
-    bootstrap, confidence, seed
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
         As in :func:`pool`; resamples are paired by document.
     split : str
         The split both policies ran on.
@@ -182,7 +177,7 @@ def gaps(
         if not {a, b} <= ran:
             log.warning("gap %s - %s skipped for %s: policy not run on the %s split", a, b, model, split)
             continue
-        g = gap_decomposition(documents, model, a, b, split, bootstrap, confidence, seed)
+        g = gap_decomposition(documents, model, a, b, split, boot)
         log.info("%s: %s - %s\n%s", model, a, b, g.select("term", "value", "value_lo", "value_hi", "share"))
         frames.append(g)
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
@@ -286,7 +281,7 @@ def press_gap(
     if a == b:
         raise ValueError("a gap needs two different presses")
     s = settings
-    return gaps(documents, [(a, b)], s["bootstrap"], s["confidence"], s["seed"], split=s["split"], models=[s["model"]])
+    return gaps(documents, [(a, b)], Bootstrap.of(s), split=s["split"], models=[s["model"]])
 
 
 def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str]) -> pl.DataFrame:

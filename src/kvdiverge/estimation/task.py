@@ -25,13 +25,13 @@ teacher-forced KL divergence, a perplexity ratio, same top-1), each with its
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
 from scipy import stats
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
+from kvdiverge.estimation.bootstrap import Bootstrap, resample_counts
 
 __all__ = ["DIRECTIONS", "MEASURES", "accuracy_table", "auc_table", "correlation_table", "task_documents"]
 
@@ -75,20 +75,20 @@ def task_documents(answers: pl.DataFrame, estimates: pl.DataFrame, extra: pl.Dat
     return out.sort(KEYS)
 
 
-def _interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
-    lo, hi = percentile_interval(samples, confidence)
+def _interval(samples: np.ndarray, boot: Bootstrap) -> tuple[float, float]:
+    lo, hi = boot.interval(samples)
     return float(lo), float(hi)
 
 
-def _run_row(part: pl.DataFrame, measures: Sequence[str], n_boot: int, confidence: float, seed: int) -> dict:
+def _run_row(part: pl.DataFrame, measures: Sequence[str], boot: Bootstrap) -> dict:
     full = part["correct_full"].to_numpy().astype(float)
     mine = part["correct"].to_numpy().astype(float)
     model, split = part["model"][0], part["split"][0]
-    idx = resample_indices(len(full), n_boot, seed, "task", model, split, len(full))
+    idx = boot.indices(len(full), "task", model, split, len(full))
     row = {"model": model, "policy": part["policy"][0], "split": split, "n_docs": len(full)}
     for name, x in (("full_accuracy", full), ("accuracy", mine), ("drop", full - mine)):
         row[name] = float(x.mean())
-        row[f"{name}_lo"], row[f"{name}_hi"] = _interval(x[idx].mean(axis=1), confidence)
+        row[f"{name}_lo"], row[f"{name}_hi"] = _interval(x[idx].mean(axis=1), boot)
     kept = full == 1
     row["n_full_failed"] = int((~kept).sum())
     row["n_broken"] = int((kept & (mine == 0)).sum())
@@ -103,20 +103,19 @@ def _run_row(part: pl.DataFrame, measures: Sequence[str], n_boot: int, confidenc
 def accuracy_table(
     documents: pl.DataFrame,
     measures: Sequence[str] = MEASURES,
-    n_boot: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
+    boot: Bootstrap = Bootstrap(),
 ) -> pl.DataFrame:
     """Per run: accuracy, full-cache accuracy and drop with intervals, counts, measure means.
 
-    Resamples come from (seed, "task", model, split, number of documents), so runs on the
-    same documents share them. Columns: ``model``, ``policy``, ``split``, ``n_docs``;
-    ``full_accuracy``, ``accuracy``, ``drop`` (fractions of documents) each with ``_lo``,
-    ``_hi``; ``n_full_failed``, ``n_broken``, ``n_fixed``, ``accuracy_kept``; one column per
-    measure (its mean over the documents, NaN entries left out).
+    Resamples (:class:`kvdiverge.estimation.bootstrap.Bootstrap` ``boot``) come from (seed,
+    "task", model, split, number of documents), so runs on the same documents share them.
+    Columns: ``model``, ``policy``, ``split``, ``n_docs``; ``full_accuracy``, ``accuracy``,
+    ``drop`` (fractions of documents) each with ``_lo``, ``_hi``; ``n_full_failed``,
+    ``n_broken``, ``n_fixed``, ``accuracy_kept``; one column per measure (its mean over the
+    documents, NaN entries left out).
     """
     rows = [
-        _run_row(part, measures, n_boot, confidence, seed)
+        _run_row(part, measures, boot)
         for _, part in documents.sort(KEYS).group_by(["model", "split", "policy"], maintain_order=True)
     ]
     return pl.DataFrame(rows).sort(["model", "split", "policy"])
@@ -152,14 +151,13 @@ def _means(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
 
 
-def _floor_band(documents: pl.DataFrame, floor: str | None, m: str, idx_seed: tuple, confidence: float) -> dict:
+def _floor_band(documents: pl.DataFrame, floor: str | None, m: str, boot: Bootstrap, purpose: tuple) -> dict:
     part = documents.filter(pl.col("policy") == floor) if floor else documents.clear()
     if part.is_empty():
         return {"floor": float("nan"), "floor_lo": float("nan"), "floor_hi": float("nan")}
     x = part[m].cast(pl.Float64).fill_null(np.nan).to_numpy()
-    n_boot, seed, *purpose = idx_seed
-    idx = resample_indices(len(x), n_boot, seed, *purpose, len(x))
-    lo, hi = _interval(np.nanmean(x[idx], axis=1), confidence)
+    idx = boot.indices(len(x), *purpose, len(x))
+    lo, hi = _interval(np.nanmean(x[idx], axis=1), boot)
     return {"floor": float(np.nanmean(x)), "floor_lo": lo, "floor_hi": hi}
 
 
@@ -168,7 +166,7 @@ def correlation_table(
     measures: Sequence[str] = MEASURES,
     controls: Sequence[str] = (),
     floor: str | None = None,
-    bootstrap: Mapping[str, float] | None = None,
+    boot: Bootstrap = Bootstrap(),
 ) -> pl.DataFrame:
     """Across points: Spearman's rho and Kendall's tau of the accuracy drop with each measure.
 
@@ -183,8 +181,9 @@ def correlation_table(
     floor : str, optional
         The noise floor's policy: its mean of each measure, with an interval, is the
         ``floor`` band of the figure.
-    bootstrap : mapping, optional
-        ``n_boot`` (2000), ``confidence`` (0.95), ``seed`` (0).
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Settings of the paired document bootstrap (purposes ``"task-correlation"`` and
+        ``"task-floor"``).
 
     Returns
     -------
@@ -193,27 +192,22 @@ def correlation_table(
         ran), ``spearman``, ``kendall`` each with ``_lo``, ``_hi`` (paired document bootstrap),
         ``floor``, ``floor_lo``, ``floor_hi``. NaN where a measure or the drop is constant.
     """
-    b = {"n_boot": 2000, "confidence": 0.95, "seed": 0, **(bootstrap or {})}
     rows = []
     for (model, split), part in documents.group_by(["model", "split"], maintain_order=True):
         points, docs, arr = _matrices(part.filter(~pl.col("policy").is_in(list(controls))), measures)
-        idx = resample_indices(len(docs), int(b["n_boot"]), int(b["seed"]), "task-correlation", model, split)
+        idx = boot.indices(len(docs), "task-correlation", model, split)
         counts = resample_counts(idx)
         drop, drop_b = np.nanmean(arr["drop"], axis=1), _means(counts, arr["drop"])
         for m in measures:
             rho, tau = _rank_correlations(np.nanmean(arr[m], axis=1), drop)
             mb = _means(counts, arr[m])
-            boot = np.array([_rank_correlations(mb[i], drop_b[i]) for i in range(len(idx))]).reshape(-1, 2)
+            corr_b = np.array([_rank_correlations(mb[i], drop_b[i]) for i in range(len(idx))]).reshape(-1, 2)
             row = {"model": model, "split": split, "measure": m, "n_points": len(points), "n_docs": len(docs)}
             row.update(spearman=rho, kendall=tau)
             (row["spearman_lo"], row["kendall_lo"]), (row["spearman_hi"], row["kendall_hi"]) = (
-                tuple(map(float, v)) for v in percentile_interval(boot, float(b["confidence"]))
+                tuple(map(float, v)) for v in boot.interval(corr_b)
             )
-            row.update(
-                _floor_band(
-                    part, floor, m, (int(b["n_boot"]), int(b["seed"]), "task-floor", model, split), b["confidence"]
-                )
-            )
+            row.update(_floor_band(part, floor, m, boot, ("task-floor", model, split)))
             rows.append(row)
     return pl.DataFrame(rows)
 
@@ -236,14 +230,15 @@ def auc_table(
     documents: pl.DataFrame,
     measures: Sequence[str] = MEASURES,
     controls: Sequence[str] = (),
-    bootstrap: Mapping[str, float] | None = None,
+    boot: Bootstrap = Bootstrap(),
 ) -> pl.DataFrame:
     """Per document: the ROC AUC of each measure for the answers a press breaks.
 
     Over the (point, document) pairs whose full-cache answer is right (controls left out);
     ``broken``: the press's answer is wrong. Each measure is oriented by :data:`DIRECTIONS`
     (``+1`` when absent), so 0.5 is chance and 1 a perfect separation. The interval resamples
-    documents (with all their points; seed purpose ``"task-auc"``).
+    documents (with all their points; :class:`kvdiverge.estimation.bootstrap.Bootstrap` ``boot``,
+    seed purpose ``"task-auc"``).
 
     Returns
     -------
@@ -251,22 +246,21 @@ def auc_table(
         One row per (model, split, measure): ``n_pairs``, ``n_broken``, ``auc``, ``auc_lo``,
         ``auc_hi``, ``direction``.
     """
-    b = {"n_boot": 2000, "confidence": 0.95, "seed": 0, **(bootstrap or {})}
     rows = []
     for (model, split), part in documents.group_by(["model", "split"], maintain_order=True):
         part = part.filter(~pl.col("policy").is_in(list(controls)) & pl.col("correct_full")).sort(KEYS)
         docs = sorted(part["doc_id"].unique().to_list())
         where = {d: np.flatnonzero(part["doc_id"].to_numpy() == d) for d in docs}
         broken = ~part["correct"].to_numpy().astype(bool)
-        idx = resample_indices(len(docs), int(b["n_boot"]), int(b["seed"]), "task-auc", model, split)
+        idx = boot.indices(len(docs), "task-auc", model, split)
         for m in measures:
             sign = DIRECTIONS.get(m, 1)
             score = sign * part[m].cast(pl.Float64).fill_null(np.nan).to_numpy()
-            boot = []
+            auc_b = []
             for draw in idx:
                 rows_b = np.concatenate([where[docs[i]] for i in draw]) if len(draw) else np.zeros(0, int)
-                boot.append(roc_auc(score[rows_b], broken[rows_b]))
-            lo, hi = _interval(np.asarray(boot), float(b["confidence"]))
+                auc_b.append(roc_auc(score[rows_b], broken[rows_b]))
+            lo, hi = _interval(np.asarray(auc_b), boot)
             rows.append(
                 {"model": model, "split": split, "measure": m, "n_pairs": len(score), "n_broken": int(broken.sum())}
                 | {"auc": roc_auc(score, broken), "auc_lo": lo, "auc_hi": hi, "direction": sign}

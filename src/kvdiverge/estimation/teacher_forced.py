@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.bootstrap import percentile_interval, resample_counts, resample_indices
+from kvdiverge.estimation.bootstrap import Bootstrap, resample_counts
 
 __all__ = [
     "DOCUMENT_SCHEMA",
@@ -274,10 +274,10 @@ _BOOTSTRAPPED = {
 }
 
 
-def _bootstrap_intervals(positions: pl.DataFrame, n_boot: int, confidence: float, seed: int, purpose) -> dict:
+def _bootstrap_intervals(positions: pl.DataFrame, boot: Bootstrap, purpose) -> dict:
     """``{column}_lo`` / ``{column}_hi``: percentile intervals of the position-weighted means over documents.
 
-    Documents are resampled with replacement (:func:`kvdiverge.estimation.bootstrap.resample_indices`,
+    Documents are resampled with replacement (:meth:`kvdiverge.estimation.bootstrap.Bootstrap.indices`,
     purpose ``("teacher_forced", model, policy, split)``); a resample's mean is its positions'
     sum over its positions' count, so long and short continuations weigh as in the pooled mean.
     """
@@ -286,19 +286,17 @@ def _bootstrap_intervals(positions: pl.DataFrame, n_boot: int, confidence: float
         .agg(pl.len().cast(pl.Float64).alias("_n"), *[e.sum().alias(k) for k, (e, _) in _BOOTSTRAPPED.items()])
         .sort("doc_id")
     )
-    counts = resample_counts(resample_indices(per_doc.height, int(n_boot), int(seed), "teacher_forced", *purpose))
+    counts = resample_counts(boot.indices(per_doc.height, "teacher_forced", *purpose))
     den = counts @ per_doc["_n"].to_numpy()
     out = {}
     for key, (_, transform) in _BOOTSTRAPPED.items():
         means = (counts @ per_doc[key].to_numpy()) / den
-        lo, hi = percentile_interval(transform(means) if transform else means, confidence)
+        lo, hi = boot.interval(transform(means) if transform else means)
         out[f"{key}_lo"], out[f"{key}_hi"] = float(lo), float(hi)
     return out
 
 
-def summary_table(
-    positions: pl.DataFrame, *, floor: str | None = None, n_boot: int = 2000, confidence: float = 0.95, seed: int = 0
-) -> pl.DataFrame:
+def summary_table(positions: pl.DataFrame, *, floor: str | None = None, boot: Bootstrap = Bootstrap()) -> pl.DataFrame:
     """The ``teacher_forced`` table: per (model, policy, split), llama.cpp's statistics and bootstrap intervals.
 
     Parameters
@@ -309,7 +307,7 @@ def summary_table(
         The noise-floor policy's name: each row gets its statistics on the same model and
         split as ``floor_kld_mean``, ``floor_kld_se``, ``floor_ppl_ratio``, ``floor_same_top_p``,
         ``floor_delta_p_rms`` (null where it did not run).
-    n_boot, confidence, seed
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
         Document-bootstrap resamples, coverage and master seed (``analysis.bootstrap``,
         ``analysis.confidence``, ``seed``); ``n_boot = 0`` leaves the intervals out.
 
@@ -325,8 +323,8 @@ def summary_table(
         row: dict[str, Any] = dict(zip(_KEYS, key))
         row["n_documents"] = part["doc_id"].n_unique()
         row.update(kl_statistics(part))
-        if n_boot > 0:
-            row.update(_bootstrap_intervals(part, n_boot, confidence, seed, key))
+        if boot.n_boot > 0:
+            row.update(_bootstrap_intervals(part, boot, key))
         rows.append(row)
     table = pl.DataFrame(rows).sort(_KEYS) if rows else pl.DataFrame(schema={k: pl.String for k in _KEYS})
     if floor is None or table.is_empty():

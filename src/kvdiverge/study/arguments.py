@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.engine.runner import question_after_problems
+from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.study.devices import device_problem
 from kvdiverge.study.inputs import (
     InputError,
@@ -190,7 +191,8 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
         presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
         caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
         try:
-            expanded, _ = frontier_presses(presses, args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+            spec = FrontierSpec(args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+            expanded, _ = frontier_presses(presses, spec)
         except ValueError as exc:
             text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
             raise InputError(

@@ -55,13 +55,15 @@ def frontier_points(config: dict[str, Any]) -> list[FrontierPoint]:
     empty without a ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`; the caches' settings with their
     defaults, :func:`cache_settings`)."""
-    from kvdiverge.estimation.frontier import frontier_grid
+    from kvdiverge.estimation.frontier import FrontierSpec, frontier_grid
 
     f = config.get("frontier")
     if not f:
         return []
     caches = {label: cache_settings(c) for label, c in (f.get("caches") or {}).items()}
-    return frontier_grid(list(f["presses"]), f.get("ratios", []), f.get("budgets", []), caches, f.get("cache_ratios"))
+    return frontier_grid(
+        list(f["presses"]), FrontierSpec(f.get("ratios"), f.get("budgets"), caches, f.get("cache_ratios"))
+    )
 
 
 def frontier_split(config: dict[str, Any]) -> str | None:

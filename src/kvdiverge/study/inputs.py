@@ -30,7 +30,7 @@ from kvdiverge.engine.core.sampling import decoding_options
 if TYPE_CHECKING:
     from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.runner import Document, PressSource
-    from kvdiverge.estimation.frontier import FrontierPoint
+    from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec
 
 __all__ = [
     "InputError",
@@ -320,13 +320,7 @@ def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def frontier_presses(
-    presses: Any,
-    ratios: Sequence[float] = (),
-    budgets: Sequence[int] = (),
-    caches: Mapping[str, Mapping[str, Any]] | None = None,
-    cache_ratios: Sequence[float] | None = None,
-) -> tuple[dict[str, Any], list[FrontierPoint]]:
+def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], list[FrontierPoint]]:
     """Every press at every ratio (and budget), and each quantized cache alone and after each press,
     named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
@@ -342,17 +336,12 @@ def frontier_presses(
         Name -> kvpress press object (its ``compression_ratio``, or that of the press it
         wraps, is replaced) or config policy entry without its ratio (``{"press":
         "SnapKVPress", "window_size": 16}``); a sequence is named by class name.
-    ratios : sequence of float
-        Compression ratios in ``[0, 1)``.
-    budgets : sequence of int
-        Fixed budgets (tokens kept); policy entries only.
-    caches : mapping, optional
-        Quantized caches by label: ``backend``, ``nbits``, ``q_group_size``,
-        ``residual_length`` (the defaults of a policy's ``cache: quantized``); with a cache,
-        the presses must be policy entries.
-    cache_ratios : sequence of float, optional
-        Ratios of the press before each cache; 0 is the cache alone. Default: 0 and every
-        ratio of ``ratios``.
+    spec : kvdiverge.estimation.frontier.FrontierSpec
+        Compression ratios in ``[0, 1)``; fixed budgets (tokens kept; policy entries only);
+        quantized caches by label, ``backend``, ``nbits``, ``q_group_size``,
+        ``residual_length`` (the defaults of a policy's ``cache: quantized``; with a cache,
+        the presses must be policy entries); the ratios of the press before each cache (0
+        is the cache alone; None: 0 and every ratio).
 
     Returns
     -------
@@ -368,11 +357,13 @@ def frontier_presses(
         no ratio, a budget or a cache for a press object, a bad cache setting, or a press
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
+    from dataclasses import replace
+
     from kvdiverge.engine.presses.project import PermutationPress
-    from kvdiverge.estimation.frontier import frontier_grid, frontier_problems
+    from kvdiverge.estimation.frontier import FrontierSpec, frontier_grid, frontier_problems
     from kvdiverge.study.frontier import frontier_policy
 
-    if not ratios and not budgets:
+    if not spec.ratios and not spec.budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
     if not isinstance(presses, Mapping):
         seq = list(presses) if isinstance(presses, (list, tuple)) else [presses]
@@ -381,17 +372,16 @@ def frontier_presses(
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    problems = frontier_problems(scored, ratios, budgets, dict.fromkeys(caches or {}), cache_ratios)
+    problems = frontier_problems(scored, replace(spec, caches=dict.fromkeys(spec.caches)))
     if problems:  # the labels and values, before the caches' settings are completed and checked
         raise ValueError(problems[0])
-    caches = _frontier_caches(caches) if caches else {}
-    grid = frontier_grid(
-        list(scored),
-        [float(r) for r in ratios],
-        list(budgets),
-        caches,
-        None if cache_ratios is None else [float(r) for r in cache_ratios],
+    checked = FrontierSpec(
+        [float(r) for r in spec.ratios],
+        spec.budgets,
+        _frontier_caches(spec.caches) if spec.caches else {},
+        None if spec.cache_ratios is None else [float(r) for r in spec.cache_ratios],
     )
+    grid = frontier_grid(list(scored), checked)
     out = {point.policy: frontier_policy(scored[point.press] if point.press else None, point) for point in grid}
     out.update(floors or {NOISE_FLOOR_POLICY: PermutationPress()})
     return out, grid
@@ -563,18 +553,15 @@ def measure_inputs(
     R: int,
     instruction,
     system,
-    ratios,
-    budgets,
-    caches=None,
-    cache_ratios=None,
+    frontier: FrontierSpec | None = None,
 ):
     """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
 
     The prompts as documents (:func:`prepare_documents`), their token ids checked against the
     model's vocabulary and their lengths against ``T`` and the model context
     (:func:`check_lengths`), the presses as policies (:func:`prepare_presses`, built and
-    checked later with the model), expanded over ``ratios``, ``budgets`` and the quantized
-    ``caches`` at ``cache_ratios`` (:func:`frontier_presses`; ``grid`` is None without
+    checked later with the model), expanded over the ``frontier``'s ratios, budgets and
+    quantized caches at its cache ratios (:func:`frontier_presses`; ``grid`` is None without
     ratios or budgets).
 
     Raises
@@ -582,6 +569,7 @@ def measure_inputs(
     ValueError
         The first problem found, in one sentence.
     """
+    from kvdiverge.estimation.frontier import FrontierSpec
     from kvdiverge.study.settings import token_id_problems
 
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
@@ -590,10 +578,10 @@ def measure_inputs(
         problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
         if problems:
             raise ValueError(problems[0])
-    grid = None
-    if ratios or budgets:
-        presses, grid = frontier_presses(presses, list(ratios or ()), list(budgets or ()), caches, cache_ratios)
-    elif caches or cache_ratios is not None:
+    grid, frontier = None, frontier or FrontierSpec()
+    if frontier.ratios or frontier.budgets:
+        presses, grid = frontier_presses(presses, frontier)
+    elif frontier.caches or frontier.cache_ratios is not None:
         raise ValueError(
             "caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
             "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})"

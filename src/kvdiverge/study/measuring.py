@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.study.inputs import is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled
 
@@ -79,6 +81,16 @@ class MeasureOptions:
         checked = check_settings(given)
         return cls(**{**options, "max_new_tokens": checked["max_new_tokens"], "replicates": checked["replicates"]},
                    decoding=decoding)  # fmt: skip
+
+    @property
+    def boot(self) -> Bootstrap:
+        """The document bootstrap of the pooled intervals (:class:`~kvdiverge.estimation.bootstrap.Bootstrap`)."""
+        return Bootstrap(self.bootstrap, self.confidence, self.seed)
+
+    @property
+    def frontier(self) -> FrontierSpec:
+        """The frontier's ratios, budgets and caches (:class:`~kvdiverge.estimation.frontier.FrontierSpec`)."""
+        return FrontierSpec(self.ratios, self.budgets, self.caches, self.cache_ratios)
 
     def sampling(self, model_name: str) -> Sampling:
         """The coupled run's :class:`~kvdiverge.engine.core.sampling.Sampling`."""
@@ -146,8 +158,6 @@ def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer,
     options = TaskTableOptions(
         controls=[floor] if floor else [],
         floor=floor,
-        n_boot=opts.bootstrap,
-        confidence=opts.confidence,
-        seed=opts.seed,
+        boot=opts.boot,
     )
     return task_tables(trajectories, documents, table, tokenizer, entry.score, options=options)

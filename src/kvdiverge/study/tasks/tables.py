@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.task import MEASURES, accuracy_table, auc_table, correlation_table, task_documents
 from kvdiverge.study.tasks.answers import score_answers
 
@@ -26,19 +27,13 @@ class TaskTableOptions:
         Policy names left out of the correlations and AUC (the ``none`` control, the noise floor).
     floor : str or None
         The noise floor's policy name (the figure's band); None: no band.
-    n_boot : int
-        Document-bootstrap resamples (a count).
-    confidence : float
-        Interval coverage (a fraction in (0, 1)).
-    seed : int
-        Master seed of the resamples.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Document-bootstrap resamples, interval coverage and master seed of the resamples.
     """
 
     controls: Sequence[str] = ()
     floor: str | None = None
-    n_boot: int = 2000
-    confidence: float = 0.95
-    seed: int = 0
+    boot: Bootstrap = Bootstrap()
 
 
 def task_tables(
@@ -76,7 +71,6 @@ def task_tables(
         ``correlations``, ``auc`` (:mod:`kvdiverge.estimation.task`).
     """
     o = TaskTableOptions() if options is None else options
-    b = {"n_boot": o.n_boot, "confidence": o.confidence, "seed": o.seed}
     answers = score_answers(trajectories, prompts, tokenizer, score)
     docs = task_documents(answers, estimates, extra)
     measures = list(MEASURES)
@@ -85,7 +79,7 @@ def task_tables(
         measures += [c for c, t in extra.schema.items() if c not in keys and t.is_numeric()]
     return {
         "documents": docs,
-        "accuracy": accuracy_table(docs, measures, int(b["n_boot"]), float(b["confidence"]), int(b["seed"])),
-        "correlations": correlation_table(docs, measures, o.controls, o.floor, b),
-        "auc": auc_table(docs, measures, o.controls, b),
+        "accuracy": accuracy_table(docs, measures, o.boot),
+        "correlations": correlation_table(docs, measures, o.controls, o.floor, o.boot),
+        "auc": auc_table(docs, measures, o.controls, o.boot),
     }
