@@ -114,7 +114,7 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     from kvdiverge.cli import _parser
     from kvdiverge.study.arguments import OPTIONS
     from kvdiverge.study.config import load_schema
-    from kvdiverge.study.inputs import measure_settings
+    from kvdiverge.study.measuring import MeasureOptions
     from kvdiverge.study.settings import SETTINGS, setting_problems
 
     default, neutral = decoding_options()[name]["default"], decoding_options()[name]["neutral"]
@@ -130,10 +130,8 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     assert getattr(args, name) == value
     s = Sampling(T=2, replicates=1, decoding=Decoding(**{"temperature": 0.7, name: value}))
     assert getattr(s.decoding, name) == value and getattr(s.untransformed().decoding, name) == neutral
-    recorded = measure_settings("m", "s", {}, None, sampling=s, window=8, bootstrap=0, confidence=0.95,
-                                instruction=None, system=None)  # fmt: skip
-    plain = measure_settings("m", "s", {}, None, sampling=s.replace(**{name: default}), window=8, bootstrap=0,
-                             confidence=0.95, instruction=None, system=None)  # fmt: skip
+    recorded = MeasureOptions(bootstrap=0).recorded(s, {}, None)
+    plain = MeasureOptions(bootstrap=0).recorded(s.replace(**{name: default}), {}, None)
     if decoding_options()[name]["recorded"]:  # always recorded, at the top level
         assert recorded[name] == value and plain[name] == default and "decoding" not in recorded
     else:  # recorded when set, so records without it stay as they were

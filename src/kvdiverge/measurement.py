@@ -48,7 +48,7 @@ from kvdiverge.estimation.tables import compression_table, pairwise_gaps, press_
 from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text, summary_text
 from kvdiverge.study import measuring
-from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, measure_settings, model_label
+from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, model_label
 from kvdiverge.study.provenance import save_measurement
 
 __all__ = ["Measurement", "measure"]
@@ -471,9 +471,7 @@ def measure(
     documents = task_docs[0] if task_docs else documents
     sampling = opts.sampling(model_label(model) if model_name is None else model_name)
     runs = run_policies(model, documents, sources, sampling, split=split, options=opts.run_options())
-    recorded = {"window": opts.window, "bootstrap": opts.bootstrap, "confidence": opts.confidence}
-    recorded.update(instruction=instruction, system=system, kv_sizes=kv_sizes(model) if grid else None)
-    settings = measure_settings(sampling.model_name, split, sources, grid, sampling=sampling, **recorded)
+    settings = opts.recorded(sampling, sources, grid, kv_sizes(model) if grid else None)
     result = _measurement(runs, windows, settings, sources, _eos(model, eos_ids))
     if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)

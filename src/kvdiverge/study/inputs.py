@@ -25,10 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdiverge.engine.core.sampling import decoding_options
-
 if TYPE_CHECKING:
-    from kvdiverge.engine.core.sampling import Sampling
     from kvdiverge.engine.runner import Document, PressSource
     from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec
 
@@ -41,7 +38,6 @@ __all__ = [
     "frontier_presses",
     "is_noise_floor",
     "measure_inputs",
-    "measure_settings",
     "model_entry",
     "model_label",
     "prepare_documents",
@@ -601,53 +597,3 @@ def model_label(model: Any) -> str:
     """The ``model`` column of a model object: the basename of its ``config.name_or_path``, else ``"model"``."""
     path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "model")
     return os.path.basename(path.rstrip("/")) or "model"
-
-
-def measure_settings(
-    model_name: str,
-    split: str,
-    sources: Mapping[str, PressSource],
-    grid: Any,
-    *,
-    sampling: Sampling,
-    window: int,
-    bootstrap: int,
-    confidence: float,
-    instruction: str | None,
-    system: str | None,
-    kv_sizes: Mapping[str, int] | None = None,
-) -> dict[str, Any]:
-    """The ``settings`` of a :class:`kvdiverge.measurement.Measurement`: model, split, T, R,
-    temperature, top_p, seed (of ``sampling``, a :class:`kvdiverge.engine.core.sampling.Sampling`;
-    ``decoding``: its :func:`~kvdiverge.engine.core.sampling.decoding_options` not at their default, when any), window, bootstrap, confidence, instruction, system, presses
-    (name -> :func:`describe_press`), the ``frontier`` grid and the model's ``kv_sizes``
-    (``{model: {"elements_per_token", "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`)
-    if any, and ``quantized_caches`` (names of the quantized-cache policies) if any."""
-    settings = {
-        "model": model_name,
-        "split": split,
-        "T": sampling.T,
-        "R": sampling.replicates,
-        **{n: getattr(sampling.decoding, n) for n, option in decoding_options().items() if option["recorded"]},
-        "seed": int(sampling.seed),
-        "window": int(window),
-        "bootstrap": int(bootstrap),
-        "confidence": float(confidence),
-        "instruction": instruction,
-        "system": system,
-        "presses": {n: describe_press(s) for n, s in sources.items()},
-    }
-    decoding = {
-        n: getattr(sampling.decoding, n)
-        for n, option in decoding_options().items()
-        if not option["recorded"] and getattr(sampling.decoding, n) != option["neutral"]
-    }
-    if decoding:  # recorded when set, so records without them stay as they were
-        settings["decoding"] = decoding
-    if grid is not None:
-        settings["frontier"] = [point.as_dict() for point in grid]
-        settings["kv_sizes"] = {model_name: dict(kv_sizes)} if kv_sizes else None
-    quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
-    if quantized:
-        settings["quantized_caches"] = quantized
-    return settings

@@ -18,7 +18,7 @@ from typing import Any
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import FrontierSpec
-from kvdiverge.study.inputs import is_noise_floor
+from kvdiverge.study.inputs import describe_press, is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled
 
 __all__ = ["MeasureOptions", "floors", "task_inputs", "task_tables"]
@@ -97,6 +97,43 @@ class MeasureOptions:
         decoding = Decoding(**self.decoding, eos_ids=self.eos_ids)
         return Sampling(T=self.max_new_tokens, replicates=self.replicates, decoding=decoding, seed=int(self.seed),
                         model_name=model_name)  # fmt: skip
+
+    def recorded(self, sampling: Sampling, sources: Mapping[str, Any], grid, kv_sizes=None) -> dict[str, Any]:
+        """The ``settings`` of a :class:`kvdiverge.measurement.Measurement` run with ``sampling``.
+
+        model, split, T, R, the decoding settings always recorded (temperature, top_p), seed, window,
+        bootstrap, confidence, instruction, system, presses (name -> :func:`kvdiverge.study.inputs.describe_press`);
+        ``decoding``: the other settings of :func:`~kvdiverge.engine.core.sampling.decoding_options` away from
+        neutral, when any; the ``frontier`` grid and the model's ``kv_sizes`` (``{model: {"elements_per_token",
+        "element_bytes"}}``, :func:`kvdiverge.study.models.kv_sizes`) if any; ``quantized_caches`` (names of the
+        quantized-cache policies) if any.
+        """
+        options, values = decoding_options(), sampling.decoding
+        settings = {
+            "model": sampling.model_name,
+            "split": self.split,
+            "T": sampling.T,
+            "R": sampling.replicates,
+            **{n: o["type"](getattr(values, n)) for n, o in options.items() if o["recorded"]},
+            "seed": int(sampling.seed),
+            "window": int(self.window),
+            "bootstrap": int(self.bootstrap),
+            "confidence": float(self.confidence),
+            "instruction": self.instruction,
+            "system": self.system,
+            "presses": {n: describe_press(s) for n, s in sources.items()},
+        }
+        decoding = {n: getattr(values, n) for n, o in options.items()
+                    if not o["recorded"] and getattr(values, n) != o["neutral"]}  # fmt: skip
+        if decoding:  # recorded when set, so records without them stay as they were
+            settings["decoding"] = decoding
+        if grid is not None:
+            settings["frontier"] = [point.as_dict() for point in grid]
+            settings["kv_sizes"] = {sampling.model_name: dict(kv_sizes)} if kv_sizes else None
+        quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+        if quantized:
+            settings["quantized_caches"] = quantized
+        return settings
 
     def run_options(self):
         """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
