@@ -17,7 +17,7 @@ from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
 from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.study.shard import run_shard
-from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.study.standins import MINIATURE, random_model
 
 
 @pytest.fixture(scope="module")
