@@ -157,6 +157,7 @@ def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int
 
 def _prefills(spec) -> int:
     """Prefill forwards per document of a policy's press: 1 where one forward gives both caches, else 2."""
+    # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
     from kvdiverge.engine.presses.registry import shares_prefill
 
     try:
@@ -187,6 +188,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
+    # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
     from kvdiverge.engine.presses.registry import is_decode_time
 
     B = _batch_documents(config, batch_documents)

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvdiverge.estimation.io import atomic_path
 from kvdiverge.study.standins import MINIATURE, PAPER, build_config, random_model
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
@@ -172,6 +173,7 @@ def _quiet() -> Iterator[None]:
     """Silence transformers' progress bars and its GGUF de-quantisation bar."""
     from transformers.utils import logging as tlog
 
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.hf import gguf_reader
 
     tlog.disable_progress_bar()
@@ -318,6 +320,7 @@ def kv_sizes(model) -> dict[str, int]:
     """The KV sizes a frontier counts bytes with, of a loaded model: ``{"elements_per_token",
     "element_bytes"}`` (:func:`kvdiverge.engine.llm.planner.kv_elements_per_token`; the bytes
     of one element of its parameters' dtype, which its cache takes)."""
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.llm.planner import kv_elements_per_token
 
     param = next(model.parameters())
@@ -337,6 +340,7 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     """
     import torch
 
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.llm.planner import kv_elements_per_token
 
     config = load_model_config(spec, name)
@@ -492,8 +496,6 @@ def _link_tree(src: Path, dest: Path) -> None:
 def _write_atomically(out: Path, fill) -> None:
     """``fill(tmp)`` into a temporary sibling folder of ``out``, then rename it to ``out`` (replacing it):
     :func:`kvdiverge.estimation.io.atomic_path`."""
-    from kvdiverge.estimation.io import atomic_path
-
     with atomic_path(out, directory=True) as tmp:
         fill(tmp)
 

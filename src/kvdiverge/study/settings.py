@@ -21,7 +21,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.core.sampling import Sampling, decoding_options
+from kvdiverge.study.config import load_schema
 
 __all__ = [
     "SCREEN_SETTINGS",
@@ -65,8 +66,6 @@ SCREEN_SETTINGS: dict[str, str] = {
 
 def _entry(key: str) -> dict[str, Any]:
     """The schema entry of a dotted config key, with the schema's ``$defs``."""
-    from kvdiverge.study.config import load_schema
-
     schema = load_schema()
     node = schema
     for part in key.split("."):
@@ -282,8 +281,6 @@ def config_sampling(config: Mapping[str, Any], model_name: str):
     kvdiverge.engine.core.sampling.Sampling
         End-of-sequence ids ``None``: the model's own.
     """
-    from kvdiverge.engine.core.sampling import Sampling
-
     decoding = config["decoding"]
     return Sampling(
         T=int(decoding["max_new_tokens"]),
