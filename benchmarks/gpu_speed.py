@@ -1,7 +1,7 @@
 """GPU benchmark: one paper-sized shard on the exact paper architectures, random weights.
 
 Builds Llama-3.1-8B and Qwen2.5-7B (architectures written out in
-:mod:`kvdiverge.testing.miniatures`, no download) with random weights in the config's dtype
+:mod:`kvdiverge.study.standins`, no download) with random weights in the config's dtype
 (paper.yaml: float32) on the GPU,
 runs one shard of ``config/paper.yaml`` size through the engine
 (:func:`kvdiverge.engine.runner.run_documents`: 12 documents of about 1200 random tokens,
@@ -53,7 +53,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
 from kvdiverge.study.cost import study_cost
-from kvdiverge.testing.miniatures import MINIATURE, PAPER, random_model
+from kvdiverge.study.standins import MINIATURE, PAPER, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tiny",
         action="store_true",
-        help="miniature architectures (kvdiverge.testing.miniatures.MINIATURE), small defaults",
+        help="miniature architectures (kvdiverge.study.standins.MINIATURE), small defaults",
     )
     ap.add_argument("--docs", type=int, default=None, help="documents in the shard (default 12; tiny 2)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="mean prompt length (default 1200; tiny 150)")

@@ -121,7 +121,7 @@ def tiny():
     """A miniature model that fails the test if it runs a forward: every refusal comes first."""
     import torch
 
-    from kvdiverge.testing.miniatures import MINIATURE, random_model
+    from kvdiverge.study.standins import MINIATURE, random_model
 
     model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
 
@@ -222,7 +222,7 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.presses.policies import PressPolicy
     from kvdiverge.engine.runner import Document, RunOptions, run_documents
-    from kvdiverge.testing.miniatures import MINIATURE, random_model
+    from kvdiverge.study.standins import MINIATURE, random_model
 
     (tmp_path / "boompress.py").write_text(BOOM)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -2,8 +2,9 @@
 
 import pytest
 
+from kvdiverge.cli import main
 from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import main, projected_hours, study_cost, totals
+from kvdiverge.study.cost import projected_hours, study_cost, totals
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,16 @@ def test_bad_input_is_named(paper):
 
 
 def test_command_line(capsys):
-    assert main(["config/smoke.yaml", "--rate", "660"]) == 0
+    assert main(["cost", "config/smoke.yaml", "--rate", "660"]) == 0
     out = capsys.readouterr().out
     assert "660 token-steps" in out
     assert "0.00 h (1 s)" in out
+
+
+def test_command_line_bad_config_is_one_line(tmp_path, capsys):
+    assert main(["cost", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvdiverge cost: error: ")
+    assert "missing.yaml" in err[0]
+    assert main(["cost", "config/smoke.yaml", "--rate", "660", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kvdiverge cost: error: gpus must be >= 1, got 0"

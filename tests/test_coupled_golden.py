@@ -31,8 +31,8 @@ from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.study.standins import MINIATURE, random_model
 from kvdiverge.testing.constructions import ConstructedPair
-from kvdiverge.testing.miniatures import MINIATURE, random_model
 
 GOLDEN = Path(__file__).parent / "data" / "coupled_golden.json"
 #: Largest difference allowed between a recorded and a computed float of the float64 table

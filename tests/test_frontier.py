@@ -701,7 +701,7 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.testing.miniatures import MINIATURE, random_model
+    from kvdiverge.study.standins import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
@@ -768,7 +768,7 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.testing.miniatures import MINIATURE, random_model
+    from kvdiverge.study.standins import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)

@@ -4,12 +4,14 @@ The contracts live in ``pyproject.toml`` (``[tool.importlinter]``) and are check
 import-linter's ``lint-imports``, which follows every import statement, those inside
 functions included:
 
-- layers, top to bottom: ``cli``, ``measurement``, ``report | study`` (independent),
-  ``reference``, ``engine``, ``estimation``; a lower layer never imports a higher one;
+- layers, top to bottom: ``cli``, ``measurement``, ``screening``, ``report | study``
+  (independent), ``testing``, ``engine``, ``estimation``; a lower layer never imports a higher one;
 - no import cycles between the modules of any subpackage, nor between subpackages;
 - ``estimation`` imports neither torch, transformers, kvpress nor any other layer;
-- ``engine`` imports neither ``study``, ``report`` nor ``reference``;
-- ``report`` imports ``estimation`` only (no torch, engine, reference or study).
+- ``engine`` imports neither ``study``, ``report`` nor ``testing``;
+- ``report`` imports ``estimation`` only (no torch, engine, testing or study);
+- ``testing`` is protected: no module of the package outside it imports it (only the tests
+  and benchmarks do).
 """
 
 from __future__ import annotations
@@ -51,20 +53,22 @@ def contracts() -> list[dict]:
 
 
 def test_import_contracts_are_kept():
-    assert {c["type"] for c in contracts()} == {"layers", "acyclic_siblings", "forbidden"}
+    assert {c["type"] for c in contracts()} == {"layers", "acyclic_siblings", "forbidden", "protected"}
     res = lint_imports(REPO)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     assert f"Contracts: {len(contracts())} kept, 0 broken." in res.stdout, res.stdout[-3000:]
 
 
-def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
-    # the same contracts on a copy of the package with two violations added inside functions
+def test_import_contracts_catch_a_lazy_torch_import_a_cycle_and_a_testing_import(tmp_path):
+    # the same contracts on a copy of the package with three violations added inside functions
     shutil.copytree(SRC, tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     with open(tmp_path / "src/kvdiverge/estimation/tables.py", "a") as f:
         f.write("\n\ndef _violation():\n    import torch  # noqa\n")
     with open(tmp_path / "src/kvdiverge/engine/core/coupled.py", "a") as f:
         f.write("\n\ndef _violation():\n    from kvdiverge.engine import runner  # noqa\n")
+    with open(tmp_path / "src/kvdiverge/study/models.py", "a") as f:
+        f.write("\n\ndef _violation():\n    from kvdiverge.testing import exact  # noqa\n")
     res = lint_imports(tmp_path)
     assert res.returncode != 0
     broken = {line.removesuffix(" BROKEN") for line in res.stdout.splitlines() if line.endswith(" BROKEN")}
@@ -72,11 +76,13 @@ def test_import_contracts_catch_a_lazy_torch_import_and_a_cycle(tmp_path):
         "No import cycles between modules or subpackages",
         "The engine's parts: runner > llm > presses > core > hf (transformers)",
         "Estimation runs without torch, the model libraries or the engine",
+        "Only the tests import testing: no module outside kvdiverge.testing does",
     }, res.stdout[-3000:]
     assert "kvdiverge.estimation.tables -> torch" in res.stdout
     assert "No cycles are allowed in kvdiverge.engine." in res.stdout
     assert "- .core -> .runner (1 import)" in res.stdout
     assert "kvdiverge.engine.core.coupled -> kvdiverge.engine.runner" in res.stdout
+    assert "- kvdiverge.study.models -> kvdiverge.testing.exact" in res.stdout
 
 
 # --------------------------------------------------------------------------- estimate stage

@@ -9,15 +9,15 @@ import pytest
 import torch
 from kvpress import KnormPress
 
-import kvdiverge.engine.core.coupled as coupled
 import kvdiverge.engine.llm.planner as planner
+import kvdiverge.engine.runner as runner
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
 from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.study.shard import run_shard
-from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.study.standins import MINIATURE, random_model
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,14 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
         return next(budgets)
 
     sizes = []
-    real = coupled.run_batch
+    real = run_batch
 
     def counting(pair, T, replicates, seed, model, doc_ids, progress=None):
         sizes.append(len(doc_ids))
         return real(pair, T, replicates, seed, model, doc_ids, progress=progress)
 
-    monkeypatch.setattr(planner, "default_memory_budget", fake_budget)
-    monkeypatch.setattr(coupled, "run_batch", counting)
+    monkeypatch.setattr(runner, "default_memory_budget", fake_budget)  # the runner's own names
+    monkeypatch.setattr(runner, "run_batch", counting)
     presses = {
         "knorm": {"press": "KnormPress", "compression_ratio": 0.5},
         "streaming": {"press": "StreamingLLMPress", "compression_ratio": 0.5},
@@ -248,16 +248,15 @@ def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini
 def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_thread):
     """One registry check per press per call, with the model, before any forward."""
     import kvdiverge
-    import kvdiverge.engine.presses.registry as registry
 
     seen = []
-    real = registry.refusal
+    real = runner.refusal
 
     def counting(press, model=None):
         seen.append((type(press).__name__, model is not None))
         return real(press, model)
 
-    monkeypatch.setattr(registry, "refusal", counting)
+    monkeypatch.setattr(runner, "refusal", counting)  # the name the runner calls
     presses = {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}, "snap": KnormPress(0.25)}
     kvdiverge.measure(
         mini,

@@ -24,7 +24,7 @@ from kvdiverge.engine.presses.quantized import (
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.presses.registry import refusal as registry_refusal
 from kvdiverge.engine.runner import RunOptions
-from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.study.standins import MINIATURE, random_model
 
 quanto = pytest.mark.skipif(
     importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None,

@@ -58,7 +58,7 @@ def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
 )
 def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch, kv_heads, heads, bias):
     from kvdiverge.study.models import entry_kv_sizes, load_model, load_model_config
-    from kvdiverge.testing.miniatures import PAPER as REAL
+    from kvdiverge.study.standins import PAPER as REAL
 
     spec = {"source": "miniature", "architecture": arch, "dtype": "float32", "device": "cpu"}
     config = load_model_config(spec, arch)

@@ -25,7 +25,7 @@ from kvdiverge.estimation.teacher_forced import (
     mean_and_uncertainty,
     summary_table,
 )
-from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.study.standins import MINIATURE, random_model
 
 
 def test_position_measures_by_hand():

@@ -14,7 +14,7 @@ import kvpress
 import pytest
 import torch
 
-from kvdiverge.testing.miniatures import MINIATURE, random_model
+from kvdiverge.study.standins import MINIATURE, random_model
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ arguments mean, checked before any work, is :mod:`kvdiverge.study.arguments` (po
 workflow's own engine and tables.
 Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
 ``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
+``kvdiverge cost CONFIG`` prints a config's generation cost (:mod:`kvdiverge.study.cost`).
 
 Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`, :data:`EXIT_INTERRUPTED`): 0 on success; 2 for a
 usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
@@ -53,6 +54,7 @@ from kvdiverge.study.arguments import (
     measure_keywords,
     task_block,
 )
+from kvdiverge.study.cost import add_cost_parser, run_cost
 from kvdiverge.study.inputs import model_entry
 from kvdiverge.study.outputs import output_guard
 
@@ -120,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     _task_arguments(p)
     _teacher_arguments(p)
     _output_arguments(p)
+    add_cost_parser(sub)  # kvdiverge cost: kvdiverge.study.cost
     return root
 
 
@@ -374,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Arguments after the program name (default ``sys.argv[1:]``).
     """
     args = _parser().parse_args(argv)
+    if args.command == "cost":
+        return run_cost(args)
     try:
         with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
             return _measure(args)

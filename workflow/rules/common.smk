@@ -13,7 +13,6 @@ import kvdiverge.study.devices
 import kvdiverge.study.frontier
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
-import kvdiverge.study.teacher
 
 # The config is validated once, by kvdiverge.study.config.validate: clear messages (key
 # path, allowed values, cross-references), the schema's defaults filled in, and the

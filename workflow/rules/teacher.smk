@@ -21,7 +21,7 @@ rule teacher_forced:
     params:
         # model and policy entries, seed, control documents, the teacher_forced section
         # (no decoding setting, replicates or shards)
-        settings=lambda wildcards: kvdiverge.study.teacher.teacher_settings(
+        settings=lambda wildcards: kvdiverge.study.provenance.teacher_settings(
             CONFIG, wildcards.model, wildcards.policy, wildcards.split
         ),
     resources:
@@ -56,7 +56,7 @@ if FRONTIER_POINTS:
             split=FRONTIER_SPLIT,
             # per frontier point: what decides its positions (a change reruns the job)
             settings=lambda wildcards: {
-                p: kvdiverge.study.teacher.teacher_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
+                p: kvdiverge.study.provenance.teacher_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
                 for p in FRONTIER_POLICIES
             },
         resources:

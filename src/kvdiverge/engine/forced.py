@@ -30,6 +30,7 @@ from kvdiverge.engine.llm.teacher import (
     position_measures,
 )
 from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.runner import (
     Document,
     PressSource,
@@ -147,8 +148,6 @@ def teacher_forced_policies(
 def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
     """Each policy's press for ``doc``, and the prefills of the prefill-only presses that share one
     forward (:func:`kvdiverge.engine.runner.shared_prefills`, as the coupled run shares them)."""
-    from kvdiverge.engine.presses.registry import is_decode_time
-
     presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}
     sharing = {n: [p] for n, p in presses.items() if p is None or not is_decode_time(p)}
     bank = shared_prefills(twin, [doc], sharing, sampling)

@@ -11,6 +11,7 @@ every policy in one batch loop. Each door builds one
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import Counter
@@ -19,7 +20,20 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
+from kvdiverge.engine.core.coupled import run_batch, to_frame
+from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
+from kvdiverge.engine.core.pairs import PhaseTracker
 from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
+from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.adapters import walk
+from kvdiverge.engine.presses.policies import min_prompt_tokens
+from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
 
 __all__ = [
     "Document",
@@ -126,8 +140,6 @@ def plan_documents(
     ValueError
         If ``batch_documents`` is below 1.
     """
-    from kvdiverge.engine.llm.planner import default_memory_budget, kv_bytes_per_token, plan_batch
-
     param = next(model.parameters())
     if batch_documents is None:
         budget = (
@@ -193,17 +205,13 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     kvdiverge.engine.core.errors.PressError
         Naming ``owner`` and what the press needs.
     """
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses import registry
-    from kvdiverge.engine.presses.policies import min_prompt_tokens
-
     # at a length the press accepts: whether it is refused does not depend on the length, and
     # a refused press is named before a document too short for it (check_prompt_lengths)
     press = policy.build_press(max(max(doc.prompt_len for doc in documents), min_prompt_tokens(policy)))
-    reason = registry.refusal(press, model)
+    reason = refusal(press, model)
     if reason:
         raise PressError(owner, reason)
-    return registry.is_decode_time(press)
+    return is_decode_time(press)
 
 
 def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:
@@ -213,8 +221,6 @@ def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:
 
     A config policy's press is built once at a placeholder ratio, a press object is read as it
     is; another ``PressSource`` is checked when its pair is built."""
-    from kvdiverge.engine.presses.registry import question_after_problem
-
     out = []
     for name, policy in policies.items():
         press = getattr(policy, "probe_press", None) or getattr(policy, "press", None)
@@ -243,8 +249,6 @@ def check_prompt_lengths(
     ValueError
         Naming the first document shorter than a policy needs, the policy and its minimum.
     """
-    from kvdiverge.engine.presses.policies import min_prompt_tokens
-
     for doc in documents:
         for name, source in policies.items():
             need = min_prompt_tokens(source)
@@ -350,8 +354,6 @@ def run_policies(
     ValueError
         When a prompt is too short for a policy.
     """
-    from kvdiverge.engine.core.coupled import to_frame
-
     by_policy, counts, B = _run_records(model, documents, policies, sampling, options)
     name_ = sampling.model_name
     records = [{"model": name_, "policy": name, "split": split, **rec} for name in policies for rec in by_policy[name]]
@@ -366,8 +368,6 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     check_prompt_lengths(documents, policies, options.owner)
     budget = options.memory_budget_gb
     if budget is None:  # the free memory, read once for the batch and the groups
-        from kvdiverge.engine.llm.planner import default_memory_budget
-
         budget = default_memory_budget(next(model.parameters()).device) / 2**30
     decode_time = any(flags.values())
     B = plan_documents(model, documents, sampling, options.batch_documents, budget, decode_time=decode_time)
@@ -396,8 +396,6 @@ def _prefill_group(model, documents: Sequence[Document], B: int, sampling: Sampl
     cache holds (``R`` rows per side). The group is also bounded by what the memory budget
     (GiB) leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
     """
-    from kvdiverge.engine.llm.planner import document_bytes, kv_bytes_per_token
-
     param = next(model.parameters())
     budget = int(float(memory_budget_gb) * 2**30)
     kv = kv_bytes_per_token(model.config, param.dtype)
@@ -426,8 +424,6 @@ def _run_batches(
     and so the records are those of each policy run alone, bit for bit; ``seconds`` adds
     the policy's share of the shared forwards.
     """
-    from kvdiverge.engine.llm.twin import evicted_twin
-
     B, T = plan.B, sampling.T
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     names = [name for group in plan.groups for name in group]
@@ -502,11 +498,6 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
         alone, where a failing press is named); ``None`` for the whole policy when no
         document's prefill was shared.
     """
-    import torch
-
-    from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
-    from kvdiverge.engine.presses.registry import shares_prefill
-
     device = next(twin.parameters()).device
     got: dict[str, list] = {name: [None] * len(batch) for name in presses}
     for j, doc in enumerate(batch):
@@ -559,10 +550,6 @@ def _pair_counts(pair) -> dict[str, int]:
 
 def _press_files(press) -> list[str]:
     """Source files of ``press``'s class and the classes of the presses it wraps, kvpress's excepted."""
-    import inspect
-
-    from kvdiverge.engine.presses.adapters import walk
-
     out = []
     for p in walk(press):
         for cls in type(p).__mro__:
@@ -610,12 +597,6 @@ def build_pair(
         When the registry refuses the press on this model (config attributes the press reads);
         not asked with ``checked=True`` (:func:`run_policies` checked it once: :func:`check_policy`).
     """
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.llm.decode_pair import DecodeTimePair
-    from kvdiverge.engine.llm.llm_pair import LLMKernelPair
-    from kvdiverge.engine.llm.prefill import prefill_seed
-    from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal
-
     if presses is None:
         presses = [policy.build_press(doc.context_len) for doc in batch]
     reason = None if checked else refusal(presses[0], model)  # config attributes the press reads
@@ -645,12 +626,6 @@ def build_pair(
 
 def _run_one_batch(model, batch: Sequence[Document], policy, sampling: Sampling, progress, *, presses, prefilled):
     """One batch of documents through one kernel pair: ``(pair, records)`` (see :func:`run_policies`)."""
-    import torch
-
-    from kvdiverge.engine.core.coupled import run_batch
-    from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
-    from kvdiverge.engine.core.pairs import PhaseTracker
-
     pair = build_pair(model, batch, policy, sampling, checked=True, presses=presses, prefilled=prefilled)
     phased = PhaseTracker(pair)
     try:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvdiverge.engine.core.sampling import decoding_options
-from kvdiverge.engine.runner import question_after_problems
 from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.study.devices import device_problem
 from kvdiverge.study.inputs import (
@@ -226,6 +225,8 @@ def task_block(args: Any) -> dict[str, Any] | None:
 def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task) -> None:
     """Refuse, with the tokenizer alone, prompts that cannot run: shorter than a press needs, or that
     the task cannot take (its prompts are built here, and again by :func:`kvdiverge.measure`)."""
+    from kvdiverge.engine.runner import question_after_problems  # torch: loaded with the model, not for --help
+
     if not task:
         documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
         check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)

@@ -29,14 +29,14 @@ import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import yaml
 
-from kvdiverge.engine.core.sampling import decoding_options
-
-if TYPE_CHECKING:
-    from kvdiverge.estimation.frontier import FrontierPoint
+from kvdiverge.estimation.drift import drift_problems
+from kvdiverge.estimation.frontier import FrontierPoint, frontier_problems
+from kvdiverge.study.frontier import entry_takes_ratio, frontier_points, frontier_policy, frontier_split
+from kvdiverge.study.prompts import parse_date
 
 SPLITS = ("exploratory", "confirmatory")
 
@@ -72,6 +72,9 @@ def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
     setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field."""
     with open(path, encoding="utf-8") as fh:
         schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    # lazy: the estimate and analysis stages read the config without importing the engine
+    from kvdiverge.engine.core.sampling import decoding_options
+
     decoding = schema.get("properties", {}).get("decoding", {}).get("properties")
     if decoding is not None:  # each decoding setting's type and range: its Decoding field's
         for name, option in decoding_options().items():
@@ -321,6 +324,7 @@ def policy_entry_problems(entry: Any) -> list[str]:
 def policy_problems(policies: dict[str, Any]) -> list[str]:
     """What is wrong with each policy: its press built once (unknown parameters of nested presses,
     ratio or budget, kvpress's own checks) and refused presses (what they need), one line each."""
+    # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
 
@@ -382,6 +386,7 @@ def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
     problems += policy_problems(policies)
     floor = run.get("floor")
     if floor and need_policy("runs.floor.policy", floor["policy"]):
+        # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
         from kvdiverge.engine.presses.policies import keeps_every_position
 
         press = policies[floor["policy"]].get("press")
@@ -439,8 +444,6 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
     within the horizon."""
     date = config.get("prompt", {}).get("date")
     if isinstance(date, str):
-        from kvdiverge.study.prompts import parse_date
-
         try:
             parse_date(date)
         except ValueError as exc:
@@ -448,8 +451,6 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
 
     drift, horizon = config.get("drift") or {}, config.get("decoding", {}).get("max_new_tokens")
     if "max_period" in drift and horizon is not None:
-        from kvdiverge.estimation.drift import drift_problems
-
         problems += drift_problems(horizon, drift["max_period"], drift.get("min_repeats", 3))
 
     corpus = config.get("corpus", {})
@@ -471,6 +472,7 @@ def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> 
         problems.append(f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}")
     if task.get("question") != "after":
         return
+    # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.presses.registry import question_after_problem
@@ -546,8 +548,6 @@ def control_documents(config: dict[str, Any], policy: str, split: str) -> int | 
 def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_validator) -> list[str]:
     """What is wrong with one expanded frontier entry, named by the frontier's key (``frontier.presses.snapkv``,
     ``frontier.caches.int4``): a press that takes no ratio, the policy schema's problems, the press built once."""
-    from kvdiverge.study.frontier import entry_takes_ratio
-
     path = key.split(".")
     problems: list[str] = []
     errors = sorted(policy_validator.iter_errors(entry), key=lambda e: list(map(str, e.absolute_path)))
@@ -607,9 +607,6 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         one of [2, 4] ...``), a user policy whose name holds ``@`` (reserved for the
         frontier) or collides with a frontier policy, or no ``runs.floor``.
     """
-    from kvdiverge.estimation.frontier import frontier_problems
-    from kvdiverge.study.frontier import frontier_points
-
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []
@@ -643,8 +640,6 @@ def _expand_points(
     Each press is checked once (its first full-precision point), each cache once (alone, whatever
     ``cache_ratios``).
     """
-    from kvdiverge.study.frontier import frontier_policy, frontier_split
-
     f = config["frontier"]
     policy_validator = _validator({"$defs": schema["$defs"], **schema["$defs"]["policy"]}, False)
     scheduled = config.setdefault("runs", {}).setdefault(frontier_split(config), [])

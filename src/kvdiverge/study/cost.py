@@ -2,10 +2,11 @@
 
 Counts, per (model, policy, split) run of :func:`kvdiverge.study.config.runs`, the documents,
 the forward passes and the token-steps that the trajectory engine performs, so that the
-study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come from one place::
+study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come from one place;
+the command ``kvdiverge cost`` prints them (:func:`add_cost_parser`, :func:`run_cost`)::
 
-    python -m kvdiverge.study.cost config/paper.yaml                 # table and totals
-    python -m kvdiverge.study.cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
+    kvdiverge cost config/paper.yaml                 # table and totals
+    kvdiverge cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
 
 Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
 
@@ -59,9 +60,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdiverge.study.config import runs
+from kvdiverge.estimation.render import text_table
+from kvdiverge.study.config import control_documents, load_config, runs
 
-__all__ = ["RunCost", "run_documents_count", "study_cost", "totals", "projected_hours", "format_table", "main"]
+__all__ = [
+    "RunCost",
+    "add_cost_parser",
+    "format_table",
+    "projected_hours",
+    "run_cost",
+    "run_documents_count",
+    "study_cost",
+    "totals",
+]
 
 
 @dataclass(frozen=True)
@@ -130,9 +141,7 @@ def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
         n = int(config["corpus"]["documents"][split])
     except KeyError:
         raise KeyError(f"config key corpus.documents.{split} is missing") from None
-    from kvdiverge.study.config import control_documents  # the controls' counts (none, noise floor)
-
-    limit = control_documents(config, policy, split)
+    limit = control_documents(config, policy, split)  # the controls' counts (none, noise floor)
     return n if limit is None else min(n, limit)
 
 
@@ -148,6 +157,7 @@ def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int
 
 def _prefills(spec) -> int:
     """Prefill forwards per document of a policy's press: 1 where one forward gives both caches, else 2."""
+    # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
     from kvdiverge.engine.presses.registry import shares_prefill
 
     try:
@@ -178,6 +188,7 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
+    # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
     from kvdiverge.engine.presses.registry import is_decode_time
 
     B = _batch_documents(config, batch_documents)
@@ -288,30 +299,53 @@ def format_table(costs: Sequence[RunCost]) -> str:
             f"{tot['token_steps']:,}",
         )
     )
-    from kvdiverge.estimation.render import text_table
-
     return "\n".join(text_table(head, rows, left=3))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: print a config's generation cost (and hours at ``--rate``)."""
-    from kvdiverge.study.config import load_config
+def add_cost_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the command ``kvdiverge cost`` to the command line's subparsers (:mod:`kvdiverge.cli`).
 
-    ap = argparse.ArgumentParser(prog="python -m kvdiverge.study.cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
-    ap.add_argument(
+    Parameters
+    ----------
+    subparsers : argparse._SubParsersAction
+        What ``ArgumentParser.add_subparsers`` returned; the command runs :func:`run_cost`.
+    """
+    p = subparsers.add_parser(
+        "cost",
+        prog="kvdiverge cost",
+        help="a config's generation cost: documents, forwards and token-steps, from the config alone",
+        description=__doc__.split("\n\n")[0],
+        epilog="Example: kvdiverge cost config/paper.yaml --rate 5000. Exit status: 0 on success; "
+        "2 for a config that cannot be read or is invalid, one line on stderr.",
+    )
+    p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
+    p.add_argument(
         "--batch-documents",
         type=int,
         default=None,
         help="documents per forward B (default: generation.batch_documents, else 1)",
     )
-    ap.add_argument(
+    p.add_argument(
         "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
     )
-    ap.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
-    args = ap.parse_args(argv)
-    config = load_config(args.config)
-    costs = study_cost(config, args.batch_documents)
+    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
+    return p
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    """``kvdiverge cost``: print a config's generation cost (and hours at ``--rate``); the exit code.
+
+    0 on success; 2 when the config cannot be read or is invalid, or an option is out of range
+    (one line on stderr).
+    """
+    try:
+        config = load_config(args.config)
+        costs = study_cost(config, args.batch_documents)
+        hours = projected_hours(config, args.rate, args.gpus, args.batch_documents) if args.rate else None
+    except (OSError, ValueError) as exc:  # a config error is a ValueError
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"kvdiverge cost: error: {first}", file=sys.stderr)
+        return 2
     print(format_table(costs))
     tot = totals(costs)
     print(
@@ -324,11 +358,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"decode-time branch replays: {tot['replay_forwards']:,} forwards (prefills included), "
             f"{tot['replay_token_steps']:,} token-steps (upper bounds)"
         )
-    if args.rate:
-        hours = projected_hours(config, args.rate, args.gpus, args.batch_documents)
+    if hours is not None:
         print(f"at {args.rate:,.0f} token-steps/s on {args.gpus} device(s): {hours:.2f} h ({hours * 3600:,.0f} s)")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -15,7 +15,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvdiverge.estimation.frontier import FrontierPoint
+from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec, frontier_grid
 
 __all__ = [
     "cache_settings",
@@ -30,6 +30,7 @@ __all__ = [
 def entry_takes_ratio(entry: dict[str, Any]) -> bool:
     """True when the press of a policy entry, or a press nested in it, takes a ``compression_ratio``
     (:func:`kvdiverge.engine.presses.policies.takes_ratio`; the top-level ratio goes to the press that takes it)."""
+    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
     from kvdiverge.engine.presses.adapters import spec_parameters
     from kvdiverge.engine.presses.policies import takes_ratio
 
@@ -43,6 +44,7 @@ def cache_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     :class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`), unchecked."""
     import dataclasses
 
+    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
     from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
 
     defaults = {f.name: f.default for f in dataclasses.fields(QuantizedCacheSpec)}
@@ -55,8 +57,6 @@ def frontier_points(config: dict[str, Any]) -> list[FrontierPoint]:
     empty without a ``frontier`` section
     (:func:`kvdiverge.estimation.frontier.frontier_grid`; the caches' settings with their
     defaults, :func:`cache_settings`)."""
-    from kvdiverge.estimation.frontier import FrontierSpec, frontier_grid
-
     f = config.get("frontier")
     if not f:
         return []

@@ -19,15 +19,24 @@ before parsing its arguments).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+from kvdiverge.engine.presses.bases import press_problem
+from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec, frontier_grid, frontier_problems
+from kvdiverge.study.config import policy_entry_problems
+from kvdiverge.study.corpus import CorpusError, build_corpus
+from kvdiverge.study.frontier import cache_settings, frontier_policy
+from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, context_length
+from kvdiverge.study.prompts import render_ids
+from kvdiverge.study.settings import token_id_problems
+
+if TYPE_CHECKING:  # annotations only: the runner imports torch
     from kvdiverge.engine.runner import Document, PressSource
-    from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec
 
 __all__ = [
     "InputError",
@@ -105,8 +114,8 @@ def prepare_documents(
         ``prompts`` that is not a string, sequence or mapping (None, a number), or a prompt
         that is neither text nor token ids.
     """
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.runner import Document
-    from kvdiverge.study.prompts import render_ids
 
     _check_prompts_type(prompts)
     items = (
@@ -183,11 +192,10 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
         object (a class, an abstract base, any other callable:
         :func:`kvdiverge.engine.presses.bases.press_problem`).
     """
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.bases import press_problem
     from kvdiverge.engine.presses.policies import Policy, PressPolicy
     from kvdiverge.engine.presses.registry import refusal
-    from kvdiverge.study.config import policy_entry_problems
 
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
@@ -223,7 +231,6 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
 
 
 def _renamed(source: Any, name: str) -> Any:
-    import dataclasses
 
     if dataclasses.is_dataclass(source):
         return dataclasses.replace(source, name=name)
@@ -245,6 +252,7 @@ def check_lengths(
         Naming the first prompt shorter than a press needs (the press and its minimum), or
         a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
     """
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.runner import check_prompt_lengths
 
     for doc in documents:
@@ -259,6 +267,7 @@ def check_lengths(
 def is_noise_floor(name: str, source: PressSource) -> bool:
     """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
     (``PermutationPress``; :func:`kvdiverge.engine.presses.policies.keeps_every_position`)."""
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.presses.policies import Policy, keeps_every_position
 
     if name == NOISE_FLOOR_POLICY:
@@ -281,10 +290,9 @@ def _floor_like(name: str, value: Any) -> bool:
 def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
     """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.frontier.cache_settings`),
     checked as a policy of the cache alone is (:func:`kvdiverge.study.config.policy_entry_problems`)."""
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.study.config import policy_entry_problems
-    from kvdiverge.study.frontier import cache_settings
 
     if not isinstance(caches, Mapping):
         raise ValueError(
@@ -353,11 +361,8 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
         no ratio, a budget or a cache for a press object, a bad cache setting, or a press
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
-    from dataclasses import replace
-
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.presses.project import PermutationPress
-    from kvdiverge.estimation.frontier import FrontierSpec, frontier_grid, frontier_problems
-    from kvdiverge.study.frontier import frontier_policy
 
     if not spec.ratios and not spec.budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
@@ -368,7 +373,7 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
     scored = {str(n): v for n, v in presses.items() if n not in floors}
     if not scored:
         raise ValueError("a frontier needs at least one press besides the noise floor")
-    problems = frontier_problems(scored, replace(spec, caches=dict.fromkeys(spec.caches)))
+    problems = frontier_problems(scored, dataclasses.replace(spec, caches=dict.fromkeys(spec.caches)))
     if problems:  # the labels and values, before the caches' settings are completed and checked
         raise ValueError(problems[0])
     checked = FrontierSpec(
@@ -386,6 +391,7 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
 def describe_press(source: PressSource) -> str | dict[str, Any]:
     """A policy for the settings record: its config entry (a quantized cache's settings included), or the
     press object's repr."""
+    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
     from kvdiverge.engine.presses.policies import Policy, PressPolicy
 
     if isinstance(source, PressPolicy):
@@ -479,8 +485,6 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
     InputError
         If ``n < 1`` or the corpus has too few excerpts in the word range.
     """
-    from kvdiverge.study.corpus import CorpusError, build_corpus
-
     if n < 1:
         raise InputError(f"--sotu needs at least 1 excerpt, got {n}")
     try:
@@ -510,8 +514,6 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
     InputError
         A path that does not exist, or a file that is not GGUF.
     """
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
-
     extra = {"dtype": dtype, "device": device}
     if model == "embedded":
         return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
@@ -565,9 +567,6 @@ def measure_inputs(
     ValueError
         The first problem found, in one sentence.
     """
-    from kvdiverge.estimation.frontier import FrontierSpec
-    from kvdiverge.study.settings import token_id_problems
-
     documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int):
@@ -584,8 +583,6 @@ def measure_inputs(
         )
     sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
     try:
-        from kvdiverge.study.models import context_length
-
         context = context_length(model)
     except (ValueError, AttributeError):
         context = None

@@ -20,6 +20,9 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.study.inputs import describe_press, is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled
+from kvdiverge.study.tasks import task_documents, task_settings
+from kvdiverge.study.tasks.tables import TaskTableOptions
+from kvdiverge.study.tasks.tables import task_tables as task_table_stage
 
 __all__ = ["MeasureOptions", "floors", "task_inputs", "task_tables"]
 
@@ -139,7 +142,7 @@ class MeasureOptions:
         """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
         from tqdm.auto import tqdm
 
-        from kvdiverge.engine.runner import RunOptions
+        from kvdiverge.engine.runner import RunOptions  # torch: loaded with the model, not for measure's checks
 
         return RunOptions(
             batch_documents=self.batch_documents,
@@ -169,8 +172,6 @@ def task_inputs(opts: MeasureOptions, prompts, tokenizer):
     task = opts.task
     if task is None:
         return None
-    from kvdiverge.study.tasks import task_documents
-
     block = check_task(task)  # the config's rules for a task block, before any work
     temperature = opts.decoding["temperature"]
     if float(temperature) != 0:
@@ -188,13 +189,10 @@ def task_inputs(opts: MeasureOptions, prompts, tokenizer):
 
 def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer, floor: str | None):
     """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
-    from kvdiverge.study.tasks import task_settings
-    from kvdiverge.study.tasks.tables import TaskTableOptions, task_tables
-
     entry, _ = task_settings({"name": opts.task} if isinstance(opts.task, str) else opts.task)
     options = TaskTableOptions(
         controls=[floor] if floor else [],
         floor=floor,
         boot=opts.boot,
     )
-    return task_tables(trajectories, documents, table, tokenizer, entry.score, options=options)
+    return task_table_stage(trajectories, documents, table, tokenizer, entry.score, options=options)

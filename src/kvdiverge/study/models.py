@@ -13,7 +13,7 @@ A model entry of the config (``models.<name>``) says where the weights are:
   downloaded, unless ``HF_HUB_OFFLINE=1``.
 - ``source: miniature`` - a stand-in with random weights for one of the paper's
   architectures (``architecture: llama-3.1-8b`` or ``qwen-2.5-7b``): the miniature's
-  structure (:data:`kvdiverge.testing.miniatures.MINIATURE`: grouped-query ratio, biases,
+  structure (:data:`kvdiverge.study.standins.MINIATURE`: grouped-query ratio, biases,
   RoPE) with the real model's vocabulary size and EOS ids, and the embedded model's
   tokenizer. It rehearses the study's bookkeeping; its numbers say nothing about the real
   models.
@@ -35,6 +35,9 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator
+
+from kvdiverge.estimation.io import atomic_path
+from kvdiverge.study.standins import MINIATURE, PAPER, build_config, random_model
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -58,8 +61,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """The architecture of a ``source: miniature`` entry: the miniature of its
-    ``architecture`` (:data:`kvdiverge.testing.miniatures.MINIATURE`) with the real model's
-    vocabulary size and BOS/EOS ids (:data:`~kvdiverge.testing.miniatures.PAPER`), so that
+    ``architecture`` (:data:`kvdiverge.study.standins.MINIATURE`) with the real model's
+    vocabulary size and BOS/EOS ids (:data:`~kvdiverge.study.standins.PAPER`), so that
     every id of the embedded tokenizer (49,152) is in range and the logits have the real width.
 
     Raises
@@ -67,8 +70,6 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
     ValueError
         If ``architecture`` is not one of the paper's.
     """
-    from kvdiverge.testing.miniatures import MINIATURE, PAPER
-
     arch = spec.get("architecture")
     if arch not in MINIATURE:
         key = f"models.{name}.architecture" if name else "architecture"
@@ -172,6 +173,7 @@ def _quiet() -> Iterator[None]:
     """Silence transformers' progress bars and its GGUF de-quantisation bar."""
     from transformers.utils import logging as tlog
 
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.hf import gguf_reader
 
     tlog.disable_progress_bar()
@@ -223,8 +225,6 @@ def load_model_config(spec: dict[str, Any], name: str | None = None):
     from transformers import AutoConfig
 
     if spec.get("source") == "miniature":
-        from kvdiverge.testing.miniatures import build_config
-
         return build_config(miniature_values(spec, name))
     return _from_pretrained(AutoConfig, kept_conversion(spec, name) or spec, name)
 
@@ -285,8 +285,6 @@ def _load_model(spec: dict[str, Any], name: str | None, tokenizer):
         tokenizer = load_tokenizer(spec, name)
     device = spec.get("device", "cpu")
     if spec.get("source") == "miniature":
-        from kvdiverge.testing.miniatures import random_model
-
         model = random_model(
             miniature_values(spec, name),
             dtype=torch_dtype(spec.get("dtype", "float32")),
@@ -322,6 +320,7 @@ def kv_sizes(model) -> dict[str, int]:
     """The KV sizes a frontier counts bytes with, of a loaded model: ``{"elements_per_token",
     "element_bytes"}`` (:func:`kvdiverge.engine.llm.planner.kv_elements_per_token`; the bytes
     of one element of its parameters' dtype, which its cache takes)."""
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.llm.planner import kv_elements_per_token
 
     param = next(model.parameters())
@@ -341,6 +340,7 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     """
     import torch
 
+    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
     from kvdiverge.engine.llm.planner import kv_elements_per_token
 
     config = load_model_config(spec, name)
@@ -496,8 +496,6 @@ def _link_tree(src: Path, dest: Path) -> None:
 def _write_atomically(out: Path, fill) -> None:
     """``fill(tmp)`` into a temporary sibling folder of ``out``, then rename it to ``out`` (replacing it):
     :func:`kvdiverge.estimation.io.atomic_path`."""
-    from kvdiverge.estimation.io import atomic_path
-
     with atomic_path(out, directory=True) as tmp:
         fill(tmp)
 

@@ -159,6 +159,7 @@ def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:
 
 def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it."""
+    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
     from kvdiverge.engine.presses.policies import min_prompt_tokens
 
     return {

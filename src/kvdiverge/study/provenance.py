@@ -48,6 +48,10 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.estimation.analysis import save_table
+from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.study.config import control_documents
+
 __all__ = [
     "KEY_SETTINGS",
     "KEY_HASH",
@@ -60,6 +64,7 @@ __all__ = [
     "ShardProvenance",
     "canonical",
     "shard_settings",
+    "teacher_settings",
     "settings_hash",
     "library_versions",
     "shard_metadata",
@@ -142,8 +147,6 @@ def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: st
         documents of the split). ``model`` is None when ``config`` has no entry for the
         model (a loaded model passed directly to ``run_shard``).
     """
-    from kvdiverge.study.config import control_documents
-
     return canonical(
         {
             "model": config.get("models", {}).get(model),  # None: a model given directly (tests)
@@ -153,6 +156,25 @@ def shard_settings(config: Mapping[str, Any], model: str, policy: str, split: st
             "seed": config["seed"],
             "shards": config["shards"],
             "documents": control_documents(config, policy, split),
+        }
+    )
+
+
+def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str) -> dict[str, Any]:
+    """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model).
+
+    Canonical (:func:`canonical`) ``{"model", "policy", "seed",
+    "documents", "teacher_forced"}``: the model and policy entries, the master seed (prefill
+    seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`)
+    and the ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
+    """
+    return canonical(
+        {
+            "model": config["models"][model],
+            "policy": config["policies"][policy],
+            "seed": config["seed"],
+            "documents": control_documents(config, policy, split),
+            "teacher_forced": config.get("teacher_forced") or {},
         }
     )
 
@@ -454,9 +476,6 @@ def save_measurement(
     list of pathlib.Path
         The files written.
     """
-    from kvdiverge.estimation.analysis import save_table
-    from kvdiverge.estimation.io import write_text_atomic
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = []

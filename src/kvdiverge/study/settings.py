@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
+from kvdiverge.study.config import load_schema
 
 __all__ = [
     "SCREEN_SETTINGS",
@@ -63,8 +64,6 @@ SCREEN_SETTINGS: dict[str, str] = {
 
 def _entry(key: str) -> dict[str, Any]:
     """The schema entry of a dotted config key, with the schema's ``$defs``."""
-    from kvdiverge.study.config import load_schema
-
     schema = load_schema()
     node = schema
     for part in key.split("."):

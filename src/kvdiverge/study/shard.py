@@ -5,13 +5,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from kvdiverge.engine.runner import RunOptions
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document, RunOptions, run_policies
+from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.study.config import control_documents
+from kvdiverge.study.models import load_model
+from kvdiverge.study.provenance import shard_metadata, shard_settings
+from kvdiverge.study.settings import config_sampling
 
 __all__ = ["shard_documents", "run_shard"]
 
@@ -36,7 +42,6 @@ def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, 
     n_shards = int(config["shards"])
     if not 0 <= shard < n_shards:
         raise ValueError(f"shard {shard} out of range: config 'shards' is {n_shards}")
-    from kvdiverge.study.config import control_documents
 
     docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
     limit = control_documents(config, policy, split)
@@ -101,21 +106,12 @@ def run_shard(
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
     """
-    from kvdiverge.engine.llm.pair_base import model_eos_ids
-    from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document, run_policies
-    from kvdiverge.estimation.io import write_parquet_atomic
-    from kvdiverge.study.provenance import shard_metadata, shard_settings
-    from kvdiverge.study.settings import config_sampling
-
     names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
     if len(names) != len(outputs) or not names:
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     groups = _document_groups(pl.read_parquet(prompts_path), config, model_name, names, split, shard)
     if model is None and any(groups):
-        from kvdiverge.study.models import load_model
-
         model, _ = load_model(model_spec or config["models"][model_name], model_name)
     sampling = config_sampling(config, model_name)
     eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
@@ -180,8 +176,6 @@ def _run_options(config: dict[str, Any], split: str, shard: int) -> RunOptions:
         ``batch_documents`` (None for ``"auto"`` or unset), ``memory_budget_gb`` and a
         progress bar per policy named ``{policy}/{split}/shard-{shard}``.
     """
-    from kvdiverge.engine.runner import RunOptions
-
     gen = config.get("generation") or {}
     return RunOptions(
         batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),

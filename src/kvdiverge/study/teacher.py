@@ -15,39 +15,25 @@ from typing import Any
 
 import polars as pl
 
-__all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced", "teacher_settings"]
+from kvdiverge.engine.core.sampling import Decoding, Sampling
+from kvdiverge.engine.forced import teacher_forced_policies
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document
+from kvdiverge.study.corpus import following_texts
+from kvdiverge.study.models import load_model
+from kvdiverge.study.shard import shard_documents
+
+__all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
 
 log = logging.getLogger(__name__)
 
 
 def forcing_settings(config: dict[str, Any]):
     """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section."""
-    from kvdiverge.engine.llm.teacher import TeacherForcing
-
     section = config.get("teacher_forced") or {}
     return TeacherForcing(length=int(section.get("length", 128)))
-
-
-def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str) -> dict[str, Any]:
-    """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model).
-
-    Canonical (:func:`kvdiverge.study.provenance.canonical`) ``{"model", "policy", "seed",
-    "documents", "teacher_forced"}``: the model and policy entries, the master seed (prefill
-    seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`)
-    and the ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
-    """
-    from kvdiverge.study.config import control_documents
-    from kvdiverge.study.provenance import canonical
-
-    return canonical(
-        {
-            "model": config["models"][model],
-            "policy": config["policies"][policy],
-            "seed": config["seed"],
-            "documents": control_documents(config, policy, split),
-            "teacher_forced": config.get("teacher_forced") or {},
-        }
-    )
 
 
 def corpus_continuations(
@@ -58,8 +44,6 @@ def corpus_continuations(
     ``documents`` is the corpus table (``doc_id``, ``paragraph_end``); the text is encoded
     with ``add_special_tokens=False``, after a blank line, as the excerpt's paragraphs are joined.
     """
-    from kvdiverge.study.corpus import following_texts
-
     rows = documents.filter(pl.col("doc_id").is_in(list(doc_ids)))
     texts = following_texts(config["corpus"], rows, max_words=4 * int(length))
     out = {}
@@ -105,16 +89,7 @@ def run_teacher_forced(
         their documents (those on the same documents run in one pass: one prefill forward
         and one reference side per document, :func:`kvdiverge.engine.forced.teacher_forced_policies`).
     """
-    from kvdiverge.engine.core.sampling import Decoding, Sampling
-    from kvdiverge.engine.forced import teacher_forced_policies
-    from kvdiverge.engine.llm.pair_base import model_eos_ids
-    from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document
-    from kvdiverge.study.shard import shard_documents
-
     if loaded is None:
-        from kvdiverge.study.models import load_model
-
         loaded = load_model(model_spec or config["models"][model_name], model_name)
     model, tokenizer = loaded
     forcing = forcing_settings(config)

@@ -1,3 +1,3 @@
-"""Oracles and fixtures for tests, benchmarks and rehearsals (as ``numpy.testing``): exact
-enumeration of the coupled process, the §4 constructions, miniature random-weight
-architectures, a real speculative sampler, a recording kernel pair."""
+"""Oracles and fixtures for tests and benchmarks (as ``numpy.testing``): exact enumeration of
+the coupled process, the §4 constructions, a real speculative sampler, a recording kernel pair.
+Only the tests and benchmarks import this package; no module of the package outside it does."""

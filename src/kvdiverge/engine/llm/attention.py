@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from kvdiverge.engine.hf import AttentionInterface, AttentionMaskInterface, sdpa_attention_forward, sdpa_mask
+
 __all__ = ["GROUPED_SDPA", "grouped_sdpa", "decoding_model", "uses_grouped_sdpa"]
 
 #: Name of the grouped decoding attention in transformers' attention and mask interfaces.
@@ -64,8 +66,6 @@ def grouped_sdpa(
         The attention output, (B, L, heads, Dv), and no weights. With ``L > 1`` this is
         ``sdpa_attention_forward``'s result.
     """
-    from kvdiverge.engine.hf import sdpa_attention_forward
-
     B, heads, L, D = query.shape
     kv_heads = key.shape[1]
     block_keep = getattr(module, "block_keep", None)
@@ -117,8 +117,6 @@ def _head_masked_block(query, key, value, attention_mask, block_keep, *, dropout
 def _register() -> None:
     import kvpress  # noqa: F401  (patches the attention functions registered so far; ours is patched here)
     from kvpress.attention_patch import attention_patch
-
-    from kvdiverge.engine.hf import AttentionInterface, AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(GROUPED_SDPA, attention_patch(grouped_sdpa))
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)

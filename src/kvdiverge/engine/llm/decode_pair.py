@@ -65,6 +65,7 @@ import torch
 
 from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
+from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.llm.masks import attention_modules
 from kvdiverge.engine.llm.pair_base import LLMPairBase
 from kvdiverge.engine.llm.prefill import full_cache_hooks, seeded
@@ -158,8 +159,6 @@ class _Lane:
 
         With ``capture`` the full cache is copied from the same forward (:attr:`full`).
         """
-        from kvdiverge.engine.hf import DynamicCache
-
         twin = evicted_twin(model)
         with full_cache_hooks(attention_modules(twin) if capture else [], ids.numel(), copy=capture) as full:
             self._enter(model, press, twin)  # the press's hooks after the copying ones
@@ -344,8 +343,6 @@ class DecodeTimePair(LLMPairBase):
         return cls(model, prompts, presses, expected_kept, **kwargs)
 
     def _reference_prefill(self, ids: torch.Tensor):
-        from kvdiverge.engine.hf import DynamicCache
-
         self.counts["reference_prefills"] += 1
         cache = DynamicCache()
         out = self.model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvdiverge.engine.hf import ALL_ATTENTION_FUNCTIONS
+
 __all__ = ["HeadMasks", "attention_modules", "masked_keep", "check_patched"]
 
 
@@ -68,8 +70,6 @@ def check_patched(model) -> None:
     the functions registered in ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``sdpa``,
     ``flash_attention_2``, ...), not to the built-in ``eager`` path.
     """
-    from kvdiverge.engine.hf import ALL_ATTENTION_FUNCTIONS
-
     name = model.config._attn_implementation
     fn = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS else None
     if fn is None or "attention_patch" not in getattr(fn, "__qualname__", ""):

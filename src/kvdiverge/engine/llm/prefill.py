@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiverge.engine.core.streams import _stable_int
+from kvdiverge.engine.hf import DynamicCache, repeat_kv, rotate_half
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
 from kvdiverge.engine.presses.registry import draws_global_rng, needs_attentions, shares_prefill
 
@@ -92,8 +94,6 @@ def prefill_seed(seed: int, model: str, doc_id: str) -> int:
     """
     import numpy as np
 
-    from kvdiverge.engine.core.streams import _stable_int
-
     seq = np.random.SeedSequence(entropy=int(seed), spawn_key=(_stable_int(model), _stable_int(doc_id)))
     return int(seq.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
@@ -134,8 +134,6 @@ def attention_weights(module, hidden_states: torch.Tensor, keys: torch.Tensor, k
         (1, heads, n, n), the dtype of the queries; rows sum to 1.
     """
     from kvpress.utils import get_prerope_query_states
-
-    from kvdiverge.engine.hf import repeat_kv, rotate_half
 
     query = get_prerope_query_states(module, hidden_states)
     cos, sin = kwargs["position_embeddings"]
@@ -215,8 +213,6 @@ def full_cache_hooks(modules, n_tokens: int, *, copy: bool = True, attentions: b
     n_tokens : int
         Prompt length (tokens), for :attr:`FullCache.complete`.
     """
-    from kvdiverge.engine.hf import DynamicCache
-
     full = FullCache(DynamicCache() if copy else None, [], [], len(modules), int(n_tokens))
     full.hooks = [m.register_forward_hook(_hook(full.cache, full.seen, attentions), with_kwargs=True) for m in modules]
     try:
@@ -230,8 +226,6 @@ def _forward(model, ids: torch.Tensor, cache):
 
 
 def _copy(cache):
-    from kvdiverge.engine.hf import DynamicCache
-
     out = DynamicCache()
     for li, layer in enumerate(cache.layers):
         out.update(layer.keys, layer.values, li)
@@ -312,7 +306,6 @@ def prefill(model, twin, ids: torch.Tensor, press, n_question: int = 0) -> Prefi
     if n_question:
         n = int(ids.shape[0]) - int(n_question)
         return append_question(model, twin, prefill(model, twin, ids[:n], press), ids[n:], n)
-    from kvdiverge.engine.hf import DynamicCache
 
     ids = ids.unsqueeze(0)
     n, modules = int(ids.shape[1]), attention_modules(twin)
@@ -436,8 +429,6 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
     ValueError
         If a press does not share its prefill.
     """
-    from kvdiverge.engine.hf import DynamicCache
-
     refused = [type(p).__name__ for p in presses if not shares_prefill(p)]
     if refused:
         raise ValueError(f"presses {refused} do not share their prefill forward")

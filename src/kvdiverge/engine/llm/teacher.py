@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiverge.engine.hf import DynamicCache
+
 __all__ = ["Forced", "TeacherForcing", "forced_log_probs", "forced_pass", "greedy_continuation", "position_measures"]
 
 
@@ -224,8 +226,6 @@ def greedy_continuation(model, input_ids: Sequence[int], length: int, eos_ids: S
     list of int
         The arg-max tokens of the raw logits (first index on ties), one forward each.
     """
-    from kvdiverge.engine.hf import DynamicCache
-
     device = next(model.parameters()).device
     cache, eos = DynamicCache(), {int(e) for e in eos_ids}
     ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device).unsqueeze(0)

@@ -58,6 +58,7 @@ from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
+from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
 from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
 #: Keys of a quantized cache in a policy entry (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`).
@@ -177,8 +178,6 @@ class Policy:
 
     def _wrap(self, press):
         """``press`` inside the policy's quantized cache (:class:`QuantizedCachePress`)."""
-        from kvdiverge.engine.presses.quantized import QuantizedCachePress
-
         return QuantizedCachePress(self.quantized, press)
 
     @property
@@ -256,8 +255,6 @@ class Policy:
 
 def _quantized_spec(owner: str, spec: Mapping[str, Any]):
     """The entry's :class:`QuantizedCacheSpec`, or None without ``cache``; one-sentence errors."""
-    from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
-
     keys = {k for k in _CACHE_KEYS if k in spec}
     if not keys:
         return None

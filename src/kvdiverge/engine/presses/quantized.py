@@ -42,6 +42,9 @@ from typing import Any
 
 from kvpress import BasePress
 
+from kvdiverge.engine.hf import DynamicLayer, HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
+from kvdiverge.estimation.frontier import kv_bytes_per_element
+
 __all__ = [
     "BACKENDS",
     "QuantizedCacheSpec",
@@ -132,8 +135,6 @@ def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) ->
         the residual's full-precision tokens are not counted: at most ``residual_length`` of
         them, whatever the prompt length).
     """
-    from kvdiverge.estimation.frontier import kv_bytes_per_element
-
     return 8 * kv_bytes_per_element(None if spec is None else spec.describe(), full_bits / 8)
 
 
@@ -172,8 +173,6 @@ def refusal(spec: QuantizedCacheSpec, model=None) -> str | None:
 
 
 def _layer_class(spec: QuantizedCacheSpec):
-    from kvdiverge.engine.hf import HQQQuantizedLayer, QuantoQuantizedLayer
-
     if spec.backend == "quanto":
         return QuantoQuantizedLayer
 
@@ -219,8 +218,6 @@ def quantize_cache_layers(cache, spec: QuantizedCacheSpec) -> int:
         If a layer is neither a plain ``DynamicLayer`` nor a ``QuantizedLayer`` (a sliding-window
         or static layer): the quantized cache is defined for full dynamic layers only.
     """
-    from kvdiverge.engine.hf import DynamicLayer, QuantizedLayer
-
     cls = _layer_class(spec)
     done = 0
     for i, layer in enumerate(cache.layers):

@@ -27,7 +27,10 @@ import kvpress
 
 from kvdiverge.engine.presses import promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
+from kvdiverge.engine.presses.bases import abstract_reason
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
+from kvdiverge.engine.presses.quantized import QuantizedCachePress
+from kvdiverge.engine.presses.quantized import refusal as quantized_refusal
 
 __all__ = [
     "PRESS_CLASSES",
@@ -112,8 +115,6 @@ def question_after_problem(press) -> str | None:
     The question is prefilled onto the compressed cache and never evicted, so the press must
     act on the prefill alone: a quantized cache (which quantizes while decoding) or a press
     that evicts while decoding (:func:`is_decode_time`) cannot take it."""
-    from kvdiverge.engine.presses.quantized import QuantizedCachePress
-
     if not is_decode_time(press):
         return None
     if isinstance(press, QuantizedCachePress) and (press.press is None or not is_decode_time(press.press)):
@@ -189,8 +190,6 @@ def press_class(name: str):
         the presses), or it names an abstract base (``BasePress``, ``ScorerPress``:
         :func:`kvdiverge.engine.presses.bases.abstract_reason`).
     """
-    from kvdiverge.engine.presses.bases import abstract_reason
-
     if ":" in name:
         cls = import_press(name)
     elif name in PROJECT_PRESSES:
@@ -241,8 +240,6 @@ def refusal(press, model=None) -> str | None:
     and reads each one's row: its ``refused`` sentence, the ``required`` parameters left unset. With ``model`` (a
     ``transformers`` model), also the config attributes the press reads.
     """
-    from kvdiverge.engine.presses.quantized import QuantizedCachePress
-
     for p in walk(press):
         if isinstance(p, QuantizedCachePress):
             reason = _quantized_refusal(p, model)
@@ -263,8 +260,6 @@ def refusal(press, model=None) -> str | None:
 def _quantized_refusal(press, model) -> str | None:
     """What refuses a quantized cache: its backend or the model (:func:`kvdiverge.engine.presses.quantized.refusal`),
     or a decode-time press inside it."""
-    from kvdiverge.engine.presses.quantized import refusal as quantized_refusal
-
     reason = quantized_refusal(press.spec, model)
     if reason is None and press.press is not None and is_decode_time(press.press):
         reason = (

@@ -19,6 +19,8 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.study.prompts import SCHEMA, exclusion_reason
+from kvdiverge.study.settings import check_task
 from kvdiverge.study.tasks import niah
 
 __all__ = ["TASKS", "TASK_COLUMNS", "Task", "TaskError", "build_task_prompts", "task_settings"]
@@ -90,8 +92,6 @@ def task_settings(block: Any, seed: int = 0) -> tuple[Task, Any] | None:
         An unknown task name or key, or a setting the schema does not allow, in one
         sentence naming it (``task.digits: 2.5 is not an integer; allowed: ...``).
     """
-    from kvdiverge.study.settings import check_task
-
     if block is None or (isinstance(block, Mapping) and not block):
         return None
     try:
@@ -154,8 +154,6 @@ def build_task_prompts(documents: pl.DataFrame, tokenizer, settings: Mapping[str
     TaskError
         A needle value longer than the answer budget, or a bad ``task`` block.
     """
-    from kvdiverge.study.prompts import SCHEMA, exclusion_reason
-
     task, conf = task_settings(settings["task"], settings.get("seed", 0))
     T = int(settings["max_new_tokens"])
     render = {"system": settings.get("system"), "date": settings.get("date", "2026-01-01")}
@@ -199,6 +197,7 @@ def task_documents(prompts: Mapping[str, str], tokenizer, block: Mapping[str, An
     """
     import warnings
 
+    # lazy: the runner imports torch; the prompts and task scripts import this module without it
     from kvdiverge.engine.runner import Document
 
     frame = pl.DataFrame(

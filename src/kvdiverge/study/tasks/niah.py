@@ -29,6 +29,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvdiverge.study.prompts import render_text
+
 __all__ = [
     "ANSWER_PREFIX",
     "NEEDLE",
@@ -271,8 +273,6 @@ def render_task(tokenizer, haystack: str, key: str, system: str | None, date: st
         When the tokens of the text before the question are not a prefix of the prompt's
         tokens (a tokenizer merging across the document's end and the question).
     """
-    from kvdiverge.study.prompts import render_text
-
     question = QUESTION.format(key=key)
     content = PREAMBLE + "\n" + haystack + "\n" + question
     text = render_text(tokenizer, content, None, system, date) + ANSWER_PREFIX.format(key=key)

@@ -1,11 +1,12 @@
-"""The paper's two model architectures, exact and in miniature, with random weights.
+"""Stand-in models: the paper's two architectures, exact and in miniature, with random weights.
 
 ``config/paper.yaml`` runs Llama-3.1-8B-Instruct and Qwen2.5-7B-Instruct. Their
 architectures are written out here from the public ``config.json`` of each hub repository
-(``meta-llama/Llama-3.1-8B-Instruct``, ``Qwen/Qwen2.5-7B-Instruct``), so that the GPU
-benchmark (``benchmarks/gpu_speed.py``) can build them with random weights and no
-download. The miniatures keep every structural feature that the engine and kvpress
-touch, at toy sizes, for CPU tests (``tests/test_miniatures.py``):
+(``meta-llama/Llama-3.1-8B-Instruct``, ``Qwen/Qwen2.5-7B-Instruct``), so that they can be
+built with random weights and no download: a config's ``source: miniature`` model entry
+(:func:`kvdiverge.study.models.load_model`, the rehearsal configs), the GPU benchmark
+(``benchmarks/gpu_speed.py``) and the CPU tests (``tests/test_miniatures.py``). The
+miniatures keep every structural feature that the engine and kvpress touch, at toy sizes:
 
 =============================  ==============================  ==============================
 feature                        Llama-3.1                       Qwen2.5
@@ -17,6 +18,9 @@ RoPE                           theta 5e5, ``llama3`` scaling   theta 1e6, no sca
 q/k/v projection biases        no                              yes
 embeddings                     untied                          untied
 =============================  ==============================  ==============================
+
+torch and transformers are imported when a model or config is built, so that the
+workflow's torch-free stages can import :mod:`kvdiverge.study.models`.
 """
 
 from __future__ import annotations
