@@ -47,6 +47,7 @@ from kvdiverge.estimation.speculative import format_speculative_line, speculativ
 from kvdiverge.estimation.tables import compression_table, pairwise_gaps, press_gap, summary_table
 from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text, summary_text
+from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
 from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, model_label
 from kvdiverge.study.provenance import save_measurement
@@ -474,7 +475,7 @@ def measure(
     settings = opts.recorded(sampling, sources, grid, kv_sizes(model) if grid else None)
     result = _measurement(runs, windows, settings, sources, _eos(model, eos_ids))
     if teacher_tokens is not None:
-        result.teacher_forced = _teacher_pass(model, documents, sources, settings, teacher_tokens, eos_ids)
+        result.teacher_forced = _teacher_pass(model, documents, sources, opts, sampling, result.eos_ids)
     if task_docs:
         args = (result.trajectories, result.documents, task_docs[1], tokenizer, result.noise_floor)
         result.task = measuring.task_tables(opts, *args)
@@ -503,17 +504,13 @@ def _check_question_after(sources) -> None:
         raise ValueError(problems[0])
 
 
-def _teacher_pass(model, documents, sources, settings: dict[str, Any], length: int, eos_ids):
-    """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`)."""
-    from kvdiverge.engine.core.sampling import Decoding, Sampling
-    from kvdiverge.engine.llm.pair_base import model_eos_ids
-    from kvdiverge.engine.llm.teacher import TeacherForcing
-    from kvdiverge.screening import run_screen
+def _teacher_pass(model, documents, sources, opts: measuring.MeasureOptions, sampling, eos: tuple[int, ...]):
+    """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`):
+    the coupled run's seed and names, its decoding transform off, ``opts.teacher_tokens`` tokens."""
+    from kvdiverge.engine.llm.teacher import TeacherForcing  # torch: loaded with the model
 
-    eos = tuple(model_eos_ids(model) if eos_ids is None else eos_ids)
-    sampling = Sampling(
-        T=int(length), replicates=1, decoding=Decoding(temperature=1.0, eos_ids=eos), seed=int(settings["seed"])
-    )
-    sampling = sampling.replace(model_name=settings["model"])
-    options = {k: settings[k] for k in ("split", "bootstrap", "confidence")}
-    return run_screen(model, documents, sources, sampling, TeacherForcing(length=int(length)), options)
+    length = int(opts.teacher_tokens)
+    forced = sampling.untransformed().replace(T=length, replicates=1, eos_ids=eos)
+    options = ScreenOptions(length=length, seed=opts.seed, split=opts.split, bootstrap=opts.bootstrap,
+                            confidence=opts.confidence, model_name=sampling.model_name)  # fmt: skip
+    return run_screen(model, documents, sources, forced, TeacherForcing(length=length), options)

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import FrontierSpec
+from kvdiverge.estimation.teacher_forced import document_table, summary_table
+from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_label
+from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
 
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
@@ -83,8 +87,6 @@ class Screen:
 def teacher_forced_tables(positions: pl.DataFrame, floor: str | None, boot: Bootstrap):
     """``(documents, table)`` of a positions table (:mod:`kvdiverge.estimation.teacher_forced`), with the
     intervals of ``boot`` (:class:`kvdiverge.estimation.bootstrap.Bootstrap`)."""
-    from kvdiverge.estimation.teacher_forced import document_table, summary_table
-
     table = summary_table(positions, floor=floor, boot=boot)
     return document_table(positions), table
 
@@ -164,10 +166,9 @@ def screen(
         rule for that setting refuses (``options.length``: ``teacher_forced.length``;
         ``options.bootstrap``, ``options.confidence``, ``options.seed``), named in one sentence.
     """
-    from kvdiverge.engine.core.sampling import Decoding, Sampling
+    # torch: loaded with the model, not when the package is imported
     from kvdiverge.engine.llm.pair_base import model_eos_ids
     from kvdiverge.engine.llm.teacher import TeacherForcing
-    from kvdiverge.study.inputs import measure_inputs, model_label
 
     opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
@@ -179,24 +180,19 @@ def screen(
         T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(opt.seed), model_name=name
     )
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))
-    run = {"split": opt.split, "bootstrap": opt.bootstrap, "confidence": opt.confidence, "continuations": continuations}
-    return run_screen(model, documents, sources, sampling, forcing, run)
+    return run_screen(model, documents, sources, sampling, forcing, opt, continuations)
 
 
 def _checked(opt: ScreenOptions) -> ScreenOptions:
     """``opt`` with its counts as ``int``, or ``ValueError`` naming each field (``options.bootstrap``) the
     config's rule for that setting refuses (:data:`kvdiverge.study.settings.SCREEN_SETTINGS`)."""
-    from dataclasses import replace
-
-    from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
-
     values = {setting: getattr(opt, field) for field, setting in SCREEN_SETTINGS.items()}
     names = {setting: f"options.{field}" for field, setting in SCREEN_SETTINGS.items()}
     checked = check_settings(values, names)
     return replace(opt, **{field: checked[setting] for field, setting in SCREEN_SETTINGS.items()})
 
 
-def run_screen(model, documents, sources, sampling, forcing, options: Mapping[str, Any] | None = None) -> Screen:
+def run_screen(model, documents, sources, sampling, forcing, options: ScreenOptions, continuations=None) -> Screen:
     """The teacher-forced pass of prepared documents and policies, and its tables.
 
     Parameters
@@ -209,14 +205,15 @@ def run_screen(model, documents, sources, sampling, forcing, options: Mapping[st
     sampling : kvdiverge.engine.core.sampling.Sampling
         ``seed``, ``model_name``, ``eos_ids`` (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
     forcing : kvdiverge.engine.llm.teacher.TeacherForcing
-    options : mapping, optional
-        ``split`` (default ``"measure"``), ``continuations``, ``bootstrap`` (2000), ``confidence`` (0.95).
+    options : ScreenOptions
+        Its ``split``, ``bootstrap`` and ``confidence`` (the length, seed and names are ``forcing``'s and
+        ``sampling``'s).
+    continuations : mapping of str to sequence of int, optional
+        As :func:`screen`'s.
     """
-    from kvdiverge.engine.forced import teacher_forced_policies
-    from kvdiverge.study.inputs import is_noise_floor
+    from kvdiverge.engine.forced import teacher_forced_policies  # torch: loaded with the model
 
-    opt = dict(options or {})
-    split = str(opt.get("split", "measure"))
+    split = options.split
     positions = teacher_forced_policies(
         model,
         documents,
@@ -224,11 +221,11 @@ def run_screen(model, documents, sources, sampling, forcing, options: Mapping[st
         sampling=sampling,
         forcing=forcing,
         split=split,
-        continuations=opt.get("continuations"),
+        continuations=continuations,
     )
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]
     floor = floors[0] if floors else None
-    boot = Bootstrap(int(opt.get("bootstrap", 2000)), float(opt.get("confidence", 0.95)), sampling.seed)
+    boot = Bootstrap(options.bootstrap, options.confidence, sampling.seed)
     docs, table = teacher_forced_tables(positions, floor, boot)
     settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed}
     settings.update(bootstrap=boot.n_boot, confidence=boot.confidence, presses=list(sources), noise_floor=floor)
