@@ -49,7 +49,7 @@ from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text, summary_text
 from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
-from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, model_label
+from kvdiverge.study.inputs import NOISE_FLOOR_PRESS, measure_inputs, model_label, prepare_documents
 from kvdiverge.study.provenance import save_measurement
 
 __all__ = ["Measurement", "measure"]
@@ -465,8 +465,8 @@ def measure(
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
-    given = (opts.max_new_tokens, opts.replicates, opts.instruction, opts.system)
-    documents, sources, grid = measure_inputs(model, tokenizer, prompts, presses, *given, opts.frontier)
+    documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
+    sources, grid = measure_inputs(model, documents, presses, opts.max_new_tokens, opts.frontier)
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents

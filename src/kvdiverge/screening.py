@@ -29,7 +29,7 @@ from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
-from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_label
+from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_label, prepare_documents
 from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
 
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
@@ -172,9 +172,9 @@ def screen(
 
     opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
-    documents, sources, _ = measure_inputs(  # a prompt needs room for 1 token: the continuation is cut to fit
-        model, tokenizer, prompts, presses, 1, 1, opt.instruction, opt.system, FrontierSpec.of(frontier)
-    )
+    documents = prepare_documents(prompts, tokenizer, instruction=opt.instruction, system=opt.system)
+    # a prompt needs room for 1 token: the continuation is cut to what the context leaves
+    sources, _ = measure_inputs(model, documents, presses, 1, FrontierSpec.of(frontier))
     name = opt.model_name or model_label(model)
     sampling = Sampling(
         T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(opt.seed), model_name=name

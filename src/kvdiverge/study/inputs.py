@@ -542,32 +542,32 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 # --------------------------------------------------------------------------- a measure() call's inputs
 
 
-def measure_inputs(
-    model,
-    tokenizer,
-    prompts,
-    presses,
-    T: int,
-    R: int,
-    instruction,
-    system,
-    frontier: FrontierSpec | None = None,
-):
-    """``(documents, sources, grid)`` of a :func:`kvdiverge.measure` call, checked before any generation.
+def measure_inputs(model, documents: Sequence[Document], presses, T: int, frontier: FrontierSpec | None = None):
+    """``(sources, grid)`` of a :func:`kvdiverge.measure` call, checked with its documents before any generation.
 
-    The prompts as documents (:func:`prepare_documents`), their token ids checked against the
-    model's vocabulary and their lengths against ``T`` and the model context
-    (:func:`check_lengths`), the presses as policies (:func:`prepare_presses`, built and
-    checked later with the model), expanded over the ``frontier``'s ratios, budgets and
-    quantized caches at its cache ratios (:func:`frontier_presses`; ``grid`` is None without
-    ratios or budgets).
+    The documents' token ids checked against the model's vocabulary and their lengths against
+    ``T`` (tokens) and the model context (:func:`check_lengths`), the presses as policies
+    (:func:`prepare_presses`, built and checked later with the model), expanded over the
+    ``frontier``'s ratios, budgets and quantized caches at its cache ratios
+    (:func:`frontier_presses`; ``grid`` is None without ratios or budgets).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Its ``config.vocab_size`` and context length are read, nothing else.
+    documents : sequence of kvdiverge.engine.runner.Document
+        The prompts as documents (:func:`prepare_documents`).
+    presses : mapping
+        As :func:`prepare_presses` takes them.
+    T : int
+        Horizon in tokens each document needs room for in the model context.
+    frontier : kvdiverge.estimation.frontier.FrontierSpec, optional
 
     Raises
     ------
     ValueError
         The first problem found, in one sentence.
     """
-    documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=system)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int):
         problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
@@ -587,7 +587,7 @@ def measure_inputs(
     except (ValueError, AttributeError):
         context = None
     check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
-    return documents, sources, grid
+    return sources, grid
 
 
 def model_label(model: Any) -> str:
