@@ -260,8 +260,6 @@ MANY_PARAMETERS = {
     "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
     "testing/speculative.py:_block": "the exact enumeration's recursion state",
     "testing/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
-    "report/figures.py:_runs_with_bands": "one panel's data, axes and styling",
-    "report/figures.py:_error_marker": "one marker's position and styling",
     "engine/llm/llm_pair.py:LLMKernelPair.from_documents": "per-document prompts, presses, promises, seeds, prefills",
     "engine/llm/llm_pair.py:LLMKernelPair._setup": "the constructor's state",
     "engine/llm/pair_base.py:LLMPairBase._setup": "the constructor's state",

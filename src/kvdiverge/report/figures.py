@@ -94,10 +94,8 @@ def _facets(n: int, width: float = 4.5, height: float = 3.5):
 FLOOR_COLORS = ("#555555", "#999999")
 
 
-def _runs_with_bands(
-    ax, d, x: str, y: str, lo: str, hi: str, step: str | None = None, floor_runs: Sequence[str] = (), **line_kw
-) -> None:
-    """One line per ``run`` with its interval band, line and band in the same colour.
+def _runs_with_bands(ax, d, x: str, y: str, step: str | None = None, floor_runs: Sequence[str] = (), **line_kw) -> None:
+    """One line per ``run`` with its interval band (columns ``<y>_lo``, ``<y>_hi``), line and band in the same colour.
 
     ``d`` is a pandas frame with a ``run`` column; ``step`` is passed to
     ``fill_between`` (e.g. ``"post"`` for step curves), ``line_kw`` to ``sns.lineplot``.
@@ -124,7 +122,7 @@ def _runs_with_bands(
         **line_kw,
     )
     for run, g in d.groupby("run"):
-        ax.fill_between(g[x], g[lo], g[hi], step=step, alpha=0.15, color=pal[run])
+        ax.fill_between(g[x], g[f"{y}_lo"], g[f"{y}_hi"], step=step, alpha=0.15, color=pal[run])
 
 
 def _run_labels(frame: pl.DataFrame, floor: str | None = None) -> pl.DataFrame:
@@ -160,7 +158,7 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: s
     multi = s["split"].n_unique() > 1
     floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
     d = s.to_pandas()
-    _runs_with_bands(ax, d, "t", "S", "S_lo", "S_hi", step="post", floor_runs=floor_runs, drawstyle="steps-post")
+    _runs_with_bands(ax, d, "t", "S", step="post", floor_runs=floor_runs, drawstyle="steps-post")
     ax.set(
         title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
         xlabel="step t (tokens generated)",
@@ -331,7 +329,7 @@ def plot_branch_tv(
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
         d = c.filter(pl.col("model") == model).to_pandas()
-        _runs_with_bands(ax, d, "lag", "btv", "btv_lo", "btv_hi", marker="o", ms=3)
+        _runs_with_bands(ax, d, "lag", "btv", marker="o", ms=3)
         for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
             if win is not None:
                 ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
@@ -539,19 +537,21 @@ def _floor_band(ax, points: pl.DataFrame, metric: str) -> None:
         )
 
 
-def _error_marker(ax, x, r, metric, color, marker="o", face="white", label=None) -> None:
+def _error_marker(ax, x, r, metric, color, **style) -> None:
+    """``r[metric]`` at ``x`` with its interval (``<metric>_lo``, ``<metric>_hi``) as an error bar; ``style``:
+    ``marker`` (default ``"o"``), ``face`` (the marker's fill, default white), ``label``."""
     v = r[metric]
     if v is not None and np.isfinite(v):
         ax.errorbar(
             x,
             v,
             yerr=[[max(v - r[f"{metric}_lo"], 0)], [max(r[f"{metric}_hi"] - v, 0)]],
-            fmt=marker,
-            mfc=face,
+            fmt=style.get("marker", "o"),
+            mfc=style.get("face", "white"),
             color=color,
             ms=5,
             capsize=2,
-            label=label,
+            label=style.get("label"),
         )
 
 
@@ -596,16 +596,8 @@ def _draw_byte_curves(ax, points: pl.DataFrame, metric: str) -> None:
         own = points.filter(pl.col("curve") == label).row(0, named=True)
         ls, marker = style[own["cache"]]
         if own["press"] is None:  # a cache alone
-            _error_marker(
-                ax,
-                own["kv_bytes_per_token"],
-                own,
-                metric,
-                "black",
-                marker,
-                "black",
-                f"{rank.get(label)}. {label} (alone)",
-            )
+            alone = {"marker": marker, "face": "black", "label": f"{rank.get(label)}. {label} (alone)"}
+            _error_marker(ax, own["kv_bytes_per_token"], own, metric, "black", **alone)
             continue
         color = pal[own["press"]]
         ax.plot(
@@ -693,7 +685,7 @@ def draw_speculative(axes, table: pl.DataFrame, title: str | None = None, floor:
     d = s.to_pandas()
     title = title if title is not None else ", ".join(sorted(s["model"].unique().to_list()))
     for ax, (metric, label) in zip(axes, SPECULATIVE_PANELS):
-        _runs_with_bands(ax, d, "k", metric, f"{metric}_lo", f"{metric}_hi", floor_runs=floor_runs, marker="o")
+        _runs_with_bands(ax, d, "k", metric, floor_runs=floor_runs, marker="o")
         ax.set(xlabel="draft block length k (tokens)", ylabel=label, title=f"{title}: {metric}")
         ax.legend(fontsize="small", loc="best")
     colors = {line.get_label(): line.get_color() for line in axes[0].get_lines()}
