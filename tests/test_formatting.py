@@ -29,3 +29,20 @@ def test_the_table_renderers():
     assert html_table(["x<y"], [[1], ["&"]]) == (
         "<table><thead><tr><th>x&lt;y</th></tr></thead><tbody><tr><td>1</td></tr><tr><td>&amp;</td></tr></tbody></table>"
     )
+
+
+def test_task_text_prints_accuracy_correlations_and_auc():
+    import polars as pl
+
+    from kvdiverge.report.formatting import task_text
+
+    accuracy = pl.DataFrame({"policy": ["snap"], "n_docs": [24], "full_accuracy": [0.875], "accuracy": [0.5],
+                             "drop": [0.375], "drop_lo": [0.2], "drop_hi": [0.55], "extra": [1]})  # fmt: skip
+    correlations = pl.DataFrame({"measure": ["E_M"], "n_points": [6], "spearman": [0.9], "spearman_lo": [0.6],
+                                 "spearman_hi": [1.0], "kendall": [0.8]})  # fmt: skip
+    auc = pl.DataFrame({"measure": ["p_div"], "n_pairs": [40], "n_broken": [9], "auc": [0.93], "auc_lo": [0.81],
+                        "auc_hi": [0.99]})  # fmt: skip
+    text = task_text({"accuracy": accuracy, "correlations": correlations, "auc": auc})
+    assert text.count("shape:") == 3 and "extra" not in text
+    for shown in ("snap", "0.875", "0.375", "E_M", "0.9", "p_div", "0.93", "n_broken"):
+        assert shown in text, shown

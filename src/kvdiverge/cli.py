@@ -45,6 +45,7 @@ from pathlib import Path
 
 from kvdiverge import __version__
 from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.report.formatting import task_text
 from kvdiverge.study.arguments import (
     SOTU_INSTRUCTION,
     argument_prompts,
@@ -312,16 +313,6 @@ def _write(args: argparse.Namespace, m) -> None:
         _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
 
 
-def _print_task(tables) -> None:
-    """The task's accuracy per press and the correlations, as plain tables."""
-    import polars as pl
-
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, float_precision=3):
-        print(tables["accuracy"].select("policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"))
-        print(tables["correlations"].select("measure", "n_points", "spearman", "spearman_lo", "spearman_hi", "kendall"))
-        print(tables["auc"].select("measure", "n_pairs", "n_broken", "auc", "auc_lo", "auc_hi"))
-
-
 def _measure(args: argparse.Namespace) -> int:
     from kvdiverge.measurement import measure
     from kvdiverge.study.models import load_model, load_tokenizer
@@ -347,7 +338,7 @@ def _measure(args: argparse.Namespace) -> int:
         m = measure(model, tokenizer, prompts, presses, **measure_keywords(args, name, instruction, caches, task))
     print(m.format_summary(), flush=True)
     if m.task is not None:
-        _print_task(m.task)
+        print(task_text(m.task), flush=True)
     if args.ratios:
         print(m.format_frontier(), flush=True)
     _write(args, m)

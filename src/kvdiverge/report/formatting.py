@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+import polars as pl
+
 from kvdiverge.estimation.render import text_table
 
-__all__ = ["MISSING", "frontier_text", "number", "summary_text", "teacher_text", "with_interval"]
+__all__ = ["MISSING", "frontier_text", "number", "summary_text", "task_text", "teacher_text", "with_interval"]
 
 #: What a missing value or NaN reads as (an en dash).
 MISSING = "–"
@@ -251,3 +253,21 @@ def _frontier_range(areas) -> str:
 def _bytes(v: float) -> str:
     """A byte count: whole bytes from 100 up, else 4 significant digits."""
     return f"{v:.0f}" if abs(v) >= 100 else number(v, 4)
+
+
+def task_text(tables: Mapping[str, pl.DataFrame]) -> str:
+    """The task's accuracy per press, the rank correlations and the AUC as plain tables (what
+    ``kvdiverge measure --task`` prints), from :func:`kvdiverge.study.tasks.tables.task_tables`' tables."""
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, float_precision=3):
+        return "\n".join(
+            str(frame)
+            for frame in (
+                tables["accuracy"].select(
+                    "policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"
+                ),
+                tables["correlations"].select(
+                    "measure", "n_points", "spearman", "spearman_lo", "spearman_hi", "kendall"
+                ),
+                tables["auc"].select("measure", "n_pairs", "n_broken", "auc", "auc_lo", "auc_hi"),
+            )
+        )
