@@ -209,3 +209,16 @@ def test_top_k_equals_transformers_warpers_in_generates_order(temperature, top_k
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)], atol=1e-12, rtol=0)
     assert int((~torch.isinf(got)).sum(-1).max()) <= max(top_k, 4)  # it truncated to k (the tie: 4)
+
+
+def test_measure_options_take_the_checked_values_integral_floats_as_counts():
+    """``measure(bootstrap=2000.0, seed=3.0)`` is allowed, as the config allows it: every count the door reads
+    (the bootstrap's, the horizon, a decoding setting) is the checked ``int``, not the float given."""
+    from kvdiverge.study.measuring import MeasureOptions
+
+    opts = MeasureOptions.checked({"temperature": 0, "top_k": 5.0}, bootstrap=2000.0, seed=3.0, max_new_tokens=16.0)
+    assert (opts.bootstrap, opts.seed, opts.max_new_tokens, opts.decoding["top_k"]) == (2000, 3, 16, 5)
+    assert all(type(v) is int for v in (opts.bootstrap, opts.seed, opts.max_new_tokens, opts.decoding["top_k"]))
+    assert opts.boot.n_boot == 2000 and opts.sampling("m").decoding.top_k == 5
+    with pytest.raises(ValueError, match="bootstrap: 2.5 is not an integer"):
+        MeasureOptions.checked({}, bootstrap=2.5)

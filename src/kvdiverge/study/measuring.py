@@ -81,9 +81,9 @@ class MeasureOptions:
         given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
         unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens")  # None: the default
         given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})
-        checked = check_settings(given)
-        return cls(**{**options, "max_new_tokens": checked["max_new_tokens"], "replicates": checked["replicates"]},
-                   decoding=decoding)  # fmt: skip
+        checked = check_settings(given)  # counts given as integral floats come back as int
+        kept = {k: v for k, v in checked.items() if k in cls.__dataclass_fields__}
+        return cls(**{**options, **kept}, decoding={name: checked[name] for name in decoding})
 
     @property
     def boot(self) -> Bootstrap:
