@@ -3,9 +3,10 @@
 A Snakemake workflow (``Snakefile``) over a document corpus; this package holds all
 of its logic, in layers that import one way (``docs/internals.md``, "Layers"):
 ``estimation`` (estimators, bootstrap, analyses; no torch) <- ``engine`` (coupling,
-kernel pairs, the batched coupled run) <- ``reference`` (exact enumeration, §4
-constructions, miniature models) <- ``study`` (config, corpus, prompts, models, the
-shard job) and ``report`` (figures, pages) <- the doors ``measurement`` and ``cli``.
+kernel pairs, the batched coupled run) <- ``testing`` (exact enumeration and §4
+constructions, the tests' oracles) <- ``study`` (config, corpus, prompts, models, the
+shard job) and ``report`` (figures, pages) <- the doors ``screening``, ``measurement``
+(with its result, ``results``) and ``cli``.
 Workflow stages: corpus -> prompts -> trajectories -> estimate -> pool, gaps, floor,
 confirmatory -> figures, summary.
 
@@ -31,7 +32,7 @@ def __getattr__(name):
         from kvdiverge import screening
 
         return getattr(screening, name)
-    if name in __all__:
+    if name in __all__:  # the doors import torch and polars: on first use only
         from kvdiverge import measurement
 
         return getattr(measurement, name)

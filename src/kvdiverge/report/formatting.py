@@ -65,7 +65,7 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     Parameters
     ----------
     summary : polars.DataFrame
-        :attr:`kvdiverge.measurement.Measurement.summary`.
+        :attr:`kvdiverge.results.Measurement.summary`.
     settings : mapping
         The measurement's settings (model, T, R, temperature, top_p, seed, confidence).
     floor : str or None

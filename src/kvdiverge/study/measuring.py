@@ -102,7 +102,7 @@ class MeasureOptions:
                         model_name=model_name)  # fmt: skip
 
     def recorded(self, sampling: Sampling, sources: Mapping[str, Any], grid, kv_sizes=None) -> dict[str, Any]:
-        """The ``settings`` of a :class:`kvdiverge.measurement.Measurement` run with ``sampling``.
+        """The ``settings`` of a :class:`kvdiverge.results.Measurement` run with ``sampling``.
 
         model, split, T, R, the decoding settings always recorded (temperature, top_p), seed, window,
         bootstrap, confidence, instruction, system, presses (name -> :func:`kvdiverge.study.inputs.describe_press`);

@@ -465,7 +465,7 @@ def save_measurement(
     directory : path
         Created when missing.
     tables : mapping of str to polars.DataFrame
-        Name -> table (:meth:`kvdiverge.measurement.Measurement.save`).
+        Name -> table (:meth:`kvdiverge.results.Measurement.save`).
     settings : mapping
         The measurement's settings.
     batch_documents : int or None
