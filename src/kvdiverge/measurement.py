@@ -223,7 +223,8 @@ def _teacher_pass(model, documents, sources, opts: measuring.MeasureOptions, sam
     from kvdiverge.engine.llm.teacher import TeacherForcing  # torch: loaded with the model
 
     length = int(opts.teacher_tokens)
-    forced = sampling.untransformed().replace(T=length, replicates=1, eos_ids=eos)
+    forcing = TeacherForcing(length=length)
+    forced = forcing.sampling(sampling.seed, sampling.model_name, eos)
     options = ScreenOptions(length=length, seed=opts.seed, split=opts.split, bootstrap=opts.bootstrap,
                             confidence=opts.confidence, model_name=sampling.model_name)  # fmt: skip
-    return run_screen(model, documents, sources, forced, TeacherForcing(length=length), options)
+    return run_screen(model, documents, sources, forced, forcing, options)

@@ -25,7 +25,6 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
@@ -176,10 +175,7 @@ def screen(
     # a prompt needs room for 1 token: the continuation is cut to what the context leaves
     sources, _ = measure_inputs(model, documents, presses, 1, FrontierSpec.of(frontier))
     name = opt.model_name or model_label(model)
-    sampling = Sampling(
-        T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(opt.seed), model_name=name
-    )
-    sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids))
+    sampling = forcing.sampling(opt.seed, name, model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids)
     return run_screen(model, documents, sources, sampling, forcing, opt, continuations)
 
 

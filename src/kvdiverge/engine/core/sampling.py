@@ -18,6 +18,7 @@ the context), with its tests and its line in ``docs/configs.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -140,8 +141,14 @@ class Decoding:
         row's context (the repetition penalty) is applied before, by the pair that holds the context."""
         from kvdiverge.engine.core.decoding import decode_log_probs  # torch: this module stays torch-free
 
-        transform = {n: getattr(self, n) for n, o in decoding_options().items() if o["stage"] == "transform"}
-        return decode_log_probs(logits, dtype=dtype, **transform)
+        return decode_log_probs(logits, dtype=dtype, **{name: getattr(self, name) for name in _transform_settings()})
+
+
+@functools.cache
+def _transform_settings() -> tuple[str, ...]:
+    """The names of the settings :func:`kvdiverge.engine.core.decoding.decode_log_probs` applies (stage
+    ``transform``), read once: :meth:`Decoding.log_probs` runs at every decoding step."""
+    return tuple(name for name, option in decoding_options().items() if option["stage"] == "transform")
 
 
 def decoding_options() -> dict[str, dict]:

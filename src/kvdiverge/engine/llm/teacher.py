@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.hf import DynamicCache
 
 __all__ = ["Forced", "TeacherForcing", "forced_log_probs", "forced_pass", "greedy_continuation", "position_measures"]
@@ -74,6 +75,14 @@ class TeacherForcing:
     def __post_init__(self) -> None:
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"teacher_forced.length must be an integer >= 1, got {self.length!r}")
+
+    def sampling(self, seed: int, model_name: str, eos_ids: Sequence[int]) -> Sampling:
+        """The pass's settings for the pairs: ``T = length``, one replicate, the decoding transform off
+        (:class:`kvdiverge.engine.core.sampling.Decoding`'s neutral values: the raw logits' log-softmax,
+        as llama.cpp scores), ``seed`` and ``model_name`` for the names and the noise floor's permutations,
+        ``eos_ids`` for the pairs' stops."""
+        return Sampling(T=self.length, replicates=1, decoding=Decoding(eos_ids=tuple(eos_ids)), seed=int(seed),
+                        model_name=model_name)  # fmt: skip
 
 
 def position_measures(logp: torch.Tensor, logq: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
