@@ -1,0 +1,147 @@
+"""The predictive analysis: fidelity on some documents against a task's drop on others, beyond the ratio."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.prediction import (
+    STATISTICS,
+    PredictionInputError,
+    held_out_predictions,
+    prediction_problems,
+    prediction_statistics,
+    prediction_tables,
+)
+
+RATIOS = (0.25, 0.5, 0.75, 0.9)
+PRESSES = ("a", "b", "c", "d", "e", "f")
+
+
+def stat(values, name):
+    return values[STATISTICS.index(name)]
+
+
+def test_held_out_press_is_predicted_from_the_others_by_interpolation():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    y = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    presses = np.array(["a", "a", "b", "b", "c", "c"])
+    # b out: fit on x = 1, 2, 5, 6 (already increasing), interpolate at 3 and 4; a out: clipped at x = 3
+    np.testing.assert_allclose(held_out_predictions(x, y, presses), [0.3, 0.3, 0.3, 0.4, 0.4, 0.4])
+
+
+def test_isotonic_fit_pools_violators_and_ties():
+    # fitted on press a: x = 1, 2, 2, 3 with y = 0.3, 0.0, 0.2, 0.2: the tie at 2 pools to 0.1,
+    # then 0.3 (weight 1) and 0.1 (weight 2) pool to 1/6 over x = 1, 2, and 0.2 stays at 3
+    x = np.array([1.0, 2.0, 2.0, 3.0, 1.5, 2.5])
+    y = np.array([0.3, 0.0, 0.2, 0.2, 0.0, 0.0])
+    presses = np.array(["a", "a", "a", "a", "b", "b"])
+    predicted = held_out_predictions(x, y, presses)
+    np.testing.assert_allclose(predicted[4:], [1 / 6, (1 / 6 + 0.2) / 2])
+
+
+def test_statistics_enumerated_by_hand():
+    # two ratios, two presses: at each ratio the measure orders the presses as their drops do
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    y = np.array([0.1, 0.2, 0.15, 0.3])
+    ratio = np.array([0.5, 0.5, 0.9, 0.9])
+    presses = np.array(["a", "b", "a", "b"])
+    s = prediction_statistics(x, y, ratio, presses)
+    assert stat(s, "spearman") == pytest.approx(0.8)  # ranks of y: 1, 3, 2, 4
+    assert stat(s, "kendall") == pytest.approx(4 / 6)  # 5 concordant, 1 discordant
+    assert stat(s, "kendall_within_ratio") == 1.0
+    # ranks: x (1 2 3 4), y (1 3 2 4), r (1.5 1.5 3.5 3.5): r_xy 0.8, r_xr = r_yr = 0.8/sqrt(0.8)... by hand
+    rx, ry, rr = np.array([1, 2, 3, 4.0]), np.array([1, 3, 2, 4.0]), np.array([1.5, 1.5, 3.5, 3.5])
+    c = np.corrcoef([rx, ry, rr])
+    expected = (c[0, 1] - c[0, 2] * c[1, 2]) / np.sqrt((1 - c[0, 2] ** 2) * (1 - c[1, 2] ** 2))
+    assert stat(s, "spearman_given_ratio") == pytest.approx(expected)
+    assert stat(s, "spearman_given_ratio") == pytest.approx(1.0)
+    # press a out: fit on b (x 2, 4; y 0.2, 0.3): predict a at 1 -> 0.2 (clipped), at 3 -> 0.25
+    # press b out: fit on a (x 1, 3; y 0.1, 0.15): predict b at 2 -> 0.125, at 4 -> 0.15
+    mae = np.mean(np.abs(np.array([0.2, 0.125, 0.25, 0.15]) - y))
+    assert stat(s, "mae_held_out") == pytest.approx(mae)
+    # ratio only: a out, fit on b (r .5 .9; y .2 .3) -> a: .2, .3; b out, fit on a -> b: .1, .15
+    ratio_mae = np.mean(np.abs(np.array([0.2, 0.1, 0.3, 0.15]) - y))
+    assert stat(s, "mae_ratio_only") == pytest.approx(ratio_mae)
+    assert stat(s, "mae_gain") == pytest.approx(ratio_mae - mae)
+
+
+def frontier(drop_of, measure_of, n_fid=24, n_task=24, seed=0):
+    """Document tables of a 6-press x 4-ratio frontier: per point, a fidelity measure around
+    ``measure_of(press, ratio)`` and answers broken with probability ``drop_of(press, ratio)``."""
+    rng = np.random.default_rng(seed)
+    fragility = dict(zip(PRESSES, np.linspace(0.2, 1.0, len(PRESSES))))
+    fid, task, pts = [], [], []
+    for press in PRESSES:
+        for r in RATIOS:
+            point = f"{press}@{r}"
+            pts.append({"point": point, "press": press, "ratio": r})
+            m = measure_of(fragility[press], r)
+            fid += [{"point": point, "doc_id": f"f{i}", "kld": m + 0.01 * rng.normal()} for i in range(n_fid)]
+            broken = rng.random(n_task) < drop_of(fragility[press], r)
+            task += [
+                {"task": "niah", "placement": "inside", "point": point, "doc_id": f"t{i}",
+                 "correct_full": True, "correct": not broken[i]}
+                for i in range(n_task)
+            ]  # fmt: skip
+    return pl.DataFrame(fid), pl.DataFrame(task), pl.DataFrame(pts)
+
+
+def test_a_drop_that_follows_the_ratio_alone_gives_no_partial_correlation_and_no_gain():
+    fid, task, pts = frontier(drop_of=lambda f, r: r**2, measure_of=lambda f, r: f * r, n_task=200)
+    table, marks = prediction_tables(fid, task, pts, ["kld"], boot=Bootstrap(200, 0.9, 1))
+    row = table.row(0, named=True)
+    assert row["n_points"] == 24 and row["n_presses"] == 6 and row["n_fidelity_docs"] == 24
+    assert row["spearman"] > 0.5  # more compression: larger measure and larger drop
+    assert abs(row["spearman_given_ratio"]) < 0.35
+    assert row["spearman_given_ratio_lo"] < 0 < row["spearman_given_ratio_hi"]
+    assert abs(row["kendall_within_ratio"]) < 0.35
+    assert row["mae_gain"] < 0.02  # the measure predicts no better than the ratio
+    assert row["mae_gain_lo"] < 0.01
+    assert marks.height == 24 and set(marks["press"]) == set(PRESSES)
+
+
+def test_a_drop_that_follows_the_measure_gives_a_clear_partial_correlation_and_gain():
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r, n_task=200)
+    table, _ = prediction_tables(fid, task, pts, ["kld"], boot=Bootstrap(200, 0.9, 1))
+    row = table.row(0, named=True)
+    assert row["spearman"] > 0.9
+    assert row["spearman_given_ratio"] > 0.7 and row["spearman_given_ratio_lo"] > 0.4
+    assert row["kendall_within_ratio"] > 0.6 and row["kendall_within_ratio_lo"] > 0.3
+    assert row["mae_held_out"] < row["mae_ratio_only"]
+    assert row["mae_gain"] > 0.05 and row["mae_gain_lo"] > 0
+
+
+def test_a_measure_where_smaller_is_worse_is_oriented():
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: 1 - f * r)
+    fid = fid.rename({"kld": "same_top_p"})
+    table, marks = prediction_tables(fid, task, pts, ["same_top_p"], boot=Bootstrap(50, 0.9, 1))
+    assert table["direction"][0] == -1 and table["spearman"][0] > 0.8
+    assert (marks["x"] <= 0).all()
+
+
+def test_intervals_resample_both_sides_and_repeat_with_the_seed():
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r)
+    a, _ = prediction_tables(fid, task, pts, ["kld"], boot=Bootstrap(30, 0.9, 4))
+    b, _ = prediction_tables(fid, task, pts, ["kld"], boot=Bootstrap(30, 0.9, 4))
+    assert a.equals(b)
+    for name in STATISTICS:
+        assert a[f"{name}_lo"][0] <= a[name][0] + 1e-12 or np.isnan(a[name][0])
+
+
+def test_bad_input_is_named_in_one_sentence_each():
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r, n_fid=4, n_task=4)
+    overlap = fid.with_columns(doc_id=pl.col("doc_id").str.replace("f", "t"))
+    assert "overlap in 4 documents (e.g. 't0')" in prediction_problems(overlap, task, pts)[0]
+    two = pts.filter(pl.col("press").is_in(["a", "b"]))
+    (problem,) = prediction_problems(fid.filter(pl.col("point").is_in(two["point"])), task, two)[:1]
+    assert problem == "the frontier has 2 presses (a, b); leaving one press out needs at least 3"
+    weak = task.with_columns(correct_full=pl.col("doc_id").is_in(["t0", "t1"]))
+    assert prediction_problems(fid, weak, pts) == [
+        "task niah (inside): the full cache answers 50% of the documents, below 70%: too few right answers "
+        "to measure a press's drop"
+    ]
+    with pytest.raises(PredictionInputError, match="overlap"):
+        prediction_tables(overlap, task, pts, ["kld"], boot=Bootstrap(10))
