@@ -257,7 +257,6 @@ MAX_PARAMETERS = 7
 MANY_PARAMETERS = {
     "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
     "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
-    "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
     "engine/llm/planner.py:plan_batch": "the planner's sizes, one keyword each",
     "engine/llm/attention.py:grouped_sdpa": "torch's scaled_dot_product_attention's arguments",
     "engine/core/coupling.py:maximal_coupling": "the coupling's tensors and options",
