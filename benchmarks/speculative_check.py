@@ -32,7 +32,7 @@ import torch
 import kvdiverge
 from kvdiverge.study.inputs import prepare_documents, sotu_prompts
 from kvdiverge.study.models import EMBEDDED_MODEL, load_model, local_entry
-from kvdiverge.testing.speculative import first_block_accepted
+from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted
 
 PRESSES = {  # the default config's prefill presses (config/config.yaml)
     "snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64, "kernel_size": 5},
@@ -95,7 +95,9 @@ def main() -> None:
         means = []
         A_doc = per_document_A(m, name, args.k)
         for i, d in enumerate(docs):
-            acc = first_block_accepted(model, d.input_ids, build(press_spec), args.k, args.seeds, seed=1000 + i)
+            acc = first_block_accepted(
+                model, d.input_ids, build(press_spec), DraftBlocks(args.k, args.seeds, seed=1000 + i)
+            )
             se = acc.std(ddof=1) / math.sqrt(len(acc))
             A, se_A = A_doc[d.doc_id]
             z = (acc.mean() - A) / math.sqrt(se**2 + se_A**2)

@@ -18,7 +18,7 @@ from kvdiverge.engine.core.coupled import run_batch, run_document
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
 from kvdiverge.engine.presses.policies import Policy
@@ -250,7 +250,9 @@ def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs
     presses = [SnapKVPress(compression_ratio=0.5, window_size=16) if with_press else None for _ in docs]
     kept = [int(d.prompt_len * 0.5) if with_press else d.prompt_len for d in docs]
     pair = LLMKernelPair.from_documents(
-        model, [d.input_ids for d in docs], presses, kept, decoding=Decoding(temperature=0.0)
+        model,
+        [PairDocument(d.input_ids, p, k) for d, p, k in zip(docs, presses, kept)],
+        decoding=Decoding(temperature=0.0),
     )
     recs = run_batch(pair, T, 2, 0, "m", [d.doc_id for d in docs])
     assert pair.kept_lens == kept

@@ -20,7 +20,7 @@ import torch
 from kvpress import KnormPress
 
 from kvdiverge.engine.core.sampling import Decoding
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument, merge_caches
 from kvdiverge.engine.llm.side import JointSides
 from kvdiverge.study.standins import MINIATURE, random_model
 
@@ -51,7 +51,10 @@ def presses(kind):
 
 def pair_of(model, prompts, press_list, fast=True):
     return LLMKernelPair.from_documents(
-        model, prompts, press_list, [None] * len(prompts), decoding=Decoding(temperature=1.0, eos_ids=[]), fast=fast
+        model,
+        [PairDocument(ids, press) for ids, press in zip(prompts, press_list)],
+        decoding=Decoding(temperature=1.0, eos_ids=[]),
+        fast=fast,
     )
 
 

@@ -30,7 +30,7 @@ import torch
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.sampling import Decoding
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.study.standins import MINIATURE, random_model
 from kvdiverge.testing.constructions import ConstructedPair
 
@@ -120,7 +120,9 @@ def llm_cases():
         for name, eos, temperature, press, T in LLM:
             presses = [getattr(kvpress, press)(compression_ratio=0.5) for _ in prompts]
             pair = LLMKernelPair.from_documents(
-                model, prompts, presses, [None] * 3, decoding=Decoding(temperature=temperature, eos_ids=eos)
+                model,
+                [PairDocument(ids, p) for ids, p in zip(prompts, presses)],
+                decoding=Decoding(temperature=temperature, eos_ids=eos),
             )
             out[f"llm {name}"] = exact(run_batch(pair, T, 4, 7, "mini", ["p0", "p1", "p2"]))
         return out

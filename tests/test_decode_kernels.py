@@ -28,7 +28,7 @@ import torch
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.attention import GROUPED_SDPA, grouped_sdpa
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.llm.side import fill_holes
 from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
@@ -192,16 +192,11 @@ def trace(model, prompts, name, fast, joint=None):
     policy = None if name is None else Policy.from_config(name, press_status.test_spec(name))
     presses = [None if policy is None else policy.build_press(len(ids)) for ids in prompts]
     expected = [None if policy is None else policy.expected_kept(len(ids), p) for ids, p in zip(prompts, presses)]
-    pair = LLMKernelPair.from_documents(
-        model,
-        prompts,
-        presses,
-        expected,
-        decoding=Decoding(temperature=1.0),
-        fast=fast,
-        prefill_seeds=[prefill_seed(0, "mini", f"d{d}") for d in range(len(prompts))],
-        joint=joint,
-    )
+    documents = [
+        PairDocument(ids, press, kept, prefill_seed(0, "mini", f"d{d}"))
+        for d, (ids, press, kept) in enumerate(zip(prompts, presses, expected))
+    ]
+    pair = LLMKernelPair.from_documents(model, documents, decoding=Decoding(temperature=1.0), fast=fast, joint=joint)
     n = len(prompts) * R
     out = [pair.start(n)]
     gen = torch.Generator().manual_seed(4)
@@ -251,7 +246,10 @@ def test_both_sides_decode_in_one_forward_per_step_on_the_twin(model, prompts, j
 
     presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
     pair = LLMKernelPair.from_documents(
-        model, prompts, presses, [None] * len(prompts), decoding=Decoding(temperature=1.0), joint=joint
+        model,
+        [PairDocument(ids, press) for ids, press in zip(prompts, presses)],
+        decoding=Decoding(temperature=1.0),
+        joint=joint,
     )
     n = len(prompts) * R
     pair.start(n)
@@ -301,7 +299,9 @@ def test_headwise_masks_still_apply(model, prompts):
     def run(drop):
         presses = [kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)) for _ in prompts]
         pair = LLMKernelPair.from_documents(
-            model, prompts, presses, [None] * len(prompts), decoding=Decoding(temperature=1.0)
+            model,
+            [PairDocument(ids, press) for ids, press in zip(prompts, presses)],
+            decoding=Decoding(temperature=1.0),
         )
         pair.start(len(prompts) * R)
         assert pair._sides.side.masks is not None

@@ -9,6 +9,7 @@ import torch
 
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.presses.window import SlidingWindowPress
 
@@ -44,7 +45,7 @@ def test_greedy_chain_equals_kvpress_generation(model_and_tokenizer, text, make)
     twin = evicted_twin(model)
     with torch.inference_mode(), make()(twin):
         want = twin.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    pair = DecodeTimePair(model, [ids], [make()], [None], decoding=Decoding(temperature=0.0))
+    pair = DecodeTimePair(model, [PairDocument(ids, make())], decoding=Decoding(temperature=0.0))
     _, logq = pair.start(1)
     got = []
     for _ in range(12):

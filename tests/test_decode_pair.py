@@ -13,6 +13,7 @@ from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.presses.window import SlidingWindowPress
@@ -88,7 +89,7 @@ def replay(model, ids, press, history, temperature=TEMPERATURE, penalty=1.0):
 def run(model, prompts, make, R):
     rec = RecordingPair(
         DecodeTimePair(
-            model, prompts, [make() for _ in prompts], [None] * len(prompts), decoding=Decoding(temperature=TEMPERATURE)
+            model, [PairDocument(ids, make()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
         )
     )
     out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
@@ -147,7 +148,7 @@ def test_a_repetition_penalty_penalizes_each_rows_own_evicted_context(model, pro
     prompt and that row's own evicted history, bit for bit."""
     penalty, ids = 1.5, prompts[0]
     decoding = Decoding(temperature=TEMPERATURE, repetition_penalty=penalty)
-    rec = RecordingPair(DecodeTimePair(model, [ids], [decoding_press()], [None], decoding=decoding))
+    rec = RecordingPair(DecodeTimePair(model, [PairDocument(ids, decoding_press())], decoding=decoding))
     out = run_batch(rec, T, 1, 11, "miniature", ["d0"])  # one row: its lane is unbatched, bit for bit
     assert out[0]["t_star"] is not None and out[0]["branch_y"]  # a branch happened
     for (_, history), logq in rec.seen.items():
@@ -179,7 +180,7 @@ def test_three_documents_equal_replay_within_batch_tolerance(model, prompts, nam
 @pytest.mark.miniature
 def test_chain_compresses_and_counts_replay(model, prompts):
     pair = DecodeTimePair(
-        model, prompts, [decoding_press() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, decoding_press()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     out = run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.kept_lens == [8, 8, 8]  # target_size, reached along the chain (the prompt is kept at prefill)
@@ -234,7 +235,7 @@ def test_decode_time_detection_and_refusal():
     assert refusal(decoding_press()) is None
     with pytest.raises(ValueError, match="CAMPress"):
         DecodeTimePair(
-            random_model(MINIATURE["qwen-2.5-7b"]), [[1, 2, 3]], [cam], [None], decoding=Decoding(temperature=1.0)
+            random_model(MINIATURE["qwen-2.5-7b"]), [PairDocument([1, 2, 3], cam)], decoding=Decoding(temperature=1.0)
         )
 
 
@@ -243,7 +244,7 @@ def test_decode_time_detection_and_refusal():
 def test_dropped_rows_ride_along_and_kept_rows_stay_exact(model, prompts):
     make = decoding_press
     pair = DecodeTimePair(
-        model, prompts[:2], [make(), make()], [None, None], decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, make()) for ids in prompts[:2]], decoding=Decoding(temperature=TEMPERATURE)
     )
     pair.start(4)
     hist = [[5], [6], [7], [8]]
@@ -271,7 +272,7 @@ def test_window_lanes_of_a_document_decode_as_one(model, prompts, monkeypatch, m
     if not merge:
         monkeypatch.setattr(decode_pair, "_merges_lanes", lambda press: False)
     pair = DecodeTimePair(
-        model, prompts, [PRESSES["window"]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, PRESSES["window"]()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     lanes_per_doc = []
     advance = pair.advance
@@ -302,7 +303,7 @@ def test_the_reference_side_is_batched_once_every_prefill_evicted(model, prompts
     # decode in one forward; DecodingPress keeps the prompt at prefill (Q = P exactly until its
     # first compression), so each document keeps an unpadded reference on the lanes' kernels
     pair = DecodeTimePair(
-        model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, PRESSES[name]()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     advances = []
     advance = pair.advance
@@ -323,16 +324,14 @@ def test_the_chain_lanes_prefill_gives_the_full_cache_and_ratio_0_gives_tv_0(mod
     # one prefill forward per document: the full cache is copied before each layer's compression,
     # and at ratio 0 (nothing evicted, ever) every step's TV is exactly 0
     pair = DecodeTimePair(
-        model, prompts, [PRESSES[name]() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, PRESSES[name]()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.counts["reference_prefills"] == 0 and pair.counts["prefill_forwards"] >= 3
     pair.close()
     zero = DecodeTimePair(
         model,
-        prompts,
-        [SlidingWindowPress(0.0, n_sink=2) for _ in prompts],
-        [None] * 3,
+        [PairDocument(ids, SlidingWindowPress(0.0, n_sink=2)) for ids in prompts],
         decoding=Decoding(temperature=TEMPERATURE),
     )
     out = run_batch(zero, T, 3, 11, "miniature", ["d0", "d1", "d2"])
@@ -376,9 +375,7 @@ def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
     rec = RecordP(
         DecodeTimePair(
             model,
-            prompts,
-            [PRESSES["window"]() for _ in prompts],
-            [None] * 3,
+            [PairDocument(ids, PRESSES["window"]()) for ids in prompts],
             decoding=Decoding(temperature=TEMPERATURE),
         )
     )
@@ -396,7 +393,7 @@ def test_the_batched_reference_equals_the_full_cache_model(model, prompts):
 def test_lanes_of_presses_with_step_counters_stay_apart(model, prompts):
     # DecodingPress counts steps per lane: a replayed branch keeps a lane of its own
     pair = DecodeTimePair(
-        model, prompts, [decoding_press() for _ in prompts], [None] * 3, decoding=Decoding(temperature=TEMPERATURE)
+        model, [PairDocument(ids, decoding_press()) for ids in prompts], decoding=Decoding(temperature=TEMPERATURE)
     )
     run_batch(pair, T, 3, 11, "miniature", ["d0", "d1", "d2"])
     assert pair.counts["lane_forwards"] > pair.counts["reference_forwards"]
@@ -471,7 +468,7 @@ def test_a_batch_of_documents_gives_each_the_records_it_has_alone(model, prompts
 
     def records(docs, ids):
         pair = DecodeTimePair(
-            model, docs, [make() for _ in docs], [None] * len(docs), decoding=Decoding(temperature=TEMPERATURE)
+            model, [PairDocument(prompt, make()) for prompt in docs], decoding=Decoding(temperature=TEMPERATURE)
         )
         return run_batch(pair, T, R, 11, "miniature", ids)
 
@@ -491,7 +488,9 @@ def test_sampled_chain_tv_equals_kvpress_pipeline(model, prompts, name):
     press, then one token per forward) after the same history, within float32 rounding
     (the lane's two rows decode in one forward, the pipeline's one alone)."""
     docs = prompts[:2]
-    pair = DecodeTimePair(model, docs, [PRESSES[name]() for _ in docs], [None] * 2, decoding=Decoding(temperature=1.0))
+    pair = DecodeTimePair(
+        model, [PairDocument(ids, PRESSES[name]()) for ids in docs], decoding=Decoding(temperature=1.0)
+    )
     out = run_batch(pair, T, 2, 5, "miniature", ["d0", "d1"])
     steps = 0
     for g, r in enumerate(out):
@@ -519,9 +518,7 @@ def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
         pair = RecordingPair(
             DecodeTimePair(
                 model,
-                docs,
-                [PRESSES["prefill-decoding"]() for _ in docs],
-                [None] * 2,
+                [PairDocument(ids, PRESSES["prefill-decoding"]()) for ids in docs],
                 decoding=Decoding(temperature=1.0),
                 fast=fast,
             )
@@ -530,7 +527,7 @@ def test_the_lanes_do_not_depend_on_the_reference_sides_kernels(model, prompts):
 
     (fast, out_fast), (stock, out_stock) = records(True), records(False)
     with stock_kernels():
-        assert not DecodeTimePair(model, docs[:1], [None], [None], decoding=Decoding(temperature=1.0)).fast
+        assert not DecodeTimePair(model, [PairDocument(docs[0])], decoding=Decoding(temperature=1.0)).fast
     shared = fast.seen.keys() & stock.seen.keys()
     assert len(shared) >= 4 * T  # every chain prefix at least
     assert all(torch.equal(fast.seen[k], stock.seen[k]) for k in shared)

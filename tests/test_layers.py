@@ -257,13 +257,6 @@ MAX_PARAMETERS = 7
 MANY_PARAMETERS = {
     "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
     "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
-    "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
-    "testing/speculative.py:_block": "the exact enumeration's recursion state",
-    "testing/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",
-    "engine/llm/llm_pair.py:LLMKernelPair.from_documents": "per-document prompts, presses, promises, seeds, prefills",
-    "engine/llm/llm_pair.py:LLMKernelPair._setup": "the constructor's state",
-    "engine/llm/pair_base.py:LLMPairBase._setup": "the constructor's state",
-    "engine/llm/decode_pair.py:DecodeTimePair.__init__": "per-document prompts, presses, promises, seeds",
     "engine/llm/planner.py:plan_batch": "the planner's sizes, one keyword each",
     "engine/llm/attention.py:grouped_sdpa": "torch's scaled_dot_product_attention's arguments",
     "engine/core/coupling.py:maximal_coupling": "the coupling's tensors and options",

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import Decoding
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair, merge_caches
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument, merge_caches
 from kvdiverge.engine.llm.masks import check_patched
 from kvdiverge.engine.llm.prefill import attention_weights, prefill
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -129,7 +129,7 @@ def test_three_documents_in_one_batch_equal_each_alone(model, name):
     docs = [prompt(n) for n in LENGTHS]
     press = PRESSES[name](0.5)
     batch = LLMKernelPair.from_documents(
-        model, docs, [press] * 3, [kept_promise(press, len(d)) for d in docs], decoding=Decoding(temperature=1.0)
+        model, [PairDocument(d, press, kept_promise(press, len(d))) for d in docs], decoding=Decoding(temperature=1.0)
     )
     together = drive(batch, 6, script={2: drop_and_rewind})
     valid = batch._sides.valid(evicted=False)

@@ -13,7 +13,7 @@ import kvdiverge.engine.llm.planner as planner
 import kvdiverge.engine.runner as runner
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
 from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.study.shard import run_shard
@@ -56,7 +56,7 @@ def test_the_planner_covers_the_widest_cache_a_run_reaches(mini, one_thread):
     widths = Widths(mini)
     try:
         pair = LLMKernelPair.from_documents(
-            mini, [ids], [KnormPress(0.5)], [None], decoding=Decoding(temperature=1.0, eos_ids=[])
+            mini, [PairDocument(ids, KnormPress(0.5))], decoding=Decoding(temperature=1.0, eos_ids=[])
         )
         recs = run_batch(pair, T, R, 2, "m", ["a"])
     finally:

@@ -40,7 +40,7 @@ import torch
 
 from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.adapters import PressAdapter, resolve
@@ -173,7 +173,7 @@ def trace(model, prompts, forced, policy: Policy | PressPolicy | None, doc_ids=N
     doc_ids = range(len(prompts)) if doc_ids is None else doc_ids
     if policy is None:
         pair = LLMKernelPair.from_documents(
-            model, prompts, [None] * len(prompts), [None] * len(prompts), decoding=Decoding(temperature=1.0)
+            model, [PairDocument(ids) for ids in prompts], decoding=Decoding(temperature=1.0)
         )
     else:
         docs = [Document(f"doc{d}", ids) for d, ids in zip(doc_ids, prompts)]

@@ -13,6 +13,7 @@ from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.decoding import decode_log_probs
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.quantized import (
     QuantizedCachePress,
@@ -184,7 +185,11 @@ def check_rows(model, prompts, make, R, replay, tol, kept=None):
     """Every recorded q of every row (chain and branch) against ``replay`` of the row's own history."""
     kept = [len(p) for p in prompts] if kept is None else kept
     rec = Recorder(
-        DecodeTimePair(model, prompts, [make() for _ in prompts], kept, decoding=Decoding(temperature=TEMPERATURE))
+        DecodeTimePair(
+            model,
+            [PairDocument(ids, make(), k) for ids, k in zip(prompts, kept)],
+            decoding=Decoding(temperature=TEMPERATURE),
+        )
     )
     out = run_batch(rec, T, R, 11, "miniature", [f"d{i}" for i in range(len(prompts))])
     n_branch = 0

@@ -233,7 +233,7 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
 
     import kvdiverge
     from kvdiverge.study.inputs import prepare_documents
-    from kvdiverge.testing.speculative import first_block_accepted
+    from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted
 
     torch.set_num_threads(1)
     model, tok = embedded
@@ -243,7 +243,9 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
         model, tok, {"bridge": ids}, {"snapkv": press}, max_new_tokens=k, replicates=32, bootstrap=50, progress=False
     )
     A = np.asarray(m.replicates["S"].to_list()).sum(axis=1)  # A_k per replicate (T = k)
-    acc = first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 128, seed=4)
+    acc = first_block_accepted(
+        model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), DraftBlocks(k, 128, seed=4)
+    )
     assert acc.min() >= 1  # a prefill press: q_1 = p_1, the first drafted token is always accepted
     assert m.speculative["S_k"][0] == 1.0
     assert A.mean() == pytest.approx(m.speculative.filter(pl.col("k") == k)["A"][0])
@@ -259,4 +261,6 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     reached = (acc >= k - 1).mean()
     assert (acc >= k).mean() / reached == pytest.approx(row["conditional_acceptance"], abs=0.2)
     with pytest.raises(ValueError, match="speculative sampling needs temperature > 0, got 0"):
-        first_block_accepted(model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), k, 4, temperature=0)
+        first_block_accepted(
+            model, ids, SnapKVPress(compression_ratio=0.5, window_size=8), DraftBlocks(k, 4, temperature=0)
+        )

@@ -28,6 +28,7 @@ from kvdiverge.engine.core.pairs import PhaseTracker
 from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.llm.decode_pair import DecodeTimePair
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
+from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -605,23 +606,24 @@ def build_pair(
     decode_time = is_decode_time(presses[0])
     if prefilled is not None and decode_time:
         raise ValueError(f"policy {policy.name!r} evicts while decoding; its prefill is not shared")
-    kind = DecodeTimePair if decode_time else LLMKernelPair
-    extra = {} if prefilled is None else {"prefilled": prefilled}
     if any(doc.n_question for doc in batch):
         problem = question_after_problem(presses[0])
         if problem:
             raise ValueError(f"policy {policy.name!r}: {problem}")
-        extra["n_questions"] = [doc.n_question for doc in batch]
-    return kind.from_documents(
-        model,
-        [doc.input_ids for doc in batch],
-        list(presses),
-        [policy.expected_kept(doc.context_len, press) for doc, press in zip(batch, presses)],
-        decoding=sampling.decoding,
-        prefill_seeds=[prefill_seed(sampling.seed, sampling.model_name, doc.doc_id) for doc in batch],
-        horizon=sampling.T,
-        **extra,
-    )
+    prefilled = [None] * len(batch) if prefilled is None else prefilled
+    documents = [
+        PairDocument(
+            doc.input_ids,
+            press,
+            policy.expected_kept(doc.context_len, press),
+            prefill_seed(sampling.seed, sampling.model_name, doc.doc_id),
+            given,
+            doc.n_question,
+        )
+        for doc, press, given in zip(batch, presses, prefilled, strict=True)
+    ]
+    kind = DecodeTimePair if decode_time else LLMKernelPair
+    return kind.from_documents(model, documents, decoding=sampling.decoding, horizon=sampling.T)
 
 
 def _run_one_batch(model, batch: Sequence[Document], policy, sampling: Sampling, progress, *, presses, prefilled):

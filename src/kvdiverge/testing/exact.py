@@ -258,18 +258,13 @@ def enumerate_coupled(
         raise ValueError(f"W must be >= 0, got {W}")
     kern = absorbing(fn, vocab_size, eos_ids)
 
-    f = np.zeros(T)
-    reach = np.zeros(T)
-    btv_num = np.zeros(T)
-    mis_lag = np.zeros(T)
-    acc = defaultdict(float)
-    window_law: dict = defaultdict(float)
+    totals = _Totals.zeros(T, W)
     n_paths = 0
-
-    for hx, hy, prob, tau, tvs, ds in _paths(kern, T, tol):
+    for path in _paths(kern, T, tol):
         n_paths += 1
-        _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc, window_law)
+        totals.add(path)
 
+    f, acc = totals.f, totals.acc
     p_div = float(f.sum())
     S = 1.0 - np.cumsum(f)
     E_L = acc["L"]
@@ -290,24 +285,42 @@ def enumerate_coupled(
         E_M=acc["N"] / T,
         rho=rho(E_N_post, E_L),
         E_tau_div=acc["tau"],
-        reach=reach,
-        btv_num=btv_num,
-        mismatch_lag=mis_lag,
+        reach=totals.reach,
+        btv_num=totals.btv_num,
+        mismatch_lag=totals.mis_lag,
         E_N_sq=acc["N_sq"],
-        window_law=dict(window_law),
+        window_law=dict(totals.window_law),
         n_paths=n_paths,
     )
 
 
+@dataclass(frozen=True)
+class _Path:
+    """One complete coupled path of ``T`` steps (internal to :func:`enumerate_coupled`).
+
+    ``hx``, ``hy``: the reference and evicted histories (token ids, length ``T``); ``prob``:
+    the path's probability; ``tau``: its first divergence step (1-based; ``None``: none);
+    ``tvs``: the TV of each step's kernels; ``ds``: each step's divergence indicator (0 or 1).
+    Step ``t`` is index ``t - 1`` of the tuples.
+    """
+
+    hx: History
+    hy: History
+    prob: float
+    tau: int | None
+    tvs: tuple[float, ...]
+    ds: tuple[int, ...]
+
+
 def _paths(kern, T: int, tol: float):
-    """Every complete coupled path of ``T`` steps with probability above ``tol`` at each step,
-    depth first: ``(x_hist, y_hist, prob, tau, tvs, ds)`` (internal to :func:`enumerate_coupled`)."""
+    """Every complete coupled path of ``T`` steps (:class:`_Path`) with probability above ``tol`` at
+    each step, depth first (internal to :func:`enumerate_coupled`)."""
     stack: list[tuple[History, History, float, int | None, tuple, tuple]] = [((), (), 1.0, None, (), ())]
     while stack:
         hx, hy, prob, tau, tvs, ds = stack.pop()
         t = len(hx) + 1
         if t > T:
-            yield hx, hy, prob, tau, tvs, ds
+            yield _Path(hx, hy, prob, tau, tvs, ds)
             continue
         p, q = kern(hx, hy)
         tv, outcomes = coupling_joint(p, q)
@@ -319,26 +332,53 @@ def _paths(kern, T: int, tol: float):
             stack.append((hx + (x,), hy + (y,), prob * pr, new_tau, tvs + (tv,), ds + (d,)))
 
 
-def _accumulate(prob, tau, tvs, ds, hx, hy, T, W, f, reach, btv_num, mis_lag, acc, window_law) -> None:
-    """Add one complete path's contributions (internal to :func:`enumerate_coupled`)."""
-    n = sum(ds)
-    acc["N"] += prob * n
-    acc["N_sq"] += prob * n * n
-    if tau is None:
-        window_law[(None, hx, hy)] += prob
-        return
-    L = T - tau
-    f[tau - 1] += prob
-    acc["tau"] += prob * tau
-    acc["L"] += prob * L
-    acc["L_win"] += prob * min(W, L)
-    acc["L_tail"] += prob * max(L - W, 0)
-    post = ds[tau:]  # D_{tau+1..T}; ds is 0-indexed by step - 1
-    acc["N_post"] += prob * sum(post)
-    acc["N_win"] += prob * sum(post[:W])
-    for k in range(1, L + 1):
-        reach[k - 1] += prob
-        btv_num[k - 1] += prob * tvs[tau + k - 1]
-        mis_lag[k - 1] += prob * ds[tau + k - 1]
-    end = min(T, tau + W)
-    window_law[(tau, hx[:end], hy[:end])] += prob
+@dataclass(frozen=True)
+class _Totals:
+    """Probability-weighted sums over the complete paths (internal to :func:`enumerate_coupled`).
+
+    ``f``, ``reach``, ``btv_num``, ``mis_lag``: float64 arrays of shape (T,), by divergence
+    step ``tau - 1`` (``f``) or lag ``k - 1`` (the others), added to in place; ``acc``: the
+    scalar sums (``N``, ``N_sq``, ``tau``, ``L``, ``L_win``, ``L_tail``, ``N_post``, ``N_win``);
+    ``window_law``: probability of each ``(tau, x[:tau+W], y[:tau+W])`` (``(None, x, y)``
+    for a path that never diverges).
+    """
+
+    T: int
+    W: int
+    f: np.ndarray
+    reach: np.ndarray
+    btv_num: np.ndarray
+    mis_lag: np.ndarray
+    acc: defaultdict
+    window_law: defaultdict
+
+    @classmethod
+    def zeros(cls, T: int, W: int) -> "_Totals":
+        """Empty sums for horizon ``T`` and window ``W``."""
+        arrays = (np.zeros(T) for _ in range(4))
+        return cls(T, W, *arrays, defaultdict(float), defaultdict(float))
+
+    def add(self, path: _Path) -> None:
+        """Add one complete path's contributions."""
+        prob, tau, tvs, ds, T, W, acc = path.prob, path.tau, path.tvs, path.ds, self.T, self.W, self.acc
+        n = sum(ds)
+        acc["N"] += prob * n
+        acc["N_sq"] += prob * n * n
+        if tau is None:
+            self.window_law[(None, path.hx, path.hy)] += prob
+            return
+        L = T - tau
+        self.f[tau - 1] += prob
+        acc["tau"] += prob * tau
+        acc["L"] += prob * L
+        acc["L_win"] += prob * min(W, L)
+        acc["L_tail"] += prob * max(L - W, 0)
+        post = ds[tau:]  # D_{tau+1..T}; ds is 0-indexed by step - 1
+        acc["N_post"] += prob * sum(post)
+        acc["N_win"] += prob * sum(post[:W])
+        for k in range(1, L + 1):
+            self.reach[k - 1] += prob
+            self.btv_num[k - 1] += prob * tvs[tau + k - 1]
+            self.mis_lag[k - 1] += prob * ds[tau + k - 1]
+        end = min(T, tau + W)
+        self.window_law[(tau, path.hx[:end], path.hy[:end])] += prob

@@ -67,7 +67,7 @@ from kvdiverge.engine.core.errors import CompressionError, check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.llm.masks import attention_modules
-from kvdiverge.engine.llm.pair_base import LLMPairBase
+from kvdiverge.engine.llm.pair_base import LLMPairBase, PairDocument
 from kvdiverge.engine.llm.prefill import full_cache_hooks, seeded
 from kvdiverge.engine.llm.side import CacheSide, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
@@ -258,18 +258,16 @@ class DecodeTimePair(LLMPairBase):
     ----------
     model : transformers.PreTrainedModel
         A causal LM supported by kvpress, in eval mode, with no press entered.
-    prompts : sequence of sequence of int
-        The documents' chat-rendered prompt ids.
-    presses : sequence of kvpress.BasePress
-        One press per document; each lane enters its own deep copy, so the objects are
-        never entered themselves.
-    expected_kept : sequence of int or None
-        Positions every layer must hold after prefill, per document (``None``: not checked).
+    documents : sequence of kvdiverge.engine.llm.pair_base.PairDocument
+        The documents, in row order. Each lane enters its own deep copy of its document's
+        ``press``, so the press objects are never entered themselves; ``expected_kept``
+        (an int or ``None``) is the positions every layer must hold after the prefill
+        (``None``: not checked); ``prefill_seed`` seeds torch's generator during each of the
+        document's prefills. ``prefilled`` and ``n_question`` must be left unset (each lane
+        prefills its own press state; a question after compression is refused).
     decoding : kvdiverge.engine.core.sampling.Decoding
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
         end-of-sequence ids (``None``: ``model.generation_config.eos_token_id``).
-    prefill_seeds : sequence of int or None, optional
-        Per document, the seed of torch's generator during its prefills.
     horizon, fast
         As :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents` (the
         reference side's cache and attention; the lanes keep the stock ones, see ``_Lane``).
@@ -294,8 +292,9 @@ class DecodeTimePair(LLMPairBase):
     Raises
     ------
     ValueError
-        If the sequences differ in length or are empty, or kvdiverge refuses a press
-        (:func:`kvdiverge.engine.presses.registry.refusal`; ``CAMPress`` cannot be replayed).
+        If ``documents`` is empty, a document has a ``prefilled`` or an ``n_question``, or
+        kvdiverge refuses a press (:func:`kvdiverge.engine.presses.registry.refusal`;
+        ``CAMPress`` cannot be replayed).
     CompressionError
         From :meth:`start`, when a prefill does not keep ``expected_kept`` positions.
     NonFiniteLogitsError
@@ -305,42 +304,30 @@ class DecodeTimePair(LLMPairBase):
     def __init__(
         self,
         model,
-        prompts: Sequence[Sequence[int]],
-        presses: Sequence,
-        expected_kept: Sequence,
+        documents: Sequence[PairDocument],
         *,
         decoding: Decoding,
-        prefill_seeds: Sequence[int | None] | None = None,
         horizon: int | None = None,
         fast: bool | None = None,
     ):
-        if not len(prompts) == len(presses) == len(expected_kept) or not prompts:
-            raise ValueError(
-                f"prompts, presses and expected_kept must be non-empty and of one length, got "
-                f"{len(prompts)}, {len(presses)}, {len(expected_kept)}"
-            )
-        for press in presses:
-            why = refusal(press)
+        for d, doc in enumerate(documents):
+            if doc.prefilled is not None or doc.n_question:
+                raise ValueError(
+                    f"document {d}: a decode-time pair prefills each lane itself and takes no "
+                    "shared prefill or question after compression"
+                )
+            why = refusal(doc.press)
             if why:
-                raise ValueError(f"press {type(press).__name__}: {why}")
-        self._setup(
-            model,
-            prompts,
-            presses,
-            expected_kept,
-            decoding,
-            prefill_seeds,
-            horizon=horizon,
-            fast=fast,
-        )
+                raise ValueError(f"press {type(doc.press).__name__}: {why}")
+        self._setup(model, documents, decoding, horizon=horizon, fast=fast)
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
-        self._merges = [_merges_lanes(press) for press in presses]
+        self._merges = [_merges_lanes(doc.press) for doc in documents]
 
     @classmethod
-    def from_documents(cls, model, prompts, presses, expected_kept, **kwargs) -> "DecodeTimePair":
+    def from_documents(cls, model, documents: Sequence[PairDocument], **options) -> "DecodeTimePair":
         """The constructor, under :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.from_documents`'s name."""
-        return cls(model, prompts, presses, expected_kept, **kwargs)
+        return cls(model, documents, **options)
 
     def _reference_prefill(self, ids: torch.Tensor):
         self.counts["reference_prefills"] += 1
@@ -368,9 +355,9 @@ class DecodeTimePair(LLMPairBase):
         self._record("reset")
         self.counts = _new_counts()
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts, ref = [], [], [], [], []
-        for d, (ids, press) in enumerate(zip(self.prompts, self.presses)):
-            with seeded(self.prefill_seeds[d], self.device):
-                lane = _Lane(self.model, ids, press, R, self.counts)
+        for d, (ids, doc) in enumerate(zip(self.prompts, self.documents)):
+            with seeded(doc.prefill_seed, self.device):
+                lane = _Lane(self.model, ids, doc.press, R, self.counts)
             self._starts.append(lane.snapshot)
             self._check_prefill(d, lane)
             lane.chain_doc = lane.doc = d
@@ -400,10 +387,11 @@ class DecodeTimePair(LLMPairBase):
     def _check_prefill(self, d: int, lane: _Lane) -> None:
         lengths = {layer.keys.shape[-2] for layer in lane.cache.layers}
         kept = min(lengths)
-        if self.expected[d] is not None and lengths != {int(self.expected[d])}:
+        expected = self.documents[d].expected_kept
+        if expected is not None and lengths != {int(expected)}:
             raise CompressionError(
                 f"evicted cache keeps {sorted(lengths)} of {self.prompt_lens[d]} prompt positions per layer, "
-                f"the policy promises {self.expected[d]}: the press did not compress as configured"
+                f"the policy promises {expected}: the press did not compress as configured"
             )
         self.kept_lens.append(kept)
         self.kept_per_layer.append([layer.keys.shape[-2] for layer in lane.cache.layers])
@@ -459,8 +447,9 @@ class DecodeTimePair(LLMPairBase):
             self._where[r] = (None, -1)
         self._close_empty()
         for (d, n), rows in groups.items():
-            with seeded(self.prefill_seeds[d], self.device):
-                lane = _Lane(self.model, self.prompts[d], self.presses[d], len(rows), self.counts, self._starts[d])
+            doc = self.documents[d]
+            with seeded(doc.prefill_seed, self.device):
+                lane = _Lane(self.model, self.prompts[d], doc.press, len(rows), self.counts, self._starts[d])
             lane.doc = d
             for i in range(n):
                 tokens = torch.tensor([self._hist[r][i] for r in rows], dtype=torch.long, device=self.device)

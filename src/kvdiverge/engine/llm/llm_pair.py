@@ -17,14 +17,14 @@ import torch
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
-from kvdiverge.engine.llm.pair_base import LLMPairBase, model_eos_ids
+from kvdiverge.engine.llm.pair_base import LLMPairBase, PairDocument, model_eos_ids
 from kvdiverge.engine.llm.prefill import prefill, seeded
 from kvdiverge.engine.llm.side import JointSides, SeparateSides, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
 from kvdiverge.engine.presses.registry import generation_start
 
-__all__ = ["LLMKernelPair", "merge_caches", "model_eos_ids"]
+__all__ = ["LLMKernelPair", "PairDocument", "merge_caches", "model_eos_ids"]
 
 
 class LLMKernelPair(LLMPairBase):
@@ -120,59 +120,52 @@ class LLMKernelPair(LLMPairBase):
         expected_kept: "int | KeptPromise | None" = None,
         prefill_seed: int | None = None,
     ):
-        self._setup(model, [input_ids], [press], [expected_kept], decoding, [prefill_seed])
+        document = PairDocument(input_ids, press, expected_kept, prefill_seed)
+        self._setup(model, [document], decoding)
 
     def _setup(
         self,
         model,
-        prompts,
-        presses,
-        expected,
+        documents: Sequence[PairDocument],
         decoding: Decoding,
-        seeds=None,
         *,
         horizon: int | None = None,
         fast: bool | None = None,
         joint: bool | None = None,
     ) -> None:
-        super()._setup(model, prompts, presses, expected, decoding, seeds, horizon=horizon, fast=fast)
+        super()._setup(model, documents, decoding, horizon=horizon, fast=fast)
         self.twin = evicted_twin(model)
         self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
         self.joint = self.fast if joint is None else bool(joint)
         self._sides: JointSides | SeparateSides | None = None
-        self._prefilled: list | None = None
 
     @classmethod
     def from_documents(
         cls,
         model,
-        prompts: Sequence[Sequence[int]],
-        presses: Sequence,
-        expected_kept: Sequence,
+        documents: Sequence[PairDocument],
         *,
         decoding: Decoding,
-        prefill_seeds: Sequence[int | None] | None = None,
         horizon: int | None = None,
         fast: bool | None = None,
         joint: bool | None = None,
-        prefilled: Sequence | None = None,
-        n_questions: Sequence[int] | None = None,
     ) -> "LLMKernelPair":
-        """A pair over several documents, each with its own press and kept count.
+        """A pair over several documents, each with its own prompt, press, promise, prefill seed,
+        prefill and question length (:class:`kvdiverge.engine.llm.pair_base.PairDocument`).
 
         Parameters
         ----------
+        model : transformers.PreTrainedModel
+            As the class.
+        documents : sequence of PairDocument
+            The documents, in row order. A document's ``prefilled`` (its prefill already run
+            for its press, :func:`kvdiverge.engine.llm.prefill.prefill_shared`) is checked and
+            merged by :meth:`start` as its own, and the pair drops it there; without one,
+            :meth:`start` prefills the document under its press, torch's generator seeded
+            with its ``prefill_seed``.
         decoding : kvdiverge.engine.core.sampling.Decoding
             As the class.
-        prompts : sequence of sequence of int
-            The documents' prompt token ids.
-        presses, expected_kept : sequence
-            One press (or ``None``) and one promise (int, KeptPromise or ``None``) per document.
-        prefill_seeds : sequence of int or None, optional
-            Per document, the seed of torch's global generator during its prefill
-            (:func:`kvdiverge.engine.llm.prefill.prefill_seed`), for presses that draw from it;
-            ``None`` (the default) leaves the generator as it is.
         horizon : int or None, optional
             ``T``, when known: each side's cache is allocated once for ``prompt + 2T - 2``
             columns (:func:`kvdiverge.engine.llm.planner.cache_columns`); ``None`` allocates
@@ -185,54 +178,25 @@ class LLMKernelPair(LLMPairBase):
         joint : bool or None, optional
             Decode both sides as the rows of one forward per step
             (:class:`kvdiverge.engine.llm.side.JointSides`); ``None`` (the default): when ``fast``.
-        prefilled : sequence of Prefill, optional
-            Per document, its prefill already run for this document's press
-            (:func:`kvdiverge.engine.llm.prefill.prefill_shared`: one forward for several
-            policies); :meth:`start` checks and merges it as its own. ``None`` (the default):
-            :meth:`start` prefills each document.
-        n_questions : sequence of int, optional
-            Per document, its trailing question tokens, prefilled after compression onto both
-            caches and never evicted (:func:`kvdiverge.engine.llm.prefill.append_question`, as
-            kvpress's pipeline); the press sees, and promises its kept count for, the tokens
-            before them. ``None``: the press sees every prompt token.
 
         Raises
         ------
         ValueError
-            If the three sequences differ in length or are empty.
+            If ``documents`` is empty.
         """
-        seeds = [None] * len(prompts) if prefill_seeds is None else list(prefill_seeds)
-        if prefilled is not None and len(prefilled) != len(prompts):
-            raise ValueError(f"prefilled holds {len(prefilled)} prefills for {len(prompts)} documents")
-        if not len(prompts) == len(presses) == len(expected_kept) == len(seeds) or not prompts:
-            raise ValueError(
-                f"prompts, presses, expected_kept and prefill_seeds must be non-empty and of one "
-                f"length, got {len(prompts)}, {len(presses)}, {len(expected_kept)}, {len(seeds)}"
-            )
         pair = cls.__new__(cls)
-        pair._setup(
-            model,
-            prompts,
-            presses,
-            expected_kept,
-            decoding,
-            seeds,
-            horizon=horizon,
-            fast=fast,
-            joint=joint,
-        )
-        pair._prefilled = None if prefilled is None else list(prefilled)
-        pair.n_questions = [0] * len(prompts) if n_questions is None else [int(n) for n in n_questions]
+        pair._setup(model, documents, decoding, horizon=horizon, fast=fast, joint=joint)
         return pair
 
-    def _prefill_document(self, ids: torch.Tensor, press, expected, seed, given=None, n_question: int = 0):
-        """Prefill one document (torch's generator seeded with ``seed``) unless ``given``; check its evicted
-        cache (the context's part against the promise), record its kept counts (question included)."""
-        n = int(ids.numel())
+    def _prefill_document(self, ids: torch.Tensor, doc: PairDocument, given=None):
+        """Prefill one document (torch's generator seeded with its ``prefill_seed``) unless ``given``;
+        check its evicted cache (the context's part against the promise), record its kept counts
+        (question included)."""
+        n, press, n_question = int(ids.numel()), doc.press, doc.n_question
         if given is not None:
             done = given
         else:
-            with seeded(seed, self.device):
+            with seeded(doc.prefill_seed, self.device):
                 done = prefill(self.model, self.twin, ids, press, n_question=n_question)
         for li, layer in enumerate(done.ev.layers):
             if layer.keys.shape[2] > n:
@@ -242,7 +206,7 @@ class LLMKernelPair(LLMPairBase):
                     f"left extra positions in the cache"
                 )
         kept = done.kept
-        check_kept(kept - n_question, expected, self.twin.config, press, n - n_question)
+        check_kept(kept - n_question, doc.expected_kept, self.twin.config, press, n - n_question)
         self.kept_lens.append(int(torch.round(kept.double().mean())))
         self.kept_per_layer.append([int(k) for k in kept.sum(1)])
         self.kept_counts.append(kept.cpu())
@@ -275,13 +239,8 @@ class LLMKernelPair(LLMPairBase):
         R = n_rows // B
         self._record("reset")
         self.kept_lens, self.kept_per_layer, self.kept_counts, self.prefill_forwards = [], [], [], []
-        given = self._prefilled or [None] * B
-        self._prefilled = None  # the caches are merged below; hold no second reference
-        questions = getattr(self, "n_questions", None) or [0] * B
-        done = [
-            self._prefill_document(*doc)
-            for doc in zip(self.prompts, self.presses, self.expected, self.prefill_seeds, given, questions)
-        ]
+        given, self._prefilled = self._prefilled, [None] * B  # merged below; hold no second reference
+        done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.documents, given)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
         self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)

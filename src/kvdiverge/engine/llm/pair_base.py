@@ -2,15 +2,19 @@
 
 :class:`kvdiverge.engine.llm.llm_pair.LLMKernelPair` (prefill presses) and
 :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (decode-time presses) both hold
-one model, ``B`` documents with one press, promise and prefill seed each, the decoding
-transform, and a reference side :class:`kvdiverge.engine.llm.side.CacheSide` batched over
-the documents. :class:`LLMPairBase` holds those; the pairs add their evicted sides.
+one model, ``B`` documents (each a :class:`PairDocument`: its prompt, press, kept-count
+promise, prefill seed, and for the prefill pair its prefill and question length), the
+decoding transform, and a reference side :class:`kvdiverge.engine.llm.side.CacheSide`
+batched over the documents. :class:`LLMPairBase` holds those; the pairs add their evicted
+sides.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -19,9 +23,11 @@ from kvdiverge.engine.core.decoding import RepeatHistory
 from kvdiverge.engine.core.errors import check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.planner import cache_columns
+from kvdiverge.engine.llm.prefill import Prefill
 from kvdiverge.engine.llm.side import DEFAULT_SPARE, CacheSide, merge_caches
+from kvdiverge.engine.presses.promises import KeptPromise
 
-__all__ = ["LLMPairBase", "model_eos_ids", "stock_kernels"]
+__all__ = ["LLMPairBase", "PairDocument", "model_eos_ids", "stock_kernels"]
 
 #: ``fast`` of pairs built without one (:func:`stock_kernels` switches it for a block).
 _FAST_DEFAULT = [True]
@@ -57,6 +63,51 @@ def model_eos_ids(model) -> list[int]:
     return sorted({int(i) for i in ids})
 
 
+@dataclass(frozen=True)
+class PairDocument:
+    """One document of a kernel pair: its prompt and how its evicted side is prefilled.
+
+    Parameters
+    ----------
+    input_ids : sequence of int
+        The chat-rendered prompt, ``prompt_len`` token ids; held as a tuple of int.
+    press : kvpress.BasePress or None
+        The document's eviction press; ``None`` leaves the evicted cache equal to the full one.
+    expected_kept : int, KeptPromise or None
+        What the press promises to keep (:func:`kvdiverge.engine.presses.registry.kept_promise`):
+        an int, that many prompt positions in every layer and head (for
+        :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`, the positions every layer
+        holds after the prefill); ``None`` only checks that a compressing press evicted
+        something.
+    prefill_seed : int or None
+        Seed of torch's global generator during the document's prefills
+        (:func:`kvdiverge.engine.llm.prefill.prefill_seed`,
+        :func:`kvdiverge.engine.llm.prefill.seeded`), for presses that draw from it;
+        ``None`` leaves the generator as it is.
+    prefilled : Prefill or None
+        The document's prefill already run for this press
+        (:func:`kvdiverge.engine.llm.prefill.prefill_shared`: one forward for several
+        policies), which :meth:`kvdiverge.engine.llm.llm_pair.LLMKernelPair.start` checks
+        and merges as its own; ``None``: the pair prefills the document.
+    n_question : int
+        Trailing question tokens (of ``input_ids``), prefilled after compression onto both
+        caches and never evicted (:func:`kvdiverge.engine.llm.prefill.append_question`, as
+        kvpress's pipeline); the press sees, and promises its kept count for, the tokens
+        before them. 0: the press sees every prompt token.
+    """
+
+    input_ids: Sequence[int]
+    press: Any = None
+    expected_kept: int | KeptPromise | None = None
+    prefill_seed: int | None = None
+    prefilled: Prefill | None = None
+    n_question: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ids", tuple(int(i) for i in self.input_ids))
+        object.__setattr__(self, "n_question", int(self.n_question))
+
+
 class LLMPairBase:
     """One model, ``B`` documents, the decoding transform and the batched reference side.
 
@@ -66,15 +117,13 @@ class LLMPairBase:
     ----------
     model : transformers.PreTrainedModel
         A causal LM in eval mode, with no press entered.
-    prompts : sequence of sequence of int
-        The documents' prompt ids.
-    presses, expected : sequence
-        One press and one kept-count promise per document.
+    documents : sequence of PairDocument
+        The documents, in row order (row ``d*R + r`` is replicate ``r`` of document ``d``).
+        The pair keeps them without their prefills (:attr:`documents`); those it holds
+        apart until :meth:`start` merges them.
     decoding : kvdiverge.engine.core.sampling.Decoding
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
         end-of-sequence ids (``None``: :func:`model_eos_ids`).
-    seeds : sequence of int or None, or None
-        Per document, the seed of torch's generator during its prefill.
     horizon : int or None
         ``T``: each side's cache is allocated for ``prompt + 2T - 2`` columns; ``None``
         allocates ``DEFAULT_SPARE`` extra columns and grows.
@@ -82,27 +131,37 @@ class LLMPairBase:
         ``True``: caches with capacity and grouped decoding attention; ``False``: the
         stock ``DynamicCache`` and the model's attention (for comparison); ``None``:
         ``True`` but inside :func:`stock_kernels`.
+
+    Attributes
+    ----------
+    documents : tuple of PairDocument
+        The documents, each with ``prefilled=None``.
+    prompts : list of torch.Tensor
+        Per document, its prompt ids, int64 (prompt_len,), on the model's device.
+
+    Raises
+    ------
+    ValueError
+        If ``documents`` is empty.
     """
 
     def _setup(
         self,
         model,
-        prompts,
-        presses,
-        expected,
+        documents: Sequence[PairDocument],
         decoding: Decoding,
-        seeds=None,
         *,
         horizon: int | None = None,
         fast: bool | None = None,
     ) -> None:
+        if not documents:
+            raise ValueError("a pair needs at least one document")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = coupling_dtype(self.device)
-        self.prompts = [torch.as_tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
-        self.presses = list(presses)
-        self.expected = list(expected)
-        self.prefill_seeds = list(seeds) if seeds is not None else [None] * len(self.prompts)
+        self._prefilled = [doc.prefilled for doc in documents]
+        self.documents = tuple(replace(doc, prefilled=None) for doc in documents)
+        self.prompts = [torch.as_tensor(doc.input_ids, dtype=torch.long, device=self.device) for doc in documents]
         self.decoding = decoding
         self.eos_ids = tuple(model_eos_ids(model) if decoding.eos_ids is None else decoding.eos_ids)
         self.vocab_size = int(model.config.vocab_size)
@@ -112,6 +171,21 @@ class LLMPairBase:
         self.fast = _FAST_DEFAULT[-1] if fast is None else bool(fast)
         self.kept_lens: list[int] = []
         self.kept_per_layer: list[list[int]] = []
+
+    @property
+    def presses(self) -> list:
+        """Per document, its press (the objects given, not copies)."""
+        return [doc.press for doc in self.documents]
+
+    @property
+    def expected(self) -> list:
+        """Per document, its kept-count promise (int, KeptPromise or ``None``)."""
+        return [doc.expected_kept for doc in self.documents]
+
+    @property
+    def prefill_seeds(self) -> list[int | None]:
+        """Per document, the seed of torch's generator during its prefills (``None``: not seeded)."""
+        return [doc.prefill_seed for doc in self.documents]
 
     @property
     def n_documents(self) -> int:
