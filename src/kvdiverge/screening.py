@@ -69,7 +69,7 @@ class Screen:
     def save(self, directory: str | os.PathLike) -> list[Path]:
         """Write ``teacher_forced_positions``, ``teacher_forced_documents`` and ``teacher_forced`` (parquet; CSV for
         the last two), atomically; returns the files written."""
-        from kvdiverge.estimation.analysis import save_table
+        from kvdiverge.io.files import save_table
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
