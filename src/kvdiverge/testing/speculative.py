@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["first_block_accepted"]
@@ -32,8 +33,6 @@ __all__ = ["first_block_accepted"]
 
 def _prefill(model, ids: torch.Tensor, press=None):
     """One prompt's cache and its last-position logits (1, V); ``press`` entered around the forward."""
-    from kvdiverge.engine.hf import DynamicCache
-
     cache = DynamicCache()
     if press is None:
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
