@@ -35,7 +35,7 @@ from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.config import SPLITS, floor_policy, load_config
 from kvdiverge.study.corpus import build_corpus
 from kvdiverge.study.models import context_length, load_model, load_model_config, load_tokenizer

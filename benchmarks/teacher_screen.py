@@ -41,9 +41,9 @@ from kvdiverge.engine.llm.teacher import TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, run_policies
 from kvdiverge.estimation import tables
-from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import summary_table
+from kvdiverge.io.files import save_table
 from kvdiverge.study.config import floor_policy, load_config
 from kvdiverge.study.corpus import build_corpus
 from kvdiverge.study.frontier import frontier_split

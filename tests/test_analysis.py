@@ -16,12 +16,12 @@ from kvdiverge.estimation.analysis import (
     gap_terms,
     holm,
     plan_hash,
-    save_table,
     timing_table,
     validate_plan,
 )
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
+from kvdiverge.io.files import save_table
 from kvdiverge.report.pages import confirmatory_html, summary_html
 
 PLAN = {

@@ -23,7 +23,7 @@ def test_with_interval():
 
 
 def test_the_table_renderers():
-    from kvdiverge.estimation.render import html_table, text_table
+    from kvdiverge.io.render import html_table, text_table
 
     assert text_table(["run", "p"], [["a", "0.5"], ["bb", "12"]]) == ["run    p", "---  ---", "a    0.5", "bb    12"]
     assert html_table(["x<y"], [[1], ["&"]]) == (

@@ -26,18 +26,15 @@ from conftest import run_main
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import (
     FrontierPoint,
-    FrontierSpec,
     common_range,
     frontier_curves,
-    frontier_grid,
-    frontier_name,
     frontier_tables,
     kv_bytes_per_element,
     range_mean,
     trapezoid_area,
 )
 from kvdiverge.study.config import ConfigError, expand_frontier, load_config, runs, validate
-from kvdiverge.study.frontier import frontier_points
+from kvdiverge.study.frontier import FrontierSpec, frontier_grid, frontier_name, frontier_points
 from kvdiverge.study.provenance import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]

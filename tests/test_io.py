@@ -6,7 +6,7 @@ import stat
 import polars as pl
 import pytest
 
-from kvdiverge.estimation.io import atomic_path, write_parquet_atomic, write_text_atomic
+from kvdiverge.io.files import atomic_path, write_parquet_atomic, write_text_atomic
 
 
 def test_atomic_writes_land_whole_with_ordinary_permissions(tmp_path):

@@ -5,9 +5,9 @@ import-linter's ``lint-imports``, which follows every import statement, those in
 functions included:
 
 - layers, top to bottom: ``cli``, ``measurement``, ``screening``, ``report | study``
-  (independent), ``testing``, ``engine``, ``estimation``; a lower layer never imports a higher one;
+  (independent), ``testing``, ``engine``, ``estimation``, ``io``; a lower layer never imports a higher one;
 - no import cycles between the modules of any subpackage, nor between subpackages;
-- ``estimation`` imports neither torch, transformers, kvpress nor any other layer;
+- ``estimation`` and ``io`` import neither torch, transformers, kvpress nor any layer above them;
 - ``engine`` imports neither ``study``, ``report`` nor ``testing``;
 - ``report`` imports ``estimation`` only (no torch, engine, testing or study);
 - ``testing`` is protected: no module of the package outside it imports it (only the tests
@@ -75,7 +75,7 @@ def test_import_contracts_catch_a_lazy_torch_import_a_cycle_and_a_testing_import
     assert broken == {
         "No import cycles between modules or subpackages",
         "The engine's parts: runner > llm > presses > core > hf (transformers)",
-        "Estimation runs without torch, the model libraries or the engine",
+        "Estimation and io run without torch, the model libraries or the engine",
         "Only the tests import testing: no module outside kvdiverge.testing does",
     }, res.stdout[-3000:]
     assert "kvdiverge.estimation.tables -> torch" in res.stdout
@@ -133,7 +133,7 @@ def synthetic_shards(tmp_path_factory, kernel):
     """Two policies ``a``, ``b`` of model ``synthetic``, two shards of two documents each (T=5, R=4)."""
     from kvdiverge.engine.core.coupled import simulate
     from kvdiverge.engine.core.pairs import TableKernelPair
-    from kvdiverge.estimation.io import write_parquet_atomic
+    from kvdiverge.io.files import write_parquet_atomic
     from kvdiverge.study.provenance import shard_metadata
 
     work = tmp_path_factory.mktemp("stage")

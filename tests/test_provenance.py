@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.report.pages import provenance_html
 from kvdiverge.study.config import load_config
 from kvdiverge.study.provenance import (

@@ -2,11 +2,11 @@
 
 A Snakemake workflow (``Snakefile``) over a document corpus; this package holds all
 of its logic, in layers that import one way (``docs/internals.md``, "Layers"):
-``estimation`` (estimators, bootstrap, analyses; no torch) <- ``engine`` (coupling,
-kernel pairs, the batched coupled run) <- ``testing`` (exact enumeration and §4
-constructions, the tests' oracles) <- ``study`` (config, corpus, prompts, models, the
-shard job) and ``report`` (figures, pages) <- the doors ``screening``, ``measurement``
-(with its result, ``results``) and ``cli``.
+``io`` (atomic writes, tables saved and rendered) <- ``estimation`` (estimators, bootstrap,
+analyses; no torch) <- ``engine`` (coupling, kernel pairs, the batched coupled run) <-
+``testing`` (exact enumeration, §4 constructions; for the tests) <- ``study`` (config, corpus,
+prompts, models, the shard job) and ``report`` (figures, pages) <- the doors ``screening``,
+``measurement`` (with its result, ``results``) and ``cli``.
 Workflow stages: corpus -> prompts -> trajectories -> estimate -> pool, gaps, floor,
 confirmatory -> figures, summary.
 

@@ -25,9 +25,14 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.engine.forced import teacher_forced_policies
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.teacher import TeacherForcing
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.frontier import FrontierSpec
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
+from kvdiverge.io.files import save_table
+from kvdiverge.report.formatting import teacher_text
+from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_label, prepare_documents
 from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
 
@@ -58,8 +63,6 @@ class Screen:
 
     def format(self) -> str:
         """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp (:func:`kvdiverge.report.formatting.teacher_text`)."""
-        from kvdiverge.report.formatting import teacher_text
-
         return teacher_text(self.table, self.settings.get("noise_floor"))
 
     def __repr__(self) -> str:
@@ -68,8 +71,6 @@ class Screen:
     def save(self, directory: str | os.PathLike) -> list[Path]:
         """Write ``teacher_forced_positions``, ``teacher_forced_documents`` and ``teacher_forced`` (parquet; CSV for
         the last two), atomically; returns the files written."""
-        from kvdiverge.estimation.analysis import save_table
-
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         files = []
@@ -147,9 +148,9 @@ def screen(
     continuations : mapping of str to sequence of int, optional
         Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
         without one get the full-cache model's greedy continuation.
-    frontier : kvdiverge.estimation.frontier.FrontierSpec or mapping, optional
+    frontier : kvdiverge.study.frontier.FrontierSpec or mapping, optional
         ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`
-        (a mapping gives them by name, :meth:`kvdiverge.estimation.frontier.FrontierSpec.of`).
+        (a mapping gives them by name, :meth:`kvdiverge.study.frontier.FrontierSpec.of`).
     options : ScreenOptions or mapping, optional
         Length, seed, prompt rendering, bootstrap and forward settings (:class:`ScreenOptions`;
         a mapping gives its fields by name); None: the defaults.
@@ -165,10 +166,6 @@ def screen(
         rule for that setting refuses (``options.length``: ``teacher_forced.length``;
         ``options.bootstrap``, ``options.confidence``, ``options.seed``), named in one sentence.
     """
-    # torch: loaded with the model, not when the package is imported
-    from kvdiverge.engine.llm.pair_base import model_eos_ids
-    from kvdiverge.engine.llm.teacher import TeacherForcing
-
     opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
     documents = prepare_documents(prompts, tokenizer, instruction=opt.instruction, system=opt.system)
@@ -207,8 +204,6 @@ def run_screen(model, documents, sources, sampling, forcing, options: ScreenOpti
     continuations : mapping of str to sequence of int, optional
         As :func:`screen`'s.
     """
-    from kvdiverge.engine.forced import teacher_forced_policies  # torch: loaded with the model
-
     split = options.split
     positions = teacher_forced_policies(
         model,

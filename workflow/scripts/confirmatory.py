@@ -1,9 +1,9 @@
 """Snakemake adapter: the prespecified confirmatory test (kvdiverge.estimation.analysis.confirmatory_analysis)."""
 
-from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash, save_table
+from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.io.files import save_table, write_text_atomic
 from kvdiverge.report.pages import confirmatory_html
 from kvdiverge.study.rulelog import rule_log
 

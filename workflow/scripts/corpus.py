@@ -1,6 +1,6 @@
 """Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.study.corpus)."""
 
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.corpus import build_corpus, exclusion_lines
 from kvdiverge.study.rulelog import rule_log
 

@@ -3,8 +3,8 @@ and each side's length, stop and loops per replicate (kvdiverge.estimation.drift
 
 from kvdiverge.estimation.drift import drift_replicates
 from kvdiverge.estimation.estimators import read_shards
-from kvdiverge.estimation.io import write_parquet_atomic
 from kvdiverge.estimation.tables import estimate
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.provenance import StaleShardError, check_shards, recorded_eos_ids, regenerate_command
 from kvdiverge.study.rulelog import rule_log
 

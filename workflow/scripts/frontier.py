@@ -5,13 +5,12 @@ ratio, compressed over full (kvdiverge.estimation.drift.with_drift_columns)."""
 
 import polars as pl
 
-from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import length_ratios, with_drift_columns
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
-from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.estimation.teacher_forced import with_teacher_columns
+from kvdiverge.io.files import save_table, write_text_atomic
 from kvdiverge.report.formatting import frontier_text
 from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.models import entry_kv_sizes

@@ -1,9 +1,9 @@
 """Snakemake adapter: exploratory gap decomposition (kvdiverge.estimation.tables.gaps)."""
 
-from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import gaps
+from kvdiverge.io.files import save_table
 from kvdiverge.study.rulelog import rule_log
 
 p = snakemake.params

@@ -2,10 +2,10 @@
 
 from tqdm import tqdm
 
-from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import pool
+from kvdiverge.io.files import save_table
 from kvdiverge.study.rulelog import rule_log
 
 out = snakemake.output

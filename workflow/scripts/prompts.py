@@ -2,7 +2,7 @@
 
 import polars as pl
 
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.models import context_length, load_model_config, load_tokenizer, local_entry
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
 from kvdiverge.study.rulelog import rule_log

@@ -1,6 +1,6 @@
 """Snakemake adapter: the provenance table of every run, from its shards (kvdiverge.study.provenance)."""
 
-from kvdiverge.estimation.analysis import save_table
+from kvdiverge.io.files import save_table
 from kvdiverge.study.provenance import provenance_table, read_provenance, study_hash
 from kvdiverge.study.rulelog import rule_log
 

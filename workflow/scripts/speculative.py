@@ -1,10 +1,9 @@
 """Snakemake adapter: the self-speculative reading (kvdiverge.estimation.speculative.speculative_table)."""
 
-from kvdiverge.estimation.analysis import save_table
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.estimation.io import write_text_atomic
 from kvdiverge.estimation.speculative import speculative_table
+from kvdiverge.io.files import save_table, write_text_atomic
 from kvdiverge.report.pages import speculative_html
 from kvdiverge.study.rulelog import rule_log
 

@@ -3,7 +3,7 @@ the provenance of every run (settings hash, library versions) its last section."
 
 import polars as pl
 
-from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.io.files import write_text_atomic
 from kvdiverge.report.pages import provenance_html, summary_html
 from kvdiverge.study.provenance import study_hash
 from kvdiverge.study.rulelog import rule_log

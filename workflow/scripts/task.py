@@ -3,7 +3,7 @@
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.io import write_parquet_atomic, write_text_atomic
+from kvdiverge.io.files import write_parquet_atomic, write_text_atomic
 from kvdiverge.report.task import plot_task
 from kvdiverge.study.models import load_tokenizer, local_entry
 from kvdiverge.study.rulelog import rule_log

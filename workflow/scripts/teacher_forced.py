@@ -8,8 +8,7 @@ kvdiverge.estimation.teacher_forced (summary_table, document_table).
 
 import polars as pl
 
-from kvdiverge.estimation.analysis import save_table
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import save_table, write_parquet_atomic
 from kvdiverge.study.rulelog import rule_log
 
 

@@ -1,3 +1,3 @@
-"""Estimation: estimators, the §3 decomposition, the document bootstrap, tables, finite
-checks, analyses, the §4 interval, the shard schema, atomic writes (numpy, polars, scipy;
-never torch or the engine)."""
+"""Estimation: estimators, the §3 decomposition, the document bootstrap, table stages, finite
+checks, analyses, the §4 interval, the shard schema, frontiers (numpy, polars, scipy; never torch
+or the engine)."""

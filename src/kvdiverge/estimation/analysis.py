@@ -50,8 +50,6 @@ from kvdiverge.estimation.numeric import safe_divide
 __all__ = [
     "CONFIRMATORY_SPLIT",
     "GAP_COLUMNS",
-    "save_table",
-    "scalar_columns",
     "PLAN_FIELDS",
     "PlanError",
     "FLOOR_METRICS",
@@ -77,25 +75,6 @@ CORRECTIONS = ("holm", "bonferroni", "none")
 
 class PlanError(ValueError):
     """The confirmatory plan is incomplete or invalid."""
-
-
-def scalar_columns(frame: pl.DataFrame) -> pl.DataFrame:
-    """``frame`` without its list columns (for CSV)."""
-    return frame.select([c for c, t in frame.schema.items() if not isinstance(t, (pl.List, pl.Array))])
-
-
-def save_table(frame: pl.DataFrame, parquet: str | None = None, csv: str | None = None) -> None:
-    """Write a table as parquet and/or CSV, each atomically (temporary file, then rename).
-
-    The CSV gets the scalar columns only (list columns stay in the parquet file).
-    """
-    from kvdiverge.estimation.io import atomic_path, write_parquet_atomic
-
-    if parquet is not None:
-        write_parquet_atomic(frame, parquet)
-    if csv is not None:
-        with atomic_path(csv) as tmp:
-            scalar_columns(frame).write_csv(tmp, float_precision=6)
 
 
 # --------------------------------------------------------------------------- exploratory

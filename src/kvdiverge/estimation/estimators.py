@@ -33,6 +33,7 @@ import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts, resampled_nanmean
 from kvdiverge.estimation.decomposition import check_decomposition, rho
+from kvdiverge.estimation.finite import check_document_estimates, check_shard
 from kvdiverge.estimation.intervals import sharp_interval
 from kvdiverge.estimation.numeric import safe_divide
 
@@ -737,8 +738,6 @@ def read_shards(paths: Iterable[str]) -> pl.DataFrame:
     kvdiverge.estimation.finite.NonFiniteError
         If a shard holds NaN or an infinity; the message names the file and the column.
     """
-    from kvdiverge.estimation.finite import check_shard
-
     frames = _read_checked(paths, check_shard, "trajectory shards")
     frames = [f for f in frames if f.height > 0] or frames[:1]
     return pl.concat(frames, how="diagonal_relaxed")
@@ -759,8 +758,6 @@ def read_estimates(paths: Iterable[str]) -> pl.DataFrame:
         If a table holds NaN or an infinity where a number belongs; the message names the
         file and the column.
     """
-    from kvdiverge.estimation.finite import check_document_estimates
-
     return pl.concat(_read_checked(paths, check_document_estimates, "estimate tables"), how="diagonal_relaxed")
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import polars as pl
 import seaborn as sns
 
-from kvdiverge.estimation.io import atomic_path
+from kvdiverge.io.files import atomic_path
 
 __all__ = [
     "length_figure",

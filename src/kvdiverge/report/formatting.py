@@ -4,7 +4,7 @@
 - :func:`with_interval` — ``value [lo, hi]`` from a row's ``c``, ``c_lo`` and ``c_hi``.
 - :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
   workflow's frontier log), plain-text tables of
-  :func:`kvdiverge.estimation.render.text_table`.
+  :func:`kvdiverge.io.render.text_table`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.estimation.render import text_table
+from kvdiverge.io.render import text_table
 
 __all__ = ["MISSING", "frontier_text", "number", "summary_text", "task_text", "teacher_text", "with_interval"]
 

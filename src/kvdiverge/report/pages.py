@@ -15,7 +15,7 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
-from kvdiverge.estimation.render import html_table
+from kvdiverge.io.render import html_table
 from kvdiverge.report.formatting import number, with_interval
 
 __all__ = [

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvdiverge.engine.core.sampling import decoding_options
-from kvdiverge.estimation.frontier import FrontierSpec
+from kvdiverge.engine.presses.expressions import parse_press, policy_entry
+from kvdiverge.engine.presses.quantized import BACKENDS
+from kvdiverge.engine.runner import PressSource, question_after_problems
 from kvdiverge.study.devices import device_problem
+from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import (
     InputError,
     check_lengths,
@@ -28,9 +31,6 @@ from kvdiverge.study.inputs import (
 )
 from kvdiverge.study.settings import check_settings, spelled
 from kvdiverge.study.tasks import task_documents
-
-if TYPE_CHECKING:
-    from kvdiverge.engine.runner import PressSource
 
 __all__ = [
     "OPTIONS",
@@ -75,10 +75,6 @@ def cache_entry(text: str) -> dict[str, Any]:
     InputError
         An unknown backend or parameter.
     """
-    # kvpress and torch load here, not with the module: `kvdiverge --help` and the settings checks stay fast
-    from kvdiverge.engine.presses.expressions import parse_press
-    from kvdiverge.engine.presses.quantized import BACKENDS
-
     try:
         backend, params = parse_press(text)
     except ValueError as exc:
@@ -101,8 +97,6 @@ def cli_entries(
     Each press is a policy; each quantized cache is one alone (named by its value) and one
     after each press (``<press>+<cache>``: evict, then quantize what is kept).
     """
-    from kvdiverge.engine.presses.expressions import policy_entry  # kvpress: as in cache_entry
-
     entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
     quantized = {text: cache_entry(text) for text in caches}
     out = dict(entries)
@@ -183,8 +177,6 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
     InputError
         A bad press, cache or ratio, or a press that refuses its parameters.
     """
-    from kvdiverge.engine.presses.expressions import policy_entry  # kvpress: as in cache_entry
-
     caches = None
     if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
         presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
@@ -225,8 +217,6 @@ def task_block(args: Any) -> dict[str, Any] | None:
 def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task) -> None:
     """Refuse, with the tokenizer alone, prompts that cannot run: shorter than a press needs, or that
     the task cannot take (its prompts are built here, and again by :func:`kvdiverge.measure`)."""
-    from kvdiverge.engine.runner import question_after_problems  # torch: loaded with the model, not for --help
-
     if not task:
         documents = prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
         check_lengths(documents, sources, 1 if args.screen else args.max_new_tokens)

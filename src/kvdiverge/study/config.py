@@ -34,8 +34,14 @@ from typing import Any, Iterable
 import yaml
 
 from kvdiverge.estimation.drift import drift_problems
-from kvdiverge.estimation.frontier import FrontierPoint, frontier_problems
-from kvdiverge.study.frontier import entry_takes_ratio, frontier_points, frontier_policy, frontier_split
+from kvdiverge.estimation.frontier import FrontierPoint
+from kvdiverge.study.frontier import (
+    entry_takes_ratio,
+    frontier_points,
+    frontier_policy,
+    frontier_problems,
+    frontier_split,
+)
 from kvdiverge.study.prompts import parse_date
 
 SPLITS = ("exploratory", "confirmatory")

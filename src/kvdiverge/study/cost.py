@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdiverge.estimation.render import text_table
+from kvdiverge.io.render import text_table
 from kvdiverge.study.config import control_documents, load_config, runs
 
 __all__ = [

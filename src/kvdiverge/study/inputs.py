@@ -13,8 +13,9 @@
   or argument (``kvdiverge measure`` prints it; its argparse arguments are read in
   :mod:`kvdiverge.cli`).
 
-The module imports no torch until a function needs the engine (the command line loads it
-before parsing its arguments).
+Only the doors import it (:mod:`kvdiverge.measurement`, :mod:`kvdiverge.screening`,
+:mod:`kvdiverge.cli` through :mod:`kvdiverge.study.arguments`), so it imports the engine
+(torch, kvpress) at the top.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.bases import press_problem
-from kvdiverge.estimation.frontier import FrontierPoint, FrontierSpec, frontier_grid, frontier_problems
+from kvdiverge.engine.presses.policies import Policy, PressPolicy, keeps_every_position
+from kvdiverge.engine.presses.project import PermutationPress
+from kvdiverge.engine.presses.registry import refusal
+from kvdiverge.engine.runner import Document, PressSource, check_prompt_lengths
+from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.study.config import policy_entry_problems
 from kvdiverge.study.corpus import CorpusError, build_corpus
-from kvdiverge.study.frontier import cache_settings, frontier_policy
+from kvdiverge.study.frontier import FrontierSpec, cache_settings, frontier_grid, frontier_policy, frontier_problems
 from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, context_length
 from kvdiverge.study.prompts import render_ids
 from kvdiverge.study.settings import token_id_problems
-
-if TYPE_CHECKING:  # annotations only: the runner imports torch
-    from kvdiverge.engine.runner import Document, PressSource
 
 __all__ = [
     "InputError",
@@ -114,9 +117,6 @@ def prepare_documents(
         ``prompts`` that is not a string, sequence or mapping (None, a number), or a prompt
         that is neither text nor token ids.
     """
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.runner import Document
-
     _check_prompts_type(prompts)
     items = (
         list(prompts.items())
@@ -192,11 +192,6 @@ def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
         object (a class, an abstract base, any other callable:
         :func:`kvdiverge.engine.presses.bases.press_problem`).
     """
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.policies import Policy, PressPolicy
-    from kvdiverge.engine.presses.registry import refusal
-
     if isinstance(presses, Mapping) and "press" in presses and isinstance(presses.get("press"), str):
         raise TypeError("presses must be keyed by name: {name: press or policy entry}")
     if not isinstance(presses, Mapping):
@@ -252,9 +247,6 @@ def check_lengths(
         Naming the first prompt shorter than a press needs (the press and its minimum), or
         a prompt that with ``max_new_tokens`` exceeds the model ``context`` (tokens).
     """
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.runner import check_prompt_lengths
-
     for doc in documents:
         if context is not None and doc.prompt_len + max_new_tokens > context:
             raise ValueError(
@@ -267,9 +259,6 @@ def check_lengths(
 def is_noise_floor(name: str, source: PressSource) -> bool:
     """True for the noise-floor control: policy ``noise-floor`` or a press that keeps every position
     (``PermutationPress``; :func:`kvdiverge.engine.presses.policies.keeps_every_position`)."""
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.presses.policies import Policy, keeps_every_position
-
     if name == NOISE_FLOOR_POLICY:
         return True
     return keeps_every_position(source.press if isinstance(source, Policy) else getattr(source, "press", None))
@@ -290,10 +279,6 @@ def _floor_like(name: str, value: Any) -> bool:
 def _frontier_caches(caches: Any) -> dict[str, dict[str, Any]]:
     """Quantized caches of a frontier by label, settings complete (:func:`kvdiverge.study.frontier.cache_settings`),
     checked as a policy of the cache alone is (:func:`kvdiverge.study.config.policy_entry_problems`)."""
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.policies import Policy
-
     if not isinstance(caches, Mapping):
         raise ValueError(
             f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
@@ -329,7 +314,7 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
     named as in the config: ``<press>@<ratio>``, ``<cache>``, ``<press>@<ratio>+<cache>``.
 
     The same grid and the same points as the config's ``frontier`` section
-    (:func:`kvdiverge.estimation.frontier.frontier_grid`,
+    (:func:`kvdiverge.study.frontier.frontier_grid`,
     :func:`kvdiverge.study.frontier.frontier_policy`). A noise-floor press
     (``PermutationPress``) is kept as it is, not expanded; when there is none, one is
     added as ``noise-floor``, so that the frontier has its floor beside it.
@@ -340,7 +325,7 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
         Name -> kvpress press object (its ``compression_ratio``, or that of the press it
         wraps, is replaced) or config policy entry without its ratio (``{"press":
         "SnapKVPress", "window_size": 16}``); a sequence is named by class name.
-    spec : kvdiverge.estimation.frontier.FrontierSpec
+    spec : kvdiverge.study.frontier.FrontierSpec
         Compression ratios in ``[0, 1)``; fixed budgets (tokens kept; policy entries only);
         quantized caches by label, ``backend``, ``nbits``, ``q_group_size``,
         ``residual_length`` (the defaults of a policy's ``cache: quantized``; with a cache,
@@ -361,9 +346,6 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
         no ratio, a budget or a cache for a press object, a bad cache setting, or a press
         or cache name with ``@`` or ``+`` (reserved for the frontier's names, as in the config).
     """
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.presses.project import PermutationPress
-
     if not spec.ratios and not spec.budgets:
         raise ValueError("a frontier needs ratios (or budgets)")
     if not isinstance(presses, Mapping):
@@ -391,9 +373,6 @@ def frontier_presses(presses: Any, spec: FrontierSpec) -> tuple[dict[str, Any], 
 def describe_press(source: PressSource) -> str | dict[str, Any]:
     """A policy for the settings record: its config entry (a quantized cache's settings included), or the
     press object's repr."""
-    # lazy: torch and kvpress load on the first measurement; kvdiverge.cli imports this module
-    from kvdiverge.engine.presses.policies import Policy, PressPolicy
-
     if isinstance(source, PressPolicy):
         return repr(source.press)
     if isinstance(source, Policy):
@@ -561,7 +540,7 @@ def measure_inputs(model, documents: Sequence[Document], presses, T: int, fronti
         As :func:`prepare_presses` takes them.
     T : int
         Horizon in tokens each document needs room for in the model context.
-    frontier : kvdiverge.estimation.frontier.FrontierSpec, optional
+    frontier : kvdiverge.study.frontier.FrontierSpec, optional
 
     Raises
     ------

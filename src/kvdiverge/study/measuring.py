@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
+from kvdiverge.engine.runner import RunOptions
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.frontier import FrontierSpec
+from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import describe_press, is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled
 from kvdiverge.study.tasks import task_documents, task_settings
@@ -92,7 +95,7 @@ class MeasureOptions:
 
     @property
     def frontier(self) -> FrontierSpec:
-        """The frontier's ratios, budgets and caches (:class:`~kvdiverge.estimation.frontier.FrontierSpec`)."""
+        """The frontier's ratios, budgets and caches (:class:`~kvdiverge.study.frontier.FrontierSpec`)."""
         return FrontierSpec(self.ratios, self.budgets, self.caches, self.cache_ratios)
 
     def sampling(self, model_name: str) -> Sampling:
@@ -140,10 +143,6 @@ class MeasureOptions:
 
     def run_options(self):
         """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
-        from tqdm.auto import tqdm
-
-        from kvdiverge.engine.runner import RunOptions  # torch: loaded with the model, not for measure's checks
-
         return RunOptions(
             batch_documents=self.batch_documents,
             memory_budget_gb=self.memory_budget_gb,

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvdiverge.estimation.io import atomic_path
+from kvdiverge.io.files import atomic_path
 from kvdiverge.study.standins import MINIATURE, PAPER, build_config, random_model
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
@@ -495,7 +495,7 @@ def _link_tree(src: Path, dest: Path) -> None:
 
 def _write_atomically(out: Path, fill) -> None:
     """``fill(tmp)`` into a temporary sibling folder of ``out``, then rename it to ``out`` (replacing it):
-    :func:`kvdiverge.estimation.io.atomic_path`."""
+    :func:`kvdiverge.io.files.atomic_path`."""
     with atomic_path(out, directory=True) as tmp:
         fill(tmp)
 

@@ -48,8 +48,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.estimation.analysis import save_table
-from kvdiverge.estimation.io import write_text_atomic
+from kvdiverge.io.files import save_table, write_text_atomic
 from kvdiverge.study.config import control_documents
 
 __all__ = [

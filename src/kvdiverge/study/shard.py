@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
-from kvdiverge.estimation.io import write_parquet_atomic
+from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.config import control_documents
 from kvdiverge.study.models import load_model
 from kvdiverge.study.provenance import shard_metadata, shard_settings

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvdiverge.engine.core.decoding import decode_log_probs
+from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.llm.twin import evicted_twin
 
 __all__ = ["DraftBlocks", "first_block_accepted"]
@@ -91,8 +92,6 @@ class _Prefilled:
 
 def _prefill(model, ids: torch.Tensor, press=None):
     """One prompt's cache and its last-position logits (1, V); ``press`` entered around the forward."""
-    from kvdiverge.engine.hf import DynamicCache
-
     cache = DynamicCache()
     if press is None:
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)

@@ -1,11 +1,20 @@
 """Errors of the engine: a press kvdiverge refuses or kvpress fails on, a cache that breaks its
-policy's promise, non-finite logits."""
+policy's promise, non-finite logits.
+
+Importing it loads no torch (the tensors arrive as arguments, and torch's out-of-memory error is
+looked up where torch is already loaded), so the study's checks and the command line raise and
+catch these errors without loading the model libraries.
+"""
 
 from __future__ import annotations
 
+import sys
+import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CompressionError",
@@ -60,9 +69,7 @@ def raise_kvpress_error(exc: BaseException, owner: str, stage: str, press_files:
         When a frame of ``exc``'s traceback is inside the ``kvpress`` package or one of
         ``press_files``.
     """
-    import traceback
-
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+    if _out_of_memory(exc):
         raise exc
     frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
     own = {str(f).replace("\\", "/") for f in press_files}
@@ -72,6 +79,12 @@ def raise_kvpress_error(exc: BaseException, owner: str, stage: str, press_files:
         who = "kvpress" if in_kvpress and not any(f in own for f in frames) else "the press"
         raise PressError(owner, f"{who} failed {stage} with {type(exc).__name__}: {cause}") from exc
     raise exc
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Host ``MemoryError``, or ``torch.OutOfMemoryError`` (torch is loaded whenever it raised one)."""
+    torch = sys.modules.get("torch")
+    return isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError))
 
 
 class CompressionError(RuntimeError):
@@ -127,7 +140,7 @@ class NonFiniteLogitsError(FloatingPointError):
 
 def check_logits_finite(logits: torch.Tensor, side: str) -> None:
     """Raise :class:`NonFiniteLogitsError` when any row of ``logits`` (rows, V) holds NaN or ±inf."""
-    finite = torch.isfinite(logits).all(-1)
+    finite = logits.isfinite().all(-1)
     if bool(finite.all()):
         return
     rows = (~finite).nonzero().squeeze(1).tolist()

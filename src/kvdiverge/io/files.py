@@ -1,4 +1,9 @@
-"""Output files and folders written atomically, so an interrupted run never leaves a half one."""
+"""Output files and folders written atomically, so an interrupted run never leaves a half one.
+
+- :func:`atomic_path`: a temporary path that replaces the destination when the ``with`` block ends normally;
+- :func:`write_parquet_atomic`, :func:`write_text_atomic`: one parquet or text file;
+- :func:`save_table`: a table as parquet and/or CSV (:func:`scalar_columns`: the CSV's columns).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-__all__ = ["atomic_path", "write_parquet_atomic", "write_text_atomic"]
+__all__ = ["atomic_path", "save_table", "scalar_columns", "write_parquet_atomic", "write_text_atomic"]
 
 
 def _default_mode() -> int:
@@ -80,3 +85,20 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def scalar_columns(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` without its list columns (for CSV)."""
+    return frame.select([c for c, t in frame.schema.items() if not isinstance(t, (pl.List, pl.Array))])
+
+
+def save_table(frame: pl.DataFrame, parquet: str | None = None, csv: str | None = None) -> None:
+    """Write a table as parquet and/or CSV, each atomically (temporary file, then rename).
+
+    The CSV gets the scalar columns only (list columns stay in the parquet file).
+    """
+    if parquet is not None:
+        write_parquet_atomic(frame, parquet)
+    if csv is not None:
+        with atomic_path(csv) as tmp:
+            scalar_columns(frame).write_csv(tmp, float_precision=6)
