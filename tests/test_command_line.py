@@ -79,8 +79,6 @@ def test_bad_arguments_exit_2(argv, capsys):
 
 
 def test_bad_input_exits_2_and_a_run_time_failure_exits_1(tmp_path, monkeypatch, capsys):
-    from kvdiverge.study import models
-
     prompts = tmp_path / "p.txt"
     prompts.write_text("Describe the water cycle.\n")
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", "-T", "2", "-R", "1"]
@@ -90,7 +88,7 @@ def test_bad_input_exits_2_and_a_run_time_failure_exits_1(tmp_path, monkeypatch,
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot allocate 64 GiB")
 
-    monkeypatch.setattr(models, "load_tokenizer", out_of_memory)
+    monkeypatch.setattr(cli, "load_tokenizer", out_of_memory)
     assert cli.main(argv) == cli.EXIT_FAILURE == 1
     err = capsys.readouterr().err
     assert err == (

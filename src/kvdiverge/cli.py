@@ -44,20 +44,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvdiverge import __version__
+from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.report.formatting import task_text
-from kvdiverge.study.arguments import (
-    SOTU_INSTRUCTION,
-    argument_prompts,
-    argument_sources,
-    check_arguments,
-    check_prompts,
-    measure_keywords,
-    task_block,
-)
 from kvdiverge.study.cost import add_cost_parser, run_cost
-from kvdiverge.study.inputs import model_entry
+from kvdiverge.study.models import ModelNotFoundError, load_model, load_tokenizer
 from kvdiverge.study.outputs import output_guard
+from kvdiverge.study.prompts import SOTU_INSTRUCTION
 
 __all__ = [
     "EXIT_FAILURE",
@@ -314,8 +307,17 @@ def _write(args: argparse.Namespace, m) -> None:
 
 
 def _measure(args: argparse.Namespace) -> int:
+    # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
     from kvdiverge.measurement import measure
-    from kvdiverge.study.models import load_model, load_tokenizer
+    from kvdiverge.study.arguments import (
+        argument_prompts,
+        argument_sources,
+        check_arguments,
+        check_prompts,
+        measure_keywords,
+        task_block,
+    )
+    from kvdiverge.study.inputs import model_entry
 
     check_arguments(args)
     presses, sources, caches = argument_sources(args)
@@ -347,9 +349,6 @@ def _measure(args: argparse.Namespace) -> int:
 
 def _bad_input(exc: BaseException) -> bool:
     """True for errors that report bad input (a usage error, exit code 2) rather than a failure at run time."""
-    from kvdiverge.engine.core.errors import CompressionError
-    from kvdiverge.study.models import ModelNotFoundError
-
     # ValueError covers InputError, CorpusError, policy and prompt-length errors
     return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))
 

@@ -25,10 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.runner import question_after_problems, run_policies
 from kvdiverge.results import Measurement
 from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
 from kvdiverge.study.inputs import measure_inputs, model_label, prepare_documents
+from kvdiverge.study.models import kv_sizes
 
 __all__ = ["Measurement", "measure"]
 
@@ -172,9 +176,6 @@ def measure(
         kernel as the full cache's (TV 0 at every step) runs and is reported
         (``summary['untouched']``, and a warning).
     """
-    from kvdiverge.engine.runner import run_policies  # torch: imported on the first call, as the model is
-    from kvdiverge.study.models import kv_sizes
-
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
@@ -202,16 +203,12 @@ _OPTIONS = frozenset(f for f in measuring.MeasureOptions.__dataclass_fields__ if
 
 def _eos(model, eos_ids) -> tuple[int, ...]:
     """The end-of-sequence ids the generations stopped at: ``eos_ids``, else the model's."""
-    from kvdiverge.engine.llm.pair_base import model_eos_ids  # torch: imported on the first call
-
     return tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
 
 
 def _check_question_after(sources) -> None:
     """Refuse, before any forward, a policy that cannot take a question prefilled after compression
     (:func:`kvdiverge.engine.runner.question_after_problems`)."""
-    from kvdiverge.engine.runner import question_after_problems  # torch: imported on the first call
-
     problems = question_after_problems(sources)
     if problems:
         raise ValueError(problems[0])
@@ -220,8 +217,6 @@ def _check_question_after(sources) -> None:
 def _teacher_pass(model, documents, sources, opts: measuring.MeasureOptions, sampling, eos: tuple[int, ...]):
     """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`):
     the coupled run's seed and names, its decoding transform off, ``opts.teacher_tokens`` tokens."""
-    from kvdiverge.engine.llm.teacher import TeacherForcing  # torch: loaded with the model
-
     length = int(opts.teacher_tokens)
     forcing = TeacherForcing(length=length)
     forced = forcing.sampling(sampling.seed, sampling.model_name, eos)

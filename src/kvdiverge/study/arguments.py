@@ -29,12 +29,12 @@ from kvdiverge.study.inputs import (
     read_prompts,
     sotu_prompts,
 )
+from kvdiverge.study.prompts import SOTU_INSTRUCTION
 from kvdiverge.study.settings import check_settings, spelled
 from kvdiverge.study.tasks import task_documents
 
 __all__ = [
     "OPTIONS",
-    "SOTU_INSTRUCTION",
     "argument_prompts",
     "argument_sources",
     "cache_entry",
@@ -44,10 +44,6 @@ __all__ = [
     "measure_keywords",
     "task_block",
 ]
-
-#: Instruction appended to ``--sotu`` excerpts (the workflow's default, config/config.yaml).
-SOTU_INSTRUCTION = "Summarize the document above in three sentences."
-
 
 #: The command line's spelling of each measurement setting (:data:`kvdiverge.study.settings.SETTINGS`).
 OPTIONS = {
@@ -199,7 +195,7 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
 
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
-    """``(prompts, instruction)`` of ``--sotu`` (with :data:`SOTU_INSTRUCTION` unless
+    """``(prompts, instruction)`` of ``--sotu`` (with :data:`kvdiverge.study.prompts.SOTU_INSTRUCTION` unless
     ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.study.inputs.sotu_prompts`, :func:`~kvdiverge.study.inputs.read_prompts`)."""
     if args.sotu is not None:
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction

@@ -34,6 +34,8 @@ import polars as pl
 
 #: The date chat templates see when the config names none (``prompt.date``, ISO 8601).
 DEFAULT_DATE = "2026-01-01"
+#: Instruction appended to the command line's ``--sotu`` excerpts (the workflow's default, config/config.yaml).
+SOTU_INSTRUCTION = "Summarize the document above in three sentences."
 
 SCHEMA = {
     "doc_id": pl.String,
