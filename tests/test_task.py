@@ -108,7 +108,11 @@ def test_bad_task_settings_are_refused_naming_the_key():
     cases = {
         "task.question: 'before' is not allowed; allowed: one of 'inside', 'after'": {"question": "before"},
         "task.depths: [120] is not allowed; allowed: ": {"depths": [120]},
-        "task.name: 'mkey' is not allowed; allowed: one of 'niah'": {"name": "mkey"},
+        "task.name: 'mkey' is not allowed; allowed: one of 'niah', 'recall'": {"name": "mkey"},
+        "task.digits: not a setting of task 'recall'; its settings: answer_words, depths, phrase_words": {
+            "name": "recall",
+            "digits": 7,
+        },
         "task.digits: 2.5 is not an integer; allowed: an integer >= 1 and <= 18": {"digits": 2.5},
         "task.digits: '7' is not allowed; allowed: an integer >= 1 and <= 18": {"digits": "7"},
         "task.depth_tolerance: nan is not a finite number; allowed: a number >= 0 and <= 100": {
@@ -271,3 +275,68 @@ def test_measure_task_refuses_sampling_and_builds_documents_with_their_question(
     assert tail.startswith("What are all the special magic numbers for ")
     with pytest.raises(TaskError, match="no prompt takes the task: document 'b' has no paragraph break"):
         _task_inputs("niah", {"b": "no breaks here"}, Chat(), 16, 0.0)
+
+
+# --- quote recall --------------------------------------------------------------------------
+
+RECALL_TEXT = (
+    "We met at dawn. The river rose above the old stone bridge near the mill that spring. "
+    "Then it fell.\n\nIn the fall the farmers brought their grain to the market in town by cart."
+)
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("near the mill that spring", True),
+        ('"The river rose above the old stone bridge NEAR THE MILL', True),  # case ignored, re-quoted
+        ("near, the mill", True),  # punctuation ignored
+        ("near the old mill", False),  # a word between
+        ("the mill near", False),  # order
+        ("", False),
+    ],
+)
+def test_recall_score_needs_the_words_in_order_next_to_each_other(answer, expected):
+    from kvdiverge.study.tasks.recall import score_answer as recall_score
+
+    assert recall_score(answer, "near the mill") is expected
+
+
+def test_recall_quotes_the_askable_sentence_nearest_the_depth():
+    from kvdiverge.study.tasks.recall import RecallSettings, make_needle, quoted_sentence
+
+    s = RecallSettings(depths=(0, 100), phrase_words=4, answer_words=3)
+    # 35 words; sentences start at words 0 (4 words: too short for 4 + 3 + 1), 4 (13), 17 (3), 20 (15)
+    assert quoted_sentence(RECALL_TEXT, 0, s) == (4, 100 * 4 / 35)
+    assert quoted_sentence(RECALL_TEXT, 100, s) == (20, 100 * 20 / 35)
+    first, last = make_needle(s, "d", 0, RECALL_TEXT), make_needle(s, "d", 1, RECALL_TEXT)
+    assert (first.key, first.value, first.depth) == ("The river rose above", "the old stone", 0.0)
+    assert (last.key, last.value, last.depth) == ("In the fall the", "farmers brought their", 100.0)
+    with pytest.raises(TaskError, match="no sentence of 18 words or more"):
+        quoted_sentence(RECALL_TEXT, 50, RecallSettings(phrase_words=10, answer_words=7))
+    repeated = "One two three four five six seven eight. One two three four five six seven eight."
+    with pytest.raises(TaskError, match="first 4 words occur once"):
+        quoted_sentence(repeated, 0, RecallSettings(phrase_words=4, answer_words=2))
+
+
+def test_recall_prompts_quote_the_document_and_open_the_answer_with_the_quote():
+    class Chat(CharTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+            return "<u>" + messages[-1]["content"] + "</u><a>"
+
+    docs = pl.DataFrame({"doc_id": ["a", "b"], "split": ["exploratory"] * 2, "text": [RECALL_TEXT, "Too short."]})
+    task = {"name": "recall", "depths": [100], "phrase_words": 4, "answer_words": 3, "question": "after"}
+    p = build_task_prompts(docs, Chat(), {"task": task, "seed": 1, "max_new_tokens": 64, "minimums": {}}, 10**5)
+    a, b = p.row(0, named=True), p.row(1, named=True)
+    text = "".join(map(chr, a["input_ids"]))
+    assert text.startswith("<u>Read the text below. I will ask you to continue a quote from it.\n" + RECALL_TEXT)
+    assert text.endswith(
+        '\nContinue this quote from the text above, word for word: "In the fall the</u><a> "In the fall the'
+    )
+    assert (a["needle_key"], a["needle_value"], a["needle_at"]) == (
+        "In the fall the",
+        "farmers brought their",
+        100 * 20 / 35,
+    )
+    assert "".join(map(chr, a["input_ids"][-a["n_question"] :])).startswith("Continue this quote")
+    assert b["needle_value"] is None and "nothing to quote" in b["exclusion_reason"]

@@ -51,6 +51,7 @@ from kvdiverge.study.cost import add_cost_parser, run_cost
 from kvdiverge.study.models import ModelNotFoundError, load_model, load_tokenizer
 from kvdiverge.study.outputs import output_guard
 from kvdiverge.study.prompts import SOTU_INSTRUCTION
+from kvdiverge.study.tasks import TASKS
 
 __all__ = [
     "EXIT_FAILURE",
@@ -273,10 +274,10 @@ def _task_arguments(p: argparse.ArgumentParser) -> None:
     """``--task`` and ``--question`` (:mod:`kvdiverge.study.tasks`)."""
     p.add_argument(
         "--task",
-        choices=["niah"],
-        help="a task score beside the measures: RULER's single needle in each text prompt, answered "
-        "greedily under the full cache and each press; prints accuracy, rank correlations and AUC "
-        "(docs/task.md)",
+        choices=sorted(TASKS),
+        help="a task score beside the measures: RULER's single needle in each text prompt (niah), or the "
+        "continuation of a quote from it (recall), answered greedily under the full cache and each press; "
+        "prints accuracy, rank correlations and AUC (docs/task.md)",
     )
     p.add_argument(
         "--question",

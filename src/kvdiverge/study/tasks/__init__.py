@@ -2,8 +2,8 @@
 
 A task turns each corpus document into a prompt with a known answer, and scores a greedy
 answer against it. Tasks are rows of :data:`TASKS`, each a :class:`Task`: RULER's single
-needle (``niah``, :mod:`kvdiverge.study.tasks.niah`) is the first; multi-key needles or
-variable tracking follow as rows of the same kind.
+needle (``niah``, :mod:`kvdiverge.study.tasks.niah`) and quote recall (``recall``,
+:mod:`kvdiverge.study.tasks.recall`: the document's own next words after a quoted phrase).
 
 The config block ``task`` (``kvdiverge/schemas/config.schema.yaml``) names the task and its
 settings; :func:`task_settings` reads it, :func:`build_task_prompts` makes the prompts table
@@ -13,6 +13,7 @@ the task's columns (:data:`TASK_COLUMNS`) beside the usual ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,15 +22,16 @@ import polars as pl
 
 from kvdiverge.study.prompts import SCHEMA, exclusion_reason
 from kvdiverge.study.settings import check_task
-from kvdiverge.study.tasks import niah
+from kvdiverge.study.tasks import niah, recall
 
 __all__ = ["TASKS", "TASK_COLUMNS", "Task", "TaskError", "build_task_prompts", "task_settings"]
 
 TaskError = niah.TaskError
 
 #: Columns a task adds to the prompts table: trailing question tokens (0 when the question
-#: sits inside the compressed prompt), the needle's key and value, the depth asked for and
-#: the depth it went to (percent of the document's words before it).
+#: sits inside the compressed prompt), what is asked and the right answer (the needle's key
+#: and value; recall's quote and next words), the depth asked for and the depth it went to
+#: (percent of the document's words before it).
 TASK_COLUMNS = {
     "n_question": pl.Int32,
     "needle_key": pl.String,
@@ -50,7 +52,9 @@ class Task:
     settings : type
         Frozen dataclass of the task's settings, built from the config block.
     needle : callable
-        ``(settings, doc_id, index) -> needle`` (``.key``, ``.value``, ``.depth``).
+        ``(settings, doc_id, index, document) -> needle`` (``.key``, ``.value``, ``.depth``): what
+        the ``index``-th document of its split is asked; raises ``TaskError`` for a document
+        the task cannot use.
     prompt : callable
         ``(tokenizer, document, needle, settings, **render) -> TaskPrompt``.
     check : callable
@@ -70,6 +74,14 @@ class Task:
 #: The tasks by config name (``task.name``): one :class:`Task` each.
 TASKS: dict[str, Task] = {
     "niah": Task("niah", niah.NiahSettings, niah.make_needle, niah.task_prompt, niah.check_budget, niah.score_answer),
+    "recall": Task(
+        "recall",
+        recall.RecallSettings,
+        recall.make_needle,
+        recall.task_prompt,
+        recall.check_budget,
+        recall.score_answer,
+    ),
 }
 
 
@@ -99,6 +111,10 @@ def task_settings(block: Any, seed: int = 0) -> tuple[Task, Any] | None:
     except ValueError as exc:
         raise TaskError(str(exc)) from None
     name = entry.pop("name", "niah")
+    known = {f.name for f in dataclasses.fields(TASKS[name].settings)}
+    foreign = sorted(set(entry) - known)
+    if foreign:
+        raise TaskError(f"task.{foreign[0]}: not a setting of task {name!r}; its settings: {', '.join(sorted(known))}")
     entry.setdefault("seed", int(seed))
     if "depths" in entry:
         entry["depths"] = tuple(entry["depths"])
@@ -106,10 +122,11 @@ def task_settings(block: Any, seed: int = 0) -> tuple[Task, Any] | None:
 
 
 def _task_row(task: Task, settings, tokenizer, row: Mapping[str, Any], index: int, render: Mapping) -> dict:
-    needle = task.needle(settings, row["doc_id"], index)
-    out = {"doc_id": row["doc_id"], "split": row["split"], "needle_key": needle.key, "needle_value": needle.value}
-    out.update(needle_depth=float(needle.depth), exclusion_reason=None)
+    out = {"doc_id": row["doc_id"], "split": row["split"], "needle_key": None, "needle_value": None}
+    out.update(needle_depth=float(settings.depths[index % len(settings.depths)]), exclusion_reason=None)
     try:
+        needle = task.needle(settings, row["doc_id"], index, row["text"])
+        out.update(needle_key=needle.key, needle_value=needle.value)
         p = task.prompt(tokenizer, row["text"], needle, settings, doc_id=row["doc_id"], **render)
     except TaskError as exc:
         return {
@@ -161,7 +178,8 @@ def build_task_prompts(documents: pl.DataFrame, tokenizer, settings: Mapping[str
     for split, part in documents.sort("doc_id").group_by("split", maintain_order=True):
         for index, row in enumerate(part.iter_rows(named=True)):
             out = _task_row(task, conf, tokenizer, row, index, render)
-            task.check(tokenizer, out["needle_value"], T)
+            if out["needle_value"] is not None:
+                task.check(tokenizer, out["needle_value"], T)
             if out["exclusion_reason"] is None:
                 minimums = settings["minimums"].get(row["split"], {})
                 out["exclusion_reason"] = exclusion_reason(out["n_prompt_tokens"], minimums, context, T)

@@ -39,9 +39,11 @@ __all__ = [
     "Needle",
     "NiahSettings",
     "TaskError",
+    "TaskPrompt",
     "insert_needle",
     "make_needle",
     "needle_depth",
+    "render_question",
     "score_answer",
     "string_match_all",
 ]
@@ -121,11 +123,12 @@ def _digest(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
-def make_needle(settings: NiahSettings, doc_id: str, index: int) -> Needle:
+def make_needle(settings: NiahSettings, doc_id: str, index: int, document: str | None = None) -> Needle:
     """The needle of document ``doc_id``, the ``index``-th of its split by ``doc_id``.
 
     Key and value come from a SHA-256 hash of (seed, purpose, ``doc_id``), so a document
-    keeps its needle whatever else the corpus holds; the value has exactly ``digits``
+    keeps its needle whatever else the corpus holds (``document``, the registry's argument, is
+    not read: a needle does not depend on its haystack); the value has exactly ``digits``
     digits (first digit 1-9, RULER's ``randint(10**(d-1), 10**d - 1)``). The depth is
     ``depths[index % len(depths)]``.
     """
@@ -264,8 +267,11 @@ class TaskPrompt:
     depth: float
 
 
-def render_task(tokenizer, haystack: str, key: str, system: str | None, date: str) -> tuple[list[int], int]:
+def render_question(tokenizer, context: str, question: str, answer_prefix: str, render) -> tuple[list[int], int]:
     """Token ids of a task prompt and the number of trailing question tokens (see :class:`TaskPrompt`).
+
+    The user message is ``context``, a line break and ``question``, rendered with the chat template
+    (``render``'s ``system`` and ``date``), then ``answer_prefix`` opens the assistant turn.
 
     Raises
     ------
@@ -273,9 +279,9 @@ def render_task(tokenizer, haystack: str, key: str, system: str | None, date: st
         When the tokens of the text before the question are not a prefix of the prompt's
         tokens (a tokenizer merging across the document's end and the question).
     """
-    question = QUESTION.format(key=key)
-    content = PREAMBLE + "\n" + haystack + "\n" + question
-    text = render_text(tokenizer, content, None, system, date) + ANSWER_PREFIX.format(key=key)
+    content = context + "\n" + question
+    system, date = render.get("system"), render.get("date", "2026-01-01")
+    text = render_text(tokenizer, content, None, system, date) + answer_prefix
     ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     head = tokenizer(text[: text.rindex(question)], add_special_tokens=False)["input_ids"]
     if list(ids[: len(head)]) != [int(i) for i in head]:
@@ -284,16 +290,15 @@ def render_task(tokenizer, haystack: str, key: str, system: str | None, date: st
 
 
 def task_prompt(tokenizer, document: str, needle: Needle, settings: NiahSettings, **render) -> TaskPrompt:
-    """The task prompt of one document (:func:`insert_needle`, then :func:`render_task`).
+    """The task prompt of one document (:func:`insert_needle`, then :func:`render_question`).
 
     ``render`` passes ``system``, ``date`` (the chat template's, ``prompt.date``) and
     ``doc_id`` (named in errors).
     """
     doc_id = render.get("doc_id", "document")
     haystack, depth = insert_needle(document, needle, settings.depth_tolerance, doc_id)
-    ids, n_question = render_task(
-        tokenizer, haystack, needle.key, render.get("system"), render.get("date", "2026-01-01")
-    )
+    question, prefix = QUESTION.format(key=needle.key), ANSWER_PREFIX.format(key=needle.key)
+    ids, n_question = render_question(tokenizer, PREAMBLE + "\n" + haystack, question, prefix, render)
     return TaskPrompt(ids, n_question, depth)
 
 
