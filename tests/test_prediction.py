@@ -145,3 +145,20 @@ def test_bad_input_is_named_in_one_sentence_each():
     ]
     with pytest.raises(PredictionInputError, match="overlap"):
         prediction_tables(overlap, task, pts, ["kld"], boot=Bootstrap(10))
+
+
+def test_the_figure_has_a_panel_per_measure_and_task_with_the_held_out_marks(tmp_path):
+    from kvdiverge.report.prediction import plot_prediction, prediction_figure
+
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r, n_fid=4, n_task=8)
+    fid = fid.with_columns(same_top_p=1 - pl.col("kld"))
+    after = task.with_columns(placement=pl.lit("after"))
+    table, marks = prediction_tables(fid, pl.concat([task, after]), pts, ["kld", "same_top_p"], boot=Bootstrap(20))
+    fig = prediction_figure(table, marks)
+    assert len(fig.axes) == 4
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0].startswith("niah (after): rho|ratio") and "held-out MAE" in titles[0]
+    assert fig.axes[2].get_xlabel() == "minus same top p (fidelity documents)"
+    assert len(fig.axes[0].collections) == 2  # the points and the held-out crosses
+    plot_prediction(table, marks, tmp_path / "p.png", tmp_path / "p.pdf")
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.pdf").stat().st_size > 0

@@ -25,6 +25,9 @@ LABELS = {
     "p_div": "p_div",
     "tau_first": "first-divergence step",
     "S_answer": "survival at answer length",
+    "kld_mean": "mean KLD (nats)",
+    "same_top_p": "same top p",
+    "ppl_ratio": "PPL ratio",
 }
 
 
