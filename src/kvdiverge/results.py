@@ -43,7 +43,7 @@ __all__ = ["Measurement"]
 
 @dataclass
 class Measurement:
-    """Everything :func:`measure` measured: the workflow's tables, for one model.
+    """Everything :func:`kvdiverge.measurement.measure` measured: the workflow's tables, for one model.
 
     Attributes
     ----------
@@ -65,12 +65,12 @@ class Measurement:
         Name of the noise-floor press among the presses, if any.
     batch_documents : int or None
         Documents per batched forward ``B`` every press ran with (planned once per
-        :func:`measure` call); not a setting, since results depend on it only by rounding.
+        :func:`kvdiverge.measurement.measure` call); not a setting, since results depend on it only by rounding.
     teacher_forced : kvdiverge.screening.Screen or None
         The teacher-forced pass (``measure(..., teacher_tokens=N)``): llama.cpp's KLD, PPL
         ratio, Same top p and RMS Δp per press (``docs/teacher-forced.md``); None when not run.
     task : dict of polars.DataFrame or None
-        With :func:`measure`'s ``task``: the task's ``documents``, ``accuracy``,
+        With :func:`kvdiverge.measurement.measure`'s ``task``: the task's ``documents``, ``accuracy``,
         ``correlations`` and ``auc`` tables (:func:`kvdiverge.study.tasks.tables.task_tables`).
     eos_ids : tuple of int or None
         The end-of-sequence ids both generations stopped at (the length drift's stops).
