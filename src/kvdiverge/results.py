@@ -1,4 +1,4 @@
-"""What :func:`kvdiverge.measure` returns: :class:`Measurement`, the workflow's tables for one model.
+"""What :func:`kvdiverge.measure` returns: :class:`kvdiverge.results.Measurement`, the workflow's tables for one model.
 
 It holds the coupled run's trajectories and the estimates and pooled tables computed from them
 (:mod:`kvdiverge.estimation.tables`), computes the rest on first use (gaps, the self-speculative

@@ -119,8 +119,8 @@ class LLMPairBase:
         A causal LM in eval mode, with no press entered.
     documents : sequence of PairDocument
         The documents, in row order (row ``d*R + r`` is replicate ``r`` of document ``d``).
-        The pair keeps them without their prefills (:attr:`documents`); those it holds
-        apart until :meth:`start` merges them.
+        The pair keeps them without their prefills (``documents``); those it holds
+        apart until ``start()`` merges them.
     decoding : kvdiverge.engine.core.sampling.Decoding
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
         end-of-sequence ids (``None``: :func:`model_eos_ids`).

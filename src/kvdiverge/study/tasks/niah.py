@@ -46,6 +46,8 @@ __all__ = [
     "render_question",
     "score_answer",
     "string_match_all",
+    "task_prompt",
+    "check_budget",
 ]
 
 #: RULER's needle sentence (``niah.py``), ``type_needle_v = "numbers"``.

@@ -12,7 +12,7 @@ Depth ``d`` (percent) picks the sentence whose first word is nearest to ``d / 10
 document's words, among the sentences that can be asked: at least ``phrase_words +
 answer_words + 1`` words long (the answer ends inside the sentence, so the model is not asked to
 guess across a full stop) and whose opening ``phrase_words`` words occur once in the document (the
-quote names one place). A document without such a sentence is refused (:class:`TaskError`).
+quote names one place). A document without such a sentence is refused (:class:`kvdiverge.study.tasks.niah.TaskError`).
 
 With the embedded model (SmolLM2-135M-Instruct) and its full cache, greedy, 8-word quotes and
 3-word answers, 45 of 60 State of the Union excerpts of 300-450 words are answered (75 %;
