@@ -256,7 +256,6 @@ MAX_PARAMETERS = 7
 #: A function leaves the list when it is brought under the limit (the test refuses a stale entry).
 MANY_PARAMETERS = {
     "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
-    "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
     "testing/exact.py:_accumulate": "the exact enumeration's recursion state",
     "testing/speculative.py:_block": "the exact enumeration's recursion state",
     "testing/speculative.py:first_block_accepted": "the exact reference's kernel and block settings",

@@ -11,6 +11,7 @@ import kvdiverge.estimation.drift
 import kvdiverge.study.config
 import kvdiverge.study.devices
 import kvdiverge.study.frontier
+import kvdiverge.study.jobs
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
 
@@ -62,12 +63,35 @@ def shard_settings(wildcards):
     return kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
 
 
-def frontier_settings(wildcards):
-    """Settings that decide the frontier's shards of one model and shard index, per frontier policy."""
-    return {
-        p: kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
-        for p in FRONTIER_POLICIES
-    }
+# What each generation job reads, as the plain form of its settings object (kvdiverge.study.jobs):
+# its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
+# object back (ShardSettings.from_params); none reads or validates the config again.
+def shard_job(wildcards):
+    """The settings of one trajectory shard job (rule trajectories)."""
+    job = kvdiverge.study.jobs.ShardSettings.from_config(
+        CONFIG, wildcards.model, wildcards.policy, wildcards.split, int(wildcards.shard)
+    )
+    return job.to_params()
+
+
+def frontier_shard_job(wildcards):
+    """The settings of the frontier's shard job of one model and shard index: every frontier policy."""
+    job = kvdiverge.study.jobs.ShardSettings.from_config(
+        CONFIG, wildcards.model, FRONTIER_POLICIES, FRONTIER_SPLIT, int(wildcards.shard)
+    )
+    return job.to_params()
+
+
+def teacher_job(wildcards):
+    """The settings of one teacher-forced job (rule teacher_forced)."""
+    job = kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
+    return job.to_params()
+
+
+def frontier_teacher_job(wildcards):
+    """The settings of the frontier's teacher-forced job of one model: every frontier point."""
+    job = kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, FRONTIER_POLICIES, FRONTIER_SPLIT)
+    return job.to_params()
 
 
 # The config files of this run, for the regenerate command in the estimate stage's
