@@ -18,7 +18,7 @@ from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.study.jobs import ShardSettings
-from kvdiverge.study.shard import run_shard
+from kvdiverge.study.shard import generation_options, run_shard
 
 pytestmark = pytest.mark.llm
 
@@ -278,7 +278,8 @@ def test_shards_are_reproducible_and_partition_the_documents(model, shard_setup)
 
     def run(cfg, shard, name):
         job = ShardSettings.from_config(cfg, "m", "snapkv-50", "exploratory", shard)
-        return run_shard(job, prompts, root / name, model=model).drop("seconds")
+        options = generation_options(cfg["generation"])
+        return run_shard(job, prompts, root / name, model=model, options=options).drop("seconds")
 
     b1 = run(config, 1, "b1.parquet")  # shard 1 first, then shard 0
     a0 = run(config, 0, "a0.parquet")

@@ -107,8 +107,12 @@ def estimates(policies=None):
     }
 
 
+# the analyses with an HTML page, drawn by a rule of its own: a rerun analysis redraws its page
+PAGES = {"confirmatory": "confirmatory_page", "speculative": "speculative_page"}
+
+
 def rules(*names):
-    return {(n, None) for n in names}
+    return {(n, None) for n in names} | {(PAGES[n], None) for n in names if n in PAGES}
 
 
 def teacher(policies=None):
