@@ -66,32 +66,25 @@ def shard_settings(wildcards):
 # What each generation job reads, as the plain form of its settings object (kvdiverge.study.jobs):
 # its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
 # object back (ShardSettings.from_params); none reads or validates the config again.
+def job_policies(wildcards):
+    """The policies and split of a generation job: its wildcards', or every frontier policy
+    on the frontier's split (the frontier's jobs have no policy wildcard)."""
+    if hasattr(wildcards, "policy"):
+        return [wildcards.policy], wildcards.split
+    return FRONTIER_POLICIES, FRONTIER_SPLIT
+
+
 def shard_job(wildcards):
-    """The settings of one trajectory shard job (rule trajectories)."""
-    job = kvdiverge.study.jobs.ShardSettings.from_config(
-        CONFIG, wildcards.model, wildcards.policy, wildcards.split, int(wildcards.shard)
-    )
-    return job.to_params()
-
-
-def frontier_shard_job(wildcards):
-    """The settings of the frontier's shard job of one model and shard index: every frontier policy."""
-    job = kvdiverge.study.jobs.ShardSettings.from_config(
-        CONFIG, wildcards.model, FRONTIER_POLICIES, FRONTIER_SPLIT, int(wildcards.shard)
-    )
+    """The settings of a trajectory shard job (rules trajectories, frontier_trajectories)."""
+    policies, split = job_policies(wildcards)
+    job = kvdiverge.study.jobs.ShardSettings.from_config(CONFIG, wildcards.model, policies, split, int(wildcards.shard))
     return job.to_params()
 
 
 def teacher_job(wildcards):
-    """The settings of one teacher-forced job (rule teacher_forced)."""
-    job = kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
-    return job.to_params()
-
-
-def frontier_teacher_job(wildcards):
-    """The settings of the frontier's teacher-forced job of one model: every frontier point."""
-    job = kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, FRONTIER_POLICIES, FRONTIER_SPLIT)
-    return job.to_params()
+    """The settings of a teacher-forced job (rules teacher_forced, teacher_forced_frontier)."""
+    policies, split = job_policies(wildcards)
+    return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, policies, split).to_params()
 
 
 def export_configfiles():

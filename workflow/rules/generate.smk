@@ -66,7 +66,7 @@ if FRONTIER_POLICIES:
             benchmark_file(f"frontier_trajectories/{{model}}/{FRONTIER_SPLIT}/shard-{{shard}}")
         params:
             # what the job reads, its rerun key: as rule trajectories', for every frontier policy
-            settings=frontier_shard_job,
+            settings=shard_job,
         # the longest jobs first: the ordinary shards then fill in beside them
         priority: 1
         resources:

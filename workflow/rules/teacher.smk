@@ -51,7 +51,7 @@ if FRONTIER_POINTS:
             benchmark_file(f"teacher_forced_frontier/{{model}}/{FRONTIER_SPLIT}")
         params:
             # what the job reads, its rerun key: as rule teacher_forced's, for every frontier point
-            settings=frontier_teacher_job,
+            settings=teacher_job,
         resources:
             **generation_resources(),
         conda:
