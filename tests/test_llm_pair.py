@@ -17,7 +17,8 @@ from kvdiverge.engine.llm.prefill import prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.study.shard import run_shard
+from kvdiverge.study.jobs import ShardSettings
+from kvdiverge.study.shard import generation_options, run_shard
 
 pytestmark = pytest.mark.llm
 
@@ -276,16 +277,9 @@ def test_shards_are_reproducible_and_partition_the_documents(model, shard_setup)
     root, prompts, config = shard_setup
 
     def run(cfg, shard, name):
-        return run_shard(
-            cfg,
-            "m",
-            "snapkv-50",
-            "exploratory",
-            shard,
-            prompts,
-            root / name,
-            model=model,
-        ).drop("seconds")
+        job = ShardSettings.from_config(cfg, "m", "snapkv-50", "exploratory", shard)
+        options = generation_options(cfg["generation"])
+        return run_shard(job, prompts, root / name, model=model, options=options).drop("seconds")
 
     b1 = run(config, 1, "b1.parquet")  # shard 1 first, then shard 0
     a0 = run(config, 0, "a0.parquet")
@@ -301,8 +295,11 @@ def test_shards_are_reproducible_and_partition_the_documents(model, shard_setup)
 
 def test_control_runs_on_its_first_documents_only(model, shard_setup):
     root, prompts, config = shard_setup
-    df = run_shard({**config, "shards": 1}, "m", "none", "exploratory", 0, prompts, root / "none.parquet", model=model)
+    job = ShardSettings.from_config({**config, "shards": 1}, "m", "none", "exploratory", 0)
+    df = run_shard(job, prompts, root / "none.parquet", model=model)
     assert df["doc_id"].unique().to_list() == ["doc-0"]
     assert (df["kept_len"] == df["prompt_len"]).all()
     with pytest.raises(ValueError, match="shard 2 out of range"):
-        run_shard(config, "m", "none", "exploratory", 2, prompts, root / "x.parquet", model=model)
+        run_shard(
+            ShardSettings.from_config(config, "m", "none", "exploratory", 2), prompts, root / "x.parquet", model=model
+        )

@@ -15,8 +15,9 @@ from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
+from kvdiverge.study.jobs import ShardSettings
 from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
-from kvdiverge.study.shard import run_shard
+from kvdiverge.study.shard import generation_options, run_shard
 from kvdiverge.study.standins import MINIATURE, random_model
 
 
@@ -170,7 +171,8 @@ def test_a_shard_records_the_b_it_ran_with_outside_its_settings(mini, tmp_path, 
         }
         out = tmp_path / f"b{b}" / "shard-0.parquet"
         out.parent.mkdir()
-        run_shard(config, "mini", "knorm", "exploratory", 0, prompts, out, model=mini)
+        job = ShardSettings.from_config(config, "mini", "knorm", "exploratory", 0)
+        run_shard(job, prompts, out, model=mini, options=generation_options(config["generation"]))
         rec = read_provenance(out)
         assert rec.batch == {"batch_documents": 2 if b == 2 else 3}  # auto: 4 GiB on the CPU holds all three
         assert rec.settings == shard_settings(config, "mini", "knorm", "exploratory")
@@ -240,7 +242,8 @@ def test_a_decode_time_policy_under_auto_gets_the_3r_row_plan_at_both_doors(mini
         "policies": {"window": window},
         "runs": {"exploratory": ["window"]},
     }
-    run_shard(config, "mini", "window", "exploratory", 0, path, tmp_path / "shard-0.parquet", model=mini)
+    job = ShardSettings.from_config(config, "mini", "window", "exploratory", 0)
+    run_shard(job, path, tmp_path / "shard-0.parquet", model=mini, options=generation_options(config["generation"]))
     assert read_provenance(tmp_path / "shard-0.parquet").batch == {"batch_documents": want}
 
 

@@ -107,8 +107,12 @@ def estimates(policies=None):
     }
 
 
+# the analyses with an HTML page, drawn by a rule of its own: a rerun analysis redraws its page
+PAGES = {"confirmatory": "confirmatory_page", "speculative": "speculative_page"}
+
+
 def rules(*names):
-    return {(n, None) for n in names}
+    return {(n, None) for n in names} | {(PAGES[n], None) for n in names if n in PAGES}
 
 
 def teacher(policies=None):
@@ -237,6 +241,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     import torch
 
     from kvdiverge.study.config import load_config
+    from kvdiverge.study.jobs import ShardSettings
     from kvdiverge.study.models import load_model, local_entry
     from kvdiverge.study.shard import run_shard
 
@@ -250,16 +255,8 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workflow's shard jobs (threads: 1); more threads only contend
     try:
-        frame = run_shard(
-            config,
-            MODEL,
-            "snapkv-50",
-            "exploratory",
-            0,
-            str(work / RES / "prompts" / f"{MODEL}.parquet"),
-            str(made),
-            model=model,
-        )
+        job = ShardSettings.from_config(config, MODEL, "snapkv-50", "exploratory", 0)
+        frame = run_shard(job, str(work / RES / "prompts" / f"{MODEL}.parquet"), str(made), model=model)
     finally:
         torch.set_num_threads(threads)
     assert frame.height == 2  # 1 document x R = 2

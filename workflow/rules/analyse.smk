@@ -94,12 +94,6 @@ rule confirmatory:
         csv=f"{ANALYSIS}/confirmatory.csv",
         documents_parquet=f"{ANALYSIS}/confirmatory_documents.parquet",
         documents_csv=f"{ANALYSIS}/confirmatory_documents.csv",
-        html=table_report(
-            f"{ANALYSIS}/confirmatory.html",
-            "confirmatory",
-            "confirmatory test",
-            category="Confirmatory",
-        ),
     log:
         f"{LOGS}/analysis/confirmatory.log",
     benchmark:
@@ -124,7 +118,6 @@ rule speculative:
     output:
         parquet=f"{ANALYSIS}/speculative.parquet",
         csv=table_report(f"{ANALYSIS}/speculative.csv", "speculative_table", "self-speculative reading"),
-        html=table_report(f"{ANALYSIS}/speculative.html", "speculative_page", "self-speculative page"),
     log:
         f"{LOGS}/analysis/speculative.log",
     benchmark:
@@ -196,7 +189,6 @@ if FRONTIER_POINTS:
                 "frontier ranking",
                 category="Frontier",
             ),
-            html=table_report(f"{ANALYSIS}/frontier.html", "frontier_page", "frontier page", category="Frontier"),
         log:
             f"{LOGS}/analysis/frontier.log",
         benchmark:

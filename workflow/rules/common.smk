@@ -11,6 +11,7 @@ import kvdiverge.estimation.drift
 import kvdiverge.study.config
 import kvdiverge.study.devices
 import kvdiverge.study.frontier
+import kvdiverge.study.jobs
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
 
@@ -62,20 +63,37 @@ def shard_settings(wildcards):
     return kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
 
 
-def frontier_settings(wildcards):
-    """Settings that decide the frontier's shards of one model and shard index, per frontier policy."""
-    return {
-        p: kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
-        for p in FRONTIER_POLICIES
-    }
+# What each generation job reads, as the plain form of its settings object (kvdiverge.study.jobs):
+# its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
+# object back (ShardSettings.from_params); none reads or validates the config again.
+def job_policies(wildcards):
+    """The policies and split of a generation job: its wildcards', or every frontier policy
+    on the frontier's split (the frontier's jobs have no policy wildcard)."""
+    if hasattr(wildcards, "policy"):
+        return [wildcards.policy], wildcards.split
+    return FRONTIER_POLICIES, FRONTIER_SPLIT
 
 
-# The config files of this run, for the regenerate command in the estimate stage's
-# error messages; an environment variable, not a param: the same settings from another
-# file rerun nothing.
-os.environ[kvdiverge.study.provenance.CONFIGFILES_ENV] = os.pathsep.join(
-    os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f) for f in workflow.configfiles
-)
+def shard_job(wildcards):
+    """The settings of a trajectory shard job (rules trajectories, frontier_trajectories)."""
+    policies, split = job_policies(wildcards)
+    job = kvdiverge.study.jobs.ShardSettings.from_config(CONFIG, wildcards.model, policies, split, int(wildcards.shard))
+    return job.to_params()
+
+
+def teacher_job(wildcards):
+    """The settings of a teacher-forced job (rules teacher_forced, teacher_forced_frontier)."""
+    policies, split = job_policies(wildcards)
+    return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, policies, split).to_params()
+
+
+def export_configfiles():
+    """Tell the jobs the config files of this run (for the regenerate command in the estimate
+    stage's error messages): an environment variable, not a param, so that the same settings
+    from another file rerun nothing. Called once, by the Snakefile."""
+    os.environ[kvdiverge.study.provenance.CONFIGFILES_ENV] = os.pathsep.join(
+        os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f) for f in workflow.configfiles
+    )
 
 
 # what decides the prompts tables (a change reruns the prompts stage)
@@ -196,23 +214,27 @@ def generation_resources(points=1):
     }
 
 
-# Local runs: at most one generation job per GPU (kvdiverge.study.devices). The generation
-# rules request gpu=1 per job with a CUDA model; without a cap Snakemake would start one
-# such job per core. --resources gpu=N wins; otherwise the config key `gpus`, otherwise the
-# number of visible CUDA devices (KVDIVERGE_GPUS simulates a device list). Cluster runs
-# (--jobs / the SLURM profile) are left alone: SLURM hands each job its own GPU.
-if workflow.is_main_process and workflow.nodes is None and any(model_on_gpu(m) for m in MODELS):
+def register_gpu_cap():
+    """Local runs: at most one generation job per GPU (kvdiverge.study.devices). Called once, by the Snakefile.
+
+    The generation rules request gpu=1 per job with a CUDA model; without a cap Snakemake
+    would start one such job per core. --resources gpu=N wins; otherwise the config key
+    `gpus`, otherwise the number of visible CUDA devices (KVDIVERGE_GPUS simulates a device
+    list); the cap is printed, with a warning when it is 0. Cluster runs (--jobs / the SLURM
+    profile) are left alone: SLURM hands each job its own GPU."""
+    if not workflow.is_main_process or workflow.nodes is not None or not any(model_on_gpu(m) for m in MODELS):
+        return
     if "gpu" in workflow.global_resources:
-        _gpu_cap, _gpu_source = workflow.global_resources["gpu"].value, "--resources"
+        cap, source = workflow.global_resources["gpu"].value, "--resources"
     else:
-        _gpu_cap, _gpu_source = kvdiverge.study.devices.gpu_cap(CONFIG)
-        workflow.register_resource("gpu", _gpu_cap)
+        cap, source = kvdiverge.study.devices.gpu_cap(CONFIG)
+        workflow.register_resource("gpu", cap)
     print(
-        f"kvdiverge: local GPU cap gpu={_gpu_cap} ({_gpu_source}): at most {_gpu_cap} "
+        f"kvdiverge: local GPU cap gpu={cap} ({source}): at most {cap} "
         f"generation job(s) at once, each bound to its own GPU",
         file=sys.stderr,
     )
-    if not _gpu_cap:
+    if not cap:
         print(
             "kvdiverge: WARNING: no CUDA device visible; generation jobs of CUDA models "
             "will fail (set the model's device to cpu, or run where there is a GPU)",
@@ -279,14 +301,16 @@ def all_targets(wildcards):
         rules.gaps.output.parquet,
         rules.floor.output.parquet,
         rules.confirmatory.output.parquet,
+        rules.confirmatory_page.output[0],
         rules.speculative.output.parquet,
+        rules.speculative_page.output[0],
         rules.drift.output.parquet,
         rules.drift.output.survival_parquet,
         *expand(rules.figure.output, figure=list(FIGURE_TABLE)),
         rules.summary.output[0],
     ]
     if FRONTIER_POINTS:
-        outputs += [rules.frontier.output.parquet, rules.frontier.output.areas_parquet]
+        outputs += [rules.frontier.output.parquet, rules.frontier.output.areas_parquet, rules.frontier_page.output[0]]
     if TASK_RUNS:
         outputs += expand(rules.task.output.accuracy, model=MODELS)
     outputs += [rules.teacher_forced_table.output.parquet, rules.teacher_forced_table.output.documents_parquet]

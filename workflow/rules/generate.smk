@@ -38,11 +38,9 @@ rule trajectories:
     benchmark:
         benchmark_file("trajectories/{model}/{policy}/{split}/shard-{shard}")
     params:
-        shard=lambda wildcards: int(wildcards.shard),
-        policies=lambda wildcards: [wildcards.policy],
-        split=lambda wildcards: wildcards.split,
-        # model entry, policy entry, decoding, replicates, seed, shards, control documents
-        settings=shard_settings,
+        # what the job reads, its rerun key: per policy the model and policy entries,
+        # decoding, replicates, seed, shards, control documents
+        settings=shard_job,
     resources:
         **generation_resources(),
     conda:
@@ -67,11 +65,8 @@ if FRONTIER_POLICIES:
         benchmark:
             benchmark_file(f"frontier_trajectories/{{model}}/{FRONTIER_SPLIT}/shard-{{shard}}")
         params:
-            shard=lambda wildcards: int(wildcards.shard),
-            policies=FRONTIER_POLICIES,
-            split=FRONTIER_SPLIT,
-            # per frontier policy: what decides its shard (a change reruns the job)
-            settings=frontier_settings,
+            # what the job reads, its rerun key: as rule trajectories', for every frontier policy
+            settings=shard_job,
         # the longest jobs first: the ordinary shards then fill in beside them
         priority: 1
         resources:

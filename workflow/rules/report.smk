@@ -52,3 +52,59 @@ rule summary:
         CONDA_ENV
     script:
         "../scripts/summary.py"
+
+
+# The analyses' HTML pages (kvdiverge.report.pages), one job each, from their tables.
+rule confirmatory_page:
+    input:
+        rules.confirmatory.output.parquet,
+    output:
+        table_report(f"{ANALYSIS}/confirmatory.html", "confirmatory", "confirmatory test", category="Confirmatory"),
+    log:
+        f"{LOGS}/analysis/confirmatory_page.log",
+    benchmark:
+        benchmark_file("confirmatory_page/confirmatory_page")
+    params:
+        plan=canonical(CONFIG["confirmatory"]),
+        confidence=canonical(CONFIG["analysis"]["confidence"]),
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/confirmatory_page.py"
+
+
+rule speculative_page:
+    input:
+        rules.speculative.output.parquet,
+    output:
+        table_report(f"{ANALYSIS}/speculative.html", "speculative_page", "self-speculative page"),
+    log:
+        f"{LOGS}/analysis/speculative_page.log",
+    benchmark:
+        benchmark_file("speculative_page/speculative_page")
+    params:
+        confidence=canonical(CONFIG["analysis"]["confidence"]),
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/speculative_page.py"
+
+
+if FRONTIER_POINTS:
+
+    rule frontier_page:
+        input:
+            points=rules.frontier.output.parquet,
+            areas=rules.frontier.output.areas_parquet,
+        output:
+            table_report(f"{ANALYSIS}/frontier.html", "frontier_page", "frontier page", category="Frontier"),
+        log:
+            f"{LOGS}/analysis/frontier_page.log",
+        benchmark:
+            benchmark_file("frontier_page/frontier_page")
+        params:
+            confidence=canonical(CONFIG["analysis"]["confidence"]),
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/frontier_page.py"

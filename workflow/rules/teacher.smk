@@ -19,11 +19,9 @@ rule teacher_forced:
     benchmark:
         benchmark_file("teacher_forced/{model}/{policy}/{split}")
     params:
-        # model and policy entries, seed, control documents, the teacher_forced section
-        # (no decoding setting, replicates or shards)
-        settings=lambda wildcards: kvdiverge.study.provenance.teacher_settings(
-            CONFIG, wildcards.model, wildcards.policy, wildcards.split
-        ),
+        # what the job reads, its rerun key: model and policy entries, seed, control documents,
+        # the corpus and teacher_forced sections (no decoding setting, replicates or shards)
+        settings=teacher_job,
     resources:
         **generation_resources(),
     conda:
@@ -52,13 +50,8 @@ if FRONTIER_POINTS:
         benchmark:
             benchmark_file(f"teacher_forced_frontier/{{model}}/{FRONTIER_SPLIT}")
         params:
-            policies=FRONTIER_POLICIES,
-            split=FRONTIER_SPLIT,
-            # per frontier point: what decides its positions (a change reruns the job)
-            settings=lambda wildcards: {
-                p: kvdiverge.study.provenance.teacher_settings(CONFIG, wildcards.model, p, FRONTIER_SPLIT)
-                for p in FRONTIER_POLICIES
-            },
+            # what the job reads, its rerun key: as rule teacher_forced's, for every frontier point
+            settings=teacher_job,
         resources:
             **generation_resources(),
         conda:
@@ -86,4 +79,4 @@ rule teacher_forced_table:
     conda:
         CONDA_ENV
     script:
-        "../scripts/teacher_forced.py"
+        "../scripts/teacher_forced_table.py"

@@ -3,8 +3,7 @@
 from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
-from kvdiverge.io.files import save_table, write_text_atomic
-from kvdiverge.report.pages import confirmatory_html
+from kvdiverge.io.files import save_table
 from kvdiverge.study.rulelog import rule_log
 
 p = snakemake.params
@@ -23,4 +22,3 @@ with rule_log(snakemake.log[0], "confirmatory", "confirmatory analysis") as log:
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)
     save_table(per_doc, out.documents_parquet, out.documents_csv)
-    write_text_atomic(confirmatory_html(plan, result, confidence=p.confidence), out.html)

@@ -10,9 +10,8 @@ from kvdiverge.estimation.drift import length_ratios, with_drift_columns
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
 from kvdiverge.estimation.teacher_forced import with_teacher_columns
-from kvdiverge.io.files import save_table, write_text_atomic
+from kvdiverge.io.files import save_table
 from kvdiverge.report.formatting import frontier_text
-from kvdiverge.report.pages import frontier_html
 from kvdiverge.study.models import entry_kv_sizes
 from kvdiverge.study.rulelog import rule_log
 
@@ -31,4 +30,3 @@ with rule_log(snakemake.log[0], "frontier", "frontier analysis") as log:
     log.info("\n%s", frontier_text(points, areas, p.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)
-    write_text_atomic(frontier_html(points, areas, p.confidence), out.html)

@@ -3,8 +3,7 @@
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.speculative import speculative_table
-from kvdiverge.io.files import save_table, write_text_atomic
-from kvdiverge.report.pages import speculative_html
+from kvdiverge.io.files import save_table
 from kvdiverge.study.rulelog import rule_log
 
 p = snakemake.params
@@ -28,4 +27,3 @@ with rule_log(snakemake.log[0], "speculative", "speculative reading") as log:
         ),
     )
     save_table(table, out.parquet, out.csv)
-    write_text_atomic(speculative_html(table, p.confidence), out.html)

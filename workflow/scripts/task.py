@@ -3,7 +3,7 @@
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.io.files import write_parquet_atomic, write_text_atomic
+from kvdiverge.io.files import save_table
 from kvdiverge.report.task import plot_task
 from kvdiverge.study.models import load_tokenizer, local_entry
 from kvdiverge.study.rulelog import rule_log
@@ -26,8 +26,7 @@ with rule_log(snakemake.log[0], "task", "task stage") as log:
         options=TaskTableOptions(controls=p.controls, floor=p.floor, boot=Bootstrap(**dict(p.bootstrap))),
     )
     for name in TASK_TABLES:
-        write_parquet_atomic(tables[name], o[name])
-        write_text_atomic(tables[name].drop(pl.selectors.by_dtype(pl.List)).write_csv(), o[f"{name}_csv"])
+        save_table(tables[name], o[name], o[f"{name}_csv"])
     acc = tables["accuracy"]
     log.info("accuracy:\n%s", acc.select("policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"))
     log.info("correlations:\n%s", tables["correlations"])

@@ -4,7 +4,8 @@ Run locally (``snakemake --cores all --configfile config/paper.yaml``), Snakemak
 start as many generation jobs as there are cores, and every job would load its model onto
 ``cuda`` (GPU 0). Two pieces prevent that:
 
-1. **A cap.** ``workflow/rules/common.smk`` provides the ``gpu`` resource that the
+1. **A cap.** ``register_gpu_cap`` (``workflow/rules/common.smk``, called by the
+   Snakefile) provides the ``gpu`` resource that the
    ``trajectories`` rule requests (1 per job with a CUDA model) as
    :func:`gpu_cap`: ``--resources gpu=N`` on the command line wins, then the config
    key ``gpus``, then the number of visible devices (:func:`gpu_count`). At most that
@@ -128,7 +129,7 @@ def gpu_cap(config: dict[str, Any]) -> tuple[int, str]:
     (int, str)
         The count and its source: ``"config key gpus"``, ``"KVDIVERGE_GPUS"`` or
         ``"visible CUDA devices"``. (``--resources gpu=N`` is read by Snakemake itself
-        and wins over both; see ``workflow/rules/common.smk``.)
+        and wins over both; see ``register_gpu_cap`` in ``workflow/rules/common.smk``.)
 
     Raises
     ------

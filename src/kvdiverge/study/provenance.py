@@ -163,9 +163,10 @@ def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str
     """What decides a run's teacher-forced positions besides its inputs (prompts, corpus, model).
 
     Canonical (:func:`canonical`) ``{"model", "policy", "seed",
-    "documents", "teacher_forced"}``: the model and policy entries, the master seed (prefill
-    seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`)
-    and the ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
+    "documents", "corpus", "teacher_forced"}``: the model and policy entries, the master seed (prefill
+    seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`),
+    the ``corpus`` section (where the text after each excerpt is read from) and the
+    ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
     """
     return canonical(
         {
@@ -173,6 +174,7 @@ def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str
             "policy": config["policies"][policy],
             "seed": config["seed"],
             "documents": control_documents(config, policy, split),
+            "corpus": config["corpus"],
             "teacher_forced": config.get("teacher_forced") or {},
         }
     )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
@@ -15,11 +16,12 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.config import control_documents
+from kvdiverge.study.jobs import ShardSettings
 from kvdiverge.study.models import load_model
-from kvdiverge.study.provenance import shard_metadata, shard_settings
+from kvdiverge.study.provenance import shard_metadata
 from kvdiverge.study.settings import config_sampling
 
-__all__ = ["shard_documents", "run_shard"]
+__all__ = ["shard_documents", "select_documents", "generation_options", "run_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -39,27 +41,47 @@ def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, 
     ValueError
         If ``shard`` is not in ``[0, shards)``.
     """
-    n_shards = int(config["shards"])
-    if not 0 <= shard < n_shards:
-        raise ValueError(f"shard {shard} out of range: config 'shards' is {n_shards}")
+    return select_documents(prompts, split, int(config["shards"]), shard, control_documents(config, policy, split))
 
+
+def select_documents(prompts: pl.DataFrame, split: str, shards: int, shard: int, limit: int | None) -> pl.DataFrame:
+    """The usable prompt rows of ``split`` by ``doc_id``, the first ``limit`` (all when None), every ``shards``-th from ``shard``.
+
+    Raises
+    ------
+    ValueError
+        If ``shard`` is not in ``[0, shards)``.
+    """
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} out of range: config 'shards' is {shards}")
     docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
-    limit = control_documents(config, policy, split)
     if limit is not None:
         docs = docs.head(limit)
-    return docs.gather_every(n_shards, offset=shard)
+    return docs.gather_every(shards, offset=shard)
+
+
+def generation_options(section: Mapping[str, Any] | None) -> RunOptions:
+    """The runner's batching options of a config's ``generation`` section (missing keys: the schema's defaults).
+
+    Returns
+    -------
+    kvdiverge.engine.runner.RunOptions
+        ``batch_documents`` (None for ``"auto"`` or unset) and ``memory_budget_gb``; no progress bar.
+    """
+    gen = section or {}
+    batch = gen.get("batch_documents", "auto")
+    return RunOptions(
+        batch_documents=None if batch == "auto" else int(batch), memory_budget_gb=gen.get("memory_budget_gb")
+    )
 
 
 def run_shard(
-    config: dict[str, Any],
-    model_name: str,
-    policy_name: str | Sequence[str],
-    split: str,
-    shard: int,
-    prompts_path: str,
+    settings: ShardSettings,
+    prompts_path: str | os.PathLike,
     output_path: str | os.PathLike | Sequence[str | os.PathLike],
     model=None,
     model_spec: dict[str, Any] | None = None,
+    options: RunOptions | None = None,
 ) -> pl.DataFrame:
     """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
 
@@ -69,26 +91,23 @@ def run_shard(
 
     Parameters
     ----------
-    config : dict
-        Validated workflow config (``seed``, ``models``, ``policies``, ``runs``,
-        ``decoding``, ``replicates``, ``shards``, optional ``generation``:
-        ``batch_documents`` and ``memory_budget_gb``, see :func:`kvdiverge.engine.runner.run_policies`).
-    model_name, split : str
-        Key of ``config['models']``; ``"exploratory"`` or ``"confirmatory"``.
-    policy_name : str or sequence of str
-        Key(s) of ``config['policies']``.
-    shard : int
-        Shard index in ``[0, config['shards'])``.
+    settings : kvdiverge.study.jobs.ShardSettings
+        The job: model, split, shard index and policies, with each policy's settings
+        (:func:`kvdiverge.study.provenance.shard_settings`: model and policy entries,
+        decoding, replicates, seed, shards, the control's documents).
     prompts_path : str
         ``results/prompts/{model}.parquet`` (docs/internals.md).
     output_path : str or sequence of str
-        Destination ``shard-{i}.parquet`` of each policy, in the order of ``policy_name``;
+        Destination ``shard-{i}.parquet`` of each policy, in the order of ``settings.policies``;
         each written only once every policy of the call is complete.
     model : transformers.PreTrainedModel, optional
         Already loaded model (tests, benchmarks); loaded otherwise.
     model_spec : dict, optional
-        Model entry to load from (e.g. a converted local directory); defaults to
-        ``config['models'][model_name]``.
+        Model entry to load from (e.g. a converted local directory); defaults to the
+        settings' model entry.
+    options : kvdiverge.engine.runner.RunOptions, optional
+        How the runner batches (config ``generation``: :func:`generation_options`); default
+        ``batch_documents: auto``. A progress bar per policy is added when it has none.
 
     Returns
     -------
@@ -101,21 +120,22 @@ def run_shard(
     Raises
     ------
     ValueError
-        If the policies and output paths differ in number.
+        If the policies and output paths differ in number, or the shard index is out of range.
     kvdiverge.engine.core.errors.NonFiniteLogitsError
         When the model returns NaN/±inf logits; nothing is written, so a rerun after the
         fix regenerates the shard.
     """
-    names = [policy_name] if isinstance(policy_name, str) else list(policy_name)
+    names = list(settings.policies)
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
-    if len(names) != len(outputs) or not names:
+    if len(names) != len(outputs):
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
-    groups = _document_groups(pl.read_parquet(prompts_path), config, model_name, names, split, shard)
+    groups = _document_groups(pl.read_parquet(prompts_path), settings)
     if model is None and any(groups):
-        model, _ = load_model(model_spec or config["models"][model_name], model_name)
-    sampling = config_sampling(config, model_name)
+        model, _ = load_model(model_spec or settings.model_entry(), settings.model)
+    first = settings.settings[names[0]]
+    sampling = config_sampling(first, settings.model)
     eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
-    options = _run_options(config, split, shard)
+    options = _with_progress(options or RunOptions(), settings)
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
     for docs, group in groups.values():
@@ -125,9 +145,9 @@ def run_shard(
                 Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
                 for row in docs.iter_rows(named=True)
             ],
-            {name: Policy.from_config(name, config["policies"][name]) for name in group},
+            {name: Policy.from_config(name, dict(settings.settings[name]["policy"])) for name in group},
             sampling,
-            split=split,
+            split=settings.split,
             options=options,
         )
         for name in group:
@@ -135,11 +155,11 @@ def run_shard(
             batch[name] = runs.batch_documents
     for name, path in zip(names, outputs):
         provenance = shard_metadata(
-            shard_settings(config, model_name, name, split),
-            model=model_name,
+            settings.settings[name],
+            model=settings.model,
             policy=name,
-            split=split,
-            shard=shard,
+            split=settings.split,
+            shard=settings.shard,
             batch_documents=batch[name],
             eos_ids=None if batch[name] is None else eos_ids,
         )
@@ -148,38 +168,42 @@ def run_shard(
 
 
 def _document_groups(
-    prompts: pl.DataFrame, config: dict[str, Any], model_name: str, names: Sequence[str], split: str, shard: int
+    prompts: pl.DataFrame, settings: ShardSettings
 ) -> dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]]:
-    """The policies of a shard job grouped by the documents they run on (:func:`shard_documents`).
+    """The policies of a shard job grouped by the documents they run on (:func:`select_documents`).
 
     Returns
     -------
     dict
-        ``doc_id``s (tuple, in order) -> (their prompt rows, the policies of ``names`` that run
-        on exactly them, in the given order); groups in order of first appearance.
+        ``doc_id``s (tuple, in order) -> (their prompt rows, the policies of the job that run
+        on exactly them, in the job's order); groups in order of first appearance.
     """
-    T, R = int(config["decoding"]["max_new_tokens"]), int(config["replicates"])
     groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
-    for name in names:
-        docs = shard_documents(prompts, config, name, split, shard)
-        log.info("%s / %s / %s shard %d: %d documents, T=%d, R=%d", model_name, name, split, shard, docs.height, T, R)
+    for name in settings.policies:
+        s = settings.settings[name]
+        docs = select_documents(prompts, settings.split, int(s["shards"]), settings.shard, s["documents"])
+        T, R = int(s["decoding"]["max_new_tokens"]), int(s["replicates"])
+        log.info(
+            "%s / %s / %s shard %d: %d documents, T=%d, R=%d",
+            settings.model,
+            name,
+            settings.split,
+            settings.shard,
+            docs.height,
+            T,
+            R,
+        )
         groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
     return groups
 
 
-def _run_options(config: dict[str, Any], split: str, shard: int) -> RunOptions:
-    """The runner's options of a shard job from config ``generation``.
-
-    Returns
-    -------
-    kvdiverge.engine.runner.RunOptions
-        ``batch_documents`` (None for ``"auto"`` or unset), ``memory_budget_gb`` and a
-        progress bar per policy named ``{policy}/{split}/shard-{shard}``.
-    """
-    gen = config.get("generation") or {}
-    return RunOptions(
-        batch_documents=None if gen.get("batch_documents", "auto") == "auto" else int(gen["batch_documents"]),
-        memory_budget_gb=gen.get("memory_budget_gb"),
+def _with_progress(options: RunOptions, settings: ShardSettings) -> RunOptions:
+    """``options`` with a progress bar per policy named ``{policy}/{split}/shard-{shard}``, unless it has one."""
+    if options.progress is not None:
+        return options
+    split, shard = settings.split, settings.shard
+    return dataclasses.replace(
+        options,
         progress=lambda name, total: tqdm(
             total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
         ),

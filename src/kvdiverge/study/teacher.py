@@ -11,6 +11,7 @@ there is none or the config asks for it, the full-cache model's greedy continuat
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
@@ -22,22 +23,24 @@ from kvdiverge.engine.llm.teacher import TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document
 from kvdiverge.study.corpus import following_texts
+from kvdiverge.study.jobs import TeacherSettings
 from kvdiverge.study.models import load_model
-from kvdiverge.study.shard import shard_documents
+from kvdiverge.study.shard import select_documents
 
 __all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
 
 log = logging.getLogger(__name__)
 
 
-def forcing_settings(config: dict[str, Any]):
-    """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section."""
+def forcing_settings(config: Mapping[str, Any]):
+    """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section
+    (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.study.jobs.TeacherSettings`)."""
     section = config.get("teacher_forced") or {}
     return TeacherForcing(length=int(section.get("length", 128)))
 
 
 def corpus_continuations(
-    config: dict[str, Any], documents: pl.DataFrame, tokenizer, doc_ids, length: int
+    config: Mapping[str, Any], documents: pl.DataFrame, tokenizer, doc_ids, length: int
 ) -> dict[str, list[int]]:
     """Per ``doc_id``: the first ``length`` tokens of the corpus text after its excerpt (empty ones left out).
 
@@ -55,30 +58,21 @@ def corpus_continuations(
 
 
 def run_teacher_forced(
-    config: dict[str, Any],
-    model_name: str,
-    policies: list[str],
-    split: str,
-    paths: dict[str, str],
-    model_spec: dict[str, Any] | None = None,
-    loaded=None,
+    settings: TeacherSettings, paths: dict[str, str], model_spec: dict[str, Any] | None = None, loaded=None
 ) -> pl.DataFrame:
-    """The teacher-forced positions of ``policies`` on one (model, split).
+    """The teacher-forced positions of the job's policies on one (model, split).
 
     Parameters
     ----------
-    config : dict
-        Validated workflow config (``seed``, ``models``, ``policies``, ``runs``, ``corpus``,
-        optional ``teacher_forced``: ``length``, ``continuation``).
-    model_name, split : str
-        Key of ``config['models']``; the split.
-    policies : list of str
-        Keys of ``config['policies']``.
+    settings : kvdiverge.study.jobs.TeacherSettings
+        The job: model, split and policies, with each policy's settings
+        (:func:`kvdiverge.study.provenance.teacher_settings`: model and policy entries, seed,
+        the control's documents, the ``corpus`` and ``teacher_forced`` sections).
     paths : dict
         ``prompts`` (``results/prompts/{model}.parquet``) and ``corpus``
         (``results/corpus/documents.parquet``).
     model_spec : dict, optional
-        Model entry to load from (a converted directory); default ``config['models'][model_name]``.
+        Model entry to load from (a converted directory); default the settings' model entry.
     loaded : (model, tokenizer), optional
         Already loaded (tests).
 
@@ -90,33 +84,52 @@ def run_teacher_forced(
         and one reference side per document, :func:`kvdiverge.engine.forced.teacher_forced_policies`).
     """
     if loaded is None:
-        loaded = load_model(model_spec or config["models"][model_name], model_name)
+        loaded = load_model(model_spec or settings.model_entry(), settings.model)
     model, tokenizer = loaded
-    forcing = forcing_settings(config)
-    prompts = pl.read_parquet(paths["prompts"])
-    one_shard = {**config, "shards": 1}
-    sampling = Sampling(T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(config["seed"]))
-    sampling = sampling.replace(model_name=model_name, eos_ids=tuple(model_eos_ids(model)))
-    frames, groups = [], {}
-    for name in policies:  # policies on the same documents run together: shared prefills and reference
-        docs = shard_documents(prompts, one_shard, name, split, 0)
-        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
-    corpus_text = (config.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
+    first = settings.settings[settings.policies[0]]  # the sections every policy of the job shares
+    forcing = forcing_settings(first)
+    sampling = Sampling(T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(first["seed"]))
+    sampling = sampling.replace(model_name=settings.model, eos_ids=tuple(model_eos_ids(model)))
+    groups = _document_groups(pl.read_parquet(paths["prompts"]), settings)
+    corpus_text = (first.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
     corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every group
+    frames = []
     for doc_ids, (docs, names) in groups.items():
         conts = {}
         if corpus is not None:
-            conts = corpus_continuations(config, corpus, tokenizer, list(doc_ids), forcing.length)
-        log.info("%s / %s / %s: %d documents, %d with corpus text", model_name, names, split, docs.height, len(conts))
+            conts = corpus_continuations(first, corpus, tokenizer, list(doc_ids), forcing.length)
+        log.info(
+            "%s / %s / %s: %d documents, %d with corpus text",
+            settings.model,
+            names,
+            settings.split,
+            docs.height,
+            len(conts),
+        )
         frames.append(
             teacher_forced_policies(
                 model,
                 [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-                {name: Policy.from_config(name, config["policies"][name]) for name in names},
+                {name: Policy.from_config(name, dict(settings.settings[name]["policy"])) for name in names},
                 sampling=sampling,
                 forcing=forcing,
-                split=split,
+                split=settings.split,
                 continuations=conts,
             )
         )
     return pl.concat(frames)
+
+
+def _document_groups(
+    prompts: pl.DataFrame, settings: TeacherSettings
+) -> dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]]:
+    """The job's policies grouped by the documents they run on (policies on the same documents run together).
+
+    Each policy runs on the documents of its coupled run, in one shard
+    (:func:`kvdiverge.study.shard.select_documents`).
+    """
+    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
+    for name in settings.policies:
+        docs = select_documents(prompts, settings.split, 1, 0, settings.settings[name]["documents"])
+        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
+    return groups

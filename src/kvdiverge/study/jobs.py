@@ -1,0 +1,125 @@
+"""What each generation job of the workflow reads: one typed settings object, handed to it as its rule's params.
+
+The workflow's controller validates the config once, when the workflow starts
+(``workflow/rules/common.smk``), and builds for every job the settings object of this
+module that holds what the job reads: :class:`ShardSettings` for a trajectory shard job,
+:class:`TeacherSettings` for a teacher-forced job. The rule hands it to the job as
+``params: settings=...`` in its plain form (:meth:`JobSettings.to_params`, canonical JSON
+values), and the script turns it back with one call (:meth:`JobSettings.from_params`). The
+same object is the job's rerun key: Snakemake's ``params`` rerun trigger compares it with
+the one recorded when the output was made, so a changed setting that the job reads reruns
+it, and a setting that it does not read reruns nothing.
+
+The one thing a generation job reads besides its settings is how it batches (config
+``generation``: :func:`kvdiverge.study.shard.generation_options`): results depend on it only through rounding,
+so it is no rerun key (:mod:`kvdiverge.study.provenance`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdiverge.study.devices import bind_device
+from kvdiverge.study.models import local_entry
+from kvdiverge.study.provenance import canonical, shard_settings, teacher_settings
+
+__all__ = ["JobSettings", "ShardSettings", "TeacherSettings", "job_model_entry"]
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """The settings one generation job reads: its model, split and policies, and what decides each policy's output.
+
+    Parameters
+    ----------
+    model : str
+        Key of the config's ``models``.
+    split : str
+        ``"exploratory"`` or ``"confirmatory"``.
+    policies : tuple of str
+        The job's policies, in the order of its outputs.
+    settings : mapping
+        Per policy of ``policies``: the settings that decide its output (canonical,
+        :func:`kvdiverge.study.provenance.canonical`).
+    """
+
+    model: str
+    split: str
+    policies: tuple[str, ...]
+    settings: Mapping[str, Mapping[str, Any]] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policies", tuple(self.policies))
+        if not self.policies or set(self.policies) != set(self.settings):
+            raise ValueError(f"settings for {sorted(self.settings)}, policies {list(self.policies)}: give one each")
+
+    def to_params(self) -> dict[str, Any]:
+        """The plain form of the settings, for a rule's ``params``: canonical JSON values, policies in order."""
+        return canonical(asdict(self))
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]):
+        """The settings from their plain form (:meth:`to_params`; what a script finds in ``snakemake.params``)."""
+        return cls(**{k: canonical(v) for k, v in dict(params).items()})
+
+    def model_entry(self) -> dict[str, Any] | None:
+        """The job's model entry (the config's ``models[model]``; None when the model is given directly)."""
+        entry = self.settings[self.policies[0]]["model"]
+        return None if entry is None else dict(entry)
+
+
+@dataclass(frozen=True)
+class ShardSettings(JobSettings):
+    """The settings of a trajectory shard job (:func:`kvdiverge.study.shard.run_shard`).
+
+    Per policy, :func:`kvdiverge.study.provenance.shard_settings` (the model and policy
+    entries, decoding, replicates, seed, shards, the control's documents): the settings the
+    shard records in its file. ``shard`` is the shard's index in ``[0, shards)``.
+    """
+
+    shard: int = 0
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], model: str, policies: str | Sequence[str], split: str, shard: int
+    ) -> ShardSettings:
+        """The settings of shard ``shard`` of ``policies`` (one name or several) on ``(model, split)`` of a validated config."""
+        names = [policies] if isinstance(policies, str) else list(policies)
+        settings = {name: shard_settings(config, model, name, split) for name in names}
+        return cls(model=model, split=split, policies=tuple(names), settings=settings, shard=int(shard))
+
+
+@dataclass(frozen=True)
+class TeacherSettings(JobSettings):
+    """The settings of a teacher-forced job (:func:`kvdiverge.study.teacher.run_teacher_forced`).
+
+    Per policy, :func:`kvdiverge.study.provenance.teacher_settings` (the model and policy
+    entries, the seed, the control's documents, the ``corpus`` and ``teacher_forced``
+    sections).
+    """
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], model: str, policies: str | Sequence[str], split: str
+    ) -> TeacherSettings:
+        """The settings of the teacher-forced pass of ``policies`` on ``(model, split)`` of a validated config."""
+        names = [policies] if isinstance(policies, str) else list(policies)
+        settings = {name: teacher_settings(config, model, name, split) for name in names}
+        return cls(model=model, split=split, policies=tuple(names), settings=settings)
+
+
+@contextlib.contextmanager
+def job_model_entry(entry: Mapping[str, Any], converted: str | os.PathLike | None = None) -> Iterator[dict[str, Any]]:
+    """The model entry a generation job loads, on a device of its own while the block runs.
+
+    ``entry`` pointed at the converted directory ``converted`` when the model was converted
+    (a GGUF file, rule ``convert_model``), its ``device`` a free device bound to this job
+    (:func:`kvdiverge.study.devices.bind_device`: at most one local generation job per GPU).
+    """
+    spec = local_entry(dict(entry), converted) if converted else dict(entry)
+    with bind_device(str(spec.get("device", "cpu"))) as device:
+        yield {**spec, "device": device}

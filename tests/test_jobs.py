@@ -1,0 +1,53 @@
+"""kvdiverge.study.jobs: the settings object a generation job reads from its params, which is also its rerun key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiverge.study.config import load_config
+from kvdiverge.study.jobs import ShardSettings, TeacherSettings
+from kvdiverge.study.provenance import shard_settings, teacher_settings
+from kvdiverge.study.shard import generation_options
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return load_config(REPO / "config" / "smoke.yaml")
+
+
+def test_the_settings_come_back_from_their_params_form(smoke):
+    job = ShardSettings.from_config(smoke, MODEL, ["snapkv-90", "none"], "exploratory", 1)
+    params = job.to_params()
+    assert json.loads(json.dumps(params)) == params  # plain JSON values: a rule's params
+    assert params["policies"] == ["snapkv-90", "none"]  # the order of the job's outputs
+    assert ShardSettings.from_params(params) == job
+    assert job.settings["none"] == shard_settings(smoke, MODEL, "none", "exploratory")  # what the shard records
+    assert job.model_entry() == smoke["models"][MODEL] and job.shard == 1
+    teacher = TeacherSettings.from_config(smoke, MODEL, "snapkv-50", "confirmatory")
+    assert TeacherSettings.from_params(teacher.to_params()) == teacher
+    assert teacher.settings["snapkv-50"] == teacher_settings(smoke, MODEL, "snapkv-50", "confirmatory")
+
+
+def test_a_job_reads_the_settings_of_its_policies_only(smoke):
+    with pytest.raises(ValueError, match="give one each"):
+        ShardSettings(model=MODEL, split="exploratory", policies=("a",), settings={"b": {}})
+    other = {**smoke, "teacher_forced": {**smoke["teacher_forced"], "length": 9}}
+    shard = ShardSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory", 0)
+    assert ShardSettings.from_config(other, MODEL, "snapkv-50", "exploratory", 0).to_params() == shard.to_params()
+    teacher = TeacherSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory")
+    changed = TeacherSettings.from_config(other, MODEL, "snapkv-50", "exploratory")
+    assert changed.to_params() != teacher.to_params()
+    decoding = {**smoke, "decoding": {**smoke["decoding"], "temperature": 0.9}}
+    assert TeacherSettings.from_config(decoding, MODEL, "snapkv-50", "exploratory") == teacher
+
+
+def test_the_batching_options_default_to_auto():
+    assert generation_options(None).batch_documents is None
+    assert generation_options({"batch_documents": "auto", "memory_budget_gb": 2.5}).memory_budget_gb == 2.5
+    assert generation_options({"batch_documents": 3}).batch_documents == 3
