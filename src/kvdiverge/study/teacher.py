@@ -16,7 +16,6 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.forced import teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import TeacherForcing
@@ -88,8 +87,7 @@ def run_teacher_forced(
     model, tokenizer = loaded
     first = settings.settings[settings.policies[0]]  # the sections every policy of the job shares
     forcing = forcing_settings(first)
-    sampling = Sampling(T=forcing.length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(first["seed"]))
-    sampling = sampling.replace(model_name=settings.model, eos_ids=tuple(model_eos_ids(model)))
+    sampling = forcing.sampling(first["seed"], settings.model, model_eos_ids(model))
     groups = _document_groups(pl.read_parquet(paths["prompts"]), settings)
     corpus_text = (first.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
     corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every group
