@@ -45,7 +45,7 @@ import polars as pl
 from scipy import stats
 from scipy.optimize import isotonic_regression
 
-from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts
+from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts, resampled_nanmean
 from kvdiverge.estimation.task import DIRECTIONS
 
 __all__ = [
@@ -229,12 +229,7 @@ class _Side:
 
     def resampled(self, boot: Bootstrap, *purpose: object) -> np.ndarray:
         """(n_boot, points) means over ``boot``'s resamples of the documents (finite entries only)."""
-        counts = resample_counts(boot.indices(len(self.docs), *purpose))
-        ok = np.isfinite(self.values)
-        num = counts @ np.where(ok, self.values, 0.0).T
-        den = counts @ ok.T.astype(float)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+        return resampled_nanmean(resample_counts(boot.indices(len(self.docs), *purpose)), self.values.T)
 
 
 def _row(x: _Side, y: _Side, ratio, presses, sign: int, boot: Bootstrap, purpose: tuple) -> dict:
