@@ -40,6 +40,7 @@ __all__ = [
     "NiahSettings",
     "TaskError",
     "TaskPrompt",
+    "TaskSettings",
     "insert_needle",
     "make_needle",
     "needle_depth",
@@ -82,34 +83,44 @@ class TaskError(ValueError):
 
 
 @dataclass(frozen=True)
-class NiahSettings:
-    """Settings of the needle task (config block ``task``).
+class TaskSettings:
+    """The settings every task takes (config block ``task``); each task's settings add their own.
 
     Parameters
     ----------
     depths : tuple of float
-        Needle depths in percent of the document's words (0: before the first paragraph,
-        100: after the last); documents take them in turn, by ``doc_id``.
-    digits : int
-        Digits of the needle's value (RULER: 7).
-    depth_tolerance : float
-        Largest distance, percentage points, between a depth and the paragraph boundary
-        the needle goes to.
+        Where the asked text sits, percent of the document's words; documents take them in
+        turn, by ``doc_id``.
     seed : int
-        Seed of the keys and values (with each document's id).
+        Seed of what a task draws (with each document's id).
     question : {"inside", "after"}
         Where the question sits: inside the compressed prompt (the press sees it) or after
         compression (prefilled onto the compressed cache, never evicted; kvpress's pipeline).
     """
 
     depths: tuple[float, ...] = (0.0, 25.0, 50.0, 75.0, 100.0)
-    digits: int = 7
-    depth_tolerance: float = 15.0
     seed: int = 0
     question: str = "inside"
 
     def __post_init__(self) -> None:  # the ranges: the config schema's task entry (task_settings)
         object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+
+
+@dataclass(frozen=True)
+class NiahSettings(TaskSettings):
+    """Settings of the needle task: :class:`TaskSettings` and these.
+
+    Parameters
+    ----------
+    digits : int
+        Digits of the needle's value (RULER: 7).
+    depth_tolerance : float
+        Largest distance, percentage points, between a depth and the paragraph boundary
+        the needle goes to.
+    """
+
+    digits: int = 7
+    depth_tolerance: float = 15.0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvdiverge.study.tasks.niah import Needle, TaskError, TaskPrompt, render_question
+from kvdiverge.study.tasks.niah import Needle, TaskError, TaskPrompt, TaskSettings, render_question
 
 __all__ = [
     "ANSWER_PREFIX",
@@ -49,32 +49,21 @@ _SENTENCE_END = (".", "?", "!")
 
 
 @dataclass(frozen=True)
-class RecallSettings:
-    """Settings of the quote-recall task (config block ``task`` with ``name: recall``).
+class RecallSettings(TaskSettings):
+    """Settings of the quote-recall task (``name: recall``): :class:`kvdiverge.study.tasks.niah.TaskSettings`
+    (``depths``: where the quoted sentence starts; ``seed`` is not read, the sentence is fixed by
+    the depth) and these.
 
     Parameters
     ----------
-    depths : tuple of float
-        Where the quoted sentence starts, percent of the document's words; documents take
-        them in turn, by ``doc_id``.
     phrase_words : int
         Words quoted (the key).
     answer_words : int
         Words the answer must continue with (the value).
-    seed : int
-        Taken for the task block's uniformity; the quoted sentence is fixed by the depth.
-    question : {"inside", "after"}
-        As :class:`kvdiverge.study.tasks.niah.NiahSettings`.
     """
 
-    depths: tuple[float, ...] = (0.0, 25.0, 50.0, 75.0, 100.0)
     phrase_words: int = 8
     answer_words: int = 3
-    seed: int = 0
-    question: str = "inside"
-
-    def __post_init__(self) -> None:  # the ranges: the config schema's task entry (task_settings)
-        object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
 
 
 def _words(text: str) -> list[str]:
