@@ -539,3 +539,44 @@ def test_a_frontier_press_with_params_that_are_not_a_mapping_is_named():
     config = raw("frontier.yaml")
     config["frontier"]["presses"]["snapkv"]["params"] = True
     assert "frontier.presses.snapkv.params: True has the wrong type" in error_of(config)
+
+
+def test_the_prediction_study_validates_and_names_its_task_sides():
+    from kvdiverge.study.prediction import PredictionTaskSettings, prediction_sides
+
+    config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
+    sides = prediction_sides(config)
+    assert list(sides) == ["niah-inside", "niah-after", "recall-inside"]
+    assert config["prediction"]["measures"][:2] == ["E_M", "p_div"] and config["prediction"]["split"] == "confirmatory"
+    inside = PredictionTaskSettings.from_config(config, "smollm2-135m", "niah-inside")
+    after = PredictionTaskSettings.from_config(config, "smollm2-135m", "niah-after")
+    assert PredictionTaskSettings.from_params(inside.to_params()) == inside
+    # a quantized cache cannot take a question prefilled after compression: that side runs the presses only
+    assert "caches" in inside.entries["frontier"] and "caches" not in after.entries["frontier"]
+    options = after.measure_options()
+    assert (options["temperature"], options["top_p"], options["replicates"], options["max_new_tokens"]) == (0, 1, 1, 16)
+    assert (
+        options["split"] == "confirmatory" and options["caches"] is None and options["ratios"] == [0.25, 0.5, 0.75, 0.9]
+    )
+
+
+def test_the_prediction_block_refuses_a_study_whose_sides_could_share_a_generation():
+    config = raw("fidelity-predicts-task.yaml")
+    assert "prediction.split: 'exploratory' is the frontier's split" in error_of(
+        {**config, "prediction": {**config["prediction"], "split": "exploratory"}}
+    )
+    assert "remove the top-level task" in error_of({**config, "task": {"name": "niah"}, "decoding": {"temperature": 0}})
+    assert "prediction: needs a frontier" in error_of({k: v for k, v in config.items() if k != "frontier"})
+    twice = {**config["prediction"], "tasks": [{"name": "recall"}, {"name": "recall", "question": "inside"}]}
+    assert "task side 'recall-inside' is given twice" in error_of({**config, "prediction": twice})
+    assert "prediction.measures" in error_of({**config, "prediction": {**config["prediction"], "measures": ["kld"]}})
+
+
+def test_a_recall_task_block_takes_only_its_own_settings_after_the_defaults():
+    from kvdiverge.study.tasks import task_settings
+
+    config = raw("fidelity-vs-task-small.yaml")
+    task, settings = task_settings(validate({**config, "task": {"name": "recall"}})["task"])
+    assert task.name == "recall" and (settings.phrase_words, settings.answer_words) == (8, 3)
+    task, settings = task_settings(validate(config)["task"])
+    assert task.name == "niah" and (settings.digits, settings.depth_tolerance) == (7, 15)

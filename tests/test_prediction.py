@@ -162,3 +162,78 @@ def test_the_figure_has_a_panel_per_measure_and_task_with_the_held_out_marks(tmp
     assert len(fig.axes[0].collections) == 2  # the points and the held-out crosses
     plot_prediction(table, marks, tmp_path / "p.png", tmp_path / "p.pdf")
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.pdf").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- the workflow's inputs
+
+
+def test_fidelity_documents_from_the_estimates_and_the_teacher_forced_tables():
+    from kvdiverge.estimation.prediction import fidelity_documents
+
+    estimates = pl.DataFrame(
+        {
+            "policy": ["a@0.5", "a@0.5"],
+            "doc_id": ["d1", "d0"],
+            "T": [3, 3],
+            "E_M": [0.2, 0.0],
+            "p_div": [0.5, 0.0],
+            "E_tau_div": [1.0, 0.0],  # E[tau 1{tau <= T}]
+            "S": [[1.0, 0.75, 0.5], [1.0, 1.0, 1.0]],
+        }
+    )
+    teacher = pl.DataFrame(
+        {"policy": ["a@0.5"], "doc_id": ["d0"], "kld_mean": [0.01], "same_top_p": [0.9], "ppl_ratio": [1.02]}
+    )
+    # 101 positions of d0 with KL 0, 1, ..., 100: the 99th percentile is 99 (linear interpolation)
+    positions = pl.DataFrame({"policy": ["a@0.5"] * 101, "doc_id": ["d0"] * 101, "kld": np.arange(101.0)})
+    out = fidelity_documents(estimates, teacher, positions)
+    assert out["doc_id"].to_list() == ["d0", "d1"] and out["point"].to_list() == ["a@0.5"] * 2
+    # tau_first = E_tau_div + (1 - p_div)(T + 1): 0 + 4 for d0, 1 + 0.5 x 4 for d1
+    assert out["tau_first"].to_list() == [4.0, 3.0]
+    assert out["S_2"].to_list() == [1.0, 0.75] and out["S_3"].to_list() == [1.0, 0.5]
+    assert out["kld_p99"].to_list() == [99.0, None]
+    assert out["kld_mean"].to_list() == [0.01, None] and out["same_top_p"].to_list() == [0.9, None]
+
+
+def test_the_ratio_of_a_point_is_the_fraction_of_the_full_caches_kv_bytes_it_removes():
+    from kvdiverge.estimation.prediction import frontier_points_table
+
+    frontier = pl.DataFrame(
+        {
+            "policy": ["snapkv@0.25", "snapkv@0.5", "int4", "knorm@0.5"],
+            "press": ["snapkv", "snapkv", None, "knorm"],
+            "cache": [None, None, "int4", None],
+            "retention": [0.75, 0.5, 1.0, 0.5],
+            "kv_bytes_per_token": [750.0, 500.0, 140.625, 500.0],  # 1000 in full; 4.5 of 32 bits
+        }
+    )
+    out = frontier_points_table(frontier)
+    assert out["press"].to_list() == ["snapkv", "snapkv", "int4", "knorm"]
+    np.testing.assert_allclose(out["ratio"].to_numpy(), [0.25, 0.5, 0.859375, 0.5])
+    with pytest.raises(PredictionInputError, match="KV bytes per token"):
+        frontier_points_table(frontier.with_columns(kv_bytes_per_token=pl.lit(None, dtype=pl.Float64)))
+
+
+def test_the_full_accuracy_threshold_is_a_setting():
+    fid, task, pts = frontier(drop_of=lambda f, r: r, measure_of=lambda f, r: f * r)
+    weak = task.with_columns(correct_full=pl.col("doc_id").is_in([f"t{i}" for i in range(20)]))  # 20/24 = 83%
+    prediction_tables(fid, weak, pts, ["kld"], boot=Bootstrap(20, 0.9, 1))
+    with pytest.raises(PredictionInputError, match="answers 83% of the documents, below 90%"):
+        prediction_tables(fid, weak, pts, ["kld"], boot=Bootstrap(20, 0.9, 1), min_full_accuracy=0.9)
+
+
+def test_each_task_side_is_compared_on_the_points_it_ran():
+    from kvdiverge.estimation.prediction import prediction_study
+
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r)
+    after = task.filter(pl.col("point") != "a@0.9").with_columns(placement=pl.lit("after"))
+    controls = fid.filter(pl.col("point") == "a@0.25").with_columns(point=pl.lit("noise-floor"))
+    study = prediction_study(
+        pl.concat([fid, controls]), pl.concat([task, after]), pts, ["kld"], boot=Bootstrap(20, 0.9, 1)
+    )
+    table = study["prediction"].sort("placement")
+    assert table["placement"].to_list() == ["after", "inside"] and table["n_points"].to_list() == [23, 24]
+    acc = study["accuracy"].filter(pl.col("point") == "f@0.9")
+    assert acc["n_docs"].to_list() == [24, 24] and acc["full_accuracy"].to_list() == [1.0, 1.0]
+    np.testing.assert_allclose(acc["drop"].to_numpy(), 1 - acc["accuracy"].to_numpy())
+    assert study["predictions"].height == 47

@@ -12,6 +12,7 @@ import kvdiverge.study.config
 import kvdiverge.study.devices
 import kvdiverge.study.frontier
 import kvdiverge.study.jobs
+import kvdiverge.study.prediction
 import kvdiverge.study.prompts
 import kvdiverge.study.provenance
 
@@ -289,6 +290,27 @@ def task_estimates(wildcards):
     return run_files(rules.estimate.output.documents, [r for r in TASK_RUNS if r[0] == wildcards.model])
 
 
+# The prediction study (config `prediction`): its task sides by name (niah-inside, ...), each
+# one job per model; empty without a `prediction` block.
+PREDICTION_SIDES = list(kvdiverge.study.prediction.prediction_sides(CONFIG))
+PREDICTION_DIR = f"{RESULTS}/analysis/prediction/{{model}}"
+
+
+def prediction_task_job(wildcards):
+    """The settings of a task-side job of the prediction study (rule prediction_task)."""
+    job = kvdiverge.study.prediction.PredictionTaskSettings.from_config(CONFIG, wildcards.model, wildcards.side)
+    return job.to_params()
+
+
+def prediction_costs(wildcards):
+    """The benchmark files of one model's frontier generation jobs (the measures' CPU time per point):
+    read when present, not inputs (a benchmark file is no rule's output)."""
+    return {
+        "coupled": [benchmark_file(f"frontier_trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
+        "teacher": [benchmark_file(f"teacher_forced_frontier/{wildcards.model}/{FRONTIER_SPLIT}")],
+    }
+
+
 def all_targets(wildcards):
     """What a plain `snakemake` makes (the `all` rule): every stage's final outputs."""
     outputs = [
@@ -314,4 +336,6 @@ def all_targets(wildcards):
     if TASK_RUNS:
         outputs += expand(rules.task.output.accuracy, model=MODELS)
     outputs += [rules.teacher_forced_table.output.parquet, rules.teacher_forced_table.output.documents_parquet]
+    if PREDICTION_SIDES:
+        outputs += expand(rules.prediction.output.prediction_parquet, model=MODELS)
     return outputs

@@ -51,9 +51,12 @@ from kvdiverge.estimation.task import DIRECTIONS
 __all__ = [
     "STATISTICS",
     "PredictionInputError",
+    "fidelity_documents",
+    "frontier_points_table",
     "held_out_predictions",
     "prediction_problems",
     "prediction_statistics",
+    "prediction_study",
     "prediction_tables",
 ]
 
@@ -73,6 +76,90 @@ RATIO_TOLERANCE = 1e-9
 
 class PredictionInputError(ValueError):
     """Input the predictive analysis cannot use, in one sentence per problem."""
+
+
+# --------------------------------------------------------------------------- the inputs
+
+_KEYS = ["policy", "doc_id"]
+
+
+def fidelity_documents(
+    estimates: pl.DataFrame, teacher: pl.DataFrame | None = None, positions: pl.DataFrame | None = None
+) -> pl.DataFrame:
+    """The fidelity side's measures per (``point``, ``doc_id``), from the workflow's tables.
+
+    Parameters
+    ----------
+    estimates : polars.DataFrame
+        The coupled run's per-document estimates (``results/analysis/documents.parquet``): ``policy``,
+        ``doc_id``, ``T``, ``E_M``, ``p_div``, ``E_tau_div`` and ``S`` (list of ``T`` floats, the
+        agreement chain's survival after steps ``1..T``).
+    teacher : polars.DataFrame, optional
+        The teacher-forced documents (``teacher_forced_documents.parquet``): ``kld_mean``,
+        ``kld_max``, ``same_top_p``, ``ppl_ratio``, ``delta_p_rms``.
+    positions : polars.DataFrame, optional
+        The teacher-forced positions (``results/teacher_forced/...``): ``policy``, ``doc_id`` and
+        ``kld`` per position, for ``kld_p99``, each document's 99th percentile of the per-position
+        KL divergence (linear interpolation between order statistics; llama.cpp's ``--kl-divergence``
+        reports the same percentile pooled over positions).
+
+    Returns
+    -------
+    polars.DataFrame
+        ``point`` (the policy), ``doc_id``, ``E_M``, ``p_div``, ``tau_first = E_tau_div + (1 -
+        p_div)(T + 1)`` (steps; ``T + 1`` when the sides never diverge), ``S_<t>`` for ``t = 1..T``,
+        and the teacher-forced columns given (left join: null where a document has none).
+    """
+    T = int(estimates["T"].max())
+    out = estimates.select(
+        *_KEYS,
+        "E_M",
+        "p_div",
+        (pl.col("E_tau_div") + (1 - pl.col("p_div")) * (pl.col("T") + 1)).alias("tau_first"),
+        *(pl.col("S").list.get(t - 1, null_on_oob=True).alias(f"S_{t}") for t in range(1, T + 1)),
+    )
+    if teacher is not None:
+        cols = [c for c in ("kld_mean", "kld_max", "same_top_p", "ppl_ratio", "delta_p_rms") if c in teacher.columns]
+        out = out.join(teacher.select(*_KEYS, *cols), on=_KEYS, how="left")
+    if positions is not None:
+        p99 = positions.group_by(_KEYS).agg(pl.col("kld").quantile(0.99, interpolation="linear").alias("kld_p99"))
+        out = out.join(p99, on=_KEYS, how="left")
+    return out.rename({"policy": "point"}).sort("point", "doc_id")
+
+
+def frontier_points_table(frontier: pl.DataFrame) -> pl.DataFrame:
+    """The frontier's points with the press left out together and the compression ratio in KV bytes.
+
+    Parameters
+    ----------
+    frontier : polars.DataFrame
+        One model's frontier table (:data:`kvdiverge.estimation.frontier.POINT_SCHEMA`: ``policy``,
+        ``press``, ``cache``, ``kv_bytes_per_token``, ``retention``).
+
+    Returns
+    -------
+    polars.DataFrame
+        ``point``, ``press`` (the press; a quantized cache alone is its own group, by its label)
+        and ``ratio = 1 - kv_bytes_per_token / full`` (the fraction of the full cache's KV bytes per
+        prompt token the point removes; ``full`` from the full-precision points, bytes / retention).
+
+    Raises
+    ------
+    PredictionInputError
+        Without a full-precision point, or without the bytes (a frontier table made without the
+        model's KV sizes).
+    """
+    if frontier["kv_bytes_per_token"].null_count() or frontier.filter(pl.col("cache").is_null()).is_empty():
+        raise PredictionInputError(
+            "the frontier table has no KV bytes per token at full precision: the compression ratio in bytes needs them"
+        )
+    plain = frontier.filter(pl.col("cache").is_null())
+    full = float((plain["kv_bytes_per_token"] / plain["retention"]).median())
+    return frontier.select(
+        pl.col("policy").alias("point"),
+        pl.coalesce("press", "cache").alias("press"),
+        (1 - pl.col("kv_bytes_per_token") / full).alias("ratio"),
+    )
 
 
 # --------------------------------------------------------------------------- input checks
@@ -253,6 +340,7 @@ def prediction_tables(
     *,
     boot: Bootstrap = Bootstrap(),
     directions: Mapping[str, int] | None = None,
+    min_full_accuracy: float = 0.7,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The predictive analysis of every fidelity measure against every task and question placement.
 
@@ -276,6 +364,8 @@ def prediction_tables(
     directions : mapping of str to int, optional
         ``+1`` or ``-1`` per measure (default :data:`kvdiverge.estimation.task.DIRECTIONS`, ``+1``
         for a measure it does not name).
+    min_full_accuracy : float
+        A task and placement whose full cache answers fewer of its documents is refused.
 
     Returns
     -------
@@ -291,9 +381,9 @@ def prediction_tables(
     Raises
     ------
     PredictionInputError
-        For each of :func:`prediction_problems`' reasons (at its default thresholds), in one message.
+        For each of :func:`prediction_problems`' reasons, in one message.
     """
-    problems = prediction_problems(fidelity, task, points)
+    problems = prediction_problems(fidelity, task, points, min_full_accuracy=min_full_accuracy)
     if problems:
         raise PredictionInputError("; ".join(problems))
     directions = {**DIRECTIONS, **(directions or {})}
@@ -318,3 +408,62 @@ def prediction_tables(
                 .select(*(pl.lit(v).alias(k) for k, v in keys.items()), pl.all())
             )
     return pl.DataFrame(rows), pl.concat(marks)
+
+
+def prediction_study(
+    fidelity: pl.DataFrame,
+    task: pl.DataFrame,
+    points: pl.DataFrame,
+    measures: Sequence[str],
+    *,
+    boot: Bootstrap = Bootstrap(),
+    min_full_accuracy: float = 0.7,
+) -> dict[str, pl.DataFrame]:
+    """:func:`prediction_tables` of each task side on the points it ran, and every side's accuracy per point.
+
+    A side runs a subset of the frontier's points when some cannot take its question placement
+    (a quantized cache cannot take a question prefilled after compression); each side is compared
+    on its own points. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may hold
+    other points (controls), which are left out.
+
+    Returns
+    -------
+    dict of str to polars.DataFrame
+        ``prediction`` and ``predictions`` (:func:`prediction_tables`' two tables, every side
+        stacked), and ``accuracy``: per (``task``, ``placement``, ``point``) ``n_docs``,
+        ``full_accuracy``, ``accuracy`` and ``drop`` (fractions of the documents).
+
+    Raises
+    ------
+    PredictionInputError
+        As :func:`prediction_tables`, for any side.
+    """
+    tables, marks = [], []
+    for _, side in task.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
+        side = side.filter(pl.col("point").is_in(points["point"].to_list()))
+        at = points.filter(pl.col("point").is_in(side["point"].unique().to_list()))
+        table, predictions = prediction_tables(
+            fidelity.filter(pl.col("point").is_in(at["point"].to_list())),
+            side,
+            at,
+            measures,
+            boot=boot,
+            min_full_accuracy=min_full_accuracy,
+        )
+        tables.append(table)
+        marks.append(predictions)
+    accuracy = (
+        task.group_by("task", "placement", "point")
+        .agg(
+            n_docs=pl.len(),
+            full_accuracy=pl.col("correct_full").cast(pl.Float64).mean(),
+            accuracy=pl.col("correct").cast(pl.Float64).mean(),
+        )
+        .with_columns(drop=pl.col("full_accuracy") - pl.col("accuracy"))
+        .sort("task", "placement", "point")
+    )
+    return {
+        "prediction": pl.concat(tables, how="diagonal_relaxed"),
+        "predictions": pl.concat(marks, how="diagonal_relaxed"),
+        "accuracy": accuracy,
+    }

@@ -368,7 +368,7 @@ def check(config: dict[str, Any]) -> None:
             return False
         return True
 
-    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems, _task_problems):
+    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems, _task_problems, _prediction_problems):
         part(config, need_policy, problems)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -495,6 +495,33 @@ def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> 
             continue  # reported by policy_problems
         if problem:
             problems.append(f"task.question: 'after' cannot run policy {name!r}: {problem}")
+
+
+def _prediction_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``prediction``: a frontier to predict on, plain prompts on the fidelity side
+    (no top-level ``task``), task documents on another split than the frontier's, task sides
+    named apart (:func:`kvdiverge.study.prediction.prediction_sides`)."""
+    block = config.get("prediction")
+    if not block:
+        return
+    if not config.get("frontier"):
+        problems.append("prediction: needs a frontier (its points are what the fidelity measures rank)")
+        return
+    if config.get("task"):
+        problems.append(
+            "prediction: the fidelity side's prompts must stay plain: remove the top-level task "
+            "(the task sides are prediction.tasks)"
+        )
+    split = config["frontier"].get("split", "exploratory")
+    if block.get("split", "confirmatory") == split:
+        problems.append(
+            f"prediction.split: {split!r} is the frontier's split: the task documents must be others "
+            "than the fidelity documents"
+        )
+    names = [f"{t.get('name', 'niah')}-{t.get('question', 'inside')}" for t in block.get("tasks", [])]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        problems.append(f"prediction.tasks: task side {twice[0]!r} is given twice")
 
 
 def floor_policy(config: dict[str, Any]) -> str | None:

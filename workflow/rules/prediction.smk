@@ -1,0 +1,72 @@
+# Stage: whether the frontier's task-agnostic fidelity predicts a task's accuracy drop (config
+# `prediction`, kvdiverge.study.prediction, kvdiverge.estimation.prediction). The fidelity side is
+# the frontier as the other stages run it (plain prompts, the config's decoding, the teacher-forced
+# pass). Each task side (niah-inside, ...) runs every frontier point greedily on the documents of
+# `prediction.split`, one job per (model, side) through kvdiverge.measure, and scores the answers;
+# rule prediction joins both sides per model under {results_dir}/analysis/prediction/{model}/.
+
+if PREDICTION_SIDES:
+
+    rule prediction_task:
+        input:
+            corpus=rules.corpus.output[0],
+            model=converted_model,
+        output:
+            f"{PREDICTION_DIR}/answers-{{side}}.parquet",
+        log:
+            f"{LOGS}/prediction/{{model}}/{{side}}.log",
+        benchmark:
+            benchmark_file("prediction_task/{model}/{side}")
+        params:
+            # what the job reads, its rerun key (kvdiverge.study.prediction.PredictionTaskSettings)
+            settings=prediction_task_job,
+        resources:
+            **generation_resources(),
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/prediction_task.py"
+
+    rule prediction:
+        input:
+            answers=expand(rules.prediction_task.output[0], side=PREDICTION_SIDES, allow_missing=True),
+            documents=rules.pool.output.documents_parquet,
+            teacher=rules.teacher_forced_table.output.documents_parquet,
+            positions=expand(
+                rules.teacher_forced.output[0], policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True
+            ),
+            frontier=rules.frontier.output.parquet,
+        output:
+            prediction_parquet=f"{PREDICTION_DIR}/prediction.parquet",
+            prediction_csv=report(
+                f"{PREDICTION_DIR}/prediction.csv",
+                caption="../report/prediction.rst",
+                category="Prediction",
+                labels={"model": "{model}", "table": "prediction"},
+            ),
+            predictions_parquet=f"{PREDICTION_DIR}/predictions.parquet",
+            predictions_csv=f"{PREDICTION_DIR}/predictions.csv",
+            accuracy_parquet=f"{PREDICTION_DIR}/accuracy.parquet",
+            accuracy_csv=f"{PREDICTION_DIR}/accuracy.csv",
+            png=report(
+                f"{PREDICTION_DIR}/prediction.png",
+                caption="../report/prediction.rst",
+                category="Prediction",
+                labels={"model": "{model}", "table": "figure"},
+            ),
+            pdf=f"{PREDICTION_DIR}/prediction.pdf",
+        log:
+            f"{LOGS}/prediction/{{model}}/prediction.log",
+        benchmark:
+            benchmark_file("prediction/{model}")
+        params:
+            sides=PREDICTION_SIDES,
+            measures=CONFIG.get("prediction", {}).get("measures"),
+            min_full_accuracy=CONFIG.get("prediction", {}).get("min_full_accuracy"),
+            points=FRONTIER_POLICIES,
+            costs=prediction_costs,
+            **ANALYSIS_PARAMS,
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/prediction.py"

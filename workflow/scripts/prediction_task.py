@@ -1,0 +1,44 @@
+"""Snakemake adapter: one task side of the prediction study on one model (kvdiverge.measure).
+
+The job reads its settings from ``params.settings`` (kvdiverge.study.prediction.PredictionTaskSettings,
+its rerun key): every frontier point runs greedily on the task prompts of the prediction split's
+documents, and the scored answers per (point, document) are written atomically, with the task,
+its question placement and the task's exclusions in the log.
+"""
+
+import warnings
+
+import polars as pl
+import torch
+
+import kvdiverge
+from kvdiverge.io.files import write_parquet_atomic
+from kvdiverge.study.jobs import job_model_entry
+from kvdiverge.study.models import load_model
+from kvdiverge.study.prediction import PredictionTaskSettings
+from kvdiverge.study.rulelog import rule_log
+
+torch.set_num_threads(snakemake.threads)
+settings = PredictionTaskSettings.from_params(snakemake.params.settings)
+options = settings.measure_options()
+with rule_log(snakemake.log[0], snakemake.rule, "prediction task side") as log:
+    corpus = pl.read_parquet(snakemake.input.corpus).filter(pl.col("split") == settings.split).sort("doc_id")
+    prompts = dict(zip(corpus["doc_id"].to_list(), corpus["text"].to_list()))
+    log.info("%s on %s: %d documents of split %s", settings.side, settings.model, len(prompts), settings.split)
+    with job_model_entry(settings.entries["model"], snakemake.input.model) as spec:
+        model, tokenizer = load_model(spec, settings.model)
+        presses = {name: dict(entry) for name, entry in settings.entries["frontier"]["presses"].items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = kvdiverge.measure(model, tokenizer, prompts, presses, **options)
+    for w in caught:
+        log.info("%s", w.message)
+    task = dict(settings.entries["task"])
+    answers = result.task["documents"].with_columns(
+        task=pl.lit(task.get("name", "niah")), placement=pl.lit(task.get("question", "inside"))
+    )
+    write_parquet_atomic(answers, snakemake.output[0])
+    log.info(
+        "accuracy per point:\n%s",
+        result.task["accuracy"].select("policy", "n_docs", "full_accuracy", "accuracy", "drop"),
+    )
