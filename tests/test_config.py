@@ -546,9 +546,9 @@ def test_the_prediction_study_validates_and_names_its_task_sides():
 
     config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
     sides = prediction_sides(config)
-    assert list(sides) == ["niah-inside", "niah-after", "recall-inside"]
+    assert list(sides) == ["niah-after", "recall-inside"]
     assert config["prediction"]["measures"][:2] == ["E_M", "p_div"] and config["prediction"]["split"] == "confirmatory"
-    inside = PredictionTaskSettings.from_config(config, "smollm2-135m", "niah-inside")
+    inside = PredictionTaskSettings.from_config(config, "smollm2-135m", "recall-inside")
     after = PredictionTaskSettings.from_config(config, "smollm2-135m", "niah-after")
     assert PredictionTaskSettings.from_params(inside.to_params()) == inside
     # a quantized cache cannot take a question prefilled after compression: that side runs the presses only

@@ -237,3 +237,51 @@ def test_each_task_side_is_compared_on_the_points_it_ran():
     assert acc["n_docs"].to_list() == [24, 24] and acc["full_accuracy"].to_list() == [1.0, 1.0]
     np.testing.assert_allclose(acc["drop"].to_numpy(), 1 - acc["accuracy"].to_numpy())
     assert study["predictions"].height == 47
+
+
+class _Named(dict):
+    """A stand-in for Snakemake's named lists: items and attributes."""
+
+    __getattr__ = dict.__getitem__
+
+
+def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path):
+    import runpy
+    from pathlib import Path
+    from types import SimpleNamespace as NS
+
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r, n_fid=6, n_task=24)
+    pts = pts.with_columns(policy=pl.col("point"), model=pl.lit("m"), cache=pl.lit(None, dtype=pl.String),
+                           retention=1 - pl.col("ratio"), kv_bytes_per_token=1000 * (1 - pl.col("ratio")))  # fmt: skip
+    docs = fid.select(
+        model=pl.lit("m"), policy="point", doc_id="doc_id", T=pl.lit(16), E_M="kld", p_div="kld",
+        E_tau_div=pl.lit(1.0), S=pl.concat_list([1 - pl.col("kld")] * 16),
+    )  # fmt: skip
+    control = docs.filter(pl.col("policy") == "a@0.25").with_columns(policy=pl.lit("none"), doc_id=pl.lit("t0"))
+    teacher = fid.select(
+        model=pl.lit("m"), policy="point", doc_id="doc_id", kld_mean="kld", same_top_p=1 - pl.col("kld")
+    )
+    positions = teacher.select("model", "policy", "doc_id", kld="kld_mean")
+    answers = task.select(model=pl.lit("m"), policy="point", doc_id="doc_id", correct_full="correct_full",
+                          correct="correct", task="task", placement="placement")  # fmt: skip
+    inputs = {"frontier": pts, "documents": pl.concat([docs, control]), "teacher": teacher}
+    for name, frame in {**inputs, "positions": positions, "answers": answers}.items():
+        frame.write_parquet(tmp_path / f"{name}.parquet")
+    (tmp_path / "coupled.tsv").write_text("s\tcpu_time\n1\t48.0\n")
+    out = _Named({f"{n}_{k}": str(tmp_path / "out" / f"{n}.{k}") for n in ("prediction", "predictions", "accuracy")
+                  for k in ("parquet", "csv")}, png=str(tmp_path / "out" / "p.png"), pdf=None)  # fmt: skip
+    sm = NS(
+        input=_Named({n: str(tmp_path / f"{n}.parquet") for n in inputs},
+                     positions=[str(tmp_path / "positions.parquet")], answers=[str(tmp_path / "answers.parquet")]),
+        params=NS(measures=["E_M", "kld_mean", "same_top_p"], min_full_accuracy=0.7, points=pts["point"].to_list(),
+                  costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "missing.tsv")]},
+                  bootstrap=20, confidence=0.9, seed=3),
+        output=out, log=[str(tmp_path / "prediction.log")], wildcards=NS(model="m"),
+    )  # fmt: skip
+    runpy.run_path(str(Path(__file__).parents[1] / "workflow/scripts/prediction.py"), init_globals={"snakemake": sm})
+    table = pl.read_parquet(out["prediction_parquet"])
+    assert table["measure"].to_list() == ["E_M", "kld_mean", "same_top_p"] and set(table["n_points"]) == {24}
+    assert table["n_fidelity_docs"].to_list() == [6, 6, 6]  # the none control's document is left out
+    assert table["cpu_s_per_point"].to_list() == [2.0, None, None]  # 48 s over 24 points; no teacher benchmark
+    assert (table["spearman"] > 0.5).all()  # same_top_p is oriented: smaller predicts a larger drop
+    assert pl.read_parquet(out["accuracy_parquet"]).height == 24 and Path(out["png"]).exists()

@@ -28,13 +28,17 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
     boot = Bootstrap(p.bootstrap, p.confidence, p.seed)
     study = prediction_study(fidelity, task.rename({"policy": "point"}), points, list(p.measures), boot=boot,
                              min_full_accuracy=p.min_full_accuracy)  # fmt: skip
-    cost = {
-        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files if Path(f).exists()) / len(p.points)
-        for family, files in dict(p.costs).items()
+    found = {family: [f for f in files if Path(f).exists()] for family, files in dict(p.costs).items()}
+    cost = {  # None where a job's benchmark file is missing (its outputs came from elsewhere)
+        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files) / len(p.points) if files else None
+        for family, files in found.items()
     }
     teacher = pl.col("measure").is_in([*HEADLINE, "kld_p99", "kld_max"])
     study["prediction"] = study["prediction"].with_columns(
-        cpu_s_per_point=pl.when(teacher).then(cost["teacher"]).otherwise(cost["coupled"]).cast(pl.Float64)
+        cpu_s_per_point=pl.when(teacher)
+        .then(pl.lit(cost["teacher"]))
+        .otherwise(pl.lit(cost["coupled"]))
+        .cast(pl.Float64)
     )
     for name in ("prediction", "predictions", "accuracy"):
         save_table(study[name], o[f"{name}_parquet"], o[f"{name}_csv"])
