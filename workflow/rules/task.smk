@@ -4,6 +4,8 @@
 # Per model: the answers scored, accuracy per run with document-bootstrap intervals, the
 # rank correlations across the frontier's points between the accuracy drop and each
 # coupled measure, the per-document ROC AUC, and the figure, under {results_dir}/analysis/task/.
+# These measures come from the generation that writes the answer: the answer's own divergence,
+# not a prediction (workflow/rules/prediction.smk asks for one, on other documents).
 
 if TASK_RUNS:
 
