@@ -237,6 +237,21 @@ def test_each_task_side_is_compared_on_the_points_it_ran():
     assert acc["n_docs"].to_list() == [24, 24] and acc["full_accuracy"].to_list() == [1.0, 1.0]
     np.testing.assert_allclose(acc["drop"].to_numpy(), 1 - acc["accuracy"].to_numpy())
     assert study["predictions"].height == 47
+    assert study["accuracy"]["refused"].null_count() == study["accuracy"].height
+
+
+def test_a_side_whose_full_cache_is_too_weak_is_refused_and_the_others_still_report():
+    from kvdiverge.estimation.prediction import prediction_study
+
+    fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r)
+    weak = task.with_columns(task=pl.lit("recall"), correct_full=pl.col("doc_id").is_in(["t0", "t1", "t2"]))
+    study = prediction_study(fid, pl.concat([task, weak]), pts, ["kld"], boot=Bootstrap(20, 0.9, 1))
+    assert study["prediction"]["task"].to_list() == ["niah"]
+    refused = study["accuracy"].filter(pl.col("task") == "recall")["refused"].unique().to_list()
+    assert refused == ["task recall (inside): the full cache answers 12% of the documents, below 70%: "
+                       "too few right answers to measure a press's drop"]  # fmt: skip
+    with pytest.raises(PredictionInputError, match="task recall .inside.: the full cache answers 12%"):
+        prediction_study(fid, weak, pts, ["kld"], boot=Bootstrap(20, 0.9, 1))
 
 
 class _Named(dict):

@@ -42,6 +42,8 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
     )
     for name in ("prediction", "predictions", "accuracy"):
         save_table(study[name], o[f"{name}_parquet"], o[f"{name}_csv"])
+    sides = study["accuracy"].group_by("task", "placement", "refused").agg(pl.col("full_accuracy").first())
+    log.info("full-cache accuracy per task side (refused below %g):\n%s", p.min_full_accuracy, sides)
     log.info("CPU seconds per point: %s", cost)
     log.info("\n%s", study["prediction"].select("measure", "task", "placement", "spearman", "spearman_given_ratio",
                                                  "mae_held_out", "mae_ratio_only", "mae_gain"))  # fmt: skip

@@ -53,6 +53,7 @@ __all__ = [
     "PredictionInputError",
     "fidelity_documents",
     "frontier_points_table",
+    "full_accuracy_problem",
     "held_out_predictions",
     "prediction_problems",
     "prediction_statistics",
@@ -165,6 +166,19 @@ def frontier_points_table(frontier: pl.DataFrame) -> pl.DataFrame:
 # --------------------------------------------------------------------------- input checks
 
 
+def full_accuracy_problem(side: pl.DataFrame, min_full_accuracy: float = 0.7) -> str | None:
+    """The sentence refusing one task side (``task``, ``placement``, ``doc_id``, ``correct_full``)
+    whose full cache answers fewer than ``min_full_accuracy`` of its documents, else None."""
+    full = side.unique("doc_id")["correct_full"].cast(pl.Float64).mean()
+    if full is not None and full >= min_full_accuracy:
+        return None
+    name, placement = side["task"][0], side["placement"][0]
+    return (
+        f"task {name} ({placement}): the full cache answers {full or 0:.0%} of the documents, below "
+        f"{min_full_accuracy:.0%}: too few right answers to measure a press's drop"
+    )
+
+
 def prediction_problems(
     fidelity: pl.DataFrame,
     task: pl.DataFrame,
@@ -194,13 +208,8 @@ def prediction_problems(
             f"the frontier has {len(presses)} presses ({', '.join(map(str, sorted(presses)))}); "
             f"leaving one press out needs at least {min_presses}"
         )
-    for (name, placement), part in task.group_by(["task", "placement"], maintain_order=True):
-        full = part.unique("doc_id")["correct_full"].cast(pl.Float64).mean()
-        if full is None or full < min_full_accuracy:
-            problems.append(
-                f"task {name} ({placement}): the full cache answers {full or 0:.0%} of the documents, below "
-                f"{min_full_accuracy:.0%}: too few right answers to measure a press's drop"
-            )
+    for _, part in task.group_by(["task", "placement"], maintain_order=True):
+        problems += [p for p in [full_accuracy_problem(part, min_full_accuracy)] if p]
     known = set(points["point"].to_list())
     for side, frame in (("fidelity", fidelity), ("task", task)):
         missing = sorted(known - set(frame["point"].unique().to_list()))
@@ -423,35 +432,38 @@ def prediction_study(
 
     A side runs a subset of the frontier's points when some cannot take its question placement
     (a quantized cache cannot take a question prefilled after compression); each side is compared
-    on its own points. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may hold
-    other points (controls), which are left out.
+    on its own points. A side whose full cache is too weak (:func:`full_accuracy_problem`) is left
+    out of the prediction tables with its sentence in the accuracy table's ``refused``, so that the
+    other sides still report. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may
+    hold other points (controls), which are left out.
 
     Returns
     -------
     dict of str to polars.DataFrame
-        ``prediction`` and ``predictions`` (:func:`prediction_tables`' two tables, every side
-        stacked), and ``accuracy``: per (``task``, ``placement``, ``point``) ``n_docs``,
-        ``full_accuracy``, ``accuracy`` and ``drop`` (fractions of the documents).
+        ``prediction`` and ``predictions`` (:func:`prediction_tables`' two tables, the sides that
+        report stacked), and ``accuracy``: per (``task``, ``placement``, ``point``) ``n_docs``,
+        ``full_accuracy``, ``accuracy``, ``drop`` (fractions of the documents) and ``refused`` (the
+        side's sentence, or null).
 
     Raises
     ------
     PredictionInputError
-        As :func:`prediction_tables`, for any side.
+        As :func:`prediction_tables`, for any side; and when every side is refused, naming each.
     """
-    tables, marks = [], []
-    for _, side in task.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
+    tables, marks, refused = [], [], {}
+    for (name, placement), side in task.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
+        reason = full_accuracy_problem(side, min_full_accuracy)
+        if reason:
+            refused[(name, placement)] = reason
+            continue
         side = side.filter(pl.col("point").is_in(points["point"].to_list()))
         at = points.filter(pl.col("point").is_in(side["point"].unique().to_list()))
-        table, predictions = prediction_tables(
-            fidelity.filter(pl.col("point").is_in(at["point"].to_list())),
-            side,
-            at,
-            measures,
-            boot=boot,
-            min_full_accuracy=min_full_accuracy,
-        )
+        fid = fidelity.filter(pl.col("point").is_in(at["point"].to_list()))
+        table, predictions = prediction_tables(fid, side, at, measures, boot=boot, min_full_accuracy=min_full_accuracy)
         tables.append(table)
         marks.append(predictions)
+    if not tables:
+        raise PredictionInputError("; ".join(refused.values()))
     accuracy = (
         task.group_by("task", "placement", "point")
         .agg(
@@ -460,6 +472,11 @@ def prediction_study(
             accuracy=pl.col("correct").cast(pl.Float64).mean(),
         )
         .with_columns(drop=pl.col("full_accuracy") - pl.col("accuracy"))
+        .with_columns(
+            refused=pl.struct("task", "placement").map_elements(
+                lambda key: refused.get((key["task"], key["placement"])), return_dtype=pl.String
+            )
+        )
         .sort("task", "placement", "point")
     )
     return {
