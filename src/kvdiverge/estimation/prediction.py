@@ -134,7 +134,7 @@ def frontier_points_table(frontier: pl.DataFrame) -> pl.DataFrame:
     Parameters
     ----------
     frontier : polars.DataFrame
-        One model's frontier table (:data:`kvdiverge.estimation.frontier.POINT_SCHEMA`: ``policy``,
+        One model's frontier table (``POINT_SCHEMA`` of :mod:`kvdiverge.estimation.frontier`: ``policy``,
         ``press``, ``cache``, ``kv_bytes_per_token``, ``retention``).
 
     Returns

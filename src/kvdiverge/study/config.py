@@ -368,7 +368,14 @@ def check(config: dict[str, Any]) -> None:
             return False
         return True
 
-    for part in (_run_problems, _confirmatory_problems, _gap_problems, _value_problems, _task_problems, _prediction_problems):
+    for part in (
+        _run_problems,
+        _confirmatory_problems,
+        _gap_problems,
+        _value_problems,
+        _task_problems,
+        _prediction_problems,
+    ):
         part(config, need_policy, problems)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
