@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import polars as pl
 import pytest
 import yaml
 
@@ -546,7 +547,7 @@ def test_the_prediction_study_validates_and_names_its_task_sides():
 
     config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
     sides = prediction_sides(config)
-    assert list(sides) == ["niah-after", "recall-inside"]
+    assert list(sides) == ["niah-after", "niah-inside", "recall-inside"]
     assert config["prediction"]["measures"][:2] == ["E_M", "p_div"] and config["prediction"]["split"] == "confirmatory"
     inside = PredictionTaskSettings.from_config(config, "smollm2-135m", "recall-inside")
     after = PredictionTaskSettings.from_config(config, "smollm2-135m", "niah-after")
@@ -558,6 +559,22 @@ def test_the_prediction_study_validates_and_names_its_task_sides():
     assert (
         options["split"] == "confirmatory" and options["caches"] is None and options["ratios"] == [0.25, 0.5, 0.75, 0.9]
     )
+
+
+def test_no_fidelity_measure_of_the_shipped_study_sees_a_task_document():
+    from kvdiverge.study.corpus import build_corpus, following_texts
+
+    config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
+    corpus = build_corpus(config["corpus"])
+    fidelity = corpus.filter(pl.col("split") == config["frontier"]["split"])
+    task = corpus.filter(pl.col("split") == config["prediction"]["split"])
+    assert (fidelity.height, task.height) == (8, 30)
+    # whole speeches go to one split: the prompts and the teacher-forced text after them never meet a task document
+    assert set(fidelity["address"]).isdisjoint(task["address"])
+    following = following_texts(config["corpus"], fidelity)
+    assert len(following) == 8 and all(following.values())
+    openings = [" ".join(text.split()[:12]) for text in task["text"]]
+    assert not any(o in text for o in openings for text in [*fidelity["text"], *following.values()])
 
 
 def test_the_prediction_block_refuses_a_study_whose_sides_could_share_a_generation():

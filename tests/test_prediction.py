@@ -10,6 +10,7 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.prediction import (
     STATISTICS,
     PredictionInputError,
+    direction,
     held_out_predictions,
     prediction_problems,
     prediction_statistics,
@@ -114,12 +115,31 @@ def test_a_drop_that_follows_the_measure_gives_a_clear_partial_correlation_and_g
     assert row["mae_gain"] > 0.05 and row["mae_gain_lo"] > 0
 
 
-def test_a_measure_where_smaller_is_worse_is_oriented():
+@pytest.mark.parametrize("measure", ["same_top_p", "S_8", "tau_first"])
+def test_a_measure_where_smaller_is_worse_is_oriented(measure):
     fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: 1 - f * r)
-    fid = fid.rename({"kld": "same_top_p"})
-    table, marks = prediction_tables(fid, task, pts, ["same_top_p"], boot=Bootstrap(50, 0.9, 1))
+    fid = fid.rename({"kld": measure})
+    table, marks = prediction_tables(fid, task, pts, [measure], boot=Bootstrap(50, 0.9, 1))
     assert table["direction"][0] == -1 and table["spearman"][0] > 0.8
     assert (marks["x"] <= 0).all()
+
+
+def test_direction_of_each_fidelity_measure():
+    signs = {
+        m: direction(m)
+        for m in ("E_M", "p_div", "S_8", "S_16", "tau_first", "kld_mean", "kld_p99", "same_top_p", "ppl_ratio")
+    }
+    assert signs == {
+        "E_M": 1,
+        "p_div": 1,
+        "S_8": -1,
+        "S_16": -1,
+        "tau_first": -1,
+        "kld_mean": 1,
+        "kld_p99": 1,
+        "same_top_p": -1,
+        "ppl_ratio": 1,
+    }
 
 
 def test_intervals_resample_both_sides_and_repeat_with_the_seed():

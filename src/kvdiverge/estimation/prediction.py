@@ -6,9 +6,10 @@ documents (plain prompts, no task), and an accuracy drop ``y_p = mean(correct_fu
 over the task documents. Nothing on the fidelity side sees a task prompt, so a correlation is a
 prediction, not the answer's own divergence (:mod:`kvdiverge.estimation.task` holds that one).
 
-Each measure is oriented by its direction (:data:`kvdiverge.estimation.task.DIRECTIONS`, ``+1``
-when absent: a larger value predicts a larger drop), so every statistic below is positive when
-the measure predicts in its expected direction.
+Each measure is oriented by its direction (:func:`direction`: ``-1`` for the survival ``S_<t>``
+and the measures :data:`kvdiverge.estimation.task.DIRECTIONS` marks ``-1``, ``+1`` otherwise: a
+larger value predicts a larger drop), so every statistic below is positive when the measure
+predicts in its expected direction.
 
 - Across points: Spearman's rho and Kendall's tau (``scipy.stats``) of ``x`` and ``y``.
 - Given the compression ratio ``r`` (the fraction of KV bytes a point removes), the baseline every
@@ -37,6 +38,7 @@ statistic (:class:`kvdiverge.estimation.bootstrap.Bootstrap`, percentile interva
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +53,7 @@ from kvdiverge.estimation.task import DIRECTIONS
 __all__ = [
     "STATISTICS",
     "PredictionInputError",
+    "direction",
     "fidelity_documents",
     "frontier_points_table",
     "full_accuracy_problem",
@@ -73,6 +76,27 @@ STATISTICS = (
 )
 #: Two ratios closer than this are the same ratio (the within-ratio pairs).
 RATIO_TOLERANCE = 1e-9
+
+
+def direction(measure: str) -> int:
+    """The sign that makes a fidelity measure grow with the damage it predicts.
+
+    Parameters
+    ----------
+    measure : str
+        A fidelity column: ``E_M``, ``p_div``, ``tau_first``, ``S_<t>`` (survival after ``t``
+        steps), ``kld_mean``, ``same_top_p``, ...
+
+    Returns
+    -------
+    int
+        ``-1`` for the survival ``S_<t>`` and for the measures
+        :data:`kvdiverge.estimation.task.DIRECTIONS` marks ``-1`` (a smaller value predicts a
+        larger drop), ``+1`` otherwise.
+    """
+    if re.fullmatch(r"S_\d+", measure):
+        return -1
+    return int(DIRECTIONS.get(measure, 1))
 
 
 class PredictionInputError(ValueError):
@@ -371,8 +395,7 @@ def prediction_tables(
         Resamples, confidence and seed of the paired bootstrap (purposes ``"prediction-fidelity"``
         and ``"prediction-task"`` with the task, placement and measure).
     directions : mapping of str to int, optional
-        ``+1`` or ``-1`` per measure (default :data:`kvdiverge.estimation.task.DIRECTIONS`, ``+1``
-        for a measure it does not name).
+        ``+1`` or ``-1`` per measure, over :func:`direction`.
     min_full_accuracy : float
         A task and placement whose full cache answers fewer of its documents is refused.
 
@@ -395,7 +418,7 @@ def prediction_tables(
     problems = prediction_problems(fidelity, task, points, min_full_accuracy=min_full_accuracy)
     if problems:
         raise PredictionInputError("; ".join(problems))
-    directions = {**DIRECTIONS, **(directions or {})}
+    directions = dict(directions or {})
     names = points["point"].to_list()
     ratio = points["ratio"].cast(pl.Float64).to_numpy()
     presses = np.asarray(points["press"].to_list())
@@ -404,7 +427,7 @@ def prediction_tables(
         y = _Side.of(part, names, pl.col("correct_full").cast(pl.Float64) - pl.col("correct").cast(pl.Float64))
         for measure in measures:
             x = _Side.of(fidelity, names, pl.col(measure))
-            sign = int(directions.get(measure, 1))
+            sign = int(directions.get(measure, direction(measure)))
             keys = {"measure": measure, "task": name, "placement": placement}
             rows.append({**keys, **_row(x, y, ratio, presses, sign, boot, (name, placement, measure))})
             xs, ys = sign * x.means(), y.means()
