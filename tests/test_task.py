@@ -108,7 +108,7 @@ def test_bad_task_settings_are_refused_naming_the_key():
     cases = {
         "task.question: 'before' is not allowed; allowed: one of 'inside', 'after'": {"question": "before"},
         "task.depths: [120] is not allowed; allowed: ": {"depths": [120]},
-        "task.name: 'mkey' is not allowed; allowed: one of 'niah', 'recall'": {"name": "mkey"},
+        "task.name: 'mkey' is not allowed; allowed: one of 'niah', 'multikey', 'recall'": {"name": "mkey"},
         "task.digits: not a setting of task 'recall'; its settings: answer_words, depths, phrase_words": {
             "name": "recall",
             "digits": 7,
@@ -340,3 +340,38 @@ def test_recall_prompts_quote_the_document_and_open_the_answer_with_the_quote():
     )
     assert "".join(map(chr, a["input_ids"][-a["n_question"] :])).startswith("Continue this quote")
     assert b["needle_value"] is None and "nothing to quote" in b["exclusion_reason"]
+
+
+# --- RULER's multi-key needle ------------------------------------------------------------
+
+
+def test_multikey_places_the_asked_needle_at_its_depth_and_the_distractors_elsewhere():
+    from kvdiverge.study.tasks.multikey import MultikeySettings, distractors
+
+    class Chat(CharTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+            return "<u>" + messages[-1]["content"] + "</u><a>"
+
+    text = doc(10, 30, 40, 20)  # boundaries at 0, 10, 40, 80, 100 percent of 100 words
+    docs = pl.DataFrame({"doc_id": ["a"], "split": ["exploratory"], "text": [text]})
+    task = {"name": "multikey", "depths": [75], "distractors": 3, "question": "after"}
+    p = build_task_prompts(docs, Chat(), {"task": task, "seed": 1, "max_new_tokens": 64, "minimums": {}}, 10**5)
+    row = p.row(0, named=True)
+    settings = MultikeySettings(depths=(75,), seed=1, distractors=3)
+    asked = make_needle(settings, "a", 0)
+    others = distractors(settings, "a", asked)
+    assert (row["needle_key"], row["needle_value"], row["needle_at"]) == (asked.key, asked.value, 80.0)
+    assert len({asked.key, *(o.key for o in others)}) == 4 and all(len(o.value) == 7 for o in others)
+    prompt = "".join(map(chr, row["input_ids"]))
+    paras = prompt.split("</u>")[0].split("\n\n")
+    needles = [p for p in paras if p.startswith("One of the special magic numbers")]
+    assert len(needles) == 4 and NEEDLE.format(key=asked.key, value=asked.value) in needles
+    # the asked needle follows the third paragraph (80 % of the words before it); no distractor there
+    at = paras.index(NEEDLE.format(key=asked.key, value=asked.value))
+    assert paras[at - 1] == " ".join(f"w{i}" for i in range(40))
+    assert paras[at + 1].split("\n")[0] == " ".join(f"w{i}" for i in range(20))  # then the question
+    assert prompt.endswith(f"What are all the special magic numbers for {asked.key} mentioned in the provided text?"
+                           f"</u><a> The special magic numbers for {asked.key} mentioned in the provided text are")  # fmt: skip
+    assert build_task_prompts(docs, Chat(), {"task": task, "seed": 1, "max_new_tokens": 64, "minimums": {}}, 10**5)[
+        "input_ids"
+    ].to_list() == [row["input_ids"]]  # seeded: the same needles and places

@@ -2,7 +2,8 @@
 
 A task turns each corpus document into a prompt with a known answer, and scores a greedy
 answer against it. Tasks are rows of :data:`TASKS`, each a :class:`Task`: RULER's single
-needle (``niah``, :mod:`kvdiverge.study.tasks.niah`) and quote recall (``recall``,
+needle (``niah``, :mod:`kvdiverge.study.tasks.niah`), RULER's multi-key needle (``multikey``,
+:mod:`kvdiverge.study.tasks.multikey`: the asked needle among distractors) and quote recall (``recall``,
 :mod:`kvdiverge.study.tasks.recall`: the document's own next words after a quoted phrase).
 
 The config block ``task`` (``kvdiverge/schemas/config.schema.yaml``) names the task and its
@@ -22,7 +23,7 @@ import polars as pl
 
 from kvdiverge.study.prompts import SCHEMA, exclusion_reason
 from kvdiverge.study.settings import check_task
-from kvdiverge.study.tasks import niah, recall
+from kvdiverge.study.tasks import multikey, niah, recall
 
 __all__ = ["TASKS", "TASK_COLUMNS", "Task", "TaskError", "build_task_prompts", "task_settings"]
 
@@ -74,6 +75,14 @@ class Task:
 #: The tasks by config name (``task.name``): one :class:`Task` each.
 TASKS: dict[str, Task] = {
     "niah": Task("niah", niah.NiahSettings, niah.make_needle, niah.task_prompt, niah.check_budget, niah.score_answer),
+    "multikey": Task(
+        "multikey",
+        multikey.MultikeySettings,
+        multikey.make_needle,
+        multikey.task_prompt,
+        multikey.check_budget,
+        multikey.score_answer,
+    ),
     "recall": Task(
         "recall",
         recall.RecallSettings,

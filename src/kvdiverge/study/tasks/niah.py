@@ -49,6 +49,8 @@ __all__ = [
     "string_match_all",
     "task_prompt",
     "check_budget",
+    "digest",
+    "paragraphs",
 ]
 
 #: RULER's needle sentence (``niah.py``), ``type_needle_v = "numbers"``.
@@ -132,7 +134,8 @@ class Needle:
     depth: float
 
 
-def _digest(*parts: object) -> int:
+def digest(*parts: object) -> int:
+    """The first 8 bytes of the SHA-256 of ``parts`` (joined by ``\\x1f``), as an unsigned integer."""
     return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
@@ -146,13 +149,14 @@ def make_needle(settings: NiahSettings, doc_id: str, index: int, document: str |
     ``depths[index % len(depths)]``.
     """
     d = int(settings.digits)
-    value = 10 ** (d - 1) + _digest(settings.seed, "value", doc_id) % (9 * 10 ** (d - 1))
-    h = _digest(settings.seed, "key", doc_id)
+    value = 10 ** (d - 1) + digest(settings.seed, "value", doc_id) % (9 * 10 ** (d - 1))
+    h = digest(settings.seed, "key", doc_id)
     key = f"{_ADJECTIVES[h % len(_ADJECTIVES)]}-{_NOUNS[(h // len(_ADJECTIVES)) % len(_NOUNS)]}"
     return Needle(key, str(value), settings.depths[index % len(settings.depths)])
 
 
-def _paragraphs(document: str) -> list[str]:
+def paragraphs(document: str) -> list[str]:
+    """The document's paragraphs (split at blank lines), stripped, empty ones dropped."""
     return [p.strip() for p in re.split(r"\n\s*\n", document) if p.strip()]
 
 
@@ -182,7 +186,7 @@ def needle_depth(document: str, depth: float, tolerance: float, doc_id: str = "d
         A document without a paragraph break, or one whose nearest boundary lies further
         than ``tolerance`` from ``depth``.
     """
-    paras = _paragraphs(document)
+    paras = paragraphs(document)
     if len(paras) < 2:
         raise TaskError(
             f"document {doc_id!r} has no paragraph break (no blank line): the needle goes between "
@@ -215,7 +219,7 @@ def insert_needle(document: str, needle: Needle, tolerance: float, doc_id: str =
         As :func:`needle_depth`.
     """
     at, depth = needle_depth(document, needle.depth, tolerance, doc_id)
-    paras = _paragraphs(document)
+    paras = paragraphs(document)
     paras.insert(at, NEEDLE.format(key=needle.key, value=needle.value))
     return "\n\n".join(paras), depth
 
