@@ -48,7 +48,9 @@ def prediction_figure(table: pl.DataFrame, predictions: pl.DataFrame) -> plt.Fig
     per (measure, task, placement), measures as rows in the table's order."""
     measures = list(dict.fromkeys(table["measure"].to_list()))
     sides = list(dict.fromkeys(zip(table["task"].to_list(), table["placement"].to_list())))
-    fig, axes = plt.subplots(len(measures), len(sides), figsize=(3.8 * len(sides), 3.2 * len(measures)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(measures), len(sides), figsize=(3.8 * len(sides), 3.2 * len(measures)), squeeze=False, layout="constrained"
+    )
     for row in table.iter_rows(named=True):
         i, j = measures.index(row["measure"]), sides.index((row["task"], row["placement"]))
         keys = (pl.col("measure") == row["measure"]) & (pl.col("task") == row["task"])
@@ -57,7 +59,6 @@ def prediction_figure(table: pl.DataFrame, predictions: pl.DataFrame) -> plt.Fig
     if axes[0][0].get_legend() is not None:
         sns.move_legend(axes[0][0], "upper left", fontsize=6, title_fontsize=7)
     fig.suptitle("task accuracy drop against fidelity measured on other documents, one point per press and ratio")
-    fig.tight_layout()
     return fig
 
 
