@@ -10,12 +10,12 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.prediction import (
     STATISTICS,
     PredictionInputError,
-    direction,
     held_out_predictions,
     prediction_problems,
     prediction_statistics,
     prediction_tables,
 )
+from kvdiverge.estimation.task import direction
 
 RATIOS = (0.25, 0.5, 0.75, 0.9)
 PRESSES = ("a", "b", "c", "d", "e", "f")

@@ -6,10 +6,10 @@ documents (plain prompts, no task), and an accuracy drop ``y_p = mean(correct_fu
 over the task documents. Nothing on the fidelity side sees a task prompt, so a correlation is a
 prediction, not the answer's own divergence (:mod:`kvdiverge.estimation.task` holds that one).
 
-Each measure is oriented by its direction (:func:`direction`: ``-1`` for the survival ``S_<t>``
-and the measures :data:`kvdiverge.estimation.task.DIRECTIONS` marks ``-1``, ``+1`` otherwise: a
-larger value predicts a larger drop), so every statistic below is positive when the measure
-predicts in its expected direction.
+Each measure is oriented by its direction (:func:`kvdiverge.estimation.task.direction`: ``+1``
+when a larger value predicts a larger drop, ``-1`` for the survival ``S_<t>``, ``same_top_p`` and
+``tau_first``), so every statistic below is positive when the measure predicts in its expected
+direction.
 
 - Across points: Spearman's rho and Kendall's tau (``scipy.stats``) of ``x`` and ``y``.
 - Given the compression ratio ``r`` (the fraction of KV bytes a point removes), the baseline every
@@ -38,7 +38,6 @@ statistic (:class:`kvdiverge.estimation.bootstrap.Bootstrap`, percentile interva
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,12 +47,11 @@ from scipy import stats
 from scipy.optimize import isotonic_regression
 
 from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts, resampled_nanmean
-from kvdiverge.estimation.task import DIRECTIONS
+from kvdiverge.estimation.task import direction
 
 __all__ = [
     "STATISTICS",
     "PredictionInputError",
-    "direction",
     "fidelity_documents",
     "frontier_points_table",
     "full_accuracy_problem",
@@ -76,27 +74,6 @@ STATISTICS = (
 )
 #: Two ratios closer than this are the same ratio (the within-ratio pairs).
 RATIO_TOLERANCE = 1e-9
-
-
-def direction(measure: str) -> int:
-    """The sign that makes a fidelity measure grow with the damage it predicts.
-
-    Parameters
-    ----------
-    measure : str
-        A fidelity column: ``E_M``, ``p_div``, ``tau_first``, ``S_<t>`` (survival after ``t``
-        steps), ``kld_mean``, ``same_top_p``, ...
-
-    Returns
-    -------
-    int
-        ``-1`` for the survival ``S_<t>`` and for the measures
-        :data:`kvdiverge.estimation.task.DIRECTIONS` marks ``-1`` (a smaller value predicts a
-        larger drop), ``+1`` otherwise.
-    """
-    if re.fullmatch(r"S_\d+", measure):
-        return -1
-    return int(DIRECTIONS.get(measure, 1))
 
 
 class PredictionInputError(ValueError):
@@ -395,7 +372,7 @@ def prediction_tables(
         Resamples, confidence and seed of the paired bootstrap (purposes ``"prediction-fidelity"``
         and ``"prediction-task"`` with the task, placement and measure).
     directions : mapping of str to int, optional
-        ``+1`` or ``-1`` per measure, over :func:`direction`.
+        ``+1`` or ``-1`` per measure, over :func:`kvdiverge.estimation.task.direction`.
     min_full_accuracy : float
         A task and placement whose full cache answers fewer of its documents is refused.
 

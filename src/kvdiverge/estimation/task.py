@@ -4,8 +4,8 @@ Input is one row per (model, policy, split, doc_id) with the task's scores (``co
 the full cache's greedy answer is right, ``correct``: the press's is) and any number of
 per-document *measure* columns: the coupled ones of :func:`task_documents` (``E_M``,
 ``p_div``, ``tau_first``, ``S_answer``) and any others joined on the same keys (e.g.
-teacher-forced KL divergence, a perplexity ratio, same top-1), each with its
-:data:`DIRECTIONS` entry or ``+1`` (a larger value predicts a worse answer).
+teacher-forced KL divergence, a perplexity ratio, same top-1), each oriented by
+:func:`direction` (``+1``: a larger value predicts a worse answer).
 
 - :func:`accuracy_table` — per run: full-cache accuracy, accuracy, drop, each with a
   document-bootstrap interval; documents the full cache fails are kept and counted
@@ -25,6 +25,7 @@ teacher-forced KL divergence, a perplexity ratio, same top-1), each with its
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from scipy import stats
 
 from kvdiverge.estimation.bootstrap import Bootstrap, resample_counts
 
-__all__ = ["DIRECTIONS", "MEASURES", "accuracy_table", "auc_table", "correlation_table", "task_documents"]
+__all__ = ["DIRECTIONS", "MEASURES", "accuracy_table", "direction", "auc_table", "correlation_table", "task_documents"]
 
 KEYS = ["model", "policy", "split", "doc_id"]
 #: The coupled measures per document: expected mismatch fraction, divergence probability,
@@ -42,6 +43,26 @@ KEYS = ["model", "policy", "split", "doc_id"]
 MEASURES = ("E_M", "p_div", "tau_first", "S_answer")
 #: +1: a larger value predicts a broken answer; -1: a smaller one does.
 DIRECTIONS = {"E_M": 1, "p_div": 1, "tau_first": -1, "S_answer": -1, "same_top1": -1, "same_top_p": -1}
+
+
+def direction(measure: str) -> int:
+    """The sign that makes a measure grow with the damage it predicts.
+
+    Parameters
+    ----------
+    measure : str
+        A measure column: ``E_M``, ``p_div``, ``tau_first``, ``S_answer``, ``S_<t>`` (the
+        agreement chain's survival after ``t`` steps), ``kld_mean``, ``same_top_p``, ...
+
+    Returns
+    -------
+    int
+        ``-1`` for the survival ``S_<t>`` and for the measures :data:`DIRECTIONS` marks ``-1``
+        (a smaller value predicts a worse answer), ``+1`` otherwise.
+    """
+    if re.fullmatch(r"S_\d+", measure):
+        return -1
+    return int(DIRECTIONS.get(measure, 1))
 
 
 def task_documents(answers: pl.DataFrame, estimates: pl.DataFrame, extra: pl.DataFrame | None = None) -> pl.DataFrame:
@@ -235,7 +256,7 @@ def auc_table(
     """Per document: the ROC AUC of each measure for the answers a press breaks.
 
     Over the (point, document) pairs whose full-cache answer is right (controls left out);
-    ``broken``: the press's answer is wrong. Each measure is oriented by :data:`DIRECTIONS`
+    ``broken``: the press's answer is wrong. Each measure is oriented by :func:`direction`
     (``+1`` when absent), so 0.5 is chance and 1 a perfect separation. The interval resamples
     documents (with all their points; :class:`kvdiverge.estimation.bootstrap.Bootstrap` ``boot``,
     seed purpose ``"task-auc"``).
@@ -254,7 +275,7 @@ def auc_table(
         broken = ~part["correct"].to_numpy().astype(bool)
         idx = boot.indices(len(docs), "task-auc", model, split)
         for m in measures:
-            sign = DIRECTIONS.get(m, 1)
+            sign = direction(m)
             score = sign * part[m].cast(pl.Float64).fill_null(np.nan).to_numpy()
             auc_b = []
             for draw in idx:

@@ -79,8 +79,5 @@ def task_prompt(tokenizer, document: str, needle: Needle, settings: MultikeySett
     kvdiverge.study.tasks.niah.TaskError
         As :func:`kvdiverge.study.tasks.niah.needle_depth`.
     """
-    doc_id = render.get("doc_id", "document")
-    haystack, depth = _haystack(document, needle, settings, doc_id)
-    question, prefix = niah.QUESTION.format(key=needle.key), niah.ANSWER_PREFIX.format(key=needle.key)
-    ids, n_question = niah.render_question(tokenizer, niah.PREAMBLE + "\n" + haystack, question, prefix, render)
-    return TaskPrompt(ids, n_question, depth)
+    haystack, depth = _haystack(document, needle, settings, render.get("doc_id", "document"))
+    return niah.haystack_prompt(tokenizer, haystack, needle, depth, render)

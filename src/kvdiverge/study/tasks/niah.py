@@ -50,6 +50,7 @@ __all__ = [
     "task_prompt",
     "check_budget",
     "digest",
+    "haystack_prompt",
     "paragraphs",
 ]
 
@@ -312,8 +313,13 @@ def task_prompt(tokenizer, document: str, needle: Needle, settings: NiahSettings
     ``render`` passes ``system``, ``date`` (the chat template's, ``prompt.date``) and
     ``doc_id`` (named in errors).
     """
-    doc_id = render.get("doc_id", "document")
-    haystack, depth = insert_needle(document, needle, settings.depth_tolerance, doc_id)
+    haystack, depth = insert_needle(document, needle, settings.depth_tolerance, render.get("doc_id", "document"))
+    return haystack_prompt(tokenizer, haystack, needle, depth, render)
+
+
+def haystack_prompt(tokenizer, haystack: str, needle: Needle, depth: float, render) -> TaskPrompt:
+    """RULER's template around a haystack that holds the needle, asking for ``needle.key``
+    (:func:`render_question` with RULER's preamble, question and answer prefix)."""
     question, prefix = QUESTION.format(key=needle.key), ANSWER_PREFIX.format(key=needle.key)
     ids, n_question = render_question(tokenizer, PREAMBLE + "\n" + haystack, question, prefix, render)
     return TaskPrompt(ids, n_question, depth)
