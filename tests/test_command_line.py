@@ -60,6 +60,9 @@ def test_help_states_the_exit_status(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "exit status: 0 on success; 2 for a usage error" in text
         assert "1 for a failure at run time" in text
+    from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
+
+    assert f"(default {DEFAULT_LENGTH} with --screen)" in text  # the pass's default length, stated without torch
 
 
 @pytest.mark.parametrize(

@@ -29,9 +29,14 @@ def test_the_settings_come_back_from_their_params_form(smoke):
     assert ShardSettings.from_params(params) == job
     assert job.settings["none"] == shard_settings(smoke, MODEL, "none", "exploratory")  # what the shard records
     assert job.model_entry() == smoke["models"][MODEL] and job.shard == 1
-    teacher = TeacherSettings.from_config(smoke, MODEL, "snapkv-50", "confirmatory")
-    assert TeacherSettings.from_params(teacher.to_params()) == teacher
-    assert teacher.settings["snapkv-50"] == teacher_settings(smoke, MODEL, "snapkv-50", "confirmatory")
+    runs = [("snapkv-50", "confirmatory"), ("none", "exploratory"), ("snapkv-90", "exploratory")]
+    teacher = TeacherSettings.from_config(smoke, MODEL, runs)
+    params = teacher.to_params()
+    assert json.loads(json.dumps(params)) == params and params["runs"] == [list(r) for r in runs]
+    assert TeacherSettings.from_params(params) == teacher
+    assert teacher.settings["confirmatory"]["snapkv-50"] == teacher_settings(smoke, MODEL, "snapkv-50", "confirmatory")
+    assert teacher.splits() == {"confirmatory": ("snapkv-50",), "exploratory": ("none", "snapkv-90")}
+    assert teacher.model_entry() == smoke["models"][MODEL]
 
 
 def test_a_job_reads_the_settings_of_its_policies_only(smoke):
@@ -40,11 +45,14 @@ def test_a_job_reads_the_settings_of_its_policies_only(smoke):
     other = {**smoke, "teacher_forced": {**smoke["teacher_forced"], "length": 9}}
     shard = ShardSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory", 0)
     assert ShardSettings.from_config(other, MODEL, "snapkv-50", "exploratory", 0).to_params() == shard.to_params()
-    teacher = TeacherSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory")
-    changed = TeacherSettings.from_config(other, MODEL, "snapkv-50", "exploratory")
+    with pytest.raises(ValueError, match="give one each"):
+        TeacherSettings(model=MODEL, runs=(("a", "exploratory"),), settings={"confirmatory": {"a": {}}})
+    runs = [("snapkv-50", "exploratory")]
+    teacher = TeacherSettings.from_config(smoke, MODEL, runs)
+    changed = TeacherSettings.from_config(other, MODEL, runs)
     assert changed.to_params() != teacher.to_params()
-    decoding = {**smoke, "decoding": {**smoke["decoding"], "temperature": 0.9}}
-    assert TeacherSettings.from_config(decoding, MODEL, "snapkv-50", "exploratory") == teacher
+    decoding = {**smoke, "decoding": {**smoke["decoding"], "temperature": 0.9}, "replicates": 7, "shards": 3}
+    assert TeacherSettings.from_config(decoding, MODEL, runs) == teacher
 
 
 def test_the_batching_options_default_to_auto():

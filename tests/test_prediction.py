@@ -303,13 +303,15 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     for name, frame in {**inputs, "positions": positions, "answers": answers}.items():
         frame.write_parquet(tmp_path / f"{name}.parquet")
     (tmp_path / "coupled.tsv").write_text("s\tcpu_time\n1\t48.0\n")
+    (tmp_path / "teacher.tsv").write_text("s\tcpu_time\n1\t13.0\n")
     out = _Named({f"{n}_{k}": str(tmp_path / "out" / f"{n}.{k}") for n in ("prediction", "predictions", "accuracy")
                   for k in ("parquet", "csv")}, png=str(tmp_path / "out" / "p.png"), pdf=None)  # fmt: skip
     sm = NS(
         input=_Named({n: str(tmp_path / f"{n}.parquet") for n in inputs},
                      positions=[str(tmp_path / "positions.parquet")], answers=[str(tmp_path / "answers.parquet")]),
         params=NS(measures=["E_M", "kld_mean", "same_top_p"], min_full_accuracy=0.7, points=pts["point"].to_list(),
-                  costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "missing.tsv")]},
+                  costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "teacher.tsv")]},
+                  cost_runs={"coupled": 24, "teacher": 26},
                   bootstrap=20, confidence=0.9, seed=3),
         output=out, log=[str(tmp_path / "prediction.log")], wildcards=NS(model="m"),
     )  # fmt: skip
@@ -317,6 +319,7 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     table = pl.read_parquet(out["prediction_parquet"])
     assert table["measure"].to_list() == ["E_M", "kld_mean", "same_top_p"] and set(table["n_points"]) == {24}
     assert table["n_fidelity_docs"].to_list() == [6, 6, 6]  # the none control's document is left out
-    assert table["cpu_s_per_point"].to_list() == [2.0, None, None]  # 48 s over 24 points; no teacher benchmark
+    # 48 s over the 24 points; the teacher-forced job's 13 s over the 26 runs it served
+    assert table["cpu_s_per_point"].to_list() == [2.0, 0.5, 0.5]
     assert (table["spearman"] > 0.5).all()  # same_top_p is oriented: smaller predicts a larger drop
     assert pl.read_parquet(out["accuracy_parquet"]).height == 24 and Path(out["png"]).exists()

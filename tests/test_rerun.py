@@ -116,12 +116,10 @@ def rules(*names):
 
 
 def teacher(policies=None):
-    """The teacher-forced jobs of the runs (of ``policies``) and their table."""
-    return {
-        ("teacher_forced", f"{RES}/teacher_forced/{MODEL}/{p}/{s}.parquet")
-        for p, s in RUNS
-        if policies is None or p in policies
-    } | rules("teacher_forced_table", "all")
+    """The model's teacher-forced job (one for every run: named by its first output, the first run's
+    positions; whichever of ``policies`` changed) and their table."""
+    p, s = RUNS[0]
+    return {("teacher_forced", f"{RES}/teacher_forced/{MODEL}/{p}/{s}.parquet")} | rules("teacher_forced_table", "all")
 
 
 FIGURES_UP = rules("figure", "summary", "all")

@@ -15,6 +15,8 @@ from kvdiverge.engine.forced import continuation_budget, teacher_forced_policies
 from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation, position_measures
 from kvdiverge.engine.presses.policies import PressPolicy
 from kvdiverge.engine.presses.project import PermutationPress
+from kvdiverge.engine.presses.window import SlidingWindowPress
+from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.runner import Document, build_pair
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import (
@@ -163,13 +165,17 @@ def run_pass(model, press, tokens, block, joint=True):
         PermutationPress(seed=0),
         kvpress.PyramidKVPress(0.5, window_size=8),
         kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8)),
+        SlidingWindowPress(0.5, n_sink=4),
+        SlidingWindowPress(0.75, n_sink=3),
     ],
-    ids=["snapkv", "streaming", "permutation", "pyramidkv", "adakv"],
+    ids=["snapkv", "streaming", "permutation", "pyramidkv", "adakv", "window", "window-narrow"],
 )
 def test_one_forward_equals_token_by_token(model, press):
     """One forward per side gives the stepped distributions, on the joint and on the separate sides.
     Per-layer lengths (PyramidKV) and per-head eviction (AdaKV) mask keys per head: in one forward
-    the grouped attention masks them with a boolean mask, where stepping uses kvpress's fake key."""
+    the grouped attention masks them with a boolean mask, where stepping uses kvpress's fake key.
+    A sliding window (a decode-time press) attends in one forward through its band mask; its
+    narrow case (12 of 48 positions kept) slides past the whole prompt within the 20 tokens."""
     tokens = prompt(20, seed=9)
     block, one = run_pass(model, press, tokens, True)
     steps, stepped = run_pass(model, press, tokens, False)
@@ -213,7 +219,6 @@ def test_none_control_and_greedy_continuation(model):
 def test_shared_reference_equals_each_policy_alone(model):
     """A document's reference side runs once and serves every later policy: each policy's values are
     those of its pass alone, bit for bit (head-wise, prefill-only and decode-time presses mixed)."""
-    from kvdiverge.engine.presses.window import SlidingWindowPress
 
     docs = [Document("a", prompt(40)), Document("b", prompt(35))]
     presses = {
@@ -225,10 +230,33 @@ def test_shared_reference_equals_each_policy_alone(model):
     policies = {n: PressPolicy(n, p) for n, p in presses.items()}
     run = dict(sampling=SAMPLING, forcing=TeacherForcing(length=10), split="s", continuations={"a": prompt(30, seed=4)})
     together = teacher_forced_policies(model, docs, policies, **run)
-    assert together["one_forward"].to_list() == [n != "window" for n in together["policy"]]
+    assert together["one_forward"].all()  # the window too, through its band mask
     for name, policy in policies.items():
         alone = teacher_forced_policies(model, docs, {name: policy}, **run)
         assert together.filter(pl.col("policy") == name).equals(alone), name
+
+
+@pytest.mark.miniature
+def test_a_window_starts_from_the_shared_prefill_bit_for_bit(model):
+    """A sliding window's lane starts from the prefill it shared with other presses, with no forward
+    of its own, and computes what its own prefill gives, bit for bit."""
+    from kvdiverge.engine.runner import shared_prefills
+
+    doc, sampling = Document("d", prompt(40)), SAMPLING.replace(T=6)
+    policy = PressPolicy("w", SlidingWindowPress(0.5, n_sink=2))
+    press = policy.build_press(40)
+    bank = shared_prefills(evicted_twin(model), [doc], {"w": [press], "snap": [kvpress.SnapKVPress(0.5, window_size=8)]}, sampling)
+    shared = build_pair(model, [doc], policy, sampling, presses=[press], prefilled=bank["w"])
+    alone = build_pair(model, [doc], policy, sampling)
+    tokens = torch.tensor([prompt(5, seed=8)])
+    got = [pair.start(1) + pair.advance_block(tokens) for pair in (shared, alone)]
+    assert shared.counts["prefill_forwards"] == 0 and shared.counts["prefills_restored"] == 1
+    assert alone.counts["prefill_forwards"] == 1
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="evicts while decoding"):  # a press whose state is not fixed at prefill
+        build_pair(model, [doc], PressPolicy("d", kvpress.DecodingPress(kvpress.KnormPress(), compression_interval=4,
+                   target_size=20)), sampling, prefilled=bank["w"])  # fmt: skip
 
 
 def test_block_masks_weigh_exactly_zero():
@@ -252,17 +280,41 @@ def test_block_masks_weigh_exactly_zero():
 
 
 @pytest.mark.miniature
-def test_decode_time_and_quantized_caches_step(model):
-    """Decode-time presses and quantized caches run in the decode-time pair, token by token: the window
-    slides and the quantized residual flushes exactly as while decoding."""
+def test_quantized_caches_step_and_the_window_slides_in_one_forward(model):
+    """A quantized cache runs in the decode-time pair token by token (its residual flushes exactly as
+    while decoding); the sliding window runs in one forward with its band mask, and its lane then holds
+    what stepping leaves: K positions per layer, at the next RoPE position."""
     from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
-    from kvdiverge.engine.presses.window import SlidingWindowPress
 
     spec = QuantizedCacheSpec(backend="quanto", nbits=2, q_group_size=8, residual_length=3)
-    for press in (SlidingWindowPress(0.5, n_sink=2), QuantizedCachePress(spec)):
+    for press, block in ((QuantizedCachePress(spec), False), (SlidingWindowPress(0.5, n_sink=2), True)):
         values, one = run_pass(model, press, prompt(12, seed=2), True)
-        assert not one and float(values["kld"][1:].mean()) > 0
+        assert one is block and float(values["kld"][1:].mean()) > 0
         assert values["kld"][0].item() == pytest.approx(0.0, abs=1e-12)  # the prefill's logits: q_1 = p_1
+    pair = build_pair(model, [Document("d", prompt(48))], PressPolicy("w", SlidingWindowPress(0.5, n_sink=2)),
+                      SAMPLING.replace(T=12))  # fmt: skip
+    pair.start(1)
+    assert pair.block_forward
+    pair.advance_block(torch.tensor([prompt(11, seed=3)]), reference=False)
+    lane = pair._lanes[0]
+    assert lane.layer_lens == [24] * 3 and lane.position.tolist() == [48 + 11]
+    pair.rewind(torch.tensor([5]))
+    assert not pair.block_forward  # a replayed row leaves the chain lane: stepping only
+    pair.close()
+
+
+def test_window_block_mask_by_hand():
+    """The band of a window of K = 5 (2 sinks) over a cache of 5 and 4 fed tokens: each token sees the
+    sinks, the 3 positions before it and itself, as stepping (cut to 5 after each) gives it."""
+    press = SlidingWindowPress(0.5, n_sink=2)
+    assert press.block_mask(5, 4) is None  # no prefill yet: the window is not fixed
+    press.window = {0: 5, 1: 5}
+    rows = [[j for j, a in enumerate(row) if a] for row in press.block_mask(5, 4).tolist()]
+    assert rows == [[0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5, 6], [0, 1, 4, 5, 6, 7], [0, 1, 5, 6, 7, 8]]
+    press.window = {0: 5, 1: 6}
+    assert press.block_mask(5, 4) is None  # layers of different windows: no one band
+    causal = SlidingWindowPress(0.0).block_mask(3, 2).tolist()  # ratio 0 never evicts
+    assert causal == [[True] * 4 + [False], [True] * 5]
 
 
 def test_following_texts_continue_the_excerpt():

@@ -238,7 +238,7 @@ def _teacher_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher-tokens",
         type=int,
         metavar="N",
-        help="continuation tokens of the teacher-forced pass (default 128 with --screen); without "
+        help="continuation tokens of the teacher-forced pass (default 64 with --screen); without "
         "--screen, also run the pass and add its columns to the summary",
     )
 
@@ -254,7 +254,7 @@ def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches
         presses,
         frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
         options=ScreenOptions(
-            length=128 if args.teacher_tokens is None else args.teacher_tokens,
+            length=ScreenOptions.length if args.teacher_tokens is None else args.teacher_tokens,
             seed=args.seed,
             instruction=instruction,
             system=args.system,

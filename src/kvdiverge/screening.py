@@ -27,7 +27,7 @@ import polars as pl
 
 from kvdiverge.engine.forced import teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
-from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
 from kvdiverge.io.files import save_table
@@ -117,7 +117,7 @@ class ScreenOptions:
         Feed the continuation in one forward where the press allows it.
     """
 
-    length: int = 128
+    length: int = DEFAULT_LENGTH
     seed: int = 0
     instruction: str | None = None
     system: str | None = None

@@ -37,6 +37,7 @@ FRONTIER_SPLIT = kvdiverge.study.frontier.frontier_split(CONFIG)
 FRONTIER_POLICIES = [pt.policy for pt in FRONTIER_POINTS]
 MODELS = list(CONFIG["models"])
 RUNS = kvdiverge.study.config.runs(CONFIG)  # [(model, policy, split), ...], control included
+MODEL_RUNS = [(p, s) for m, p, s in RUNS if m == MODELS[0]]  # [(policy, split), ...]: every model runs the same
 SHARDS = list(range(int(CONFIG["shards"])))
 FLOOR = kvdiverge.study.config.floor_policy(CONFIG)  # the noise-floor control, or None
 # the loop detector of the length drift (config `drift`; the period at most the horizon)
@@ -68,7 +69,7 @@ def shard_settings(wildcards):
 # its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
 # object back (ShardSettings.from_params); none reads or validates the config again.
 def job_policies(wildcards):
-    """The policies and split of a generation job: its wildcards', or every frontier policy
+    """The policies and split of a shard job: its wildcards', or every frontier policy
     on the frontier's split (the frontier's jobs have no policy wildcard)."""
     if hasattr(wildcards, "policy"):
         return [wildcards.policy], wildcards.split
@@ -83,9 +84,8 @@ def shard_job(wildcards):
 
 
 def teacher_job(wildcards):
-    """The settings of a teacher-forced job (rules teacher_forced, teacher_forced_frontier)."""
-    policies, split = job_policies(wildcards)
-    return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, policies, split).to_params()
+    """The settings of a model's teacher-forced job (rule teacher_forced): every run of the model."""
+    return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
 
 
 def export_configfiles():
@@ -110,6 +110,7 @@ PROMPTS = f"{RESULTS}/prompts/{{model}}.parquet"
 MODEL_DIR = f"{RESULTS}/models/{{model}}"  # a GGUF model converted once (rule convert_model)
 SHARD = f"{RESULTS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.parquet"
 ESTIMATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.parquet"
+TEACHER = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"  # a run's teacher-forced positions
 ANALYSIS = f"{RESULTS}/analysis"
 FIGURES = f"{RESULTS}/figures"
 LOGS = f"{RESULTS}/logs"
@@ -256,6 +257,12 @@ def run_files(pattern, runs=None, partial=False):
     return [expand(pattern, model=m, policy=p, split=s, allow_missing=partial)[0] for m, p, s in runs]
 
 
+def model_run_files(pattern):
+    """`pattern` of every run of one model, {model} left in place: the outputs of a per-model job."""
+    policies, splits = [p for p, _ in MODEL_RUNS], [s for _, s in MODEL_RUNS]
+    return expand(pattern, zip, policy=policies, split=splits, allow_missing=True)
+
+
 def all_trajectory_shards(runs=None):
     """Shard files of every run of `runs` (default: every run in kvdiverge.study.config.runs)."""
     return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
@@ -307,7 +314,7 @@ def prediction_costs(wildcards):
     read when present, not inputs (a benchmark file is no rule's output)."""
     return {
         "coupled": [benchmark_file(f"frontier_trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
-        "teacher": [benchmark_file(f"teacher_forced_frontier/{wildcards.model}/{FRONTIER_SPLIT}")],
+        "teacher": [benchmark_file(f"teacher_forced/{wildcards.model}")],
     }
 
 

@@ -32,9 +32,7 @@ if PREDICTION_SIDES:
             answers=expand(rules.prediction_task.output[0], side=PREDICTION_SIDES, allow_missing=True),
             documents=rules.pool.output.documents_parquet,
             teacher=rules.teacher_forced_table.output.documents_parquet,
-            positions=expand(
-                rules.teacher_forced.output[0], policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True
-            ),
+            positions=expand(TEACHER, policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True),
             frontier=rules.frontier.output.parquet,
         output:
             prediction_parquet=f"{PREDICTION_DIR}/prediction.parquet",
@@ -65,6 +63,8 @@ if PREDICTION_SIDES:
             min_full_accuracy=CONFIG.get("prediction", {}).get("min_full_accuracy"),
             points=FRONTIER_POLICIES,
             costs=prediction_costs,
+            # what each family's jobs ran: the frontier's points (coupled), every run of the model (teacher)
+            cost_runs={"coupled": len(FRONTIER_POLICIES), "teacher": len(MODEL_RUNS)},
             **ANALYSIS_PARAMS,
         conda:
             CONDA_ENV

@@ -2,8 +2,9 @@
 (kvdiverge.estimation.prediction.prediction_study, kvdiverge.report.prediction).
 
 The fidelity side is the frontier's points on its split: the coupled estimates, the teacher-forced
-documents and positions. The CPU time per point of the coupled measures and of the teacher-forced
-ones comes from the frontier jobs' benchmark files (Snakemake's ``cpu_time``, seconds).
+documents and positions. The CPU time per point of the coupled measures comes from the frontier
+shard jobs' benchmark files (Snakemake's ``cpu_time``, seconds) over the points, that of the
+teacher-forced ones from the model's teacher-forced job over every run it served.
 """
 
 from pathlib import Path
@@ -30,7 +31,7 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
                              min_full_accuracy=p.min_full_accuracy)  # fmt: skip
     found = {family: [f for f in files if Path(f).exists()] for family, files in dict(p.costs).items()}
     cost = {  # None where a job's benchmark file is missing (its outputs came from elsewhere)
-        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files) / len(p.points) if files else None
+        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files) / p.cost_runs[family] if files else None
         for family, files in found.items()
     }
     teacher = pl.col("measure").is_in([*HEADLINE, "kld_p99", "kld_max"])

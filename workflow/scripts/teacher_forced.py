@@ -1,9 +1,7 @@
-"""Snakemake adapter: the teacher-forced pass of the job's policies on one (model, split) (kvdiverge.study.teacher).
+"""Snakemake adapter: the teacher-forced pass of every run of one model (kvdiverge.study.teacher).
 
-Rule teacher_forced runs one policy, rule teacher_forced_frontier every frontier point of one
-model in one pass; both read their settings from ``params.settings``
-(kvdiverge.study.jobs.TeacherSettings, their rerun key) and write one per-position table per
-policy, atomically.
+Rule teacher_forced reads its settings from ``params.settings`` (kvdiverge.study.jobs.TeacherSettings,
+its rerun key) and writes one per-position table per run, atomically, in the order of its runs.
 """
 
 import polars as pl
@@ -20,6 +18,6 @@ paths = {"prompts": snakemake.input.prompts, "corpus": snakemake.input.corpus}
 with rule_log(snakemake.log[0], snakemake.rule) as log:
     with job_model_entry(settings.model_entry(), snakemake.input.model) as spec:
         frame = run_teacher_forced(settings, paths, model_spec=spec)
-    for policy, path in zip(settings.policies, snakemake.output):
-        write_parquet_atomic(frame.filter(pl.col("policy") == policy), path)
-    log.info("wrote %d runs: %d positions", len(settings.policies), frame.height)
+    for (policy, split), path in zip(settings.runs, snakemake.output):
+        write_parquet_atomic(frame.filter((pl.col("policy") == policy) & (pl.col("split") == split)), path)
+    log.info("wrote %d runs: %d positions", len(settings.runs), frame.height)

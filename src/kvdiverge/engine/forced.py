@@ -15,7 +15,7 @@ and shared by every policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import polars as pl
@@ -29,6 +29,7 @@ from kvdiverge.engine.llm.teacher import (
     greedy_continuation,
     position_measures,
 )
+from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.runner import (
@@ -86,6 +87,7 @@ def teacher_forced_policies(
     forcing: TeacherForcing,
     split: str,
     continuations: Mapping[str, Sequence[int]] | None = None,
+    documents_of: Mapping[str, Collection[str]] | None = None,
 ) -> pl.DataFrame:
     """Every policy's teacher-forced pass on the same documents and continuations.
 
@@ -108,6 +110,10 @@ def teacher_forced_policies(
     continuations : mapping of str to sequence of int, optional
         Per ``doc_id``, the corpus text that follows the document (tokens, no special
         tokens); documents without one get the greedy continuation.
+    documents_of : mapping of str to collection of str, optional
+        Per policy, the ``doc_id`` of the documents it runs on (default: every document).
+        A document is prefilled once, and its reference side run once, for all the
+        policies that run on it.
 
     Returns
     -------
@@ -119,22 +125,28 @@ def teacher_forced_policies(
     ------
     kvdiverge.engine.core.errors.PressError, ValueError
         As :func:`kvdiverge.engine.runner.run_policies`: a press the model cannot run, a
-        document shorter than a policy needs.
+        document shorter than a policy needs; ``documents_of`` without a policy's entry.
     """
-    if not documents:
-        return pl.DataFrame(schema=POSITION_SCHEMA)
+    runs_on = {name: _documents_of(documents, documents_of, name) for name in policies}
     for name, source in policies.items():
-        check_policy(model, documents, source, f"policy {name!r}")
-    check_prompt_lengths(documents, policies, "policy")
+        if runs_on[name]:
+            check_policy(model, runs_on[name], source, f"policy {name!r}")
+            check_prompt_lengths(runs_on[name], {name: source}, "policy")
+    if not any(runs_on.values()):
+        return pl.DataFrame(schema=POSITION_SCHEMA)
+    ids = {name: {doc.doc_id for doc in docs} for name, docs in runs_on.items()}
     context = getattr(model.config, "max_position_embeddings", None)
     given = continuations or {}
     frames, run = [], _Run(sampling, forcing, split)
     twin = evicted_twin(model)  # where the shared prefills' presses enter
     for doc in documents:
+        here = {name: source for name, source in policies.items() if doc.doc_id in ids[name]}
+        if not here:
+            continue
         cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
-        presses, prefilled = _shared_prefills(twin, doc, policies, sampling)
+        presses, prefilled = _shared_prefills(twin, doc, here, sampling)
         reference = None  # the reference side's log-distributions, once per document
-        for name, source in policies.items():
+        for name, source in here.items():
             made = (presses[name], prefilled.get(name))
             frame, forced = _one(model, doc, (name, source, made), cont, run, reference)
             frames.append(frame)
@@ -145,11 +157,23 @@ def teacher_forced_policies(
     return out.sort("_order", maintain_order=True).drop("_order")
 
 
+def _documents_of(documents: Sequence[Document], documents_of, name: str) -> list[Document]:
+    """The documents policy ``name`` runs on (all of them when ``documents_of`` is None)."""
+    if documents_of is None:
+        return list(documents)
+    if name not in documents_of:
+        raise ValueError(f"documents_of names no documents for policy {name!r}")
+    wanted = set(documents_of[name])
+    return [doc for doc in documents if doc.doc_id in wanted]
+
+
 def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
-    """Each policy's press for ``doc``, and the prefills of the prefill-only presses that share one
-    forward (:func:`kvdiverge.engine.runner.shared_prefills`, as the coupled run shares them)."""
+    """Each policy's press for ``doc``, and the prefills of the presses that share one forward
+    (:func:`kvdiverge.engine.runner.shared_prefills`, as the coupled run shares them): the prefill-only
+    presses, and the decode-time ones whose lanes can start from it
+    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding window)."""
     presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}
-    sharing = {n: [p] for n, p in presses.items() if p is None or not is_decode_time(p)}
+    sharing = {n: [p] for n, p in presses.items() if p is None or not is_decode_time(p) or takes_prefill(p)}
     bank = shared_prefills(twin, [doc], sharing, sampling)
     return presses, {name: got[0] for name, got in bank.items() if got is not None}
 

@@ -26,7 +26,7 @@ from kvdiverge.engine.core.coupled import run_batch, to_frame
 from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
 from kvdiverge.engine.core.pairs import PhaseTracker
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llm.decode_pair import DecodeTimePair
+from kvdiverge.engine.llm.decode_pair import DecodeTimePair, takes_prefill
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
@@ -604,7 +604,7 @@ def build_pair(
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
     decode_time = is_decode_time(presses[0])
-    if prefilled is not None and decode_time:
+    if prefilled is not None and decode_time and not all(g is None or takes_prefill(p) for p, g in zip(presses, prefilled)):
         raise ValueError(f"policy {policy.name!r} evicts while decoding; its prefill is not shared")
     if any(doc.n_question for doc in batch):
         problem = question_after_problem(presses[0])

@@ -30,8 +30,21 @@ from kvdiverge.study.provenance import canonical, shard_settings, teacher_settin
 __all__ = ["JobSettings", "ShardSettings", "TeacherSettings", "job_model_entry"]
 
 
+class _PlainForm:
+    """Settings that travel as a rule's ``params`` in their plain form (canonical JSON values)."""
+
+    def to_params(self) -> dict[str, Any]:
+        """The plain form of the settings, for a rule's ``params``: canonical JSON values, outputs in order."""
+        return canonical(asdict(self))
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]):
+        """The settings from their plain form (:meth:`to_params`; what a script finds in ``snakemake.params``)."""
+        return cls(**{k: canonical(v) for k, v in dict(params).items()})
+
+
 @dataclass(frozen=True)
-class JobSettings:
+class JobSettings(_PlainForm):
     """The settings one generation job reads: its model, split and policies, and what decides each policy's output.
 
     Parameters
@@ -56,15 +69,6 @@ class JobSettings:
         object.__setattr__(self, "policies", tuple(self.policies))
         if not self.policies or set(self.policies) != set(self.settings):
             raise ValueError(f"settings for {sorted(self.settings)}, policies {list(self.policies)}: give one each")
-
-    def to_params(self) -> dict[str, Any]:
-        """The plain form of the settings, for a rule's ``params``: canonical JSON values, policies in order."""
-        return canonical(asdict(self))
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]):
-        """The settings from their plain form (:meth:`to_params`; what a script finds in ``snakemake.params``)."""
-        return cls(**{k: canonical(v) for k, v in dict(params).items()})
 
     def model_entry(self) -> dict[str, Any] | None:
         """The job's model entry (the config's ``models[model]``; None when the model is given directly)."""
@@ -94,22 +98,62 @@ class ShardSettings(JobSettings):
 
 
 @dataclass(frozen=True)
-class TeacherSettings(JobSettings):
-    """The settings of a teacher-forced job (:func:`kvdiverge.study.teacher.run_teacher_forced`).
+class TeacherSettings(_PlainForm):
+    """The settings of a model's teacher-forced job (:func:`kvdiverge.study.teacher.run_teacher_forced`): every run of one model.
 
-    Per policy, :func:`kvdiverge.study.provenance.teacher_settings` (the model and policy
-    entries, the seed, the control's documents, the ``corpus`` and ``teacher_forced``
-    sections).
+    One job per model serves every ``(policy, split)`` run of it: one model load, and each
+    document prefilled once for every policy that runs on it. Its rerun key holds what
+    the teacher-forced positions depend on and nothing else, so a change to decoding,
+    replicates or shards reruns no teacher-forced job, and a change to the
+    ``teacher_forced`` section reruns no trajectory shard.
+
+    Parameters
+    ----------
+    model : str
+        Key of the config's ``models``.
+    runs : tuple of (str, str)
+        ``(policy, split)`` of every run, in the order of the job's outputs.
+    settings : mapping
+        Per split, per policy: :func:`kvdiverge.study.provenance.teacher_settings` (the
+        model and policy entries, the seed, the control's documents, the ``corpus`` and
+        ``teacher_forced`` sections).
+
+    Raises
+    ------
+    ValueError
+        If ``runs`` is empty or ``settings`` does not hold exactly one entry per run.
     """
 
+    model: str
+    runs: tuple[tuple[str, str], ...]
+    settings: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs", tuple((str(policy), str(split)) for policy, split in self.runs))
+        given = {(policy, split) for split, named in self.settings.items() for policy in named}
+        if not self.runs or given != set(self.runs):
+            raise ValueError(f"settings for {sorted(given)}, runs {list(self.runs)}: give one each")
+
     @classmethod
-    def from_config(
-        cls, config: Mapping[str, Any], model: str, policies: str | Sequence[str], split: str
-    ) -> TeacherSettings:
-        """The settings of the teacher-forced pass of ``policies`` on ``(model, split)`` of a validated config."""
-        names = [policies] if isinstance(policies, str) else list(policies)
-        settings = {name: teacher_settings(config, model, name, split) for name in names}
-        return cls(model=model, split=split, policies=tuple(names), settings=settings)
+    def from_config(cls, config: Mapping[str, Any], model: str, runs: Sequence[tuple[str, str]]) -> TeacherSettings:
+        """The settings of the teacher-forced pass of ``runs`` (``(policy, split)`` pairs) on ``model`` of a validated config."""
+        settings: dict[str, dict[str, Any]] = {}
+        for policy, split in runs:
+            settings.setdefault(split, {})[policy] = teacher_settings(config, model, policy, split)
+        return cls(model=model, runs=tuple(runs), settings=settings)
+
+    def splits(self) -> dict[str, tuple[str, ...]]:
+        """Per split, its runs' policies in the order of :attr:`runs`."""
+        out: dict[str, list[str]] = {}
+        for policy, split in self.runs:
+            out.setdefault(split, []).append(policy)
+        return {split: tuple(policies) for split, policies in out.items()}
+
+    def model_entry(self) -> dict[str, Any] | None:
+        """The job's model entry (the config's ``models[model]``; None when the model is given directly)."""
+        policy, split = self.runs[0]
+        entry = self.settings[split][policy]["model"]
+        return None if entry is None else dict(entry)
 
 
 @contextlib.contextmanager

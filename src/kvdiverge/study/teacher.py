@@ -18,7 +18,7 @@ import polars as pl
 
 from kvdiverge.engine.forced import teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
-from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document
 from kvdiverge.study.corpus import following_texts
@@ -35,7 +35,7 @@ def forcing_settings(config: Mapping[str, Any]):
     """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section
     (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.study.jobs.TeacherSettings`)."""
     section = config.get("teacher_forced") or {}
-    return TeacherForcing(length=int(section.get("length", 128)))
+    return TeacherForcing(length=int(section.get("length", DEFAULT_LENGTH)))
 
 
 def corpus_continuations(
@@ -59,12 +59,12 @@ def corpus_continuations(
 def run_teacher_forced(
     settings: TeacherSettings, paths: dict[str, str], model_spec: dict[str, Any] | None = None, loaded=None
 ) -> pl.DataFrame:
-    """The teacher-forced positions of the job's policies on one (model, split).
+    """The teacher-forced positions of every run of the job's model: one model load, one prefill per document.
 
     Parameters
     ----------
     settings : kvdiverge.study.jobs.TeacherSettings
-        The job: model, split and policies, with each policy's settings
+        The job: the model and its ``(policy, split)`` runs, with each run's settings
         (:func:`kvdiverge.study.provenance.teacher_settings`: model and policy entries, seed,
         the control's documents, the ``corpus`` and ``teacher_forced`` sections).
     paths : dict
@@ -78,56 +78,49 @@ def run_teacher_forced(
     Returns
     -------
     polars.DataFrame
-        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, policies grouped by
-        their documents (those on the same documents run in one pass: one prefill forward
-        and one reference side per document, :func:`kvdiverge.engine.forced.teacher_forced_policies`).
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, split by split: every
+        document of a split prefilled once for all the policies that run on it, its reference
+        side run once (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
     """
     if loaded is None:
         loaded = load_model(model_spec or settings.model_entry(), settings.model)
     model, tokenizer = loaded
-    first = settings.settings[settings.policies[0]]  # the sections every policy of the job shares
+    policy, split = settings.runs[0]
+    first = settings.settings[split][policy]  # the sections every run of the job shares
     forcing = forcing_settings(first)
     sampling = forcing.sampling(first["seed"], settings.model, model_eos_ids(model))
-    groups = _document_groups(pl.read_parquet(paths["prompts"]), settings)
+    prompts = pl.read_parquet(paths["prompts"])
     corpus_text = (first.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
-    corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every group
+    corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every split
     frames = []
-    for doc_ids, (docs, names) in groups.items():
+    for split, names in settings.splits().items():
+        docs, runs_on = _split_documents(prompts, split, {n: settings.settings[split][n]["documents"] for n in names})
         conts = {}
         if corpus is not None:
-            conts = corpus_continuations(first, corpus, tokenizer, list(doc_ids), forcing.length)
-        log.info(
-            "%s / %s / %s: %d documents, %d with corpus text",
-            settings.model,
-            names,
-            settings.split,
-            docs.height,
-            len(conts),
-        )
+            conts = corpus_continuations(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing.length)
+        log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(names),
+                 docs.height, len(conts))  # fmt: skip
         frames.append(
             teacher_forced_policies(
                 model,
                 [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-                {name: Policy.from_config(name, dict(settings.settings[name]["policy"])) for name in names},
+                {name: Policy.from_config(name, dict(settings.settings[split][name]["policy"])) for name in names},
                 sampling=sampling,
                 forcing=forcing,
-                split=settings.split,
+                split=split,
                 continuations=conts,
+                documents_of=runs_on,
             )
         )
     return pl.concat(frames)
 
 
-def _document_groups(
-    prompts: pl.DataFrame, settings: TeacherSettings
-) -> dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]]:
-    """The job's policies grouped by the documents they run on (policies on the same documents run together).
-
-    Each policy runs on the documents of its coupled run, in one shard
-    (:func:`kvdiverge.study.shard.select_documents`).
-    """
-    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
-    for name in settings.policies:
-        docs = select_documents(prompts, settings.split, 1, 0, settings.settings[name]["documents"])
-        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
-    return groups
+def _split_documents(
+    prompts: pl.DataFrame, split: str, limits: dict[str, int | None]
+) -> tuple[pl.DataFrame, dict[str, list[str]]]:
+    """The documents of a split that any of its policies runs on, and each policy's own (its coupled run's:
+    :func:`kvdiverge.study.shard.select_documents` in one shard, the first ``limit`` or all)."""
+    runs_on = {name: select_documents(prompts, split, 1, 0, limit)["doc_id"].to_list() for name, limit in limits.items()}
+    union = {doc for docs in runs_on.values() for doc in docs}
+    docs = select_documents(prompts, split, 1, 0, None).filter(pl.col("doc_id").is_in(list(union)))
+    return docs, runs_on

@@ -74,12 +74,19 @@ from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.registry import adapter_of, refusal, shares_prefill
 
-__all__ = ["DecodeTimePair"]
+__all__ = ["DecodeTimePair", "takes_prefill"]
 
 
 def _merges_lanes(press) -> bool:
     """True when every press in ``press`` lets the lanes of a document decode as one (``merge_lanes``)."""
     return all(adapter_of(p).merge_lanes for p in walk(press))
+
+
+def takes_prefill(press) -> bool:
+    """True when a decode-time pair can start ``press``'s lanes from a shared prefill
+    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`): its decode-time state is fixed at prefill
+    and equal in every lane (``merge_lanes``) and it shares its prefill forward."""
+    return press is not None and _merges_lanes(press) and shares_prefill(press)
 
 
 def _has_row_state(twin, press) -> bool:
@@ -200,6 +207,34 @@ class _Lane:
         self.counts[f"{kind}_row_steps"] += self.n
         return out.logits[:, -1, :]
 
+    def block_mask(self, length: int) -> torch.Tensor | None:
+        """bool (length, cache + length): the keys each of ``length`` tokens fed in one forward attends to, as stepping
+        would (the press's ``block_mask``); ``None`` when the press has none or the layers' lengths differ."""
+        lens = set(self.layer_lens)
+        make = getattr(self.press, "block_mask", None)
+        if make is None or len(lens) != 1 or not all(type(lay) is type(self.cache.layers[0]) for lay in self.cache.layers):
+            return None
+        return make(lens.pop(), int(length))
+
+    def forward_block(self, tokens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (int64 (n, L)) in one forward, query ``i`` attending to the keys ``allowed[i]``
+        (:meth:`block_mask`); the logits (n, L, vocab). The press's hook then holds its window, as after ``L`` steps."""
+        n, L = tokens.shape
+        mask = torch.zeros(allowed.shape, dtype=self.twin.dtype, device=tokens.device)
+        mask.masked_fill_(~allowed.to(tokens.device), float("-inf"))  # additive: any attention kernel takes it
+        out = self.twin(
+            input_ids=tokens,
+            past_key_values=self.cache,
+            position_ids=self.position.unsqueeze(1) + torch.arange(L, device=tokens.device),
+            attention_mask=mask.expand(n, 1, -1, -1),
+            use_cache=True,
+        )
+        self.position = self.position + L
+        self.last = tokens[:, -1]
+        self.counts["lane_forwards"] += 1
+        self.counts["lane_row_steps"] += self.n * L
+        return out.logits
+
     def absorb(self, other: "_Lane") -> int:
         """Append ``other``'s rows to this lane (caches concatenated per layer) and close ``other``.
 
@@ -263,8 +298,11 @@ class DecodeTimePair(LLMPairBase):
         ``press``, so the press objects are never entered themselves; ``expected_kept``
         (an int or ``None``) is the positions every layer must hold after the prefill
         (``None``: not checked); ``prefill_seed`` seeds torch's generator during each of the
-        document's prefills. ``prefilled`` and ``n_question`` must be left unset (each lane
-        prefills its own press state; a question after compression is refused).
+        document's prefills. ``n_question`` must be left unset (a question after compression
+        is refused), and ``prefilled`` too (each lane prefills its own press state) unless the
+        press :func:`takes_prefill`: then ``prefilled`` is the document's
+        :func:`~kvdiverge.engine.llm.prefill.prefill_shared` prefill and ``press`` the object
+        that ran in it, and the chain lane starts from them (no prefill forward of its own).
     decoding : kvdiverge.engine.core.sampling.Decoding
         Decoding transform (:func:`kvdiverge.engine.core.decoding.decode_log_probs`) and
         end-of-sequence ids (``None``: ``model.generation_config.eos_token_id``).
@@ -311,10 +349,10 @@ class DecodeTimePair(LLMPairBase):
         fast: bool | None = None,
     ):
         for d, doc in enumerate(documents):
-            if doc.prefilled is not None or doc.n_question:
+            if (doc.prefilled is not None and not takes_prefill(doc.press)) or doc.n_question:
                 raise ValueError(
                     f"document {d}: a decode-time pair prefills each lane itself and takes no "
-                    "shared prefill or question after compression"
+                    "shared prefill (but for a press whose state is fixed at prefill) or question after compression"
                 )
             why = refusal(doc.press)
             if why:
@@ -355,15 +393,21 @@ class DecodeTimePair(LLMPairBase):
         self._record("reset")
         self.counts = _new_counts()
         self._lanes, self.kept_lens, self.kept_per_layer, self._starts, ref = [], [], [], [], []
-        for d, (ids, doc) in enumerate(zip(self.prompts, self.documents)):
+        shared, self._prefilled = self._prefilled, [None] * B  # used once; hold no second reference
+        for d, (ids, doc, given) in enumerate(zip(self.prompts, self.documents, shared)):
+            # a shared prefill: the press's state after it, its cut cache, the full cache
+            start = None if given is None else (doc.press, given.ev, given.ev_logits)
             with seeded(doc.prefill_seed, self.device):
-                lane = _Lane(self.model, ids, doc.press, R, self.counts)
-            self._starts.append(lane.snapshot)
+                lane = _Lane(self.model, ids, doc.press, R, self.counts, start)
+            self._starts.append(lane.snapshot if start is None else start)
             self._check_prefill(d, lane)
             lane.chain_doc = lane.doc = d
             self._lanes.append(lane)
             # the full cache from the chain lane's own prefill forward where the press allows it
-            ref.append(lane.full if lane.full is not None else self._reference_prefill(ids))
+            if given is not None:
+                ref.append((given.ref, given.ref_logits))
+            else:
+                ref.append(lane.full if lane.full is not None else self._reference_prefill(ids))
             lane.full = None
         if all(min(kept) < n for kept, n in zip(self.kept_per_layer, self.prompt_lens)):
             # every prefill evicted: Q != P from the first step, one batched reference (module docstring)
@@ -429,6 +473,47 @@ class DecodeTimePair(LLMPairBase):
             self._hist[r].append(tok)
         self._record("append", x, y)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
+
+    @property
+    def block_forward(self) -> bool:
+        """True when :meth:`advance_block` can run: after :meth:`start` and before any :meth:`rewind` or
+        :meth:`keep_rows`, on one document whose press says which keys a block of tokens attends to
+        (``block_mask``: :class:`kvdiverge.engine.presses.window.SlidingWindowPress`, a window that only
+        drops its oldest positions). Other decode-time presses and quantized caches step token by token."""
+        if len(self._lanes) != 1 or len(self.prompts) != 1 or self._lanes[0].n != len(self._where):
+            return False
+        lane = self._lanes[0]
+        return lane.chain_doc == 0 and lane.block_mask(2) is not None
+
+    @torch.inference_mode()
+    def advance_block(self, tokens: torch.Tensor, *, reference: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Append the same ``tokens`` (int64 (n_rows, L)) to both sides in one forward each; log-dists (n_rows, L, vocab).
+
+        The teacher-forced pass (:mod:`kvdiverge.engine.llm.teacher`). The evicted side's
+        forward takes the press's band mask (:attr:`block_forward`), so each token sees
+        the keys it would see stepped, and the press then holds its window as after ``L``
+        calls of :meth:`advance`: equal to stepping up to float rounding. ``reference=False``
+        leaves the reference side behind (``None``), so the pair is done after it.
+
+        Raises
+        ------
+        ValueError
+            When :attr:`block_forward` is false.
+        """
+        if not self.block_forward:
+            raise ValueError("advance_block needs one document whose press gives a block mask, before any rewind")
+        tokens = tokens.to(self.device)
+        lane = self._lanes[0]
+        ev_logits = lane.forward_block(tokens, lane.block_mask(tokens.shape[1]))
+        check_logits_finite(ev_logits.flatten(0, 1), "evicted")
+        self.kept_lens[0] = min(self.kept_lens[0], lane.cache_len)
+        logq = self._transform(ev_logits.flatten(0, 1), "evicted").view(ev_logits.shape)
+        for r in range(tokens.shape[0]):
+            self._hist[r].extend(tokens[r].tolist())
+        if not reference:
+            return None, logq
+        ref_logits = self._refs[0].forward_block(self.model, tokens)
+        return self._transform(ref_logits.flatten(0, 1), "reference").view(ref_logits.shape), logq
 
     @torch.inference_mode()
     def rewind(self, length: torch.Tensor) -> None:

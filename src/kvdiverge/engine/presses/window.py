@@ -69,6 +69,41 @@ class SlidingWindowPress(BasePress):
         idx = torch.cat([torch.arange(sinks), torch.arange(seq - (kept - sinks), seq)]).to(keys.device)
         return keys.index_select(2, idx).contiguous(), values.index_select(2, idx).contiguous()
 
+    def block_mask(self, cached: int, length: int) -> torch.Tensor | None:
+        """Which keys each of ``length`` tokens fed in one forward would attend to, stepped one at a time.
+
+        Once the prefill has fixed the window ``K`` (the same in every layer), feeding a
+        token attends to the sinks and the ``K - n_sink`` positions before it, then evicts the
+        oldest non-sink one: the token at sequence index ``i`` attends to the indices ``j <=
+        i`` with ``j < n_sink`` or ``j >= i - (K - n_sink)``. That band, over the ``cached``
+        positions the cache holds now followed by the block, is what one forward with this
+        mask computes (:meth:`kvdiverge.engine.llm.decode_pair.DecodeTimePair.advance_block`).
+
+        Parameters
+        ----------
+        cached : int
+            Positions each layer's cache holds before the block (tokens; at most ``K``).
+        length : int
+            Tokens in the block.
+
+        Returns
+        -------
+        torch.Tensor or None
+            bool (length, cached + length), ``True`` where a query attends to a key; ``None``
+            when the window is not fixed yet (no prefill under this press) or differs between
+            layers.
+        """
+        if self.compression_ratio == 0:
+            kept = int(cached) + int(length)  # nothing is ever evicted: the causal mask
+        elif len(set(self.window.values())) == 1:
+            kept = next(iter(self.window.values()))
+        else:
+            return None
+        sinks = min(self.n_sink, kept)
+        query = torch.arange(int(length)).unsqueeze(1) + int(cached)
+        key = torch.arange(int(cached) + int(length)).unsqueeze(0)
+        return (key <= query) & ((key < sinks) | (key >= query - (kept - sinks)))
+
     def forward_hook(self, module, input, kwargs, output):
         """After each attention forward: at prefill fix the window ``K`` and cut to it, later hold it."""
         if self.compression_ratio == 0:
