@@ -35,7 +35,7 @@ import torch
 from scipy.stats import spearmanr
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.forced import teacher_forced_policies
+from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
@@ -80,7 +80,7 @@ def screen(config, loaded, length: int) -> tuple[pl.DataFrame, tuple[float, floa
     sampling = sampling.replace(eos_ids=tuple(model_eos_ids(model)))
     t0, c0 = time.perf_counter(), time.process_time()
     positions = teacher_forced_policies(
-        model, docs, policies, sampling=sampling, forcing=forcing, split="screen", continuations=conts
+        model, docs, policies, settings=TeacherPass(sampling, forcing, "screen"), continuations=conts
     )
     return positions, (time.perf_counter() - t0, time.process_time() - c0)
 

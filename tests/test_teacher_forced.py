@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.forced import continuation_budget, teacher_forced_policies
+from kvdiverge.engine.forced import TeacherPass, continuation_budget, teacher_forced_policies
 from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass, greedy_continuation, position_measures
+from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.policies import PressPolicy
 from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.presses.window import SlidingWindowPress
-from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.runner import Document, build_pair
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import (
@@ -196,9 +196,7 @@ def test_none_control_and_greedy_continuation(model):
         model,
         docs,
         policies,
-        sampling=SAMPLING,
-        forcing=TeacherForcing(length=12),
-        split="s",
+        settings=TeacherPass(SAMPLING, TeacherForcing(length=12), "s"),
         continuations={"a": prompt(30, seed=4)},
     )
     assert frame.schema == pl.Schema(POSITION_SCHEMA)
@@ -228,7 +226,7 @@ def test_shared_reference_equals_each_policy_alone(model):
         "floor": PermutationPress(seed=0),
     }
     policies = {n: PressPolicy(n, p) for n, p in presses.items()}
-    run = dict(sampling=SAMPLING, forcing=TeacherForcing(length=10), split="s", continuations={"a": prompt(30, seed=4)})
+    run = dict(settings=TeacherPass(SAMPLING, TeacherForcing(length=10), "s"), continuations={"a": prompt(30, seed=4)})
     together = teacher_forced_policies(model, docs, policies, **run)
     assert together["one_forward"].all()  # the window too, through its band mask
     for name, policy in policies.items():
@@ -245,7 +243,9 @@ def test_a_window_starts_from_the_shared_prefill_bit_for_bit(model):
     doc, sampling = Document("d", prompt(40)), SAMPLING.replace(T=6)
     policy = PressPolicy("w", SlidingWindowPress(0.5, n_sink=2))
     press = policy.build_press(40)
-    bank = shared_prefills(evicted_twin(model), [doc], {"w": [press], "snap": [kvpress.SnapKVPress(0.5, window_size=8)]}, sampling)
+    bank = shared_prefills(
+        evicted_twin(model), [doc], {"w": [press], "snap": [kvpress.SnapKVPress(0.5, window_size=8)]}, sampling
+    )
     shared = build_pair(model, [doc], policy, sampling, presses=[press], prefilled=bank["w"])
     alone = build_pair(model, [doc], policy, sampling)
     tokens = torch.tensor([prompt(5, seed=8)])
@@ -381,7 +381,7 @@ def test_shared_prefill_gives_each_policy_alone(model):
         "knorm": PressPolicy("knorm", kvpress.KnormPress(0.5)),
     }
     run = lambda ps: teacher_forced_policies(  # noqa: E731
-        model, docs, ps, sampling=SAMPLING, forcing=TeacherForcing(length=8), split="s", continuations={"a": prompt(9)}
+        model, docs, ps, settings=TeacherPass(SAMPLING, TeacherForcing(length=8), "s"), continuations={"a": prompt(9)}
     )
     together = run(policies)
     assert together["policy"].to_list() == ["snap"] * 8 + ["knorm"] * 8

@@ -25,7 +25,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.forced import teacher_forced_policies
+from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.estimation.bootstrap import Bootstrap
@@ -209,9 +209,7 @@ def run_screen(model, documents, sources, sampling, forcing, options: ScreenOpti
         model,
         documents,
         sources,
-        sampling=sampling,
-        forcing=forcing,
-        split=split,
+        settings=TeacherPass(sampling, forcing, split),
         continuations=continuations,
     )
     floors = [n for n, s in sources.items() if is_noise_floor(n, s)]

@@ -27,7 +27,8 @@ rule teacher_forced:
         # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
         settings=teacher_job,
     resources:
-        **generation_resources(),
+        # the runs go one after the other: the runtime grows with every 4 of them
+        **generation_resources(len(MODEL_RUNS)),
     conda:
         CONDA_ENV
     script:

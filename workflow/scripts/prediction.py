@@ -31,7 +31,9 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
                              min_full_accuracy=p.min_full_accuracy)  # fmt: skip
     found = {family: [f for f in files if Path(f).exists()] for family, files in dict(p.costs).items()}
     cost = {  # None where a job's benchmark file is missing (its outputs came from elsewhere)
-        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files) / p.cost_runs[family] if files else None
+        family: sum(pl.read_csv(f, separator="\t")["cpu_time"].sum() for f in files) / p.cost_runs[family]
+        if files
+        else None
         for family, files in found.items()
     }
     teacher = pl.col("measure").is_in([*HEADLINE, "kld_p99", "kld_max"])

@@ -22,6 +22,7 @@ import polars as pl
 import torch
 
 from kvdiverge.engine.core.sampling import Sampling
+from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.teacher import (
     Forced,
     TeacherForcing,
@@ -29,7 +30,6 @@ from kvdiverge.engine.llm.teacher import (
     greedy_continuation,
     position_measures,
 )
-from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.runner import (
@@ -42,7 +42,7 @@ from kvdiverge.engine.runner import (
 )
 from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 
-__all__ = ["Continuation", "continuation_budget", "teacher_forced_policies"]
+__all__ = ["Continuation", "TeacherPass", "continuation_budget", "teacher_forced_policies"]
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,7 @@ def teacher_forced_policies(
     documents: Sequence[Document],
     policies: Mapping[str, PressSource],
     *,
-    sampling: Sampling,
-    forcing: TeacherForcing,
-    split: str,
+    settings: TeacherPass,
     continuations: Mapping[str, Sequence[int]] | None = None,
     documents_of: Mapping[str, Collection[str]] | None = None,
 ) -> pl.DataFrame:
@@ -99,14 +97,8 @@ def teacher_forced_policies(
         The prompts.
     policies : mapping of str to PressSource
         Policy name (the ``policy`` column) -> policy.
-    sampling : Sampling
-        ``seed`` and ``model_name`` (prefill seeds, the ``model`` column) and ``eos_ids``
-        (where a greedy continuation stops); its temperature and ``top_p`` are not used:
-        the pass runs at temperature 1 on the raw logits.
-    forcing : TeacherForcing
-        Continuation length and whether to feed it in one forward.
-    split : str
-        The ``split`` column.
+    settings : TeacherPass
+        The pass's sampling settings, continuation settings and ``split`` column.
     continuations : mapping of str to sequence of int, optional
         Per ``doc_id``, the corpus text that follows the document (tokens, no special
         tokens); documents without one get the greedy continuation.
@@ -137,7 +129,7 @@ def teacher_forced_policies(
     ids = {name: {doc.doc_id for doc in docs} for name, docs in runs_on.items()}
     context = getattr(model.config, "max_position_embeddings", None)
     given = continuations or {}
-    frames, run = [], _Run(sampling, forcing, split)
+    frames, sampling, forcing = [], settings.sampling, settings.forcing
     twin = evicted_twin(model)  # where the shared prefills' presses enter
     for doc in documents:
         here = {name: source for name, source in policies.items() if doc.doc_id in ids[name]}
@@ -148,7 +140,7 @@ def teacher_forced_policies(
         reference = None  # the reference side's log-distributions, once per document
         for name, source in here.items():
             made = (presses[name], prefilled.get(name))
-            frame, forced = _one(model, doc, (name, source, made), cont, run, reference)
+            frame, forced = _one(model, doc, (name, source, made), cont, settings, reference)
             frames.append(frame)
             if reference is None and forced.shareable:
                 reference = forced.logp
@@ -179,15 +171,28 @@ def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], s
 
 
 @dataclass(frozen=True)
-class _Run:
-    """What every (document, policy) of one pass shares."""
+class TeacherPass:
+    """What every (document, policy) of one teacher-forced pass shares.
+
+    Parameters
+    ----------
+    sampling : Sampling
+        ``seed`` and ``model_name`` (prefill seeds, the ``model`` column) and ``eos_ids``
+        (where a greedy continuation stops); its temperature and ``top_p`` are not used:
+        the pass runs at temperature 1 on the raw logits
+        (:meth:`kvdiverge.engine.llm.teacher.TeacherForcing.sampling` makes it).
+    forcing : TeacherForcing
+        Continuation length and whether to feed it in one forward.
+    split : str
+        The ``split`` column.
+    """
 
     sampling: Sampling
     forcing: TeacherForcing
     split: str
 
 
-def _one(model, doc, policy, cont: Continuation, run: _Run, reference) -> tuple[pl.DataFrame, Forced]:
+def _one(model, doc, policy, cont: Continuation, run: TeacherPass, reference) -> tuple[pl.DataFrame, Forced]:
     """One (document, policy): its pair (``policy`` = name, source, (press, shared prefill or None)), the
     pass (the document's ``reference`` log-distributions where an earlier pair gave them), the rows."""
     name, source, (press, prefilled) = policy

@@ -604,7 +604,11 @@ def build_pair(
     if reason:
         raise PressError(f"policy {policy.name!r}", reason)
     decode_time = is_decode_time(presses[0])
-    if prefilled is not None and decode_time and not all(g is None or takes_prefill(p) for p, g in zip(presses, prefilled)):
+    if (
+        prefilled is not None
+        and decode_time
+        and not all(g is None or takes_prefill(p) for p, g in zip(presses, prefilled))
+    ):
         raise ValueError(f"policy {policy.name!r} evicts while decoding; its prefill is not shared")
     if any(doc.n_question for doc in batch):
         problem = question_after_problem(presses[0])

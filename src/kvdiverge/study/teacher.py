@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.engine.forced import teacher_forced_policies
+from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
@@ -105,9 +105,7 @@ def run_teacher_forced(
                 model,
                 [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
                 {name: Policy.from_config(name, dict(settings.settings[split][name]["policy"])) for name in names},
-                sampling=sampling,
-                forcing=forcing,
-                split=split,
+                settings=TeacherPass(sampling, forcing, split),
                 continuations=conts,
                 documents_of=runs_on,
             )
@@ -120,7 +118,9 @@ def _split_documents(
 ) -> tuple[pl.DataFrame, dict[str, list[str]]]:
     """The documents of a split that any of its policies runs on, and each policy's own (its coupled run's:
     :func:`kvdiverge.study.shard.select_documents` in one shard, the first ``limit`` or all)."""
-    runs_on = {name: select_documents(prompts, split, 1, 0, limit)["doc_id"].to_list() for name, limit in limits.items()}
+    runs_on = {
+        name: select_documents(prompts, split, 1, 0, limit)["doc_id"].to_list() for name, limit in limits.items()
+    }
     union = {doc for docs in runs_on.values() for doc in docs}
     docs = select_documents(prompts, split, 1, 0, None).filter(pl.col("doc_id").is_in(list(union)))
     return docs, runs_on

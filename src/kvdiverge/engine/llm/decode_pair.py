@@ -212,7 +212,11 @@ class _Lane:
         would (the press's ``block_mask``); ``None`` when the press has none or the layers' lengths differ."""
         lens = set(self.layer_lens)
         make = getattr(self.press, "block_mask", None)
-        if make is None or len(lens) != 1 or not all(type(lay) is type(self.cache.layers[0]) for lay in self.cache.layers):
+        if (
+            make is None
+            or len(lens) != 1
+            or not all(type(lay) is type(self.cache.layers[0]) for lay in self.cache.layers)
+        ):
             return None
         return make(lens.pop(), int(length))
 
@@ -486,7 +490,9 @@ class DecodeTimePair(LLMPairBase):
         return lane.chain_doc == 0 and lane.block_mask(2) is not None
 
     @torch.inference_mode()
-    def advance_block(self, tokens: torch.Tensor, *, reference: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def advance_block(
+        self, tokens: torch.Tensor, *, reference: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Append the same ``tokens`` (int64 (n_rows, L)) to both sides in one forward each; log-dists (n_rows, L, vocab).
 
         The teacher-forced pass (:mod:`kvdiverge.engine.llm.teacher`). The evicted side's

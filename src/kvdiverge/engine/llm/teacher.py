@@ -22,8 +22,13 @@ How the continuation enters:
   (:meth:`kvdiverge.engine.llm.masks.HeadMasks.block`), a masked key weighing exactly 0.
   Decoding masks them with kvpress's fake key, whose weight underflows to 0 for the one
   query it is searched for (its search over all of a block's queries can fail).
-- **Decode-time presses and quantized caches** (:class:`~kvdiverge.engine.llm.decode_pair.DecodeTimePair`): token by token,
-  as decoding runs them. A quantized cache (``transformers``' ``QuantizedLayer``) then
+- **A sliding window** (:class:`~kvdiverge.engine.presses.window.SlidingWindowPress`, in the
+  :class:`~kvdiverge.engine.llm.decode_pair.DecodeTimePair`): also in one forward, its
+  attention mask the band each token sees when stepped (sinks and the ``K - n_sink``
+  positions before it: :meth:`~kvdiverge.engine.presses.window.SlidingWindowPress.block_mask`),
+  equal to stepping up to float rounding (a test).
+- **Other decode-time presses and quantized caches** (:class:`~kvdiverge.engine.llm.decode_pair.DecodeTimePair`): token by token,
+  as decoding runs them: their state at a step (a counter, a buffer, a residual) follows the steps before. A quantized cache (``transformers``' ``QuantizedLayer``) then
   holds the continuation's keys and values exactly as decoding would: the prompt
   quantized before the first continuation token, the newest ``residual_length`` tokens in
   full precision, and the whole cache re-quantized each time the residual fills (a flush).
@@ -47,7 +52,15 @@ import torch
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.hf import DynamicCache
 
-__all__ = ["DEFAULT_LENGTH", "Forced", "TeacherForcing", "forced_log_probs", "forced_pass", "greedy_continuation", "position_measures"]
+__all__ = [
+    "DEFAULT_LENGTH",
+    "Forced",
+    "TeacherForcing",
+    "forced_log_probs",
+    "forced_pass",
+    "greedy_continuation",
+    "position_measures",
+]
 
 
 #: Continuation tokens per document by default: on the embedded default's documents the mean KLD's
