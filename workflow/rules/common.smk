@@ -84,7 +84,7 @@ def shard_job(wildcards):
 
 
 def teacher_job(wildcards):
-    """The settings of a model's teacher-forced job (rule teacher_forced): every run of the model."""
+    """The settings of a model's teacher-forced job (rule teacher_forced), every run of the model."""
     return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
 
 

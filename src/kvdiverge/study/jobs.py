@@ -4,8 +4,8 @@ The workflow's controller validates the config once, when the workflow starts
 (``workflow/rules/common.smk``), and builds for every job the settings object of this
 module that holds what the job reads: :class:`ShardSettings` for a trajectory shard job,
 :class:`TeacherSettings` for a teacher-forced job. The rule hands it to the job as
-``params: settings=...`` in its plain form (:meth:`JobSettings.to_params`, canonical JSON
-values), and the script turns it back with one call (:meth:`JobSettings.from_params`). The
+``params: settings=...`` in its plain form (:meth:`ParamsForm.to_params`, canonical JSON
+values), and the script turns it back with one call (:meth:`ParamsForm.from_params`). The
 same object is the job's rerun key: Snakemake's ``params`` rerun trigger compares it with
 the one recorded when the output was made, so a changed setting that the job reads reruns
 it, and a setting that it does not read reruns nothing.
@@ -27,11 +27,12 @@ from kvdiverge.study.devices import bind_device
 from kvdiverge.study.models import local_entry
 from kvdiverge.study.provenance import canonical, shard_settings, teacher_settings
 
-__all__ = ["JobSettings", "ShardSettings", "TeacherSettings", "job_model_entry"]
+__all__ = ["JobSettings", "ParamsForm", "ShardSettings", "TeacherSettings", "job_model_entry"]
 
 
-class _PlainForm:
-    """Settings that travel as a rule's ``params`` in their plain form (canonical JSON values)."""
+class ParamsForm:
+    """Settings that travel as a rule's ``params`` in their plain form (canonical JSON values): the base of
+    :class:`JobSettings` and :class:`TeacherSettings`."""
 
     def to_params(self) -> dict[str, Any]:
         """The plain form of the settings, for a rule's ``params``: canonical JSON values, outputs in order."""
@@ -44,7 +45,7 @@ class _PlainForm:
 
 
 @dataclass(frozen=True)
-class JobSettings(_PlainForm):
+class JobSettings(ParamsForm):
     """The settings one generation job reads: its model, split and policies, and what decides each policy's output.
 
     Parameters
@@ -98,7 +99,7 @@ class ShardSettings(JobSettings):
 
 
 @dataclass(frozen=True)
-class TeacherSettings(_PlainForm):
+class TeacherSettings(ParamsForm):
     """The settings of a model's teacher-forced job (:func:`kvdiverge.study.teacher.run_teacher_forced`): every run of one model.
 
     One job per model serves every ``(policy, split)`` run of it: one model load, and each
