@@ -14,6 +14,7 @@ and shared by every policy.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,9 +145,27 @@ def teacher_forced_policies(
             frames.append(frame)
             if reference is None and forced.shareable:
                 reference = forced.logp
+        del presses, prefilled, reference
+        _return_freed_memory()
     order = {name: i for i, name in enumerate(policies)}
     out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
     return out.sort("_order", maintain_order=True).drop("_order")
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free memory back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+
+    A document's pass frees its presses' caches, some MB each, and blocks of logits; glibc's
+    allocator serves such blocks from its heap once its mmap threshold has risen (malloc(3),
+    ``M_MMAP_THRESHOLD``), and its free memory was not reused: on ``config/frontier.yaml``
+    (25 policies a document, 64 continuation tokens) the process grew by about 1.8 GB a
+    document, to a peak of 12 GB at the sixth; with a trim after each document it holds
+    1.2 GB between documents and peaks at 3.7 GB.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc (macOS, musl): its allocator keeps its own ways
+        pass
 
 
 def _documents_of(documents: Sequence[Document], documents_of, name: str) -> list[Document]:
