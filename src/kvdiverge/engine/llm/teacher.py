@@ -64,9 +64,9 @@ __all__ = [
 
 
 #: Continuation tokens per document by default: on the embedded default's documents the mean KLD's
-#: document-bootstrap interval at 64 tokens is within 1.4x the width of 128's (the same for
-#: SnapKV at 50 %) at two thirds of the pass's CPU time; at 32 it is up to 1.7x wider and misses
-#: the divergences that start later (docs/benchmarks.md, "The teacher-forced pass").
+#: document-bootstrap interval at 64 tokens is at most 1.5x as wide as at 128 (as wide for SnapKV
+#: at 50 %) for 73 % of the pass's CPU time; at 32 it is up to 2.9x as wide, and it misses the
+#: divergences that start later (docs/benchmarks.md, "The teacher-forced pass").
 DEFAULT_LENGTH = 64
 
 
