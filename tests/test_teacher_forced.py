@@ -301,6 +301,14 @@ def test_quantized_caches_step_and_the_window_slides_in_one_forward(model):
     pair.rewind(torch.tensor([5]))
     assert not pair.block_forward  # a replayed row leaves the chain lane: stepping only
     pair.close()
+    two = build_pair(model, [Document("d", prompt(48))], PressPolicy("w", SlidingWindowPress(0.5, n_sink=2)),
+                     SAMPLING.replace(T=12))  # fmt: skip
+    two.start(2)
+    for t in (3, 4):
+        two.advance(torch.tensor([t, t]), torch.tensor([t, t + 1]))
+    two.rewind(torch.tensor([2, 1]))  # row 1 replays, then rejoins the chain lane (a window merges lanes)
+    assert len(two._lanes) == 1 and not two.block_forward  # its rows may sit out of order: stepping only
+    two.close()
 
 
 def test_window_block_mask_by_hand():

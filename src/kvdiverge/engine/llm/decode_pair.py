@@ -365,6 +365,7 @@ class DecodeTimePair(LLMPairBase):
         self.counts = _new_counts()
         self._lanes: list[_Lane] = []
         self._merges = [_merges_lanes(doc.press) for doc in documents]
+        self._fresh = False  # rows in their chain lanes, in order: started, not rewound, none dropped
 
     @classmethod
     def from_documents(cls, model, documents: Sequence[PairDocument], **options) -> "DecodeTimePair":
@@ -430,6 +431,7 @@ class DecodeTimePair(LLMPairBase):
         logp = self._transform(torch.cat([lg for _, lg in ref]), "reference").repeat_interleave(R, dim=0)
         logq = self._transform(torch.cat([lane.first_logits for lane in self._lanes]), "evicted")
         self._record("begin", R)
+        self._fresh = True
         return logp, logq.repeat_interleave(R, dim=0)
 
     def _check_prefill(self, d: int, lane: _Lane) -> None:
@@ -484,7 +486,7 @@ class DecodeTimePair(LLMPairBase):
         :meth:`keep_rows`, on one document whose press says which keys a block of tokens attends to
         (``block_mask``: :class:`kvdiverge.engine.presses.window.SlidingWindowPress`, a window that only
         drops its oldest positions). Other decode-time presses and quantized caches step token by token."""
-        if len(self._lanes) != 1 or len(self.prompts) != 1 or self._lanes[0].n != len(self._where):
+        if not self._fresh or len(self._lanes) != 1 or len(self.prompts) != 1:
             return False
         lane = self._lanes[0]
         return lane.chain_doc == 0 and lane.block_mask(2) is not None
@@ -526,6 +528,7 @@ class DecodeTimePair(LLMPairBase):
         """Keep each row's first ``length[r]`` tokens; a row cut back is replayed in a fresh lane."""
         length = length.to(self.device)
         self._record("rewind", length)
+        self._fresh = False
         for side, rows in zip(self._refs, self._ref_rows):
             if rows:
                 side.rewind(length[torch.tensor(rows, dtype=torch.long, device=self.device)])
@@ -565,6 +568,7 @@ class DecodeTimePair(LLMPairBase):
         """Keep only ``rows`` (int64 indices into the current rows); dropped rows ride along in their lanes
         (a ``merge_lanes`` press's lanes cut them out)."""
         idx = rows.tolist()
+        self._fresh = False
         for d, old in enumerate(self._ref_rows):  # each document's reference side keeps its rows
             slot = {g: j for j, g in enumerate(old)}
             kept = [i for i, g in enumerate(idx) if g in slot]  # their new row numbers
