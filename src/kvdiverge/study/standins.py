@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PAPER", "MINIATURE", "build_config", "random_model"]
+__all__ = ["GEMMA", "PAPER", "MINIATURE", "build_config", "random_model"]
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -77,6 +77,35 @@ PAPER: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Gemma 3 270M (``google/gemma-3-270m``'s config.json): five sliding-window layers (512 tokens,
+#: RoPE theta 1e4) to one full-attention layer (RoPE theta 1e6), one key-value head, tied embeddings.
+GEMMA: dict[str, dict[str, Any]] = {
+    "gemma-3-270m": {
+        "model_type": "gemma3_text",
+        "vocab_size": 262144,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
+}
+
 #: Toy sizes with the same structural features (2 layers, head dim 8, vocabulary 512).
 MINIATURE: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -101,11 +130,30 @@ MINIATURE: dict[str, dict[str, Any]] = {
         "bos_token_id": 0,
         "eos_token_id": [510, 511],
     },
+    # the sliding window shorter than every test prompt, so that it cuts each one; untied
+    # embeddings (random tied ones make the greedy path repeat the last token)
+    "gemma-3-270m": {
+        **GEMMA["gemma-3-270m"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": [510, 511],
+    },
 }
 
 
 def build_config(values: dict[str, Any], **overrides):
-    """A ``transformers`` config (``LlamaConfig`` or ``Qwen2Config``) from written-out values.
+    """A ``transformers`` config (``LlamaConfig``, ``Qwen2Config`` or ``Gemma3TextConfig``) from written-out values.
 
     Parameters
     ----------
@@ -117,11 +165,11 @@ def build_config(values: dict[str, Any], **overrides):
     Raises
     ------
     ValueError
-        If ``model_type`` is not ``llama`` or ``qwen2``.
+        If ``model_type`` is not ``llama``, ``qwen2`` or ``gemma3_text``.
     """
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma3_text": Gemma3TextConfig}
     values = {**values, **overrides}
     kind = values.pop("model_type")
     if kind not in classes:

@@ -21,6 +21,7 @@ from kvdiverge.engine.llm.pair_base import LLMPairBase, PairDocument, model_eos_
 from kvdiverge.engine.llm.prefill import prefill, seeded
 from kvdiverge.engine.llm.side import JointSides, SeparateSides, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
+from kvdiverge.engine.presses.layer_types import full_layers
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
 from kvdiverge.engine.presses.registry import generation_start
 
@@ -207,7 +208,8 @@ class LLMKernelPair(LLMPairBase):
                 )
         kept = done.kept
         check_kept(kept - n_question, doc.expected_kept, self.twin.config, press, n - n_question)
-        self.kept_lens.append(int(torch.round(kept.double().mean())))
+        # the layers the press compresses: a sliding layer keeps its whole prompt (layer_types)
+        self.kept_lens.append(int(torch.round(kept[full_layers(self.twin.config)].double().mean())))
         self.kept_per_layer.append([int(k) for k in kept.sum(1)])
         self.kept_counts.append(kept.cpu())
         self.prefill_forwards.append(done.forwards)

@@ -40,6 +40,7 @@ import torch
 from kvdiverge.engine.core.streams import _stable_int
 from kvdiverge.engine.hf import DynamicCache, repeat_kv, rotate_half
 from kvdiverge.engine.llm.masks import attention_modules, masked_keep
+from kvdiverge.engine.presses.layer_types import on_full_layers
 from kvdiverge.engine.presses.registry import draws_global_rng, needs_attentions, shares_prefill
 
 __all__ = [
@@ -321,7 +322,7 @@ def prefill(model, twin, ids: torch.Tensor, press, n_question: int = 0) -> Prefi
     one = shares_prefill(press)
     ev = DynamicCache()
     with full_cache_hooks(modules, n, copy=one, attentions=needs_attentions(press)) as full:
-        with press(twin):
+        with on_full_layers(press, twin):
             ev_logits = _forward(twin, ids, ev)
             full.remove()  # before the press's exit, which may run forwards of its own (KVzip)
     keep = [
@@ -449,7 +450,7 @@ def prefill_shared(twin, ids: torch.Tensor, presses) -> list[Prefill] | None:
             with contextlib.ExitStack() as stack:
                 for i, press in enumerate(presses):
                     watch.hooks += [m.register_forward_hook(hand.hook(i), with_kwargs=True) for m in modules]
-                    stack.enter_context(press(twin))
+                    stack.enter_context(on_full_layers(press, twin))
                 watch.hooks += [m.register_forward_hook(hand.hook(k), with_kwargs=True) for m in modules]
                 logits = _forward(twin, ids, hand.full)
                 watch.remove()

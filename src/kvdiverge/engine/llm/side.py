@@ -18,6 +18,7 @@ import torch
 from kvdiverge.engine.hf import Cache
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache, stack_documents
+from kvdiverge.engine.presses.layer_types import has_sliding_layers, layer_type_masks
 from kvdiverge.engine.llm.masks import HeadMasks
 
 __all__ = ["CacheSide", "JointSides", "SeparateSides", "fill_holes", "grouped_attention", "merge_caches"]
@@ -103,6 +104,9 @@ class CacheSide:
         self.step = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
         self.n_gen = torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
         self.prompt_len = prompt_len
+        width = valid.shape[1]
+        start = torch.as_tensor(prompt_len, device=valid.device).reshape(-1, 1)
+        self.positions = (torch.arange(width, device=valid.device) - width + start).expand(valid.shape).clone()
         self.all_valid = bool(valid.all())
         self.order: torch.Tensor | None = None
         self._inverse: torch.Tensor | None = None
@@ -125,13 +129,14 @@ class CacheSide:
         # as kvpress's own pipeline does, whatever the cache length (for presses that
         # re-rotate kept keys, from the cache length: registry.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
+        self.positions = torch.cat([self.positions, position_ids.expand(n_rows, 1)], dim=1)
         if self.masks is not None:
             self.masks.apply(self.modules)
         with grouped_attention(model, self.grouped):
             out = model(
                 input_ids=tokens.unsqueeze(1),
                 past_key_values=self.cache,
-                attention_mask=None if self.all_valid else self.valid.long(),
+                attention_mask=self._mask(model, 1),
                 position_ids=position_ids,
                 use_cache=True,
             )
@@ -158,17 +163,26 @@ class CacheSide:
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, L)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1) + offsets], dim=1)
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1) + offsets
+        self.positions = torch.cat([self.positions, position_ids.expand(n_rows, L)], dim=1)
         masked = self.masks.block(self.modules) if self.masks is not None else contextlib.nullcontext()
         with grouped_attention(model, self.grouped), masked:
             out = model(
                 input_ids=tokens,
                 past_key_values=self.cache,
-                attention_mask=None if self.all_valid else self.valid.long(),
+                attention_mask=self._mask(model, L),
                 position_ids=position_ids,
                 use_cache=True,
             )
         self.n_gen += L
         return self.logical(out.logits)
+
+    def _mask(self, model, n_new: int):
+        """The forward's attention mask: the 2-D ``valid`` (``None`` when every column is valid),
+        or, for a model with sliding layers, the masks by layer type with the window applied by
+        position (:func:`~kvdiverge.engine.presses.layer_types.layer_type_masks`)."""
+        if has_sliding_layers(model.config):
+            return layer_type_masks(model, self.cache, self.valid, self.positions, n_new)
+        return None if self.all_valid else self.valid.long()
 
     def block_masks(self, model) -> bool:
         """True when :meth:`forward_block` can run on ``model``: no per-head masks, or the grouped attention."""
@@ -192,6 +206,7 @@ class CacheSide:
         rows = rows if self.order is None else self.order[rows]  # the cache rows to keep
         src = fill_holes(rows, self.valid.shape[0]) if self.in_place else rows
         self.valid, self.step, self.n_gen = self.valid[src], self.step[src], self.n_gen[src]
+        self.positions = self.positions[src]
         if isinstance(self.prompt_len, torch.Tensor):
             self.prompt_len = self.prompt_len[src]
         cols = self.valid.any(0)
@@ -200,6 +215,7 @@ class CacheSide:
         if trim:
             cols = cols.nonzero().squeeze(1)
             self.valid, self.step = self.valid[:, cols], self.step[:, cols]
+            self.positions = self.positions[:, cols]
         if self.masks is not None:
             self.masks.keep_rows(src, cols if trim else None)
         for layer in self.cache.layers:

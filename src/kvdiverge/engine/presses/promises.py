@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.presses.layer_types import SLIDING, full_layers, layer_types
 
 __all__ = [
     "KeptPromise",
@@ -66,19 +67,21 @@ class KeptPromise:
     counts: Callable[[Any], tuple[int, ...]]
     at_least: bool = False
 
-    def check(self, kept: torch.Tensor, config) -> None:
-        """Raise :class:`~kvdiverge.engine.core.errors.CompressionError` when ``kept`` (int64, (layers, kv_heads)) breaks the promise."""
+    def check(self, kept: torch.Tensor, config, layers: list[int] | None = None) -> None:
+        """Raise :class:`~kvdiverge.engine.core.errors.CompressionError` when ``kept`` (int64, (layers, kv_heads))
+        breaks the promise on ``layers`` (the indices of the layers the press compresses; default all)."""
         want = tuple(int(c) for c in self.counts(config))
-        layers, heads = kept.shape
+        heads = kept.shape[1]
+        layers = list(range(kept.shape[0])) if layers is None else list(layers)
         if self.scope == "model":
-            got, total = int(kept.sum()), want[0] * heads
+            got, total = int(kept[layers].sum()), want[0] * heads
             if got != total and not (self.at_least and got > total):
                 raise CompressionError(
-                    f"evicted cache keeps {got} prompt positions over all {layers} layers and {heads} heads, "
+                    f"evicted cache keeps {got} prompt positions over its {len(layers)} compressed layers and {heads} heads, "
                     f"{self.press} promises {total} ({self.rule}): the press did not compress as configured"
                 )
             return
-        for layer in range(layers):
+        for layer in layers:
             row = kept[layer]
             if self.scope == "head":
                 bad = [int(h) for h in (row != want[layer]).nonzero().flatten()]
@@ -121,14 +124,23 @@ def check_kept(kept: torch.Tensor, promise: "KeptPromise | int | None", config, 
         When a layer breaks the promise (the message names the layer), or a press with a
         positive ratio left every layer and head at the full prompt.
     """
+    sliding = [i for i, kind in enumerate(layer_types(config)) if kind == SLIDING]
+    if sliding:
+        for li in sliding:
+            if bool((kept[li] != prompt_len).any()):
+                raise CompressionError(
+                    f"layer {li} attends through a sliding window and must keep all {prompt_len} prompt positions, "
+                    f"it keeps {kept[li].tolist()} per head: press {type(press).__name__} compressed a sliding layer"
+                )
+    layers = full_layers(config)
     if isinstance(promise, int):
         n = int(promise)
         promise = KeptPromise(type(press).__name__, f"{n} positions", "head", lambda _c: (n,) * kept.shape[0])
     if promise is not None:
-        promise.check(kept, config)
+        promise.check(kept, config, layers)
         return
     ratio = _ratio(press)
-    if ratio > 0 and bool((kept >= prompt_len).all()):
+    if ratio > 0 and bool((kept[layers] >= prompt_len).all()):
         raise CompressionError(
             f"press {type(press).__name__} (compression_ratio={ratio}) left the cache "
             f"at the full {prompt_len} positions in every layer and head"

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import kvpress
 
-from kvdiverge.engine.presses import promises
+from kvdiverge.engine.presses import layer_types, promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
 from kvdiverge.engine.presses.bases import abstract_reason
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
@@ -238,7 +238,8 @@ def refusal(press, model=None) -> str | None:
 
     Walks ``press`` and every press it wraps (:func:`kvdiverge.engine.presses.adapters.walk`)
     and reads each one's row: its ``refused`` sentence, the ``required`` parameters left unset. With ``model`` (a
-    ``transformers`` model), also the config attributes the press reads.
+    ``transformers`` model), also the config attributes the press reads, and the model's layer types
+    (:func:`sliding_refusal`).
     """
     for p in walk(press):
         if isinstance(p, QuantizedCachePress):
@@ -254,6 +255,55 @@ def refusal(press, model=None) -> str | None:
         reason = _model_refusal(row, p, getattr(model, "config", None))
         if reason:
             return reason
+    return sliding_refusal(press, getattr(model, "config", None))
+
+
+_ROTARY = "calls the layer's rotary embedding without a layer type, which a mixed-attention model's rotary needs"
+#: Prefill presses that cannot run on the full-attention layers alone, with what fails: measured
+#: on the Gemma 3 miniature (tests/test_press_matrix.py).
+SLIDING_FAILS: dict[str, str] = {
+    "CapPress": _ROTARY,
+    "ExpectedAttentionPress": _ROTARY,
+    "KVgradPress": _ROTARY,
+    "KVComposePress": "runs its own prefill forward, which compresses the sliding-window layers too",
+    "KVzipPress": "refuses Gemma 3 itself (kvpress: not supported for Gemma3ForCausalLM)",
+    "SimLayerKVPress": "records one decision per hooked layer, not one per layer of the model",
+}
+
+
+def sliding_refusal(press, config) -> str | None:
+    """What a model with sliding-window layers tells against ``press`` (``None`` without a config).
+
+    On such a model the engine compresses the full-attention layers only and applies the
+    window by position (:mod:`kvdiverge.engine.presses.layer_types`); that holds for a press
+    that acts once, at prefill, and keeps each kept key's position. A press that evicts while
+    decoding, a quantized cache and a press that re-rotates kept keys change a sliding
+    layer's cache or its positions after prefill, and are refused.
+    """
+    if config is None:
+        return None
+    reason = layer_types.refusal(config)
+    if reason or not layer_types.has_sliding_layers(config):
+        return reason
+    kinds = layer_types.layer_types(config)
+    layers = (
+        f"the model has {kinds.count(layer_types.FULL)} full-attention and {kinds.count(layer_types.SLIDING)} "
+        f"sliding-window layers ({layer_types.sliding_window(config)} tokens)"
+    )
+    for p in walk(press):
+        row = adapter_of(p)
+        rerotates = row.generation_start(p, 2, 1) == 1  # the first generated token at the cache length
+        if row.name in SLIDING_FAILS:
+            return f"{layers}: {row.name} {SLIDING_FAILS[row.name]}"
+        if isinstance(p, QuantizedCachePress) or row.decodes(p) or rerotates:
+            what = (
+                "a quantized cache"
+                if isinstance(p, QuantizedCachePress)
+                else "a press that evicts while decoding"
+                if row.decodes(p)
+                else "a press that re-rotates kept keys"
+            )
+            return f"{layers}: {what} ({row.name}) is not supported there, only prefill presses on the full-attention layers"
     return None
 
 

@@ -1,0 +1,191 @@
+"""The Gemma tokenizer of a GGUF file, rebuilt as Google's from the file's own vocabulary.
+
+transformers 5.2 builds a wrong tokenizer from a Gemma GGUF file: its converter
+(``GGUFGemmaConverter`` in ``transformers/integrations/ggml.py``) writes no merges
+(``merges = ["dummy text"]``), so ``"Hello world"`` becomes four pieces without ``<bos>``, and
+after ``save_pretrained`` and a reload single characters. :func:`gemma_tokenizer` builds the
+tokenizer the way transformers' ``GemmaConverter`` (``transformers/convert_slow_tokenizer.py``)
+builds Google's from the SentencePiece model: a BPE model with byte fallback whose merges
+``generate_merges`` derives from the pieces and their scores, the pieces of control and
+user-defined tokens added as added tokens, spaces normalized to ``"▁"``, and a ``<bos>`` in
+front of every text.
+
+The GGUF file holds the SentencePiece pieces as three parallel arrays of length ``V`` (the
+vocabulary size; 262,144 for Gemma 3): ``tokenizer.ggml.tokens`` (str), ``tokenizer.ggml.scores``
+(float32) and ``tokenizer.ggml.token_type`` (int32: 1 normal, 2 unknown, 3 control,
+4 user-defined, 5 unused, 6 byte). llama.cpp's converter (``_create_vocab_sentencepiece`` in
+``convert_hf_to_gguf.py``) rewrites every token of the tokenizer's ``added_tokens_decoder``:
+its score becomes -1000 (SentencePiece has 0 for these pieces), its type control or
+user-defined, and in a user-defined piece ``"▁"`` becomes a space. :func:`sentencepiece_pieces`
+undoes both before the merges are generated, which then equal Google's.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from pathlib import Path
+from typing import Any
+
+#: ``general.architecture`` of the GGUF files whose tokenizer :func:`gemma_tokenizer` rebuilds.
+GEMMA_ARCHITECTURES = frozenset({"gemma3"})
+#: Version of the rebuild: enters the key of a kept conversion (``kvdiverge.study.models.conversion_key``),
+#: so that a conversion saved with another tokenizer is not reused.
+TOKENIZER_VERSION = "gemma-bpe-1"
+
+#: SentencePiece piece types as the GGUF file numbers them (``gguf.TokenType``).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+#: The score llama.cpp writes for the pieces of ``added_tokens_decoder`` (SentencePiece: 0).
+LLAMA_CPP_ADDED_SCORE = -1000.0
+#: Added pieces Google's converter marks special whatever their type (``GemmaConverter.special_tokens``).
+TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
+# the GGUF value types (gguf.GGUFValueType) and the struct formats of the scalar ones
+_STRING, _ARRAY = 8, 9
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+@functools.lru_cache(maxsize=16)
+def gguf_architecture(path: str | Path) -> str | None:
+    """``general.architecture`` of the GGUF file ``path`` (e.g. ``"gemma3"``, ``"llama"``), read from
+    its header alone (no tensor, no vocabulary); None when the file does not name one.
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is not a GGUF file (version 2 or 3, little-endian).
+    """
+    with open(path, "rb") as fh:
+        magic, version = fh.read(4), struct.unpack("<I", fh.read(4))[0]
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{str(path)!r} is not a GGUF file (version 2 or 3, little-endian)")
+        _, n_kv = struct.unpack("<QQ", fh.read(16))
+        for _ in range(n_kv):
+            key = _read_string(fh)
+            kind = struct.unpack("<I", fh.read(4))[0]
+            if key == "general.architecture" and kind == _STRING:
+                return _read_string(fh)
+            _skip_value(fh, kind)
+    return None
+
+
+def _read_string(fh) -> str:
+    (length,) = struct.unpack("<Q", fh.read(8))
+    return fh.read(length).decode("utf-8")
+
+
+def _skip_value(fh, kind: int) -> None:
+    """Move past one metadata value of GGUF type ``kind``."""
+    if kind == _STRING:
+        fh.seek(struct.unpack("<Q", fh.read(8))[0], 1)
+    elif kind == _ARRAY:
+        item, count = struct.unpack("<IQ", fh.read(12))
+        if item in _SCALARS:
+            fh.seek(struct.calcsize("<" + _SCALARS[item]) * count, 1)
+        else:
+            for _ in range(count):
+                _skip_value(fh, item)
+    else:
+        fh.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
+
+
+def is_gemma(path: str | Path) -> bool:
+    """True for a GGUF file of a Gemma architecture (:data:`GEMMA_ARCHITECTURES`), whose tokenizer
+    transformers builds wrong."""
+    return gguf_architecture(str(path)) in GEMMA_ARCHITECTURES
+
+
+def read_vocabulary(path: str | Path) -> dict[str, Any]:
+    """The tokenizer fields of a GGUF file.
+
+    Returns
+    -------
+    dict
+        ``tokens`` (list of ``V`` str), ``scores`` (list of ``V`` float), ``types`` (list of ``V``
+        int, :data:`NORMAL` ...), and the ids ``bos``, ``eos``, ``unk``, ``pad`` and the flags
+        ``add_bos``, ``add_eos`` where the file has them (``tokenizer.ggml.bos_token_id`` ...).
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path), "r").fields
+    out: dict[str, Any] = {
+        "tokens": fields["tokenizer.ggml.tokens"].contents(),
+        "scores": [float(s) for s in fields["tokenizer.ggml.scores"].contents()],
+        "types": [int(t) for t in fields["tokenizer.ggml.token_type"].contents()],
+    }
+    names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+    names.update(add_bos="add_bos_token", add_eos="add_eos_token")
+    for key, field in names.items():
+        if f"tokenizer.ggml.{field}" in fields:
+            out[key] = fields[f"tokenizer.ggml.{field}"].contents()
+    return out
+
+
+def sentencepiece_pieces(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, float]]:
+    """The SentencePiece ``(piece, score)`` of each id, as Google's converter reads them from the model.
+
+    Undoes llama.cpp's rewriting of the added pieces (control and user-defined): score -1000 back to
+    0, and a space in a user-defined piece back to ``"▁"`` (the whitespace runs, ids 138-167 of
+    Gemma 3). As in ``GemmaConverter.vocab``, the byte piece ``<0x09>`` stands for ``"\\t"`` when the
+    vocabulary has no ``"\\t"`` piece of its own.
+    """
+    pieces = []
+    for token, score, kind in zip(tokens, scores, types, strict=True):
+        if kind in (CONTROL, USER_DEFINED) and score == LLAMA_CPP_ADDED_SCORE:
+            score = 0.0
+        if kind == USER_DEFINED:
+            token = token.replace(" ", "▁")
+        pieces.append((token, score))
+    if "\t" not in {piece for piece, _ in pieces}:
+        pieces = [("\t", score) if piece == "<0x09>" else (piece, score) for piece, score in pieces]
+    return pieces
+
+
+def build_backend(vocabulary: dict[str, Any]):
+    """The ``tokenizers.Tokenizer`` of a Gemma vocabulary (:func:`read_vocabulary`), as
+    ``GemmaConverter`` builds it: BPE with byte fallback and ``generate_merges``' merges, the
+    control and user-defined pieces as added tokens (special: control ones and the turn markers),
+    normalizer ``" " -> "▁"``, pre-tokenizer split on spaces merged with the previous piece,
+    decoder ``"▁" -> " "`` then byte fallback and fuse; no post-processor (the transformers
+    tokenizer adds ``<bos>``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    pieces = sentencepiece_pieces(vocabulary["tokens"], vocabulary["scores"], vocabulary["types"])
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    unk = pieces[vocabulary.get("unk", 3)][0]
+    bpe = BPE(vocab, generate_merges(vocab, pieces), unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
+    backend = Tokenizer(bpe)
+    added = [
+        AddedToken(piece, normalized=False, special=kind == CONTROL or piece in TURN_TOKENS)
+        for (piece, _), kind in zip(pieces, vocabulary["types"])
+        if kind in (CONTROL, USER_DEFINED)
+    ]
+    backend.add_tokens(added)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def gemma_tokenizer(path: str | Path):
+    """The tokenizer of the Gemma GGUF file ``path``, rebuilt (module docstring): a transformers
+    ``PreTrainedTokenizerFast`` with ``<bos>`` (id 2) added in front of every text, ``<eos>`` (1),
+    ``<pad>`` (0) and ``<unk>`` (3), the ids the file names. ``save_pretrained`` writes it as a
+    ``tokenizer.json`` that ``AutoTokenizer`` loads back unchanged. About 10 s for Gemma 3's
+    262,144 pieces (reading the file, generating the merges)."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = read_vocabulary(path)
+    tokens = vocabulary["tokens"]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_backend(vocabulary),
+        bos_token=tokens[vocabulary.get("bos", 2)],
+        eos_token=tokens[vocabulary.get("eos", 1)],
+        pad_token=tokens[vocabulary.get("pad", 0)],
+        unk_token=tokens[vocabulary.get("unk", 3)],
+        add_bos_token=bool(vocabulary.get("add_bos", True)),
+        add_eos_token=bool(vocabulary.get("add_eos", False)),
+        padding_side="left",
+    )
