@@ -158,7 +158,9 @@ def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) 
     forward after the prefill); the full-precision residual (at most ``residual_length``
     newest tokens) holds generated tokens only and is not counted. The KV bytes per prompt
     token of a point are then ``retention * elements_per_token * kv_bytes_per_element``,
-    ``elements_per_token = layers * kv_heads * head_dim * 2`` (keys and values).
+    ``elements_per_token = layers * kv_heads * head_dim * 2`` (keys and values) over the
+    full-attention layers; a model's sliding-window layers add their uncompressed
+    ``min(prompt_len, sliding_window) / prompt_len * sliding_elements_per_token``.
 
     Parameters
     ----------
@@ -409,8 +411,10 @@ def frontier_tables(
         The frontier's split; default the only split of the grid's rows in ``docs``.
     kv_sizes : mapping, optional
         Model -> ``{"elements_per_token": int, "element_bytes": int}``: key and value
-        elements one token stores (``layers * kv_heads * head_dim * 2``) and the bytes of a
-        full-precision element (the model's dtype). Needed for quantized-cache points;
+        elements one token stores in the full-attention layers (``layers * kv_heads *
+        head_dim * 2``) and the bytes of a full-precision element (the model's dtype);
+        optional ``sliding_elements_per_token`` and ``sliding_window`` (tokens) for the
+        sliding-window layers, which are never compressed. Needed for quantized-cache points;
         without it the bytes columns are null and the curves (full precision only) are
         compared over retention, which is proportional to their bytes (the same ranking).
 
@@ -529,8 +533,17 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any
         return r, retention
     per_element = kv_bytes_per_element(p.cache_settings, sizes["element_bytes"])
     r["bits_per_element"] = 8 * per_element
-    r["kv_bytes_per_token"] = retention * float(sizes["elements_per_token"]) * per_element
+    r["kv_bytes_per_token"] = (retention * float(sizes["elements_per_token"]) + _sliding(g, sizes)) * per_element
     return r, r["kv_bytes_per_token"]
+
+
+def _sliding(g: pl.DataFrame, sizes) -> float:
+    """Elements per prompt token of the sliding-window layers, never compressed: each keeps
+    ``min(prompt_len, sliding_window)`` of a document's prompt (mean over documents)."""
+    window, elements = int(sizes.get("sliding_window", 0)), float(sizes.get("sliding_elements_per_token", 0))
+    if not window or not elements:
+        return 0.0
+    return elements * float((g["prompt_len"].clip(upper_bound=window) / g["prompt_len"]).mean())
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ __all__ = [
     "LOGIT_BYTES_PER_ENTRY",
     "cache_columns",
     "kv_bytes_per_token",
+    "kv_elements_by_layer_type",
     "kv_elements_per_token",
     "default_memory_budget",
     "document_bytes",
@@ -109,6 +110,31 @@ def kv_elements_per_token(model_config: Any) -> int:
     except AttributeError as err:
         raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
     return layers * kv_heads * head_dim * 2
+
+
+def kv_elements_by_layer_type(model_config: Any) -> dict[str, int]:
+    """Key and value elements one prompt token stores in one row, by layer type.
+
+    A press compresses the full-attention layers (``elements_per_token``: those layers x kv
+    heads x head dim x 2); a sliding-window layer keeps at most its window of the prompt,
+    as the model's own cache does (``sliding_elements_per_token`` and ``sliding_window``,
+    tokens; only when some layer slides). :func:`kv_elements_per_token` counts every layer:
+    what the engine's caches hold.
+
+    Raises
+    ------
+    ValueError
+        As :func:`kv_elements_per_token`.
+    """
+    from kvdiverge.engine.presses.layer_types import full_layers, layer_types, sliding_window
+
+    per_layer = kv_elements_per_token(model_config) // len(layer_types(model_config))
+    full = len(full_layers(model_config))
+    sizes = {"elements_per_token": full * per_layer}
+    if sliding_window(model_config):
+        sizes["sliding_elements_per_token"] = (len(layer_types(model_config)) - full) * per_layer
+        sizes["sliding_window"] = sliding_window(model_config)
+    return sizes
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:

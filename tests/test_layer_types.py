@@ -1,0 +1,143 @@
+"""Sliding-window layers: the window by position, presses on the full-attention layers only, refusals.
+
+On the Gemma 3 miniature (:data:`kvdiverge.study.standins.MINIATURE`: 2 full-attention and
+4 sliding-window layers of 64 tokens) a decoding side whose cache holds a rewound branch
+must give the logits of a fresh forward over the tokens the row kept: its cache columns are
+then not its positions, and a window counted in columns cuts one token too many.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvdiverge.engine.llm import side as side_module
+from kvdiverge.engine.llm.side import CacheSide
+from kvdiverge.engine.presses import layer_types
+from kvdiverge.engine.presses.registry import refusal
+from kvdiverge.study.standins import MINIATURE, build_config, random_model
+
+pytestmark = pytest.mark.miniature
+
+N = 80  # prompt tokens: the 64-token window starts inside the prompt
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return random_model(MINIATURE["gemma-3-270m"], initializer_range=0.1, seed=1)
+
+
+def _fresh(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+
+
+def _side_after_rewind(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Decode ``tokens[0]``, ``tokens[1]``; rewind ``tokens[1]``; decode ``tokens[2]``: its logits."""
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        side = CacheSide(cache, torch.ones(1, len(prompt), dtype=torch.bool), len(prompt), capacity=len(prompt) + 8)
+        side.forward(model, torch.tensor([tokens[0]]))
+        side.forward(model, torch.tensor([tokens[1]]))
+        side.rewind(torch.tensor([1]))
+        return side.forward(model, torch.tensor([tokens[2]]))[0]
+
+
+def test_a_rewound_column_does_not_shift_the_window(gemma, monkeypatch):
+    prompt = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    a, b, c = 17, 230, 411
+    want = _fresh(gemma, prompt + [a, c])
+    got = _side_after_rewind(gemma, prompt, [a, b, c])
+    assert (got - want).abs().max().item() < 1e-5
+    # counted in columns, the window of the last token would drop prompt token 18 as well
+    monkeypatch.setattr(side_module, "has_sliding_layers", lambda config: False)
+    by_column = _side_after_rewind(gemma, prompt, [a, b, c])
+    assert (by_column - want).abs().max().item() > 1e-3
+
+
+def test_layer_type_masks_by_position_enumerated():
+    """Window 3 over columns at positions 0, 1, 2, (rewound 3), 3, 4: the last query (position 4)
+    sees positions 2, 3, 4; the rewound column never."""
+    config = build_config(MINIATURE["gemma-3-270m"], sliding_window=3)
+
+    class Stub(torch.nn.Module):
+        dtype = torch.float32
+
+    model = Stub()
+    model.config = config
+    config._attn_implementation = "sdpa"
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 5, 16), torch.zeros(1, 1, 5, 16), 0)
+    valid = torch.tensor([[True, True, True, False, True, True]])
+    positions = torch.tensor([[0, 1, 2, 3, 3, 4]])
+    masks = layer_types.layer_type_masks(model, cache, valid, positions, 1)
+    full = masks["full_attention"].reshape(-1).tolist()
+    sliding = masks["sliding_attention"].reshape(-1).tolist()
+    assert full == [True, True, True, False, True, True]
+    assert sliding == [False, False, True, False, True, True]
+
+
+def test_a_press_hooks_only_the_full_attention_layers(gemma):
+    from kvpress import SnapKVPress
+
+    press = SnapKVPress(compression_ratio=0.5)
+
+    def hooked():
+        return [i for i, layer in enumerate(gemma.model.layers) if layer.self_attn._forward_hooks]
+
+    with layer_types.on_full_layers(press, gemma) as layers:
+        assert hooked() == layers == [2, 5]
+    assert hooked() == []
+    with press(gemma):  # kvpress itself hooks every layer of a Gemma3ForCausalLM
+        assert hooked() == list(range(6))
+
+
+def test_layer_types_of_the_configs():
+    gemma = build_config(MINIATURE["gemma-3-270m"])
+    llama = build_config(MINIATURE["llama-3.1-8b"])
+    assert layer_types.full_layers(gemma) == [2, 5] and layer_types.sliding_window(gemma) == 64
+    assert layer_types.full_layers(llama) == [0, 1] and layer_types.sliding_window(llama) is None
+    assert layer_types.refusal(gemma) is None and layer_types.refusal(llama) is None
+    chunked = build_config(MINIATURE["gemma-3-270m"])
+    chunked.layer_types = ["chunked_attention"] * 6
+    assert "'chunked_attention'" in layer_types.refusal(chunked)
+
+
+def test_decode_time_presses_are_refused_on_sliding_layers(gemma):
+    from kvpress import DecodingPress, KnormPress, SnapKVPress, StreamingLLMPress
+
+    assert refusal(SnapKVPress(compression_ratio=0.5), gemma) is None
+    assert refusal(StreamingLLMPress(compression_ratio=0.5), gemma) is None
+    sentence = refusal(DecodingPress(base_press=KnormPress(), compression_interval=4, target_size=32), gemma)
+    assert sentence.startswith("the model has 2 full-attention and 4 sliding-window layers (64 tokens)")
+    assert "a press that evicts while decoding (DecodingPress)" in sentence
+
+
+def test_kv_elements_by_layer_type_of_gemma_3_270m():
+    from kvdiverge.engine.llm.planner import kv_elements_by_layer_type, kv_elements_per_token
+    from kvdiverge.study.standins import GEMMA, PAPER
+
+    config = build_config(GEMMA["gemma-3-270m"])
+    # one key-value head of 256 dimensions, keys and values: 512 elements per layer
+    assert kv_elements_by_layer_type(config) == {
+        "elements_per_token": 3 * 512,
+        "sliding_elements_per_token": 15 * 512,
+        "sliding_window": 512,
+    }
+    assert kv_elements_per_token(config) == 18 * 512  # what the engine's caches hold
+    llama = build_config(PAPER["llama-3.1-8b"])
+    assert kv_elements_by_layer_type(llama) == {"elements_per_token": 32 * 8 * 128 * 2}
+
+
+def test_frontier_counts_the_sliding_layers_window():
+    import polars as pl
+
+    from kvdiverge.estimation.frontier import _sliding
+
+    g = pl.DataFrame({"prompt_len": [400, 800, 1024]})
+    sizes = {"elements_per_token": 1536, "sliding_elements_per_token": 7680, "sliding_window": 512}
+    # each document's sliding layers keep min(n, 512) of n prompt tokens: 1, 0.64, 0.5
+    assert _sliding(g, sizes) == pytest.approx(7680 * (1 + 0.64 + 0.5) / 3)
+    assert _sliding(g, {"elements_per_token": 1536}) == 0.0
