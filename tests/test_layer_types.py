@@ -138,6 +138,7 @@ def test_frontier_counts_the_sliding_layers_window():
 
     g = pl.DataFrame({"prompt_len": [400, 800, 1024]})
     sizes = {"elements_per_token": 1536, "sliding_elements_per_token": 7680, "sliding_window": 512}
-    # each document's sliding layers keep min(n, 512) of n prompt tokens: 1, 0.64, 0.5
-    assert _sliding(g, sizes) == pytest.approx(7680 * (1 + 0.64 + 0.5) / 3)
+    # each document's sliding layers keep min(n, 511) of n prompt tokens (transformers'
+    # DynamicSlidingWindowLayer: the window less the query)
+    assert _sliding(g, sizes) == pytest.approx(7680 * (1 + 511 / 800 + 511 / 1024) / 3)
     assert _sliding(g, {"elements_per_token": 1536}) == 0.0

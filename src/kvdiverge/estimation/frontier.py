@@ -160,7 +160,7 @@ def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) 
     token of a point are then ``retention * elements_per_token * kv_bytes_per_element``,
     ``elements_per_token = layers * kv_heads * head_dim * 2`` (keys and values) over the
     full-attention layers; a model's sliding-window layers add their uncompressed
-    ``min(prompt_len, sliding_window) / prompt_len * sliding_elements_per_token``.
+    ``min(prompt_len, sliding_window - 1) / prompt_len * sliding_elements_per_token``.
 
     Parameters
     ----------
@@ -539,11 +539,12 @@ def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any
 
 def _sliding(g: pl.DataFrame, sizes) -> float:
     """Elements per prompt token of the sliding-window layers, never compressed: each keeps
-    ``min(prompt_len, sliding_window)`` of a document's prompt (mean over documents)."""
+    ``min(prompt_len, sliding_window - 1)`` of a document's prompt, as transformers'
+    ``DynamicSlidingWindowLayer`` does (the query is the window's last token; mean over documents)."""
     window, elements = int(sizes.get("sliding_window", 0)), float(sizes.get("sliding_elements_per_token", 0))
     if not window or not elements:
         return 0.0
-    return elements * float((g["prompt_len"].clip(upper_bound=window) / g["prompt_len"]).mean())
+    return elements * float((g["prompt_len"].clip(upper_bound=window - 1) / g["prompt_len"]).mean())
 
 
 @dataclass(frozen=True)

@@ -476,13 +476,14 @@ def context_length(model_or_config) -> int:
 
 def kv_sizes(model) -> dict[str, int]:
     """The KV sizes a frontier counts bytes with, of a loaded model: ``{"elements_per_token",
-    "element_bytes"}`` (:func:`kvdiverge.engine.llm.planner.kv_elements_per_token`; the bytes
+    "sliding_elements_per_token", "sliding_window", "element_bytes"}``
+    (:func:`kvdiverge.engine.llm.planner.kv_elements_by_layer_type`; the bytes
     of one element of its parameters' dtype, which its cache takes)."""
     # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
-    from kvdiverge.engine.llm.planner import kv_elements_per_token
+    from kvdiverge.engine.llm.planner import kv_elements_by_layer_type
 
     param = next(model.parameters())
-    return {"elements_per_token": kv_elements_per_token(model.config), "element_bytes": int(param.element_size())}
+    return {**kv_elements_by_layer_type(model.config), "element_bytes": int(param.element_size())}
 
 
 def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, int]:
@@ -499,7 +500,7 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     import torch
 
     # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
-    from kvdiverge.engine.llm.planner import kv_elements_per_token
+    from kvdiverge.engine.llm.planner import kv_elements_by_layer_type
 
     config = load_model_config(spec, name)
     dtype = torch_dtype(spec.get("dtype", "float32"))
@@ -507,7 +508,7 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return {
-        "elements_per_token": kv_elements_per_token(config),
+        **kv_elements_by_layer_type(config),
         "element_bytes": torch.empty((), dtype=dtype).element_size(),
     }
 
@@ -663,5 +664,5 @@ def _write_atomically(out: Path, fill) -> None:
 
 def local_entry(spec: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     """``spec`` pointed at a converted local directory (see :func:`convert_to_directory`)."""
-    local = {k: v for k, v in spec.items() if k not in ("package", "gguf_file", "id", "revision")}
+    local = {k: v for k, v in spec.items() if k not in ("package", "gguf_file", "sha256", "id", "revision")}
     return {**local, "source": "local", "path": str(path)}
