@@ -1,0 +1,106 @@
+"""Gemma 3 270M through the engine: its sliding-window layers measured correctly.
+
+The second embedded model (:data:`kvdiverge.study.models.GEMMA_MODEL`) has 15 sliding-window
+layers of 512 tokens and 3 full-attention layers. On a prompt of 700 tokens, longer than the
+window, greedy decoding through the engine must equal
+
+- on the full-cache side, ``model.generate(do_sample=False)`` on the model's own cache
+  (``DynamicCache(config=...)``: the sliding layers keep their window);
+- on a SnapKV side, kvpress's ``generate`` with the full-attention layers hooked (kvpress's
+  policy for Gemma 3) on that cache;
+
+and the ``none`` control gives TV exactly 0 when sampling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvdiverge.engine.core.sampling import Decoding, Sampling
+from kvdiverge.engine.presses.layer_types import on_full_layers
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document, RunOptions, run_documents
+from kvdiverge.study.corpus import sotu_units
+from kvdiverge.study.models import GEMMA_MODEL, GEMMA_NAME, load_model
+
+pytestmark = pytest.mark.llm
+
+N, T, R = 700, 12, 2
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """``(model, prompt ids)``: the model loaded once (its conversion kept for the session) and the
+    first 700 tokens of the first State of the Union address, ``<bos>`` first."""
+    model, tokenizer = load_model(GEMMA_MODEL, GEMMA_NAME)
+    text = next(iter(sotu_units())).text
+    ids = tokenizer(text).input_ids[:N]
+    assert ids[0] == 2 and len(ids) == N
+    return model, ids
+
+
+def _generate(model, ids, press=None) -> list[int]:
+    x = torch.tensor([ids])
+    kw = dict(max_new_tokens=T, do_sample=False, attention_mask=torch.ones_like(x))
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        if press is None:
+            out = model.generate(x, past_key_values=cache, **kw)
+        else:
+            with on_full_layers(press, model):
+                out = model.generate(x, past_key_values=cache, **kw)
+    return out[0, N:].tolist()
+
+
+def _run(model, ids, policy, temperature=0.0):
+    sampling = Sampling(
+        T=T,
+        replicates=R,
+        decoding=Decoding(temperature=temperature, top_p=1.0 if temperature == 0 else 0.95),
+        seed=3,
+        model_name=GEMMA_NAME,
+    )
+    return run_documents(model, [Document("d", ids)], policy, sampling, RunOptions(batch_documents=1))
+
+
+def _sides(record):
+    ts = record["t_star"]
+    if ts is None:
+        return record["chain_token"], record["chain_token"]
+    head = record["chain_token"][: ts - 1]
+    return head + [record["x_star"]] + record["branch_x"], head + [record["y_star"]] + record["branch_y"]
+
+
+def _until_eos(tokens, eos):
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+
+
+def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma):
+    model, ids = gemma
+    policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64})
+    records = _run(model, ids, policy)
+    ref, ev = _sides(records[0])
+    eos = {int(model.generation_config.eos_token_id)}  # <eos> = 1
+    want_ref = _generate(model, ids)
+    want_ev = _generate(model, ids, policy.build_press(N))
+    assert _until_eos(ref, eos) == want_ref
+    assert _until_eos(ev, eos) == want_ev
+    # the full-attention layers keep half the prompt; the sliding ones all of it (their window applies)
+    assert records[0]["kept_len"] == N // 2
+    # the press hooked on every layer, as kvpress does for Gemma3ForCausalLM, changes the path
+    with torch.inference_mode(), policy.build_press(N)(model):
+        x = torch.tensor([ids])
+        wrong = model.generate(
+            x, max_new_tokens=T, do_sample=False, attention_mask=torch.ones_like(x), past_key_values=DynamicCache()
+        )[0, N:].tolist()
+    assert wrong != want_ev
+
+
+def test_gemma_none_control_has_exactly_zero_tv(gemma):
+    model, ids = gemma
+    control = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
+    records = _run(model, ids, control, temperature=0.7)
+    assert len(records) == R
+    assert all(tv == 0.0 for r in records for tv in r["tv"]) and all(r["t_star"] is None for r in records)
