@@ -142,3 +142,12 @@ def test_frontier_counts_the_sliding_layers_window():
     # DynamicSlidingWindowLayer: the window less the query)
     assert _sliding(g, sizes) == pytest.approx(7680 * (1 + 511 / 800 + 511 / 1024) / 3)
     assert _sliding(g, {"elements_per_token": 1536}) == 0.0
+
+
+def test_the_provenance_names_the_compressed_layers():
+    from kvdiverge.study.provenance import compressed_layers
+
+    assert compressed_layers({"compressed": list(range(30)), "layers": 30, "sliding_window": None}) == "all 30"
+    gemma = {"compressed": [5, 11, 17], "layers": 18, "sliding_window": 512}
+    assert compressed_layers(gemma) == "3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"
+    assert compressed_layers({}) == ""

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kvdiverge.engine.core.sampling import Decoding, Sampling
 from transformers import DynamicCache
 
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.layer_types import on_full_layers
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents

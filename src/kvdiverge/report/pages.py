@@ -276,15 +276,25 @@ def provenance_html(table: pl.DataFrame, study_hash: str | None) -> str:
     ----------
     table : polars.DataFrame
         :func:`kvdiverge.study.provenance.provenance_table` rows: ``model``, ``policy``,
-        ``split``, ``shards``, ``settings_hash`` and a column per library version (those present).
+        ``split``, ``shards``, ``settings_hash``, ``compressed_layers`` (if present) and a column per
+        library version (those present).
     study_hash : str or None
         :func:`kvdiverge.study.provenance.study_hash` of ``table`` (``None``: no runs).
     """
-    fixed = ("model", "policy", "split", "shards", "settings_hash", "settings")
+    fixed = ("model", "policy", "split", "shards", "settings_hash", "settings", "compressed_layers")
     libs = [c for c in table.columns if c not in fixed]
-    head = ["model", "policy", "split", "shards", "settings hash", *libs]
+    layers = "compressed_layers" in table.columns
+    head = ["model", "policy", "split", "shards", "settings hash", *(["compressed layers"] * layers), *libs]
     rows = [
-        [r["model"], r["policy"], r["split"], r["shards"], r["settings_hash"], *(r[c] for c in libs)]
+        [
+            r["model"],
+            r["policy"],
+            r["split"],
+            r["shards"],
+            r["settings_hash"],
+            *([r["compressed_layers"]] * layers),
+            *(r[c] for c in libs),
+        ]
         for r in table.iter_rows(named=True)
     ]
     return (

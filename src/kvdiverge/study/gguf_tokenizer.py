@@ -106,8 +106,12 @@ def gguf_architecture(path: str | Path) -> str | None:
 
 def is_gemma(path: str | Path) -> bool:
     """True for a GGUF file of a Gemma architecture (:data:`GEMMA_ARCHITECTURES`), whose tokenizer
-    transformers builds wrong."""
-    return gguf_architecture(str(path)) in GEMMA_ARCHITECTURES
+    transformers builds wrong; False for any other file, an unreadable header included (transformers
+    then says what is wrong with it)."""
+    try:
+        return gguf_architecture(str(path)) in GEMMA_ARCHITECTURES
+    except (ValueError, struct.error):
+        return False
 
 
 def read_vocabulary(path: str | Path) -> dict[str, Any]:

@@ -127,6 +127,9 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
     ModelNotFoundError
         If the package, directory or GGUF file does not exist; the message says
         where it looked and how to point the config at local weights.
+    ValueError
+        If a ``gguf_chunks`` entry's assembled file has another SHA-256 than the entry's
+        (:func:`assembled_gguf`).
     """
     source = spec.get("source")
     kwargs: dict[str, Any] = {}

@@ -63,6 +63,12 @@ def messages(document: str, instruction: str | None, system: str | None = None) 
     return out
 
 
+def has_chat_template(tokenizer) -> bool:
+    """False for a tokenizer whose ``chat_template`` is None or empty (a base model's); an object
+    without that attribute is taken to render with its own ``apply_chat_template``."""
+    return getattr(tokenizer, "chat_template", True) not in (None, "")
+
+
 def plain_text(tokenizer, document: str, instruction: str | None, system: str | None = None) -> str:
     """The prompt of a model without a chat template (a base model): the system message (if any),
     the document and the instruction (if any), separated by blank lines, after the special tokens the
@@ -142,7 +148,7 @@ def render_text(
 ) -> str:
     """The chat-rendered prompt as a string (generation prompt included), dated ``date``; the
     plain prompt for a tokenizer without a chat template (:func:`plain_text`)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         return plain_text(tokenizer, document, instruction, system)
     return tokenizer.apply_chat_template(
         messages(document, instruction, system),
@@ -164,7 +170,7 @@ def render_ids(
     See :func:`template_clock` for how the date reaches the template. A tokenizer without a chat
     template: the tokens of :func:`plain_text`.
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         text = plain_text(tokenizer, document, instruction, system)
         return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     out = tokenizer.apply_chat_template(

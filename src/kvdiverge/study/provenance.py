@@ -85,6 +85,7 @@ KEY_VERSIONS = "kvdiverge.versions"
 KEY_SHARD = "kvdiverge.shard"
 KEY_BATCH = "kvdiverge.batch"
 KEY_EOS = "kvdiverge.eos"
+KEY_LAYERS = "kvdiverge.layers"
 #: Libraries whose versions a shard records (besides Python); numbers may change with them.
 LIBRARIES = ("torch", "transformers", "kvpress", "kvdiverge")
 #: Environment variable through which the workflow tells its scripts its config files
@@ -225,6 +226,29 @@ def shard_metadata(
     }
 
 
+def layers_metadata(layers: Mapping[str, Any] | None) -> dict[str, str]:
+    """Parquet key-value metadata of the layers a shard's presses compress: ``layers`` is
+    ``{"compressed": [...], "layers": n, "sliding_window": W or None}`` (:func:`compressed_layers`),
+    None when no document ran (no entry)."""
+    return {} if layers is None else {KEY_LAYERS: _json(dict(layers))}
+
+
+def compressed_layers(layers: Mapping[str, Any]) -> str:
+    """The layers a press compresses, in words: ``"all 30"``, or for a model with sliding-window
+    layers ``"3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"``; ``""``
+    when a shard recorded none."""
+    if not layers:
+        return ""
+    compressed, n = list(layers["compressed"]), int(layers["layers"])
+    if len(compressed) == n:
+        return f"all {n}"
+    window = layers.get("sliding_window")
+    return (
+        f"{len(compressed)} of {n} ({', '.join(str(i) for i in compressed)}); "
+        f"{n - len(compressed)} sliding-window layers of {window} tokens kept whole"
+    )
+
+
 @dataclass(frozen=True)
 class ShardProvenance:
     """The recorded provenance of one shard file (``settings`` is None when none was recorded;
@@ -237,6 +261,7 @@ class ShardProvenance:
     shard: dict[str, Any] = field(default_factory=dict)
     batch: dict[str, Any] = field(default_factory=dict)
     eos: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, Any] = field(default_factory=dict)
 
 
 def read_provenance(path: str | os.PathLike) -> ShardProvenance:
@@ -258,6 +283,7 @@ def read_provenance(path: str | os.PathLike) -> ShardProvenance:
         json.loads(meta.get(KEY_SHARD, "{}")),
         json.loads(meta.get(KEY_BATCH, "{}")),
         json.loads(meta.get(KEY_EOS, "{}")),
+        json.loads(meta.get(KEY_LAYERS, "{}")),
     )
 
 
@@ -398,7 +424,8 @@ def provenance_table(records: Iterable[ShardProvenance]) -> pl.DataFrame:
     -------
     polars.DataFrame
         ``model``, ``policy``, ``split`` (str), ``shards`` (int64, files), ``settings_hash``
-        (str), ``settings`` (str, canonical JSON), then one str column per entry of
+        (str), ``settings`` (str, canonical JSON), ``compressed_layers`` (str, :func:`compressed_layers`
+        of the first shard), then one str column per entry of
         :func:`library_versions` (several versions joined by ``" | "``), sorted by run.
 
     Raises
@@ -424,6 +451,7 @@ def provenance_table(records: Iterable[ShardProvenance]) -> pl.DataFrame:
             "shards": len(recs),
             "settings_hash": recs[0].settings_hash,
             "settings": _json(recs[0].settings),
+            "compressed_layers": compressed_layers(recs[0].layers),
         }
         for lib in ("python", *LIBRARIES):
             row[lib] = " | ".join(sorted({r.versions.get(lib, "unknown") for r in recs}))
@@ -435,6 +463,7 @@ def provenance_table(records: Iterable[ShardProvenance]) -> pl.DataFrame:
         "shards": pl.Int64,
         "settings_hash": pl.String,
         "settings": pl.String,
+        "compressed_layers": pl.String,
         **{lib: pl.String for lib in ("python", *LIBRARIES)},
     }
     return pl.DataFrame(rows, schema=schema)

@@ -12,13 +12,14 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.presses.layer_types import full_layers, layer_types, sliding_window
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.study.config import control_documents
 from kvdiverge.study.jobs import ShardSettings
 from kvdiverge.study.models import load_model
-from kvdiverge.study.provenance import shard_metadata
+from kvdiverge.study.provenance import layers_metadata, shard_metadata
 from kvdiverge.study.settings import config_sampling
 
 __all__ = ["shard_documents", "select_documents", "generation_options", "run_shard"]
@@ -153,8 +154,9 @@ def run_shard(
         for name in group:
             frames[name] = runs.trajectories.filter(pl.col("policy") == name)
             batch[name] = runs.batch_documents
+    layers = None if model is None else _layers(model.config)
     for name, path in zip(names, outputs):
-        provenance = shard_metadata(
+        provenance = layers_metadata(layers) | shard_metadata(
             settings.settings[name],
             model=settings.model,
             policy=name,
@@ -165,6 +167,16 @@ def run_shard(
         )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
+
+
+def _layers(config) -> dict[str, Any]:
+    """The layers a press compresses on this model, for the shard's provenance
+    (:func:`kvdiverge.study.provenance.compressed_layers`)."""
+    return {
+        "compressed": full_layers(config),
+        "layers": len(layer_types(config)),
+        "sliding_window": sliding_window(config),
+    }
 
 
 def _document_groups(

@@ -18,8 +18,8 @@ import torch
 from kvdiverge.engine.hf import Cache
 from kvdiverge.engine.llm.attention import GROUPED_SDPA
 from kvdiverge.engine.llm.cache import CapacityLayer, capacity_cache, stack_documents
-from kvdiverge.engine.presses.layer_types import has_sliding_layers, layer_type_masks
 from kvdiverge.engine.llm.masks import HeadMasks
+from kvdiverge.engine.presses.layer_types import has_sliding_layers, layer_type_masks
 
 __all__ = ["CacheSide", "JointSides", "SeparateSides", "fill_holes", "grouped_attention", "merge_caches"]
 
