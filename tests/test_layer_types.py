@@ -151,3 +151,40 @@ def test_the_provenance_names_the_compressed_layers():
     gemma = {"compressed": [5, 11, 17], "layers": 18, "sliding_window": 512}
     assert compressed_layers(gemma) == "3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"
     assert compressed_layers({}) == ""
+
+
+@pytest.mark.parametrize("press", ["snapkv", "streaming", "pyramidkv", "adakv"])
+def test_teacher_forced_pass_on_sliding_layers(gemma, press):
+    """The continuation in one forward equals stepping it (the window by position within the
+    block too), and the reference side equals a fresh forward on the model's own cache."""
+    import kvpress
+
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
+    from kvdiverge.engine.llm.teacher import TeacherForcing, forced_pass
+    from kvdiverge.engine.presses.policies import PressPolicy
+    from kvdiverge.engine.runner import Document, build_pair
+
+    snap = kvpress.SnapKVPress(0.5, window_size=8)
+    presses = {
+        "snapkv": snap,
+        "streaming": kvpress.StreamingLLMPress(0.5, n_sink=4),
+        "pyramidkv": kvpress.PyramidKVPress(0.5, window_size=8),
+        "adakv": kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8)),
+    }
+    sampling = Sampling(T=20, replicates=1, decoding=Decoding(temperature=1.0, eos_ids=()), seed=5, model_name="g")
+    prompt = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = torch.randint(1, 500, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(block):
+        pair = build_pair(gemma, [Document("d", prompt)], PressPolicy("p", presses[press]), sampling)
+        return forced_pass(pair, tokens, TeacherForcing(length=len(tokens), block=block))
+
+    (block, one), (steps, _) = run(True), run(False)
+    assert one
+    for key in ("kld", "ll_ref", "ll_ev"):
+        assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
+    assert bool((block["kld"] > 1e-3).any())
+    with torch.inference_mode():
+        logits = gemma(input_ids=torch.tensor([prompt + tokens]), past_key_values=DynamicCache(config=gemma.config))
+        fresh = logits.logits[0, N - 1 : -1].double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(block["ll_ref"].double(), fresh, atol=1e-5, rtol=0)
