@@ -41,7 +41,13 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 OPT_IN = ("slurm", "docs")
 
 #: a test that uses one of these fixtures (directly or through another) carries the marker
-FIXTURE_MARKERS = {"embedded_dir": "llm", "smoke_run": "workflow", "frontier_run": "workflow", "bf16_run": "workflow"}
+FIXTURE_MARKERS = {
+    "embedded_dir": "llm",
+    "gemma": "llm",
+    "smoke_run": "workflow",
+    "frontier_run": "workflow",
+    "bf16_run": "workflow",
+}
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
@@ -203,6 +209,17 @@ def embedded(embedded_entry):
     from kvdiverge.study.models import load_model
 
     return load_model(embedded_entry, "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory):
+    """``(model, tokenizer)`` of the second embedded model, Gemma 3 270M, loaded once per session
+    from its conversion (kept under the session's ``KVDIVERGE_CACHE_DIR``: the chunks assembled,
+    the tokenizer rebuilt and de-quantized once, about 20 s; then about a second)."""
+    from kvdiverge.study.models import GEMMA_MODEL, GEMMA_NAME, convert_to_directory, load_model, local_entry
+
+    out = build_once(tmp_path_factory, "gemma-model", lambda o: convert_to_directory(GEMMA_MODEL, o, GEMMA_NAME))
+    return load_model(local_entry(GEMMA_MODEL, out), GEMMA_NAME)
 
 
 @pytest.fixture

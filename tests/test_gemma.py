@@ -23,7 +23,7 @@ from kvdiverge.engine.presses.layer_types import on_full_layers
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.corpus import sotu_units
-from kvdiverge.study.models import GEMMA_MODEL, GEMMA_NAME, load_model
+from kvdiverge.study.models import GEMMA_NAME
 
 pytestmark = pytest.mark.llm
 
@@ -31,10 +31,10 @@ N, T, R = 700, 12, 2
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    """``(model, prompt ids)``: the model loaded once (its conversion kept for the session) and the
-    first 700 tokens of the first State of the Union address, ``<bos>`` first."""
-    model, tokenizer = load_model(GEMMA_MODEL, GEMMA_NAME)
+def gemma_prompt(gemma):
+    """``(model, prompt ids)``: the session's model (conftest) and the first 700 tokens of the first
+    State of the Union address, ``<bos>`` first."""
+    model, tokenizer = gemma
     text = next(iter(sotu_units())).text
     ids = tokenizer(text).input_ids[:N]
     assert ids[0] == 2 and len(ids) == N
@@ -77,8 +77,8 @@ def _until_eos(tokens, eos):
     return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
-def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma):
-    model, ids = gemma
+def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma_prompt):
+    model, ids = gemma_prompt
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64})
     records = _run(model, ids, policy)
     ref, ev = _sides(records[0])
@@ -98,8 +98,8 @@ def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma):
     assert wrong != want_ev
 
 
-def test_gemma_none_control_has_exactly_zero_tv(gemma):
-    model, ids = gemma
+def test_gemma_none_control_has_exactly_zero_tv(gemma_prompt):
+    model, ids = gemma_prompt
     control = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
     records = _run(model, ids, control, temperature=0.7)
     assert len(records) == R

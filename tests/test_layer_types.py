@@ -24,7 +24,7 @@ N = 80  # prompt tokens: the 64-token window starts inside the prompt
 
 
 @pytest.fixture(scope="module")
-def gemma():
+def mini_gemma():
     return random_model(MINIATURE["gemma-3-270m"], initializer_range=0.1, seed=1)
 
 
@@ -45,15 +45,15 @@ def _side_after_rewind(model, prompt: list[int], tokens: list[int]) -> torch.Ten
         return side.forward(model, torch.tensor([tokens[2]]))[0]
 
 
-def test_a_rewound_column_does_not_shift_the_window(gemma, monkeypatch):
+def test_a_rewound_column_does_not_shift_the_window(mini_gemma, monkeypatch):
     prompt = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(5)).tolist()
     a, b, c = 17, 230, 411
-    want = _fresh(gemma, prompt + [a, c])
-    got = _side_after_rewind(gemma, prompt, [a, b, c])
+    want = _fresh(mini_gemma, prompt + [a, c])
+    got = _side_after_rewind(mini_gemma, prompt, [a, b, c])
     assert (got - want).abs().max().item() < 1e-5
     # counted in columns, the window of the last token would drop prompt token 18 as well
     monkeypatch.setattr(side_module, "has_sliding_layers", lambda config: False)
-    by_column = _side_after_rewind(gemma, prompt, [a, b, c])
+    by_column = _side_after_rewind(mini_gemma, prompt, [a, b, c])
     assert (by_column - want).abs().max().item() > 1e-3
 
 
@@ -79,38 +79,38 @@ def test_layer_type_masks_by_position_enumerated():
     assert sliding == [False, False, True, False, True, True]
 
 
-def test_a_press_hooks_only_the_full_attention_layers(gemma):
+def test_a_press_hooks_only_the_full_attention_layers(mini_gemma):
     from kvpress import SnapKVPress
 
     press = SnapKVPress(compression_ratio=0.5)
 
     def hooked():
-        return [i for i, layer in enumerate(gemma.model.layers) if layer.self_attn._forward_hooks]
+        return [i for i, layer in enumerate(mini_gemma.model.layers) if layer.self_attn._forward_hooks]
 
-    with layer_types.on_full_layers(press, gemma) as layers:
+    with layer_types.on_full_layers(press, mini_gemma) as layers:
         assert hooked() == layers == [2, 5]
     assert hooked() == []
-    with press(gemma):  # kvpress itself hooks every layer of a Gemma3ForCausalLM
+    with press(mini_gemma):  # kvpress itself hooks every layer of a Gemma3ForCausalLM
         assert hooked() == list(range(6))
 
 
 def test_layer_types_of_the_configs():
-    gemma = build_config(MINIATURE["gemma-3-270m"])
+    mini_gemma = build_config(MINIATURE["gemma-3-270m"])
     llama = build_config(MINIATURE["llama-3.1-8b"])
-    assert layer_types.full_layers(gemma) == [2, 5] and layer_types.sliding_window(gemma) == 64
+    assert layer_types.full_layers(mini_gemma) == [2, 5] and layer_types.sliding_window(mini_gemma) == 64
     assert layer_types.full_layers(llama) == [0, 1] and layer_types.sliding_window(llama) is None
-    assert layer_types.refusal(gemma) is None and layer_types.refusal(llama) is None
+    assert layer_types.refusal(mini_gemma) is None and layer_types.refusal(llama) is None
     chunked = build_config(MINIATURE["gemma-3-270m"])
     chunked.layer_types = ["chunked_attention"] * 6
     assert "'chunked_attention'" in layer_types.refusal(chunked)
 
 
-def test_decode_time_presses_are_refused_on_sliding_layers(gemma):
+def test_decode_time_presses_are_refused_on_sliding_layers(mini_gemma):
     from kvpress import DecodingPress, KnormPress, SnapKVPress, StreamingLLMPress
 
-    assert refusal(SnapKVPress(compression_ratio=0.5), gemma) is None
-    assert refusal(StreamingLLMPress(compression_ratio=0.5), gemma) is None
-    sentence = refusal(DecodingPress(base_press=KnormPress(), compression_interval=4, target_size=32), gemma)
+    assert refusal(SnapKVPress(compression_ratio=0.5), mini_gemma) is None
+    assert refusal(StreamingLLMPress(compression_ratio=0.5), mini_gemma) is None
+    sentence = refusal(DecodingPress(base_press=KnormPress(), compression_interval=4, target_size=32), mini_gemma)
     assert sentence.startswith("the model has 2 full-attention and 4 sliding-window layers (64 tokens)")
     assert "a press that evicts while decoding (DecodingPress)" in sentence
 
@@ -148,13 +148,13 @@ def test_the_provenance_names_the_compressed_layers():
     from kvdiverge.study.provenance import compressed_layers
 
     assert compressed_layers({"compressed": list(range(30)), "layers": 30, "sliding_window": None}) == "all 30"
-    gemma = {"compressed": [5, 11, 17], "layers": 18, "sliding_window": 512}
-    assert compressed_layers(gemma) == "3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"
+    mini_gemma = {"compressed": [5, 11, 17], "layers": 18, "sliding_window": 512}
+    assert compressed_layers(mini_gemma) == "3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"
     assert compressed_layers({}) == ""
 
 
 @pytest.mark.parametrize("press", ["snapkv", "streaming", "pyramidkv", "adakv"])
-def test_teacher_forced_pass_on_sliding_layers(gemma, press):
+def test_teacher_forced_pass_on_sliding_layers(mini_gemma, press):
     """The continuation in one forward equals stepping it (the window by position within the
     block too), and the reference side equals a fresh forward on the model's own cache."""
     import kvpress
@@ -176,7 +176,7 @@ def test_teacher_forced_pass_on_sliding_layers(gemma, press):
     tokens = torch.randint(1, 500, (20,), generator=torch.Generator().manual_seed(4)).tolist()
 
     def run(block):
-        pair = build_pair(gemma, [Document("d", prompt)], PressPolicy("p", presses[press]), sampling)
+        pair = build_pair(mini_gemma, [Document("d", prompt)], PressPolicy("p", presses[press]), sampling)
         return forced_pass(pair, tokens, TeacherForcing(length=len(tokens), block=block))
 
     (block, one), (steps, _) = run(True), run(False)
@@ -185,6 +185,6 @@ def test_teacher_forced_pass_on_sliding_layers(gemma, press):
         assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
     assert bool((block["kld"] > 1e-3).any())
     with torch.inference_mode():
-        logits = gemma(input_ids=torch.tensor([prompt + tokens]), past_key_values=DynamicCache(config=gemma.config))
+        logits = mini_gemma(input_ids=torch.tensor([prompt + tokens]), past_key_values=DynamicCache(config=mini_gemma.config))
         fresh = logits.logits[0, N - 1 : -1].double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(block["ll_ref"].double(), fresh, atol=1e-5, rtol=0)

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 
 from kvdiverge.io.files import atomic_path
 from kvdiverge.study.gguf_tokenizer import TOKENIZER_VERSION, gemma_tokenizer, is_gemma
-from kvdiverge.study.standins import MINIATURE, PAPER, build_config, random_model
+from kvdiverge.study.standins import GEMMA, MINIATURE, PAPER, build_config, random_model
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -103,7 +103,7 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
     if arch not in MINIATURE:
         key = f"models.{name}.architecture" if name else "architecture"
         raise ValueError(f"{key}: {arch!r} is not one of the miniature architectures {sorted(MINIATURE)}")
-    real = PAPER[arch]
+    real = {**PAPER, **GEMMA}[arch]
     return {**MINIATURE[arch], **{k: real[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
 
 
