@@ -22,6 +22,7 @@ NAMES = {
     "transformers.AttentionInterface",
     "transformers.masking_utils.AttentionMaskInterface",
     "transformers.masking_utils.sdpa_mask",
+    "transformers.masking_utils.create_causal_mask",
     "transformers.integrations.sdpa_attention.sdpa_attention_forward",
     "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS",
     "transformers.PretrainedConfig._attn_implementation",
@@ -39,6 +40,7 @@ NAMES = {
     "transformers.cache_utils.HQQQuantizedLayer",
     "transformers.cache_utils.HQQQuantizedLayer._quantize",
     "transformers.cache_utils.HQQQuantizedLayer._dequantize",
+    "transformers.convert_slow_tokenizer.generate_merges",
     "transformers.modeling_gguf_pytorch_utils.tqdm",
 }
 
@@ -65,7 +67,15 @@ def test_a_moved_internal_is_named_with_its_use():
 
 def test_only_this_module_imports_transformers_internals():
     """Outside ``engine/hf.py`` the package imports transformers' public names only."""
-    public = {"AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "LlamaConfig", "Qwen2Config"}
+    public = {
+        "AutoConfig",
+        "AutoModelForCausalLM",
+        "AutoTokenizer",
+        "LlamaConfig",
+        "Qwen2Config",
+        "Gemma3TextConfig",
+        "PreTrainedTokenizerFast",
+    }
     found = []
     for path in SRC.rglob("*.py"):
         if path.name == "hf.py" and path.parent.name == "engine":

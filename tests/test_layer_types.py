@@ -185,6 +185,8 @@ def test_teacher_forced_pass_on_sliding_layers(mini_gemma, press):
         assert torch.allclose(block[key], steps[key], atol=1e-5, rtol=0), key
     assert bool((block["kld"] > 1e-3).any())
     with torch.inference_mode():
-        logits = mini_gemma(input_ids=torch.tensor([prompt + tokens]), past_key_values=DynamicCache(config=mini_gemma.config))
+        logits = mini_gemma(
+            input_ids=torch.tensor([prompt + tokens]), past_key_values=DynamicCache(config=mini_gemma.config)
+        )
         fresh = logits.logits[0, N - 1 : -1].double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(block["ll_ref"].double(), fresh, atol=1e-5, rtol=0)

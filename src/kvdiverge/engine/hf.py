@@ -98,6 +98,12 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal("transformers.masking_utils", "sdpa_mask", "as the grouped decoding attention's mask builder"),
     Internal(
+        "transformers.masking_utils",
+        "create_causal_mask",
+        "to build a mixed-attention model's masks by layer type, the window by position (engine.presses.layer_types)",
+        parameter="and_mask_function",
+    ),
+    Internal(
         "transformers.integrations.sdpa_attention",
         "sdpa_attention_forward",
         "for every attention call the grouped decoding attention does not handle itself",
@@ -137,6 +143,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_CU, "HQQQuantizedLayer._quantize", "as the private method the row-wise HQQ layer overrides"),
     Internal(_CU, "HQQQuantizedLayer._dequantize", "as the private method the row-wise HQQ layer overrides"),
     Internal(
+        "transformers.convert_slow_tokenizer",
+        "generate_merges",
+        "to rebuild the merges of a Gemma GGUF file's tokenizer (study.gguf_tokenizer)",
+    ),
+    Internal(
         "transformers.modeling_gguf_pytorch_utils",
         "tqdm",
         "to silence the GGUF reader's progress bar while loading a .gguf model (study.models)",
@@ -167,8 +178,9 @@ from transformers.cache_utils import (  # noqa: E402
     QuantizedLayer,
     QuantoQuantizedLayer,
 )
+from transformers.convert_slow_tokenizer import generate_merges  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.models.llama.modeling_llama import repeat_kv, rotate_half  # noqa: E402
 
@@ -186,6 +198,8 @@ __all__ = [
     "Internal",
     "QuantizedLayer",
     "QuantoQuantizedLayer",
+    "create_causal_mask",
+    "generate_merges",
     "gguf_reader",
     "problems",
     "repeat_kv",

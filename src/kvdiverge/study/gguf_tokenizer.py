@@ -187,7 +187,9 @@ def build_backend(vocabulary: dict[str, Any]):
     """
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
-    from transformers.convert_slow_tokenizer import generate_merges
+
+    # lazy: torch and transformers load with a model; the torch-free workflow scripts import this module
+    from kvdiverge.engine.hf import generate_merges
 
     pieces = sentencepiece_pieces(vocabulary["tokens"], vocabulary["scores"], vocabulary["types"])
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}

@@ -25,6 +25,8 @@ import contextlib
 
 import torch
 
+from kvdiverge.engine.hf import create_causal_mask
+
 __all__ = [
     "FULL",
     "SLIDING",
@@ -152,8 +154,6 @@ def layer_type_masks(model, cache, valid: torch.Tensor, positions: torch.Tensor,
         ``{"full_attention": mask, "sliding_attention": mask}``, as the model's text
         forward takes it in place of a 2-D mask.
     """
-    from transformers.masking_utils import create_causal_mask
-
     window = sliding_window(model.config)
     past = cache.get_seq_length()
     cache_position = torch.arange(past, past + n_new, device=valid.device)
