@@ -190,3 +190,14 @@ def test_teacher_forced_pass_on_sliding_layers(mini_gemma, press):
         )
         fresh = logits.logits[0, N - 1 : -1].double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(block["ll_ref"].double(), fresh, atol=1e-5, rtol=0)
+
+
+def test_a_question_after_compression_is_refused_on_sliding_layers(mini_gemma):
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import Policy
+    from kvdiverge.engine.runner import Document, check_policy
+
+    policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8})
+    assert check_policy(mini_gemma, [Document("d", list(range(1, 101)))], policy, "policy 'snapkv-50'") is False
+    with pytest.raises(PressError, match="2 full-attention and 4 sliding-window layers: a question prefilled after"):
+        check_policy(mini_gemma, [Document("d", list(range(1, 101)), 6)], policy, "policy 'snapkv-50'")

@@ -33,6 +33,7 @@ from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, 
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
+from kvdiverge.engine.presses.layer_types import FULL, has_sliding_layers, layer_types
 from kvdiverge.engine.presses.policies import min_prompt_tokens
 from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
 
@@ -209,10 +210,23 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     # at a length the press accepts: whether it is refused does not depend on the length, and
     # a refused press is named before a document too short for it (check_prompt_lengths)
     press = policy.build_press(max(max(doc.prompt_len for doc in documents), min_prompt_tokens(policy)))
-    reason = refusal(press, model)
+    reason = refusal(press, model) or _question_refusal(model, documents)
     if reason:
         raise PressError(owner, reason)
     return is_decode_time(press)
+
+
+def _question_refusal(model, documents: Sequence[Document]) -> str | None:
+    """Why a question prefilled after compression cannot run on ``model`` (sliding-window layers), or None."""
+    config = getattr(model, "config", None)
+    if config is None or not any(doc.n_question for doc in documents) or not has_sliding_layers(config):
+        return None
+    kinds = layer_types(config)
+    return (
+        f"the model has {kinds.count(FULL)} full-attention and {len(kinds) - kinds.count(FULL)} sliding-window "
+        f"layers: a question prefilled after compression is not supported there (its layers hold caches of "
+        f"different lengths)"
+    )
 
 
 def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:
