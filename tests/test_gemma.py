@@ -19,11 +19,11 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.presses.layer_types import on_full_layers
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.corpus import sotu_units
 from kvdiverge.study.models import GEMMA_NAME
+from kvdiverge.testing.generation import greedy_generate
 
 pytestmark = pytest.mark.llm
 
@@ -39,19 +39,6 @@ def gemma_prompt(gemma):
     ids = tokenizer(text).input_ids[:N]
     assert ids[0] == 2 and len(ids) == N
     return model, ids
-
-
-def _generate(model, ids, press=None) -> list[int]:
-    x = torch.tensor([ids])
-    kw = dict(max_new_tokens=T, do_sample=False, attention_mask=torch.ones_like(x))
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        if press is None:
-            out = model.generate(x, past_key_values=cache, **kw)
-        else:
-            with on_full_layers(press, model):
-                out = model.generate(x, past_key_values=cache, **kw)
-    return out[0, N:].tolist()
 
 
 def _run(model, ids, policy, temperature=0.0):
@@ -83,8 +70,8 @@ def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma_prompt):
     records = _run(model, ids, policy)
     ref, ev = _sides(records[0])
     eos = {int(model.generation_config.eos_token_id)}  # <eos> = 1
-    want_ref = _generate(model, ids)
-    want_ev = _generate(model, ids, policy.build_press(N))
+    want_ref = greedy_generate(model, ids, max_new_tokens=T)
+    want_ev = greedy_generate(model, ids, policy.build_press(N), T)
     assert _until_eos(ref, eos) == want_ref
     assert _until_eos(ev, eos) == want_ev
     # the full-attention layers keep half the prompt; the sliding ones all of it (their window applies)

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
-from kvdiverge.engine.presses.layer_types import on_full_layers
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
 from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.testing.generation import greedy_generate
 
 pytestmark = pytest.mark.miniature
 
@@ -57,19 +56,9 @@ def mini(request):
 
 
 def greedy(model, ids, press=None, max_new_tokens=T) -> list[int]:
-    """``model.generate`` greedy continuation (stops at EOS), with or without the press, on the
-    model's own cache (a sliding layer keeps its window); the press on the full-attention layers
-    only, kvpress's policy for Gemma 3 (``on_full_layers``: ``press(model)`` on the others)."""
-    x = torch.tensor([list(ids)])
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        if press is None:
-            out = model.generate(x, past_key_values=cache, **kw)
-        else:
-            with on_full_layers(press, model):
-                out = model.generate(x, past_key_values=cache, **kw)
-    return out[0, x.shape[1] :].tolist()
+    """``model.generate`` greedy continuation (stops at EOS), with or without the press
+    (:func:`kvdiverge.testing.generation.greedy_generate`: the full-attention layers only)."""
+    return greedy_generate(model, ids, press, max_new_tokens)
 
 
 def run(model, docs, policy, temperature=0.0, top_p=1.0, eos_ids=None):
