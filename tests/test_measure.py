@@ -187,6 +187,7 @@ def test_read_prompts_drops_a_byte_order_mark(tmp_path):
 
 
 def test_model_entry_kinds(tmp_path):
+    assert model_entry("gemma3-270m")[1]["source"] == "gguf_chunks"
     name, spec = model_entry("embedded", "bfloat16", "cpu")
     assert name == "smollm2-135m" and spec["source"] == "gguf_package" and spec["dtype"] == "bfloat16"
     (tmp_path / "m.gguf").write_bytes(b"GGUF")

@@ -123,7 +123,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _press_arguments(p: argparse.ArgumentParser) -> None:
     """The model, the presses, the caches and the budget."""
-    p.add_argument("model", help="'embedded' (SmolLM2-135M-Instruct), a model directory, a .gguf file or a hub id")
+    p.add_argument(
+        "model",
+        help="'embedded' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), a model directory, a .gguf file or a hub id",
+    )
     p.add_argument(
         "--press",
         action="append",

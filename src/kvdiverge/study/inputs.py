@@ -37,7 +37,7 @@ from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.study.config import policy_entry_problems
 from kvdiverge.study.corpus import CorpusError, build_corpus
 from kvdiverge.study.frontier import FrontierSpec, cache_settings, frontier_grid, frontier_policy, frontier_problems
-from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, context_length
+from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME, context_length
 from kvdiverge.study.prompts import render_ids
 from kvdiverge.study.settings import token_id_problems
 
@@ -484,7 +484,8 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
 def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
     """``(name, config entry)`` of the model argument.
 
-    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`); an existing
+    ``embedded`` is the default model (:data:`kvdiverge.study.models.EMBEDDED_MODEL`), ``gemma3-270m``
+    the second embedded model (:data:`kvdiverge.study.models.GEMMA_MODEL`); an existing
     directory or ``.gguf`` file loads locally; anything else that does not look like a path
     is a hub id (read from the local Hugging Face cache when present).
 
@@ -496,6 +497,8 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
     extra = {"dtype": dtype, "device": device}
     if model == "embedded":
         return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
+    if model == GEMMA_NAME:
+        return GEMMA_NAME, {**GEMMA_MODEL, **extra}
     p = Path(model).expanduser()
     if p.is_dir():
         return p.resolve().name, {"source": "local", "path": str(p), **extra}
@@ -503,7 +506,7 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
         if p.suffix.lower() != ".gguf":
             raise InputError(
                 f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                f"a .gguf file, a hub id or 'embedded'"
+                f"a .gguf file, a hub id, 'embedded' or '{GEMMA_NAME}'"
             )
         return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
     looks_like_path = (
