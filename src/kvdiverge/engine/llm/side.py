@@ -57,7 +57,10 @@ class CacheSide:
     each row's first generated token (int64, (n_rows,), or an int for all rows): the
     uncompressed prompt length of its document, or the cache length for presses that
     re-rotate kept keys (:func:`kvdiverge.engine.presses.registry.generation_start`);
-    the RoPE position of generated token ``i`` is ``prompt_len + i``. ``masks``
+    the RoPE position of generated token ``i`` is ``prompt_len + i``. ``positions`` (int64,
+    (n_rows, cache_len)) holds each column's RoPE position, from which a model with
+    sliding-window layers gets its window (:func:`~kvdiverge.engine.presses.layer_types.layer_type_masks`:
+    a rewound column stays in the cache, so a column's index is not its position). ``masks``
     (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
 
