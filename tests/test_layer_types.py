@@ -201,3 +201,17 @@ def test_a_question_after_compression_is_refused_on_sliding_layers(mini_gemma):
     assert check_policy(mini_gemma, [Document("d", list(range(1, 101)))], policy, "policy 'snapkv-50'") is False
     with pytest.raises(PressError, match="2 full-attention and 4 sliding-window layers: a question prefilled after"):
         check_policy(mini_gemma, [Document("d", list(range(1, 101)), 6)], policy, "policy 'snapkv-50'")
+
+
+def test_measure_names_the_compressed_layers(mini_gemma):
+    import kvdiverge
+
+    prompt = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    spec = {"press": "SnapKVPress", "compression_ratio": 0.5, "params": {"window_size": 8}}
+    m = kvdiverge.measure(
+        mini_gemma, None, {"p": prompt}, {"snap": spec}, max_new_tokens=4, replicates=2, progress=False
+    )
+    layers = "2 of 6 (2, 5); 4 sliding-window layers of 64 tokens kept whole"
+    assert m.settings["compressed_layers"] == layers
+    assert f"kept: of the prompt in the layers a press compresses, {layers}" in m.format_summary()
+    assert m.documents["kept_len"].to_list() == [N // 2]

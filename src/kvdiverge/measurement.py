@@ -27,12 +27,14 @@ from typing import Any
 
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.presses.layer_types import has_sliding_layers, layers_of
 from kvdiverge.engine.runner import question_after_problems, run_policies
 from kvdiverge.results import Measurement
 from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
 from kvdiverge.study.inputs import measure_inputs, model_label, prepare_documents
 from kvdiverge.study.models import kv_sizes
+from kvdiverge.study.provenance import compressed_layers
 
 __all__ = ["Measurement", "measure"]
 
@@ -187,6 +189,8 @@ def measure(
     sampling = opts.sampling(model_label(model) if model_name is None else model_name)
     runs = run_policies(model, documents, sources, sampling, split=split, options=opts.run_options())
     settings = opts.recorded(sampling, sources, grid, kv_sizes(model) if grid else None)
+    if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
+        settings["compressed_layers"] = compressed_layers(layers_of(model.config))
     result = Measurement.of_run(runs, windows, settings, sources, _eos(model, eos_ids))
     if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, opts, sampling, result.eos_ids)

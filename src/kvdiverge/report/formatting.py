@@ -60,7 +60,8 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     One row per press: prompts, kept fraction of the prompt cache, ``p_div``, mean
     first-divergence step, ``E[M]`` and its decomposition ``p_div/T + (E[L]/T) rho``,
     and, when a noise-floor press was measured, each press's ``E[M]`` minus the floor's.
-    Notes flag presses that left the cache untouched.
+    Notes flag presses that left the cache untouched and, on a model with sliding-window layers,
+    name the layers a press compresses (``settings["compressed_layers"]``).
 
     Parameters
     ----------
@@ -121,6 +122,8 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
         )
     if floor is None:
         out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
+    if s.get("compressed_layers"):
+        out.append(f"kept: of the prompt in the layers a press compresses, {s['compressed_layers']}")
     return "\n".join(out)
 
 

@@ -12,7 +12,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from kvdiverge.engine.llm.pair_base import model_eos_ids
-from kvdiverge.engine.presses.layer_types import full_layers, layer_types, sliding_window
+from kvdiverge.engine.presses.layer_types import layers_of
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.io.files import write_parquet_atomic
@@ -154,7 +154,7 @@ def run_shard(
         for name in group:
             frames[name] = runs.trajectories.filter(pl.col("policy") == name)
             batch[name] = runs.batch_documents
-    layers = None if model is None else _layers(model.config)
+    layers = None if model is None else layers_of(model.config)
     for name, path in zip(names, outputs):
         provenance = layers_metadata(layers) | shard_metadata(
             settings.settings[name],
@@ -167,16 +167,6 @@ def run_shard(
         )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
-
-
-def _layers(config) -> dict[str, Any]:
-    """The layers a press compresses on this model, for the shard's provenance
-    (:func:`kvdiverge.study.provenance.compressed_layers`)."""
-    return {
-        "compressed": full_layers(config),
-        "layers": len(layer_types(config)),
-        "sliding_window": sliding_window(config),
-    }
 
 
 def _document_groups(

@@ -34,6 +34,7 @@ __all__ = [
     "has_sliding_layers",
     "layer_type_masks",
     "layer_types",
+    "layers_of",
     "on_full_layers",
     "refusal",
     "sliding_window",
@@ -70,6 +71,16 @@ def has_sliding_layers(config) -> bool:
 def full_layers(config) -> list[int]:
     """Indices of the full-attention layers, the ones a press compresses."""
     return [i for i, kind in enumerate(layer_types(config)) if kind == FULL]
+
+
+def layers_of(config) -> dict:
+    """The layers a press compresses on this model, as provenance records them:
+    ``{"compressed": [layer indices], "layers": n, "sliding_window": tokens or None}``."""
+    return {
+        "compressed": full_layers(config),
+        "layers": len(layer_types(config)),
+        "sliding_window": sliding_window(config),
+    }
 
 
 def refusal(config) -> str | None:
