@@ -180,7 +180,7 @@ def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
     ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (a process-wide temporary folder with the cache
     off), atomically and under a file lock, as :func:`convert_to_directory` keeps conversions. Every
     process checks the file against the entry's ``sha256`` before using it (hashed once per process
-    and file version, :func:`_sha256`).
+    and file version).
 
     Raises
     ------

@@ -75,6 +75,9 @@ __all__ = [
     "regenerate_command",
     "provenance_table",
     "study_hash",
+    "compressed_layers",
+    "layers_metadata",
+    "KEY_LAYERS",
 ]
 
 log = logging.getLogger(__name__)

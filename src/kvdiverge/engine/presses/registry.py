@@ -46,6 +46,8 @@ __all__ = [
     "question_after_problem",
     "refusal",
     "shares_prefill",
+    "sliding_refusal",
+    "SLIDING_FAILS",
 ]
 
 
