@@ -103,6 +103,12 @@ def test_layer_types_of_the_configs():
     chunked = build_config(MINIATURE["gemma-3-270m"])
     chunked.layer_types = ["chunked_attention"] * 6
     assert "'chunked_attention'" in layer_types.refusal(chunked)
+    # a window on every layer and no layer types (Mistral v0.1): refused once a sequence passes it
+    from transformers import MistralConfig
+
+    mistral = MistralConfig(sliding_window=4096)
+    assert layer_types.refusal(mistral) is None and layer_types.refusal(mistral, 4096) is None
+    assert "reaches 4097 tokens" in layer_types.refusal(mistral, 4097)
 
 
 def test_decode_time_presses_are_refused_on_sliding_layers(mini_gemma):

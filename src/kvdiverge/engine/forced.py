@@ -123,7 +123,7 @@ def teacher_forced_policies(
     runs_on = {name: _documents_of(documents, documents_of, name) for name in policies}
     for name, source in policies.items():
         if runs_on[name]:
-            check_policy(model, runs_on[name], source, f"policy {name!r}")
+            check_policy(model, runs_on[name], source, f"policy {name!r}", settings.forcing.length)
             check_prompt_lengths(runs_on[name], {name: source}, "policy")
     if not any(runs_on.values()):
         return pl.DataFrame(schema=POSITION_SCHEMA)

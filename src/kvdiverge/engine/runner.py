@@ -34,6 +34,7 @@ from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.layer_types import FULL, has_sliding_layers, layer_types
+from kvdiverge.engine.presses.layer_types import refusal as layer_refusal
 from kvdiverge.engine.presses.policies import min_prompt_tokens
 from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
 
@@ -195,7 +196,7 @@ def run_documents(
     return _run_records(model, documents, {policy.name: policy}, sampling, options)[0][policy.name]
 
 
-def check_policy(model, documents: Sequence[Document], policy: PressSource, owner: str) -> bool:
+def check_policy(model, documents: Sequence[Document], policy: PressSource, owner: str, horizon: int = 0) -> bool:
     """Refuse a press ``model`` cannot run, before any forward; True for a decode-time policy.
 
     Builds the press of the longest document once and asks the registry
@@ -210,10 +211,18 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
     # at a length the press accepts: whether it is refused does not depend on the length, and
     # a refused press is named before a document too short for it (check_prompt_lengths)
     press = policy.build_press(max(max(doc.prompt_len for doc in documents), min_prompt_tokens(policy)))
-    reason = refusal(press, model) or _question_refusal(model, documents)
+    reason = refusal(press, model) or _question_refusal(model, documents) or _window_refusal(model, documents, horizon)
     if reason:
         raise PressError(owner, reason)
     return is_decode_time(press)
+
+
+def _window_refusal(model, documents: Sequence[Document], horizon: int) -> str | None:
+    """What the model's layers tell against the documents, ``horizon`` tokens generated after the
+    longest prompt (:func:`kvdiverge.engine.presses.layer_types.refusal`)."""
+    config = getattr(model, "config", None)
+    tokens = max(doc.prompt_len for doc in documents) + int(horizon)
+    return None if config is None else layer_refusal(config, tokens)
 
 
 def _question_refusal(model, documents: Sequence[Document]) -> str | None:
@@ -379,7 +388,10 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     """``(records, counts, B)`` of :func:`run_policies`: per policy, its records in input order and its counts."""
     if not documents:
         return {name: [] for name in policies}, {name: {"documents": 0, "batches": 0} for name in policies}, None
-    flags = {name: check_policy(model, documents, src, f"{options.owner} {name!r}") for name, src in policies.items()}
+    flags = {
+        name: check_policy(model, documents, src, f"{options.owner} {name!r}", sampling.T)
+        for name, src in policies.items()
+    }
     check_prompt_lengths(documents, policies, options.owner)
     budget = options.memory_budget_gb
     if budget is None:  # the free memory, read once for the batch and the groups

@@ -16,7 +16,8 @@ The engine honours them this way:
   ``q_pos - k_pos < sliding_window`` (transformers' ``sliding_window_overlay`` on positions),
   which is the attention of the model's own ``DynamicSlidingWindowLayer``.
 - **What the engine cannot honour is refused** (:func:`refusal`): a layer type other than
-  these two, or a sliding window on a model whose config names no layer types.
+  these two, or a sliding window that a sequence reaches past on a model whose config names no
+  layer types.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ def layers_of(config) -> dict:
     }
 
 
-def refusal(config) -> str | None:
+def refusal(config, tokens: int | None = None) -> str | None:
     """Why the engine cannot run this model's layers, in one sentence; ``None`` when it can.
 
     Refused: a layer type other than full and sliding attention (chunked, linear); a
-    ``sliding_window`` in force without ``layer_types`` (every layer sliding, Mistral-style).
+    ``sliding_window`` in force on every layer of a config that names no layer types
+    (Mistral-style, Phi-3) once a sequence of ``tokens`` (prompt and generated, the longest)
+    reaches past it: transformers then counts the window in cache columns, which after a
+    rewind are not positions. With ``tokens`` None only the layer types are checked.
     """
     config = _text(config)
     kinds = sorted(set(layer_types(config)))
@@ -96,10 +100,11 @@ def refusal(config) -> str | None:
         return f"the model's layer types are {kinds}; the engine honours only {FULL!r} and {SLIDING!r} layers"
     window = getattr(config, "sliding_window", None)
     uses = getattr(config, "use_sliding_window", True)
-    if window and uses and not getattr(config, "layer_types", None):
+    if window and uses and not getattr(config, "layer_types", None) and tokens is not None and tokens > window:
         return (
             f"the model attends through a sliding window of {window} tokens on every layer and its config "
-            f"names no layer types; the engine honours sliding windows only on configs with layer_types"
+            f"names no layer types, and a sequence reaches {tokens} tokens; the engine honours sliding windows "
+            f"only on configs with layer_types"
         )
     return None
 
