@@ -58,8 +58,8 @@ class CacheSide:
     uncompressed prompt length of its document, or the cache length for presses that
     re-rotate kept keys (:func:`kvdiverge.engine.presses.registry.generation_start`);
     the RoPE position of generated token ``i`` is ``prompt_len + i``. ``positions`` (int64,
-    (n_rows, cache_len)) holds each column's RoPE position, from which a model with
-    sliding-window layers gets its window (:func:`~kvdiverge.engine.presses.layer_types.layer_type_masks`:
+    (n_rows, cache_len), kept up to date for a model with sliding-window layers only) holds
+    each column's RoPE position, from which such a model gets its window (:func:`~kvdiverge.engine.presses.layer_types.layer_type_masks`:
     a rewound column stays in the cache, so a column's index is not its position). ``masks``
     (:class:`kvdiverge.engine.llm.masks.HeadMasks` or ``None``) masks prompt columns per layer
     and key-value head through ``modules``' ``masked_key_indices`` (kvpress's attention patch).
@@ -110,6 +110,7 @@ class CacheSide:
         width = valid.shape[1]
         start = torch.as_tensor(prompt_len, device=valid.device).reshape(-1, 1)
         self.positions = (torch.arange(width, device=valid.device) - width + start).expand(valid.shape).clone()
+        self._sliding: bool | None = None  # the model has sliding-window layers: known at the first forward
         self.all_valid = bool(valid.all())
         self.order: torch.Tensor | None = None
         self._inverse: torch.Tensor | None = None
@@ -132,7 +133,8 @@ class CacheSide:
         # as kvpress's own pipeline does, whatever the cache length (for presses that
         # re-rotate kept keys, from the cache length: registry.generation_start).
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1)
-        self.positions = torch.cat([self.positions, position_ids.expand(n_rows, 1)], dim=1)
+        if self._tracks(model):
+            self.positions = torch.cat([self.positions, position_ids.expand(n_rows, 1)], dim=1)
         if self.masks is not None:
             self.masks.apply(self.modules)
         with grouped_attention(model, self.grouped):
@@ -166,7 +168,8 @@ class CacheSide:
         self.valid = torch.cat([self.valid, self.valid.new_ones(n_rows, L)], dim=1)
         self.step = torch.cat([self.step, self.n_gen.unsqueeze(1) + offsets], dim=1)
         position_ids = (self.prompt_len + self.n_gen).unsqueeze(1) + offsets
-        self.positions = torch.cat([self.positions, position_ids.expand(n_rows, L)], dim=1)
+        if self._tracks(model):
+            self.positions = torch.cat([self.positions, position_ids.expand(n_rows, L)], dim=1)
         masked = self.masks.block(self.modules) if self.masks is not None else contextlib.nullcontext()
         with grouped_attention(model, self.grouped), masked:
             out = model(
@@ -179,11 +182,18 @@ class CacheSide:
         self.n_gen += L
         return self.logical(out.logits)
 
+    def _tracks(self, model) -> bool:
+        """Whether ``positions`` is kept up to date: only for a model with sliding-window layers
+        (decided at the first forward; a side is decoded by one model)."""
+        if self._sliding is None:
+            self._sliding = has_sliding_layers(model.config)
+        return self._sliding
+
     def _mask(self, model, n_new: int):
         """The forward's attention mask: the 2-D ``valid`` (``None`` when every column is valid),
         or, for a model with sliding layers, the masks by layer type with the window applied by
         position (:func:`~kvdiverge.engine.presses.layer_types.layer_type_masks`)."""
-        if has_sliding_layers(model.config):
+        if self._tracks(model):
             return layer_type_masks(model, self.cache, self.valid, self.positions, n_new)
         return None if self.all_valid else self.valid.long()
 
@@ -209,7 +219,9 @@ class CacheSide:
         rows = rows if self.order is None else self.order[rows]  # the cache rows to keep
         src = fill_holes(rows, self.valid.shape[0]) if self.in_place else rows
         self.valid, self.step, self.n_gen = self.valid[src], self.step[src], self.n_gen[src]
-        self.positions = self.positions[src]
+        tracked = self._sliding is not False  # before the first forward it cannot tell: kept
+        if tracked:
+            self.positions = self.positions[src]
         if isinstance(self.prompt_len, torch.Tensor):
             self.prompt_len = self.prompt_len[src]
         cols = self.valid.any(0)
@@ -218,7 +230,8 @@ class CacheSide:
         if trim:
             cols = cols.nonzero().squeeze(1)
             self.valid, self.step = self.valid[:, cols], self.step[:, cols]
-            self.positions = self.positions[:, cols]
+            if tracked:
+                self.positions = self.positions[:, cols]
         if self.masks is not None:
             self.masks.keep_rows(src, cols if trim else None)
         for layer in self.cache.layers:
