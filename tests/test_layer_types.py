@@ -108,7 +108,7 @@ def test_layer_types_of_the_configs():
 
     mistral = MistralConfig(sliding_window=4096)
     assert layer_types.refusal(mistral) is None and layer_types.refusal(mistral, 4096) is None
-    assert "reaches 4097 tokens" in layer_types.refusal(mistral, 4097)
+    assert "a row's cache reaches 4097 columns" in layer_types.refusal(mistral, 4097)
 
 
 def test_decode_time_presses_are_refused_on_sliding_layers(mini_gemma):
@@ -221,3 +221,66 @@ def test_measure_names_the_compressed_layers(mini_gemma):
     assert m.settings["compressed_layers"] == layers
     assert f"kept: of the prompt in the layers a press compresses, {layers}" in m.format_summary()
     assert m.documents["kept_len"].to_list() == [N // 2]
+
+
+def _sampled(model, docs, policy, T):
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
+    from kvdiverge.engine.runner import RunOptions, run_documents
+
+    sampling = Sampling(T=T, replicates=2, decoding=Decoding(temperature=1.0, eos_ids=[]), seed=3, model_name="m")
+    return run_documents(model, docs, policy, sampling, RunOptions(batch_documents=len(docs)))
+
+
+def test_a_window_on_every_layer_is_refused_once_a_rewound_cache_can_pass_it():
+    """Mistral-style: window 100 on every layer, no layer types. A 60-token prompt at T = 40 spans
+    60 + 2T - 2 = 138 columns after a branch's rewind: refused before any forward; at T = 21 (100)
+    it runs."""
+    import kvpress
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvdiverge.engine.core.errors import PressError
+    from kvdiverge.engine.presses.policies import PressPolicy
+    from kvdiverge.engine.runner import Document
+
+    config = MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=100, max_position_embeddings=1024, eos_token_id=511,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = MistralForCausalLM(config).eval()
+    docs = [Document("d", list(range(1, 61)))]
+    policy = PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8))
+    with pytest.raises(PressError, match="a row's cache reaches 138 columns"):
+        _sampled(model, docs, policy, 40)
+    assert len(_sampled(model, docs, policy, 21)) == 2
+
+
+def test_eager_attention_on_sliding_layers_is_refused_before_any_forward():
+    import kvpress
+
+    eager = random_model(MINIATURE["gemma-3-270m"], initializer_range=0.1, seed=1, attn_implementation="eager")
+    sentence = refusal(kvpress.SnapKVPress(compression_ratio=0.5), eager)
+    assert sentence.startswith("the model has 2 full-attention and 4 sliding-window layers (64 tokens)")
+    assert "load the model with attn_implementation: sdpa" in sentence
+
+
+def test_a_finished_presss_key_masks_never_reach_the_reference(mini_gemma):
+    """kvpress's own generate under a head-wise press leaves ``masked_key_indices`` on the attention
+    modules; the pair drops them: the control's TV stays exactly 0 on the stock kernels."""
+    import kvpress
+
+    from kvdiverge.engine.llm.pair_base import stock_kernels
+    from kvdiverge.engine.presses.policies import Policy
+    from kvdiverge.engine.runner import Document
+
+    ids = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode(), kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=8))(mini_gemma):
+        x = ids[None]
+        mini_gemma.generate(x, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(x))
+    left = [m for m in mini_gemma.modules() if getattr(m, "masked_key_indices", None) is not None]
+    assert left  # the state kvpress leaves
+    none = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
+    with stock_kernels():
+        records = _sampled(mini_gemma, [Document("d", ids.tolist())], none, 20)
+    assert all(tv == 0.0 for r in records for tv in r["tv"])
+    assert all(getattr(m, "masked_key_indices", None) is None for m in mini_gemma.modules())

@@ -201,7 +201,11 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
 
     Builds the press of the longest document once and asks the registry
     (:func:`kvdiverge.engine.presses.registry.refusal`, with the model: the config
-    attributes the press reads) and :func:`kvdiverge.engine.presses.registry.is_decode_time`.
+    attributes the press reads and its layer types) and
+    :func:`kvdiverge.engine.presses.registry.is_decode_time`. ``horizon``: the cache columns a
+    row spans beyond its prompt (``2T - 2`` for a coupled run, the continuation's length for a
+    teacher-forced pass), for a model whose every layer slides
+    (:func:`kvdiverge.engine.presses.layer_types.refusal`).
 
     Raises
     ------
@@ -218,8 +222,8 @@ def check_policy(model, documents: Sequence[Document], policy: PressSource, owne
 
 
 def _window_refusal(model, documents: Sequence[Document], horizon: int) -> str | None:
-    """What the model's layers tell against the documents, ``horizon`` tokens generated after the
-    longest prompt (:func:`kvdiverge.engine.presses.layer_types.refusal`)."""
+    """What the model's layers tell against the documents, a row's cache spanning ``horizon``
+    columns beyond the longest prompt (:func:`kvdiverge.engine.presses.layer_types.refusal`)."""
     config = getattr(model, "config", None)
     tokens = max(doc.prompt_len for doc in documents) + int(horizon)
     return None if config is None else layer_refusal(config, tokens)
@@ -388,9 +392,10 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     """``(records, counts, B)`` of :func:`run_policies`: per policy, its records in input order and its counts."""
     if not documents:
         return {name: [] for name in policies}, {name: {"documents": 0, "batches": 0} for name in policies}, None
+    # a row's cache spans prompt + 2T - 2 columns after a branch's rewind (planner.cache_columns)
+    span = 2 * sampling.T - 2
     flags = {
-        name: check_policy(model, documents, src, f"{options.owner} {name!r}", sampling.T)
-        for name, src in policies.items()
+        name: check_policy(model, documents, src, f"{options.owner} {name!r}", span) for name, src in policies.items()
     }
     check_prompt_lengths(documents, policies, options.owner)
     budget = options.memory_budget_gb

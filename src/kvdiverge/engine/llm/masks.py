@@ -24,13 +24,26 @@ import torch
 
 from kvdiverge.engine.hf import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["HeadMasks", "attention_modules", "masked_keep", "check_patched"]
+__all__ = ["HeadMasks", "attention_modules", "clear_key_masks", "masked_keep", "check_patched"]
 
 
 def attention_modules(model) -> list:
     """The attention module of every decoder layer, as kvpress enters them (``layer.self_attn``)."""
     inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
     return [layer.self_attn for layer in inner.layers]
+
+
+def clear_key_masks(model) -> None:
+    """Drop the per-head key masks a press left on ``model``'s attention modules.
+
+    kvpress's head-wise presses set ``module.masked_key_indices`` during their prefill and leave
+    it after their own ``generate``; its attention patch then masks those keys in every later
+    forward of that module. The reference model must attend to its whole cache, so a pair drops
+    any such leftover before it starts (the evicted twin's are set and cleared by the engine).
+    """
+    for module in attention_modules(model):
+        if getattr(module, "masked_key_indices", None) is not None:
+            module.masked_key_indices = None
 
 
 def masked_keep(indices, kv_heads: int, length: int, device) -> torch.Tensor:

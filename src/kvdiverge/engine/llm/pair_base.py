@@ -22,6 +22,7 @@ from kvdiverge.engine.core.coupling import coupling_dtype
 from kvdiverge.engine.core.decoding import RepeatHistory
 from kvdiverge.engine.core.errors import check_logits_finite
 from kvdiverge.engine.core.sampling import Decoding
+from kvdiverge.engine.llm.masks import clear_key_masks
 from kvdiverge.engine.llm.planner import cache_columns
 from kvdiverge.engine.llm.prefill import Prefill
 from kvdiverge.engine.llm.side import DEFAULT_SPARE, CacheSide, merge_caches
@@ -156,6 +157,7 @@ class LLMPairBase:
     ) -> None:
         if not documents:
             raise ValueError("a pair needs at least one document")
+        clear_key_masks(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = coupling_dtype(self.device)

@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from kvdiverge.engine.llm.masks import clear_key_masks
+
 __all__ = ["evicted_twin", "shares_weights"]
 
 
@@ -33,7 +35,9 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
         ``torch.nn.Parameter`` and buffer tensors (``twin.p is model.p`` for each). Hooks
         already on ``model`` that belong to no press (a profiler, a recorder) are on the
         twin too, as the same function objects; hooks registered later on either tree stay
-        on that tree.
+        on that tree. Per-head key masks a finished press left on ``model``
+        (``masked_key_indices``, :func:`kvdiverge.engine.llm.masks.clear_key_masks`) are dropped
+        from it first.
 
     Raises
     ------
@@ -52,6 +56,7 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
                         f"entering any press"
                     )
                 memo[id(hook)] = hook
+    clear_key_masks(model)  # a finished press's leftover per-head masks reach neither tree
     return copy.deepcopy(model, memo)
 
 

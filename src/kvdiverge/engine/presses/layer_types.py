@@ -89,9 +89,10 @@ def refusal(config, tokens: int | None = None) -> str | None:
 
     Refused: a layer type other than full and sliding attention (chunked, linear); a
     ``sliding_window`` in force on every layer of a config that names no layer types
-    (Mistral-style, Phi-3) once a sequence of ``tokens`` (prompt and generated, the longest)
-    reaches past it: transformers then counts the window in cache columns, which after a
-    rewind are not positions. With ``tokens`` None only the layer types are checked.
+    (Mistral-style, Phi-3) once a row's cache spans more than the window, ``tokens`` columns
+    (the longest prompt and the columns decoding adds, rewound ones included): transformers
+    then counts the window in cache columns, which after a rewind are not positions. With
+    ``tokens`` None only the layer types are checked.
     """
     config = _text(config)
     kinds = sorted(set(layer_types(config)))
@@ -103,7 +104,7 @@ def refusal(config, tokens: int | None = None) -> str | None:
     if window and uses and not getattr(config, "layer_types", None) and tokens is not None and tokens > window:
         return (
             f"the model attends through a sliding window of {window} tokens on every layer and its config "
-            f"names no layer types, and a sequence reaches {tokens} tokens; the engine honours sliding windows "
+            f"names no layer types, and a row's cache reaches {tokens} columns; the engine honours sliding windows "
             f"only on configs with layer_types"
         )
     return None

@@ -280,7 +280,9 @@ def sliding_refusal(press, config) -> str | None:
     window by position (:mod:`kvdiverge.engine.presses.layer_types`); that holds for a press
     that acts once, at prefill, and keeps each kept key's position. A press that evicts while
     decoding, a quantized cache and a press that re-rotates kept keys change a sliding
-    layer's cache or its positions after prefill, and are refused.
+    layer's cache or its positions after prefill, and are refused; so is eager attention (the
+    full-attention layers' padded columns are masked per head, which kvpress's attention
+    patch does under sdpa only).
     """
     if config is None:
         return None
@@ -292,6 +294,11 @@ def sliding_refusal(press, config) -> str | None:
         f"the model has {kinds.count(layer_types.FULL)} full-attention and {kinds.count(layer_types.SLIDING)} "
         f"sliding-window layers ({layer_types.sliding_window(config)} tokens)"
     )
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return (
+            f"{layers}: their caches have different widths, whose padding kvpress's per-head key masks "
+            f"cover only under sdpa attention; load the model with attn_implementation: sdpa"
+        )
     for p in walk(press):
         row = adapter_of(p)
         rerotates = row.generation_start(p, 2, 1) == 1  # the first generated token at the cache length
