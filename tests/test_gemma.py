@@ -23,7 +23,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.corpus import sotu_units
 from kvdiverge.study.models import GEMMA_NAME
-from kvdiverge.testing.generation import greedy_generate
+from kvdiverge.testing.generation import greedy_generate, greedy_sides, until_eos
 
 pytestmark = pytest.mark.llm
 
@@ -52,28 +52,16 @@ def _run(model, ids, policy, temperature=0.0):
     return run_documents(model, [Document("d", ids)], policy, sampling, RunOptions(batch_documents=1))
 
 
-def _sides(record):
-    ts = record["t_star"]
-    if ts is None:
-        return record["chain_token"], record["chain_token"]
-    head = record["chain_token"][: ts - 1]
-    return head + [record["x_star"]] + record["branch_x"], head + [record["y_star"]] + record["branch_y"]
-
-
-def _until_eos(tokens, eos):
-    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
-
-
 def test_gemma_greedy_sides_equal_generate_and_kvpress(gemma_prompt):
     model, ids = gemma_prompt
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 64})
     records = _run(model, ids, policy)
-    ref, ev = _sides(records[0])
+    ref, ev = greedy_sides(records[0])
     eos = {int(model.generation_config.eos_token_id)}  # <eos> = 1
     want_ref = greedy_generate(model, ids, max_new_tokens=T)
     want_ev = greedy_generate(model, ids, policy.build_press(N), T)
-    assert _until_eos(ref, eos) == want_ref
-    assert _until_eos(ev, eos) == want_ev
+    assert until_eos(ref, eos) == want_ref
+    assert until_eos(ev, eos) == want_ev
     # the full-attention layers keep half the prompt; the sliding ones all of it (their window applies)
     assert records[0]["kept_len"] == N // 2
     # the press hooked on every layer, as kvpress does for Gemma3ForCausalLM, changes the path

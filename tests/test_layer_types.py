@@ -205,7 +205,10 @@ def test_a_question_after_compression_is_refused_on_sliding_layers(mini_gemma):
 
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8})
     assert check_policy(mini_gemma, [Document("d", list(range(1, 101)))], policy, "policy 'snapkv-50'") is False
-    with pytest.raises(PressError, match="2 full-attention and 4 sliding-window layers: a question prefilled after"):
+    with pytest.raises(
+        PressError,
+        match=r"the model has 2 full-attention and 4 sliding-window layers \(64 tokens\): a question prefilled after",
+    ):
         check_policy(mini_gemma, [Document("d", list(range(1, 101)), 6)], policy, "policy 'snapkv-50'")
 
 

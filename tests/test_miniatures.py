@@ -25,7 +25,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.study.config import load_config
 from kvdiverge.study.standins import MINIATURE, random_model
-from kvdiverge.testing.generation import greedy_generate
+from kvdiverge.testing.generation import greedy_generate, greedy_sides, until_eos
 
 pytestmark = pytest.mark.miniature
 
@@ -85,19 +85,7 @@ def sides(records, doc_id):
             first["branch_x"],
             first["branch_y"],
         )
-    ts = first["t_star"]
-    if ts is None:
-        return first["chain_token"], first["chain_token"]
-    head = first["chain_token"][: ts - 1]
-    return head + [first["x_star"]] + first["branch_x"], head + [first["y_star"]] + first["branch_y"]
-
-
-def until_eos(tokens, eos):
-    """Tokens up to and including the first EOS (what ``generate`` returns)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    return greedy_sides(first)
 
 
 class PositionRecorder:

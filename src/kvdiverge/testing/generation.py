@@ -1,4 +1,5 @@
-"""Greedy generation by transformers and kvpress alone: what the engine's greedy sides must equal."""
+"""Greedy generation by transformers and kvpress alone, and the engine's greedy sides read off its
+records: what the greedy equality tests compare."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.presses.layer_types import on_full_layers
 
-__all__ = ["greedy_generate"]
+__all__ = ["greedy_generate", "greedy_sides", "until_eos"]
 
 
 def greedy_generate(model, ids: Sequence[int], press=None, max_new_tokens: int = 8) -> list[int]:
@@ -35,3 +36,27 @@ def greedy_generate(model, ids: Sequence[int], press=None, max_new_tokens: int =
             with on_full_layers(press, model):
                 out = model.generate(x, past_key_values=cache, **kw)
     return out[0, x.shape[1] :].tolist()
+
+
+def greedy_sides(record) -> tuple[list[int], list[int]]:
+    """The (reference, evicted) token sequences of one greedy replicate of the coupled run: the
+    chain up to the first divergence, then each side's token there and its branch (the chain
+    alone when the sides never part).
+
+    Parameters
+    ----------
+    record : mapping
+        One trajectory record (``chain_token``, ``t_star``, ``x_star``, ``y_star``, ``branch_x``,
+        ``branch_y``).
+    """
+    ts = record["t_star"]
+    if ts is None:
+        return record["chain_token"], record["chain_token"]
+    head = record["chain_token"][: ts - 1]
+    return head + [record["x_star"]] + record["branch_x"], head + [record["y_star"]] + record["branch_y"]
+
+
+def until_eos(tokens: Sequence[int], eos) -> list[int]:
+    """Tokens up to and including the first EOS (what ``generate`` returns)."""
+    tokens = list(tokens)
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)

@@ -16,6 +16,7 @@ import copy
 import torch
 
 from kvdiverge.engine.llm.masks import clear_key_masks
+from kvdiverge.engine.presses.bases import is_press_hook
 
 __all__ = ["evicted_twin", "shares_weights"]
 
@@ -49,7 +50,7 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in model.named_modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
             for hook in hooks.values():
-                if _is_press_hook(hook):
+                if is_press_hook(hook):
                     raise ValueError(
                         f"module {name or type(module).__name__!r} has forward hooks of a press "
                         f"(a press is active on the reference model); build the twin before "
@@ -58,13 +59,6 @@ def evicted_twin(model: torch.nn.Module) -> torch.nn.Module:
                 memo[id(hook)] = hook
     clear_key_masks(model)  # a finished press's leftover per-head masks reach neither tree
     return copy.deepcopy(model, memo)
-
-
-def _is_press_hook(hook) -> bool:
-    from kvpress import BasePress
-
-    owner = getattr(getattr(hook, "func", hook), "__self__", None)
-    return isinstance(owner, BasePress)
 
 
 def shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

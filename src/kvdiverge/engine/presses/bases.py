@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["abstract_reason", "press_problem"]
+__all__ = ["abstract_reason", "is_press_hook", "press_problem"]
+
+
+def is_press_hook(hook) -> bool:
+    """True when the forward (pre-)hook ``hook`` is a method of a ``kvpress.BasePress`` (a press's hook)."""
+    import kvpress
+
+    owner = getattr(getattr(hook, "func", hook), "__self__", None)
+    return isinstance(owner, kvpress.BasePress)
 
 
 def abstract_reason(cls: type) -> str | None:

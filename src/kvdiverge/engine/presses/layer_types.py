@@ -27,10 +27,12 @@ import contextlib
 import torch
 
 from kvdiverge.engine.hf import create_causal_mask
+from kvdiverge.engine.presses.bases import is_press_hook
 
 __all__ = [
     "FULL",
     "SLIDING",
+    "describe",
     "full_layers",
     "has_sliding_layers",
     "layer_type_masks",
@@ -72,6 +74,16 @@ def has_sliding_layers(config) -> bool:
 def full_layers(config) -> list[int]:
     """Indices of the full-attention layers, the ones a press compresses."""
     return [i for i, kind in enumerate(layer_types(config)) if kind == FULL]
+
+
+def describe(config) -> str:
+    """The model's layers in words, the opening of every refusal about them: "the model has 3
+    full-attention and 15 sliding-window layers (512 tokens)"."""
+    kinds = layer_types(config)
+    return (
+        f"the model has {kinds.count(FULL)} full-attention and {kinds.count(SLIDING)} sliding-window layers "
+        f"({sliding_window(config)} tokens)"
+    )
 
 
 def layers_of(config) -> dict:
@@ -137,13 +149,10 @@ def on_full_layers(press, model):
 
 def _drop_press_hooks(layer) -> None:
     """Remove every kvpress press's forward (pre-)hook from ``layer`` and its submodules."""
-    from kvpress import BasePress
-
     for module in layer.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
             for key, hook in list(hooks.items()):
-                owner = getattr(getattr(hook, "func", hook), "__self__", None)
-                if isinstance(owner, BasePress):
+                if is_press_hook(hook):
                     del hooks[key]
                     module._forward_hooks_with_kwargs.pop(key, None)
 

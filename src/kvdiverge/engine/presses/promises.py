@@ -124,14 +124,12 @@ def check_kept(kept: torch.Tensor, promise: "KeptPromise | int | None", config, 
         When a layer breaks the promise (the message names the layer), or a press with a
         positive ratio left every layer and head at the full prompt.
     """
-    sliding = [i for i, kind in enumerate(layer_types(config)) if kind == SLIDING]
-    if sliding:
-        for li in sliding:
-            if bool((kept[li] != prompt_len).any()):
-                raise CompressionError(
-                    f"layer {li} attends through a sliding window and must keep all {prompt_len} prompt positions, "
-                    f"it keeps {kept[li].tolist()} per head: press {type(press).__name__} compressed a sliding layer"
-                )
+    for li, kind in enumerate(layer_types(config)):
+        if kind == SLIDING and bool((kept[li] != prompt_len).any()):
+            raise CompressionError(
+                f"layer {li} attends through a sliding window and must keep all {prompt_len} prompt positions, "
+                f"it keeps {kept[li].tolist()} per head: press {type(press).__name__} compressed a sliding layer"
+            )
     layers = full_layers(config)
     if isinstance(promise, int):
         n = int(promise)

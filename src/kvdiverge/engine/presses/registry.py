@@ -289,11 +289,7 @@ def sliding_refusal(press, config) -> str | None:
     reason = layer_types.refusal(config)
     if reason or not layer_types.has_sliding_layers(config):
         return reason
-    kinds = layer_types.layer_types(config)
-    layers = (
-        f"the model has {kinds.count(layer_types.FULL)} full-attention and {kinds.count(layer_types.SLIDING)} "
-        f"sliding-window layers ({layer_types.sliding_window(config)} tokens)"
-    )
+    layers = layer_types.describe(config)
     if getattr(config, "_attn_implementation", None) == "eager":
         return (
             f"{layers}: their caches have different widths, whose padding kvpress's per-head key masks "
@@ -301,17 +297,15 @@ def sliding_refusal(press, config) -> str | None:
         )
     for p in walk(press):
         row = adapter_of(p)
-        rerotates = row.generation_start(p, 2, 1) == 1  # the first generated token at the cache length
         if row.name in SLIDING_FAILS:
             return f"{layers}: {row.name} {SLIDING_FAILS[row.name]}"
-        if isinstance(p, QuantizedCachePress) or row.decodes(p) or rerotates:
-            what = (
-                "a quantized cache"
-                if isinstance(p, QuantizedCachePress)
-                else "a press that evicts while decoding"
-                if row.decodes(p)
-                else "a press that re-rotates kept keys"
-            )
+        what = (
+            "a quantized cache" if isinstance(p, QuantizedCachePress)
+            else "a press that evicts while decoding" if row.decodes(p)
+            else "a press that re-rotates kept keys" if row.generation_start(p, 2, 1) == 1  # starts at the cache length
+            else None
+        )  # fmt: skip
+        if what:
             return f"{layers}: {what} ({row.name}) is not supported there, only prefill presses on the full-attention layers"
     return None
 
