@@ -46,7 +46,15 @@ from typing import Any, Iterator
 
 from kvdiverge.io.files import atomic_path
 from kvdiverge.study.gguf_tokenizer import TOKENIZER_VERSION, gemma_tokenizer, is_gemma
-from kvdiverge.study.standins import GEMMA, MINIATURE, PAPER, build_config, random_model
+from kvdiverge.study.standins import (
+    GEMMA,
+    MINIATURE,
+    PAPER,
+    build_config,
+    random_model,
+    small_vocabulary,
+    truncated_tokenizer,
+)
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -93,6 +101,9 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
     ``architecture`` (:data:`kvdiverge.study.standins.MINIATURE`) with the real model's
     vocabulary size and BOS/EOS ids (:data:`~kvdiverge.study.standins.PAPER`), so that
     every id of the embedded tokenizer (49,152) is in range and the logits have the real width.
+    With ``vocab_size``, a vocabulary of that many ids instead, the EOS ids at its top
+    (:func:`~kvdiverge.study.standins.small_vocabulary`), read by the embedded tokenizer cut
+    to that size (:func:`load_tokenizer`, :func:`~kvdiverge.study.standins.truncated_tokenizer`).
 
     Raises
     ------
@@ -104,7 +115,8 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
         key = f"models.{name}.architecture" if name else "architecture"
         raise ValueError(f"{key}: {arch!r} is not one of the miniature architectures {sorted(MINIATURE)}")
     real = {**PAPER, **GEMMA}[arch]
-    return {**MINIATURE[arch], **{k: real[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
+    values = {**MINIATURE[arch], **{k: real[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
+    return small_vocabulary(values, spec["vocab_size"]) if spec.get("vocab_size") else values
 
 
 def _hint(name: str | None) -> str:
@@ -362,7 +374,8 @@ def load_tokenizer(spec: dict[str, Any], name: str | None = None):
     from transformers import AutoTokenizer
 
     if spec.get("source") == "miniature":
-        return load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
+        embedded = load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
+        return truncated_tokenizer(embedded, spec["vocab_size"]) if spec.get("vocab_size") else embedded
     kept = kept_conversion(spec, name)
     gemma = None if kept else _gemma_gguf(spec, name)
     if gemma is not None:  # transformers builds it without merges: rebuilt from the file's vocabulary

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GEMMA", "PAPER", "MINIATURE", "build_config", "random_model"]
+__all__ = ["GEMMA", "PAPER", "MINIATURE", "build_config", "random_model", "small_vocabulary", "truncated_tokenizer"]
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -221,3 +221,97 @@ def random_model(
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model.eval()
+
+
+#: Weight std of a small-vocabulary stand-in (transformers' ``initializer_range``; 0.02 by default).
+#: At 0.8 the random Llama-3.1 stand-in's next-token distributions are as peaked as a trained
+#: instruct model's: entropy about 1.5 nats, a top-p 0.95 nucleus of about 8 tokens (median over
+#: random prompts; 3,800 of 4,096 tokens at 0.02). The nucleus then costs what it costs on the real
+#: models, not the full sort of a flat distribution.
+PEAKED_INIT = 0.8
+
+
+def small_vocabulary(values: dict[str, Any], size: int) -> dict[str, Any]:
+    """An architecture's values with a vocabulary of ``size`` ids, its EOS ids the last ones.
+
+    The real models' EOS ids (Llama-3.1's three, Qwen2.5's two) lie beyond a small
+    vocabulary; the stand-in keeps how many there are and puts them at the top of its
+    vocabulary, ``size - n .. size - 1``, as :data:`MINIATURE` does. Its BOS is id 0.
+
+    Parameters
+    ----------
+    values : dict
+        An entry of :data:`PAPER` or :data:`MINIATURE`.
+    size : int
+        Vocabulary size (ids), at least 1,024.
+
+    Raises
+    ------
+    ValueError
+        If ``size`` is smaller than 1,024.
+    """
+    if int(size) < 1024:
+        raise ValueError(f"vocab_size {size}: a stand-in's vocabulary needs at least 1024 ids")
+    eos = values["eos_token_id"]
+    n = len(eos) if isinstance(eos, list) else 1
+    return {
+        **values,
+        "vocab_size": int(size),
+        "bos_token_id": 0,
+        "eos_token_id": list(range(int(size) - n, int(size))),
+        "initializer_range": PEAKED_INIT,
+    }
+
+
+def truncated_tokenizer(tokenizer, size: int):
+    """A byte-level BPE tokenizer cut to its first ``size`` ids: its vocabulary below ``size``
+    and the merges that make them.
+
+    A BPE vocabulary grows one merge at a time, and its ids follow the order of the merges
+    (SmolLM2's: 17 special tokens, 235 bytes, then merge ``k`` makes id ``252 + k``). The
+    first ``size`` ids with their merges are the tokenizer that BPE training on the same text
+    stops at ``size`` ids gives (Sennrich et al. 2016, "Neural Machine Translation of Rare Words
+    with Subword Units"): every text still encodes, into more tokens (about 1.3 times as many
+    as SmolLM2's 49,152 ids at 4,096 ids on English prose), and decodes back unchanged. Added
+    tokens at or above ``size`` (SmolLM2's infilling tokens) are dropped; the chat template
+    and the special tokens below ``size`` are kept.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+        A fast tokenizer whose model is BPE with ids in merge order.
+    size : int
+        Vocabulary size (ids).
+
+    Returns
+    -------
+    transformers tokenizer
+        Of the same class; every id it gives is below ``size``.
+
+    Raises
+    ------
+    ValueError
+        If the tokenizer is not BPE, or its ids do not follow its merges.
+    """
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"only a BPE tokenizer can be cut to {size} ids, not a {model.get('type')} one")
+    vocab = model["vocab"]
+    merges = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
+    if any(vocab["".join(m)] < max(vocab[m[0]], vocab[m[1]]) for m in merges):
+        raise ValueError("the tokenizer's ids do not follow its merges: cutting it at an id would break words")
+    model["vocab"] = {token: i for token, i in vocab.items() if i < size}
+    model["merges"] = [m for m in merges if "".join(m) in model["vocab"]]
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < size]
+    specials = {
+        k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(tokenizer, k)
+    }
+    specials = {k: v for k, v in specials.items() if tokenizer.convert_tokens_to_ids(v) < size}
+    return type(tokenizer)(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), chat_template=tokenizer.chat_template, **specials
+    )
