@@ -203,16 +203,27 @@ def model_on_gpu(model):
     return str(CONFIG["models"][model].get("device", "cpu")).startswith("cuda")
 
 
-def generation_resources(points=1):
-    """Resources of a generation job of `points` policies, by where its model runs: one GPU
-    (the `gpu` resource, which the SLURM profile turns into --gpus=1), 64 GB and 12 h on
-    CUDA; no GPU, 6 GB and 2 h on the CPU; the runtime grows with every 4 points, which run
-    one after the other. Every other rule takes its resources from the profile."""
+#: A generation job's requests where its model runs on CUDA (host memory, MB; minutes), the largest
+#: over config/paper.yaml's models of kvdiverge.study.roofline.gpu_job_request: the weights plus
+#: 8 GB of host memory; 10x the predicted shard (or teacher-forced pass) plus loading the weights.
+#: tests/test_roofline.py keeps them equal to the prediction; docs/rehearsal.md shows the numbers.
+GPU_REQUESTS = {"trajectories": {"mem_mb": 41000, "runtime": 20}, "teacher_forced": {"mem_mb": 41000, "runtime": 540}}
+#: The same on the CPU (the rehearsal's stand-ins), from the full-size rehearsal's benchmarks
+#: (docs/rehearsal.md): twice the largest peak memory and 3x the longest wall time, rounded up.
+CPU_REQUESTS = {"trajectories": {"mem_mb": 6000, "runtime": 120}, "teacher_forced": {"mem_mb": 6000, "runtime": 120}}
+
+
+def generation_resources(points=1, rule="trajectories"):
+    """Resources of a job of `rule` (trajectories or teacher_forced) over `points` policies, by where
+    its model runs: one GPU (the `gpu` resource, which the SLURM profile turns into --gpus=1) and
+    GPU_REQUESTS on CUDA; no GPU and CPU_REQUESTS on the CPU; the runtime grows with every 4
+    points, which run one after the other. Every other rule takes its resources from the profile."""
     scale = max(1, points // 4)
+    requests = lambda wildcards: (GPU_REQUESTS if model_on_gpu(wildcards.model) else CPU_REQUESTS)[rule]
     return {
         "gpu": lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
-        "mem_mb": lambda wildcards: 64000 if model_on_gpu(wildcards.model) else 6000,
-        "runtime": lambda wildcards: (720 if model_on_gpu(wildcards.model) else 120) * scale,
+        "mem_mb": lambda wildcards: requests(wildcards)["mem_mb"],
+        "runtime": lambda wildcards: requests(wildcards)["runtime"] * scale,
     }
 
 

@@ -27,8 +27,8 @@ rule teacher_forced:
         # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
         settings=teacher_job,
     resources:
-        # the runs go one after the other: the runtime grows with every 4 of them
-        **generation_resources(len(MODEL_RUNS)),
+        # every run of the model in one job: its requests are the pass's own (GPU_REQUESTS)
+        **generation_resources(rule="teacher_forced"),
     conda:
         CONDA_ENV
     script:

@@ -1,0 +1,128 @@
+"""A generation job of the small rehearsal killed through a real (one-node) SLURM and requeued.
+
+Runs two generation shards of ``config/paper-rehearsal.yaml`` + ``config/rehearsal-small.yaml``
+(4 documents, the stand-ins' 4,096-id vocabulary) with ``--profile profiles/slurm`` on the test
+cluster (tests/slurm_cluster.py), its site lines fitted as in tests/test_slurm.py and its
+``retries: 1`` kept. Once one shard's job is decoding (its log shows the progress bar), the test
+``scancel``s it. The profile's retry submits it again; the run ends with rc 0, and its tables
+equal those of the same targets run locally without a fault. The other shard ran once.
+T is 256, the paper's, so that the decoding lasts long enough to be caught.
+
+Marked `slurm` (root, apt, /etc/slurm): run by `make test-all` and `.ci/run`, not `make test`.
+docs/rehearsal.md reports the same faults at the study's full size (benchmarks/rehearsal_slurm.py).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from polars.testing import assert_frame_equal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's import mode
+from slurm_cluster import die_with_parent
+from test_slurm import cluster_overrides, needs_cluster, read_table, start_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ("config/paper-rehearsal.yaml", "config/rehearsal-small.yaml", "config/kill.yaml")
+RESULTS = "results-kill"
+KILL_OVERRIDE = f"results_dir: {RESULTS}\ndecoding:\n  max_new_tokens: 256\n"
+SHARDS = ("llama-3.1-8b/snapkv-50/exploratory/shard-0", "llama-3.1-8b/recent-50/exploratory/shard-0")
+TARGETS = [f"{RESULTS}/trajectories/{s}.parquet" for s in SHARDS]
+TABLES = ["corpus/documents.parquet", "prompts/llama-3.1-8b.parquet", *(f"trajectories/{s}.parquet" for s in SHARDS)]
+TREE = ("Snakefile", "workflow", "config", "profiles", "src")
+TIMEOUT_S = 900
+
+
+def work_tree(root: Path) -> Path:
+    """The files a run reads, copied to ``root``, with the test's config override."""
+    root.mkdir(parents=True)
+    for name in TREE:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, root / name)
+    (root / CONFIGS[-1]).write_text(KILL_OVERRIDE)
+    return root
+
+
+def env_for(work: Path, base: dict) -> dict:
+    return {**base, "PYTHONPATH": str(work / "src")}
+
+
+def queue(env: dict) -> list[tuple[str, str, str]]:
+    """(job id, state, comment) of every job in the queue."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%T|%k"], env=env, capture_output=True, text=True).stdout
+    return [tuple(line.split("|", 2)) for line in out.splitlines() if line]
+
+
+def decoding_job(work: Path, env: dict) -> tuple[str, str] | None:
+    """(job id, shard) of a running generation job whose log shows its progress bar."""
+    for job, state, comment in queue(env):
+        m = re.fullmatch(r"rule_trajectories_wildcards_([^_]+)_([^_]+)_([^_]+)_(\d+)", comment)
+        if state != "RUNNING" or not m:
+            continue
+        shard = f"{m[1]}/{m[2]}/{m[3]}/shard-{m[4]}"
+        log = work / RESULTS / "logs" / "trajectories" / f"{shard}.log"
+        if log.exists() and "step/s" in log.read_text(errors="replace"):
+            return job, shard
+    return None
+
+
+@pytest.mark.slurm
+@pytest.mark.workflow
+@needs_cluster
+def test_a_killed_generation_job_is_requeued_and_its_tables_equal_an_uninterrupted_run(tmp_path, capsys):
+    local = work_tree(tmp_path / "local")
+    configfiles = ["--configfile", *CONFIGS]
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", *configfiles],
+        cwd=local,
+        env=env_for(local, {}),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+    cluster = start_cluster(tmp_path / "slurm")
+    try:
+        work = work_tree(tmp_path / "slurm-run")
+        env = env_for(work, cluster.env)
+        overrides = cluster_overrides(cluster)
+        i = overrides.index("--retries")  # the profile's own retries: 1
+        cmd = [sys.executable, "-m", "snakemake", *TARGETS, *configfiles, "--profile", "profiles/slurm"]
+        cmd += [*overrides[:i], *overrides[i + 2 :]]
+        start = time.monotonic()
+        run = subprocess.Popen(
+            cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+        killed = None
+        while killed is None and run.poll() is None and time.monotonic() - start < TIMEOUT_S:
+            killed = decoding_job(work, env)
+            time.sleep(0.2)
+        assert killed is not None, f"no generation job was caught decoding\n{run.communicate()[0][-6000:]}"
+        subprocess.run(["scancel", killed[0]], env=env, check=True)
+        output, _ = run.communicate(timeout=TIMEOUT_S)
+        queue_left = cluster.queue()
+    finally:
+        cluster.stop()
+    with capsys.disabled():
+        print(f"\n[slurm] killed {killed[1]} (job {killed[0]}); run: {time.monotonic() - start:.0f} s", file=sys.stderr)
+    assert run.returncode == 0, f"{output[-8000:]}\n--- queue ---\n{queue_left}"
+    submitted = re.findall(r"submitted with SLURM jobid \d+ \(log: \S+/rule_(\w+)/(\S+)/\d+\.log", output)
+    shards = [w for rule, w in submitted if rule == "trajectories"]
+    # the killed shard twice (its retry), the other once: a finished shard is not redone
+    assert sorted(shards) == sorted(s.replace("/", "_").replace("_shard-", "_") for s in [*SHARDS, killed[1]])
+    for rel in TABLES:
+        try:  # exact: same columns, dtypes, rows in the same order, bit-equal numbers
+            assert_frame_equal(read_table(work / RESULTS / rel), read_table(local / RESULTS / rel), check_exact=True)
+        except AssertionError as e:
+            pytest.fail(f"{rel}: the killed and requeued run's table (left) differs from the uninterrupted run's: {e}")
