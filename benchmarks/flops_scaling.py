@@ -28,8 +28,8 @@ from kvdiverge.study.roofline import flops_per_token, parameter_counts
 from kvdiverge.study.standins import MINIATURE, random_model
 
 #: (hidden size, layers, vocabulary): the weights term grows 16x from the first to the third;
-#: the last two differ only in the logits' term.
-SIZES = ((256, 4, 4096), (512, 4, 4096), (1024, 4, 4096), (1024, 4, 32768))
+#: the third and fourth differ only in the logits' term; the last is the largest width.
+SIZES = ((256, 4, 4096), (512, 4, 4096), (1024, 4, 4096), (1024, 4, 32768), (2048, 4, 4096))
 
 
 def values_at(hidden: int, layers: int, vocab: int) -> dict:
@@ -52,9 +52,9 @@ def seconds_per_token_step(model, rows: int, context: int, steps: int) -> float:
     from transformers import DynamicCache
 
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (rows, context))
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=torch.randint(0, vocab, (1, context)), past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(rows)  # one prefill, copied to every row: only the decode is timed
     token = torch.randint(0, vocab, (rows, 1))
     model(input_ids=token, past_key_values=cache, use_cache=True)  # warm-up
     start = time.perf_counter()

@@ -79,3 +79,56 @@ def test_a_miniature_entry_names_an_unknown_architecture():
 
     with pytest.raises(ValueError, match=r"models.m.architecture: 'gpt-2' is not one of the miniature"):
         load_model_config({"source": "miniature", "architecture": "gpt-2"}, "m")
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("arch, eos", [("llama-3.1-8b", [4093, 4094, 4095]), ("qwen-2.5-7b", [4094, 4095])])
+def test_a_small_vocabulary_stand_in_keeps_its_eos_count_and_reads_every_prompt(arch, eos):
+    from kvdiverge.study.models import load_model
+
+    spec = {"source": "miniature", "architecture": arch, "vocab_size": 4096, "dtype": "float32", "device": "cpu"}
+    model, tokenizer = load_model(spec, arch)
+    assert model.config.vocab_size == 4096 and model.get_output_embeddings().weight.shape[0] == 4096
+    assert model.generation_config.eos_token_id == eos
+    assert max(tokenizer.get_vocab().values()) == 4095  # every id it gives is in range
+    text = "Mr. Speaker, the state of the Union is strong: 1,234 appropriations in fiscal 1923."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert max(ids) < 4096 and tokenizer.decode(ids) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    assert chat["input_ids"][0] == 1  # SmolLM2's <|im_start|>: the chat template and its special tokens kept
+
+
+def test_a_tokenizer_cut_at_its_own_size_is_the_same_tokenizer_and_a_smaller_one_never_breaks_text():
+    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, load_tokenizer
+    from kvdiverge.study.standins import truncated_tokenizer
+
+    full = load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
+    text = (REPO / "README.md").read_text()[:4000]
+    ids = full.encode(text, add_special_tokens=False)
+    assert truncated_tokenizer(full, 49152).encode(text, add_special_tokens=False) == ids
+    small = truncated_tokenizer(full, 1024)
+    cut = small.encode(text, add_special_tokens=False)
+    assert max(cut) < 1024 and small.decode(cut) == text and len(cut) > len(ids)
+    with pytest.raises(ValueError, match="vocab_size 512: a stand-in's vocabulary needs at least 1024 ids"):
+        from kvdiverge.study.standins import MINIATURE, small_vocabulary
+
+        small_vocabulary(MINIATURE["llama-3.1-8b"], 512)
+
+
+@pytest.mark.miniature
+def test_the_small_vocabulary_stand_in_is_peaked_and_the_default_one_flat():
+    """The nucleus of the stand-in's distributions is as small as a trained model's, not the whole vocabulary."""
+    import torch
+
+    from kvdiverge.study.models import miniature_values
+    from kvdiverge.study.standins import random_model
+
+    values = miniature_values({"architecture": "llama-3.1-8b", "vocab_size": 4096})
+    ids = torch.randint(17, 4000, (2, 300), generator=torch.Generator().manual_seed(0))
+    medians = []
+    for overrides in ({}, {"initializer_range": 0.02}):
+        with torch.no_grad():
+            p = random_model(values, **overrides)(ids).logits[:, -100:].float().softmax(-1)
+        nucleus = (p.sort(-1, descending=True).values.cumsum(-1) < 0.95).sum(-1) + 1
+        medians.append(float(nucleus.float().median()))
+    assert medians[0] <= 32 and medians[1] >= 3000, medians

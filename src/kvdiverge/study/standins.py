@@ -285,8 +285,8 @@ def truncated_tokenizer(tokenizer, size: int):
 
     Returns
     -------
-    transformers tokenizer
-        Of the same class; every id it gives is below ``size``.
+    transformers.PreTrainedTokenizerFast
+        Every id it gives is below ``size``.
 
     Raises
     ------
@@ -296,6 +296,7 @@ def truncated_tokenizer(tokenizer, size: int):
     import json
 
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec["model"]
@@ -312,6 +313,8 @@ def truncated_tokenizer(tokenizer, size: int):
         k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(tokenizer, k)
     }
     specials = {k: v for k, v in specials.items() if tokenizer.convert_tokens_to_ids(v) < size}
-    return type(tokenizer)(
+    # a plain fast tokenizer: the embedded one's class (CodeLlamaTokenizer, from the GGUF file) would add
+    # its infilling tokens back, above ``size``
+    return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(json.dumps(spec)), chat_template=tokenizer.chat_template, **specials
     )
