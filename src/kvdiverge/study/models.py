@@ -20,8 +20,9 @@ A model entry of the config (``models.<name>``) says where the weights are:
   architectures (``architecture: llama-3.1-8b`` or ``qwen-2.5-7b``): the miniature's
   structure (:data:`kvdiverge.study.standins.MINIATURE`: grouped-query ratio, biases,
   RoPE) with the real model's vocabulary size and EOS ids, and the embedded model's
-  tokenizer. It rehearses the study's bookkeeping; its numbers say nothing about the real
-  models.
+  tokenizer; with ``vocab_size``, a vocabulary of that many ids read by the embedded
+  tokenizer cut to it (the full-size rehearsal's 4,096). It rehearses the study's
+  bookkeeping; its numbers say nothing about the real models.
 
 The first three go through ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` with
 the entry's ``dtype``, ``device`` and ``attn_implementation``.
