@@ -14,6 +14,7 @@ docs/rehearsal.md reports the same faults at the study's full size (benchmarks/r
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -84,7 +85,7 @@ def test_a_killed_generation_job_is_requeued_and_its_tables_equal_an_uninterrupt
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", *configfiles],
         cwd=local,
-        env=env_for(local, {}),
+        env=env_for(local, dict(os.environ)),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
