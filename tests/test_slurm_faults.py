@@ -101,18 +101,21 @@ def test_a_killed_generation_job_is_requeued_and_its_tables_equal_an_uninterrupt
         cmd = [sys.executable, "-m", "snakemake", *TARGETS, *configfiles, "--profile", "profiles/slurm"]
         cmd += [*overrides[:i], *overrides[i + 2 :]]
         start = time.monotonic()
-        run = subprocess.Popen(
-            cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=die_with_parent,
-        )  # fmt: skip
-        killed = None
-        while killed is None and run.poll() is None and time.monotonic() - start < TIMEOUT_S:
-            killed = decoding_job(work, env)
-            time.sleep(0.2)
-        assert killed is not None, f"no generation job was caught decoding\n{run.communicate()[0][-6000:]}"
-        subprocess.run(["scancel", killed[0]], env=env, check=True)
-        output, _ = run.communicate(timeout=TIMEOUT_S)
+        log = tmp_path / "controller.log"  # a file, not a pipe: nobody reads a pipe while the test polls
+        with log.open("w") as out:
+            run = subprocess.Popen(
+                cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
+            killed = None
+            while killed is None and run.poll() is None and time.monotonic() - start < TIMEOUT_S:
+                killed = decoding_job(work, env)
+                time.sleep(0.2)
+            if killed is not None:
+                subprocess.run(["scancel", killed[0]], env=env, check=True)
+            run.wait(timeout=TIMEOUT_S)
+        output = log.read_text()
         queue_left = cluster.queue()
+        assert killed is not None, f"no generation job was caught decoding\n{output[-6000:]}"
     finally:
         cluster.stop()
     with capsys.disabled():
