@@ -36,7 +36,7 @@ KILL_OVERRIDE = f"results_dir: {RESULTS}\ndecoding:\n  max_new_tokens: 256\n"
 SHARDS = ("llama-3.1-8b/snapkv-50/exploratory/shard-0", "llama-3.1-8b/recent-50/exploratory/shard-0")
 TARGETS = [f"{RESULTS}/trajectories/{s}.parquet" for s in SHARDS]
 TABLES = ["corpus/documents.parquet", "prompts/llama-3.1-8b.parquet", *(f"trajectories/{s}.parquet" for s in SHARDS)]
-TREE = ("Snakefile", "workflow", "config", "profiles", "src")
+TREE = ("Snakefile", "environment.yml", "workflow", "config", "profiles", "src")
 TIMEOUT_S = 900
 
 
