@@ -10,8 +10,10 @@ Three faults, at set numbers of finished generation shards (of 336):
 
 1. ``scancel`` a running generation job once its log shows decoding: the profile's retry
    resubmits it;
-2. SIGTERM to the controller: Snakemake cancels its jobs and exits; restarted with the same
-   command;
+2. SIGTERM to the controller: Snakemake stops submitting and waits for its jobs, every queued
+   one included; a second signal (SIGINT) a minute later makes it exit, leaving them queued.
+   Restarted as docs/cluster.md says: cancel the run's jobs (``scancel --name <SLURM run ID>``),
+   the same command;
 3. SIGKILL to the controller: its jobs keep running and its lock stays. Restarted as
    docs/rehearsal.md says: cancel the run's jobs (``scancel --name <SLURM run ID>``), ``snakemake
    --unlock``, the same command.
@@ -108,7 +110,7 @@ def shard_of(job: dict) -> str | None:
 
 def running_shards(env: dict) -> list[str]:
     """Wildcards (model/policy/split/shard) of the generation jobs in the queue."""
-    return [w for w in map(shard_of, queue(env)) if w]
+    return [w for job in queue(env) if job["state"] == "RUNNING" and (w := shard_of(job))]
 
 
 def faulted_run(work: Path, cluster: SlurmCluster, out: Path) -> dict:
@@ -142,11 +144,19 @@ def faulted_run(work: Path, cluster: SlurmCluster, out: Path) -> dict:
     note("scancel", job=job["id"], shard=job["shard"])
 
     wait_for(lambda: len(shards(work)) >= SIGTERM_AT, proc)
-    record["interrupted"] += running_shards(env)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # Snakemake stops submitting and waits for its jobs: every queued one
     note("SIGTERM to the controller", running=running_shards(env))
-    proc.wait(timeout=300)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # a second signal: it exits, its jobs left in the queue
+        note("SIGINT to the controller", running=running_shards(env))
+        proc.wait(timeout=300)
     note("controller 1 exited", rc=proc.returncode, queue_after=len(queue(env)))
+    record["interrupted"] += running_shards(env)
+    name = run_id(out / "controller-1.log")
+    subprocess.run(["scancel", "--name", name], env=env, check=True)  # as the docs say, before a restart
+    note("scancel --name <run ID>", run_id=name)
 
     proc = start(cmd, work, env, out / "controller-2.log")
     note("controller 2 started")
