@@ -232,11 +232,13 @@ PEAKED_INIT = 0.8
 
 
 def small_vocabulary(values: dict[str, Any], size: int) -> dict[str, Any]:
-    """An architecture's values with a vocabulary of ``size`` ids, its EOS ids the last ones.
+    """An architecture's values with a vocabulary of ``size`` ids, its EOS ids the last ones,
+    and peaked next-token distributions.
 
     The real models' EOS ids (Llama-3.1's three, Qwen2.5's two) lie beyond a small
     vocabulary; the stand-in keeps how many there are and puts them at the top of its
-    vocabulary, ``size - n .. size - 1``, as :data:`MINIATURE` does. Its BOS is id 0.
+    vocabulary, ``size - n .. size - 1``, as :data:`MINIATURE` does. Its BOS is id 0. Its
+    weights are drawn with standard deviation :data:`PEAKED_INIT` (``initializer_range``).
 
     Parameters
     ----------
