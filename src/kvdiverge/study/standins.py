@@ -27,7 +27,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GEMMA", "PAPER", "MINIATURE", "build_config", "random_model", "small_vocabulary", "truncated_tokenizer"]
+__all__ = [
+    "GEMMA",
+    "PAPER",
+    "PEAKED_INIT",
+    "MINIATURE",
+    "build_config",
+    "random_model",
+    "small_vocabulary",
+    "truncated_tokenizer",
+]
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
