@@ -46,7 +46,7 @@ def test_shipped_configs_validate(name):
         "teacher_forced",
         "drift",
     }
-    assert config["drift"] == {"min_repeats": 3}  # the period: 32 or the horizon, whichever is shorter
+    assert config["drift"] == {}  # the loop settings of loop_settings: a period of 32 or the horizon, 3 repeats
     assert config["teacher_forced"]["length"] >= 1 and config["teacher_forced"]["continuation"] == "corpus"
 
 

@@ -51,11 +51,19 @@ def test_repetition_rates_enumerated_by_hand():
 
 def test_settings_that_cannot_see_a_loop_are_named():
     assert drift_problems(32) == [] and drift_problems(96, 32, 3) == []
-    assert drift_problems(16) == [
+    assert drift_problems(16, 32) == [
         "drift.max_period: a loop period of 32 tokens is longer than the horizon decoding.max_new_tokens = 16; "
         "lower it to at most 16 (or raise the horizon)"
     ]
     assert drift_problems(32, 8, 1) == ["drift.min_repeats: a loop repeats its period at least twice, got 1"]
+    # T = 8: a 1-token period repeated 8 times fills the horizon, 9 times cannot fit (the detector agrees)
+    assert drift_problems(8, None, 8) == [] and loop_onset([5] * 8, 1, 8) == (1, 1)
+    assert drift_problems(8, None, 9) == [
+        "drift.min_repeats: 9 repeats of even a 1-token period are longer than the horizon "
+        "decoding.max_new_tokens = 8, so no loop could be found; lower it to at most 8 (or raise the horizon)"
+    ]
+    assert loop_onset([5] * 8, 1, 9) is None
+    assert drift_problems(2) == []  # a default is not checked: 3 repeats at T = 2 find no loop, yet are no error
 
 
 def test_a_horizon_that_sees_no_stop_is_named():

@@ -33,7 +33,7 @@ from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, 
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
-from kvdiverge.engine.presses.layer_types import describe, has_sliding_layers
+from kvdiverge.engine.presses.layer_types import question_after_refusal
 from kvdiverge.engine.presses.layer_types import refusal as layer_refusal
 from kvdiverge.engine.presses.policies import min_prompt_tokens
 from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
@@ -232,12 +232,9 @@ def _window_refusal(model, documents: Sequence[Document], horizon: int) -> str |
 def _question_refusal(model, documents: Sequence[Document]) -> str | None:
     """Why a question prefilled after compression cannot run on ``model`` (sliding-window layers), or None."""
     config = getattr(model, "config", None)
-    if config is None or not any(doc.n_question for doc in documents) or not has_sliding_layers(config):
+    if config is None or not any(doc.n_question for doc in documents):
         return None
-    return (
-        f"{describe(config)}: a question prefilled after compression is not supported there (its layers hold "
-        f"caches of different lengths)"
-    )
+    return question_after_refusal(config)
 
 
 def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:

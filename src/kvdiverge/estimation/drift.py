@@ -146,17 +146,27 @@ def _draw(seq: Sequence[int], T: int, eos: frozenset, max_period: int, min_repea
     }
 
 
-def drift_problems(T: int, max_period: int = LOOP_MAX_PERIOD, min_repeats: int = LOOP_MIN_REPEATS) -> list[str]:
-    """One sentence per loop setting the horizon ``T`` cannot use: a period longer than the horizon, or
-    fewer than 2 repeats (a single pass is no loop)."""
+def drift_problems(T: int, max_period: int | None = None, min_repeats: int | None = None) -> list[str]:
+    """One sentence per loop setting the horizon ``T`` cannot use: a period longer than the horizon,
+    fewer than 2 repeats (a single pass is no loop), or more repeats than the horizon has tokens (even
+    a 1-token period cannot repeat that often: no loop could be found, :func:`loop_onset`).
+
+    Only the settings given are checked (None: not given): the default period of :func:`loop_settings`
+    lies within the horizon, and its default 3 repeats stand even at a horizon under 3 tokens, where
+    the drift table then reports lengths and stops without loops."""
     out = []
-    if max_period > T:
+    if max_period is not None and max_period > T:
         out.append(
             f"drift.max_period: a loop period of {max_period} tokens is longer than the horizon "
             f"decoding.max_new_tokens = {T}; lower it to at most {T} (or raise the horizon)"
         )
-    if min_repeats < 2:
+    if min_repeats is not None and min_repeats < 2:
         out.append(f"drift.min_repeats: a loop repeats its period at least twice, got {min_repeats}")
+    elif min_repeats is not None and min_repeats > T:
+        out.append(
+            f"drift.min_repeats: {min_repeats} repeats of even a 1-token period are longer than the horizon "
+            f"decoding.max_new_tokens = {T}, so no loop could be found; lower it to at most {T} (or raise the horizon)"
+        )
     return out
 
 

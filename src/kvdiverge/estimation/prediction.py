@@ -56,10 +56,12 @@ __all__ = [
     "frontier_points_table",
     "full_accuracy_problem",
     "held_out_predictions",
+    "measure_problems",
     "prediction_problems",
     "prediction_statistics",
     "prediction_study",
     "prediction_tables",
+    "survival_columns",
 ]
 
 #: The statistics of one (measure, task, placement), in the table's order.
@@ -83,6 +85,23 @@ class PredictionInputError(ValueError):
 # --------------------------------------------------------------------------- the inputs
 
 _KEYS = ["policy", "doc_id"]
+
+
+def survival_columns(T: int) -> list[str]:
+    """The survival columns of :func:`fidelity_documents` at horizon ``T``: ``S_1`` to ``S_<T>``."""
+    return [f"S_{t}" for t in range(1, int(T) + 1)]
+
+
+def measure_problems(measures: Sequence[str], T: int, key: str = "prediction.measures") -> list[str]:
+    """One sentence per fidelity measure the coupled run at horizon ``T`` cannot give: a survival
+    ``S_<t>`` past the horizon (:func:`survival_columns`), named by its config ``key``."""
+    have = set(survival_columns(T))
+    return [
+        f"{key}: {m!r} is the agreement chain's survival after {m[2:]} steps, past the horizon "
+        f"decoding.max_new_tokens = {T}; allowed: S_1 to S_{T} (or raise the horizon)"
+        for m in measures
+        if m.startswith("S_") and m not in have
+    ]
 
 
 def fidelity_documents(
@@ -118,7 +137,7 @@ def fidelity_documents(
         "E_M",
         "p_div",
         (pl.col("E_tau_div") + (1 - pl.col("p_div")) * (pl.col("T") + 1)).alias("tau_first"),
-        *(pl.col("S").list.get(t - 1, null_on_oob=True).alias(f"S_{t}") for t in range(1, T + 1)),
+        *(pl.col("S").list.get(t - 1, null_on_oob=True).alias(c) for t, c in enumerate(survival_columns(T), 1)),
     )
     if teacher is not None:
         cols = [c for c in ("kld_mean", "kld_max", "same_top_p", "ppl_ratio", "delta_p_rms") if c in teacher.columns]

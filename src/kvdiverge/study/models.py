@@ -109,13 +109,22 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
     Raises
     ------
     ValueError
-        If ``architecture`` is not one of the paper's.
+        If ``architecture`` is not one of the paper's, or ``vocab_size`` exceeds the real
+        model's vocabulary (a stand-in's vocabulary only shrinks; below 1,024 ids:
+        :func:`~kvdiverge.study.standins.small_vocabulary`).
     """
     arch = spec.get("architecture")
     if arch not in MINIATURE:
         key = f"models.{name}.architecture" if name else "architecture"
         raise ValueError(f"{key}: {arch!r} is not one of the miniature architectures {sorted(MINIATURE)}")
     real = {**PAPER, **GEMMA}[arch]
+    size = spec.get("vocab_size")
+    if size is not None and int(size) > real["vocab_size"]:
+        key = f"models.{name}.vocab_size" if name else "vocab_size"
+        raise ValueError(
+            f"{key}: {size} ids exceed the vocabulary of the {arch} model the miniature stands in for; "
+            f"allowed: at most {real['vocab_size']} (leave it out for that size)"
+        )
     values = {**MINIATURE[arch], **{k: real[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
     return small_vocabulary(values, spec["vocab_size"]) if spec.get("vocab_size") else values
 
@@ -211,7 +220,7 @@ def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(target) + ".lock"):
             if not target.is_file():
-                chunks = _chunk_paths(spec, name)
+                chunks = chunk_paths(spec, name)
                 with atomic_path(target, suffix=".part") as tmp:
                     _concatenate(chunks, tmp)
                 try:
@@ -244,9 +253,17 @@ def _gguf_home() -> Path:
 _TEMPORARY_HOME: Path | None = None
 
 
-def _chunk_paths(spec: dict[str, Any], name: str | None) -> list[Path]:
+def chunk_paths(spec: dict[str, Any], name: str | None = None) -> list[Path]:
     """The chunk files of a ``gguf_chunks`` entry, in order: ``chunk_paths()`` of its package (found with
-    ``importlib.util.find_spec``, then imported: it imports its chunk packages)."""
+    ``importlib.util.find_spec``, then imported: it imports its chunk packages). The first holds the
+    GGUF file's header.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the package, one of its chunk packages or a chunk is missing (the message says how to
+        install them).
+    """
     package = spec["package"]
     install = CHUNK_PACKAGES.get(package, f"`pip install {package.replace('_', '-')}`")
     if importlib.util.find_spec(package) is None:

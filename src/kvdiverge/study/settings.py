@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
-from kvdiverge.study.config import load_schema
+from kvdiverge.study.schema import load_schema
 
 __all__ = [
     "SCREEN_SETTINGS",

@@ -17,7 +17,8 @@ The engine honours them this way:
   which is the attention of the model's own ``DynamicSlidingWindowLayer``.
 - **What the engine cannot honour is refused** (:func:`refusal`): a layer type other than
   these two, or a sliding window that a sequence reaches past on a model whose config names no
-  layer types.
+  layer types; and on sliding-window layers a question prefilled after compression
+  (:func:`question_after_refusal`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "layer_types",
     "layers_of",
     "on_full_layers",
+    "question_after_refusal",
     "refusal",
     "sliding_window",
 ]
@@ -94,6 +96,17 @@ def layers_of(config) -> dict:
         "layers": len(layer_types(config)),
         "sliding_window": sliding_window(config),
     }
+
+
+def question_after_refusal(config) -> str | None:
+    """Why a question prefilled after compression cannot run on this model's layers, in one sentence;
+    ``None`` when it can: on sliding-window layers, whose caches hold different lengths, it cannot."""
+    if not has_sliding_layers(config):
+        return None
+    return (
+        f"{describe(config)}: a question prefilled after compression is not supported there (its layers hold "
+        f"caches of different lengths)"
+    )
 
 
 def refusal(config, tokens: int | None = None) -> str | None:

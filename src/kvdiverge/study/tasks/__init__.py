@@ -94,40 +94,45 @@ TASKS: dict[str, Task] = {
 }
 
 
-def task_settings(block: Any, seed: int = 0) -> tuple[Task, Any] | None:
+def task_settings(block: Any, seed: int = 0, *, name: str = "task") -> tuple[Task, Any] | None:
     """The task and its settings from the config's ``task`` block (``None`` without one).
 
     Every door's task goes through here: the block is checked against the config schema's
-    ``task`` entry (:func:`kvdiverge.study.settings.check_task`), so the config, the command
-    line and :func:`kvdiverge.measure` refuse the same values with the same sentence.
+    ``task`` entry (:func:`kvdiverge.study.settings.check_task`) and the keys of its task, so the
+    config (``task`` and each of ``prediction.tasks``), the command line and
+    :func:`kvdiverge.measure` refuse the same values with the same sentence.
 
     Parameters
     ----------
     block : str, mapping or None
         A task name, or ``{"name": ..., **settings}``; a missing ``seed`` takes ``seed``
         (the config's).
+    name : str
+        How the door spells the block (``task``, ``prediction.tasks[0]``), in the sentences.
 
     Raises
     ------
     TaskError
-        An unknown task name or key, or a setting the schema does not allow, in one
-        sentence naming it (``task.digits: 2.5 is not an integer; allowed: ...``).
+        An unknown task name or key, another task's key, or a setting the schema does not allow,
+        in one sentence naming it (``task.digits: 2.5 is not an integer; allowed: ...``).
     """
     if block is None or (isinstance(block, Mapping) and not block):
         return None
     try:
-        entry = check_task(block)
+        entry = check_task(block, name)
     except ValueError as exc:
         raise TaskError(str(exc)) from None
-    name = entry.pop("name", "niah")
-    known = {f.name for f in dataclasses.fields(TASKS[name].settings)}
+    task = entry.pop("name", "niah")
+    known = {f.name for f in dataclasses.fields(TASKS[task].settings)}
     foreign = sorted(set(entry) - known)
     if foreign:
-        raise TaskError(f"task.{foreign[0]}: not a setting of task {name!r}; its settings: {', '.join(sorted(known))}")
+        raise TaskError(
+            f"{name}.{foreign[0]}: not a setting of task {task!r}; its settings: {', '.join(sorted(known))}"
+        )
     entry.setdefault("seed", int(seed))
     if "depths" in entry:
         entry["depths"] = tuple(entry["depths"])
-    return TASKS[name], TASKS[name].settings(**entry)
+    return TASKS[task], TASKS[task].settings(**entry)
 
 
 def _task_row(task: Task, settings, tokenizer, row: Mapping[str, Any], index: int, render: Mapping) -> dict:
