@@ -331,7 +331,10 @@ def check(config: dict[str, Any]) -> None:
     position. Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
     on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
-    a real calendar date.
+    a real calendar date; the loop settings must fit the horizon. What a job would refuse is
+    refused here, by the functions the jobs and :func:`kvdiverge.measure` call: the task blocks
+    (:mod:`kvdiverge.study.task_checks`), a miniature's vocabulary, and what a model's
+    sliding-window layers refuse (:mod:`kvdiverge.study.model_layers`).
 
     Raises
     ------
