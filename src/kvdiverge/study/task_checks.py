@@ -19,7 +19,6 @@ from typing import Any
 
 from kvdiverge.estimation.prediction import measure_problems
 from kvdiverge.study.frontier import frontier_points
-from kvdiverge.study.tasks import TaskError, task_settings
 
 __all__ = [
     "block_problems",
@@ -52,6 +51,10 @@ def block_problems(key: str, block: Mapping[str, Any], seed: int) -> list[str]:
     """The sentence refusing a task block as :func:`kvdiverge.measure` reads it
     (:func:`kvdiverge.study.tasks.task_settings`: another task's keys, values the schema refuses), named
     by its config ``key``; empty when the block is a task."""
+    # lazy: the tasks check settings through the engine's decoding options; the estimate and analysis
+    # stages import the config without the engine
+    from kvdiverge.study.tasks import TaskError, task_settings
+
     try:
         task_settings(block, seed, name=key)
     except TaskError as exc:
