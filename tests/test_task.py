@@ -375,3 +375,20 @@ def test_multikey_places_the_asked_needle_at_its_depth_and_the_distractors_elsew
     assert build_task_prompts(docs, Chat(), {"task": task, "seed": 1, "max_new_tokens": 64, "minimums": {}}, 10**5)[
         "input_ids"
     ].to_list() == [row["input_ids"]]  # seeded: the same needles and places
+
+
+@pytest.mark.parametrize("digits, count", [(1, 3), (1, 16), (2, 16)])
+def test_no_distractor_carries_the_asked_needles_value(digits, count):
+    from kvdiverge.study.tasks.multikey import MultikeySettings, distractors
+
+    settings = MultikeySettings(digits=digits, seed=2, distractors=count)
+    values = set()
+    for i in range(400):
+        asked = make_needle(settings, f"doc-{i}", i)
+        others = distractors(settings, f"doc-{i}", asked)
+        assert len(others) == count and len({asked.key, *(o.key for o in others)}) == count + 1
+        assert all(len(o.value) == digits and o.value != asked.value for o in others), (i, asked, others)
+        again = distractors(settings, f"doc-{i}", asked)
+        assert [(o.key, o.value) for o in again] == [(o.key, o.value) for o in others]  # seeded: the same draws
+        values.update(o.value for o in others)
+    assert len(values) == 9 * 10 ** (digits - 1)  # every value but the asked one stays possible
