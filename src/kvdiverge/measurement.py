@@ -174,9 +174,11 @@ def measure(
         naming the argument, the value and what is allowed).
     kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
-        the promised number of positions. A press that promises nothing and leaves the
-        kernel as the full cache's (TV 0 at every step) runs and is reported
-        (``summary['untouched']``, and a warning).
+        the promised number of positions. A press that promises nothing, keeps every
+        position and leaves the kernel as the full cache's (TV 0 at every step, under
+        sampling) runs and is reported (``summary['untouched']``, and a warning); chains that
+        never part under this decoding, from a press that compressed or under greedy decoding,
+        are ``summary['no_divergence']``, without a warning.
     """
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
