@@ -23,12 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.llm.pair_base import model_eos_ids
@@ -50,7 +47,7 @@ from kvdiverge.study.frontier import (
 )
 from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME, context_length
 from kvdiverge.study.prompts import render_ids
-from kvdiverge.study.settings import eos_id_problems, token_id_problems
+from kvdiverge.study.settings import eos_id_problems, model_problem, token_id_problems, vocab_size
 
 __all__ = [
     "InputError",
@@ -64,7 +61,6 @@ __all__ = [
     "model_entry",
     "model_eos",
     "model_label",
-    "model_problem",
     "prepare_documents",
     "prepare_presses",
     "read_prompts",
@@ -540,7 +536,7 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 def measure_inputs(model, documents: Sequence[Document], presses, T: int, frontier: FrontierSpec | None = None):
     """``(sources, grid)`` of a :func:`kvdiverge.measure` call, checked with its documents before any generation.
 
-    The model checked to be one (:func:`model_problem`), the frontier's kinds
+    The model checked to be one (:func:`kvdiverge.study.settings.model_problem`), the frontier's kinds
     (:func:`kvdiverge.study.frontier.spec_problems`), the documents' token ids checked against the
     model's vocabulary and their lengths against
     ``T`` (tokens) and the model context (:func:`check_lengths`), the presses as policies
@@ -567,7 +563,7 @@ def measure_inputs(model, documents: Sequence[Document], presses, T: int, fronti
     """
     grid, frontier = None, frontier or FrontierSpec()
     problems = [q for q in (model_problem(model),) if q] + spec_problems(frontier)
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     if vocab is not None:
         problems += [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
     if problems:
@@ -583,36 +579,13 @@ def measure_inputs(model, documents: Sequence[Document], presses, T: int, fronti
     return sources, grid
 
 
-def model_problem(model: Any) -> str | None:
-    """The sentence refusing a ``model`` argument that is not a loaded model (a torch module with a
-    ``config``, as transformers' causal language models are), or None."""
-    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
-        return None
-    return (
-        f"model: {reprlib.repr(model)} is not a model; allowed: a loaded transformers causal language model "
-        f"(a torch.nn.Module with a config, as kvdiverge.study.models.load_model returns)"
-    )
-
-
-def _vocab_size(model: Any) -> int | None:
-    """``model.config.vocab_size``, or None where the model does not say."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
-
-
 def model_eos(model: Any, eos_ids: Any, name: str = "eos_ids") -> tuple[int, ...]:
-    """The end-of-sequence ids a run stops at: ``eos_ids`` (spelled ``name``) checked against the model's
-    vocabulary, else the model's own (:func:`kvdiverge.engine.llm.pair_base.model_eos_ids`).
-
-    Raises
-    ------
-    ValueError
-        ``eos_ids`` that is not a list of token ids inside the vocabulary
-        (:func:`kvdiverge.study.settings.eos_id_problems`), in one sentence.
-    """
+    """The end-of-sequence ids a run stops at: ``eos_ids`` (spelled ``name``), else the model's own
+    (:func:`kvdiverge.engine.llm.pair_base.model_eos_ids`); ``ValueError`` for ids that are not a list of
+    token ids inside the model's vocabulary (:func:`kvdiverge.study.settings.eos_id_problems`)."""
     if eos_ids is None:
         return tuple(int(e) for e in model_eos_ids(model))
-    problems = eos_id_problems(name, eos_ids, _vocab_size(model))
+    problems = eos_id_problems(name, eos_ids, vocab_size(model))
     if problems:
         raise ValueError(problems[0])
     return tuple(int(e) for e in (eos_ids.tolist() if hasattr(eos_ids, "tolist") else eos_ids))

@@ -12,7 +12,7 @@ that door spells it::
 
 :func:`token_id_problems` and :func:`eos_id_problems` check token ids against a vocabulary size,
 :func:`text_problems` the names a door takes as strings, :func:`window_problems` named lag
-windows. Nothing here
+windows, :func:`model_problem` the model argument. Nothing here
 imports torch or loads a model: the checks run before any work.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,11 +35,13 @@ __all__ = [
     "check_task",
     "config_sampling",
     "eos_id_problems",
+    "model_problem",
     "setting_problems",
     "spelled",
     "task_problems",
     "text_problems",
     "token_id_problems",
+    "vocab_size",
     "window_problems",
 ]
 
@@ -326,6 +329,23 @@ def window_problems(windows: Any, horizon: int | None = None, name: str = "windo
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def model_problem(model: Any) -> str | None:
+    """The sentence refusing a ``model`` argument that is not a loaded model (an object with a
+    ``config`` and a ``forward``, as transformers' causal language models are), or None."""
+    if hasattr(model, "config") and callable(getattr(model, "forward", None)):
+        return None
+    return (
+        f"model: {reprlib.repr(model)} is not a model; allowed: a loaded transformers causal language model "
+        f"(a torch.nn.Module with a config, as kvdiverge.study.models.load_model returns)"
+    )
+
+
+def vocab_size(model: Any) -> int | None:
+    """``model.config.vocab_size``, or None where the model does not say."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if _is_int(vocab) else None
 
 
 def text_problems(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> list[str]:
