@@ -154,11 +154,119 @@ def measure(tiny, presses=None, prompts=None, **kwargs):
         ({"max_new_tokens": 2.7}, "max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1"),
         ({"top_p": 1.5}, "top_p: 1.5 is not allowed; allowed: a number > 0 and <= 1"),
         ({"confidence": 0.0}, "confidence: 0.0 is not allowed; allowed: a number > 0 and < 1"),
+        # lag windows: named pairs 1 <= a <= b <= T - 1
+        (
+            {"windows": {"a": [3, 1]}},
+            "windows['a']: [3, 1] is not a lag window; allowed: [a, b], integers with 1 <= a <= b",
+        ),
+        (
+            {"windows": {"a": [0, 2]}},
+            "windows['a']: [0, 2] is not a lag window; allowed: [a, b], integers with 1 <= a <= b",
+        ),
+        (
+            {"windows": {"a": "xy"}},
+            "windows['a']: 'xy' is not a lag window; allowed: [a, b], integers with 1 <= a <= b",
+        ),
+        (
+            {"windows": [[1, 2]]},
+            "windows: [[1, 2]] is not a mapping of names to lag windows; allowed: a mapping of name to [a, b], "
+            "integers with 1 <= a <= b ({'early': [1, 4]})",
+        ),
+        (
+            {"windows": {"late": [2, 4]}},
+            "windows['late']: [2, 4] reaches past the last observable lag T - 1 = 3 (max_new_tokens = 4)",
+        ),
+        # names and texts
+        ({"model_name": 5}, "model_name: 5 is not allowed; allowed: a non-empty string"),
+        ({"split": 5}, "split: 5 is not allowed; allowed: a non-empty string"),
+        ({"system": 5}, "system: 5 is not allowed; allowed: a string"),
+        ({"instruction": 5}, "instruction: 5 is not allowed; allowed: a non-empty string"),
+        ({"instruction": ["a"]}, "instruction: ['a'] is not allowed; allowed: a non-empty string"),
+        # the frontier's lists and caches
+        ({"ratios": 0.5}, "ratios: 0.5 is not a list of compression ratios; allowed: a list of numbers in [0, 1)"),
+        ({"ratios": "0.5"}, "ratios: '0.5' is not a list of compression ratios; allowed: a list of numbers in [0, 1)"),
+        ({"budgets": 16}, "budgets: 16 is not a list of token budgets; allowed: a list of integers >= 1"),
+        (
+            {"ratios": [0.5], "caches": [{"backend": "quanto"}]},
+            "caches must map a label to a quantized cache's settings ({'int4': {'nbits': 4}}), got list",
+        ),
+        ({"ratios": [0.5], "cache_ratios": [0.5]}, "cache_ratios: given without caches, which it needs"),
+        # end-of-sequence ids: inside the miniature's vocabulary of 512
+        (
+            {"eos_ids": [-1]},
+            "eos_ids: token ids -1 are outside the model's vocabulary; allowed: integers from 0 to 511",
+        ),
+        (
+            {"eos_ids": [2, 10**9]},
+            "eos_ids: token ids 1000000000 are outside the model's vocabulary; allowed: integers from 0 to 511",
+        ),
+        ({"eos_ids": 2}, "eos_ids: 2 is not a list of token ids; allowed: a list of integers from 0 to 511"),
     ],
 )
 def test_the_api_refuses_a_setting_before_any_forward(tiny, kwargs, message):
     with pytest.raises(ValueError) as info:
         measure(tiny, **kwargs)
+    assert str(info.value) == message
+
+
+def test_the_api_refuses_what_is_not_a_model_before_any_work(tiny):
+    import kvpress
+
+    import kvdiverge
+
+    _, ids = tiny
+    for model, shown in ((None, "None"), ("smollm2-135m", "'smollm2-135m'")):
+        with pytest.raises(ValueError) as info:
+            kvdiverge.measure(model, None, ids, {"snap": kvpress.SnapKVPress(compression_ratio=0.5)}, progress=False)
+        assert str(info.value) == (
+            f"model: {shown} is not a model; allowed: a loaded transformers causal language model (a "
+            f"torch.nn.Module with a config, as kvdiverge.study.models.load_model returns)"
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"options": "x"},
+            "options: 'x' is not allowed; allowed: a ScreenOptions or a mapping of its fields (length, seed, "
+            "instruction, system, model_name, split, eos_ids, bootstrap, confidence, block)",
+        ),
+        (
+            {"options": {"lenght": 8}},
+            "options: unknown key 'lenght'; allowed: length, seed, instruction, system, model_name, split, "
+            "eos_ids, bootstrap, confidence, block",
+        ),
+        ({"options": {"split": 5}}, "options.split: 5 is not allowed; allowed: a non-empty string"),
+        ({"options": {"model_name": 5}}, "options.model_name: 5 is not allowed; allowed: a non-empty string"),
+        ({"options": {"system": 5}}, "options.system: 5 is not allowed; allowed: a string"),
+        ({"options": {"instruction": ["a"]}}, "options.instruction: ['a'] is not allowed; allowed: a non-empty string"),
+        (
+            {"options": {"eos_ids": [512]}},
+            "options.eos_ids: token ids 512 are outside the model's vocabulary; allowed: integers from 0 to 511",
+        ),
+        (
+            {"frontier": "x"},
+            "frontier: 'x' is not allowed; allowed: a FrontierSpec or a mapping of ratios, budgets, caches, "
+            "cache_ratios",
+        ),
+        (
+            {"frontier": {"ratio": [0.25, 0.5]}},
+            "frontier: unknown key 'ratio'; allowed: ratios, budgets, caches, cache_ratios",
+        ),
+        (
+            {"frontier": {"ratios": 0.5}},
+            "ratios: 0.5 is not a list of compression ratios; allowed: a list of numbers in [0, 1)",
+        ),
+        ({"frontier": {"ratios": [0.5], "cache_ratios": [0]}}, "cache_ratios: given without caches, which it needs"),
+    ],
+)
+def test_screen_refuses_its_arguments_before_any_forward(tiny, kwargs, message):
+    import kvdiverge
+
+    model, ids = tiny
+    with pytest.raises(ValueError) as info:
+        kvdiverge.screen(model, None, ids, {"snap": {"press": "SnapKVPress", "compression_ratio": 0.5}}, **kwargs)
     assert str(info.value) == message
 
 
@@ -349,6 +457,9 @@ EVERY_DOOR = [
     ("task.digits", "7", "'7' is not allowed; allowed: an integer >= 1 and <= 18"),
     ("task.depth_tolerance", float("nan"), "nan is not a finite number; allowed: a number >= 0 and <= 100"),
     ("decoding.repetition_penalty", 1e-320, "1e-320 is not allowed; allowed: a number >= 0.0001 and <= 10000"),
+    ("prompt.instruction", "", "'' is not allowed; allowed: a non-empty string"),
+    ("prompt.instruction", 5, "5 is not allowed; allowed: a non-empty string"),
+    ("prompt.system", 5, "5 is not allowed; allowed: a string"),
 ]
 
 #: Each door's spelling of the keys it takes: measure()'s arguments, screen()'s options, the command line's options.
@@ -357,18 +468,25 @@ MEASURE_NAMES = {
     "analysis.bootstrap": "bootstrap",
     "analysis.confidence": "confidence",
     "decoding.repetition_penalty": "repetition_penalty",
+    "prompt.instruction": "instruction",
+    "prompt.system": "system",
 }
 SCREEN_NAMES = {
     "teacher_forced.length": "options.length",
     "analysis.bootstrap": "options.bootstrap",
     "analysis.confidence": "options.confidence",
+    "prompt.instruction": "options.instruction",
+    "prompt.system": "options.system",
 }
 CLI_NAMES = {
     "teacher_forced.length": "--teacher-tokens",
     "analysis.bootstrap": "--bootstrap",
     "analysis.confidence": "--confidence",
     "decoding.repetition_penalty": "--repetition-penalty",
+    "prompt.instruction": "--instruction",
 }
+#: The command line's options that take text: argparse passes any value through as a string.
+CLI_TEXT = {"prompt.instruction"}
 
 
 def raw(name: str) -> dict:
@@ -410,7 +528,7 @@ def test_measure_refuses_the_value_before_any_forward(tiny, key, value, tail):
 
 
 SCREEN_CASES = [c for c in EVERY_DOOR if c[0] in SCREEN_NAMES]
-CLI_CASES = [c for c in EVERY_DOOR if c[0] in CLI_NAMES]
+CLI_CASES = [c for c in EVERY_DOOR if c[0] in CLI_NAMES and (c[0] not in CLI_TEXT or isinstance(c[1], str))]
 
 
 @pytest.mark.parametrize("key, value, tail", SCREEN_CASES, ids=[_ids(c) for c in SCREEN_CASES])
@@ -430,7 +548,7 @@ def test_the_command_line_refuses_the_value_before_loading_the_model(key, value,
     rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", CLI_NAMES[key], str(value)])
     assert rc == 2
     err = capsys.readouterr().err
-    if isinstance(value, float) and key == "teacher_forced.length" or isinstance(value, str):
+    if isinstance(value, float) and key == "teacher_forced.length" or isinstance(value, str) and key not in CLI_TEXT:
         assert f"argument {CLI_NAMES[key]}: invalid int value" in err  # argparse's own type check
     else:
         assert err.strip() == f"kvdiverge measure: error: {CLI_NAMES[key]}: {tail}"
@@ -639,6 +757,11 @@ def test_measure_refuses_a_task_that_is_not_a_task_in_one_sentence(tiny):
         with pytest.raises(ValueError) as info:
             measure(tiny, task=task, temperature=0)
         assert str(info.value).startswith(f"task: {task!r} is not a task; allowed: a task name ('niah') or a mapping")
+    # an empty block is the default task, as the config's ``task: {}``: it needs text prompts as niah does
+    for task in ({}, "niah"):
+        with pytest.raises(ValueError) as info:
+            measure(tiny, task=task, temperature=0)
+        assert str(info.value) == f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer"
 
 
 def test_out_of_memory_inside_a_press_is_a_failure_at_run_time_not_bad_input():

@@ -442,7 +442,7 @@ def test_cli_on_embedded_model_writes_tables(cli_run):
     assert (gaps["policy_a"] == snap).all() and (gaps["policy_b"] == own).all()
     for name in ("replicates", "timing", "branch_tv", "variance"):
         assert (out / f"{name}.parquet").stat().st_size > 0
-    assert (out / "summary.csv").read_text().startswith("policy,n_docs,T,R,kept_fraction,untouched,p_div")
+    assert (out / "summary.csv").read_text().startswith("policy,n_docs,T,R,kept_fraction,untouched,no_divergence,p_div")
     assert (out / "survival.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "survival.pdf").read_bytes()[:4] == b"%PDF"
     settings = json.loads((out / "measure.json").read_text())

@@ -275,6 +275,10 @@ def test_measure_task_refuses_sampling_and_builds_documents_with_their_question(
     assert tail.startswith("What are all the special magic numbers for ")
     with pytest.raises(TaskError, match="no prompt takes the task: document 'b' has no paragraph break"):
         _task_inputs("niah", {"b": "no breaks here"}, Chat(), 16, 0.0)
+    # an empty block is the default task, as the config's ``task: {}``: the same needles as "niah"
+    docs, table = _task_inputs({}, {"a": prompts["a"]}, Chat(), 16, 0.0)
+    same, _ = _task_inputs("niah", {"a": prompts["a"]}, Chat(), 16, 0.0)
+    assert [d.input_ids for d in docs] == [d.input_ids for d in same] and table["needle_value"][0] is not None
 
 
 # --- quote recall --------------------------------------------------------------------------
@@ -375,3 +379,46 @@ def test_multikey_places_the_asked_needle_at_its_depth_and_the_distractors_elsew
     assert build_task_prompts(docs, Chat(), {"task": task, "seed": 1, "max_new_tokens": 64, "minimums": {}}, 10**5)[
         "input_ids"
     ].to_list() == [row["input_ids"]]  # seeded: the same needles and places
+
+
+@pytest.mark.parametrize("digits, count", [(1, 3), (1, 16), (2, 16)])
+def test_no_distractor_carries_the_asked_needles_value(digits, count):
+    from kvdiverge.study.tasks.multikey import MultikeySettings, distractors
+
+    settings = MultikeySettings(digits=digits, seed=2, distractors=count)
+    values = set()
+    for i in range(400):
+        asked = make_needle(settings, f"doc-{i}", i)
+        others = distractors(settings, f"doc-{i}", asked)
+        assert len(others) == count and len({asked.key, *(o.key for o in others)}) == count + 1
+        assert all(len(o.value) == digits and o.value != asked.value for o in others), (i, asked, others)
+        again = distractors(settings, f"doc-{i}", asked)
+        assert [(o.key, o.value) for o in again] == [(o.key, o.value) for o in others]  # seeded: the same draws
+        values.update(o.value for o in others)
+    assert len(values) == 9 * 10 ** (digits - 1)  # every value but the asked one stays possible
+
+
+@pytest.mark.miniature
+def test_measure_takes_an_empty_task_block_as_the_default_needle():
+    import kvpress
+    import torch
+
+    import kvdiverge
+    from kvdiverge.study.standins import MINIATURE, random_model
+
+    class Chat(CharTokenizer):  # code points below the miniature's vocabulary of 512
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
+            return "<u>" + messages[-1]["content"] + "</u><a>"
+
+        def decode(self, ids, **kw):
+            return "".join(map(chr, ids))
+
+    torch.set_num_threads(1)
+    model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
+    prompts = {"a": doc(10, 10, 10, 10), "b": doc(12, 10, 10, 10)}
+    tables = {}
+    for task in ({}, "niah"):
+        m = kvdiverge.measure(model, Chat(), prompts, {"snap": kvpress.SnapKVPress(compression_ratio=0.5)}, task=task,
+                              temperature=0, max_new_tokens=8, replicates=1, bootstrap=20, progress=False)  # fmt: skip
+        tables[str(task)] = m.task["documents"]
+    assert tables["{}"].height == 2 and tables["{}"].equals(tables["niah"])

@@ -25,14 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import TeacherForcing
 from kvdiverge.engine.presses.layer_types import has_sliding_layers, layers_of
 from kvdiverge.engine.runner import question_after_problems, run_policies
 from kvdiverge.results import Measurement
 from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
-from kvdiverge.study.inputs import measure_inputs, model_label, prepare_documents
+from kvdiverge.study.inputs import measure_inputs, model_eos, model_label, prepare_documents
 from kvdiverge.study.models import kv_sizes
 from kvdiverge.study.provenance import compressed_layers
 
@@ -100,7 +99,8 @@ def measure(
     instruction, system : str, optional
         Appended instruction and system message of text prompts.
     windows : mapping of str to (a, b), optional
-        Named lag windows of the §6 branch-aligned TV (adds ``btv_<name>`` columns).
+        Named lag windows of the §6 branch-aligned TV (adds ``btv_<name>`` columns): integers
+        ``1 <= a <= b <= max_new_tokens - 1`` (:func:`kvdiverge.study.settings.window_problems`).
     bootstrap : int
         Document-bootstrap resamples of the pooled intervals.
     confidence : float
@@ -143,7 +143,8 @@ def measure(
     task : str or mapping, optional
         A task score beside the measures (:mod:`kvdiverge.study.tasks`): ``"niah"`` or a
         config ``task`` block (``{"name": "niah", "depths": [0, 50, 100], "question":
-        "after"}``), checked by the config's rules (:func:`kvdiverge.study.settings.check_task`).
+        "after"}``; without ``name``, ``{}`` included, the default ``niah``), checked by the
+        config's rules (:func:`kvdiverge.study.settings.check_task`).
         Text prompts become the task's prompts; needs ``temperature=0`` (the answers are the
         greedy coupled run's own), and with ``question: after`` presses that act on the prefill
         only. :attr:`Measurement.task` then holds the
@@ -168,21 +169,29 @@ def measure(
     ------
     ValueError
         Bad prompts or presses (see :func:`kvdiverge.study.inputs.prepare_documents`, :func:`kvdiverge.study.inputs.prepare_presses`),
-        token ids outside the model's vocabulary, a prompt shorter than a press needs or
-        too long for the model context, a setting the config would refuse (NaN, out of
-        range, a fraction for a count: :func:`kvdiverge.study.settings.check_settings`,
-        naming the argument, the value and what is allowed).
+        a ``model`` that is not one (:func:`kvdiverge.study.inputs.model_problem`), token ids
+        (of the prompts or ``eos_ids``) outside the model's vocabulary, a prompt shorter than a
+        press needs or too long for the model context, a setting the config would refuse (NaN, out
+        of range, a fraction for a count, ``instruction`` or ``system`` not a string:
+        :func:`kvdiverge.study.settings.check_settings`), a ``model_name`` or ``split`` that is
+        not a non-empty string, ``windows`` that are not lag windows, frontier values of the
+        wrong kind (a single number for ``ratios``; ``cache_ratios`` without ``caches``:
+        :func:`kvdiverge.study.frontier.spec_problems`) or a bad ``task``, each before any
+        forward, in one sentence naming the argument, the value and what is allowed.
     kvdiverge.engine.core.errors.CompressionError
         A press that promises compression (``compression_ratio > 0``) but does not keep
-        the promised number of positions. A press that promises nothing and leaves the
-        kernel as the full cache's (TV 0 at every step) runs and is reported
-        (``summary['untouched']``, and a warning).
+        the promised number of positions. A press that promises nothing, keeps every
+        position and leaves the kernel as the full cache's (TV 0 at every step, under
+        sampling) runs and is reported (``summary['untouched']``, and a warning); chains that
+        never part under this decoding, from a press that compressed or under greedy decoding,
+        are ``summary['no_divergence']``, without a warning.
     """
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
     task_docs = measuring.task_inputs(opts, prompts, tokenizer)
     prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
     documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
     sources, grid = measure_inputs(model, documents, presses, opts.max_new_tokens, opts.frontier)
+    eos = model_eos(model, opts.eos_ids)
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents
@@ -191,7 +200,7 @@ def measure(
     settings = opts.recorded(sampling, sources, grid, kv_sizes(model) if grid else None)
     if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
         settings["compressed_layers"] = compressed_layers(layers_of(model.config))
-    result = Measurement.of_run(runs, windows, settings, sources, _eos(model, eos_ids))
+    result = Measurement.of_run(runs, windows, settings, sources, eos)
     if teacher_tokens is not None:
         result.teacher_forced = _teacher_pass(model, documents, sources, opts, sampling, result.eos_ids)
     if task_docs:
@@ -203,11 +212,6 @@ def measure(
 
 #: :func:`measure`'s keyword options, as :class:`kvdiverge.study.measuring.MeasureOptions` takes them.
 _OPTIONS = frozenset(f for f in measuring.MeasureOptions.__dataclass_fields__ if f != "decoding")
-
-
-def _eos(model, eos_ids) -> tuple[int, ...]:
-    """The end-of-sequence ids the generations stopped at: ``eos_ids``, else the model's."""
-    return tuple(int(e) for e in (model_eos_ids(model) if eos_ids is None else eos_ids))
 
 
 def _check_question_after(sources) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.engine.core.sampling import Decoding, decoding_options
 from kvdiverge.estimation import tables
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import (
@@ -115,7 +116,9 @@ class Measurement:
 
     def warn_untouched(self, floors: Sequence[str] = (), stacklevel: int = 2) -> None:
         """Warn (``UserWarning``) of each press but the noise ``floors`` that left the cache untouched:
-        TV 0 at every step on every prompt (``summary['untouched']``)."""
+        every prompt position kept and TV 0 at every step on every prompt, under sampling
+        (``summary['untouched']``). A press whose chains never parted but that compressed, or any
+        under greedy decoding (``summary['no_divergence']``), is no cause for a warning."""
         untouched = self.summary.filter(pl.col("untouched"))["policy"].to_list()
         for name in (n for n in untouched if n not in floors):  # the floor keeps every position by design
             warnings.warn(
@@ -174,20 +177,31 @@ class Measurement:
         return self._memo("length_survival", lambda: length_survival(self.drift_replicates))
 
     @property
+    def point_masses(self) -> bool:
+        """Whether the decoding's kernels are point masses (greedy:
+        :attr:`kvdiverge.engine.core.sampling.Decoding.point_masses`), where TV 0 shows only that the
+        answers agreed."""
+        values = {name: self.settings[name] for name in decoding_options() if name in self.settings}
+        return Decoding(**values, **(self.settings.get("decoding") or {})).point_masses
+
+    @property
     def compression(self) -> pl.DataFrame:
-        """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
-        ``untouched`` (the evicted side's kernel equals the reference side's: TV exactly 0 at
-        every step of every replicate; :func:`kvdiverge.estimation.tables.compression_table`)."""
-        return compression_table(self.documents, self.trajectories)
+        """Per press and prompt: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction``, ``untouched``
+        (every position kept and the evicted side's kernel equal to the reference side's: TV exactly 0
+        at every step of every replicate, under sampling) and ``no_divergence`` (TV 0 at every step,
+        yet not untouched: the press compressed, or the decoding is greedy;
+        :func:`kvdiverge.estimation.tables.compression_table`)."""
+        return compression_table(self.documents, self.trajectories, self.point_masses)
 
     @property
     def summary(self) -> pl.DataFrame:
         """One row per press: ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction``, ``untouched``
-        (TV exactly 0 at every step on every prompt), ``p_div``, ``tau_mean`` and ``E_L`` (steps),
+        and ``no_divergence`` (:attr:`compression`, on every prompt), ``p_div``, ``tau_mean`` and ``E_L`` (steps),
         ``E_M`` (mismatch fraction), each with ``_lo``/``_hi`` bootstrap bounds, ``rho``,
         ``first_mismatch_term + exposure_rate_term = E_M``, ``exposure_share``; with a noise floor,
         ``E_M_minus_floor`` and ``p_div_minus_floor`` (:func:`kvdiverge.estimation.tables.summary_table`)."""
-        out = summary_table(self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
+        args = (self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
+        out = summary_table(*args, point_masses=self.point_masses)
         if self.teacher_forced is None:
             return out
         cols = ["kld_mean", "ppl_ratio", "same_top_p", "delta_p_rms"]

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,15 +27,14 @@ from typing import Any
 import polars as pl
 
 from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
-from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
 from kvdiverge.io.files import save_table
 from kvdiverge.report.formatting import teacher_text
 from kvdiverge.study.frontier import FrontierSpec
-from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_label, prepare_documents
-from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings
+from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_eos, model_label, prepare_documents
+from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings, text_problems
 
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
 
@@ -150,10 +150,10 @@ def screen(
         without one get the full-cache model's greedy continuation.
     frontier : kvdiverge.study.frontier.FrontierSpec or mapping, optional
         ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`
-        (a mapping gives them by name, :meth:`kvdiverge.study.frontier.FrontierSpec.of`).
+        (a mapping gives them by name; another key is refused).
     options : ScreenOptions or mapping, optional
         Length, seed, prompt rendering, bootstrap and forward settings (:class:`ScreenOptions`;
-        a mapping gives its fields by name); None: the defaults.
+        a mapping gives its fields by name, another key refused); None: the defaults.
 
     Returns
     -------
@@ -162,26 +162,67 @@ def screen(
     Raises
     ------
     ValueError
-        As :func:`kvdiverge.measure`: bad prompts, presses or lengths, or an option the config's
-        rule for that setting refuses (``options.length``: ``teacher_forced.length``;
-        ``options.bootstrap``, ``options.confidence``, ``options.seed``), named in one sentence.
+        As :func:`kvdiverge.measure`: a model that is not one, bad prompts, presses, lengths or
+        frontier values, an option the config's rule for that setting refuses (``options.length``:
+        ``teacher_forced.length``; ``options.bootstrap``, ``options.confidence``, ``options.seed``,
+        ``options.instruction``, ``options.system``), an ``options.model_name`` or ``options.split``
+        that is not a non-empty string, ``options.eos_ids`` outside the model's vocabulary, or
+        ``options`` or ``frontier`` of another kind or with an unknown key, named in one sentence.
     """
-    opt = _checked(options if isinstance(options, ScreenOptions) else ScreenOptions(**(options or {})))
+    opt, spec = _checked(_options(options)), _frontier(frontier)
     forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
     documents = prepare_documents(prompts, tokenizer, instruction=opt.instruction, system=opt.system)
     # a prompt needs room for 1 token: the continuation is cut to what the context leaves
-    sources, _ = measure_inputs(model, documents, presses, 1, FrontierSpec.of(frontier))
+    sources, _ = measure_inputs(model, documents, presses, 1, spec)
     name = opt.model_name or model_label(model)
-    sampling = forcing.sampling(opt.seed, name, model_eos_ids(model) if opt.eos_ids is None else opt.eos_ids)
+    sampling = forcing.sampling(opt.seed, name, model_eos(model, opt.eos_ids, "options.eos_ids"))
     return run_screen(model, documents, sources, sampling, forcing, opt, continuations)
+
+
+def _options(options: Any) -> ScreenOptions:
+    """:func:`screen`'s ``options`` as :class:`ScreenOptions`, or ``ValueError`` naming what it is not."""
+    fields = [f.name for f in dataclasses.fields(ScreenOptions)]
+    if options is None or isinstance(options, ScreenOptions):
+        return options or ScreenOptions()
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"options: {options!r} is not allowed; allowed: a ScreenOptions or a mapping of its fields "
+            f"({', '.join(fields)})"
+        )
+    unknown = [k for k in options if k not in fields]
+    if unknown:
+        raise ValueError(f"options: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
+    return ScreenOptions(**options)
+
+
+def _frontier(frontier: Any) -> FrontierSpec:
+    """:func:`screen`'s ``frontier`` as a :class:`~kvdiverge.study.frontier.FrontierSpec`, or ``ValueError``
+    naming what it is not (its values: :func:`~kvdiverge.study.inputs.measure_inputs`)."""
+    fields = [f.name for f in dataclasses.fields(FrontierSpec)]
+    if frontier is None or isinstance(frontier, FrontierSpec):
+        return frontier or FrontierSpec()
+    if not isinstance(frontier, Mapping):
+        raise ValueError(
+            f"frontier: {frontier!r} is not allowed; allowed: a FrontierSpec or a mapping of {', '.join(fields)}"
+        )
+    unknown = [k for k in frontier if k not in fields]
+    if unknown:
+        raise ValueError(f"frontier: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
+    return FrontierSpec(**frontier)
 
 
 def _checked(opt: ScreenOptions) -> ScreenOptions:
     """``opt`` with its counts as ``int``, or ``ValueError`` naming each field (``options.bootstrap``) the
-    config's rule for that setting refuses (:data:`kvdiverge.study.settings.SCREEN_SETTINGS`)."""
-    values = {setting: getattr(opt, field) for field, setting in SCREEN_SETTINGS.items()}
-    names = {setting: f"options.{field}" for field, setting in SCREEN_SETTINGS.items()}
+    config's rule for that setting refuses (:data:`kvdiverge.study.settings.SCREEN_SETTINGS`), or the
+    first that is not a string where one is asked (``options.instruction``, ``options.split``)."""
+    fields = {**SCREEN_SETTINGS, **{f: f for f in ("instruction", "system") if getattr(opt, f) is not None}}
+    values = {setting: getattr(opt, field) for field, setting in fields.items()}
+    names = {setting: f"options.{field}" for field, setting in fields.items()}
     checked = check_settings(values, names)
+    texts = {"split": opt.split, **({} if opt.model_name is None else {"model_name": opt.model_name})}
+    problems = text_problems(texts, {k: f"options.{k}" for k in texts})
+    if problems:
+        raise ValueError(problems[0])
     return replace(opt, **{field: checked[setting] for field, setting in SCREEN_SETTINGS.items()})
 
 

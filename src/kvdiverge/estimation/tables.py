@@ -183,12 +183,18 @@ def gaps(
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
 
 
-def compression_table(documents: pl.DataFrame, trajectories: pl.DataFrame) -> pl.DataFrame:
-    """Per policy and document: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction`` and
-    ``untouched``: the evicted side's kernel equals the reference side's, TV exactly 0 at
-    every step of every replicate's chain (so the chains never part). A press that keeps
-    every prompt position but changes the cache (key channels), or that evicts while
-    decoding, is not untouched.
+def compression_table(documents: pl.DataFrame, trajectories: pl.DataFrame, point_masses: bool = False) -> pl.DataFrame:
+    """Per policy and document: ``prompt_len``, ``kept_len`` (tokens), ``kept_fraction``, ``untouched``
+    and ``no_divergence``.
+
+    ``untouched``: the press left the cache as the full cache's, as far as the run can show it: it
+    kept every prompt position and the evicted side's kernel equalled the reference side's, TV
+    exactly 0 at every step of every replicate's chain, under a decoding whose kernels are not
+    point masses. A press that keeps every prompt position but changes the cache (key channels),
+    or that evicts while decoding, parts the chains and is not untouched. ``no_divergence``: TV
+    exactly 0 at every step, yet not untouched: the press compressed, or the decoding is greedy,
+    where TV 0 shows only that both arg-maxes agreed; the chains never parted under this decoding,
+    which does not show that the cache was left as it was.
 
     Parameters
     ----------
@@ -196,21 +202,32 @@ def compression_table(documents: pl.DataFrame, trajectories: pl.DataFrame) -> pl
         Per-document estimates (:func:`estimate`).
     trajectories : polars.DataFrame
         The trajectory shards the estimates come from (their ``tv`` lists).
+    point_masses : bool
+        The decoding's kernels are point masses (greedy or top-k 1:
+        :attr:`kvdiverge.engine.core.sampling.Decoding.point_masses`), so TV is 0 or 1.
     """
     same = trajectories.group_by("policy", "doc_id").agg(
-        pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("untouched")
+        pl.col("tv").list.eval(pl.element() == 0.0).list.all().all().alias("tv_zero")
     )
+    untouched = pl.col("tv_zero") & (pl.col("kept_len") == pl.col("prompt_len")) & pl.lit(not point_masses)
     return (
         documents.select("policy", "doc_id", "prompt_len", "kept_len")
         .with_columns(
             (pl.col("kept_len") / pl.col("prompt_len")).alias("kept_fraction"),
         )
         .join(same, on=["policy", "doc_id"], how="left", maintain_order="left")
+        .with_columns(untouched.alias("untouched"))
+        .with_columns((pl.col("tv_zero") & ~pl.col("untouched")).alias("no_divergence"))
+        .drop("tv_zero")
     )
 
 
 def press_summary(
-    pooled: pl.DataFrame, documents: pl.DataFrame, policies: Sequence[str], trajectories: pl.DataFrame
+    pooled: pl.DataFrame,
+    documents: pl.DataFrame,
+    policies: Sequence[str],
+    trajectories: pl.DataFrame,
+    point_masses: bool = False,
 ) -> pl.DataFrame:
     """One row per policy, in the order of ``policies``: occurrence, timing, token loss, its
     decomposition and how much of the prompt cache the press kept.
@@ -225,26 +242,34 @@ def press_summary(
         Every policy of ``pooled``, in the order wanted.
     trajectories : polars.DataFrame
         The trajectory shards (for ``untouched``: :func:`compression_table`).
+    point_masses : bool
+        The decoding's kernels are point masses (:func:`compression_table`).
 
     Returns
     -------
     polars.DataFrame
         ``policy``, ``n_docs``, ``T``, ``R``, ``kept_fraction`` (mean over documents),
-        ``untouched`` (on every document, TV exactly 0 at every step), then ``p_div``, ``tau_mean``,
+        ``untouched`` (on every document: :func:`compression_table`), ``no_divergence`` (TV exactly
+        0 at every step on every document, yet not untouched), then ``p_div``, ``tau_mean``,
         ``E_L``, ``E_M`` each with ``_lo``/``_hi``, ``rho``, ``first_mismatch_term``,
         ``exposure_rate_term``, ``exposure_share``.
     """
     comp = (
-        compression_table(documents, trajectories)
+        compression_table(documents, trajectories, point_masses)
         .group_by("policy")
-        .agg(pl.col("kept_fraction").mean(), pl.col("untouched").all())
+        .agg(
+            pl.col("kept_fraction").mean(),
+            pl.col("untouched").all(),
+            (pl.col("untouched") | pl.col("no_divergence")).all().alias("tv_zero"),
+        )
+        .with_columns((pl.col("tv_zero") & ~pl.col("untouched")).alias("no_divergence"))
     )
     stats = [c for m in ("p_div", "tau_mean", "E_L", "E_M") for c in interval_columns(m)]
     rest = [*stats, "rho", "first_mismatch_term", "exposure_rate_term", "exposure_share"]
     out = pooled.select(["policy", "n_docs", "T", "R", *rest]).join(comp, on="policy", how="left")
     order = {p: i for i, p in enumerate(policies)}
     out = out.sort(pl.col("policy").replace_strict(order, return_dtype=pl.Int64))
-    return out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched", *rest])
+    return out.select(["policy", "n_docs", "T", "R", "kept_fraction", "untouched", "no_divergence", *rest])
 
 
 def press_gap(
@@ -298,14 +323,18 @@ def summary_table(
     trajectories: pl.DataFrame,
     noise_floor: str | None = None,
     gap: Callable[[str, str], pl.DataFrame] | None = None,
+    point_masses: bool = False,
 ) -> pl.DataFrame:
     """:func:`press_summary`, with each press's paired difference from the noise floor when one is measured.
+
+    ``point_masses``: the decoding's kernels are point masses (greedy), so TV 0 calls no press
+    untouched (:func:`compression_table`).
 
     With ``noise_floor`` (and ``gap(a, b)``, the gap of two presses: :func:`press_gap`), joins
     ``E_M_minus_floor`` and ``p_div_minus_floor`` (each with ``_lo``/``_hi``;
     ``kvdiverge.estimation.analysis.floor_differences``), null on the floor's own row.
     """
-    out = press_summary(pooled, documents, presses, trajectories)
+    out = press_summary(pooled, documents, presses, trajectories, point_masses)
     if noise_floor is None:
         return out
     floor = floor_differences({p: None if p == noise_floor else gap(p, noise_floor) for p in presses})

@@ -60,7 +60,9 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     One row per press: prompts, kept fraction of the prompt cache, ``p_div``, mean
     first-divergence step, ``E[M]`` and its decomposition ``p_div/T + (E[L]/T) rho``,
     and, when a noise-floor press was measured, each press's ``E[M]`` minus the floor's.
-    Notes flag presses that left the cache untouched and, on a model with sliding-window layers,
+    Notes flag presses that left the cache untouched (``*``), presses whose chains never parted
+    under this decoding though that does not show the cache untouched (``~``: they compressed, or
+    the decoding is greedy) and, on a model with sliding-window layers,
     name the layers a press compresses (``settings["compressed_layers"]``).
 
     Parameters
@@ -90,7 +92,7 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     ] + ([] if floor is None else [f"E[M] - {floor} [CI]"])
     rows = []
     for r in summary.iter_rows(named=True):
-        flag = "*" if r["untouched"] and r["policy"] != floor else ""
+        flag = "" if r["policy"] == floor else "*" if r["untouched"] else "~" if r["no_divergence"] else ""
         row = [
             r["policy"],
             str(r["n_docs"]),
@@ -114,17 +116,30 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
         + f", seed {s['seed']}; [CI]: {s['confidence']:.0%} document bootstrap",
         *text_table(header, rows),
     ]
-    untouched = [r["policy"] for r in summary.iter_rows(named=True) if r["untouched"] and r["policy"] != floor]
-    if untouched:
-        out.append(
-            f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): "
-            f"{', '.join(untouched)}"
-        )
+    out += _flag_notes(summary, floor)
     if floor is None:
         out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
     if s.get("compressed_layers"):
         out.append(f"kept: of the prompt in the layers a press compresses, {s['compressed_layers']}")
     return "\n".join(out)
+
+
+def _flag_notes(summary, floor: str | None) -> list[str]:
+    """The notes of :func:`summary_text`'s ``*`` and ``~`` marks (none for the noise ``floor``)."""
+    rows = [r for r in summary.iter_rows(named=True) if r["policy"] != floor]
+    untouched = [r["policy"] for r in rows if r["untouched"]]
+    agreed = [r["policy"] for r in rows if r["no_divergence"]]
+    out = []
+    if untouched:
+        out.append(
+            f"* left the cache untouched (TV 0 at every step: the same kernel as the full cache): {', '.join(untouched)}"
+        )
+    if agreed:
+        out.append(
+            "~ no divergence observed under this decoding (TV 0 at every step on every prompt), which does not "
+            f"show the cache untouched: the press compressed it, or greedy answers agreed: {', '.join(agreed)}"
+        )
+    return out
 
 
 def teacher_text(table, floor: str | None = None) -> str:

@@ -56,6 +56,8 @@ OPTIONS = {
     "confidence": "--confidence",
     "batch_documents": "--batch-documents",
     "teacher_tokens": "--teacher-tokens",
+    "instruction": "--instruction",
+    "system": "--system",
 }
 
 
@@ -124,8 +126,9 @@ def check_arguments(args: Any) -> None:
     """
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: measure()'s default
-    values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
+    unset_allowed = {"batch_documents", "teacher_tokens", "instruction", "system", *decoding_options()}  # None: default
+    values = {k: getattr(args, k, None) for k in OPTIONS}
+    values = {k: v for k, v in values.items() if k not in unset_allowed or v is not None}
     try:
         check_settings(values, OPTIONS)
     except ValueError as exc:

@@ -34,6 +34,7 @@ __all__ = [
     "frontier_policy",
     "frontier_split",
     "press_at_ratio",
+    "spec_problems",
 ]
 
 #: Settings of a quantized cache the frontier's bytes need (``backend``, ``nbits``, ``q_group_size``).
@@ -74,8 +75,9 @@ def frontier_name(
 class FrontierSpec:
     """What a frontier varies besides its presses: ratios, budgets, quantized caches, ratios before a cache.
 
-    Holds the values as given (the sequences as tuples, a mapping of caches as a dict, None as
-    empty); :func:`frontier_problems` checks them, :func:`frontier_grid` expands them into points.
+    Holds the values as given (the lists as tuples, a mapping of caches as a dict, None as
+    empty; a value of another kind, such as a single number, as it is); :func:`frontier_problems`
+    checks them, :func:`frontier_grid` expands them into points.
 
     Parameters
     ----------
@@ -99,13 +101,15 @@ class FrontierSpec:
     caches: Mapping[str, Any] = field(default_factory=dict)
     cache_ratios: Sequence[Any] | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ratios", tuple(() if self.ratios is None else self.ratios))
-        object.__setattr__(self, "budgets", tuple(() if self.budgets is None else self.budgets))
+    def __post_init__(self) -> None:  # a value of the wrong kind stays as given, for spec_problems to name
+        for name in ("ratios", "budgets", "cache_ratios"):
+            value = getattr(self, name)
+            if value is None and name != "cache_ratios":
+                object.__setattr__(self, name, ())
+            elif _listlike(value):
+                object.__setattr__(self, name, tuple(value))
         caches = {} if self.caches is None else self.caches
         object.__setattr__(self, "caches", dict(caches) if isinstance(caches, Mapping) else caches)
-        if self.cache_ratios is not None:
-            object.__setattr__(self, "cache_ratios", tuple(self.cache_ratios))
 
     @classmethod
     def of(cls, block: FrontierSpec | Mapping[str, Any] | None) -> FrontierSpec:
@@ -115,6 +119,47 @@ class FrontierSpec:
             return block
         block = block or {}
         return cls(*(block.get(k) for k in ("ratios", "budgets", "caches", "cache_ratios")))
+
+
+def _listlike(value: Any) -> bool:
+    """A collection of values: iterable, and not a string, bytes or a mapping."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+
+
+#: What each list of a :class:`FrontierSpec` holds, in words.
+_LISTS = {
+    "ratios": ("compression ratios", "numbers in [0, 1)"),
+    "budgets": ("token budgets", "integers >= 1"),
+    "cache_ratios": ("compression ratios", "numbers in [0, 1)"),
+}
+
+
+def spec_problems(spec: FrontierSpec) -> list[str]:
+    """What is wrong with the kinds of a spec's values and how they go together, one sentence each.
+
+    ``ratios``, ``budgets`` and ``cache_ratios`` must be lists (a string or a single number is
+    not), ``caches`` a mapping of label to settings; ``cache_ratios`` needs ``caches``, and caches
+    are frontier points, so they need ``ratios`` or ``budgets``. :func:`frontier_problems` asks
+    this first; the values inside are its own to check.
+    """
+    problems = [
+        f"{key}: {value!r} is not a list of {what}; allowed: a list of {allowed}"
+        for key, (what, allowed) in _LISTS.items()
+        if (value := getattr(spec, key)) is not None and not isinstance(value, tuple)
+    ]
+    if not isinstance(spec.caches, Mapping):
+        problems.append(
+            f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
+            f"got {type(spec.caches).__name__}"
+        )
+    elif spec.cache_ratios is not None and not spec.caches:
+        problems.append("cache_ratios: given without caches, which it needs")
+    elif spec.caches and not spec.ratios and not spec.budgets:
+        problems.append(
+            "caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
+            "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})"
+        )
+    return problems
 
 
 def _ratio_problem(key: str, r: Any) -> str | None:
@@ -137,6 +182,7 @@ def frontier_problems(
     presses : iterable of str
         Press labels: no ``@`` or ``+`` (reserved for the points' names).
     spec : FrontierSpec
+        Its kinds first (:func:`spec_problems`; when they are wrong, only those are returned).
         Its ``ratios`` and ``cache_ratios`` must be numbers in ``[0, 1)``, its ``budgets``
         integers ``>= 1``; its ``caches``: no ``@`` or ``+`` in a label, no label equal to a
         press label, settings with ``backend``, ``nbits`` and ``q_group_size`` (None: not
@@ -149,13 +195,9 @@ def frontier_problems(
     list of str
         Empty when the frontier is well formed.
     """
-    presses, caches, problems = [str(p) for p in presses], spec.caches, []
-    if not isinstance(caches, Mapping):
-        problems.append(
-            f"caches must map a label to a quantized cache's settings ({{'int4': {{'nbits': 4}}}}), "
-            f"got {type(caches).__name__}"
-        )
-        caches = {}
+    presses, caches, problems = [str(p) for p in presses], spec.caches, spec_problems(spec)
+    if problems:  # the values inside are read only when the lists are lists
+        return problems
     problems += [
         f"press {p!r}: {mark!r} in a press name is reserved for the frontier's {form} names; rename it"
         for p in presses

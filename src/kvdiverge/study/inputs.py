@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.presses.bases import press_problem
 from kvdiverge.engine.presses.policies import Policy, PressPolicy, keeps_every_position
 from kvdiverge.engine.presses.project import PermutationPress
@@ -36,10 +37,17 @@ from kvdiverge.engine.runner import Document, PressSource, check_prompt_lengths
 from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.study.config import policy_entry_problems
 from kvdiverge.study.corpus import CorpusError, build_corpus
-from kvdiverge.study.frontier import FrontierSpec, cache_settings, frontier_grid, frontier_policy, frontier_problems
+from kvdiverge.study.frontier import (
+    FrontierSpec,
+    cache_settings,
+    frontier_grid,
+    frontier_policy,
+    frontier_problems,
+    spec_problems,
+)
 from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME, context_length
 from kvdiverge.study.prompts import render_ids
-from kvdiverge.study.settings import token_id_problems
+from kvdiverge.study.settings import eos_id_problems, model_problem, token_id_problems, vocab_size
 
 __all__ = [
     "InputError",
@@ -51,6 +59,7 @@ __all__ = [
     "is_noise_floor",
     "measure_inputs",
     "model_entry",
+    "model_eos",
     "model_label",
     "prepare_documents",
     "prepare_presses",
@@ -527,7 +536,9 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 def measure_inputs(model, documents: Sequence[Document], presses, T: int, frontier: FrontierSpec | None = None):
     """``(sources, grid)`` of a :func:`kvdiverge.measure` call, checked with its documents before any generation.
 
-    The documents' token ids checked against the model's vocabulary and their lengths against
+    The model checked to be one (:func:`kvdiverge.study.settings.model_problem`), the frontier's kinds
+    (:func:`kvdiverge.study.frontier.spec_problems`), the documents' token ids checked against the
+    model's vocabulary and their lengths against
     ``T`` (tokens) and the model context (:func:`check_lengths`), the presses as policies
     (:func:`prepare_presses`, built and checked later with the model), expanded over the
     ``frontier``'s ratios, budgets and quantized caches at its cache ratios
@@ -550,19 +561,15 @@ def measure_inputs(model, documents: Sequence[Document], presses, T: int, fronti
     ValueError
         The first problem found, in one sentence.
     """
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int):
-        problems = [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
-        if problems:
-            raise ValueError(problems[0])
     grid, frontier = None, frontier or FrontierSpec()
+    problems = [q for q in (model_problem(model),) if q] + spec_problems(frontier)
+    vocab = vocab_size(model)
+    if vocab is not None:
+        problems += [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
+    if problems:
+        raise ValueError(problems[0])
     if frontier.ratios or frontier.budgets:
         presses, grid = frontier_presses(presses, frontier)
-    elif frontier.caches or frontier.cache_ratios is not None:
-        raise ValueError(
-            "caches and cache_ratios are frontier points: give ratios too (or pass a quantized cache "
-            "as a press, {'int4': {'cache': 'quantized', 'nbits': 4}})"
-        )
     sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
     try:
         context = context_length(model)
@@ -570,6 +577,18 @@ def measure_inputs(model, documents: Sequence[Document], presses, T: int, fronti
         context = None
     check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
     return sources, grid
+
+
+def model_eos(model: Any, eos_ids: Any, name: str = "eos_ids") -> tuple[int, ...]:
+    """The end-of-sequence ids a run stops at: ``eos_ids`` (spelled ``name``), else the model's own
+    (:func:`kvdiverge.engine.llm.pair_base.model_eos_ids`); ``ValueError`` for ids that are not a list of
+    token ids inside the model's vocabulary (:func:`kvdiverge.study.settings.eos_id_problems`)."""
+    if eos_ids is None:
+        return tuple(int(e) for e in model_eos_ids(model))
+    problems = eos_id_problems(name, eos_ids, vocab_size(model))
+    if problems:
+        raise ValueError(problems[0])
+    return tuple(int(e) for e in (eos_ids.tolist() if hasattr(eos_ids, "tolist") else eos_ids))
 
 
 def model_label(model: Any) -> str:

@@ -22,7 +22,7 @@ from kvdiverge.engine.runner import RunOptions
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import describe_press, is_noise_floor
-from kvdiverge.study.settings import check_settings, check_task, spelled
+from kvdiverge.study.settings import check_settings, check_task, spelled, text_problems, window_problems
 from kvdiverge.study.tasks import task_documents, task_settings
 from kvdiverge.study.tasks.tables import TaskTableOptions
 from kvdiverge.study.tasks.tables import task_tables as task_table_stage
@@ -72,7 +72,10 @@ class MeasureOptions:
             A decoding keyword that is not one of :func:`~kvdiverge.engine.core.sampling.decoding_options`,
             as Python's own for an unknown keyword.
         ValueError
-            A setting the config would refuse, naming the argument, the value and what is allowed.
+            A setting the config would refuse, a ``model_name`` or ``split`` that is not a non-empty
+            string, or ``windows`` that are not named lag windows within the horizon
+            (:func:`kvdiverge.study.settings.window_problems`), naming the argument, the value and
+            what is allowed.
         """
         known = decoding_options()
         unknown = sorted(set(decoding) - set(known))
@@ -82,9 +85,15 @@ class MeasureOptions:
         opts = cls(**options, decoding=decoding)
         given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
         given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
-        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens")  # None: the default
-        given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})
+        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens", "instruction", "system")
+        given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})  # None: none
         checked = check_settings(given)  # counts given as integral floats come back as int
+        names = {"split": opts.split, **({} if opts.model_name is None else {"model_name": opts.model_name})}
+        problems = text_problems(names)
+        if opts.windows is not None:
+            problems += window_problems(opts.windows, checked["max_new_tokens"])
+        if problems:
+            raise ValueError(problems[0])
         kept = {k: v for k, v in checked.items() if k in cls.__dataclass_fields__}
         return cls(**{**options, **kept}, decoding={name: checked[name] for name in decoding})
 
@@ -188,7 +197,7 @@ def task_inputs(opts: MeasureOptions, prompts, tokenizer):
 
 def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer, floor: str | None):
     """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
-    entry, _ = task_settings({"name": opts.task} if isinstance(opts.task, str) else opts.task)
+    entry, _ = task_settings(check_task(opts.task))
     options = TaskTableOptions(
         controls=[floor] if floor else [],
         floor=floor,

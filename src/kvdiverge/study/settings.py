@@ -10,7 +10,9 @@ that door spells it::
     # ValueError: temperature: nan is not a finite number; allowed: a number >= 0;
     #             max_new_tokens: 2.7 is not an integer; allowed: an integer >= 1
 
-:func:`token_id_problems` checks token-id prompts against a vocabulary size. Nothing here
+:func:`token_id_problems` and :func:`eos_id_problems` check token ids against a vocabulary size,
+:func:`text_problems` the names a door takes as strings, :func:`window_problems` named lag
+windows, :func:`model_problem` the model argument. Nothing here
 imports torch or loads a model: the checks run before any work.
 """
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
@@ -31,10 +34,15 @@ __all__ = [
     "check_settings",
     "check_task",
     "config_sampling",
+    "eos_id_problems",
+    "model_problem",
     "setting_problems",
     "spelled",
     "task_problems",
+    "text_problems",
     "token_id_problems",
+    "vocab_size",
+    "window_problems",
 ]
 
 #: Each setting by its ``kvdiverge.measure`` argument name: its config key (the decoding
@@ -50,6 +58,8 @@ SETTINGS: dict[str, str] = {
     "batch_documents": "generation.batch_documents",
     "memory_budget_gb": "generation.memory_budget_gb",
     "teacher_tokens": "teacher_forced.length",
+    "instruction": "prompt.instruction",
+    "system": "prompt.system",
 }
 
 #: The settings of :class:`kvdiverge.screening.ScreenOptions` checked against the schema, by field
@@ -98,6 +108,8 @@ def allowed(entry: Mapping[str, Any]) -> str:
         for k, op in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
         if k in entry
     ]
+    if entry.get("minLength", 0) >= 1:
+        words["string"] = "a non-empty string"
     kinds = [
         words.get(t, t) + (" " + " and ".join(bounds) if bounds and t in ("integer", "number") else "") for t in types
     ]
@@ -229,13 +241,15 @@ def task_problems(task: Any, name: str = "task") -> list[str]:
 
 def check_task(task: Any, name: str = "task") -> dict[str, Any] | None:
     """The task as a config ``task`` block (``{"name": ..., **settings}``), or ``ValueError`` naming
-    every problem (:func:`task_problems`); None stays None."""
+    every problem (:func:`task_problems`); None stays None. A block without ``name`` names the
+    schema's default task, as the config's ``task: {}`` does."""
     if task is None:
         return None
     problems = task_problems(task, name)
     if problems:
         raise ValueError("; ".join(problems))
     block = {"name": task} if isinstance(task, str) else {k: _plain(v) for k, v in task.items()}
+    block.setdefault("name", _entry("task.name")["default"])
     if isinstance(block.get("digits"), float):
         block["digits"] = int(block["digits"])
     return block
@@ -252,13 +266,95 @@ def spelled(message: str, names: Mapping[str, str] | None = None) -> str:
 
 def token_id_problems(name: str, ids: Sequence[Any], vocab_size: int) -> list[str]:
     """Sentences for the token ids of prompt ``name`` that are not integers in ``[0, vocab_size)``."""
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab_size]
+    return _id_problems(f"prompt {name!r}", ids, vocab_size)
+
+
+def _id_problems(label: str, ids: Sequence[Any], vocab_size: int | None) -> list[str]:
+    """The sentence naming the ids of ``label`` that are not integers in ``[0, vocab_size)`` (``>= 0``
+    without a vocabulary size), or none."""
+    top = math.inf if vocab_size is None else vocab_size
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < top]
     if not bad:
         return []
     shown = ", ".join(repr(t) for t in bad[:3]) + (", ..." if len(bad) > 3 else "")
+    allowed = "integers >= 0" if vocab_size is None else f"integers from 0 to {vocab_size - 1}"
+    return [f"{label}: token ids {shown} are outside the model's vocabulary; allowed: {allowed}"]
+
+
+def eos_id_problems(name: str, value: Any, vocab_size: int | None = None) -> list[str]:
+    """The sentence refusing end-of-sequence ids ``value`` (spelled ``name``, e.g. ``eos_ids``), or none.
+
+    Parameters
+    ----------
+    name : str
+        How the door spells the argument.
+    value : object
+        A list of token ids (any iterable of integers but a string or mapping; a tensor or array
+        through its ``tolist``); empty: generation never stops early.
+    vocab_size : int, optional
+        The model's vocabulary size; each id must lie in ``[0, vocab_size)``.
+    """
+    value = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        top = "" if vocab_size is None else f" from 0 to {vocab_size - 1}"
+        return [f"{name}: {value!r} is not a list of token ids; allowed: a list of integers{top}"]
+    return _id_problems(name, list(value), vocab_size)
+
+
+def window_problems(windows: Any, horizon: int | None = None, name: str = "windows") -> list[str]:
+    """One sentence per problem of named lag windows (``{"early": [1, 4]}``), spelled ``name``.
+
+    Each window is ``[a, b]``, integers with ``1 <= a <= b`` (the config's ``lag_window``), and
+    with a ``horizon`` ``T`` (``max_new_tokens``) ``b <= T - 1``, the last lag a branch can reach,
+    as the config asks of its confirmatory windows.
+    """
+    if not isinstance(windows, Mapping):
+        return [
+            f"{name}: {windows!r} is not a mapping of names to lag windows; allowed: a mapping of name "
+            f"to [a, b], integers with 1 <= a <= b ({{'early': [1, 4]}})"
+        ]
+    out = []
+    for key, window in windows.items():
+        label = f"{name}[{key!r}]"
+        pair = list(window) if isinstance(window, (list, tuple)) else None
+        if not pair or len(pair) != 2 or not all(_is_int(v) for v in pair) or not 1 <= pair[0] <= pair[1]:
+            out.append(f"{label}: {window!r} is not a lag window; allowed: [a, b], integers with 1 <= a <= b")
+        elif horizon is not None and pair[1] > horizon - 1:
+            out.append(
+                f"{label}: {window!r} reaches past the last observable lag T - 1 = {horizon - 1} "
+                f"(max_new_tokens = {horizon})"
+            )
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def model_problem(model: Any) -> str | None:
+    """The sentence refusing a ``model`` argument that is not a loaded model (an object with a
+    ``config`` and a ``forward``, as transformers' causal language models are), or None."""
+    if hasattr(model, "config") and callable(getattr(model, "forward", None)):
+        return None
+    return (
+        f"model: {reprlib.repr(model)} is not a model; allowed: a loaded transformers causal language model "
+        f"(a torch.nn.Module with a config, as kvdiverge.study.models.load_model returns)"
+    )
+
+
+def vocab_size(model: Any) -> int | None:
+    """``model.config.vocab_size``, or None where the model does not say."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if _is_int(vocab) else None
+
+
+def text_problems(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per value that is not a non-empty string: the names a door's arguments give
+    (``model_name``, ``split``), which enter the seeds and the tables' columns."""
     return [
-        f"prompt {name!r}: token ids {shown} are outside the model's vocabulary; allowed: integers "
-        f"from 0 to {vocab_size - 1}"
+        f"{(names or {}).get(arg, arg)}: {value!r} is not allowed; allowed: a non-empty string"
+        for arg, value in values.items()
+        if not isinstance(value, str) or not value
     ]
 
 

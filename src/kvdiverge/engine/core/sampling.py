@@ -126,6 +126,12 @@ class Decoding:
         """Whether decoding is greedy (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def point_masses(self) -> bool:
+        """Whether every kernel is a point mass on one token (greedy, or top-k 1, ties aside): TV is then 0 or 1,
+        and TV 0 shows only that both sides' arg-maxes agree, not that their distributions do."""
+        return self.greedy or self.top_k == 1
+
     def replace(self, **changes) -> Decoding:
         """A copy with ``changes`` applied (and checked)."""
         return replace(self, **changes)

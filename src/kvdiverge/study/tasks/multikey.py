@@ -10,7 +10,8 @@ answer prefix and metric are the single needle's (:mod:`kvdiverge.study.tasks.ni
 The asked needle goes to the paragraph boundary nearest its depth (as the single needle, refused
 beyond ``depth_tolerance``); each distractor goes to a boundary drawn from a SHA-256 hash of
 (seed, ``doc_id``, its index) among the others, so a document keeps its needles whatever else
-the corpus holds. Keys differ from each other; values are drawn as the single needle's.
+the corpus holds. Keys differ from each other, and no distractor's value is the asked needle's
+(answering a distractor's number never scores); values are drawn as the single needle's.
 """
 
 from __future__ import annotations
@@ -42,15 +43,20 @@ make_needle = niah.make_needle
 
 def distractors(settings: MultikeySettings, doc_id: str, needle: Needle) -> list[Needle]:
     """The distractor needles of document ``doc_id``: ``settings.distractors`` keys unlike
-    ``needle.key`` and each other, values of ``settings.digits`` digits (depth ``nan``: drawn
-    at insertion)."""
+    ``needle.key`` and each other, values of ``settings.digits`` digits unlike ``needle.value``
+    (depth ``nan``: drawn at insertion).
+
+    Candidates are drawn in turn from the seeded hash (:func:`kvdiverge.study.tasks.niah.make_needle`
+    of ``doc_id`` and the draw's index); one whose key is taken or whose value is the asked
+    needle's is passed over, so a document keeps its distractors whatever else the corpus holds.
+    """
     out: list[Needle] = []
     keys = {needle.key}
     draw = 0
     while len(out) < settings.distractors:
         other = niah.make_needle(settings, f"{doc_id}\x1fdistractor-{draw}", 0)
         draw += 1
-        if other.key not in keys:
+        if other.key not in keys and other.value != needle.value:
             keys.add(other.key)
             out.append(Needle(other.key, other.value, float("nan")))
     return out
