@@ -1,8 +1,8 @@
 # Two entry points (README "Quick start"):
 #   make run       set up .venv if needed, run the workflow on the embedded default, build the report
-#   make test      set up .venv if needed, run the test suite but the `slurm` and `docs` tests
-#   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt) and the
-#                  `docs` test (the site built with warnings as errors): CI
+#   make test      set up .venv if needed, run the test suite but the `slurm`, `docs` and `long` tests
+#   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt), the
+#                  `docs` test (the site built with warnings as errors) and the `long` tests: CI
 #   make docs      the documentation site (docs/_build/html), warnings as errors
 #   make rehearse  config/paper-rehearsal.yaml (the paper's study on stand-in models) at a small
 #                  size, locally (docs/rehearsal.md); not part of `make test`
@@ -40,7 +40,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -m "slurm or docs or not slurm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "slurm or docs or long or not slurm" $(PYTEST_ARGS)
 
 # the documentation site from docs/ (Sphinx, myst-parser, numpydoc; the `docs` extra), warnings as errors
 docs: $(STAMP)

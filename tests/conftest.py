@@ -37,8 +37,8 @@ def results_dir(config_name: str = "smoke.yaml") -> str:
 # --------------------------------------------------------------------------- markers
 
 
-#: markers whose tests run only when ``-m`` names them (CI's ``make test-all`` names both)
-OPT_IN = ("slurm", "docs")
+#: markers whose tests run only when ``-m`` names them (CI's ``make test-all`` names all three)
+OPT_IN = ("slurm", "docs", "long")
 
 #: a test that uses one of these fixtures (directly or through another) carries the marker
 FIXTURE_MARKERS = {
@@ -54,9 +54,9 @@ FIXTURE_MARKERS = {
 def pytest_collection_modifyitems(config, items):
     """Check the markers of tests on the shared fixtures (``FIXTURE_MARKERS``), then leave
     out the tests of :data:`OPT_IN` (``slurm``: they install system packages and write
-    /etc/slurm; ``docs``: the documentation site's build, ``make docs``) unless ``-m``
-    names their marker: ``-m slurm`` alone, ``-m "slurm or docs or not slurm"`` for
-    everything (``make test-all``, ``.ci/run``).
+    /etc/slurm; ``docs``: the documentation site's build, ``make docs``; ``long``: checks only
+    a long run can make) unless ``-m`` names their marker: ``-m slurm`` alone,
+    ``-m "slurm or docs or long or not slurm"`` for everything (``make test-all``, ``.ci/run``).
 
     Where the session's workflow runs will be built in the background
     (:func:`pytest_collection_finish`), the test files that read them run last (each file's

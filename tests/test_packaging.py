@@ -213,7 +213,7 @@ def test_ci_runs_the_readme_test_command_with_the_slurm_and_docs_tests():
     test = re.search(r"^test: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
     test_all = re.search(r"^test-all: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
     assert test == "$(BIN)/python -m pytest $(PYTEST_ARGS)"  # the slurm and docs tests left out (tests/conftest.py)
-    assert test_all == '$(BIN)/python -m pytest -m "slurm or docs or not slurm" $(PYTEST_ARGS)'
+    assert test_all == '$(BIN)/python -m pytest -m "slurm or docs or long or not slurm" $(PYTEST_ARGS)'
 
 
 def test_readme_quick_start_has_exactly_two_commands():

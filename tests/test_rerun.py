@@ -280,6 +280,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
 
 
 @pytest.mark.llm
+@pytest.mark.long
 def test_changing_shards_gives_the_tables_of_a_clean_run(smoke_run, tmp_path):
     """shards 2 -> 1: a document moves (shard-1's into shard-0); rerun = clean run, no document lost."""
     src = Path(smoke_run).parent

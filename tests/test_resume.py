@@ -39,6 +39,7 @@ def _tables(results: Path) -> dict[str, pl.DataFrame]:
 REGENERATED = [("snapkv-50", "exploratory")]
 
 
+@pytest.mark.long
 def test_hard_killed_run_resumes_after_unlock(smoke_run, tmp_path):
     """From a copy of the session's smoke run with the shards and estimates of one run and
     every shard log deleted, `snakemake <their estimates>` is killed once generation starts,
