@@ -100,5 +100,52 @@ def test_command_line_bad_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvdiverge cost: error: ")
     assert "missing.yaml" in err[0]
-    assert main(["cost", "config/smoke.yaml", "--rate", "660", "--gpus", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "kvdiverge cost: error: gpus must be >= 1, got 0"
+    (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    assert main(["cost", str(tmp_path / "binary.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvdiverge cost: error: {tmp_path / 'binary.yaml'}: not a text file (byte 0 is not UTF-8); a config is YAML text"
+    )
+
+
+def exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--rate", "0", "argument --rate: 0 is not allowed; allowed: a finite number > 0"),
+        ("--rate", "-5", "argument --rate: -5 is not allowed; allowed: a finite number > 0"),
+        ("--rate", "inf", "argument --rate: inf is not allowed; allowed: a finite number > 0"),
+        ("--rate", "nan", "argument --rate: nan is not allowed; allowed: a finite number > 0"),
+        ("--rate", "fast", "argument --rate: 'fast' is not a number; allowed: a finite number > 0"),
+        ("--batch-documents", "0", "argument --batch-documents: 0 is not allowed; allowed: an integer >= 1"),
+        ("--gpus", "0", "argument --gpus: 0 is not allowed; allowed: an integer >= 1"),
+        ("--gpus", "1.5", "argument --gpus: '1.5' is not an integer; allowed: an integer >= 1"),
+    ],
+)
+def test_cost_options_are_refused_by_their_names(option, value, message, capsys):
+    assert exit_code(["cost", "config/smoke.yaml", option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"kvdiverge cost: error: {message} (see --help)"
+
+
+def test_a_tiny_rate_prints_hours_in_three_digits(capsys):
+    assert main(["cost", "config/smoke.yaml", "--rate", "1e-300"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("at 1e-300 token-steps/s on 1 device(s): ") and line.endswith(" s)")
+    assert len(line) < 100 and "e+" in line
+
+
+def test_an_invalid_config_prints_every_reason_on_one_line(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("seed: -1\ncorpus: {min_words: 0}\n")
+    assert main(["cost", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"kvdiverge cost: error: {config}: invalid config: missing config key models, policies, runs, confirmatory; "
+        "corpus.min_words: 0 is out of range; allowed: >= 1; seed: -1 is out of range; allowed: >= 0"
+    ]

@@ -88,7 +88,10 @@ def read_yaml(path: str | os.PathLike) -> Any:
         A duplicate key (``path: duplicate key 'snapkv-50' in policies at lines 12 and 15 ...``)
         or a file that is not YAML.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); a config is YAML text") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:

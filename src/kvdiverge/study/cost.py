@@ -302,6 +302,35 @@ def format_table(costs: Sequence[RunCost]) -> str:
     return "\n".join(text_table(head, rows, left=3))
 
 
+def _positive_rate(text: str) -> float:
+    """``--rate``: a finite number of token-steps per second, > 0 (argparse names the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number > 0")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    """``--batch-documents``, ``--gpus``: an integer >= 1 (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: an integer >= 1")
+    return value
+
+
+def _hours_text(hours: float) -> str:
+    """Hours and seconds, in fixed point up to a million hours, else in three significant digits."""
+    if hours < 1e6:
+        return f"{hours:.2f} h ({hours * 3600:,.0f} s)"
+    return f"{hours:.3g} h ({hours * 3600:.3g} s)"
+
+
 def add_cost_parser(subparsers) -> argparse.ArgumentParser:
     """Add the command ``kvdiverge cost`` to the command line's subparsers (:mod:`kvdiverge.cli`).
 
@@ -321,14 +350,17 @@ def add_cost_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
     p.add_argument(
         "--batch-documents",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="documents per forward B (default: generation.batch_documents, else 1)",
     )
     p.add_argument(
-        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
+        "--rate",
+        type=_positive_rate,
+        default=None,
+        help="measured token-steps per second on one device: also print the hours",
     )
-    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
+    p.add_argument("--gpus", type=_at_least_one, default=1, help="devices in parallel for --rate (default 1)")
     return p
 
 
@@ -341,10 +373,10 @@ def run_cost(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         costs = study_cost(config, args.batch_documents)
-        hours = projected_hours(config, args.rate, args.gpus, args.batch_documents) if args.rate else None
-    except (OSError, ValueError) as exc:  # a config error is a ValueError
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"kvdiverge cost: error: {first}", file=sys.stderr)
+        hours = None if args.rate is None else projected_hours(config, args.rate, args.gpus, args.batch_documents)
+    except (OSError, ValueError) as exc:  # a config error is a ValueError; its reasons on one line
+        head, *reasons = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
+        print(f"kvdiverge cost: error: {' '.join([head, '; '.join(reasons)]).strip()}", file=sys.stderr)
         return 2
     print(format_table(costs))
     tot = totals(costs)
@@ -359,5 +391,5 @@ def run_cost(args: argparse.Namespace) -> int:
             f"{tot['replay_token_steps']:,} token-steps (upper bounds)"
         )
     if hours is not None:
-        print(f"at {args.rate:,.0f} token-steps/s on {args.gpus} device(s): {hours:.2f} h ({hours * 3600:,.0f} s)")
+        print(f"at {args.rate:,.6g} token-steps/s on {args.gpus} device(s): {_hours_text(hours)}")
     return 0
