@@ -48,7 +48,7 @@ from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.report.formatting import task_text
 from kvdiverge.study.cost import add_cost_parser, run_cost
-from kvdiverge.study.models import ModelNotFoundError, load_model, load_tokenizer
+from kvdiverge.study.models import ModelNotFoundError, load_model, load_model_config, load_tokenizer
 from kvdiverge.study.outputs import output_guard
 from kvdiverge.study.prompts import SOTU_INSTRUCTION
 from kvdiverge.study.tasks import TASKS
@@ -327,9 +327,10 @@ def _measure(args: argparse.Namespace) -> int:
     presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
+    config = load_model_config(entry, name)  # what the model's config decides is refused before its weights load
     tokenizer = load_tokenizer(entry, name)
     task = task_block(args)
-    check_prompts(args, prompts, tokenizer, sources, instruction, task)  # before loading the weights
+    check_prompts(args, prompts, tokenizer, sources, instruction, task, config)
     if args.threads is not None:
         import torch
 
