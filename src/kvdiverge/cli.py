@@ -12,7 +12,9 @@ Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`, :data:`E
 usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
 value a setting does not allow, a missing file or field, a model or device that cannot be
 found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge measure: error:
-...``, before the model is loaded where the input alone decides; 1 for a failure at run time
+...``, before the model's weights load where the input and the model's config decide (the config
+is read first, :func:`kvdiverge.study.models.load_model_config`, then the tokenizer: a prompt longer
+than the model's context, a press its layers refuse); 1 for a failure at run time
 (anything else, named by its exception type, e.g. running out of memory, on the host or the
 device); 130 when interrupted (Ctrl-C), in one line. ``--debug`` shows the traceback instead of
 the line.

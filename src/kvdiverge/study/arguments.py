@@ -3,8 +3,8 @@
 ``kvdiverge measure`` (:mod:`kvdiverge.cli`) parses its arguments and hands them here: they are
 checked before any work as the config checks the same settings (:func:`check_arguments`), read as
 policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``) and prompts
-(:func:`argument_prompts`), the prompts checked with the tokenizer alone (:func:`check_prompts`),
-and turned into :func:`kvdiverge.measure`'s keywords (:func:`measure_keywords`). A refusal is an
+(:func:`argument_prompts`), the prompts checked with the tokenizer and the model's config before
+the weights load (:func:`check_prompts`, :func:`check_model`), and turned into :func:`kvdiverge.measure`'s keywords (:func:`measure_keywords`). A refusal is an
 :class:`~kvdiverge.study.inputs.InputError` naming the option as the command line spells it.
 """
 
