@@ -118,10 +118,16 @@ def read_yaml(path: str | os.PathLike) -> Any:
     Raises
     ------
     ConfigError
-        A duplicate key (``path: duplicate key 'snapkv-50' in policies at lines 12 and 15 ...``)
-        or a file that is not YAML.
+        A duplicate key (``path: duplicate key 'snapkv-50' in policies at lines 12 and 15 ...``),
+        a file that is not YAML, or one that is not text (UTF-8).
     """
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a text file: byte {exc.object[exc.start]:#04x} at offset {exc.start} is not UTF-8; "
+            f"a config is a YAML text file"
+        ) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
