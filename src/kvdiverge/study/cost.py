@@ -280,16 +280,18 @@ def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
         n, spec = run_documents_count(config, policy, split), config["policies"].get(policy)
         stepwise = (spec or {}).get("cache") == "quantized" or is_decode_time(spec)
         feed = 0 if L == 1 else 2 * (L - 1) if stepwise else 2
-        out.append(_pass_cost(model, policy, split, n, L, _prefills(spec) * n, n * feed, n * 2 * L))
+        out.append(_pass_cost((model, policy, split), n, L, _prefills(spec) * n, n * feed, n * 2 * L))
         documents[model, split] = max(n, documents.get((model, split), 0))
     if section.get("continuation") == "greedy":
         for (model, split), n in documents.items():
-            out.append(_pass_cost(model, "greedy continuation", split, n, L, n, n * (L - 1), n * L))
+            out.append(_pass_cost((model, "greedy continuation", split), n, L, n, n * (L - 1), n * L))
     return out
 
 
-def _pass_cost(model, policy, split, n: int, L: int, prefills: int, feed: int, steps: int) -> RunCost:
-    """A teacher-forced pass's :class:`RunCost`: ``n`` documents, ``L`` continuation tokens, its forwards and token-steps."""
+def _pass_cost(run: tuple[str, str, str], n: int, L: int, prefills: int, feed: int, steps: int) -> RunCost:
+    """A teacher-forced pass's :class:`RunCost`: the ``(model, policy, split)`` run of ``n`` documents and ``L``
+    continuation tokens, its prefill and continuation forwards and its token-steps."""
+    model, policy, split = run
     return RunCost(model=model, policy=policy, split=split, documents=n, shards=1, replicates=1, T=L,
                    batch_documents=1, prefill_forwards=prefills, decode_forwards=feed, token_steps=steps,
                    stage="teacher-forced")  # fmt: skip
