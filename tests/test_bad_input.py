@@ -23,8 +23,9 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
-    monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(models, "load_tokenizer", refuse)
+    for module in (models, cli):  # where they are defined, and the names the command line calls
+        monkeypatch.setattr(module, "load_model", refuse)
+        monkeypatch.setattr(module, "load_tokenizer", refuse)
 
 
 @pytest.fixture
@@ -567,24 +568,29 @@ def test_the_command_line_refuses_task_options_that_do_not_go_together(extra, me
     assert error_line(capsys).startswith(message)
 
 
+#: The tokenizers :func:`no_weights` loaded, by model name: each loads once per test session.
+TOKENIZERS = {}
+
+
 @pytest.fixture
 def no_weights(monkeypatch):
-    """Loading a model's weights fails the test (its tokenizer loads, once): the refusal must come first."""
+    """Loading a model's weights fails the test (its config and tokenizer load, the tokenizer once a
+    session): the refusal must come first."""
     from kvdiverge.study import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before the refusal")
 
-    loaded = {}
     real = models.load_tokenizer
 
     def load_tokenizer(entry, name):
-        if name not in loaded:
-            loaded[name] = real(entry, name)
-        return loaded[name]
+        if name not in TOKENIZERS:
+            TOKENIZERS[name] = real(entry, name)
+        return TOKENIZERS[name]
 
-    monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    for module in (models, cli):  # where they are defined, and the names the command line calls
+        monkeypatch.setattr(module, "load_model", refuse)
+        monkeypatch.setattr(module, "load_tokenizer", load_tokenizer)
 
 
 @pytest.mark.llm
@@ -617,6 +623,55 @@ def test_the_command_line_refuses_what_the_task_decides_before_loading_the_weigh
     for argv, message in cases:
         assert run(argv) == 2, argv
         assert message in error_line(capsys)
+
+
+#: What the model's config decides (its context, its sliding-window layers), refused before the weights
+#: load: (model, the arguments after the model and ``--sotu 2 --words 300 400``, the message's start, its end).
+MODEL_CONFIG_CASES = [
+    ("embedded", ["-T", "9000", "--press", "KnormPress"], "prompt '",
+     "new tokens exceed the model context of 8192 tokens"),
+    ("gemma3-270m", ["-T", "40000", "--press", "KnormPress"], "prompt '",
+     "new tokens exceed the model context of 32768 tokens"),
+    ("gemma3-270m", ["--press", "DecodingPress(base_press=KnormPress(),compression_interval=2,target_size=32)"],
+     "press 'DecodingPress(", "a press that evicts while decoding (DecodingPress) is not supported there, only "
+     "prefill presses on the full-attention layers"),
+    ("gemma3-270m", ["--press", "SlidingWindowPress:compression_ratio=0.5"], "press 'SlidingWindowPress:",
+     "a press that evicts while decoding (SlidingWindowPress) is not supported there, only prefill presses on the "
+     "full-attention layers"),
+    ("gemma3-270m", ["--screen", "--press", "SlidingWindowPress:compression_ratio=0.5"],
+     "press 'SlidingWindowPress:", "a press that evicts while decoding (SlidingWindowPress) is not supported there, "
+     "only prefill presses on the full-attention layers"),
+    ("gemma3-270m", ["--cache", "quanto:nbits=4"], "press 'quanto:nbits=4': ",
+     "a quantized cache (QuantizedCachePress) is not supported there, only prefill presses on the full-attention "
+     "layers"),
+    ("gemma3-270m", ["--press", "SnapKVPress", "--ratios", "0.5", "--cache", "quanto:nbits=4"],
+     "press 'quanto:nbits=4': ", "a quantized cache (QuantizedCachePress) is not supported there, only prefill "
+     "presses on the full-attention layers"),
+    ("gemma3-270m", ["--press", "CapPress:compression_ratio=0.5"], "press 'CapPress:",
+     "CapPress calls the layer's rotary embedding without a layer type, which a mixed-attention model's rotary "
+     "needs"),
+    ("gemma3-270m", ["--press", "KeyRerotationPress(press=SnapKVPress(compression_ratio=0.5))"],
+     "press 'KeyRerotationPress(", "a press that re-rotates kept keys (KeyRerotationPress) is not supported there, "
+     "only prefill presses on the full-attention layers"),
+    ("gemma3-270m", ["--task", "niah", "--question", "after", "--press", "SnapKVPress:compression_ratio=0.5"],
+     "press 'SnapKVPress:", "a question prefilled after compression is not supported there (its layers hold "
+     "caches of different lengths)"),
+]  # fmt: skip
+
+
+@pytest.mark.llm
+@pytest.mark.parametrize(
+    "model, extra, start, end", MODEL_CONFIG_CASES, ids=[" ".join(c[1]) for c in MODEL_CONFIG_CASES]
+)
+def test_the_command_line_refuses_what_the_models_config_decides_before_loading_the_weights(
+    model, extra, start, end, no_weights, capsys
+):
+    argv = ["measure", model, "--sotu", "2", "--words", "300", "400", "--threads", "1", *extra]
+    assert run(argv) == 2
+    line = error_line(capsys)
+    assert line.startswith(start) and line.endswith(end), line
+    if model == "gemma3-270m" and "context" not in end:
+        assert "the model has 3 full-attention and 15 sliding-window layers (512 tokens): " in line
 
 
 def test_the_config_refuses_task_settings_the_run_would_refuse_before_any_job():

@@ -1,10 +1,13 @@
 """kvdiverge.study.cost: a config's generation cost, checked against hand-computed values."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from kvdiverge.cli import main
 from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import projected_hours, study_cost, totals
+from kvdiverge.study.cost import projected_hours, stage_costs, study_cost, task_cost, teacher_cost, totals
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +91,53 @@ def test_bad_input_is_named(paper):
         projected_hours(paper, 0)
 
 
+def test_the_prediction_study_counts_its_task_sides_and_the_teacher_forced_pass():
+    config = load_config("config/fidelity-predicts-task.yaml")
+    # the teacher-forced pass: every coupled run's documents (250), 128 continuation tokens on 2 sides;
+    # a block forward per side, but int4 (a quantized cache, 8 documents) steps: 2 x 127 per document
+    teacher = teacher_cost(config)
+    assert [(c.policy, c.split, c.documents) for c in teacher] == [
+        (c.policy, c.split, c.documents) for c in study_cost(config)
+    ]
+    assert totals(teacher)["token_steps"] == 250 * 2 * 128 == 64_000
+    assert totals(teacher)["forwards"] == (250 + 8) + 242 * 2 + 8 * 2 * 127 == 2_774
+    # each task side: 30 confirmatory documents, T = 16, R = 1: 2 x (2T - 1) = 62 token-steps a document;
+    # 6 presses x 4 ratios and the noise floor, and with the question inside the int4 cache alone
+    sides = task_cost(config)
+    points = {side: [c.policy for c in sides if c.stage == f"task {side}"] for side in ("niah-after", "niah-inside")}
+    assert len(points["niah-after"]) == 25 and points["niah-after"][-1] == "noise-floor"
+    assert points["niah-inside"] == [*points["niah-after"][:-1], "int4", "noise-floor"]
+    assert {(c.documents, c.replicates, c.T, c.token_steps) for c in sides} == {(30, 1, 16, 30 * 62)}
+    stages = stage_costs(config)
+    assert [(s.stage, s.jobs, s.documents, s.token_steps) for s in stages] == [
+        ("coupled runs", 58, 250, 126_000),
+        ("teacher-forced pass", 1, 250, 64_000),
+        ("task side niah-after", 1, 25 * 30, 25 * 30 * 62),
+        ("task side niah-inside", 1, 26 * 30, 26 * 30 * 62),
+        ("task side recall-inside", 1, 26 * 30, 26 * 30 * 62),
+    ]
+    # one document per forward: 2T - 2 = 30 decode forwards and a prefill (int4: two) per document
+    assert stages[2].forwards == 25 * 30 * (1 + 30) and stages[3].forwards == 26 * 30 * 31 + 30
+    assert sum(s.token_steps for s in stages) == 333_220
+
+
 def test_command_line(capsys):
     assert main(["cost", "config/smoke.yaml", "--rate", "660"]) == 0
     out = capsys.readouterr().out
-    assert "660 token-steps" in out
-    assert "0.00 h (1 s)" in out
+    # smoke: 780 token-steps and 24 of the decode-time replays; the teacher-forced pass's 13 documents x 2 x 16
+    assert "coupled runs (T = 8, R = 2): 13 document-policy runs in 14 job(s), 265 forwards (13 prefill), " in out
+    assert "teacher-forced pass (16 continuation tokens): 13 document-policy runs in 1 job(s)" in out
+    assert "all stages: 15 jobs, 360 forwards, 1,220 token-steps" in out
+    assert out.splitlines()[-1] == (
+        "at 660 token-steps/s on 1 device(s): coupled runs 0.00 h (1 s), teacher-forced pass 0.00 h (1 s); "
+        "all stages 0.00 h (2 s)"
+    )
+    assert main(["cost", "config/fidelity-predicts-task.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "task side niah-after (T = 16, R = 1, greedy): 750 document-policy runs in 1 job(s), " in out
+    assert "all stages: 62 jobs, 90,202 forwards, 333,220 token-steps" in out
+    assert main(["cost", "config/smoke.yaml", "--rate", "1e-300"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("all stages 3.39e+299 h (1.22e+303 s)")
 
 
 def test_command_line_bad_config_is_one_line(tmp_path, capsys):
@@ -100,52 +145,38 @@ def test_command_line_bad_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvdiverge cost: error: ")
     assert "missing.yaml" in err[0]
-    (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
-    assert main(["cost", str(tmp_path / "binary.yaml")]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"kvdiverge cost: error: {tmp_path / 'binary.yaml'}: not a text file (byte 0 is not UTF-8); a config is YAML text"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    assert main(["cost", str(binary)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvdiverge cost: error: {binary}: not a text file: byte 0x89 at offset 0 is not UTF-8; a config is a "
+        f"YAML text file\n"
     )
 
 
-def exit_code(argv) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        return exc.code
-
-
 @pytest.mark.parametrize(
-    "option, value, message",
+    "options, message",
     [
-        ("--rate", "0", "argument --rate: 0 is not allowed; allowed: a finite number > 0"),
-        ("--rate", "-5", "argument --rate: -5 is not allowed; allowed: a finite number > 0"),
-        ("--rate", "inf", "argument --rate: inf is not allowed; allowed: a finite number > 0"),
-        ("--rate", "nan", "argument --rate: nan is not allowed; allowed: a finite number > 0"),
-        ("--rate", "fast", "argument --rate: 'fast' is not a number; allowed: a finite number > 0"),
-        ("--batch-documents", "0", "argument --batch-documents: 0 is not allowed; allowed: an integer >= 1"),
-        ("--gpus", "0", "argument --gpus: 0 is not allowed; allowed: an integer >= 1"),
-        ("--gpus", "1.5", "argument --gpus: '1.5' is not an integer; allowed: an integer >= 1"),
+        (["--rate", "0"], "--rate: 0.0 is not allowed; allowed: a number > 0"),
+        (["--rate", "-5"], "--rate: -5.0 is not allowed; allowed: a number > 0"),
+        (["--rate", "inf"], "--rate: inf is not a finite number; allowed: a number > 0"),
+        (["--rate", "nan"], "--rate: nan is not a finite number; allowed: a number > 0"),
+        (["--batch-documents", "0"], "--batch-documents: 0 is not allowed; allowed: an integer >= 1"),
+        (["--rate", "660", "--gpus", "0"], "--gpus: 0 is not allowed; allowed: an integer >= 1"),
     ],
 )
-def test_cost_options_are_refused_by_their_names(option, value, message, capsys):
-    assert exit_code(["cost", "config/smoke.yaml", option, value]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"kvdiverge cost: error: {message} (see --help)"
+def test_command_line_names_an_option_out_of_range_as_spelled(options, message, capsys):
+    assert main(["cost", "config/smoke.yaml", *options]) == 2
+    assert capsys.readouterr().err == f"kvdiverge cost: error: {message}\n"
 
 
-def test_a_tiny_rate_prints_hours_in_three_digits(capsys):
-    assert main(["cost", "config/smoke.yaml", "--rate", "1e-300"]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("at 1e-300 token-steps/s on 1 device(s): ") and line.endswith(" s)")
-    assert len(line) < 100 and "e+" in line
-
-
-def test_an_invalid_config_prints_every_reason_on_one_line(tmp_path, capsys):
-    config = tmp_path / "bad.yaml"
-    config.write_text("seed: -1\ncorpus: {min_words: 0}\n")
-    assert main(["cost", str(config)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        f"kvdiverge cost: error: {config}: invalid config: missing config key models, policies, runs, confirmatory; "
-        "corpus.min_words: 0 is out of range; allowed: >= 1; seed: -1 is out of range; allowed: >= 0"
+def test_command_line_prints_every_reason_an_invalid_config_gives(tmp_path, capsys):
+    text = (Path("config/smoke.yaml")).read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(re.sub(r"(?m)^shards: .*$", "shards: -1", re.sub(r"(?m)^replicates: .*$", "replicates: 0", text)))
+    assert main(["cost", str(bad)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvdiverge cost: error: {bad}: invalid config:",
+        "  replicates: 0 is out of range; allowed: >= 1",
+        "  shards: -1 is out of range; allowed: >= 1",
     ]

@@ -31,18 +31,34 @@ def test_the_table_renderers():
     )
 
 
-def test_task_text_prints_accuracy_correlations_and_auc():
+def test_task_text_prints_accuracy_correlations_and_auc_with_whole_press_names():
     import polars as pl
 
     from kvdiverge.report.formatting import task_text
 
-    accuracy = pl.DataFrame({"policy": ["snap"], "n_docs": [24], "full_accuracy": [0.875], "accuracy": [0.5],
-                             "drop": [0.375], "drop_lo": [0.2], "drop_hi": [0.55], "extra": [1]})  # fmt: skip
+    long = ["SnapKVPress:compression_ratio=0.25,window_size=16", "SnapKVPress:compression_ratio=0.5,window_size=16"]
+    accuracy = pl.DataFrame({"policy": long, "n_docs": [24, 24], "full_accuracy": [0.875, 0.875],
+                             "accuracy": [0.5, 0.25], "drop": [0.375, 0.625], "drop_lo": [0.2, 0.4],
+                             "drop_hi": [0.55, None], "extra": [1, 2]})  # fmt: skip
     correlations = pl.DataFrame({"measure": ["E_M"], "n_points": [6], "spearman": [0.9], "spearman_lo": [0.6],
                                  "spearman_hi": [1.0], "kendall": [0.8]})  # fmt: skip
     auc = pl.DataFrame({"measure": ["p_div"], "n_pairs": [40], "n_broken": [9], "auc": [0.93], "auc_lo": [0.81],
                         "auc_hi": [0.99]})  # fmt: skip
-    text = task_text({"accuracy": accuracy, "correlations": correlations, "auc": auc})
-    assert text.count("shape:") == 3 and "extra" not in text
-    for shown in ("snap", "0.875", "0.375", "E_M", "0.9", "p_div", "0.93", "n_broken"):
-        assert shown in text, shown
+    lines = task_text({"accuracy": accuracy, "correlations": correlations, "auc": auc}).splitlines()
+    width = len(long[0])
+    assert lines[:4] == [
+        "press".ljust(width) + "  prompts  full-cache accuracy  accuracy          drop [CI]",
+        "-" * width + "  -------  -------------------  --------  -----------------",
+        long[0] + "       24                0.875       0.5  0.375 [0.2, 0.55]",
+        long[1] + "        24                0.875      0.25     0.625 [0.4, -]",
+    ]
+    assert lines[5:8] == [
+        "measure  points  Spearman [CI]  Kendall",
+        "-------  ------  -------------  -------",
+        "E_M           6   0.9 [0.6, 1]      0.8",
+    ]
+    assert lines[9:] == [
+        "measure  pairs  broken           AUC [CI]",
+        "-------  -----  ------  -----------------",
+        "p_div       40       9  0.93 [0.81, 0.99]",
+    ]

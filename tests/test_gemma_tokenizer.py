@@ -38,12 +38,19 @@ def tiny_vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_gguf(path: Path, arch: str = "gemma3") -> Path:
-    """A GGUF file with ``arch`` and the tiny vocabulary (no tensors), written with the gguf package."""
+def write_gguf(path: Path, arch: str = "gemma3", config: dict | None = None, tensors: tuple[str, ...] = ()) -> Path:
+    """A GGUF file with ``arch``, the tiny vocabulary, the model's ``config`` (``{"context_length": 64}``:
+    ``GGUFWriter.add_context_length(64)``) and float32 tensors of shape (2, 3) named ``tensors``, written
+    with the gguf package."""
     import gguf
+    import numpy as np
 
     tokens, scores, types = tiny_vocabulary()
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (config or {}).items():
+        getattr(writer, f"add_{key}")(value)
+    for name in tensors:
+        writer.add_tensor(name, np.zeros((2, 3), dtype=np.float32))
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -94,6 +101,40 @@ def test_the_header_reader_reads_what_the_gguf_package_wrote(tiny_gguf, tmp_path
     assert not is_gemma(tmp_path / "not.gguf")
     (tmp_path / "cut.gguf").write_bytes(tiny_gguf.read_bytes()[:30])
     assert not is_gemma(tmp_path / "cut.gguf")
+
+
+#: A small Gemma 3 text model's settings, as llama.cpp's converter writes them (GGUFWriter's add_<key>).
+GEMMA_CONFIG = {"context_length": 4096, "block_count": 6, "embedding_length": 64, "feed_forward_length": 128,
+                "head_count": 2, "head_count_kv": 1, "key_length": 32, "value_length": 32,
+                "layer_norm_rms_eps": 1e-6, "rope_freq_base": 10000.0, "sliding_window": 16}  # fmt: skip
+LLAMA_CONFIG = {"context_length": 2048, "block_count": 3, "embedding_length": 64, "feed_forward_length": 96,
+                "head_count": 4, "head_count_kv": 2, "layer_norm_rms_eps": 1e-5, "rope_freq_base": 10000.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch, config, tensors",
+    [
+        ("gemma3", GEMMA_CONFIG, ("token_embd.weight",)),
+        ("llama", LLAMA_CONFIG, ("token_embd.weight", "output.weight")),
+    ],
+)
+def test_the_config_read_from_the_header_is_transformers_own(arch, config, tensors, tmp_path):
+    from transformers import AutoConfig
+
+    from kvdiverge.study.gguf_config import gguf_config
+    from kvdiverge.study.gguf_tokenizer import read_header
+
+    path = write_gguf(tmp_path / "m.gguf", arch, config, tensors)
+    meta, names = read_header(path)
+    assert names == list(tensors) and meta == read_metadata(path)
+    ours = gguf_config(path, attn_implementation="sdpa")
+    theirs = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf", attn_implementation="sdpa")
+    assert type(ours) is type(theirs) and ours.to_dict() == theirs.to_dict()
+    assert ours.max_position_embeddings == config["context_length"] and ours._attn_implementation == "sdpa"
+    assert ours.tie_word_embeddings is ("output.weight" not in tensors)
+    if arch == "gemma3":  # transformers' pattern: every sixth layer attends to the whole context
+        assert ours.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and ours.sliding_window == 16
+    assert gguf_config(write_gguf(tmp_path / "q.gguf", "qwen2", LLAMA_CONFIG)) is None  # read by transformers
 
 
 def test_llama_cpps_rewriting_of_added_pieces_is_undone():

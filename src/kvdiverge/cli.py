@@ -12,7 +12,9 @@ Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`, :data:`E
 usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
 value a setting does not allow, a missing file or field, a model or device that cannot be
 found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge measure: error:
-...``, before the model is loaded where the input alone decides; 1 for a failure at run time
+...``, before the model's weights load where the input and the model's config decide (the config
+is read first, :func:`kvdiverge.study.models.load_model_config`, then the tokenizer: a prompt longer
+than the model's context, a press its layers refuse); 1 for a failure at run time
 (anything else, named by its exception type, e.g. running out of memory, on the host or the
 device); 130 when interrupted (Ctrl-C), in one line. ``--debug`` shows the traceback instead of
 the line.
@@ -48,7 +50,7 @@ from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.report.formatting import task_text
 from kvdiverge.study.cost import add_cost_parser, run_cost
-from kvdiverge.study.models import ModelNotFoundError, load_model, load_tokenizer
+from kvdiverge.study.models import ModelNotFoundError, load_model, load_model_config, load_tokenizer
 from kvdiverge.study.outputs import output_guard
 from kvdiverge.study.prompts import SOTU_INSTRUCTION
 from kvdiverge.study.tasks import TASKS
@@ -327,9 +329,10 @@ def _measure(args: argparse.Namespace) -> int:
     presses, sources, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
+    config = load_model_config(entry, name)  # what the model's config decides is refused before its weights load
     tokenizer = load_tokenizer(entry, name)
     task = task_block(args)
-    check_prompts(args, prompts, tokenizer, sources, instruction, task)  # before loading the weights
+    check_prompts(args, prompts, tokenizer, sources, instruction, task, config)
     if args.threads is not None:
         import torch
 

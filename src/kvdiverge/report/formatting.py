@@ -274,18 +274,31 @@ def _bytes(v: float) -> str:
 
 
 def task_text(tables: Mapping[str, pl.DataFrame]) -> str:
-    """The task's accuracy per press, the rank correlations and the AUC as plain tables (what
-    ``kvdiverge measure --task`` prints), from :func:`kvdiverge.study.tasks.tables.task_tables`' tables."""
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, float_precision=3):
-        return "\n".join(
-            str(frame)
-            for frame in (
-                tables["accuracy"].select(
-                    "policy", "n_docs", "full_accuracy", "accuracy", "drop", "drop_lo", "drop_hi"
-                ),
-                tables["correlations"].select(
-                    "measure", "n_points", "spearman", "spearman_lo", "spearman_hi", "kendall"
-                ),
-                tables["auc"].select("measure", "n_pairs", "n_broken", "auc", "auc_lo", "auc_hi"),
-            )
-        )
+    """The task's accuracy per press, the rank correlations and the AUC as plain-text tables (what
+    ``kvdiverge measure --task`` prints), from :func:`kvdiverge.study.tasks.tables.task_tables`' tables.
+
+    Press and measure names are printed whole (:func:`kvdiverge.io.render.text_table`), the numbers
+    to three significant digits and the intervals as ``value [lo, hi]`` (:func:`with_interval`).
+    """
+    num = partial(number, missing="-")
+    ci = partial(with_interval, missing="-")
+    accuracy = [
+        [r["policy"], str(r["n_docs"]), num(r["full_accuracy"]), num(r["accuracy"]), ci(r, "drop")]
+        for r in tables["accuracy"].iter_rows(named=True)
+    ]
+    correlations = [
+        [r["measure"], str(r["n_points"]), ci(r, "spearman"), num(r["kendall"])]
+        for r in tables["correlations"].iter_rows(named=True)
+    ]
+    auc = [
+        [r["measure"], str(r["n_pairs"]), str(r["n_broken"]), ci(r, "auc")] for r in tables["auc"].iter_rows(named=True)
+    ]
+    return "\n".join(
+        [
+            *text_table(["press", "prompts", "full-cache accuracy", "accuracy", "drop [CI]"], accuracy),
+            "",
+            *text_table(["measure", "points", "Spearman [CI]", "Kendall"], correlations),
+            "",
+            *text_table(["measure", "pairs", "broken", "AUC [CI]"], auc),
+        ]
+    )

@@ -1,11 +1,14 @@
-"""The cost of a config's generation stage, from the config alone.
+"""The cost of a config's generation work, from the config alone.
 
 Counts, per (model, policy, split) run of :func:`kvdiverge.study.config.runs`, the documents,
-the forward passes and the token-steps that the trajectory engine performs, so that the
-study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come from one place;
-the command ``kvdiverge cost`` prints them (:func:`add_cost_parser`, :func:`run_cost`)::
+the forward passes and the token-steps that the trajectory engine performs (:func:`study_cost`),
+so that the study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come
+from one place; the same for the other stages that generate (:func:`stage_costs`): the
+teacher-forced pass of every run (:func:`teacher_cost`) and the task sides of a ``prediction``
+block (:func:`task_cost`). The command ``kvdiverge cost`` prints them (:func:`add_cost_parser`,
+:func:`run_cost`)::
 
-    kvdiverge cost config/paper.yaml                 # table and totals
+    kvdiverge cost config/paper.yaml                 # the coupled runs' table, a line per stage, the sum
     kvdiverge cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
 
 Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
@@ -61,16 +64,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdiverge.io.render import text_table
-from kvdiverge.study.config import control_documents, load_config, runs
+from kvdiverge.study.config import ConfigError, control_documents, load_config, runs
 
 __all__ = [
     "RunCost",
+    "StageCost",
     "add_cost_parser",
+    "format_stages",
     "format_table",
     "projected_hours",
     "run_cost",
     "run_documents_count",
+    "stage_costs",
     "study_cost",
+    "task_cost",
+    "teacher_cost",
     "totals",
 ]
 
@@ -105,6 +113,9 @@ class RunCost:
         The policy evicts while generating (replayed branches).
     replay_prefills, replay_forwards, replay_token_steps : int
         Upper bounds of the branch replays of a decode-time policy (module docstring); 0 otherwise.
+    stage : str
+        ``"coupled"`` (the trajectory shards), ``"teacher-forced"`` or ``"task <side>"`` (a task side
+        of the prediction study, ``"task niah-after"``).
     """
 
     model: str
@@ -122,6 +133,7 @@ class RunCost:
     replay_prefills: int = 0
     replay_forwards: int = 0
     replay_token_steps: int = 0
+    stage: str = "coupled"
 
     @property
     def forwards(self) -> int:
@@ -188,40 +200,210 @@ def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> li
     ValueError
         If ``batch_documents < 1``.
     """
+    B = _batch_documents(config, batch_documents)
+    grid = _Grid(int(config["replicates"]), int(config["decoding"]["max_new_tokens"]), B, int(config["shards"]))
+    return [
+        _coupled_run(
+            model, policy, split, config["policies"].get(policy), run_documents_count(config, policy, split), grid
+        )
+        for model, policy, split in runs(config)
+    ]
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """What the runs of one stage share: replicates ``R``, horizon ``T``, documents per forward ``B``, shards."""
+
+    R: int
+    T: int
+    B: int
+    shards: int
+
+
+def _coupled_run(model: str, policy: str, split: str, spec, n: int, grid: _Grid, stage: str = "coupled") -> RunCost:
+    """The cost of one coupled run of ``n`` documents under the policy entry ``spec`` (module docstring)."""
     # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
     from kvdiverge.engine.presses.registry import is_decode_time
 
-    B = _batch_documents(config, batch_documents)
-    T = int(config["decoding"]["max_new_tokens"])
-    R = int(config["replicates"])
-    n_shards = int(config["shards"])
-    out = []
+    R, T = grid.R, grid.T
+    per_shard = [len(range(i, n, grid.shards)) for i in range(grid.shards)]
+    groups = sum(math.ceil(k / grid.B) for k in per_shard)
+    decode_time = is_decode_time(spec)
+    steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
+    return RunCost(
+        model=model,
+        policy=policy,
+        split=split,
+        documents=n,
+        shards=grid.shards,
+        replicates=R,
+        T=T,
+        batch_documents=grid.B,
+        prefill_forwards=_prefills(spec) * n,
+        decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
+        token_steps=n * R * 2 * (2 * T - 1),
+        decode_time=decode_time,
+        replay_prefills=R * n if decode_time else 0,
+        replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
+        replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
+        stage=stage,
+    )
+
+
+def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
+    """Cost of the teacher-forced pass of every run of a validated config (rule ``teacher_forced``: one job per model).
+
+    Upper bounds per run, over the run's documents (its coupled run's, :func:`run_documents_count`),
+    with ``L = teacher_forced.length`` continuation tokens (cut to what the context leaves): the
+    press's prefill forwards as the coupled run counts them (:func:`kvdiverge.engine.presses.registry.shares_prefill`;
+    a document's prefill is shared by the policies that run on it), then per side one forward
+    over the continuation, or ``L - 1`` forwards token by token for a quantized cache or a press
+    that evicts while decoding (a sliding window takes one); ``2 L`` token-steps (every position on
+    both sides: the reference side's are computed once per document). With ``continuation:
+    greedy``, each (model, split) also generates the full-cache greedy continuation of its
+    documents once (policy ``"greedy continuation"``: ``L`` forwards and ``L`` token-steps a
+    document; with ``corpus``, only a document whose corpus text has ended takes one, not counted).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per run (``stage="teacher-forced"``, ``T = L``, ``R = 1``, ``B = 1``, one shard), in
+        :func:`kvdiverge.study.config.runs` order, and the greedy continuations.
+    """
+    # lazy: kvpress loads when a press is asked; kvdiverge.cli imports this module for --help
+    from kvdiverge.engine.presses.registry import is_decode_time
+
+    section = config["teacher_forced"]
+    L = int(section["length"])
+    out, documents = [], {}
     for model, policy, split in runs(config):
-        n = run_documents_count(config, policy, split)
-        per_shard = [len(range(i, n, n_shards)) for i in range(n_shards)]
-        groups = sum(math.ceil(k / B) for k in per_shard)
-        spec = config["policies"].get(policy)
-        decode_time = is_decode_time(spec)
-        steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
-        out.append(
-            RunCost(
-                model=model,
-                policy=policy,
-                split=split,
-                documents=n,
-                shards=n_shards,
-                replicates=R,
-                T=T,
-                batch_documents=B,
-                prefill_forwards=_prefills(spec) * n,
-                decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
-                token_steps=n * R * 2 * (2 * T - 1),
-                decode_time=decode_time,
-                replay_prefills=R * n if decode_time else 0,
-                replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
-                replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
-            )
-        )
+        n, spec = run_documents_count(config, policy, split), config["policies"].get(policy)
+        stepwise = (spec or {}).get("cache") == "quantized" or is_decode_time(spec)
+        feed = 0 if L == 1 else 2 * (L - 1) if stepwise else 2
+        out.append(_pass_cost((model, policy, split), n, L, _prefills(spec) * n, n * feed, n * 2 * L))
+        documents[model, split] = max(n, documents.get((model, split), 0))
+    if section.get("continuation") == "greedy":
+        for (model, split), n in documents.items():
+            out.append(_pass_cost((model, "greedy continuation", split), n, L, n, n * (L - 1), n * L))
+    return out
+
+
+def _pass_cost(run: tuple[str, str, str], n: int, L: int, prefills: int, feed: int, steps: int) -> RunCost:
+    """A teacher-forced pass's :class:`RunCost`: the ``(model, policy, split)`` run of ``n`` documents and ``L``
+    continuation tokens, its prefill and continuation forwards and its token-steps."""
+    model, policy, split = run
+    return RunCost(model=model, policy=policy, split=split, documents=n, shards=1, replicates=1, T=L,
+                   batch_documents=1, prefill_forwards=prefills, decode_forwards=feed, token_steps=steps,
+                   stage="teacher-forced")  # fmt: skip
+
+
+def task_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
+    """Cost of the task sides of a validated config's ``prediction`` block (rule ``prediction_task``).
+
+    Each side runs, in one job per model, every point of the frontier (its presses at its ratios and
+    budgets; with the question inside the prompt, its caches too; the noise floor) greedily on the
+    documents of ``prediction.split`` (``corpus.documents``; those that do not take the task are left
+    out, so an upper bound), with one replicate and ``T = prediction.max_new_tokens``: coupled runs,
+    counted as :func:`study_cost` counts them, with the same ``B``. The points are those
+    :func:`kvdiverge.measure` expands (:func:`kvdiverge.study.inputs.frontier_presses`,
+    :meth:`kvdiverge.study.prediction.PredictionTaskSettings.measure_options`).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per (model, side, point), ``stage="task <side>"``; empty without a ``prediction`` block.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    # lazy: torch and kvpress load where the points are expanded as kvdiverge.measure expands them;
+    # kvdiverge.cli imports this module for --help
+    from kvdiverge.study.frontier import FrontierSpec
+    from kvdiverge.study.inputs import frontier_presses
+    from kvdiverge.study.prediction import PredictionTaskSettings, prediction_sides
+
+    B = _batch_documents(config, batch_documents)
+    out = []
+    for model in config["models"] if config.get("prediction") else ():
+        for side in prediction_sides(config):
+            job = PredictionTaskSettings.from_config(config, model, side)
+            options = job.measure_options()
+            spec = FrontierSpec(options["ratios"], options["budgets"], options["caches"], options["cache_ratios"])
+            points, _ = frontier_presses({k: dict(v) for k, v in job.entries["frontier"]["presses"].items()}, spec)
+            n = int(config["corpus"]["documents"][job.split])
+            grid = _Grid(1, options["max_new_tokens"], B, 1)
+            out += [
+                _coupled_run(model, name, job.split, entry, n, grid, f"task {side}") for name, entry in points.items()
+            ]
+    return out
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Cost of one stage of a config's generation work, summed over its runs (:func:`stage_costs`).
+
+    Attributes
+    ----------
+    stage : str
+        ``"coupled runs"``, ``"teacher-forced pass"`` or ``"task side <side>"``.
+    settings : str
+        What the stage's runs share, in words (``"T = 16, R = 1, greedy"``).
+    jobs : int
+        Its jobs: the coupled runs' shards, one teacher-forced job per model, one job per model and task side.
+    runs : int
+        Its (model, policy, split) runs.
+    documents : int
+        Its document-policy runs.
+    prefill_forwards, forwards, token_steps : int
+        Sums over its runs (forwards and token-steps with the decode-time replays).
+    """
+
+    stage: str
+    settings: str
+    jobs: int
+    runs: int
+    documents: int
+    prefill_forwards: int
+    forwards: int
+    token_steps: int
+
+    @classmethod
+    def of(cls, stage: str, settings: str, jobs: int, costs: Sequence[RunCost]) -> StageCost:
+        """The stage's sums over ``costs``."""
+        tot = totals(costs)
+        return cls(stage, settings, jobs, tot["runs"], tot["documents"], tot["prefill_forwards"], tot["forwards"],
+                   tot["token_steps"] + tot["replay_token_steps"])  # fmt: skip
+
+
+def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> list[StageCost]:
+    """The cost of every stage that generates: the coupled runs (:func:`study_cost`), the
+    teacher-forced pass (:func:`teacher_cost`) and each task side of the prediction study
+    (:func:`task_cost`), in that order.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    coupled = study_cost(config, batch_documents)
+    T, R, L = (
+        config["decoding"]["max_new_tokens"],
+        config["replicates"],
+        (config.get("teacher_forced") or {}).get("length", 64),
+    )
+    models = len(config["models"])
+    out = [
+        StageCost.of("coupled runs", f"T = {T}, R = {R}", totals(coupled)["shards"], coupled),
+        StageCost.of("teacher-forced pass", f"{L} continuation tokens", models, teacher_cost(config)),
+    ]
+    sides: dict[str, list[RunCost]] = {}
+    for c in task_cost(config, batch_documents):
+        sides.setdefault(c.stage, []).append(c)
+    for stage, costs in sides.items():
+        side = stage.removeprefix("task ")
+        out.append(StageCost.of(f"task side {side}", f"T = {costs[0].T}, R = 1, greedy", models, costs))
     return out
 
 
@@ -302,35 +484,6 @@ def format_table(costs: Sequence[RunCost]) -> str:
     return "\n".join(text_table(head, rows, left=3))
 
 
-def _positive_rate(text: str) -> float:
-    """``--rate``: a finite number of token-steps per second, > 0 (argparse names the option)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: a finite number > 0")
-    return value
-
-
-def _at_least_one(text: str) -> int:
-    """``--batch-documents``, ``--gpus``: an integer >= 1 (argparse names the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; allowed: an integer >= 1")
-    return value
-
-
-def _hours_text(hours: float) -> str:
-    """Hours and seconds, in fixed point up to a million hours, else in three significant digits."""
-    if hours < 1e6:
-        return f"{hours:.2f} h ({hours * 3600:,.0f} s)"
-    return f"{hours:.3g} h ({hours * 3600:.3g} s)"
-
-
 def add_cost_parser(subparsers) -> argparse.ArgumentParser:
     """Add the command ``kvdiverge cost`` to the command line's subparsers (:mod:`kvdiverge.cli`).
 
@@ -350,46 +503,86 @@ def add_cost_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
     p.add_argument(
         "--batch-documents",
-        type=_at_least_one,
+        type=int,
         default=None,
         help="documents per forward B (default: generation.batch_documents, else 1)",
     )
     p.add_argument(
-        "--rate",
-        type=_positive_rate,
-        default=None,
-        help="measured token-steps per second on one device: also print the hours",
+        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
     )
-    p.add_argument("--gpus", type=_at_least_one, default=1, help="devices in parallel for --rate (default 1)")
+    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
     return p
 
 
 def run_cost(args: argparse.Namespace) -> int:
     """``kvdiverge cost``: print a config's generation cost (and hours at ``--rate``); the exit code.
 
-    0 on success; 2 when the config cannot be read or is invalid, or an option is out of range
-    (one line on stderr).
+    The coupled runs' table, then one line per stage (:func:`stage_costs`) and their sum. 0 on
+    success; 2 when an option is out of range (one line naming it as spelled), or the config
+    cannot be read or is invalid (the reasons, one line each, after the first), on stderr.
     """
+    problems = _option_problems(args)
+    if problems:
+        print(f"kvdiverge cost: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         costs = study_cost(config, args.batch_documents)
-        hours = None if args.rate is None else projected_hours(config, args.rate, args.gpus, args.batch_documents)
-    except (OSError, ValueError) as exc:  # a config error is a ValueError; its reasons on one line
-        head, *reasons = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
-        print(f"kvdiverge cost: error: {' '.join([head, '; '.join(reasons)]).strip()}", file=sys.stderr)
+        stages = stage_costs(config, args.batch_documents)
+    except (OSError, ValueError) as exc:  # a config error is a ValueError: its reasons follow its first line
+        lines = str(exc).strip().splitlines() or [""]
+        reasons = lines[1:] if isinstance(exc, ConfigError) else []
+        print("\n".join([f"kvdiverge cost: error: {lines[0]}", *reasons]), file=sys.stderr)
         return 2
     print(format_table(costs))
-    tot = totals(costs)
-    print(
-        f"\n{tot['documents']} document-policy runs, {tot['shards']} shard jobs, "
-        f"{tot['forwards']:,} forwards ({tot['prefill_forwards']:,} prefill), "
-        f"{tot['token_steps']:,} token-steps (upper bound: 2T - 1 steps per side)"
-    )
-    if tot["replay_forwards"]:
-        print(
-            f"decode-time branch replays: {tot['replay_forwards']:,} forwards (prefills included), "
-            f"{tot['replay_token_steps']:,} token-steps (upper bounds)"
-        )
-    if hours is not None:
-        print(f"at {args.rate:,.6g} token-steps/s on {args.gpus} device(s): {_hours_text(hours)}")
+    print()
+    for line in format_stages(stages, totals(costs)):
+        print(line)
+    if args.rate is not None:
+        spent = ", ".join(f"{s.stage} {_duration(s.token_steps, args.rate, args.gpus)}" for s in stages)
+        everything = _duration(sum(s.token_steps for s in stages), args.rate, args.gpus)
+        print(f"at {args.rate:,g} token-steps/s on {args.gpus} device(s): {spent}; all stages {everything}")
     return 0
+
+
+def format_stages(stages: Sequence[StageCost], coupled: dict[str, int] | None = None) -> list[str]:
+    """One line per stage (:func:`stage_costs`) and one for their sum; with the coupled runs'
+    :func:`totals`, a line for their decode-time branch replays where there are any."""
+    out = []
+    for s in stages:
+        out.append(
+            f"{s.stage} ({s.settings}): {s.documents:,} document-policy runs in {s.jobs:,} job(s), "
+            f"{s.forwards:,} forwards ({s.prefill_forwards:,} prefill), {s.token_steps:,} token-steps"
+        )
+        if s.stage == "coupled runs" and coupled and coupled["replay_forwards"]:
+            out.append(
+                f"  of which decode-time branch replays: {coupled['replay_forwards']:,} forwards (prefills "
+                f"included), {coupled['replay_token_steps']:,} token-steps"
+            )
+    out.append(
+        f"all stages: {sum(s.jobs for s in stages):,} jobs, {sum(s.forwards for s in stages):,} forwards, "
+        f"{sum(s.token_steps for s in stages):,} token-steps (upper bounds: every chain and branch its full length)"
+    )
+    return out
+
+
+def _option_problems(args: argparse.Namespace) -> list[str]:
+    """One sentence per ``kvdiverge cost`` option out of range, naming the option as spelled."""
+    out = []
+    rate = args.rate
+    if rate is not None and not math.isfinite(rate):
+        out.append(f"--rate: {rate!r} is not a finite number; allowed: a number > 0")
+    elif rate is not None and rate <= 0:
+        out.append(f"--rate: {rate!r} is not allowed; allowed: a number > 0")
+    for option, value in (("--batch-documents", args.batch_documents), ("--gpus", args.gpus)):
+        if value is not None and value < 1:
+            out.append(f"{option}: {value!r} is not allowed; allowed: an integer >= 1")
+    return out
+
+
+def _duration(token_steps: int, rate: float, gpus: int) -> str:
+    """``token_steps`` at ``rate`` token-steps per second on ``gpus`` devices: ``"1.25 h (4,500 s)"``
+    (three significant digits from a million hours up)."""
+    seconds = token_steps / rate / gpus
+    hours = seconds / 3600.0
+    return f"{hours:,.2f} h ({seconds:,.0f} s)" if hours < 1e6 else f"{hours:.3g} h ({seconds:.3g} s)"

@@ -24,7 +24,8 @@ undoes both before the merges are generated (the merges of pieces with score 0 c
 with -1000 they would rank among the normal pieces).
 
 The vocabulary is read from the file's header by :func:`read_metadata` (about 0.1 s;
-``gguf.GGUFReader`` takes about 8 s, as it maps every value of every array).
+``gguf.GGUFReader`` takes about 8 s, as it maps every value of every array); :func:`read_header`
+adds the tensor names, from which :mod:`kvdiverge.study.gguf_config` builds the model's config.
 """
 
 from __future__ import annotations
@@ -65,17 +66,47 @@ def read_metadata(path: str | Path, stop_after: str | None = None) -> dict[str, 
     ValueError
         If ``path`` is not such a GGUF file.
     """
-    out: dict[str, Any] = {}
     with open(path, "rb") as fh:
-        magic, version = fh.read(4), struct.unpack("<I", fh.read(4))[0]
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{str(path)!r} is not a GGUF file (version 2 or 3, little-endian)")
-        _, n_kv = struct.unpack("<QQ", fh.read(16))
-        for _ in range(n_kv):
-            key = _read_string(fh)
-            out[key] = _read_value(fh, struct.unpack("<I", fh.read(4))[0])
-            if key == stop_after:
-                break
+        _, n_kv = _open_header(fh, path)
+        return _read_pairs(fh, n_kv, stop_after)
+
+
+def read_header(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """The metadata (as :func:`read_metadata`) and the tensor names, in file order, of the GGUF file
+    ``path``: its header; no tensor data is read.
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is not a GGUF file of version 2 or 3, little-endian.
+    """
+    with open(path, "rb") as fh:
+        n_tensors, n_kv = _open_header(fh, path)
+        meta = _read_pairs(fh, n_kv, None)
+        names = []
+        for _ in range(n_tensors):  # name, n_dims (uint32), the dims (uint64 each), type (uint32), offset (uint64)
+            names.append(_read_string(fh))
+            (n_dims,) = struct.unpack("<I", fh.read(4))
+            fh.seek(8 * n_dims + 4 + 8, 1)
+    return meta, names
+
+
+def _open_header(fh, path) -> tuple[int, int]:
+    """``(tensors, metadata pairs)`` of the GGUF file open as ``fh``, read past its fixed opening."""
+    magic, version = fh.read(4), struct.unpack("<I", fh.read(4))[0]
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{str(path)!r} is not a GGUF file (version 2 or 3, little-endian)")
+    return struct.unpack("<QQ", fh.read(16))
+
+
+def _read_pairs(fh, n_kv: int, stop_after: str | None) -> dict[str, Any]:
+    """The next ``n_kv`` metadata pairs of ``fh``, up to the key ``stop_after`` where given."""
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _read_string(fh)
+        out[key] = _read_value(fh, struct.unpack("<I", fh.read(4))[0])
+        if key == stop_after:
+            break
     return out
 
 

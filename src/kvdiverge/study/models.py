@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvdiverge.io.files import atomic_path
+from kvdiverge.study.gguf_config import gguf_config
 from kvdiverge.study.gguf_tokenizer import TOKENIZER_VERSION, gemma_tokenizer, is_gemma
 from kvdiverge.study.standins import (
     GEMMA,
@@ -412,13 +413,28 @@ def _gemma_gguf(spec: dict[str, Any], name: str | None) -> Path | None:
 
 
 def load_model_config(spec: dict[str, Any], name: str | None = None):
-    """Load only the model's ``PretrainedConfig`` (context length etc.; no weights; a GGUF
-    entry's from its kept conversion where there is one)."""
+    """Load only the model's ``PretrainedConfig`` (context length, layer types, ...; no weights), as
+    :func:`load_model`'s model has it, the entry's ``attn_implementation`` included: a GGUF entry's
+    from its kept conversion where there is one, else from the file's header
+    (:func:`kvdiverge.study.gguf_config.gguf_config`, where transformers would read every array of it).
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the model's files are not where the entry says (:func:`resolve`).
+    """
     from transformers import AutoConfig
 
     if spec.get("source") == "miniature":
         return build_config(miniature_values(spec, name))
-    return _from_pretrained(AutoConfig, kept_conversion(spec, name) or spec, name)
+    attention = {"attn_implementation": spec.get("attn_implementation", "sdpa")}
+    kept = kept_conversion(spec, name)
+    if kept is None and spec.get("gguf_file"):
+        where, kwargs = resolve(spec, name)
+        config = gguf_config(Path(where) / kwargs["gguf_file"], **attention)
+        if config is not None:
+            return config
+    return _from_pretrained(AutoConfig, kept or spec, name, **attention)
 
 
 def torch_dtype(name: str):
