@@ -1,8 +1,9 @@
 """Workflow config: load, validate against the JSON schema, check cross-references.
 
-The schema is package data, ``kvdiverge/schemas/config.schema.yaml`` (:data:`SCHEMA_PATH`,
-found with :mod:`importlib.resources`, so it is there in a wheel as in a checkout); the workflow
-validates with it through :func:`validate` (once, ``workflow/rules/common.smk``), and
+The schema is package data, ``kvdiverge/schemas/config.schema.yaml``
+(:data:`kvdiverge.study.schema.SCHEMA_PATH`, read by :func:`kvdiverge.study.schema.load_schema`, both
+importable from here too); the workflow validates with it through :func:`validate` (once,
+``workflow/rules/common.smk``), and
 :func:`load_config` reads and validates a file outside Snakemake (tests, notebooks)::
 
     from kvdiverge.study.config import load_config, runs
@@ -23,11 +24,9 @@ from __future__ import annotations
 
 import copy
 import datetime
-import functools
 import math
 import os
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -42,50 +41,18 @@ from kvdiverge.study.frontier import (
     frontier_problems,
     frontier_split,
 )
+from kvdiverge.study.model_layers import layer_problems
+from kvdiverge.study.models import miniature_values
 from kvdiverge.study.prompts import parse_date
+from kvdiverge.study.schema import SCHEMA_PATH as SCHEMA_PATH  # re-exported: the schema the workflow reads
+from kvdiverge.study.schema import load_schema
+from kvdiverge.study.task_checks import prediction_block_problems, task_block_problems
 
 SPLITS = ("exploratory", "confirmatory")
-
-#: The config schema, package data of ``kvdiverge`` (a file in every install: checkout, editable
-#: or wheel); the workflow validates with the same file.
-SCHEMA_PATH = Path(str(resources.files("kvdiverge") / "schemas" / "config.schema.yaml"))
 
 
 class ConfigError(ValueError):
     """The config is invalid; the message names every offending key."""
-
-
-def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Load the config JSON schema (YAML): a fresh copy, the file parsed once per version.
-
-    Parsing the schema's YAML takes most of a validation's time (a hundred milliseconds), so
-    the parsed schema is kept per path and modification time; each call returns its own copy.
-
-    Raises
-    ------
-    FileNotFoundError
-        If there is no schema at ``path`` (default: :data:`SCHEMA_PATH`, the package's).
-    """
-    path = Path(path) if path is not None else SCHEMA_PATH
-    if not path.is_file():
-        raise FileNotFoundError(f"config schema not found at {path}; pass the path of a config schema file")
-    return copy.deepcopy(_parsed_schema(str(path.resolve()), path.stat().st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=8)
-def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
-    """The schema file ``path`` as parsed at modification time ``mtime_ns`` (cached), with each decoding
-    setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field."""
-    with open(path, encoding="utf-8") as fh:
-        schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    # lazy: the estimate and analysis stages read the config without importing the engine
-    from kvdiverge.engine.core.sampling import decoding_options
-
-    decoding = schema.get("properties", {}).get("decoding", {}).get("properties")
-    if decoding is not None:  # each decoding setting's type and range: its Decoding field's
-        for name, option in decoding_options().items():
-            decoding[name] = {"description": option["help"], **decoding.get(name, {}), **option["schema"]}
-    return schema
 
 
 def _duplicate_keys(node, parts: tuple = ()) -> Iterable[str]:
@@ -149,6 +116,17 @@ def _allowed_keys(schema: dict[str, Any]) -> list[str]:
     return sorted(schema.get("properties", {}))
 
 
+def _foreign_source_key(error, where: str) -> str:
+    """:func:`format_error` of a model entry's key that belongs to another source (the schema's
+    ``dependentSchemas``), naming the key, its sources and the entry's."""
+    path = list(error.schema_path)
+    key = _key_path([*list(error.absolute_path)[:-1], path[path.index("dependentSchemas") + 1]])
+    return (
+        f"{key}: a key of source {' or '.join(error.validator_value)}, which source {error.instance!r} "
+        f"({where}) would ignore; remove it or change the source"
+    )
+
+
 def format_error(error) -> str:
     """One readable line for a ``jsonschema.ValidationError``: key path, problem, allowed values."""
     where = _key_path(error.absolute_path)
@@ -162,6 +140,8 @@ def format_error(error) -> str:
         missing = [k for k in error.validator_value if k not in error.instance]
         keys = ", ".join(_key_path([*error.absolute_path, k]) for k in missing)
         return f"missing config key {keys}"
+    if "dependentSchemas" in error.schema_path and v == "enum":  # a key of another model source
+        return _foreign_source_key(error, where)
     if v == "enum":
         allowed = ", ".join(repr(x) for x in error.validator_value)
         return f"{where}: {error.instance!r} is not allowed; allowed values: {allowed}"
@@ -357,7 +337,10 @@ def check(config: dict[str, Any]) -> None:
     position. Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
     on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
-    a real calendar date.
+    a real calendar date; the loop settings must fit the horizon. What a job would refuse is
+    refused here, by the functions the jobs and :func:`kvdiverge.measure` call: the task blocks
+    (:mod:`kvdiverge.study.task_checks`), a miniature's vocabulary, and what a model's
+    sliding-window layers refuse (:mod:`kvdiverge.study.model_layers`).
 
     Raises
     ------
@@ -381,6 +364,7 @@ def check(config: dict[str, Any]) -> None:
         _value_problems,
         _task_problems,
         _prediction_problems,
+        _model_problems,
     ):
         part(config, need_policy, problems)
     if problems:
@@ -469,8 +453,8 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
             problems.append(str(exc))
 
     drift, horizon = config.get("drift") or {}, config.get("decoding", {}).get("max_new_tokens")
-    if "max_period" in drift and horizon is not None:
-        problems += drift_problems(horizon, drift["max_period"], drift.get("min_repeats", 3))
+    if horizon is not None:  # the settings given (the schema fills no default)
+        problems += drift_problems(horizon, drift.get("max_period"), drift.get("min_repeats"))
 
     corpus = config.get("corpus", {})
     if "min_words" in corpus and "max_words" in corpus and corpus["min_words"] > corpus["max_words"]:
@@ -480,61 +464,36 @@ def _value_problems(config: dict[str, Any], need_policy, problems: list[str]) ->
 
 
 def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
-    """:func:`check` of ``task``: greedy decoding (the answers are the coupled run's own), and with
-    ``question: after`` only policies that act on the prefill (no quantized cache, no eviction while
-    decoding: :func:`kvdiverge.engine.presses.registry.question_after_problem`)."""
-    task = config.get("task")
-    if not task:
-        return
-    temperature = config.get("decoding", {}).get("temperature")
-    if temperature is not None and temperature != 0:
-        problems.append(f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}")
-    if task.get("question") != "after":
-        return
-    # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.presses.registry import question_after_problem
-
-    policies, run = config.get("policies", {}), config.get("runs", {})
-    scheduled = [n for split in SPLITS for n in run.get(split, [])]
-    scheduled += [run[k]["policy"] for k in ("control", "floor") if run.get(k)]
-    for name in dict.fromkeys(scheduled):
-        if name not in policies:
-            continue  # reported by need_policy
-        try:
-            problem = question_after_problem(Policy.from_config(name, policies[name], check=False).probe_press)
-        except (PressError, ValueError):
-            continue  # reported by policy_problems
-        if problem:
-            problems.append(f"task.question: 'after' cannot run policy {name!r}: {problem}")
+    """:func:`check` of ``task``: :func:`kvdiverge.study.task_checks.task_block_problems` (a policy not
+    defined is named by ``need_policy``)."""
+    problems += task_block_problems(config, scheduled_policies(config))
 
 
 def _prediction_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
-    """:func:`check` of ``prediction``: a frontier to predict on, plain prompts on the fidelity side
-    (no top-level ``task``), task documents on another split than the frontier's, task sides
-    named apart (:func:`kvdiverge.study.prediction.prediction_sides`)."""
-    block = config.get("prediction")
-    if not block:
-        return
-    if not config.get("frontier"):
-        problems.append("prediction: needs a frontier (its points are what the fidelity measures rank)")
-        return
-    if config.get("task"):
-        problems.append(
-            "prediction: the fidelity side's prompts must stay plain: remove the top-level task "
-            "(the task sides are prediction.tasks)"
-        )
-    split = config["frontier"].get("split", "exploratory")
-    if block.get("split", "confirmatory") == split:
-        problems.append(
-            f"prediction.split: {split!r} is the frontier's split: the task documents must be others "
-            "than the fidelity documents"
-        )
-    names = [f"{t.get('name', 'niah')}-{t.get('question', 'inside')}" for t in block.get("tasks", [])]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        problems.append(f"prediction.tasks: task side {twice[0]!r} is given twice")
+    """:func:`check` of ``prediction``: :func:`kvdiverge.study.task_checks.prediction_block_problems`."""
+    problems += prediction_block_problems(config)
+
+
+def _model_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:
+    """:func:`check` of ``models``: a miniature's vocabulary (:func:`kvdiverge.study.models.miniature_values`),
+    and what a model's sliding-window layers refuse of the policies and tasks
+    (:func:`kvdiverge.study.model_layers.layer_problems`)."""
+    for name, spec in config.get("models", {}).items():
+        if spec.get("source") == "miniature":
+            try:
+                miniature_values(spec, name)
+            except ValueError as exc:
+                problems.append(str(exc))
+    problems += layer_problems(config, scheduled_policies(config))
+
+
+def scheduled_policies(config: dict[str, Any]) -> list[str]:
+    """Every policy the config runs, once each in config order: the runs of each split (a frontier's
+    points among them once expanded), then the ``none`` control and the noise floor."""
+    run = config.get("runs", {})
+    names = [n for split in SPLITS for n in run.get(split, [])]
+    names += [run[k]["policy"] for k in ("control", "floor") if run.get(k)]
+    return list(dict.fromkeys(names))
 
 
 def floor_policy(config: dict[str, Any]) -> str | None:
