@@ -169,7 +169,7 @@ def measure(
     ------
     ValueError
         Bad prompts or presses (see :func:`kvdiverge.study.inputs.prepare_documents`, :func:`kvdiverge.study.inputs.prepare_presses`),
-        a ``model`` that is not one (:func:`kvdiverge.study.inputs.model_problem`), token ids
+        a ``model`` that is not one (:func:`kvdiverge.study.settings.model_problem`), token ids
         (of the prompts or ``eos_ids``) outside the model's vocabulary, a prompt shorter than a
         press needs or too long for the model context, a setting the config would refuse (NaN, out
         of range, a fraction for a count, ``instruction`` or ``system`` not a string:

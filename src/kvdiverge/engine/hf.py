@@ -169,7 +169,11 @@ if _MISSING:
     )
 
 import transformers.modeling_gguf_pytorch_utils as gguf_reader  # noqa: E402  (the module whose tqdm is replaced)
-from transformers import AttentionInterface, DynamicCache  # noqa: E402
+from transformers import (  # noqa: E402
+    CONFIG_MAPPING,  # noqa: F401  (kvdiverge.study.gguf_config)
+    AttentionInterface,
+    DynamicCache,
+)
 from transformers.cache_utils import (  # noqa: E402
     Cache,
     CacheLayerMixin,
@@ -179,6 +183,7 @@ from transformers.cache_utils import (  # noqa: E402
     QuantoQuantizedLayer,
 )
 from transformers.convert_slow_tokenizer import generate_merges  # noqa: E402
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING  # noqa: E402,F401
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402

@@ -52,8 +52,8 @@ def gguf_config(path: str | Path, **kwargs: Any):
         If ``path`` is not a GGUF file.
     """
     # lazy: transformers loads with a model; the torch-free workflow scripts import kvdiverge.study.models
-    from transformers import CONFIG_MAPPING
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    # transformers' internals only through kvdiverge.engine.hf
+    from kvdiverge.engine.hf import CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     meta, tensors = read_header(path)
     architecture = meta.get("general.architecture")
