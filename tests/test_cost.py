@@ -121,6 +121,18 @@ def test_the_prediction_study_counts_its_task_sides_and_the_teacher_forced_pass(
     assert sum(s.token_steps for s in stages) == 333_220
 
 
+def test_a_greedy_continuation_is_generated_once_per_split(smoke):
+    # smoke: 16 continuation tokens; 2 documents on each split; the full-cache greedy continuation of each
+    # document once per (model, split): a prefill and 15 more forwards, one row, 16 token-steps
+    greedy = {**smoke, "teacher_forced": {**smoke["teacher_forced"], "continuation": "greedy"}}
+    extra = [c for c in teacher_cost(greedy) if c.policy == "greedy continuation"]
+    assert [(c.split, c.documents, c.prefill_forwards, c.forwards, c.token_steps) for c in extra] == [
+        ("exploratory", 2, 2, 32, 32),
+        ("confirmatory", 2, 2, 32, 32),
+    ]
+    assert len(teacher_cost(greedy)) == len(teacher_cost(smoke)) + 2
+
+
 def test_command_line(capsys):
     assert main(["cost", "config/smoke.yaml", "--rate", "660"]) == 0
     out = capsys.readouterr().out
