@@ -46,11 +46,11 @@ reported beside the primary statistics, not as a test.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 from scipy.optimize import isotonic_regression
 
 __all__ = [
@@ -101,7 +101,7 @@ def ratio_strata(ratio: np.ndarray) -> np.ndarray:
 
 
 def _pairs_within(strata: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    i, j = np.triu_indices(len(strata), k=1)
+    i, j = _upper_pairs(len(strata))
     same = strata[i] == strata[j]
     return i[same], j[same]
 
@@ -113,58 +113,79 @@ def _concordance(x: np.ndarray, sign_y: np.ndarray, i: np.ndarray, j: np.ndarray
     return np.sign(x[..., i] - x[..., j]) @ sign_y / len(i)
 
 
-def _isotonic_predict(x_fit: np.ndarray, y_fit: np.ndarray, x_new: np.ndarray) -> np.ndarray:
-    """The increasing isotonic regression of ``y_fit`` on ``x_fit`` (sorted by ``x``), evaluated at ``x_new``."""
-    starts = np.flatnonzero(np.concatenate([[True], x_fit[1:] != x_fit[:-1]]))
-    counts = np.diff(np.append(starts, len(x_fit))).astype(np.float64)
-    means = np.add.reduceat(y_fit, starts) / counts
-    fitted = isotonic_regression(means, weights=counts, increasing=True).x
-    return np.interp(x_new, x_fit[starts], fitted)
+def _isotonic_fit(xs: list[float], ys: list[float], skip: list[bool]) -> tuple[list[float], np.ndarray]:
+    """The increasing isotonic regression of the points not skipped (``xs`` sorted): its knots (the
+    distinct ``x``, ties pooled with their count as weight) and its values there."""
+    knots: list[float] = []
+    sums: list[float] = []
+    counts: list[float] = []
+    for x, y, out in zip(xs, ys, skip):
+        if out:
+            continue
+        if knots and x == knots[-1]:
+            sums[-1] += y
+            counts[-1] += 1.0
+        else:
+            knots.append(x)
+            sums.append(y)
+            counts.append(1.0)
+    means = [total / n for total, n in zip(sums, counts)]
+    return knots, isotonic_regression(means, weights=counts, increasing=True).x
 
 
 def held_out_predictions(x: np.ndarray, y: np.ndarray, presses: np.ndarray) -> np.ndarray:
     """Leave-one-press-out predictions of ``y`` (points,) from ``x`` (points,): each press's points
-    predicted by the isotonic regression fitted on every other press's points (float64, points,).
-    Points with a non-finite ``x`` or ``y`` are neither fitted nor predicted (NaN)."""
+    predicted by the isotonic regression fitted on every other press's points, interpolated
+    linearly between its knots and clipped at the ends (float64, points,). Points with a
+    non-finite ``x`` or ``y`` are neither fitted nor predicted (NaN)."""
     x, y, presses = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), np.asarray(presses)
     predicted = np.full(len(y), np.nan)
-    ok = np.isfinite(x) & np.isfinite(y)
-    groups = np.unique(presses[ok], return_inverse=True)[1]
-    if groups.size and groups.max() > 0:
-        order = np.argsort(x[ok], kind="stable")
-        xs, ys, gs = x[ok][order], y[ok][order], groups[order]
-        out = np.empty(len(xs))
-        for g in range(groups.max() + 1):
-            held = gs == g
-            out[held] = _isotonic_predict(xs[~held], ys[~held], xs[held])
-        predicted[np.flatnonzero(ok)[order]] = out
+    ok = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
+    order = ok[np.argsort(x[ok], kind="stable")]
+    xs, ys, groups = x[order].tolist(), y[order].tolist(), presses[order].tolist()
+    if len(set(groups)) < 2:
+        return predicted
+    for group in dict.fromkeys(groups):
+        held = [g == group for g in groups]
+        knots, fitted = _isotonic_fit(xs, ys, held)
+        at = order[held]
+        predicted[at] = np.interp(x[at], knots, fitted)
     return predicted
 
 
 def _held_out_error(x: np.ndarray, y: np.ndarray, presses: np.ndarray) -> float:
-    if len(np.unique(presses)) < 2:
-        return float("nan")
-    return float(np.mean(np.abs(held_out_predictions(x, y, presses) - y)))
+    """The mean absolute error of :func:`held_out_predictions` (finite ``x`` and ``y``); NaN with fewer than 2 presses."""
+    return float(np.mean(np.abs(held_out_predictions(x, y, presses) - y))) if len(y) else float("nan")
 
 
-def _ranks_correlation(a: np.ndarray, b: np.ndarray) -> float:
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(np.corrcoef(a, b)[0, 1])
+@functools.cache
+def _upper_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    """Average ranks from 1, ties sharing their mean rank (``scipy.stats.rankdata``'s default), for few points."""
+    return (v[:, None] > v[None, :]).sum(axis=1) + ((v[:, None] == v[None, :]).sum(axis=1) + 1) / 2
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    denominator = np.sqrt((a @ a) * (b @ b))
+    return float(a @ b / denominator) if denominator > 0 else float("nan")
 
 
 def _across(x: np.ndarray, y: np.ndarray, ratio: np.ndarray) -> list[float]:
     """Spearman, Kendall tau-b and the partial Spearman given the ratio, across every point."""
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return [np.nan] * 3
-    rx, ry, rr = (stats.rankdata(v) for v in (x, y, ratio))
-    rho = _ranks_correlation(rx, ry)
-    i, j = np.triu_indices(len(x), k=1)
+    rx, ry, rr = _ranks(x), _ranks(y), _ranks(ratio)
+    rho = _pearson(rx, ry)
+    i, j = _upper_pairs(len(x))
     dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
     tau = float(dx @ dy / np.sqrt(np.count_nonzero(dx)) / np.sqrt(np.count_nonzero(dy)))
     if np.ptp(rr) == 0:  # one ratio: nothing to remove
         return [rho, tau, rho]
-    xr, yr = _ranks_correlation(rx, rr), _ranks_correlation(ry, rr)
+    xr, yr = _pearson(rx, rr), _pearson(ry, rr)
     denominator = np.sqrt((1 - xr**2) * (1 - yr**2))
     return [rho, tau, float((rho - xr * yr) / denominator) if denominator > 0 else np.nan]
 
