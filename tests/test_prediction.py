@@ -506,8 +506,8 @@ def test_the_table_without_named_presses_is_recomputed_on_the_others():
     fid, task, pts = frontier(drop_of=lambda f, r: f * r, measure_of=lambda f, r: f * r, n_fid=6, n_task=12)
     out = prediction_without(fid, task, pts, ["kld"], leave_out=["a", "b@0.5"], settings=quick(10, 9))
     assert out["without"].to_list() == ["a, b@0.5"] and out["n_points"].to_list() == [19]
-    direct = prediction_study(fid, task, pts.filter(~pl.col("point").str.starts_with("a@") & (pl.col("point") != "b@0.5")),
-                              ["kld"], settings=quick(10, 9))  # fmt: skip
+    kept = pts.filter(~pl.col("point").str.starts_with("a@") & (pl.col("point") != "b@0.5"))
+    direct = prediction_study(fid, task, kept, ["kld"], settings=quick(10, 9))
     assert out.drop("without").equals(direct.prediction)
     with pytest.raises(PredictionInputError, match="leave_out: 'zz' is neither a press nor a point; the presses: a, b"):
         prediction_without(fid, task, pts, ["kld"], leave_out=["zz"], settings=quick(10, 9))
@@ -676,7 +676,8 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     )  # fmt: skip
     # the teacher-forced job also served a confirmatory run on 24 documents: 144 + 24 pairs, 144 the points'
     confirmatory = pl.DataFrame({"model": "m", "policy": "snapkv-50", "split": "confirmatory",
-                                 "doc_id": [f"t{i}" for i in range(24)], "kld_mean": 0.1, "same_top_p": 0.9})  # fmt: skip
+                                 "doc_id": [f"c{i}" for i in range(24)], "kld_mean": 0.1,
+                                 "same_top_p": 0.9})  # fmt: skip
     positions = teacher.select("model", "policy", "doc_id", kld="kld_mean")
     answers = task.select(model=pl.lit("m"), policy="point", doc_id="doc_id", correct_full="correct_full",
                           correct="correct", task="task", placement="placement")  # fmt: skip

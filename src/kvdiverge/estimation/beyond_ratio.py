@@ -37,11 +37,13 @@ null is that of no within-ratio order and no press structure in the measure.
 Secondary statistics, across every point: Spearman's rho and Kendall's tau-b of ``x`` and ``y``,
 and the partial Spearman correlation given the ratio, Pearson's correlation of the ranks of
 ``x`` and ``y`` after the ranks of ``r`` are removed linearly, ``(r_xy - r_xr r_yr) / sqrt((1 -
-r_xr^2)(1 - r_yr^2))`` (Kendall & Stuart, *The Advanced Theory of Statistics*, vol. 2, §27). A
-straight line in the ratio's ranks does not remove a drop that bends with the ratio: under a null
-the partial correlation carries a bias of about ±0.15 on a frontier of 25 points, and a single
-point at a high ratio with a low drop (a 4-bit cache) can move it from -0.02 to +0.51. It is
-reported beside the primary statistics, not as a test.
+r_xr^2)(1 - r_yr^2))`` (Kendall & Stuart, *The Advanced Theory of Statistics*, vol. 2, §27). It
+removes the ratio's ranks with a straight line and comes with no calibrated test: whether it is
+centred on 0 under a null depends on how the measure and the drop bend with the ratio, its spread
+under a null is about 0.2 (one standard deviation on 24 points, simulated), and a single point
+alone at its ratio, high ratio and low drop (a 4-bit cache), can move it by 0.6 while the
+within-ratio Kendall does not move (``tests/test_prediction.py``). It is reported beside the
+primary statistics, not as a test.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def held_out_predictions(x: np.ndarray, y: np.ndarray, presses: np.ndarray) -> n
 
 
 def _held_out_error(x: np.ndarray, y: np.ndarray, presses: np.ndarray) -> float:
-    """The mean absolute error of :func:`held_out_predictions` (finite ``x`` and ``y``); NaN with fewer than 2 presses."""
+    """The mean absolute error of :func:`held_out_predictions` (finite ``x``, ``y``); NaN with fewer than 2 presses."""
     return float(np.mean(np.abs(held_out_predictions(x, y, presses) - y))) if len(y) else float("nan")
 
 
@@ -195,9 +197,9 @@ class Baseline:
     """A frontier's points with what does not depend on the measure: drops, ratios, presses, the
     within-ratio pairs, the near-baseline band and the ratio-only held-out errors.
 
-    Build it with :meth:`of` on points whose drop is finite; :meth:`statistics` then gives any
-    measure's :data:`STATISTICS` at those points (a measure finite at every one of them), so that
-    the measures of one set of drops share the ratio-only fits.
+    Build it with :meth:`Baseline.of` on points whose drop is finite; :meth:`Baseline.statistics`
+    then gives any measure's :data:`STATISTICS` at those points (a measure finite at every one of
+    them), so that the measures of one set of drops share the ratio-only fits.
     """
 
     y: np.ndarray

@@ -556,9 +556,9 @@ class PredictionStudy:
         Per (``task``, ``placement``, ``point``): ``n_docs``, ``full_accuracy``, ``accuracy``,
         ``drop`` (fractions of the documents), ``n_full_right`` (documents the full cache answers
         right) and ``drop_full_right`` (the fraction of those the point answers wrong), and per
-        side ``lowest_accuracy`` (over its points), ``chance_accuracy`` (:func:`chance_accuracy`,
-        null where not given), ``min_full_accuracy`` (the bar) and ``refused`` (the side's sentence,
-        or null).
+        side ``lowest_accuracy`` (over its points), ``chance_accuracy``
+        (:func:`kvdiverge.estimation.prediction_review.chance_accuracy`, null where not given),
+        ``min_full_accuracy`` (the bar) and ``refused`` (the side's sentence, or null).
     """
 
     prediction: pl.DataFrame
@@ -590,7 +590,7 @@ def prediction_study(
     out of the prediction tables with its sentence in the accuracy table's ``refused``, so that the
     other sides still report. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may
     hold other points (controls), which are left out. ``chance`` gives each task's
-    :func:`chance_accuracy` by task name.
+    :func:`kvdiverge.estimation.prediction_review.chance_accuracy` by task name.
 
     Raises
     ------

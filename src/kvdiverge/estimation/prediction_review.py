@@ -44,8 +44,8 @@ def prediction_without(
     Returns
     -------
     polars.DataFrame
-        :attr:`PredictionStudy.prediction` of the remaining points, with ``without`` (the names
-        left out, joined by ", ") first.
+        The ``prediction`` table of :class:`kvdiverge.estimation.prediction.PredictionStudy` on the
+        remaining points, with ``without`` (the names left out, joined by ", ") first.
 
     Raises
     ------
