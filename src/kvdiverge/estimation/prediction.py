@@ -310,7 +310,9 @@ class _SideDraws:
     """A task side's points, drops and shared resamples, and its baselines by (draw, finite points)."""
 
     keys: dict[str, str]
-    points: pl.DataFrame
+    names: list[str]
+    ratio: np.ndarray
+    presses: np.ndarray
     y: _Side
     y_draws: np.ndarray
     fidelity_docs: list[str]
@@ -321,18 +323,11 @@ class _SideDraws:
     @classmethod
     def of(cls, fidelity, task, points, settings: PredictionSettings, keys: dict[str, str]) -> _SideDraws:
         names, boot = points["point"].to_list(), settings.boot
+        ratio, presses = points["ratio"].cast(pl.Float64).to_numpy(), np.asarray(points["press"].to_list())
         y, docs = _Side.of(task, names, _DROP), _Side.documents(fidelity, names)
         task_counts = resample_counts(boot.indices(len(y.docs), "prediction-task", *keys.values()))
         fidelity_counts = resample_counts(boot.indices(len(docs), "prediction-fidelity", *keys.values()))
-        return cls(keys, points, y, y.resampled(task_counts), docs, fidelity_counts, settings)
-
-    @property
-    def ratio(self) -> np.ndarray:
-        return self.points["ratio"].cast(pl.Float64).to_numpy()
-
-    @property
-    def presses(self) -> np.ndarray:
-        return np.asarray(self.points["press"].to_list())
+        return cls(keys, names, ratio, presses, y, y.resampled(task_counts), docs, fidelity_counts, settings)
 
     def statistics(self, x: np.ndarray, draw: int | None) -> np.ndarray:
         """:data:`STATISTICS` of ``x`` against the observed drops (``draw`` None) or a resample's."""
@@ -365,9 +360,7 @@ def _measure(side: _SideDraws, x: _Side, sign: int) -> tuple[dict, np.ndarray, n
         test = within_ratio_permutation(xs, ys, ratio, presses, band=s.band, n_perm=s.n_perm, rng=rng)
         pvalues = test.pvalue
     row.update({f"p_{name}": float(p) for name, p in zip(TESTED, pvalues)})
-    marks = pl.DataFrame(
-        {"point": side.points["point"], "press": presses.tolist(), "ratio": ratio, "x": xs, "drop": ys}
-    )
+    marks = pl.DataFrame({"point": side.names, "press": presses.tolist(), "ratio": ratio, "x": xs, "drop": ys})
     marks = marks.with_columns(
         near_baseline=pl.Series(np.abs(ys) <= s.band),
         predicted=pl.Series(held_out_predictions(xs, ys, presses)),
@@ -391,9 +384,8 @@ def _pairwise(side: _SideDraws, observed: dict[str, np.ndarray], draws: dict[str
 
 def _side_tables(side: _SideDraws, fidelity, measures, directions) -> tuple[list[dict], list[pl.DataFrame], list[dict]]:
     rows, marks, observed, draws = [], [], {}, {}
-    names = side.points["point"].to_list()
     for measure in measures:
-        x = _Side.of(fidelity, names, pl.col(measure), docs=side.fidelity_docs)
+        x = _Side.of(fidelity, side.names, pl.col(measure), docs=side.fidelity_docs)
         sign = int(directions.get(measure, direction(measure)))
         row, observed[measure], draws[measure], mark = _measure(side, x, sign)
         rows.append({"measure": measure, **row})
@@ -535,7 +527,9 @@ def _accuracy(task: pl.DataFrame, refused: Mapping, chance: Mapping[str, float],
             lowest_accuracy=pl.col("accuracy").min().over(side),
             chance_accuracy=pl.col("task").replace_strict(dict(chance), default=None, return_dtype=pl.Float64),
             min_full_accuracy=pl.lit(bar),
-            refused=pl.struct(side).map_elements(lambda k: refused.get((k["task"], k["placement"])), pl.String),
+            refused=pl.struct(side).map_elements(
+                lambda k: refused.get((k["task"], k["placement"])), return_dtype=pl.String
+            ),
         )
         .sort(*side, "point")
     )

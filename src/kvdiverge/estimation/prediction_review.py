@@ -31,12 +31,12 @@ def prediction_without(
     settings: PredictionSettings = PredictionSettings(),
     directions: Mapping[str, int] | None = None,
 ) -> pl.DataFrame:
-    """The prediction table of :func:`prediction_study` recomputed without some presses or points.
+    """The prediction table of :func:`~kvdiverge.estimation.prediction.prediction_study` without some presses or points.
 
     Parameters
     ----------
     fidelity, task, points, measures, settings, directions
-        As :func:`prediction_study`.
+        As :func:`kvdiverge.estimation.prediction.prediction_study`.
     leave_out : sequence of str
         Presses (the ``press`` column of ``points``: a quantized cache alone is its own) or points
         to leave out of both sides, e.g. ``["ExpectedAttentionPress", "int4"]``.
@@ -50,8 +50,8 @@ def prediction_without(
     Raises
     ------
     PredictionInputError
-        A name that is neither a press nor a point of ``points``; or as :func:`prediction_study`
-        on what remains (e.g. fewer than 3 presses).
+        A name that is neither a press nor a point of ``points``; or as
+        :func:`~kvdiverge.estimation.prediction.prediction_study` on what remains (e.g. fewer than 3 presses).
     """
     known = set(points["press"].to_list()) | set(points["point"].to_list())
     unknown = [n for n in leave_out if n not in known]
