@@ -44,8 +44,14 @@ if PREDICTION_SIDES:
             ),
             predictions_parquet=f"{PREDICTION_DIR}/predictions.parquet",
             predictions_csv=f"{PREDICTION_DIR}/predictions.csv",
+            pairwise_parquet=f"{PREDICTION_DIR}/pairwise.parquet",
+            pairwise_csv=f"{PREDICTION_DIR}/pairwise.csv",
+            presses_parquet=f"{PREDICTION_DIR}/presses.parquet",
+            presses_csv=f"{PREDICTION_DIR}/presses.csv",
             accuracy_parquet=f"{PREDICTION_DIR}/accuracy.parquet",
             accuracy_csv=f"{PREDICTION_DIR}/accuracy.csv",
+            without_parquet=f"{PREDICTION_DIR}/without.parquet",
+            without_csv=f"{PREDICTION_DIR}/without.csv",
             png=report(
                 f"{PREDICTION_DIR}/prediction.png",
                 caption="../report/prediction.rst",
@@ -58,13 +64,14 @@ if PREDICTION_SIDES:
         benchmark:
             benchmark_file("prediction/{model}")
         params:
-            sides=PREDICTION_SIDES,
+            # the task blocks by side (each task's chance level)
+            tasks=kvdiverge.study.prediction.prediction_sides(CONFIG),
             measures=CONFIG.get("prediction", {}).get("measures"),
             min_full_accuracy=CONFIG.get("prediction", {}).get("min_full_accuracy"),
+            # the within-ratio permutations of each test (kvdiverge.estimation.prediction.PredictionSettings)
+            n_perm=999,
             points=FRONTIER_POLICIES,
             costs=prediction_costs,
-            # what each family's jobs ran: the frontier's points (coupled), every run of the model (teacher)
-            cost_runs={"coupled": len(FRONTIER_POLICIES), "teacher": len(MODEL_RUNS)},
             **ANALYSIS_PARAMS,
         conda:
             CONDA_ENV

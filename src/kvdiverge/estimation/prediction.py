@@ -8,78 +8,125 @@ prediction, not the answer's own divergence (:mod:`kvdiverge.estimation.task` ho
 
 Each measure is oriented by its direction (:func:`kvdiverge.estimation.task.direction`: ``+1``
 when a larger value predicts a larger drop, ``-1`` for the survival ``S_<t>``, ``same_top_p`` and
-``tau_first``), so every statistic below is positive when the measure predicts in its expected
-direction.
+``tau_first``), so every statistic is positive when the measure predicts in its expected
+direction. Measures are columns of the fidelity table taken by name: a new one needs no change here.
 
-- Across points: Spearman's rho and Kendall's tau (``scipy.stats``) of ``x`` and ``y``.
-- Given the compression ratio ``r`` (the fraction of KV bytes a point removes), the baseline every
-  user already has:
-
-  - ``spearman_given_ratio``: the partial Spearman correlation, Pearson's correlation of the
-    ranks of ``x`` and ``y`` after the ranks of ``r`` are removed linearly,
-    ``(r_xy - r_xr r_yr) / sqrt((1 - r_xr^2)(1 - r_yr^2))`` (Kendall & Stuart, *The Advanced
-    Theory of Statistics*, vol. 2, §27);
-  - ``kendall_within_ratio``: Kendall's tau-a over the pairs of points at the same ratio only,
-    (concordant - discordant) / pairs: whether the measure ranks the presses of one ratio by
-    their drop.
-
-- Leave one press out: for each press, an increasing isotonic regression of ``y`` on ``x``
-  (``scipy.optimize.isotonic_regression``, points with equal ``x`` pooled, predictions
-  interpolated linearly and clipped at the ends, as scikit-learn's ``IsotonicRegression``)
-  fitted on the other presses' points predicts the held-out press's points; ``mae_held_out`` is
-  the mean absolute error over every point. ``mae_ratio_only`` is the same with ``r`` in place
-  of ``x``, and ``mae_gain = mae_ratio_only - mae_held_out`` what the measure adds (positive: it
-  predicts better than the ratio).
+The statistics (:mod:`kvdiverge.estimation.beyond_ratio`) take the ratio as a factor: the
+within-ratio Kendall concordance pooled over the ratios and the leave-one-press-out gain over the
+ratio alone, over every point and near the baseline (``|drop| <= band``), each with a
+within-ratio permutation p-value and Holm's adjustment across the measures of one task side;
+Spearman, Kendall and the partial Spearman given the ratio are secondary.
 
 Intervals: the paired bootstrap resamples both sides' documents independently (the fidelity
 documents, and the task documents) and recomputes every point's ``x`` and ``y``, then every
-statistic (:class:`kvdiverge.estimation.bootstrap.Bootstrap`, percentile intervals).
+statistic (:class:`kvdiverge.estimation.bootstrap.Bootstrap`, percentile intervals). Every
+measure of a task side uses the *same* resamples, so two measures are compared draw by draw (the
+pairwise table: the difference of their gains and of their within-ratio Kendall, with intervals).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
-from scipy import stats
-from scipy.optimize import isotonic_regression
 
-from kvdiverge.estimation.bootstrap import Bootstrap, put_interval, resample_counts, resampled_nanmean
+from kvdiverge.estimation.analysis import holm
+from kvdiverge.estimation.beyond_ratio import (
+    DEFAULT_BAND,
+    STATISTICS,
+    TESTED,
+    Baseline,
+    held_out_predictions,
+    within_ratio_permutation,
+)
+from kvdiverge.estimation.bootstrap import (
+    Bootstrap,
+    bootstrap_rng,
+    put_interval,
+    resample_counts,
+    resampled_nanmean,
+)
 from kvdiverge.estimation.task import direction
 
 __all__ = [
-    "STATISTICS",
+    "PAIRWISE",
     "PredictionInputError",
+    "PredictionSettings",
+    "PredictionStudy",
+    "PredictionTables",
     "fidelity_documents",
     "frontier_points_table",
     "full_accuracy_problem",
-    "held_out_predictions",
     "measure_problems",
     "prediction_problems",
-    "prediction_statistics",
     "prediction_study",
     "prediction_tables",
+    "press_errors",
     "survival_columns",
 ]
 
-#: The statistics of one (measure, task, placement), in the table's order.
-STATISTICS = (
-    "spearman",
-    "kendall",
-    "spearman_given_ratio",
-    "kendall_within_ratio",
-    "mae_held_out",
-    "mae_ratio_only",
-    "mae_gain",
-)
-#: Two ratios closer than this are the same ratio (the within-ratio pairs).
-RATIO_TOLERANCE = 1e-9
+#: The statistics compared between two measures of one task side (the pairwise table's differences).
+PAIRWISE = ("mae_gain", "kendall_within_ratio")
 
 
 class PredictionInputError(ValueError):
     """Input the predictive analysis cannot use, in one sentence per problem."""
+
+
+def _settings_iv(boot: Any, n_perm: Any, band: Any, min_full_accuracy: Any) -> None:
+    """Raise ValueError naming the first field of :class:`PredictionSettings` out of range."""
+    if not isinstance(boot, Bootstrap):
+        raise ValueError(f"PredictionSettings.boot must be a Bootstrap, got {boot!r}")
+    if isinstance(n_perm, bool) or not isinstance(n_perm, numbers.Integral) or n_perm < 0:
+        raise ValueError(f"PredictionSettings.n_perm must be an integer >= 0, got {n_perm!r}")
+    if isinstance(band, bool) or not isinstance(band, numbers.Real) or not 0 <= band < np.inf:
+        raise ValueError(f"PredictionSettings.band must be a finite number >= 0, got {band!r}")
+    if isinstance(min_full_accuracy, bool) or not isinstance(min_full_accuracy, numbers.Real):
+        raise ValueError(f"PredictionSettings.min_full_accuracy must be a number in [0, 1], got {min_full_accuracy!r}")
+    if not 0 <= min_full_accuracy <= 1:
+        raise ValueError(f"PredictionSettings.min_full_accuracy must be a number in [0, 1], got {min_full_accuracy!r}")
+
+
+@dataclass(frozen=True)
+class PredictionSettings:
+    """The settings of the predictive analysis.
+
+    Parameters
+    ----------
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        Resamples, confidence and seed of the paired bootstrap; the seed also seeds the permutations.
+    n_perm : int
+        Permutations of each within-ratio test (``>= 0``; 0 tests nothing and gives NaN p-values).
+        The smallest p-value is ``1 / (1 + n_perm)``.
+    band : float
+        The near-baseline band, prespecified: the ``_band`` statistics use the points whose
+        accuracy drop is at most ``band`` in absolute value (a fraction of the documents).
+    min_full_accuracy : float
+        A task side whose full cache answers fewer of its documents (a fraction in [0, 1]) is refused.
+
+    Raises
+    ------
+    ValueError
+        Naming the field out of range (``PredictionSettings.n_perm must be an integer >= 0, got -1``).
+    """
+
+    boot: Bootstrap = Bootstrap()
+    n_perm: int = 999
+    band: float = DEFAULT_BAND
+    min_full_accuracy: float = 0.7
+
+    def __post_init__(self) -> None:
+        _settings_iv(self.boot, self.n_perm, self.band, self.min_full_accuracy)
+        object.__setattr__(self, "n_perm", int(self.n_perm))
+        object.__setattr__(self, "band", float(self.band))
+        object.__setattr__(self, "min_full_accuracy", float(self.min_full_accuracy))
 
 
 # --------------------------------------------------------------------------- the inputs
@@ -116,8 +163,9 @@ def fidelity_documents(
         ``doc_id``, ``T``, ``E_M``, ``p_div``, ``E_tau_div`` and ``S`` (list of ``T`` floats, the
         agreement chain's survival after steps ``1..T``).
     teacher : polars.DataFrame, optional
-        The teacher-forced documents (``teacher_forced_documents.parquet``): ``kld_mean``,
-        ``kld_max``, ``same_top_p``, ``ppl_ratio``, ``delta_p_rms``.
+        The teacher-forced documents (``teacher_forced_documents.parquet``): ``policy``, ``doc_id``
+        and a float column per measure (``kld_mean``, ``kld_max``, ``same_top_p``, ``ppl_ratio``,
+        ...); every float column is joined, so a measure added to the table reaches the analysis.
     positions : polars.DataFrame, optional
         The teacher-forced positions (``results/teacher_forced/...``): ``policy``, ``doc_id`` and
         ``kld`` per position, for ``kld_p99``, each document's 99th percentile of the per-position
@@ -129,7 +177,7 @@ def fidelity_documents(
     polars.DataFrame
         ``point`` (the policy), ``doc_id``, ``E_M``, ``p_div``, ``tau_first = E_tau_div + (1 -
         p_div)(T + 1)`` (steps; ``T + 1`` when the sides never diverge), ``S_<t>`` for ``t = 1..T``,
-        and the teacher-forced columns given (left join: null where a document has none).
+        and the teacher-forced float columns (left join: null where a document has none).
     """
     T = int(estimates["T"].max())
     out = estimates.select(
@@ -140,7 +188,7 @@ def fidelity_documents(
         *(pl.col("S").list.get(t - 1, null_on_oob=True).alias(c) for t, c in enumerate(survival_columns(T), 1)),
     )
     if teacher is not None:
-        cols = [c for c in ("kld_mean", "kld_max", "same_top_p", "ppl_ratio", "delta_p_rms") if c in teacher.columns]
+        cols = [c for c, dtype in teacher.schema.items() if dtype.is_float() and c not in out.columns]
         out = out.join(teacher.select(*_KEYS, *cols), on=_KEYS, how="left")
     if positions is not None:
         p99 = positions.group_by(_KEYS).agg(pl.col("kld").quantile(0.99, interpolation="linear").alias("kld_p99"))
@@ -238,127 +286,171 @@ def prediction_problems(
     return problems
 
 
-# --------------------------------------------------------------------------- the statistics
-
-
-def _ranks_correlation(a: np.ndarray, b: np.ndarray) -> float:
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(np.corrcoef(a, b)[0, 1])
-
-
-def _partial_spearman(x: np.ndarray, y: np.ndarray, r: np.ndarray) -> float:
-    rx, ry, rr = (stats.rankdata(v) for v in (x, y, r))
-    xy = _ranks_correlation(rx, ry)
-    if np.ptp(rr) == 0:  # one ratio: nothing to remove
-        return xy
-    xr, yr = _ranks_correlation(rx, rr), _ranks_correlation(ry, rr)
-    denominator = np.sqrt((1 - xr**2) * (1 - yr**2))
-    return float((xy - xr * yr) / denominator) if denominator > 0 else float("nan")
-
-
-def _kendall_within_ratio(x: np.ndarray, y: np.ndarray, r: np.ndarray) -> float:
-    i, j = np.triu_indices(len(x), k=1)
-    same = np.abs(r[i] - r[j]) <= RATIO_TOLERANCE
-    if not same.any():
-        return float("nan")
-    i, j = i[same], j[same]
-    return float(np.mean(np.sign(x[i] - x[j]) * np.sign(y[i] - y[j])))
-
-
-def _isotonic_predict(x_fit: np.ndarray, y_fit: np.ndarray, x_new: np.ndarray) -> np.ndarray:
-    """The increasing isotonic regression of ``y_fit`` on ``x_fit``, evaluated at ``x_new``."""
-    knots, inverse, counts = np.unique(x_fit, return_inverse=True, return_counts=True)
-    means = np.bincount(inverse, weights=y_fit) / counts
-    fitted = isotonic_regression(means, weights=counts.astype(float), increasing=True).x
-    return np.interp(x_new, knots, fitted)
-
-
-def held_out_predictions(x: np.ndarray, y: np.ndarray, presses: np.ndarray) -> np.ndarray:
-    """Leave-one-press-out predictions of ``y`` (points,) from ``x`` (points,): each press's points
-    predicted by the isotonic regression fitted on every other press's points (float64, points,)."""
-    predicted = np.empty(len(y))
-    for press in np.unique(presses):
-        out = presses == press
-        predicted[out] = _isotonic_predict(x[~out], y[~out], x[out])
-    return predicted
-
-
-def prediction_statistics(x: np.ndarray, y: np.ndarray, ratio: np.ndarray, presses: np.ndarray) -> np.ndarray:
-    """The :data:`STATISTICS` of one oriented measure ``x``, drops ``y`` and ratios, over the points.
-
-    Parameters
-    ----------
-    x, y, ratio : numpy.ndarray of float, shape (points,)
-        The oriented measure's mean, the accuracy drop (fraction of documents) and the
-        compression ratio of each point. Points with a non-finite ``x`` or ``y`` are left out.
-    presses : numpy.ndarray, shape (points,)
-        Each point's press: the group the held-out analysis leaves out.
-
-    Returns
-    -------
-    numpy.ndarray of float64, shape (7,)
-        In :data:`STATISTICS` order; NaN where a statistic is undefined (a constant side,
-        fewer than 3 points, no two points at one ratio).
-    """
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y, ratio, presses = x[ok], y[ok], ratio[ok], presses[ok]
-    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        rho = tau = partial = float("nan")
-    else:
-        rho = float(stats.spearmanr(x, y).statistic)
-        tau = float(stats.kendalltau(x, y).statistic)
-        partial = _partial_spearman(x, y, ratio)
-    within = _kendall_within_ratio(x, y, ratio) if len(x) else float("nan")
-    if len(np.unique(presses)) < 2:
-        return np.array([rho, tau, partial, within, np.nan, np.nan, np.nan])
-    held = float(np.mean(np.abs(held_out_predictions(x, y, presses) - y)))
-    ratio_only = float(np.mean(np.abs(held_out_predictions(ratio, y, presses) - y)))
-    return np.array([rho, tau, partial, within, held, ratio_only, ratio_only - held])
-
-
-# --------------------------------------------------------------------------- tables
+# --------------------------------------------------------------------------- one task side
 
 
 @dataclass(frozen=True)
 class _Side:
-    """One side's (points, documents) matrix of a value, documents every point has, and its resampled point means."""
+    """One side's (points, documents) matrix of a value over the documents every point has."""
 
     values: np.ndarray
     docs: list[str]
 
+    @staticmethod
+    def documents(frame: pl.DataFrame, points: Sequence[str]) -> list[str]:
+        return sorted(set.intersection(*(set(frame.filter(pl.col("point") == p)["doc_id"].to_list()) for p in points)))
+
     @classmethod
-    def of(cls, frame: pl.DataFrame, points: Sequence[str], column: pl.Expr) -> _Side:
-        docs = sorted(set.intersection(*(set(frame.filter(pl.col("point") == p)["doc_id"].to_list()) for p in points)))
+    def of(cls, frame: pl.DataFrame, points: Sequence[str], column: pl.Expr, docs: list[str] | None = None) -> _Side:
+        docs = cls.documents(frame, points) if docs is None else docs
         wide = (
             frame.filter(pl.col("doc_id").is_in(docs))
             .select("point", "doc_id", column.cast(pl.Float64).fill_null(np.nan).alias("value"))
             .pivot(on="doc_id", index="point", values="value", aggregate_function="mean")
         )
         order = {p: k for k, p in enumerate(wide["point"].to_list())}
-        matrix = wide.select(docs).to_numpy()[[order[p] for p in points]]
-        return cls(matrix, docs)
+        return cls(wide.select(docs).to_numpy()[[order[p] for p in points]], docs)
 
     def means(self) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
+        with warnings.catch_warnings():  # a point without the value: NaN, left out downstream
+            warnings.simplefilter("ignore", RuntimeWarning)
             return np.nanmean(self.values, axis=1) if self.values.size else np.full(len(self.values), np.nan)
 
-    def resampled(self, boot: Bootstrap, *purpose: object) -> np.ndarray:
-        """(n_boot, points) means over ``boot``'s resamples of the documents (finite entries only)."""
-        return resampled_nanmean(resample_counts(boot.indices(len(self.docs), *purpose)), self.values.T)
+    def resampled(self, counts: np.ndarray) -> np.ndarray:
+        """(n_boot, points) means over the resamples ``counts`` (n_boot, documents), finite entries only."""
+        return resampled_nanmean(counts, self.values.T)
 
 
-def _row(x: _Side, y: _Side, ratio, presses, sign: int, boot: Bootstrap, purpose: tuple) -> dict:
-    point = prediction_statistics(sign * x.means(), y.means(), ratio, presses)
-    xb = sign * x.resampled(boot, "prediction-fidelity", *purpose)
-    yb = y.resampled(boot, "prediction-task", *purpose)
-    draws = np.array([prediction_statistics(xb[b], yb[b], ratio, presses) for b in range(len(xb))])
-    lo, hi = boot.interval(draws)
-    row = {"n_points": len(ratio), "n_presses": len(np.unique(presses))}
-    row.update(n_fidelity_docs=len(x.docs), n_task_docs=len(y.docs), direction=sign)
+_DROP = pl.col("correct_full").cast(pl.Float64) - pl.col("correct").cast(pl.Float64)
+
+
+@dataclass(frozen=True)
+class _SideDraws:
+    """A task side's points, drops and shared resamples, and its baselines by (draw, finite points)."""
+
+    keys: dict[str, str]
+    names: list[str]
+    ratio: np.ndarray
+    presses: np.ndarray
+    y: _Side
+    y_draws: np.ndarray
+    fidelity_docs: list[str]
+    fidelity_counts: np.ndarray
+    settings: PredictionSettings
+    baselines: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fidelity, task, points, settings: PredictionSettings, keys: dict[str, str]) -> _SideDraws:
+        names, boot = points["point"].to_list(), settings.boot
+        ratio, presses = points["ratio"].cast(pl.Float64).to_numpy(), np.asarray(points["press"].to_list())
+        y, docs = _Side.of(task, names, _DROP), _Side.documents(fidelity, names)
+        task_counts = resample_counts(boot.indices(len(y.docs), "prediction-task", *keys.values()))
+        fidelity_counts = resample_counts(boot.indices(len(docs), "prediction-fidelity", *keys.values()))
+        return cls(keys, names, ratio, presses, y, y.resampled(task_counts), docs, fidelity_counts, settings)
+
+    def statistics(self, x: np.ndarray, draw: int | None) -> np.ndarray:
+        """:data:`STATISTICS` of ``x`` against the observed drops (``draw`` None) or a resample's."""
+        y = self.y.means() if draw is None else self.y_draws[draw]
+        ok = np.isfinite(x) & np.isfinite(y)
+        key = (draw, ok.tobytes())
+        if key not in self.baselines:
+            ratio, presses = self.ratio[ok], self.presses[ok]
+            self.baselines[key] = Baseline.of(y[ok], ratio, presses, band=self.settings.band)
+        return self.baselines[key].statistics(x[ok])
+
+
+def _measure(side: _SideDraws, x: _Side, sign: int) -> tuple[dict, np.ndarray, np.ndarray, pl.DataFrame]:
+    """One measure's row, observed statistics, resampled statistics (n_boot, 9) and marks."""
+    s, ratio, presses = side.settings, side.ratio, side.presses
+    xs, ys = sign * x.means(), side.y.means()
+    point = side.statistics(xs, None)
+    xb = sign * x.resampled(side.fidelity_counts)
+    draws = np.array([side.statistics(xb[b], b) for b in range(len(xb))]).reshape(len(xb), len(STATISTICS))
+    lo, hi = s.boot.interval(draws)
+    finite = np.isfinite(xs) & np.isfinite(ys)
+    row = {**side.keys, "n_points": int(finite.sum()), "n_presses": len(np.unique(presses[finite]))}
+    row.update(n_fidelity_docs=len(x.docs), n_task_docs=len(side.y.docs), direction=sign, band=s.band)
+    row["n_points_band"] = int(np.sum(finite & (np.abs(ys) <= s.band)))
     for k, name in enumerate(STATISTICS):
         put_interval(row, name, point[k], lo[k], hi[k])
-    return row
+    pvalues = np.full(len(TESTED), np.nan)
+    if s.n_perm and finite.any():
+        rng = bootstrap_rng(s.boot.seed, "prediction-permutation", *side.keys.values())
+        test = within_ratio_permutation(xs, ys, ratio, presses, band=s.band, n_perm=s.n_perm, rng=rng)
+        pvalues = test.pvalue
+    row.update({f"p_{name}": float(p) for name, p in zip(TESTED, pvalues)})
+    marks = pl.DataFrame({"point": side.names, "press": presses.tolist(), "ratio": ratio, "x": xs, "drop": ys})
+    marks = marks.with_columns(
+        near_baseline=pl.Series(np.abs(ys) <= s.band),
+        predicted=pl.Series(held_out_predictions(xs, ys, presses)),
+        predicted_ratio_only=pl.Series(held_out_predictions(np.where(np.isfinite(xs), ratio, np.nan), ys, presses)),
+    )
+    return row, point, draws, marks.select(*(pl.lit(v).alias(k) for k, v in side.keys.items()), pl.all())
+
+
+def _pairwise(side: _SideDraws, observed: dict[str, np.ndarray], draws: dict[str, np.ndarray]) -> list[dict]:
+    """Each pair of measures (in the given order): the differences of :data:`PAIRWISE`, draw by draw."""
+    rows = []
+    for a, b in itertools.combinations(observed, 2):
+        row = {**side.keys, "measure_a": a, "measure_b": b}
+        for name in PAIRWISE:
+            k = STATISTICS.index(name)
+            lo, hi = side.settings.boot.interval(draws[a][:, k] - draws[b][:, k])
+            put_interval(row, f"{name}_difference", observed[a][k] - observed[b][k], lo, hi)
+        rows.append(row)
+    return rows
+
+
+def _side_tables(side: _SideDraws, fidelity, measures, directions) -> tuple[list[dict], list[pl.DataFrame], list[dict]]:
+    rows, marks, observed, draws = [], [], {}, {}
+    for measure in measures:
+        x = _Side.of(fidelity, side.names, pl.col(measure), docs=side.fidelity_docs)
+        sign = int(directions.get(measure, direction(measure)))
+        row, observed[measure], draws[measure], mark = _measure(side, x, sign)
+        rows.append({"measure": measure, **row})
+        marks.append(mark.select(pl.lit(measure).alias("measure"), pl.all()))
+    for name in TESTED:
+        adjusted = holm([row[f"p_{name}"] for row in rows])
+        for row, p in zip(rows, adjusted):
+            row[f"p_{name}_holm"] = float(p)
+    return rows, marks, _pairwise(side, observed, draws)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _frame(rows: list[dict]) -> pl.DataFrame:
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+@dataclass(frozen=True)
+class PredictionTables:
+    """The predictive analysis of a set of task sides (:func:`prediction_tables`).
+
+    Attributes
+    ----------
+    table : polars.DataFrame
+        One row per (``measure``, ``task``, ``placement``): ``n_points`` (points with a finite
+        measure and drop), ``n_presses``, ``n_fidelity_docs``, ``n_task_docs`` (documents every
+        point has), ``direction``, ``band``, ``n_points_band`` (points with ``|drop| <= band``), each
+        of :data:`kvdiverge.estimation.beyond_ratio.STATISTICS` with ``_lo``/``_hi``, and for each
+        of :data:`kvdiverge.estimation.beyond_ratio.TESTED` ``p_<statistic>`` (the within-ratio
+        permutation p-value) and ``p_<statistic>_holm`` (Holm's step-down adjustment over the
+        measures of the task side, one family per statistic).
+    predictions : polars.DataFrame
+        One row per (``measure``, ``task``, ``placement``, ``point``): ``press``, ``ratio``, the
+        oriented measure ``x``, the ``drop``, ``near_baseline``, the held-out prediction
+        ``predicted`` and the ratio-only one ``predicted_ratio_only`` (the figure's marks; NaN at a
+        point without the measure, and that point is in neither fit).
+    pairwise : polars.DataFrame
+        One row per task side and pair of measures (``measure_a`` before ``measure_b`` in the
+        given order): ``mae_gain_difference`` and ``kendall_within_ratio_difference`` (a minus b)
+        with ``_lo``/``_hi``, percentile intervals of the differences over the shared resamples.
+    """
+
+    table: pl.DataFrame
+    predictions: pl.DataFrame
+    pairwise: pl.DataFrame
 
 
 def prediction_tables(
@@ -367,10 +459,9 @@ def prediction_tables(
     points: pl.DataFrame,
     measures: Sequence[str],
     *,
-    boot: Bootstrap = Bootstrap(),
+    settings: PredictionSettings = PredictionSettings(),
     directions: Mapping[str, int] | None = None,
-    min_full_accuracy: float = 0.7,
-) -> tuple[pl.DataFrame, pl.DataFrame]:
+) -> PredictionTables:
     """The predictive analysis of every fidelity measure against every task and question placement.
 
     Parameters
@@ -386,56 +477,112 @@ def prediction_tables(
         compression ratio: the fraction of the KV bytes per prompt token the point removes).
         Controls (the ``none`` policy, the noise floor) are not points.
     measures : sequence of str
-        The fidelity columns to test.
-    boot : kvdiverge.estimation.bootstrap.Bootstrap
-        Resamples, confidence and seed of the paired bootstrap (purposes ``"prediction-fidelity"``
-        and ``"prediction-task"`` with the task, placement and measure).
+        The fidelity columns to test, by name.
+    settings : PredictionSettings
+        Bootstrap (purposes ``"prediction-fidelity"`` and ``"prediction-task"`` with the task and
+        placement: every measure of a side shares them), permutations (purpose
+        ``"prediction-permutation"``), band and the full-accuracy bar.
     directions : mapping of str to int, optional
         ``+1`` or ``-1`` per measure, over :func:`kvdiverge.estimation.task.direction`.
-    min_full_accuracy : float
-        A task and placement whose full cache answers fewer of its documents is refused.
 
     Returns
     -------
-    table : polars.DataFrame
-        One row per (``measure``, ``task``, ``placement``): ``n_points``, ``n_presses``,
-        ``n_fidelity_docs``, ``n_task_docs`` (documents every point has), ``direction``, and each of
-        :data:`STATISTICS` with ``_lo``/``_hi``.
-    predictions : polars.DataFrame
-        One row per (``measure``, ``task``, ``placement``, ``point``): ``press``, ``ratio``, the
-        oriented measure ``x``, the ``drop``, the held-out prediction ``predicted`` and the
-        ratio-only one ``predicted_ratio_only`` (the figure's marks).
+    PredictionTables
 
     Raises
     ------
     PredictionInputError
         For each of :func:`prediction_problems`' reasons, in one message.
     """
-    problems = prediction_problems(fidelity, task, points, min_full_accuracy=min_full_accuracy)
+    problems = prediction_problems(fidelity, task, points, min_full_accuracy=settings.min_full_accuracy)
     if problems:
         raise PredictionInputError("; ".join(problems))
     directions = dict(directions or {})
-    names = points["point"].to_list()
-    ratio = points["ratio"].cast(pl.Float64).to_numpy()
-    presses = np.asarray(points["press"].to_list())
-    rows, marks = [], []
+    rows, marks, pairs = [], [], []
     for (name, placement), part in task.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
-        y = _Side.of(part, names, pl.col("correct_full").cast(pl.Float64) - pl.col("correct").cast(pl.Float64))
-        for measure in measures:
-            x = _Side.of(fidelity, names, pl.col(measure))
-            sign = int(directions.get(measure, direction(measure)))
-            keys = {"measure": measure, "task": name, "placement": placement}
-            rows.append({**keys, **_row(x, y, ratio, presses, sign, boot, (name, placement, measure))})
-            xs, ys = sign * x.means(), y.means()
-            marks.append(
-                pl.DataFrame({"point": names, "press": presses.tolist(), "ratio": ratio, "x": xs, "drop": ys})
-                .with_columns(
-                    predicted=pl.Series(held_out_predictions(xs, ys, presses)),
-                    predicted_ratio_only=pl.Series(held_out_predictions(ratio, ys, presses)),
-                )
-                .select(*(pl.lit(v).alias(k) for k, v in keys.items()), pl.all())
-            )
-    return pl.DataFrame(rows), pl.concat(marks)
+        side = _SideDraws.of(fidelity, part, points, settings, {"task": name, "placement": placement})
+        side_rows, side_marks, side_pairs = _side_tables(side, fidelity, measures, directions)
+        rows += side_rows
+        marks += side_marks
+        pairs += side_pairs
+    return PredictionTables(_frame(rows), pl.concat(marks, how="diagonal_relaxed"), _frame(pairs))
+
+
+def press_errors(predictions: pl.DataFrame) -> pl.DataFrame:
+    """Each press's held-out error, from :class:`PredictionTables`' ``predictions``.
+
+    Returns
+    -------
+    polars.DataFrame
+        One row per (``measure``, ``task``, ``placement``, ``press``): ``n_points`` (its points
+        with a prediction), ``mae_held_out`` and ``mae_ratio_only`` (mean absolute errors of the
+        held-out and ratio-only predictions of its points, fractions of documents) and ``mae_gain``
+        (their difference: positive where the measure predicts the press better than the ratio).
+    """
+    keys = ["measure", "task", "placement", "press"]
+    error = (pl.col("predicted") - pl.col("drop")).abs().fill_nan(None)
+    ratio_error = (pl.col("predicted_ratio_only") - pl.col("drop")).abs().fill_nan(None)
+    return (
+        predictions.group_by(keys, maintain_order=True)
+        .agg(n_points=error.count(), mae_held_out=error.mean(), mae_ratio_only=ratio_error.mean())
+        .with_columns(mae_gain=pl.col("mae_ratio_only") - pl.col("mae_held_out"))
+    )
+
+
+def _accuracy(task: pl.DataFrame, refused: Mapping, chance: Mapping[str, float], bar: float) -> pl.DataFrame:
+    correct, full = pl.col("correct").cast(pl.Float64), pl.col("correct_full")
+    side = ["task", "placement"]
+    return (
+        task.group_by(*side, "point")
+        .agg(
+            n_docs=pl.len(),
+            full_accuracy=full.cast(pl.Float64).mean(),
+            accuracy=correct.mean(),
+            n_full_right=full.cast(pl.Int64).sum(),
+            drop_full_right=(1 - correct).filter(full).mean(),
+        )
+        .with_columns(drop=pl.col("full_accuracy") - pl.col("accuracy"))
+        .with_columns(
+            lowest_accuracy=pl.col("accuracy").min().over(side),
+            chance_accuracy=pl.col("task").replace_strict(dict(chance), default=None, return_dtype=pl.Float64),
+            min_full_accuracy=pl.lit(bar),
+            refused=pl.struct(side).map_elements(
+                lambda k: refused.get((k["task"], k["placement"])), return_dtype=pl.String
+            ),
+        )
+        .sort(*side, "point")
+    )
+
+
+@dataclass(frozen=True)
+class PredictionStudy:
+    """The prediction study of one model (:func:`prediction_study`): :class:`PredictionTables`' three
+    tables (the sides that report stacked), each press's errors and the accuracy per point.
+
+    Attributes
+    ----------
+    prediction, predictions, pairwise : polars.DataFrame
+        :class:`PredictionTables`' ``table``, ``predictions`` and ``pairwise``.
+    presses : polars.DataFrame
+        :func:`press_errors` of ``predictions``.
+    accuracy : polars.DataFrame
+        Per (``task``, ``placement``, ``point``): ``n_docs``, ``full_accuracy``, ``accuracy``,
+        ``drop`` (fractions of the documents), ``n_full_right`` (documents the full cache answers
+        right) and ``drop_full_right`` (the fraction of those the point answers wrong), and per
+        side ``lowest_accuracy`` (over its points), ``chance_accuracy``
+        (:func:`kvdiverge.estimation.prediction_review.chance_accuracy`, null where not given),
+        ``min_full_accuracy`` (the bar) and ``refused`` (the side's sentence, or null).
+    """
+
+    prediction: pl.DataFrame
+    predictions: pl.DataFrame
+    pairwise: pl.DataFrame
+    presses: pl.DataFrame
+    accuracy: pl.DataFrame
+
+    def tables(self) -> dict[str, pl.DataFrame]:
+        """The tables by name (the workflow's files ``<name>.parquet``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def prediction_study(
@@ -444,9 +591,10 @@ def prediction_study(
     points: pl.DataFrame,
     measures: Sequence[str],
     *,
-    boot: Bootstrap = Bootstrap(),
-    min_full_accuracy: float = 0.7,
-) -> dict[str, pl.DataFrame]:
+    settings: PredictionSettings = PredictionSettings(),
+    directions: Mapping[str, int] | None = None,
+    chance: Mapping[str, float] | None = None,
+) -> PredictionStudy:
     """:func:`prediction_tables` of each task side on the points it ran, and every side's accuracy per point.
 
     A side runs a subset of the frontier's points when some cannot take its question placement
@@ -454,52 +602,34 @@ def prediction_study(
     on its own points. A side whose full cache is too weak (:func:`full_accuracy_problem`) is left
     out of the prediction tables with its sentence in the accuracy table's ``refused``, so that the
     other sides still report. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may
-    hold other points (controls), which are left out.
-
-    Returns
-    -------
-    dict of str to polars.DataFrame
-        ``prediction`` and ``predictions`` (:func:`prediction_tables`' two tables, the sides that
-        report stacked), and ``accuracy``: per (``task``, ``placement``, ``point``) ``n_docs``,
-        ``full_accuracy``, ``accuracy``, ``drop`` (fractions of the documents) and ``refused`` (the
-        side's sentence, or null).
+    hold other points (controls), which are left out. ``chance`` gives each task's
+    :func:`kvdiverge.estimation.prediction_review.chance_accuracy` by task name.
 
     Raises
     ------
     PredictionInputError
         As :func:`prediction_tables`, for any side; and when every side is refused, naming each.
     """
-    tables, marks, refused = [], [], {}
+    parts, refused = [], {}
     for (name, placement), side in task.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
-        reason = full_accuracy_problem(side, min_full_accuracy)
+        reason = full_accuracy_problem(side, settings.min_full_accuracy)
         if reason:
             refused[(name, placement)] = reason
             continue
         side = side.filter(pl.col("point").is_in(points["point"].to_list()))
         at = points.filter(pl.col("point").is_in(side["point"].unique().to_list()))
         fid = fidelity.filter(pl.col("point").is_in(at["point"].to_list()))
-        table, predictions = prediction_tables(fid, side, at, measures, boot=boot, min_full_accuracy=min_full_accuracy)
-        tables.append(table)
-        marks.append(predictions)
-    if not tables:
+        parts.append(prediction_tables(fid, side, at, measures, settings=settings, directions=directions))
+    if not parts:
         raise PredictionInputError("; ".join(refused.values()))
-    accuracy = (
-        task.group_by("task", "placement", "point")
-        .agg(
-            n_docs=pl.len(),
-            full_accuracy=pl.col("correct_full").cast(pl.Float64).mean(),
-            accuracy=pl.col("correct").cast(pl.Float64).mean(),
-        )
-        .with_columns(drop=pl.col("full_accuracy") - pl.col("accuracy"))
-        .with_columns(
-            refused=pl.struct("task", "placement").map_elements(
-                lambda key: refused.get((key["task"], key["placement"])), return_dtype=pl.String
-            )
-        )
-        .sort("task", "placement", "point")
-    )
-    return {
-        "prediction": pl.concat(tables, how="diagonal_relaxed"),
-        "predictions": pl.concat(marks, how="diagonal_relaxed"),
-        "accuracy": accuracy,
+    tables = {
+        f: pl.concat([getattr(p, f) for p in parts], how="diagonal_relaxed")
+        for f in ("table", "predictions", "pairwise")
     }
+    return PredictionStudy(
+        prediction=tables["table"],
+        predictions=tables["predictions"],
+        pairwise=tables["pairwise"],
+        presses=press_errors(tables["predictions"]),
+        accuracy=_accuracy(task, refused, chance or {}, settings.min_full_accuracy),
+    )

@@ -3,9 +3,9 @@
 One panel per measure (rows) and task with its question placement (columns); one point per
 frontier point, coloured by press (the group the held-out analysis leaves out), at its oriented
 measure (``x``) and its drop; the held-out prediction of each point (the isotonic fit on the other
-presses) as a black cross on the same vertical. The panel's title gives the partial rank
-correlation given the compression ratio and the held-out MAE against the ratio-only MAE
-(:func:`kvdiverge.estimation.prediction.prediction_tables`).
+presses) as a black cross on the same vertical. The panel's title gives the within-ratio Kendall
+concordance and the held-out gain over the ratio alone, each with its Holm-adjusted permutation
+p-value, the gain with its interval (:func:`kvdiverge.estimation.prediction.prediction_tables`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ __all__ = ["plot_prediction", "prediction_figure"]
 
 def _title(row: dict) -> str:
     return (
-        f"{row['task']} ({row['placement']}): rho|ratio {row['spearman_given_ratio']:.2f} "
-        f"[{row['spearman_given_ratio_lo']:.2f}, {row['spearman_given_ratio_hi']:.2f}]\n"
-        f"held-out MAE {row['mae_held_out']:.3f}, ratio only {row['mae_ratio_only']:.3f}"
+        f"{row['task']} ({row['placement']}): tau within ratio {row['kendall_within_ratio']:.2f} "
+        f"(p {row['p_kendall_within_ratio_holm']:.3f} Holm)\n"
+        f"gain over the ratio {row['mae_gain']:.3f} [{row['mae_gain_lo']:.3f}, {row['mae_gain_hi']:.3f}] "
+        f"(p {row['p_mae_gain_holm']:.3f} Holm)"
     )
 
 
