@@ -51,7 +51,7 @@ def test_position_measures_by_hand():
     assert zero["kld"].item() == 0.0
 
 
-def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
+def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p", key=None):
     n = len(kld)
     return pl.DataFrame(
         {
@@ -62,6 +62,7 @@ def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
             "position": list(range(n)),
             "token": [0] * n,
             "continuation": ["corpus"] * n,
+            "target": ["continuation"] * n,
             "one_forward": [True] * n,
             "kld": kld,
             "delta_p": dp,
@@ -70,6 +71,8 @@ def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
             "top_ref": [0] * n,
             "top_ev": [0] * n,
             "same_top": same,
+            "ll_short": [None] * n,
+            "key": [None] * n if key is None else key,
         },
         schema=POSITION_SCHEMA,
     )
@@ -409,3 +412,136 @@ def test_a_length_beyond_the_context_is_cut_to_what_the_context_leaves(model, mo
     counts = dict(s.positions.group_by("doc_id").len().iter_rows())
     assert counts == {"a": 8, "b": 4}  # 48 - 40 and 48 - 44 positions: cut, not refused
     assert s.settings["length"] == 10**6
+
+
+# --------------------------------------------------------------------------- reconstruction and key tokens
+
+
+def test_key_selection_by_hand():
+    """LongPPL's rule, both inequalities strict: LSD = long - short > alpha and LCL = long > beta."""
+    from kvdiverge.estimation.key_tokens import KeyTokens, key_mask
+
+    long = np.array([-0.5, -1.0, -3.0, -1.75, -0.25, -2.0])
+    short = np.array([-3.0, -2.875, -6.0, -3.875, -2.25, -5.0])
+    # LSD: 2.5, 1.875, 3.0, 2.125, 2.0 (not > 2), 3.0; LCL > -2: yes, yes, no, yes, yes, -2.0 (not > -2)
+    assert key_mask(long, short, KeyTokens()).tolist() == [True, False, False, True, False, False]
+    # alpha 2.5 (2.5 itself not above), beta -3.5 (every LCL above)
+    assert key_mask(long, short, KeyTokens(alpha=2.5, beta=-3.5)).tolist() == [False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="key_tokens.short must be an integer >= 1, got 0"):
+        KeyTokens(short=0)
+
+
+def _key_rule():
+    """Loose thresholds, so that a random miniature has key positions (and others)."""
+    from kvdiverge.estimation.key_tokens import KeyTokens
+
+    return KeyTokens(short=8, alpha=0.5, beta=-40.0)
+
+
+def _targets(docs, prefix=(3, 4, 5, 6)):
+    """Each document's reconstruction target: its own tokens after a 4-token stand-in instruction."""
+    from kvdiverge.engine.forced import Continuation
+
+    return {d.doc_id: Continuation(tuple(d.input_ids), "prompt", tuple(prefix)) for d in docs}
+
+
+def _fresh_log_probs(model, context, fed, scored):
+    """log P of the last ``scored`` fed tokens in a fresh forward over context + fed, by hand."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(context) + list(fed)])).logits[0].double().log_softmax(-1)
+    at = torch.arange(len(context) + len(fed) - scored - 1, len(context) + len(fed) - 1)
+    return logits[at, torch.tensor(list(fed)[-scored:])].numpy()
+
+
+@pytest.mark.miniature
+def test_key_tokens_by_hand_on_a_miniature(model):
+    """ll_short is a fresh forward of the prompt's last 8 tokens and the fed tokens, ll_ref one of the whole
+    prompt; the key positions are LongPPL's rule on the two, the same for every policy of a document; the
+    document's key measures are the KLD and top-1 agreement over those positions."""
+    from kvdiverge.estimation.key_tokens import key_mask, missing_key_lines
+
+    docs, rule = [Document("a", prompt(40)), Document("b", prompt(36))], _key_rule()
+    conts = {"a": prompt(14, seed=4), "b": prompt(14, seed=6)}
+    policies = {"snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)), "none": PressPolicy("none", None)}
+    settings = TeacherPass(SAMPLING, TeacherForcing(length=14, key=rule), "s")
+    frame = teacher_forced_policies(model, docs, policies, settings=settings, continuations=conts)
+    for doc in docs:
+        rows = frame.filter((pl.col("doc_id") == doc.doc_id) & (pl.col("policy") == "snap"))
+        long = _fresh_log_probs(model, doc.input_ids, conts[doc.doc_id], 14)
+        short = _fresh_log_probs(model, doc.input_ids[-8:], conts[doc.doc_id], 14)
+        assert np.allclose(rows["ll_ref"].to_numpy(), long, atol=1e-5, rtol=0)
+        assert np.allclose(rows["ll_short"].to_numpy(), short, atol=1e-5, rtol=0)
+        assert np.abs(long - short - rule.alpha).min() > 1e-3 and np.abs(long - rule.beta).min() > 1e-3  # no tie
+        want = key_mask(long, short, rule)
+        assert 0 < want.sum() < 14  # keys and others
+        assert rows["key"].to_list() == want.tolist()
+        none = frame.filter((pl.col("doc_id") == doc.doc_id) & (pl.col("policy") == "none"))
+        assert none["key"].equals(rows["key"]) and none["ll_short"].equals(rows["ll_short"])
+    docs_table = document_table(frame).filter(pl.col("policy") == "snap")
+    for row in docs_table.iter_rows(named=True):
+        rows = frame.filter((pl.col("doc_id") == row["doc_id"]) & (pl.col("policy") == "snap") & pl.col("key"))
+        assert row["n_key"] == rows.height
+        assert row["kld_key_mean"] == pytest.approx(float(rows["kld"].mean()), rel=1e-12)
+        assert row["same_top_p_key"] == pytest.approx(float(rows["same_top"].cast(pl.Float64).mean()), rel=1e-12)
+    # a short context as long as the prompts: no position gains from the far context, no key measure
+    wide = TeacherPass(SAMPLING, TeacherForcing(length=14, key=type(rule)(short=64, alpha=0.5, beta=-40.0)), "s")
+    none = teacher_forced_policies(model, docs, policies, settings=wide, continuations=conts)
+    by_doc = document_table(none)
+    assert by_doc["n_key"].to_list() == [0] * 4 and by_doc["kld_key_mean"].null_count() == 4
+    table = summary_table(none, floor="none", boot=Bootstrap(20))
+    assert table["n_documents_no_key"].to_list() == [2, 2] and table["kld_key_mean"].null_count() == 2
+    assert missing_key_lines(table) == [
+        "key tokens: 2 of 2 documents have no key position (model tiny, split s; 2 runs): their kld_key_mean "
+        "and same_top_p_key are missing"
+    ]
+    assert missing_key_lines(summary_table(frame, boot=Bootstrap(0))) == []
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("target", ["continuation", "reconstruction"])
+def test_the_controls_on_every_new_measure(model, target):
+    """The none control is exactly 0 (Same top p exactly 1) on every position and every key position, the
+    noise floor below 1e-6, on either target; a press moves both."""
+    docs = [Document("a", prompt(40)), Document("b", prompt(36))]
+    policies = {
+        "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)),
+        "none": PressPolicy("none", None),
+        "floor": PressPolicy("floor", PermutationPress(seed=0)),
+    }
+    conts = _targets(docs) if target == "reconstruction" else {"a": prompt(14, seed=4), "b": prompt(14, seed=6)}
+    forcing = TeacherForcing(length=64, target=target, key=_key_rule())
+    frame = teacher_forced_policies(model, docs, policies, settings=TeacherPass(SAMPLING, forcing, "s"),
+                                    continuations=conts)  # fmt: skip
+    assert (frame["target"] == target).all()
+    table = summary_table(frame, floor="floor", boot=Bootstrap(50)).sort("policy")
+    rows = {r["policy"]: r for r in table.iter_rows(named=True)}
+    assert rows["none"]["n_key"] > 0 and rows["none"]["n_key"] == rows["snap"]["n_key"]
+    assert rows["none"]["kld_mean"] == 0.0 and rows["none"]["kld_key_mean"] == 0.0
+    assert rows["none"]["same_top_p_key"] == 1.0 and rows["none"]["kld_key_mean_hi"] == 0.0
+    assert (frame.filter(pl.col("policy") == "none")["kld"] == 0.0).all()
+    assert 0 <= rows["floor"]["kld_mean"] < 1e-6 and 0 <= rows["floor"]["kld_key_mean"] < 1e-6
+    assert rows["snap"]["kld_key_mean"] > 1e-3 and rows["snap"]["floor_kld_key_mean"] == rows["floor"]["kld_key_mean"]
+    docs_table = document_table(frame).filter(pl.col("policy") == "none")
+    assert docs_table["kld_key_mean"].to_list() == [0.0, 0.0] and docs_table["same_top_p_key"].to_list() == [1.0, 1.0]
+
+
+@pytest.mark.miniature
+def test_reconstruction_feeds_the_instruction_and_scores_the_text(model):
+    """The reconstruction feeds the instruction, then the prompt's tokens, and scores the prompt's tokens
+    only, in order: their log-probabilities are a fresh forward's over prompt + instruction + text; a
+    length below the text's keeps its first tokens."""
+    docs = [Document("a", prompt(40))]
+    conts = _targets(docs)
+    policies = {"snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8))}
+    run = lambda length: teacher_forced_policies(  # noqa: E731
+        model, docs, policies, settings=TeacherPass(SAMPLING, TeacherForcing(length, target="reconstruction"), "s"),
+        continuations=conts)  # fmt: skip
+    frame = run(100)
+    assert frame["token"].to_list() == docs[0].input_ids and frame["position"].to_list() == list(range(40))
+    assert (frame["continuation"] == "prompt").all() and frame["key"].null_count() == 40
+    fed = [3, 4, 5, 6, *docs[0].input_ids]
+    assert np.allclose(frame["ll_ref"].to_numpy(), _fresh_log_probs(model, docs[0].input_ids, fed, 40), atol=1e-5)
+    assert run(10)["token"].to_list() == docs[0].input_ids[:10]
+    with pytest.raises(ValueError, match="no reconstruction target given for document 'a'"):
+        teacher_forced_policies(model, docs, policies, settings=TeacherPass(SAMPLING, TeacherForcing(
+            target="reconstruction"), "s"), continuations={})  # fmt: skip

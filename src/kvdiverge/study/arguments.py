@@ -18,6 +18,7 @@ from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.engine.presses.expressions import parse_press, policy_entry
 from kvdiverge.engine.presses.quantized import BACKENDS
 from kvdiverge.engine.runner import PressSource, question_after_problems
+from kvdiverge.study.config import reconstruction_problem
 from kvdiverge.study.devices import device_problem
 from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import (
@@ -56,6 +57,7 @@ OPTIONS = {
     "confidence": "--confidence",
     "batch_documents": "--batch-documents",
     "teacher_tokens": "--teacher-tokens",
+    "teacher_target": "--teacher-target",
 }
 
 
@@ -124,7 +126,7 @@ def check_arguments(args: Any) -> None:
     """
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    unset_allowed = {"batch_documents", "teacher_tokens", *decoding_options()}  # None: measure()'s default
+    unset_allowed = {"batch_documents", "teacher_tokens", "teacher_target", *decoding_options()}  # None: the default
     values = {k: getattr(args, k) for k in OPTIONS if k not in unset_allowed or getattr(args, k) is not None}
     try:
         check_settings(values, OPTIONS)
@@ -151,6 +153,9 @@ def check_arguments(args: Any) -> None:
         raise InputError("--task scores the coupled run's greedy answers; the teacher-forced --screen runs no task")
     if task and args.temperature != 0:
         raise InputError(f"--task scores greedy answers: --temperature must be 0, got {args.temperature:g}")
+    problem = reconstruction_problem(getattr(args, "teacher_target", None), task, "--teacher-target")
+    if problem:
+        raise InputError(problem)
     problem = device_problem(args.device, "--device")
     if problem:
         raise InputError(problem)
@@ -233,7 +238,7 @@ def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task) -> 
 
 #: :func:`kvdiverge.measure`'s keywords that the command line passes as they are, by option name.
 _PLAIN = ("max_new_tokens", "ratios", "cache_ratios", "replicates", "seed", "window", "system", "bootstrap",
-          "confidence", "batch_documents", "teacher_tokens")  # fmt: skip
+          "confidence", "batch_documents", "teacher_tokens", "teacher_target")  # fmt: skip
 
 
 def measure_keywords(args: Any, model_name: str, instruction: str | None, caches, task) -> dict[str, Any]:

@@ -480,6 +480,9 @@ def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> 
     task = config.get("task")
     if not task:
         return
+    problem = reconstruction_problem((config.get("teacher_forced") or {}).get("target"), task, "teacher_forced.target")
+    if problem:
+        problems.append(problem)
     temperature = config.get("decoding", {}).get("temperature")
     if temperature is not None and temperature != 0:
         problems.append(f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}")
@@ -502,6 +505,17 @@ def _task_problems(config: dict[str, Any], need_policy, problems: list[str]) -> 
             continue  # reported by policy_problems
         if problem:
             problems.append(f"task.question: 'after' cannot run policy {name!r}: {problem}")
+
+
+def reconstruction_problem(target: str | None, task: Any, name: str) -> str | None:
+    """The sentence refusing the reconstruction target beside a task (its prompts are the task's, not the
+    text it repeats), spelled ``name`` as the door spells the target setting; None when they may go together."""
+    if target != "reconstruction" or not task:
+        return None
+    return (
+        f"{name}: 'reconstruction' repeats each prompt's own text, and a task's prompts are built from it "
+        "(a needle inserted, a question): measure the reconstruction without the task"
+    )
 
 
 def _prediction_problems(config: dict[str, Any], need_policy, problems: list[str]) -> None:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 from kvdiverge.engine.runner import RunOptions
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.study.config import reconstruction_problem
 from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import describe_press, is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled
@@ -59,6 +60,7 @@ class MeasureOptions:
     caches: Mapping[str, Mapping[str, Any]] | None = None
     cache_ratios: Sequence[float] | None = None
     teacher_tokens: int | None = None
+    teacher_target: str | None = None
     task: str | Mapping[str, Any] | None = None
     decoding: Mapping[str, Any] = field(default_factory=dict)
 
@@ -82,9 +84,12 @@ class MeasureOptions:
         opts = cls(**options, decoding=decoding)
         given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
         given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
-        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens")  # None: the default
+        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens", "teacher_target")  # None: default
         given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})
         checked = check_settings(given)  # counts given as integral floats come back as int
+        problem = reconstruction_problem(opts.teacher_target, opts.task, "teacher_target")
+        if problem:
+            raise ValueError(problem)
         kept = {k: v for k, v in checked.items() if k in cls.__dataclass_fields__}
         return cls(**{**options, **kept}, decoding={name: checked[name] for name in decoding})
 
