@@ -545,3 +545,53 @@ def test_reconstruction_feeds_the_instruction_and_scores_the_text(model):
     with pytest.raises(ValueError, match="no reconstruction target given for document 'a'"):
         teacher_forced_policies(model, docs, policies, settings=TeacherPass(SAMPLING, TeacherForcing(
             target="reconstruction"), "s"), continuations={})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """A real fast tokenizer, one token per byte (ids below 256) and ChatML's two special tokens (256, 257),
+    whose chat template writes ChatML: the miniature's 512 ids hold it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tok
+
+
+@pytest.mark.miniature
+def test_the_doors_reconstruct_the_prompts_text_after_the_templated_instruction(model, chat_tokenizer):
+    """screen() and measure() feed, after each rendered prompt, the repeat instruction as a user turn of the
+    model's chat template, then the prompt's text; the scored tokens are the text's, in order."""
+    import kvdiverge
+    from kvdiverge.study.prompts import REPEAT_INSTRUCTION, render_ids, repeat_ids, repeat_text
+
+    tok = chat_tokenizer
+    assert repeat_text(tok, REPEAT_INSTRUCTION) == (
+        "<|im_end|>\n<|im_start|>user\nRepeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompts = {"a": "The cycle of water: it rains, it flows, it rises again.", "b": "Keys and values, kept or not."}
+    presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
+    options = {"target": "reconstruction", "length": 500, "bootstrap": 20, "key_short": 8, "key_alpha": 0.5,
+               "key_beta": -40.0}  # fmt: skip
+    s = kvdiverge.screen(model, tok, prompts, presses, options=options)
+    for doc_id, text in prompts.items():
+        rows = s.positions.filter((pl.col("policy") == "snap") & (pl.col("doc_id") == doc_id))
+        want = tok(text, add_special_tokens=False)["input_ids"]
+        assert rows["token"].to_list() == want and rows["position"].to_list() == list(range(len(want)))
+        fed = repeat_ids(tok, REPEAT_INSTRUCTION) + want
+        fresh = _fresh_log_probs(model, render_ids(tok, text, None), fed, len(want))
+        assert np.allclose(rows["ll_ref"].to_numpy(), fresh, atol=1e-5, rtol=0)
+    assert s.settings["target"] == "reconstruction" and s.settings["key_tokens"]["short"] == 8
+    assert "key KLD" in s.format() and "teacher-forced (reconstruction)" in s.format()
+    m = kvdiverge.measure(model, tok, prompts, presses, max_new_tokens=2, replicates=2, bootstrap=20, progress=False,
+                          teacher_target="reconstruction", teacher_tokens=500)  # fmt: skip
+    assert m.teacher_forced.positions.drop("ll_short", "key").equals(s.positions.drop("ll_short", "key"))
