@@ -221,8 +221,9 @@ def test_reconstruction_and_key_tokens_on_sliding_layers(mini_gemma):
     def run(block):
         forcing = TeacherForcing(length=30, block=block, target="reconstruction", key=rule)
         snap = PressPolicy("p", kvpress.SnapKVPress(0.5, window_size=8))
-        return teacher_forced_policies(mini_gemma, [Document("d", prompt)], {"p": snap},
-                                       settings=TeacherPass(sampling, forcing, "s"), continuations={"d": target})  # fmt: skip
+        pass_ = TeacherPass(sampling, forcing, "s")
+        return teacher_forced_policies(mini_gemma, [Document("d", prompt)], {"p": snap}, settings=pass_,
+                                       continuations={"d": target})  # fmt: skip
 
     block, steps = run(True), run(False)
     assert block["one_forward"].all() and not steps["one_forward"].any()

@@ -595,3 +595,44 @@ def test_the_doors_reconstruct_the_prompts_text_after_the_templated_instruction(
     m = kvdiverge.measure(model, tok, prompts, presses, max_new_tokens=2, replicates=2, bootstrap=20, progress=False,
                           teacher_target="reconstruction", teacher_tokens=500)  # fmt: skip
     assert m.teacher_forced.positions.drop("ll_short", "key").equals(s.positions.drop("ll_short", "key"))
+
+
+@pytest.mark.miniature
+def test_the_workflow_job_reconstructs_each_excerpt(model, chat_tokenizer, tmp_path):
+    """With ``teacher_forced.target: reconstruction`` the model's teacher-forced job feeds each document's
+    excerpt (the corpus text, not the appended instruction) after the config's repeat instruction, and marks
+    the key tokens by the config's rule."""
+    from pathlib import Path
+
+    from kvdiverge.study.config import load_config
+    from kvdiverge.study.jobs import TeacherSettings
+    from kvdiverge.study.prompts import render_ids, repeat_ids
+    from kvdiverge.study.teacher import run_teacher_forced
+
+    config = load_config(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
+    config["teacher_forced"].update(target="reconstruction", length=500, repeat_instruction="Again, please.")
+    config["teacher_forced"]["key_tokens"] = {"short": 8, "alpha": 0.5, "beta": -40.0}
+    texts = {"d1": "Water falls as rain, runs to the sea and rises as vapour into the clouds once more.",
+             "d2": "A cache keeps the keys and values of every token; a press decides which of them stay."}  # fmt: skip
+    corpus = pl.DataFrame({"doc_id": list(texts), "split": ["exploratory"] * 2, "text": list(texts.values())})
+    ids = [render_ids(chat_tokenizer, t, config["prompt"]["instruction"]) for t in texts.values()]
+    prompts = pl.DataFrame(
+        {"doc_id": list(texts), "split": ["exploratory"] * 2, "n_prompt_tokens": [len(i) for i in ids],
+         "input_ids": ids, "exclusion_reason": [None, None]},
+        schema_overrides={"exclusion_reason": pl.String},
+    )  # fmt: skip
+    paths = {"prompts": str(tmp_path / "prompts.parquet"), "corpus": str(tmp_path / "corpus.parquet")}
+    prompts.write_parquet(paths["prompts"])
+    corpus.write_parquet(paths["corpus"])
+    job = TeacherSettings.from_config(config, "smollm2-135m", [("snapkv-50", "exploratory"), ("none", "exploratory")])
+    frame = run_teacher_forced(job, paths, loaded=(model, chat_tokenizer))
+    instruction = repeat_ids(chat_tokenizer, "Again, please.")
+    for (doc_id, text), prompt_ids in zip(texts.items(), ids):
+        rows = frame.filter((pl.col("policy") == "snapkv-50") & (pl.col("doc_id") == doc_id))
+        want = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert rows["token"].to_list() == want and rows["key"].sum() > 0
+        assert (rows["continuation"] == "prompt").all() and (rows["target"] == "reconstruction").all()
+        fresh = _fresh_log_probs(model, prompt_ids, instruction + want, len(want))
+        assert np.allclose(rows["ll_ref"].to_numpy(), fresh, atol=1e-5, rtol=0)
+    none = frame.filter(pl.col("policy") == "none")
+    assert none.height and (none["kld"] == 0.0).all()

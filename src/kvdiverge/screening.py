@@ -72,9 +72,9 @@ class Screen:
     settings: dict[str, Any]
 
     def format(self) -> str:
-        """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp (:func:`kvdiverge.report.formatting.teacher_text`);
-        then a line for the prompts without a key position, if any
-        (:func:`kvdiverge.estimation.key_tokens.missing_key_lines`)."""
+        """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp and the key tokens' measures
+        (:func:`kvdiverge.report.formatting.teacher_text`); then a line for the prompts without a key
+        position, if any (:func:`kvdiverge.estimation.key_tokens.missing_key_lines`)."""
         text = teacher_text(self.table, self.settings.get("noise_floor"))
         return "\n".join([text, *missing_key_lines(self.table)])
 

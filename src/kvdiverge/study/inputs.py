@@ -178,7 +178,8 @@ def reconstruction_targets(prompts, tokenizer, instruction: str, name: str = "te
     """
     if tokenizer is None:
         raise ValueError(
-            f"{name}: 'reconstruction' renders its repeat instruction with the model's chat template: pass the tokenizer"
+            f"{name}: 'reconstruction' renders its repeat instruction with the model's chat template: "
+            "pass the tokenizer"
         )
     prefix = tuple(repeat_ids(tokenizer, instruction))
     out = {}
