@@ -489,7 +489,8 @@ def test_key_tokens_by_hand_on_a_miniature(model):
     by_doc = document_table(none)
     assert by_doc["n_key"].to_list() == [0] * 4 and by_doc["kld_key_mean"].null_count() == 4
     table = summary_table(none, floor="none", boot=Bootstrap(20))
-    assert table["n_documents_no_key"].to_list() == [2, 2] and table["kld_key_mean"].null_count() == 2
+    assert table["n_documents_no_key"].to_list() == [2, 2] and table["n_key"].to_list() == [0, 0]
+    assert table["kld_key_mean"].null_count() == table["kld_key_mean_lo"].null_count() == 2
     assert missing_key_lines(table) == [
         "key tokens: 2 of 2 documents have no key position (model tiny, split s; 2 runs): their kld_key_mean "
         "and same_top_p_key are missing"

@@ -335,7 +335,7 @@ def _bootstrap_intervals(positions: pl.DataFrame, boot: Bootstrap, purpose) -> d
         means = (counts @ per_doc[key].to_numpy()) / den
         lo, hi = boot.interval(transform(means) if transform else means)
         out[f"{key}_lo"], out[f"{key}_hi"] = float(lo), float(hi)
-    if positions["key"].is_not_null().any():  # the same resamples: a resample without a key position is left out
+    if positions["key"].fill_null(False).any():  # the same resamples; one without a key position is left out
         key = pl.col("key").fill_null(False)
         sums = positions.group_by("doc_id").agg(key.sum().cast(pl.Float64).alias("n"), pl.col("kld").filter(key).sum())
         sums = sums.sort("doc_id")
