@@ -452,6 +452,7 @@ EVERY_DOOR = [
     ("teacher_forced.length", -3, "-3 is not allowed; allowed: an integer >= 1"),
     ("teacher_forced.length", 2.7, "2.7 is not an integer; allowed: an integer >= 1"),
     ("teacher_forced.length", "abc", "'abc' is not allowed; allowed: an integer >= 1"),
+    ("teacher_forced.target", "recon", "'recon' is not allowed; allowed: one of 'continuation', 'reconstruction'"),
     ("analysis.bootstrap", 0, "0 is not allowed; allowed: an integer >= 1"),
     ("analysis.confidence", 1.5, "1.5 is not allowed; allowed: a number > 0 and < 1"),
     ("task.digits", 2.5, "2.5 is not an integer; allowed: an integer >= 1 and <= 18"),
@@ -466,6 +467,7 @@ EVERY_DOOR = [
 #: Each door's spelling of the keys it takes: measure()'s arguments, screen()'s options, the command line's options.
 MEASURE_NAMES = {
     "teacher_forced.length": "teacher_tokens",
+    "teacher_forced.target": "teacher_target",
     "analysis.bootstrap": "bootstrap",
     "analysis.confidence": "confidence",
     "decoding.repetition_penalty": "repetition_penalty",
@@ -474,6 +476,7 @@ MEASURE_NAMES = {
 }
 SCREEN_NAMES = {
     "teacher_forced.length": "options.length",
+    "teacher_forced.target": "options.target",
     "analysis.bootstrap": "options.bootstrap",
     "analysis.confidence": "options.confidence",
     "prompt.instruction": "options.instruction",
@@ -481,6 +484,7 @@ SCREEN_NAMES = {
 }
 CLI_NAMES = {
     "teacher_forced.length": "--teacher-tokens",
+    "teacher_forced.target": "--teacher-target",
     "analysis.bootstrap": "--bootstrap",
     "analysis.confidence": "--confidence",
     "decoding.repetition_penalty": "--repetition-penalty",
@@ -549,7 +553,8 @@ def test_the_command_line_refuses_the_value_before_loading_the_model(key, value,
     rc = run(["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", CLI_NAMES[key], str(value)])
     assert rc == 2
     err = capsys.readouterr().err
-    if isinstance(value, float) and key == "teacher_forced.length" or isinstance(value, str) and key not in CLI_TEXT:
+    textual = {*CLI_TEXT, "teacher_forced.target"}  # taken as text by argparse, refused by the check
+    if isinstance(value, float) and key == "teacher_forced.length" or isinstance(value, str) and key not in textual:
         assert f"argument {CLI_NAMES[key]}: invalid int value" in err  # argparse's own type check
     else:
         assert err.strip() == f"kvdiverge measure: error: {CLI_NAMES[key]}: {tail}"
@@ -561,6 +566,7 @@ def test_the_command_line_refuses_the_value_before_loading_the_model(key, value,
         (["--question", "after"], "--question places a task's question: give --task too"),
         (["--task", "niah", "--screen"], "--task scores the coupled run's greedy answers; the teacher-forced --screen"),
         (["--task", "niah", "--temperature", "0.7"], "--task scores greedy answers: --temperature must be 0, got 0.7"),
+        (["--task", "niah", "--teacher-target", "reconstruction"], "--teacher-target: 'reconstruction' repeats each"),
     ],
 )
 def test_the_command_line_refuses_task_options_that_do_not_go_together(extra, message, prompts, no_model, capsys):
@@ -863,3 +869,25 @@ def test_a_penalty_that_turns_the_logits_non_finite_is_named():
     with pytest.raises(ValueError, match=r"^repetition_penalty: 0.0001 turns the reference side's float16 logits"):
         history.penalize(logits, "reference")
     assert torch.isfinite(history.penalize(logits.float(), "reference")).all()  # float32 holds 30 / 1e-4
+
+
+def test_the_reconstruction_is_refused_beside_a_task_and_without_a_tokenizer(tiny):
+    """Every door refuses the reconstruction beside a task (whose prompts are not the text it repeats), in the
+    same sentence; measure() and screen() without a tokenizer (the instruction is rendered with its template)."""
+    import kvdiverge
+    from kvdiverge.study.config import ConfigError, validate
+
+    tail = "'reconstruction' repeats each prompt's own text, and a task's prompts are built from it"
+    config = raw("smoke.yaml")
+    config["task"], config["decoding"]["temperature"] = {"name": "niah"}, 0
+    config["teacher_forced"] = {"target": "reconstruction"}
+    with pytest.raises(ConfigError, match=f"teacher_forced.target: {tail}"):
+        validate(config)
+    with pytest.raises(ValueError, match=f"^teacher_target: {tail}"):
+        measure(tiny, task="niah", temperature=0, teacher_target="reconstruction")
+    with pytest.raises(ValueError, match="^teacher_target: 'reconstruction' renders its repeat instruction"):
+        measure(tiny, teacher_target="reconstruction")
+    model, ids = tiny
+    with pytest.raises(ValueError, match="^options.target: 'reconstruction' renders its repeat instruction"):
+        kvdiverge.screen(model, None, ids, {"snap": {"press": "SnapKVPress", "compression_ratio": 0.5}},
+                         options={"target": "reconstruction"})  # fmt: skip

@@ -59,3 +59,26 @@ def test_the_batching_options_default_to_auto():
     assert generation_options(None).batch_documents is None
     assert generation_options({"batch_documents": "auto", "memory_budget_gb": 2.5}).memory_budget_gb == 2.5
     assert generation_options({"batch_documents": 3}).batch_documents == 3
+
+
+@pytest.mark.parametrize(
+    "change, reruns",
+    [
+        ({"target": "reconstruction"}, True),
+        ({"key_tokens": {"short": 32, "alpha": 2.0, "beta": -2.0}}, True),
+        ({"key_tokens": {"short": 128, "alpha": 1.0, "beta": -2.0}}, True),
+        ({"repeat_instruction": "Say it again."}, False),  # read by the reconstruction only
+        ({"target": "reconstruction", "repeat_instruction": "Say it again."}, True),
+    ],
+)
+def test_the_target_and_key_tokens_rerun_the_teacher_forced_job_and_no_shard(smoke, change, reruns):
+    """The teacher_forced section's target, key tokens and (with the reconstruction) repeat instruction
+    are the teacher-forced job's rerun key, never a shard's."""
+    assert smoke["teacher_forced"]["target"] == "continuation" and smoke["teacher_forced"]["key_tokens"]["short"] == 128
+    base = {**smoke, "teacher_forced": {**smoke["teacher_forced"], "target": change.get("target", "continuation")}}
+    other = {**smoke, "teacher_forced": {**smoke["teacher_forced"], **change}}
+    runs = [("snapkv-50", "exploratory")]
+    teacher = TeacherSettings.from_config(smoke if "repeat_instruction" not in change else base, MODEL, runs)
+    assert (TeacherSettings.from_config(other, MODEL, runs).to_params() != teacher.to_params()) is reruns
+    shard = ShardSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory", 0)
+    assert ShardSettings.from_config(other, MODEL, "snapkv-50", "exploratory", 0).to_params() == shard.to_params()

@@ -8,6 +8,7 @@ then not its positions, and a window counted in columns cuts one token too many.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -196,6 +197,48 @@ def test_teacher_forced_pass_on_sliding_layers(mini_gemma, press):
         )
         fresh = logits.logits[0, N - 1 : -1].double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(block["ll_ref"].double(), fresh, atol=1e-5, rtol=0)
+
+
+def test_reconstruction_and_key_tokens_on_sliding_layers(mini_gemma):
+    """The reconstruction target (5 instruction tokens, then the prompt's first 30 tokens) in one forward
+    equals stepping it; the key tokens' short-context forward (70 prompt tokens, then the 35 fed ones: past
+    the 64-token window) equals stepping it through a cache."""
+    import kvpress
+    import polars as pl
+
+    from kvdiverge.engine.core.sampling import Decoding, Sampling
+    from kvdiverge.engine.forced import Continuation, TeacherPass, teacher_forced_policies
+    from kvdiverge.engine.llm.teacher import TeacherForcing
+    from kvdiverge.engine.presses.policies import PressPolicy
+    from kvdiverge.engine.runner import Document
+    from kvdiverge.estimation.key_tokens import KeyTokens
+
+    sampling = Sampling(T=1, replicates=1, decoding=Decoding(temperature=1.0, eos_ids=()), seed=5, model_name="g")
+    prompt = torch.randint(1, 500, (N,), generator=torch.Generator().manual_seed(3)).tolist()
+    target = Continuation(tuple(prompt), "prompt", (7, 8, 9, 10, 11))
+    rule = KeyTokens(short=70, alpha=0.5, beta=-40.0)
+
+    def run(block):
+        forcing = TeacherForcing(length=30, block=block, target="reconstruction", key=rule)
+        snap = PressPolicy("p", kvpress.SnapKVPress(0.5, window_size=8))
+        pass_ = TeacherPass(sampling, forcing, "s")
+        return teacher_forced_policies(mini_gemma, [Document("d", prompt)], {"p": snap}, settings=pass_,
+                                       continuations={"d": target})  # fmt: skip
+
+    block, steps = run(True), run(False)
+    assert block["one_forward"].all() and not steps["one_forward"].any()
+    assert block["token"].to_list() == prompt[:30]
+    for key in ("kld", "ll_ref", "ll_ev", "ll_short"):
+        assert np.allclose(block[key].to_numpy(), steps[key].to_numpy(), atol=1e-5, rtol=0), key
+    assert float(block["kld"].max()) > 1e-3 and 0 < int(block["key"].sum()) < 30
+    with torch.inference_mode():  # the short context and the fed tokens, stepped through a cache
+        cache, fed = DynamicCache(config=mini_gemma.config), list(target.fed)[:35]
+        logits = [mini_gemma(input_ids=torch.tensor([prompt[-70:]]), past_key_values=cache).logits[0, -1]]
+        for t in fed[:-1]:
+            logits.append(mini_gemma(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
+        stepped = torch.stack(logits).double().log_softmax(-1)[torch.arange(len(fed)), torch.tensor(fed)][5:]
+    assert np.allclose(block["ll_short"].to_numpy(), stepped.numpy(), atol=1e-5, rtol=0)
+    assert block.filter(pl.col("key"))["ll_ref"].min() > rule.beta
 
 
 def test_a_question_after_compression_is_refused_on_sliding_layers(mini_gemma):

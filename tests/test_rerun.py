@@ -152,6 +152,8 @@ CASES = [
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION | teacher()),
     ("teacher_forced.length", 8, teacher()),
+    ("teacher_forced.target", "reconstruction", teacher()),
+    ("teacher_forced.key_tokens.short", 32, teacher()),
     (
         "policies.snapkv-50.compression_ratio",
         0.4,
@@ -216,6 +218,8 @@ CASES = [
     ("replicates", 2.0, set()),
     ("decoding.max_new_tokens", 8.0, set()),
     ("teacher_forced.length", 16.0, set()),
+    # read by the reconstruction target only (the smoke config's is the continuation)
+    ("teacher_forced.repeat_instruction", "Say it again.", set()),
 ]
 
 

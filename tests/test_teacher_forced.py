@@ -51,7 +51,7 @@ def test_position_measures_by_hand():
     assert zero["kld"].item() == 0.0
 
 
-def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
+def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p", key=None):
     n = len(kld)
     return pl.DataFrame(
         {
@@ -62,6 +62,7 @@ def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
             "position": list(range(n)),
             "token": [0] * n,
             "continuation": ["corpus"] * n,
+            "target": ["continuation"] * n,
             "one_forward": [True] * n,
             "kld": kld,
             "delta_p": dp,
@@ -70,6 +71,8 @@ def positions(kld, dp, ll_ref, ll_ev, same, doc="d", policy="p"):
             "top_ref": [0] * n,
             "top_ev": [0] * n,
             "same_top": same,
+            "ll_short": [None] * n,
+            "key": [None] * n if key is None else key,
         },
         schema=POSITION_SCHEMA,
     )
@@ -409,3 +412,228 @@ def test_a_length_beyond_the_context_is_cut_to_what_the_context_leaves(model, mo
     counts = dict(s.positions.group_by("doc_id").len().iter_rows())
     assert counts == {"a": 8, "b": 4}  # 48 - 40 and 48 - 44 positions: cut, not refused
     assert s.settings["length"] == 10**6
+
+
+# --------------------------------------------------------------------------- reconstruction and key tokens
+
+
+def test_key_selection_by_hand():
+    """LongPPL's rule, both inequalities strict: LSD = long - short > alpha and LCL = long > beta."""
+    from kvdiverge.estimation.key_tokens import KeyTokens, key_mask
+
+    long = np.array([-0.5, -1.0, -3.0, -1.75, -0.25, -2.0])
+    short = np.array([-3.0, -2.875, -6.0, -3.875, -2.25, -5.0])
+    # LSD: 2.5, 1.875, 3.0, 2.125, 2.0 (not > 2), 3.0; LCL > -2: yes, yes, no, yes, yes, -2.0 (not > -2)
+    assert key_mask(long, short, KeyTokens()).tolist() == [True, False, False, True, False, False]
+    # alpha 2.5 (2.5 itself not above), beta -3.5 (every LCL above)
+    assert key_mask(long, short, KeyTokens(alpha=2.5, beta=-3.5)).tolist() == [False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="key_tokens.short must be an integer >= 1, got 0"):
+        KeyTokens(short=0)
+
+
+def _key_rule():
+    """Loose thresholds, so that a random miniature has key positions (and others)."""
+    from kvdiverge.estimation.key_tokens import KeyTokens
+
+    return KeyTokens(short=8, alpha=0.5, beta=-40.0)
+
+
+def _targets(docs, prefix=(3, 4, 5, 6)):
+    """Each document's reconstruction target: its own tokens after a 4-token stand-in instruction."""
+    from kvdiverge.engine.forced import Continuation
+
+    return {d.doc_id: Continuation(tuple(d.input_ids), "prompt", tuple(prefix)) for d in docs}
+
+
+def _fresh_log_probs(model, context, fed, scored):
+    """log P of the last ``scored`` fed tokens in a fresh forward over context + fed, by hand."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(context) + list(fed)])).logits[0].double().log_softmax(-1)
+    at = torch.arange(len(context) + len(fed) - scored - 1, len(context) + len(fed) - 1)
+    return logits[at, torch.tensor(list(fed)[-scored:])].numpy()
+
+
+@pytest.mark.miniature
+def test_key_tokens_by_hand_on_a_miniature(model):
+    """ll_short is a fresh forward of the prompt's last 8 tokens and the fed tokens, ll_ref one of the whole
+    prompt; the key positions are LongPPL's rule on the two, the same for every policy of a document; the
+    document's key measures are the KLD and top-1 agreement over those positions."""
+    from kvdiverge.estimation.key_tokens import key_mask, missing_key_lines
+
+    docs, rule = [Document("a", prompt(40)), Document("b", prompt(36))], _key_rule()
+    conts = {"a": prompt(14, seed=4), "b": prompt(14, seed=6)}
+    policies = {"snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)), "none": PressPolicy("none", None)}
+    settings = TeacherPass(SAMPLING, TeacherForcing(length=14, key=rule), "s")
+    frame = teacher_forced_policies(model, docs, policies, settings=settings, continuations=conts)
+    for doc in docs:
+        rows = frame.filter((pl.col("doc_id") == doc.doc_id) & (pl.col("policy") == "snap"))
+        long = _fresh_log_probs(model, doc.input_ids, conts[doc.doc_id], 14)
+        short = _fresh_log_probs(model, doc.input_ids[-8:], conts[doc.doc_id], 14)
+        assert np.allclose(rows["ll_ref"].to_numpy(), long, atol=1e-5, rtol=0)
+        assert np.allclose(rows["ll_short"].to_numpy(), short, atol=1e-5, rtol=0)
+        assert np.abs(long - short - rule.alpha).min() > 1e-3 and np.abs(long - rule.beta).min() > 1e-3  # no tie
+        want = key_mask(long, short, rule)
+        assert 0 < want.sum() < 14  # keys and others
+        assert rows["key"].to_list() == want.tolist()
+        none = frame.filter((pl.col("doc_id") == doc.doc_id) & (pl.col("policy") == "none"))
+        assert none["key"].equals(rows["key"]) and none["ll_short"].equals(rows["ll_short"])
+    docs_table = document_table(frame).filter(pl.col("policy") == "snap")
+    for row in docs_table.iter_rows(named=True):
+        rows = frame.filter((pl.col("doc_id") == row["doc_id"]) & (pl.col("policy") == "snap") & pl.col("key"))
+        assert row["n_key"] == rows.height
+        assert row["kld_key_mean"] == pytest.approx(float(rows["kld"].mean()), rel=1e-12)
+        assert row["same_top_p_key"] == pytest.approx(float(rows["same_top"].cast(pl.Float64).mean()), rel=1e-12)
+    # a short context as long as the prompts: no position gains from the far context, no key measure
+    wide = TeacherPass(SAMPLING, TeacherForcing(length=14, key=type(rule)(short=64, alpha=0.5, beta=-40.0)), "s")
+    none = teacher_forced_policies(model, docs, policies, settings=wide, continuations=conts)
+    by_doc = document_table(none)
+    assert by_doc["n_key"].to_list() == [0] * 4 and by_doc["kld_key_mean"].null_count() == 4
+    table = summary_table(none, floor="none", boot=Bootstrap(20))
+    assert table["n_documents_no_key"].to_list() == [2, 2] and table["n_key"].to_list() == [0, 0]
+    assert table["kld_key_mean"].null_count() == table["kld_key_mean_lo"].null_count() == 2
+    assert missing_key_lines(table) == [
+        "key tokens: 2 of 2 documents have no key position (model tiny, split s; 2 runs): their kld_key_mean "
+        "and same_top_p_key are missing"
+    ]
+    assert missing_key_lines(summary_table(frame, boot=Bootstrap(0))) == []
+
+
+@pytest.mark.miniature
+@pytest.mark.parametrize("target", ["continuation", "reconstruction"])
+def test_the_controls_on_every_new_measure(model, target):
+    """The none control is exactly 0 (Same top p exactly 1) on every position and every key position, the
+    noise floor below 1e-6, on either target; a press moves both."""
+    docs = [Document("a", prompt(40)), Document("b", prompt(36))]
+    policies = {
+        "snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8)),
+        "none": PressPolicy("none", None),
+        "floor": PressPolicy("floor", PermutationPress(seed=0)),
+    }
+    conts = _targets(docs) if target == "reconstruction" else {"a": prompt(14, seed=4), "b": prompt(14, seed=6)}
+    forcing = TeacherForcing(length=64, target=target, key=_key_rule())
+    frame = teacher_forced_policies(model, docs, policies, settings=TeacherPass(SAMPLING, forcing, "s"),
+                                    continuations=conts)  # fmt: skip
+    assert (frame["target"] == target).all()
+    table = summary_table(frame, floor="floor", boot=Bootstrap(50)).sort("policy")
+    rows = {r["policy"]: r for r in table.iter_rows(named=True)}
+    assert rows["none"]["n_key"] > 0 and rows["none"]["n_key"] == rows["snap"]["n_key"]
+    assert rows["none"]["kld_mean"] == 0.0 and rows["none"]["kld_key_mean"] == 0.0
+    assert rows["none"]["same_top_p_key"] == 1.0 and rows["none"]["kld_key_mean_hi"] == 0.0
+    assert (frame.filter(pl.col("policy") == "none")["kld"] == 0.0).all()
+    assert 0 <= rows["floor"]["kld_mean"] < 1e-6 and 0 <= rows["floor"]["kld_key_mean"] < 1e-6
+    assert rows["snap"]["kld_key_mean"] > 1e-3 and rows["snap"]["floor_kld_key_mean"] == rows["floor"]["kld_key_mean"]
+    docs_table = document_table(frame).filter(pl.col("policy") == "none")
+    assert docs_table["kld_key_mean"].to_list() == [0.0, 0.0] and docs_table["same_top_p_key"].to_list() == [1.0, 1.0]
+
+
+@pytest.mark.miniature
+def test_reconstruction_feeds_the_instruction_and_scores_the_text(model):
+    """The reconstruction feeds the instruction, then the prompt's tokens, and scores the prompt's tokens
+    only, in order: their log-probabilities are a fresh forward's over prompt + instruction + text; a
+    length below the text's keeps its first tokens."""
+    docs = [Document("a", prompt(40))]
+    conts = _targets(docs)
+    policies = {"snap": PressPolicy("snap", kvpress.SnapKVPress(0.5, window_size=8))}
+    run = lambda length: teacher_forced_policies(  # noqa: E731
+        model, docs, policies, settings=TeacherPass(SAMPLING, TeacherForcing(length, target="reconstruction"), "s"),
+        continuations=conts)  # fmt: skip
+    frame = run(100)
+    assert frame["token"].to_list() == docs[0].input_ids and frame["position"].to_list() == list(range(40))
+    assert (frame["continuation"] == "prompt").all() and frame["key"].null_count() == 40
+    fed = [3, 4, 5, 6, *docs[0].input_ids]
+    assert np.allclose(frame["ll_ref"].to_numpy(), _fresh_log_probs(model, docs[0].input_ids, fed, 40), atol=1e-5)
+    assert run(10)["token"].to_list() == docs[0].input_ids[:10]
+    with pytest.raises(ValueError, match="no reconstruction target given for document 'a'"):
+        teacher_forced_policies(model, docs, policies, settings=TeacherPass(SAMPLING, TeacherForcing(
+            target="reconstruction"), "s"), continuations={})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """A real fast tokenizer, one token per byte (ids below 256) and ChatML's two special tokens (256, 257),
+    whose chat template writes ChatML: the miniature's 512 ids hold it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tok
+
+
+@pytest.mark.miniature
+def test_the_doors_reconstruct_the_prompts_text_after_the_templated_instruction(model, chat_tokenizer):
+    """screen() and measure() feed, after each rendered prompt, the repeat instruction as a user turn of the
+    model's chat template, then the prompt's text; the scored tokens are the text's, in order."""
+    import kvdiverge
+    from kvdiverge.study.prompts import REPEAT_INSTRUCTION, render_ids, repeat_ids, repeat_text
+
+    tok = chat_tokenizer
+    assert repeat_text(tok, REPEAT_INSTRUCTION) == (
+        "<|im_end|>\n<|im_start|>user\nRepeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompts = {"a": "The cycle of water: it rains, it flows, it rises again.", "b": "Keys and values, kept or not."}
+    presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
+    options = {"target": "reconstruction", "length": 500, "bootstrap": 20, "key_short": 8, "key_alpha": 0.5,
+               "key_beta": -40.0}  # fmt: skip
+    s = kvdiverge.screen(model, tok, prompts, presses, options=options)
+    for doc_id, text in prompts.items():
+        rows = s.positions.filter((pl.col("policy") == "snap") & (pl.col("doc_id") == doc_id))
+        want = tok(text, add_special_tokens=False)["input_ids"]
+        assert rows["token"].to_list() == want and rows["position"].to_list() == list(range(len(want)))
+        fed = repeat_ids(tok, REPEAT_INSTRUCTION) + want
+        fresh = _fresh_log_probs(model, render_ids(tok, text, None), fed, len(want))
+        assert np.allclose(rows["ll_ref"].to_numpy(), fresh, atol=1e-5, rtol=0)
+    assert s.settings["target"] == "reconstruction" and s.settings["key_tokens"]["short"] == 8
+    assert "key KLD" in s.format() and "teacher-forced (reconstruction)" in s.format()
+    m = kvdiverge.measure(model, tok, prompts, presses, max_new_tokens=2, replicates=2, bootstrap=20, progress=False,
+                          teacher_target="reconstruction", teacher_tokens=500)  # fmt: skip
+    assert m.teacher_forced.positions.drop("ll_short", "key").equals(s.positions.drop("ll_short", "key"))
+
+
+@pytest.mark.miniature
+def test_the_workflow_job_reconstructs_each_excerpt(model, chat_tokenizer, tmp_path):
+    """With ``teacher_forced.target: reconstruction`` the model's teacher-forced job feeds each document's
+    excerpt (the corpus text, not the appended instruction) after the config's repeat instruction, and marks
+    the key tokens by the config's rule."""
+    from pathlib import Path
+
+    from kvdiverge.study.config import load_config
+    from kvdiverge.study.jobs import TeacherSettings
+    from kvdiverge.study.prompts import render_ids, repeat_ids
+    from kvdiverge.study.teacher import run_teacher_forced
+
+    config = load_config(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
+    config["teacher_forced"].update(target="reconstruction", length=500, repeat_instruction="Again, please.")
+    config["teacher_forced"]["key_tokens"] = {"short": 8, "alpha": 0.5, "beta": -40.0}
+    texts = {"d1": "Water falls as rain, runs to the sea and rises as vapour into the clouds once more.",
+             "d2": "A cache keeps the keys and values of every token; a press decides which of them stay."}  # fmt: skip
+    corpus = pl.DataFrame({"doc_id": list(texts), "split": ["exploratory"] * 2, "text": list(texts.values())})
+    ids = [render_ids(chat_tokenizer, t, config["prompt"]["instruction"]) for t in texts.values()]
+    prompts = pl.DataFrame(
+        {"doc_id": list(texts), "split": ["exploratory"] * 2, "n_prompt_tokens": [len(i) for i in ids],
+         "input_ids": ids, "exclusion_reason": [None, None]},
+        schema_overrides={"exclusion_reason": pl.String},
+    )  # fmt: skip
+    paths = {"prompts": str(tmp_path / "prompts.parquet"), "corpus": str(tmp_path / "corpus.parquet")}
+    prompts.write_parquet(paths["prompts"])
+    corpus.write_parquet(paths["corpus"])
+    job = TeacherSettings.from_config(config, "smollm2-135m", [("snapkv-50", "exploratory"), ("none", "exploratory")])
+    frame = run_teacher_forced(job, paths, loaded=(model, chat_tokenizer))
+    instruction = repeat_ids(chat_tokenizer, "Again, please.")
+    for (doc_id, text), prompt_ids in zip(texts.items(), ids):
+        rows = frame.filter((pl.col("policy") == "snapkv-50") & (pl.col("doc_id") == doc_id))
+        want = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert rows["token"].to_list() == want and rows["key"].sum() > 0
+        assert (rows["continuation"] == "prompt").all() and (rows["target"] == "reconstruction").all()
+        fresh = _fresh_log_probs(model, prompt_ids, instruction + want, len(want))
+        assert np.allclose(rows["ll_ref"].to_numpy(), fresh, atol=1e-5, rtol=0)
+    none = frame.filter(pl.col("policy") == "none")
+    assert none.height and (none["kld"] == 0.0).all()

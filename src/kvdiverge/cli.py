@@ -246,6 +246,13 @@ def _teacher_arguments(p: argparse.ArgumentParser) -> None:
         help="continuation tokens of the teacher-forced pass (default 64 with --screen); without "
         "--screen, also run the pass and add its columns to the summary",
     )
+    p.add_argument(
+        "--teacher-target",
+        metavar="TARGET",
+        help="what the teacher-forced pass scores: continuation (default) or reconstruction (each prompt's "
+        "own text, fed after the instruction 'Repeat the previous context exactly.' in the model's chat "
+        "template: KVzip's context reconstruction); without --screen, also run the pass",
+    )
 
 
 def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches, instruction) -> int:
@@ -260,6 +267,7 @@ def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches
         frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
         options=ScreenOptions(
             length=ScreenOptions.length if args.teacher_tokens is None else args.teacher_tokens,
+            target=args.teacher_target or ScreenOptions.target,
             seed=args.seed,
             instruction=instruction,
             system=args.system,

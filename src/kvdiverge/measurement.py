@@ -25,14 +25,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvdiverge.engine.llm.teacher import TeacherForcing
+from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
 from kvdiverge.engine.presses.layer_types import has_sliding_layers, layers_of
 from kvdiverge.engine.runner import question_after_problems, run_policies
 from kvdiverge.results import Measurement
 from kvdiverge.screening import ScreenOptions, run_screen
 from kvdiverge.study import measuring
-from kvdiverge.study.inputs import measure_inputs, model_eos, model_label, prepare_documents
+from kvdiverge.study.inputs import measure_inputs, model_eos, model_label, prepare_documents, reconstruction_targets
 from kvdiverge.study.models import kv_sizes
+from kvdiverge.study.prompts import REPEAT_INSTRUCTION
 from kvdiverge.study.provenance import compressed_layers
 
 __all__ = ["Measurement", "measure"]
@@ -64,6 +65,7 @@ def measure(
     caches: Mapping[str, Mapping[str, Any]] | None = None,
     cache_ratios: Sequence[float] | None = None,
     teacher_tokens: int | None = None,
+    teacher_target: str | None = None,
     task: str | Mapping[str, Any] | None = None,
     **decoding: float,
 ) -> Measurement:
@@ -139,7 +141,15 @@ def measure(
         config's ``teacher_forced.length``; cut to what the model context leaves after each
         prompt), fed to both sides; its headline columns (``kld_mean``, ``ppl_ratio``,
         ``same_top_p``, ``delta_p_rms``) join the summary and :attr:`Measurement.teacher_forced`
-        holds its tables. Checked before the coupled run. None (default): not run.
+        holds its tables. Checked before the coupled run. None (default): not run, unless
+        ``teacher_target`` is given (then :data:`kvdiverge.engine.llm.teacher.DEFAULT_LENGTH` tokens).
+    teacher_target : str, optional
+        What the teacher-forced pass scores (the config's ``teacher_forced.target``): ``"continuation"``
+        (default) or ``"reconstruction"``: each prompt's own text (its tokens without special tokens; a
+        token-id prompt as given), fed after the prompt and the instruction "Repeat the previous context
+        exactly." in the model's chat template (KVzip's context reconstruction), its first
+        ``teacher_tokens`` tokens scored; needs the tokenizer, and no ``task``. Either target also
+        marks LongPPL's key tokens at their defaults (:mod:`kvdiverge.estimation.key_tokens`).
     task : str or mapping, optional
         A task score beside the measures (:mod:`kvdiverge.study.tasks`): ``"niah"`` or a
         config ``task`` block (``{"name": "niah", "depths": [0, 50, 100], "question":
@@ -192,6 +202,9 @@ def measure(
     documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
     sources, grid = measure_inputs(model, documents, presses, opts.max_new_tokens, opts.frontier)
     eos = model_eos(model, opts.eos_ids)
+    targets = None  # the reconstruction's, built (and refused) before any forward
+    if opts.teacher_target == "reconstruction":
+        targets = reconstruction_targets(prompts, tokenizer, REPEAT_INSTRUCTION, "teacher_target")
     if task_docs and any(d.n_question for d in task_docs[0]):
         _check_question_after(sources)
     documents = task_docs[0] if task_docs else documents
@@ -201,8 +214,8 @@ def measure(
     if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
         settings["compressed_layers"] = compressed_layers(layers_of(model.config))
     result = Measurement.of_run(runs, windows, settings, sources, eos)
-    if teacher_tokens is not None:
-        result.teacher_forced = _teacher_pass(model, documents, sources, opts, sampling, result.eos_ids)
+    if teacher_tokens is not None or teacher_target is not None:
+        result.teacher_forced = _teacher_pass(model, (documents, targets), sources, opts, sampling, result.eos_ids)
     if task_docs:
         args = (result.trajectories, result.documents, task_docs[1], tokenizer, result.noise_floor)
         result.task = measuring.task_tables(opts, *args)
@@ -222,12 +235,16 @@ def _check_question_after(sources) -> None:
         raise ValueError(problems[0])
 
 
-def _teacher_pass(model, documents, sources, opts: measuring.MeasureOptions, sampling, eos: tuple[int, ...]):
+def _teacher_pass(model, inputs, sources, opts: measuring.MeasureOptions, sampling, eos: tuple[int, ...]):
     """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.screening.run_screen`):
-    the coupled run's seed and names, its decoding transform off, ``opts.teacher_tokens`` tokens."""
-    length = int(opts.teacher_tokens)
-    forcing = TeacherForcing(length=length)
-    forced = forcing.sampling(sampling.seed, sampling.model_name, eos)
+    the coupled run's seed and names, its decoding transform off, ``opts.teacher_tokens`` tokens (default
+    :data:`~kvdiverge.engine.llm.teacher.DEFAULT_LENGTH`) of ``opts.teacher_target``; ``inputs`` = (documents,
+    the reconstruction's targets or None)."""
+    documents, targets = inputs
+    length = DEFAULT_LENGTH if opts.teacher_tokens is None else int(opts.teacher_tokens)
     options = ScreenOptions(length=length, seed=opts.seed, split=opts.split, bootstrap=opts.bootstrap,
-                            confidence=opts.confidence, model_name=sampling.model_name)  # fmt: skip
-    return run_screen(model, documents, sources, forced, forcing, options)
+                            confidence=opts.confidence, model_name=sampling.model_name,
+                            target=opts.teacher_target or "continuation")  # fmt: skip
+    forcing = options.forcing()
+    forced = forcing.sampling(sampling.seed, sampling.model_name, eos)
+    return run_screen(model, documents, sources, forced, forcing, options, targets)

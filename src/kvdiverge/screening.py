@@ -3,8 +3,9 @@
 :func:`screen` takes the same prompts and presses as :func:`kvdiverge.measure` (a frontier
 too: ``ratios``, ``budgets``, ``caches``) and runs only the teacher-forced pass
 (:mod:`kvdiverge.engine.forced`): per prompt one continuation (the caller's, else the
-full-cache model's greedy continuation) fed to both sides after each press's prefill, one
-forward per press for prefill-only presses. It ranks a frontier in a fraction of the
+full-cache model's greedy continuation), or with ``target="reconstruction"`` the prompt's own
+text after a repeat instruction, fed to both sides after each press's prefill, one forward per
+press for prefill-only presses; the key tokens (LongPPL's) marked on either. It ranks a frontier in a fraction of the
 coupled run's time (``docs/teacher-forced.md`` gives the measured ratio); the coupled
 estimator then spends its time on the points that matter.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,20 @@ import polars as pl
 from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.key_tokens import KeyTokens, missing_key_lines
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
 from kvdiverge.io.files import save_table
 from kvdiverge.report.formatting import teacher_text
 from kvdiverge.study.frontier import FrontierSpec
-from kvdiverge.study.inputs import is_noise_floor, measure_inputs, model_eos, model_label, prepare_documents
+from kvdiverge.study.inputs import (
+    is_noise_floor,
+    measure_inputs,
+    model_eos,
+    model_label,
+    prepare_documents,
+    reconstruction_targets,
+)
+from kvdiverge.study.prompts import REPEAT_INSTRUCTION
 from kvdiverge.study.settings import SCREEN_SETTINGS, check_settings, text_problems
 
 __all__ = ["Screen", "ScreenOptions", "run_screen", "screen", "teacher_forced_tables"]
@@ -53,7 +63,8 @@ class Screen:
         Per press: llama.cpp's statistics with document-bootstrap intervals, the noise floor beside
         (:func:`kvdiverge.estimation.teacher_forced.summary_table`).
     settings : dict
-        ``model``, ``split``, ``length``, ``seed``, ``bootstrap``, ``confidence``, ``presses``, ``noise_floor``.
+        ``model``, ``split``, ``length``, ``seed``, ``target``, ``key_tokens`` (the rule's ``short``, ``alpha``,
+        ``beta``), ``bootstrap``, ``confidence``, ``presses``, ``noise_floor``.
     """
 
     positions: pl.DataFrame
@@ -62,8 +73,11 @@ class Screen:
     settings: dict[str, Any]
 
     def format(self) -> str:
-        """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp (:func:`kvdiverge.report.formatting.teacher_text`)."""
-        return teacher_text(self.table, self.settings.get("noise_floor"))
+        """Per press, ranked by mean KLD: KLD, PPL ratio, Same top p, RMS Δp and the key tokens' measures
+        (:func:`kvdiverge.report.formatting.teacher_text`); then a line for the prompts without a key
+        position, if any (:func:`kvdiverge.estimation.key_tokens.missing_key_lines`)."""
+        text = teacher_text(self.table, self.settings.get("noise_floor"))
+        return "\n".join([text, *missing_key_lines(self.table)])
 
     def __repr__(self) -> str:
         return self.format()
@@ -115,6 +129,15 @@ class ScreenOptions:
         Interval coverage (a fraction in (0, 1)).
     block : bool
         Feed the continuation in one forward where the press allows it.
+    target : str
+        ``"continuation"`` (the tokens after the prompt) or ``"reconstruction"`` (the prompt's own text
+        after ``repeat_instruction``), as the config's ``teacher_forced.target``.
+    repeat_instruction : str
+        The reconstruction's instruction (``teacher_forced.repeat_instruction``; KVzip's by default).
+    key_short, key_alpha, key_beta : int, float, float
+        LongPPL's key-token rule (:class:`kvdiverge.estimation.key_tokens.KeyTokens`,
+        ``teacher_forced.key_tokens``): the short context's tokens, the least long-short difference and
+        the least long-context log-probability, nats.
     """
 
     length: int = DEFAULT_LENGTH
@@ -127,6 +150,16 @@ class ScreenOptions:
     bootstrap: int = 2000
     confidence: float = 0.95
     block: bool = True
+    target: str = "continuation"
+    repeat_instruction: str = REPEAT_INSTRUCTION
+    key_short: int = KeyTokens.short
+    key_alpha: float = KeyTokens.alpha
+    key_beta: float = KeyTokens.beta
+
+    def forcing(self) -> TeacherForcing:
+        """The pass's :class:`kvdiverge.engine.llm.teacher.TeacherForcing`: length, forward, target, key tokens."""
+        key = KeyTokens(self.key_short, self.key_alpha, self.key_beta)
+        return TeacherForcing(length=self.length, block=bool(self.block), target=self.target, key=key)
 
 
 def screen(
@@ -147,7 +180,8 @@ def screen(
         As :func:`kvdiverge.measure`.
     continuations : mapping of str to sequence of int, optional
         Per prompt id, the tokens to feed (e.g. the text that follows a document); prompts
-        without one get the full-cache model's greedy continuation.
+        without one get the full-cache model's greedy continuation. Not read with
+        ``options.target="reconstruction"``, which feeds each prompt's own text.
     frontier : kvdiverge.study.frontier.FrontierSpec or mapping, optional
         ``ratios``, ``budgets``, ``caches``, ``cache_ratios``: as :func:`kvdiverge.measure`
         (a mapping gives them by name; another key is refused).
@@ -164,14 +198,17 @@ def screen(
     ValueError
         As :func:`kvdiverge.measure`: a model that is not one, bad prompts, presses, lengths or
         frontier values, an option the config's rule for that setting refuses (``options.length``:
-        ``teacher_forced.length``; ``options.bootstrap``, ``options.confidence``, ``options.seed``,
-        ``options.instruction``, ``options.system``), an ``options.model_name`` or ``options.split``
-        that is not a non-empty string, ``options.eos_ids`` outside the model's vocabulary, or
-        ``options`` or ``frontier`` of another kind or with an unknown key, named in one sentence.
+        ``teacher_forced.length``; ``options.target``, ``options.key_short``, ...: ``teacher_forced.*``;
+        ``options.bootstrap``, ``options.confidence``, ``options.seed``, ``options.instruction``,
+        ``options.system``), an ``options.model_name`` or ``options.split`` that is not a non-empty
+        string, ``options.eos_ids`` outside the model's vocabulary, or ``options`` or ``frontier`` of
+        another kind or with an unknown key, named in one sentence; the reconstruction without a tokenizer.
     """
     opt, spec = _checked(_options(options)), _frontier(frontier)
-    forcing = TeacherForcing(length=opt.length, block=bool(opt.block))
+    forcing = opt.forcing()
     documents = prepare_documents(prompts, tokenizer, instruction=opt.instruction, system=opt.system)
+    if forcing.target == "reconstruction":
+        continuations = reconstruction_targets(prompts, tokenizer, opt.repeat_instruction, "options.target")
     # a prompt needs room for 1 token: the continuation is cut to what the context leaves
     sources, _ = measure_inputs(model, documents, presses, 1, spec)
     name = opt.model_name or model_label(model)
@@ -257,6 +294,7 @@ def run_screen(model, documents, sources, sampling, forcing, options: ScreenOpti
     floor = floors[0] if floors else None
     boot = Bootstrap(options.bootstrap, options.confidence, sampling.seed)
     docs, table = teacher_forced_tables(positions, floor, boot)
-    settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed}
+    settings = {"model": sampling.model_name, "split": split, "length": forcing.length, "seed": sampling.seed,
+                "target": forcing.target, "key_tokens": asdict(forcing.key) if forcing.key else None}  # fmt: skip
     settings.update(bootstrap=boot.n_boot, confidence=boot.confidence, presses=list(sources), noise_floor=floor)
     return Screen(positions, docs, table, settings)

@@ -2,6 +2,9 @@
 # (docs/teacher-forced.md). Each run's documents get a continuation (the corpus text after the
 # excerpt, else the full-cache model's greedy continuation) fed to both sides after the
 # coupled run's prefill; per position KL(P||Q), Δp, top-1 agreement, both log-likelihoods.
+# teacher_forced.target: reconstruction feeds instead a repeat instruction in the model's chat
+# template, then the excerpt's own text (KVzip); on either target LongPPL's key tokens are marked
+# from one short-context forward per document (teacher_forced.key_tokens).
 # One job per model writes every run's positions: one model load, and each document prefilled
 # once and its reference side run once for every policy that runs on it. Its rerun key is its
 # own (teacher_job): the teacher_forced section reruns no trajectory shard, and decoding,

@@ -1,8 +1,10 @@
-"""Snakemake adapter: the teacher-forced tables of every run (kvdiverge.estimation.teacher_forced: summary_table, document_table)."""
+"""Snakemake adapter: the teacher-forced tables of every run (kvdiverge.estimation.teacher_forced: summary_table,
+document_table); the documents without a key position (kvdiverge.estimation.key_tokens) counted in the log."""
 
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.key_tokens import missing_key_lines
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
 from kvdiverge.io.files import save_table
 from kvdiverge.study.rulelog import rule_log
@@ -19,3 +21,5 @@ with rule_log(snakemake.log[0], "teacher_forced_table") as log:
         positions.height,
         summary.select("model", "policy", "split", "kld_mean", "ppl_ratio", "same_top_p"),
     )
+    for line in missing_key_lines(summary):
+        log.warning("%s", line)

@@ -10,6 +10,14 @@ the reference side's log-distributions are computed once per document and given 
 later policies' pairs, which run their evicted side only. Where the caller gives no
 continuation for a document, the full-cache model's greedy continuation is generated once
 and shared by every policy.
+
+Two more targets ride on the same pass. The reconstruction (KVzip's context reconstruction,
+Kim et al. 2025): the caller gives each document a :class:`Continuation` whose ``prefix`` (a
+repeat instruction in the model's chat template) is fed first and not scored, and whose
+``tokens`` are the prompt's own text. Key tokens (LongPPL, Fang et al. 2025;
+:mod:`kvdiverge.estimation.key_tokens`): one forward of the full-cache model on the prompt's
+last tokens and the same fed tokens per document gives ``ll_short``, and LongPPL's rule on it
+and the reference side's ``ll_ref`` marks the ``key`` positions, once per document.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from kvdiverge.engine.llm.teacher import (
     forced_log_probs,
     greedy_continuation,
     position_measures,
+    short_log_probs,
 )
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time
@@ -41,6 +50,7 @@ from kvdiverge.engine.runner import (
     check_prompt_lengths,
     shared_prefills,
 )
+from kvdiverge.estimation.key_tokens import key_mask
 from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 
 __all__ = ["Continuation", "TeacherPass", "continuation_budget", "teacher_forced_policies"]
@@ -55,28 +65,51 @@ class Continuation:
     Parameters
     ----------
     tokens : tuple of int
-        ``c_1 .. c_L``.
+        ``c_1 .. c_L``: the scored tokens.
     source : str
-        ``"corpus"`` (the text that follows the excerpt in its source) or ``"greedy"``
-        (the full-cache model's arg-max continuation).
+        ``"corpus"`` (the text that follows the excerpt in its source), ``"greedy"`` (the
+        full-cache model's arg-max continuation) or ``"prompt"`` (the prompt's own text: the
+        reconstruction target).
+    prefix : tuple of int
+        Tokens fed before ``tokens`` and not scored: the reconstruction target's repeat
+        instruction (in the model's chat template); empty for a continuation.
     """
 
     tokens: tuple[int, ...]
     source: str
+    prefix: tuple[int, ...] = ()
+
+    @property
+    def fed(self) -> tuple[int, ...]:
+        """Every token fed after the prompt: ``prefix``, then ``tokens``."""
+        return (*self.prefix, *self.tokens)
 
 
 def continuation_budget(prompt_len: int, forcing: TeacherForcing, context: int | None) -> int:
-    """Continuation tokens for a prompt: ``forcing.length``, cut to what ``context`` leaves (at least 1)."""
+    """Scored tokens for a prompt (with what is fed before them): ``forcing.length``, cut to what
+    ``context`` leaves (at least 1)."""
     if context is None:
         return forcing.length
     return max(1, min(forcing.length, int(context) - int(prompt_len)))
 
 
 def _continuation(model, doc: Document, given, forcing: TeacherForcing, sampling: Sampling, context) -> Continuation:
+    if isinstance(given, Continuation):  # a target the caller built (the reconstruction), cut to the budget
+        budget = continuation_budget(doc.prompt_len + len(given.prefix), forcing, context)
+        return Continuation(given.tokens[:budget], given.source, given.prefix)
     budget = continuation_budget(doc.prompt_len, forcing, context)
     if given is not None and len(given):
         return Continuation(tuple(int(t) for t in given[:budget]), "corpus")
     return Continuation(tuple(greedy_continuation(model, doc.input_ids, budget, sampling.eos_ids)), "greedy")
+
+
+def _check_targets(documents: Sequence[Document], given: Mapping, forcing: TeacherForcing) -> None:
+    """Refuse, before any forward, a reconstruction without a document's target."""
+    if forcing.target != "reconstruction":
+        return
+    missing = [doc.doc_id for doc in documents if not isinstance(given.get(doc.doc_id), Continuation)]
+    if missing:
+        raise ValueError(f"teacher-forced pass: no reconstruction target given for document {missing[0]!r}")
 
 
 def teacher_forced_policies(
@@ -100,9 +133,10 @@ def teacher_forced_policies(
         Policy name (the ``policy`` column) -> policy.
     settings : TeacherPass
         The pass's sampling settings, continuation settings and ``split`` column.
-    continuations : mapping of str to sequence of int, optional
+    continuations : mapping of str to sequence of int or Continuation, optional
         Per ``doc_id``, the corpus text that follows the document (tokens, no special
-        tokens); documents without one get the greedy continuation.
+        tokens), or a :class:`Continuation` built by the caller (every document's, for the
+        reconstruction target); documents without one get the greedy continuation.
     documents_of : mapping of str to collection of str, optional
         Per policy, the ``doc_id`` of the documents it runs on (default: every document).
         A document is prefilled once, and its reference side run once, for all the
@@ -112,24 +146,31 @@ def teacher_forced_policies(
     -------
     polars.DataFrame
         :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, one row per
-        (policy, document, position), policies in the given order.
+        (policy, document, scored position), policies in the given order. With ``settings.forcing.key``,
+        ``ll_short`` from one short-context forward per document
+        (:func:`kvdiverge.engine.llm.teacher.short_log_probs`) and ``key`` from the document's first
+        policy's reference side (:func:`kvdiverge.estimation.key_tokens.key_mask`), the same for
+        every policy of the document.
 
     Raises
     ------
     kvdiverge.engine.core.errors.PressError, ValueError
         As :func:`kvdiverge.engine.runner.run_policies`: a press the model cannot run, a
-        document shorter than a policy needs; ``documents_of`` without a policy's entry.
+        document shorter than a policy needs; ``documents_of`` without a policy's entry; the
+        reconstruction target without a document's :class:`Continuation`.
     """
     runs_on = {name: _documents_of(documents, documents_of, name) for name in policies}
+    given = continuations or {}
+    _check_targets([doc for docs in runs_on.values() for doc in docs], given, settings.forcing)
+    prefix = max((len(c.prefix) for c in given.values() if isinstance(c, Continuation)), default=0)
     for name, source in policies.items():
         if runs_on[name]:
-            check_policy(model, runs_on[name], source, f"policy {name!r}", settings.forcing.length)
+            check_policy(model, runs_on[name], source, f"policy {name!r}", settings.forcing.length + prefix)
             check_prompt_lengths(runs_on[name], {name: source}, "policy")
     if not any(runs_on.values()):
         return pl.DataFrame(schema=POSITION_SCHEMA)
     ids = {name: {doc.doc_id for doc in docs} for name, docs in runs_on.items()}
     context = getattr(model.config, "max_position_embeddings", None)
-    given = continuations or {}
     frames, sampling, forcing = [], settings.sampling, settings.forcing
     twin = evicted_twin(model)  # where the shared prefills' presses enter
     for doc in documents:
@@ -137,19 +178,31 @@ def teacher_forced_policies(
         if not here:
             continue
         cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
-        presses, prefilled = _shared_prefills(twin, doc, here, sampling)
-        reference = None  # the reference side's log-distributions, once per document
-        for name, source in here.items():
-            made = (presses[name], prefilled.get(name))
-            frame, forced = _one(model, doc, (name, source, made), cont, settings, reference)
-            frames.append(frame)
-            if reference is None and forced.shareable:
-                reference = forced.logp
-        del presses, prefilled, reference
+        frames += _document_frames(model, (doc, cont), here, settings, twin)
         _return_freed_memory()
     order = {name: i for i, name in enumerate(policies)}
     out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
     return out.sort("_order", maintain_order=True).drop("_order")
+
+
+def _document_frames(model, target, policies: Mapping[str, PressSource], settings: TeacherPass, twin) -> list:
+    """One document's rows under each policy: ``target`` = (document, :class:`Continuation`); its prefill
+    shared where the presses allow, its reference side run once, its key tokens selected once."""
+    doc, cont = target
+    key = settings.forcing.key
+    short = None if key is None else short_log_probs(model, doc.input_ids[-key.short :], cont.fed, len(cont.tokens))
+    presses, prefilled = _shared_prefills(twin, doc, policies, settings.sampling)
+    reference, keys, frames = None, None, []  # the reference side's log-distributions, once per document
+    for name, source in policies.items():
+        made = (presses[name], prefilled.get(name))
+        frame, forced = _one(model, doc, (name, source, made), cont, settings, reference)
+        if short is not None:
+            keys = key_mask(frame["ll_ref"].to_numpy(), short.numpy(), key) if keys is None else keys
+            frame = frame.with_columns(pl.Series("ll_short", short.numpy()), pl.Series("key", keys))
+        frames.append(frame)
+        if reference is None and forced.shareable:
+            reference = forced.logp
+    return frames
 
 
 def _return_freed_memory() -> None:
@@ -220,21 +273,21 @@ def _one(model, doc, policy, cont: Continuation, run: TeacherPass, reference) ->
         model,
         [doc],
         source,
-        sampling.untransformed().replace(T=len(cont.tokens)),
+        sampling.untransformed().replace(T=len(cont.fed)),
         checked=True,
         presses=[press],
         prefilled=None if prefilled is None else [prefilled],
     )
     if hasattr(pair, "joint"):
         pair.joint = False  # the sides apart: a forward for the evicted side alone (forced_log_probs)
-    ids = torch.as_tensor(list(cont.tokens), dtype=torch.long, device=pair.device)
+    ids = torch.as_tensor(list(cont.fed), dtype=torch.long, device=pair.device)
     try:
         forced = forced_log_probs(pair, ids, run.forcing, reference)
     finally:
         if hasattr(pair, "close"):
             pair.close()
-    L = len(cont.tokens)
-    cols = {k: v.cpu().numpy() for k, v in position_measures(forced.logp, forced.logq, ids).items()}
+    L, s = len(cont.tokens), len(cont.prefix)  # the scored positions: after the prefix
+    cols = {k: v.cpu().numpy() for k, v in position_measures(forced.logp[s:], forced.logq[s:], ids[s:]).items()}
     frame = pl.DataFrame(
         {
             "model": [sampling.model_name] * L,
@@ -244,8 +297,11 @@ def _one(model, doc, policy, cont: Continuation, run: TeacherPass, reference) ->
             "position": list(range(L)),
             "token": list(cont.tokens),
             "continuation": [cont.source] * L,
+            "target": [run.forcing.target] * L,
             "one_forward": [forced.one_forward] * L,
             **cols,
+            "ll_short": [None] * L,
+            "key": [None] * L,
         },
         schema=POSITION_SCHEMA,
     )

@@ -42,7 +42,15 @@ KEYS = ["model", "policy", "split", "doc_id"]
 #: survival at the full cache's answer length.
 MEASURES = ("E_M", "p_div", "tau_first", "S_answer")
 #: +1: a larger value predicts a broken answer; -1: a smaller one does.
-DIRECTIONS = {"E_M": 1, "p_div": 1, "tau_first": -1, "S_answer": -1, "same_top1": -1, "same_top_p": -1}
+DIRECTIONS = {
+    "E_M": 1,
+    "p_div": 1,
+    "tau_first": -1,
+    "S_answer": -1,
+    "same_top1": -1,
+    "same_top_p": -1,
+    "same_top_p_key": -1,
+}
 
 
 def direction(measure: str) -> int:

@@ -37,6 +37,7 @@ import numpy as np
 import polars as pl
 
 from kvdiverge.estimation.bootstrap import Bootstrap, resample_counts
+from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "DOCUMENT_SCHEMA",
@@ -59,8 +60,9 @@ POSITION_SCHEMA: dict[str, Any] = {
     "doc_id": pl.String,
     "position": pl.Int32,  # 0-based index of the fed token in the continuation
     "token": pl.Int64,  # the fed token c_i
-    "continuation": pl.String,  # "corpus" (the text after the excerpt) or "greedy" (full cache's arg-max)
-    "one_forward": pl.Boolean,  # the continuation went in one forward (else token by token)
+    "continuation": pl.String,  # "corpus" (the text after the excerpt), "greedy" (full cache's arg-max), "prompt"
+    "target": pl.String,  # "continuation" (tokens after the prompt) or "reconstruction" (the prompt's text, repeated)
+    "one_forward": pl.Boolean,  # the fed tokens went in one forward (else token by token)
     "kld": pl.Float64,  # KL(P || Q), nats
     "delta_p": pl.Float64,  # Q(c_i) - P(c_i)
     "ll_ref": pl.Float64,  # log P(c_i), nats
@@ -68,6 +70,8 @@ POSITION_SCHEMA: dict[str, Any] = {
     "top_ref": pl.Int64,
     "top_ev": pl.Int64,
     "same_top": pl.Boolean,
+    "ll_short": pl.Float64,  # log P(c_i) of the full cache on the prompt's last tokens only, nats (null: not computed)
+    "key": pl.Boolean,  # a key token (kvdiverge.estimation.key_tokens; null: not computed)
 }
 
 _KEYS = ["model", "policy", "split"]
@@ -82,6 +86,7 @@ DOCUMENT_SCHEMA: dict[str, Any] = {
     "split": pl.String,
     "doc_id": pl.String,
     "continuation": pl.String,
+    "target": pl.String,
     "one_forward": pl.Boolean,
     "n_positions": pl.Int64,
     "kld_mean": pl.Float64,
@@ -93,6 +98,9 @@ DOCUMENT_SCHEMA: dict[str, Any] = {
     "same_top_p": pl.Float64,
     "delta_p_mean": pl.Float64,
     "delta_p_rms": pl.Float64,
+    "n_key": pl.Int64,  # key positions (null: not computed)
+    "kld_key_mean": pl.Float64,  # mean KLD over the key positions (null: none)
+    "same_top_p_key": pl.Float64,  # Same top p over the key positions (null: none)
 }
 
 _KLD_PCT = (("p999", 0.999), ("p99", 0.99), ("p95", 0.95), ("p90", 0.90))
@@ -240,15 +248,19 @@ def document_table(positions: pl.DataFrame) -> pl.DataFrame:
     """Per (model, policy, split, doc_id): the headline means of the document's positions.
 
     ``ppl_* = exp(mean nll)``, ``ln_ppl_ratio = mean(nll_ev - nll_ref)``, ``ppl_ratio =
-    exp(ln_ppl_ratio)``, ``same_top_p`` a fraction, ``delta_p_rms = sqrt(mean Δp^2)``.
-    Returns :data:`DOCUMENT_SCHEMA`, sorted by its keys (joins on ``doc_id`` with the
-    estimates of the same model, policy and split).
+    exp(ln_ppl_ratio)``, ``same_top_p`` a fraction, ``delta_p_rms = sqrt(mean Δp^2)``; over the key
+    positions (:mod:`kvdiverge.estimation.key_tokens`) ``n_key``, ``kld_key_mean`` and ``same_top_p_key``,
+    the two means null where the document has no key position (``n_key`` 0) and all three null where
+    no key tokens were selected. Returns :data:`DOCUMENT_SCHEMA`, sorted by its keys (joins on
+    ``doc_id`` with the estimates of the same model, policy and split).
     """
     if positions.is_empty():
         return pl.DataFrame(schema=DOCUMENT_SCHEMA)
     out = positions.group_by([*_KEYS, "doc_id"]).agg(
         pl.col("continuation").first(),
+        pl.col("target").first(),
         pl.col("one_forward").all(),
+        *_key_means(),
         pl.len().cast(pl.Int64).alias("n_positions"),
         pl.col("kld").mean().alias("kld_mean"),
         pl.col("kld").max().alias("kld_max"),
@@ -261,6 +273,36 @@ def document_table(positions: pl.DataFrame) -> pl.DataFrame:
     )
     out = out.with_columns(pl.col("ln_ppl_ratio").exp().alias("ppl_ratio"))
     return out.select(list(DOCUMENT_SCHEMA)).cast(DOCUMENT_SCHEMA).sort([*_KEYS, "doc_id"])
+
+
+def _key_means() -> list[pl.Expr]:
+    """``n_key`` (null where ``key`` is), ``kld_key_mean`` and ``same_top_p_key`` (null over no key position)."""
+    key = pl.col("key").fill_null(False)
+    return [
+        pl.when(pl.col("key").is_null().all()).then(None).otherwise(key.sum()).cast(pl.Int64).alias("n_key"),
+        pl.col("kld").filter(key).mean().alias("kld_key_mean"),
+        pl.col("same_top").filter(key).cast(pl.Float64).mean().alias("same_top_p_key"),
+    ]
+
+
+#: The key-token columns of the summary table, typed (they are null in every row of a run without key tokens).
+_KEY_TYPES = {"n_key": pl.Int64, "n_documents_no_key": pl.Int64, "kld_key_mean": pl.Float64,
+              "same_top_p_key": pl.Float64, "kld_key_mean_lo": pl.Float64, "kld_key_mean_hi": pl.Float64}  # fmt: skip
+
+
+def _key_statistics(positions: pl.DataFrame) -> dict[str, Any]:
+    """A run's key-token columns: ``n_key`` (None where no key tokens were selected), ``n_documents_no_key``,
+    ``kld_key_mean`` and ``same_top_p_key`` pooled over every key position (None where there is none)."""
+    docs = positions.group_by("doc_id").agg(*_key_means()[:1])
+    if docs["n_key"].is_null().all():
+        return {"n_key": None, "n_documents_no_key": None, "kld_key_mean": None, "same_top_p_key": None}
+    keyed = positions.filter(pl.col("key").fill_null(False))
+    return {
+        "n_key": keyed.height,
+        "n_documents_no_key": int((docs["n_key"].fill_null(0) == 0).sum()),
+        "kld_key_mean": float(keyed["kld"].mean()) if keyed.height else None,
+        "same_top_p_key": float(keyed["same_top"].cast(pl.Float64).mean()) if keyed.height else None,
+    }
 
 
 #: Position-weighted means with document-bootstrap intervals: column -> (per-position expression, transform).
@@ -293,6 +335,15 @@ def _bootstrap_intervals(positions: pl.DataFrame, boot: Bootstrap, purpose) -> d
         means = (counts @ per_doc[key].to_numpy()) / den
         lo, hi = boot.interval(transform(means) if transform else means)
         out[f"{key}_lo"], out[f"{key}_hi"] = float(lo), float(hi)
+    if positions["key"].fill_null(False).any():  # the same resamples; one without a key position is left out
+        key = pl.col("key").fill_null(False)
+        sums = positions.group_by("doc_id").agg(key.sum().cast(pl.Float64).alias("n"), pl.col("kld").filter(key).sum())
+        sums = sums.sort("doc_id")
+        means = safe_divide(counts @ sums["kld"].to_numpy(), counts @ sums["n"].to_numpy())
+        lo, hi = boot.interval(means)
+        out["kld_key_mean_lo"], out["kld_key_mean_hi"] = float(lo), float(hi)
+    else:
+        out["kld_key_mean_lo"] = out["kld_key_mean_hi"] = None
     return out
 
 
@@ -306,7 +357,7 @@ def summary_table(positions: pl.DataFrame, *, floor: str | None = None, boot: Bo
     floor : str or None
         The noise-floor policy's name: each row gets its statistics on the same model and
         split as ``floor_kld_mean``, ``floor_kld_se``, ``floor_ppl_ratio``, ``floor_same_top_p``,
-        ``floor_delta_p_rms`` (null where it did not run).
+        ``floor_delta_p_rms``, ``floor_kld_key_mean`` (null where it did not run).
     boot : kvdiverge.estimation.bootstrap.Bootstrap
         Document-bootstrap resamples, coverage and master seed (``analysis.bootstrap``,
         ``analysis.confidence``, ``seed``); ``n_boot = 0`` leaves the intervals out.
@@ -314,22 +365,30 @@ def summary_table(positions: pl.DataFrame, *, floor: str | None = None, boot: Bo
     Returns
     -------
     polars.DataFrame
-        One row per (model, policy, split): ``n_documents``, :func:`kl_statistics`'s
-        columns, ``{mean}_lo`` / ``{mean}_hi`` for ``kld_mean``, ``ln_ppl_ratio``,
-        ``ppl_ratio``, ``same_top_p``, ``delta_p_mean``, ``delta_p_rms``, the floor's columns.
+        One row per (model, policy, split): ``target``, ``n_documents``, :func:`kl_statistics`'s
+        columns; the key tokens' (:mod:`kvdiverge.estimation.key_tokens`) ``n_key`` (key positions),
+        ``n_documents_no_key`` (documents without one), ``kld_key_mean`` and ``same_top_p_key`` over
+        every key position (all null where no key tokens were selected; the means null where no
+        position is key); ``{mean}_lo`` / ``{mean}_hi`` for ``kld_mean``, ``ln_ppl_ratio``,
+        ``ppl_ratio``, ``same_top_p``, ``delta_p_mean``, ``delta_p_rms``, ``kld_key_mean``; the floor's columns.
     """
     rows = []
     for key, part in positions.group_by(_KEYS, maintain_order=True):
         row: dict[str, Any] = dict(zip(_KEYS, key))
+        row["target"] = part["target"][0]
         row["n_documents"] = part["doc_id"].n_unique()
         row.update(kl_statistics(part))
+        row.update(_key_statistics(part))
         if boot.n_boot > 0:
             row.update(_bootstrap_intervals(part, boot, key))
         rows.append(row)
-    table = pl.DataFrame(rows).sort(_KEYS) if rows else pl.DataFrame(schema={k: pl.String for k in _KEYS})
+    if not rows:
+        return pl.DataFrame(schema={k: pl.String for k in _KEYS})
+    table = pl.DataFrame(rows)
+    table = table.cast({k: t for k, t in _KEY_TYPES.items() if k in table.columns}).sort(_KEYS)
     if floor is None or table.is_empty():
         return table
-    cols = ["kld_mean", "kld_se", "ppl_ratio", "same_top_p", "delta_p_rms"]
+    cols = ["kld_mean", "kld_se", "ppl_ratio", "same_top_p", "delta_p_rms", "kld_key_mean"]
     beside = table.filter(pl.col("policy") == floor).select(
         "model", "split", *[pl.col(c).alias(f"floor_{c}") for c in cols]
     )

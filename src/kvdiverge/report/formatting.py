@@ -158,22 +158,27 @@ def teacher_text(table, floor: str | None = None) -> str:
     """
     num = partial(number, missing="-")
     header = ["press", "prompts", "positions", "mean KLD ± se", "[CI]", "PPL ratio", "Same top p", "RMS Δp"]
+    keyed = "n_key" in table.columns and table["n_key"].is_not_null().any()
+    header += ["key pos.", "key KLD", "key Same top p"] if keyed else []
     rows = []
     for r in table.sort("kld_mean").iter_rows(named=True):
         interval = f"[{num(r.get('kld_mean_lo'))}, {num(r.get('kld_mean_hi'))}]" if "kld_mean_lo" in r else "-"
-        rows.append(
-            [
-                r["policy"] + (" (floor)" if r["policy"] == floor else ""),
-                str(r["n_documents"]),
-                str(int(r["n_positions"])),
-                f"{num(r['kld_mean'])} ± {num(r['kld_se'], 2)}",
-                interval,
-                f"{r['ppl_ratio']:.4f}",
-                f"{100 * r['same_top_p']:.2f} %",
-                f"{100 * r['delta_p_rms']:.3f} %",
-            ]
-        )
-    note = "teacher-forced at temperature 1 on the raw logits; KLD = KL(full || compressed), nats"
+        row = [
+            r["policy"] + (" (floor)" if r["policy"] == floor else ""),
+            str(r["n_documents"]),
+            str(int(r["n_positions"])),
+            f"{num(r['kld_mean'])} ± {num(r['kld_se'], 2)}",
+            interval,
+            f"{r['ppl_ratio']:.4f}",
+            f"{100 * r['same_top_p']:.2f} %",
+            f"{100 * r['delta_p_rms']:.3f} %",
+        ]
+        if keyed:  # LongPPL's key tokens: "-" where no position is key
+            same = r["same_top_p_key"]
+            row += [str(r["n_key"]), num(r["kld_key_mean"]), "-" if same is None else f"{100 * same:.2f} %"]
+        rows.append(row)
+    target = table["target"][0] if "target" in table.columns and table.height else "continuation"
+    note = f"teacher-forced ({target}) at temperature 1 on the raw logits; KLD = KL(full || compressed), nats"
     return "\n".join([*text_table(header, rows), note])
 
 

@@ -34,6 +34,7 @@ from kvdiverge.study.inputs import (
 from kvdiverge.study.models import context_length
 from kvdiverge.study.prompts import SOTU_INSTRUCTION
 from kvdiverge.study.settings import check_settings, spelled
+from kvdiverge.study.task_checks import reconstruction_problem
 from kvdiverge.study.tasks import task_documents
 
 __all__ = [
@@ -62,6 +63,7 @@ OPTIONS = {
     "teacher_tokens": "--teacher-tokens",
     "instruction": "--instruction",
     "system": "--system",
+    "teacher_target": "--teacher-target",
 }
 
 
@@ -130,9 +132,9 @@ def check_arguments(args: Any) -> None:
     """
     if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
         args.temperature = 0.0 if getattr(args, "task", None) else 0.7
-    unset_allowed = {"batch_documents", "teacher_tokens", "instruction", "system", *decoding_options()}  # None: default
+    unset_allowed = {"batch_documents", "teacher_tokens", "teacher_target", "instruction", "system", *decoding_options()}  # fmt: skip
     values = {k: getattr(args, k, None) for k in OPTIONS}
-    values = {k: v for k, v in values.items() if k not in unset_allowed or v is not None}
+    values = {k: v for k, v in values.items() if k not in unset_allowed or v is not None}  # None: the default
     try:
         check_settings(values, OPTIONS)
     except ValueError as exc:
@@ -158,6 +160,9 @@ def check_arguments(args: Any) -> None:
         raise InputError("--task scores the coupled run's greedy answers; the teacher-forced --screen runs no task")
     if task and args.temperature != 0:
         raise InputError(f"--task scores greedy answers: --temperature must be 0, got {args.temperature:g}")
+    problem = reconstruction_problem(getattr(args, "teacher_target", None), task, "--teacher-target")
+    if problem:
+        raise InputError(problem)
     problem = device_problem(args.device, "--device")
     if problem:
         raise InputError(problem)
@@ -303,7 +308,7 @@ def check_model(config, documents, sources: Mapping[str, PressSource], horizon: 
 
 #: :func:`kvdiverge.measure`'s keywords that the command line passes as they are, by option name.
 _PLAIN = ("max_new_tokens", "ratios", "cache_ratios", "replicates", "seed", "window", "system", "bootstrap",
-          "confidence", "batch_documents", "teacher_tokens")  # fmt: skip
+          "confidence", "batch_documents", "teacher_tokens", "teacher_target")  # fmt: skip
 
 
 def measure_keywords(args: Any, model_name: str, instruction: str | None, caches, task) -> dict[str, Any]:

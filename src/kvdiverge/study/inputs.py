@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
+from kvdiverge.engine.forced import Continuation
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.presses.bases import press_problem
 from kvdiverge.engine.presses.policies import Policy, PressPolicy, keeps_every_position
@@ -46,7 +47,7 @@ from kvdiverge.study.frontier import (
     spec_problems,
 )
 from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME, context_length
-from kvdiverge.study.prompts import render_ids
+from kvdiverge.study.prompts import render_ids, repeat_ids, text_ids
 from kvdiverge.study.settings import eos_id_problems, model_problem, token_id_problems, vocab_size
 
 __all__ = [
@@ -63,7 +64,9 @@ __all__ = [
     "model_label",
     "prepare_documents",
     "prepare_presses",
+    "prompt_items",
     "read_prompts",
+    "reconstruction_targets",
     "sotu_prompts",
 ]
 
@@ -127,11 +130,7 @@ def prepare_documents(
         that is neither text nor token ids.
     """
     _check_prompts_type(prompts)
-    items = (
-        list(prompts.items())
-        if isinstance(prompts, Mapping)
-        else [(f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
-    )
+    items = prompt_items(prompts)
     if not items:
         raise ValueError("no prompts given")
     docs, seen = [], set()
@@ -151,6 +150,55 @@ def prepare_documents(
             raise ValueError(f"prompt {doc_id!r} has no tokens")
         docs.append(Document(doc_id, ids))
     return docs
+
+
+def prompt_items(prompts: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """``(id, prompt)`` pairs of prompts as :func:`prepare_documents` names them: a mapping's keys, else
+    ``prompt-0``, ``prompt-1``, ... (one string is one prompt)."""
+    if isinstance(prompts, Mapping):
+        return list(prompts.items())
+    return [(f"prompt-{i}", p) for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+
+
+def reconstruction_targets(prompts, tokenizer, instruction: str, name: str = "teacher_target") -> dict[str, Any]:
+    """Each prompt's reconstruction target: the repeat instruction, then the prompt's own text.
+
+    Parameters
+    ----------
+    prompts : sequence or mapping
+        As :func:`prepare_documents`: text (its tokens without special tokens,
+        :func:`kvdiverge.study.prompts.text_ids`) or token ids (repeated as given).
+    tokenizer : transformers tokenizer
+        Renders ``instruction`` with the model's chat template (:func:`kvdiverge.study.prompts.repeat_ids`).
+    instruction : str
+        The repeat instruction (config ``teacher_forced.repeat_instruction``).
+    name : str
+        How the door spells the target setting, for the error.
+
+    Returns
+    -------
+    dict of str to kvdiverge.engine.forced.Continuation
+        Per prompt id: ``prefix`` the instruction's tokens, ``tokens`` the text's, ``source`` ``"prompt"``.
+
+    Raises
+    ------
+    ValueError
+        Without a tokenizer, or for a prompt whose text has no tokens.
+    """
+    if tokenizer is None:
+        raise ValueError(
+            f"{name}: 'reconstruction' renders its repeat instruction with the model's chat template: "
+            "pass the tokenizer"
+        )
+    prefix = tuple(repeat_ids(tokenizer, instruction))
+    out = {}
+    for doc_id, prompt in prompt_items(prompts):
+        ids = _as_ids(prompt)
+        tokens = tuple(text_ids(tokenizer, prompt) if ids is None else ids)
+        if not tokens:
+            raise ValueError(f"prompt {str(doc_id)!r} has no text to reconstruct")
+        out[str(doc_id)] = Continuation(tokens, "prompt", prefix)
+    return out
 
 
 def _check_prompts_type(prompts: Any) -> None:

@@ -23,6 +23,7 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.study.frontier import FrontierSpec
 from kvdiverge.study.inputs import describe_press, is_noise_floor
 from kvdiverge.study.settings import check_settings, check_task, spelled, text_problems, window_problems
+from kvdiverge.study.task_checks import reconstruction_problem
 from kvdiverge.study.tasks import task_documents, task_settings
 from kvdiverge.study.tasks.tables import TaskTableOptions
 from kvdiverge.study.tasks.tables import task_tables as task_table_stage
@@ -59,6 +60,7 @@ class MeasureOptions:
     caches: Mapping[str, Mapping[str, Any]] | None = None
     cache_ratios: Sequence[float] | None = None
     teacher_tokens: int | None = None
+    teacher_target: str | None = None
     task: str | Mapping[str, Any] | None = None
     decoding: Mapping[str, Any] = field(default_factory=dict)
 
@@ -85,13 +87,21 @@ class MeasureOptions:
         opts = cls(**options, decoding=decoding)
         given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
         given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
-        unset_allowed = ("memory_budget_gb", "batch_documents", "teacher_tokens", "instruction", "system")
+        unset_allowed = (
+            "memory_budget_gb",
+            "batch_documents",
+            "teacher_tokens",
+            "teacher_target",
+            "instruction",
+            "system",
+        )
         given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})  # None: none
         checked = check_settings(given)  # counts given as integral floats come back as int
         names = {"split": opts.split, **({} if opts.model_name is None else {"model_name": opts.model_name})}
         problems = text_problems(names)
         if opts.windows is not None:
             problems += window_problems(opts.windows, checked["max_new_tokens"])
+        problems += [p for p in [reconstruction_problem(opts.teacher_target, opts.task, "teacher_target")] if p]
         if problems:
             raise ValueError(problems[0])
         kept = {k: v for k, v in checked.items() if k in cls.__dataclass_fields__}

@@ -41,6 +41,9 @@ import polars as pl
 DEFAULT_DATE = "2026-01-01"
 #: Instruction appended to the command line's ``--sotu`` excerpts (the workflow's default, config/config.yaml).
 SOTU_INSTRUCTION = "Summarize the document above in three sentences."
+#: The reconstruction target's instruction by default (config ``teacher_forced.repeat_instruction``): KVzip's
+#: (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"; kvpress's KVzipPress).
+REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 
 SCHEMA = {
     "doc_id": pl.String,
@@ -180,6 +183,46 @@ def render_ids(
         **template_clock(date),
     )
     return [int(i) for i in out["input_ids"]]
+
+
+def repeat_text(tokenizer, instruction: str, date: str | datetime.date = DEFAULT_DATE) -> str:
+    r"""What the reconstruction target feeds between a rendered prompt and the prompt's text repeated.
+
+    With a chat template: the text the template adds to a conversation that ends at the assistant's
+    turn (the rendered prompt) for an empty assistant turn, a user turn ``instruction`` and the next
+    assistant turn (``<|im_end|>\n<|im_start|>user\nRepeat the previous context exactly.<|im_end|>\n
+    <|im_start|>assistant\n`` in ChatML). Without one (a base model): ``"\n\n" + instruction + "\n"``,
+    as KVzip words it for a model without a template.
+
+    Raises
+    ------
+    ValueError
+        If the template's rendering of the longer conversation does not extend the shorter one's.
+    """
+    if not has_chat_template(tokenizer):
+        return f"\n\n{instruction}\n"
+    clock = template_clock(date)
+    asked = [{"role": "user", "content": "x"}]
+    again = [*asked, {"role": "assistant", "content": ""}, {"role": "user", "content": instruction}]
+    first, second = (
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **clock) for m in (asked, again)
+    )
+    if not second.startswith(first):
+        raise ValueError(
+            "teacher_forced.target: 'reconstruction' needs a chat template that extends a conversation "
+            "turn by turn; this tokenizer's rewrites the earlier turns"
+        )
+    return second[len(first) :]
+
+
+def repeat_ids(tokenizer, instruction: str, date: str | datetime.date = DEFAULT_DATE) -> list[int]:
+    """The tokens of :func:`repeat_text` (no special tokens added: the template's are in the text)."""
+    return [int(i) for i in tokenizer(repeat_text(tokenizer, instruction, date), add_special_tokens=False)["input_ids"]]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """A prompt's own text as the reconstruction target repeats it: its tokens without special tokens."""
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:

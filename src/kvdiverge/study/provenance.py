@@ -170,8 +170,12 @@ def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str
     "documents", "corpus", "teacher_forced"}``: the model and policy entries, the master seed (prefill
     seeds), the control's document count (:func:`kvdiverge.study.config.control_documents`),
     the ``corpus`` section (where the text after each excerpt is read from) and the
-    ``teacher_forced`` section. Decoding settings, replicates and shards do not enter.
+    ``teacher_forced`` section, its ``repeat_instruction`` only with ``target: reconstruction`` (the
+    one target that reads it). Decoding settings, replicates and shards do not enter.
     """
+    section = dict(config.get("teacher_forced") or {})
+    if section.get("target", "continuation") != "reconstruction":
+        section.pop("repeat_instruction", None)
     return canonical(
         {
             "model": config["models"][model],
@@ -179,7 +183,7 @@ def teacher_settings(config: dict[str, Any], model: str, policy: str, split: str
             "seed": config["seed"],
             "documents": control_documents(config, policy, split),
             "corpus": config["corpus"],
-            "teacher_forced": config.get("teacher_forced") or {},
+            "teacher_forced": section,
         }
     )
 

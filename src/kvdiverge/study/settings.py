@@ -45,8 +45,10 @@ __all__ = [
     "window_problems",
 ]
 
-#: Each setting by its ``kvdiverge.measure`` argument name: its config key (the decoding
-#: settings of :func:`kvdiverge.engine.core.sampling.decoding_options` as ``decoding.<name>``).
+#: Each setting by its ``kvdiverge.measure`` argument name (the teacher-forced pass's repeat instruction
+#: and key-token rule, which only :class:`kvdiverge.screening.ScreenOptions` takes, by a name of their
+#: own): its config key (the decoding settings of :func:`kvdiverge.engine.core.sampling.decoding_options`
+#: as ``decoding.<name>``).
 SETTINGS: dict[str, str] = {
     "max_new_tokens": "decoding.max_new_tokens",
     "replicates": "replicates",
@@ -60,12 +62,22 @@ SETTINGS: dict[str, str] = {
     "teacher_tokens": "teacher_forced.length",
     "instruction": "prompt.instruction",
     "system": "prompt.system",
+    "teacher_target": "teacher_forced.target",
+    "teacher_repeat_instruction": "teacher_forced.repeat_instruction",
+    "teacher_key_short": "teacher_forced.key_tokens.short",
+    "teacher_key_alpha": "teacher_forced.key_tokens.alpha",
+    "teacher_key_beta": "teacher_forced.key_tokens.beta",
 }
 
 #: The settings of :class:`kvdiverge.screening.ScreenOptions` checked against the schema, by field
 #: name: the :data:`SETTINGS` name each one is.
 SCREEN_SETTINGS: dict[str, str] = {
     "length": "teacher_tokens",
+    "target": "teacher_target",
+    "repeat_instruction": "teacher_repeat_instruction",
+    "key_short": "teacher_key_short",
+    "key_alpha": "teacher_key_alpha",
+    "key_beta": "teacher_key_beta",
     "seed": "seed",
     "bootstrap": "bootstrap",
     "confidence": "confidence",

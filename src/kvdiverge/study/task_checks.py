@@ -7,7 +7,7 @@ or :func:`kvdiverge.measure` would refuse, with the same sentences, named by the
   and only its own task's keys);
 - a question prefilled after compression beside a policy that cannot take it (the check of every door,
   :func:`kvdiverge.engine.runner.question_after_problems`);
-- greedy decoding for ``task``; for ``prediction``, a frontier, plain prompts on the fidelity side, task
+- the reconstruction target beside a task (:func:`reconstruction_problem`), greedy decoding for ``task``; for ``prediction``, a frontier, plain prompts on the fidelity side, task
   documents of another split, sides named apart, and fidelity measures the horizon gives
   (:func:`kvdiverge.estimation.prediction.measure_problems`).
 """
@@ -24,6 +24,7 @@ __all__ = [
     "block_problems",
     "prediction_block_problems",
     "question_after_problems",
+    "reconstruction_problem",
     "side_problems",
     "task_block_problems",
 ]
@@ -38,6 +39,8 @@ def task_block_problems(config: Mapping[str, Any], scheduled: Sequence[str]) -> 
     if not task:
         return []
     out = block_problems("task", task, config.get("seed", 0))
+    target = (config.get("teacher_forced") or {}).get("target")
+    out += [p for p in [reconstruction_problem(target, task, "teacher_forced.target")] if p]
     temperature = config.get("decoding", {}).get("temperature")
     if temperature is not None and temperature != 0:
         out.append(f"task: the task scores greedy answers, so decoding.temperature must be 0, got {temperature}")
@@ -45,6 +48,17 @@ def task_block_problems(config: Mapping[str, Any], scheduled: Sequence[str]) -> 
         policies = config.get("policies", {})
         out += question_after_problems("task.question", {n: policies[n] for n in scheduled if n in policies})
     return out
+
+
+def reconstruction_problem(target: str | None, task: Any, name: str) -> str | None:
+    """The sentence refusing the reconstruction target beside a task (its prompts are the task's, not the
+    text it repeats), spelled ``name`` as the door spells the target setting; None when they may go together."""
+    if target != "reconstruction" or not task:
+        return None
+    return (
+        f"{name}: 'reconstruction' repeats each prompt's own text, and a task's prompts are built from it "
+        "(a needle inserted, a question): measure the reconstruction without the task"
+    )
 
 
 def block_problems(key: str, block: Mapping[str, Any], seed: int) -> list[str]:

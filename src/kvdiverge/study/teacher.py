@@ -5,7 +5,9 @@ document of the split; the ``none`` control and the noise floor their first ``do
 the continuation of each is the corpus text that follows its excerpt
 (:func:`kvdiverge.study.corpus.following_texts`, tokenized without special tokens) or, where
 there is none or the config asks for it, the full-cache model's greedy continuation
-(:mod:`kvdiverge.engine.forced`).
+(:mod:`kvdiverge.engine.forced`). With ``teacher_forced.target: reconstruction`` the pass feeds
+instead the config's repeat instruction in the model's chat template, then the excerpt's own text,
+and scores the text; the key tokens (``teacher_forced.key_tokens``) are marked on either target.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document
+from kvdiverge.estimation.key_tokens import KeyTokens
 from kvdiverge.study.corpus import following_texts
+from kvdiverge.study.inputs import reconstruction_targets
 from kvdiverge.study.jobs import TeacherSettings
 from kvdiverge.study.models import load_model
+from kvdiverge.study.prompts import REPEAT_INSTRUCTION
 from kvdiverge.study.shard import select_documents
 
 __all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
@@ -33,9 +38,13 @@ log = logging.getLogger(__name__)
 
 def forcing_settings(config: Mapping[str, Any]):
     """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section
-    (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.study.jobs.TeacherSettings`)."""
+    (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.study.jobs.TeacherSettings`):
+    its length, target and key-token rule (``key_tokens``; the defaults where the section leaves it out)."""
     section = config.get("teacher_forced") or {}
-    return TeacherForcing(length=int(section.get("length", DEFAULT_LENGTH)))
+    keys = section.get("key_tokens") or {}
+    rule = KeyTokens(**{k: (int if k == "short" else float)(v) for k, v in keys.items()})
+    target = str(section.get("target", "continuation"))
+    return TeacherForcing(length=int(section.get("length", DEFAULT_LENGTH)), target=target, key=rule)
 
 
 def corpus_continuations(
@@ -90,14 +99,13 @@ def run_teacher_forced(
     forcing = forcing_settings(first)
     sampling = forcing.sampling(first["seed"], settings.model, model_eos_ids(model))
     prompts = pl.read_parquet(paths["prompts"])
-    corpus_text = (first.get("teacher_forced") or {}).get("continuation", "corpus") == "corpus"
+    section = first.get("teacher_forced") or {}
+    corpus_text = forcing.target == "reconstruction" or section.get("continuation", "corpus") == "corpus"
     corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every split
     frames = []
     for split, names in settings.splits().items():
         docs, runs_on = _split_documents(prompts, split, {n: settings.settings[split][n]["documents"] for n in names})
-        conts = {}
-        if corpus is not None:
-            conts = corpus_continuations(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing.length)
+        conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
         log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(names),
                  docs.height, len(conts))  # fmt: skip
         frames.append(
@@ -111,6 +119,19 @@ def run_teacher_forced(
             )
         )
     return pl.concat(frames)
+
+
+def _targets(config: Mapping[str, Any], corpus: pl.DataFrame | None, tokenizer, doc_ids, forcing) -> dict[str, Any]:
+    """What the pass feeds after each document: the reconstruction's targets (the excerpt's text after the
+    repeat instruction, :func:`kvdiverge.study.inputs.reconstruction_targets`), or the corpus continuations
+    (:func:`corpus_continuations`; none when ``corpus`` is None: greedy continuations)."""
+    if forcing.target == "reconstruction":
+        texts = corpus.filter(pl.col("doc_id").is_in(list(doc_ids))).select("doc_id", "text").iter_rows()
+        instruction = config["teacher_forced"].get("repeat_instruction", REPEAT_INSTRUCTION)
+        return reconstruction_targets(dict(texts), tokenizer, instruction, "teacher_forced.target")
+    if corpus is None:
+        return {}
+    return corpus_continuations(config, corpus, tokenizer, doc_ids, forcing.length)
 
 
 def _split_documents(

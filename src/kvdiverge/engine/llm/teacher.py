@@ -51,15 +51,18 @@ import torch
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.hf import DynamicCache
+from kvdiverge.estimation.key_tokens import KeyTokens
 
 __all__ = [
     "DEFAULT_LENGTH",
+    "TARGETS",
     "Forced",
     "TeacherForcing",
     "forced_log_probs",
     "forced_pass",
     "greedy_continuation",
     "position_measures",
+    "short_log_probs",
 ]
 
 
@@ -69,6 +72,9 @@ __all__ = [
 #: divergences that start later (docs/benchmarks.md, "The teacher-forced pass").
 DEFAULT_LENGTH = 64
 
+#: What the pass scores: the tokens that follow the prompt, or the prompt's own text repeated after an instruction.
+TARGETS = ("continuation", "reconstruction")
+
 
 @dataclass(frozen=True)
 class TeacherForcing:
@@ -77,24 +83,35 @@ class TeacherForcing:
     Parameters
     ----------
     length : int
-        Continuation tokens scored per document (default :data:`DEFAULT_LENGTH`), cut to what the context
+        Tokens scored per document (default :data:`DEFAULT_LENGTH`): the continuation's first ``length``,
+        or the first ``length`` of the prompt's text (``target="reconstruction"``); cut to what the context
         leaves after the prompt.
     block : bool
         Feed the continuation in one forward where the press allows it (default); ``False``
         steps token by token everywhere (for comparison).
+    target : str
+        One of :data:`TARGETS`: ``"continuation"`` (default) or ``"reconstruction"`` (the prompt's text
+        after a repeat instruction, KVzip's context reconstruction; the caller builds the tokens).
+    key : kvdiverge.estimation.key_tokens.KeyTokens or None
+        LongPPL's key-token rule and short context: a forward of the full-cache model on the prompt's
+        last ``key.short`` tokens per document, and the ``ll_short`` and ``key`` columns; None: neither.
 
     Raises
     ------
     ValueError
-        If ``length`` is not an integer >= 1.
+        If ``length`` is not an integer >= 1, or ``target`` not one of :data:`TARGETS`.
     """
 
     length: int = DEFAULT_LENGTH
     block: bool = True
+    target: str = "continuation"
+    key: KeyTokens | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"teacher_forced.length must be an integer >= 1, got {self.length!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"teacher_forced.target must be one of {', '.join(TARGETS)}, got {self.target!r}")
 
     def sampling(self, seed: int, model_name: str, eos_ids: Sequence[int]) -> Sampling:
         """The pass's settings for the pairs: ``T = length``, one replicate, the decoding transform off
@@ -268,3 +285,35 @@ def greedy_continuation(model, input_ids: Sequence[int], length: int, eos_ids: S
         step = torch.tensor([[tok]], device=device)
         logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
     return out
+
+
+@torch.inference_mode()
+def short_log_probs(model, context: Sequence[int], fed: Sequence[int], scored: int) -> torch.Tensor:
+    """The full-cache model's log-probability of the last ``scored`` fed tokens after a short context.
+
+    One forward of ``model`` (no cache, no press) over ``context + fed[:-1]``: the short-context
+    reference of LongPPL's key tokens (:mod:`kvdiverge.estimation.key_tokens`), with ``context``
+    the prompt's last tokens and ``fed`` what the teacher-forced pass feeds after the prompt.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The reference model (no press entered).
+    context : sequence of int
+        The short context (at least 1 token).
+    fed : sequence of int
+        The tokens fed after it (at least ``scored``).
+    scored : int
+        How many of the last fed tokens to score (>= 1).
+
+    Returns
+    -------
+    torch.Tensor
+        float64 (scored,) on the CPU: ``log P(fed[j] | context, fed[:j])`` for the last ``scored``
+        ``j``, from the float64 ``log_softmax`` of the raw logits (as the pass's).
+    """
+    device = next(model.parameters()).device
+    ids = torch.as_tensor([*context, *fed][:-1], dtype=torch.long, device=device).unsqueeze(0)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=int(scored)).logits[0, -int(scored) :]
+    tokens = torch.as_tensor(list(fed)[-int(scored) :], dtype=torch.long, device=device)
+    return logits.double().log_softmax(-1).gather(-1, tokens[:, None])[:, 0].cpu()
