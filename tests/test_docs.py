@@ -112,7 +112,7 @@ def test_the_site_builds_with_every_reference_resolved(tmp_path):
     api = (tmp_path / "reference" / "api" / "kvdiverge.engine.core.sampling.html").read_text(encoding="utf-8")
     assert 'id="kvdiverge.engine.core.sampling.Sampling"' in api  # the docstrings made it into the reference
     index = (tmp_path / "index.html").read_text(encoding="utf-8")
-    assert all(f'href="{page}.html"' in index for page in ("results", "benchmarks", "internals", "presses"))
+    assert all(f'href="{page}.html"' in index for page in ("results", "benchmarks", "internals", "presses", "api"))
 
 
 def test_make_docs_builds_the_site_with_warnings_as_errors():
@@ -124,10 +124,42 @@ def test_make_docs_builds_the_site_with_warnings_as_errors():
 
 def test_the_readme_is_short_and_links_to_files_that_exist():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 350
+    assert len(text.splitlines()) <= 250
     links = re.findall(r"\]\(([^)#:]+)\)", text)
-    assert {"docs/results.md", "docs/benchmarks.md", "CONTRIBUTING.md"} <= set(links)
+    assert {"docs/results.md", "docs/benchmarks.md", "CONTRIBUTING.md", "docs/api.md"} <= set(links)
     assert [link for link in links if not (ROOT / link).exists()] == []
+
+
+def readme_section(title: str) -> str:
+    """The README's section ``## title``, its heading to the next one's, the blank line before that left out."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return f"## {title}" + text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0].rstrip("\n")
+
+
+def test_the_readme_shows_a_figure_and_a_table_before_its_first_prose_after_the_quick_start():
+    """After the quick start's commands, the default run's survival figure (a PNG committed under docs/)
+    and a result table come before any paragraph of prose."""
+    section = readme_section("Quick start")
+    after = section.split("```bash", 1)[1].split("```", 1)[1]
+    blocks = [b.strip() for b in after.split("\n\n") if b.strip()]
+    image = re.fullmatch(r"!\[[^\]]+\]\((docs/images/[\w-]+\.png)\)", blocks[0])
+    assert image, blocks[0]
+    assert (ROOT / image.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = blocks[1].splitlines()
+    assert all(row.startswith("|") for row in rows) and len(rows) == 2 + 3  # header, rule, three rows
+    assert "`make run`" in blocks[2] and "results/analysis/pooled.csv" in blocks[2]
+
+
+def test_measure_one_press_is_at_most_thirty_lines_and_the_api_page_shows_its_examples_word_for_word():
+    """The README's two examples (run by tests/test_measure.py) are the ones docs/api.md explains."""
+    section = readme_section("Measure one press")
+    assert len(section.splitlines()) <= 30
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    for language in ("python", "bash"):
+        pattern = rf"```{language}\n(.*?)```"
+        (example,) = re.findall(pattern, section, flags=re.S)
+        assert example in re.findall(pattern, api, flags=re.S), language
+    assert "(docs/api.md)" in section
 
 
 def test_the_docs_cite_no_issue_numbers_and_no_path_outside_the_repository():

@@ -136,3 +136,86 @@ def test_speculative_figure_draws_each_run_and_its_iid_line(tables):
     assert any(np.allclose(ln.get_ydata(), b["iid_tokens_per_forward"].to_numpy()) for ln in dotted)
     assert ax.get_xlabel() == "draft block length k (tokens)"
     plt.close(fig)
+
+
+def _synthetic(kind: str) -> pl.DataFrame:
+    """One model's curves over steps 0..8: policies ``same-a`` and ``same-b`` exactly equal, ``apart`` 0.05 below
+    (and, for the length figure, its full side 0.1 below that)."""
+    t = np.arange(9)
+    curve = 0.95**t
+    rows = []
+    for policy, shift in (("same-a", 0.0), ("same-b", 0.0), ("apart", -0.05)):
+        y = curve + shift
+        base = {"model": "m", "policy": policy, "split": "exploratory"}
+        if kind == "survival":
+            rows.append(pl.DataFrame({**base, "t": t, "S": y, "S_lo": y - 0.1, "S_hi": y + 0.02, "n_docs": 4}))
+        elif kind == "branch":
+            rows.append(pl.DataFrame({**base, "lag": t, "btv": y, "btv_lo": y - 0.1, "btv_hi": y + 0.02, "n_docs": 4}))
+        else:  # length: the two sides of same-a and same-b equal, apart's full side 0.1 below its compressed one
+            for side, drop in (("compressed", 0.0), ("full", 0.1 if policy == "apart" else 0.0)):
+                rows.append(pl.DataFrame({**base, "side": side, "t": t, "survival": y - drop}))
+    return pl.concat(rows)
+
+
+FIGURES_WITH_LINES = {
+    "survival": lambda table: plots.survival_figure(table),
+    "length": lambda table: plots.length_figure(table),
+    "branch": lambda table: plots.plot_branch_tv(table, "b.png", "b.pdf"),
+}
+
+#: Per figure: the labels of the coinciding lines, and the legend's note naming them.
+COINCIDING = {
+    "survival": (["same-a", "same-b"], "on one curve (markers offset): same-a; same-b"),
+    "branch": (
+        ["same-a (exploratory)", "same-b (exploratory)"],
+        "on one curve (markers offset): same-a (exploratory); same-b (exploratory)",
+    ),
+    "length": (
+        ["same-a, compressed", "same-a, full", "same-b, compressed", "same-b, full"],
+        "on one curve (markers offset): same-a, both sides; same-b, both sides",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(FIGURES_WITH_LINES))
+def test_coinciding_curves_are_named_in_the_legend_and_marked_at_offset_steps(kind, monkeypatch):
+    """Two policies with the same curve: the legend names both as one curve, and each of the n coinciding
+    lines shows its own marker shape at every n-th step, at steps no other one marks; the curve 0.05
+    apart is neither named nor given offset markers."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, *paths: figures.append(fig))
+    fig = FIGURES_WITH_LINES[kind](_synthetic(kind)) or figures[0]
+    ax = fig.axes[0]
+    texts = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+    labels, note = COINCIDING[kind]
+    assert [t for t in texts if "on one curve" in t] == [note]
+    lines = {ln.get_label(): ln for ln in ax.get_lines() if len(ln.get_xdata()) == 9}
+    assert len(lines) == (6 if kind == "length" else 3)
+    assert all(np.array_equal(lines[k].get_ydata(), lines[labels[0]].get_ydata()) for k in labels)
+    assert len({lines[k].get_marker() for k in labels}) == len(labels)
+    for j, k in enumerate(labels):  # markevery (start, every): the j-th line marks steps j, j + n, ...
+        start, every = lines[k].get_markevery()
+        assert np.asarray(lines[k].get_xdata())[start::every].tolist() == list(range(j, 9, len(labels)))
+    apart = [ln for k, ln in lines.items() if k.startswith("apart")]
+    assert apart and all(ln.get_markevery() is None for ln in apart)
+    assert not any("apart" in t for t in texts if "on one curve" in t)
+    plt.close(fig)
+
+
+def test_curves_coincide_within_the_tolerance_on_their_shared_steps():
+    from kvdiverge.report.coincide import coinciding_groups
+
+    x = np.arange(5.0)
+    curves = {
+        "a": (x, np.ones(5)),
+        "b": (x, np.ones(5) - 0.009),  # 0.009 below a
+        "c": (x, np.ones(5) - 0.015),  # 0.015 below a, 0.006 below b: joins a's group through b
+        "d": (x[:3], np.ones(3)),  # a's first three steps: lies on a
+        "e": (x + 10, np.ones(5)),  # no step shared
+        "f": (x, np.linspace(0, 1, 5)),
+    }
+    assert coinciding_groups(curves, 0.01) == [["a", "b", "c", "d"]]
+    assert coinciding_groups(curves, 0.005) == [["a", "d"]]
+    assert coinciding_groups({"a": curves["a"], "f": curves["f"]}, 0.01) == []

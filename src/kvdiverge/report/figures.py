@@ -35,8 +35,10 @@ import matplotlib.ticker
 import numpy as np
 import polars as pl
 import seaborn as sns
+from matplotlib.lines import Line2D
 
 from kvdiverge.io.files import atomic_path
+from kvdiverge.report.coincide import legend_with_coinciding
 
 __all__ = [
     "length_figure",
@@ -94,35 +96,33 @@ def _facets(n: int, width: float = 4.5, height: float = 3.5):
 FLOOR_COLORS = ("#555555", "#999999")
 
 
-def _runs_with_bands(ax, d, x: str, y: str, step: str | None = None, floor_runs: Sequence[str] = (), **line_kw) -> None:
+def _palette(runs: Sequence[str], floor_runs: Sequence[str] = ()) -> dict[str, tuple]:
+    """Each run's colour: seaborn's palette for the policies in order, greys (``FLOOR_COLORS``) for the noise floor."""
+    policies = [r for r in runs if r not in floor_runs]
+    pal = dict(zip(policies, sns.color_palette(n_colors=max(len(policies), 1))))
+    pal.update({r: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, r in enumerate(r for r in runs if r in floor_runs)})
+    return pal
+
+
+def _runs_with_bands(ax, d, x: str, y: str, step: str | None = None, floor_runs: Sequence[str] = (), **line_kw) -> list:
     """One line per ``run`` with its interval band (columns ``<y>_lo``, ``<y>_hi``), line and band in the same colour.
 
     ``d`` is a pandas frame with a ``run`` column; ``step`` is passed to
-    ``fill_between`` (e.g. ``"post"`` for step curves), ``line_kw`` to ``sns.lineplot``.
-    Runs in ``floor_runs`` (the noise floor) are drawn grey and dashed.
+    ``fill_between`` (e.g. ``"post"`` for step curves), ``line_kw`` to ``Axes.plot``.
+    Runs in ``floor_runs`` (the noise floor) are drawn grey and dashed. Returns the lines, in
+    the runs' sorted order, each labelled with its run.
     """
     runs = sorted(d["run"].unique())
-    policies = [r for r in runs if r not in floor_runs]
-    floors = [r for r in runs if r in floor_runs]
-    pal = dict(zip(policies, sns.color_palette(n_colors=max(len(policies), 1))))
-    pal.update({r: FLOOR_COLORS[i % len(FLOOR_COLORS)] for i, r in enumerate(floors)})
-    dashes = {r: ((4, 2) if r in floor_runs else "") for r in runs}
-    sns.lineplot(
-        data=d,
-        x=x,
-        y=y,
-        hue="run",
-        hue_order=runs,
-        palette=pal,
-        style="run",
-        style_order=runs,
-        dashes=dashes,
-        ax=ax,
-        errorbar=None,
-        **line_kw,
-    )
-    for run, g in d.groupby("run"):
+    pal = _palette(runs, floor_runs)
+    if "marker" in line_kw:
+        line_kw = {"mec": "white", "mew": 0.6, **line_kw}
+    lines = []
+    for run in runs:
+        g = d[d["run"] == run].sort_values(x)
+        dashes = (0, (4, 2)) if run in floor_runs else "-"
+        lines += ax.plot(g[x], g[y], color=pal[run], ls=dashes, label=run, **line_kw)
         ax.fill_between(g[x], g[f"{y}_lo"], g[f"{y}_hi"], step=step, alpha=0.15, color=pal[run])
+    return lines
 
 
 def _run_labels(frame: pl.DataFrame, floor: str | None = None) -> pl.DataFrame:
@@ -142,6 +142,9 @@ def _run_labels(frame: pl.DataFrame, floor: str | None = None) -> pl.DataFrame:
 def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: str | None = None) -> None:
     """Draw survival curves ``S_t`` (steps ``t = 0..T``) with their bands on one axes.
 
+    Curves that coincide (the controls at ``S_t = 1``, two policies that agree) get offset
+    markers and a legend entry naming them (:func:`kvdiverge.report.coincide.legend_with_coinciding`).
+
     Parameters
     ----------
     ax : matplotlib.axes.Axes
@@ -158,14 +161,16 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: s
     multi = s["split"].n_unique() > 1
     floor_runs = s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else []
     d = s.to_pandas()
-    _runs_with_bands(ax, d, "t", "S", step="post", floor_runs=floor_runs, drawstyle="steps-post")
+    lines = _runs_with_bands(ax, d, "t", "S", step="post", floor_runs=floor_runs, drawstyle="steps-post")
     ax.set(
         title=title if title is not None else ", ".join(sorted(s["model"].unique().to_list())),
         xlabel="step t (tokens generated)",
         ylabel="S_t = P(no divergence by t)",
         ylim=(0, 1.02),
     )
-    ax.legend(
+    legend_with_coinciding(
+        ax,
+        lines,
         title="policy (split)" if multi else "policy",
         fontsize="small",
         loc="upper center",
@@ -214,26 +219,59 @@ def length_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Figur
     """The EOS time's survival ``P(EOS step > t)`` per policy on each side, one panel per model: the
     compressed side solid, the paired full-cache side dashed, in the policy's colour.
 
+    Curves that coincide (both sides of the `none` control, runs that never stop within the
+    horizon) get offset markers and a legend entry naming them
+    (:func:`kvdiverge.report.coincide.legend_with_coinciding`).
+
     Parameters
     ----------
     survival : polars.DataFrame
         :func:`kvdiverge.estimation.drift.length_survival` output.
     floor : str, optional
-        The noise-floor policy, labelled "noise floor".
+        The noise-floor policy, labelled "noise floor" and drawn grey.
     """
     sns.set_theme(style="whitegrid", context="paper")
     if survival.height == 0:
         return _empty("no runs")
     models = sorted(survival["model"].unique().to_list())
     fig, axes = _facets(len(models))
+    sides = (("compressed", "-"), ("full", (0, (4, 2))))
     for ax, model in zip(axes, models):
-        s = _run_labels(survival.filter(pl.col("model") == model), floor).to_pandas()
-        sns.lineplot(data=s, x="t", y="survival", hue="run", style="side", style_order=["compressed", "full"],
-                     drawstyle="steps-post", ax=ax)  # fmt: skip
+        s = _run_labels(survival.filter(pl.col("model") == model), floor)
+        runs = sorted(s["run"].unique().to_list())
+        pal = _palette(runs, s.filter(pl.col("policy") == floor)["run"].unique().to_list() if floor else [])
+        lines = []
+        for run in runs:
+            for side, ls in sides:
+                g = s.filter((pl.col("run") == run) & (pl.col("side") == side)).sort("t")
+                lines += ax.plot(
+                    g["t"], g["survival"], ls=ls, color=pal[run], drawstyle="steps-post", label=f"{run}, {side}"
+                )
         ax.set(title=model, xlabel="step t (tokens generated)", ylabel="P(no EOS by t)", ylim=(0, 1.02))
-        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        handles = [Line2D([], [], color=pal[r], label=r) for r in runs]
+        handles += [Line2D([], [], color="black", ls=ls, label=f"{side} side") for side, ls in sides]
+        legend_with_coinciding(
+            ax,
+            lines,
+            handles,
+            describe=_sides_merged,
+            title="policy (split)" if s["split"].n_unique() > 1 else "policy",
+            fontsize="small",
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.16),
+            ncol=2,
+        )
     fig.suptitle("Output length: survival of the end-of-sequence time (paired sides)")
     return fig
+
+
+def _sides_merged(labels: list[str]) -> list[str]:
+    """A group's ``"run, side"`` labels with a run's two sides as one, ``"run, both sides"``."""
+    sides: dict[str, list[str]] = {}
+    for label in labels:
+        run, side = label.rsplit(", ", 1)
+        sides.setdefault(run, []).append(side)
+    return [f"{run}, both sides" if len(s) == 2 else f"{run}, {s[0]} side" for run, s in sides.items()]
 
 
 def plot_length(survival: pl.DataFrame, png, pdf, floor: str | None = None) -> None:
@@ -313,6 +351,9 @@ def plot_branch_tv(
 ) -> None:
     """Branch-aligned TV against lag since divergence per policy, one panel per model.
 
+    Curves that coincide get offset markers and a legend entry naming them
+    (:func:`kvdiverge.report.coincide.legend_with_coinciding`).
+
     Parameters
     ----------
     curve : polars.DataFrame
@@ -329,7 +370,7 @@ def plot_branch_tv(
     fig, axes = _facets(len(models))
     for ax, model in zip(axes, models):
         d = c.filter(pl.col("model") == model).to_pandas()
-        _runs_with_bands(ax, d, "lag", "btv", marker="o", ms=3)
+        lines = _runs_with_bands(ax, d, "lag", "btv", marker="o", ms=3)
         for win, name, col in ((early, "early", "#999999"), (late, "late", "#cc9999")):
             if win is not None:
                 ax.axvspan(win[0] - 0.5, win[1] + 0.5, color=col, alpha=0.15, lw=0)
@@ -343,7 +384,9 @@ def plot_branch_tv(
                     fontsize="small",
                 )
         ax.set(title=model, xlabel="lag k since first divergence (steps)", ylabel="branch TV", ylim=(0, 1))
-        ax.legend(title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        legend_with_coinciding(
+            ax, lines, title="policy (split)", fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2
+        )
     fig.suptitle("Kernel disagreement after divergence")
     save_figure(fig, png, pdf)
 
