@@ -231,12 +231,13 @@ def test_the_api_refuses_what_is_not_a_model_before_any_work(tiny):
         (
             {"options": "x"},
             "options: 'x' is not allowed; allowed: a ScreenOptions or a mapping of its fields (length, seed, "
-            "instruction, system, model_name, split, eos_ids, bootstrap, confidence, block)",
+            "instruction, system, model_name, split, eos_ids, bootstrap, confidence, block, target, "
+            "repeat_instruction, key_short, key_alpha, key_beta)",
         ),
         (
             {"options": {"lenght": 8}},
             "options: unknown key 'lenght'; allowed: length, seed, instruction, system, model_name, split, "
-            "eos_ids, bootstrap, confidence, block",
+            "eos_ids, bootstrap, confidence, block, target, repeat_instruction, key_short, key_alpha, key_beta",
         ),
         ({"options": {"split": 5}}, "options.split: 5 is not allowed; allowed: a non-empty string"),
         ({"options": {"model_name": 5}}, "options.model_name: 5 is not allowed; allowed: a non-empty string"),
