@@ -1,5 +1,6 @@
 # Two entry points (README "Quick start"):
-#   make run       set up .venv if needed, run the workflow on the embedded default, build the report
+#   make run       set up .venv if needed, run the workflow on the embedded default and build its report
+#                  in the same Snakemake process (--report-after-run: the workflow is parsed once)
 #   make test      set up .venv if needed, run the test suite but the `slurm`, `docs` and `long` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt), the
 #                  `docs` test (the site built with warnings as errors) and the `long` tests: CI
@@ -33,8 +34,7 @@ REHEARSE_CONFIG ?= config/paper-rehearsal.yaml config/rehearsal-small.yaml
 .PHONY: run test test-all docs setup lock clean-results rehearse
 
 run: $(STAMP)
-	$(BIN)/snakemake --cores all
-	$(BIN)/snakemake --report results/report.html
+	$(BIN)/snakemake --cores all --report results/report.html --report-after-run
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

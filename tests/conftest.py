@@ -357,8 +357,8 @@ def _run_workflows(work: Path) -> None:
     smoke, frontier = results_dir("smoke.yaml"), results_dir("frontier-smoke.yaml")
     runs = {}
     for name, config, results in (("smoke", "smoke.yaml", smoke), ("frontier", "frontier-smoke.yaml", frontier)):
-        base = ["--cores", "2", "--configfile", f"config/{config}"]
-        runs[name] = [base, base + ["--report", f"{results}/report.html"]]
+        # the report after the run in the same process: the workflow is parsed once
+        runs[name] = [["--cores", "2", "--report", f"{results}/report.html", "--report-after-run", "--configfile", f"config/{config}"]]
     _snakemake_all(work, runs)
 
 
@@ -394,8 +394,8 @@ def _workflow_runs(tmp_path_factory) -> Path:
     """The working directory (a copy of the tree) where the whole workflow ran once this
     session on ``config/smoke.yaml`` and, beside it, on ``config/frontier-smoke.yaml``.
 
-    Each config builds every target of ``rule all`` with 2 cores, then its HTML report
-    (``snakemake --report <results_dir>/report.html``). Both run at once: their serial
+    Each config builds every target of ``rule all`` with 2 cores, then its HTML report in the
+    same process (``snakemake --report <results_dir>/report.html --report-after-run``). Both run at once: their serial
     stages (conversion, corpus, analyses) leave a core free for the other. They start in the
     background once the tests are collected (:func:`pytest_collection_finish`).
 

@@ -200,7 +200,7 @@ def test_makefile_installs_torch_first_and_the_model_without_deps():
     assert torch < project < model
     assert re.search(r"^run: \$\(STAMP\)", text, re.M) and re.search(r"^test: \$\(STAMP\)", text, re.M)
     assert re.search(r"^\$\(STAMP\): pyproject.toml constraints.txt", text, re.M)
-    assert "snakemake --cores all" in text and "snakemake --report results/report.html" in text
+    assert "snakemake --cores all --report results/report.html --report-after-run" in text
 
 
 def test_ci_runs_the_readme_test_command_with_the_slurm_and_docs_tests():

@@ -1,12 +1,12 @@
 # Stage 2: chat-rendered prompts per model, with exclusions and their reasons.
-# A GGUF model's tokenizer and config are read from its converted copy (rule convert_model):
-# parsing them from the GGUF file takes seconds, the converted copy a fraction of one.
+# A GGUF model's tokenizer and config are read from the GGUF file itself (its config from the
+# header, kvdiverge.study.gguf_config), or from a kept conversion where the machine has one: the
+# job runs beside rule convert_model instead of after it.
 
 
 rule prompts:
     input:
         rules.corpus.output[0],
-        model=converted_model,
     output:
         PROMPTS,
     log:

@@ -3,7 +3,7 @@
 import polars as pl
 
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.models import context_length, load_model_config, load_tokenizer, local_entry
+from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
 from kvdiverge.study.prompts import build_prompts, check_usable, summary
 from kvdiverge.study.rulelog import rule_log
 from kvdiverge.study.tasks import build_task_prompts
@@ -12,8 +12,6 @@ with rule_log(snakemake.log[0], "prompts", "prompts stage") as log:
     name = snakemake.wildcards.model
     spec = dict(snakemake.params.model)
     log.info("model %s: %s", name, spec)
-    if snakemake.input.model:
-        spec = local_entry(spec, snakemake.input.model)
     tokenizer = load_tokenizer(spec, name)
     context = context_length(load_model_config(spec, name))
     log.info("context length: %d tokens", context)

@@ -44,6 +44,7 @@ import polars as pl
 from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, put_interval, resample_counts
 from kvdiverge.estimation.decomposition import check_decomposition
+from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
@@ -137,47 +138,6 @@ def frontier_curves(grid: Sequence[FrontierPoint | Mapping[str, Any]]) -> dict[s
             curve["policies"].append(alone[p.cache])
         curve["policies"].append(p.policy)
     return curves
-
-
-def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) -> float:
-    """KV bytes stored per key or value element of the prompt cache, scales and zero points included.
-
-    Full precision: ``element_bytes`` (the model's dtype: 4 for float32, 2 for float16 and
-    bfloat16). A quantized cache (KIVI-style groups of ``q_group_size`` elements along the
-    head dimension, one scale and one zero point per group)::
-
-        data_bits / 8 + 2 * element_bytes / q_group_size
-
-    with ``data_bits = nbits``, except HQQ's 3 bits, which packs ten values into one 32-bit
-    word (3.2 bits). The scale and the zero point are stored in the cache's dtype: quanto's
-    ``MaxOptimizer`` returns ``scale`` and ``shift`` in the dtype of the tensor it
-    quantizes, and HQQ casts its ``scale`` and ``zero`` to ``compute_dtype``, the cache's
-    dtype (``transformers.cache_utils.HQQQuantizedLayer``); measured on optimum-quanto 0.2.7
-    and hqq 0.2.8 (float32: 0.625 bytes at 4 bits and 0.375 at 2 bits, groups of 64).
-    Every prompt token is stored quantized (the prompt cache is quantized whole on the first
-    forward after the prefill); the full-precision residual (at most ``residual_length``
-    newest tokens) holds generated tokens only and is not counted. The KV bytes per prompt
-    token of a point are then ``retention * elements_per_token * kv_bytes_per_element``,
-    ``elements_per_token = layers * kv_heads * head_dim * 2`` (keys and values) over the
-    full-attention layers; a model's sliding-window layers add their uncompressed
-    ``min(prompt_len, sliding_window - 1) / prompt_len * sliding_elements_per_token``.
-
-    Parameters
-    ----------
-    cache : mapping or None
-        ``backend``, ``nbits`` and ``q_group_size`` of a quantized cache; None for full precision.
-    element_bytes : float
-        Bytes of one full-precision element (the model's dtype).
-
-    Returns
-    -------
-    float
-        Bytes per element.
-    """
-    if cache is None:
-        return float(element_bytes)
-    bits = 3.2 if (cache["backend"], int(cache["nbits"])) == ("hqq", 3) else float(cache["nbits"])
-    return bits / 8 + 2.0 * float(element_bytes) / int(cache["q_group_size"])
 
 
 # --------------------------------------------------------------------------- statistics

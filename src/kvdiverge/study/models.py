@@ -501,17 +501,30 @@ def _load_model(spec: dict[str, Any], name: str | None, tokenizer):
         )
         return model, tokenizer
     placement = {"device_map": device} if device != "cpu" else {}  # weights straight to the accelerator
+    attention = spec.get("attn_implementation", "sdpa")
     model = _from_pretrained(
         AutoModelForCausalLM,
         spec,
         name,
         dtype=torch_dtype(spec.get("dtype", "float32")),
-        attn_implementation=spec.get("attn_implementation", "sdpa"),
+        attn_implementation=attention,
         **placement,
+        **_header_config(spec, name, attention),
     )
     model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _header_config(spec: dict[str, Any], name: str | None, attention: str) -> dict[str, Any]:
+    """``{"config": ...}`` for a GGUF entry whose config its header gives
+    (:func:`kvdiverge.study.gguf_config.gguf_config`), so that ``from_pretrained`` reads the file once,
+    for its tensors, and not once more for its config (about 6 s for the embedded model); empty otherwise."""
+    if not spec.get("gguf_file"):
+        return {}
+    where, kwargs = resolve(spec, name)
+    config = gguf_config(Path(where) / kwargs["gguf_file"], attn_implementation=attention)
+    return {} if config is None else {"config": config}
 
 
 def context_length(model_or_config) -> int:

@@ -43,7 +43,7 @@ from typing import Any
 from kvpress import BasePress
 
 from kvdiverge.engine.hf import DynamicLayer, HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
-from kvdiverge.estimation.frontier import kv_bytes_per_element
+from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 
 __all__ = [
     "BACKENDS",
@@ -119,7 +119,7 @@ class QuantizedCacheSpec:
 
 def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) -> float:
     """Stored bits per key or value element: the data bits plus a scale and a zero point per group
-    (:func:`kvdiverge.estimation.frontier.kv_bytes_per_element`, in bits).
+    (:func:`kvdiverge.estimation.kv_bytes.kv_bytes_per_element`, in bits).
 
     Parameters
     ----------
