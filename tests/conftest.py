@@ -358,7 +358,17 @@ def _run_workflows(work: Path) -> None:
     runs = {}
     for name, config, results in (("smoke", "smoke.yaml", smoke), ("frontier", "frontier-smoke.yaml", frontier)):
         # the report after the run in the same process: the workflow is parsed once
-        runs[name] = [["--cores", "2", "--report", f"{results}/report.html", "--report-after-run", "--configfile", f"config/{config}"]]
+        runs[name] = [
+            [
+                "--cores",
+                "2",
+                "--report",
+                f"{results}/report.html",
+                "--report-after-run",
+                "--configfile",
+                f"config/{config}",
+            ]
+        ]
     _snakemake_all(work, runs)
 
 

@@ -29,10 +29,10 @@ from kvdiverge.estimation.frontier import (
     common_range,
     frontier_curves,
     frontier_tables,
-    kv_bytes_per_element,
     range_mean,
     trapezoid_area,
 )
+from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 from kvdiverge.study.config import ConfigError, expand_frontier, load_config, runs, validate
 from kvdiverge.study.frontier import FrontierSpec, frontier_grid, frontier_name, frontier_points
 from kvdiverge.study.provenance import read_provenance

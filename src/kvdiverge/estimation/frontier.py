@@ -18,7 +18,7 @@ point is the cache alone (a press at ratio 0 evicts nothing).
 - one row per (model, point): ``p_div``, the mean and median first-divergence step,
   ``E[M]`` with its two terms ``p_div / T`` and ``(E[L] / T) rho`` and ``rho``, each with a
   document-bootstrap interval, the KV bytes stored per prompt token
-  (:func:`kv_bytes_per_element`), the noise floor's values on the same documents and
+  (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`), the noise floor's values on the same documents and
   ``above_floor`` (:func:`kvdiverge.estimation.analysis.floor_comparison`);
 - one row per (model, curve): the mean of its ``E[M]`` and ``p_div`` over the range of KV
   bytes per prompt token common to the ranked curves (linear interpolation in bytes,
@@ -53,7 +53,6 @@ __all__ = [
     "common_range",
     "frontier_curves",
     "frontier_tables",
-    "kv_bytes_per_element",
     "measured_frontier",
     "range_mean",
     "trapezoid_area",
@@ -385,7 +384,7 @@ def frontier_tables(
         (budgets after the ratios). ``retention = 1 - compression_ratio`` (a budget's: the
         mean kept fraction ``kept_len / prompt_len`` over documents); ``bits_per_element``
         ``8 * kv_bytes_per_element`` and ``kv_bytes_per_token = retention *
-        elements_per_token * kv_bytes_per_element`` (:func:`kv_bytes_per_element`);
+        elements_per_token * kv_bytes_per_element`` (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`);
         ``curve`` the point's own curve and ``curves`` every curve it lies on
         (:func:`frontier_curves`; a cache alone lies on each press's curve with that cache);
         ``tau_mean`` and ``tau_median`` in steps (given divergence; NaN when nothing
@@ -467,7 +466,7 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
 
 
 def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any], sizes):
-    """The point's identity, retention and KV bytes (:func:`kv_bytes_per_element`), and its abscissa.
+    """The point's identity, retention and KV bytes (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`), and its abscissa.
 
     ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``sizes``: its KV sizes or None.
     """

@@ -1,8 +1,8 @@
 """The KV bytes of one cache element, full precision or quantized, by arithmetic alone.
 
 A module of its own, with no import beyond the standard library, so that the engine's quantized
-cache and the config's cost model read the same figure without loading the frontier's statistics
-(numpy, polars, scipy).
+cache and the frontier's points (:mod:`kvdiverge.estimation.frontier`) read the same figure, and the
+engine does not load the frontier's statistics (numpy, polars, scipy) to get it.
 """
 
 from __future__ import annotations
