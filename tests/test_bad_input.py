@@ -580,9 +580,10 @@ TOKENIZERS = {}
 
 
 @pytest.fixture
-def no_weights(monkeypatch):
+def no_weights(monkeypatch, embedded_cached):
     """Loading a model's weights fails the test (its config and tokenizer load, the tokenizer once a
-    session): the refusal must come first."""
+    session; the embedded model's from the session's kept conversion, not parsed from its GGUF file):
+    the refusal must come first."""
     from kvdiverge.study import models
 
     def refuse(*args, **kwargs):
