@@ -218,34 +218,29 @@ def screen(
 
 def _options(options: Any) -> ScreenOptions:
     """:func:`screen`'s ``options`` as :class:`ScreenOptions`, or ``ValueError`` naming what it is not."""
-    fields = [f.name for f in dataclasses.fields(ScreenOptions)]
-    if options is None or isinstance(options, ScreenOptions):
-        return options or ScreenOptions()
-    if not isinstance(options, Mapping):
-        raise ValueError(
-            f"options: {options!r} is not allowed; allowed: a ScreenOptions or a mapping of its fields "
-            f"({', '.join(fields)})"
-        )
-    unknown = [k for k in options if k not in fields]
-    if unknown:
-        raise ValueError(f"options: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
-    return ScreenOptions(**options)
+    return _of_kind(options, ScreenOptions, "options", "a mapping of its fields ({})")
 
 
 def _frontier(frontier: Any) -> FrontierSpec:
     """:func:`screen`'s ``frontier`` as a :class:`~kvdiverge.study.frontier.FrontierSpec`, or ``ValueError``
     naming what it is not (its values: :func:`~kvdiverge.study.inputs.measure_inputs`)."""
-    fields = [f.name for f in dataclasses.fields(FrontierSpec)]
-    if frontier is None or isinstance(frontier, FrontierSpec):
-        return frontier or FrontierSpec()
-    if not isinstance(frontier, Mapping):
-        raise ValueError(
-            f"frontier: {frontier!r} is not allowed; allowed: a FrontierSpec or a mapping of {', '.join(fields)}"
-        )
-    unknown = [k for k in frontier if k not in fields]
+    return _of_kind(frontier, FrontierSpec, "frontier", "a mapping of {}")
+
+
+def _of_kind(value: Any, kind: type, name: str, mapping: str):
+    """``value`` as the dataclass ``kind`` (None: its defaults; a mapping: its fields by name), or
+    ``ValueError`` naming the argument ``name``: a value of another kind (what is allowed: ``kind``'s name
+    or ``mapping`` with the fields filled in), or a mapping's first unknown key."""
+    fields = [f.name for f in dataclasses.fields(kind)]
+    if value is None or isinstance(value, kind):
+        return value or kind()
+    if not isinstance(value, Mapping):
+        allowed = f"a {kind.__name__} or " + mapping.format(", ".join(fields))
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: {allowed}")
+    unknown = [k for k in value if k not in fields]
     if unknown:
-        raise ValueError(f"frontier: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
-    return FrontierSpec(**frontier)
+        raise ValueError(f"{name}: unknown key {unknown[0]!r}; allowed: {', '.join(fields)}")
+    return kind(**value)
 
 
 def _checked(opt: ScreenOptions) -> ScreenOptions:
