@@ -149,10 +149,10 @@ def compare(model, prompts, seed, label):
 
 
 def main() -> None:
+    from kvdiverge.config.inputs import sotu_prompts
+    from kvdiverge.data.prompts import render_ids
     from kvdiverge.engine.llm.pair_base import stock_kernels
-    from kvdiverge.study.inputs import sotu_prompts
-    from kvdiverge.study.models import EMBEDDED_MODEL, load_model
-    from kvdiverge.study.prompts import render_ids
+    from kvdiverge.models.loading import EMBEDDED_MODEL, load_model
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")

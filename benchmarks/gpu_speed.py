@@ -1,7 +1,7 @@
 """GPU benchmark: one paper-sized shard on the exact paper architectures, random weights.
 
 Builds Llama-3.1-8B and Qwen2.5-7B (architectures written out in
-:mod:`kvdiverge.study.standins`, no download) with random weights in the config's dtype
+:mod:`kvdiverge.models.standins`, no download) with random weights in the config's dtype
 (paper.yaml: float32) on the GPU,
 runs one shard of ``config/paper.yaml`` size through the engine
 (:func:`kvdiverge.engine.runner.run_documents`: 12 documents of about 1200 random tokens,
@@ -13,7 +13,7 @@ runs one shard of ``config/paper.yaml`` size through the engine
 - the documents per forward ``B`` (``kvdiverge.engine.llm.planner.plan_batch`` where the engine
   batches documents, with the arguments the runner gives it; else 1);
 - the projected hours of the whole ``config/paper.yaml`` generation stage on one GPU:
-  the config's token-steps (:mod:`kvdiverge.study.cost`, upper bound ``2T - 1`` steps per side)
+  the config's token-steps (:mod:`kvdiverge.planning.cost`, upper bound ``2T - 1`` steps per side)
   divided by the measured rate of each model.
 
 With ``--compare-stock`` the same shard runs a second time on the engine's stock kernels
@@ -47,13 +47,13 @@ from typing import Any
 
 import torch
 
+from kvdiverge.config.workflow import load_config
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import study_cost
-from kvdiverge.study.standins import MINIATURE, PAPER, random_model
+from kvdiverge.models.standins import MINIATURE, PAPER, random_model
+from kvdiverge.planning.cost import study_cost
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tiny",
         action="store_true",
-        help="miniature architectures (kvdiverge.study.standins.MINIATURE), small defaults",
+        help="miniature architectures (kvdiverge.models.standins.MINIATURE), small defaults",
     )
     ap.add_argument("--docs", type=int, default=None, help="documents in the shard (default 12; tiny 2)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="mean prompt length (default 1200; tiny 150)")

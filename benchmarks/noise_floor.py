@@ -28,6 +28,9 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
+from kvdiverge.config.workflow import SPLITS, floor_policy, load_config
+from kvdiverge.data.corpus import build_corpus
+from kvdiverge.data.prompts import build_prompts, prompt_settings
 from kvdiverge.engine.core.coupled import to_frame
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
@@ -36,10 +39,7 @@ from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.config import SPLITS, floor_policy, load_config
-from kvdiverge.study.corpus import build_corpus
-from kvdiverge.study.models import context_length, load_model, load_model_config, load_tokenizer
-from kvdiverge.study.prompts import build_prompts, prompt_settings
+from kvdiverge.models.loading import context_length, load_model, load_model_config, load_tokenizer
 
 log = logging.getLogger("noise_floor")
 

@@ -40,7 +40,7 @@ def main() -> None:
     from kvdiverge.engine.llm.llm_pair import LLMKernelPair
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_documents
-    from kvdiverge.study.models import load_model, load_tokenizer
+    from kvdiverge.models.loading import load_model, load_tokenizer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model, _ = load_model(SPEC)

@@ -30,8 +30,8 @@ import polars as pl
 import torch
 
 import kvdiverge
-from kvdiverge.study.inputs import prepare_documents, sotu_prompts
-from kvdiverge.study.models import EMBEDDED_MODEL, load_model, local_entry
+from kvdiverge.config.inputs import prepare_documents, sotu_prompts
+from kvdiverge.models.loading import EMBEDDED_MODEL, load_model, local_entry
 from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted
 
 PRESSES = {  # the default config's prefill presses (config/config.yaml)

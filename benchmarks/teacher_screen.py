@@ -34,6 +34,10 @@ import polars as pl
 import torch
 from scipy.stats import spearmanr
 
+from kvdiverge.config.frontier import frontier_split
+from kvdiverge.config.workflow import floor_policy, load_config
+from kvdiverge.data.corpus import build_corpus
+from kvdiverge.data.prompts import build_prompts, prompt_settings
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
@@ -44,13 +48,9 @@ from kvdiverge.estimation import tables
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.teacher_forced import summary_table
 from kvdiverge.io.files import save_table
-from kvdiverge.study.config import floor_policy, load_config
-from kvdiverge.study.corpus import build_corpus
-from kvdiverge.study.frontier import frontier_split
-from kvdiverge.study.models import context_length, load_model
-from kvdiverge.study.prompts import build_prompts, prompt_settings
-from kvdiverge.study.settings import config_sampling
-from kvdiverge.study.teacher import corpus_continuations
+from kvdiverge.jobs.teacher import corpus_continuations
+from kvdiverge.models.loading import context_length, load_model
+from kvdiverge.settings.checks import config_sampling
 
 log = logging.getLogger("teacher_screen")
 

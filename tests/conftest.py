@@ -171,10 +171,10 @@ def build_once(tmp_path_factory, name: str, build) -> Path:
 
 def pytest_sessionstart(session):
     """Converted GGUF models are kept in a directory of this session
-    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.study.models.conversion_cache`), shared by
+    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.models.loading.conversion_cache`), shared by
     the test process, its xdist workers and the workflow runs it starts, never the user's:
     the session converts the embedded model once per dtype, whatever was converted before."""
-    from kvdiverge.study.models import CACHE_ENV
+    from kvdiverge.models.loading import CACHE_ENV
 
     if CACHE_ENV not in os.environ:
         os.environ[CACHE_ENV] = str(session_dir(session.config._tmp_path_factory) / "conversions")
@@ -183,9 +183,9 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def embedded_dir(tmp_path_factory) -> Path:
     """The embedded model (GGUF) converted once per session into a local Hugging Face
-    directory (:func:`kvdiverge.study.models.convert_to_directory`); it loads in about a
+    directory (:func:`kvdiverge.models.loading.convert_to_directory`); it loads in about a
     second, with the weights ``load_model`` gives from the GGUF file (tests/test_models.py)."""
-    from kvdiverge.study.models import EMBEDDED_MODEL, convert_to_directory
+    from kvdiverge.models.loading import EMBEDDED_MODEL, convert_to_directory
 
     return build_once(
         tmp_path_factory, "embedded-model", lambda out: convert_to_directory(EMBEDDED_MODEL, out, "smollm2-135m")
@@ -195,7 +195,7 @@ def embedded_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_entry(embedded_dir) -> dict:
     """The ``source: local`` entry of the converted embedded model (float32, CPU, sdpa)."""
-    from kvdiverge.study.models import EMBEDDED_MODEL, local_entry
+    from kvdiverge.models.loading import EMBEDDED_MODEL, local_entry
 
     return local_entry(EMBEDDED_MODEL, embedded_dir)
 
@@ -206,7 +206,7 @@ def embedded(embedded_entry):
 
     Tests share it: a test that adds hooks or presses removes them when done.
     """
-    from kvdiverge.study.models import load_model
+    from kvdiverge.models.loading import load_model
 
     return load_model(embedded_entry, "smollm2-135m")
 
@@ -216,7 +216,7 @@ def gemma(tmp_path_factory):
     """``(model, tokenizer)`` of the second embedded model, Gemma 3 270M, loaded once per session
     from its conversion (kept under the session's ``KVDIVERGE_CACHE_DIR``: the chunks assembled,
     the tokenizer rebuilt and de-quantized once, about 20 s; then about a second)."""
-    from kvdiverge.study.models import GEMMA_MODEL, GEMMA_NAME, convert_to_directory, load_model, local_entry
+    from kvdiverge.models.loading import GEMMA_MODEL, GEMMA_NAME, convert_to_directory, load_model, local_entry
 
     out = build_once(tmp_path_factory, "gemma-model", lambda o: convert_to_directory(GEMMA_MODEL, o, GEMMA_NAME))
     return load_model(local_entry(GEMMA_MODEL, out), GEMMA_NAME)
@@ -225,19 +225,19 @@ def gemma(tmp_path_factory):
 @pytest.fixture
 def embedded_cached(embedded_dir):
     """In this test, in-process loads of the embedded GGUF entry (``load_model(EMBEDDED_MODEL)``,
-    ``kvdiverge measure embedded`` through ``kvdiverge.cli.main``) read the session's kept
+    ``kvdiverge measure embedded`` through ``kvdiverge.doors.cli.main``) read the session's kept
     conversion (``KVDIVERGE_CACHE_DIR``, :func:`pytest_sessionstart`), made by then: about a
     second instead of about 20 s, the same weights and token ids."""
     return embedded_dir
 
 
 def run_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``kvdiverge *argv`` through :func:`kvdiverge.cli.main` in this process, in ``cwd``:
+    """``kvdiverge *argv`` through :func:`kvdiverge.doors.cli.main` in this process, in ``cwd``:
     its exit code and what it printed (stdout, stderr: the progress bars too)."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
 
-    from kvdiverge.cli import main
+    from kvdiverge.doors.cli import main
 
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(cwd)

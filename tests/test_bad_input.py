@@ -11,14 +11,13 @@ import importlib.util
 
 import pytest
 
-from kvdiverge import cli
-from kvdiverge.study import arguments
+from kvdiverge.doors import arguments, cli
 
 
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model's weights or tokenizer fails the test: the refusal must come first."""
-    from kvdiverge.study import models
+    from kvdiverge.models import loading as models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
@@ -124,7 +123,7 @@ def tiny():
     """A miniature model that fails the test if it runs a forward: every refusal comes first."""
     import torch
 
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     model = random_model(MINIATURE["llama-3.1-8b"], seed=1)
 
@@ -221,7 +220,7 @@ def test_the_api_refuses_what_is_not_a_model_before_any_work(tiny):
             kvdiverge.measure(model, None, ids, {"snap": kvpress.SnapKVPress(compression_ratio=0.5)}, progress=False)
         assert str(info.value) == (
             f"model: {shown} is not a model; allowed: a loaded transformers causal language model (a "
-            f"torch.nn.Module with a config, as kvdiverge.study.models.load_model returns)"
+            f"torch.nn.Module with a config, as kvdiverge.models.loading.load_model returns)"
         )
 
 
@@ -334,7 +333,7 @@ def test_a_press_failing_while_running_is_named_with_the_phase(tmp_path, monkeyp
     from kvdiverge.engine.core.sampling import Decoding, Sampling
     from kvdiverge.engine.presses.policies import PressPolicy
     from kvdiverge.engine.runner import Document, RunOptions, run_documents
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     (tmp_path / "boompress.py").write_text(BOOM)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -391,7 +390,7 @@ def test_a_frontier_without_out_checks_the_working_directory(prompts, no_model, 
 
 
 def test_a_second_run_on_the_same_out_is_refused(tmp_path, prompts, no_model, capsys):
-    from kvdiverge.study.outputs import LOCK_NAME, OutputError, output_guard
+    from kvdiverge.doors.outputs import LOCK_NAME, OutputError, output_guard
 
     out = tmp_path / "runs" / "out"
     argv = ["measure", "embedded", "--prompts", str(prompts), "--press", "KnormPress", "--out", str(out)]
@@ -499,7 +498,7 @@ def raw(name: str) -> dict:
     """A shipped config as written (not validated)."""
     from pathlib import Path
 
-    from kvdiverge.study.config import read_yaml
+    from kvdiverge.config.workflow import read_yaml
 
     return read_yaml(Path(__file__).resolve().parents[1] / "config" / name)
 
@@ -510,7 +509,7 @@ def _ids(case):
 
 @pytest.mark.parametrize("key, value, tail", EVERY_DOOR, ids=[_ids(c) for c in EVERY_DOOR])
 def test_the_config_refuses_the_value_before_any_job(key, value, tail):
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     config = raw("smoke.yaml")
     section, name = key.split(".")
@@ -584,7 +583,7 @@ def no_weights(monkeypatch, embedded_cached):
     """Loading a model's weights fails the test (its config and tokenizer load, the tokenizer once a
     session; the embedded model's from the session's kept conversion, not parsed from its GGUF file):
     the refusal must come first."""
-    from kvdiverge.study import models
+    from kvdiverge.models import loading as models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model's weights were loaded before the refusal")
@@ -683,7 +682,7 @@ def test_the_command_line_refuses_what_the_models_config_decides_before_loading_
 
 
 def test_the_config_refuses_task_settings_the_run_would_refuse_before_any_job():
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     config = raw("smoke.yaml")
     config["task"] = {"name": "niah"}
@@ -710,7 +709,7 @@ def test_the_config_refuses_task_settings_the_run_would_refuse_before_any_job():
 
 
 # (task block, its foreign key, the sentence's end): each door reads a block through
-# kvdiverge.study.tasks.task_settings, which takes only the keys of the block's own task.
+# kvdiverge.data.tasks.task_settings, which takes only the keys of the block's own task.
 FOREIGN_TASK_KEYS = [
     ({"name": "recall", "digits": 7}, "digits", "not a setting of task 'recall'; its settings: answer_words, depths, phrase_words, question, seed"),
     ({"name": "recall", "distractors": 2}, "distractors", "not a setting of task 'recall'; its settings: answer_words, depths, phrase_words, question, seed"),
@@ -721,7 +720,7 @@ FOREIGN_TASK_KEYS = [
 
 @pytest.mark.parametrize("block, key, tail", FOREIGN_TASK_KEYS, ids=[c[1] for c in FOREIGN_TASK_KEYS])
 def test_the_config_refuses_another_tasks_key_before_any_job(block, key, tail):
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     config = {**raw("smoke.yaml"), "task": block}
     config["decoding"]["temperature"] = 0
@@ -808,7 +807,7 @@ BEFORE_ANY_JOB = [
 
 @pytest.mark.parametrize("name, edits, sentence", BEFORE_ANY_JOB)
 def test_the_config_refuses_what_a_job_would_refuse_before_any_job(name, edits, sentence):
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     with pytest.raises(ConfigError) as info:
         validate(_edited(name, edits))
@@ -877,7 +876,7 @@ def test_the_reconstruction_is_refused_beside_a_task_and_without_a_tokenizer(tin
     """Every door refuses the reconstruction beside a task (whose prompts are not the text it repeats), in the
     same sentence; measure() and screen() without a tokenizer (the instruction is rendered with its template)."""
     import kvdiverge
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     tail = "'reconstruction' repeats each prompt's own text, and a task's prompts are built from it"
     config = raw("smoke.yaml")

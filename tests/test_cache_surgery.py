@@ -22,7 +22,7 @@ from kvpress import KnormPress
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument, merge_caches
 from kvdiverge.engine.llm.side import JointSides
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = pytest.mark.miniature
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import kvdiverge
-from kvdiverge import cli
+from kvdiverge.doors import cli
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import yaml
 
-from kvdiverge.study.config import ConfigError, load_config, load_schema, runs, validate
+from kvdiverge.config.workflow import ConfigError, load_config, load_schema, runs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -402,7 +402,7 @@ def test_required_sections():
 
 
 def test_the_floor_runs_on_every_split_with_policies_and_is_checked():
-    from kvdiverge.study.config import floor_policy
+    from kvdiverge.config.workflow import floor_policy
 
     for name in ("config.yaml", "smoke.yaml", "paper.yaml"):
         cfg = load_config(ROOT / "config" / name)
@@ -509,7 +509,7 @@ def test_quantized_cache_policies():
 def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
     """``params.press`` is the inner press (a mapping), not the policy's own press name; a named
     parameter under ``params`` (``window_size``) is checked as if it sat beside the press."""
-    from kvdiverge.study.config import policy_entry_problems
+    from kvdiverge.config.workflow import policy_entry_problems
 
     nested = {"press": {"press": "SnapKVPress", "window_size": 8}}
     assert policy_entry_problems({"press": "CriticalKVPress", "params": nested, "compression_ratio": 0.5}) == []
@@ -520,8 +520,8 @@ def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
 def test_the_repetition_penalty_is_read_when_given_and_absent_otherwise():
     """Absent: none (1), and the shard settings, hence their hashes, stay as they were; given: the
     workflow's Sampling carries it; 0 is refused naming the key."""
-    from kvdiverge.study.provenance import shard_settings
-    from kvdiverge.study.settings import config_sampling
+    from kvdiverge.config.provenance import shard_settings
+    from kvdiverge.settings.checks import config_sampling
 
     plain = validate(raw("smoke.yaml"))
     assert "repetition_penalty" not in plain["decoding"]
@@ -544,7 +544,7 @@ def test_a_frontier_press_with_params_that_are_not_a_mapping_is_named():
 
 
 def test_the_prediction_study_validates_and_names_its_task_sides():
-    from kvdiverge.study.prediction import PredictionTaskSettings, prediction_sides
+    from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
 
     config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
     sides = prediction_sides(config)
@@ -563,7 +563,7 @@ def test_the_prediction_study_validates_and_names_its_task_sides():
 
 
 def test_no_fidelity_measure_of_the_shipped_study_sees_a_task_document():
-    from kvdiverge.study.corpus import build_corpus, following_texts
+    from kvdiverge.data.corpus import build_corpus, following_texts
 
     config = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
     corpus = build_corpus(config["corpus"])
@@ -591,7 +591,7 @@ def test_the_prediction_block_refuses_a_study_whose_sides_could_share_a_generati
 
 
 def test_a_recall_task_block_takes_only_its_own_settings_after_the_defaults():
-    from kvdiverge.study.tasks import task_settings
+    from kvdiverge.data.tasks import task_settings
 
     config = raw("fidelity-vs-task-small.yaml")
     task, settings = task_settings(validate({**config, "task": {"name": "recall"}})["task"])
@@ -622,7 +622,7 @@ def _gguf_header(path: Path, arch: str, layers: int, window: int | None, window_
 def test_a_gguf_headers_layer_types_are_the_ones_transformers_gives_the_file(tmp_path, arch, config_class):
     import transformers
 
-    from kvdiverge.study.model_layers import entry_layers, gguf_layer_values
+    from kvdiverge.config.layers import entry_layers, gguf_layer_values
 
     path = _gguf_header(tmp_path / "m.gguf", arch, 14, 256)
     expected = getattr(transformers, config_class)(num_hidden_layers=14, sliding_window=256)
@@ -643,7 +643,7 @@ def test_a_gguf_headers_layer_types_are_the_ones_transformers_gives_the_file(tmp
 def test_a_directorys_layer_types_come_from_its_config_json(tmp_path):
     import json
 
-    from kvdiverge.study.model_layers import entry_layers
+    from kvdiverge.config.layers import entry_layers
 
     types = ["sliding_attention", "full_attention"] * 2
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"layer_types": types, "sliding_window": 64}}))
@@ -660,11 +660,11 @@ def test_the_embedded_gemmas_layers_are_read_from_its_first_chunk_without_torch(
     import subprocess
     import sys
 
-    from kvdiverge.study.standins import GEMMA
+    from kvdiverge.models.standins import GEMMA
 
     code = (
-        "import sys; from kvdiverge.study.model_layers import entry_layers; "
-        "from kvdiverge.study.models import GEMMA_MODEL; layers = entry_layers(GEMMA_MODEL); "
+        "import sys; from kvdiverge.config.layers import entry_layers; "
+        "from kvdiverge.models.loading import GEMMA_MODEL; layers = entry_layers(GEMMA_MODEL); "
         "print(layers.layer_types, layers.sliding_window, 'torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

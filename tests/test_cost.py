@@ -1,13 +1,13 @@
-"""kvdiverge.study.cost: a config's generation cost, checked against hand-computed values."""
+"""kvdiverge.planning.cost: a config's generation cost, checked against hand-computed values."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from kvdiverge.cli import main
-from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import projected_hours, stage_costs, study_cost, task_cost, teacher_cost, totals
+from kvdiverge.config.workflow import load_config
+from kvdiverge.doors.cli import main
+from kvdiverge.planning.cost import projected_hours, stage_costs, study_cost, task_cost, teacher_cost, totals
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 from kvdiverge.testing.constructions import ConstructedPair
 
 GOLDEN = Path(__file__).parent / "data" / "coupled_golden.json"

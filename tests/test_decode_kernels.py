@@ -34,7 +34,7 @@ from kvdiverge.engine.presses import registry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.presses.registry import is_decode_time
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = pytest.mark.usefixtures("quiet_kvpress")
 

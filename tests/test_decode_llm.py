@@ -55,7 +55,7 @@ def test_greedy_chain_equals_kvpress_generation(model_and_tokenizer, text, make)
 
 
 def test_probe_diverges_above_the_floor(model_and_tokenizer, text):
-    from kvdiverge.measurement import measure
+    from kvdiverge.doors.measurement import measure
 
     model, tokenizer = model_and_tokenizer
     torch.set_num_threads(1)

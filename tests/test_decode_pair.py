@@ -18,7 +18,7 @@ from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time, refusal
 from kvdiverge.engine.presses.window import SlidingWindowPress
 from kvdiverge.engine.runner import RunOptions
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 from kvdiverge.testing.recording import RecordingPair
 
 T, TEMPERATURE = 10, 2.0  # a flat sampling temperature spreads the branch starts t*

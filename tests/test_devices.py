@@ -1,4 +1,4 @@
-"""One generation job per GPU locally (kvdiverge.study.devices), on a simulated device list."""
+"""One generation job per GPU locally (kvdiverge.jobs.devices), on a simulated device list."""
 
 import json
 import os
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiverge.study import devices
-from kvdiverge.study.devices import ENV_GPUS, ENV_LOCK_DIR, NoDeviceError, bind_device, gpu_cap
+from kvdiverge.jobs import devices
+from kvdiverge.jobs.devices import ENV_GPUS, ENV_LOCK_DIR, NoDeviceError, bind_device, gpu_cap
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_non_cuda_devices_pass_through_and_missing_gpus_are_named(gpus, monkeypa
 
 WORKER = """
 import json, sys
-from kvdiverge.study.devices import bind_device
+from kvdiverge.jobs.devices import bind_device
 with bind_device("cuda", poll_s=0.05) as dev:
     print(json.dumps({"device": dev}), flush=True)
     sys.stdin.readline()  # holds the device until the test writes a line
@@ -178,7 +178,7 @@ def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path, monkeypatch):
 
 
 def test_schema_checks_the_gpus_key():
-    from kvdiverge.study.config import ConfigError, load_config, validate
+    from kvdiverge.config.workflow import ConfigError, load_config, validate
 
     paper = load_config(REPO / "config" / "paper.yaml")
     assert validate({**paper, "gpus": 2})["gpus"] == 2

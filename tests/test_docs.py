@@ -34,7 +34,7 @@ def map_rows() -> list[tuple[list[str], list[str]]]:
     """The "Layers" table of docs/internals.md, one (modules, names) per row.
 
     A row's first column is the layer (`report/`, `engine/llm/`, ...; empty: the row above's, and
-    "doors" for the top-level modules); the second names its modules in backticks; every backticked
+    "package" for the top-level modules); the second names its modules in backticks; every backticked
     name of the third (``run_batch``, ``LLMKernelPair.keep_rows``, ``kvdiverge.measure``) is one
     that one of the row's modules defines, or, starting with ``kvdiverge.``, one that exists."""
     text = (DOCS / "internals.md").read_text(encoding="utf-8")
@@ -45,7 +45,7 @@ def map_rows() -> list[tuple[list[str], list[str]]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         assert len(cells) == 3, line
         if cells[0]:
-            layer = "" if cells[0] == "doors" else cells[0].strip("`")
+            layer = "" if cells[0] == "package" else cells[0].strip("`")
         modules = [layer.replace("/", ".") + m for m in re.findall(r"`([a-z_]+)`", cells[1])]
         rows.append((modules, [n for n in re.findall(r"`([^`]+)`", cells[2]) if NAME.fullmatch(n)]))
     return rows

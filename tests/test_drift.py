@@ -199,7 +199,7 @@ def test_measure_reports_the_drift_and_the_none_control_is_exactly_0(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     model = random_model(MINIATURE["llama-3.1-8b"], num_hidden_layers=2)
     gen = torch.Generator().manual_seed(0)

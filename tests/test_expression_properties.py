@@ -4,7 +4,7 @@ Random text, and random expressions built from the grammar's pieces (press names
 and unknown parameters, literals of every Python kind, nested calls, and the constructs the
 parser must refuse: names, attributes, lambdas, ``**`` unpacking, subscripts), go through
 what the command line does before it loads a model: :func:`policy_entry`, then
-:func:`kvdiverge.study.inputs.prepare_presses` (the press built once, refusals). Each must
+:func:`kvdiverge.config.inputs.prepare_presses` (the press built once, refusals). Each must
 either give a policy or raise :class:`PressExpressionError` or :class:`PressError`, with
 one line naming the expression; never any other exception, and never run code.
 """
@@ -123,7 +123,7 @@ def colon_forms(draw):
 
 def run_front(text, budget=None):
     """What the command line does with one --press value before loading a model."""
-    from kvdiverge.study.inputs import prepare_presses
+    from kvdiverge.config.inputs import prepare_presses
 
     logging.disable(logging.WARNING)
     try:

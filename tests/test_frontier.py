@@ -23,6 +23,9 @@ import pytest
 import yaml
 from conftest import run_main
 
+from kvdiverge.config.frontier import FrontierSpec, frontier_grid, frontier_name, frontier_points
+from kvdiverge.config.provenance import read_provenance
+from kvdiverge.config.workflow import ConfigError, expand_frontier, load_config, runs, validate
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.frontier import (
     FrontierPoint,
@@ -33,9 +36,6 @@ from kvdiverge.estimation.frontier import (
     trapezoid_area,
 )
 from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
-from kvdiverge.study.config import ConfigError, expand_frontier, load_config, runs, validate
-from kvdiverge.study.frontier import FrontierSpec, frontier_grid, frontier_name, frontier_points
-from kvdiverge.study.provenance import read_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 PRESSES = ["snapkv", "knorm", "streamingllm", "tova", "expected-attention", "adakv-snapkv"]
@@ -108,7 +108,7 @@ def test_frontier_config_expands_into_policies_on_its_split():
 
 def test_frontier_policy_settings_equal_a_hand_written_policy():
     """Provenance and caching see an ordinary policy: the same shard settings as the same entry by hand."""
-    from kvdiverge.study.provenance import shard_settings
+    from kvdiverge.config.provenance import shard_settings
 
     config = load_config(REPO / "config" / "frontier.yaml")
     hand = copy.deepcopy(raw("frontier.yaml"))
@@ -608,9 +608,9 @@ def test_frontier_cache_names_are_reserved():
 
 
 def test_api_and_command_line_expand_caches_as_the_config_does():
-    from kvdiverge.cli import _parser
-    from kvdiverge.study.arguments import argument_sources, check_arguments
-    from kvdiverge.study.inputs import frontier_presses
+    from kvdiverge.config.inputs import frontier_presses
+    from kvdiverge.doors.arguments import argument_sources, check_arguments
+    from kvdiverge.doors.cli import _parser
 
     presses = {"snapkv": {"press": "SnapKVPress", "window_size": 64, "kernel_size": 5}}
     out, grid = frontier_presses(
@@ -671,7 +671,7 @@ def test_api_and_command_line_expand_caches_as_the_config_does():
 
 
 def test_cli_cache_ratios_bad_input_exits_2(capsys, tmp_path):
-    from kvdiverge.cli import main
+    from kvdiverge.doors.cli import main
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
@@ -698,7 +698,7 @@ def test_measure_frontier_shares_documents_and_random_numbers(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
@@ -765,7 +765,7 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
     import torch
 
     import kvdiverge
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     torch.set_num_threads(1)
     model = random_model(MINIATURE["llama-3.1-8b"], initializer_range=0.1, seed=1)
@@ -806,7 +806,7 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
 
 
 def test_cli_ratios_bad_input_exits_2(capsys, tmp_path):
-    from kvdiverge.cli import main
+    from kvdiverge.doors.cli import main
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
@@ -874,7 +874,7 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
 @pytest.mark.llm
 def test_cli_draws_the_frontier_on_the_embedded_model(tmp_path, embedded_cached):
     """``kvdiverge measure ... --press A --press B --ratios r1 r2``: ranked table printed, figure written
-    (``kvdiverge.cli.main`` in this process; the embedded model read from the session's kept conversion)."""
+    (``kvdiverge.doors.cli.main`` in this process; the embedded model read from the session's kept conversion)."""
     res = run_main(
         [
             "measure",

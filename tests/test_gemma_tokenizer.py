@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiverge.study import models
-from kvdiverge.study.gguf_tokenizer import (
+from kvdiverge.models import loading as models
+from kvdiverge.models.gguf_tokenizer import (
     TOKENIZER_VERSION,
     gemma_tokenizer,
     gguf_architecture,
@@ -19,7 +19,7 @@ from kvdiverge.study.gguf_tokenizer import (
     read_vocabulary,
     sentencepiece_pieces,
 )
-from kvdiverge.study.models import GEMMA_MODEL, GEMMA_NAME, ModelNotFoundError
+from kvdiverge.models.loading import GEMMA_MODEL, GEMMA_NAME, ModelNotFoundError
 
 # ---------------------------------------------------------------- a tiny Gemma GGUF file
 
@@ -121,8 +121,8 @@ LLAMA_CONFIG = {"context_length": 2048, "block_count": 3, "embedding_length": 64
 def test_the_config_read_from_the_header_is_transformers_own(arch, config, tensors, tmp_path):
     from transformers import AutoConfig
 
-    from kvdiverge.study.gguf_config import gguf_config
-    from kvdiverge.study.gguf_tokenizer import read_header
+    from kvdiverge.models.gguf_config import gguf_config
+    from kvdiverge.models.gguf_tokenizer import read_header
 
     path = write_gguf(tmp_path / "m.gguf", arch, config, tensors)
     meta, names = read_header(path)
@@ -181,7 +181,7 @@ def test_load_tokenizer_rebuilds_a_gemma_gguf_only(tiny_gguf, tmp_path):
 
 
 def test_a_model_without_chat_template_gets_the_plain_prompt(tiny_gguf):
-    from kvdiverge.study.prompts import leading_special_text, render_ids, render_text
+    from kvdiverge.data.prompts import leading_special_text, render_ids, render_text
 
     tok = gemma_tokenizer(tiny_gguf)
     assert leading_special_text(tok) == "<bos>"
@@ -307,7 +307,7 @@ def test_the_tokenizer_version_enters_the_key_of_gemma_files_only(tiny_gguf, tmp
 def test_the_config_schema_takes_a_gguf_chunks_entry():
     import yaml
 
-    from kvdiverge.study.config import ConfigError, validate
+    from kvdiverge.config.workflow import ConfigError, validate
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "smoke.yaml").read_text())
     config["models"][GEMMA_NAME] = dict(GEMMA_MODEL)

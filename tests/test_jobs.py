@@ -1,4 +1,4 @@
-"""kvdiverge.study.jobs: the settings object a generation job reads from its params, which is also its rerun key."""
+"""kvdiverge.jobs.params: the settings object a generation job reads from its params, which is also its rerun key."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiverge.study.config import load_config
-from kvdiverge.study.jobs import ShardSettings, TeacherSettings
-from kvdiverge.study.provenance import shard_settings, teacher_settings
-from kvdiverge.study.shard import generation_options
+from kvdiverge.config.provenance import shard_settings, teacher_settings
+from kvdiverge.config.workflow import load_config
+from kvdiverge.jobs.params import ShardSettings, TeacherSettings
+from kvdiverge.jobs.shard import generation_options
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"

@@ -1,6 +1,6 @@
 """Sliding-window layers: the window by position, presses on the full-attention layers only, refusals.
 
-On the Gemma 3 miniature (:data:`kvdiverge.study.standins.MINIATURE`: 2 full-attention and
+On the Gemma 3 miniature (:data:`kvdiverge.models.standins.MINIATURE`: 2 full-attention and
 4 sliding-window layers of 64 tokens) a decoding side whose cache holds a rewound branch
 must give the logits of a fresh forward over the tokens the row kept: its cache columns are
 then not its positions, and a window counted in columns cuts one token too many.
@@ -17,7 +17,7 @@ from kvdiverge.engine.llm import side as side_module
 from kvdiverge.engine.llm.side import CacheSide
 from kvdiverge.engine.presses import layer_types
 from kvdiverge.engine.presses.registry import refusal
-from kvdiverge.study.standins import MINIATURE, build_config, random_model
+from kvdiverge.models.standins import MINIATURE, build_config, random_model
 
 pytestmark = pytest.mark.miniature
 
@@ -124,7 +124,7 @@ def test_decode_time_presses_are_refused_on_sliding_layers(mini_gemma):
 
 def test_kv_elements_by_layer_type_of_gemma_3_270m():
     from kvdiverge.engine.llm.planner import kv_elements_by_layer_type, kv_elements_per_token
-    from kvdiverge.study.standins import GEMMA, PAPER
+    from kvdiverge.models.standins import GEMMA, PAPER
 
     config = build_config(GEMMA["gemma-3-270m"])
     # one key-value head of 256 dimensions, keys and values: 512 elements per layer
@@ -152,7 +152,7 @@ def test_frontier_counts_the_sliding_layers_window():
 
 
 def test_the_provenance_names_the_compressed_layers():
-    from kvdiverge.study.provenance import compressed_layers
+    from kvdiverge.config.provenance import compressed_layers
 
     assert compressed_layers({"compressed": list(range(30)), "layers": 30, "sliding_window": None}) == "all 30"
     mini_gemma = {"compressed": [5, 11, 17], "layers": 18, "sliding_window": 512}

@@ -4,12 +4,14 @@ The contracts live in ``pyproject.toml`` (``[tool.importlinter]``) and are check
 import-linter's ``lint-imports``, which follows every import statement, those inside
 functions included:
 
-- layers, top to bottom: ``cli``, ``measurement``, ``screening``, ``report | study``
-  (independent), ``testing``, ``engine``, ``estimation``, ``io``; a lower layer never imports a higher one;
+- layers, top to bottom: ``doors``, ``planning``, ``jobs``, ``config``, ``data | models``
+  (independent), ``settings``, ``testing``, ``engine``, ``estimation``, ``io``; a lower layer never
+  imports a higher one; inside ``doors``, ``cli`` > ``measurement`` > ``results`` > ``screening``;
 - no import cycles between the modules of any subpackage, nor between subpackages;
 - ``estimation`` and ``io`` import neither torch, transformers, kvpress nor any layer above them;
-- ``engine`` imports neither ``study``, ``report`` nor ``testing``;
-- ``report`` imports ``estimation`` only (no torch, engine, testing or study);
+- ``engine`` imports no package above it, nor ``report`` or ``testing``;
+- ``report`` imports ``estimation`` only (no torch, engine, testing or the packages between), and
+  nothing below the doors imports it;
 - ``testing`` is protected: no module of the package outside it imports it (only the tests
   and benchmarks do).
 """
@@ -67,7 +69,7 @@ def test_import_contracts_catch_a_lazy_torch_import_a_cycle_and_a_testing_import
         f.write("\n\ndef _violation():\n    import torch  # noqa\n")
     with open(tmp_path / "src/kvdiverge/engine/core/coupled.py", "a") as f:
         f.write("\n\ndef _violation():\n    from kvdiverge.engine import runner  # noqa\n")
-    with open(tmp_path / "src/kvdiverge/study/models.py", "a") as f:
+    with open(tmp_path / "src/kvdiverge/models/loading.py", "a") as f:
         f.write("\n\ndef _violation():\n    from kvdiverge.testing import exact  # noqa\n")
     res = lint_imports(tmp_path)
     assert res.returncode != 0
@@ -82,7 +84,7 @@ def test_import_contracts_catch_a_lazy_torch_import_a_cycle_and_a_testing_import
     assert "No cycles are allowed in kvdiverge.engine." in res.stdout
     assert "- .core -> .runner (1 import)" in res.stdout
     assert "kvdiverge.engine.core.coupled -> kvdiverge.engine.runner" in res.stdout
-    assert "- kvdiverge.study.models -> kvdiverge.testing.exact" in res.stdout
+    assert "- kvdiverge.models.loading -> kvdiverge.testing.exact" in res.stdout
 
 
 # --------------------------------------------------------------------------- estimate stage
@@ -131,10 +133,10 @@ print(json.dumps(heavy))
 @pytest.fixture(scope="module")
 def synthetic_shards(tmp_path_factory, kernel):
     """Two policies ``a``, ``b`` of model ``synthetic``, two shards of two documents each (T=5, R=4)."""
+    from kvdiverge.config.provenance import shard_metadata
     from kvdiverge.engine.core.coupled import simulate
     from kvdiverge.engine.core.pairs import TableKernelPair
     from kvdiverge.io.files import write_parquet_atomic
-    from kvdiverge.study.provenance import shard_metadata
 
     work = tmp_path_factory.mktemp("stage")
     spec = {"shards": {}, "settings": {}}
@@ -231,13 +233,13 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 def test_every_module_of_the_package_is_checked():
     names = {str(p.relative_to(PACKAGE)) for p in MODULES}
     assert {
-        "cli.py",
-        "measurement.py",
+        "doors/cli.py",
+        "doors/measurement.py",
         "engine/runner.py",
         "engine/core/coupled.py",
         "engine/llm/llm_pair.py",
         "estimation/estimators.py",
-        "study/config.py",
+        "config/workflow.py",
         "report/formatting.py",
         "testing/exact.py",
     } <= names
@@ -255,7 +257,7 @@ MAX_PARAMETERS = 7
 #: Functions allowed more than :data:`MAX_PARAMETERS` parameters, by ``module:qualified name``, and why.
 #: A function leaves the list when it is brought under the limit (the test refuses a stale entry).
 MANY_PARAMETERS = {
-    "measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
+    "doors/measurement.py:measure": "the public keyword options of kvdiverge.measure, one per config setting",
     "engine/llm/planner.py:plan_batch": "the planner's sizes, one keyword each",
     "engine/llm/attention.py:grouped_sdpa": "torch's scaled_dot_product_attention's arguments",
     "engine/core/coupling.py:maximal_coupling": "the coupling's tensors and options",

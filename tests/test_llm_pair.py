@@ -17,8 +17,8 @@ from kvdiverge.engine.llm.prefill import prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import kept_promise
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
-from kvdiverge.study.jobs import ShardSettings
-from kvdiverge.study.shard import generation_options, run_shard
+from kvdiverge.jobs.params import ShardSettings
+from kvdiverge.jobs.shard import generation_options, run_shard
 
 pytestmark = pytest.mark.llm
 

@@ -32,13 +32,7 @@ import pytest
 from conftest import run_main
 from polars.testing import assert_frame_equal
 
-from kvdiverge import cli
-from kvdiverge.cli import main
-from kvdiverge.engine.core.errors import PressError, PressExpressionError
-from kvdiverge.engine.presses.expressions import parse_press, parse_value, press_spec
-from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_spec
-from kvdiverge.engine.runner import Document
-from kvdiverge.study.inputs import (
+from kvdiverge.config.inputs import (
     InputError,
     check_lengths,
     model_entry,
@@ -46,6 +40,12 @@ from kvdiverge.study.inputs import (
     prepare_presses,
     read_prompts,
 )
+from kvdiverge.doors import cli
+from kvdiverge.doors.cli import main
+from kvdiverge.engine.core.errors import PressError, PressExpressionError
+from kvdiverge.engine.presses.expressions import parse_press, parse_value, press_spec
+from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_spec
+from kvdiverge.engine.runner import Document
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -213,7 +213,7 @@ def test_model_entry_kinds(tmp_path):
 def test_embedded_model_is_the_default_configs_model():
     import yaml
 
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME
+    from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert config["models"] == {EMBEDDED_NAME: EMBEDDED_MODEL}
@@ -287,7 +287,7 @@ def test_prepare_documents_ids_and_errors():
 
 def test_console_script_entry_and_light_import():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"kvdiverge": "kvdiverge.cli:main"}
+    assert scripts == {"kvdiverge": "kvdiverge.doors.cli:main"}
     assert cli.main is main
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     out = subprocess.run(
@@ -295,8 +295,8 @@ def test_console_script_entry_and_light_import():
             PYTHON,
             "-c",
             "import sys, kvdiverge; print('torch' in sys.modules, 'polars' in sys.modules);"
-            "import kvdiverge.cli; print('torch' in sys.modules, 'kvpress' in sys.modules);"
-            "import kvdiverge.measurement; print(callable(kvdiverge.measure))",
+            "import kvdiverge.doors.cli; print('torch' in sys.modules, 'kvpress' in sys.modules);"
+            "import kvdiverge.doors.measurement; print(callable(kvdiverge.measure))",
         ],
         env=env,
         capture_output=True,
@@ -314,7 +314,7 @@ def _error_line(err: str) -> str:
 
 
 def test_cli_cache_entries():
-    from kvdiverge.study.arguments import cli_entries
+    from kvdiverge.doors.arguments import cli_entries
 
     got = cli_entries(["KnormPress:compression_ratio=0.5"], ["quanto:nbits=2,residual_length=16"], None, 0.0)
     q = {"cache": "quantized", "backend": "quanto", "nbits": 2, "residual_length": 16}
@@ -376,7 +376,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory, user_presses, embedded_dir):
-    """``kvdiverge measure embedded`` (``kvdiverge.cli.main`` in this process, the embedded
+    """``kvdiverge measure embedded`` (``kvdiverge.doors.cli.main`` in this process, the embedded
     model read from the session's kept conversion, fixture ``embedded_dir``): two prompts,
     T = 4, R = 2, SnapKV and a user press."""
     work = tmp_path_factory.mktemp("cli")
@@ -517,8 +517,8 @@ def test_the_command_as_a_process_exits_2_with_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def smoke(smoke_run):
     """(config, converted model, exploratory prompts) of the smoke run."""
-    from kvdiverge.study.config import load_config
-    from kvdiverge.study.models import load_model, local_entry
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.models.loading import load_model, local_entry
 
     config = load_config(REPO / "config" / "smoke.yaml")
     name = next(iter(config["models"]))
@@ -711,7 +711,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, one_torch_thread, emb
 
 @pytest.mark.llm
 def test_readme_cli_example_runs(tmp_path, embedded_cached):
-    """The README's command line, word for word, through ``kvdiverge.cli.main`` in this process
+    """The README's command line, word for word, through ``kvdiverge.doors.cli.main`` in this process
     (the embedded model read from the session's kept conversion: fixture ``embedded_cached``)."""
     (code,) = readme_blocks("bash")
     command = code.replace("\\\n", " ").strip()

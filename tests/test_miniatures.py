@@ -2,7 +2,7 @@
 
 Tiny random-weight models with the structural features of Llama-3.1-8B (GQA 4:1, llama3
 RoPE scaling, untied embeddings) and Qwen2.5-7B (q/k/v biases, GQA 7:1, RoPE theta 1e6)
-from :mod:`kvdiverge.study.standins`, no download. Every policy of ``config/paper.yaml``
+from :mod:`kvdiverge.models.standins`, no download. Every policy of ``config/paper.yaml``
 runs through :func:`kvdiverge.engine.runner.run_documents` on three documents of different
 lengths at once (several documents per batch where the engine batches them), with the
 paper's own budgets: the shortest prompt (600 tokens) is long enough for snapkv-b512
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvdiverge.config.workflow import load_config
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.study.config import load_config
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 from kvdiverge.testing.generation import greedy_generate, greedy_sides, until_eos
 
 pytestmark = pytest.mark.miniature

@@ -10,14 +10,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from kvdiverge.data.prompts import build_prompts, prompt_settings, render_ids, render_text
 from kvdiverge.engine.llm.llm_pair import model_eos_ids as eos_ids
-from kvdiverge.study.models import (
+from kvdiverge.models.loading import (
     ModelNotFoundError,
     context_length,
     load_model,
     resolve,
 )
-from kvdiverge.study.prompts import build_prompts, prompt_settings, render_ids, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = {
@@ -34,7 +34,7 @@ SMOL = {
 def smol():
     """The embedded model and tokenizer read from the GGUF file itself (the conversion cache
     off), once for this file (~15 s)."""
-    from kvdiverge.study.models import CACHE_ENV
+    from kvdiverge.models.loading import CACHE_ENV
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(CACHE_ENV, "off")
@@ -69,7 +69,7 @@ def test_local_directory_resolves(tmp_path):
 
 def test_missing_hub_model_offline_names_the_cache(tmp_path):
     code = (
-        "from kvdiverge.study.models import load_tokenizer, ModelNotFoundError\n"
+        "from kvdiverge.models.loading import load_tokenizer, ModelNotFoundError\n"
         "try:\n"
         "    load_tokenizer({'source': 'hub', 'id': 'no-such-org/no-such-model'}, 'big')\n"
         "except ModelNotFoundError as e:\n"
@@ -121,8 +121,8 @@ def test_chat_prompt_round_trips(smol):
 
 @pytest.mark.llm
 def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
-    from kvdiverge.study.config import load_config
-    from kvdiverge.study.corpus import build_corpus
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.data.corpus import build_corpus
 
     model, tok = smol
     config = load_config(ROOT / "config" / "smoke.yaml")
@@ -195,7 +195,7 @@ def _fake_gguf(tmp_path, content=b"GGUF weights") -> dict:
 
 
 def test_conversion_cache_directory_follows_the_environment(monkeypatch, tmp_path):
-    from kvdiverge.study.models import CACHE_ENV, conversion_cache
+    from kvdiverge.models.loading import CACHE_ENV, conversion_cache
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kept"))
     assert conversion_cache() == tmp_path / "kept"
@@ -211,7 +211,7 @@ def test_conversion_cache_directory_follows_the_environment(monkeypatch, tmp_pat
 
 
 def test_conversion_key_changes_with_the_file_dtype_and_attention(tmp_path):
-    from kvdiverge.study.models import conversion_key
+    from kvdiverge.models.loading import conversion_key
 
     spec = _fake_gguf(tmp_path)
     key = conversion_key(spec)
@@ -227,7 +227,7 @@ def test_conversion_key_changes_with_the_file_dtype_and_attention(tmp_path):
 
 
 def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, tmp_path):
-    from kvdiverge.study import models
+    from kvdiverge.models import loading as models
 
     calls = []
 
@@ -255,7 +255,7 @@ def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, t
 
 
 def test_load_model_reads_a_gguf_entry_from_its_kept_conversion(monkeypatch, tmp_path):
-    from kvdiverge.study import models
+    from kvdiverge.models import loading as models
 
     saved, loaded = [], []
 

@@ -18,7 +18,7 @@ from kvdiverge.engine.llm.prefill import attention_weights, prefill
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
 from kvdiverge.engine.presses.registry import kept_promise, shares_prefill
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 LAYERS, HEADS = 3, 2
 LENGTHS = (41, 60, 52)

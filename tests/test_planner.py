@@ -11,14 +11,14 @@ from kvpress import KnormPress
 
 import kvdiverge.engine.llm.planner as planner
 import kvdiverge.engine.runner as runner
+from kvdiverge.config.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair, PairDocument
 from kvdiverge.engine.llm.planner import LOGIT_BYTES_PER_ENTRY, cache_columns, kv_bytes_per_token, plan_batch
-from kvdiverge.study.jobs import ShardSettings
-from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings
-from kvdiverge.study.shard import generation_options, run_shard
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.jobs.params import ShardSettings
+from kvdiverge.jobs.shard import generation_options, run_shard
+from kvdiverge.models.standins import MINIATURE, random_model
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_measure_plans_once_for_every_press(mini, monkeypatch, one_thread):
 @pytest.mark.miniature
 def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, one_thread):
     import kvdiverge
-    from kvdiverge.study.provenance import library_versions
+    from kvdiverge.config.provenance import library_versions
 
     m = kvdiverge.measure(
         mini,

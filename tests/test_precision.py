@@ -103,7 +103,7 @@ def test_float16_runs_on_cpu(bf16):
     from kvdiverge.engine.presses.policies import Policy
     from kvdiverge.engine.runner import Document, run_documents
     from kvdiverge.estimation.finite import check_shard
-    from kvdiverge.study.models import load_model, local_entry
+    from kvdiverge.models.loading import load_model, local_entry
 
     config = yaml.safe_load((REPO / "config" / "smoke.yaml").read_text())
     spec = local_entry({**config["models"]["smollm2-135m"], "dtype": "float16"}, bf16 / "models/smollm2-135m")

@@ -4,7 +4,7 @@ In kvpress's own test style (``tests/default_presses.py`` + one parametrized tes
 property): one row per class in ``kvpress.__all__`` (and the project's presses), read
 through :data:`kvdiverge.engine.presses.registry.ROWS`, so a new kvpress release adds rows by
 itself. Each row runs on tiny random-weight models with the Llama-3.1 and Qwen2.5 miniature
-structure (grouped-query attention, :mod:`kvdiverge.study.standins`), its test
+structure (grouped-query attention, :mod:`kvdiverge.models.standins`), its test
 instance from :func:`kvdiverge.engine.presses.status.test_spec` (ratio 0.5 where the press
 takes one; SnapKV or Knorm inside wrappers).
 
@@ -48,7 +48,7 @@ from kvdiverge.engine.presses.policies import Policy, PressPolicy, press_from_sp
 from kvdiverge.engine.presses.promises import check_kept
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.runner import Document, RunOptions, build_pair
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = pytest.mark.usefixtures("quiet_kvpress")
 
@@ -357,7 +357,7 @@ def test_conditional_refusals_follow_the_parameters():
     )
     finch = Policy.from_config("finch", {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7})
     assert finch.build_press(100).delimiter_token_id == 7
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     tiny = random_model(MINIATURE["llama-3.1-8b"])  # 2 layers
     per_layer = {

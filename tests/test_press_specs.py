@@ -130,7 +130,7 @@ def test_command_line_entries_carry_the_ratio_or_the_budget():
 
 
 def test_the_command_line_refuses_before_loading_anything(capsys):
-    from kvdiverge.cli import main
+    from kvdiverge.doors.cli import main
 
     assert main(["measure", "embedded", "--sotu", "1", "--press", "CAMPress(base_press=KnormPress(0.5))"]) == 2
     err = capsys.readouterr().err.strip()

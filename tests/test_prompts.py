@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 import yaml
 
-from kvdiverge.study.config import load_config, validate
-from kvdiverge.study.prompts import (
+from kvdiverge.config.workflow import load_config, validate
+from kvdiverge.data.prompts import (
     SCHEMA,
     build_prompts,
     exclusion_reason,
@@ -144,7 +144,7 @@ def clock(monkeypatch):
 def test_a_template_reading_the_clock_renders_the_same_ids_every_day(byte_tokenizer, clock):
     import datetime as dt
 
-    from kvdiverge.study.prompts import render_ids, render_text
+    from kvdiverge.data.prompts import render_ids, render_text
 
     msgs = messages("Doc.", "Summarize.")
     days = (dt.datetime(2025, 3, 14, 9, 30), dt.datetime(2031, 12, 2, 23, 59))
@@ -164,7 +164,7 @@ def test_a_template_reading_the_clock_renders_the_same_ids_every_day(byte_tokeni
 
 
 def test_prompt_date_is_a_prompt_setting(config):
-    from kvdiverge.study.prompts import DEFAULT_DATE
+    from kvdiverge.data.prompts import DEFAULT_DATE
 
     assert config["prompt"]["date"] == DEFAULT_DATE == "2026-01-01"  # schema default
     assert prompt_settings(config)["date"] == "2026-01-01"
@@ -190,7 +190,7 @@ def test_build_prompts_uses_the_configured_date(byte_tokenizer, config, clock):
     ],
 )
 def test_bad_prompt_date_is_named(date, expect):
-    from kvdiverge.study.config import ConfigError
+    from kvdiverge.config.workflow import ConfigError
 
     config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
     config["prompt"]["date"] = date
@@ -199,7 +199,7 @@ def test_bad_prompt_date_is_named(date, expect):
 
 
 def test_unquoted_yaml_date_is_explained():
-    from kvdiverge.study.config import ConfigError
+    from kvdiverge.config.workflow import ConfigError
 
     config = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
     config["prompt"].update(yaml.safe_load("date: 2026-01-01"))  # YAML reads a date object
@@ -255,7 +255,7 @@ def test_corpus_and_prompts_stages_through_snakemake(smoke_run, tmp_path):
 
 
 def test_a_split_left_without_usable_documents_stops_with_the_reason():
-    from kvdiverge.study.prompts import NoUsableDocumentsError, check_usable
+    from kvdiverge.data.prompts import NoUsableDocumentsError, check_usable
 
     settings = {"minimums": {"exploratory": {"snapkv-b512": 577}, "confirmatory": {}}}
     prompts = pl.DataFrame(
@@ -285,7 +285,7 @@ def test_a_split_left_without_usable_documents_stops_with_the_reason():
 
 
 def test_the_corpus_stages_exclusions_reach_the_prompts_table_and_its_log(config):
-    from kvdiverge.study.corpus import SCHEMA as CORPUS_SCHEMA
+    from kvdiverge.data.corpus import SCHEMA as CORPUS_SCHEMA
 
     reasons = [None, "duplicate of a", "empty document", "whitespace-only document", None]
     docs = pl.DataFrame(
@@ -314,7 +314,7 @@ def test_the_corpus_stages_exclusions_reach_the_prompts_table_and_its_log(config
 
 
 def test_the_advice_follows_from_the_reasons():
-    from kvdiverge.study.prompts import NoUsableDocumentsError, check_usable
+    from kvdiverge.data.prompts import NoUsableDocumentsError, check_usable
 
     settings = {"minimums": {"exploratory": {"snapkv": 65}}}
 

@@ -1,4 +1,4 @@
-"""kvdiverge.study.provenance: shard settings, their hash, the metadata a shard records, the stale-shard check."""
+"""kvdiverge.config.provenance: shard settings, their hash, the metadata a shard records, the stale-shard check."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.report.pages import provenance_html
-from kvdiverge.study.config import load_config
-from kvdiverge.study.provenance import (
+from kvdiverge.config.provenance import (
     KEY_HASH,
     KEY_SETTINGS,
     KEY_SHARD,
@@ -29,6 +26,9 @@ from kvdiverge.study.provenance import (
     shard_settings,
     study_hash,
 )
+from kvdiverge.config.workflow import load_config
+from kvdiverge.io.files import write_parquet_atomic
+from kvdiverge.report.pages import provenance_html
 
 REPO = Path(__file__).resolve().parents[1]
 

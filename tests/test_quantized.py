@@ -25,7 +25,7 @@ from kvdiverge.engine.presses.quantized import (
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.presses.registry import refusal as registry_refusal
 from kvdiverge.engine.runner import RunOptions
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 quanto = pytest.mark.skipif(
     importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None,
@@ -292,7 +292,7 @@ def test_policy_entries_alone_and_after_a_press():
     p = both.build_press(20)
     assert p.spec == QuantizedCacheSpec(nbits=4, q_group_size=8) and p.press.compression_ratio == 0.5
     assert both.expected_kept(20, p) == 10
-    from kvdiverge.study.inputs import describe_press
+    from kvdiverge.config.inputs import describe_press
 
     assert describe_press(both) == {
         "press": "SnapKVPress",

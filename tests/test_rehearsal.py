@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiverge.study.config import load_config
+from kvdiverge.config.workflow import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER, REHEARSAL = "config/paper.yaml", "config/paper-rehearsal.yaml"
@@ -57,8 +57,8 @@ def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
     [("llama-3.1-8b", 2, 8, False), ("qwen-2.5-7b", 1, 7, True)],
 )
 def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch, kv_heads, heads, bias):
-    from kvdiverge.study.models import entry_kv_sizes, load_model, load_model_config
-    from kvdiverge.study.standins import PAPER as REAL
+    from kvdiverge.models.loading import entry_kv_sizes, load_model, load_model_config
+    from kvdiverge.models.standins import PAPER as REAL
 
     spec = {"source": "miniature", "architecture": arch, "dtype": "float32", "device": "cpu"}
     config = load_model_config(spec, arch)
@@ -75,7 +75,7 @@ def test_a_miniature_entry_loads_its_architecture_with_the_real_vocabulary(arch,
 
 
 def test_a_miniature_entry_names_an_unknown_architecture_and_a_vocabulary_past_the_real_one():
-    from kvdiverge.study.models import load_model_config, miniature_values
+    from kvdiverge.models.loading import load_model_config, miniature_values
 
     with pytest.raises(ValueError, match=r"models.m.architecture: 'gpt-2' is not one of the miniature"):
         load_model_config({"source": "miniature", "architecture": "gpt-2"}, "m")
@@ -87,7 +87,7 @@ def test_a_miniature_entry_names_an_unknown_architecture_and_a_vocabulary_past_t
 @pytest.mark.miniature
 @pytest.mark.parametrize("arch, eos", [("llama-3.1-8b", [4093, 4094, 4095]), ("qwen-2.5-7b", [4094, 4095])])
 def test_a_small_vocabulary_stand_in_keeps_its_eos_count_and_reads_every_prompt(arch, eos):
-    from kvdiverge.study.models import load_model
+    from kvdiverge.models.loading import load_model
 
     spec = {"source": "miniature", "architecture": arch, "vocab_size": 4096, "dtype": "float32", "device": "cpu"}
     model, tokenizer = load_model(spec, arch)
@@ -102,8 +102,8 @@ def test_a_small_vocabulary_stand_in_keeps_its_eos_count_and_reads_every_prompt(
 
 
 def test_a_tokenizer_cut_at_its_own_size_is_the_same_tokenizer_and_a_smaller_one_never_breaks_text():
-    from kvdiverge.study.models import EMBEDDED_MODEL, EMBEDDED_NAME, load_tokenizer
-    from kvdiverge.study.standins import truncated_tokenizer
+    from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME, load_tokenizer
+    from kvdiverge.models.standins import truncated_tokenizer
 
     full = load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)
     text = (REPO / "README.md").read_text()[:4000]
@@ -113,7 +113,7 @@ def test_a_tokenizer_cut_at_its_own_size_is_the_same_tokenizer_and_a_smaller_one
     cut = small.encode(text, add_special_tokens=False)
     assert max(cut) < 1024 and small.decode(cut) == text and len(cut) > len(ids)
     with pytest.raises(ValueError, match="vocab_size 512: a stand-in's vocabulary needs at least 1024 ids"):
-        from kvdiverge.study.standins import MINIATURE, small_vocabulary
+        from kvdiverge.models.standins import MINIATURE, small_vocabulary
 
         small_vocabulary(MINIATURE["llama-3.1-8b"], 512)
 
@@ -123,8 +123,8 @@ def test_the_small_vocabulary_stand_in_is_peaked_and_the_default_one_flat():
     """The nucleus of the stand-in's distributions is as small as a trained model's, not the whole vocabulary."""
     import torch
 
-    from kvdiverge.study.models import miniature_values
-    from kvdiverge.study.standins import random_model
+    from kvdiverge.models.loading import miniature_values
+    from kvdiverge.models.standins import random_model
 
     values = miniature_values({"architecture": "llama-3.1-8b", "vocab_size": 4096})
     ids = torch.randint(17, 4000, (2, 300), generator=torch.Generator().manual_seed(0))

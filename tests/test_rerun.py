@@ -242,10 +242,10 @@ def test_a_changed_setting_reruns_exactly_the_jobs_it_affects(finished, key, val
 def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     import torch
 
-    from kvdiverge.study.config import load_config
-    from kvdiverge.study.jobs import ShardSettings
-    from kvdiverge.study.models import load_model, local_entry
-    from kvdiverge.study.shard import run_shard
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.jobs.params import ShardSettings
+    from kvdiverge.jobs.shard import run_shard
+    from kvdiverge.models.loading import load_model, local_entry
 
     work = copy_run(Path(smoke_run).parent, tmp_path / "work")
     shard = f"{RES}/trajectories/{MODEL}/snapkv-50/exploratory/shard-0.parquet"

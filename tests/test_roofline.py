@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from kvdiverge.study.config import load_config
-from kvdiverge.study.cost import study_cost
-from kvdiverge.study.roofline import H200, Accelerator, flops_per_token, kv_bytes, parameter_counts, predict_model
-from kvdiverge.study.standins import MINIATURE, PAPER
+from kvdiverge.config.workflow import load_config
+from kvdiverge.models.standins import MINIATURE, PAPER
+from kvdiverge.planning.cost import study_cost
+from kvdiverge.planning.roofline import H200, Accelerator, flops_per_token, kv_bytes, parameter_counts, predict_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("arch", sorted(MINIATURE))
 def test_the_weights_counted_are_the_built_models(arch):
-    from kvdiverge.study.standins import random_model
+    from kvdiverge.models.standins import random_model
 
     model = random_model(MINIATURE[arch])
     assert parameter_counts(MINIATURE[arch])["total"] == sum(p.numel() for p in model.parameters())
@@ -103,7 +103,7 @@ def test_the_workflows_gpu_requests_are_the_predictions():
     import ast
     import re
 
-    from kvdiverge.study.roofline import gpu_job_request
+    from kvdiverge.planning.roofline import gpu_job_request
 
     text = (REPO / "workflow" / "rules" / "common.smk").read_text()
     written = ast.literal_eval(re.search(r"^GPU_REQUESTS = (\{.*\})$", text, re.M).group(1))

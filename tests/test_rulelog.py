@@ -1,4 +1,4 @@
-"""The frame of the workflow's scripts (kvdiverge.study.rulelog.rule_log): the body's logger,
+"""The frame of the workflow's scripts (kvdiverge.jobs.rulelog.rule_log): the body's logger,
 stderr into the rule's log, and a failure logged with its traceback, then raised again."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 
 @pytest.fixture

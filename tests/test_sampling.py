@@ -57,8 +57,8 @@ def test_a_decoding_setting_out_of_range_is_named(changes, message):
 @pytest.mark.parametrize("name", list(decoding_options()))
 def test_the_config_schema_takes_each_decoding_range_from_its_field(name):
     """One declaration of each range: the schema entry is the field's, so the config refuses what the object does."""
-    from kvdiverge.study.config import load_schema
-    from kvdiverge.study.settings import setting_problems
+    from kvdiverge.config.workflow import load_schema
+    from kvdiverge.settings.checks import setting_problems
 
     option = decoding_options()[name]
     entry = load_schema()["properties"]["decoding"]["properties"][name]
@@ -111,11 +111,11 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     """A decoding setting of ``decoding_options`` needs nothing at the doors: the config key, the
     measure() keyword check, the command-line option, the recorded settings and the neutral transform
     of the teacher-forced pass all come from the field."""
-    from kvdiverge.cli import _parser
-    from kvdiverge.study.arguments import OPTIONS
-    from kvdiverge.study.config import load_schema
-    from kvdiverge.study.measuring import MeasureOptions
-    from kvdiverge.study.settings import SETTINGS, setting_problems
+    from kvdiverge.config.workflow import load_schema
+    from kvdiverge.doors.arguments import OPTIONS
+    from kvdiverge.doors.cli import _parser
+    from kvdiverge.doors.measuring import MeasureOptions
+    from kvdiverge.settings.checks import SETTINGS, setting_problems
 
     default, neutral = decoding_options()[name]["default"], decoding_options()[name]["neutral"]
     value = {"top_k": 5, "top_p": 0.5}.get(name, default + 0.25)  # in range for each
@@ -214,7 +214,7 @@ def test_top_k_equals_transformers_warpers_in_generates_order(temperature, top_k
 def test_measure_options_take_the_checked_values_integral_floats_as_counts():
     """``measure(bootstrap=2000.0, seed=3.0)`` is allowed, as the config allows it: every count the door reads
     (the bootstrap's, the horizon, a decoding setting) is the checked ``int``, not the float given."""
-    from kvdiverge.study.measuring import MeasureOptions
+    from kvdiverge.doors.measuring import MeasureOptions
 
     opts = MeasureOptions.checked({"temperature": 0, "top_k": 5.0}, bootstrap=2000.0, seed=3.0, max_new_tokens=16.0)
     assert (opts.bootstrap, opts.seed, opts.max_new_tokens, opts.decoding["top_k"]) == (2000, 3, 16, 5)

@@ -1,6 +1,6 @@
 """The measurement settings: one check for the config, ``kvdiverge.measure`` and the command line.
 
-:func:`kvdiverge.study.settings.check_settings` checks each value against the config
+:func:`kvdiverge.settings.checks.check_settings` checks each value against the config
 schema's entry for it, so a value the API or the command line refuses is exactly one the
 config refuses (a property test over random values), in one sentence naming the setting as
 the door spells it, the value and what is allowed.
@@ -18,8 +18,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdiverge.study.config import ConfigError, validate
-from kvdiverge.study.settings import SETTINGS, check_settings, setting_problems, token_id_problems
+from kvdiverge.config.workflow import ConfigError, validate
+from kvdiverge.settings.checks import SETTINGS, check_settings, setting_problems, token_id_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())

@@ -17,7 +17,7 @@ from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = [pytest.mark.miniature, pytest.mark.usefixtures("quiet_kvpress")]
 

@@ -232,7 +232,7 @@ def test_speculative_sampler_on_the_embedded_model_matches_the_survival_sum(embe
     from kvpress import SnapKVPress
 
     import kvdiverge
-    from kvdiverge.study.inputs import prepare_documents
+    from kvdiverge.config.inputs import prepare_documents
     from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted
 
     torch.set_num_threads(1)

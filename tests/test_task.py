@@ -8,11 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.task import accuracy_table, auc_table, correlation_table, roc_auc
-from kvdiverge.study.tasks import TaskError, build_task_prompts, task_settings
-from kvdiverge.study.tasks.answers import greedy_pair
-from kvdiverge.study.tasks.niah import (
+from kvdiverge.data.tasks import TaskError, build_task_prompts, task_settings
+from kvdiverge.data.tasks.answers import greedy_pair
+from kvdiverge.data.tasks.niah import (
     NEEDLE,
     Needle,
     NiahSettings,
@@ -23,6 +21,8 @@ from kvdiverge.study.tasks.niah import (
     score_answer,
     string_match_all,
 )
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.task import accuracy_table, auc_table, correlation_table, roc_auc
 
 
 class CharTokenizer:
@@ -255,7 +255,7 @@ def test_task_prompts_exclude_documents_the_task_cannot_use_with_the_reason():
 
 
 def test_measure_task_refuses_sampling_and_builds_documents_with_their_question():
-    from kvdiverge.study.measuring import MeasureOptions, task_inputs
+    from kvdiverge.doors.measuring import MeasureOptions, task_inputs
 
     def _task_inputs(task, prompts, tokenizer, T, temperature):
         opts = MeasureOptions.checked({"temperature": temperature}, task=task, max_new_tokens=T)
@@ -301,13 +301,13 @@ RECALL_TEXT = (
     ],
 )
 def test_recall_score_needs_the_words_in_order_next_to_each_other(answer, expected):
-    from kvdiverge.study.tasks.recall import score_answer as recall_score
+    from kvdiverge.data.tasks.recall import score_answer as recall_score
 
     assert recall_score(answer, "near the mill") is expected
 
 
 def test_recall_quotes_the_askable_sentence_nearest_the_depth():
-    from kvdiverge.study.tasks.recall import RecallSettings, make_needle, quoted_sentence
+    from kvdiverge.data.tasks.recall import RecallSettings, make_needle, quoted_sentence
 
     s = RecallSettings(depths=(0, 100), phrase_words=4, answer_words=3)
     # 35 words; sentences start at words 0 (4 words: too short for 4 + 3 + 1), 4 (13), 17 (3), 20 (15)
@@ -350,7 +350,7 @@ def test_recall_prompts_quote_the_document_and_open_the_answer_with_the_quote():
 
 
 def test_multikey_places_the_asked_needle_at_its_depth_and_the_distractors_elsewhere():
-    from kvdiverge.study.tasks.multikey import MultikeySettings, distractors
+    from kvdiverge.data.tasks.multikey import MultikeySettings, distractors
 
     class Chat(CharTokenizer):
         def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
@@ -383,7 +383,7 @@ def test_multikey_places_the_asked_needle_at_its_depth_and_the_distractors_elsew
 
 @pytest.mark.parametrize("digits, count", [(1, 3), (1, 16), (2, 16)])
 def test_no_distractor_carries_the_asked_needles_value(digits, count):
-    from kvdiverge.study.tasks.multikey import MultikeySettings, distractors
+    from kvdiverge.data.tasks.multikey import MultikeySettings, distractors
 
     settings = MultikeySettings(digits=digits, seed=2, distractors=count)
     values = set()
@@ -404,7 +404,7 @@ def test_measure_takes_an_empty_task_block_as_the_default_needle():
     import torch
 
     import kvdiverge
-    from kvdiverge.study.standins import MINIATURE, random_model
+    from kvdiverge.models.standins import MINIATURE, random_model
 
     class Chat(CharTokenizer):  # code points below the miniature's vocabulary of 512
         def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):

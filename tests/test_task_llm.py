@@ -15,9 +15,9 @@ pytestmark = pytest.mark.llm
 
 def task_documents(tokenizer, n: int, depths=(0, 25, 50, 75, 100), question: str = "inside"):
     """The first ``n`` embedded excerpts that take their needle, as (Document, needle) pairs."""
+    from kvdiverge.config.inputs import sotu_prompts
+    from kvdiverge.data.tasks.niah import NiahSettings, TaskError, make_needle, task_prompt
     from kvdiverge.engine.runner import Document
-    from kvdiverge.study.inputs import sotu_prompts
-    from kvdiverge.study.tasks.niah import NiahSettings, TaskError, make_needle, task_prompt
 
     settings = NiahSettings(depths=depths, seed=5, question=question)
     out = []
@@ -34,9 +34,9 @@ def task_documents(tokenizer, n: int, depths=(0, 25, 50, 75, 100), question: str
 
 
 def greedy_answers(model, tokenizer, docs, policies, T=16):
+    from kvdiverge.data.tasks.answers import greedy_pair
+    from kvdiverge.data.tasks.niah import score_answer
     from kvdiverge.engine.runner import run_policies
-    from kvdiverge.study.tasks.answers import greedy_pair
-    from kvdiverge.study.tasks.niah import score_answer
 
     runs = run_policies(
         model,
@@ -96,8 +96,8 @@ def test_question_after_compression_equals_kvpress_pipeline(embedded, press_entr
     docs = task_documents(tokenizer, 2, question="after")
     policy = Policy.from_config("p", press_entry)
     T = 8
+    from kvdiverge.data.tasks.answers import greedy_pair
     from kvdiverge.engine.runner import run_policies
-    from kvdiverge.study.tasks.answers import greedy_pair
 
     got = run_policies(
         model,

@@ -27,7 +27,7 @@ from kvdiverge.estimation.teacher_forced import (
     mean_and_uncertainty,
     summary_table,
 )
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 
 def test_position_measures_by_hand():
@@ -329,7 +329,7 @@ def test_window_block_mask_by_hand():
 
 
 def test_following_texts_continue_the_excerpt():
-    from kvdiverge.study.corpus import build_corpus, following_texts, paragraphs, sotu_units
+    from kvdiverge.data.corpus import build_corpus, following_texts, paragraphs, sotu_units
 
     spec = {"source": "sotu", "min_words": 150, "max_words": 250, "documents": {"exploratory": 2, "confirmatory": 1}}
     docs = build_corpus(spec)
@@ -348,8 +348,8 @@ def test_following_texts_continue_the_excerpt():
 @pytest.mark.miniature
 def test_screen_and_measure_doors(model):
     import kvdiverge
+    from kvdiverge.doors.screening import ScreenOptions
     from kvdiverge.engine.presses.project import PermutationPress
-    from kvdiverge.screening import ScreenOptions
 
     prompts = {"a": prompt(40), "b": prompt(36)}
     presses = {"snap": kvpress.SnapKVPress(0.5, window_size=8), "floor": PermutationPress(seed=0)}
@@ -573,7 +573,7 @@ def test_the_doors_reconstruct_the_prompts_text_after_the_templated_instruction(
     """screen() and measure() feed, after each rendered prompt, the repeat instruction as a user turn of the
     model's chat template, then the prompt's text; the scored tokens are the text's, in order."""
     import kvdiverge
-    from kvdiverge.study.prompts import REPEAT_INSTRUCTION, render_ids, repeat_ids, repeat_text
+    from kvdiverge.data.prompts import REPEAT_INSTRUCTION, render_ids, repeat_ids, repeat_text
 
     tok = chat_tokenizer
     assert repeat_text(tok, REPEAT_INSTRUCTION) == (
@@ -605,10 +605,10 @@ def test_the_workflow_job_reconstructs_each_excerpt(model, chat_tokenizer, tmp_p
     the key tokens by the config's rule."""
     from pathlib import Path
 
-    from kvdiverge.study.config import load_config
-    from kvdiverge.study.jobs import TeacherSettings
-    from kvdiverge.study.prompts import render_ids, repeat_ids
-    from kvdiverge.study.teacher import run_teacher_forced
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.data.prompts import render_ids, repeat_ids
+    from kvdiverge.jobs.params import TeacherSettings
+    from kvdiverge.jobs.teacher import run_teacher_forced
 
     config = load_config(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
     config["teacher_forced"].update(target="reconstruction", length=500, repeat_instruction="Again, please.")

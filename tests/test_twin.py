@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiverge.engine.llm.twin import evicted_twin, shares_weights
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = pytest.mark.miniature
 

@@ -16,7 +16,7 @@ import kvpress
 import pytest
 import torch
 
-from kvdiverge.study.standins import MINIATURE, random_model
+from kvdiverge.models.standins import MINIATURE, random_model
 
 
 @pytest.fixture(scope="module")

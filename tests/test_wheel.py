@@ -27,8 +27,8 @@ pytestmark = pytest.mark.llm
 #: A notebook's use of the package: the schema, a measurement and its summary.
 NOTEBOOK = """
 import kvdiverge, kvpress
-from kvdiverge.study.config import SCHEMA_PATH, load_schema
-from kvdiverge.study.models import EMBEDDED_MODEL, load_model
+from kvdiverge.config.workflow import SCHEMA_PATH, load_schema
+from kvdiverge.models.loading import EMBEDDED_MODEL, load_model
 
 print("file", kvdiverge.__file__)
 print("schema", SCHEMA_PATH)

@@ -9,8 +9,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from kvdiverge.config.workflow import load_config, runs
 from kvdiverge.estimation.analysis import plan_hash
-from kvdiverge.study.config import load_config, runs
 
 pytestmark = pytest.mark.workflow
 
@@ -156,7 +156,7 @@ def test_confirmatory_table(smoke_run, config):
 
 
 def test_shards_and_report_carry_the_provenance(smoke_run, config):
-    from kvdiverge.study.provenance import read_provenance, settings_hash, shard_settings, study_hash
+    from kvdiverge.config.provenance import read_provenance, settings_hash, shard_settings, study_hash
 
     prov = pl.read_parquet(smoke_run / "analysis" / "provenance.parquet")
     assert sorted(prov.select("model", "policy", "split").rows()) == sorted(runs(config))

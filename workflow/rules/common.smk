@@ -8,38 +8,38 @@ import os
 import sys
 
 import kvdiverge.estimation.drift
-import kvdiverge.study.config
-import kvdiverge.study.devices
-import kvdiverge.study.frontier
-import kvdiverge.study.jobs
-import kvdiverge.study.prediction
-import kvdiverge.study.prompts
-import kvdiverge.study.provenance
+import kvdiverge.config.workflow
+import kvdiverge.jobs.devices
+import kvdiverge.config.frontier
+import kvdiverge.jobs.params
+import kvdiverge.jobs.prediction
+import kvdiverge.data.prompts
+import kvdiverge.config.provenance
 
-# The config is validated once, by kvdiverge.study.config.validate: clear messages (key
+# The config is validated once, by kvdiverge.config.workflow.validate: clear messages (key
 # path, allowed values, cross-references), the schema's defaults filled in, and the
 # `frontier` section expanded into ordinary policies (<press>@<ratio>) scheduled on its
 # split. Snakemake's own `config` stays as read from the files; the rules read CONFIG.
 # Snakemake's YAML reader keeps the last of two equal keys, so each config file is read
-# again by kvdiverge.study.config.read_yaml, which refuses duplicate keys with their lines.
+# again by kvdiverge.config.workflow.read_yaml, which refuses duplicate keys with their lines.
 try:
     for _configfile in workflow.configfiles:
-        kvdiverge.study.config.read_yaml(_configfile)
-    CONFIG = kvdiverge.study.config.validate(config)  # the package's schema (SCHEMA_PATH)
-except kvdiverge.study.config.ConfigError as exc:
+        kvdiverge.config.workflow.read_yaml(_configfile)
+    CONFIG = kvdiverge.config.workflow.validate(config)  # the package's schema (SCHEMA_PATH)
+except kvdiverge.config.workflow.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 SPLITS = ("exploratory", "confirmatory")
-# The frontier's points (kvdiverge.study.frontier.frontier_points), its split, and the
+# The frontier's points (kvdiverge.config.frontier.frontier_points), its split, and the
 # policies those points run as; empty without a `frontier` section.
-FRONTIER_POINTS = kvdiverge.study.frontier.frontier_points(CONFIG)
-FRONTIER_SPLIT = kvdiverge.study.frontier.frontier_split(CONFIG)
+FRONTIER_POINTS = kvdiverge.config.frontier.frontier_points(CONFIG)
+FRONTIER_SPLIT = kvdiverge.config.frontier.frontier_split(CONFIG)
 FRONTIER_POLICIES = [pt.policy for pt in FRONTIER_POINTS]
 MODELS = list(CONFIG["models"])
-RUNS = kvdiverge.study.config.runs(CONFIG)  # [(model, policy, split), ...], control included
+RUNS = kvdiverge.config.workflow.runs(CONFIG)  # [(model, policy, split), ...], control included
 MODEL_RUNS = [(p, s) for m, p, s in RUNS if m == MODELS[0]]  # [(policy, split), ...]: every model runs the same
 SHARDS = list(range(int(CONFIG["shards"])))
-FLOOR = kvdiverge.study.config.floor_policy(CONFIG)  # the noise-floor control, or None
+FLOOR = kvdiverge.config.workflow.floor_policy(CONFIG)  # the noise-floor control, or None
 # the loop detector of the length drift (config `drift`; the period at most the horizon)
 DRIFT_LOOP = kvdiverge.estimation.drift.loop_settings(CONFIG["drift"], CONFIG["decoding"]["max_new_tokens"])
 
@@ -49,7 +49,7 @@ DRIFT_LOOP = kvdiverge.estimation.drift.loop_settings(CONFIG["drift"], CONFIG["d
 # rerun trigger then reruns exactly the jobs a changed setting affects (and, through
 # their changed outputs, everything downstream), and reordering keys in a config file
 # is no change. README.md "Rerunning stages" tabulates which setting reruns what.
-canonical = kvdiverge.study.provenance.canonical
+canonical = kvdiverge.config.provenance.canonical
 
 # The settings of every document-bootstrap analysis (pool, gaps, floor, confirmatory,
 # speculative, frontier): `params: **ANALYSIS_PARAMS` in each.
@@ -61,11 +61,11 @@ ANALYSIS_PARAMS = {
 
 
 def shard_settings(wildcards):
-    """Settings that decide a trajectory shard (kvdiverge.study.provenance.shard_settings)."""
-    return kvdiverge.study.provenance.shard_settings(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
+    """Settings that decide a trajectory shard (kvdiverge.config.provenance.shard_settings)."""
+    return kvdiverge.config.provenance.shard_settings(CONFIG, wildcards.model, wildcards.policy, wildcards.split)
 
 
-# What each generation job reads, as the plain form of its settings object (kvdiverge.study.jobs):
+# What each generation job reads, as the plain form of its settings object (kvdiverge.jobs.params):
 # its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
 # object back (ShardSettings.from_params); none reads or validates the config again.
 def job_policies(wildcards):
@@ -79,26 +79,26 @@ def job_policies(wildcards):
 def shard_job(wildcards):
     """The settings of a trajectory shard job (rules trajectories, frontier_trajectories)."""
     policies, split = job_policies(wildcards)
-    job = kvdiverge.study.jobs.ShardSettings.from_config(CONFIG, wildcards.model, policies, split, int(wildcards.shard))
+    job = kvdiverge.jobs.params.ShardSettings.from_config(CONFIG, wildcards.model, policies, split, int(wildcards.shard))
     return job.to_params()
 
 
 def teacher_job(wildcards):
     """The settings of a model's teacher-forced job (rule teacher_forced), every run of the model."""
-    return kvdiverge.study.jobs.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
+    return kvdiverge.jobs.params.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
 
 
 def export_configfiles():
     """Tell the jobs the config files of this run (for the regenerate command in the estimate
     stage's error messages): an environment variable, not a param, so that the same settings
     from another file rerun nothing. Called once, by the Snakefile."""
-    os.environ[kvdiverge.study.provenance.CONFIGFILES_ENV] = os.pathsep.join(
+    os.environ[kvdiverge.config.provenance.CONFIGFILES_ENV] = os.pathsep.join(
         os.path.relpath(f) if not os.path.relpath(f).startswith("..") else str(f) for f in workflow.configfiles
     )
 
 
 # what decides the prompts tables (a change reruns the prompts stage)
-PROMPT_SETTINGS = canonical(kvdiverge.study.prompts.prompt_settings(CONFIG))
+PROMPT_SETTINGS = canonical(kvdiverge.data.prompts.prompt_settings(CONFIG))
 
 # Output paths (docs/internals.md), each named once: in its rule's `output:`; the rules
 # that read it name it as rules.<rule>.output.<name>. Everything a config makes, logs and
@@ -204,7 +204,7 @@ def model_on_gpu(model):
 
 
 #: A generation job's requests where its model runs on CUDA (host memory, MB; minutes), the largest
-#: over config/paper.yaml's models of kvdiverge.study.roofline.gpu_job_request: the weights plus
+#: over config/paper.yaml's models of kvdiverge.planning.roofline.gpu_job_request: the weights plus
 #: 8 GB of host memory; 10x the predicted shard (or teacher-forced pass) plus loading the weights.
 #: tests/test_roofline.py keeps them equal to the prediction; docs/rehearsal.md shows the numbers.
 GPU_REQUESTS = {"trajectories": {"mem_mb": 41000, "runtime": 20}, "teacher_forced": {"mem_mb": 41000, "runtime": 540}}
@@ -229,7 +229,7 @@ def generation_resources(points=1, rule="trajectories"):
 
 
 def register_gpu_cap():
-    """Local runs: at most one generation job per GPU (kvdiverge.study.devices). Called once, by the Snakefile.
+    """Local runs: at most one generation job per GPU (kvdiverge.jobs.devices). Called once, by the Snakefile.
 
     The generation rules request gpu=1 per job with a CUDA model; without a cap Snakemake
     would start one such job per core. --resources gpu=N wins; otherwise the config key
@@ -241,7 +241,7 @@ def register_gpu_cap():
     if "gpu" in workflow.global_resources:
         cap, source = workflow.global_resources["gpu"].value, "--resources"
     else:
-        cap, source = kvdiverge.study.devices.gpu_cap(CONFIG)
+        cap, source = kvdiverge.jobs.devices.gpu_cap(CONFIG)
         workflow.register_resource("gpu", cap)
     print(
         f"kvdiverge: local GPU cap gpu={cap} ({source}): at most {cap} "
@@ -276,7 +276,7 @@ def model_run_files(pattern):
 
 
 def all_trajectory_shards(runs=None):
-    """Shard files of every run of `runs` (default: every run in kvdiverge.study.config.runs)."""
+    """Shard files of every run of `runs` (default: every run in kvdiverge.config.workflow.runs)."""
     return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
 
 
@@ -311,13 +311,13 @@ def task_estimates(wildcards):
 
 # The prediction study (config `prediction`): its task sides by name (niah-inside, ...), each
 # one job per model; empty without a `prediction` block.
-PREDICTION_SIDES = list(kvdiverge.study.prediction.prediction_sides(CONFIG))
+PREDICTION_SIDES = list(kvdiverge.jobs.prediction.prediction_sides(CONFIG))
 PREDICTION_DIR = f"{RESULTS}/analysis/prediction/{{model}}"
 
 
 def prediction_task_job(wildcards):
     """The settings of a task-side job of the prediction study (rule prediction_task)."""
-    job = kvdiverge.study.prediction.PredictionTaskSettings.from_config(CONFIG, wildcards.model, wildcards.side)
+    job = kvdiverge.jobs.prediction.PredictionTaskSettings.from_config(CONFIG, wildcards.model, wildcards.side)
     return job.to_params()
 
 

@@ -2,7 +2,7 @@
 # Per document: replicate means with standard errors, the §3 decomposition (checked: a
 # failure stops the run), the §4 sharp interval, Var(N_naive)/Var(N_cmc), branch TV by
 # lag. The per-replicate estimators are kept next to it. Before anything, the shards'
-# recorded settings are checked against the config (kvdiverge.study.provenance.check_shards):
+# recorded settings are checked against the config (kvdiverge.config.provenance.check_shards):
 # a shard copied in by hand or made by another version is refused with the command that
 # regenerates it. `settings` is that check's reference; it changes only together with
 # the shards (whose params are the same settings), so it adds no rerun of its own. Each side of

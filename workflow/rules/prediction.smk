@@ -1,5 +1,5 @@
 # Stage: whether the frontier's task-agnostic fidelity predicts a task's accuracy drop (config
-# `prediction`, kvdiverge.study.prediction, kvdiverge.estimation.prediction). The fidelity side is
+# `prediction`, kvdiverge.jobs.prediction, kvdiverge.estimation.prediction). The fidelity side is
 # the frontier as the other stages run it (plain prompts, the config's decoding, the teacher-forced
 # pass). Each task side (niah-inside, ...) runs every frontier point greedily on the documents of
 # `prediction.split`, one job per (model, side) through kvdiverge.measure, and scores the answers;
@@ -18,7 +18,7 @@ if PREDICTION_SIDES:
         benchmark:
             benchmark_file("prediction_task/{model}/{side}")
         params:
-            # what the job reads, its rerun key (kvdiverge.study.prediction.PredictionTaskSettings)
+            # what the job reads, its rerun key (kvdiverge.jobs.prediction.PredictionTaskSettings)
             settings=prediction_task_job,
         resources:
             **generation_resources(),
@@ -65,7 +65,7 @@ if PREDICTION_SIDES:
             benchmark_file("prediction/{model}")
         params:
             # the task blocks by side (each task's chance level)
-            tasks=kvdiverge.study.prediction.prediction_sides(CONFIG),
+            tasks=kvdiverge.jobs.prediction.prediction_sides(CONFIG),
             measures=CONFIG.get("prediction", {}).get("measures"),
             min_full_accuracy=CONFIG.get("prediction", {}).get("min_full_accuracy"),
             # the within-ratio permutations of each test (kvdiverge.estimation.prediction.PredictionSettings)

@@ -1,6 +1,6 @@
 # Stage 2: chat-rendered prompts per model, with exclusions and their reasons.
 # A GGUF model's tokenizer and config are read from the GGUF file itself (its config from the
-# header, kvdiverge.study.gguf_config), or from a kept conversion where the machine has one: the
+# header, kvdiverge.models.gguf_config), or from a kept conversion where the machine has one: the
 # job runs beside rule convert_model instead of after it.
 
 

@@ -1,4 +1,4 @@
-# Stage: a task score beside every measurement (config `task`, kvdiverge.study.tasks).
+# Stage: a task score beside every measurement (config `task`, kvdiverge.data.tasks).
 # The prompts stage builds the task's prompts (RULER's single needle in each document);
 # the coupled run decodes them greedily, so each trajectory row holds both greedy answers.
 # Per model: the answers scored, accuracy per run with document-bootstrap intervals, the

@@ -4,7 +4,7 @@ from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 p = snakemake.params
 out = snakemake.output

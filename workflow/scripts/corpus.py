@@ -1,8 +1,8 @@
-"""Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.study.corpus)."""
+"""Snakemake adapter: build results/corpus/documents.parquet (kvdiverge.data.corpus)."""
 
+from kvdiverge.data.corpus import build_corpus, exclusion_lines
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.corpus import build_corpus, exclusion_lines
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 with rule_log(snakemake.log[0], "corpus", "corpus stage") as log:
     corpus = dict(snakemake.params.corpus)

@@ -5,7 +5,7 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import drift_table, length_survival, no_stop_note
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 p = snakemake.params
 out = snakemake.output

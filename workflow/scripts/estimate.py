@@ -1,12 +1,12 @@
 """Snakemake adapter: per-document estimates of one (model, policy, split) (kvdiverge.estimation.tables.estimate),
 and each side's length, stop and loops per replicate (kvdiverge.estimation.drift.drift_replicates)."""
 
+from kvdiverge.config.provenance import StaleShardError, check_shards, recorded_eos_ids, regenerate_command
 from kvdiverge.estimation.drift import drift_replicates
 from kvdiverge.estimation.estimators import read_shards
 from kvdiverge.estimation.tables import estimate
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.provenance import StaleShardError, check_shards, recorded_eos_ids, regenerate_command
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 w = snakemake.wildcards
 with rule_log(snakemake.log[0], "estimate", "estimate stage") as log:

@@ -3,8 +3,8 @@
 
 import polars as pl
 
+from kvdiverge.jobs.rulelog import rule_log
 from kvdiverge.report import figures as plots
-from kvdiverge.study.rulelog import rule_log
 
 
 def read(name):

@@ -6,7 +6,7 @@ from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 p = snakemake.params
 out = snakemake.output

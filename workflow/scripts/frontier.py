@@ -1,5 +1,5 @@
 """Snakemake adapter: the frontier table and ranking (kvdiverge.estimation.frontier.frontier_tables),
-the KV bytes counted with each model's sizes, read from its config (kvdiverge.study.models.entry_kv_sizes),
+the KV bytes counted with each model's sizes, read from its config (kvdiverge.models.loading.entry_kv_sizes),
 each point's teacher-forced headline (kvdiverge.estimation.teacher_forced.with_teacher_columns) and its length
 ratio, compressed over full (kvdiverge.estimation.drift.with_drift_columns)."""
 
@@ -11,9 +11,9 @@ from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.frontier import FrontierPoint, frontier_tables
 from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.io.files import save_table
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.models.loading import entry_kv_sizes
 from kvdiverge.report.formatting import frontier_text
-from kvdiverge.study.models import entry_kv_sizes
-from kvdiverge.study.rulelog import rule_log
 
 p = snakemake.params
 out = snakemake.output

@@ -3,8 +3,8 @@
 import polars as pl
 
 from kvdiverge.io.files import write_text_atomic
+from kvdiverge.jobs.rulelog import rule_log
 from kvdiverge.report.pages import frontier_html
-from kvdiverge.study.rulelog import rule_log
 
 i = snakemake.input
 with rule_log(snakemake.log[0], "frontier_page"):

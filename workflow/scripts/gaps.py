@@ -4,7 +4,7 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import gaps
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 p = snakemake.params
 with rule_log(snakemake.log[0], "gaps", "gap decomposition") as log:

@@ -6,7 +6,7 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.estimation.tables import pool
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 out = snakemake.output
 p = snakemake.params

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiverge.data.tasks import task_settings
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.prediction import (
     PredictionSettings,
@@ -24,9 +25,8 @@ from kvdiverge.estimation.prediction import (
 )
 from kvdiverge.estimation.prediction_review import chance_accuracy, cpu_per_point, prediction_without
 from kvdiverge.io.files import save_table
+from kvdiverge.jobs.rulelog import rule_log
 from kvdiverge.report.prediction import plot_prediction
-from kvdiverge.study.rulelog import rule_log
-from kvdiverge.study.tasks import task_settings
 
 i, o, p = snakemake.input, snakemake.output, snakemake.params
 model = pl.col("model") == snakemake.wildcards.model

@@ -1,6 +1,6 @@
 """Snakemake adapter: one task side of the prediction study on one model (kvdiverge.measure).
 
-The job reads its settings from ``params.settings`` (kvdiverge.study.prediction.PredictionTaskSettings,
+The job reads its settings from ``params.settings`` (kvdiverge.jobs.prediction.PredictionTaskSettings,
 its rerun key): every frontier point runs greedily on the task prompts of the prediction split's
 documents, and the scored answers per (point, document) are written atomically, with the task,
 its question placement and the task's exclusions in the log.
@@ -13,10 +13,10 @@ import torch
 
 import kvdiverge
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.jobs import job_model_entry
-from kvdiverge.study.models import load_model
-from kvdiverge.study.prediction import PredictionTaskSettings
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.params import job_model_entry
+from kvdiverge.jobs.prediction import PredictionTaskSettings
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.models.loading import load_model
 
 torch.set_num_threads(snakemake.threads)
 settings = PredictionTaskSettings.from_params(snakemake.params.settings)

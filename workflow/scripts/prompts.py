@@ -1,12 +1,12 @@
-"""Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.study.prompts)."""
+"""Snakemake adapter: build results/prompts/{model}.parquet (kvdiverge.data.prompts)."""
 
 import polars as pl
 
+from kvdiverge.data.prompts import build_prompts, check_usable, summary
+from kvdiverge.data.tasks import build_task_prompts
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.models import context_length, load_model_config, load_tokenizer
-from kvdiverge.study.prompts import build_prompts, check_usable, summary
-from kvdiverge.study.rulelog import rule_log
-from kvdiverge.study.tasks import build_task_prompts
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.models.loading import context_length, load_model_config, load_tokenizer
 
 with rule_log(snakemake.log[0], "prompts", "prompts stage") as log:
     name = snakemake.wildcards.model

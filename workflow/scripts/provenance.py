@@ -1,8 +1,8 @@
-"""Snakemake adapter: the provenance table of every run, from its shards (kvdiverge.study.provenance)."""
+"""Snakemake adapter: the provenance table of every run, from its shards (kvdiverge.config.provenance)."""
 
+from kvdiverge.config.provenance import provenance_table, read_provenance, study_hash
 from kvdiverge.io.files import save_table
-from kvdiverge.study.provenance import provenance_table, read_provenance, study_hash
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 with rule_log(snakemake.log[0], "provenance", "provenance table") as log:
     table = provenance_table(read_provenance(p) for p in snakemake.input)

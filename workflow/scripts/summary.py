@@ -3,10 +3,10 @@ the provenance of every run (settings hash, library versions) its last section."
 
 import polars as pl
 
+from kvdiverge.config.provenance import study_hash
 from kvdiverge.io.files import write_text_atomic
+from kvdiverge.jobs.rulelog import rule_log
 from kvdiverge.report.pages import provenance_html, summary_html
-from kvdiverge.study.provenance import study_hash
-from kvdiverge.study.rulelog import rule_log
 
 i = snakemake.input
 with rule_log(snakemake.log[0], "summary") as log:

@@ -1,14 +1,14 @@
-"""Snakemake adapter: the task's tables and figure (kvdiverge.study.tasks.tables, kvdiverge.report.task)."""
+"""Snakemake adapter: the task's tables and figure (kvdiverge.data.tasks.tables, kvdiverge.report.task)."""
 
 import polars as pl
 
+from kvdiverge.data.tasks import task_settings
+from kvdiverge.data.tasks.tables import TASK_TABLES, TaskTableOptions, task_tables
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.io.files import save_table
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.models.loading import load_tokenizer, local_entry
 from kvdiverge.report.task import plot_task
-from kvdiverge.study.models import load_tokenizer, local_entry
-from kvdiverge.study.rulelog import rule_log
-from kvdiverge.study.tasks import task_settings
-from kvdiverge.study.tasks.tables import TASK_TABLES, TaskTableOptions, task_tables
 
 i, o, p = snakemake.input, snakemake.output, snakemake.params
 with rule_log(snakemake.log[0], "task", "task stage") as log:

@@ -1,6 +1,6 @@
-"""Snakemake adapter: the teacher-forced pass of every run of one model (kvdiverge.study.teacher).
+"""Snakemake adapter: the teacher-forced pass of every run of one model (kvdiverge.jobs.teacher).
 
-Rule teacher_forced reads its settings from ``params.settings`` (kvdiverge.study.jobs.TeacherSettings,
+Rule teacher_forced reads its settings from ``params.settings`` (kvdiverge.jobs.params.TeacherSettings,
 its rerun key) and writes one per-position table per run, atomically, in the order of its runs.
 """
 
@@ -8,9 +8,9 @@ import polars as pl
 import torch
 
 from kvdiverge.io.files import write_parquet_atomic
-from kvdiverge.study.jobs import TeacherSettings, job_model_entry
-from kvdiverge.study.rulelog import rule_log
-from kvdiverge.study.teacher import run_teacher_forced
+from kvdiverge.jobs.params import TeacherSettings, job_model_entry
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.jobs.teacher import run_teacher_forced
 
 torch.set_num_threads(snakemake.threads)
 settings = TeacherSettings.from_params(snakemake.params.settings)

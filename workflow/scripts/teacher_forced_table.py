@@ -7,7 +7,7 @@ from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.key_tokens import missing_key_lines
 from kvdiverge.estimation.teacher_forced import document_table, summary_table
 from kvdiverge.io.files import save_table
-from kvdiverge.study.rulelog import rule_log
+from kvdiverge.jobs.rulelog import rule_log
 
 out, p = snakemake.output, snakemake.params
 with rule_log(snakemake.log[0], "teacher_forced_table") as log:

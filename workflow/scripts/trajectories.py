@@ -1,16 +1,16 @@
-"""Snakemake adapter: one trajectory shard of each of the job's policies (kvdiverge.study.shard.run_shard).
+"""Snakemake adapter: one trajectory shard of each of the job's policies (kvdiverge.jobs.shard.run_shard).
 
-The job reads its settings from ``params.settings`` (kvdiverge.study.jobs.ShardSettings, its
+The job reads its settings from ``params.settings`` (kvdiverge.jobs.params.ShardSettings, its
 rerun key) and, besides them, only how to batch: the config's ``generation`` section, which
 decides no result. A CUDA model is bound to a free GPU of its own for the duration of the
-shard (kvdiverge.study.jobs.job_model_entry), so that local generation jobs never share a GPU.
+shard (kvdiverge.jobs.params.job_model_entry), so that local generation jobs never share a GPU.
 """
 
 import torch
 
-from kvdiverge.study.jobs import ShardSettings, job_model_entry
-from kvdiverge.study.rulelog import rule_log
-from kvdiverge.study.shard import generation_options, run_shard
+from kvdiverge.jobs.params import ShardSettings, job_model_entry
+from kvdiverge.jobs.rulelog import rule_log
+from kvdiverge.jobs.shard import generation_options, run_shard
 
 torch.set_num_threads(snakemake.threads)
 settings = ShardSettings.from_params(snakemake.params.settings)

@@ -145,12 +145,12 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "transformers.convert_slow_tokenizer",
         "generate_merges",
-        "to rebuild the merges of a Gemma GGUF file's tokenizer (study.gguf_tokenizer)",
+        "to rebuild the merges of a Gemma GGUF file's tokenizer (models.gguf_tokenizer)",
     ),
     Internal(
         "transformers.modeling_gguf_pytorch_utils",
         "tqdm",
-        "to silence the GGUF reader's progress bar while loading a .gguf model (study.models)",
+        "to silence the GGUF reader's progress bar while loading a .gguf model (models.loading)",
     ),
 )
 
@@ -170,7 +170,7 @@ if _MISSING:
 
 import transformers.modeling_gguf_pytorch_utils as gguf_reader  # noqa: E402  (the module whose tqdm is replaced)
 from transformers import (  # noqa: E402
-    CONFIG_MAPPING,  # noqa: F401  (kvdiverge.study.gguf_config)
+    CONFIG_MAPPING,  # noqa: F401  (kvdiverge.models.gguf_config)
     AttentionInterface,
     DynamicCache,
 )

@@ -1,6 +1,6 @@
 """The one path from (model, documents, press) to trajectory records.
 
-Both doors call :func:`run_policies`: the workflow (``kvdiverge.study.shard.run_shard``,
+Both doors call :func:`run_policies`: the workflow (``kvdiverge.jobs.shard.run_shard``,
 one shard of one (model, policy, split)) and the Python/command-line front door
 (``kvdiverge.measure``, any number of policies on the same prompts). It checks each press
 once, plans the documents per batched forward once (decode-time policies counted) and runs

@@ -107,7 +107,7 @@ class Bootstrap:
     @classmethod
     def of(cls, settings: Mapping[str, Any]) -> Bootstrap:
         """The settings of a settings record or workflow params: its ``bootstrap`` (resamples),
-        ``confidence`` and ``seed`` (those of a :class:`kvdiverge.results.Measurement` and
+        ``confidence`` and ``seed`` (those of a :class:`kvdiverge.doors.results.Measurement` and
         of the analysis rules' ``ANALYSIS_PARAMS``)."""
         return cls(settings["bootstrap"], settings["confidence"], settings["seed"])
 

@@ -4,7 +4,7 @@ A frontier runs each named press at several compression ratios (and optionally f
 token budgets), and optionally quantized KV caches alone and after each press, on the same
 documents with common random numbers. Each point (:class:`FrontierPoint`) is an ordinary
 policy; its name, the grid of points and the checks of a frontier's labels and values are the
-study's (:mod:`kvdiverge.study.frontier`: ``frontier_name``, ``frontier_grid``,
+study's (:mod:`kvdiverge.config.frontier`: ``frontier_name``, ``frontier_grid``,
 ``FrontierSpec``, ``frontier_problems``).
 
 The points lie on **curves**, one knob varied at a fixed way of storing the cache
@@ -75,7 +75,7 @@ class FrontierPoint:
     Parameters
     ----------
     policy : str
-        Policy name (:func:`kvdiverge.study.frontier.frontier_name`): ``<press>@<ratio>``, ``<press>@b<budget>``,
+        Policy name (:func:`kvdiverge.config.frontier.frontier_name`): ``<press>@<ratio>``, ``<press>@b<budget>``,
         ``<cache>`` or ``<press>@<ratio>+<cache>``.
     press : str or None
         Press label (config ``frontier.presses`` key); None for a quantized cache alone.
@@ -358,7 +358,7 @@ def frontier_tables(
         ``p_div``, ``E_tau_div``, ``E_L``, ``E_N_post``, ``E_N``, ``E_M``, ``tv_mean``,
         ``f`` (list, length T), ``prompt_len``, ``kept_len``.
     grid : sequence of FrontierPoint or mapping
-        :func:`kvdiverge.study.frontier.frontier_grid`'s points, or mappings of their fields (:meth:`FrontierPoint.of`;
+        :func:`kvdiverge.config.frontier.frontier_grid`'s points, or mappings of their fields (:meth:`FrontierPoint.of`;
         without ``cache`` and ``cache_settings``, full precision).
     floor : str or None
         The noise-floor policy (``PermutationPress``); None: floor columns null and

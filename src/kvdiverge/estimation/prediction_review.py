@@ -69,7 +69,7 @@ def chance_accuracy(task: str, settings: Mapping[str, Any]) -> float:
     Parameters
     ----------
     task : str
-        The task's name (``niah``, ``multikey``, ``recall``: :data:`kvdiverge.study.tasks.TASKS`).
+        The task's name (``niah``, ``multikey``, ``recall``: :data:`kvdiverge.data.tasks.TASKS`).
     settings : mapping
         The task's settings: ``digits`` for the needles, ``distractors`` for the multi-key needle.
 

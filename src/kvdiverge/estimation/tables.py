@@ -3,13 +3,13 @@
 One path for both doors: the workflow's scripts (``workflow/scripts/estimate.py``,
 ``pool.py``, ``gaps.py``) and :func:`kvdiverge.measure` call these functions, so the
 tables under ``results/estimates`` and ``results/analysis`` and those of a
-:class:`kvdiverge.results.Measurement` cannot drift apart.
+:class:`kvdiverge.doors.results.Measurement` cannot drift apart.
 
 - :func:`estimate` — per replicate and per document (estimators.md §3–§6).
 - :func:`pool` — pooled estimates, timing, survival, branch TV and variance tables (§7).
 - :func:`gaps` — the §7 gap decomposition of each requested pair of policies.
 - :func:`press_gap`, :func:`pairwise_gaps`, :func:`summary_table` — the gaps and summary of a
-  :class:`kvdiverge.results.Measurement`.
+  :class:`kvdiverge.doors.results.Measurement`.
 
 Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.estimation.analysis`,
 ``docs/internals.md``.

@@ -79,7 +79,7 @@ def task_documents(answers: pl.DataFrame, estimates: pl.DataFrame, extra: pl.Dat
     Parameters
     ----------
     answers : polars.DataFrame
-        :data:`kvdiverge.study.tasks.answers.ANSWER_SCHEMA` rows.
+        :data:`kvdiverge.data.tasks.answers.ANSWER_SCHEMA` rows.
     estimates : polars.DataFrame
         Document estimates (``T``, ``E_M``, ``p_div``, ``E_tau_div``: ``E[tau 1{tau <= T}]``).
     extra : polars.DataFrame, optional

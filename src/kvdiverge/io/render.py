@@ -1,7 +1,7 @@
 """Tables rendered as plain text and as HTML: the one renderer of each.
 
 :func:`text_table` serves the measurement summary and the frontier ranking
-(:mod:`kvdiverge.report.formatting`) and the study's cost table (:mod:`kvdiverge.study.cost`);
+(:mod:`kvdiverge.report.formatting`) and the study's cost table (:mod:`kvdiverge.planning.cost`);
 :func:`html_table` the report pages (:mod:`kvdiverge.report.pages`) and the provenance section
 (:func:`kvdiverge.report.pages.provenance_html`). Cells arrive formatted; nothing here
 reads numbers.

@@ -17,7 +17,7 @@
   ``A_k + 1`` of a first draft block against its length ``k``, beside the i.i.d. formula,
   and the accepted fraction ``A_k / k`` (:func:`kvdiverge.estimation.speculative.speculative_table`).
 - :func:`render_survival`, :func:`render_frontier` — those figures into given Axes, to a path
-  or as a new figure (:class:`kvdiverge.results.Measurement`).
+  or as a new figure (:class:`kvdiverge.doors.results.Measurement`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     Parameters
     ----------
     summary : polars.DataFrame
-        :attr:`kvdiverge.results.Measurement.summary`.
+        :attr:`kvdiverge.doors.results.Measurement.summary`.
     settings : mapping
         The measurement's settings (model, T, R, temperature, top_p, seed, confidence).
     floor : str or None
@@ -280,7 +280,7 @@ def _bytes(v: float) -> str:
 
 def task_text(tables: Mapping[str, pl.DataFrame]) -> str:
     """The task's accuracy per press, the rank correlations and the AUC as plain-text tables (what
-    ``kvdiverge measure --task`` prints), from :func:`kvdiverge.study.tasks.tables.task_tables`' tables.
+    ``kvdiverge measure --task`` prints), from :func:`kvdiverge.data.tasks.tables.task_tables`' tables.
 
     Press and measure names are printed whole (:func:`kvdiverge.io.render.text_table`), the numbers
     to three significant digits and the intervals as ``value [lo, hi]`` (:func:`with_interval`).

@@ -275,11 +275,11 @@ def provenance_html(table: pl.DataFrame, study_hash: str | None) -> str:
     Parameters
     ----------
     table : polars.DataFrame
-        :func:`kvdiverge.study.provenance.provenance_table` rows: ``model``, ``policy``,
+        :func:`kvdiverge.config.provenance.provenance_table` rows: ``model``, ``policy``,
         ``split``, ``shards``, ``settings_hash``, ``compressed_layers`` (if present) and a column per
         library version (those present).
     study_hash : str or None
-        :func:`kvdiverge.study.provenance.study_hash` of ``table`` (``None``: no runs).
+        :func:`kvdiverge.config.provenance.study_hash` of ``table`` (``None``: no runs).
     """
     fixed = ("model", "policy", "split", "shards", "settings_hash", "settings", "compressed_layers")
     libs = [c for c in table.columns if c not in fixed]

@@ -8,7 +8,7 @@ a :class:`Decoding`), from nowhere else.
 Every decoding setting is a :class:`Decoding` field whose metadata carries its help text, its
 doors' default and its range as a JSON-schema fragment (:func:`decoding_options`). The range is
 checked here only: :class:`Decoding` checks it, and the config schema's ``decoding.<name>``
-entry takes it from the field (:func:`kvdiverge.study.schema.load_schema`), so the doors
+entry takes it from the field (:func:`kvdiverge.settings.schema.load_schema`), so the doors
 (``kvdiverge.measure(..., <name>=...)``, the command line's ``--<name>``, the config) refuse the
 same values. The doors, the recorded settings and the teacher-forced pass's neutral transform
 loop over :func:`decoding_options`. A new setting is then its field here and the transform that

@@ -52,7 +52,7 @@ float32 noise floor (about 1e-6 in TV per step), against TVs that eviction makes
 of magnitude larger.
 
 The extra work is counted in ``DecodeTimePair.counts`` (forwards and row-steps of
-prefills, lane steps and replays); :mod:`kvdiverge.study.cost` bounds it from the config.
+prefills, lane steps and replays); :mod:`kvdiverge.planning.cost` bounds it from the config.
 """
 
 from __future__ import annotations

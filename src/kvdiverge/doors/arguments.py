@@ -1,0 +1,321 @@
+"""What the command line's arguments mean: policy entries, prompts and the options of one measurement.
+
+``kvdiverge measure`` (:mod:`kvdiverge.doors.cli`) parses its arguments and hands them here: they are
+checked before any work as the config checks the same settings (:func:`check_arguments`), read as
+policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``) and prompts
+(:func:`argument_prompts`), the prompts checked with the tokenizer and the model's config before
+the weights load (:func:`check_prompts`, :func:`check_model`), and turned into :func:`kvdiverge.measure`'s keywords (:func:`measure_keywords`). A refusal is an
+:class:`~kvdiverge.config.inputs.InputError` naming the option as the command line spells it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvdiverge.config.frontier import FrontierSpec
+from kvdiverge.config.inputs import (
+    InputError,
+    check_lengths,
+    frontier_presses,
+    prepare_documents,
+    prepare_presses,
+    read_prompts,
+    sotu_prompts,
+)
+from kvdiverge.config.task_checks import reconstruction_problem
+from kvdiverge.data.prompts import SOTU_INSTRUCTION
+from kvdiverge.data.tasks import task_documents
+from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
+from kvdiverge.engine.presses.expressions import parse_press, policy_entry
+from kvdiverge.engine.presses.quantized import BACKENDS
+from kvdiverge.engine.runner import PressSource, check_policy, question_after_problems
+from kvdiverge.jobs.devices import device_problem
+from kvdiverge.models.loading import context_length
+from kvdiverge.settings.checks import check_settings, spelled
+
+__all__ = [
+    "OPTIONS",
+    "argument_prompts",
+    "argument_sources",
+    "cache_entry",
+    "check_arguments",
+    "check_model",
+    "check_prompts",
+    "cli_entries",
+    "measure_keywords",
+    "task_block",
+]
+
+#: The command line's spelling of each measurement setting (:data:`kvdiverge.settings.checks.SETTINGS`).
+OPTIONS = {
+    "max_new_tokens": "-T/--max-new-tokens",
+    "replicates": "-R/--replicates",
+    **{name: "--" + name.replace("_", "-") for name in decoding_options()},
+    "seed": "--seed",
+    "window": "-W/--window",
+    "bootstrap": "--bootstrap",
+    "confidence": "--confidence",
+    "batch_documents": "--batch-documents",
+    "teacher_tokens": "--teacher-tokens",
+    "instruction": "--instruction",
+    "system": "--system",
+    "teacher_target": "--teacher-target",
+}
+
+
+def cache_entry(text: str) -> dict[str, Any]:
+    """The quantized-cache keys of a ``--cache`` value ``BACKEND[:param=value,...]``.
+
+    ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
+    "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
+    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+
+    Raises
+    ------
+    InputError
+        An unknown backend or parameter.
+    """
+    try:
+        backend, params = parse_press(text)
+    except ValueError as exc:
+        raise InputError(f"--cache {text!r}: {exc}") from None
+    if backend not in BACKENDS:
+        raise InputError(f"--cache {text!r}: the backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    unknown = sorted(set(params) - {"nbits", "q_group_size", "residual_length"})
+    if unknown:
+        raise InputError(
+            f"--cache {text!r}: unknown parameter {unknown[0]!r}; allowed: nbits, q_group_size, residual_length"
+        )
+    return {"cache": "quantized", "backend": backend, **params}
+
+
+def cli_entries(
+    presses: Sequence[str], caches: Sequence[str], budget: int | None, default_ratio: float | None
+) -> dict[str, dict[str, Any]]:
+    """Policy entries of ``--press`` and ``--cache`` values, by name.
+
+    Each press is a policy; each quantized cache is one alone (named by its value) and one
+    after each press (``<press>+<cache>``: evict, then quantize what is kept).
+    """
+    entries = {spec: policy_entry(spec, budget, default_ratio) for spec in presses}
+    quantized = {text: cache_entry(text) for text in caches}
+    out = dict(entries)
+    for text, keys in quantized.items():
+        out[text] = dict(keys)
+        for spec, entry in entries.items():
+            out[f"{spec}+{text}"] = {**entry, **keys}
+    return out
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse before any work a setting the config would refuse (the same check:
+    :func:`kvdiverge.settings.checks.check_settings`), a device this torch does not have,
+    out-of-range counts of the command line's own, no press or cache, a repeated one,
+    --cache-ratios without --cache and --ratios, --question without --task, --task with
+    --screen (the screen scores no task) or with a temperature other than 0 (a task scores
+    greedy answers). An unset ``--temperature`` is filled in first: 0 (greedy) with
+    ``--task``, else 0.7.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed ``kvdiverge measure`` arguments.
+
+    Raises
+    ------
+    InputError
+        The first refused argument, in one sentence.
+    """
+    if getattr(args, "temperature", 0.7) is None:  # greedy for a task, else sampled
+        args.temperature = 0.0 if getattr(args, "task", None) else 0.7
+    unset_allowed = {"batch_documents", "teacher_tokens", "teacher_target", "instruction", "system", *decoding_options()}  # fmt: skip
+    values = {k: getattr(args, k, None) for k in OPTIONS}
+    values = {k: v for k, v in values.items() if k not in unset_allowed or v is not None}  # None: the default
+    try:
+        check_settings(values, OPTIONS)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    for name, value, low in (
+        ("--budget", 1 if args.budget is None else args.budget, 1),
+        ("--threads", 1 if args.threads is None else args.threads, 1),
+    ):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    if not args.press and not args.cache:
+        raise InputError("give at least one --press or --cache")
+    if len(set(args.press)) != len(args.press) or len(set(args.cache)) != len(args.cache):
+        raise InputError("the same --press or --cache is given twice")
+    if args.cache_ratios and not (args.cache and args.ratios):
+        raise InputError(
+            "--cache-ratios needs --ratios and at least one --cache (the presses' ratios before each cache)"
+        )
+    task, question = getattr(args, "task", None), getattr(args, "question", None)
+    if question is not None and not task:
+        raise InputError("--question places a task's question: give --task too")
+    if task and getattr(args, "screen", False):
+        raise InputError("--task scores the coupled run's greedy answers; the teacher-forced --screen runs no task")
+    if task and args.temperature != 0:
+        raise InputError(f"--task scores greedy answers: --temperature must be 0, got {args.temperature:g}")
+    problem = reconstruction_problem(getattr(args, "teacher_target", None), task, "--teacher-target")
+    if problem:
+        raise InputError(problem)
+    problem = device_problem(args.device, "--device")
+    if problem:
+        raise InputError(problem)
+
+
+def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource], dict[str, dict[str, Any]] | None]:
+    """``(presses, sources, caches)``: what :func:`kvdiverge.measure` gets (``presses``, ``caches``)
+    and the policies measured (``sources``), each press built and checked once (:func:`~kvdiverge.config.inputs.prepare_presses`).
+
+    Without ``--ratios``: each ``--press`` and ``--cache`` as policy entries, a cache alone and
+    after each press (:func:`cli_entries`), ``presses = sources`` and ``caches`` None. With
+    ``--ratios``, a frontier (:func:`~kvdiverge.config.inputs.frontier_presses`, the config's expansion): ``presses``
+    the ``--press`` entries without their ratio and ``caches`` the ``--cache`` settings by their
+    value (``quanto:nbits=4``): at each of ``--cache-ratios`` (default: 0 and every ratio) each
+    press with each cache, named ``<press>@<ratio>+<cache>``, ratio 0 being the cache alone
+    (named by its value).
+
+    Raises
+    ------
+    InputError
+        A bad press, cache or ratio, or a press that refuses its parameters.
+    """
+    caches = None
+    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
+        presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
+        caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
+        try:
+            spec = FrontierSpec(args.ratios, caches=caches, cache_ratios=args.cache_ratios)
+            expanded, _ = frontier_presses(presses, spec)
+        except ValueError as exc:
+            text = str(exc).replace("cache_ratios: ", "cache-ratios: ", 1)
+            raise InputError(
+                f"--{text}" if text.startswith(("ratios: ", "cache-ratios: ")) else f"--ratios: {text}"
+            ) from None
+    else:
+        presses = expanded = cli_entries(args.press, args.cache, args.budget, 0.0)
+    try:
+        sources = prepare_presses(expanded)  # refusals and bad parameters stop here
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return (presses if args.ratios else sources), sources, caches
+
+
+def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
+    """``(prompts, instruction)`` of ``--sotu`` (with :data:`kvdiverge.data.prompts.SOTU_INSTRUCTION` unless
+    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.config.inputs.sotu_prompts`, :func:`~kvdiverge.config.inputs.read_prompts`)."""
+    if args.sotu is not None:
+        instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
+        return sotu_prompts(args.sotu, *args.words), instruction
+    return read_prompts(args.prompts, args.field, args.id_field), args.instruction
+
+
+def task_block(args: Any) -> dict[str, Any] | None:
+    """The config ``task`` block of ``--task`` and ``--question`` (None without ``--task``)."""
+    if not args.task:
+        return None
+    return {"name": args.task, **({"question": args.question} if args.question else {})}
+
+
+def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task, config=None) -> None:
+    """Refuse, before the weights load, prompts and presses that cannot run.
+
+    With the tokenizer: prompts that the task cannot take (its prompts are built here, and again
+    by :func:`kvdiverge.measure`) or shorter than a press needs, and a question after compression
+    for a policy that cannot take one. With the model's ``config``
+    (:func:`kvdiverge.models.loading.load_model_config`): a prompt that with ``-T`` new tokens
+    exceeds the model's context (:func:`~kvdiverge.config.inputs.check_lengths`, as
+    :func:`kvdiverge.measure` checks it), and what the model's layers refuse (:func:`check_model`).
+
+    Raises
+    ------
+    ValueError
+        The first refusal, in one sentence (an :class:`~kvdiverge.config.inputs.InputError`, or a
+        :class:`~kvdiverge.engine.core.errors.PressError` naming the press).
+    """
+    docs = _documents(args, prompts, tokenizer, instruction, task)
+    new_tokens = 1 if args.screen else args.max_new_tokens  # the screen's continuation is cut to the context
+    if config is not None:
+        check_lengths(docs, {}, new_tokens, context_length(config))
+        check_model(config, docs, sources, _horizon(args))
+    check_lengths(docs, sources, new_tokens)
+    if task and any(doc.n_question for doc in docs):
+        problems = question_after_problems(sources)
+        if problems:
+            raise InputError(f"--question after: {problems[0]}")
+
+
+def _documents(args: Any, prompts, tokenizer, instruction, task) -> list:
+    """The documents the run takes: the prompts rendered, or with ``--task`` the task's prompts."""
+    if not task:
+        return prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
+    try:
+        render = {"system": args.system, "seed": args.seed}  # as measure() renders them: the same needles
+        with warnings.catch_warnings():  # measure() warns of the documents the task leaves out
+            warnings.simplefilter("ignore")
+            docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, render)
+    except ValueError as exc:  # the task names the config's keys: name the options
+        raise InputError(spelled(str(exc), OPTIONS)) from None
+    return docs
+
+
+def _horizon(args: Any) -> int:
+    """Cache columns a row spans beyond its prompt: ``2T - 2`` for the coupled run, the continuation's
+    length for the teacher-forced pass (``--teacher-tokens``, with ``--screen`` alone its default)."""
+    teacher = args.teacher_tokens if args.teacher_tokens is not None else DEFAULT_LENGTH if args.screen else 0
+    return teacher if args.screen else max(2 * args.max_new_tokens - 2, teacher)
+
+
+@dataclass(frozen=True)
+class _ConfigOnly:
+    """A model as the engine's checks read it before its weights load: its config alone."""
+
+    config: Any
+
+
+def check_model(config, documents, sources: Mapping[str, PressSource], horizon: int) -> None:
+    """Refuse, with the model's config alone, every press the run would refuse once the weights are loaded.
+
+    The run's own check (:func:`kvdiverge.engine.runner.check_policy`: the press's config attributes,
+    the model's layer types against the press, a question after compression on sliding-window
+    layers) on a stand-in that holds only ``config``, as :func:`kvdiverge.measure` asks it of the model.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (:func:`kvdiverge.models.loading.load_model_config`).
+    documents : sequence of kvdiverge.engine.runner.Document
+        The run's documents.
+    sources : mapping of str to PressSource
+        The policies, by name.
+    horizon : int
+        Cache columns a row spans beyond its prompt (:func:`kvdiverge.engine.runner.check_policy`).
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.PressError
+        Naming the press and what the model's layers or config refuse.
+    """
+    model = _ConfigOnly(config)
+    for name, source in sources.items():
+        check_policy(model, documents, source, f"press {name!r}", horizon)
+
+
+#: :func:`kvdiverge.measure`'s keywords that the command line passes as they are, by option name.
+_PLAIN = ("max_new_tokens", "ratios", "cache_ratios", "replicates", "seed", "window", "system", "bootstrap",
+          "confidence", "batch_documents", "teacher_tokens", "teacher_target")  # fmt: skip
+
+
+def measure_keywords(args: Any, model_name: str, instruction: str | None, caches, task) -> dict[str, Any]:
+    """:func:`kvdiverge.measure`'s keyword options of the parsed arguments: the settings as given, the
+    decoding settings given (an unset one takes ``measure``'s default), ``caches`` and ``task`` as
+    :func:`argument_sources` and :func:`task_block` read them."""
+    decoding = {name: getattr(args, name) for name in decoding_options() if getattr(args, name) is not None}
+    plain = {name: getattr(args, name) for name in _PLAIN}
+    return {**plain, **decoding, "instruction": instruction, "caches": caches, "task": task,
+            "model_name": model_name, "progress": not args.quiet}  # fmt: skip

@@ -1,0 +1,408 @@
+"""The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.measure`.
+
+Argument parsing, loading the model, the printed summary and the files under ``--out``. What the
+arguments mean, checked before any work, is :mod:`kvdiverge.doors.arguments` (policies, prompts and
+:func:`kvdiverge.measure`'s keywords); everything else is :mod:`kvdiverge.doors.measurement` and the
+workflow's own engine and tables.
+Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
+``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
+``kvdiverge cost CONFIG`` prints a config's generation cost (:mod:`kvdiverge.planning.cost`).
+
+Exit status (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`, :data:`EXIT_INTERRUPTED`): 0 on success; 2 for a
+usage error, that is bad arguments or bad input (an unknown option, press or parameter, a
+value a setting does not allow, a missing file or field, a model or device that cannot be
+found, a prompt shorter than a press needs), one line on stderr, ``kvdiverge measure: error:
+...``, before the model's weights load where the input and the model's config decide (the config
+is read first, :func:`kvdiverge.models.loading.load_model_config`, then the tokenizer: a prompt longer
+than the model's context, a press its layers refuse); 1 for a failure at run time
+(anything else, named by its exception type, e.g. running out of memory, on the host or the
+device); 130 when interrupted (Ctrl-C), in one line. ``--debug`` shows the traceback instead of
+the line.
+``--out`` (or, for ``--ratios`` without it, the working directory) is checked before
+anything else, and locked while the run writes it: a second run on the same ``--out`` is refused
+(:mod:`kvdiverge.doors.outputs`).
+
+Example::
+
+    kvdiverge measure embedded --sotu 2 -T 8 -R 2 \\
+        --press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out
+    kvdiverge measure embedded --sotu 2 --budget 64 \\
+        --press "AdaKVPress(press=SnapKVPress(window_size=16))"
+
+With ``--ratios``, every ``--press`` runs at every ratio (a frontier, the same as a config's
+``frontier`` section): ``kvdiverge measure embedded --sotu 2 -T 8 -R 2 --press SnapKVPress
+--press KnormPress --ratios 0.1 0.25 0.5 0.75`` prints the ranked frontier table and writes
+``frontier.png``/``.pdf`` (under ``--out``, else the working directory). Each ``--cache`` then
+adds its points: the cache alone and after each press at each of ``--cache-ratios`` (default: 0,
+the cache alone, and every ratio), all ranked on the KV bytes per prompt token they store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvdiverge import __version__
+from kvdiverge.data.prompts import SOTU_INSTRUCTION
+from kvdiverge.data.tasks import TASKS
+from kvdiverge.doors.outputs import output_guard
+from kvdiverge.engine.core.errors import CompressionError
+from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.models.loading import ModelNotFoundError, load_model, load_model_config, load_tokenizer
+from kvdiverge.planning.cost import add_cost_parser, run_cost
+from kvdiverge.report.formatting import task_text
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "main",
+]
+
+PROG = "kvdiverge measure"
+
+#: Exit status: success.
+EXIT_OK = 0
+#: Exit status: a failure at run time (not decided by the input).
+EXIT_FAILURE = 1
+#: Exit status: a usage error, bad arguments or bad input (argparse's convention).
+EXIT_USAGE = 2
+#: Exit status: interrupted (Ctrl-C, SIGINT: the shell's 128 + 2).
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS = (
+    "exit status: 0 on success; 2 for a usage error (bad arguments or input: an unknown press, "
+    "a value a setting does not allow, a missing file, a model that cannot be found), one line "
+    "on stderr; 1 for a failure at run time (e.g. out of memory), named by its exception type; 130 "
+    "when interrupted (Ctrl-C)"
+)
+
+
+# --------------------------------------------------------------------------- the arguments
+
+
+# --------------------------------------------------------------------------- the parser and the run
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    root = _Parser(
+        prog="kvdiverge",
+        description="kvdiverge command line: measure how KV-cache compression changes what a model generates.",
+        epilog=EXIT_STATUS,
+    )
+    root.add_argument("--version", action="version", version=f"kvdiverge {__version__}")
+    sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "measure",
+        prog=PROG,
+        help="measure how presses change what a model generates",
+        description="Measure how KV-cache presses change what a model generates: per press, the "
+        "occurrence p_div and timing of first divergence from full-cache generation, and "
+        "the mismatch fraction E[M] = p_div/T + (E[L]/T)*rho, with bootstrap intervals.",
+        epilog="Example: kvdiverge measure embedded --sotu 2 -T 8 -R 2 "
+        "--press SnapKVPress:compression_ratio=0.5,window_size=16 --out measure-out. " + EXIT_STATUS + ".",
+    )
+    _press_arguments(p)
+    _prompt_arguments(p)
+    _setting_arguments(p)
+    _task_arguments(p)
+    _teacher_arguments(p)
+    _output_arguments(p)
+    add_cost_parser(sub)  # kvdiverge cost: kvdiverge.planning.cost
+    return root
+
+
+def _press_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the presses, the caches and the budget."""
+    p.add_argument(
+        "model",
+        help="'embedded' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), a model directory, a .gguf file or a hub id",
+    )
+    p.add_argument(
+        "--press",
+        action="append",
+        default=[],
+        metavar="NAME[:param=value,...]",
+        help="a kvpress class name or module:Class, with constructor parameters "
+        "(int, float, true/false or text), or a press expression such as "
+        "'AdaKVPress(press=SnapKVPress(compression_ratio=0.5))' (literals and press "
+        "classes only); repeat for more presses",
+    )
+    p.add_argument(
+        "--cache",
+        action="append",
+        default=[],
+        metavar="BACKEND[:param=value,...]",
+        help="a quantized KV cache (backend quanto or hqq; nbits, q_group_size, residual_length), "
+        "e.g. quanto:nbits=4: measured alone and after each --press; repeat for more",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        metavar="TOKENS",
+        help="keep this many prompt positions per layer and head (a per-prompt compression "
+        "ratio of the press that takes one); instead of compression_ratio",
+    )
+
+
+def _prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the prompts come from and how they are rendered."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="prompts: a text file (one per line), JSON lines (.jsonl) or parquet (see --field)",
+    )
+    src.add_argument("--sotu", type=int, metavar="N", help="N excerpts of the embedded State of the Union corpus")
+    p.add_argument("--field", default="text", help="text field of a JSON-lines or parquet file (default: text)")
+    p.add_argument("--id-field", help="id field of a JSON-lines or parquet file (default: prompt-<i>)")
+    p.add_argument(
+        "--words",
+        type=int,
+        nargs=2,
+        default=(150, 250),
+        metavar=("MIN", "MAX"),
+        help="--sotu excerpt length in words (default: 150 250)",
+    )
+    p.add_argument(
+        "--instruction",
+        help=f"text appended to each prompt after a blank line (default for --sotu: {SOTU_INSTRUCTION!r})",
+    )
+    p.add_argument("--system", help="system message")
+
+
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The measurement settings, the device, the frontier and the outputs."""
+    p.add_argument("-T", "--max-new-tokens", type=int, default=32, help="horizon T in tokens (default: 32)")
+    p.add_argument("-R", "--replicates", type=int, default=4, help="coupled replicates per prompt (default: 4)")
+    for name, option in decoding_options().items():  # unset: measure()'s default (temperature: 0 with --task)
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=option["type"], metavar=option["metavar"], help=option["help"]
+        )
+    p.add_argument("--seed", type=int, default=0, help="master seed (default: 0)")
+    p.add_argument("-W", "--window", type=int, default=8, help="divergence-aligned window W in steps (default: 8)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: 2000)")
+    p.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default: 0.95)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice; 1 is fastest on a busy shared machine)",
+    )
+    p.add_argument(
+        "--batch-documents", type=int, metavar="B", help="documents per forward (default: the memory planner's choice)"
+    )
+    p.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="a frontier: run every --press at each compression ratio R in [0, 1), beside the "
+        "noise floor (each --cache alone and after each press too); prints the ranked frontier "
+        "table and writes frontier.png/.pdf",
+    )
+    p.add_argument(
+        "--cache-ratios",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="with --ratios and --cache: the presses' ratios before each cache, 0 meaning the "
+        "cache alone (default: 0 and every --ratios value)",
+    )
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the tables go, and how much is printed."""
+    p.add_argument("--out", metavar="DIR", help="write the tables (parquet, csv) and the survival figure here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
+
+
+def _teacher_arguments(p: argparse.ArgumentParser) -> None:
+    """``--screen`` and ``--teacher-tokens``: the teacher-forced pass (docs/teacher-forced.md)."""
+    p.add_argument(
+        "--screen",
+        action="store_true",
+        help="run only the teacher-forced pass (llama.cpp's KLD, PPL ratio, Same top p, RMS Δp per press, "
+        "ranked by mean KLD): a frontier in a fraction of the coupled run's time",
+    )
+    p.add_argument(
+        "--teacher-tokens",
+        type=int,
+        metavar="N",
+        help="continuation tokens of the teacher-forced pass (default 64 with --screen); without "
+        "--screen, also run the pass and add its columns to the summary",
+    )
+    p.add_argument(
+        "--teacher-target",
+        metavar="TARGET",
+        help="what the teacher-forced pass scores: continuation (default) or reconstruction (each prompt's "
+        "own text, fed after the instruction 'Repeat the previous context exactly.' in the model's chat "
+        "template: KVzip's context reconstruction); without --screen, also run the pass",
+    )
+
+
+def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches, instruction) -> int:
+    """``--screen``: the teacher-forced pass only; its table printed, and written with ``--out``."""
+    from kvdiverge.doors.screening import ScreenOptions, screen
+
+    s = screen(
+        model,
+        tokenizer,
+        prompts,
+        presses,
+        frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
+        options=ScreenOptions(
+            length=ScreenOptions.length if args.teacher_tokens is None else args.teacher_tokens,
+            target=args.teacher_target or ScreenOptions.target,
+            seed=args.seed,
+            instruction=instruction,
+            system=args.system,
+            model_name=args.model_name,
+            bootstrap=args.bootstrap,
+            confidence=args.confidence,
+        ),
+    )
+    print(s.format(), flush=True)
+    if args.out:
+        s.save(args.out)
+        _say(args.quiet, f"{PROG}: wrote the teacher-forced tables to {args.out}")
+    return 0
+
+
+def _task_arguments(p: argparse.ArgumentParser) -> None:
+    """``--task`` and ``--question`` (:mod:`kvdiverge.data.tasks`)."""
+    p.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        help="a task score beside the measures: RULER's single needle in each text prompt (niah), or the "
+        "continuation of a quote from it (recall), answered greedily under the full cache and each press; "
+        "prints accuracy, rank correlations and AUC (docs/task.md)",
+    )
+    p.add_argument(
+        "--question",
+        choices=["inside", "after"],
+        help="with --task: the question inside the compressed prompt (default), or prefilled after compression",
+    )
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _write(args: argparse.Namespace, m) -> None:
+    """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
+    if args.ratios:
+        where = Path(args.out or ".")
+        where.mkdir(parents=True, exist_ok=True)
+        for suffix in ("png", "pdf"):
+            m.plot_frontier(where / f"frontier.{suffix}")
+        _say(args.quiet, f"{PROG}: wrote frontier.png/.pdf to {where}")
+    if args.out:
+        out = Path(args.out)
+        m.save(out)
+        m.plot_survival(out / "survival.png")
+        m.plot_survival(out / "survival.pdf")
+        _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
+    from kvdiverge.config.inputs import model_entry
+    from kvdiverge.doors.arguments import (
+        argument_prompts,
+        argument_sources,
+        check_arguments,
+        check_prompts,
+        measure_keywords,
+        task_block,
+    )
+    from kvdiverge.doors.measurement import measure
+
+    check_arguments(args)
+    presses, sources, caches = argument_sources(args)
+    prompts, instruction = argument_prompts(args)
+    name, entry = model_entry(args.model, args.dtype, args.device)
+    config = load_model_config(entry, name)  # what the model's config decides is refused before its weights load
+    tokenizer = load_tokenizer(entry, name)
+    task = task_block(args)
+    check_prompts(args, prompts, tokenizer, sources, instruction, task, config)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    _say(args.quiet, f"{PROG}: loading {name} ...")
+    model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
+    if args.screen:
+        args.model_name = name
+        return _screen(args, model, tokenizer, prompts, presses, caches, instruction)
+    with warnings.catch_warnings():  # the printed summary flags untouched caches
+        warnings.filterwarnings("ignore", message="press .* left the cache untouched")
+        m = measure(model, tokenizer, prompts, presses, **measure_keywords(args, name, instruction, caches, task))
+    print(m.format_summary(), flush=True)
+    if m.task is not None:
+        print(task_text(m.task), flush=True)
+    if args.ratios:
+        print(m.format_frontier(), flush=True)
+    _write(args, m)
+    return 0
+
+
+def _bad_input(exc: BaseException) -> bool:
+    """True for errors that report bad input (a usage error, exit code 2) rather than a failure at run time."""
+    # ValueError covers InputError, CorpusError, policy and prompt-length errors
+    return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    0 on success, 2 (:data:`EXIT_USAGE`) for bad arguments or input, 1 (:data:`EXIT_FAILURE`)
+    for a failure at run time; an error is one line on stderr (the traceback with ``--debug``).
+    argparse's own errors (an unknown option, ``--help``, ``--version``) raise ``SystemExit``
+    with code 2 (0 for ``--help`` and ``--version``).
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments after the program name (default ``sys.argv[1:]``).
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "cost":
+        return run_cost(args)
+    try:
+        with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
+            return _measure(args)
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if _bad_input(exc):
+            print(f"{PROG}: error: {first}", file=sys.stderr)
+            return EXIT_USAGE
+        # a failure the input did not decide: named by its type
+        print(f"{PROG}: error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

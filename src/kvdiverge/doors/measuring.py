@@ -1,0 +1,216 @@
+"""The settings of one ``kvdiverge.measure`` call, as one object, and the steps it takes below the door.
+
+:class:`MeasureOptions` holds every option of :func:`kvdiverge.measure` but the model, the tokenizer,
+the prompts and the presses. It is built once from the call's keywords (:meth:`MeasureOptions.checked`),
+which checks every setting against the config schema before any work
+(:func:`kvdiverge.settings.checks.check_settings`), and the door reads its settings from it only:
+the coupled run's :class:`~kvdiverge.engine.core.sampling.Sampling` (:meth:`MeasureOptions.sampling`),
+the runner's :class:`~kvdiverge.engine.runner.RunOptions` (:meth:`MeasureOptions.run_options`), the
+task's documents (:func:`task_inputs`) and tables (:func:`task_tables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvdiverge.config.frontier import FrontierSpec
+from kvdiverge.config.inputs import describe_press, is_noise_floor
+from kvdiverge.config.task_checks import reconstruction_problem
+from kvdiverge.data.tasks import task_documents, task_settings
+from kvdiverge.data.tasks.tables import TaskTableOptions
+from kvdiverge.data.tasks.tables import task_tables as task_table_stage
+from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
+from kvdiverge.engine.runner import RunOptions
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.settings.checks import check_settings, check_task, spelled, text_problems, window_problems
+
+__all__ = ["MeasureOptions", "floors", "task_inputs", "task_tables"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureOptions:
+    """Every option of :func:`kvdiverge.measure` but its four inputs; see its docstring for each.
+
+    ``decoding`` holds every setting of :func:`kvdiverge.engine.core.sampling.decoding_options`
+    by name, at its doors' default unless given. ``T`` and ``R`` are ``max_new_tokens`` and
+    ``replicates`` as checked.
+    """
+
+    max_new_tokens: int = 32
+    replicates: int = 4
+    seed: int = 0
+    window: int = 8
+    instruction: str | None = None
+    system: str | None = None
+    windows: Mapping[str, Sequence[int]] | None = None
+    bootstrap: int = 2000
+    confidence: float = 0.95
+    model_name: str | None = None
+    split: str = "measure"
+    eos_ids: Sequence[int] | None = None
+    progress: bool = True
+    batch_documents: int | None = None
+    memory_budget_gb: float | None = None
+    ratios: Sequence[float] | None = None
+    budgets: Sequence[int] | None = None
+    caches: Mapping[str, Mapping[str, Any]] | None = None
+    cache_ratios: Sequence[float] | None = None
+    teacher_tokens: int | None = None
+    teacher_target: str | None = None
+    task: str | Mapping[str, Any] | None = None
+    decoding: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(cls, decoding: Mapping[str, Any], **options: Any) -> MeasureOptions:
+        """The options of a call, every setting checked as the config checks it.
+
+        Raises
+        ------
+        TypeError
+            A decoding keyword that is not one of :func:`~kvdiverge.engine.core.sampling.decoding_options`,
+            as Python's own for an unknown keyword.
+        ValueError
+            A setting the config would refuse, a ``model_name`` or ``split`` that is not a non-empty
+            string, or ``windows`` that are not named lag windows within the horizon
+            (:func:`kvdiverge.settings.checks.window_problems`), naming the argument, the value and
+            what is allowed.
+        """
+        known = decoding_options()
+        unknown = sorted(set(decoding) - set(known))
+        if unknown:
+            raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
+        decoding = {name: decoding.get(name, option["default"]) for name, option in known.items()}
+        opts = cls(**options, decoding=decoding)
+        given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
+        given.update(decoding, window=opts.window, bootstrap=opts.bootstrap, confidence=opts.confidence)
+        unset_allowed = (
+            "memory_budget_gb",
+            "batch_documents",
+            "teacher_tokens",
+            "teacher_target",
+            "instruction",
+            "system",
+        )
+        given.update({k: getattr(opts, k) for k in unset_allowed if getattr(opts, k) is not None})  # None: none
+        checked = check_settings(given)  # counts given as integral floats come back as int
+        names = {"split": opts.split, **({} if opts.model_name is None else {"model_name": opts.model_name})}
+        problems = text_problems(names)
+        if opts.windows is not None:
+            problems += window_problems(opts.windows, checked["max_new_tokens"])
+        problems += [p for p in [reconstruction_problem(opts.teacher_target, opts.task, "teacher_target")] if p]
+        if problems:
+            raise ValueError(problems[0])
+        kept = {k: v for k, v in checked.items() if k in cls.__dataclass_fields__}
+        return cls(**{**options, **kept}, decoding={name: checked[name] for name in decoding})
+
+    @property
+    def boot(self) -> Bootstrap:
+        """The document bootstrap of the pooled intervals (:class:`~kvdiverge.estimation.bootstrap.Bootstrap`)."""
+        return Bootstrap(self.bootstrap, self.confidence, self.seed)
+
+    @property
+    def frontier(self) -> FrontierSpec:
+        """The frontier's ratios, budgets and caches (:class:`~kvdiverge.config.frontier.FrontierSpec`)."""
+        return FrontierSpec(self.ratios, self.budgets, self.caches, self.cache_ratios)
+
+    def sampling(self, model_name: str) -> Sampling:
+        """The coupled run's :class:`~kvdiverge.engine.core.sampling.Sampling`."""
+        decoding = Decoding(**self.decoding, eos_ids=self.eos_ids)
+        return Sampling(T=self.max_new_tokens, replicates=self.replicates, decoding=decoding, seed=int(self.seed),
+                        model_name=model_name)  # fmt: skip
+
+    def recorded(self, sampling: Sampling, sources: Mapping[str, Any], grid, kv_sizes=None) -> dict[str, Any]:
+        """The ``settings`` of a :class:`kvdiverge.doors.results.Measurement` run with ``sampling``.
+
+        model, split, T, R, the decoding settings always recorded (temperature, top_p), seed, window,
+        bootstrap, confidence, instruction, system, presses (name -> :func:`kvdiverge.config.inputs.describe_press`);
+        ``decoding``: the other settings of :func:`~kvdiverge.engine.core.sampling.decoding_options` away from
+        neutral, when any; the ``frontier`` grid and the model's ``kv_sizes`` (``{model: {"elements_per_token",
+        "element_bytes"}}``, :func:`kvdiverge.models.loading.kv_sizes`) if any; ``quantized_caches`` (names of the
+        quantized-cache policies) if any.
+        """
+        options, values = decoding_options(), sampling.decoding
+        settings = {
+            "model": sampling.model_name,
+            "split": self.split,
+            "T": sampling.T,
+            "R": sampling.replicates,
+            **{n: o["type"](getattr(values, n)) for n, o in options.items() if o["recorded"]},
+            "seed": int(sampling.seed),
+            "window": int(self.window),
+            "bootstrap": int(self.bootstrap),
+            "confidence": float(self.confidence),
+            "instruction": self.instruction,
+            "system": self.system,
+            "presses": {n: describe_press(s) for n, s in sources.items()},
+        }
+        decoding = {n: getattr(values, n) for n, o in options.items()
+                    if not o["recorded"] and getattr(values, n) != o["neutral"]}  # fmt: skip
+        if decoding:  # recorded when set, so records without them stay as they were
+            settings["decoding"] = decoding
+        if grid is not None:
+            settings["frontier"] = [point.as_dict() for point in grid]
+            settings["kv_sizes"] = {sampling.model_name: dict(kv_sizes)} if kv_sizes else None
+        quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
+        if quantized:
+            settings["quantized_caches"] = quantized
+        return settings
+
+    def run_options(self):
+        """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""
+        return RunOptions(
+            batch_documents=self.batch_documents,
+            memory_budget_gb=self.memory_budget_gb,
+            owner="press",
+            progress=lambda name, total: tqdm(
+                total=total, desc=name, unit="step", disable=not self.progress, mininterval=1.0
+            ),  # fmt: skip
+        )
+
+
+def floors(sources: Mapping[str, Any]) -> list[str]:
+    """Names of the noise-floor presses among ``sources`` (:func:`kvdiverge.config.inputs.is_noise_floor`)."""
+    return [n for n, s in sources.items() if is_noise_floor(n, s)]
+
+
+def task_inputs(opts: MeasureOptions, prompts, tokenizer):
+    """``(documents, prompts table)`` of the options' task, or ``None`` without one.
+
+    Raises
+    ------
+    ValueError
+        A task block the config refuses (:func:`kvdiverge.settings.checks.check_task`), a temperature
+        other than 0, prompts that are not text or no tokenizer, or prompts the task cannot take,
+        in :func:`kvdiverge.measure`'s spelling.
+    """
+    task = opts.task
+    if task is None:
+        return None
+    block = check_task(task)  # the config's rules for a task block, before any work
+    temperature = opts.decoding["temperature"]
+    if float(temperature) != 0:
+        raise ValueError(f"task={task!r} scores greedy answers: pass temperature=0 (got {temperature})")
+    if isinstance(prompts, str) or not isinstance(prompts, Mapping):
+        prompts = {f"prompt-{i}": p for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)}
+    if tokenizer is None or not all(isinstance(p, str) for p in prompts.values()):
+        raise ValueError(f"task={task!r} builds its prompts from text: pass text prompts and the tokenizer")
+    render = {"system": opts.system, "seed": opts.seed, "split": opts.split}
+    try:
+        return task_documents(prompts, tokenizer, block, opts.max_new_tokens, render)
+    except ValueError as exc:  # the task names the config's keys: name measure()'s arguments
+        raise type(exc)(spelled(str(exc))) from None
+
+
+def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer, floor: str | None):
+    """The task's tables of a measurement (the workflow's ``task`` rule's function), bootstrapped with its settings."""
+    entry, _ = task_settings(check_task(opts.task))
+    options = TaskTableOptions(
+        controls=[floor] if floor else [],
+        floor=floor,
+        boot=opts.boot,
+    )
+    return task_table_stage(trajectories, documents, table, tokenizer, entry.score, options=options)

@@ -1,0 +1,170 @@
+"""What each generation job of the workflow reads: one typed settings object, handed to it as its rule's params.
+
+The workflow's controller validates the config once, when the workflow starts
+(``workflow/rules/common.smk``), and builds for every job the settings object of this
+module that holds what the job reads: :class:`ShardSettings` for a trajectory shard job,
+:class:`TeacherSettings` for a teacher-forced job. The rule hands it to the job as
+``params: settings=...`` in its plain form (:meth:`ParamsForm.to_params`, canonical JSON
+values), and the script turns it back with one call (:meth:`ParamsForm.from_params`). The
+same object is the job's rerun key: Snakemake's ``params`` rerun trigger compares it with
+the one recorded when the output was made, so a changed setting that the job reads reruns
+it, and a setting that it does not read reruns nothing.
+
+The one thing a generation job reads besides its settings is how it batches (config
+``generation``: :func:`kvdiverge.jobs.shard.generation_options`): results depend on it only through rounding,
+so it is no rerun key (:mod:`kvdiverge.config.provenance`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdiverge.config.provenance import canonical, shard_settings, teacher_settings
+from kvdiverge.jobs.devices import bind_device
+from kvdiverge.models.loading import local_entry
+
+__all__ = ["JobSettings", "ParamsForm", "ShardSettings", "TeacherSettings", "job_model_entry"]
+
+
+class ParamsForm:
+    """Settings that travel as a rule's ``params`` in their plain form (canonical JSON values): the base of
+    :class:`JobSettings` and :class:`TeacherSettings`."""
+
+    def to_params(self) -> dict[str, Any]:
+        """The plain form of the settings, for a rule's ``params``: canonical JSON values, outputs in order."""
+        return canonical(asdict(self))
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]):
+        """The settings from their plain form (:meth:`to_params`; what a script finds in ``snakemake.params``)."""
+        return cls(**{k: canonical(v) for k, v in dict(params).items()})
+
+
+@dataclass(frozen=True)
+class JobSettings(ParamsForm):
+    """The settings one generation job reads: its model, split and policies, and what decides each policy's output.
+
+    Parameters
+    ----------
+    model : str
+        Key of the config's ``models``.
+    split : str
+        ``"exploratory"`` or ``"confirmatory"``.
+    policies : tuple of str
+        The job's policies, in the order of its outputs.
+    settings : mapping
+        Per policy of ``policies``: the settings that decide its output (canonical,
+        :func:`kvdiverge.config.provenance.canonical`).
+    """
+
+    model: str
+    split: str
+    policies: tuple[str, ...]
+    settings: Mapping[str, Mapping[str, Any]] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policies", tuple(self.policies))
+        if not self.policies or set(self.policies) != set(self.settings):
+            raise ValueError(f"settings for {sorted(self.settings)}, policies {list(self.policies)}: give one each")
+
+    def model_entry(self) -> dict[str, Any] | None:
+        """The job's model entry (the config's ``models[model]``; None when the model is given directly)."""
+        entry = self.settings[self.policies[0]]["model"]
+        return None if entry is None else dict(entry)
+
+
+@dataclass(frozen=True)
+class ShardSettings(JobSettings):
+    """The settings of a trajectory shard job (:func:`kvdiverge.jobs.shard.run_shard`).
+
+    Per policy, :func:`kvdiverge.config.provenance.shard_settings` (the model and policy
+    entries, decoding, replicates, seed, shards, the control's documents): the settings the
+    shard records in its file. ``shard`` is the shard's index in ``[0, shards)``.
+    """
+
+    shard: int = 0
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], model: str, policies: str | Sequence[str], split: str, shard: int
+    ) -> ShardSettings:
+        """The settings of shard ``shard`` of ``policies`` (one name or several) on ``(model, split)`` of a validated config."""
+        names = [policies] if isinstance(policies, str) else list(policies)
+        settings = {name: shard_settings(config, model, name, split) for name in names}
+        return cls(model=model, split=split, policies=tuple(names), settings=settings, shard=int(shard))
+
+
+@dataclass(frozen=True)
+class TeacherSettings(ParamsForm):
+    """The settings of a model's teacher-forced job (:func:`kvdiverge.jobs.teacher.run_teacher_forced`): every run of one model.
+
+    One job per model serves every ``(policy, split)`` run of it: one model load, and each
+    document prefilled once for every policy that runs on it. Its rerun key holds what
+    the teacher-forced positions depend on and nothing else, so a change to decoding,
+    replicates or shards reruns no teacher-forced job, and a change to the
+    ``teacher_forced`` section reruns no trajectory shard.
+
+    Parameters
+    ----------
+    model : str
+        Key of the config's ``models``.
+    runs : tuple of (str, str)
+        ``(policy, split)`` of every run, in the order of the job's outputs.
+    settings : mapping
+        Per split, per policy: :func:`kvdiverge.config.provenance.teacher_settings` (the
+        model and policy entries, the seed, the control's documents, the ``corpus`` and
+        ``teacher_forced`` sections).
+
+    Raises
+    ------
+    ValueError
+        If ``runs`` is empty or ``settings`` does not hold exactly one entry per run.
+    """
+
+    model: str
+    runs: tuple[tuple[str, str], ...]
+    settings: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs", tuple((str(policy), str(split)) for policy, split in self.runs))
+        given = {(policy, split) for split, named in self.settings.items() for policy in named}
+        if not self.runs or given != set(self.runs):
+            raise ValueError(f"settings for {sorted(given)}, runs {list(self.runs)}: give one each")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], model: str, runs: Sequence[tuple[str, str]]) -> TeacherSettings:
+        """The settings of the teacher-forced pass of ``runs`` (``(policy, split)`` pairs) on ``model`` of a validated config."""
+        settings: dict[str, dict[str, Any]] = {}
+        for policy, split in runs:
+            settings.setdefault(split, {})[policy] = teacher_settings(config, model, policy, split)
+        return cls(model=model, runs=tuple(runs), settings=settings)
+
+    def splits(self) -> dict[str, tuple[str, ...]]:
+        """Per split, its runs' policies in the order of :attr:`runs`."""
+        out: dict[str, list[str]] = {}
+        for policy, split in self.runs:
+            out.setdefault(split, []).append(policy)
+        return {split: tuple(policies) for split, policies in out.items()}
+
+    def model_entry(self) -> dict[str, Any] | None:
+        """The job's model entry (the config's ``models[model]``; None when the model is given directly)."""
+        policy, split = self.runs[0]
+        entry = self.settings[split][policy]["model"]
+        return None if entry is None else dict(entry)
+
+
+@contextlib.contextmanager
+def job_model_entry(entry: Mapping[str, Any], converted: str | os.PathLike | None = None) -> Iterator[dict[str, Any]]:
+    """The model entry a generation job loads, on a device of its own while the block runs.
+
+    ``entry`` pointed at the converted directory ``converted`` when the model was converted
+    (a GGUF file, rule ``convert_model``), its ``device`` a free device bound to this job
+    (:func:`kvdiverge.jobs.devices.bind_device`: at most one local generation job per GPU).
+    """
+    spec = local_entry(dict(entry), converted) if converted else dict(entry)
+    with bind_device(str(spec.get("device", "cpu"))) as device:
+        yield {**spec, "device": device}

@@ -1,0 +1,212 @@
+"""The workflow's shard job: the documents of one shard through the runner, written atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import polars as pl
+from tqdm.auto import tqdm
+
+from kvdiverge.config.provenance import layers_metadata, shard_metadata
+from kvdiverge.config.workflow import control_documents
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.presses.layer_types import layers_of
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document, RunOptions, run_policies
+from kvdiverge.io.files import write_parquet_atomic
+from kvdiverge.jobs.params import ShardSettings
+from kvdiverge.models.loading import load_model
+from kvdiverge.settings.checks import config_sampling
+
+__all__ = ["shard_documents", "select_documents", "generation_options", "run_shard"]
+
+log = logging.getLogger(__name__)
+
+
+def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, split: str, shard: int) -> pl.DataFrame:
+    """The prompt rows one shard runs: usable documents of ``split``, by ``doc_id``.
+
+    Documents with an ``exclusion_reason`` are skipped (the prompts table reports
+    them). The ``none`` control (config ``runs.control``) runs on the first
+    ``runs.control.documents`` usable documents of its split only, unless the same
+    policy is also scheduled on that split in full; the noise floor (``runs.floor``)
+    likewise on the first ``runs.floor.documents`` when given (all otherwise). Shard
+    ``i`` of ``n`` takes every ``n``-th document starting at ``i``.
+
+    Raises
+    ------
+    ValueError
+        If ``shard`` is not in ``[0, shards)``.
+    """
+    return select_documents(prompts, split, int(config["shards"]), shard, control_documents(config, policy, split))
+
+
+def select_documents(prompts: pl.DataFrame, split: str, shards: int, shard: int, limit: int | None) -> pl.DataFrame:
+    """The usable prompt rows of ``split`` by ``doc_id``, the first ``limit`` (all when None), every ``shards``-th from ``shard``.
+
+    Raises
+    ------
+    ValueError
+        If ``shard`` is not in ``[0, shards)``.
+    """
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} out of range: config 'shards' is {shards}")
+    docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
+    if limit is not None:
+        docs = docs.head(limit)
+    return docs.gather_every(shards, offset=shard)
+
+
+def generation_options(section: Mapping[str, Any] | None) -> RunOptions:
+    """The runner's batching options of a config's ``generation`` section (missing keys: the schema's defaults).
+
+    Returns
+    -------
+    kvdiverge.engine.runner.RunOptions
+        ``batch_documents`` (None for ``"auto"`` or unset) and ``memory_budget_gb``; no progress bar.
+    """
+    gen = section or {}
+    batch = gen.get("batch_documents", "auto")
+    return RunOptions(
+        batch_documents=None if batch == "auto" else int(batch), memory_budget_gb=gen.get("memory_budget_gb")
+    )
+
+
+def run_shard(
+    settings: ShardSettings,
+    prompts_path: str | os.PathLike,
+    output_path: str | os.PathLike | Sequence[str | os.PathLike],
+    model=None,
+    model_spec: dict[str, Any] | None = None,
+    options: RunOptions | None = None,
+) -> pl.DataFrame:
+    """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
+
+    Policies that run on the same documents run in one call of the runner
+    (:func:`kvdiverge.engine.runner.run_policies`): one model load, and each document
+    prefilled once for the policies whose presses allow it (the frontier's job).
+
+    Parameters
+    ----------
+    settings : kvdiverge.jobs.params.ShardSettings
+        The job: model, split, shard index and policies, with each policy's settings
+        (:func:`kvdiverge.config.provenance.shard_settings`: model and policy entries,
+        decoding, replicates, seed, shards, the control's documents).
+    prompts_path : str
+        ``results/prompts/{model}.parquet`` (docs/internals.md).
+    output_path : str or sequence of str
+        Destination ``shard-{i}.parquet`` of each policy, in the order of ``settings.policies``;
+        each written only once every policy of the call is complete.
+    model : transformers.PreTrainedModel, optional
+        Already loaded model (tests, benchmarks); loaded otherwise.
+    model_spec : dict, optional
+        Model entry to load from (e.g. a converted local directory); defaults to the
+        settings' model entry.
+    options : kvdiverge.engine.runner.RunOptions, optional
+        How the runner batches (config ``generation``: :func:`generation_options`); default
+        ``batch_documents: auto``. A progress bar per policy is added when it has none.
+
+    Returns
+    -------
+    polars.DataFrame
+        The shard tables (:data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`), one row per (policy, document,
+        replicate), policies in the given order. Each file also records the settings it was
+        made with, the library versions and the documents per batched forward ``B`` it ran
+        with (:func:`kvdiverge.config.provenance.shard_metadata`, parquet key-value metadata).
+
+    Raises
+    ------
+    ValueError
+        If the policies and output paths differ in number, or the shard index is out of range.
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
+        When the model returns NaN/±inf logits; nothing is written, so a rerun after the
+        fix regenerates the shard.
+    """
+    names = list(settings.policies)
+    outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
+    if len(names) != len(outputs):
+        raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
+    groups = _document_groups(pl.read_parquet(prompts_path), settings)
+    if model is None and any(groups):
+        model, _ = load_model(model_spec or settings.model_entry(), settings.model)
+    first = settings.settings[names[0]]
+    sampling = config_sampling(first, settings.model)
+    eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
+    options = _with_progress(options or RunOptions(), settings)
+    frames: dict[str, pl.DataFrame] = {}
+    batch: dict[str, int | None] = {}
+    for docs, group in groups.values():
+        runs = run_policies(
+            model,
+            [
+                Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
+                for row in docs.iter_rows(named=True)
+            ],
+            {name: Policy.from_config(name, dict(settings.settings[name]["policy"])) for name in group},
+            sampling,
+            split=settings.split,
+            options=options,
+        )
+        for name in group:
+            frames[name] = runs.trajectories.filter(pl.col("policy") == name)
+            batch[name] = runs.batch_documents
+    layers = None if model is None else layers_of(model.config)
+    for name, path in zip(names, outputs):
+        provenance = layers_metadata(layers) | shard_metadata(
+            settings.settings[name],
+            model=settings.model,
+            policy=name,
+            split=settings.split,
+            shard=settings.shard,
+            batch_documents=batch[name],
+            eos_ids=None if batch[name] is None else eos_ids,
+        )
+        write_parquet_atomic(frames[name], path, metadata=provenance)
+    return pl.concat([frames[name] for name in names])
+
+
+def _document_groups(
+    prompts: pl.DataFrame, settings: ShardSettings
+) -> dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]]:
+    """The policies of a shard job grouped by the documents they run on (:func:`select_documents`).
+
+    Returns
+    -------
+    dict
+        ``doc_id``s (tuple, in order) -> (their prompt rows, the policies of the job that run
+        on exactly them, in the job's order); groups in order of first appearance.
+    """
+    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
+    for name in settings.policies:
+        s = settings.settings[name]
+        docs = select_documents(prompts, settings.split, int(s["shards"]), settings.shard, s["documents"])
+        T, R = int(s["decoding"]["max_new_tokens"]), int(s["replicates"])
+        log.info(
+            "%s / %s / %s shard %d: %d documents, T=%d, R=%d",
+            settings.model,
+            name,
+            settings.split,
+            settings.shard,
+            docs.height,
+            T,
+            R,
+        )
+        groups.setdefault(tuple(docs["doc_id"].to_list()), (docs, []))[1].append(name)
+    return groups
+
+
+def _with_progress(options: RunOptions, settings: ShardSettings) -> RunOptions:
+    """``options`` with a progress bar per policy named ``{policy}/{split}/shard-{shard}``, unless it has one."""
+    if options.progress is not None:
+        return options
+    split, shard = settings.split, settings.shard
+    return dataclasses.replace(
+        options,
+        progress=lambda name, total: tqdm(
+            total=total, desc=f"{name}/{split}/shard-{shard}", unit="step", mininterval=5.0
+        ),
+    )

@@ -1,0 +1,147 @@
+"""The workflow's teacher-forced job: one (model, split)'s documents under some policies, scored per position.
+
+The documents are those the coupled run of each (model, policy, split) uses (every usable
+document of the split; the ``none`` control and the noise floor their first ``documents``);
+the continuation of each is the corpus text that follows its excerpt
+(:func:`kvdiverge.data.corpus.following_texts`, tokenized without special tokens) or, where
+there is none or the config asks for it, the full-cache model's greedy continuation
+(:mod:`kvdiverge.engine.forced`). With ``teacher_forced.target: reconstruction`` the pass feeds
+instead the config's repeat instruction in the model's chat template, then the excerpt's own text,
+and scores the text; the key tokens (``teacher_forced.key_tokens``) are marked on either target.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from kvdiverge.config.inputs import reconstruction_targets
+from kvdiverge.data.corpus import following_texts
+from kvdiverge.data.prompts import REPEAT_INSTRUCTION
+from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
+from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
+from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.runner import Document
+from kvdiverge.estimation.key_tokens import KeyTokens
+from kvdiverge.jobs.params import TeacherSettings
+from kvdiverge.jobs.shard import select_documents
+from kvdiverge.models.loading import load_model
+
+__all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
+
+log = logging.getLogger(__name__)
+
+
+def forcing_settings(config: Mapping[str, Any]):
+    """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section
+    (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.jobs.params.TeacherSettings`):
+    its length, target and key-token rule (``key_tokens``; the defaults where the section leaves it out)."""
+    section = config.get("teacher_forced") or {}
+    keys = section.get("key_tokens") or {}
+    rule = KeyTokens(**{k: (int if k == "short" else float)(v) for k, v in keys.items()})
+    target = str(section.get("target", "continuation"))
+    return TeacherForcing(length=int(section.get("length", DEFAULT_LENGTH)), target=target, key=rule)
+
+
+def corpus_continuations(
+    config: Mapping[str, Any], documents: pl.DataFrame, tokenizer, doc_ids, length: int
+) -> dict[str, list[int]]:
+    """Per ``doc_id``: the first ``length`` tokens of the corpus text after its excerpt (empty ones left out).
+
+    ``documents`` is the corpus table (``doc_id``, ``paragraph_end``); the text is encoded
+    with ``add_special_tokens=False``, after a blank line, as the excerpt's paragraphs are joined.
+    """
+    rows = documents.filter(pl.col("doc_id").is_in(list(doc_ids)))
+    texts = following_texts(config["corpus"], rows, max_words=4 * int(length))
+    out = {}
+    for doc_id, text in texts.items():
+        ids = tokenizer.encode(text, add_special_tokens=False)[: int(length)] if text else []
+        if ids:
+            out[doc_id] = [int(i) for i in ids]
+    return out
+
+
+def run_teacher_forced(
+    settings: TeacherSettings, paths: dict[str, str], model_spec: dict[str, Any] | None = None, loaded=None
+) -> pl.DataFrame:
+    """The teacher-forced positions of every run of the job's model: one model load, one prefill per document.
+
+    Parameters
+    ----------
+    settings : kvdiverge.jobs.params.TeacherSettings
+        The job: the model and its ``(policy, split)`` runs, with each run's settings
+        (:func:`kvdiverge.config.provenance.teacher_settings`: model and policy entries, seed,
+        the control's documents, the ``corpus`` and ``teacher_forced`` sections).
+    paths : dict
+        ``prompts`` (``results/prompts/{model}.parquet``) and ``corpus``
+        (``results/corpus/documents.parquet``).
+    model_spec : dict, optional
+        Model entry to load from (a converted directory); default the settings' model entry.
+    loaded : (model, tokenizer), optional
+        Already loaded (tests).
+
+    Returns
+    -------
+    polars.DataFrame
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, split by split: every
+        document of a split prefilled once for all the policies that run on it, its reference
+        side run once (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
+    """
+    if loaded is None:
+        loaded = load_model(model_spec or settings.model_entry(), settings.model)
+    model, tokenizer = loaded
+    policy, split = settings.runs[0]
+    first = settings.settings[split][policy]  # the sections every run of the job shares
+    forcing = forcing_settings(first)
+    sampling = forcing.sampling(first["seed"], settings.model, model_eos_ids(model))
+    prompts = pl.read_parquet(paths["prompts"])
+    section = first.get("teacher_forced") or {}
+    corpus_text = forcing.target == "reconstruction" or section.get("continuation", "corpus") == "corpus"
+    corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every split
+    frames = []
+    for split, names in settings.splits().items():
+        docs, runs_on = _split_documents(prompts, split, {n: settings.settings[split][n]["documents"] for n in names})
+        conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
+        log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(names),
+                 docs.height, len(conts))  # fmt: skip
+        frames.append(
+            teacher_forced_policies(
+                model,
+                [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
+                {name: Policy.from_config(name, dict(settings.settings[split][name]["policy"])) for name in names},
+                settings=TeacherPass(sampling, forcing, split),
+                continuations=conts,
+                documents_of=runs_on,
+            )
+        )
+    return pl.concat(frames)
+
+
+def _targets(config: Mapping[str, Any], corpus: pl.DataFrame | None, tokenizer, doc_ids, forcing) -> dict[str, Any]:
+    """What the pass feeds after each document: the reconstruction's targets (the excerpt's text after the
+    repeat instruction, :func:`kvdiverge.config.inputs.reconstruction_targets`), or the corpus continuations
+    (:func:`corpus_continuations`; none when ``corpus`` is None: greedy continuations)."""
+    if forcing.target == "reconstruction":
+        texts = corpus.filter(pl.col("doc_id").is_in(list(doc_ids))).select("doc_id", "text").iter_rows()
+        instruction = config["teacher_forced"].get("repeat_instruction", REPEAT_INSTRUCTION)
+        return reconstruction_targets(dict(texts), tokenizer, instruction, "teacher_forced.target")
+    if corpus is None:
+        return {}
+    return corpus_continuations(config, corpus, tokenizer, doc_ids, forcing.length)
+
+
+def _split_documents(
+    prompts: pl.DataFrame, split: str, limits: dict[str, int | None]
+) -> tuple[pl.DataFrame, dict[str, list[str]]]:
+    """The documents of a split that any of its policies runs on, and each policy's own (its coupled run's:
+    :func:`kvdiverge.jobs.shard.select_documents` in one shard, the first ``limit`` or all)."""
+    runs_on = {
+        name: select_documents(prompts, split, 1, 0, limit)["doc_id"].to_list() for name, limit in limits.items()
+    }
+    union = {doc for docs in runs_on.values() for doc in docs}
+    docs = select_documents(prompts, split, 1, 0, None).filter(pl.col("doc_id").is_in(list(union)))
+    return docs, runs_on

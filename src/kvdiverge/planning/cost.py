@@ -1,0 +1,588 @@
+"""The cost of a config's generation work, from the config alone.
+
+Counts, per (model, policy, split) run of :func:`kvdiverge.config.workflow.runs`, the documents,
+the forward passes and the token-steps that the trajectory engine performs (:func:`study_cost`),
+so that the study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come
+from one place; the same for the other stages that generate (:func:`stage_costs`): the
+teacher-forced pass of every run (:func:`teacher_cost`) and the task sides of a ``prediction``
+block (:func:`task_cost`). The command ``kvdiverge cost`` prints them (:func:`add_cost_parser`,
+:func:`run_cost`)::
+
+    kvdiverge cost config/paper.yaml                 # the coupled runs' table, a line per stage, the sum
+    kvdiverge cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
+
+Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
+
+- A **token-step** is one next-token distribution of one row on one side (the unit of
+  ``benchmarks/engine_speed.py``: one token decoded for one sequence). Per replicate the
+  agreement chain takes at most ``T`` steps and the residual branch ``T - t*`` steps with
+  ``t* >= 1``, so at most ``2T - 1`` steps per side. The engine does about
+  ``2T - t*`` (fewer when a chain stops at ``tv = 1``); this module counts the upper
+  bound ``2T - 1``, so its figures are upper bounds (by ``(t* - 1) / (2T - 1)``, small
+  for the paper's early divergence times). Per document:
+  ``token_steps = R x 2 sides x (2T - 1)``.
+- A **forward** is one model call. Per document the prompt is prefilled alone under its
+  press, once for both caches when the press allows it (its row's ``prefill``,
+  :func:`kvdiverge.engine.presses.registry.shares_prefill`; for a decode-time policy the
+  chain lane's prefill gives the reference's full cache), else twice. Decoding takes at
+  most ``2T - 2`` steps (``T - 1`` chain advances after the prefill's first distribution,
+  then ``T - t* <= T - 1`` branch advances), each one forward over both sides' rows
+  (:class:`kvdiverge.engine.llm.side.JointSides`). With ``B`` documents per forward
+  (``generation.batch_documents``, the batching engine), a shard of ``n`` documents
+  decodes ``ceil(n / B)`` groups: ``decode_forwards = (2T - 2) x ceil(n / B)`` per shard.
+
+A **decode-time policy** (:func:`kvdiverge.engine.presses.registry.is_decode_time`) runs on
+:class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
+one document each (one forward per lane per step, not batched across documents; a
+press with ``merge_lanes`` decodes a document's lanes as one), and a branch starting at
+``t*`` is replayed from a fresh prefill, ``t* - 1`` forwards. Upper bounds per document,
+with every replicate in a lane of its own: the reference side decodes by its own
+forwards, ``2T - 2`` (one forward per document; all of a group's documents in one where
+every prefill evicts), and the evicted side's lanes take ``(R + 1)(T - 1)`` (the chain
+lane, then ``R`` branch lanes); ``replay_prefills = R``;
+``replay_forwards = replay_token_steps = R (T - 2)``.
+
+Policies that evict at prefill only and run in one call (a frontier's points: one job per
+model and shard) share each document's prefill forward in groups of up to ``2R``
+(:func:`kvdiverge.engine.runner.run_policies`); the counts here are each run's own, so for
+them upper bounds, and ``shards`` counts a frontier's jobs per point.
+
+Documents per run: ``corpus.documents[split]``; the noise-floor control
+(``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
+policy is scheduled on that split in full (as :func:`kvdiverge.jobs.shard.shard_documents`
+selects them). These are the requested counts: documents excluded at the prompts stage
+(too short, too long) lower the real figures slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvdiverge.config.workflow import ConfigError, control_documents, load_config, runs
+from kvdiverge.io.render import text_table
+
+__all__ = [
+    "RunCost",
+    "StageCost",
+    "add_cost_parser",
+    "format_stages",
+    "format_table",
+    "projected_hours",
+    "run_cost",
+    "run_documents_count",
+    "stage_costs",
+    "study_cost",
+    "task_cost",
+    "teacher_cost",
+    "totals",
+]
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """Cost of one (model, policy, split) run of the generation stage.
+
+    Attributes
+    ----------
+    model, policy, split : str
+        The run.
+    documents : int
+        Documents the run generates (requested count).
+    shards : int
+        Shards of the run (config ``shards``).
+    replicates : int
+        ``R``.
+    T : int
+        Horizon (steps).
+    batch_documents : int
+        Documents per forward ``B`` assumed for ``decode_forwards``.
+    prefill_forwards : int
+        ``documents`` (both prompt caches from one forward), or ``2 x documents`` for a
+        press with a forward of its own and for a decode-time policy.
+    decode_forwards : int
+        Upper bound ``(2T - 2) x sum over shards of ceil(n_shard / B)`` (both sides in
+        one forward per step), plus the evicted lanes of a decode-time policy.
+    token_steps : int
+        Upper bound ``documents x R x 2 x (2T - 1)``.
+    decode_time : bool
+        The policy evicts while generating (replayed branches).
+    replay_prefills, replay_forwards, replay_token_steps : int
+        Upper bounds of the branch replays of a decode-time policy (module docstring); 0 otherwise.
+    stage : str
+        ``"coupled"`` (the trajectory shards), ``"teacher-forced"`` or ``"task <side>"`` (a task side
+        of the prediction study, ``"task niah-after"``).
+    """
+
+    model: str
+    policy: str
+    split: str
+    documents: int
+    shards: int
+    replicates: int
+    T: int
+    batch_documents: int
+    prefill_forwards: int
+    decode_forwards: int
+    token_steps: int
+    decode_time: bool = False
+    replay_prefills: int = 0
+    replay_forwards: int = 0
+    replay_token_steps: int = 0
+    stage: str = "coupled"
+
+    @property
+    def forwards(self) -> int:
+        """Prefill plus decode forwards, replays included."""
+        return self.prefill_forwards + self.decode_forwards + self.replay_prefills + self.replay_forwards
+
+
+def run_documents_count(config: dict[str, Any], policy: str, split: str) -> int:
+    """Documents one (policy, split) run generates, from the config alone.
+
+    Raises
+    ------
+    KeyError
+        If ``corpus.documents.<split>`` is missing (the message names the key).
+    """
+    try:
+        n = int(config["corpus"]["documents"][split])
+    except KeyError:
+        raise KeyError(f"config key corpus.documents.{split} is missing") from None
+    limit = control_documents(config, policy, split)  # the controls' counts (none, noise floor)
+    return n if limit is None else min(n, limit)
+
+
+def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int:
+    """``B`` from the argument, else ``generation.batch_documents`` when an integer, else 1."""
+    if batch_documents is None:
+        value = (config.get("generation") or {}).get("batch_documents")
+        batch_documents = value if isinstance(value, int) and not isinstance(value, bool) else 1
+    if int(batch_documents) < 1:
+        raise ValueError(f"batch_documents must be >= 1, got {batch_documents}")
+    return int(batch_documents)
+
+
+def _prefills(spec) -> int:
+    """Prefill forwards per document of a policy's press: 1 where one forward gives both caches, else 2."""
+    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
+    from kvdiverge.engine.presses.registry import shares_prefill
+
+    try:
+        return 1 if shares_prefill(spec) else 2
+    except (KeyError, TypeError, ValueError):  # no press of its own (a cache alone), or unknown: the bound
+        return 2
+
+
+def study_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
+    """Cost of every run of a validated config (:func:`kvdiverge.config.workflow.load_config`).
+
+    Parameters
+    ----------
+    config : dict
+        Validated workflow config (``corpus.documents``, ``runs``, ``decoding.max_new_tokens``,
+        ``replicates``, ``shards``).
+    batch_documents : int, optional
+        Documents per forward ``B``; default ``generation.batch_documents`` when the config
+        gives an integer, otherwise 1 (one document per forward).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per run, in :func:`kvdiverge.config.workflow.runs` order.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    B = _batch_documents(config, batch_documents)
+    grid = _Grid(int(config["replicates"]), int(config["decoding"]["max_new_tokens"]), B, int(config["shards"]))
+    return [
+        _coupled_run(
+            model, policy, split, config["policies"].get(policy), run_documents_count(config, policy, split), grid
+        )
+        for model, policy, split in runs(config)
+    ]
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """What the runs of one stage share: replicates ``R``, horizon ``T``, documents per forward ``B``, shards."""
+
+    R: int
+    T: int
+    B: int
+    shards: int
+
+
+def _coupled_run(model: str, policy: str, split: str, spec, n: int, grid: _Grid, stage: str = "coupled") -> RunCost:
+    """The cost of one coupled run of ``n`` documents under the policy entry ``spec`` (module docstring)."""
+    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
+    from kvdiverge.engine.presses.registry import is_decode_time
+
+    R, T = grid.R, grid.T
+    per_shard = [len(range(i, n, grid.shards)) for i in range(grid.shards)]
+    groups = sum(math.ceil(k / grid.B) for k in per_shard)
+    decode_time = is_decode_time(spec)
+    steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
+    return RunCost(
+        model=model,
+        policy=policy,
+        split=split,
+        documents=n,
+        shards=grid.shards,
+        replicates=R,
+        T=T,
+        batch_documents=grid.B,
+        prefill_forwards=_prefills(spec) * n,
+        decode_forwards=steps + ((R + 1) * max(T - 1, 0) * n if decode_time else 0),
+        token_steps=n * R * 2 * (2 * T - 1),
+        decode_time=decode_time,
+        replay_prefills=R * n if decode_time else 0,
+        replay_forwards=R * max(T - 2, 0) * n if decode_time else 0,
+        replay_token_steps=R * max(T - 2, 0) * n if decode_time else 0,
+        stage=stage,
+    )
+
+
+def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
+    """Cost of the teacher-forced pass of every run of a validated config (rule ``teacher_forced``: one job per model).
+
+    Upper bounds per run, over the run's documents (its coupled run's, :func:`run_documents_count`),
+    with ``L = teacher_forced.length`` continuation tokens (cut to what the context leaves): the
+    press's prefill forwards as the coupled run counts them (:func:`kvdiverge.engine.presses.registry.shares_prefill`;
+    a document's prefill is shared by the policies that run on it), then per side one forward
+    over the continuation, or ``L - 1`` forwards token by token for a quantized cache or a press
+    that evicts while decoding (a sliding window takes one); ``2 L`` token-steps (every position on
+    both sides: the reference side's are computed once per document). With ``continuation:
+    greedy``, each (model, split) also generates the full-cache greedy continuation of its
+    documents once (policy ``"greedy continuation"``: ``L`` forwards and ``L`` token-steps a
+    document; with ``corpus``, only a document whose corpus text has ended takes one, not counted).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per run (``stage="teacher-forced"``, ``T = L``, ``R = 1``, ``B = 1``, one shard), in
+        :func:`kvdiverge.config.workflow.runs` order, and the greedy continuations.
+    """
+    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
+    from kvdiverge.engine.presses.registry import is_decode_time
+
+    section = config["teacher_forced"]
+    L = int(section["length"])
+    out, documents = [], {}
+    for model, policy, split in runs(config):
+        n, spec = run_documents_count(config, policy, split), config["policies"].get(policy)
+        stepwise = (spec or {}).get("cache") == "quantized" or is_decode_time(spec)
+        feed = 0 if L == 1 else 2 * (L - 1) if stepwise else 2
+        out.append(_pass_cost((model, policy, split), n, L, _prefills(spec) * n, n * feed, n * 2 * L))
+        documents[model, split] = max(n, documents.get((model, split), 0))
+    if section.get("continuation") == "greedy":
+        for (model, split), n in documents.items():
+            out.append(_pass_cost((model, "greedy continuation", split), n, L, n, n * (L - 1), n * L))
+    return out
+
+
+def _pass_cost(run: tuple[str, str, str], n: int, L: int, prefills: int, feed: int, steps: int) -> RunCost:
+    """A teacher-forced pass's :class:`RunCost`: the ``(model, policy, split)`` run of ``n`` documents and ``L``
+    continuation tokens, its prefill and continuation forwards and its token-steps."""
+    model, policy, split = run
+    return RunCost(model=model, policy=policy, split=split, documents=n, shards=1, replicates=1, T=L,
+                   batch_documents=1, prefill_forwards=prefills, decode_forwards=feed, token_steps=steps,
+                   stage="teacher-forced")  # fmt: skip
+
+
+def task_cost(config: dict[str, Any], batch_documents: int | None = None) -> list[RunCost]:
+    """Cost of the task sides of a validated config's ``prediction`` block (rule ``prediction_task``).
+
+    Each side runs, in one job per model, every point of the frontier (its presses at its ratios and
+    budgets; with the question inside the prompt, its caches too; the noise floor) greedily on the
+    documents of ``prediction.split`` (``corpus.documents``; those that do not take the task are left
+    out, so an upper bound), with one replicate and ``T = prediction.max_new_tokens``: coupled runs,
+    counted as :func:`study_cost` counts them, with the same ``B``. The points are those
+    :func:`kvdiverge.measure` expands (:func:`kvdiverge.config.inputs.frontier_presses`,
+    :meth:`kvdiverge.jobs.prediction.PredictionTaskSettings.measure_options`).
+
+    Returns
+    -------
+    list[RunCost]
+        One entry per (model, side, point), ``stage="task <side>"``; empty without a ``prediction`` block.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    # lazy: torch and kvpress load where the points are expanded as kvdiverge.measure expands them;
+    # kvdiverge.doors.cli imports this module for --help
+    from kvdiverge.config.frontier import FrontierSpec
+    from kvdiverge.config.inputs import frontier_presses
+    from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
+
+    B = _batch_documents(config, batch_documents)
+    out = []
+    for model in config["models"] if config.get("prediction") else ():
+        for side in prediction_sides(config):
+            job = PredictionTaskSettings.from_config(config, model, side)
+            options = job.measure_options()
+            spec = FrontierSpec(options["ratios"], options["budgets"], options["caches"], options["cache_ratios"])
+            points, _ = frontier_presses({k: dict(v) for k, v in job.entries["frontier"]["presses"].items()}, spec)
+            n = int(config["corpus"]["documents"][job.split])
+            grid = _Grid(1, options["max_new_tokens"], B, 1)
+            out += [
+                _coupled_run(model, name, job.split, entry, n, grid, f"task {side}") for name, entry in points.items()
+            ]
+    return out
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Cost of one stage of a config's generation work, summed over its runs (:func:`stage_costs`).
+
+    Attributes
+    ----------
+    stage : str
+        ``"coupled runs"``, ``"teacher-forced pass"`` or ``"task side <side>"``.
+    settings : str
+        What the stage's runs share, in words (``"T = 16, R = 1, greedy"``).
+    jobs : int
+        Its jobs: the coupled runs' shards, one teacher-forced job per model, one job per model and task side.
+    runs : int
+        Its (model, policy, split) runs.
+    documents : int
+        Its document-policy runs.
+    prefill_forwards, forwards, token_steps : int
+        Sums over its runs (forwards and token-steps with the decode-time replays).
+    """
+
+    stage: str
+    settings: str
+    jobs: int
+    runs: int
+    documents: int
+    prefill_forwards: int
+    forwards: int
+    token_steps: int
+
+    @classmethod
+    def of(cls, stage: str, settings: str, jobs: int, costs: Sequence[RunCost]) -> StageCost:
+        """The stage's sums over ``costs``."""
+        tot = totals(costs)
+        return cls(stage, settings, jobs, tot["runs"], tot["documents"], tot["prefill_forwards"], tot["forwards"],
+                   tot["token_steps"] + tot["replay_token_steps"])  # fmt: skip
+
+
+def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> list[StageCost]:
+    """The cost of every stage that generates: the coupled runs (:func:`study_cost`), the
+    teacher-forced pass (:func:`teacher_cost`) and each task side of the prediction study
+    (:func:`task_cost`), in that order.
+
+    Raises
+    ------
+    ValueError
+        If ``batch_documents < 1``.
+    """
+    coupled = study_cost(config, batch_documents)
+    T, R, L = (
+        config["decoding"]["max_new_tokens"],
+        config["replicates"],
+        (config.get("teacher_forced") or {}).get("length", 64),
+    )
+    models = len(config["models"])
+    out = [
+        StageCost.of("coupled runs", f"T = {T}, R = {R}", totals(coupled)["shards"], coupled),
+        StageCost.of("teacher-forced pass", f"{L} continuation tokens", models, teacher_cost(config)),
+    ]
+    sides: dict[str, list[RunCost]] = {}
+    for c in task_cost(config, batch_documents):
+        sides.setdefault(c.stage, []).append(c)
+    for stage, costs in sides.items():
+        side = stage.removeprefix("task ")
+        out.append(StageCost.of(f"task side {side}", f"T = {costs[0].T}, R = 1, greedy", models, costs))
+    return out
+
+
+def totals(costs: Sequence[RunCost]) -> dict[str, int]:
+    """Sums over runs: ``runs``, ``documents`` (document-policy runs), ``shards`` (jobs),
+    ``prefill_forwards``, ``decode_forwards``, ``forwards``, ``token_steps``, and the
+    decode-time policies' ``replay_forwards`` (prefills included) and ``replay_token_steps``."""
+    return {
+        "runs": len(costs),
+        "documents": sum(c.documents for c in costs),
+        "shards": sum(c.shards for c in costs),
+        "prefill_forwards": sum(c.prefill_forwards for c in costs),
+        "decode_forwards": sum(c.decode_forwards for c in costs),
+        "forwards": sum(c.forwards for c in costs),
+        "token_steps": sum(c.token_steps for c in costs),
+        "replay_forwards": sum(c.replay_prefills + c.replay_forwards for c in costs),
+        "replay_token_steps": sum(c.replay_token_steps for c in costs),
+    }
+
+
+def projected_hours(
+    config: dict[str, Any], token_steps_per_s: float, gpus: int = 1, batch_documents: int | None = None
+) -> float:
+    """Hours of the generation stage at a measured rate (upper-bound token-steps / rate / GPUs).
+
+    Parameters
+    ----------
+    config : dict
+        Validated workflow config.
+    token_steps_per_s : float
+        Measured engine rate on one device (token-steps per second, both sides counted).
+    gpus : int
+        Devices working in parallel (one generation job each).
+
+    Raises
+    ------
+    ValueError
+        If the rate or ``gpus`` is not positive.
+    """
+    if not token_steps_per_s > 0:
+        raise ValueError(f"token_steps_per_s must be > 0, got {token_steps_per_s}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    tot = totals(study_cost(config, batch_documents))
+    steps = tot["token_steps"] + tot["replay_token_steps"]
+    return steps / float(token_steps_per_s) / gpus / 3600.0
+
+
+def format_table(costs: Sequence[RunCost]) -> str:
+    """A plain-text table of the runs and their totals."""
+    head = ("model", "policy", "split", "docs", "shards", "B", "forwards", "token-steps")
+    rows = [
+        (
+            c.model,
+            c.policy,
+            c.split,
+            f"{c.documents}",
+            f"{c.shards}",
+            f"{c.batch_documents}",
+            f"{c.forwards:,}",
+            f"{c.token_steps:,}",
+        )
+        for c in costs
+    ]
+    tot = totals(costs)
+    rows.append(
+        (
+            "total",
+            "",
+            "",
+            f"{tot['documents']}",
+            f"{tot['shards']}",
+            "",
+            f"{tot['forwards']:,}",
+            f"{tot['token_steps']:,}",
+        )
+    )
+    return "\n".join(text_table(head, rows, left=3))
+
+
+def add_cost_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the command ``kvdiverge cost`` to the command line's subparsers (:mod:`kvdiverge.doors.cli`).
+
+    Parameters
+    ----------
+    subparsers : argparse._SubParsersAction
+        What ``ArgumentParser.add_subparsers`` returned; the command runs :func:`run_cost`.
+    """
+    p = subparsers.add_parser(
+        "cost",
+        prog="kvdiverge cost",
+        help="a config's generation cost: documents, forwards and token-steps, from the config alone",
+        description=__doc__.split("\n\n")[0],
+        epilog="Example: kvdiverge cost config/paper.yaml --rate 5000. Exit status: 0 on success; "
+        "2 for a config that cannot be read or is invalid, one line on stderr.",
+    )
+    p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
+    p.add_argument(
+        "--batch-documents",
+        type=int,
+        default=None,
+        help="documents per forward B (default: generation.batch_documents, else 1)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
+    )
+    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
+    return p
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    """``kvdiverge cost``: print a config's generation cost (and hours at ``--rate``); the exit code.
+
+    The coupled runs' table, then one line per stage (:func:`stage_costs`) and their sum. 0 on
+    success; 2 when an option is out of range (one line naming it as spelled), or the config
+    cannot be read or is invalid (the reasons, one line each, after the first), on stderr.
+    """
+    problems = _option_problems(args)
+    if problems:
+        print(f"kvdiverge cost: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        costs = study_cost(config, args.batch_documents)
+        stages = stage_costs(config, args.batch_documents)
+    except (OSError, ValueError) as exc:  # a config error is a ValueError: its reasons follow its first line
+        lines = str(exc).strip().splitlines() or [""]
+        reasons = lines[1:] if isinstance(exc, ConfigError) else []
+        print("\n".join([f"kvdiverge cost: error: {lines[0]}", *reasons]), file=sys.stderr)
+        return 2
+    print(format_table(costs))
+    print()
+    for line in format_stages(stages, totals(costs)):
+        print(line)
+    if args.rate is not None:
+        spent = ", ".join(f"{s.stage} {_duration(s.token_steps, args.rate, args.gpus)}" for s in stages)
+        everything = _duration(sum(s.token_steps for s in stages), args.rate, args.gpus)
+        print(f"at {args.rate:,g} token-steps/s on {args.gpus} device(s): {spent}; all stages {everything}")
+    return 0
+
+
+def format_stages(stages: Sequence[StageCost], coupled: dict[str, int] | None = None) -> list[str]:
+    """One line per stage (:func:`stage_costs`) and one for their sum; with the coupled runs'
+    :func:`totals`, a line for their decode-time branch replays where there are any."""
+    out = []
+    for s in stages:
+        out.append(
+            f"{s.stage} ({s.settings}): {s.documents:,} document-policy runs in {s.jobs:,} job(s), "
+            f"{s.forwards:,} forwards ({s.prefill_forwards:,} prefill), {s.token_steps:,} token-steps"
+        )
+        if s.stage == "coupled runs" and coupled and coupled["replay_forwards"]:
+            out.append(
+                f"  of which decode-time branch replays: {coupled['replay_forwards']:,} forwards (prefills "
+                f"included), {coupled['replay_token_steps']:,} token-steps"
+            )
+    out.append(
+        f"all stages: {sum(s.jobs for s in stages):,} jobs, {sum(s.forwards for s in stages):,} forwards, "
+        f"{sum(s.token_steps for s in stages):,} token-steps (upper bounds: every chain and branch its full length)"
+    )
+    return out
+
+
+def _option_problems(args: argparse.Namespace) -> list[str]:
+    """One sentence per ``kvdiverge cost`` option out of range, naming the option as spelled."""
+    out = []
+    rate = args.rate
+    if rate is not None and not math.isfinite(rate):
+        out.append(f"--rate: {rate!r} is not a finite number; allowed: a number > 0")
+    elif rate is not None and rate <= 0:
+        out.append(f"--rate: {rate!r} is not allowed; allowed: a number > 0")
+    for option, value in (("--batch-documents", args.batch_documents), ("--gpus", args.gpus)):
+        if value is not None and value < 1:
+            out.append(f"{option}: {value!r} is not allowed; allowed: an integer >= 1")
+    return out
+
+
+def _duration(token_steps: int, rate: float, gpus: int) -> str:
+    """``token_steps`` at ``rate`` token-steps per second on ``gpus`` devices: ``"1.25 h (4,500 s)"``
+    (three significant digits from a million hours up)."""
+    seconds = token_steps / rate / gpus
+    hours = seconds / 3600.0
+    return f"{hours:,.2f} h ({seconds:,.0f} s)" if hours < 1e6 else f"{hours:.3g} h ({seconds:.3g} s)"

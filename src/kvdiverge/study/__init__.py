@@ -1,2 +1,0 @@
-"""The study: config, corpus, prompts, models, provenance, cost, devices, rule logging and
-the workflow's shard job."""
