@@ -6,7 +6,7 @@ their order changed) and, optionally, the config's policies, on the config's doc
 (:func:`kvdiverge.engine.runner.run_documents`), then prints per dtype, policy and split the
 mean TV per chain step, the largest TV, ``p_div`` within T tokens and ``E[N]`` with
 95% document-bootstrap intervals, and for each policy whether it lies above the floor
-(:func:`kvdiverge.estimation.analysis.floor_comparison`). This is how the README's "Numerical
+(:func:`kvdiverge.estimation.floor.floor_comparison`). This is how the README's "Numerical
 noise floor" table was made::
 
     .venv/bin/python benchmarks/noise_floor.py --config config/config.yaml \\
@@ -35,9 +35,9 @@ from kvdiverge.engine.core.coupled import to_frame
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
+from kvdiverge.estimation.floor import floor_comparison
 from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.models.loading import context_length, load_model, load_model_config, load_tokenizer
 

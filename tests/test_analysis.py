@@ -7,20 +7,19 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from kvdiverge.estimation.analysis import (
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.confirmatory import (
     PLAN_FIELDS,
     PlanError,
     confirmatory_analysis,
-    floor_comparison,
-    gap_decomposition,
-    gap_terms,
     holm,
     plan_hash,
-    timing_table,
     validate_plan,
 )
-from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
+from kvdiverge.estimation.floor import floor_comparison
+from kvdiverge.estimation.gap import gap_decomposition, gap_terms
+from kvdiverge.estimation.timing import timing_table
 from kvdiverge.io.files import save_table
 from kvdiverge.report.pages import confirmatory_html, summary_html
 

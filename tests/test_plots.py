@@ -6,8 +6,8 @@ import pytest
 
 from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
-from kvdiverge.estimation.analysis import confirmatory_analysis, gap_decomposition, variance_table
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.confirmatory import confirmatory_analysis
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
     document_estimates,
@@ -15,7 +15,9 @@ from kvdiverge.estimation.estimators import (
     replicate_estimates,
     survival_curve,
 )
+from kvdiverge.estimation.gap import gap_decomposition
 from kvdiverge.estimation.speculative import speculative_table
+from kvdiverge.estimation.timing import variance_table
 from kvdiverge.report import figures as plots
 
 PLAN = {

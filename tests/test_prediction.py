@@ -10,7 +10,6 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from kvdiverge.estimation.analysis import holm
 from kvdiverge.estimation.beyond_ratio import (
     STATISTICS,
     TESTED,
@@ -19,6 +18,7 @@ from kvdiverge.estimation.beyond_ratio import (
     within_ratio_permutation,
 )
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.confirmatory import holm
 from kvdiverge.estimation.prediction import (
     PredictionInputError,
     PredictionSettings,

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from kvdiverge.config.workflow import load_config, runs
-from kvdiverge.estimation.analysis import plan_hash
+from kvdiverge.estimation.confirmatory import plan_hash
 
 pytestmark = pytest.mark.workflow
 

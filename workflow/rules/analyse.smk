@@ -1,4 +1,4 @@
-# Stage 5: exploratory and confirmatory analyses — kvdiverge.estimation.analysis (estimators.md §7-§8).
+# Stage 5: exploratory and confirmatory analyses — kvdiverge.estimation.timing, gap, floor, confirmatory (estimators.md §7-§8).
 # Tables go to {results_dir}/analysis/ as parquet (full) and csv (scalar columns). The
 # noise floor (config runs.floor) is compared with every policy of its splits
 # (floor.parquet) and reported beside the confirmatory test. Every analysis with a

@@ -1,7 +1,7 @@
-"""Snakemake adapter: the prespecified confirmatory test (kvdiverge.estimation.analysis.confirmatory_analysis)."""
+"""Snakemake adapter: the prespecified confirmatory test (kvdiverge.estimation.confirmatory.confirmatory_analysis)."""
 
-from kvdiverge.estimation.analysis import confirmatory_analysis, plan_hash
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.confirmatory import confirmatory_analysis, plan_hash
 from kvdiverge.estimation.estimators import read_estimates
 from kvdiverge.io.files import save_table
 from kvdiverge.jobs.rulelog import rule_log

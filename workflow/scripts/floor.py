@@ -1,10 +1,10 @@
-"""Snakemake adapter: every policy beside the noise floor (kvdiverge.estimation.analysis.floor_comparison)."""
+"""Snakemake adapter: every policy beside the noise floor (kvdiverge.estimation.floor.floor_comparison)."""
 
 import polars as pl
 
-from kvdiverge.estimation.analysis import FLOOR_SCHEMA, floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.estimators import read_estimates
+from kvdiverge.estimation.floor import FLOOR_SCHEMA, floor_comparison
 from kvdiverge.io.files import save_table
 from kvdiverge.jobs.rulelog import rule_log
 

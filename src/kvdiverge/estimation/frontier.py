@@ -19,7 +19,7 @@ point is the cache alone (a press at ratio 0 evicts nothing).
   ``E[M]`` with its two terms ``p_div / T`` and ``(E[L] / T) rho`` and ``rho``, each with a
   document-bootstrap interval, the KV bytes stored per prompt token
   (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`), the noise floor's values on the same documents and
-  ``above_floor`` (:func:`kvdiverge.estimation.analysis.floor_comparison`);
+  ``above_floor`` (:func:`kvdiverge.estimation.floor.floor_comparison`);
 - one row per (model, curve): the mean of its ``E[M]`` and ``p_div`` over the range of KV
   bytes per prompt token common to the ranked curves (linear interpolation in bytes,
   :func:`common_range`, :func:`range_mean`), with intervals, ranked by the ``E[M]`` mean
@@ -41,9 +41,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.analysis import floor_comparison
 from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, put_interval, resample_counts
 from kvdiverge.estimation.decomposition import check_decomposition
+from kvdiverge.estimation.floor import floor_comparison
 from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 from kvdiverge.estimation.numeric import safe_divide
 
@@ -512,7 +512,7 @@ class _Floor:
 
     ``name``: its policy, or None; ``rows``: its per-document estimates on the model and
     split; ``above``: ``(model, policy)`` -> whether the point lies above the floor in
-    ``p_div`` and in ``E_N`` (:func:`kvdiverge.estimation.analysis.floor_comparison`).
+    ``p_div`` and in ``E_N`` (:func:`kvdiverge.estimation.floor.floor_comparison`).
     """
 
     name: str | None

@@ -1,7 +1,7 @@
 """Sample size of the confirmatory test from a pilot's per-document differences.
 
 The prespecified confirmatory test (``estimators.md`` §8,
-:func:`kvdiverge.estimation.analysis.confirmatory_analysis`) is a one-sample Wilcoxon
+:func:`kvdiverge.estimation.confirmatory.confirmatory_analysis`) is a one-sample Wilcoxon
 signed-rank test of the per-document differences ``d = btv[late] - btv[early]``. Its
 power depends on ``p' = P(D + D' > 0)`` for two independent documents' differences ``D``,
 ``D'`` (for ``alternative = "greater"``; ``P(D + D' < 0)`` for ``"less"``). Noether's

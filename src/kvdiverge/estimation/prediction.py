@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from kvdiverge.estimation.analysis import holm
 from kvdiverge.estimation.beyond_ratio import (
     DEFAULT_BAND,
     STATISTICS,
@@ -53,6 +52,7 @@ from kvdiverge.estimation.bootstrap import (
     resample_counts,
     resampled_nanmean,
 )
+from kvdiverge.estimation.confirmatory import holm
 from kvdiverge.estimation.task import direction
 
 __all__ = [

@@ -11,8 +11,8 @@ tables under ``results/estimates`` and ``results/analysis`` and those of a
 - :func:`press_gap`, :func:`pairwise_gaps`, :func:`summary_table` — the gaps and summary of a
   :class:`kvdiverge.doors.results.Measurement`.
 
-Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.estimation.analysis`,
-``docs/internals.md``.
+Column names and units: :mod:`kvdiverge.estimation.estimators`, :mod:`kvdiverge.estimation.timing`,
+:mod:`kvdiverge.estimation.gap`, :mod:`kvdiverge.estimation.floor`, ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.estimation.analysis import GAP_SCHEMA, floor_differences, gap_decomposition, timing_table, variance_table
 from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns
 from kvdiverge.estimation.estimators import (
     branch_tv_curve,
@@ -34,6 +33,9 @@ from kvdiverge.estimation.estimators import (
     replicate_estimates,
     survival_curve,
 )
+from kvdiverge.estimation.floor import floor_differences
+from kvdiverge.estimation.gap import GAP_SCHEMA, gap_decomposition
+from kvdiverge.estimation.timing import timing_table, variance_table
 
 __all__ = [
     "POOL_TABLES",
@@ -106,7 +108,7 @@ def pool(documents: pl.DataFrame, boot: Bootstrap) -> dict[str, pl.DataFrame]:
     dict of str to polars.DataFrame
         Keys :data:`POOL_TABLES`: ``pooled``
         (:func:`kvdiverge.estimation.estimators.pooled_estimates`, one row per run), ``timing``
-        (:func:`kvdiverge.estimation.analysis.timing_table`), ``survival`` (steps ``t = 0..T``),
+        (:func:`kvdiverge.estimation.timing.timing_table`), ``survival`` (steps ``t = 0..T``),
         ``branch_tv`` (lags ``1..T``), ``variance``.
 
     Raises
@@ -157,9 +159,9 @@ def gaps(
     Returns
     -------
     polars.DataFrame
-        :func:`kvdiverge.estimation.analysis.gap_decomposition` rows (4 per gap: ``delta``,
+        :func:`kvdiverge.estimation.gap.gap_decomposition` rows (4 per gap: ``delta``,
         ``first_mismatch``, ``exposure``, ``rate``; values in tokens), schema
-        ``kvdiverge.estimation.analysis.GAP_SCHEMA`` when empty.
+        ``kvdiverge.estimation.gap.GAP_SCHEMA`` when empty.
     """
     have = documents is not None and documents.height > 0
     if models is None:
@@ -293,7 +295,7 @@ def press_gap(
     polars.DataFrame
         Four rows (``term``: ``delta``, ``first_mismatch``, ``exposure``, ``rate``):
         ``value`` in tokens with its paired-bootstrap interval, ``share`` of the gap,
-        ``value_M = value / T`` (:func:`kvdiverge.estimation.analysis.gap_decomposition`).
+        ``value_M = value / T`` (:func:`kvdiverge.estimation.gap.gap_decomposition`).
 
     Raises
     ------
@@ -311,7 +313,7 @@ def press_gap(
 
 def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str]) -> pl.DataFrame:
     """``gap(a, b)`` of every pair of ``presses``, ``a`` before ``b`` in their order, concatenated
-    (an empty ``kvdiverge.estimation.analysis.GAP_SCHEMA`` table for fewer than two)."""
+    (an empty ``kvdiverge.estimation.gap.GAP_SCHEMA`` table for fewer than two)."""
     frames = [gap(a, b) for a, b in itertools.combinations(presses, 2)]
     return pl.concat(frames) if frames else pl.DataFrame(schema=GAP_SCHEMA)
 
@@ -332,7 +334,7 @@ def summary_table(
 
     With ``noise_floor`` (and ``gap(a, b)``, the gap of two presses: :func:`press_gap`), joins
     ``E_M_minus_floor`` and ``p_div_minus_floor`` (each with ``_lo``/``_hi``;
-    ``kvdiverge.estimation.analysis.floor_differences``), null on the floor's own row.
+    ``kvdiverge.estimation.floor.floor_differences``), null on the floor's own row.
     """
     out = press_summary(pooled, documents, presses, trajectories, point_masses)
     if noise_floor is None:

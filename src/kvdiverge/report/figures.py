@@ -289,7 +289,7 @@ def plot_gaps(gaps: pl.DataFrame, png, pdf) -> None:
     Parameters
     ----------
     gaps : polars.DataFrame
-        :func:`kvdiverge.estimation.analysis.gap_decomposition` rows (any number of gaps and models).
+        :func:`kvdiverge.estimation.gap.gap_decomposition` rows (any number of gaps and models).
     """
     sns.set_theme(style="whitegrid", context="paper")
     if gaps.height == 0:
@@ -397,7 +397,7 @@ def plot_confirmatory(per_doc: pl.DataFrame, result: pl.DataFrame, png, pdf) -> 
     Parameters
     ----------
     per_doc, result : polars.DataFrame
-        :func:`kvdiverge.estimation.analysis.confirmatory_analysis` outputs.
+        :func:`kvdiverge.estimation.confirmatory.confirmatory_analysis` outputs.
     """
     sns.set_theme(style="whitegrid", context="paper")
     floor_res = result.filter(pl.col("role") == "floor") if "role" in result.columns else result.clear()
@@ -460,7 +460,7 @@ def plot_variance(variance: pl.DataFrame, png, pdf) -> None:
     Parameters
     ----------
     variance : polars.DataFrame
-        :func:`kvdiverge.estimation.analysis.variance_table` output.
+        :func:`kvdiverge.estimation.timing.variance_table` output.
     """
     sns.set_theme(style="whitegrid", context="paper")
     v = (

@@ -1,6 +1,7 @@
 """HTML pages of the report: the confirmatory test and the headline numbers.
 
-Rendering only; the numbers come from :mod:`kvdiverge.estimation.analysis` (statistics) and
+Rendering only; the numbers come from :mod:`kvdiverge.estimation.confirmatory`,
+:mod:`kvdiverge.estimation.gap`, :mod:`kvdiverge.estimation.floor` (statistics) and
 :mod:`kvdiverge.estimation.estimators`. Each page is a standalone HTML document (inline style)
 that ``snakemake --report`` embeds.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.estimation.analysis import PLAN_FIELDS, plan_hash
+from kvdiverge.estimation.confirmatory import PLAN_FIELDS, plan_hash
 from kvdiverge.io.render import html_table
 from kvdiverge.report.formatting import number, with_interval
 
@@ -109,7 +110,7 @@ def confirmatory_html(plan: Mapping[str, Any], result: pl.DataFrame, *, confiden
     plan : mapping
         Config section ``confirmatory``.
     result : polars.DataFrame
-        First output of :func:`~kvdiverge.estimation.analysis.confirmatory_analysis`.
+        First output of :func:`~kvdiverge.estimation.confirmatory.confirmatory_analysis`.
     confidence : float
         Coverage of the intervals (``analysis.confidence``): the headers' label.
 
@@ -184,7 +185,7 @@ FLOOR_NOTE = (
 
 
 def floor_html(floor: pl.DataFrame, *, confidence: float = 0.95) -> str:
-    """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.analysis.floor_comparison`),
+    """HTML table of every policy beside the noise floor (:func:`kvdiverge.estimation.floor.floor_comparison`),
     its intervals labelled with their coverage ``confidence``."""
     if floor.height == 0:
         return "<p>No noise-floor control ran (config <code>runs.floor</code>).</p>"
@@ -325,13 +326,13 @@ def summary_html(
     pooled : polars.DataFrame
         :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
     gaps : polars.DataFrame
-        :func:`~kvdiverge.estimation.analysis.gap_decomposition` rows.
+        :func:`~kvdiverge.estimation.gap.gap_decomposition` rows.
     confirmatory : polars.DataFrame
-        :func:`~kvdiverge.estimation.analysis.confirmatory_analysis` result.
+        :func:`~kvdiverge.estimation.confirmatory.confirmatory_analysis` result.
     plan : mapping
         Config section ``confirmatory``.
     floor : polars.DataFrame, optional
-        :func:`kvdiverge.estimation.analysis.floor_comparison` output: adds the column "above noise
+        :func:`kvdiverge.estimation.floor.floor_comparison` output: adds the column "above noise
         floor" to the headline table and the floor table below it.
     provenance : str, optional
         :func:`provenance_html`'s section, the page's last.
