@@ -290,7 +290,7 @@ def test_frontier_is_paired_and_knows_the_floor():
 
 
 def test_frontier_figure_is_written(tmp_path):
-    from kvdiverge.report.figures import plot_frontier
+    from kvdiverge.report.frontier import plot_frontier
     from kvdiverge.report.pages import frontier_html
 
     grid = frontier_grid(["a", "b"], FrontierSpec([0.1, 0.5, 0.75], [32]))
@@ -501,8 +501,8 @@ def test_a_curve_off_the_common_range_is_reported_not_dropped():
 
 
 def test_quantized_frontier_text_page_and_figure(tmp_path):
-    from kvdiverge.report.figures import plot_frontier
     from kvdiverge.report.formatting import frontier_text
+    from kvdiverge.report.frontier import plot_frontier
     from kvdiverge.report.pages import frontier_html
 
     grid = frontier_grid(["a", "b"], FrontierSpec([0.75, 0.875], [8], caches={"q4": Q4}, cache_ratios=[0, 0.5]))

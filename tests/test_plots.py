@@ -18,7 +18,7 @@ from kvdiverge.estimation.estimators import (
 from kvdiverge.estimation.gap import gap_decomposition
 from kvdiverge.estimation.speculative import speculative_table
 from kvdiverge.estimation.timing import variance_table
-from kvdiverge.report import figures as plots
+from kvdiverge.report import analyses, speculative, survival
 
 PLAN = {
     "policy": "B",
@@ -65,17 +65,17 @@ def check(tmp_path, name):
 
 def test_every_figure(tables, tmp_path):
     t = tables
-    plots.plot_survival(t["survival"], tmp_path / "s.png", tmp_path / "s.pdf")
+    survival.plot_survival(t["survival"], tmp_path / "s.png", tmp_path / "s.pdf")
     check(tmp_path, "s")
-    plots.plot_gaps(t["gaps"], tmp_path / "g.png", tmp_path / "g.pdf")
+    analyses.plot_gaps(t["gaps"], tmp_path / "g.png", tmp_path / "g.pdf")
     check(tmp_path, "g")
-    plots.plot_branch_tv(t["branch"], tmp_path / "b.png", tmp_path / "b.pdf", early=(1, 2), late=(3, 4))
+    analyses.plot_branch_tv(t["branch"], tmp_path / "b.png", tmp_path / "b.pdf", early=(1, 2), late=(3, 4))
     check(tmp_path, "b")
-    plots.plot_confirmatory(t["per"], t["res"], tmp_path / "c.png", tmp_path / "c.pdf")
+    analyses.plot_confirmatory(t["per"], t["res"], tmp_path / "c.png", tmp_path / "c.pdf")
     check(tmp_path, "c")
-    plots.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
+    analyses.plot_variance(variance_table(t["pooled"]), tmp_path / "v.png", tmp_path / "v.pdf")
     check(tmp_path, "v")
-    plots.plot_speculative(
+    speculative.plot_speculative(
         speculative_table(t["docs"], Bootstrap(100, 0.95, 1)), tmp_path / "k.png", tmp_path / "k.pdf", floor="A"
     )
     check(tmp_path, "k")
@@ -83,17 +83,17 @@ def test_every_figure(tables, tmp_path):
 
 def test_empty_inputs_still_give_figures(tables, tmp_path):
     t = tables
-    plots.plot_survival(t["survival"].head(0), tmp_path / "s.png", tmp_path / "s.pdf")
-    plots.plot_gaps(t["gaps"].head(0), tmp_path / "g.png", tmp_path / "g.pdf")
+    survival.plot_survival(t["survival"].head(0), tmp_path / "s.png", tmp_path / "s.pdf")
+    analyses.plot_gaps(t["gaps"].head(0), tmp_path / "g.png", tmp_path / "g.pdf")
     nan_branch = t["branch"].with_columns(pl.lit(np.nan).alias("btv"))
-    plots.plot_branch_tv(nan_branch, tmp_path / "b.png", tmp_path / "b.pdf")
-    plots.plot_confirmatory(
+    analyses.plot_branch_tv(nan_branch, tmp_path / "b.png", tmp_path / "b.pdf")
+    analyses.plot_confirmatory(
         t["per"].with_columns(pl.lit(None, dtype=pl.Float64).alias("d")),
         t["res"],
         tmp_path / "c.png",
         tmp_path / "c.pdf",
     )
-    plots.plot_variance(variance_table(t["pooled"]).head(0), tmp_path / "v.png", tmp_path / "v.pdf")
+    analyses.plot_variance(variance_table(t["pooled"]).head(0), tmp_path / "v.png", tmp_path / "v.pdf")
     for name in "sgbcv":
         assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").stat().st_size > 0
 
@@ -113,8 +113,8 @@ def test_survival_bands_share_their_lines_colour(tables, tmp_path, monkeypatch):
         ]
     )
     figures = []
-    monkeypatch.setattr(plots, "save_figure", lambda fig, png, pdf: figures.append(fig))
-    plots.plot_survival(runs, tmp_path / "s.png", tmp_path / "s.pdf")
+    monkeypatch.setattr(survival, "save_figure", lambda fig, png, pdf: figures.append(fig))
+    survival.plot_survival(runs, tmp_path / "s.png", tmp_path / "s.pdf")
     ax = figures[0].axes[0]
     lines = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
     bands = ax.collections
@@ -129,7 +129,7 @@ def test_speculative_figure_draws_each_run_and_its_iid_line(tables):
     import matplotlib.pyplot as plt
 
     table = speculative_table(tables["docs"].filter(pl.col("split") == "exploratory"), Bootstrap(100, 0.95, 1))
-    fig = plots.speculative_figure(table, floor="A")
+    fig = speculative.speculative_figure(table, floor="A")
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["B", "noise floor (A)", "i.i.d. (1 − α^(k+1)) / (1 − α)"]
@@ -160,9 +160,9 @@ def _synthetic(kind: str) -> pl.DataFrame:
 
 
 FIGURES_WITH_LINES = {
-    "survival": lambda table: plots.survival_figure(table),
-    "length": lambda table: plots.length_figure(table),
-    "branch": lambda table: plots.plot_branch_tv(table, "b.png", "b.pdf"),
+    "survival": lambda table: survival.survival_figure(table),
+    "length": lambda table: survival.length_figure(table),
+    "branch": lambda table: analyses.plot_branch_tv(table, "b.png", "b.pdf"),
 }
 
 #: Per figure: the labels of the coinciding lines, and the legend's note naming them.
@@ -187,7 +187,8 @@ def test_coinciding_curves_are_named_in_the_legend_and_marked_at_offset_steps(ki
     import matplotlib.pyplot as plt
 
     figures = []
-    monkeypatch.setattr(plots, "save_figure", lambda fig, *paths: figures.append(fig))
+    for module in (survival, analyses):  # the survival, length and branch TV figures' save_figure
+        monkeypatch.setattr(module, "save_figure", lambda fig, *paths: figures.append(fig))
     fig = FIGURES_WITH_LINES[kind](_synthetic(kind)) or figures[0]
     ax = fig.axes[0]
     texts = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]

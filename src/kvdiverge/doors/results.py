@@ -3,7 +3,7 @@
 It holds the coupled run's trajectories and the estimates and pooled tables computed from them
 (:mod:`kvdiverge.estimation.tables`), computes the rest on first use (gaps, the self-speculative
 reading, length drift, the frontier), prints them (:mod:`kvdiverge.report.formatting`), draws them
-(:mod:`kvdiverge.report.figures`, imported on first drawing) and saves them
+(:mod:`kvdiverge.report.survival`, :mod:`kvdiverge.report.frontier`, imported on first drawing) and saves them
 (:func:`kvdiverge.config.provenance.save_measurement`).
 """
 
@@ -263,8 +263,8 @@ class Measurement:
     def plot_survival(self, target=None):
         """Draw the survival figure ``S_t`` per press: into ``target`` Axes (returned), to a path
         (``.png``, ``.pdf``, ``.svg``; the path returned) or, with None, as a new figure
-        (:func:`kvdiverge.report.figures.render_survival`)."""
-        from kvdiverge.report.figures import render_survival
+        (:func:`kvdiverge.report.survival.render_survival`)."""
+        from kvdiverge.report.survival import render_survival
 
         return render_survival(self.survival, target, title=self.settings["model"])
 
@@ -309,7 +309,7 @@ class Measurement:
     def plot_frontier(self, target=None):
         """Draw the frontier figure: into ``target``, a sequence of 3 Axes (returned), to a path
         (format from the suffix; the path returned) or, with None, as a new figure
-        (:func:`kvdiverge.report.figures.render_frontier`)."""
-        from kvdiverge.report.figures import render_frontier
+        (:func:`kvdiverge.report.frontier.render_frontier`)."""
+        from kvdiverge.report.frontier import render_frontier
 
         return render_frontier(self.frontier(), target, title=self.settings["model"])

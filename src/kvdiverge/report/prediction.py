@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import polars as pl
 import seaborn as sns
 
-from kvdiverge.report.figures import save_figure
+from kvdiverge.report.drawing import save_figure
 from kvdiverge.report.task import LABELS
 
 __all__ = ["plot_prediction", "prediction_figure"]

@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 import seaborn as sns
 
-from kvdiverge.report.figures import save_figure
+from kvdiverge.report.drawing import save_figure
 
 __all__ = ["plot_task", "task_figure"]
 
