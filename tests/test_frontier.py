@@ -27,14 +27,8 @@ from kvdiverge.config.frontier import FrontierSpec, frontier_grid, frontier_name
 from kvdiverge.config.provenance import read_provenance
 from kvdiverge.config.workflow import ConfigError, expand_frontier, load_config, runs, validate
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.frontier import (
-    FrontierPoint,
-    common_range,
-    frontier_curves,
-    frontier_tables,
-    range_mean,
-    trapezoid_area,
-)
+from kvdiverge.estimation.frontier import FrontierPoint, frontier_curves, frontier_tables
+from kvdiverge.estimation.frontier_ranking import common_range, range_mean, trapezoid_area
 from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,9 +22,11 @@ point is the cache alone (a press at ratio 0 evicts nothing).
   ``above_floor`` (:func:`kvdiverge.estimation.floor.floor_comparison`);
 - one row per (model, curve): the mean of its ``E[M]`` and ``p_div`` over the range of KV
   bytes per prompt token common to the ranked curves (linear interpolation in bytes,
-  :func:`common_range`, :func:`range_mean`), with intervals, ranked by the ``E[M]`` mean
+  :func:`~kvdiverge.estimation.frontier_ranking.common_range`,
+  :func:`~kvdiverge.estimation.frontier_ranking.range_mean`), with intervals, ranked by the ``E[M]`` mean
   (smallest first: the most faithful), each mean's paired difference from the best curve,
-  and the trapezoid area under each curve over its compression ratios.
+  and the trapezoid area under each curve over its compression ratios
+  (:mod:`kvdiverge.estimation.frontier_ranking`).
 
 Every interval resamples documents with replacement, one set of resamples per model shared
 by every point and the floor (paired): the documents and random numbers are common to all
@@ -34,7 +36,6 @@ those of ``estimators.md`` (§2, §3).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
@@ -44,18 +45,16 @@ import polars as pl
 from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns, put_interval, resample_counts
 from kvdiverge.estimation.decomposition import check_decomposition
 from kvdiverge.estimation.floor import floor_comparison
+from kvdiverge.estimation.frontier_ranking import curve_rows
 from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 from kvdiverge.estimation.numeric import safe_divide
 
 __all__ = [
     "POINT_METRICS",
     "FrontierPoint",
-    "common_range",
     "frontier_curves",
     "frontier_tables",
     "measured_frontier",
-    "range_mean",
-    "trapezoid_area",
 ]
 
 #: Per-point metrics of the frontier table (each with ``_lo`` and ``_hi``).
@@ -142,28 +141,6 @@ def frontier_curves(grid: Sequence[FrontierPoint | Mapping[str, Any]]) -> dict[s
 # --------------------------------------------------------------------------- statistics
 
 
-def trapezoid_area(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Trapezoid area under ``y`` over ``x`` (the last axis), ``x`` ascending.
-
-    Parameters
-    ----------
-    x : numpy.ndarray, shape (K,)
-        Compression ratios, ascending.
-    y : numpy.ndarray, shape (..., K)
-        Curve values (resamples along the leading axes).
-
-    Returns
-    -------
-    numpy.ndarray, shape (...)
-        ``sum_k (x_{k+1} - x_k) (y_k + y_{k+1}) / 2``; NaN for fewer than 2 points.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if x.size < 2:
-        return np.full(y.shape[:-1], np.nan)
-    return np.sum(np.diff(x) * (y[..., 1:] + y[..., :-1]) / 2, axis=-1)
-
-
 def _median_step(f: np.ndarray) -> np.ndarray:
     """Median step of the conditional law ``f_t / p_div`` (rows of ``f``: steps 1..T); NaN without mass."""
     f = np.atleast_2d(f)
@@ -205,83 +182,6 @@ def _with_intervals(
     for m in POINT_METRICS:
         lo, hi = boot.interval(resampled[m])
         put_interval(row, prefix + m, point[m], lo, hi)
-
-
-def common_range(spans: Mapping[str, tuple[float, float]]) -> tuple[float, float, list[str]] | None:
-    """The range of x common to the most curves: ``(lo, hi, members)``, or None without a span.
-
-    Each curve spans ``[min x, max x]`` of its points. The members are the largest set of
-    curves whose spans share an interval of positive width (every span of positive width
-    when they all overlap); among sets of that size, the one whose shared interval is
-    widest (then the one lowest in x). Curves outside the set do not cover the range.
-
-    Parameters
-    ----------
-    spans : mapping of str to (float, float)
-        Curve label -> ``(lo, hi)``; spans with ``hi <= lo`` (one point) never cover a range.
-
-    Returns
-    -------
-    (float, float, list of str) or None
-        The shared interval ``[lo, hi]`` and its members in the mapping's order.
-    """
-    spans = {k: (float(a), float(b)) for k, (a, b) in spans.items() if b > a}
-    if not spans:
-        return None
-    edges = sorted({e for span in spans.values() for e in span})
-    best = None
-    for a, b in zip(edges[:-1], edges[1:]):
-        members = [k for k, (lo, hi) in spans.items() if lo <= a and b <= hi]
-        if not members:
-            continue
-        lo, hi = max(spans[k][0] for k in members), min(spans[k][1] for k in members)
-        key = (len(members), hi - lo, -lo)
-        if best is None or key > best[0]:
-            best = (key, (lo, hi, members))
-    return best[1]
-
-
-def range_mean(x: np.ndarray, y: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    """Mean over ``[lo, hi]`` of the piecewise-linear interpolant of ``y`` over ``x`` (the last axis).
-
-    Parameters
-    ----------
-    x : numpy.ndarray, shape (K,)
-        Strictly ascending abscissae (KV bytes per prompt token) with ``x[0] <= lo`` and
-        ``hi <= x[-1]``.
-    y : numpy.ndarray, shape (..., K)
-        Curve values (resamples along the leading axes).
-    lo, hi : float
-        The range; ``lo == hi`` gives the interpolated value there.
-
-    Returns
-    -------
-    numpy.ndarray, shape (...)
-        ``integral_lo^hi y(x) dx / (hi - lo)``, exactly (trapezoids between ``lo``, the
-        points inside the range and ``hi``).
-
-    Raises
-    ------
-    ValueError
-        If the range lies outside ``[x[0], x[-1]]``.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if not (x[0] <= lo <= hi <= x[-1]):
-        raise ValueError(f"range [{lo:g}, {hi:g}] lies outside the curve's [{x[0]:g}, {x[-1]:g}]")
-    at = np.unique(np.concatenate([[lo, hi], x[(x > lo) & (x < hi)]]))
-    seg = np.clip(np.searchsorted(x, at, side="right") - 1, 0, x.size - 2) if x.size > 1 else np.zeros(at.size, int)
-    weights = np.zeros((at.size, x.size))
-    if x.size == 1:
-        weights[:, 0] = 1.0
-    else:
-        t = (at - x[seg]) / (x[seg + 1] - x[seg])
-        weights[np.arange(at.size), seg] = 1 - t
-        weights[np.arange(at.size), seg + 1] += t
-    values = y @ weights.T
-    if at.size == 1:
-        return values[..., 0]
-    return trapezoid_area(at, values) / (hi - lo)
 
 
 #: Column types of the per-point frontier table.
@@ -394,9 +294,9 @@ def frontier_tables(
         ``E_M``); ``above_floor`` both.
     areas : polars.DataFrame
         ``AREA_SCHEMA``: one row per (model, curve). ``range_lo``, ``range_hi``: the
-        KV bytes per prompt token common to the ranked curves (:func:`common_range`);
+        KV bytes per prompt token common to the ranked curves (:func:`~kvdiverge.estimation.frontier_ranking.common_range`);
         ``covers_range``: the curve is one of them; ``mean_*``: the mean of its ``E[M]``
-        (``p_div``) over that range, interpolated linearly in bytes (:func:`range_mean`),
+        (``p_div``) over that range, interpolated linearly in bytes (:func:`~kvdiverge.estimation.frontier_ranking.range_mean`),
         with intervals; ranked by ``mean_E_M`` (then ``mean_p_div``, then the label), the
         curves that do not cover the range after the others, in grid order (their ``mean_*``
         NaN); ``diff_best_mean_*``: mean minus the rank-1 curve's mean (paired resamples);
@@ -555,105 +455,12 @@ def _model_frontier(rows: pl.DataFrame, grid, floor: _Floor, model: str, split: 
         for r in out:
             _with_intervals(r, fpoint, fresampled, boot, prefix="floor_")
             r["floor_n_docs"] = fl.height
-    areas = _areas(out, resampled, xs, curves, head, boot, sizes is not None)
+    areas = curve_rows(out, resampled, xs, curves, head, boot, sizes is not None)
     rank = {a["curve"]: a["rank"] for a in areas}
     for r in out:
         r["rank"] = rank.get(r["curve"])
     out.sort(key=lambda r: (r["rank"] or 0, r["budget"] is not None, r["compression_ratio"] or 0.0, r["budget"] or 0))
     return out, areas
-
-
-def _curve_values(pts, resampled, x, span, metric, boot: Bootstrap):
-    """``(value, resamples)`` of the curve's mean over ``span = (lo, hi)`` (None: NaN) and of its area
-    over the ratios (``pts`` in the order of ``x``; ``resampled``: policy -> metric -> resamples)."""
-    nan = (np.float64(np.nan), np.full(boot.n_boot, np.nan))
-    if not pts:
-        return {"mean": nan, "area": nan}
-    y = np.array([r[metric] for r in pts])
-    yb = np.column_stack([resampled[r["policy"]][metric] for r in pts])
-    order = np.argsort([r["compression_ratio"] for r in pts])
-    ratios = np.array([pts[i]["compression_ratio"] for i in order])
-    mean = nan if span is None else (range_mean(x, y, *span), range_mean(x, yb, *span))
-    return {"mean": mean, "area": (trapezoid_area(ratios, y[order]), trapezoid_area(ratios, yb[:, order]))}
-
-
-def _with_differences(rows, values, boot: Bootstrap):
-    """``mean_*``, ``area_*`` with intervals, and their paired differences from the rank-1 curve."""
-    best = rows[0]
-    for r in rows:
-        for m in ("E_M", "p_div"):
-            for kind in ("mean", "area"):
-                val, samples = values[r["curve"]][m][kind]
-                bval, bsamples = values[best["curve"]][m][kind]
-                lo, hi = boot.interval(samples)
-                put_interval(r, f"{kind}_{m}", val, lo, hi)
-                comparable = kind == "mean" or r["_ratios"] == best["_ratios"]
-                dlo, dhi = boot.interval(samples - bsamples) if comparable else (math.nan, math.nan)
-                r[f"diff_best_{kind}_{m}"] = float(val - bval) if comparable else math.nan
-                r[f"diff_best_{kind}_{m}_lo"], r[f"diff_best_{kind}_{m}_hi"] = float(dlo), float(dhi)
-    for r in rows:
-        del r["_ratios"]
-
-
-def _areas(points, resampled, xs, curves, head: Mapping[str, Any], boot: Bootstrap, in_bytes: bool):
-    """Per-curve rows of one model, ranked by the mean ``E[M]`` over the common range (see :func:`frontier_tables`).
-
-    ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``in_bytes``: the abscissae ``xs``
-    are KV bytes per prompt token (else retention).
-    """
-    by_policy = {r["policy"]: r for r in points}
-    members = {
-        label: sorted((by_policy[p] for p in c["policies"]), key=lambda r: xs[r["policy"]])
-        for label, c in curves.items()
-    }
-    spans = {label: (xs[pts[0]["policy"]], xs[pts[-1]["policy"]]) for label, pts in members.items() if pts}
-    common = common_range(spans)
-    lo, hi, covering = common if common else (None, None, [])
-    rows, values = [], {}
-    for label, pts in members.items():
-        x = np.array([xs[r["policy"]] for r in pts])
-        inside = label in covering
-        span = (lo, hi) if inside else None
-        values[label] = {m: _curve_values(pts, resampled, x, span, m, boot) for m in ("E_M", "p_div")}
-        ratios = sorted(r["compression_ratio"] for r in pts)
-        above = [r["compression_ratio"] for r in pts if r["above_floor"]]
-        rows.append(
-            {
-                "model": head["model"],
-                "split": head["split"],
-                "curve": label,
-                "press": curves[label]["press"],
-                "cache": curves[label]["cache"],
-                "covers_range": inside,
-                "n_docs": head["n_docs"],
-                "T": head["T"],
-                "n_ratios": len(pts),
-                "ratio_min": ratios[0] if pts else math.nan,
-                "ratio_max": ratios[-1] if pts else math.nan,
-                "_ratios": ratios,
-                "bytes_min": float(x[0]) if in_bytes and pts else math.nan,
-                "bytes_max": float(x[-1]) if in_bytes and pts else math.nan,
-                "range_lo": lo if in_bytes and lo is not None else math.nan,
-                "range_hi": hi if in_bytes and hi is not None else math.nan,
-                "first_ratio_above_floor": min(above) if above else math.nan,
-                "above_floor_everywhere": bool(pts) and len(above) == len(pts),
-            }
-        )
-
-    order = {label: i for i, label in enumerate(curves)}
-
-    def key(r):
-        if not r["covers_range"]:  # after the ranked curves, in grid order
-            return (1, 0.0, 0.0, "", order[r["curve"]])
-        e, p = (float(values[r["curve"]][m]["mean"][0]) for m in ("E_M", "p_div"))
-        return (0, e, p, r["curve"], 0)
-
-    rows.sort(key=key)
-    for i, r in enumerate(rows, start=1):
-        r["rank"] = i
-    if rows:
-        _with_differences(rows, values, boot)
-    return rows
 
 
 def measured_frontier(
