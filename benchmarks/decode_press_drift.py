@@ -152,7 +152,8 @@ def main() -> None:
     from kvdiverge.config.inputs import sotu_prompts
     from kvdiverge.data.prompts import render_ids
     from kvdiverge.engine.llm.pair_base import stock_kernels
-    from kvdiverge.models.loading import EMBEDDED_MODEL, load_model
+    from kvdiverge.models.embedded import EMBEDDED_MODEL
+    from kvdiverge.models.loading import load_model
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")

@@ -1,7 +1,7 @@
 """Every press of the registry on the embedded model: status, p_div, and the reference side untouched.
 
 One ~200-token chat prompt on SmolLM2-135M (the embedded GGUF model,
-:data:`kvdiverge.models.loading.EMBEDDED_MODEL`), ``T = 4`` new tokens, ``R = 2`` replicates,
+:data:`kvdiverge.models.embedded.EMBEDDED_MODEL`), ``T = 4`` new tokens, ``R = 2`` replicates,
 each press's test instance from the registry (:func:`kvdiverge.engine.presses.status.test_spec`:
 ``compression_ratio=0.5`` where the press takes one, SnapKV or Knorm inside wrappers).
 
@@ -59,7 +59,8 @@ def main() -> None:
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses import status as press_status
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.models.loading import EMBEDDED_MODEL, load_model
+    from kvdiverge.models.embedded import EMBEDDED_MODEL
+    from kvdiverge.models.loading import load_model
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")

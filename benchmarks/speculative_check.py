@@ -31,7 +31,8 @@ import torch
 
 import kvdiverge
 from kvdiverge.config.inputs import prepare_documents, sotu_prompts
-from kvdiverge.models.loading import EMBEDDED_MODEL, load_model, local_entry
+from kvdiverge.models.embedded import EMBEDDED_MODEL
+from kvdiverge.models.loading import load_model, local_entry
 from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted
 
 PRESSES = {  # the default config's prefill presses (config/config.yaml)

@@ -171,10 +171,10 @@ def build_once(tmp_path_factory, name: str, build) -> Path:
 
 def pytest_sessionstart(session):
     """Converted GGUF models are kept in a directory of this session
-    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.models.loading.conversion_cache`), shared by
+    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.models.sources.conversion_cache`), shared by
     the test process, its xdist workers and the workflow runs it starts, never the user's:
     the session converts the embedded model once per dtype, whatever was converted before."""
-    from kvdiverge.models.loading import CACHE_ENV
+    from kvdiverge.models.sources import CACHE_ENV
 
     if CACHE_ENV not in os.environ:
         os.environ[CACHE_ENV] = str(session_dir(session.config._tmp_path_factory) / "conversions")
@@ -185,7 +185,8 @@ def embedded_dir(tmp_path_factory) -> Path:
     """The embedded model (GGUF) converted once per session into a local Hugging Face
     directory (:func:`kvdiverge.models.loading.convert_to_directory`); it loads in about a
     second, with the weights ``load_model`` gives from the GGUF file (tests/test_models.py)."""
-    from kvdiverge.models.loading import EMBEDDED_MODEL, convert_to_directory
+    from kvdiverge.models.embedded import EMBEDDED_MODEL
+    from kvdiverge.models.loading import convert_to_directory
 
     return build_once(
         tmp_path_factory, "embedded-model", lambda out: convert_to_directory(EMBEDDED_MODEL, out, "smollm2-135m")
@@ -195,7 +196,8 @@ def embedded_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_entry(embedded_dir) -> dict:
     """The ``source: local`` entry of the converted embedded model (float32, CPU, sdpa)."""
-    from kvdiverge.models.loading import EMBEDDED_MODEL, local_entry
+    from kvdiverge.models.embedded import EMBEDDED_MODEL
+    from kvdiverge.models.loading import local_entry
 
     return local_entry(EMBEDDED_MODEL, embedded_dir)
 
@@ -216,7 +218,8 @@ def gemma(tmp_path_factory):
     """``(model, tokenizer)`` of the second embedded model, Gemma 3 270M, loaded once per session
     from its conversion (kept under the session's ``KVDIVERGE_CACHE_DIR``: the chunks assembled,
     the tokenizer rebuilt and de-quantized once, about 20 s; then about a second)."""
-    from kvdiverge.models.loading import GEMMA_MODEL, GEMMA_NAME, convert_to_directory, load_model, local_entry
+    from kvdiverge.models.embedded import GEMMA_MODEL, GEMMA_NAME
+    from kvdiverge.models.loading import convert_to_directory, load_model, local_entry
 
     out = build_once(tmp_path_factory, "gemma-model", lambda o: convert_to_directory(GEMMA_MODEL, o, GEMMA_NAME))
     return load_model(local_entry(GEMMA_MODEL, out), GEMMA_NAME)

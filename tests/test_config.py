@@ -664,7 +664,7 @@ def test_the_embedded_gemmas_layers_are_read_from_its_first_chunk_without_torch(
 
     code = (
         "import sys; from kvdiverge.config.layers import entry_layers; "
-        "from kvdiverge.models.loading import GEMMA_MODEL; layers = entry_layers(GEMMA_MODEL); "
+        "from kvdiverge.models.embedded import GEMMA_MODEL; layers = entry_layers(GEMMA_MODEL); "
         "print(layers.layer_types, layers.sliding_window, 'torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,6 +1,6 @@
 """Gemma 3 270M through the engine: its sliding-window layers measured correctly.
 
-The second embedded model (:data:`kvdiverge.models.loading.GEMMA_MODEL`) has 15 sliding-window
+The second embedded model (:data:`kvdiverge.models.embedded.GEMMA_MODEL`) has 15 sliding-window
 layers of 512 tokens and 3 full-attention layers. On a prompt of 700 tokens, longer than the
 window, greedy decoding through the engine must equal
 
@@ -22,7 +22,7 @@ from kvdiverge.data.corpus import sotu_units
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
-from kvdiverge.models.loading import GEMMA_NAME
+from kvdiverge.models.embedded import GEMMA_NAME
 from kvdiverge.testing.generation import greedy_generate, greedy_sides, until_eos
 
 pytestmark = pytest.mark.llm
@@ -86,7 +86,7 @@ def test_the_config_check_reads_the_layers_the_loaded_model_has(gemma):
     engine's refusals read them as they read its config."""
     from kvdiverge.config.layers import entry_layers
     from kvdiverge.engine.presses.registry import sliding_refusal
-    from kvdiverge.models.loading import GEMMA_MODEL
+    from kvdiverge.models.embedded import GEMMA_MODEL
 
     model, _ = gemma
     layers = entry_layers(GEMMA_MODEL, GEMMA_NAME)

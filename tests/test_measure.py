@@ -213,7 +213,7 @@ def test_model_entry_kinds(tmp_path):
 def test_embedded_model_is_the_default_configs_model():
     import yaml
 
-    from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME
+    from kvdiverge.models.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert config["models"] == {EMBEDDED_NAME: EMBEDDED_MODEL}

@@ -12,12 +12,8 @@ import pytest
 
 from kvdiverge.data.prompts import build_prompts, prompt_settings, render_ids, render_text
 from kvdiverge.engine.llm.llm_pair import model_eos_ids as eos_ids
-from kvdiverge.models.loading import (
-    ModelNotFoundError,
-    context_length,
-    load_model,
-    resolve,
-)
+from kvdiverge.models.loading import context_length, load_model
+from kvdiverge.models.sources import ModelNotFoundError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = {
@@ -34,7 +30,7 @@ SMOL = {
 def smol():
     """The embedded model and tokenizer read from the GGUF file itself (the conversion cache
     off), once for this file (~15 s)."""
-    from kvdiverge.models.loading import CACHE_ENV
+    from kvdiverge.models.sources import CACHE_ENV
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(CACHE_ENV, "off")
@@ -195,7 +191,7 @@ def _fake_gguf(tmp_path, content=b"GGUF weights") -> dict:
 
 
 def test_conversion_cache_directory_follows_the_environment(monkeypatch, tmp_path):
-    from kvdiverge.models.loading import CACHE_ENV, conversion_cache
+    from kvdiverge.models.sources import CACHE_ENV, conversion_cache
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kept"))
     assert conversion_cache() == tmp_path / "kept"
@@ -228,6 +224,7 @@ def test_conversion_key_changes_with_the_file_dtype_and_attention(tmp_path):
 
 def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, tmp_path):
     from kvdiverge.models import loading as models
+    from kvdiverge.models.sources import CACHE_ENV
 
     calls = []
 
@@ -237,7 +234,7 @@ def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, t
         (out / "model.safetensors").write_bytes(spec["dtype"].encode())
 
     monkeypatch.setattr(models, "_save_converted", save)
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kept"))
     spec = _fake_gguf(tmp_path)
     first = models.convert_to_directory(spec, tmp_path / "run-a" / "m", "m")
     second = models.convert_to_directory(spec, tmp_path / "run-b" / "m", "m")
@@ -249,13 +246,14 @@ def test_a_gguf_entry_is_converted_once_and_linked_from_the_cache(monkeypatch, t
     models.convert_to_directory({**spec, "dtype": "bfloat16"}, tmp_path / "run-b" / "m", "m")  # replaced
     assert calls[-1] == ("bfloat16", "m") and b.read_bytes() == b"bfloat16" and a.read_bytes() == b"float32"
     assert sorted(p.name for p in (tmp_path / "run-b").iterdir()) == ["m"]  # no temporary left behind
-    monkeypatch.setenv(models.CACHE_ENV, "off")
+    monkeypatch.setenv(CACHE_ENV, "off")
     models.convert_to_directory(spec, tmp_path / "run-c" / "m", "m")
     assert len(calls) == 3 and (tmp_path / "run-c/m/model.safetensors").stat().st_ino != a.stat().st_ino
 
 
 def test_load_model_reads_a_gguf_entry_from_its_kept_conversion(monkeypatch, tmp_path):
     from kvdiverge.models import loading as models
+    from kvdiverge.models.sources import CACHE_ENV
 
     saved, loaded = [], []
 
@@ -265,7 +263,7 @@ def test_load_model_reads_a_gguf_entry_from_its_kept_conversion(monkeypatch, tmp
 
     monkeypatch.setattr(models, "_save_converted", save)
     monkeypatch.setattr(models, "_load_model", lambda spec, name, tokenizer: loaded.append(spec) or ("m", "t"))
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kept"))
     spec = {**_fake_gguf(tmp_path), "device": "cpu"}
     assert models.kept_conversion(spec) is None  # nothing converted yet: the tokenizer reads the GGUF file
     assert models.load_model(spec, "m") == ("m", "t") and models.load_model(spec, "m") == ("m", "t")
@@ -273,7 +271,7 @@ def test_load_model_reads_a_gguf_entry_from_its_kept_conversion(monkeypatch, tmp
     assert saved == ["m.gguf"]  # converted once, on first use
     assert loaded == [{"source": "local", "path": str(kept), "dtype": "float32", "device": "cpu"}] * 2
     assert models.kept_conversion(spec) == loaded[0]
-    monkeypatch.setenv(models.CACHE_ENV, "off")
+    monkeypatch.setenv(CACHE_ENV, "off")
     assert models.kept_conversion(spec) is None
     models.load_model(spec, "m")
     assert loaded[-1] == spec and saved == ["m.gguf"]  # the GGUF file itself, as asked

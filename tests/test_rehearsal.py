@@ -102,7 +102,8 @@ def test_a_small_vocabulary_stand_in_keeps_its_eos_count_and_reads_every_prompt(
 
 
 def test_a_tokenizer_cut_at_its_own_size_is_the_same_tokenizer_and_a_smaller_one_never_breaks_text():
-    from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME, load_tokenizer
+    from kvdiverge.models.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
+    from kvdiverge.models.loading import load_tokenizer
     from kvdiverge.models.standins import truncated_tokenizer
 
     full = load_tokenizer(EMBEDDED_MODEL, EMBEDDED_NAME)

@@ -47,7 +47,8 @@ from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.presses.registry import refusal
 from kvdiverge.engine.runner import Document, PressSource, check_prompt_lengths
 from kvdiverge.estimation.frontier import FrontierPoint
-from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME, GEMMA_MODEL, GEMMA_NAME, context_length
+from kvdiverge.models.embedded import EMBEDDED_MODELS, embedded_choices
+from kvdiverge.models.loading import context_length
 from kvdiverge.settings.checks import eos_id_problems, model_problem, token_id_problems, vocab_size
 
 __all__ = [
@@ -541,8 +542,8 @@ def sotu_prompts(n: int, min_words: int, max_words: int, split_seed: int = 7) ->
 def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[str, dict[str, Any]]:
     """``(name, config entry)`` of the model argument.
 
-    ``embedded`` is the default model (:data:`kvdiverge.models.loading.EMBEDDED_MODEL`), ``gemma3-270m``
-    the second embedded model (:data:`kvdiverge.models.loading.GEMMA_MODEL`); an existing
+    An embedded model's argument names it (:data:`kvdiverge.models.embedded.EMBEDDED_MODELS`: ``embedded``
+    the default model, ``gemma3-270m`` the second), under its config name; an existing
     directory or ``.gguf`` file loads locally; anything else that does not look like a path
     is a hub id (read from the local Hugging Face cache when present).
 
@@ -552,10 +553,9 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
         A path that does not exist, or a file that is not GGUF.
     """
     extra = {"dtype": dtype, "device": device}
-    if model == "embedded":
-        return EMBEDDED_NAME, {**EMBEDDED_MODEL, **extra}
-    if model == GEMMA_NAME:
-        return GEMMA_NAME, {**GEMMA_MODEL, **extra}
+    for embedded in EMBEDDED_MODELS:
+        if model == embedded.argument:
+            return embedded.name, {**embedded.entry, **extra}
     p = Path(model).expanduser()
     if p.is_dir():
         return p.resolve().name, {"source": "local", "path": str(p), **extra}
@@ -563,7 +563,7 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
         if p.suffix.lower() != ".gguf":
             raise InputError(
                 f"model {model!r} is a file but not a GGUF file; give a model directory, "
-                f"a .gguf file, a hub id, 'embedded' or '{GEMMA_NAME}'"
+                f"a .gguf file, a hub id, {embedded_choices()}"
             )
         return p.stem, {"source": "local", "path": str(p.parent), "gguf_file": p.name, **extra}
     looks_like_path = (

@@ -51,7 +51,9 @@ from kvdiverge.data.tasks import TASKS
 from kvdiverge.doors.outputs import output_guard
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
-from kvdiverge.models.loading import ModelNotFoundError, load_model, load_model_config, load_tokenizer
+from kvdiverge.models.embedded import EMBEDDED_MODELS
+from kvdiverge.models.loading import load_model, load_model_config, load_tokenizer
+from kvdiverge.models.sources import ModelNotFoundError
 from kvdiverge.planning.cost import add_cost_parser, run_cost
 from kvdiverge.report.formatting import task_text
 
@@ -127,7 +129,8 @@ def _press_arguments(p: argparse.ArgumentParser) -> None:
     """The model, the presses, the caches and the budget."""
     p.add_argument(
         "model",
-        help="'embedded' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), a model directory, a .gguf file or a hub id",
+        help=", ".join(f"'{m.argument}' ({m.label})" for m in EMBEDDED_MODELS)
+        + ", a model directory, a .gguf file or a hub id",
     )
     p.add_argument(
         "--press",

