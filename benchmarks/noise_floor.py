@@ -36,8 +36,9 @@ from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.estimators import document_estimates, pooled_estimates, replicate_estimates
+from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.floor import floor_comparison
+from kvdiverge.estimation.pooling import pooled_estimates
 from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.models.loading import context_length, load_model, load_model_config, load_tokenizer
 

@@ -16,9 +16,9 @@ from kvdiverge.estimation.confirmatory import (
     plan_hash,
     validate_plan,
 )
-from kvdiverge.estimation.estimators import pooled_estimates, survival_curve
 from kvdiverge.estimation.floor import floor_comparison
 from kvdiverge.estimation.gap import gap_decomposition, gap_terms
+from kvdiverge.estimation.pooling import pooled_estimates, survival_curve
 from kvdiverge.estimation.timing import timing_table
 from kvdiverge.io.files import save_table
 from kvdiverge.report.pages import confirmatory_html, summary_html

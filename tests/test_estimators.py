@@ -10,14 +10,8 @@ from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.decomposition import DecompositionError, check_decomposition
-from kvdiverge.estimation.estimators import (
-    branch_tv_curve,
-    btv_window,
-    document_estimates,
-    pooled_estimates,
-    replicate_estimates,
-    survival_curve,
-)
+from kvdiverge.estimation.estimators import btv_window, document_estimates, replicate_estimates
+from kvdiverge.estimation.pooling import branch_tv_curve, pooled_estimates, survival_curve
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.testing.exact import enumerate_coupled
 

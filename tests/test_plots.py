@@ -8,14 +8,9 @@ from kvdiverge.engine.core.coupled import simulate
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.confirmatory import confirmatory_analysis
-from kvdiverge.estimation.estimators import (
-    branch_tv_curve,
-    document_estimates,
-    pooled_estimates,
-    replicate_estimates,
-    survival_curve,
-)
+from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.gap import gap_decomposition
+from kvdiverge.estimation.pooling import branch_tv_curve, pooled_estimates, survival_curve
 from kvdiverge.estimation.speculative import speculative_table
 from kvdiverge.estimation.timing import variance_table
 from kvdiverge.report import analyses, speculative, survival

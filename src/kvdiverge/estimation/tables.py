@@ -26,15 +26,10 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from kvdiverge.estimation.bootstrap import Bootstrap, interval_columns
-from kvdiverge.estimation.estimators import (
-    branch_tv_curve,
-    document_estimates,
-    pooled_estimates,
-    replicate_estimates,
-    survival_curve,
-)
+from kvdiverge.estimation.estimators import document_estimates, replicate_estimates
 from kvdiverge.estimation.floor import floor_differences
 from kvdiverge.estimation.gap import GAP_SCHEMA, gap_decomposition
+from kvdiverge.estimation.pooling import branch_tv_curve, pooled_estimates, survival_curve
 from kvdiverge.estimation.timing import timing_table, variance_table
 
 __all__ = [
@@ -107,7 +102,7 @@ def pool(documents: pl.DataFrame, boot: Bootstrap) -> dict[str, pl.DataFrame]:
     -------
     dict of str to polars.DataFrame
         Keys :data:`POOL_TABLES`: ``pooled``
-        (:func:`kvdiverge.estimation.estimators.pooled_estimates`, one row per run), ``timing``
+        (:func:`kvdiverge.estimation.pooling.pooled_estimates`, one row per run), ``timing``
         (:func:`kvdiverge.estimation.timing.timing_table`), ``survival`` (steps ``t = 0..T``),
         ``branch_tv`` (lags ``1..T``), ``variance``.
 

@@ -19,9 +19,9 @@ def timing_table(pooled: pl.DataFrame, survival: pl.DataFrame) -> pl.DataFrame:
     Parameters
     ----------
     pooled : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
+        :func:`kvdiverge.estimation.pooling.pooled_estimates` output.
     survival : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.survival_curve` output.
+        :func:`kvdiverge.estimation.pooling.survival_curve` output.
 
     Returns
     -------

@@ -112,7 +112,7 @@ def plot_branch_tv(
     Parameters
     ----------
     curve : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.branch_tv_curve` output (lags with no document are NaN).
+        :func:`kvdiverge.estimation.pooling.branch_tv_curve` output (lags with no document are NaN).
     early, late : (a, b), optional
         Confirmatory lag windows, shaded.
     """

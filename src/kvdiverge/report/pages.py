@@ -324,7 +324,7 @@ def summary_html(
     Parameters
     ----------
     pooled : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.pooled_estimates` output.
+        :func:`kvdiverge.estimation.pooling.pooled_estimates` output.
     gaps : polars.DataFrame
         :func:`~kvdiverge.estimation.gap.gap_decomposition` rows.
     confirmatory : polars.DataFrame

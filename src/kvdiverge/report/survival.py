@@ -37,7 +37,7 @@ def draw_survival(ax, survival: pl.DataFrame, title: str | None = None, floor: s
     ax : matplotlib.axes.Axes
         Target axes.
     survival : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.survival_curve` rows of one model (any runs).
+        :func:`kvdiverge.estimation.pooling.survival_curve` rows of one model (any runs).
     title : str, optional
         Axes title (default: the model).
     floor : str, optional
@@ -72,7 +72,7 @@ def survival_figure(survival: pl.DataFrame, floor: str | None = None) -> plt.Fig
     Parameters
     ----------
     survival : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.survival_curve` output; bands are the bootstrap intervals.
+        :func:`kvdiverge.estimation.pooling.survival_curve` output; bands are the bootstrap intervals.
     floor : str, optional
         The noise-floor policy, drawn grey and dashed.
     """
@@ -93,7 +93,7 @@ def plot_survival(survival: pl.DataFrame, png, pdf, floor: str | None = None) ->
     Parameters
     ----------
     survival : polars.DataFrame
-        :func:`kvdiverge.estimation.estimators.survival_curve` output.
+        :func:`kvdiverge.estimation.pooling.survival_curve` output.
     png, pdf : path
         Outputs.
     floor : str, optional
