@@ -19,14 +19,8 @@ from kvdiverge.estimation.beyond_ratio import (
 )
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.confirmatory import holm
-from kvdiverge.estimation.prediction import (
-    PredictionInputError,
-    PredictionSettings,
-    prediction_problems,
-    prediction_study,
-    prediction_tables,
-    press_errors,
-)
+from kvdiverge.estimation.prediction import PredictionSettings, prediction_study, prediction_tables, press_errors
+from kvdiverge.estimation.prediction_inputs import PredictionInputError, prediction_problems
 from kvdiverge.estimation.prediction_review import chance_accuracy, cpu_per_point, prediction_without
 from kvdiverge.estimation.task import direction
 
@@ -566,7 +560,7 @@ def test_a_jobs_cpu_per_point_is_shared_by_the_documents_it_served():
 
 
 def test_fidelity_documents_from_the_estimates_and_the_teacher_forced_tables():
-    from kvdiverge.estimation.prediction import fidelity_documents
+    from kvdiverge.estimation.prediction_inputs import fidelity_documents
 
     estimates = pl.DataFrame(
         {
@@ -597,7 +591,7 @@ def test_fidelity_documents_from_the_estimates_and_the_teacher_forced_tables():
 
 
 def test_the_ratio_of_a_point_is_the_fraction_of_the_full_caches_kv_bytes_it_removes():
-    from kvdiverge.estimation.prediction import frontier_points_table
+    from kvdiverge.estimation.prediction_inputs import frontier_points_table
 
     frontier = pl.DataFrame(
         {

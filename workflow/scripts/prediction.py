@@ -17,12 +17,8 @@ import polars as pl
 
 from kvdiverge.data.tasks import task_settings
 from kvdiverge.estimation.bootstrap import Bootstrap
-from kvdiverge.estimation.prediction import (
-    PredictionSettings,
-    fidelity_documents,
-    frontier_points_table,
-    prediction_study,
-)
+from kvdiverge.estimation.prediction import PredictionSettings, prediction_study
+from kvdiverge.estimation.prediction_inputs import fidelity_documents, frontier_points_table
 from kvdiverge.estimation.prediction_review import chance_accuracy, cpu_per_point, prediction_without
 from kvdiverge.io.files import save_table
 from kvdiverge.jobs.rulelog import rule_log

@@ -16,7 +16,8 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.estimation.prediction import PredictionInputError, PredictionSettings, prediction_study
+from kvdiverge.estimation.prediction import PredictionSettings, prediction_study
+from kvdiverge.estimation.prediction_inputs import PredictionInputError
 
 __all__ = ["chance_accuracy", "cpu_per_point", "prediction_without"]
 
