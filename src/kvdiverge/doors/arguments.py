@@ -16,15 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdiverge.config.frontier import FrontierSpec
-from kvdiverge.config.inputs import (
-    InputError,
-    check_lengths,
-    frontier_presses,
-    prepare_documents,
-    prepare_presses,
-    read_prompts,
-    sotu_prompts,
-)
+from kvdiverge.config.inputs import InputError, check_lengths, frontier_presses, prepare_documents, prepare_presses
+from kvdiverge.config.prompt_sources import read_prompts, sotu_prompts
 from kvdiverge.config.task_checks import reconstruction_problem
 from kvdiverge.data.prompts import SOTU_INSTRUCTION
 from kvdiverge.data.tasks import task_documents
@@ -208,7 +201,7 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
     """``(prompts, instruction)`` of ``--sotu`` (with :data:`kvdiverge.data.prompts.SOTU_INSTRUCTION` unless
-    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.config.inputs.sotu_prompts`, :func:`~kvdiverge.config.inputs.read_prompts`)."""
+    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.config.prompt_sources.sotu_prompts`, :func:`~kvdiverge.config.prompt_sources.read_prompts`)."""
     if args.sotu is not None:
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
         return sotu_prompts(args.sotu, *args.words), instruction
