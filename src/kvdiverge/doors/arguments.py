@@ -201,7 +201,8 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:
     """``(prompts, instruction)`` of ``--sotu`` (with :data:`kvdiverge.data.prompts.SOTU_INSTRUCTION` unless
-    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.config.prompt_sources.sotu_prompts`, :func:`~kvdiverge.config.prompt_sources.read_prompts`)."""
+    ``--instruction`` is given) or ``--prompts`` (:func:`~kvdiverge.config.prompt_sources.sotu_prompts`,
+    :func:`~kvdiverge.config.prompt_sources.read_prompts`)."""
     if args.sotu is not None:
         instruction = SOTU_INSTRUCTION if args.instruction is None else args.instruction
         return sotu_prompts(args.sotu, *args.words), instruction

@@ -1,10 +1,13 @@
 """The prespecified confirmatory test (``docs/estimators.md`` §8, confirmatory split only).
 
-- :func:`validate_plan`, :func:`plan_hash` — the plan (config ``confirmatory``) must be
+- :func:`~kvdiverge.estimation.confirmatory.validate_plan`, :func:`~kvdiverge.estimation.confirmatory.plan_hash` —
+  the plan (config ``confirmatory``) must be
   complete; its hash is printed in the report.
-- :func:`confirmatory_analysis` — per model, per document ``d = btv[late] - btv[early]``
+- :func:`~kvdiverge.estimation.confirmatory.confirmatory_analysis` — per model, per document ``d = btv[late] -
+  btv[early]``
   (§6 branch-aligned TV), one-sided Wilcoxon signed-rank (scipy), Holm across models
-  (:func:`holm`), paired mean difference with a bootstrap interval. Documents whose branches
+  (:func:`~kvdiverge.estimation.confirmatory.holm`), paired mean difference with a bootstrap interval. Documents
+  whose branches
   never reach a window are counted and reported. Refuses any split but ``confirmatory``. The
   noise floor's own late − early difference is reported beside it (outside the
   multiplicity family).

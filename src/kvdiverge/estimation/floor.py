@@ -1,10 +1,10 @@
 """Every policy beside the numerical noise floor (every split that has policies).
 
-- :func:`floor_comparison` — each policy next to the noise-floor control
+- :func:`~kvdiverge.estimation.floor.floor_comparison` — each policy next to the noise-floor control
   (``PermutationPress``: equal kernels in exact arithmetic) on the documents both ran:
   ``p_div``, ``E[N]`` and mean TV per step with intervals, and whether the policy lies
   above the floor (paired document bootstrap of the difference).
-- :func:`floor_differences` — the measurement summary's ``E[M]`` and ``p_div`` minus the
+- :func:`~kvdiverge.estimation.floor.floor_differences` — the measurement summary's ``E[M]`` and ``p_div`` minus the
   floor's, read off each policy's gap decomposition to the floor.
 """
 

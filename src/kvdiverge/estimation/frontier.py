@@ -294,9 +294,11 @@ def frontier_tables(
         ``E_M``); ``above_floor`` both.
     areas : polars.DataFrame
         ``AREA_SCHEMA``: one row per (model, curve). ``range_lo``, ``range_hi``: the
-        KV bytes per prompt token common to the ranked curves (:func:`~kvdiverge.estimation.frontier_ranking.common_range`);
+        KV bytes per prompt token common to the ranked curves
+        (:func:`~kvdiverge.estimation.frontier_ranking.common_range`);
         ``covers_range``: the curve is one of them; ``mean_*``: the mean of its ``E[M]``
-        (``p_div``) over that range, interpolated linearly in bytes (:func:`~kvdiverge.estimation.frontier_ranking.range_mean`),
+        (``p_div``) over that range, interpolated linearly in bytes
+        (:func:`~kvdiverge.estimation.frontier_ranking.range_mean`),
         with intervals; ranked by ``mean_E_M`` (then ``mean_p_div``, then the label), the
         curves that do not cover the range after the others, in grid order (their ``mean_*``
         NaN); ``diff_best_mean_*``: mean minus the rank-1 curve's mean (paired resamples);
@@ -366,7 +368,8 @@ def _shared_documents(rows: pl.DataFrame, grid, model: str, split: str) -> tuple
 
 
 def _point_row(g: pl.DataFrame, p: FrontierPoint, curves, head: Mapping[str, Any], sizes):
-    """The point's identity, retention and KV bytes (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`), and its abscissa.
+    """The point's identity, retention and KV bytes (:func:`~kvdiverge.estimation.kv_bytes.kv_bytes_per_element`),
+    and its abscissa.
 
     ``head``: the model's ``model``, ``split``, ``n_docs`` and ``T``; ``sizes``: its KV sizes or None.
     """

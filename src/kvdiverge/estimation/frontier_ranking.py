@@ -1,9 +1,11 @@
 """The ranking of a frontier's curves (:func:`kvdiverge.estimation.frontier.frontier_tables`' second table).
 
-- :func:`common_range` — the range of KV bytes per prompt token common to the most curves;
-- :func:`range_mean` — a curve's mean over that range, linear in bytes;
-- :func:`trapezoid_area` — the area under a curve over its compression ratios;
-- :func:`curve_rows` — one row per curve: those means and areas with document-bootstrap
+- :func:`~kvdiverge.estimation.frontier_ranking.common_range` — the range of KV bytes per prompt token common to
+  the most curves;
+- :func:`~kvdiverge.estimation.frontier_ranking.range_mean` — a curve's mean over that range, linear in bytes;
+- :func:`~kvdiverge.estimation.frontier_ranking.trapezoid_area` — the area under a curve over its compression ratios;
+- :func:`~kvdiverge.estimation.frontier_ranking.curve_rows` — one row per curve: those means and areas with
+  document-bootstrap
   intervals, ranked by the mean ``E[M]``, with each one's paired difference from the best curve.
 """
 

@@ -1,9 +1,9 @@
 """The gap decomposition (``docs/estimators.md`` §7, exploratory split).
 
-:func:`gap_decomposition` — the gap in expected token loss between two policies on the
+:func:`~kvdiverge.estimation.gap.gap_decomposition` — the gap in expected token loss between two policies on the
 same documents, split exactly into first-mismatch, exposure and rate terms
-(:func:`gap_terms`), each with its share of the gap and paired document-bootstrap intervals;
-:data:`GAP_SCHEMA`, the table's column types.
+(:func:`~kvdiverge.estimation.gap.gap_terms`), each with its share of the gap and paired document-bootstrap intervals;
+:data:`~kvdiverge.estimation.gap.GAP_SCHEMA`, the table's column types.
 """
 
 from __future__ import annotations

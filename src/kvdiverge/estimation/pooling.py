@@ -2,10 +2,11 @@
 per-document estimates (:func:`kvdiverge.estimation.estimators.document_estimates`), with
 document-bootstrap percentile intervals (:mod:`kvdiverge.estimation.bootstrap`).
 
-- :func:`pooled_estimates` — per run: the means, the §3 decomposition of ``E[M]`` checked, the
+- :func:`~kvdiverge.estimation.pooling.pooled_estimates` — per run: the means, the §3 decomposition of ``E[M]``
+  checked, the
   §4 sharp interval, the variance ratios (§5);
-- :func:`survival_curve` — ``S_t`` and ``f_t`` per run with bands;
-- :func:`branch_tv_curve` — the §6 branch-aligned TV by lag per run with bands.
+- :func:`~kvdiverge.estimation.pooling.survival_curve` — ``S_t`` and ``f_t`` per run with bands;
+- :func:`~kvdiverge.estimation.pooling.branch_tv_curve` — the §6 branch-aligned TV by lag per run with bands.
 
 Column names and units: :mod:`kvdiverge.estimation.estimators`.
 """

@@ -58,8 +58,8 @@ from kvdiverge.estimation.confirmatory import holm
 from kvdiverge.estimation.prediction_inputs import (
     PredictionInputError,
     full_accuracy_problem,
-    measure_problems,  # noqa: F401 (re-exported: kvdiverge.config.task_checks imports it from here)
     prediction_problems,
+    survival_columns,
 )
 from kvdiverge.estimation.task import direction
 
@@ -68,6 +68,7 @@ __all__ = [
     "PredictionSettings",
     "PredictionStudy",
     "PredictionTables",
+    "measure_problems",
     "prediction_study",
     "prediction_tables",
     "press_errors",
@@ -124,6 +125,22 @@ class PredictionSettings:
         object.__setattr__(self, "n_perm", int(self.n_perm))
         object.__setattr__(self, "band", float(self.band))
         object.__setattr__(self, "min_full_accuracy", float(self.min_full_accuracy))
+
+
+# --------------------------------------------------------------------------- the config's measures
+
+
+def measure_problems(measures: Sequence[str], T: int, key: str = "prediction.measures") -> list[str]:
+    """One sentence per fidelity measure the coupled run at horizon ``T`` cannot give: a survival
+    ``S_<t>`` past the horizon (:func:`~kvdiverge.estimation.prediction_inputs.survival_columns`), named by its
+    config ``key``."""
+    have = set(survival_columns(T))
+    return [
+        f"{key}: {m!r} is the agreement chain's survival after {m[2:]} steps, past the horizon "
+        f"decoding.max_new_tokens = {T}; allowed: S_1 to S_{T} (or raise the horizon)"
+        for m in measures
+        if m.startswith("S_") and m not in have
+    ]
 
 
 # --------------------------------------------------------------------------- one task side
@@ -439,7 +456,8 @@ def prediction_study(
 
     A side runs a subset of the frontier's points when some cannot take its question placement
     (a quantized cache cannot take a question prefilled after compression); each side is compared
-    on its own points. A side whose full cache is too weak (:func:`~kvdiverge.estimation.prediction_inputs.full_accuracy_problem`) is left
+    on its own points. A side whose full cache is too weak
+    (:func:`~kvdiverge.estimation.prediction_inputs.full_accuracy_problem`) is left
     out of the prediction tables with its sentence in the accuracy table's ``refused``, so that the
     other sides still report. Columns of the inputs as :func:`prediction_tables`'; ``fidelity`` may
     hold other points (controls), which are left out. ``chance`` gives each task's

@@ -1,13 +1,14 @@
 """The prediction study's inputs (:mod:`kvdiverge.estimation.prediction`): the fidelity side's measures
-per point and document (:func:`fidelity_documents`) and the frontier's points with the compression
-ratio in KV bytes (:func:`frontier_points_table`), from the workflow's tables; what is refused before
-any statistic (:func:`prediction_problems`, :func:`full_accuracy_problem`, :func:`measure_problems`:
-one sentence each, :class:`PredictionInputError`).
+per point and document (:func:`~kvdiverge.estimation.prediction_inputs.fidelity_documents`) and the frontier's
+points with the compression
+ratio in KV bytes (:func:`~kvdiverge.estimation.prediction_inputs.frontier_points_table`), from the workflow's
+tables; what is refused before
+any statistic (:func:`~kvdiverge.estimation.prediction_inputs.prediction_problems`,
+:func:`~kvdiverge.estimation.prediction_inputs.full_accuracy_problem`:
+one sentence each, :class:`~kvdiverge.estimation.prediction_inputs.PredictionInputError`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import polars as pl
 
@@ -16,7 +17,6 @@ __all__ = [
     "fidelity_documents",
     "frontier_points_table",
     "full_accuracy_problem",
-    "measure_problems",
     "prediction_problems",
     "survival_columns",
 ]
@@ -32,18 +32,6 @@ _KEYS = ["policy", "doc_id"]
 def survival_columns(T: int) -> list[str]:
     """The survival columns of :func:`fidelity_documents` at horizon ``T``: ``S_1`` to ``S_<T>``."""
     return [f"S_{t}" for t in range(1, int(T) + 1)]
-
-
-def measure_problems(measures: Sequence[str], T: int, key: str = "prediction.measures") -> list[str]:
-    """One sentence per fidelity measure the coupled run at horizon ``T`` cannot give: a survival
-    ``S_<t>`` past the horizon (:func:`survival_columns`), named by its config ``key``."""
-    have = set(survival_columns(T))
-    return [
-        f"{key}: {m!r} is the agreement chain's survival after {m[2:]} steps, past the horizon "
-        f"decoding.max_new_tokens = {T}; allowed: S_1 to S_{T} (or raise the horizon)"
-        for m in measures
-        if m.startswith("S_") and m not in have
-    ]
 
 
 def fidelity_documents(

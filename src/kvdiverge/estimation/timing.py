@@ -1,8 +1,8 @@
 """The per-run tables read off the pooled estimates (``docs/estimators.md`` §5, exploratory split).
 
-- :func:`timing_table` — divergence timing per model and policy: occurrence ``p_div``,
+- :func:`~kvdiverge.estimation.timing.timing_table` — divergence timing per model and policy: occurrence ``p_div``,
   mean and median first-divergence step, exposure.
-- :func:`variance_table` — ``Var(N_naive) / Var(N_cmc)`` per run (§5).
+- :func:`~kvdiverge.estimation.timing.variance_table` — ``Var(N_naive) / Var(N_cmc)`` per run (§5).
 """
 
 from __future__ import annotations

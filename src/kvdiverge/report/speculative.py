@@ -1,6 +1,6 @@
 """The speculative figure: tokens per target forward ``A_k + 1`` of a first draft block against
 its length ``k``, beside the i.i.d. formula, and the accepted fraction ``A_k / k``
-(:func:`kvdiverge.estimation.speculative.speculative_table`; :func:`plot_speculative`).
+(:func:`kvdiverge.estimation.speculative.speculative_table`; :func:`~kvdiverge.report.speculative.plot_speculative`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""The survival figures: ``S_t`` of first divergence per policy and model (:func:`plot_survival`),
-and the length figure, the EOS time's survival per side (:func:`plot_length`), the noise floor drawn
-grey and dashed; :func:`render_survival` draws the first into given Axes, to a path or as a new
+"""The survival figures: ``S_t`` of first divergence per policy and model
+(:func:`~kvdiverge.report.survival.plot_survival`),
+and the length figure, the EOS time's survival per side (:func:`~kvdiverge.report.survival.plot_length`), the noise
+floor drawn
+grey and dashed; :func:`~kvdiverge.report.survival.render_survival` draws the first into given Axes, to a path or
+as a new
 figure (:class:`kvdiverge.doors.results.Measurement`).
 """
 
