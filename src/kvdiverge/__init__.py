@@ -14,7 +14,9 @@ confirmatory -> figures, summary.
 The front door for one model and a few presses: :func:`kvdiverge.measure`
 (:mod:`kvdiverge.doors.measurement`; the command ``kvdiverge measure``, :mod:`kvdiverge.doors.cli`).
 :func:`kvdiverge.screen` (:mod:`kvdiverge.doors.screening`; ``kvdiverge measure --screen``) runs only
-the teacher-forced pass (``docs/teacher-forced.md``). Both are imported on first use, so
+the teacher-forced pass (``docs/teacher-forced.md``). :func:`kvdiverge.plan` checks a measurement
+before any model loads (:mod:`kvdiverge.doors.plan`; ``measure`` is ``plan(...).run(model)``).
+These are imported on first use, so
 ``import kvdiverge`` stays light (no torch).
 ``kvdiverge.__version__`` is the installed distribution's version (:mod:`importlib.metadata`).
 """
@@ -25,7 +27,7 @@ try:  # the one version literal is pyproject.toml's, read from the installed met
     __version__ = version("kvdiverge")
 except PackageNotFoundError:  # sources on the path without an install (PYTHONPATH=src)
     __version__ = "0+unknown"
-__all__ = ["Measurement", "Screen", "__version__", "measure", "screen"]
+__all__ = ["Measurement", "Plan", "Screen", "__version__", "measure", "plan", "screen"]
 
 
 def __getattr__(name):

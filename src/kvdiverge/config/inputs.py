@@ -55,10 +55,11 @@ __all__ = [
     "describe_press",
     "frontier_presses",
     "is_noise_floor",
-    "measure_inputs",
+    "check_model_inputs",
     "model_entry",
     "model_eos",
     "model_label",
+    "plan_presses",
     "prepare_documents",
     "prepare_presses",
     "prompt_items",
@@ -481,50 +482,63 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
 # --------------------------------------------------------------------------- a measure() call's inputs
 
 
-def measure_inputs(model, documents: Sequence[Document], presses, T: int, frontier: FrontierSpec | None = None):
-    """``(sources, grid)`` of a :func:`kvdiverge.measure` call, checked with its documents before any generation.
+def plan_presses(documents: Sequence[Document], presses, T: int, frontier: FrontierSpec | None = None):
+    """``(sources, grid)`` of a measurement, checked without the model: :func:`kvdiverge.plan`'s presses.
 
-    The model checked to be one (:func:`kvdiverge.settings.checks.model_problem`), the frontier's kinds
-    (:func:`kvdiverge.config.frontier.spec_problems`), the documents' token ids checked against the
-    model's vocabulary and their lengths against
-    ``T`` (tokens) and the model context (:func:`check_lengths`), the presses as policies
-    (:func:`prepare_presses`, built and checked later with the model), expanded over the
-    ``frontier``'s ratios, budgets and quantized caches at its cache ratios
-    (:func:`frontier_presses`; ``grid`` is None without ratios or budgets).
+    The frontier's kinds (:func:`kvdiverge.config.frontier.spec_problems`), the presses expanded
+    over its ratios, budgets and quantized caches at its cache ratios (:func:`frontier_presses`;
+    ``grid`` is None without ratios or budgets), built as policies and asked whether kvdiverge
+    measures them (:func:`prepare_presses`), and each document's length against the presses'
+    minimums (:func:`check_lengths`; the model context: :func:`check_model_inputs`).
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel
-        Its ``config.vocab_size`` and context length are read, nothing else.
     documents : sequence of kvdiverge.engine.runner.Document
         The prompts as documents (:func:`prepare_documents`).
     presses : mapping
         As :func:`prepare_presses` takes them.
     T : int
-        Horizon in tokens each document needs room for in the model context.
+        Horizon in tokens.
     frontier : kvdiverge.config.frontier.FrontierSpec, optional
+
+    Raises
+    ------
+    ValueError
+        The first problem found, in one sentence (a
+        :class:`~kvdiverge.engine.core.errors.PressError` naming a press).
+    """
+    grid, frontier = None, frontier or FrontierSpec()
+    problems = spec_problems(frontier)
+    if problems:
+        raise ValueError(problems[0])
+    if frontier.ratios or frontier.budgets:
+        presses, grid = frontier_presses(presses, frontier)
+    sources = prepare_presses(presses)
+    check_lengths(documents, sources, T)
+    return sources, grid
+
+
+def check_model_inputs(model, documents: Sequence[Document], T: int) -> None:
+    """Refuse, before any forward, a ``model`` that is not one (:func:`kvdiverge.settings.checks.model_problem`),
+    documents' token ids outside its vocabulary, and a document that with ``T`` new tokens exceeds its
+    context (:func:`check_lengths`); only ``model.config`` is read.
 
     Raises
     ------
     ValueError
         The first problem found, in one sentence.
     """
-    grid, frontier = None, frontier or FrontierSpec()
-    problems = [q for q in (model_problem(model),) if q] + spec_problems(frontier)
-    vocab = vocab_size(model)
+    problems = [q for q in (model_problem(model),) if q]
+    vocab = None if problems else vocab_size(model)
     if vocab is not None:
         problems += [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
     if problems:
         raise ValueError(problems[0])
-    if frontier.ratios or frontier.budgets:
-        presses, grid = frontier_presses(presses, frontier)
-    sources = prepare_presses(presses, check=False)  # run_policies checks each press once, with the model
     try:
         context = context_length(model)
     except (ValueError, AttributeError):
         context = None
-    check_lengths(documents, {}, T, context)  # the press minimums: run_policies, after each press's refusal
-    return sources, grid
+    check_lengths(documents, {}, T, context)
 
 
 def model_eos(model: Any, eos_ids: Any, name: str = "eos_ids") -> tuple[int, ...]:

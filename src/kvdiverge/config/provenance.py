@@ -488,14 +488,20 @@ def study_hash(table: pl.DataFrame) -> str:
 
 
 def save_measurement(
-    directory: str | os.PathLike, tables: Mapping[str, Any], settings: Mapping[str, Any], batch_documents: int | None
+    directory: str | os.PathLike,
+    tables: Mapping[str, Any],
+    settings: Mapping[str, Any],
+    batch_documents: int | None,
+    run: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write a measurement's tables, settings and provenance under ``directory``, atomically.
 
     Each table as ``<name>.parquet``, and its scalar columns as ``<name>.csv`` except for
     ``trajectories`` and ``replicates``; ``measure.json`` (the settings) and
     ``provenance.json``: ``settings_hash`` (:func:`settings_hash` of the settings),
-    ``versions`` (:func:`library_versions`) and ``batch_documents`` (the ``B`` used).
+    ``versions`` (:func:`library_versions`), ``batch_documents`` (the ``B`` used) and the items of
+    ``run`` (what the run stopped at and compared against, e.g. ``eos_ids`` and ``noise_floor``:
+    read back by :meth:`kvdiverge.doors.results.Measurement.load`).
 
     Parameters
     ----------
@@ -507,6 +513,8 @@ def save_measurement(
         The measurement's settings.
     batch_documents : int or None
         Documents per batched forward the measurement ran with.
+    run : mapping, optional
+        More of what the run used that is not a setting (JSON values), written beside ``batch_documents``.
 
     Returns
     -------
@@ -525,6 +533,7 @@ def save_measurement(
         "settings_hash": settings_hash(settings),
         "versions": library_versions(),
         "batch_documents": batch_documents,
+        **(run or {}),
     }
     write_text_atomic(json.dumps(provenance, indent=2) + "\n", out / "provenance.json")
     return written + [out / "measure.json", out / "provenance.json"]

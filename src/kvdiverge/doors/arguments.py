@@ -3,32 +3,28 @@
 ``kvdiverge measure`` (:mod:`kvdiverge.doors.cli`) parses its arguments and hands them here: they are
 checked before any work as the config checks the same settings (:func:`check_arguments`), read as
 policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``) and prompts
-(:func:`argument_prompts`), the prompts checked with the tokenizer and the model's config before
-the weights load (:func:`check_prompts`, :func:`check_model`), and turned into :func:`kvdiverge.measure`'s keywords (:func:`measure_keywords`). A refusal is an
+(:func:`argument_prompts`), and turned into :func:`kvdiverge.plan`'s keywords (:func:`measure_keywords`,
+:data:`OPTIONS` the spelling of its refusals), whose plan the command line checks with the tokenizer
+and the model's config before the weights load. A refusal is an
 :class:`~kvdiverge.config.inputs.InputError` naming the option as the command line spells it.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from kvdiverge.config.frontier import FrontierSpec
-from kvdiverge.config.inputs import InputError, check_lengths, frontier_presses, prepare_documents, prepare_presses
+from kvdiverge.config.inputs import InputError, frontier_presses, prepare_presses
 from kvdiverge.config.prompt_sources import read_prompts, sotu_prompts
 from kvdiverge.config.task_checks import reconstruction_problem
 from kvdiverge.data.prompts import SOTU_INSTRUCTION
-from kvdiverge.data.tasks import task_documents
 from kvdiverge.engine.core.sampling import decoding_options
-from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
 from kvdiverge.engine.presses.expressions import parse_press, policy_entry
 from kvdiverge.engine.presses.quantized import BACKENDS
-from kvdiverge.engine.runner import PressSource, check_policy, question_after_problems
+from kvdiverge.engine.runner import PressSource
 from kvdiverge.jobs.devices import device_problem
-from kvdiverge.models.loading import context_length
-from kvdiverge.settings.checks import check_settings, spelled
+from kvdiverge.settings.checks import check_settings
 
 __all__ = [
     "OPTIONS",
@@ -36,8 +32,6 @@ __all__ = [
     "argument_sources",
     "cache_entry",
     "check_arguments",
-    "check_model",
-    "check_prompts",
     "cli_entries",
     "measure_keywords",
     "task_block",
@@ -214,90 +208,6 @@ def task_block(args: Any) -> dict[str, Any] | None:
     if not args.task:
         return None
     return {"name": args.task, **({"question": args.question} if args.question else {})}
-
-
-def check_prompts(args: Any, prompts, tokenizer, sources, instruction, task, config=None) -> None:
-    """Refuse, before the weights load, prompts and presses that cannot run.
-
-    With the tokenizer: prompts that the task cannot take (its prompts are built here, and again
-    by :func:`kvdiverge.measure`) or shorter than a press needs, and a question after compression
-    for a policy that cannot take one. With the model's ``config``
-    (:func:`kvdiverge.models.loading.load_model_config`): a prompt that with ``-T`` new tokens
-    exceeds the model's context (:func:`~kvdiverge.config.inputs.check_lengths`, as
-    :func:`kvdiverge.measure` checks it), and what the model's layers refuse (:func:`check_model`).
-
-    Raises
-    ------
-    ValueError
-        The first refusal, in one sentence (an :class:`~kvdiverge.config.inputs.InputError`, or a
-        :class:`~kvdiverge.engine.core.errors.PressError` naming the press).
-    """
-    docs = _documents(args, prompts, tokenizer, instruction, task)
-    new_tokens = 1 if args.screen else args.max_new_tokens  # the screen's continuation is cut to the context
-    if config is not None:
-        check_lengths(docs, {}, new_tokens, context_length(config))
-        check_model(config, docs, sources, _horizon(args))
-    check_lengths(docs, sources, new_tokens)
-    if task and any(doc.n_question for doc in docs):
-        problems = question_after_problems(sources)
-        if problems:
-            raise InputError(f"--question after: {problems[0]}")
-
-
-def _documents(args: Any, prompts, tokenizer, instruction, task) -> list:
-    """The documents the run takes: the prompts rendered, or with ``--task`` the task's prompts."""
-    if not task:
-        return prepare_documents(prompts, tokenizer, instruction=instruction, system=args.system)
-    try:
-        render = {"system": args.system, "seed": args.seed}  # as measure() renders them: the same needles
-        with warnings.catch_warnings():  # measure() warns of the documents the task leaves out
-            warnings.simplefilter("ignore")
-            docs, _ = task_documents(prompts, tokenizer, task, args.max_new_tokens, render)
-    except ValueError as exc:  # the task names the config's keys: name the options
-        raise InputError(spelled(str(exc), OPTIONS)) from None
-    return docs
-
-
-def _horizon(args: Any) -> int:
-    """Cache columns a row spans beyond its prompt: ``2T - 2`` for the coupled run, the continuation's
-    length for the teacher-forced pass (``--teacher-tokens``, with ``--screen`` alone its default)."""
-    teacher = args.teacher_tokens if args.teacher_tokens is not None else DEFAULT_LENGTH if args.screen else 0
-    return teacher if args.screen else max(2 * args.max_new_tokens - 2, teacher)
-
-
-@dataclass(frozen=True)
-class _ConfigOnly:
-    """A model as the engine's checks read it before its weights load: its config alone."""
-
-    config: Any
-
-
-def check_model(config, documents, sources: Mapping[str, PressSource], horizon: int) -> None:
-    """Refuse, with the model's config alone, every press the run would refuse once the weights are loaded.
-
-    The run's own check (:func:`kvdiverge.engine.runner.check_policy`: the press's config attributes,
-    the model's layer types against the press, a question after compression on sliding-window
-    layers) on a stand-in that holds only ``config``, as :func:`kvdiverge.measure` asks it of the model.
-
-    Parameters
-    ----------
-    config : transformers.PretrainedConfig
-        The model's config (:func:`kvdiverge.models.loading.load_model_config`).
-    documents : sequence of kvdiverge.engine.runner.Document
-        The run's documents.
-    sources : mapping of str to PressSource
-        The policies, by name.
-    horizon : int
-        Cache columns a row spans beyond its prompt (:func:`kvdiverge.engine.runner.check_policy`).
-
-    Raises
-    ------
-    kvdiverge.engine.core.errors.PressError
-        Naming the press and what the model's layers or config refuse.
-    """
-    model = _ConfigOnly(config)
-    for name, source in sources.items():
-        check_policy(model, documents, source, f"press {name!r}", horizon)
 
 
 #: :func:`kvdiverge.measure`'s keywords that the command line passes as they are, by option name.

@@ -1,9 +1,10 @@
-"""The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.measure`.
+"""The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.plan`.
 
-Argument parsing, loading the model, the printed summary and the files under ``--out``. What the
-arguments mean, checked before any work, is :mod:`kvdiverge.doors.arguments` (policies, prompts and
-:func:`kvdiverge.measure`'s keywords); everything else is :mod:`kvdiverge.doors.measurement` and the
-workflow's own engine and tables.
+Parse, plan, load, run: the arguments parsed and checked (:mod:`kvdiverge.doors.arguments`:
+policies, prompts and :func:`kvdiverge.plan`'s keywords), the measurement planned with the
+tokenizer and checked with the model's config (:mod:`kvdiverge.doors.plan`), the weights loaded,
+the plan run (:meth:`~kvdiverge.doors.plan.Plan.run`, or :meth:`~kvdiverge.doors.plan.Plan.screen`
+with ``--screen``); then the printed summary and the files under ``--out``.
 Installed as the console script ``kvdiverge`` (``pyproject.toml``); also
 ``python -m kvdiverge measure ...``. ``kvdiverge --version`` prints the installed version.
 ``kvdiverge cost CONFIG`` prints a config's generation cost (:mod:`kvdiverge.planning.cost`).
@@ -258,27 +259,9 @@ def _teacher_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _screen(args: argparse.Namespace, model, tokenizer, prompts, presses, caches, instruction) -> int:
-    """``--screen``: the teacher-forced pass only; its table printed, and written with ``--out``."""
-    from kvdiverge.doors.screening import ScreenOptions, screen
-
-    s = screen(
-        model,
-        tokenizer,
-        prompts,
-        presses,
-        frontier={"ratios": args.ratios, "caches": caches, "cache_ratios": args.cache_ratios},
-        options=ScreenOptions(
-            length=ScreenOptions.length if args.teacher_tokens is None else args.teacher_tokens,
-            target=args.teacher_target or ScreenOptions.target,
-            seed=args.seed,
-            instruction=instruction,
-            system=args.system,
-            model_name=args.model_name,
-            bootstrap=args.bootstrap,
-            confidence=args.confidence,
-        ),
-    )
+def _screen(args: argparse.Namespace, plan, model) -> int:
+    """``--screen``: the plan's teacher-forced pass only; its table printed, and written with ``--out``."""
+    s = plan.screen(model)
     print(s.format(), flush=True)
     if args.out:
         s.save(args.out)
@@ -323,39 +306,44 @@ def _write(args: argparse.Namespace, m) -> None:
         _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
 
 
+def _plan(args: argparse.Namespace, inputs, tokenizer, config, name: str):
+    """The run's :class:`~kvdiverge.doors.plan.Plan` of ``inputs`` = (prompts, presses, caches, instruction),
+    checked with the tokenizer and then with the model's ``config`` before the weights load
+    (:meth:`~kvdiverge.doors.plan.Plan.check_config`), each refusal spelled as the command line spells it."""
+    # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
+    from kvdiverge.doors.arguments import OPTIONS, measure_keywords, task_block
+    from kvdiverge.doors.plan import build_plan
+
+    prompts, presses, caches, instruction = inputs
+    keywords = measure_keywords(args, name, instruction, caches, task_block(args))
+    p = build_plan(prompts, presses, tokenizer, keywords, {**OPTIONS, "question": "--question"})
+    p.check_config(config, screen=args.screen)
+    return p
+
+
 def _measure(args: argparse.Namespace) -> int:
     # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
     from kvdiverge.config.inputs import model_entry
-    from kvdiverge.doors.arguments import (
-        argument_prompts,
-        argument_sources,
-        check_arguments,
-        check_prompts,
-        measure_keywords,
-        task_block,
-    )
-    from kvdiverge.doors.measurement import measure
+    from kvdiverge.doors.arguments import argument_prompts, argument_sources, check_arguments
 
     check_arguments(args)
-    presses, sources, caches = argument_sources(args)
+    presses, _, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
     config = load_model_config(entry, name)  # what the model's config decides is refused before its weights load
     tokenizer = load_tokenizer(entry, name)
-    task = task_block(args)
-    check_prompts(args, prompts, tokenizer, sources, instruction, task, config)
+    plan = _plan(args, (prompts, presses, caches, instruction), tokenizer, config, name)
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
     _say(args.quiet, f"{PROG}: loading {name} ...")
-    model, tokenizer = load_model(entry, name, tokenizer=tokenizer)
+    model, _ = load_model(entry, name, tokenizer=tokenizer)
     if args.screen:
-        args.model_name = name
-        return _screen(args, model, tokenizer, prompts, presses, caches, instruction)
+        return _screen(args, plan, model)
     with warnings.catch_warnings():  # the printed summary flags untouched caches
         warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-        m = measure(model, tokenizer, prompts, presses, **measure_keywords(args, name, instruction, caches, task))
+        m = plan.run(model)
     print(m.format_summary(), flush=True)
     if m.task is not None:
         print(task_text(m.task), flush=True)

@@ -25,18 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvdiverge.config.inputs import measure_inputs, model_eos, model_label, prepare_documents, reconstruction_targets
-from kvdiverge.config.provenance import compressed_layers
-from kvdiverge.data.prompts import REPEAT_INSTRUCTION
-from kvdiverge.doors import measuring
+from kvdiverge.doors.plan import OPTIONS, Plan, build_plan, check_model, plan, run_plan
 from kvdiverge.doors.results import Measurement
-from kvdiverge.doors.screening import ScreenOptions, run_screen
-from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
-from kvdiverge.engine.presses.layer_types import has_sliding_layers, layers_of
-from kvdiverge.engine.runner import question_after_problems, run_policies
-from kvdiverge.models.loading import kv_sizes
+from kvdiverge.settings.checks import vocab_size
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "Plan", "measure", "plan"]
 
 
 def measure(
@@ -175,6 +168,12 @@ def measure(
     -------
     Measurement
 
+    Notes
+    -----
+    ``measure(model, tokenizer, prompts, presses, **settings)`` is
+    ``plan(prompts, presses, tokenizer=tokenizer, **settings).run(model)`` (:func:`kvdiverge.plan`): every
+    check that needs no weights is the plan's, the model's own (vocabulary, context) the run's.
+
     Raises
     ------
     ValueError
@@ -196,55 +195,7 @@ def measure(
         never part under this decoding, from a press that compressed or under greedy decoding,
         are ``summary['no_divergence']``, without a warning.
     """
-    opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in locals().items() if k in _OPTIONS})
-    task_docs = measuring.task_inputs(opts, prompts, tokenizer)
-    prompts = {d.doc_id: list(d.input_ids) for d in task_docs[0]} if task_docs else prompts
-    documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
-    sources, grid = measure_inputs(model, documents, presses, opts.max_new_tokens, opts.frontier)
-    eos = model_eos(model, opts.eos_ids)
-    targets = None  # the reconstruction's, built (and refused) before any forward
-    if opts.teacher_target == "reconstruction":
-        targets = reconstruction_targets(prompts, tokenizer, REPEAT_INSTRUCTION, "teacher_target")
-    if task_docs and any(d.n_question for d in task_docs[0]):
-        _check_question_after(sources)
-    documents = task_docs[0] if task_docs else documents
-    sampling = opts.sampling(model_label(model) if model_name is None else model_name)
-    runs = run_policies(model, documents, sources, sampling, split=split, options=opts.run_options())
-    settings = opts.recorded(sampling, sources, grid, kv_sizes(model) if grid else None)
-    if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
-        settings["compressed_layers"] = compressed_layers(layers_of(model.config))
-    result = Measurement.of_run(runs, windows, settings, sources, eos)
-    if teacher_tokens is not None or teacher_target is not None:
-        result.teacher_forced = _teacher_pass(model, (documents, targets), sources, opts, sampling, result.eos_ids)
-    if task_docs:
-        args = (result.trajectories, result.documents, task_docs[1], tokenizer, result.noise_floor)
-        result.task = measuring.task_tables(opts, *args)
-    result.warn_untouched(measuring.floors(sources), stacklevel=2)
-    return result
-
-
-#: :func:`measure`'s keyword options, as :class:`kvdiverge.doors.measuring.MeasureOptions` takes them.
-_OPTIONS = frozenset(f for f in measuring.MeasureOptions.__dataclass_fields__ if f != "decoding")
-
-
-def _check_question_after(sources) -> None:
-    """Refuse, before any forward, a policy that cannot take a question prefilled after compression
-    (:func:`kvdiverge.engine.runner.question_after_problems`)."""
-    problems = question_after_problems(sources)
-    if problems:
-        raise ValueError(problems[0])
-
-
-def _teacher_pass(model, inputs, sources, opts: measuring.MeasureOptions, sampling, eos: tuple[int, ...]):
-    """The teacher-forced pass of a measurement's prompts and presses (:func:`kvdiverge.doors.screening.run_screen`):
-    the coupled run's seed and names, its decoding transform off, ``opts.teacher_tokens`` tokens (default
-    :data:`~kvdiverge.engine.llm.teacher.DEFAULT_LENGTH`) of ``opts.teacher_target``; ``inputs`` = (documents,
-    the reconstruction's targets or None)."""
-    documents, targets = inputs
-    length = DEFAULT_LENGTH if opts.teacher_tokens is None else int(opts.teacher_tokens)
-    options = ScreenOptions(length=length, seed=opts.seed, split=opts.split, bootstrap=opts.bootstrap,
-                            confidence=opts.confidence, model_name=sampling.model_name,
-                            target=opts.teacher_target or "continuation")  # fmt: skip
-    forcing = options.forcing()
-    forced = forcing.sampling(sampling.seed, sampling.model_name, eos)
-    return run_screen(model, documents, sources, forced, forcing, options, targets)
+    settings = {k: v for k, v in locals().items() if k in OPTIONS}
+    check_model(model, eos_ids)  # the model is in hand: its own refusals come first
+    planned = build_plan(prompts, presses, tokenizer, {**settings, **decoding}, vocab=vocab_size(model))
+    return run_plan(planned, model, stacklevel=3)

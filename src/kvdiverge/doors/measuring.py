@@ -177,15 +177,18 @@ def floors(sources: Mapping[str, Any]) -> list[str]:
     return [n for n, s in sources.items() if is_noise_floor(n, s)]
 
 
-def task_inputs(opts: MeasureOptions, prompts, tokenizer):
+def task_inputs(opts: MeasureOptions, prompts, tokenizer, names: Mapping[str, str] | None = None):
     """``(documents, prompts table)`` of the options' task, or ``None`` without one.
+
+    ``names`` spells each setting as the door does (:func:`kvdiverge.settings.checks.spelled`); None:
+    :func:`kvdiverge.measure`'s keywords.
 
     Raises
     ------
     ValueError
         A task block the config refuses (:func:`kvdiverge.settings.checks.check_task`), a temperature
         other than 0, prompts that are not text or no tokenizer, or prompts the task cannot take,
-        in :func:`kvdiverge.measure`'s spelling.
+        in the door's spelling.
     """
     task = opts.task
     if task is None:
@@ -202,7 +205,7 @@ def task_inputs(opts: MeasureOptions, prompts, tokenizer):
     try:
         return task_documents(prompts, tokenizer, block, opts.max_new_tokens, render)
     except ValueError as exc:  # the task names the config's keys: name measure()'s arguments
-        raise type(exc)(spelled(str(exc))) from None
+        raise type(exc)(spelled(str(exc), names)) from None
 
 
 def task_tables(opts: MeasureOptions, trajectories, documents, table, tokenizer, floor: str | None):

@@ -9,6 +9,7 @@ reading, length drift, the frontier), prints them (:mod:`kvdiverge.report.format
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ import polars as pl
 from kvdiverge.config.inputs import NOISE_FLOOR_PRESS
 from kvdiverge.config.provenance import save_measurement
 from kvdiverge.doors import measuring
+from kvdiverge.doors.screening import Screen
 from kvdiverge.engine.core.sampling import Decoding, decoding_options
 from kvdiverge.estimation import tables
 from kvdiverge.estimation.bootstrap import Bootstrap
@@ -40,6 +42,15 @@ from kvdiverge.estimation.teacher_forced import with_teacher_columns
 from kvdiverge.report.formatting import frontier_text, summary_text
 
 __all__ = ["Measurement"]
+
+#: The tables a :class:`Measurement` is made of, as :meth:`Measurement.save` names their files.
+_SAVED = ("trajectories", "replicates", "documents", "pooled", "timing", "survival", "branch_tv", "variance")
+
+
+def _read(where: Path, name: str) -> pl.DataFrame | None:
+    """The table ``<name>.parquet`` under ``where``, or None where there is none."""
+    path = where / f"{name}.parquet"
+    return pl.read_parquet(path) if path.is_file() else None
 
 
 @dataclass
@@ -258,7 +269,43 @@ class Measurement:
         if self.teacher_forced is not None:
             tables["teacher_forced"] = self.teacher_forced.table
             tables["teacher_forced_documents"] = self.teacher_forced.documents
-        return save_measurement(directory, tables, self.settings, self.batch_documents)
+        run = {"eos_ids": None if self.eos_ids is None else list(self.eos_ids), "noise_floor": self.noise_floor}
+        if self.teacher_forced is not None:
+            run["teacher_forced"] = self.teacher_forced.settings
+        return save_measurement(directory, tables, self.settings, self.batch_documents, run)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Measurement:
+        """The measurement :meth:`save` wrote under ``directory``: its tables, settings, ``B``, end-of-sequence
+        ids and noise floor, the task's tables and the teacher-forced pass's (a
+        :class:`~kvdiverge.doors.screening.Screen` without its per-position table, which is not saved).
+        Every table and number it prints equals the saved measurement's.
+
+        Raises
+        ------
+        FileNotFoundError
+            Naming the first file of a saved measurement that ``directory`` lacks.
+        """
+        where = Path(directory)
+        needed = ["measure.json", "provenance.json", *(f"{name}.parquet" for name in _SAVED)]
+        missing = [name for name in needed if not (where / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{where}: {missing[0]} is missing: not a directory Measurement.save wrote")
+        run = json.loads((where / "provenance.json").read_text())
+        task = {path.stem.removeprefix("task_"): pl.read_parquet(path) for path in sorted(where.glob("task_*.parquet"))}
+        teacher = None
+        if (where / "teacher_forced.parquet").is_file():
+            tables = (_read(where, "teacher_forced_documents"), _read(where, "teacher_forced"))
+            teacher = Screen(None, *tables, run.get("teacher_forced", {}))
+        return cls(
+            **{name: _read(where, name) for name in _SAVED},
+            settings=json.loads((where / "measure.json").read_text()),
+            noise_floor=run.get("noise_floor"),
+            batch_documents=run.get("batch_documents"),
+            teacher_forced=teacher,
+            task=task or None,
+            eos_ids=None if run.get("eos_ids") is None else tuple(run["eos_ids"]),
+        )
 
     def plot_survival(self, target=None):
         """Draw the survival figure ``S_t`` per press: into ``target`` Axes (returned), to a path

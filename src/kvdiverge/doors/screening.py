@@ -29,10 +29,11 @@ import polars as pl
 
 from kvdiverge.config.frontier import FrontierSpec
 from kvdiverge.config.inputs import (
+    check_model_inputs,
     is_noise_floor,
-    measure_inputs,
     model_eos,
     model_label,
+    plan_presses,
     prepare_documents,
     reconstruction_targets,
 )
@@ -209,10 +210,10 @@ def screen(
     documents = prepare_documents(prompts, tokenizer, instruction=opt.instruction, system=opt.system)
     if forcing.target == "reconstruction":
         continuations = reconstruction_targets(prompts, tokenizer, opt.repeat_instruction, "options.target")
-    # a prompt needs room for 1 token: the continuation is cut to what the context leaves
-    sources, _ = measure_inputs(model, documents, presses, 1, spec)
-    name = opt.model_name or model_label(model)
-    sampling = forcing.sampling(opt.seed, name, model_eos(model, opt.eos_ids, "options.eos_ids"))
+    check_model_inputs(model, documents, 1)  # room for 1 token: the continuation is cut to what the context leaves
+    eos = model_eos(model, opt.eos_ids, "options.eos_ids")
+    sources, _ = plan_presses(documents, presses, 1, spec)
+    sampling = forcing.sampling(opt.seed, opt.model_name or model_label(model), eos)
     return run_screen(model, documents, sources, sampling, forcing, opt, continuations)
 
 
@@ -223,7 +224,7 @@ def _options(options: Any) -> ScreenOptions:
 
 def _frontier(frontier: Any) -> FrontierSpec:
     """:func:`screen`'s ``frontier`` as a :class:`~kvdiverge.config.frontier.FrontierSpec`, or ``ValueError``
-    naming what it is not (its values: :func:`~kvdiverge.config.inputs.measure_inputs`)."""
+    naming what it is not (its values: :func:`~kvdiverge.config.inputs.plan_presses`)."""
     return _of_kind(frontier, FrontierSpec, "frontier", "a mapping of {}")
 
 
