@@ -143,7 +143,9 @@ class GreedyReference:
         return self.tokens[self._doc, self._hist.clamp(max=self.tokens.shape[1] - 1)]
 
     def _point_masses(self) -> torch.Tensor:
-        out = torch.full((self._doc.numel(), self.vocab_size), float("-inf"), dtype=self.dtype, device=self.tokens.device)
+        out = torch.full(
+            (self._doc.numel(), self.vocab_size), float("-inf"), dtype=self.dtype, device=self.tokens.device
+        )
         return out.scatter_(-1, self._next().unsqueeze(1), 0.0)
 
     def start(self, n_rows: int) -> torch.Tensor:
