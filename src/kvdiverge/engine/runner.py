@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +31,7 @@ from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
-from kvdiverge.engine.llm.reference import greedy_reference
+from kvdiverge.engine.llm.reference import with_greedy_tokens
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.layer_types import question_after_refusal
@@ -46,7 +46,6 @@ __all__ = [
     "RunOptions",
     "build_pair",
     "check_policy",
-    "greedy_tokens",
     "plan_documents",
     "question_after_problems",
     "run_documents",
@@ -464,7 +463,7 @@ def _run_batches(
     to prefill the document alone (a failing press then raises there, named). With
     ``plan.greedy`` the batch's full-cache greedy tokens are decoded once, after the first
     group's prefills (whose full caches they start from), and every pair reads its reference
-    side from them (:func:`greedy_tokens`). The caches and so the records are those of each
+    side from them (:func:`kvdiverge.engine.llm.reference.with_greedy_tokens`). The caches and so the records are those of each
     policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
     """
     B, T = plan.B, sampling.T
@@ -493,7 +492,7 @@ def _run_batches(
                 shared_seconds = (time.perf_counter() - start) / len(group)
                 if plan.greedy and gi == 0:
                     start = time.perf_counter()
-                    batch = greedy_tokens(model, batch, sampling, bank)
+                    batch = with_greedy_tokens(model, batch, sampling, bank)
                     extra = (time.perf_counter() - start) / len(names)
                 for name in group:
                     bar = bars.open(name)
@@ -545,53 +544,6 @@ class _Bars:
     def label(self, name: str) -> str:
         """The log lines' prefix for the policy (none when it runs alone)."""
         return f"{name}: " if self.labelled else ""
-
-
-def greedy_tokens(model, batch: Sequence[Document], sampling: Sampling, bank: Mapping[str, list | None]) -> list:
-    """The documents of ``batch`` with their full cache's greedy continuation (``greedy_tokens``), decoded once.
-
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-        The reference model.
-    batch : sequence of Document
-        The documents.
-    sampling : Sampling
-        A greedy decoding and ``T``.
-    bank : mapping of str to list or None
-        :func:`shared_prefills` of the batch: a document's full cache and logits are taken
-        from any shared prefill of it (one forward fewer); the others are prefilled
-        (:func:`kvdiverge.engine.llm.reference.full_prefill`).
-
-    Returns
-    -------
-    list of Document
-
-    Raises
-    ------
-    kvdiverge.engine.core.errors.NonFiniteLogitsError
-        Naming the model, the document and the step, on the reference side.
-    """
-    given: list = [None] * len(batch)
-    for prefills in bank.values():
-        for j, one in enumerate(prefills or []):
-            if one is not None and given[j] is None:
-                given[j] = (one.ref, one.ref_logits)
-    docs = [PairDocument(doc.input_ids, n_question=doc.n_question) for doc in batch]
-    try:
-        tokens = greedy_reference(model, docs, decoding=sampling.decoding, horizon=sampling.T, given=given)
-    except NonFiniteLogitsError as err:
-        raise NonFiniteLogitsError(
-            err.side,
-            err.rows,
-            err.kind,
-            model=sampling.model_name,
-            doc_id=batch[err.rows[0]].doc_id,
-            replicate=0,
-            step=err.step,
-            phase="agreement chain",
-        ) from None
-    return [replace(doc, greedy_tokens=row) for doc, row in zip(batch, tokens.tolist())]
 
 
 def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:

@@ -21,16 +21,17 @@ near-tie of the top two logits within float rounding.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
-from kvdiverge.engine.core.sampling import Decoding
+from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.hf import DynamicCache
 from kvdiverge.engine.llm.pair_base import LLMPairBase, PairDocument
 
-__all__ = ["full_prefill", "greedy_reference"]
+__all__ = ["full_prefill", "greedy_reference", "with_greedy_tokens"]
 
 
 def full_prefill(model, ids: torch.Tensor, n_question: int = 0):
@@ -148,3 +149,51 @@ def _view(cache):
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
     return out
+
+
+def with_greedy_tokens(model, batch: Sequence, sampling: Sampling, bank: Mapping[str, list | None]) -> list:
+    """The documents of ``batch`` with their full cache's greedy continuation (``greedy_tokens``), decoded once.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The reference model.
+    batch : sequence of kvdiverge.engine.runner.Document
+        The documents (``doc_id``, ``input_ids``, ``n_question``).
+    sampling : Sampling
+        A greedy decoding and ``T``.
+    bank : mapping of str to list or None
+        :func:`kvdiverge.engine.runner.shared_prefills` of the batch: a document's full cache and logits are taken
+        from any shared prefill of it (one forward fewer); the others are prefilled
+        (:func:`full_prefill`).
+
+    Returns
+    -------
+    list of kvdiverge.engine.runner.Document
+        Copies with ``greedy_tokens`` set (``T`` each).
+
+    Raises
+    ------
+    kvdiverge.engine.core.errors.NonFiniteLogitsError
+        Naming the model, the document and the step, on the reference side.
+    """
+    given: list = [None] * len(batch)
+    for prefills in bank.values():
+        for j, one in enumerate(prefills or []):
+            if one is not None and given[j] is None:
+                given[j] = (one.ref, one.ref_logits)
+    docs = [PairDocument(doc.input_ids, n_question=doc.n_question) for doc in batch]
+    try:
+        tokens = greedy_reference(model, docs, decoding=sampling.decoding, horizon=sampling.T, given=given)
+    except NonFiniteLogitsError as err:
+        raise NonFiniteLogitsError(
+            err.side,
+            err.rows,
+            err.kind,
+            model=sampling.model_name,
+            doc_id=batch[err.rows[0]].doc_id,
+            replicate=0,
+            step=err.step,
+            phase="agreement chain",
+        ) from None
+    return [replace(doc, greedy_tokens=row) for doc, row in zip(batch, tokens.tolist())]
