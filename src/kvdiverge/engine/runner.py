@@ -332,6 +332,12 @@ def run_policies(
     presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are
     those of each policy run alone, bit for bit.
 
+    Under greedy decoding (temperature 0) with two policies or more, each batch's full-cache
+    greedy tokens are decoded once (:func:`kvdiverge.engine.llm.reference.greedy_reference`)
+    and every pair decodes its evicted side alone, reading the reference side from them
+    (``options.share_reference``; equal records up to a near-tie of the top two logits within
+    the rounding of a batched forward). A sampled run decodes each pair's reference side.
+
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
     also evicts while tokens are generated) runs on
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
