@@ -31,6 +31,7 @@ from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+from kvdiverge.engine.llm.reference import with_greedy_tokens
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.layer_types import question_after_refusal
@@ -69,11 +70,16 @@ class Document:
         Trailing tokens (the question) prefilled after compression and never evicted, as
         kvpress's pipeline does (:func:`kvdiverge.engine.llm.prefill.append_question`); the
         press sees the ``context_len`` tokens before them. 0: the press sees the whole prompt.
+    greedy_tokens : sequence of int, optional
+        The full cache's greedy continuation (``T`` tokens), set by :func:`run_policies` for a
+        greedy run of several policies (:func:`kvdiverge.engine.llm.reference.greedy_reference`):
+        :func:`build_pair` hands it to the pair, which then decodes its evicted side alone.
     """
 
     doc_id: str
     input_ids: Sequence[int]
     n_question: int = 0
+    greedy_tokens: Sequence[int] | None = None
 
     @property
     def context_len(self) -> int:
@@ -181,12 +187,16 @@ class RunOptions:
         ``total`` steps (``2T - 1`` per document); None shows none.
     owner : str
         What a refused press is called in the message: ``"policy"`` or ``"press"``.
+    share_reference : bool
+        Under greedy decoding with two policies or more, decode each document's full cache
+        once for all of them (:func:`run_policies`); ``False`` decodes it in every policy's pair.
     """
 
     batch_documents: int | None = None
     memory_budget_gb: float | None = None
     progress: Callable[[str, int], Any] | None = None
     owner: str = "policy"
+    share_reference: bool = True
 
 
 def run_documents(
@@ -322,6 +332,12 @@ def run_policies(
     presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are
     those of each policy run alone, bit for bit.
 
+    Under greedy decoding (temperature 0) with two policies or more, each batch's full-cache
+    greedy tokens are decoded once (:func:`kvdiverge.engine.llm.reference.greedy_reference`)
+    and every pair decodes its evicted side alone, reading the reference side from them
+    (``options.share_reference``; equal records up to a near-tie of the top two logits within
+    the rounding of a batched forward). A sampled run decodes each pair's reference side.
+
     A decode-time policy (:func:`kvdiverge.engine.presses.registry.is_decode_time`: the press
     also evicts while tokens are generated) runs on
     :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair` (lanes with exact branch replay),
@@ -402,17 +418,20 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     group = _prefill_group(model, documents, B, sampling, budget) if len(shared) >= 2 else 1
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
     groups += [[name] for name, flag in flags.items() if flag]
-    got = _run_batches(model, documents, policies, _Plan(B, groups), sampling, options.progress)
+    greedy = options.share_reference and sampling.greedy and len(policies) >= 2
+    got = _run_batches(model, documents, policies, _Plan(B, groups, greedy), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Documents per batched forward ``B``, and the policies in the order and groups they run
-    (a group's policies share each document's prefill forward where their presses allow)."""
+    """Documents per batched forward ``B``, the policies in the order and groups they run (a group's
+    policies share each document's prefill forward where their presses allow), and whether each
+    batch's full-cache greedy tokens are decoded once for all of them (``greedy``)."""
 
     B: int
     groups: list[list[str]]
+    greedy: bool = False
 
 
 def _prefill_group(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float) -> int:
@@ -447,57 +466,90 @@ def _run_batches(
     that share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
     policy of the group runs the batch on its pair with those prefills. A press that does
     not share its prefill, a group of one, or a shared forward that fails leaves the pair
-    to prefill the document alone (a failing press then raises there, named). The caches
-    and so the records are those of each policy run alone, bit for bit; ``seconds`` adds
-    the policy's share of the shared forwards.
+    to prefill the document alone (a failing press then raises there, named). With
+    ``plan.greedy`` the batch's full-cache greedy tokens are decoded once, after the first
+    group's prefills (whose full caches they start from), and every pair reads its reference
+    side from them (:func:`kvdiverge.engine.llm.reference.with_greedy_tokens`). The caches and so the records are those of each
+    policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
     """
     B, T = plan.B, sampling.T
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
     names = [name for group in plan.groups for name in group]
     log.info(
-        "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of up to %d",
+        "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of up to %d%s",
         len(documents),
         B,
         B * sampling.replicates,
         len(names),
         max(len(group) for group in plan.groups),
+        "; the full cache decoded once for all" if plan.greedy else "",
     )
     by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
     counts = {name: Counter(documents=len(documents)) for name in names}
     twin = evicted_twin(model)
-    bars: dict[str, Any] = {}
     batches = [order[lo : lo + B] for lo in range(0, len(order), B)]
-    with ExitStack() as stack:
+    with _Bars(progress, len(documents) * (2 * T - 1), len(names) > 1) as bars:
         for bi, indices in enumerate(batches):
-            batch = [documents[i] for i in indices]
-            for group in plan.groups:
+            batch, extra = [documents[i] for i in indices], 0.0
+            for gi, group in enumerate(plan.groups):
                 presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in group}
                 start = time.perf_counter()
                 bank = shared_prefills(twin, batch, presses, sampling)
                 shared_seconds = (time.perf_counter() - start) / len(group)
+                if plan.greedy and gi == 0:
+                    start = time.perf_counter()
+                    batch = with_greedy_tokens(model, batch, sampling, bank)
+                    extra = (time.perf_counter() - start) / len(names)
                 for name in group:
-                    if name not in bars:
-                        bars[name] = stack.enter_context(
-                            progress(name, len(documents) * (2 * T - 1)) if progress else nullcontext()
-                        )
-                    bar = bars[name]
+                    bar = bars.open(name)
                     start = time.perf_counter()
                     pair, reps = _run_one_batch(
                         model, batch, policies[name], sampling, bar, presses=presses[name], prefilled=bank.pop(name)
                     )
-                    seconds = (time.perf_counter() - start + shared_seconds) / len(batch)
+                    seconds = (time.perf_counter() - start + shared_seconds + extra) / len(batch)
                     counts[name].update(_pair_counts(pair))
-                    if bar is not None:  # chains that stop early skip steps
-                        bar.update(sum(len(b) for b in batches[: bi + 1]) * (2 * T - 1) - bar.n)
-                        if bi == len(batches) - 1:
-                            bar.close()
-                    label = f"{name}: " if len(names) > 1 else ""
+                    bars.advance(name, sum(len(b) for b in batches[: bi + 1]) * (2 * T - 1), bi == len(batches) - 1)
                     by_index[name].update(
-                        _batch_records(batch, indices, pair, reps, sampling.replicates, seconds, label)
+                        _batch_records(batch, indices, pair, reps, sampling.replicates, seconds, bars.label(name))
                     )
     return {
         name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
     }
+
+
+class _Bars:
+    """One progress bar per policy (``progress(name, total)``; none without ``progress``), opened at
+    its first batch and closed after its last; a context manager that closes them all."""
+
+    def __init__(self, progress, total: int, labelled: bool):
+        self.progress, self.total, self.labelled = progress, total, labelled
+        self.stack, self.bars = ExitStack(), {}
+
+    def __enter__(self) -> "_Bars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def open(self, name: str):
+        """The policy's bar (``None`` without progress)."""
+        if name not in self.bars:
+            self.bars[name] = self.stack.enter_context(
+                self.progress(name, self.total) if self.progress else nullcontext()
+            )
+        return self.bars[name]
+
+    def advance(self, name: str, done: int, last: bool) -> None:
+        """Bring the bar to ``done`` steps (chains that stop early skip steps); close it after the last batch."""
+        bar = self.bars.get(name)
+        if bar is not None:
+            bar.update(done - bar.n)
+            if last:
+                bar.close()
+
+    def label(self, name: str) -> str:
+        """The log lines' prefix for the policy (none when it runs alone)."""
+        return f"{name}: " if self.labelled else ""
 
 
 def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
@@ -649,6 +701,7 @@ def build_pair(
             prefill_seed(sampling.seed, sampling.model_name, doc.doc_id),
             given,
             doc.n_question,
+            doc.greedy_tokens,
         )
         for doc, press, given in zip(batch, presses, prefilled, strict=True)
     ]

@@ -408,12 +408,30 @@ class DecodeTimePair(LLMPairBase):
             self._check_prefill(d, lane)
             lane.chain_doc = lane.doc = d
             self._lanes.append(lane)
-            # the full cache from the chain lane's own prefill forward where the press allows it
+            # the full cache from the chain lane's own prefill forward where the press allows it (none
+            # needed with greedy tokens: the reference side is read from them)
             if given is not None:
                 ref.append((given.ref, given.ref_logits))
-            else:
+            elif self._greedy is None:
                 ref.append(lane.full if lane.full is not None else self._reference_prefill(ids))
             lane.full = None
+        self._refs, self._ref_rows = [], []
+        logp = self._reference_sides(ref, R) if self._greedy is None else None
+        logq = self._transform(torch.cat([lane.first_logits for lane in self._lanes]), "evicted")
+        self.reference = self._greedy_reference(logq.shape[-1])
+        if self.reference is not None:
+            logp = self.reference.start(n_rows)
+        # per current row: its lane, its slot there, its document, its evicted-side history
+        self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
+        self._doc = [g // R for g in range(n_rows)]
+        self._hist: list[list[int]] = [[] for _ in range(n_rows)]
+        self._record("begin", R)
+        self._fresh = True
+        return logp, logq.repeat_interleave(R, dim=0)
+
+    def _reference_sides(self, ref: list, R: int) -> torch.Tensor:
+        """The reference sides from each document's full cache and logits ``ref``; ``log p_1`` (B * R, vocab)."""
+        n_rows = R * len(self.prompts)
         if all(min(kept) < n for kept, n in zip(self.kept_per_layer, self.prompt_lens)):
             # every prefill evicted: Q != P from the first step, one batched reference (module docstring)
             self._refs = [self._side([c for c, _ in ref], self.prompt_lens, self.prompt_lens, R)]
@@ -423,16 +441,8 @@ class DecodeTimePair(LLMPairBase):
                 CacheSide(*merge_caches([c], [n], R, self.device), n, grouped=False)
                 for (c, _), n in zip(ref, self.prompt_lens)
             ]
-            self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(B)]
-        # per current row: its lane, its slot there, its document, its evicted-side history
-        self._where = [(self._lanes[g // R], g % R) for g in range(n_rows)]
-        self._doc = [g // R for g in range(n_rows)]
-        self._hist: list[list[int]] = [[] for _ in range(n_rows)]
-        logp = self._transform(torch.cat([lg for _, lg in ref]), "reference").repeat_interleave(R, dim=0)
-        logq = self._transform(torch.cat([lane.first_logits for lane in self._lanes]), "evicted")
-        self._record("begin", R)
-        self._fresh = True
-        return logp, logq.repeat_interleave(R, dim=0)
+            self._ref_rows = [list(range(d * R, (d + 1) * R)) for d in range(len(self.prompts))]
+        return self._transform(torch.cat([lg for _, lg in ref]), "reference").repeat_interleave(R, dim=0)
 
     def _check_prefill(self, d: int, lane: _Lane) -> None:
         lengths = {layer.keys.shape[-2] for layer in lane.cache.layers}
@@ -450,7 +460,7 @@ class DecodeTimePair(LLMPairBase):
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
         x, y = x.to(self.device), y.to(self.device)
-        ref_logits = None
+        ref_logits = ev_logits = None
         for side, rows in zip(self._refs, self._ref_rows):
             if not rows:
                 continue
@@ -461,14 +471,16 @@ class DecodeTimePair(LLMPairBase):
             ref_logits[rows_t] = logits
             self.counts["reference_forwards"] += 1
             self.counts["reference_row_steps"] += len(rows)
-        ev_logits = ref_logits.new_empty(ref_logits.shape)
         for lane in self._lanes:
             rows = [r for r, (ln, _) in enumerate(self._where) if ln is lane]
             slots = torch.tensor([self._where[r][1] for r in rows], dtype=torch.long, device=self.device)
             rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
             tokens = lane.last.clone()
             tokens[slots] = y[rows_t]
-            ev_logits[rows_t] = lane.forward(tokens, "lane")[slots]
+            logits = lane.forward(tokens, "lane")
+            if ev_logits is None:
+                ev_logits = logits.new_empty((y.numel(), logits.shape[-1]))
+            ev_logits[rows_t] = logits[slots]
             if lane.chain_doc is not None:
                 d = lane.chain_doc
                 self.kept_lens[d] = min(self.kept_lens[d], lane.cache_len)
@@ -478,7 +490,8 @@ class DecodeTimePair(LLMPairBase):
         for r, tok in enumerate(y.tolist()):
             self._hist[r].append(tok)
         self._record("append", x, y)
-        return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
+        logp = self.reference.advance(x) if self.reference is not None else self._transform(ref_logits, "reference")
+        return logp, self._transform(ev_logits, "evicted")
 
     @property
     def block_forward(self) -> bool:
@@ -508,8 +521,11 @@ class DecodeTimePair(LLMPairBase):
         ValueError
             When :attr:`block_forward` is false.
         """
-        if not self.block_forward:
-            raise ValueError("advance_block needs one document whose press gives a block mask, before any rewind")
+        if not self.block_forward or self.reference is not None:
+            raise ValueError(
+                "advance_block needs one document whose press gives a block mask, before any rewind, "
+                "and no greedy_tokens"
+            )
         tokens = tokens.to(self.device)
         lane = self._lanes[0]
         ev_logits = lane.forward_block(tokens, lane.block_mask(tokens.shape[1]))
@@ -529,6 +545,8 @@ class DecodeTimePair(LLMPairBase):
         length = length.to(self.device)
         self._record("rewind", length)
         self._fresh = False
+        if self.reference is not None:
+            self.reference.rewind(length)
         for side, rows in zip(self._refs, self._ref_rows):
             if rows:
                 side.rewind(length[torch.tensor(rows, dtype=torch.long, device=self.device)])
@@ -569,6 +587,8 @@ class DecodeTimePair(LLMPairBase):
         (a ``merge_lanes`` press's lanes cut them out)."""
         idx = rows.tolist()
         self._fresh = False
+        if self.reference is not None:
+            self.reference.keep_rows(rows)
         for d, old in enumerate(self._ref_rows):  # each document's reference side keeps its rows
             slot = {g: j for j, g in enumerate(old)}
             kept = [i for i, g in enumerate(idx) if g in slot]  # their new row numbers

@@ -19,7 +19,7 @@ from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.masks import HeadMasks, attention_modules, check_patched
 from kvdiverge.engine.llm.pair_base import LLMPairBase, PairDocument, model_eos_ids
 from kvdiverge.engine.llm.prefill import prefill, seeded
-from kvdiverge.engine.llm.side import JointSides, SeparateSides, merge_caches
+from kvdiverge.engine.llm.side import CacheSide, JointSides, SeparateSides, merge_caches
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.layer_types import full_layers
 from kvdiverge.engine.presses.promises import KeptPromise, check_kept
@@ -139,7 +139,7 @@ class LLMKernelPair(LLMPairBase):
         self.kept_counts: list[torch.Tensor] = []
         self.prefill_forwards: list[int] = []
         self.joint = self.fast if joint is None else bool(joint)
-        self._sides: JointSides | SeparateSides | None = None
+        self._sides: JointSides | SeparateSides | CacheSide | None = None
 
     @classmethod
     def from_documents(
@@ -245,6 +245,12 @@ class LLMKernelPair(LLMPairBase):
         done = [self._prefill_document(*doc) for doc in zip(self.prompts, self.documents, given)]
         widths = [max(layer.keys.shape[2] for layer in d.ev.layers) for d in done]
         starts = [generation_start(p, n, w) for p, n, w in zip(self.presses, self.prompt_lens, widths)]
+        if self._greedy is not None:  # the evicted rows alone; the reference read from the greedy tokens
+            self._sides = self._evicted_side(done, widths, starts, R)
+            logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
+            self.reference = self._greedy_reference(logq.shape[-1])
+            self._record("begin", R)
+            return self.reference.start(n_rows), logq.repeat_interleave(R, dim=0)
         self._sides = (self._joint_sides if self.joint else self._separate_sides)(done, widths, starts, R)
         logp = self._transform(torch.cat([d.ref_logits for d in done]), "reference")
         logq = self._transform(torch.cat([d.ev_logits for d in done]), "evicted")
@@ -253,13 +259,17 @@ class LLMKernelPair(LLMPairBase):
             return logp.expand(n_rows, -1), logq.expand(n_rows, -1)
         return logp.repeat_interleave(R, dim=0), logq.repeat_interleave(R, dim=0)
 
-    def _separate_sides(self, done, widths, starts, R) -> SeparateSides:
-        """The reference rows on the model, the evicted rows on the twin, a forward each per step."""
+    def _evicted_side(self, done, widths, starts, R) -> CacheSide:
+        """The evicted rows on the twin, with the press's per-head masks."""
         masks = HeadMasks.merge([d.keep for d in done], widths, R)
         if masks is not None:
             check_patched(self.twin)
+        return self._side([d.ev for d in done], widths, starts, R, masks, attention_modules(self.twin))
+
+    def _separate_sides(self, done, widths, starts, R) -> SeparateSides:
+        """The reference rows on the model, the evicted rows on the twin, a forward each per step."""
+        ev = self._evicted_side(done, widths, starts, R)
         ref = self._side([d.ref for d in done], self.prompt_lens, self.prompt_lens, R)
-        ev = self._side([d.ev for d in done], widths, starts, R, masks, attention_modules(self.twin))
         return SeparateSides(ref, ev, self.model, self.twin)
 
     def _joint_sides(self, done, widths, starts, R) -> JointSides:
@@ -288,6 +298,10 @@ class LLMKernelPair(LLMPairBase):
     @torch.inference_mode()
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``x`` (reference) and ``y`` (evicted), int64 shape (n_rows,); return next log-dists."""
+        if self.reference is not None:
+            ev_logits = self._sides.forward(self.twin, y.to(self.device))
+            self._record("append", x, y)
+            return self.reference.advance(x), self._transform(ev_logits, "evicted")
         ref_logits, ev_logits = self._sides.forward(x.to(self.device), y.to(self.device))
         self._record("append", x, y)
         return self._transform(ref_logits, "reference"), self._transform(ev_logits, "evicted")
@@ -309,8 +323,10 @@ class LLMKernelPair(LLMPairBase):
         ValueError
             With a repetition penalty; with ``reference=False`` on a pair decoding its sides jointly.
         """
-        if self._repeats is not None:
-            raise ValueError("advance_block decodes without a repetition penalty (the teacher-forced pass)")
+        if self._repeats is not None or self.reference is not None:
+            raise ValueError(
+                "advance_block decodes without a repetition penalty or greedy_tokens (the teacher-forced pass)"
+            )
         tokens = tokens.to(self.device)
         if not reference:
             if not isinstance(self._sides, SeparateSides):
@@ -325,7 +341,10 @@ class LLMKernelPair(LLMPairBase):
     @property
     def block_forward(self) -> bool:
         """True when :meth:`advance_block` can run (after :meth:`start`): the evicted rows have no
-        per-head masks, or they run on the grouped attention, which takes the masks as a boolean mask."""
+        per-head masks, or they run on the grouped attention, which takes the masks as a boolean mask;
+        False for a pair reading its reference from ``greedy_tokens``."""
+        if self.reference is not None:
+            return False
         if isinstance(self._sides, JointSides):
             return self._sides.side.block_masks(self.twin)
         return self._sides.ev.block_masks(self.twin)
@@ -334,6 +353,8 @@ class LLMKernelPair(LLMPairBase):
     def rewind(self, length: torch.Tensor) -> None:
         """Keep each row's first ``length[r]`` generated tokens on both sides (int64, shape (n_rows,))."""
         self._sides.rewind(length.to(self.device))
+        if self.reference is not None:
+            self.reference.rewind(length)
         self._record("rewind", length)
 
     @torch.inference_mode()
@@ -343,4 +364,6 @@ class LLMKernelPair(LLMPairBase):
         Later calls see fewer rows, in this order.
         """
         self._sides.keep_rows(rows.to(self.device))
+        if self.reference is not None:
+            self.reference.keep_rows(rows)
         self._record("keep_rows", rows)

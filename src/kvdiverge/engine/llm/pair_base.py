@@ -28,7 +28,7 @@ from kvdiverge.engine.llm.prefill import Prefill
 from kvdiverge.engine.llm.side import DEFAULT_SPARE, CacheSide, merge_caches
 from kvdiverge.engine.presses.promises import KeptPromise
 
-__all__ = ["LLMPairBase", "PairDocument", "model_eos_ids", "stock_kernels"]
+__all__ = ["GreedyReference", "LLMPairBase", "PairDocument", "model_eos_ids", "stock_kernels"]
 
 #: ``fast`` of pairs built without one (:func:`stock_kernels` switches it for a block).
 _FAST_DEFAULT = [True]
@@ -95,6 +95,11 @@ class PairDocument:
         caches and never evicted (:func:`kvdiverge.engine.llm.prefill.append_question`, as
         kvpress's pipeline); the press sees, and promises its kept count for, the tokens
         before them. 0: the press sees every prompt token.
+    greedy_tokens : sequence of int or None
+        Under greedy decoding, the full cache's greedy continuation of the prompt (``T``
+        tokens, :func:`kvdiverge.engine.llm.reference.greedy_reference`), computed once for
+        every policy: the pair then decodes its evicted side alone and reads its reference
+        side from these (:class:`GreedyReference`). Every document of a pair has them or none.
     """
 
     input_ids: Sequence[int]
@@ -103,10 +108,74 @@ class PairDocument:
     prefill_seed: int | None = None
     prefilled: Prefill | None = None
     n_question: int = 0
+    greedy_tokens: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", tuple(int(i) for i in self.input_ids))
         object.__setattr__(self, "n_question", int(self.n_question))
+        if self.greedy_tokens is not None:
+            object.__setattr__(self, "greedy_tokens", tuple(int(i) for i in self.greedy_tokens))
+
+
+class GreedyReference:
+    """A pair's reference side read from the full cache's greedy tokens: the point mass on ``g_t``.
+
+    Rows follow the pair's (document-major, ``R`` per document, then as
+    :meth:`keep_rows` and :meth:`rewind` leave them); each row's history length picks its next token.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor
+        int64 (B, T), each document's greedy continuation
+        (:func:`kvdiverge.engine.llm.reference.greedy_reference`), on the pair's device.
+    vocab_size : int
+        Width of the log-distributions (the evicted side's logits).
+    dtype : torch.dtype
+        Their dtype (:func:`kvdiverge.engine.core.coupling.coupling_dtype`).
+    """
+
+    def __init__(self, tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+        self.tokens, self.vocab_size, self.dtype = tokens, int(vocab_size), dtype
+        self._doc = self._hist = torch.zeros(0, dtype=torch.long, device=tokens.device)
+
+    def _next(self) -> torch.Tensor:
+        """int64 (rows,): each row's next full-cache token (the last one past the horizon)."""
+        return self.tokens[self._doc, self._hist.clamp(max=self.tokens.shape[1] - 1)]
+
+    def _point_masses(self) -> torch.Tensor:
+        out = torch.full(
+            (self._doc.numel(), self.vocab_size), float("-inf"), dtype=self.dtype, device=self.tokens.device
+        )
+        return out.scatter_(-1, self._next().unsqueeze(1), 0.0)
+
+    def start(self, n_rows: int) -> torch.Tensor:
+        """``n_rows / B`` rows per document, none generated; ``log p_1`` (n_rows, vocab_size)."""
+        B = self.tokens.shape[0]
+        self._doc = torch.arange(B, device=self.tokens.device).repeat_interleave(n_rows // B)
+        self._hist = torch.zeros_like(self._doc)
+        return self._point_masses()
+
+    def advance(self, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` (int64 (rows,)); the next log-distributions.
+
+        Raises
+        ------
+        RuntimeError
+            When ``x`` is not each row's next greedy token: the run is not greedy on this side.
+        """
+        if not torch.equal(x.to(self.tokens.device), self._next()):
+            raise RuntimeError("the reference side appended a token that is not its greedy continuation")
+        self._hist = self._hist + 1
+        return self._point_masses()
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Row ``r`` keeps its first ``length[r]`` tokens (int64 (rows,))."""
+        self._hist = length.to(self.tokens.device).clone()
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current rows), in this order."""
+        rows = rows.to(self.tokens.device)
+        self._doc, self._hist = self._doc[rows], self._hist[rows]
 
 
 class LLMPairBase:
@@ -139,11 +208,14 @@ class LLMPairBase:
         The documents, each with ``prefilled=None``.
     prompts : list of torch.Tensor
         Per document, its prompt ids, int64 (prompt_len,), on the model's device.
+    reference : GreedyReference or None
+        After ``start()``, the reference side read from the documents' ``greedy_tokens``;
+        ``None``: the pair decodes its reference side itself.
 
     Raises
     ------
     ValueError
-        If ``documents`` is empty.
+        If ``documents`` is empty, or some but not all have ``greedy_tokens``.
     """
 
     def _setup(
@@ -173,6 +245,15 @@ class LLMPairBase:
         self.fast = _FAST_DEFAULT[-1] if fast is None else bool(fast)
         self.kept_lens: list[int] = []
         self.kept_per_layer: list[list[int]] = []
+        given = [doc.greedy_tokens for doc in documents]
+        if any(g is not None for g in given) and not all(g is not None and len(g) == len(given[0]) for g in given):
+            raise ValueError("greedy_tokens: every document of a pair has them, all of one length, or none has")
+        self._greedy = None if given[0] is None else torch.tensor(given, dtype=torch.long, device=self.device)
+        self.reference: GreedyReference | None = None
+
+    def _greedy_reference(self, vocab_size: int) -> GreedyReference | None:
+        """The reference side read from the documents' ``greedy_tokens`` (``None`` without them)."""
+        return None if self._greedy is None else GreedyReference(self._greedy, vocab_size, self.dtype)
 
     @property
     def presses(self) -> list:
