@@ -56,7 +56,7 @@ def main() -> None:
     import torch
 
     import kvdiverge
-    from kvdiverge.config.inputs import sotu_prompts
+    from kvdiverge.config.prompt_sources import sotu_prompts
     from kvdiverge.models.loading import EMBEDDED_MODEL, EMBEDDED_NAME, load_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
