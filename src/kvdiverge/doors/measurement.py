@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdiverge.doors.measuring import check_keywords
 from kvdiverge.doors.plan import OPTIONS, Plan, build_plan, check_model, plan, run_plan
 from kvdiverge.doors.results import Measurement
 from kvdiverge.settings.checks import vocab_size
@@ -196,6 +197,7 @@ def measure(
         are ``summary['no_divergence']``, without a warning.
     """
     settings = {k: v for k, v in locals().items() if k in OPTIONS}
-    check_model(model, eos_ids)  # the model is in hand: its own refusals come first
+    check_keywords(decoding)  # an unknown keyword first, as Python's own
+    check_model(model, eos_ids)  # the model is in hand: its refusals come before the plan's
     planned = build_plan(prompts, presses, tokenizer, {**settings, **decoding}, vocab=vocab_size(model))
     return run_plan(planned, model, stacklevel=3)

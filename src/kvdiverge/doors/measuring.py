@@ -28,7 +28,7 @@ from kvdiverge.engine.runner import RunOptions
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.settings.checks import check_settings, check_task, spelled, text_problems, window_problems
 
-__all__ = ["MeasureOptions", "floors", "task_inputs", "task_tables"]
+__all__ = ["MeasureOptions", "check_keywords", "floors", "task_inputs", "task_tables"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,10 +79,8 @@ class MeasureOptions:
             (:func:`kvdiverge.settings.checks.window_problems`), naming the argument, the value and
             what is allowed.
         """
+        check_keywords(decoding)
         known = decoding_options()
-        unknown = sorted(set(decoding) - set(known))
-        if unknown:
-            raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
         decoding = {name: decoding.get(name, option["default"]) for name, option in known.items()}
         opts = cls(**options, decoding=decoding)
         given = {"max_new_tokens": opts.max_new_tokens, "replicates": opts.replicates, "seed": opts.seed}
@@ -170,6 +168,14 @@ class MeasureOptions:
                 total=total, desc=name, unit="step", disable=not self.progress, mininterval=1.0
             ),  # fmt: skip
         )
+
+
+def check_keywords(decoding: Mapping[str, Any]) -> None:
+    """``TypeError`` for a keyword of :func:`kvdiverge.measure` that is neither an option nor a decoding setting
+    (:func:`~kvdiverge.engine.core.sampling.decoding_options`), as Python's own for an unknown keyword."""
+    unknown = sorted(set(decoding) - set(decoding_options()))
+    if unknown:
+        raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
 
 
 def floors(sources: Mapping[str, Any]) -> list[str]:
