@@ -99,7 +99,7 @@ class PairDocument:
         Under greedy decoding, the full cache's greedy continuation of the prompt (``T``
         tokens, :func:`kvdiverge.engine.llm.reference.greedy_reference`), computed once for
         every policy: the pair then decodes its evicted side alone and reads its reference
-        side from these (:class:`GreedyReference`). Every document of a pair has them or none.
+        side from these (:class:`~kvdiverge.engine.llm.pair_base.GreedyReference`). Every document of a pair has them or none.
     """
 
     input_ids: Sequence[int]
