@@ -9,12 +9,11 @@ import pytest
 from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
 from kvdiverge.engine.core.errors import PressError
-from kvdiverge.engine.presses import catalogue, registry
+from kvdiverge.engine.presses import catalogue, registry, status
 from kvdiverge.engine.presses.bases import abstract_reason
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.presses.policies import min_prompt_tokens as engine_min_prompt_tokens
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
-from kvdiverge.engine.presses import status
 
 CATALOGUE = catalogue.CATALOGUE
 
@@ -95,7 +94,11 @@ ENTRIES = [
         "params": {"presses": [{"press": "KeyRerotationPress", "params": {"press": {"press": "StreamingLLMPress"}}}]},
     },
     {"press": "ComposedPress", "compression_ratio": 0.5, "params": {"presses": [{"press": "PermutationPress"}]}},
-    {"press": "PrefillDecodingPress", "compression_ratio": 0.5, "params": {"prefilling_press": {"press": "KnormPress"}}},
+    {
+        "press": "PrefillDecodingPress",
+        "compression_ratio": 0.5,
+        "params": {"prefilling_press": {"press": "KnormPress"}},
+    },
     {"press": "FinchPress", "compression_ratio": 0.5},
     {"press": "FinchPress", "compression_ratio": 0.5, "delimiter_token_id": 7, "rerotate_keys": False},
     {"press": "DMSPress", "params": {"press": {"press": "KnormPress"}, "threshold": -0.5, "decoding": True}},

@@ -1,26 +1,22 @@
 """The press catalogue: what the config check, the planner and the cost model know of each press, without torch.
 
-One :class:`PressRecord` per press class kvdiverge can be asked to measure (every press ``kvpress``
-exports and the project's own, :data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`), by class
-name in :data:`CATALOGUE`, in kvpress's own style (one small frozen dataclass per press). A record
-says what a policy entry (``{"press": "SnapKVPress", "compression_ratio": 0.5, ...}``) may give and
-what the press does: its constructor parameters, whether it takes the policy's compression ratio
-(or a budget, the same keyword's per-prompt value), whether it keeps every position, evicts while
-decoding, re-rotates kept keys or gets a prefill of its own, the sentence it is refused with, and
-its defaults that the minimum prompt length reads. The functions below answer the config's
-questions from the records alone (:func:`entry_problem`, :func:`takes_ratio`,
-:func:`min_prompt_tokens`, :func:`is_decode_time`, :func:`shares_prefill`,
-:func:`question_after_problem`, :func:`sliding_refusal`), with the sentences of the engine, which
-asks the same of a built press (:mod:`kvdiverge.engine.presses.registry`).
+One :class:`PressRecord` per press class kvdiverge measures or refuses (every press ``kvpress`` exports and
+the project's own, :data:`kvdiverge.engine.presses.project.PROJECT_PRESSES`), by class name in
+:data:`CATALOGUE`, in kvpress's style (one small frozen dataclass per press): the constructor's parameters,
+whether it takes the policy's compression ratio (a budget is that ratio per prompt), keeps every position,
+evicts while decoding, re-rotates kept keys or gets a prefill of its own, the sentence it is refused with,
+and the defaults the minimum prompt length reads. The functions below answer the config's questions of a
+policy entry from the records alone (:func:`entry_problem`, :func:`takes_ratio`, :func:`min_prompt_tokens`,
+:func:`is_decode_time`, :func:`shares_prefill`, :func:`question_after_problem`, :func:`sliding_refusal`),
+in the sentences of the engine, which asks the same of a built press (:mod:`kvdiverge.engine.presses.registry`).
 
-Importing this module loads neither torch, transformers nor kvpress (nor the engine's torch
-modules: the engine's packages import nothing at import), so the Snakefile's parse of every job
-checks the config without them. What the records cannot say is kvpress's own check of a value
-(an ``assert`` in a press's ``__post_init__``): the engine builds each press for that
-(:meth:`kvdiverge.engine.presses.policies.Policy.from_config`). ``tests/test_catalogue.py`` holds
-every record equal to what the registry and the policies say of the real class, and every press
-kvpress exports in the catalogue or refused (:data:`ABSTRACT`). Presses of a user's module
-(``module:Class``) are read from their class by the engine and added with :func:`register`.
+Importing it loads neither torch, transformers nor kvpress (the engine's packages import nothing), so every
+Snakemake job's parse checks the config without them. The records cannot say what kvpress's own checks of a
+value (an ``assert`` in a press's ``__post_init__``) refuse: the engine builds each press for that
+(:meth:`kvdiverge.engine.presses.policies.Policy.from_config`). ``tests/test_catalogue.py`` holds each record
+equal to the registry's reading of the real class (:func:`kvdiverge.engine.presses.registry.catalogue_record`)
+and every press kvpress exports catalogued or refused (:data:`ABSTRACT`); a press of a user's module
+(``module:Class``) gets its record from the engine the same way (:func:`register`).
 """
 
 from __future__ import annotations
@@ -97,10 +93,7 @@ class PressRecord:
 
 # --------------------------------------------------------------------------- the sentences of the refused presses
 
-_HUB_COPY = (
-    "kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, "
-    "HF_HUB_OFFLINE=1 changes nothing)"
-)
+_HUB_COPY = "kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1 changes nothing)"
 _REPLAY = (
     "{press} reloads the tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path) "
     "and replays the context through the model, so it needs a model loaded from a hub id or a "
@@ -256,12 +249,13 @@ ABSTRACT: dict[str, str] = {
     "name a press that scores, such as SnapKVPress, or subclass it and override score",
 }
 
-#: Presses of a user's module (``module:Class``), read from their class by the engine (:func:`register`).
-_OWN: dict[str, PressRecord] = {}
+#: Presses of a user's module (``module:Class``), read from their class by the engine (:func:`register`):
+#: the record, or the sentence the engine refuses the name with (a module that does not import).
+_OWN: dict[str, PressRecord | str] = {}
 
 
-def register(name: str, rec: PressRecord) -> None:
-    """Add the record of a press of a user's module, ``name`` as the entry spells it (``module:Class``)."""
+def register(name: str, rec: PressRecord | str) -> None:
+    """Add the record of a press ``module:Class``, or the sentence :func:`record` refuses it with."""
     _OWN[name] = rec
 
 
@@ -278,8 +272,10 @@ def record(name: str) -> PressRecord:
     if name in CATALOGUE:
         return CATALOGUE[name]
     if ":" in name:
-        if name in _OWN:
+        if isinstance(_OWN.get(name), PressRecord):
             return _OWN[name]
+        if name in _OWN:
+            raise ValueError(_OWN[name])
         raise LookupError(f"press {name!r} is a class of another module, which only the engine reads")
     if name in ABSTRACT:
         raise ValueError(ABSTRACT[name])
@@ -329,6 +325,17 @@ def _walk(spec: Mapping[str, Any]) -> list:
             out.append(s)
             todo.extend(_inner(s))
     return out
+
+
+def press_names(entry: Mapping[str, Any]) -> list[str]:
+    """The class names of the press of a policy entry and of every press nested in it, outer first (its own
+    alone when its ``params`` is not a mapping, which the schema names)."""
+    if not is_press_spec(entry):
+        return []
+    try:
+        return [s["press"] for s in _walk(entry)]
+    except (TypeError, ValueError, AttributeError):
+        return [entry["press"]]
 
 
 def takes_ratio(press: str, params: Mapping[str, Any]) -> bool:
@@ -516,15 +523,8 @@ def is_decode_time(spec: Any) -> bool:
 
 
 def shares_prefill(spec: Mapping[str, Any]) -> bool:
-    """True when the full cache can be copied from the press's own prefill forward (its record's ``prefill``).
-
-    Raises
-    ------
-    KeyError, TypeError
-        A spec without a press (a cache alone).
-    ValueError, LookupError
-        As :func:`record`.
-    """
+    """True when the full cache can be copied from the press's own prefill forward (its record's ``prefill``);
+    raises ``KeyError`` or ``TypeError`` for a spec without a press (a cache alone), else as :func:`record`."""
     return record(spec["press"]).prefill == "shared"
 
 
