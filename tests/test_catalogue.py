@@ -195,3 +195,25 @@ def test_a_press_of_a_users_module_gets_its_record_from_the_engine(tmp_path, mon
     assert catalogue.entry_problem({"press": name, "compression_ratio": 0.5, "width": 3}) == (
         "WidePress has no parameter(s) ['width']; accepted: ['compression_ratio', 'kernel_size', 'window_size']"
     )
+
+
+def test_the_config_check_reads_a_press_of_a_users_module_from_its_class(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from kvdiverge.config.workflow import ConfigError, read_yaml, validate
+
+    (tmp_path / "ownpresses2.py").write_text(
+        "from dataclasses import dataclass\nfrom kvpress import SnapKVPress\n\n\n"
+        "@dataclass\nclass WidePress(SnapKVPress):\n    window_size: int = 200\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(catalogue, "_OWN", {})
+    config = read_yaml(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
+    config["policies"]["wide"] = {"press": "ownpresses2:WidePress", "compression_ratio": 0.5}
+    assert validate(config)["policies"]["wide"]["press"] == "ownpresses2:WidePress"
+    assert catalogue.min_prompt_tokens(config["policies"]["wide"]) == 201
+    config["policies"]["wide"] = {"press": "nomodule:WidePress", "compression_ratio": 0.5}
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert "  policies.wide: press 'nomodule:WidePress': cannot import module 'nomodule'" in str(info.value)
+    assert _engine_problem(config["policies"]["wide"]).startswith("press 'nomodule:WidePress': cannot import module")

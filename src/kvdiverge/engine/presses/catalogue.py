@@ -284,7 +284,7 @@ def record(name: str) -> PressRecord:
 
 # --------------------------------------------------------------------------- policy entries
 
-#: Keys of a quantized cache in a policy entry (:class:`QuantizedCacheSpec`).
+#: Keys of a quantized cache in a policy entry (:class:`kvdiverge.engine.presses.cache_facts.QuantizedCacheSpec`).
 CACHE_KEYS = frozenset({"cache", "backend", "nbits", "q_group_size", "residual_length"})
 #: Keys of a policy entry that are not constructor parameters of the press.
 POLICY_KEYS = frozenset({"press", "compression_ratio", "budget", "params"}) | CACHE_KEYS
@@ -422,7 +422,7 @@ def _policy_entry(entry: Mapping[str, Any]) -> tuple[Mapping[str, Any], Quantize
     Raises
     ------
     ValueError
-        A ``cache`` key other than ``quantized``, or a setting :class:`QuantizedCacheSpec` refuses.
+        A ``cache`` key other than ``quantized``, or a setting :class:`kvdiverge.engine.presses.cache_facts.QuantizedCacheSpec` refuses.
     """
     keys = {k for k in CACHE_KEYS if k in entry}
     if not keys:
@@ -563,7 +563,7 @@ def min_prompt_tokens(entry: Mapping[str, Any]) -> int:
 
 
 def node_sliding_refusal(rec: PressRecord, params: Mapping[str, Any], layers: str) -> str | None:
-    """What sliding-window layers (``layers``: :func:`describe`) tell against one press: a prefill press
+    """What sliding-window layers (``layers``: :func:`kvdiverge.engine.presses.cache_facts.describe`) tell against one press: a prefill press
     that fails there (:data:`SLIDING_FAILS`), a quantized cache, a press that evicts while decoding or
     one that re-rotates kept keys; ``None`` when it runs on the full-attention layers alone."""
     if rec.name in SLIDING_FAILS:
@@ -583,7 +583,7 @@ def node_sliding_refusal(rec: PressRecord, params: Mapping[str, Any], layers: st
 
 def sliding_refusal(entry: Mapping[str, Any] | None, config) -> str | None:
     """What a model with sliding-window layers tells against a buildable policy entry (``None`` without a
-    config): the model alone (:func:`model_sliding_refusal`), then each press, outer first
+    config): the model alone (:func:`kvdiverge.engine.presses.cache_facts.model_sliding_refusal`), then each press, outer first
     (:func:`node_sliding_refusal`); the engine's :func:`kvdiverge.engine.presses.registry.sliding_refusal`
     of the built press."""
     reason = model_sliding_refusal(config)

@@ -18,7 +18,7 @@ The engine honours them this way:
 - **What the engine cannot honour is refused** (:func:`refusal`): a layer type other than
   these two, or a sliding window that a sequence reaches past on a model whose config names no
   layer types; and on sliding-window layers a question prefilled after compression
-  (:func:`question_after_refusal`).
+  (:func:`kvdiverge.engine.presses.cache_facts.question_after_refusal`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from kvdiverge.engine.presses.cache_facts import (
     describe,
     has_sliding_layers,
     layer_types,
+    layers_refusal,
     question_after_refusal,
     sliding_window,
 )
-from kvdiverge.engine.presses.cache_facts import layers_refusal as refusal
 
 __all__ = [
     "FULL",
@@ -56,6 +56,12 @@ __all__ = [
     "refusal",
     "sliding_window",
 ]
+
+
+def refusal(config, tokens: int | None = None) -> str | None:
+    """Why the engine cannot run this model's layers, in one sentence; ``None`` when it can
+    (:func:`kvdiverge.engine.presses.cache_facts.layers_refusal`, which the config check asks too)."""
+    return layers_refusal(config, tokens)
 
 
 def full_layers(config) -> list[int]:
