@@ -38,6 +38,12 @@ export_configfiles()
 register_gpu_cap()
 
 
+# What only building each press checks (kvpress's own checks of a value), once when a run starts and
+# before its first job: the parse itself (every job's too) reads the torch-free press catalogue.
+onstart:
+    check_presses()
+
+
 # What a plain `snakemake` makes: every stage's final outputs (all_targets, common.smk).
 rule all:
     default_target: True

@@ -362,6 +362,29 @@ def test_snakemake_stops_on_a_bad_config_naming_the_key(tmp_path, offline):
     assert "temperature" in text
 
 
+@pytest.mark.workflow
+def test_a_run_refuses_what_only_building_the_press_checks_before_any_job(tmp_path, offline, caplog):
+    """The parse checks the config from the torch-free press catalogue; kvpress's own check of a value (an
+    ``assert`` in the press's constructor) is asked once when a run starts (the Snakefile's ``onstart``)."""
+    config = raw("smoke.yaml")
+    config["policies"]["ada-2"] = {
+        "press": "AdaKVPress",
+        "compression_ratio": 0.5,
+        "params": {"press": {"press": "SnapKVPress"}, "alpha_safeguard": 2.0},
+    }
+    validate(config)  # every name and parameter exists: the catalogue has nothing against it
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    work = tmp_path / "work"
+    assert _snakemake("-n", "--configfile", str(path), "-d", str(work)).returncode == 0
+    out = _snakemake("--cores", "1", "--configfile", str(path), "-d", str(work))
+    assert out.returncode != 0
+    text = out.stdout + caplog.text  # Snakemake logs the onstart handler's error
+    assert "invalid config:\n  policies.ada-2: AdaKVPress(alpha_safeguard=2.0, press=SnapKVPress(" in text
+    assert ") failed: AssertionError: alpha_safeguard should be in [0, 1]" in text
+    assert not list(work.rglob("*.parquet"))  # no job ran
+
+
 def _job_stats(text: str) -> dict[str, int]:
     """The 'Job stats' table of a Snakemake dry run, as {rule: count}."""
     lines = text.split("Job stats:")[1].splitlines()

@@ -88,6 +88,15 @@ def teacher_job(wildcards):
     return kvdiverge.jobs.params.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
 
 
+def check_presses():
+    """What kvpress's own checks refuse of each policy's press (kvdiverge.config.workflow.press_build_problems:
+    the press built once, which loads torch), as the config check's error. Called once, by the Snakefile's
+    onstart: a run, not a dry run, and no job's parse; the parse checks the rest from the press catalogue."""
+    problems = kvdiverge.config.workflow.press_build_problems(CONFIG["policies"])
+    if problems:
+        raise WorkflowError("invalid config:\n  " + "\n  ".join(problems))
+
+
 def export_configfiles():
     """Tell the jobs the config files of this run (for the regenerate command in the estimate
     stage's error messages): an environment variable, not a param, so that the same settings
@@ -234,12 +243,21 @@ def register_gpu_cap():
     The generation rules request gpu=1 per job with a CUDA model; without a cap Snakemake
     would start one such job per core. --resources gpu=N wins; otherwise the config key
     `gpus`, otherwise the number of visible CUDA devices (KVDIVERGE_GPUS simulates a device
-    list); the cap is printed, with a warning when it is 0. Cluster runs (--jobs / the SLURM
-    profile) are left alone: SLURM hands each job its own GPU."""
+    list); the cap is printed, with a warning when it is 0. A dry run counts no devices (that loads
+    torch): it says so, unless the config, --resources or KVDIVERGE_GPUS gives the cap. Cluster runs
+    (--jobs / the SLURM profile) are left alone: SLURM hands each job its own GPU."""
     if not workflow.is_main_process or workflow.nodes is not None or not any(model_on_gpu(m) for m in MODELS):
         return
     if "gpu" in workflow.global_resources:
         cap, source = workflow.global_resources["gpu"].value, "--resources"
+    elif getattr(workflow.output_settings, "dryrun", False) and kvdiverge.jobs.devices.counted_by_torch(CONFIG):
+        # a dry run schedules nothing: counting the devices would load torch into every `snakemake -n`
+        print(
+            "kvdiverge: local GPU cap: the visible CUDA devices are counted when the run starts "
+            "(the config key gpus or --resources gpu=N sets the cap)",
+            file=sys.stderr,
+        )
+        return
     else:
         cap, source = kvdiverge.jobs.devices.gpu_cap(CONFIG)
         workflow.register_resource("gpu", cap)

@@ -16,11 +16,14 @@ and ``kvdiverge measure --ratios`` name them the same way
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdiverge.engine.presses import catalogue
+from kvdiverge.engine.presses.cache_facts import QuantizedCacheSpec
 from kvdiverge.estimation.frontier import FrontierPoint
 
 __all__ = [
@@ -289,24 +292,21 @@ def frontier_grid(presses: Iterable[str], spec: FrontierSpec) -> list[FrontierPo
 
 def entry_takes_ratio(entry: dict[str, Any]) -> bool:
     """True when the press of a policy entry, or a press nested in it, takes a ``compression_ratio``
-    (:func:`kvdiverge.engine.presses.policies.takes_ratio`; the top-level ratio goes to the press that takes it)."""
-    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
-    from kvdiverge.engine.presses.adapters import spec_parameters
-    from kvdiverge.engine.presses.policies import takes_ratio
+    (:func:`kvdiverge.engine.presses.catalogue.takes_ratio`; the top-level ratio goes to the press that takes it).
 
+    Raises
+    ------
+    ValueError, LookupError
+        As :func:`kvdiverge.engine.presses.catalogue.record`, for an unknown press here or nested.
+    """
     name = entry.get("press")
-    return isinstance(name, str) and takes_ratio(name, spec_parameters(entry))
+    return isinstance(name, str) and catalogue.takes_ratio(name, catalogue.spec_parameters(entry))
 
 
 def cache_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     """A quantized cache's settings with the defaults filled in (``backend``, ``nbits``,
     ``q_group_size``, ``residual_length``: those of
-    :class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`), unchecked."""
-    import dataclasses
-
-    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
-    from kvdiverge.engine.presses.quantized import QuantizedCacheSpec
-
+    :class:`kvdiverge.engine.presses.cache_facts.QuantizedCacheSpec`), unchecked."""
     defaults = {f.name: f.default for f in dataclasses.fields(QuantizedCacheSpec)}
     return {**defaults, **{k: v for k, v in (settings or {}).items() if k != "cache"}}
 
@@ -340,8 +340,6 @@ def press_at_ratio(press: Any, ratio: float, name: str) -> Any:
     ValueError
         If neither the press nor a press it wraps takes a ``compression_ratio``.
     """
-    import dataclasses
-
     if dataclasses.is_dataclass(press) and not isinstance(press, type):
         fields = {f.name for f in dataclasses.fields(press) if f.init}
         if "compression_ratio" in fields:

@@ -4,9 +4,10 @@ Gemma 2 and 3 keep most decoder layers on a sliding window (:mod:`kvdiverge.engi
 A generation job refuses, before its first forward, what the engine cannot run there: eager attention, a
 press that evicts while decoding, a quantized cache, a press that re-rotates kept keys
 (:func:`kvdiverge.engine.presses.registry.sliding_refusal`), and a question prefilled after compression
-(:func:`kvdiverge.engine.presses.layer_types.question_after_refusal`). The config check asks the same two
-functions before any job (:func:`layer_problems`), of the layers :func:`entry_layers` reads from where
-the entry points:
+(:func:`kvdiverge.engine.presses.cache_facts.question_after_refusal`). The config check asks the same
+before any job (:func:`layer_problems`), of the press catalogue
+(:func:`kvdiverge.engine.presses.catalogue.sliding_refusal`, the engine's sentences), and of the layers
+:func:`entry_layers` reads from where the entry points:
 
 - a GGUF file (``gguf_package``; ``gguf_chunks``, whose first chunk holds the header; ``local`` with
   ``gguf_file``): the header's block count and sliding window
@@ -16,9 +17,8 @@ the entry points:
   ``layer_types`` of its ``config.json`` (of its ``text_config`` for a multimodal model);
 - a miniature: its values (:func:`kvdiverge.models.loading.miniature_values`).
 
-No weights are read, nothing is fetched, and neither torch nor transformers is imported; an entry whose
-files are not on this machine, or whose layer types cannot be read so, is left to the job's own check.
-kvpress (and torch) load only for a model with sliding-window layers, to ask the engine's refusals.
+No weights are read, nothing is fetched, and neither torch, transformers nor kvpress is imported; an entry
+whose files are not on this machine, or whose layer types cannot be read so, is left to the job's own check.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvdiverge.config.frontier import frontier_points
+from kvdiverge.engine.presses import catalogue
+from kvdiverge.engine.presses.cache_facts import FULL, SLIDING, question_after_refusal
 from kvdiverge.models.gguf_tokenizer import gguf_architecture, read_metadata
 from kvdiverge.models.loading import ModelNotFoundError, chunk_paths, miniature_values, resolve
 
 __all__ = ["GGUF_SLIDING_PATTERN", "entry_layers", "gguf_layer_values", "layer_problems"]
 
-#: transformers' names of the two attention types (``config.layer_types``).
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 #: GGUF architectures (``general.architecture``) with sliding-window layers: every ``n``-th decoder
 #: layer attends to the whole context, the others to ``<arch>.attention.sliding_window`` tokens, as
@@ -182,14 +182,8 @@ def _sliding_problems(
     config: Mapping[str, Any], model: str, layers: SimpleNamespace, policies: Mapping[str, str]
 ) -> list[str]:
     """:func:`layer_problems` of one model with sliding-window layers."""
-    # lazy: kvpress and torch load for a model with sliding-window layers only
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.layer_types import question_after_refusal
-    from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.presses.registry import sliding_refusal
-
     where = f"models.{model}"
-    reason = sliding_refusal(None, layers)  # the model alone: its layer types and its attention
+    reason = catalogue.sliding_refusal(None, layers)  # the model alone: its layer types and its attention
     if reason:
         attn = config["models"][model].get("attn_implementation")
         return [
@@ -197,11 +191,13 @@ def _sliding_problems(
         ]
     out = []
     for key, name in policies.items():
+        entry = config["policies"][name]
         try:
-            press = Policy.from_config(name, config["policies"][name], check=False).probe_press
-        except (PressError, ValueError):
-            continue  # named by the config check of the policies
-        reason = sliding_refusal(press, layers)
+            if catalogue.build_problem(entry):
+                continue  # named by the config check of the policies
+        except LookupError:
+            continue  # a press of a user's module the catalogue was not given: the job asks the engine
+        reason = catalogue.sliding_refusal(entry, layers)
         if reason:
             out.append(f"{key} on {where}: {reason}")
     prediction = (config.get("prediction") or {}).get("tasks", [])

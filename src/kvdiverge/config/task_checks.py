@@ -6,7 +6,7 @@ or :func:`kvdiverge.measure` would refuse, with the same sentences, named by the
 - a task block as every door reads it (:func:`kvdiverge.data.tasks.task_settings`: the schema's values
   and only its own task's keys);
 - a question prefilled after compression beside a policy that cannot take it (the check of every door,
-  :func:`kvdiverge.engine.runner.question_after_problems`);
+  :func:`kvdiverge.engine.runner.question_after_problems`, asked of the press catalogue);
 - the reconstruction target beside a task (:func:`reconstruction_problem`), greedy decoding for ``task``; for ``prediction``, a frontier, plain prompts on the fidelity side, task
   documents of another split, sides named apart, and fidelity measures the horizon gives
   (:func:`kvdiverge.estimation.prediction.measure_problems`).
@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdiverge.config.frontier import frontier_points
+from kvdiverge.engine.presses import catalogue
 from kvdiverge.estimation.prediction import measure_problems
 
 __all__ = [
@@ -78,21 +79,19 @@ def block_problems(key: str, block: Mapping[str, Any], seed: int) -> list[str]:
 
 def question_after_problems(key: str, policies: Mapping[str, Any]) -> list[str]:
     """``<key>: 'after' cannot run policy ...`` for each policy (name: config entry) that cannot take a
-    question prefilled after compression, by the check of every door
-    (:func:`kvdiverge.engine.runner.question_after_problems`) on the policy's press built once; a
-    policy that does not build is left to the check of the policies."""
-    # lazy: kvpress and torch load when policies are checked; the torch-free stages import the config
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import question_after_problems as door_check
-
-    built = {}
+    question prefilled after compression, by the press catalogue
+    (:func:`kvdiverge.engine.presses.catalogue.question_after_problem`, the sentence of every door's
+    :func:`kvdiverge.engine.runner.question_after_problems`); a policy that does not build is left to the
+    check of the policies."""
+    out = []
     for name, entry in policies.items():
         try:
-            built[name] = Policy.from_config(name, entry, check=False)
-        except (PressError, ValueError):
-            continue
-    return [f"{key}: 'after' cannot run {line}" for line in door_check(built)]
+            problem = None if catalogue.build_problem(entry) else catalogue.question_after_problem(entry)
+        except LookupError:  # a press of a user's module the catalogue was not given: the job asks the engine
+            problem = None
+        if problem:
+            out.append(f"{key}: 'after' cannot run policy {name!r}: {problem}")
+    return out
 
 
 def prediction_block_problems(config: Mapping[str, Any]) -> list[str]:

@@ -42,6 +42,7 @@ from kvdiverge.config.frontier import (
 from kvdiverge.config.layers import layer_problems
 from kvdiverge.config.task_checks import prediction_block_problems, task_block_problems
 from kvdiverge.data.prompts import parse_date
+from kvdiverge.engine.presses import catalogue
 from kvdiverge.estimation.drift import drift_problems
 from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.models.loading import miniature_values
@@ -314,9 +315,18 @@ def policy_entry_problems(entry: Any) -> list[str]:
 
 
 def policy_problems(policies: dict[str, Any]) -> list[str]:
-    """What is wrong with each policy: its press built once (unknown parameters of nested presses,
-    ratio or budget, kvpress's own checks) and refused presses (what they need), one line each."""
-    # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
+    """What is wrong with each policy, by the press catalogue (:func:`kvdiverge.engine.presses.catalogue.entry_problem`:
+    unknown presses and parameters of nested presses, ratio or budget, refused presses and what they need),
+    one line each, in the engine's sentences; kvpress's own checks of a value run where the press is built
+    (:func:`press_build_problems`)."""
+    return [f"policies.{name}: {p}" for name, spec in policies.items() if (p := catalogue.entry_problem(spec))]
+
+
+def press_build_problems(policies: dict[str, Any]) -> list[str]:
+    """What kvpress's own checks refuse of each policy's press (an ``assert`` in its constructor), one line each:
+    the press built once by the engine (:meth:`kvdiverge.engine.presses.policies.Policy.from_config`). The
+    Snakefile asks it once when a run starts (``onstart``), not at every job's parse."""
+    # lazy: building a press loads kvpress and torch; the config check reads the torch-free catalogue
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
 
@@ -329,11 +339,32 @@ def policy_problems(policies: dict[str, Any]) -> list[str]:
     return problems
 
 
+def own_presses(config: Mapping[str, Any]) -> None:
+    """Give the catalogue a record of each press of a user's module (``module:Class``) that the config's
+    policies or frontier name (:func:`kvdiverge.engine.presses.catalogue.register`), read from its class by the
+    engine; a config without one loads nothing."""
+    entries = [
+        *(config.get("policies") or {}).values(),
+        *((config.get("frontier") or {}).get("presses") or {}).values(),
+    ]
+    own = sorted({n for e in entries for n in catalogue.press_names(e) if ":" in n})
+    if not own:
+        return
+    # lazy: a press of the user's own module is read from its class, which loads kvpress (only such a config does)
+    from kvdiverge.engine.presses.registry import catalogue_record
+
+    for name in own:
+        try:
+            catalogue.register(name, catalogue_record(name))
+        except ValueError as exc:  # the module or class is not there: the engine's sentence
+            catalogue.register(name, str(exc))
+
+
 def check(config: dict[str, Any]) -> None:
     """Check the cross-references a schema cannot express.
 
-    Every policy must build its press, and kvdiverge must measure it
-    (:mod:`kvdiverge.engine.presses.registry`); the noise-floor policy's press must keep every
+    Every policy must name presses and parameters that exist, and kvdiverge must measure them
+    (:mod:`kvdiverge.engine.presses.catalogue`); the noise-floor policy's press must keep every
     position. Policies named in ``runs``, ``confirmatory`` and ``analysis.gaps`` must be defined;
     the confirmatory policy must run on the confirmatory split; gap policies must run
     on the exploratory split; word and lag ranges must be ordered; ``prompt.date`` must be
@@ -347,6 +378,7 @@ def check(config: dict[str, Any]) -> None:
     ConfigError
         Listing every problem found.
     """
+    own_presses(config)
     problems: list[str] = []
     policies = config.get("policies", {})
     defined = ", ".join(sorted(policies)) or "none"
@@ -389,11 +421,8 @@ def _run_problems(config: dict[str, Any], need_policy, problems: list[str]) -> N
     problems += policy_problems(policies)
     floor = run.get("floor")
     if floor and need_policy("runs.floor.policy", floor["policy"]):
-        # lazy: kvpress and torch load when policies are checked; the torch-free stages import this module
-        from kvdiverge.engine.presses.policies import keeps_every_position
-
         press = policies[floor["policy"]].get("press")
-        if not keeps_every_position(press):
+        if not catalogue.keeps_every_position(press):
             problems.append(
                 f"runs.floor.policy: {floor['policy']!r} must be a noise-floor policy, whose press keeps "
                 f"every position (PermutationPress), not {press}"
@@ -566,8 +595,8 @@ def _frontier_entry_problems(key: str, entry: dict[str, Any], name: str, policy_
     if "press" in entry:
         try:
             takes = entry_takes_ratio(entry)
-        except ValueError:
-            takes = None  # an unknown press: the registry names it below (policy_problems)
+        except (ValueError, LookupError):
+            takes = None  # an unknown press: the catalogue names it below (policy_problems)
         if takes is False:
             return [
                 f"{key}: {entry['press']} takes no compression_ratio (nor does a press "
@@ -612,6 +641,7 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         one of [2, 4] ...``), a user policy whose name holds ``@`` (reserved for the
         frontier) or collides with a frontier policy, or no ``runs.floor``.
     """
+    own_presses(config)
     policies = config.get("policies", {})
     f = config.get("frontier")
     problems: list[str] = []

@@ -23,7 +23,7 @@ A document is excluded, with the reason recorded, when
   in the word range, a duplicate: its ``exclusion_reason`` is carried over, with no tokens),
 - its prompt plus ``max_new_tokens`` exceeds the model's context, or
 - it is shorter than what a policy scheduled on its split needs
-  (``kvdiverge.engine.presses.policies.min_prompt_tokens``), so that every policy of a split sees
+  (``kvdiverge.engine.presses.catalogue.min_prompt_tokens``), so that every policy of a split sees
   the same documents.
 
 Output table (``docs/internals.md``): ``doc_id``, ``split``, ``n_prompt_tokens``
@@ -36,6 +36,8 @@ import datetime
 from typing import Any
 
 import polars as pl
+
+from kvdiverge.engine.presses import catalogue
 
 #: The date chat templates see when the config names none (``prompt.date``, ISO 8601).
 DEFAULT_DATE = "2026-01-01"
@@ -238,12 +240,10 @@ def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it."""
-    # lazy: kvpress loads when a press is asked; the Snakefile imports this module without torch
-    from kvdiverge.engine.presses.policies import min_prompt_tokens
-
+    """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it
+    (:func:`kvdiverge.engine.presses.catalogue.min_prompt_tokens`)."""
     return {
-        split: {name: int(min_prompt_tokens(config["policies"][name])) for name in names}
+        split: {name: int(catalogue.min_prompt_tokens(config["policies"][name])) for name in names}
         for split, names in split_policies(config).items()
     }
 

@@ -59,7 +59,7 @@ def cache_entry(text: str) -> dict[str, Any]:
 
     ``quanto:nbits=4,q_group_size=64,residual_length=128`` gives ``{"cache": "quantized",
     "backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 128}``
-    (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`, checked when the policy is built).
+    (:class:`kvdiverge.engine.presses.cache_facts.QuantizedCacheSpec`, checked when the policy is built).
 
     Raises
     ------

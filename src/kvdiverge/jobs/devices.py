@@ -146,6 +146,12 @@ def gpu_cap(config: dict[str, Any]) -> tuple[int, str]:
     return gpu_count(), "visible CUDA devices"
 
 
+def counted_by_torch(config: dict[str, Any]) -> bool:
+    """True when :func:`gpu_cap` counts the visible CUDA devices with torch (neither the config key
+    ``gpus`` nor ``KVDIVERGE_GPUS`` gives the count): a dry run leaves the count to the run itself."""
+    return config.get("gpus") is None and os.environ.get(ENV_GPUS) is None
+
+
 def lock_dir() -> Path:
     """Directory of the device lock files: ``KVDIVERGE_LOCK_DIR`` or ``<tmp>/kvdiverge-gpu-locks``.
 

@@ -23,7 +23,7 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
   ``token_steps = R x 2 sides x (2T - 1)``.
 - A **forward** is one model call. Per document the prompt is prefilled alone under its
   press, once for both caches when the press allows it (its row's ``prefill``,
-  :func:`kvdiverge.engine.presses.registry.shares_prefill`; for a decode-time policy the
+  :func:`kvdiverge.engine.presses.catalogue.shares_prefill`; for a decode-time policy the
   chain lane's prefill gives the reference's full cache), else twice. Decoding takes at
   most ``2T - 2`` steps (``T - 1`` chain advances after the prefill's first distribution,
   then ``T - t* <= T - 1`` branch advances), each one forward over both sides' rows
@@ -31,7 +31,7 @@ Definitions (estimators.md §2 and §5, :mod:`kvdiverge.engine.core.coupled`):
   (``generation.batch_documents``, the batching engine), a shard of ``n`` documents
   decodes ``ceil(n / B)`` groups: ``decode_forwards = (2T - 2) x ceil(n / B)`` per shard.
 
-A **decode-time policy** (:func:`kvdiverge.engine.presses.registry.is_decode_time`) runs on
+A **decode-time policy** (:func:`kvdiverge.engine.presses.catalogue.is_decode_time`) runs on
 :class:`kvdiverge.engine.llm.decode_pair.DecodeTimePair`: the evicted side decodes in lanes of
 one document each (one forward per lane per step, not batched across documents; a
 press with ``merge_lanes`` decodes a document's lanes as one), and a branch starting at
@@ -59,11 +59,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvdiverge.config.workflow import ConfigError, control_documents, load_config, runs
+from kvdiverge.engine.presses import catalogue
 from kvdiverge.io.render import text_table
 
 __all__ = [
@@ -167,14 +168,17 @@ def _batch_documents(config: dict[str, Any], batch_documents: int | None) -> int
     return int(batch_documents)
 
 
+def _entry(spec) -> Any:
+    """A policy entry as the press catalogue reads it: a press object (the noise floor a task side adds,
+    :func:`kvdiverge.config.inputs.frontier_presses`) by its class name."""
+    return spec if spec is None or isinstance(spec, Mapping) else {"press": type(spec).__name__}
+
+
 def _prefills(spec) -> int:
     """Prefill forwards per document of a policy's press: 1 where one forward gives both caches, else 2."""
-    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
-    from kvdiverge.engine.presses.registry import shares_prefill
-
     try:
-        return 1 if shares_prefill(spec) else 2
-    except (KeyError, TypeError, ValueError):  # no press of its own (a cache alone), or unknown: the bound
+        return 1 if catalogue.shares_prefill(_entry(spec)) else 2
+    except (KeyError, TypeError, ValueError, LookupError):  # no press of its own (a cache alone), or unknown: the bound
         return 2
 
 
@@ -222,13 +226,10 @@ class _Grid:
 
 def _coupled_run(model: str, policy: str, split: str, spec, n: int, grid: _Grid, stage: str = "coupled") -> RunCost:
     """The cost of one coupled run of ``n`` documents under the policy entry ``spec`` (module docstring)."""
-    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
-    from kvdiverge.engine.presses.registry import is_decode_time
-
     R, T = grid.R, grid.T
     per_shard = [len(range(i, n, grid.shards)) for i in range(grid.shards)]
     groups = sum(math.ceil(k / grid.B) for k in per_shard)
-    decode_time = is_decode_time(spec)
+    decode_time = catalogue.is_decode_time(_entry(spec))
     steps = max(2 * T - 2, 0) * (n if decode_time else groups)  # decode-time: bounded per document
     return RunCost(
         model=model,
@@ -255,7 +256,7 @@ def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
 
     Upper bounds per run, over the run's documents (its coupled run's, :func:`run_documents_count`),
     with ``L = teacher_forced.length`` continuation tokens (cut to what the context leaves): the
-    press's prefill forwards as the coupled run counts them (:func:`kvdiverge.engine.presses.registry.shares_prefill`;
+    press's prefill forwards as the coupled run counts them (:func:`kvdiverge.engine.presses.catalogue.shares_prefill`;
     a document's prefill is shared by the policies that run on it), then per side one forward
     over the continuation, or ``L - 1`` forwards token by token for a quantized cache or a press
     that evicts while decoding (a sliding window takes one); ``2 L`` token-steps (every position on
@@ -270,15 +271,12 @@ def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
         One entry per run (``stage="teacher-forced"``, ``T = L``, ``R = 1``, ``B = 1``, one shard), in
         :func:`kvdiverge.config.workflow.runs` order, and the greedy continuations.
     """
-    # lazy: kvpress loads when a press is asked; kvdiverge.doors.cli imports this module for --help
-    from kvdiverge.engine.presses.registry import is_decode_time
-
     section = config["teacher_forced"]
     L = int(section["length"])
     out, documents = [], {}
     for model, policy, split in runs(config):
         n, spec = run_documents_count(config, policy, split), config["policies"].get(policy)
-        stepwise = (spec or {}).get("cache") == "quantized" or is_decode_time(spec)
+        stepwise = (spec or {}).get("cache") == "quantized" or catalogue.is_decode_time(spec)
         feed = 0 if L == 1 else 2 * (L - 1) if stepwise else 2
         out.append(_pass_cost((model, policy, split), n, L, _prefills(spec) * n, n * feed, n * 2 * L))
         documents[model, split] = max(n, documents.get((model, split), 0))

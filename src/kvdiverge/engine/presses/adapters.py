@@ -75,9 +75,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvpress
-from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
 from kvdiverge.engine.presses import promises
+from kvdiverge.engine.presses.catalogue import CATALOGUE, is_press_spec, spec_parameters
 
 __all__ = [
     "ADAPTERS",
@@ -96,9 +96,6 @@ INNER_TEST_PRESS: dict[str, Any] = {"press": "SnapKVPress", "window_size": 8, "k
 
 #: Fields of kvpress's wrappers whose value is another press (or a list of presses).
 PRESS_PARAMETERS = ("press", "base_press", "prefilling_press", "decoding_press", "presses")
-
-#: Keys of a nested press spec that are not constructor parameters.
-_SPEC_KEYS = {"press", "params"}
 
 
 class _Inherited:
@@ -160,18 +157,6 @@ def _holds(value: bool | str, node) -> bool:
     return got is not None and got is not False
 
 
-def is_press_spec(value: Any) -> bool:
-    """True for a nested press spec: a mapping naming a press class under ``press``."""
-    return isinstance(value, Mapping) and isinstance(value.get("press"), str)
-
-
-def spec_parameters(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Constructor parameters of a nested press spec: its keys but ``press``, then its ``params``."""
-    params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
-    params.update(spec.get("params") or {})
-    return params
-
-
 def inner(node) -> list:
     """The presses (or specs) directly inside ``node``, in field order.
 
@@ -201,28 +186,10 @@ def walk(node) -> list:
     return out
 
 
-#: What works for the presses that load their own weights from the hub: nothing yet. kvdiverge
-#: refuses them whatever the Hugging Face cache holds (no test model has such weights, so the
-#: press matrix could not check them).
-_HUB_COPY = (
-    "kvdiverge refuses it whether or not a copy is in the Hugging Face cache (HF_HUB_CACHE, "
-    "HF_HUB_OFFLINE=1 changes nothing)"
-)
-#: The models DuoAttentionPress finds patterns for: kvpress looks the model's name_or_path up
-#: in PATTERNS_DICT, whose Gradient keys carry a double slash that no hub id has.
-_DUO_MODELS = ", ".join(sorted(k for k in PATTERNS_DICT if "//" not in k))
-_DUO_UNREACHABLE = sorted(k.replace("//", "/") for k in PATTERNS_DICT if "//" in k)
-_DUO_NOTE = (
-    f"; kvpress lists {' and '.join(_DUO_UNREACHABLE)} under ids with a double slash, which no "
-    "model's name_or_path matches"
-    if _DUO_UNREACHABLE
-    else ""
-)
-_REFUSED_KVZIP = (
-    "{press} reloads the tokenizer with AutoTokenizer.from_pretrained(model.config.name_or_path) "
-    "and replays the context through the model, so it needs a model loaded from a hub id or a "
-    "directory with tokenizer files (an in-memory or GGUF model fails with a bare ImportError)."
-)
+#: The sentences of the refused presses and of their required parameters live in the catalogue
+#: (:data:`kvdiverge.engine.presses.catalogue.CATALOGUE`), which the config check reads without kvpress.
+_REFUSED = {name: r.refused for name, r in CATALOGUE.items() if r.refused}
+_REQUIRED = {name: dict(r.required) for name, r in CATALOGUE.items() if r.required}
 _KNORM = {"press": "KnormPress"}
 
 #: The rows written here, by class name; every other press class gets the row of its class (:func:`resolve`).
@@ -259,11 +226,7 @@ ADAPTERS: dict[str, PressAdapter] = {
             decode_time="decoding",
             row_state=True,
             takes_ratio=False,
-            required={
-                "threshold": "DMSPress evicts the keys scored below a threshold and has none by default: "
-                "give params.threshold (kvpress otherwise fails with TypeError: '<' not "
-                "supported between Tensor and NoneType)."
-            },
+            required=_REQUIRED["DMSPress"],
             test_params={"press": _KNORM, "threshold": -0.45, "sliding_window_size": 8},
         ),
         PressAdapter("ObservedAttentionPress", attentions=True),
@@ -288,14 +251,7 @@ ADAPTERS: dict[str, PressAdapter] = {
         # a quantized cache (kvdiverge.engine.presses.quantized): its flushes follow the history's length
         PressAdapter("QuantizedCachePress", decode_time=True, promise=None),
         PressAdapter("CompressionRatioDecodingPress", decode_time=True, test_params={"base_press": _KNORM}),
-        PressAdapter(
-            "CAMPress",
-            decode_time=True,
-            test_params={"base_press": _KNORM},
-            refused="CAMPress draws its merge mask from torch's global random generator once for all "
-            "rows of a batch, so its evicted kernel is not a function of the history and a "
-            "branch cannot be replayed exactly.",
-        ),
+        PressAdapter("CAMPress", decode_time=True, test_params={"base_press": _KNORM}, refused=_REFUSED["CAMPress"]),
         PressAdapter(
             "PrefillDecodingPress",
             decode_time="decoding_press",
@@ -317,65 +273,18 @@ ADAPTERS: dict[str, PressAdapter] = {
             settable=("delimiter_token_id",),
             note="with rerotate_keys (its default) generated tokens on the evicted side take RoPE positions "
             "from the compressed cache length, as in kvpress's pipeline.",
-            required={
-                "delimiter_token_id": "FinchPress needs the id of a delimiter token that separates "
-                "context and question, once in every prompt: give it as "
-                "params.delimiter_token_id (FinchPress(delimiter_token_id=ID) on "
-                "the command line)."
-            },
+            required=_REQUIRED["FinchPress"],
         ),
-        PressAdapter(
-            "ExpectedAttentionStatsPress",
-            required={
-                "stats_folder": "ExpectedAttentionStatsPress needs precomputed query statistics: give "
-                "the local folder written by `python -m kvpress.presses."
-                "expected_attention_with_stats --model_name <model>` as "
-                "params.stats_folder (without it they come from the hub collection "
-                "alessiodevoto/expectedattentionstats)."
-            },
-        ),
-        PressAdapter(
-            "RestoreKVPress",
-            refused="RestoreKVPress needs the hub repository higokri/RestoreKV-<model name> "
-            "(restore_embeddings.safetensors and a LoRA adapter, published for "
-            "Llama-3.1-8B-Instruct and Qwen3-8B), found by the model's name_or_path; "
-            f"{_HUB_COPY}.",
-        ),
-        PressAdapter(
-            "QFilterPress",
-            refused="QFilterPress needs the learned filters of the hub repository "
-            "nthngdy/<model name>_qfilt, found by the model's name_or_path; "
-            f"{_HUB_COPY}.",
-        ),
-        PressAdapter(
-            "KVzapPress",
-            refused="KVzapPress needs the surrogate model of the hub repository "
-            "nvidia/KVzap-<model_type>-<model name> (model_type mlp or linear), found by "
-            f"the model's name_or_path; {_HUB_COPY}.",
-        ),
-        PressAdapter(
-            "FastKVzipPress",
-            refused="FastKVzipPress needs the gate weights <model name>/q<group>_dim16_sink16.pt "
-            "of the hub repository Jang-Hyun/Fast-KVzip and the model's config by "
-            f"AutoConfig.from_pretrained(name_or_path); {_HUB_COPY}.",
-        ),
-        PressAdapter(
-            "LUKVPress",
-            refused="LUKVPress needs a per-layer, per-head budget curve (.npy of shape [99, layers, "
-            "kv heads]) listed in kvpress.presses.lukv_press.BUDGET_CURVE_URLS for the "
-            "model's name_or_path and scorer (only meta-llama/Llama-3.1-8B-Instruct with "
-            "ExpectedAttentionPress), fetched over HTTP with no offline copy.",
-        ),
-        PressAdapter(
-            "DuoAttentionPress",
-            refused="DuoAttentionPress needs per-head attention patterns, fetched over HTTP "
-            "from github.com/mit-han-lab/duo-attention and published only for "
-            f"{_DUO_MODELS} (on_the_fly_scoring needs the kmfoda/booksum dataset "
-            f"from the hub instead){_DUO_NOTE}.",
-        ),
+        PressAdapter("ExpectedAttentionStatsPress", required=_REQUIRED["ExpectedAttentionStatsPress"]),
+        PressAdapter("RestoreKVPress", refused=_REFUSED["RestoreKVPress"]),
+        PressAdapter("QFilterPress", refused=_REFUSED["QFilterPress"]),
+        PressAdapter("KVzapPress", refused=_REFUSED["KVzapPress"]),
+        PressAdapter("FastKVzipPress", refused=_REFUSED["FastKVzipPress"]),
+        PressAdapter("LUKVPress", refused=_REFUSED["LUKVPress"]),
+        PressAdapter("DuoAttentionPress", refused=_REFUSED["DuoAttentionPress"]),
         PressAdapter("ValueNormPress", promise=promises.scorer),  # test instance: compression_ratio 0.5
-        PressAdapter("KVzipPress", refused=_REFUSED_KVZIP.format(press="KVzipPress")),
-        PressAdapter("KVgradPress", refused=_REFUSED_KVZIP.format(press="KVgradPress")),
+        PressAdapter("KVzipPress", refused=_REFUSED["KVzipPress"]),
+        PressAdapter("KVgradPress", refused=_REFUSED["KVgradPress"]),
     )
 }
 

@@ -18,7 +18,7 @@ The engine honours them this way:
 - **What the engine cannot honour is refused** (:func:`refusal`): a layer type other than
   these two, or a sliding window that a sequence reaches past on a model whose config names no
   layer types; and on sliding-window layers a question prefilled after compression
-  (:func:`question_after_refusal`).
+  (:func:`kvdiverge.engine.presses.cache_facts.question_after_refusal`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,18 @@ import torch
 
 from kvdiverge.engine.hf import create_causal_mask
 from kvdiverge.engine.presses.bases import is_press_hook
+
+# what the config check asks too, torch-free in cache_facts; re-exported here for the engine
+from kvdiverge.engine.presses.cache_facts import (
+    FULL,
+    SLIDING,
+    describe,
+    has_sliding_layers,
+    layer_types,
+    layers_refusal,
+    question_after_refusal,
+    sliding_window,
+)
 
 __all__ = [
     "FULL",
@@ -45,47 +57,16 @@ __all__ = [
     "sliding_window",
 ]
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
 
-
-def _text(config):
-    return getattr(config, "get_text_config", lambda: config)()
-
-
-def layer_types(config) -> list[str]:
-    """Each decoder layer's attention type (``config.layer_types``; all ``"full_attention"``
-    when the config names none)."""
-    config = _text(config)
-    types = getattr(config, "layer_types", None)
-    return list(types) if types else [FULL] * int(config.num_hidden_layers)
-
-
-def sliding_window(config) -> int | None:
-    """Tokens a sliding layer attends to, the query included (``config.sliding_window``);
-    ``None`` when no layer slides."""
-    config = _text(config)
-    return int(config.sliding_window) if SLIDING in layer_types(config) else None
-
-
-def has_sliding_layers(config) -> bool:
-    """True when some decoder layer attends to a sliding window."""
-    return SLIDING in layer_types(config)
+def refusal(config, tokens: int | None = None) -> str | None:
+    """Why the engine cannot run this model's layers, in one sentence; ``None`` when it can
+    (:func:`kvdiverge.engine.presses.cache_facts.layers_refusal`, which the config check asks too)."""
+    return layers_refusal(config, tokens)
 
 
 def full_layers(config) -> list[int]:
     """Indices of the full-attention layers, the ones a press compresses."""
     return [i for i, kind in enumerate(layer_types(config)) if kind == FULL]
-
-
-def describe(config) -> str:
-    """The model's layers in words, the opening of every refusal about them: "the model has 3
-    full-attention and 15 sliding-window layers (512 tokens)"."""
-    kinds = layer_types(config)
-    return (
-        f"the model has {kinds.count(FULL)} full-attention and {kinds.count(SLIDING)} sliding-window layers "
-        f"({sliding_window(config)} tokens)"
-    )
 
 
 def layers_of(config) -> dict:
@@ -96,43 +77,6 @@ def layers_of(config) -> dict:
         "layers": len(layer_types(config)),
         "sliding_window": sliding_window(config),
     }
-
-
-def question_after_refusal(config) -> str | None:
-    """Why a question prefilled after compression cannot run on this model's layers, in one sentence;
-    ``None`` when it can: on sliding-window layers, whose caches hold different lengths, it cannot."""
-    if not has_sliding_layers(config):
-        return None
-    return (
-        f"{describe(config)}: a question prefilled after compression is not supported there (its layers hold "
-        f"caches of different lengths)"
-    )
-
-
-def refusal(config, tokens: int | None = None) -> str | None:
-    """Why the engine cannot run this model's layers, in one sentence; ``None`` when it can.
-
-    Refused: a layer type other than full and sliding attention (chunked, linear); a
-    ``sliding_window`` in force on every layer of a config that names no layer types
-    (Mistral-style, Phi-3) once a row's cache spans more than the window, ``tokens`` columns
-    (the longest prompt and the columns decoding adds, rewound ones included): transformers
-    then counts the window in cache columns, which after a rewind are not positions. With
-    ``tokens`` None only the layer types are checked.
-    """
-    config = _text(config)
-    kinds = sorted(set(layer_types(config)))
-    other = [k for k in kinds if k not in (FULL, SLIDING)]
-    if other:
-        return f"the model's layer types are {kinds}; the engine honours only {FULL!r} and {SLIDING!r} layers"
-    window = getattr(config, "sliding_window", None)
-    uses = getattr(config, "use_sliding_window", True)
-    if window and uses and not getattr(config, "layer_types", None) and tokens is not None and tokens > window:
-        return (
-            f"the model attends through a sliding window of {window} tokens on every layer and its config "
-            f"names no layer types, and a row's cache reaches {tokens} columns; the engine honours sliding windows "
-            f"only on configs with layer_types"
-        )
-    return None
 
 
 @contextlib.contextmanager

@@ -58,13 +58,11 @@ from typing import Any
 
 from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
+from kvdiverge.engine.presses.catalogue import CACHE_KEYS as _CACHE_KEYS
+from kvdiverge.engine.presses.catalogue import POLICY_KEYS as _POLICY_KEYS
 from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
 from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
-#: Keys of a quantized cache in a policy entry (:class:`kvdiverge.engine.presses.quantized.QuantizedCacheSpec`).
-_CACHE_KEYS = {"cache", "backend", "nbits", "q_group_size", "residual_length"}
-#: Keys of a policy entry that are not constructor parameters of the press.
-_POLICY_KEYS = {"press", "compression_ratio", "budget", "params"} | _CACHE_KEYS
 #: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
 _PROBE_RATIO = 0.5
 

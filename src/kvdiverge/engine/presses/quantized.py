@@ -36,14 +36,15 @@ a model whose head dimension the group size does not divide, a decode-time press
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpress import BasePress
 
 from kvdiverge.engine.hf import DynamicLayer, HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
-from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
+
+# the settings and their arithmetic live in the torch-free cache_facts (the config check reads them); re-exported here
+from kvdiverge.engine.presses.cache_facts import BACKENDS, QuantizedCacheSpec, backend_refusal, kv_bits_per_element
 
 __all__ = [
     "BACKENDS",
@@ -53,89 +54,6 @@ __all__ = [
     "quantize_cache_layers",
     "refusal",
 ]
-
-#: Backend -> (import name checked, allowed nbits, axis that groups along the last dimension, pip package).
-BACKENDS: dict[str, tuple[str, tuple[int, ...], int, str]] = {
-    "quanto": ("optimum.quanto", (2, 4), 0, "optimum-quanto"),
-    "hqq": ("hqq", (1, 2, 3, 4, 8), 1, "hqq"),
-}
-
-
-@dataclass(frozen=True)
-class QuantizedCacheSpec:
-    """Settings of a quantized cache (the policy entry's ``backend``, ``nbits``, ...).
-
-    Parameters
-    ----------
-    backend : str
-        ``"quanto"`` (default) or ``"hqq"``.
-    nbits : int
-        Bits per stored element (quanto: 2 or 4; hqq: 1, 2, 3, 4 or 8).
-    q_group_size : int
-        Elements sharing one scale and zero point, along the head dimension (must divide it).
-    residual_length : int
-        Newest tokens kept in full precision before a flush quantizes them (tokens, >= 1).
-
-    Raises
-    ------
-    ValueError
-        Unknown backend, ``nbits`` the backend does not offer, or a non-positive group
-        size or residual length; the message names the key, the value and what is allowed.
-    """
-
-    backend: str = "quanto"
-    nbits: int = 4
-    q_group_size: int = 64
-    residual_length: int = 128
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"quantized cache: backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
-        bits = BACKENDS[self.backend][1]
-        if isinstance(self.nbits, bool) or self.nbits not in bits:
-            raise ValueError(
-                f"quantized cache: nbits must be one of {list(bits)} for backend {self.backend!r}, got {self.nbits!r}"
-            )
-        for key in ("q_group_size", "residual_length"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"quantized cache: {key} must be an integer >= 1, got {v!r}")
-
-    @property
-    def axis(self) -> int:
-        """The backend's ``axis`` whose groups run along the last (head) dimension."""
-        return BACKENDS[self.backend][2]
-
-    def describe(self) -> dict[str, Any]:
-        """The settings as a config mapping (``cache: quantized`` and the four keys)."""
-        return {
-            "cache": "quantized",
-            "backend": self.backend,
-            "nbits": self.nbits,
-            "q_group_size": self.q_group_size,
-            "residual_length": self.residual_length,
-        }
-
-
-def kv_bits_per_element(spec: QuantizedCacheSpec | None, full_bits: int = 16) -> float:
-    """Stored bits per key or value element: the data bits plus a scale and a zero point per group
-    (:func:`kvdiverge.estimation.kv_bytes.kv_bytes_per_element`, in bits).
-
-    Parameters
-    ----------
-    spec : QuantizedCacheSpec or None
-        None: the full-precision cache, ``full_bits`` per element.
-    full_bits : int
-        Bits of a full-precision element and of each scale and zero point (16 for fp16/bf16).
-
-    Returns
-    -------
-    float
-        ``nbits + 2 * full_bits / q_group_size`` (HQQ's 3 bits: 3.2, ten values per 32-bit word;
-        the residual's full-precision tokens are not counted: at most ``residual_length`` of
-        them, whatever the prompt length).
-    """
-    return 8 * kv_bytes_per_element(None if spec is None else spec.describe(), full_bits / 8)
 
 
 def _head_dim(config) -> int | None:
@@ -157,12 +75,9 @@ def refusal(spec: QuantizedCacheSpec, model=None) -> str | None:
     model : transformers model, optional
         With it, also whether the group size divides the model's head dimension.
     """
-    module, _, _, package = BACKENDS[spec.backend]
-    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-        return (
-            f"the quantized cache's backend {spec.backend!r} needs the package {package!r}, which is not "
-            f"installed (pip install -c constraints.txt {package})"
-        )
+    reason = backend_refusal(spec)
+    if reason:
+        return reason
     hd = _head_dim(getattr(model, "config", None)) if model is not None else None
     if hd is not None and hd % spec.q_group_size:
         return (

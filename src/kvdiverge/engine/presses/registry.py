@@ -20,6 +20,7 @@ renders the press table of ``docs/presses.md`` from these rows.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from functools import lru_cache
 
@@ -28,6 +29,8 @@ import kvpress
 from kvdiverge.engine.presses import layer_types, promises
 from kvdiverge.engine.presses.adapters import ADAPTERS, PressAdapter, is_press_spec, resolve, walk
 from kvdiverge.engine.presses.bases import abstract_reason
+from kvdiverge.engine.presses.cache_facts import model_sliding_refusal
+from kvdiverge.engine.presses.catalogue import SLIDING_FAILS, PressRecord
 from kvdiverge.engine.presses.project import PROJECT_PRESSES
 from kvdiverge.engine.presses.quantized import QuantizedCachePress
 from kvdiverge.engine.presses.quantized import refusal as quantized_refusal
@@ -36,6 +39,7 @@ __all__ = [
     "PRESS_CLASSES",
     "ROWS",
     "adapter_of",
+    "catalogue_record",
     "draws_global_rng",
     "generation_start",
     "import_press",
@@ -260,19 +264,6 @@ def refusal(press, model=None) -> str | None:
     return sliding_refusal(press, getattr(model, "config", None))
 
 
-_ROTARY = "calls the layer's rotary embedding without a layer type, which a mixed-attention model's rotary needs"
-#: Prefill presses that cannot run on the full-attention layers alone, with what fails: measured
-#: on the Gemma 3 miniature (tests/test_press_matrix.py).
-SLIDING_FAILS: dict[str, str] = {
-    "CapPress": _ROTARY,
-    "ExpectedAttentionPress": _ROTARY,
-    "KVgradPress": _ROTARY,
-    "KVComposePress": "runs its own prefill forward, which compresses the sliding-window layers too",
-    "KVzipPress": "refuses Gemma 3 itself (kvpress: not supported for Gemma3ForCausalLM)",
-    "SimLayerKVPress": "records one decision per hooked layer, not one per layer of the model",
-}
-
-
 def sliding_refusal(press, config) -> str | None:
     """What a model with sliding-window layers tells against ``press`` (``None`` without a config).
 
@@ -284,17 +275,10 @@ def sliding_refusal(press, config) -> str | None:
     full-attention layers' padded columns are masked per head, which kvpress's attention
     patch does under sdpa only).
     """
-    if config is None:
-        return None
-    reason = layer_types.refusal(config)
-    if reason or not layer_types.has_sliding_layers(config):
+    reason = model_sliding_refusal(config)
+    if reason or config is None or not layer_types.has_sliding_layers(config):
         return reason
     layers = layer_types.describe(config)
-    if getattr(config, "_attn_implementation", None) == "eager":
-        return (
-            f"{layers}: their caches have different widths, whose padding kvpress's per-head key masks "
-            f"cover only under sdpa attention; load the model with attn_implementation: sdpa"
-        )
     for p in walk(press):
         row = adapter_of(p)
         if row.name in SLIDING_FAILS:
@@ -339,3 +323,39 @@ def _model_refusal(row: PressAdapter, press, config) -> str | None:
             f"the model has {layers} layers."
         )
     return None
+
+
+def catalogue_record(name: str) -> PressRecord:
+    """The catalogue's record of the press called ``name`` (:func:`press_class`: a project press, one kvpress
+    exports, or ``module:Class``), read from its class and its row: what
+    :data:`kvdiverge.engine.presses.catalogue.CATALOGUE` must hold for it (``tests/test_catalogue.py``), and
+    the record the config check registers for a press of a user's module.
+
+    Raises
+    ------
+    ValueError
+        As :func:`press_class`.
+    """
+    cls = press_class(name)
+    row, signature = adapter_of(cls), inspect.signature(cls).parameters
+    defaults = {}
+    for key in ("window_size", "n_sink", *(f for f in (row.decode_time, row.rerotates) if isinstance(f, str))):
+        given = signature.get(key)
+        value = given.default if given is not None and given.default is not given.empty else getattr(cls, key, None)
+        counted = key not in ("window_size", "n_sink") or (isinstance(value, int) and not isinstance(value, bool))
+        if counted and value is not None and value is not False:
+            defaults[key] = value
+    return PressRecord(
+        cls.__name__,
+        tuple(signature),
+        settable=tuple(row.settable),
+        takes_ratio=row.takes_ratio,
+        keeps_every_position=bool(getattr(cls, "keeps_every_position", False)),
+        decode_time=row.decode_time,
+        rerotates=row.rerotates,
+        prefill=row.prefill,
+        engine=tuple(row.engine),
+        defaults=defaults,
+        refused=row.refused,
+        required=dict(row.required),
+    )
