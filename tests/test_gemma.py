@@ -25,7 +25,7 @@ from kvdiverge.engine.runner import Document, RunOptions, run_documents
 from kvdiverge.models.embedded import GEMMA_NAME
 from kvdiverge.testing.generation import greedy_generate, greedy_sides, until_eos
 
-pytestmark = pytest.mark.llm
+pytestmark = [pytest.mark.llm, pytest.mark.long]  # Gemma 3 converted from its GGUF file, about a minute
 
 N, T, R = 700, 12, 2
 

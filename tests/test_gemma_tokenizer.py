@@ -371,6 +371,7 @@ def test_gemma_tokenizer_on_mixed_text_before_and_after_a_reload(rebuilt):
 
 
 @pytest.mark.llm
+@pytest.mark.long  # Gemma 3 converted from its GGUF file, about a minute
 def test_gemma_generates_english_greedily(gemma):
     """From its kept conversion (weights and the rebuilt tokenizer saved and loaded back), the base
     model continues a plain prompt."""

@@ -13,7 +13,7 @@ from conftest import REPO
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.estimation.finite import check_finite, document_undefined
 
-pytestmark = [pytest.mark.workflow, pytest.mark.llm]
+pytestmark = [pytest.mark.workflow, pytest.mark.llm, pytest.mark.long]  # a whole workflow run in bfloat16
 
 
 @pytest.fixture(scope="module")
