@@ -169,15 +169,28 @@ def build_once(tmp_path_factory, name: str, build) -> Path:
 # --------------------------------------------------------------------------- the embedded model
 
 
+def kept_conversions_dir() -> Path:
+    """Where the test sessions keep converted GGUF models and assembled GGUF files:
+    ``$XDG_CACHE_HOME/kvdiverge-tests``, else ``~/.cache/kvdiverge-tests``. Apart from the
+    user's cache (``~/.cache/kvdiverge``), kept between sessions like it: a conversion is
+    keyed by what decides it (:func:`kvdiverge.models.loading.conversion_key`: the file's
+    SHA-256, dtype, attention, library versions, the rebuilt tokenizer's version), and
+    tests/test_models.py checks the kept conversion against a load of the GGUF file itself."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvdiverge-tests"
+
+
 def pytest_sessionstart(session):
-    """Converted GGUF models are kept in a directory of this session
-    (``KVDIVERGE_CACHE_DIR``, :func:`kvdiverge.models.sources.conversion_cache`), shared by
-    the test process, its xdist workers and the workflow runs it starts, never the user's:
-    the session converts the embedded model once per dtype, whatever was converted before."""
+    """Converted GGUF models are kept in :func:`kept_conversions_dir` (``KVDIVERGE_CACHE_DIR``,
+    :func:`kvdiverge.models.sources.conversion_cache`), shared by the test process, its
+    xdist workers and the workflow runs it starts, never the user's: a machine converts the
+    embedded models once per dtype for all its test sessions (about 40 s for SmolLM2, a
+    minute for Gemma 3). ``KVDIVERGE_CACHE_DIR`` set before the session wins (a fresh
+    temporary directory converts everything again)."""
     from kvdiverge.models.sources import CACHE_ENV
 
     if CACHE_ENV not in os.environ:
-        os.environ[CACHE_ENV] = str(session_dir(session.config._tmp_path_factory) / "conversions")
+        os.environ[CACHE_ENV] = str(kept_conversions_dir())
 
 
 @pytest.fixture(scope="session")
