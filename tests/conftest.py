@@ -59,8 +59,9 @@ def pytest_collection_modifyitems(config, items):
     ``-m "slurm or docs or long or not slurm"`` for everything (``make test-all``, ``.ci/run``).
 
     Where the session's workflow runs will be built in the background
-    (:func:`pytest_collection_finish`), the test files that read them run last (each file's
-    tests stay together and in order), so that the others run meanwhile.
+    (:func:`pytest_collection_finish`), the tests that read them run last, in order, so that
+    all the others run meanwhile, those of the same files included (a module-scoped fixture that
+    both halves of a file use is set up once for each: none of them is costly).
     """
     unmarked = [
         f"{item.nodeid} uses {fixture} but is not marked {marker}"
@@ -77,10 +78,8 @@ def pytest_collection_modifyitems(config, items):
                 config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker(opt_in)])
                 items[:] = keep
     if background_builds(config, items):
-        readers = {item.path for item in items if set(item.fixturenames) & BACKGROUND_FIXTURES}
-        items[:] = [item for item in items if item.path not in readers] + [
-            item for item in items if item.path in readers
-        ]
+        readers = [item for item in items if set(item.fixturenames) & BACKGROUND_FIXTURES]
+        items[:] = [item for item in items if item not in readers] + readers
 
 
 # --------------------------------------------------------------------------- synthetic kernels
