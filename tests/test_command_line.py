@@ -7,6 +7,7 @@ and, from an installed wheel, in ``tests/test_wheel.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import polars as pl
 import pytest
+from conftest import run_main
 
 import kvdiverge
 from kvdiverge.doors import cli
@@ -97,3 +100,35 @@ def test_bad_input_exits_2_and_a_run_time_failure_exits_1(tmp_path, monkeypatch,
     assert err == (
         "kvdiverge measure: error: MemoryError: cannot allocate 64 GiB (rerun with --debug for the traceback)\n"
     )
+
+
+#: A third embedded model: one record (a miniature with Qwen2.5's structure and the embedded tokenizer's
+#: first 4,096 ids, so no files beyond those the default model installs).
+THIRD = {
+    "argument": "mini-qwen",
+    "name": "mini-qwen",
+    "label": "a Qwen2.5 miniature",
+    "entry": {"source": "miniature", "architecture": "qwen-2.5-7b", "vocab_size": 4096, "dtype": "float32"},
+    "install": "nothing to install",
+}
+
+
+@pytest.mark.llm
+def test_a_registered_embedded_model_is_measured_by_its_name(tmp_path, monkeypatch, capsys, embedded_cached):
+    """One record in :data:`kvdiverge.models.embedded.EMBEDDED_MODELS` is all a third embedded model
+    needs: the command line's help lists it, its argument names it, and a measurement runs on it."""
+    from kvdiverge.models import embedded
+
+    monkeypatch.setattr(embedded, "EMBEDDED_MODELS", (*embedded.EMBEDDED_MODELS, embedded.EmbeddedModel(**THIRD)))
+    with pytest.raises(SystemExit):
+        cli.main(["measure", "--help"])
+    assert "'mini-qwen' (a Qwen2.5 miniature)" in " ".join(capsys.readouterr().out.split())
+    argv = ["measure", "mini-qwen", "--sotu", "2", "-T", "4", "-R", "2", "--threads", "1"]
+    res = run_main([*argv, "--press", "KnormPress:compression_ratio=0.5", "--out", "out"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = pl.read_parquet(tmp_path / "out" / "summary.parquet")
+    assert summary["policy"].to_list() == ["KnormPress:compression_ratio=0.5"]
+    assert summary["n_docs"].to_list() == [2] and summary["T"].to_list() == [4]
+    assert pl.read_parquet(tmp_path / "out" / "trajectories.parquet")["model"].unique().to_list() == ["mini-qwen"]
+    # the miniature's vocabulary: small_vocabulary moves Qwen2.5's two EOS ids to the last two of 4,096
+    assert json.loads((tmp_path / "out" / "provenance.json").read_text())["eos_ids"] == [4094, 4095]

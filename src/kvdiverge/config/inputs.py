@@ -43,7 +43,8 @@ from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.presses.registry import refusal
 from kvdiverge.engine.runner import Document, PressSource, check_prompt_lengths
 from kvdiverge.estimation.frontier import FrontierPoint
-from kvdiverge.models.embedded import EMBEDDED_MODELS, embedded_choices
+from kvdiverge.models import embedded as embedded_models
+from kvdiverge.models.embedded import embedded_choices
 from kvdiverge.models.loading import context_length
 from kvdiverge.settings.checks import eos_id_problems, model_problem, token_id_problems, vocab_size
 
@@ -454,7 +455,7 @@ def model_entry(model: str, dtype: str = "float32", device: str = "cpu") -> tupl
         A path that does not exist, or a file that is not GGUF.
     """
     extra = {"dtype": dtype, "device": device}
-    for embedded in EMBEDDED_MODELS:
+    for embedded in embedded_models.EMBEDDED_MODELS:  # read when called: a registered model counts
         if model == embedded.argument:
             return embedded.name, {**embedded.entry, **extra}
     p = Path(model).expanduser()

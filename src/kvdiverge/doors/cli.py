@@ -52,7 +52,7 @@ from kvdiverge.data.tasks import TASKS
 from kvdiverge.doors.outputs import output_guard
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
-from kvdiverge.models.embedded import EMBEDDED_MODELS
+from kvdiverge.models import embedded as embedded_models
 from kvdiverge.models.loading import load_model, load_model_config, load_tokenizer
 from kvdiverge.models.sources import ModelNotFoundError
 from kvdiverge.planning.cost import add_cost_parser, run_cost
@@ -130,7 +130,7 @@ def _press_arguments(p: argparse.ArgumentParser) -> None:
     """The model, the presses, the caches and the budget."""
     p.add_argument(
         "model",
-        help=", ".join(f"'{m.argument}' ({m.label})" for m in EMBEDDED_MODELS)
+        help=", ".join(f"'{m.argument}' ({m.label})" for m in embedded_models.EMBEDDED_MODELS)
         + ", a model directory, a .gguf file or a hub id",
     )
     p.add_argument(

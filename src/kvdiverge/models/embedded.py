@@ -112,5 +112,5 @@ CHUNK_PACKAGES = {m.entry["package"]: m.install for m in EMBEDDED_MODELS if m.en
 
 def embedded_choices() -> str:
     """The embedded models' arguments quoted, as a sentence's list: ``'embedded' or 'gemma3-270m'``."""
-    quoted = [f"'{m.argument}'" for m in EMBEDDED_MODELS]
+    quoted = [f"'{m.argument}'" for m in EMBEDDED_MODELS]  # the module's name, read when called
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
