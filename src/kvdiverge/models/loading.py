@@ -44,6 +44,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvdiverge.engine.presses.cache_facts import kv_elements_by_layer_type
 from kvdiverge.io.files import atomic_path
 from kvdiverge.models.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
 from kvdiverge.models.gguf_config import gguf_config
@@ -296,11 +297,8 @@ def context_length(model_or_config) -> int:
 def kv_sizes(model) -> dict[str, int]:
     """The KV sizes a frontier counts bytes with, of a loaded model: ``{"elements_per_token",
     "sliding_elements_per_token", "sliding_window", "element_bytes"}``
-    (:func:`kvdiverge.engine.llm.planner.kv_elements_by_layer_type`; the bytes
+    (:func:`kvdiverge.engine.presses.cache_facts.kv_elements_by_layer_type`; the bytes
     of one element of its parameters' dtype, which its cache takes)."""
-    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
-    from kvdiverge.engine.llm.planner import kv_elements_by_layer_type
-
     param = next(model.parameters())
     return {**kv_elements_by_layer_type(model.config), "element_bytes": int(param.element_size())}
 
@@ -317,9 +315,6 @@ def entry_kv_sizes(spec: dict[str, Any], name: str | None = None) -> dict[str, i
         If the config lacks the attention sizes.
     """
     import torch
-
-    # lazy: transformers and torch load with a model; the torch-free workflow scripts import this module
-    from kvdiverge.engine.llm.planner import kv_elements_by_layer_type
 
     config = load_model_config(spec, name)
     dtype = torch_dtype(spec.get("dtype", "float32"))

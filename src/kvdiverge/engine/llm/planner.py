@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+# the element counts are torch-free (the cost model and the config check read them): re-exported here
+from kvdiverge.engine.presses.cache_facts import kv_elements_by_layer_type, kv_elements_per_token
+
 __all__ = [
     "LOGIT_BYTES_PER_ENTRY",
     "cache_columns",
@@ -79,62 +82,6 @@ def document_bytes(
     return (
         rows * (cache_columns(prompt_len, T) * kv + int(vocab_size) * LOGIT_BYTES_PER_ENTRY) + 2 * int(prompt_len) * kv
     )
-
-
-def kv_elements_per_token(model_config: Any) -> int:
-    """Key and value elements one token stores in one row: layers x kv heads x head dim x 2.
-
-    Parameters
-    ----------
-    model_config : transformers.PretrainedConfig
-        Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
-        ``num_attention_heads``) and ``head_dim`` (default ``hidden_size //
-        num_attention_heads``); a multimodal config's text config.
-
-    Returns
-    -------
-    int
-        Elements per token per row.
-
-    Raises
-    ------
-    ValueError
-        If the config lacks ``num_hidden_layers`` or the attention sizes.
-    """
-    model_config = getattr(model_config, "get_text_config", lambda: model_config)()
-    try:
-        layers = int(model_config.num_hidden_layers)
-        heads = int(model_config.num_attention_heads)
-        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
-    except AttributeError as err:
-        raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
-    return layers * kv_heads * head_dim * 2
-
-
-def kv_elements_by_layer_type(model_config: Any) -> dict[str, int]:
-    """Key and value elements one prompt token stores in one row, by layer type.
-
-    A press compresses the full-attention layers (``elements_per_token``: those layers x kv
-    heads x head dim x 2); a sliding-window layer keeps at most its window of the prompt,
-    as the model's own cache does (``sliding_elements_per_token`` and ``sliding_window``,
-    tokens; only when some layer slides). :func:`kv_elements_per_token` counts every layer:
-    what the engine's caches hold.
-
-    Raises
-    ------
-    ValueError
-        As :func:`kv_elements_per_token`.
-    """
-    from kvdiverge.engine.presses.layer_types import full_layers, layer_types, sliding_window
-
-    per_layer = kv_elements_per_token(model_config) // len(layer_types(model_config))
-    full = len(full_layers(model_config))
-    sizes = {"elements_per_token": full * per_layer}
-    if sliding_window(model_config):
-        sizes["sliding_elements_per_token"] = (len(layer_types(model_config)) - full) * per_layer
-        sizes["sliding_window"] = sliding_window(model_config)
-    return sizes
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:

@@ -3,7 +3,8 @@
 A quantized cache's settings (:class:`QuantizedCacheSpec`, its backends :data:`BACKENDS`), its bits per
 element (:func:`kv_bits_per_element`, by :func:`kvdiverge.estimation.kv_bytes.kv_bytes_per_element`) and
 whether its backend is installed (:func:`backend_refusal`); a model's attention layer types
-(:func:`layer_types`, :func:`sliding_window`, :func:`describe`) and what the engine refuses of them
+(:func:`layer_types`, :func:`sliding_window`, :func:`full_layers`, :func:`describe`), the key and value elements a
+token stores (:func:`kv_elements_per_token`, :func:`kv_elements_by_layer_type`), and what the engine refuses of them
 (:func:`layers_refusal`, :func:`model_sliding_refusal`, :func:`question_after_refusal`). Importing it loads
 neither torch, transformers nor kvpress: the engine's quantized cache
 (:mod:`kvdiverge.engine.presses.quantized`) and layer types (:mod:`kvdiverge.engine.presses.layer_types`)
@@ -26,8 +27,11 @@ __all__ = [
     "QuantizedCacheSpec",
     "backend_refusal",
     "describe",
+    "full_layers",
     "has_sliding_layers",
     "kv_bits_per_element",
+    "kv_elements_by_layer_type",
+    "kv_elements_per_token",
     "layer_types",
     "layers_refusal",
     "model_sliding_refusal",
@@ -162,6 +166,11 @@ def has_sliding_layers(config) -> bool:
     return SLIDING in layer_types(config)
 
 
+def full_layers(config) -> list[int]:
+    """Indices of the full-attention layers, the ones a press compresses."""
+    return [i for i, kind in enumerate(layer_types(config)) if kind == FULL]
+
+
 def describe(config) -> str:
     """The model's layers in words, the opening of every refusal about them: "the model has 3
     full-attention and 15 sliding-window layers (512 tokens)"."""
@@ -223,3 +232,57 @@ def model_sliding_refusal(config) -> str | None:
             f"cover only under sdpa attention; load the model with attn_implementation: sdpa"
         )
     return None
+
+
+def kv_elements_per_token(model_config: Any) -> int:
+    """Key and value elements one token stores in one row: layers x kv heads x head dim x 2.
+
+    Parameters
+    ----------
+    model_config : transformers.PretrainedConfig
+        Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
+        ``num_attention_heads``) and ``head_dim`` (default ``hidden_size //
+        num_attention_heads``); a multimodal config's text config.
+
+    Returns
+    -------
+    int
+        Elements per token per row.
+
+    Raises
+    ------
+    ValueError
+        If the config lacks ``num_hidden_layers`` or the attention sizes.
+    """
+    model_config = getattr(model_config, "get_text_config", lambda: model_config)()
+    try:
+        layers = int(model_config.num_hidden_layers)
+        heads = int(model_config.num_attention_heads)
+        kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
+    except AttributeError as err:
+        raise ValueError(f"model config lacks an attention size the planner needs: {err}") from None
+    return layers * kv_heads * head_dim * 2
+
+
+def kv_elements_by_layer_type(model_config: Any) -> dict[str, int]:
+    """Key and value elements one prompt token stores in one row, by layer type.
+
+    A press compresses the full-attention layers (``elements_per_token``: those layers x kv
+    heads x head dim x 2); a sliding-window layer keeps at most its window of the prompt,
+    as the model's own cache does (``sliding_elements_per_token`` and ``sliding_window``,
+    tokens; only when some layer slides). :func:`kv_elements_per_token` counts every layer:
+    what the engine's caches hold.
+
+    Raises
+    ------
+    ValueError
+        As :func:`kv_elements_per_token`.
+    """
+    per_layer = kv_elements_per_token(model_config) // len(layer_types(model_config))
+    full = len(full_layers(model_config))
+    sizes = {"elements_per_token": full * per_layer}
+    if sliding_window(model_config):
+        sizes["sliding_elements_per_token"] = (len(layer_types(model_config)) - full) * per_layer
+        sizes["sliding_window"] = sliding_window(model_config)
+    return sizes

@@ -35,6 +35,7 @@ from kvdiverge.engine.presses.cache_facts import (
     FULL,
     SLIDING,
     describe,
+    full_layers,
     has_sliding_layers,
     layer_types,
     layers_refusal,
@@ -62,11 +63,6 @@ def refusal(config, tokens: int | None = None) -> str | None:
     """Why the engine cannot run this model's layers, in one sentence; ``None`` when it can
     (:func:`kvdiverge.engine.presses.cache_facts.layers_refusal`, which the config check asks too)."""
     return layers_refusal(config, tokens)
-
-
-def full_layers(config) -> list[int]:
-    """Indices of the full-attention layers, the ones a press compresses."""
-    return [i for i, kind in enumerate(layer_types(config)) if kind == FULL]
 
 
 def layers_of(config) -> dict:
