@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdiverge.config.frontier import frontier_points
+from kvdiverge.data.tasks import TaskError, task_settings
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.estimation.prediction import measure_problems
 
@@ -66,10 +67,6 @@ def block_problems(key: str, block: Mapping[str, Any], seed: int) -> list[str]:
     """The sentence refusing a task block as :func:`kvdiverge.measure` reads it
     (:func:`kvdiverge.data.tasks.task_settings`: another task's keys, values the schema refuses), named
     by its config ``key``; empty when the block is a task."""
-    # lazy: the tasks check settings through the engine's decoding options; the estimate and analysis
-    # stages import the config without the engine
-    from kvdiverge.data.tasks import TaskError, task_settings
-
     try:
         task_settings(block, seed, name=key)
     except TaskError as exc:

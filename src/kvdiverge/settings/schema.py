@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from kvdiverge.engine.core.sampling import decoding_options  # torch-free: the engine packages import nothing
+
 __all__ = ["SCHEMA_PATH", "load_schema"]
 
 #: The config schema, package data of ``kvdiverge`` (a file in every install: checkout, editable
@@ -47,9 +49,6 @@ def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
     setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field."""
     with open(path, encoding="utf-8") as fh:
         schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    # lazy: the estimate and analysis stages read the config without importing the engine
-    from kvdiverge.engine.core.sampling import decoding_options
-
     decoding = schema.get("properties", {}).get("decoding", {}).get("properties")
     if decoding is not None:  # each decoding setting's type and range: its Decoding field's
         for name, option in decoding_options().items():
