@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kvdiverge.engine.core.coupled import run_batch, to_frame
+from kvdiverge.engine.core.documents import Document  # re-exported: the runner's input
 from kvdiverge.engine.core.errors import CompressionError, NonFiniteLogitsError, PressError, raise_kvpress_error
 from kvdiverge.engine.core.pairs import PhaseTracker
 from kvdiverge.engine.core.sampling import Sampling
@@ -54,42 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Document:
-    """One prompt to run.
-
-    Parameters
-    ----------
-    doc_id : str
-        Document id; enters the seeds of the uniform streams.
-    input_ids : sequence of int
-        Chat-rendered prompt token ids (tokens), used as they are.
-    n_question : int
-        Trailing tokens (the question) prefilled after compression and never evicted, as
-        kvpress's pipeline does (:func:`kvdiverge.engine.llm.prefill.append_question`); the
-        press sees the ``context_len`` tokens before them. 0: the press sees the whole prompt.
-    greedy_tokens : sequence of int, optional
-        The full cache's greedy continuation (``T`` tokens), set by :func:`run_policies` for a
-        greedy run of several policies (:func:`kvdiverge.engine.llm.reference.greedy_reference`):
-        :func:`build_pair` hands it to the pair, which then decodes its evicted side alone.
-    """
-
-    doc_id: str
-    input_ids: Sequence[int]
-    n_question: int = 0
-    greedy_tokens: Sequence[int] | None = None
-
-    @property
-    def context_len(self) -> int:
-        """Tokens the press sees (the prompt without its trailing question)."""
-        return len(self.input_ids) - int(self.n_question)
-
-    @property
-    def prompt_len(self) -> int:
-        """Prompt length (tokens)."""
-        return len(self.input_ids)
 
 
 class PressSource(Protocol):

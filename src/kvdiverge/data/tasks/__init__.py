@@ -23,6 +23,7 @@ import polars as pl
 
 from kvdiverge.data.prompts import SCHEMA, exclusion_reason
 from kvdiverge.data.tasks import multikey, niah, recall
+from kvdiverge.engine.core.documents import Document
 from kvdiverge.settings.checks import check_task
 
 __all__ = ["TASKS", "TASK_COLUMNS", "Task", "TaskError", "build_task_prompts", "task_settings"]
@@ -228,9 +229,6 @@ def task_documents(prompts: Mapping[str, str], tokenizer, block: Mapping[str, An
         No document takes its needle (the first reason is given), or a bad setting.
     """
     import warnings
-
-    # lazy: the runner imports torch; the prompts and task scripts import this module without it
-    from kvdiverge.engine.runner import Document
 
     frame = pl.DataFrame(
         {
