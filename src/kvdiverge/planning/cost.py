@@ -63,9 +63,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvdiverge.config.frontier import FrontierSpec
 from kvdiverge.config.workflow import ConfigError, control_documents, load_config, runs
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.io.render import text_table
+from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
 
 __all__ = [
     "RunCost",
@@ -318,9 +320,7 @@ def task_cost(config: dict[str, Any], batch_documents: int | None = None) -> lis
     """
     # lazy: torch and kvpress load where the points are expanded as kvdiverge.measure expands them;
     # kvdiverge.doors.cli imports this module for --help
-    from kvdiverge.config.frontier import FrontierSpec
     from kvdiverge.config.inputs import frontier_presses
-    from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
 
     B = _batch_documents(config, batch_documents)
     out = []
