@@ -585,6 +585,26 @@ def test_the_prediction_study_validates_and_names_its_task_sides():
     )
 
 
+def test_the_gemma_prediction_study_is_the_smollm2_study_less_what_sliding_layers_refuse():
+    from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
+
+    smol = load_config(ROOT / "config" / "fidelity-predicts-task.yaml")
+    gemma = load_config(ROOT / "config" / "fidelity-predicts-task-gemma.yaml")
+    assert list(smol["models"]) == ["smollm2-135m"] and list(gemma["models"]) == ["gemma3-270m"]
+    for key in ("seed", "corpus", "decoding", "replicates", "teacher_forced"):
+        assert gemma[key] == smol[key], key
+    # the same task documents and measures, the LongPPL key-token ones among them
+    assert gemma["prediction"]["split"] == smol["prediction"]["split"] == "confirmatory"
+    assert gemma["prediction"]["measures"] == smol["prediction"]["measures"]
+    assert smol["prediction"]["measures"][-2:] == ["kld_key_mean", "same_top_p_key"]
+    # the frontier less ExpectedAttention and the int4 cache; every question inside the prompt
+    assert set(smol["frontier"]["presses"]) - set(gemma["frontier"]["presses"]) == {"expected-attention"}
+    assert "caches" in smol["frontier"] and not gemma["frontier"].get("caches")
+    assert list(prediction_sides(gemma)) == ["niah-inside", "multikey-inside"]
+    side = PredictionTaskSettings.from_config(gemma, "gemma3-270m", "niah-inside")
+    assert side.measure_options()["ratios"] == [0.25, 0.5, 0.75, 0.9] and side.entries["task"]["question"] == "inside"
+
+
 def test_no_fidelity_measure_of_the_shipped_study_sees_a_task_document():
     from kvdiverge.data.corpus import build_corpus, following_texts
 

@@ -407,6 +407,7 @@ def test_direction_of_each_fidelity_measure():
     signs = {
         m: direction(m)
         for m in ("E_M", "p_div", "S_8", "S_16", "tau_first", "kld_mean", "kld_p99", "same_top_p", "ppl_ratio")
+        + ("kld_key_mean", "same_top_p_key")
     }
     assert signs == {
         "E_M": 1,
@@ -418,6 +419,8 @@ def test_direction_of_each_fidelity_measure():
         "kld_p99": 1,
         "same_top_p": -1,
         "ppl_ratio": 1,
+        "kld_key_mean": 1,
+        "same_top_p_key": -1,
     }
 
 
