@@ -224,10 +224,11 @@ def run_plan(p: Plan, model, stacklevel: int) -> Measurement:
     sampling = opts.sampling(p._model_name(model))
     runs = run_policies(model, list(p.documents), p.sources, sampling, split=opts.split, options=opts.run_options())
     grid = None if p.grid is None else list(p.grid)
-    settings = opts.recorded(sampling, p.sources, grid, kv_sizes(model) if grid else None)
+    settings = opts.recorded(sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos)), p.sources, grid,
+                             kv_sizes(model) if grid else None)  # fmt: skip
     if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
-        settings["compressed_layers"] = compressed_layers(layers_of(model.config))
-    result = Measurement.of_run(runs, opts.windows, settings, p.sources, eos)
+        settings = settings.replace(compressed_layers=compressed_layers(layers_of(model.config)))
+    result = Measurement.of_run(runs, settings, p.sources, eos)
     if p._teacher_length() is not None:
         result.teacher_forced = _teacher_pass(p, model, sampling, result.eos_ids)
     if p.task:
