@@ -149,8 +149,15 @@ PINNED = [
     ),
     (
         {"knorm": {"press": "KnormPress"}},
-        {"ratios": [0.5], "top_k": 5, "confidence": 0.9, "seed": 3, "split": "other", "model_name": "mini",
-         "instruction": "Say:"},  # fmt: skip
+        {
+            "ratios": [0.5],
+            "top_k": 5,
+            "confidence": 0.9,
+            "seed": 3,
+            "split": "other",
+            "model_name": "mini",
+            "instruction": "Say:",
+        },  # fmt: skip
         '{"model": "mini", "split": "other", "T": 5, "R": 2, "temperature": 0.7, "top_p": 0.95, "seed": 3, '
         '"window": 8, "bootstrap": 40, "confidence": 0.9, "instruction": "Say:", "system": null, "presses": '
         '{"knorm@0.5": {"press": "KnormPress", "compression_ratio": 0.5}, "noise-floor": "PermutationPress(seed=0)"}, '

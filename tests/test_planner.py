@@ -151,7 +151,9 @@ def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, o
         "eos_ids": list(m.eos_ids),  # what Measurement.load reads back
         "noise_floor": None,
     }
-    assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(json.dumps(m.settings.record(), default=str))
+    assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(
+        json.dumps(m.settings.record(), default=str)
+    )
 
 
 @pytest.mark.miniature

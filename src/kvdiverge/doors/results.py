@@ -148,7 +148,9 @@ class Measurement:
         ``ValueError`` if ``a`` or ``b`` is not a measured press, or ``a == b``."""
         if (a, b) not in self._gaps:  # a refused pair is never stored
             s = self.settings
-            self._gaps[(a, b)] = press_gap(self.documents, self.presses, a, b, s.bootstrap, s.split, s.sampling.model_name)
+            self._gaps[(a, b)] = press_gap(
+                self.documents, self.presses, a, b, s.bootstrap, s.split, s.sampling.model_name
+            )
         return self._gaps[(a, b)]
 
     @property
@@ -199,7 +201,9 @@ class Measurement:
         at every step of every replicate, under sampling) and ``no_divergence`` (TV 0 at every step,
         yet not untouched: the press compressed, or the decoding is greedy;
         :func:`kvdiverge.estimation.tables.compression_table`)."""
-        return self._memo("compression", lambda: compression_table(self.documents, self.trajectories, self.point_masses))
+        return self._memo(
+            "compression", lambda: compression_table(self.documents, self.trajectories, self.point_masses)
+        )
 
     @property
     def summary(self) -> pl.DataFrame:

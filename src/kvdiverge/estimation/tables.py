@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import polars as pl
 from tqdm.auto import tqdm
