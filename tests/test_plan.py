@@ -9,6 +9,7 @@ context from the config alone; and its run gives the tables ``kvdiverge.measure`
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 
@@ -18,7 +19,8 @@ from polars.testing import assert_frame_equal
 
 import kvdiverge
 from kvdiverge.config.provenance import settings_hash
-from kvdiverge.doors.plan import Plan
+from kvdiverge.doors.measuring import MeasureOptions
+from kvdiverge.doors.plan import OPTIONS, Plan
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.models.standins import MINIATURE, random_model
 
@@ -181,3 +183,11 @@ def test_the_settings_record_and_its_hash_are_pinned(model, prompts, presses, ex
     back = kvdiverge.Measurement.load(tmp_path)
     assert back.settings == m.settings and back.settings.record() == m.settings.record()
     assert back.settings.bootstrap == Bootstrap(40, extra.get("confidence", 0.95), extra.get("seed", 0))
+
+
+def test_the_options_default_as_measure_does():
+    signature = inspect.signature(kvdiverge.measure).parameters
+    fields = MeasureOptions.__dataclass_fields__
+    assert OPTIONS <= set(signature)
+    assert {n: fields[n].default for n in OPTIONS} == {n: signature[n].default for n in OPTIONS}
+    assert fields["max_new_tokens"].default == 32 and fields["bootstrap"].default == 2000  # two by hand
