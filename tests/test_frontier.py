@@ -783,8 +783,8 @@ def test_measure_frontier_with_a_quantized_cache(tmp_path):
         split="exploratory",
     )
     assert m.presses == ["snapkv@0.5", "q4", "snapkv@0.5+q4", "noise-floor"]
-    assert m.settings["kv_sizes"] == {"mini": {"elements_per_token": 64, "element_bytes": 4}}
-    assert m.settings["quantized_caches"] == ["q4", "snapkv@0.5+q4"]
+    assert m.settings.record()["kv_sizes"] == {"mini": {"elements_per_token": 64, "element_bytes": 4}}
+    assert m.settings.quantized_caches == ("q4", "snapkv@0.5+q4")
     points = m.frontier()
     assert dict(zip(points["policy"], points["kv_bytes_per_token"])) == {
         "snapkv@0.5": 128.0,

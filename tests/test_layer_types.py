@@ -264,7 +264,7 @@ def test_measure_names_the_compressed_layers(mini_gemma):
         mini_gemma, None, {"p": prompt}, {"snap": spec}, max_new_tokens=4, replicates=2, progress=False
     )
     layers = "2 of 6 (2, 5); 4 sliding-window layers of 64 tokens kept whole"
-    assert m.settings["compressed_layers"] == layers
+    assert m.settings.compressed_layers == m.settings.record()["compressed_layers"] == layers
     assert f"kept: of the prompt in the layers a press compresses, {layers}" in m.format_summary()
     assert m.documents["kept_len"].to_list() == [N // 2]
 

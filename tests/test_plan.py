@@ -9,12 +9,19 @@ context from the config alone; and its run gives the tables ``kvdiverge.measure`
 
 from __future__ import annotations
 
+import inspect
+import json
+import warnings
+
 import pytest
 import torch
 from polars.testing import assert_frame_equal
 
 import kvdiverge
-from kvdiverge.doors.plan import Plan
+from kvdiverge.config.provenance import settings_hash
+from kvdiverge.doors.measuring import MeasureOptions
+from kvdiverge.doors.plan import OPTIONS, Plan
+from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = pytest.mark.miniature
@@ -128,3 +135,59 @@ def test_a_saved_measurement_loads_back_with_every_table_and_line(model, prompts
     assert back.format_summary() == m.format_summary()
     with pytest.raises(FileNotFoundError, match="measure.json is missing"):
         kvdiverge.Measurement.load(tmp_path / "elsewhere")
+
+
+#: The settings record (``measure.json``, insertion order) and its hash of two measurements, as the
+#: dict-built settings gave them: the typed settings must give them byte for byte.
+PINNED = [
+    (
+        PRESSES,
+        {},
+        '{"model": "model", "split": "measure", "T": 5, "R": 2, "temperature": 0.7, "top_p": 0.95, "seed": 0, '
+        '"window": 8, "bootstrap": 40, "confidence": 0.95, "instruction": null, "system": null, "presses": '
+        '{"none": {"press": "SnapKVPress", "compression_ratio": 0.0}, "knorm": {"press": "KnormPress", '
+        '"compression_ratio": 0.5}}}',
+        "3ff8bdb04bb3f0f0",
+    ),
+    (
+        {"knorm": {"press": "KnormPress"}},
+        {
+            "ratios": [0.5],
+            "top_k": 5,
+            "confidence": 0.9,
+            "seed": 3,
+            "split": "other",
+            "model_name": "mini",
+            "instruction": "Say:",
+        },  # fmt: skip
+        '{"model": "mini", "split": "other", "T": 5, "R": 2, "temperature": 0.7, "top_p": 0.95, "seed": 3, '
+        '"window": 8, "bootstrap": 40, "confidence": 0.9, "instruction": "Say:", "system": null, "presses": '
+        '{"knorm@0.5": {"press": "KnormPress", "compression_ratio": 0.5}, "noise-floor": "PermutationPress(seed=0)"}, '
+        '"decoding": {"top_k": 5}, "frontier": [{"policy": "knorm@0.5", "press": "knorm", "compression_ratio": 0.5, '
+        '"budget": null, "cache": null, "cache_settings": null}], "kv_sizes": {"mini": {"elements_per_token": 64, '
+        '"element_bytes": 4}}}',
+        "6729ee3bfa097cea",
+    ),
+]
+
+
+@pytest.mark.parametrize(("presses", "extra", "record", "digest"), PINNED)
+def test_the_settings_record_and_its_hash_are_pinned(model, prompts, presses, extra, record, digest, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the untouched press's warning
+        m = kvdiverge.plan(prompts, presses, **SETTINGS, **extra).run(model)
+    assert json.dumps(m.settings.record()) == record
+    assert settings_hash(m.settings.record()) == digest
+    m.save(tmp_path)
+    assert (tmp_path / "measure.json").read_text() == json.dumps(json.loads(record), indent=2) + "\n"
+    back = kvdiverge.Measurement.load(tmp_path)
+    assert back.settings == m.settings and back.settings.record() == m.settings.record()
+    assert back.settings.bootstrap == Bootstrap(40, extra.get("confidence", 0.95), extra.get("seed", 0))
+
+
+def test_the_options_default_as_measure_does():
+    signature = inspect.signature(kvdiverge.measure).parameters
+    fields = MeasureOptions.__dataclass_fields__
+    assert OPTIONS <= set(signature)
+    assert {n: fields[n].default for n in OPTIONS} == {n: signature[n].default for n in OPTIONS}
+    assert fields["max_new_tokens"].default == 32 and fields["bootstrap"].default == 2000  # two by hand

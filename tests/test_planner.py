@@ -145,13 +145,15 @@ def test_measurement_save_records_settings_hash_versions_and_b(mini, tmp_path, o
     assert tmp_path / "provenance.json" in written
     prov = json.loads((tmp_path / "provenance.json").read_text())
     assert prov == {
-        "settings_hash": settings_hash(m.settings),
+        "settings_hash": settings_hash(m.settings.record()),
         "versions": library_versions(),
         "batch_documents": 1,
         "eos_ids": list(m.eos_ids),  # what Measurement.load reads back
         "noise_floor": None,
     }
-    assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(json.dumps(m.settings, default=str))
+    assert json.loads((tmp_path / "measure.json").read_text()) == json.loads(
+        json.dumps(m.settings.record(), default=str)
+    )
 
 
 @pytest.mark.miniature

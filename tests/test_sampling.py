@@ -130,8 +130,8 @@ def test_every_decoding_option_reaches_every_door_by_name(name):
     assert getattr(args, name) == value
     s = Sampling(T=2, replicates=1, decoding=Decoding(**{"temperature": 0.7, name: value}))
     assert getattr(s.decoding, name) == value and getattr(s.untransformed().decoding, name) == neutral
-    recorded = MeasureOptions(bootstrap=0).recorded(s, {}, None)
-    plain = MeasureOptions(bootstrap=0).recorded(s.replace(**{name: default}), {}, None)
+    recorded = MeasureOptions(bootstrap=0).recorded(s, {}, None).record()
+    plain = MeasureOptions(bootstrap=0).recorded(s.replace(**{name: default}), {}, None).record()
     if decoding_options()[name]["recorded"]:  # always recorded, at the top level
         assert recorded[name] == value and plain[name] == default and "decoding" not in recorded
     else:  # recorded when set, so records without it stay as they were

@@ -52,6 +52,7 @@ __all__ = [
     "InputError",
     "NOISE_FLOOR_POLICY",
     "NOISE_FLOOR_PRESS",
+    "check_context",
     "check_lengths",
     "describe_press",
     "frontier_presses",
@@ -535,6 +536,12 @@ def check_model_inputs(model, documents: Sequence[Document], T: int) -> None:
         problems += [p for doc in documents for p in token_id_problems(doc.doc_id, doc.input_ids, vocab)]
     if problems:
         raise ValueError(problems[0])
+    check_context(model, documents, T)
+
+
+def check_context(model, documents: Sequence[Document], T: int) -> None:
+    """Refuse a document that with ``T`` new tokens exceeds ``model``'s context (:func:`check_lengths`;
+    no refusal where the config names no context); only ``model.config`` is read."""
     try:
         context = context_length(model)
     except (ValueError, AttributeError):

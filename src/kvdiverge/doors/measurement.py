@@ -198,6 +198,6 @@ def measure(
     """
     settings = {k: v for k, v in locals().items() if k in OPTIONS}
     check_keywords(decoding)  # an unknown keyword first, as Python's own
-    check_model(model, eos_ids)  # the model is in hand: its refusals come before the plan's
+    eos = check_model(model, eos_ids)  # the model is in hand: its refusals come before the plan's
     planned = build_plan(prompts, presses, tokenizer, {**settings, **decoding}, vocab=vocab_size(model))
-    return run_plan(planned, model, stacklevel=3)
+    return run_plan(planned, model, stacklevel=3, eos=eos)

@@ -12,7 +12,7 @@ task's documents (:func:`task_inputs`) and tables (:func:`task_tables`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -26,9 +26,107 @@ from kvdiverge.data.tasks.tables import task_tables as task_table_stage
 from kvdiverge.engine.core.sampling import Decoding, Sampling, decoding_options
 from kvdiverge.engine.runner import RunOptions
 from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.settings.checks import check_settings, check_task, spelled, text_problems, window_problems
 
-__all__ = ["MeasureOptions", "check_keywords", "floors", "task_inputs", "task_tables"]
+__all__ = ["MeasureOptions", "MeasureSettings", "check_keywords", "floors", "task_inputs", "task_tables"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureSettings:
+    """What a measurement was made with: :attr:`kvdiverge.doors.results.Measurement.settings`.
+
+    Attributes
+    ----------
+    sampling : kvdiverge.engine.core.sampling.Sampling
+        The coupled run's horizon ``T`` (tokens), replicates, decoding (its end-of-sequence ids the run's),
+        seed and model name.
+    bootstrap : kvdiverge.estimation.bootstrap.Bootstrap
+        The document bootstrap of every interval.
+    split, window, instruction, system
+        As :func:`kvdiverge.measure`'s keywords.
+    presses : mapping
+        Press name -> description (:func:`kvdiverge.config.inputs.describe_press`), in the order run.
+    frontier : tuple of kvdiverge.estimation.frontier.FrontierPoint or None
+        The frontier's grid; None without ratios.
+    kv_sizes : dict or None
+        The model's ``elements_per_token`` and ``element_bytes`` (:func:`kvdiverge.models.loading.kv_sizes`),
+        with a frontier.
+    quantized_caches : tuple of str
+        Names of the quantized-cache policies.
+    compressed_layers : dict or None
+        The layers a press compresses on a model with sliding-window layers
+        (:func:`kvdiverge.config.provenance.compressed_layers`).
+    windows, task
+        The named lag windows and the task block; not part of the record (:meth:`record`), so None after
+        :meth:`of_record`.
+    """
+
+    sampling: Sampling
+    bootstrap: Bootstrap
+    split: str = "measure"
+    window: int = 8
+    instruction: str | None = None
+    system: str | None = None
+    presses: Mapping[str, Any] = field(default_factory=dict)
+    frontier: tuple[FrontierPoint, ...] | None = None
+    kv_sizes: Mapping[str, int] | None = None
+    quantized_caches: tuple[str, ...] = ()
+    compressed_layers: Mapping[str, Any] | None = None
+    windows: Mapping[str, Sequence[int]] | None = field(default=None, compare=False)
+    task: str | Mapping[str, Any] | None = field(default=None, compare=False)
+
+    def record(self) -> dict[str, Any]:
+        """The settings as the one dict saved (``measure.json``) and hashed
+        (:func:`kvdiverge.config.provenance.settings_hash`).
+
+        model, split, T, R, the decoding settings always recorded (temperature, top_p), seed, window,
+        bootstrap, confidence, instruction, system, presses; ``decoding``: the other settings of
+        :func:`~kvdiverge.engine.core.sampling.decoding_options` away from neutral, when any; the ``frontier``
+        grid and ``kv_sizes`` (``{model: {"elements_per_token", "element_bytes"}}``) with a frontier;
+        ``quantized_caches`` and ``compressed_layers`` when any.
+        """
+        options, values, sampling = decoding_options(), self.sampling.decoding, self.sampling
+        record = {
+            "model": sampling.model_name, "split": self.split, "T": sampling.T, "R": sampling.replicates,
+            **{n: o["type"](getattr(values, n)) for n, o in options.items() if o["recorded"]},
+            "seed": int(sampling.seed), "window": int(self.window), "bootstrap": self.bootstrap.n_boot,
+            "confidence": self.bootstrap.confidence, "instruction": self.instruction, "system": self.system,
+            "presses": dict(self.presses),
+        }  # fmt: skip
+        decoding = {n: getattr(values, n) for n, o in options.items()
+                    if not o["recorded"] and getattr(values, n) != o["neutral"]}  # fmt: skip
+        if decoding:  # recorded when set, so records without them stay as they were
+            record["decoding"] = decoding
+        if self.frontier is not None:
+            record["frontier"] = [point.as_dict() for point in self.frontier]
+            record["kv_sizes"] = {sampling.model_name: dict(self.kv_sizes)} if self.kv_sizes else None
+        if self.quantized_caches:
+            record["quantized_caches"] = list(self.quantized_caches)
+        if self.compressed_layers is not None:
+            record["compressed_layers"] = self.compressed_layers
+        return record
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any], eos_ids: Sequence[int] | None = None) -> MeasureSettings:
+        """The settings :meth:`record` gave (read back from ``measure.json``), with the run's ``eos_ids``."""
+        options = decoding_options()
+        decoding = {n: (record[n] if o["recorded"] else o["neutral"]) for n, o in options.items()}
+        decoding.update(record.get("decoding") or {})
+        sampling = Sampling(T=record["T"], replicates=record["R"], seed=record["seed"], model_name=record["model"],
+                            decoding=Decoding(**decoding, eos_ids=eos_ids))  # fmt: skip
+        frontier, sizes = record.get("frontier"), record.get("kv_sizes") or {}
+        return cls(
+            sampling=sampling, bootstrap=Bootstrap.of(record), split=record["split"], window=record["window"],
+            instruction=record["instruction"], system=record["system"], presses=record["presses"],
+            frontier=None if frontier is None else tuple(FrontierPoint.of(p) for p in frontier),
+            kv_sizes=sizes.get(record["model"]), quantized_caches=tuple(record.get("quantized_caches") or ()),
+            compressed_layers=record.get("compressed_layers"),
+        )  # fmt: skip
+
+    def replace(self, **changes: Any) -> MeasureSettings:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return replace(self, **changes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,42 +219,20 @@ class MeasureOptions:
         return Sampling(T=self.max_new_tokens, replicates=self.replicates, decoding=decoding, seed=int(self.seed),
                         model_name=model_name)  # fmt: skip
 
-    def recorded(self, sampling: Sampling, sources: Mapping[str, Any], grid, kv_sizes=None) -> dict[str, Any]:
-        """The ``settings`` of a :class:`kvdiverge.doors.results.Measurement` run with ``sampling``.
-
-        model, split, T, R, the decoding settings always recorded (temperature, top_p), seed, window,
-        bootstrap, confidence, instruction, system, presses (name -> :func:`kvdiverge.config.inputs.describe_press`);
-        ``decoding``: the other settings of :func:`~kvdiverge.engine.core.sampling.decoding_options` away from
-        neutral, when any; the ``frontier`` grid and the model's ``kv_sizes`` (``{model: {"elements_per_token",
-        "element_bytes"}}``, :func:`kvdiverge.models.loading.kv_sizes`) if any; ``quantized_caches`` (names of the
-        quantized-cache policies) if any.
-        """
-        options, values = decoding_options(), sampling.decoding
-        settings = {
-            "model": sampling.model_name,
-            "split": self.split,
-            "T": sampling.T,
-            "R": sampling.replicates,
-            **{n: o["type"](getattr(values, n)) for n, o in options.items() if o["recorded"]},
-            "seed": int(sampling.seed),
-            "window": int(self.window),
-            "bootstrap": int(self.bootstrap),
-            "confidence": float(self.confidence),
-            "instruction": self.instruction,
-            "system": self.system,
-            "presses": {n: describe_press(s) for n, s in sources.items()},
-        }
-        decoding = {n: getattr(values, n) for n, o in options.items()
-                    if not o["recorded"] and getattr(values, n) != o["neutral"]}  # fmt: skip
-        if decoding:  # recorded when set, so records without them stay as they were
-            settings["decoding"] = decoding
-        if grid is not None:
-            settings["frontier"] = [point.as_dict() for point in grid]
-            settings["kv_sizes"] = {sampling.model_name: dict(kv_sizes)} if kv_sizes else None
-        quantized = [n for n, src in sources.items() if getattr(src, "quantized", None) is not None]
-        if quantized:
-            settings["quantized_caches"] = quantized
-        return settings
+    def recorded(self, sampling: Sampling, sources: Mapping[str, Any], grid, kv_sizes=None) -> MeasureSettings:
+        """The :class:`MeasureSettings` of a measurement run with ``sampling`` on ``sources`` (name ->
+        press source, described by :func:`kvdiverge.config.inputs.describe_press`), the frontier ``grid``
+        (or None) and the model's ``kv_sizes`` (``{"elements_per_token", "element_bytes"}``,
+        :func:`kvdiverge.models.loading.kv_sizes`; None without a frontier)."""
+        quantized = tuple(n for n, src in sources.items() if getattr(src, "quantized", None) is not None)
+        return MeasureSettings(
+            sampling=sampling, bootstrap=self.boot, split=self.split, window=int(self.window),
+            instruction=self.instruction, system=self.system,
+            presses={n: describe_press(s) for n, s in sources.items()},
+            frontier=None if grid is None else tuple(FrontierPoint.of(p) for p in grid),
+            kv_sizes=dict(kv_sizes) if kv_sizes else None, quantized_caches=quantized,
+            windows=self.windows, task=self.task,
+        )  # fmt: skip
 
     def run_options(self):
         """The coupled run's :class:`kvdiverge.engine.runner.RunOptions`: batch size, memory budget, a bar per press."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiverge.config.inputs import (
+    check_context,
     check_lengths,
     check_model_inputs,
     model_eos,
@@ -207,27 +208,36 @@ def build_plan(
                 task=task, targets=targets, tokenizer=tokenizer)  # fmt: skip
 
 
-def check_model(model, eos_ids=None) -> None:
+def check_model(model, eos_ids=None) -> tuple[int, ...]:
     """Refuse a ``model`` that is not one (:func:`kvdiverge.settings.checks.model_problem`) and ``eos_ids``
-    outside its vocabulary (:func:`kvdiverge.config.inputs.model_eos`): ``ValueError`` in one sentence."""
+    outside its vocabulary (:func:`kvdiverge.config.inputs.model_eos`): ``ValueError`` in one sentence.
+    Returns the end-of-sequence ids the run stops at."""
     problem = model_problem(model)
     if problem:
         raise ValueError(problem)
-    model_eos(model, eos_ids)
+    return model_eos(model, eos_ids)
 
 
-def run_plan(p: Plan, model, stacklevel: int) -> Measurement:
-    """:meth:`Plan.run`, its untouched-cache warning ``stacklevel`` frames above this function's caller."""
+def run_plan(p: Plan, model, stacklevel: int, eos: tuple[int, ...] | None = None) -> Measurement:
+    """:meth:`Plan.run`, its untouched-cache warning ``stacklevel`` frames above this function's caller.
+
+    ``eos``: the end-of-sequence ids of a model the door has checked (:func:`check_model`) and the plan's
+    token ids checked against (``build_plan``'s ``vocab``), so only the context is checked here; None:
+    every check of the model (:func:`kvdiverge.config.inputs.check_model_inputs`)."""
     opts = p.options
-    check_model_inputs(model, p.documents, opts.max_new_tokens)
-    eos = model_eos(model, opts.eos_ids)
+    if eos is None:
+        check_model_inputs(model, p.documents, opts.max_new_tokens)
+        eos = model_eos(model, opts.eos_ids)
+    else:
+        check_context(model, p.documents, opts.max_new_tokens)
     sampling = opts.sampling(p._model_name(model))
     runs = run_policies(model, list(p.documents), p.sources, sampling, split=opts.split, options=opts.run_options())
     grid = None if p.grid is None else list(p.grid)
-    settings = opts.recorded(sampling, p.sources, grid, kv_sizes(model) if grid else None)
+    settings = opts.recorded(sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos)), p.sources, grid,
+                             kv_sizes(model) if grid else None)  # fmt: skip
     if has_sliding_layers(model.config):  # a press compresses the full-attention layers only
-        settings["compressed_layers"] = compressed_layers(layers_of(model.config))
-    result = Measurement.of_run(runs, opts.windows, settings, p.sources, eos)
+        settings = settings.replace(compressed_layers=compressed_layers(layers_of(model.config)))
+    result = Measurement.of_run(runs, settings, p.sources, eos)
     if p._teacher_length() is not None:
         result.teacher_forced = _teacher_pass(p, model, sampling, result.eos_ids)
     if p.task:

@@ -22,10 +22,9 @@ import polars as pl
 from kvdiverge.config.inputs import NOISE_FLOOR_PRESS
 from kvdiverge.config.provenance import save_measurement
 from kvdiverge.doors import measuring
+from kvdiverge.doors.measuring import MeasureSettings
 from kvdiverge.doors.screening import Screen
-from kvdiverge.engine.core.sampling import Decoding, decoding_options
 from kvdiverge.estimation import tables
-from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.drift import (
     drift_replicates,
     drift_table,
@@ -68,11 +67,9 @@ class Measurement:
     pooled, timing, survival, branch_tv, variance : polars.DataFrame
         Pooled over prompts with document-bootstrap intervals (``results/analysis``;
         :func:`kvdiverge.estimation.tables.pool`).
-    settings : dict
-        model, split, T, R, temperature, top_p, seed, window, bootstrap, confidence (and
-        ``decoding``: the settings of :func:`kvdiverge.engine.core.sampling.decoding_options` not
-        at their default, when any),
-        presses (name -> description), quantized_caches (names of the quantized-cache policies, if any).
+    settings : kvdiverge.doors.measuring.MeasureSettings
+        What it was measured with: sampling, bootstrap, split, window, presses (name -> description),
+        frontier; :meth:`~kvdiverge.doors.measuring.MeasureSettings.record` is the dict saved and hashed.
     noise_floor : str or None
         Name of the noise-floor press among the presses, if any.
     batch_documents : int or None
@@ -96,7 +93,7 @@ class Measurement:
     survival: pl.DataFrame
     branch_tv: pl.DataFrame
     variance: pl.DataFrame
-    settings: dict[str, Any]
+    settings: MeasureSettings
     noise_floor: str | None = None
     batch_documents: int | None = None
     teacher_forced: Any = None
@@ -106,13 +103,13 @@ class Measurement:
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of_run(cls, runs, windows, settings: dict[str, Any], sources: Mapping[str, Any], eos_ids) -> Measurement:
+    def of_run(cls, runs, settings: MeasureSettings, sources: Mapping[str, Any], eos_ids) -> Measurement:
         """The measurement of a coupled run (:func:`kvdiverge.engine.runner.run_policies`'s result):
-        its estimates (``settings['window']``, the named lag ``windows``) and pooled tables
-        (:func:`kvdiverge.estimation.tables.pool`, bootstrap settings from ``settings``); the noise
+        its estimates (the settings' ``window`` and named lag ``windows``) and pooled tables
+        (:func:`kvdiverge.estimation.tables.pool`, the settings' bootstrap); the noise
         floor is the first of ``sources`` that keeps every position."""
-        reps, docs = tables.estimate(runs.trajectories, settings["window"], windows)
-        pooled = tables.pool(docs, Bootstrap.of(settings))
+        reps, docs = tables.estimate(runs.trajectories, settings.window, settings.windows)
+        pooled = tables.pool(docs, settings.bootstrap)
         floors = measuring.floors(sources)
         return cls(
             trajectories=runs.trajectories,
@@ -141,7 +138,7 @@ class Measurement:
     @property
     def presses(self) -> list[str]:
         """Press names, in the order given."""
-        return list(self.settings["presses"])
+        return list(self.settings.presses)
 
     def gap(self, a: str, b: str) -> pl.DataFrame:
         """Gap decomposition ``A - B`` of the expected token loss of presses ``a`` and ``b``, paired
@@ -150,13 +147,16 @@ class Measurement:
         ``value_M = value / T`` (:func:`kvdiverge.estimation.tables.press_gap`). Raises
         ``ValueError`` if ``a`` or ``b`` is not a measured press, or ``a == b``."""
         if (a, b) not in self._gaps:  # a refused pair is never stored
-            self._gaps[(a, b)] = press_gap(self.documents, self.presses, a, b, self.settings)
+            s = self.settings
+            self._gaps[(a, b)] = press_gap(
+                self.documents, self.presses, a, b, s.bootstrap, s.split, s.sampling.model_name
+            )
         return self._gaps[(a, b)]
 
     @property
     def gaps(self) -> pl.DataFrame:
         """Gap decompositions of every pair ``(A, B)`` of presses, A before B in the given order."""
-        return pairwise_gaps(self.gap, self.presses)
+        return self._memo("gaps", lambda: pairwise_gaps(self.gap, self.presses))
 
     @property
     def speculative(self) -> pl.DataFrame:
@@ -165,13 +165,13 @@ class Measurement:
         ``A = sum_{j<=k} S_j`` of a first draft block of ``k``, ``tokens_per_forward = A + 1``, the
         per-step acceptance ``alpha`` and the i.i.d. formula
         (:func:`kvdiverge.estimation.speculative.speculative_table`)."""
-        return self._memo("speculative", lambda: speculative_table(self.documents, Bootstrap.of(self.settings)))
+        return self._memo("speculative", lambda: speculative_table(self.documents, self.settings.bootstrap))
 
     @property
     def drift_replicates(self) -> pl.DataFrame:
         """Per press, prompt and replicate: each side's length to EOS, stop, loop and repetition, paired
         (:func:`kvdiverge.estimation.drift.drift_replicates`)."""
-        loops = loop_settings(None, self.settings["T"])
+        loops = loop_settings(None, self.settings.sampling.T)
         return self._memo("drift_replicates", lambda: drift_replicates(self.trajectories, self.eos_ids or (), **loops))
 
     @property
@@ -179,7 +179,7 @@ class Measurement:
         """Length and loop drift per press: ``length_mean``, ``length_median`` (tokens), ``stop_rate``,
         ``loop_rate``, ``rep4``, ``distinct2`` on the full-cache and the compressed side and their paired
         difference, with document-bootstrap intervals (:func:`kvdiverge.estimation.drift.drift_table`)."""
-        return self._memo("drift", lambda: drift_table(self.drift_replicates, Bootstrap.of(self.settings)))
+        return self._memo("drift", lambda: drift_table(self.drift_replicates, self.settings.bootstrap))
 
     @property
     def length_survival(self) -> pl.DataFrame:
@@ -192,8 +192,7 @@ class Measurement:
         """Whether the decoding's kernels are point masses (greedy:
         :attr:`kvdiverge.engine.core.sampling.Decoding.point_masses`), where TV 0 shows only that the
         answers agreed."""
-        values = {name: self.settings[name] for name in decoding_options() if name in self.settings}
-        return Decoding(**values, **(self.settings.get("decoding") or {})).point_masses
+        return self.settings.sampling.decoding.point_masses
 
     @property
     def compression(self) -> pl.DataFrame:
@@ -202,7 +201,9 @@ class Measurement:
         at every step of every replicate, under sampling) and ``no_divergence`` (TV 0 at every step,
         yet not untouched: the press compressed, or the decoding is greedy;
         :func:`kvdiverge.estimation.tables.compression_table`)."""
-        return compression_table(self.documents, self.trajectories, self.point_masses)
+        return self._memo(
+            "compression", lambda: compression_table(self.documents, self.trajectories, self.point_masses)
+        )
 
     @property
     def summary(self) -> pl.DataFrame:
@@ -211,6 +212,10 @@ class Measurement:
         ``E_M`` (mismatch fraction), each with ``_lo``/``_hi`` bootstrap bounds, ``rho``,
         ``first_mismatch_term + exposure_rate_term = E_M``, ``exposure_share``; with a noise floor,
         ``E_M_minus_floor`` and ``p_div_minus_floor`` (:func:`kvdiverge.estimation.tables.summary_table`)."""
+        return self._memo("summary", self._summary)
+
+    def _summary(self) -> pl.DataFrame:
+        """:attr:`summary`, computed."""
         args = (self.pooled, self.documents, self.presses, self.trajectories, self.noise_floor, self.gap)
         out = summary_table(*args, point_masses=self.point_masses)
         if self.teacher_forced is None:
@@ -224,7 +229,7 @@ class Measurement:
         reading: tokens per target forward of a first draft block of 4 (:attr:`speculative`), and
         one of the length drift: the paired differences in length, stop and loop rate (:attr:`drift`)."""
         text = (
-            summary_text(self.summary, self.settings, self.noise_floor, NOISE_FLOOR_PRESS)
+            summary_text(self.summary, self.settings.record(), self.noise_floor, NOISE_FLOOR_PRESS)
             + "\n"
             + format_speculative_line(self.speculative, self.presses)
             + "\n"
@@ -264,7 +269,7 @@ class Measurement:
             "length_survival": self.length_survival,
             **{f"task_{name}": table for name, table in (self.task or {}).items()},
         }
-        if self.settings.get("frontier"):
+        if self.settings.frontier:
             tables["frontier"], tables["frontier_areas"] = self._frontier()
         if self.teacher_forced is not None:
             tables["teacher_forced"] = self.teacher_forced.table
@@ -272,7 +277,7 @@ class Measurement:
         run = {"eos_ids": None if self.eos_ids is None else list(self.eos_ids), "noise_floor": self.noise_floor}
         if self.teacher_forced is not None:
             run["teacher_forced"] = self.teacher_forced.settings
-        return save_measurement(directory, tables, self.settings, self.batch_documents, run)
+        return save_measurement(directory, tables, self.settings.record(), self.batch_documents, run)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Measurement:
@@ -297,14 +302,15 @@ class Measurement:
         if (where / "teacher_forced.parquet").is_file():
             tables = (_read(where, "teacher_forced_documents"), _read(where, "teacher_forced"))
             teacher = Screen(None, *tables, run.get("teacher_forced", {}))
+        eos_ids = None if run.get("eos_ids") is None else tuple(run["eos_ids"])
         return cls(
             **{name: _read(where, name) for name in _SAVED},
-            settings=json.loads((where / "measure.json").read_text()),
+            settings=MeasureSettings.of_record(json.loads((where / "measure.json").read_text()), eos_ids),
             noise_floor=run.get("noise_floor"),
             batch_documents=run.get("batch_documents"),
             teacher_forced=teacher,
             task=task or None,
-            eos_ids=None if run.get("eos_ids") is None else tuple(run["eos_ids"]),
+            eos_ids=eos_ids,
         )
 
     def plot_survival(self, target=None):
@@ -313,7 +319,7 @@ class Measurement:
         (:func:`kvdiverge.report.survival.render_survival`)."""
         from kvdiverge.report.survival import render_survival
 
-        return render_survival(self.survival, target, title=self.settings["model"])
+        return render_survival(self.survival, target, title=self.settings.sampling.model_name)
 
     def _memo(self, key: str, compute):
         """``compute()``, computed once and kept (a failure is not kept)."""
@@ -323,9 +329,11 @@ class Measurement:
 
     def _frontier(self) -> tuple[pl.DataFrame, pl.DataFrame]:
         def compute():
-            points, areas = measured_frontier(self.documents, self.settings, self.noise_floor)
+            s = self.settings
+            sizes = {s.sampling.model_name: dict(s.kv_sizes)} if s.kv_sizes else None
+            points, areas = measured_frontier(self.documents, s.frontier, self.noise_floor, s.bootstrap, s.split, sizes)
             teacher = None if self.teacher_forced is None else self.teacher_forced.table
-            ratios = length_ratios(self.drift_replicates, Bootstrap.of(self.settings))
+            ratios = length_ratios(self.drift_replicates, self.settings.bootstrap)
             return with_drift_columns(with_teacher_columns(points, teacher), ratios), areas
 
         return self._memo("frontier", compute)
@@ -351,7 +359,7 @@ class Measurement:
     def format_frontier(self) -> str:
         """The frontier ranking as plain text (what ``kvdiverge measure --ratios`` prints)."""
         points, areas = self._frontier()
-        return frontier_text(points, areas, self.settings["confidence"])
+        return frontier_text(points, areas, self.settings.bootstrap.confidence)
 
     def plot_frontier(self, target=None):
         """Draw the frontier figure: into ``target``, a sequence of 3 Axes (returned), to a path
@@ -359,4 +367,4 @@ class Measurement:
         (:func:`kvdiverge.report.frontier.render_frontier`)."""
         from kvdiverge.report.frontier import render_frontier
 
-        return render_frontier(self.frontier(), target, title=self.settings["model"])
+        return render_frontier(self.frontier(), target, title=self.settings.sampling.model_name)

@@ -467,19 +467,17 @@ def _model_frontier(rows: pl.DataFrame, grid, floor: _Floor, model: str, split: 
 
 
 def measured_frontier(
-    docs: pl.DataFrame, settings: Mapping[str, Any], floor: str | None
+    docs: pl.DataFrame, grid, floor: str | None, boot: Bootstrap, split: str, kv_sizes=None
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """:func:`frontier_tables` of a measurement made with ratios (its ``settings["frontier"]`` grid,
-    ``bootstrap``, ``confidence``, ``seed``, ``split`` and ``kv_sizes``: ``{model: {"elements_per_token",
-    "element_bytes"}}``).
+    """:func:`frontier_tables` of a measurement made with ratios: its frontier ``grid`` (None or empty without
+    one), document bootstrap ``boot``, ``split`` and ``kv_sizes``: ``{model: {"elements_per_token",
+    "element_bytes"}}``.
 
     Raises
     ------
     ValueError
         If the measurement has no frontier grid.
     """
-    grid = settings.get("frontier")
     if not grid:
         raise ValueError("not a frontier: measure with ratios=[...] (kvdiverge measure --ratios ...)")
-    s = settings
-    return frontier_tables(docs, grid, floor, Bootstrap.of(s), split=s["split"], kv_sizes=s.get("kv_sizes"))
+    return frontier_tables(docs, grid, floor, boot, split=split, kv_sizes=kv_sizes)

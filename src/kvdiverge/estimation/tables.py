@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import polars as pl
 from tqdm.auto import tqdm
@@ -270,7 +269,7 @@ def press_summary(
 
 
 def press_gap(
-    documents: pl.DataFrame, presses: Sequence[str], a: str, b: str, settings: Mapping[str, Any]
+    documents: pl.DataFrame, presses: Sequence[str], a: str, b: str, boot: Bootstrap, split: str, model: str
 ) -> pl.DataFrame:
     """Gap decomposition ``A - B`` of the expected token loss of two measured presses, paired by prompt (§7).
 
@@ -282,8 +281,10 @@ def press_gap(
         The measured press names.
     a, b : str
         The two presses.
-    settings : mapping
-        ``bootstrap``, ``confidence``, ``seed``, ``split`` and ``model`` of the measurement.
+    boot : kvdiverge.estimation.bootstrap.Bootstrap
+        The measurement's document bootstrap.
+    split, model : str
+        The measurement's split and model name.
 
     Returns
     -------
@@ -302,8 +303,7 @@ def press_gap(
             raise ValueError(f"unknown press {p!r}; measured: {list(presses)}")
     if a == b:
         raise ValueError("a gap needs two different presses")
-    s = settings
-    return gaps(documents, [(a, b)], Bootstrap.of(s), split=s["split"], models=[s["model"]])
+    return gaps(documents, [(a, b)], boot, split=split, models=[model])
 
 
 def pairwise_gaps(gap: Callable[[str, str], pl.DataFrame], presses: Sequence[str]) -> pl.DataFrame:
