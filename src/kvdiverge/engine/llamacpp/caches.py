@@ -72,8 +72,10 @@ class LlamaCache:
 
     @property
     def flash_attn(self) -> bool:
-        """Whether the context needs flash attention: llama.cpp refuses a quantized V cache without it."""
-        return self.type_v != "f16"
+        """Flash attention, on for every cache: llama.cpp needs it for a quantized V cache, and on the CPU the
+        f16 cache without it gives a one-token decode other logits than a multi-token one (a log-probability
+        apart by 0.3 on SmolLM2), which would make a rewound branch differ from a fresh evaluation."""
+        return True
 
     @property
     def bits(self) -> float:

@@ -1,9 +1,13 @@
 """One llama.cpp context over a loaded model, with multi-sequence decoding and the memory's sequence ops.
 
 :class:`LlamaContext` holds a context whose KV cache has a :class:`~kvdiverge.engine.llamacpp.caches.LlamaCache`
-type, one unified cache shared by all sequences (``kv_unified``), so that a copied sequence shares
-the prompt's cells (``llama_memory_seq_cp``, no data copied) and a rewind removes cells
-(``llama_memory_seq_rm``): both exact. :func:`load_model` loads a GGUF file once; several contexts
+type and one cache stream per sequence (``kv_unified`` off): a copied sequence gets a copy of the
+prompt's cells (``llama_memory_seq_cp``) and a rewind removes a sequence's last cells
+(``llama_memory_seq_rm``), so a sequence's cells stay contiguous. Both are exact: a token's logits
+equal a fresh evaluation of its prefix bit for bit (tests/test_llamacpp.py). In one unified cache
+they are not: with an f16 V cache, llama.cpp's CPU flash attention gives a sequence other logits
+(a log-probability apart by 0.6 on SmolLM2) once another sequence's rewound tokens sit in freed
+cells between its own. :func:`load_model` loads a GGUF file once; several contexts
 share it.
 """
 
@@ -100,7 +104,7 @@ def _rotation(on: bool) -> Iterator[None]:
 
 
 class LlamaContext:
-    """A llama.cpp context with ``n_seq`` sequences over one unified KV cache of ``n_ctx`` cells.
+    """A llama.cpp context with ``n_seq`` sequences, each its own KV cache stream of ``n_ctx / n_seq`` cells.
 
     Parameters
     ----------
@@ -108,7 +112,7 @@ class LlamaContext:
     cache : LlamaCache
         Cache types, rotation; flash attention is on when V is quantized (llama.cpp needs it), off otherwise.
     n_ctx : int
-        Cells of the unified cache (prompt + every sequence's own tokens).
+        Cells of all streams together (``n_seq`` times a sequence's prompt and own tokens).
     n_seq : int
         Sequences (rows).
     threads : int
@@ -123,7 +127,7 @@ class LlamaContext:
         p.type_k = getattr(L, f"GGML_TYPE_{cache.type_k.upper()}")
         p.type_v = getattr(L, f"GGML_TYPE_{cache.type_v.upper()}")
         fa = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cache.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.flash_attn_type, p.kv_unified, p.no_perf = fa, True, True
+        p.flash_attn_type, p.kv_unified, p.no_perf = fa, False, True
         with _rotation(cache.rotation):
             self.ctx = L.llama_init_from_model(model.pointer, p)
         if not self.ctx:
@@ -177,7 +181,7 @@ class LlamaContext:
         return self.decode(tokens, [seq] * n, range(n), outs)
 
     def copy_sequence(self, src: int, dst: int) -> None:
-        """Sequence ``dst`` shares every cell of ``src`` (``llama_memory_seq_cp``)."""
+        """Sequence ``dst`` gets a copy of every cell of ``src`` (``llama_memory_seq_cp``)."""
         self._L.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def cut(self, seq: int, start: int) -> None:

@@ -1,7 +1,7 @@
 """The llama.cpp kernel pair and teacher-forced pass: two contexts, full f16 and a compressed cache, fed the same tokens.
 
 :class:`LlamaKernelPair` implements :class:`kvdiverge.engine.core.pairs.KernelPair` for one document:
-the prompt is prefilled once into sequence 0 of each context and shared by the ``R`` rows
+the prompt is prefilled once into sequence 0 of each context and copied to the ``R`` rows
 (``llama_memory_seq_cp``); row ``r`` is sequence ``r``; a step decodes one token per row in one
 batch; a rewind removes the row's cells after the kept history (``llama_memory_seq_rm``). The
 coupling core (:func:`kvdiverge.engine.core.coupled.run_batch`) runs on it unchanged.
@@ -81,10 +81,10 @@ class LlamaKernelPair:
         return self.sampling.decoding.log_probs(torch.from_numpy(logits), torch.float64)
 
     def start(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill the prompt into both contexts and share it with ``n_rows`` sequences."""
+        """Prefill the prompt into both contexts and copy it to ``n_rows`` sequences."""
         self.check(self.sampling)
         self.close()
-        n_ctx = -(-(len(self.prompt) + n_rows * (self.T + 1) + 8) // 256) * 256
+        n_ctx = n_rows * (-(-(len(self.prompt) + self.T + 8) // 256) * 256)
         self.sides = tuple(LlamaContext(self.model, c, n_ctx, n_rows, self.threads) for c in (FULL, self.cache))
         out = []
         for side in self.sides:
