@@ -32,7 +32,7 @@ T = 8
 def path() -> str:
     try:
         where, kwargs = resolve(EMBEDDED_MODEL)
-    except Exception as exc:  # noqa: BLE001 - the package may be absent
+    except Exception as exc:  # the package may be absent
         pytest.skip(f"the embedded SmolLM2 GGUF file is not installed: {exc}")
     return os.path.join(where, kwargs["gguf_file"])
 
