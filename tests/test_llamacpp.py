@@ -179,3 +179,21 @@ def test_parse_cache_refuses(spec):
 
 def test_install_sentence_names_the_extra():
     assert "pip install kvdiverge[llamacpp]" in INSTALL and INSTALL.count(". ") == 0
+
+
+def test_run_caches_gives_the_estimators_frame_from_a_llama_object(path):
+    """A ``llama_cpp.Llama`` as the model: the frame has the trajectory schema, the f16 control's TV is 0, and
+    a kvpress press is refused in one sentence before any work."""
+    from kvdiverge.engine.llamacpp.run import provenance, run_caches
+    from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+
+    llm = llama_cpp.Llama(path, n_ctx=64, n_threads=THREADS, verbose=False)
+    policies = {"none": FULL, "q4_0": parse_cache("q4_0")}
+    sampling = Sampling(T=4, replicates=2, model_name="smollm2")
+    frame = run_caches(llm, policies, {"d0": PROMPT, "d1": PROMPT[:5]}, sampling, THREADS)
+    assert frame.schema == TRAJECTORY_SCHEMA and frame.height == 2 * 2 * 2
+    control = np.array(frame.filter(frame["policy"] == "none")["tv"].to_list(), dtype=np.float64)
+    assert np.all(control == 0.0)
+    assert provenance(policies, THREADS)["caches"]["q4_0"]["rotation"] is True
+    with pytest.raises(ValueError, match="'knorm' .* cannot run on the llama_cpp backend"):
+        run_caches("/nonexistent.gguf", {"knorm": object()}, {"d0": PROMPT}, sampling, THREADS)
