@@ -4,6 +4,8 @@
 #   make test      set up .venv if needed, run the test suite but the `slurm`, `docs` and `long` tests
 #   make test-all  the same and the `slurm` tests (a throw-away SLURM cluster; root, apt), the
 #                  `docs` test (the site built with warnings as errors) and the `long` tests: CI
+#   make llamacpp  build and install the `llamacpp` extra (llama-cpp-python from source, once per environment;
+#                  about 8-16 minutes on 2 cores, free again from pip's wheel cache); make test-all needs it
 #   make docs      the documentation site (docs/_build/html), warnings as errors
 #   make rehearse  config/paper-rehearsal.yaml (the paper's study on stand-in models) at a small
 #                  size, locally (docs/rehearsal.md); not part of `make test`
@@ -20,6 +22,8 @@ BIN := $(VENV)/bin
 # in every run, or ninja rebuilds it for another ninja's build log)
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.kvdiverge-setup
+# the llama_cpp backend's extra, built once per environment (its own stamp: `make test` never needs it)
+LLAMACPP_STAMP := $(VENV)/.kvdiverge-llamacpp
 # extra pip arguments for torch, e.g. a CPU-only wheel index on a laptop without a GPU
 TORCH_PIP_ARGS ?=
 # extra pytest arguments, e.g. make test PYTEST_ARGS='-m "not llm"'
@@ -31,7 +35,7 @@ LOCK_VENV ?= .venv-lock
 # the rehearsal at a small size: config/paper-rehearsal.yaml with config/rehearsal-small.yaml merged on
 REHEARSE_CONFIG ?= config/paper-rehearsal.yaml config/rehearsal-small.yaml
 
-.PHONY: run test test-all docs setup lock clean-results rehearse
+.PHONY: run test test-all docs setup lock clean-results rehearse llamacpp
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores all --report results/report.html --report-after-run
@@ -39,7 +43,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m pytest -m "slurm or docs or long or not slurm" $(PYTEST_ARGS)
 
 # the documentation site from docs/ (Sphinx, myst-parser, numpydoc; the `docs` extra), warnings as errors
@@ -51,6 +55,13 @@ rehearse: $(STAMP)
 	$(BIN)/snakemake --report results-rehearsal-small/report.html --configfile $(REHEARSE_CONFIG)
 
 setup: $(STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
+
+# llama-cpp-python is source-only on PyPI: a portable CPU build (no -march=native), at the locked version
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/python -m pip install --quiet -c constraints.txt -e ".[llamacpp]"
+	touch $@
 
 $(STAMP): pyproject.toml constraints.txt requirements-gemma.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -211,7 +211,9 @@ def test_ci_runs_the_readme_test_command_with_the_slurm_and_docs_tests():
     assert all(c.startswith(("set ", "cd ")) for c in commands[:-1])
     make = (ROOT / "Makefile").read_text()
     test = re.search(r"^test: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
-    test_all = re.search(r"^test-all: \$\(STAMP\)\n\t(.*)$", make, re.M).group(1)
+    # test-all builds the llamacpp extra first (its exactness tests run in CI); test never needs it
+    test_all = re.search(r"^test-all: \$\(STAMP\) \$\(LLAMACPP_STAMP\)\n\t(.*)$", make, re.M).group(1)
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF"' in make and '-c constraints.txt -e ".[llamacpp]"' in make
     assert test == "$(BIN)/python -m pytest $(PYTEST_ARGS)"  # the slurm and docs tests left out (tests/conftest.py)
     assert test_all == '$(BIN)/python -m pytest -m "slurm or docs or long or not slurm" $(PYTEST_ARGS)'
 

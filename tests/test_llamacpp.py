@@ -1,0 +1,199 @@
+"""The llama.cpp backend: exactness of the kernel pair of two llama.cpp contexts and of its teacher-forced KLD.
+
+Small on purpose: SmolLM2's GGUF file, one prompt of 9 tokens, T <= 8, two threads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llamacpp)")
+
+from kvdiverge.engine.core.coupled import run_batch  # noqa: E402
+from kvdiverge.engine.core.sampling import Decoding, Sampling  # noqa: E402
+from kvdiverge.engine.llamacpp.caches import CACHE_TYPES, INSTALL, LlamaCache, parse_cache  # noqa: E402
+from kvdiverge.engine.llamacpp.context import LlamaContext, load_model  # noqa: E402
+from kvdiverge.engine.llamacpp.pair import FULL, LlamaKernelPair, forced_kld  # noqa: E402
+from kvdiverge.models.embedded import EMBEDDED_MODEL  # noqa: E402
+from kvdiverge.models.sources import resolve  # noqa: E402
+
+pytestmark = pytest.mark.llm
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30]
+THREADS = 2
+T = 8
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    try:
+        where, kwargs = resolve(EMBEDDED_MODEL)
+    except Exception as exc:  # the package may be absent
+        pytest.skip(f"the embedded SmolLM2 GGUF file is not installed: {exc}")
+    return os.path.join(where, kwargs["gguf_file"])
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return load_model(path)
+
+
+def _reference_log_softmax(scores: np.ndarray) -> np.ndarray:
+    """log-softmax by torch, independent of the backend's numpy one."""
+    return torch.log_softmax(torch.from_numpy(np.asarray(scores, dtype=np.float64)), dim=-1).numpy()
+
+
+class _Recording(LlamaKernelPair):
+    """The pair, remembering each row's two histories and the log-distributions it returned."""
+
+    def start(self, n_rows):
+        self.tokens = [([], []) for _ in range(n_rows)]
+        self.seen = []
+        logp, logq = super().start(n_rows)
+        self._record(logp, logq)
+        return logp, logq
+
+    def _record(self, logp, logq):
+        for row, (a, b) in enumerate(self.tokens):
+            self.seen.append((tuple(a), tuple(b), logp[row].numpy(), logq[row].numpy()))
+
+    def advance(self, x, y):
+        for row, (a, b) in enumerate(zip(x.tolist(), y.tolist())):
+            self.tokens[row][0].append(a)
+            self.tokens[row][1].append(b)
+        logp, logq = super().advance(x, y)
+        self._record(logp, logq)
+        return logp, logq
+
+    def rewind(self, length):
+        super().rewind(length)
+        for row, n in enumerate(length.tolist()):
+            del self.tokens[row][0][n:], self.tokens[row][1][n:]
+
+    def keep_rows(self, rows):
+        super().keep_rows(rows)
+        self.tokens = [self.tokens[i] for i in rows.tolist()]
+
+
+def test_f16_control_is_exactly_zero(model):
+    """f16 against f16: TV exactly 0 at every step, no divergence, and a teacher-forced KLD of exactly 0."""
+    pair = LlamaKernelPair(model, FULL, PROMPT, T, Sampling(T=T, replicates=2), THREADS)
+    records = run_batch(pair, T, 2, 0, "smollm2", ["d0"])
+    pair.close()
+    tv = np.array([r["tv"] for r in records], dtype=np.float64)
+    assert tv.shape == (2, T) and np.all(tv == 0.0)
+    assert all(r["t_star"] is None and r["tau_naive"] is None for r in records)
+    kld = forced_kld(model, FULL, PROMPT, list(range(200, 200 + T)), THREADS)
+    assert kld.shape == (T,) and np.all(kld == 0.0)
+
+
+def test_greedy_full_side_is_llama_cpps_greedy_generation(model, path):
+    """Greedy decoding: the chain (f16 on both sides) is what llama.cpp's own generate emits, token for token."""
+    sampling = Sampling(T=T, replicates=1, decoding=Decoding(temperature=0.0))
+    pair = LlamaKernelPair(model, FULL, PROMPT, T, sampling, THREADS)
+    chain = run_batch(pair, T, 1, 0, "smollm2", ["d0"])[0]["chain_token"]
+    pair.close()
+    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=THREADS, flash_attn=True, verbose=False)
+    expected = []
+    for token in llm.generate(PROMPT, temp=0.0, top_k=1, reset=True):
+        expected.append(int(token))
+        if len(expected) == T or token in model.eos_ids:
+            break
+    assert list(chain[: len(expected)]) == expected
+
+
+def test_chain_and_branch_match_a_fresh_evaluation(model):
+    """Every distribution the pair returned (chain and branch, both sides) is a fresh context's
+    evaluation of the same prefix within 1e-5 in log-probability (0 on this machine's build: with flash
+    attention a token's logits do not depend on the batch it is decoded in, nor on its cells' order)."""
+    cache = parse_cache("q4_0")
+    pair = _Recording(model, cache, PROMPT, T, Sampling(T=T, replicates=3, decoding=Decoding(temperature=1.0)), THREADS)
+    records = run_batch(pair, T, 3, 1, "smollm2", ["d0"])
+    pair.close()
+    assert any(r["t_star"] is not None for r in records), "no branch to check"
+    checked = 0
+    for hist_p, hist_q, logp, logq in pair.seen[::5]:
+        for c, hist, got in ((FULL, hist_p, logp), (cache, hist_q, logq)):
+            ctx = LlamaContext(model, c, 256, 1, THREADS)
+            fresh = _reference_log_softmax(ctx.prefill(PROMPT + list(hist))[0])
+            ctx.close()
+            finite = np.isfinite(fresh)
+            assert np.abs(got[finite] - fresh[finite]).max() < 1e-5
+            checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.parametrize("spec", ["q4_0", "q8_0:norot"])
+def test_forced_kld_equals_one_from_llama_scores(model, path, spec):
+    """The teacher-forced KLD equals KL(P||Q) computed here from two ``Llama.scores`` tables."""
+    cache = parse_cache(spec)
+    continuation = [260, 1345, 314, 1037, 30, 504, 3458, 282]
+    got = forced_kld(model, cache, PROMPT, continuation, THREADS)
+    scores = []
+    for c in (FULL, cache):
+        before = os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        if not c.rotation:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+        kv = {"type_k": getattr(llama_cpp, f"GGML_TYPE_{c.type_k.upper()}"), "flash_attn": c.flash_attn}
+        kv["type_v"] = getattr(llama_cpp, f"GGML_TYPE_{c.type_v.upper()}")
+        llm = llama_cpp.Llama(path, n_ctx=256, n_threads=THREADS, logits_all=True, verbose=False, **kv)
+        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        if before is not None:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = before
+        llm.eval(PROMPT + continuation[:-1])
+        scores.append(_reference_log_softmax(llm.scores[len(PROMPT) - 1 : len(PROMPT) - 1 + len(continuation)]))
+    logp, logq = scores
+    expected = np.array([np.sum(np.exp(a) * (a - b)) for a, b in zip(logp, logq)])
+    assert expected.mean() > 1e-4  # a compressed cache changes the distributions
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_rotation_is_per_context(model):
+    """Rotation off changes q4_0's KLD and leaves the environment as it was."""
+    before = os.environ.get("LLAMA_ATTN_ROT_DISABLE")
+    continuation = [260, 1345, 314, 1037]
+    on = forced_kld(model, LlamaCache("q4_0", "q4_0", True), PROMPT, continuation, THREADS)
+    off = forced_kld(model, LlamaCache("q4_0", "q4_0", False), PROMPT, continuation, THREADS)
+    assert not np.array_equal(on, off)
+    assert os.environ.get("LLAMA_ATTN_ROT_DISABLE") == before
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("q4_0", LlamaCache("q4_0", "q4_0", True)), ("q8_0/f16:norot", LlamaCache("q8_0", "f16", False))],
+)
+def test_parse_cache(spec, expected):
+    assert parse_cache(spec) == expected
+    assert expected.flash_attn and expected.bits == (CACHE_TYPES[expected.type_k] + CACHE_TYPES[expected.type_v]) / 2
+
+
+@pytest.mark.parametrize("spec", ["q3_0", "q4_0:x", "f16/q2_k"])
+def test_parse_cache_refuses(spec):
+    with pytest.raises(ValueError, match="--cache"):
+        parse_cache(spec)
+
+
+def test_install_sentence_names_the_extra():
+    assert "pip install kvdiverge[llamacpp]" in INSTALL and INSTALL.count(". ") == 0
+
+
+def test_run_caches_gives_the_estimators_frame_from_a_llama_object(path):
+    """A ``llama_cpp.Llama`` as the model: the frame has the trajectory schema, the f16 control's TV is 0, and
+    a kvpress press is refused in one sentence before any work."""
+    from kvdiverge.engine.llamacpp.run import provenance, run_caches
+    from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+
+    llm = llama_cpp.Llama(path, n_ctx=64, n_threads=THREADS, verbose=False)
+    policies = {"none": FULL, "q4_0": parse_cache("q4_0")}
+    sampling = Sampling(T=4, replicates=2, model_name="smollm2")
+    frame = run_caches(llm, policies, {"d0": PROMPT, "d1": PROMPT[:5]}, sampling, THREADS)
+    assert frame.schema == TRAJECTORY_SCHEMA and frame.height == 2 * 2 * 2
+    control = np.array(frame.filter(frame["policy"] == "none")["tv"].to_list(), dtype=np.float64)
+    assert np.all(control == 0.0)
+    assert provenance(policies, THREADS)["caches"]["q4_0"]["rotation"] is True
+    with pytest.raises(ValueError, match="'knorm' .* cannot run on the llama_cpp backend"):
+        run_caches("/nonexistent.gguf", {"knorm": object()}, {"d0": PROMPT}, sampling, THREADS)
