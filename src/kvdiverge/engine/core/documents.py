@@ -1,5 +1,6 @@
-"""The runner's input, one prompt to run (:class:`Document`): torch-free, so that the task and
-prompt stages build documents without loading the engine (:mod:`kvdiverge.engine.runner` re-exports it)."""
+"""The runner's input, one prompt to run (:class:`~kvdiverge.engine.core.documents.Document`):
+torch-free, so that the task and prompt stages build documents without loading the engine
+(:mod:`kvdiverge.engine.runner` re-exports it)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ class Document:
         kvpress's pipeline does (:func:`kvdiverge.engine.llm.prefill.append_question`); the
         press sees the ``context_len`` tokens before them. 0: the press sees the whole prompt.
     greedy_tokens : sequence of int, optional
-        The full cache's greedy continuation (``T`` tokens), set by :func:`run_policies` for a
-        greedy run of several policies (:func:`kvdiverge.engine.llm.reference.greedy_reference`):
-        :func:`build_pair` hands it to the pair, which then decodes its evicted side alone.
+        The full cache's greedy continuation (``T`` tokens), set by
+        :func:`kvdiverge.engine.runner.run_policies` for a greedy run of several policies
+        (:func:`kvdiverge.engine.llm.reference.greedy_reference`):
+        :func:`kvdiverge.engine.runner.build_pair` hands it to the pair, which then decodes its
+        evicted side alone.
     """
 
     doc_id: str
