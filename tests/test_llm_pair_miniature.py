@@ -11,6 +11,7 @@ from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress
 from test_llm_pair import T, coupled_greedy, greedy_generate
 from transformers import DynamicCache
 
+from kvdiverge.data.prompts import SCHEMA as PROMPTS_SCHEMA
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import Decoding
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
@@ -133,16 +134,7 @@ def shard_setup(tmp_path_factory):
         }
     )
     prompts = root / "prompts.parquet"
-    pl.DataFrame(
-        rows,
-        schema={
-            "doc_id": pl.String,
-            "split": pl.String,
-            "n_prompt_tokens": pl.Int32,
-            "input_ids": pl.List(pl.Int32),
-            "exclusion_reason": pl.String,
-        },
-    ).write_parquet(prompts)
+    pl.DataFrame(rows, schema=PROMPTS_SCHEMA).write_parquet(prompts)
     # one document per forward: only then do shards equal the whole run bit for bit (batched
     # documents share rounding with their batch; test_batching checks that case)
     config = {
