@@ -769,6 +769,10 @@ BEFORE_ANY_JOB = [
     pytest.param("fidelity-predicts-task.yaml", {"prediction.measures": ["E_M", "S_100"]},
                  "prediction.measures: 'S_100' is the agreement chain's survival after 100 steps, past the horizon "
                  "decoding.max_new_tokens = 32; allowed: S_1 to S_32 (or raise the horizon)", id="survival-past-T"),
+    pytest.param("fidelity-predicts-task.yaml", {"teacher_forced.target": "reconstruction"},
+                 "prediction.measures: 'reconstruction_kld_mean' reads a second pass with the reconstruction target, "
+                 "and teacher_forced.target is already 'reconstruction': name it 'kld_mean'",
+                 id="reconstruction-measure-twice"),
     pytest.param("fidelity-predicts-task.yaml",
                  {"frontier.presses.window": {"press": "SlidingWindowPress"},
                   "prediction.tasks": [{"name": "niah"}, {"name": "niah", "question": "after"}]},

@@ -596,7 +596,10 @@ def test_the_gemma_prediction_study_is_the_smollm2_study_less_what_sliding_layer
     # the same task documents and measures, the LongPPL key-token ones among them
     assert gemma["prediction"]["split"] == smol["prediction"]["split"] == "confirmatory"
     assert gemma["prediction"]["measures"] == smol["prediction"]["measures"]
-    assert smol["prediction"]["measures"][-2:] == ["kld_key_mean", "same_top_p_key"]
+    assert smol["prediction"]["measures"][-4:-2] == ["kld_key_mean", "same_top_p_key"]
+    # and the reconstruction pass's, the whole excerpt repeated
+    assert smol["prediction"]["measures"][-2:] == ["reconstruction_kld_mean", "reconstruction_kld_key_mean"]
+    assert gemma["prediction"]["reconstruction"] == smol["prediction"]["reconstruction"] == {"length": 1024}
     # the frontier less ExpectedAttention and the int4 cache; every question inside the prompt
     assert set(smol["frontier"]["presses"]) - set(gemma["frontier"]["presses"]) == {"expected-attention"}
     assert "caches" in smol["frontier"] and not gemma["frontier"].get("caches")

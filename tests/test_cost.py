@@ -112,13 +112,17 @@ def test_the_prediction_study_counts_its_task_sides_and_the_teacher_forced_pass(
     assert [(s.stage, s.jobs, s.documents, s.token_steps) for s in stages] == [
         ("coupled runs", 58, 250, 126_000),
         ("teacher-forced pass", 1, 250, 64_000),
+        # the reconstruction pass: the frontier's 25 points on its 8 documents, at most 1,024 tokens on 2 sides
+        ("reconstruction pass", 1, 25 * 8, 25 * 8 * 2 * 1024),
         ("task side niah-after", 1, 25 * 30, 25 * 30 * 62),
         ("task side niah-inside", 1, 26 * 30, 26 * 30 * 62),
         ("task side recall-inside", 1, 26 * 30, 26 * 30 * 62),
     ]
+    # a block forward per side and a prefill per document, int4 token by token: 2 x 1,023 forwards a document
+    assert stages[2].forwards == (200 + 8) + 192 * 2 + 8 * 2 * 1023
     # one document per forward: 2T - 2 = 30 decode forwards and a prefill (int4: two) per document
-    assert stages[2].forwards == 25 * 30 * (1 + 30) and stages[3].forwards == 26 * 30 * 31 + 30
-    assert sum(s.token_steps for s in stages) == 333_220
+    assert stages[3].forwards == 25 * 30 * (1 + 30) and stages[4].forwards == 26 * 30 * 31 + 30
+    assert sum(s.token_steps for s in stages) == 333_220 + 409_600
 
 
 def test_a_greedy_continuation_is_generated_once_per_split(smoke):
@@ -147,7 +151,8 @@ def test_command_line(capsys):
     assert main(["cost", "config/fidelity-predicts-task.yaml"]) == 0
     out = capsys.readouterr().out
     assert "task side niah-after (T = 16, R = 1, greedy): 750 document-policy runs in 1 job(s), " in out
-    assert "all stages: 62 jobs, 90,202 forwards, 333,220 token-steps" in out
+    assert "reconstruction pass (1024 excerpt tokens at most): 200 document-policy runs in 1 job(s)" in out
+    assert "all stages: 63 jobs, 107,162 forwards, 742,820 token-steps" in out
     assert main(["cost", "config/smoke.yaml", "--rate", "1e-300"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("all stages 3.39e+299 h (1.22e+303 s)")
 

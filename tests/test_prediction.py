@@ -593,6 +593,50 @@ def test_fidelity_documents_from_the_estimates_and_the_teacher_forced_tables():
     assert out["kld_key_mean"].to_list() == [0.5, None] and "n_positions" not in out.columns
 
 
+def test_the_reconstruction_passs_measures_join_each_document_under_their_prefix():
+    from kvdiverge.estimation.prediction_inputs import fidelity_documents
+    from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
+
+    estimates = pl.DataFrame(
+        {"policy": ["a@0.5", "a@0.5"], "doc_id": ["d0", "d1"], "T": [2, 2], "E_M": [0.0, 0.5],
+         "p_div": [0.0, 1.0], "E_tau_div": [0.0, 1.0], "S": [[1.0, 1.0], [0.5, 0.0]]}
+    )  # fmt: skip
+    # d0's four repeated tokens: KL 0.1, 0.3, 0.2, 1.4; the 2nd and 4th are key tokens; top-1 differs at the 4th
+    rows = {
+        "model": ["m"] * 4, "policy": ["a@0.5"] * 4, "split": ["exploratory"] * 4, "doc_id": ["d0"] * 4,
+        "position": [0, 1, 2, 3], "token": [5, 6, 7, 8], "continuation": ["prompt"] * 4,
+        "target": ["reconstruction"] * 4, "one_forward": [True] * 4, "kld": [0.1, 0.3, 0.2, 1.4],
+        "delta_p": [0.0] * 4, "ll_ref": [-1.0] * 4, "ll_ev": [-1.0] * 4, "top_ref": [1, 1, 1, 1],
+        "top_ev": [1, 1, 1, 2], "same_top": [True, True, True, False], "ll_short": [-2.0] * 4,
+        "key": [False, True, False, True],
+    }  # fmt: skip
+    reconstruction = pl.DataFrame(rows, schema=POSITION_SCHEMA)
+    out = fidelity_documents(estimates, reconstruction=reconstruction)
+    assert out["doc_id"].to_list() == ["d0", "d1"]
+    np.testing.assert_allclose(out["reconstruction_kld_mean"][0], 0.5)  # (0.1 + 0.3 + 0.2 + 1.4) / 4
+    np.testing.assert_allclose(out["reconstruction_kld_key_mean"][0], 0.85)  # (0.3 + 1.4) / 2
+    assert out["reconstruction_same_top_p"][0] == 0.75 and out["reconstruction_same_top_p_key"][0] == 0.5
+    assert out["reconstruction_kld_max"][0] == 1.4
+    # the 99th percentile of 0.1, 0.2, 0.3, 1.4: 0.3 + 0.97 x (1.4 - 0.3), linear between order statistics
+    np.testing.assert_allclose(out["reconstruction_kld_p99"][0], 0.3 + 0.97 * 1.1)
+    # d1 has no reconstruction positions: missing, not 0; the continuation pass's names are not taken
+    assert out["reconstruction_kld_mean"][1] is None and "kld_mean" not in out.columns
+
+
+def test_the_reconstruction_pass_is_the_teacher_forced_pass_with_its_target_and_length():
+    from kvdiverge.jobs.prediction import reconstruction_config
+
+    config = {
+        "teacher_forced": {"length": 128, "target": "continuation", "repeat_instruction": "Repeat."},
+        "prediction": {"measures": ["E_M", "kld_mean"], "reconstruction": {"length": 1024}},
+    }
+    assert reconstruction_config(config) is None  # no measure reads it: no job
+    config["prediction"]["measures"].append("reconstruction_kld_key_mean")
+    section = reconstruction_config(config)["teacher_forced"]
+    assert section == {"length": 1024, "target": "reconstruction", "repeat_instruction": "Repeat."}
+    assert config["teacher_forced"]["target"] == "continuation"  # the config itself is not changed
+
+
 def test_the_ratio_of_a_point_is_the_fraction_of_the_full_caches_kv_bytes_it_removes():
     from kvdiverge.estimation.prediction_inputs import frontier_points_table
 

@@ -339,13 +339,29 @@ def prediction_task_job(wildcards):
     return job.to_params()
 
 
+# The prediction study's reconstruction pass (measures reconstruction_<measure>): the teacher-forced
+# pass of the frontier's runs again, with the reconstruction target; None when no measure reads it.
+RECONSTRUCTION_CONFIG = kvdiverge.jobs.prediction.reconstruction_config(CONFIG)
+RECONSTRUCTION = f"{RESULTS}/teacher_forced_reconstruction/{{model}}/{{policy}}/{{split}}.parquet"
+RECONSTRUCTION_RUNS = [(p, FRONTIER_SPLIT) for p in FRONTIER_POLICIES] if RECONSTRUCTION_CONFIG else []
+
+
+def reconstruction_job(wildcards):
+    """The settings of a model's reconstruction pass (rule teacher_forced_reconstruction): the frontier's runs."""
+    job = kvdiverge.jobs.params.TeacherSettings.from_config(RECONSTRUCTION_CONFIG, wildcards.model, RECONSTRUCTION_RUNS)
+    return job.to_params()
+
+
 def prediction_costs(wildcards):
     """The benchmark files of one model's frontier generation jobs (the measures' CPU time per point):
     read when present, not inputs (a benchmark file is no rule's output)."""
-    return {
+    costs = {
         "coupled": [benchmark_file(f"frontier_trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
         "teacher": [benchmark_file(f"teacher_forced/{wildcards.model}")],
     }
+    if RECONSTRUCTION_CONFIG:
+        costs["reconstruction"] = [benchmark_file(f"teacher_forced_reconstruction/{wildcards.model}")]
+    return costs
 
 
 def all_targets(wildcards):

@@ -4,6 +4,33 @@
 # pass). Each task side (niah-inside, ...) runs every frontier point greedily on the documents of
 # `prediction.split`, one job per (model, side) through kvdiverge.measure, and scores the answers;
 # rule prediction joins both sides per model under {results_dir}/analysis/prediction/{model}/.
+# A measure named reconstruction_<measure> reads the reconstruction pass (rule
+# teacher_forced_reconstruction): the teacher-forced pass of the frontier's runs with the
+# reconstruction target (kvdiverge.jobs.prediction.reconstruction_config), one job per model.
+
+if PREDICTION_SIDES and RECONSTRUCTION_CONFIG:
+
+    rule teacher_forced_reconstruction:
+        input:
+            prompts=rules.prompts.output[0],
+            corpus=rules.corpus.output[0],
+            model=converted_model,
+        output:
+            expand(RECONSTRUCTION, policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True),
+        log:
+            f"{LOGS}/teacher_forced_reconstruction/{{model}}.log",
+        benchmark:
+            benchmark_file("teacher_forced_reconstruction/{model}")
+        params:
+            # its rerun key: the teacher-forced job's, with the reconstruction's target and length
+            settings=reconstruction_job,
+        resources:
+            **generation_resources(rule="teacher_forced"),
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/teacher_forced.py"
+
 
 if PREDICTION_SIDES:
 
@@ -33,6 +60,10 @@ if PREDICTION_SIDES:
             documents=rules.pool.output.documents_parquet,
             teacher=rules.teacher_forced_table.output.documents_parquet,
             positions=expand(TEACHER, policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True),
+            # the reconstruction pass's positions, where a measure reads them
+            reconstruction=expand(RECONSTRUCTION, policy=FRONTIER_POLICIES, split=FRONTIER_SPLIT, allow_missing=True)
+            if RECONSTRUCTION_CONFIG
+            else [],
             frontier=rules.frontier.output.parquet,
         output:
             prediction_parquet=f"{PREDICTION_DIR}/prediction.parquet",

@@ -5,7 +5,8 @@ The fidelity side is the frontier's points on its split: the coupled estimates, 
 documents and positions. The CPU time per point of the coupled measures comes from the frontier
 shard jobs' benchmark files (Snakemake's ``cpu_time``, seconds) over the points, that of the
 teacher-forced ones (the teacher-forced table's float columns and ``kld_p99``) from the model's
-teacher-forced job, shared by the (run, document) pairs it served. Beside the study: the
+teacher-forced job, shared by the (run, document) pairs it served, and that of the measures
+prefixed ``reconstruction_`` from the reconstruction pass's job, the same way. Beside the study: the
 prediction table without each press in turn (point estimates and permutation p-values, no
 bootstrap), and each task's chance level in the accuracy table.
 """
@@ -18,7 +19,7 @@ import polars as pl
 from kvdiverge.data.tasks import task_settings
 from kvdiverge.estimation.bootstrap import Bootstrap
 from kvdiverge.estimation.prediction import PredictionSettings, prediction_study
-from kvdiverge.estimation.prediction_inputs import fidelity_documents, frontier_points_table
+from kvdiverge.estimation.prediction_inputs import RECONSTRUCTION_PREFIX, fidelity_documents, frontier_points_table
 from kvdiverge.estimation.prediction_review import chance_accuracy, cpu_per_point, prediction_without
 from kvdiverge.io.files import save_table
 from kvdiverge.jobs.rulelog import rule_log
@@ -30,7 +31,10 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
     points = frontier_points_table(pl.read_parquet(i.frontier).filter(model))
     positions = pl.concat([pl.read_parquet(f, columns=["model", "policy", "doc_id", "kld"]) for f in i.positions])
     documents, teacher = (pl.read_parquet(f).filter(model) for f in (i.documents, i.teacher))
-    fidelity = fidelity_documents(documents, teacher, positions.filter(model))
+    reconstruction = (
+        pl.concat([pl.read_parquet(f) for f in i.reconstruction]).filter(model) if i.reconstruction else None
+    )
+    fidelity = fidelity_documents(documents, teacher, positions.filter(model), reconstruction=reconstruction)
     fidelity = fidelity.filter(pl.col("point").is_in(list(p.points)))
     task = pl.concat([pl.read_parquet(f).filter(model) for f in i.answers], how="diagonal_relaxed")
     task = task.rename({"policy": "point"})
@@ -49,9 +53,17 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
         if files and all(Path(f).exists() for f in files)  # none where a benchmark file is missing
     }
     served = {"coupled": documents.filter(pl.col("policy").is_in(list(p.points))), "teacher": teacher}
+    if reconstruction is not None:
+        served["reconstruction"] = reconstruction.unique(["policy", "doc_id"])
     cost = {family: cpu_per_point(seconds, served[family], list(p.points)) for family, seconds in cpu.items()}
     teacher_measures = [c for c, dtype in teacher.schema.items() if dtype.is_float()] + ["kld_p99"]
-    family = pl.when(pl.col("measure").is_in(teacher_measures)).then(pl.lit("teacher")).otherwise(pl.lit("coupled"))
+    family = (
+        pl.when(pl.col("measure").str.starts_with(RECONSTRUCTION_PREFIX))
+        .then(pl.lit("reconstruction"))
+        .when(pl.col("measure").is_in(teacher_measures))
+        .then(pl.lit("teacher"))
+        .otherwise(pl.lit("coupled"))
+    )
     tables = study.tables()
     tables["prediction"] = tables["prediction"].with_columns(
         cpu_s_per_point=family.replace_strict(cost, default=None, return_dtype=pl.Float64)

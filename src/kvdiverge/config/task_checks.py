@@ -21,6 +21,7 @@ from kvdiverge.config.frontier import frontier_points
 from kvdiverge.data.tasks import TaskError, task_settings
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.estimation.prediction import measure_problems
+from kvdiverge.estimation.prediction_inputs import RECONSTRUCTION_PREFIX
 
 __all__ = [
     "block_problems",
@@ -95,8 +96,8 @@ def prediction_block_problems(config: Mapping[str, Any]) -> list[str]:
     """What refuses the config's ``prediction``: no frontier (its points are what is predicted), a
     top-level ``task`` (the fidelity side's prompts stay plain), task documents on the frontier's
     split, two task sides alike (``<name>-<question>``, :func:`kvdiverge.jobs.prediction.side_name`), a side's block
-    (:func:`side_problems`), and a measure the fidelity side's horizon cannot give; empty without
-    a ``prediction``."""
+    (:func:`side_problems`), a measure the fidelity side's horizon cannot give, and a measure of the
+    reconstruction pass when the teacher-forced pass already reconstructs; empty without a ``prediction``."""
     block = config.get("prediction")
     if not block:
         return []
@@ -122,6 +123,13 @@ def prediction_block_problems(config: Mapping[str, Any]) -> list[str]:
     horizon = config.get("decoding", {}).get("max_new_tokens")
     if horizon is not None:
         out += measure_problems(block.get("measures", []), horizon)
+    target = (config.get("teacher_forced") or {}).get("target", "continuation")
+    twice = [m for m in block.get("measures", []) if m.startswith(RECONSTRUCTION_PREFIX) and target == "reconstruction"]
+    if twice:
+        out.append(
+            f"prediction.measures: {twice[0]!r} reads a second pass with the reconstruction target, and "
+            f"teacher_forced.target is already 'reconstruction': name it {twice[0].removeprefix(RECONSTRUCTION_PREFIX)!r}"
+        )
     return out
 
 

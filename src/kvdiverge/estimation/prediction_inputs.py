@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import polars as pl
 
+from kvdiverge.estimation.teacher_forced import document_table
+
 __all__ = [
+    "RECONSTRUCTION_PREFIX",
     "PredictionInputError",
     "fidelity_documents",
     "frontier_points_table",
@@ -27,6 +30,9 @@ class PredictionInputError(ValueError):
 
 
 _KEYS = ["policy", "doc_id"]
+#: The prefix of a measure of the reconstruction pass (``reconstruction_kld_mean``,
+#: :func:`kvdiverge.jobs.prediction.reconstruction_config`).
+RECONSTRUCTION_PREFIX = "reconstruction_"
 
 
 def survival_columns(T: int) -> list[str]:
@@ -35,7 +41,11 @@ def survival_columns(T: int) -> list[str]:
 
 
 def fidelity_documents(
-    estimates: pl.DataFrame, teacher: pl.DataFrame | None = None, positions: pl.DataFrame | None = None
+    estimates: pl.DataFrame,
+    teacher: pl.DataFrame | None = None,
+    positions: pl.DataFrame | None = None,
+    *,
+    reconstruction: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """The fidelity side's measures per (``point``, ``doc_id``), from the workflow's tables.
 
@@ -54,13 +64,19 @@ def fidelity_documents(
         ``kld`` per position, for ``kld_p99``, each document's 99th percentile of the per-position
         KL divergence (linear interpolation between order statistics; llama.cpp's ``--kl-divergence``
         reports the same percentile pooled over positions).
+    reconstruction : polars.DataFrame, optional
+        The positions of the reconstruction pass (``results/teacher_forced_reconstruction/...``,
+        :func:`kvdiverge.jobs.prediction.reconstruction_config`), the teacher-forced positions'
+        columns: their document means (:func:`kvdiverge.estimation.teacher_forced.document_table`) and
+        ``kld_p99``, each named ``reconstruction_<measure>``.
 
     Returns
     -------
     polars.DataFrame
         ``point`` (the policy), ``doc_id``, ``E_M``, ``p_div``, ``tau_first = E_tau_div + (1 -
         p_div)(T + 1)`` (steps; ``T + 1`` when the sides never diverge), ``S_<t>`` for ``t = 1..T``,
-        and the teacher-forced float columns (left join: null where a document has none).
+        the teacher-forced float columns and the reconstruction's (left joins: null where a
+        document has none).
     """
     T = int(estimates["T"].max())
     out = estimates.select(
@@ -74,9 +90,20 @@ def fidelity_documents(
         cols = [c for c, dtype in teacher.schema.items() if dtype.is_float() and c not in out.columns]
         out = out.join(teacher.select(*_KEYS, *cols), on=_KEYS, how="left")
     if positions is not None:
-        p99 = positions.group_by(_KEYS).agg(pl.col("kld").quantile(0.99, interpolation="linear").alias("kld_p99"))
-        out = out.join(p99, on=_KEYS, how="left")
+        out = out.join(_kld_p99(positions), on=_KEYS, how="left")
+    if reconstruction is not None:
+        means = document_table(reconstruction)
+        cols = [c for c, dtype in means.schema.items() if dtype.is_float()]
+        measures = means.select(*_KEYS, *cols).join(_kld_p99(reconstruction), on=_KEYS, how="left")
+        out = out.join(
+            measures.rename({c: f"{RECONSTRUCTION_PREFIX}{c}" for c in [*cols, "kld_p99"]}), on=_KEYS, how="left"
+        )
     return out.rename({"policy": "point"}).sort("point", "doc_id")
+
+
+def _kld_p99(positions: pl.DataFrame) -> pl.DataFrame:
+    """Per (policy, doc_id), ``kld_p99``: the 99th percentile of the per-position KL divergence."""
+    return positions.group_by(_KEYS).agg(pl.col("kld").quantile(0.99, interpolation="linear").alias("kld_p99"))
 
 
 def frontier_points_table(frontier: pl.DataFrame) -> pl.DataFrame:

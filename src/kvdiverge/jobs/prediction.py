@@ -7,7 +7,9 @@ runs it; each *task side* (a task and its question placement, ``niah-inside``, `
 ``recall-inside``) runs every frontier point greedily on the documents of another split, one
 job per (model, side) through :func:`kvdiverge.measure`, with the task's prompts in place of
 the plain ones. :class:`PredictionTaskSettings` is what such a job reads, and its rerun key;
-:func:`prediction_sides` names the sides of a config.
+:func:`prediction_sides` names the sides of a config. A measure named ``reconstruction_<measure>``
+reads a second teacher-forced pass of the frontier's runs, with the reconstruction target
+(KVzip's context reconstruction): :func:`reconstruction_config` is the config that pass runs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvdiverge.config.provenance import canonical
+from kvdiverge.estimation.prediction_inputs import RECONSTRUCTION_PREFIX
 
-__all__ = ["PredictionTaskSettings", "prediction_sides", "side_name"]
+__all__ = ["PredictionTaskSettings", "prediction_sides", "reconstruction_config", "side_name"]
 
 
 def side_name(task: Mapping[str, Any]) -> str:
@@ -31,6 +34,25 @@ def prediction_sides(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     without a ``prediction`` block."""
     block = config.get("prediction") or {}
     return {side_name(t): dict(t) for t in block.get("tasks", [])}
+
+
+def reconstruction_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The validated ``config`` as the prediction study's reconstruction pass runs it; None when no
+    measure of ``prediction.measures`` starts with
+    :data:`kvdiverge.estimation.prediction_inputs.RECONSTRUCTION_PREFIX`.
+
+    The pass is the teacher-forced pass (:func:`kvdiverge.jobs.teacher.run_teacher_forced`) with
+    ``teacher_forced.target: reconstruction`` and ``prediction.reconstruction``'s settings
+    (``length``: the repeated text's tokens scored, the whole excerpt when it is longer) over the
+    ``teacher_forced`` section's others (the repeat instruction, the key tokens). Its measures are the
+    continuation pass's, on every position of the excerpt (Kim et al. 2025, "KVzip: Query-Agnostic
+    KV Cache Compression with Context Reconstruction").
+    """
+    block = config.get("prediction") or {}
+    if not any(str(m).startswith(RECONSTRUCTION_PREFIX) for m in block.get("measures", [])):
+        return None
+    section = {**dict(config.get("teacher_forced") or {}), **dict(block.get("reconstruction") or {})}
+    return {**config, "teacher_forced": {**section, "target": "reconstruction"}}
 
 
 @dataclass(frozen=True)

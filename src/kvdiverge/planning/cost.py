@@ -63,11 +63,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdiverge.config.frontier import FrontierSpec
+from kvdiverge.config.frontier import FrontierSpec, frontier_points, frontier_split
 from kvdiverge.config.workflow import ConfigError, control_documents, load_config, runs
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.io.render import text_table
-from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides
+from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides, reconstruction_config
 
 __all__ = [
     "RunCost",
@@ -377,7 +377,9 @@ class StageCost:
 
 def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> list[StageCost]:
     """The cost of every stage that generates: the coupled runs (:func:`study_cost`), the
-    teacher-forced pass (:func:`teacher_cost`) and each task side of the prediction study
+    teacher-forced pass (:func:`teacher_cost`), the prediction study's reconstruction pass of the
+    frontier's runs (:func:`kvdiverge.jobs.prediction.reconstruction_config`, costed as the
+    teacher-forced pass with its length an upper bound) and each task side of the prediction study
     (:func:`task_cost`), in that order.
 
     Raises
@@ -396,6 +398,12 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
         StageCost.of("coupled runs", f"T = {T}, R = {R}", totals(coupled)["shards"], coupled),
         StageCost.of("teacher-forced pass", f"{L} continuation tokens", models, teacher_cost(config)),
     ]
+    rebuilt = reconstruction_config(config)
+    if rebuilt:  # the prediction study's reconstruction pass: the frontier's runs, the excerpt's text at most
+        points = {(p.policy, frontier_split(config)) for p in frontier_points(config)}
+        costs = [c for c in teacher_cost(rebuilt) if (c.policy, c.split) in points]
+        length = rebuilt["teacher_forced"]["length"]
+        out.append(StageCost.of("reconstruction pass", f"{length} excerpt tokens at most", models, costs))
     sides: dict[str, list[RunCost]] = {}
     for c in task_cost(config, batch_documents):
         sides.setdefault(c.stage, []).append(c)
