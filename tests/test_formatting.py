@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvdiverge.report.formatting import MISSING, number, with_interval
 
@@ -23,9 +24,12 @@ def test_with_interval():
 
 
 def test_the_table_renderers():
-    from kvdiverge.io.render import html_table, text_table
+    from kvdiverge.io.render import html_table, markdown_table, text_table
 
     assert text_table(["run", "p"], [["a", "0.5"], ["bb", "12"]]) == ["run    p", "---  ---", "a    0.5", "bb    12"]
+    assert markdown_table(["run", "p"], [["a", "0.5"]]) == ["| run | p |", "| --- | --- |", "| a | 0.5 |"]
+    with pytest.raises(ValueError, match="a row has 1 cells, the header 2"):
+        markdown_table(["run", "p"], [["a"]])
     assert html_table(["x<y"], [[1], ["&"]]) == (
         "<table><thead><tr><th>x&lt;y</th></tr></thead><tbody><tr><td>1</td></tr><tr><td>&amp;</td></tr></tbody></table>"
     )

@@ -83,6 +83,13 @@ if PREDICTION_SIDES:
             accuracy_csv=f"{PREDICTION_DIR}/accuracy.csv",
             without_parquet=f"{PREDICTION_DIR}/without.parquet",
             without_csv=f"{PREDICTION_DIR}/without.csv",
+            # the analysis's inputs: the fidelity measures per (point, document), the task answers, the points
+            fidelity_parquet=f"{PREDICTION_DIR}/fidelity.parquet",
+            fidelity_csv=f"{PREDICTION_DIR}/fidelity.csv",
+            task_parquet=f"{PREDICTION_DIR}/task.parquet",
+            task_csv=f"{PREDICTION_DIR}/task.csv",
+            points_parquet=f"{PREDICTION_DIR}/points.parquet",
+            points_csv=f"{PREDICTION_DIR}/points.csv",
             png=report(
                 f"{PREDICTION_DIR}/prediction.png",
                 caption="../report/prediction.rst",

@@ -8,7 +8,8 @@ teacher-forced ones (the teacher-forced table's float columns and ``kld_p99``) f
 teacher-forced job, shared by the (run, document) pairs it served, and that of the measures
 prefixed ``reconstruction_`` from the reconstruction pass's job, the same way. Beside the study: the
 prediction table without each press in turn (point estimates and permutation p-values, no
-bootstrap), and each task's chance level in the accuracy table.
+bootstrap), each task's chance level in the accuracy table, and the analysis's inputs (``fidelity``,
+``task``, ``points``), from which the point estimates and p-values rebuild.
 """
 
 import dataclasses
@@ -76,6 +77,8 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
         ],
         how="diagonal_relaxed",
     )
+    # the inputs beside the results: the point estimates and p-values rebuild from them alone (docs/task.md)
+    tables |= {"fidelity": fidelity, "task": task, "points": points}
     for name, table in tables.items():
         save_table(table, o[f"{name}_parquet"], o[f"{name}_csv"])
     sides = study.accuracy.group_by("task", "placement", "refused").agg(pl.col("full_accuracy").first())

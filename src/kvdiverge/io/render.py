@@ -3,8 +3,9 @@
 :func:`text_table` serves the measurement summary and the frontier ranking
 (:mod:`kvdiverge.report.formatting`) and the study's cost table (:mod:`kvdiverge.planning.cost`);
 :func:`html_table` the report pages (:mod:`kvdiverge.report.pages`) and the provenance section
-(:func:`kvdiverge.report.pages.provenance_html`). Cells arrive formatted; nothing here
-reads numbers.
+(:func:`kvdiverge.report.pages.provenance_html`); :func:`markdown_table` the tables docs/task.md
+quotes (:func:`kvdiverge.report.formatting.prediction_markdown`). Cells arrive formatted; nothing
+here reads numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,21 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-__all__ = ["html_table", "text_table"]
+__all__ = ["html_table", "markdown_table", "text_table"]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown (GitHub) table: the header row, its ``|---|`` rule, the rows; cells as given.
+
+    Raises
+    ------
+    ValueError
+        A row whose length is not the header's.
+    """
+    bad = [r for r in rows if len(r) != len(header)]
+    if bad:
+        raise ValueError(f"a row has {len(bad[0])} cells, the header {len(header)}")
+    return ["| " + " | ".join(cells) + " |" for cells in (header, ["---"] * len(header), *rows)]
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:

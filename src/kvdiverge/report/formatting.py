@@ -5,6 +5,8 @@
 - :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
   workflow's frontier log), plain-text tables of
   :func:`kvdiverge.io.render.text_table`.
+- :func:`prediction_markdown`: the prediction study's table as docs/task.md quotes it
+  (:func:`kvdiverge.io.render.markdown_table`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,18 @@ from typing import Any
 
 import polars as pl
 
-from kvdiverge.io.render import text_table
+from kvdiverge.io.render import markdown_table, text_table
 
-__all__ = ["MISSING", "frontier_text", "number", "summary_text", "task_text", "teacher_text", "with_interval"]
+__all__ = [
+    "MISSING",
+    "frontier_text",
+    "number",
+    "prediction_markdown",
+    "summary_text",
+    "task_text",
+    "teacher_text",
+    "with_interval",
+]
 
 #: What a missing value or NaN reads as (an en dash).
 MISSING = "–"
@@ -307,3 +318,40 @@ def task_text(tables: Mapping[str, pl.DataFrame]) -> str:
             *text_table(["measure", "pairs", "broken", "AUC [CI]"], auc),
         ]
     )
+
+
+#: The columns of :func:`prediction_markdown`: title and how a row of the prediction table fills it.
+_PREDICTION_COLUMNS = (
+    ("task", lambda r: f"{r['task']} ({r['placement']})"),
+    ("measure", lambda r: f"`{r['measure']}`"),
+    ("τ within ratio [95% CI]", lambda r: with_interval(r, "kendall_within_ratio", 2)),
+    ("p Holm", lambda r: number(r["p_kendall_within_ratio_holm"], 2)),
+    ("gain [95% CI]", lambda r: with_interval(r, "mae_gain", 2)),
+    ("p Holm ", lambda r: number(r["p_mae_gain_holm"], 2)),
+    (
+        "near baseline: points, τ, gain",
+        lambda r: f"{r['n_points_band']}, {number(r['kendall_within_ratio_band'], 2)}, {number(r['mae_gain_band'], 2)}",
+    ),  # fmt: skip
+    (
+        "p Holm (τ, gain)",
+        lambda r: f"{number(r['p_kendall_within_ratio_band_holm'], 2)}, {number(r['p_mae_gain_band_holm'], 2)}",
+    ),  # fmt: skip
+    ("ρ given ratio", lambda r: number(r["spearman_given_ratio"], 2)),
+    ("CPU s / point", lambda r: number(r["cpu_s_per_point"], 2)),
+)
+
+
+def prediction_markdown(table: pl.DataFrame, measures=None) -> str:
+    """The prediction study's table (the ``prediction`` rule's ``prediction.csv``) as a Markdown table.
+
+    One row per task side and measure (``measures``, in their order; None: every row), with the
+    within-ratio Kendall and the held-out gain with their intervals and Holm-adjusted permutation
+    p-values, the near-baseline band's points and statistics, the partial Spearman given the ratio
+    and the CPU seconds per point; two significant digits (:func:`number`).
+    """
+    if measures is not None:
+        order = {m: i for i, m in enumerate(measures)}
+        table = table.filter(pl.col("measure").is_in(list(measures)))
+        table = table.sort(["task", "placement", pl.col("measure").replace_strict(order, return_dtype=pl.Int64)])
+    rows = [[fill(r) for _, fill in _PREDICTION_COLUMNS] for r in table.iter_rows(named=True)]
+    return "\n".join(markdown_table([title.strip() for title, _ in _PREDICTION_COLUMNS], rows))
