@@ -197,3 +197,73 @@ def test_run_caches_gives_the_estimators_frame_from_a_llama_object(path):
     assert provenance(policies, THREADS)["caches"]["q4_0"]["rotation"] is True
     with pytest.raises(ValueError, match="'knorm' .* cannot run on the llama_cpp backend"):
         run_caches("/nonexistent.gguf", {"knorm": object()}, {"d0": PROMPT}, sampling, THREADS)
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    """A user's ``llama_cpp.Llama`` (the door's model), closed after the module's tests."""
+    model = llama_cpp.Llama(path, n_ctx=64, n_threads=THREADS, verbose=False)
+    yield model
+    model.close()
+
+
+def test_measure_takes_a_llama_and_cache_types_and_runs_the_engines_coupled_run(llm):
+    """``kvdiverge.measure`` with a ``llama_cpp.Llama`` and cache policies: the trajectories are
+    :func:`run_caches`' own, the f16 control's divergence is exactly 0, and the settings record what
+    changes the numbers."""
+    import kvdiverge
+    from kvdiverge.engine.llamacpp.run import run_caches
+
+    policies = {"f16": FULL, "q4_0": parse_cache("q4_0"), "q4_0:norot": parse_cache("q4_0:norot")}
+    prompts = {"d0": PROMPT, "d1": PROMPT[:6]}
+    with pytest.warns(UserWarning, match="press 'f16' left the cache untouched"):
+        m = kvdiverge.measure(llm, None, prompts, policies, max_new_tokens=4, replicates=2, seed=3, bootstrap=20,
+                              split="test", progress=False)  # fmt: skip
+    sampling = Sampling(T=4, replicates=2, seed=3, model_name="SmolLM2-135M-Instruct.Q4_1",
+                        decoding=Decoding(temperature=0.7, top_p=0.95, eos_ids=m.eos_ids))  # fmt: skip
+    again = run_caches(llm, policies, prompts, sampling, THREADS, split="test")
+    assert m.trajectories.drop("seconds").equals(again.drop("seconds"))
+    summary = {r["policy"]: r for r in m.summary.iter_rows(named=True)}
+    assert summary["f16"]["p_div"] == 0.0 and summary["f16"]["E_M"] == 0.0
+    assert m.settings.presses["q4_0:norot"] == {
+        "backend": "llama_cpp", "llama_cpp_python": llama_cpp.__version__, "threads": THREADS,
+        "type_k": "q4_0", "type_v": "q4_0", "rotation": False, "flash_attn": True,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings, sentence",
+    [
+        (
+            {"ratios": [0.5]},
+            "ratios: the llama_cpp backend runs the coupled measurement of KV cache types, not a "
+            "frontier of ratios or budgets (kvpress presses); leave ratios out with llama.cpp cache "
+            "policies",
+        ),  # fmt: skip
+        ({"task": "niah"}, "task: the llama_cpp backend runs the coupled measurement of KV cache types, not a task"),
+        (
+            {"teacher_tokens": 8},
+            "teacher_tokens: the llama_cpp backend runs the coupled measurement of KV cache "
+            "types, not the teacher-forced pass",
+        ),  # fmt: skip
+        (
+            {"presses": {"q4_0": parse_cache("q4_0"), "knorm": {"press": "KnormPress", "compression_ratio": 0.5}}},
+            "policy 'knorm' (dict) cannot run on the llama_cpp backend",
+        ),  # fmt: skip
+        ({"model": object()}, "model: llama.cpp cache policies (q4_0) run on a llama_cpp.Llama, got object"),
+        ({"eos_ids": [10**6]}, "eos_ids: 1000000 is outside the model's vocabulary of 49152 tokens"),
+        (
+            {"prompts": [[1, 10**6]]},
+            "prompt 'prompt-0': token ids 1000000 are outside the model's vocabulary; "
+            "allowed: integers from 0 to 49151",
+        ),  # fmt: skip
+    ],
+)
+def test_measure_refuses_what_the_llama_cpp_backend_cannot_run_before_any_forward(llm, settings, sentence):
+    import kvdiverge
+
+    args = {"model": llm, "prompts": [PROMPT], "presses": {"q4_0": parse_cache("q4_0")}}
+    args |= {k: settings.pop(k) for k in list(settings) if k in args}
+    with pytest.raises(ValueError) as err:
+        kvdiverge.measure(args["model"], None, args["prompts"], args["presses"], progress=False, **settings)
+    assert str(err.value).startswith(sentence)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvdiverge.doors.llamacpp import is_llama_policies
 from kvdiverge.doors.measuring import check_keywords
 from kvdiverge.doors.plan import OPTIONS, Plan, build_plan, check_model, plan, run_plan
 from kvdiverge.doors.results import Measurement
@@ -73,8 +74,9 @@ def measure(
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel
-        Causal LM in eval mode that kvpress supports (any that transformers loads).
+    model : transformers.PreTrainedModel or llama_cpp.Llama
+        Causal LM in eval mode that kvpress supports (any that transformers loads); a
+        ``llama_cpp.Llama`` for llama.cpp cache policies.
     tokenizer : transformers tokenizer or None
         Renders text prompts with the chat template; may be None for token-id prompts.
     prompts : sequence or mapping
@@ -83,7 +85,10 @@ def measure(
     presses : mapping of str to press, policy entry or PressSource
         kvpress press objects (the user's own ``BasePress`` subclasses too), config policy
         entries (``{"press": "SnapKVPress", "compression_ratio": 0.5}``), or policies;
-        see :func:`kvdiverge.config.inputs.prepare_presses`.
+        see :func:`kvdiverge.config.inputs.prepare_presses`. Or llama.cpp KV cache types
+        (:class:`kvdiverge.engine.llamacpp.caches.LlamaCache`), each measured against the full f16
+        cache on a ``llama_cpp.Llama`` (:mod:`kvdiverge.doors.llamacpp`: the coupled run alone;
+        a frontier, a task or the teacher-forced pass is refused).
     max_new_tokens : int
         Horizon ``T`` (tokens = steps).
     replicates : int
@@ -198,6 +203,8 @@ def measure(
     """
     settings = {k: v for k, v in locals().items() if k in OPTIONS}
     check_keywords(decoding)  # an unknown keyword first, as Python's own
+    if is_llama_policies(presses):  # llama.cpp cache types: the run checks the llama_cpp.Llama
+        return run_plan(build_plan(prompts, presses, tokenizer, {**settings, **decoding}), model, stacklevel=3)
     eos = check_model(model, eos_ids)  # the model is in hand: its refusals come before the plan's
     planned = build_plan(prompts, presses, tokenizer, {**settings, **decoding}, vocab=vocab_size(model))
     return run_plan(planned, model, stacklevel=3, eos=eos)

@@ -39,6 +39,7 @@ from kvdiverge.config.inputs import (
 from kvdiverge.config.provenance import compressed_layers
 from kvdiverge.data.prompts import REPEAT_INSTRUCTION
 from kvdiverge.doors import measuring
+from kvdiverge.doors.llamacpp import is_llama_policies, llama_problems, run_llama_plan
 from kvdiverge.doors.results import Measurement
 from kvdiverge.doors.screening import Screen, ScreenOptions, run_screen
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
@@ -74,6 +75,9 @@ class Plan:
         The reconstruction's targets (``teacher_target="reconstruction"``), else None.
     tokenizer : transformers tokenizer or None
         The tokenizer the prompts were rendered with (the task's answers are decoded with it).
+    backend : str
+        ``"transformers"`` (kvpress presses and quanto caches), or ``"llama_cpp"`` when the policies are
+        llama.cpp cache types (:mod:`kvdiverge.doors.llamacpp`: the coupled run alone, on a ``llama_cpp.Llama``).
     """
 
     options: measuring.MeasureOptions
@@ -83,6 +87,7 @@ class Plan:
     task: tuple | None = None
     targets: Mapping[str, Any] | None = None
     tokenizer: Any = field(default=None, repr=False)
+    backend: str = "transformers"
 
     @property
     def horizon(self) -> int:
@@ -128,6 +133,8 @@ class Plan:
         """The teacher-forced pass alone on ``model`` (:func:`kvdiverge.doors.screening.run_screen`): the plan's
         seed, names, bootstrap and ``teacher_tokens`` of ``teacher_target`` (defaults: the continuation,
         :data:`~kvdiverge.engine.llm.teacher.DEFAULT_LENGTH` tokens, cut to the context)."""
+        if self.backend == "llama_cpp":
+            raise ValueError("screen: the llama_cpp backend runs the coupled measurement of KV cache types alone")
         check_model_inputs(model, self.documents, 1)  # the continuation is cut to what the context leaves
         eos = model_eos(model, self.options.eos_ids)
         return _teacher_pass(self, model, self.options.sampling(self._model_name(model)), eos)
@@ -189,6 +196,13 @@ def build_plan(
     model's vocabulary size where the door has the model in hand, checks the prompts' token ids."""
     decoding = {k: v for k, v in settings.items() if k not in OPTIONS}
     opts = measuring.MeasureOptions.checked(decoding, **{k: v for k, v in settings.items() if k in OPTIONS})
+    if is_llama_policies(presses):  # llama.cpp cache types: the coupled run alone (kvdiverge.doors.llamacpp)
+        problems = llama_problems(presses, opts)
+        if problems:
+            raise ValueError(problems[0])
+        documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
+        return Plan(options=opts, documents=tuple(documents), sources=dict(presses), tokenizer=tokenizer,
+                    backend="llama_cpp")  # fmt: skip
     task = measuring.task_inputs(opts, prompts, tokenizer, names)
     prompts = {d.doc_id: list(d.input_ids) for d in task[0]} if task else prompts
     documents = prepare_documents(prompts, tokenizer, instruction=opts.instruction, system=opts.system)
@@ -224,6 +238,8 @@ def run_plan(p: Plan, model, stacklevel: int, eos: tuple[int, ...] | None = None
     ``eos``: the end-of-sequence ids of a model the door has checked (:func:`check_model`) and the plan's
     token ids checked against (``build_plan``'s ``vocab``), so only the context is checked here; None:
     every check of the model (:func:`kvdiverge.config.inputs.check_model_inputs`)."""
+    if p.backend == "llama_cpp":
+        return run_llama_plan(p, model, stacklevel)
     opts = p.options
     if eos is None:
         check_model_inputs(model, p.documents, opts.max_new_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class LoadedModel:
     owner: object = None
 
     @property
+    def context(self) -> int:
+        """The model's training context, tokens (GGUF metadata)."""
+        return int(require_llama_cpp().llama_model_n_ctx_train(self.pointer))
+
+    @property
     def eos_ids(self) -> tuple[int, ...]:
         """The vocabulary's end-of-sequence and end-of-turn ids (distinct, present)."""
         L = require_llama_cpp()
@@ -47,14 +53,11 @@ class LoadedModel:
         return tuple(dict.fromkeys(int(i) for i in ids if int(i) >= 0))
 
 
-_QUIET: list = []
-
-
 def _quiet(L) -> None:
-    """Route llama.cpp's log to nothing (once); the callback is kept alive in :data:`_QUIET`."""
-    if not _QUIET:
-        _QUIET.append(L.llama_log_callback(lambda level, text, data: None))
-        L.llama_log_set(_QUIET[0], ctypes.c_void_p(0))
+    """llama.cpp's log to errors only, through llama-cpp-python's own callback and its logger's level (as
+    ``Llama(verbose=False)`` sets it). A callback of ours would be freed at the interpreter's exit before a
+    user's ``Llama`` frees its model and logs, a crash at exit."""
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 
 def load_model(model) -> LoadedModel:

@@ -50,7 +50,13 @@ def provenance(policies: Mapping[str, LlamaCache], threads: int) -> dict[str, An
 
 
 def run_caches(
-    model, policies: Mapping[str, LlamaCache], documents: Mapping[str, Sequence[int]], sampling: Sampling, threads: int
+    model,
+    policies: Mapping[str, LlamaCache],
+    documents: Mapping[str, Sequence[int]],
+    sampling: Sampling,
+    threads: int,
+    *,
+    split: str = "llama_cpp",
 ) -> pl.DataFrame:
     """The coupled run of each policy on each document (full f16 cache against the policy's).
 
@@ -66,12 +72,14 @@ def run_caches(
         ``T``, replicates, decoding, seed and model name (enters the seeds).
     threads : int
         CPU threads per llama.cpp context.
+    split : str
+        The ``split`` column (it enters the bootstrap's seeds).
 
     Returns
     -------
     polars.DataFrame
         One row per (policy, document, replicate), :data:`~kvdiverge.estimation.schema.TRAJECTORY_SCHEMA`;
-        ``split`` is ``"llama_cpp"``, ``kept_len`` the prompt length (a cache type keeps every position).
+        ``kept_len`` is the prompt length (a cache type keeps every position).
     """
     check_policies(policies)
     LlamaKernelPair.check(sampling)
@@ -88,7 +96,7 @@ def run_caches(
             meta = {
                 "model": sampling.model_name,
                 "policy": name,
-                "split": "llama_cpp",
+                "split": split,
                 "doc_id": doc_id,
                 "prompt_len": len(prompt),
                 "kept_len": len(prompt),

@@ -1,0 +1,121 @@
+"""The llama.cpp backend at the doors: a plan of KV cache types, run on a ``llama_cpp.Llama``.
+
+:func:`kvdiverge.measure` and :func:`kvdiverge.plan` take llama.cpp cache policies
+(:class:`kvdiverge.engine.llamacpp.caches.LlamaCache`) where they take presses. The plan then measures
+each cache type against the full f16 cache (:func:`run_llama_plan`) through
+:func:`kvdiverge.engine.llamacpp.run.run_caches` and the unchanged coupling core, estimators and tables.
+What the backend does not run is refused in one sentence before any work (:func:`llama_problems`): a
+kvpress press beside the caches, a frontier of ratios or budgets, a task, the teacher-forced pass.
+
+Example::
+
+    import llama_cpp
+    from kvdiverge.engine.llamacpp.caches import LlamaCache
+
+    llm = llama_cpp.Llama("SmolLM2-135M-Instruct.Q4_1.gguf", n_threads=2, verbose=False)
+    m = kvdiverge.measure(llm, tokenizer, prompts, {"q8_0": LlamaCache("q8_0", "q8_0"),
+                                                    "q4_0": LlamaCache("q4_0", "q4_0")})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvdiverge.doors import measuring
+from kvdiverge.doors.results import Measurement
+from kvdiverge.engine.llamacpp.caches import LlamaCache
+from kvdiverge.engine.llamacpp.context import load_model
+from kvdiverge.engine.llamacpp.run import check_policies, provenance, run_caches
+from kvdiverge.engine.runner import PolicyRuns
+from kvdiverge.settings.checks import token_id_problems
+
+__all__ = ["is_llama_model", "is_llama_policies", "llama_problems", "run_llama_plan"]
+
+#: What the llama_cpp backend does not run, by the option that asks for it.
+_NOT_RUN = {
+    "ratios": "a frontier of ratios or budgets (kvpress presses)",
+    "budgets": "a frontier of ratios or budgets (kvpress presses)",
+    "caches": "a frontier of quanto caches",
+    "task": "a task",
+    "teacher_tokens": "the teacher-forced pass",
+    "teacher_target": "the teacher-forced pass",
+}
+
+
+def is_llama_policies(presses: Any) -> bool:
+    """True when ``presses`` is a mapping with a llama.cpp cache policy among its values."""
+    return isinstance(presses, Mapping) and any(isinstance(v, LlamaCache) for v in presses.values())
+
+
+def is_llama_model(model: Any) -> bool:
+    """True for a ``llama_cpp.Llama`` (by its class's module: llama_cpp is not imported here)."""
+    return type(model).__module__.split(".")[0] == "llama_cpp"
+
+
+def llama_problems(presses: Mapping[str, Any], opts: measuring.MeasureOptions) -> list[str]:
+    """One sentence per setting of ``opts`` the llama_cpp backend cannot run, and a policy that is no cache type
+    (:func:`kvdiverge.engine.llamacpp.run.check_policies`'s sentence)."""
+    out = []
+    try:
+        check_policies(presses)
+    except ValueError as exc:
+        out.append(str(exc))
+    for option, what in _NOT_RUN.items():
+        if getattr(opts, option) is not None and what not in " ".join(out):
+            out.append(
+                f"{option}: the llama_cpp backend runs the coupled measurement of KV cache types, not {what}; "
+                f"leave {option} out with llama.cpp cache policies"
+            )
+    return out
+
+
+def run_llama_plan(p, model, stacklevel: int) -> Measurement:
+    """Measure a plan of llama.cpp cache policies on ``model``: :meth:`kvdiverge.doors.plan.Plan.run`'s result.
+
+    ``model`` is a ``llama_cpp.Llama`` (its weights shared, its own context unused; the threads are its
+    ``n_threads``). Each policy's coupled run pairs a full f16 context with the policy's, one document at a
+    time (``batch_documents`` 1). The settings record each policy's cache types, rotation and flash attention
+    with the llama.cpp build and the threads.
+
+    Raises
+    ------
+    ValueError
+        A ``model`` that is not a ``llama_cpp.Llama``, prompt token ids or ``eos_ids`` outside its
+        vocabulary, or a prompt with ``T`` new tokens longer than its training context: each before any forward.
+    """
+    if not is_llama_model(model):
+        raise ValueError(
+            f"model: llama.cpp cache policies ({', '.join(p.sources)}) run on a llama_cpp.Llama, "
+            f"got {type(model).__name__}"
+        )
+    loaded, opts = load_model(model), p.options
+    eos = tuple(opts.eos_ids) if opts.eos_ids is not None else loaded.eos_ids
+    problems = [q for doc in p.documents for q in token_id_problems(doc.doc_id, doc.input_ids, loaded.n_vocab)]
+    problems += [
+        f"eos_ids: {i!r} is outside the model's vocabulary of {loaded.n_vocab} tokens" for i in eos
+        if not 0 <= int(i) < loaded.n_vocab
+    ]  # fmt: skip
+    problems += [
+        f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens: with {opts.max_new_tokens} new tokens it exceeds the "
+        f"model's context of {loaded.context}"
+        for doc in p.documents
+        if doc.prompt_len + opts.max_new_tokens > loaded.context
+    ]
+    if problems:
+        raise ValueError(problems[0])
+    name = opts.model_name or Path(loaded.path).stem
+    sampling = opts.sampling(name)
+    sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos))
+    threads = int(getattr(model, "n_threads", 1) or 1)
+    frame = run_caches(model, p.sources, {d.doc_id: list(d.input_ids) for d in p.documents}, sampling, threads,
+                       split=opts.split)  # fmt: skip
+    record = provenance(p.sources, threads)
+    build = {k: v for k, v in record.items() if k not in ("caches", "system_info")}
+    settings = opts.recorded(sampling, p.sources, None).replace(
+        presses={n: {**build, **record["caches"][n]} for n in p.sources}
+    )
+    result = Measurement.of_run(PolicyRuns(frame, 1, {}), settings, p.sources, eos)
+    result.warn_untouched(stacklevel=stacklevel)
+    return result
