@@ -267,3 +267,31 @@ def test_measure_refuses_what_the_llama_cpp_backend_cannot_run_before_any_forwar
     with pytest.raises(ValueError) as err:
         kvdiverge.measure(args["model"], None, args["prompts"], args["presses"], progress=False, **settings)
     assert str(err.value).startswith(sentence)
+
+
+def test_the_command_line_measures_cache_types_against_f16_on_the_embedded_gguf(capsys):
+    from kvdiverge.doors.cli import main
+
+    code = main(["measure", "embedded", "--sotu", "1", "--backend", "llama_cpp", "--cache", "q8_0", "--cache",
+                 "q4_0:norot", "-T", "4", "-R", "2", "--threads", str(THREADS), "--bootstrap", "20", "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("f16 ", "q8_0 ", "q4_0"))}
+    assert list(rows) == ["f16", "q8_0", "q4_0:norot"]
+    assert rows["f16"][1:5] == ["1", "100%*", "0", "[0,"]  # the control: one prompt, every position, p_div 0
+
+
+@pytest.mark.parametrize(
+    "arguments, sentence",
+    [
+        (["--cache", "q4_0", "--press", "KnormPress"], "--press is a kvpress option: leave it out"),
+        (["--cache", "q4_0", "--ratios", "0.5"], "--ratios is a kvpress option: leave it out"),
+        ([], "give at least one --cache"),
+        (["--cache", "q3_0"], "--cache 'q3_0': cache types must be among f16, q8_0"),
+    ],
+)
+def test_the_command_line_refuses_what_llama_cpp_does_not_run_before_the_model_loads(capsys, arguments, sentence):
+    from kvdiverge.doors.cli import main
+
+    code = main(["measure", "embedded", "--sotu", "1", "--backend", "llama_cpp", *arguments])
+    assert code == 2 and sentence in capsys.readouterr().err

@@ -54,7 +54,7 @@ from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.models import embedded as embedded_models
 from kvdiverge.models.loading import load_model, load_model_config, load_tokenizer
-from kvdiverge.models.sources import ModelNotFoundError
+from kvdiverge.models.sources import ModelNotFoundError, gguf_path
 from kvdiverge.planning.cost import add_cost_parser, run_cost
 from kvdiverge.report.formatting import task_text
 
@@ -150,6 +150,14 @@ def _press_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BACKEND[:param=value,...]",
         help="a quantized KV cache (backend quanto or hqq; nbits, q_group_size, residual_length), "
         "e.g. quanto:nbits=4: measured alone and after each --press; repeat for more",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["transformers", "llama_cpp"],
+        default="transformers",
+        help="llama_cpp: measure llama.cpp KV cache types (--cache TYPE, TYPE_K/TYPE_V, :norot for rotation off; "
+        "types f16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl) against the full f16 cache, on a GGUF model "
+        "(needs `pip install kvdiverge[llamacpp]`)",
     )
     p.add_argument(
         "--budget",
@@ -321,11 +329,48 @@ def _plan(args: argparse.Namespace, inputs, tokenizer, config, name: str):
     return p
 
 
+def _measure_llama_cpp(args: argparse.Namespace) -> int:
+    """``--backend llama_cpp``: the ``--cache`` types against the full f16 cache (policy ``f16``, the control) on
+    the model's GGUF file, planned before the weights load (:mod:`kvdiverge.doors.llamacpp`)."""
+    from kvdiverge.config.inputs import model_entry
+    from kvdiverge.doors.arguments import OPTIONS, argument_prompts, check_arguments, measure_keywords, task_block
+    from kvdiverge.doors.plan import build_plan
+    from kvdiverge.engine.llamacpp.caches import parse_cache, require_llama_cpp
+
+    refused = [f"--{o.replace('_', '-')}" for o in ("press", "ratios", "budget", "screen") if getattr(args, o)]
+    if refused or not args.cache:
+        raise ValueError(
+            "--backend llama_cpp measures the --cache types (q8_0, q4_0, q4_0/q8_0, q4_0:norot, ...) against f16; "
+            + (f"{refused[0]} is a kvpress option: leave it out" if refused else "give at least one --cache")
+        )
+    check_arguments(args)
+    caches = {"f16": parse_cache("f16"), **{c.name: c for c in map(parse_cache, args.cache)}}
+    prompts, instruction = argument_prompts(args)
+    name, entry = model_entry(args.model, args.dtype, args.device)
+    path = gguf_path(entry, name)
+    tokenizer = load_tokenizer(entry, name)
+    keywords = measure_keywords(args, name, instruction, None, task_block(args))
+    plan = build_plan(prompts, caches, tokenizer, keywords, {**OPTIONS, "question": "--question"})
+    _say(args.quiet, f"{PROG}: loading {path} in llama.cpp ...")
+    llama = require_llama_cpp().Llama(path, n_ctx=64, n_threads=args.threads or 1, verbose=False)
+    try:
+        with warnings.catch_warnings():  # the printed summary flags the f16 control as untouched
+            warnings.filterwarnings("ignore", message="press .* left the cache untouched")
+            m = plan.run(llama)
+    finally:
+        llama.close()
+    print(m.format_summary(), flush=True)
+    _write(args, m)
+    return 0
+
+
 def _measure(args: argparse.Namespace) -> int:
     # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
     from kvdiverge.config.inputs import model_entry
     from kvdiverge.doors.arguments import argument_prompts, argument_sources, check_arguments
 
+    if args.backend == "llama_cpp":
+        return _measure_llama_cpp(args)
     check_arguments(args)
     presses, _, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)

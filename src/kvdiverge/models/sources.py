@@ -25,6 +25,7 @@ __all__ = [
     "CACHE_ENV",
     "ModelNotFoundError",
     "assembled_gguf",
+    "gguf_path",
     "chunk_paths",
     "conversion_cache",
     "file_sha256",
@@ -103,6 +104,25 @@ def resolve(spec: dict[str, Any], name: str | None = None) -> tuple[str, dict[st
             )
         kwargs["gguf_file"] = gguf
     return str(path), kwargs
+
+
+def gguf_path(spec: dict[str, Any], name: str | None = None) -> str:
+    """The GGUF file of a model entry (:func:`resolve`'s directory and ``gguf_file``), for llama.cpp.
+
+    Raises
+    ------
+    ModelNotFoundError
+        As :func:`resolve`.
+    ValueError
+        An entry without a GGUF file (a model directory or a hub id), in one sentence.
+    """
+    where, kwargs = resolve(spec, name)
+    if not kwargs.get("gguf_file"):
+        raise ValueError(
+            f"model {name or where!r}: the llama_cpp backend reads a GGUF file, and this model has none; "
+            "give a .gguf file or an embedded model"
+        )
+    return os.path.join(where, kwargs["gguf_file"])
 
 
 def assembled_gguf(spec: dict[str, Any], name: str | None = None) -> Path:
