@@ -2,7 +2,8 @@
 
 ``kvdiverge measure`` (:mod:`kvdiverge.doors.cli`) parses its arguments and hands them here: they are
 checked before any work as the config checks the same settings (:func:`check_arguments`), read as
-policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``) and prompts
+policies (:func:`argument_sources`: ``--press``, ``--cache``, ``--ratios``; :func:`llama_sources` with
+``--backend llama_cpp``) and prompts
 (:func:`argument_prompts`), and turned into :func:`kvdiverge.plan`'s keywords (:func:`measure_keywords`,
 :data:`OPTIONS` the spelling of its refusals), whose plan the command line checks with the tokenizer
 and the model's config before the weights load. A refusal is an
@@ -20,6 +21,7 @@ from kvdiverge.config.prompt_sources import read_prompts, sotu_prompts
 from kvdiverge.config.task_checks import reconstruction_problem
 from kvdiverge.data.prompts import SOTU_INSTRUCTION
 from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.llamacpp.caches import parse_cache
 from kvdiverge.engine.presses.expressions import parse_press, policy_entry
 from kvdiverge.engine.presses.quantized import BACKENDS
 from kvdiverge.engine.runner import PressSource
@@ -33,6 +35,7 @@ __all__ = [
     "cache_entry",
     "check_arguments",
     "cli_entries",
+    "llama_sources",
     "measure_keywords",
     "task_block",
 ]
@@ -191,6 +194,29 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
     except ValueError as exc:
         raise InputError(str(exc)) from None
     return (presses if args.ratios else sources), sources, caches
+
+
+def llama_sources(args: Any) -> tuple[dict[str, Any], None]:
+    """``(presses, None)`` of ``--backend llama_cpp``: the ``f16`` control, then each ``--cache`` type
+    (:func:`kvdiverge.engine.llamacpp.caches.parse_cache`), by its name.
+
+    Raises
+    ------
+    InputError
+        A kvpress option (``--press``, ``--ratios``, ``--budget``, ``--screen``), no ``--cache``, or a cache
+        type llama.cpp does not have, in one sentence.
+    """
+    refused = [f"--{o}" for o in ("press", "ratios", "budget", "screen") if getattr(args, o, None)]
+    if refused or not args.cache:
+        raise InputError(
+            "--backend llama_cpp measures the --cache types (q8_0, q4_0, q4_0/q8_0, q4_0:norot, ...) against f16; "
+            + (f"{refused[0]} is a kvpress option: leave it out" if refused else "give at least one --cache")
+        )
+    try:
+        caches = [parse_cache(text) for text in args.cache]
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return {"f16": parse_cache("f16"), **{c.name: c for c in caches}}, None
 
 
 def argument_prompts(args: Any) -> tuple[dict[str, str], str | None]:

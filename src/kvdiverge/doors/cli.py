@@ -52,6 +52,7 @@ from kvdiverge.data.tasks import TASKS
 from kvdiverge.doors.outputs import output_guard
 from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
+from kvdiverge.engine.llamacpp.caches import require_llama_cpp
 from kvdiverge.models import embedded as embedded_models
 from kvdiverge.models.loading import load_model, load_model_config, load_tokenizer
 from kvdiverge.models.sources import ModelNotFoundError, gguf_path
@@ -325,70 +326,46 @@ def _plan(args: argparse.Namespace, inputs, tokenizer, config, name: str):
     prompts, presses, caches, instruction = inputs
     keywords = measure_keywords(args, name, instruction, caches, task_block(args))
     p = build_plan(prompts, presses, tokenizer, keywords, {**OPTIONS, "question": "--question"})
-    p.check_config(config, screen=args.screen)
+    if config is not None:  # None: llama.cpp's cache types, checked on the model when it runs
+        p.check_config(config, screen=args.screen)
     return p
-
-
-def _measure_llama_cpp(args: argparse.Namespace) -> int:
-    """``--backend llama_cpp``: the ``--cache`` types against the full f16 cache (policy ``f16``, the control) on
-    the model's GGUF file, planned before the weights load (:mod:`kvdiverge.doors.llamacpp`)."""
-    from kvdiverge.config.inputs import model_entry
-    from kvdiverge.doors.arguments import OPTIONS, argument_prompts, check_arguments, measure_keywords, task_block
-    from kvdiverge.doors.plan import build_plan
-    from kvdiverge.engine.llamacpp.caches import parse_cache, require_llama_cpp
-
-    refused = [f"--{o.replace('_', '-')}" for o in ("press", "ratios", "budget", "screen") if getattr(args, o)]
-    if refused or not args.cache:
-        raise ValueError(
-            "--backend llama_cpp measures the --cache types (q8_0, q4_0, q4_0/q8_0, q4_0:norot, ...) against f16; "
-            + (f"{refused[0]} is a kvpress option: leave it out" if refused else "give at least one --cache")
-        )
-    check_arguments(args)
-    caches = {"f16": parse_cache("f16"), **{c.name: c for c in map(parse_cache, args.cache)}}
-    prompts, instruction = argument_prompts(args)
-    name, entry = model_entry(args.model, args.dtype, args.device)
-    path = gguf_path(entry, name)
-    tokenizer = load_tokenizer(entry, name)
-    keywords = measure_keywords(args, name, instruction, None, task_block(args))
-    plan = build_plan(prompts, caches, tokenizer, keywords, {**OPTIONS, "question": "--question"})
-    _say(args.quiet, f"{PROG}: loading {path} in llama.cpp ...")
-    llama = require_llama_cpp().Llama(path, n_ctx=64, n_threads=args.threads or 1, verbose=False)
-    try:
-        with warnings.catch_warnings():  # the printed summary flags the f16 control as untouched
-            warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-            m = plan.run(llama)
-    finally:
-        llama.close()
-    print(m.format_summary(), flush=True)
-    _write(args, m)
-    return 0
 
 
 def _measure(args: argparse.Namespace) -> int:
     # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
     from kvdiverge.config.inputs import model_entry
-    from kvdiverge.doors.arguments import argument_prompts, argument_sources, check_arguments
+    from kvdiverge.doors.arguments import argument_prompts, argument_sources, check_arguments, llama_sources
 
-    if args.backend == "llama_cpp":
-        return _measure_llama_cpp(args)
+    llama = args.backend == "llama_cpp"  # llama.cpp's cache types on the model's GGUF file (doors.llamacpp)
+    presses, caches = llama_sources(args) if llama else (None, None)  # refused before the other checks
     check_arguments(args)
-    presses, _, caches = argument_sources(args)
+    if not llama:
+        presses, _, caches = argument_sources(args)
     prompts, instruction = argument_prompts(args)
     name, entry = model_entry(args.model, args.dtype, args.device)
-    config = load_model_config(entry, name)  # what the model's config decides is refused before its weights load
+    # what the model's config decides is refused before its weights load
+    config = None if llama else load_model_config(entry, name)
+    path = gguf_path(entry, name) if llama else None
     tokenizer = load_tokenizer(entry, name)
     plan = _plan(args, (prompts, presses, caches, instruction), tokenizer, config, name)
-    if args.threads is not None:
+    if args.threads is not None and not llama:
         import torch
 
         torch.set_num_threads(args.threads)
-    _say(args.quiet, f"{PROG}: loading {name} ...")
-    model, _ = load_model(entry, name, tokenizer=tokenizer)
+    _say(args.quiet, f"{PROG}: loading {path or name} {'in llama.cpp ' if llama else ''}...")
+    if llama:
+        model = require_llama_cpp().Llama(path, n_ctx=64, n_threads=args.threads or 1, verbose=False)
+    else:
+        model, _ = load_model(entry, name, tokenizer=tokenizer)
     if args.screen:
         return _screen(args, plan, model)
-    with warnings.catch_warnings():  # the printed summary flags untouched caches
-        warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-        m = plan.run(model)
+    try:
+        with warnings.catch_warnings():  # the printed summary flags untouched caches
+            warnings.filterwarnings("ignore", message="press .* left the cache untouched")
+            m = plan.run(model)
+    finally:
+        if llama:
+            model.close()
     print(m.format_summary(), flush=True)
     if m.task is not None:
         print(task_text(m.task), flush=True)

@@ -365,19 +365,18 @@ def keeps_every_position(press: Any) -> bool:
 
 def ratio_problem(press: str, params: Mapping[str, Any], has_ratio: bool, has_budget: bool) -> str | None:
     """What is wrong with a policy's ``compression_ratio`` / ``budget``, or ``None``: a press that takes a
-    ratio needs exactly one of the two, one that takes none neither.
+    ratio needs exactly one of the two, one that takes none neither. Raises ``ValueError`` or
+    ``LookupError`` as :func:`record`, for this press or a nested one."""
+    return ratio_sentence(press, takes_ratio(press, params), keeps_every_position(press), has_ratio, has_budget)
 
-    Raises
-    ------
-    ValueError, LookupError
-        As :func:`record`, for this press or a nested one.
-    """
-    if takes_ratio(press, params):
+
+def ratio_sentence(press: str, takes: bool, keeps_every: bool, has_ratio: bool, has_budget: bool) -> str | None:
+    """:func:`ratio_problem`'s sentence given what the press does (``takes`` a ratio, ``keeps_every`` position),
+    said here for the catalogue's and the policies' (:func:`kvdiverge.engine.presses.policies.ratio_problem`)."""
+    if takes:
         return None if has_ratio != has_budget else "give exactly one of compression_ratio or budget"
-    if has_ratio or has_budget:
-        what = "keeps every position" if keeps_every_position(press) else "takes no compression ratio"
-        return f"{press} {what}; give neither compression_ratio nor budget"
-    return None
+    what = "keeps every position" if keeps_every else "takes no compression ratio"
+    return f"{press} {what}; give neither compression_ratio nor budget" if has_ratio or has_budget else None
 
 
 def _value_problem(value: Any, ratio: bool) -> tuple[str | None, bool]:

@@ -60,6 +60,7 @@ from kvdiverge.engine.core.errors import PressError
 from kvdiverge.engine.presses.adapters import inner, is_press_spec, spec_parameters, walk
 from kvdiverge.engine.presses.catalogue import CACHE_KEYS as _CACHE_KEYS
 from kvdiverge.engine.presses.catalogue import POLICY_KEYS as _POLICY_KEYS
+from kvdiverge.engine.presses.catalogue import ratio_sentence
 from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
 from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
 
@@ -323,12 +324,7 @@ def ratio_problem(press: str, params: Mapping[str, Any], has_ratio: bool, has_bu
     ValueError
         An unknown press name (here or nested).
     """
-    if takes_ratio(press, params):
-        return None if has_ratio != has_budget else "give exactly one of compression_ratio or budget"
-    if has_ratio or has_budget:
-        what = "keeps every position" if keeps_every_position(press) else "takes no compression ratio"
-        return f"{press} {what}; give neither compression_ratio nor budget"
-    return None
+    return ratio_sentence(press, takes_ratio(press, params), keeps_every_position(press), has_ratio, has_budget)
 
 
 def _build_value(value: Any, ratio: float | None, owner: str) -> tuple[Any, float | None]:
