@@ -295,3 +295,41 @@ def test_the_command_line_refuses_what_llama_cpp_does_not_run_before_the_model_l
 
     code = main(["measure", "embedded", "--sotu", "1", "--backend", "llama_cpp", *arguments])
     assert code == 2 and sentence in capsys.readouterr().err
+
+
+def test_gemmas_sliding_window_layers_rewind_exactly_past_the_window():
+    """Gemma 3 270M in llama.cpp: 15 of its 18 layers attend to the last 512 positions. llama.cpp caches them
+    in a full-size cache of their own (its default ``swa_full``) and masks each query to its window. On a
+    prompt of 700 tokens, past the window, every chain and branch distribution of the pair equals a fresh
+    context that prefills the prompt and decodes the same tokens one at a time, as llama.cpp generates,
+    rewound branches included. (A fresh prefill of the whole prefix in one batch is not the reference here:
+    llama.cpp's Gemma 3 path on the CPU gives a one-token decode other logits than the same position in a
+    multi-token batch, up to 0.5 nats apart in log-probability on this prompt.)"""
+    try:
+        from kvdiverge.models.embedded import EMBEDDED_MODELS
+        from kvdiverge.models.sources import gguf_path
+
+        entry = next(m for m in EMBEDDED_MODELS if m.name == "gemma3-270m").entry
+        gemma = load_model(gguf_path(entry, "gemma3-270m"))
+    except Exception as exc:  # the chunk packages may be absent
+        pytest.skip(f"the embedded Gemma 3 GGUF file is not installed: {exc}")
+    prompt = [2] + np.random.default_rng(0).integers(1000, 20000, 699).tolist()
+    cache = parse_cache("q8_0")
+    sampling = Sampling(T=T, replicates=2, decoding=Decoding(temperature=1.0))
+    pair = _Recording(gemma, cache, prompt, T, sampling, THREADS)
+    records = run_batch(pair, T, 2, 1, "gemma", ["d0"])
+    pair.close()
+    assert any(r["t_star"] is not None for r in records), "no branch to check"
+    checked = 0
+    for hist_p, hist_q, logp, logq in pair.seen[1::4]:
+        for c, hist, got in ((FULL, hist_p, logp), (cache, hist_q, logq)):
+            ctx = LlamaContext(gemma, c, 1024, 1, THREADS)
+            logits = ctx.prefill(prompt)[0]
+            for i, token in enumerate(hist):
+                logits = ctx.decode([token], [0], [len(prompt) + i], [True])[0]
+            ctx.close()
+            fresh = _reference_log_softmax(logits)
+            finite = np.isfinite(fresh)
+            assert np.abs(got[finite] - fresh[finite]).max() < 1e-5
+            checked += 1
+    assert checked >= 4

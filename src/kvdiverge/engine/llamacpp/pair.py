@@ -96,13 +96,18 @@ class LlamaKernelPair:
         return out[0], out[1]
 
     def advance(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``x[r]`` to row ``r``'s reference sequence and ``y[r]`` to its compressed one."""
+        """Append ``x[r]`` to row ``r``'s reference sequence and ``y[r]`` to its compressed one.
+
+        One decode per row and side, as llama.cpp generates one sequence: on Gemma 3 the CPU path of an f16
+        cache gives a token decoded beside other sequences' tokens other logits than one decoded alone (up to
+        0.5 nats apart in log-probability), so rows decoded together would depend on the batch."""
         pos = [len(self.prompt) + h for h in self.hist]
-        outs = [True] * len(self.seqs)
-        logp = self.sides[0].decode(x.tolist(), self.seqs, pos, outs)
-        logq = self.sides[1].decode(y.tolist(), self.seqs, pos, outs)
+        logs = [
+            np.concatenate([side.decode([t], [s], [p], [True]) for t, s, p in zip(tokens, self.seqs, pos)])
+            for side, tokens in zip(self.sides, (x.tolist(), y.tolist()))
+        ]
         self.hist = [h + 1 for h in self.hist]
-        return self._log_probs(logp), self._log_probs(logq)
+        return self._log_probs(logs[0]), self._log_probs(logs[1])
 
     def rewind(self, length: torch.Tensor) -> None:
         """Cut row ``r``'s two sequences back to their first ``length[r]`` own tokens."""
