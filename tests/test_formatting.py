@@ -66,3 +66,37 @@ def test_task_text_prints_accuracy_correlations_and_auc_with_whole_press_names()
         "-------  -----  ------  -----------------",
         "p_div       40       9  0.93 [0.81, 0.99]",
     ]
+
+
+def test_the_prediction_studys_markdown_tables_quote_their_rows():
+    import polars as pl
+
+    from kvdiverge.report.formatting import accuracy_markdown, pairwise_markdown, prediction_markdown
+
+    row = {"task": "niah", "placement": "inside", "measure": "kld_mean", "kendall_within_ratio": -0.2,
+           "kendall_within_ratio_lo": -0.351, "kendall_within_ratio_hi": 0.0812, "p_kendall_within_ratio_holm": 0.93,
+           "mae_gain": -0.031, "mae_gain_lo": -0.05, "mae_gain_hi": 0.004, "p_mae_gain_holm": 1.0,
+           "n_points_band": 9, "kendall_within_ratio_band": 0.11, "mae_gain_band": 0.0123,
+           "p_kendall_within_ratio_band_holm": 0.4, "p_mae_gain_band_holm": 0.25, "spearman_given_ratio": 0.17,
+           "cpu_s_per_point": 22.4}  # fmt: skip
+    other = {**row, "measure": "E_M"}
+    lines = prediction_markdown(pl.DataFrame([row, other]), ["E_M", "kld_mean"]).splitlines()
+    assert lines[0].startswith("| task | measure | τ within ratio [95% CI] | p Holm | gain [95% CI] | p Holm |")
+    assert lines[1] == "| " + " | ".join(["---"] * 10) + " |"
+    assert lines[2].startswith("| niah (inside) | `E_M` |") and len(lines) == 4  # in the measures' order
+    assert lines[3] == ("| niah (inside) | `kld_mean` | -0.2 [-0.35, 0.081] | 0.93 | -0.031 [-0.05, 0.004] | 1 | "
+                        "9, 0.11, 0.012 | 0.4, 0.25 | 0.17 | 22 |")  # fmt: skip
+    pairs = pl.DataFrame([{"task": "niah", "placement": "inside", "measure_a": "E_M", "measure_b": "kld_mean",
+                           "mae_gain_difference": 0.02, "mae_gain_difference_lo": -0.01, "mae_gain_difference_hi": 0.05,
+                           "kendall_within_ratio_difference": 0.1, "kendall_within_ratio_difference_lo": 0.0,
+                           "kendall_within_ratio_difference_hi": 0.3}])  # fmt: skip
+    # a pair asked the other way round: the differences and their intervals negated
+    assert pairwise_markdown(pairs, [("kld_mean", "E_M")]).splitlines()[2] == (
+        "| niah (inside) | `kld_mean` − `E_M` | -0.02 [-0.05, 0.01] | -0.1 [-0.3, 0] |"
+    )
+    with pytest.raises(ValueError, match=r"no pair \(kld_mean, p_div\) for task side \('niah', 'inside'\)"):
+        pairwise_markdown(pairs, [("kld_mean", "p_div")])
+    accuracy = pl.DataFrame([{"task": "niah", "placement": "inside", "point": p, "n_docs": 28, "n_full_right": 27,
+                              "full_accuracy": 27 / 28, "lowest_accuracy": 0.21, "chance_accuracy": None,
+                              "min_full_accuracy": 0.7, "refused": None} for p in ("a", "b")])  # fmt: skip
+    assert accuracy_markdown(accuracy).splitlines()[2] == "| niah (inside) | 2 | 27 / 28 (96%) | 0.21 | – | no |"

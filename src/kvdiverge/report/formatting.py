@@ -5,8 +5,8 @@
 - :func:`summary_text` (``kvdiverge measure``) and :func:`frontier_text` (``--ratios``, the
   workflow's frontier log), plain-text tables of
   :func:`kvdiverge.io.render.text_table`.
-- :func:`prediction_markdown`: the prediction study's table as docs/task.md quotes it
-  (:func:`kvdiverge.io.render.markdown_table`).
+- :func:`prediction_markdown`, :func:`pairwise_markdown` and :func:`accuracy_markdown`: the prediction study's tables as
+  docs/task.md quotes them (:func:`kvdiverge.io.render.markdown_table`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from kvdiverge.io.render import markdown_table, text_table
 
 __all__ = [
     "MISSING",
+    "accuracy_markdown",
     "frontier_text",
     "number",
+    "pairwise_markdown",
     "prediction_markdown",
     "summary_text",
     "task_text",
@@ -355,3 +357,50 @@ def prediction_markdown(table: pl.DataFrame, measures=None) -> str:
         table = table.sort(["task", "placement", pl.col("measure").replace_strict(order, return_dtype=pl.Int64)])
     rows = [[fill(r) for _, fill in _PREDICTION_COLUMNS] for r in table.iter_rows(named=True)]
     return "\n".join(markdown_table([title.strip() for title, _ in _PREDICTION_COLUMNS], rows))
+
+
+def pairwise_markdown(pairwise: pl.DataFrame, pairs) -> str:
+    """The prediction study's pairwise comparisons (``pairwise.csv``) of ``pairs`` (``(a, b)`` measures, each
+    in the table's order or reversed) as a Markdown table: per task side and pair, the differences ``a - b``
+    of the held-out gain and of the within-ratio Kendall with their intervals over the shared resamples
+    (a reversed pair's differences and interval negated); two significant digits.
+
+    Raises
+    ------
+    ValueError
+        A pair the table does not hold.
+    """
+    rows = []
+    for side, part in pairwise.sort("task", "placement").group_by(["task", "placement"], maintain_order=True):
+        for a, b in pairs:
+            found = part.filter((pl.col("measure_a") == a) & (pl.col("measure_b") == b))
+            sign = 1.0
+            if found.is_empty():
+                found, sign = part.filter((pl.col("measure_a") == b) & (pl.col("measure_b") == a)), -1.0
+            if found.is_empty():
+                raise ValueError(f"the pairwise table has no pair ({a}, {b}) for task side {side}")
+            r = found.row(0, named=True)
+            cells = []
+            for stat in ("mae_gain_difference", "kendall_within_ratio_difference"):
+                lo, hi = sorted(sign * r[f"{stat}{end}"] + 0.0 for end in ("_lo", "_hi"))  # + 0.0: no -0
+                cells.append(with_interval({"v": sign * r[stat] + 0.0, "v_lo": lo, "v_hi": hi}, "v", 2))
+            rows.append([f"{side[0]} ({side[1]})", f"`{a}` − `{b}`", *cells])
+    header = ["task", "measures", "gain difference [95% CI]", "τ within ratio difference [95% CI]"]
+    return "\n".join(markdown_table(header, rows))
+
+
+def accuracy_markdown(accuracy: pl.DataFrame) -> str:
+    """Each task side of the prediction study's accuracy table (``accuracy.csv``) as a Markdown row: the
+    documents that take it, the full cache's right answers, the lowest accuracy over the points, the chance
+    level (a dash where none) and whether the side is refused (below ``min_full_accuracy``)."""
+    rows = []
+    for (name, placement), part in accuracy.sort("task", "placement").group_by(
+        ["task", "placement"], maintain_order=True
+    ):
+        r = part.row(0, named=True)
+        full = f"{r['n_full_right']} / {r['n_docs']} ({r['full_accuracy']:.0%})"
+        refused = "no" if r["refused"] is None else f"yes: below {r['min_full_accuracy']:.0%}"
+        rows.append([f"{name} ({placement})", str(part.height), full, number(r["lowest_accuracy"], 2),
+                     number(r["chance_accuracy"], 2), refused])  # fmt: skip
+    header = ["task", "points", "full cache right", "lowest accuracy", "chance", "refused"]
+    return "\n".join(markdown_table(header, rows))
