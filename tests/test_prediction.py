@@ -720,36 +720,55 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
                                  "doc_id": [f"c{i}" for i in range(24)], "kld_mean": 0.1,
                                  "same_top_p": 0.9})  # fmt: skip
     positions = teacher.select("model", "policy", "doc_id", kld="kld_mean")
+    # the reconstruction pass: one scored position per document, twice the measure's KL
+    reconstruction = fid.select(
+        model=pl.lit("m"), policy="point", split=pl.lit("exploratory"), doc_id="doc_id", position=pl.lit(0),
+        token=pl.lit(5), continuation=pl.lit("prompt"), target=pl.lit("reconstruction"), one_forward=pl.lit(True),
+        kld=2 * pl.col("kld"), delta_p=pl.lit(0.0), ll_ref=pl.lit(-1.0), ll_ev=pl.lit(-1.0), top_ref=pl.lit(1),
+        top_ev=pl.lit(1), same_top=pl.lit(True), ll_short=pl.lit(-2.0), key=pl.lit(True),
+    )  # fmt: skip
     answers = task.select(model=pl.lit("m"), policy="point", doc_id="doc_id", correct_full="correct_full",
                           correct="correct", task="task", placement="placement")  # fmt: skip
     inputs = {"frontier": pts, "documents": pl.concat([docs, control]), "teacher": pl.concat([teacher, confirmatory])}
-    for name, frame in {**inputs, "positions": positions, "answers": answers}.items():
+    for name, frame in {**inputs, "positions": positions, "answers": answers, "reconstruction": reconstruction}.items():
         frame.write_parquet(tmp_path / f"{name}.parquet")
     (tmp_path / "coupled.tsv").write_text("s\tcpu_time\n1\t48.0\n")
     (tmp_path / "teacher.tsv").write_text("s\tcpu_time\n1\t14.0\n")
-    names = ("prediction", "predictions", "pairwise", "presses", "accuracy", "without")
+    (tmp_path / "reconstruction.tsv").write_text("s\tcpu_time\n1\t24.0\n")
+    names = ("prediction", "predictions", "pairwise", "presses", "accuracy", "without", "fidelity", "task", "points")
     out = _Named({f"{n}_{k}": str(tmp_path / "out" / f"{n}.{k}") for n in names for k in ("parquet", "csv")},
                  png=str(tmp_path / "out" / "p.png"), pdf=None)  # fmt: skip
     sm = NS(
         input=_Named({n: str(tmp_path / f"{n}.parquet") for n in inputs},
-                     positions=[str(tmp_path / "positions.parquet")], answers=[str(tmp_path / "answers.parquet")]),
-        params=NS(measures=["E_M", "kld_mean", "same_top_p"], min_full_accuracy=0.7, points=pts["point"].to_list(),
-                  costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "teacher.tsv")]},
+                     positions=[str(tmp_path / "positions.parquet")], answers=[str(tmp_path / "answers.parquet")],
+                     reconstruction=[str(tmp_path / "reconstruction.parquet")]),
+        params=NS(measures=["E_M", "kld_mean", "same_top_p", "reconstruction_kld_mean"], min_full_accuracy=0.7,
+                  points=pts["point"].to_list(),
+                  costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "teacher.tsv")],
+                         "reconstruction": [str(tmp_path / "reconstruction.tsv")]},
                   tasks={"niah-inside": {"name": "niah", "question": "inside", "digits": 7}},
                   bootstrap=20, confidence=0.9, seed=3, n_perm=19),
         output=out, log=[str(tmp_path / "prediction.log")], wildcards=NS(model="m"),
     )  # fmt: skip
     runpy.run_path(str(Path(__file__).parents[1] / "workflow/scripts/prediction.py"), init_globals={"snakemake": sm})
     table = pl.read_parquet(out["prediction_parquet"])
-    assert table["measure"].to_list() == ["E_M", "kld_mean", "same_top_p"] and set(table["n_points"]) == {24}
-    assert table["n_fidelity_docs"].to_list() == [6, 6, 6]  # the none control's document is left out
-    # 48 s over the 24 points; the teacher-forced job's 14 s shared by its 168 pairs, 144 of them the points'
-    assert table["cpu_s_per_point"].to_list() == pytest.approx([2.0, 14 * 144 / 168 / 24, 14 * 144 / 168 / 24])
+    assert table["measure"].to_list() == ["E_M", "kld_mean", "same_top_p", "reconstruction_kld_mean"]
+    assert set(table["n_points"]) == {24}
+    assert table["n_fidelity_docs"].to_list() == [6, 6, 6, 6]  # the none control's document is left out
+    # 48 s over the 24 points; the teacher-forced job's 14 s shared by its 168 pairs, 144 of them the points';
+    # the reconstruction pass's 24 s over the 24 points it served alone
+    teacher_s = 14 * 144 / 168 / 24
+    assert table["cpu_s_per_point"].to_list() == pytest.approx([2.0, teacher_s, teacher_s, 1.0])
     assert (table["spearman"] > 0.5).all()  # same_top_p is oriented: smaller predicts a larger drop
-    assert pl.read_parquet(out["pairwise_parquet"]).height == 3 and pl.read_parquet(out["presses_parquet"]).height == 18
+    # twice the KL of kld_mean, document by document: the same ranks, the same statistics
+    assert table.row(3, named=True)["kendall_within_ratio"] == table.row(1, named=True)["kendall_within_ratio"]
+    fidelity = pl.read_parquet(out["fidelity_parquet"])
+    assert (fidelity["reconstruction_kld_mean"] == 2 * fidelity["kld_mean"]).all()
+    assert pl.read_parquet(out["points_parquet"]).height == 24 and pl.read_parquet(out["task_parquet"]).height == 576
+    assert pl.read_parquet(out["pairwise_parquet"]).height == 6 and pl.read_parquet(out["presses_parquet"]).height == 24
     accuracy = pl.read_parquet(out["accuracy_parquet"])
     assert accuracy.height == 24 and accuracy["chance_accuracy"].to_list() == pytest.approx([1 / 9e6] * 24)
     without = pl.read_parquet(out["without_parquet"])
-    assert without["without"].unique(maintain_order=True).to_list() == list(PRESSES) and without.height == 18
+    assert without["without"].unique(maintain_order=True).to_list() == list(PRESSES) and without.height == 24
     assert without["spearman_lo"].is_nan().all()  # point estimates and p-values: no bootstrap
     assert Path(out["png"]).exists()

@@ -347,7 +347,7 @@ RECONSTRUCTION_RUNS = [(p, FRONTIER_SPLIT) for p in FRONTIER_POLICIES] if RECONS
 
 
 def reconstruction_job(wildcards):
-    """The settings of a model's reconstruction pass (rule teacher_forced_reconstruction): the frontier's runs."""
+    """The settings of a model's reconstruction pass (rule teacher_forced_reconstruction), over the frontier's runs."""
     job = kvdiverge.jobs.params.TeacherSettings.from_config(RECONSTRUCTION_CONFIG, wildcards.model, RECONSTRUCTION_RUNS)
     return job.to_params()
 
