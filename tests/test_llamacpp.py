@@ -251,7 +251,10 @@ def test_measure_takes_a_llama_and_cache_types_and_runs_the_engines_coupled_run(
             "policy 'knorm' (dict) cannot run on the llama_cpp backend",
         ),  # fmt: skip
         ({"model": object()}, "model: llama.cpp cache policies (q4_0) run on a llama_cpp.Llama, got object"),
-        ({"eos_ids": [10**6]}, "eos_ids: 1000000 is outside the model's vocabulary of 49152 tokens"),
+        (
+            {"eos_ids": [10**6]},
+            "eos_ids: token ids 1000000 are outside the model's vocabulary; allowed: integers from 0 to 49151",
+        ),  # fmt: skip
         (
             {"prompts": [[1, 10**6]]},
             "prompt 'prompt-0': token ids 1000000 are outside the model's vocabulary; "

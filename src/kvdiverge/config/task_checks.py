@@ -124,8 +124,8 @@ def prediction_block_problems(config: Mapping[str, Any]) -> list[str]:
     if horizon is not None:
         out += measure_problems(block.get("measures", []), horizon)
     target = (config.get("teacher_forced") or {}).get("target", "continuation")
-    twice = [m for m in block.get("measures", []) if m.startswith(RECONSTRUCTION_PREFIX) and target == "reconstruction"]
-    if twice:
+    twice = [m for m in block.get("measures", []) if m.startswith(RECONSTRUCTION_PREFIX)]
+    if twice and target == "reconstruction":
         out.append(
             f"prediction.measures: {twice[0]!r} reads a second pass with the reconstruction target, and "
             f"teacher_forced.target is already 'reconstruction': name it {twice[0].removeprefix(RECONSTRUCTION_PREFIX)!r}"

@@ -23,13 +23,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvdiverge.config.inputs import check_lengths
 from kvdiverge.doors import measuring
 from kvdiverge.doors.results import Measurement
 from kvdiverge.engine.llamacpp.caches import LlamaCache
 from kvdiverge.engine.llamacpp.context import load_model
 from kvdiverge.engine.llamacpp.run import check_policies, provenance, run_caches
 from kvdiverge.engine.runner import PolicyRuns
-from kvdiverge.settings.checks import token_id_problems
+from kvdiverge.settings.checks import eos_id_problems, token_id_problems
 
 __all__ = ["is_llama_model", "is_llama_policies", "llama_problems", "run_llama_plan"]
 
@@ -62,8 +63,10 @@ def llama_problems(presses: Mapping[str, Any], opts: measuring.MeasureOptions) -
         check_policies(presses)
     except ValueError as exc:
         out.append(str(exc))
+    said = set()
     for option, what in _NOT_RUN.items():
-        if getattr(opts, option) is not None and what not in " ".join(out):
+        if getattr(opts, option) is not None and what not in said:
+            said.add(what)
             out.append(
                 f"{option}: the llama_cpp backend runs the coupled measurement of KV cache types, not {what}; "
                 f"leave {option} out with llama.cpp cache policies"
@@ -93,18 +96,10 @@ def run_llama_plan(p, model, stacklevel: int) -> Measurement:
     loaded, opts = load_model(model), p.options
     eos = tuple(opts.eos_ids) if opts.eos_ids is not None else loaded.eos_ids
     problems = [q for doc in p.documents for q in token_id_problems(doc.doc_id, doc.input_ids, loaded.n_vocab)]
-    problems += [
-        f"eos_ids: {i!r} is outside the model's vocabulary of {loaded.n_vocab} tokens" for i in eos
-        if not 0 <= int(i) < loaded.n_vocab
-    ]  # fmt: skip
-    problems += [
-        f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens: with {opts.max_new_tokens} new tokens it exceeds the "
-        f"model's context of {loaded.context}"
-        for doc in p.documents
-        if doc.prompt_len + opts.max_new_tokens > loaded.context
-    ]
+    problems += eos_id_problems("eos_ids", eos, loaded.n_vocab)
     if problems:
         raise ValueError(problems[0])
+    check_lengths(p.documents, {}, opts.max_new_tokens, loaded.context)
     name = opts.model_name or Path(loaded.path).stem
     sampling = opts.sampling(name)
     sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos))
