@@ -1,0 +1,101 @@
+"""The prediction study's numbers in docs/task.md, rebuilt from the tables committed under docs/data/.
+
+Each model's directory holds what the ``prediction`` rule read and wrote (``fidelity.csv``: the fidelity
+measures per point and document; ``task.csv``: the task answers; ``points.csv``: the points and their
+ratio; ``prediction.csv`` and ``accuracy.csv``: its results). The point estimates and the within-ratio
+permutation p-values are rebuilt here from the inputs with the project's own analysis (no bootstrap:
+the intervals are read from ``prediction.csv``), and docs/task.md's tables are the committed tables
+rendered (:func:`kvdiverge.report.formatting.prediction_markdown`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from kvdiverge.config.workflow import load_config
+from kvdiverge.estimation.beyond_ratio import STATISTICS, TESTED
+from kvdiverge.estimation.bootstrap import Bootstrap
+from kvdiverge.estimation.prediction import PredictionSettings, prediction_study
+from kvdiverge.report.formatting import accuracy_markdown, pairwise_markdown, prediction_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data" / "prediction"
+#: Each model's study config (its seed seeds the permutations; its bar refuses a weak task side).
+CONFIGS = {
+    "smollm2-135m": ROOT / "config" / "fidelity-predicts-task.yaml",
+    "gemma3-270m": ROOT / "config" / "fidelity-predicts-task-gemma.yaml",
+}
+MODELS = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+KEYS = ["task", "placement", "measure"]
+
+
+#: The pairs of measures docs/task.md compares draw by draw (``pairwise.csv``).
+PAIRS = [
+    ("kld_mean", "p_div"),
+    ("kld_key_mean", "kld_mean"),
+    ("reconstruction_kld_mean", "kld_mean"),
+    ("reconstruction_kld_key_mean", "kld_mean"),
+]
+
+
+def test_every_studied_model_has_its_tables_and_its_config():
+    assert MODELS and set(MODELS) <= set(CONFIGS)
+    for model in MODELS:
+        assert {p.name for p in (DATA / model).iterdir()} >= {
+            "fidelity.csv", "task.csv", "points.csv", "prediction.csv", "accuracy.csv"
+        }  # fmt: skip
+        assert list(load_config(CONFIGS[model])["models"]) == [model]
+
+
+def _read(model: str, name: str) -> pl.DataFrame:
+    return pl.read_csv(DATA / model / f"{name}.csv", infer_schema_length=None)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_point_estimates_and_p_values_rebuild_from_the_committed_inputs(model):
+    config = load_config(CONFIGS[model])
+    table = _read(model, "prediction")
+    measures = table["measure"].unique(maintain_order=True).to_list()
+    assert measures == config["prediction"]["measures"]
+    settings = PredictionSettings(
+        boot=Bootstrap(0, config["analysis"]["confidence"], config["seed"]),
+        n_perm=999,
+        min_full_accuracy=config["prediction"]["min_full_accuracy"],
+    )
+    study = prediction_study(_read(model, "fidelity"), _read(model, "task"), _read(model, "points"), measures,
+                             settings=settings)  # fmt: skip
+    rebuilt = study.prediction.join(table, on=KEYS, how="full", suffix="_committed", coalesce=True)
+    assert rebuilt.height == table.height == study.prediction.height
+    for column in [*STATISTICS, *(f"p_{s}" for s in TESTED), *(f"p_{s}_holm" for s in TESTED)]:
+        np.testing.assert_allclose(
+            rebuilt[column].to_numpy().astype(float),
+            rebuilt[f"{column}_committed"].to_numpy().astype(float),
+            rtol=0,
+            atol=1e-5,  # the CSV keeps 6 significant digits of each input
+            equal_nan=True,
+            err_msg=column,
+        )
+    columns = ["task", "placement", "point", "accuracy", "full_accuracy"]
+    accuracy, again = (t.select(columns).sort(columns[:3]) for t in (_read(model, "accuracy"), study.accuracy))
+    assert accuracy.select(columns[:3]).equals(again.select(columns[:3]))
+    np.testing.assert_allclose(again.select(columns[3:]).to_numpy(), accuracy.select(columns[3:]).to_numpy(), atol=1e-6)
+
+
+def _quoted(name: str, model: str) -> str:
+    text = (ROOT / "docs" / "task.md").read_text()
+    found = re.search(rf"<!-- {name} {re.escape(model)} -->\n(.*?)\n<!-- end -->", text, re.S)
+    assert found, f"docs/task.md has no {name} of {model}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_docs_task_quotes_the_committed_tables(model):
+    measures = load_config(CONFIGS[model])["prediction"]["measures"]
+    assert _quoted("prediction table", model) == prediction_markdown(_read(model, "prediction"), measures)
+    assert _quoted("pairwise table", model) == pairwise_markdown(_read(model, "pairwise"), PAIRS)
+    assert _quoted("accuracy table", model) == accuracy_markdown(_read(model, "accuracy"))
