@@ -20,7 +20,7 @@ import pytest
 from conftest import run_main
 
 import kvdiverge
-from kvdiverge.doors import cli
+from kvdiverge.doors import arguments, cli
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -94,7 +94,7 @@ def test_bad_input_exits_2_and_a_run_time_failure_exits_1(tmp_path, monkeypatch,
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot allocate 64 GiB")
 
-    monkeypatch.setattr(cli, "load_tokenizer", out_of_memory)
+    monkeypatch.setattr(arguments, "load_tokenizer", out_of_memory)
     assert cli.main(argv) == cli.EXIT_FAILURE == 1
     err = capsys.readouterr().err
     assert err == (

@@ -89,10 +89,12 @@ def teacher_job(wildcards):
 
 
 def check_presses():
-    """What kvpress's own checks refuse of each policy's press (kvdiverge.config.workflow.press_build_problems:
+    """What kvpress's own checks refuse of each policy's press (kvdiverge.engine.presses.policies.press_build_problems:
     the press built once, which loads torch), as the config check's error. Called once, by the Snakefile's
     onstart: a run, not a dry run, and no job's parse; the parse checks the rest from the press catalogue."""
-    problems = kvdiverge.config.workflow.press_build_problems(CONFIG["policies"])
+    import kvdiverge.engine.presses.policies  # torch and kvpress: a run's start, never a parse
+
+    problems = kvdiverge.engine.presses.policies.press_build_problems(CONFIG["policies"])
     if problems:
         raise WorkflowError("invalid config:\n  " + "\n  ".join(problems))
 

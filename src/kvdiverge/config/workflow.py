@@ -318,25 +318,8 @@ def policy_problems(policies: dict[str, Any]) -> list[str]:
     """What is wrong with each policy, by the press catalogue (:func:`kvdiverge.engine.presses.catalogue.entry_problem`:
     unknown presses and parameters of nested presses, ratio or budget, refused presses and what they need),
     one line each, in the engine's sentences; kvpress's own checks of a value run where the press is built
-    (:func:`press_build_problems`)."""
+    (:func:`kvdiverge.engine.presses.policies.press_build_problems`)."""
     return [f"policies.{name}: {p}" for name, spec in policies.items() if (p := catalogue.entry_problem(spec))]
-
-
-def press_build_problems(policies: dict[str, Any]) -> list[str]:
-    """What kvpress's own checks refuse of each policy's press (an ``assert`` in its constructor), one line each:
-    the press built once by the engine (:meth:`kvdiverge.engine.presses.policies.Policy.from_config`). The
-    Snakefile asks it once when a run starts (``onstart``), not at every job's parse."""
-    # lazy: building a press loads kvpress and torch; the config check reads the torch-free catalogue
-    from kvdiverge.engine.core.errors import PressError
-    from kvdiverge.engine.presses.policies import Policy
-
-    problems = []
-    for name, spec in policies.items():
-        try:
-            Policy.from_config(name, spec)
-        except PressError as exc:
-            problems.append(f"policies.{name}: {exc.problem}")
-    return problems
 
 
 def own_presses(config: Mapping[str, Any]) -> None:

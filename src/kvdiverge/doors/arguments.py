@@ -13,23 +13,28 @@ and the model's config before the weights load. A refusal is an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvdiverge.config.frontier import FrontierSpec
-from kvdiverge.config.inputs import InputError, frontier_presses, prepare_presses
+from kvdiverge.config.inputs import InputError, frontier_presses, model_entry, prepare_presses
 from kvdiverge.config.prompt_sources import read_prompts, sotu_prompts
 from kvdiverge.config.task_checks import reconstruction_problem
 from kvdiverge.data.prompts import SOTU_INSTRUCTION
+from kvdiverge.doors.plan import Plan, build_plan
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.engine.llamacpp.caches import parse_cache
 from kvdiverge.engine.presses.expressions import parse_press, policy_entry
 from kvdiverge.engine.presses.quantized import BACKENDS
 from kvdiverge.engine.runner import PressSource
 from kvdiverge.jobs.devices import device_problem
+from kvdiverge.models.loading import load_model_config, load_tokenizer
+from kvdiverge.models.sources import gguf_path
 from kvdiverge.settings.checks import check_settings
 
 __all__ = [
     "OPTIONS",
+    "ArgumentPlan",
     "argument_prompts",
     "argument_sources",
     "cache_entry",
@@ -37,6 +42,7 @@ __all__ = [
     "cli_entries",
     "llama_sources",
     "measure_keywords",
+    "plan_arguments",
     "task_block",
 ]
 
@@ -249,3 +255,59 @@ def measure_keywords(args: Any, model_name: str, instruction: str | None, caches
     plain = {name: getattr(args, name) for name in _PLAIN}
     return {**plain, **decoding, "instruction": instruction, "caches": caches, "task": task,
             "model_name": model_name, "progress": not args.quiet}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ArgumentPlan:
+    """The command line's run before the weights load.
+
+    Attributes
+    ----------
+    plan : kvdiverge.doors.plan.Plan
+        The checked plan (with the model's config too, on transformers).
+    name : str
+        The model's name (an embedded model's, or the path or hub id given).
+    entry : dict
+        The model entry (:func:`kvdiverge.config.inputs.model_entry`) that loads the weights.
+    tokenizer : object
+        The tokenizer the plan was checked with.
+    gguf : str or None
+        The GGUF file that llama.cpp loads (``--backend llama_cpp``); None on transformers.
+    """
+
+    plan: Plan
+    name: str
+    entry: dict[str, Any]
+    tokenizer: Any
+    gguf: str | None
+
+
+def plan_arguments(args: Any) -> ArgumentPlan:
+    """Parse to plan: the arguments checked (:func:`check_arguments`; llama.cpp's cache types first), read as
+    policies and prompts, and built into a :class:`~kvdiverge.doors.plan.Plan` that is checked with the
+    tokenizer and then with the model's config (:meth:`~kvdiverge.doors.plan.Plan.check_config`; llama.cpp's
+    cache types are checked on the model when it runs), all before any weights load. Each refusal is spelled
+    as the command line spells the option (:data:`OPTIONS`).
+
+    Raises
+    ------
+    InputError
+        A bad argument, prompt or setting, in one sentence naming its option.
+    kvdiverge.models.sources.ModelNotFoundError
+        A model that is not there.
+    """
+    llama = args.backend == "llama_cpp"
+    presses, caches = llama_sources(args) if llama else (None, None)  # refused before the other checks
+    check_arguments(args)
+    if not llama:
+        presses, _, caches = argument_sources(args)
+    prompts, instruction = argument_prompts(args)
+    name, entry = model_entry(args.model, args.dtype, args.device)
+    config = None if llama else load_model_config(entry, name)  # what the config decides, before the weights
+    gguf = gguf_path(entry, name) if llama else None
+    tokenizer = load_tokenizer(entry, name)
+    keywords = measure_keywords(args, name, instruction, caches, task_block(args))
+    plan = build_plan(prompts, presses, tokenizer, keywords, {**OPTIONS, "question": "--question"})
+    if config is not None:
+        plan.check_config(config, screen=args.screen)
+    return ArgumentPlan(plan, name, entry, tokenizer, gguf)

@@ -1,6 +1,6 @@
 """The command line: ``kvdiverge measure``, a thin layer over :func:`kvdiverge.plan`.
 
-Parse, plan, load, run: the arguments parsed and checked (:mod:`kvdiverge.doors.arguments`:
+Parse, plan, load, run: the arguments parsed, checked and planned (:func:`kvdiverge.doors.arguments.plan_arguments`:
 policies, prompts and :func:`kvdiverge.plan`'s keywords), the measurement planned with the
 tokenizer and checked with the model's config (:mod:`kvdiverge.doors.plan`), the weights loaded,
 the plan run (:meth:`~kvdiverge.doors.plan.Plan.run`, or :meth:`~kvdiverge.doors.plan.Plan.screen`
@@ -54,8 +54,8 @@ from kvdiverge.engine.core.errors import CompressionError
 from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.engine.llamacpp.caches import require_llama_cpp
 from kvdiverge.models import embedded as embedded_models
-from kvdiverge.models.loading import load_model, load_model_config, load_tokenizer
-from kvdiverge.models.sources import ModelNotFoundError, gguf_path
+from kvdiverge.models.loading import load_model
+from kvdiverge.models.sources import ModelNotFoundError
 from kvdiverge.planning.cost import add_cost_parser, run_cost
 from kvdiverge.report.formatting import task_text
 
@@ -315,54 +315,28 @@ def _write(args: argparse.Namespace, m) -> None:
         _say(args.quiet, f"{PROG}: wrote tables and survival.png/.pdf to {out}")
 
 
-def _plan(args: argparse.Namespace, inputs, tokenizer, config, name: str):
-    """The run's :class:`~kvdiverge.doors.plan.Plan` of ``inputs`` = (prompts, presses, caches, instruction),
-    checked with the tokenizer and then with the model's ``config`` before the weights load
-    (:meth:`~kvdiverge.doors.plan.Plan.check_config`), each refusal spelled as the command line spells it."""
-    # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
-    from kvdiverge.doors.arguments import OPTIONS, measure_keywords, task_block
-    from kvdiverge.doors.plan import build_plan
-
-    prompts, presses, caches, instruction = inputs
-    keywords = measure_keywords(args, name, instruction, caches, task_block(args))
-    p = build_plan(prompts, presses, tokenizer, keywords, {**OPTIONS, "question": "--question"})
-    if config is not None:  # None: llama.cpp's cache types, checked on the model when it runs
-        p.check_config(config, screen=args.screen)
-    return p
-
-
 def _measure(args: argparse.Namespace) -> int:
+    """Parse, plan, load, run: the plan is built and checked before the weights load."""
     # torch and kvpress: imported when a measurement runs, not for --help, --version or cost
-    from kvdiverge.config.inputs import model_entry
-    from kvdiverge.doors.arguments import argument_prompts, argument_sources, check_arguments, llama_sources
+    from kvdiverge.doors.arguments import plan_arguments
 
-    llama = args.backend == "llama_cpp"  # llama.cpp's cache types on the model's GGUF file (doors.llamacpp)
-    presses, caches = llama_sources(args) if llama else (None, None)  # refused before the other checks
-    check_arguments(args)
-    if not llama:
-        presses, _, caches = argument_sources(args)
-    prompts, instruction = argument_prompts(args)
-    name, entry = model_entry(args.model, args.dtype, args.device)
-    # what the model's config decides is refused before its weights load
-    config = None if llama else load_model_config(entry, name)
-    path = gguf_path(entry, name) if llama else None
-    tokenizer = load_tokenizer(entry, name)
-    plan = _plan(args, (prompts, presses, caches, instruction), tokenizer, config, name)
+    found = plan_arguments(args)
+    llama = found.gguf is not None  # llama.cpp's cache types on the model's GGUF file (doors.llamacpp)
     if args.threads is not None and not llama:
         import torch
 
         torch.set_num_threads(args.threads)
-    _say(args.quiet, f"{PROG}: loading {path or name} {'in llama.cpp ' if llama else ''}...")
+    _say(args.quiet, f"{PROG}: loading {found.gguf or found.name} {'in llama.cpp ' if llama else ''}...")
     if llama:
-        model = require_llama_cpp().Llama(path, n_ctx=64, n_threads=args.threads or 1, verbose=False)
+        model = require_llama_cpp().Llama(found.gguf, n_ctx=64, n_threads=args.threads or 1, verbose=False)
     else:
-        model, _ = load_model(entry, name, tokenizer=tokenizer)
+        model, _ = load_model(found.entry, found.name, tokenizer=found.tokenizer)
     if args.screen:
-        return _screen(args, plan, model)
+        return _screen(args, found.plan, model)
     try:
         with warnings.catch_warnings():  # the printed summary flags untouched caches
             warnings.filterwarnings("ignore", message="press .* left the cache untouched")
-            m = plan.run(model)
+            m = found.plan.run(model)
     finally:
         if llama:
             model.close()

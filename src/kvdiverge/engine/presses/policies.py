@@ -442,6 +442,20 @@ def policies_from_config(config: dict[str, Any]) -> dict[str, Policy]:
     return {name: Policy.from_config(name, spec) for name, spec in config["policies"].items()}
 
 
+def press_build_problems(policies: Mapping[str, Any]) -> list[str]:
+    """What kvpress's own checks refuse of each policy's press (an ``assert`` in its constructor), one line
+    each, ``policies.<name>: <problem>``: each press built once (:meth:`Policy.from_config`). The workflow
+    asks it once when a run starts (the Snakefile's ``onstart``), not at every job's parse, which reads the
+    torch-free catalogue (:func:`kvdiverge.config.workflow.policy_problems`)."""
+    problems = []
+    for name, spec in policies.items():
+        try:
+            Policy.from_config(name, spec)
+        except PressError as exc:
+            problems.append(f"policies.{name}: {exc.problem}")
+    return problems
+
+
 @dataclass(frozen=True)
 class PressPolicy:
     """A press object as a policy: the same press for every prompt.
