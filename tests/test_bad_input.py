@@ -22,9 +22,10 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
-    for module in (models, cli):  # where they are defined, and the names the command line calls
-        monkeypatch.setattr(module, "load_model", refuse)
-        monkeypatch.setattr(module, "load_tokenizer", refuse)
+    # where they are defined, and the names the command line calls (the weights in cli, the tokenizer in arguments)
+    where = [(models, "load_model"), (models, "load_tokenizer"), (cli, "load_model"), (arguments, "load_tokenizer")]
+    for module, name in where:
+        monkeypatch.setattr(module, name, refuse)
 
 
 @pytest.fixture
@@ -595,9 +596,10 @@ def no_weights(monkeypatch, embedded_cached):
             TOKENIZERS[name] = real(entry, name)
         return TOKENIZERS[name]
 
-    for module in (models, cli):  # where they are defined, and the names the command line calls
-        monkeypatch.setattr(module, "load_model", refuse)
-        monkeypatch.setattr(module, "load_tokenizer", load_tokenizer)
+    # where they are defined, and the names the command line calls (the weights in cli, the tokenizer in arguments)
+    for module, name, value in ((models, "load_model", refuse), (models, "load_tokenizer", load_tokenizer),
+                                (cli, "load_model", refuse), (arguments, "load_tokenizer", load_tokenizer)):  # fmt: skip
+        monkeypatch.setattr(module, name, value)
 
 
 @pytest.mark.llm
