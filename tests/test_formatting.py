@@ -100,3 +100,30 @@ def test_the_prediction_studys_markdown_tables_quote_their_rows():
                               "full_accuracy": 27 / 28, "lowest_accuracy": 0.21, "chance_accuracy": None,
                               "min_full_accuracy": 0.7, "refused": None} for p in ("a", "b")])  # fmt: skip
     assert accuracy_markdown(accuracy).splitlines()[2] == "| niah (inside) | 2 | 27 / 28 (96%) | 0.21 | – | no |"
+
+
+def test_summary_text_names_llama_cpps_f16_control_as_the_noise_floor():
+    """Without a noise-floor press, the note asks for one; on llama.cpp, where a kvpress press does not run,
+    it names the f16 control instead (the presses' records say ``backend: llama_cpp``)."""
+    import polars as pl
+
+    from kvdiverge.report.formatting import summary_text
+
+    zero = {f"{c}{s}": 0.0 for c in ("p_div", "tau_mean", "E_M") for s in ("", "_lo", "_hi")}
+    row = {"n_docs": 2, "kept_fraction": 1.0, "first_mismatch_term": 0.0, "exposure_rate_term": 0.0,
+           "E_L": 0.0, "rho": None, "no_divergence": False, **zero}  # fmt: skip
+    summary = pl.DataFrame([{"policy": "f16", "untouched": True, **row}, {"policy": "q4_0", "untouched": False, **row}])
+    settings = {"model": "m", "T": 4, "R": 1, "temperature": 0.7, "top_p": 0.95, "seed": 0, "confidence": 0.95}
+    llama = {"backend": "llama_cpp", "type_v": "f16", "rotation": True}
+    notes = {
+        "transformers": summary_text(summary, {**settings, "presses": {"knorm": {"press": "KnormPress"}}}, None, "P"),
+        "llama.cpp": summary_text(
+            summary, {**settings, "presses": {"f16": {**llama, "type_k": "f16"}, "q4_0": {**llama, "type_k": "q4_0"}}},
+            None, "P",
+        ),
+    }  # fmt: skip
+    assert notes["transformers"].splitlines()[-1] == "noise floor: not measured (add a P to compare each press with it)"
+    assert notes["llama.cpp"].splitlines()[-1] == (
+        "noise floor: the f16 control (llama.cpp's full cache against itself; a P is a kvpress press and does not run "
+        "on llama.cpp)"
+    )

@@ -131,10 +131,26 @@ def summary_text(summary, settings: Mapping[str, Any], floor: str | None, floor_
     ]
     out += _flag_notes(summary, floor)
     if floor is None:
-        out.append(f"noise floor: not measured (add a {floor_press} to compare each press with it)")
+        out.append(_floor_note(s.get("presses") or {}, floor_press))
     if s.get("compressed_layers"):
         out.append(f"kept: of the prompt in the layers a press compresses, {s['compressed_layers']}")
     return "\n".join(out)
+
+
+def _floor_note(presses: Mapping[str, Any], floor_press: str) -> str:
+    """The note of a measurement without a noise-floor press: on llama.cpp (the presses' records say
+    ``backend: llama_cpp``) the f16 control is the floor, since a kvpress press does not run there."""
+    control = [
+        name
+        for name, p in presses.items()
+        if isinstance(p, Mapping) and p.get("backend") == "llama_cpp" and p.get("type_k") == p.get("type_v") == "f16"
+    ]
+    if control:
+        return (
+            f"noise floor: the {control[0]} control (llama.cpp's full cache against itself; "
+            f"a {floor_press} is a kvpress press and does not run on llama.cpp)"
+        )
+    return f"noise floor: not measured (add a {floor_press} to compare each press with it)"
 
 
 def _flag_notes(summary, floor: str | None) -> list[str]:
