@@ -5,6 +5,7 @@ Small on purpose: SmolLM2's GGUF file, one prompt of 9 tokens, T <= 8, two threa
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -190,8 +191,19 @@ def test_run_caches_gives_the_estimators_frame_from_a_llama_object(path):
     llm = llama_cpp.Llama(path, n_ctx=64, n_threads=THREADS, verbose=False)
     policies = {"none": FULL, "q4_0": parse_cache("q4_0")}
     sampling = Sampling(T=4, replicates=2, model_name="smollm2")
-    frame = run_caches(llm, policies, {"d0": PROMPT, "d1": PROMPT[:5]}, sampling, THREADS)
+    bars = []
+
+    class Bar(contextlib.nullcontext):
+        def __init__(self, name, total):
+            super().__init__(self)
+            bars.append([name, total, 0])
+
+        def update(self, n):
+            bars[-1][2] += n
+
+    frame = run_caches(llm, policies, {"d0": PROMPT, "d1": PROMPT[:5]}, sampling, THREADS, progress=Bar)
     assert frame.schema == TRAJECTORY_SCHEMA and frame.height == 2 * 2 * 2
+    assert bars == [["none", 2 * 7, 2 * 7], ["q4_0", 2 * 7, 2 * 7]]  # a bar per cache: 2 documents of 2T - 1 steps
     control = np.array(frame.filter(frame["policy"] == "none")["tv"].to_list(), dtype=np.float64)
     assert np.all(control == 0.0)
     assert provenance(policies, THREADS)["caches"]["q4_0"]["rotation"] is True

@@ -104,8 +104,9 @@ def run_llama_plan(p, model, stacklevel: int) -> Measurement:
     sampling = opts.sampling(name)
     sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos))
     threads = int(getattr(model, "n_threads", 1) or 1)
-    frame = run_caches(model, p.sources, {d.doc_id: list(d.input_ids) for d in p.documents}, sampling, threads,
-                       split=opts.split)  # fmt: skip
+    documents = {d.doc_id: list(d.input_ids) for d in p.documents}
+    progress = opts.run_options().progress  # a bar per cache type, as the transformers door's per press
+    frame = run_caches(model, p.sources, documents, sampling, threads, split=opts.split, progress=progress)
     record = provenance(p.sources, threads)
     build = {k: v for k, v in record.items() if k not in ("caches", "system_info")}
     settings = opts.recorded(sampling, p.sources, None).replace(

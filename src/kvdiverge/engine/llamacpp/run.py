@@ -9,8 +9,9 @@ what llama.cpp cannot run (a kvpress press).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import polars as pl
@@ -57,6 +58,7 @@ def run_caches(
     threads: int,
     *,
     split: str = "llama_cpp",
+    progress: Callable[[str, int], Any] | None = None,
 ) -> pl.DataFrame:
     """The coupled run of each policy on each document (full f16 cache against the policy's).
 
@@ -74,6 +76,10 @@ def run_caches(
         CPU threads per llama.cpp context.
     split : str
         The ``split`` column (it enters the bootstrap's seeds).
+    progress : callable, optional
+        ``progress(name, total)`` returns a bar (a context manager with ``update``, e.g. tqdm's) for one
+        policy, as :class:`kvdiverge.engine.runner.RunOptions`'s: its total counts the transformers runner's
+        ``2T - 1`` steps per document, and it advances by a document's steps when the document is done.
 
     Returns
     -------
@@ -86,21 +92,26 @@ def run_caches(
     loaded = load_model(model)
     rows = []
     for name, cache in policies.items():
-        for doc_id, prompt in documents.items():
-            start = time.perf_counter()
-            pair = LlamaKernelPair(loaded, cache, prompt, sampling.T, sampling, threads)
-            try:
-                records = run_batch(pair, sampling.T, sampling.replicates, sampling.seed, sampling.model_name, [doc_id])
-            finally:
-                pair.close()
-            meta = {
-                "model": sampling.model_name,
-                "policy": name,
-                "split": split,
-                "doc_id": doc_id,
-                "prompt_len": len(prompt),
-                "kept_len": len(prompt),
-                "seconds": time.perf_counter() - start,
-            }
-            rows += [{**meta, **rec} for rec in records]
+        with progress(name, len(documents) * (2 * sampling.T - 1)) if progress else contextlib.nullcontext() as bar:
+            for doc_id, prompt in documents.items():
+                start = time.perf_counter()
+                pair = LlamaKernelPair(loaded, cache, prompt, sampling.T, sampling, threads)
+                try:
+                    records = run_batch(
+                        pair, sampling.T, sampling.replicates, sampling.seed, sampling.model_name, [doc_id]
+                    )
+                finally:
+                    pair.close()
+                meta = {
+                    "model": sampling.model_name,
+                    "policy": name,
+                    "split": split,
+                    "doc_id": doc_id,
+                    "prompt_len": len(prompt),
+                    "kept_len": len(prompt),
+                    "seconds": time.perf_counter() - start,
+                }
+                rows += [{**meta, **rec} for rec in records]
+                if bar is not None:
+                    bar.update(2 * sampling.T - 1)
     return to_frame(rows)
