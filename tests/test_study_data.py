@@ -123,3 +123,20 @@ def test_docs_task_quotes_the_committed_tables(model):
     for suffix, side, _ in EXPLORATORY.get(model, []):
         assert _quoted(f"{side} table", model) == prediction_markdown(_read(model, f"prediction{suffix}"), measures)
         assert _quoted(f"{side} pairwise table", model) == pairwise_markdown(_read(model, f"pairwise{suffix}"), PAIRS)
+
+
+def test_docs_results_quote_the_llama_cpp_caches_table():
+    """docs/results.md's llama.cpp table is ``docs/data/llamacpp/caches.csv`` rendered by the script that wrote it
+    (``benchmarks/llamacpp_caches.py``), and each model's f16 control is exactly 0 on every measure."""
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "llamacpp_caches.py"
+    spec = importlib.util.spec_from_file_location("benchmark_llamacpp_caches", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = pl.read_csv(ROOT / "docs" / "data" / "llamacpp" / "caches.csv")
+    assert sorted(table["model"].unique()) == ["gemma3-270m", "smollm2-135m"]
+    control = table.filter(pl.col("policy") == "f16")
+    assert control.height == 2
+    assert control.select("p_div", "p_div_hi", "E_M", "E_M_hi", "kld_mean", "kld_mean_hi").to_numpy().max() == 0
+    assert script.caches_markdown(table) in (ROOT / "docs" / "results.md").read_text()
