@@ -142,3 +142,41 @@ def test_docs_results_quote_the_llama_cpp_caches_table():
     assert control.height == 2
     assert control.select("p_div", "p_div_hi", "E_M", "E_M_hi", "kld_mean", "kld_mean_hi").to_numpy().max() == 0
     assert script.caches_markdown(table) in (ROOT / "docs" / "results.md").read_text()
+
+
+#: Numbers docs/task.md's prose quotes beside its tables: (model, point, measure, quoted value). A measure is
+#: the point's mean over the fidelity documents (``fidelity.csv``); ``drop:<task>`` is the point's accuracy
+#: drop with the question inside (``accuracy.csv``).
+PROSE = [
+    ("smollm2-135m", "expected-attention@0.25", "kld_mean", 0.006),
+    ("smollm2-135m", "expected-attention@0.25", "reconstruction_kld_mean", 0.28),
+    ("smollm2-135m", "tova@0.25", "reconstruction_kld_mean", 0.58),
+    ("smollm2-135m", "streamingllm@0.25", "reconstruction_kld_mean", 0.71),
+    ("smollm2-135m", "adakv-snapkv@0.25", "reconstruction_kld_mean", 1.1),
+    ("smollm2-135m", "knorm@0.25", "kld_mean", 0.14),
+    ("smollm2-135m", "int4", "reconstruction_kld_mean", 0.07),
+    ("smollm2-135m", "tova@0.25", "drop:niah", 0.0),
+    ("smollm2-135m", "streamingllm@0.25", "drop:niah", 0.21),
+    ("gemma3-270m", "tova@0.25", "kld_mean", 0.002),
+    ("gemma3-270m", "tova@0.25", "reconstruction_kld_mean", 0.48),
+    ("gemma3-270m", "streamingllm@0.25", "reconstruction_kld_mean", 0.69),
+    ("gemma3-270m", "snapkv@0.25", "reconstruction_kld_mean", 0.69),
+    ("gemma3-270m", "tova@0.25", "drop:multikey", 0.57),
+    ("gemma3-270m", "streamingllm@0.25", "drop:multikey", 0.04),
+    ("gemma3-270m", "streamingllm@0.25", "drop:niah", 0.18),
+    ("gemma3-270m", "knorm@0.25", "drop:niah", 0.04),
+    ("gemma3-270m", "snapkv@0.25", "drop:niah", 0.61),
+    ("gemma3-270m", "snapkv@0.25", "drop:multikey", 0.21),
+]
+
+
+@pytest.mark.parametrize(("model", "point", "measure", "quoted"), PROSE)
+def test_the_numbers_docs_task_quotes_in_its_prose_rebuild_from_the_committed_tables(model, point, measure, quoted):
+    if measure.startswith("drop:"):
+        rows = _read(model, "accuracy").filter(
+            (pl.col("point") == point) & (pl.col("task") == measure[5:]) & (pl.col("placement") == "inside")
+        )
+        value = rows["drop"].item()
+    else:
+        value = _read(model, "fidelity").filter(pl.col("point") == point)[measure].mean()
+    assert round(value, len(repr(quoted).split(".")[1])) == quoted  # to the digits quoted
