@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import polars as pl
@@ -50,6 +51,14 @@ def _read(where: Path, name: str) -> pl.DataFrame | None:
     """The table ``<name>.parquet`` under ``where``, or None where there is none."""
     path = where / f"{name}.parquet"
     return pl.read_parquet(path) if path.is_file() else None
+
+
+def _report():
+    """The report's figure modules, imported when a figure is drawn: they load matplotlib and seaborn, which a
+    measurement does not need."""
+    from kvdiverge.report import frontier, survival
+
+    return SimpleNamespace(frontier=frontier, survival=survival)
 
 
 @dataclass
@@ -317,9 +326,7 @@ class Measurement:
         """Draw the survival figure ``S_t`` per press: into ``target`` Axes (returned), to a path
         (``.png``, ``.pdf``, ``.svg``; the path returned) or, with None, as a new figure
         (:func:`kvdiverge.report.survival.render_survival`)."""
-        from kvdiverge.report.survival import render_survival
-
-        return render_survival(self.survival, target, title=self.settings.sampling.model_name)
+        return _report().survival.render_survival(self.survival, target, title=self.settings.sampling.model_name)
 
     def _memo(self, key: str, compute):
         """``compute()``, computed once and kept (a failure is not kept)."""
@@ -365,6 +372,4 @@ class Measurement:
         """Draw the frontier figure: into ``target``, a sequence of 3 Axes (returned), to a path
         (format from the suffix; the path returned) or, with None, as a new figure
         (:func:`kvdiverge.report.frontier.render_frontier`)."""
-        from kvdiverge.report.frontier import render_frontier
-
-        return render_frontier(self.frontier(), target, title=self.settings.sampling.model_name)
+        return _report().frontier.render_frontier(self.frontier(), target, title=self.settings.sampling.model_name)
