@@ -372,7 +372,8 @@ def test_every_caption_says_the_configured_confidence():
 
     import jinja2
 
-    from kvdiverge.config.workflow import read_yaml, validate
+    from kvdiverge.config.reading import read_yaml
+    from kvdiverge.config.workflow import validate
 
     root = Path(__file__).resolve().parents[1]
     config = read_yaml(root / "config" / "smoke.yaml")  # as written: the report reads Snakemake's own config

@@ -499,7 +499,7 @@ def raw(name: str) -> dict:
     """A shipped config as written (not validated)."""
     from pathlib import Path
 
-    from kvdiverge.config.workflow import read_yaml
+    from kvdiverge.config.reading import read_yaml
 
     return read_yaml(Path(__file__).resolve().parents[1] / "config" / name)
 

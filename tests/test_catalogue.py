@@ -200,7 +200,8 @@ def test_a_press_of_a_users_module_gets_its_record_from_the_engine(tmp_path, mon
 def test_the_config_check_reads_a_press_of_a_users_module_from_its_class(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from kvdiverge.config.workflow import ConfigError, read_yaml, validate
+    from kvdiverge.config.reading import ConfigError, read_yaml
+    from kvdiverge.config.workflow import validate
 
     (tmp_path / "ownpresses2.py").write_text(
         "from dataclasses import dataclass\nfrom kvpress import SnapKVPress\n\n\n"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdiverge.engine.core.coupled import BatchState, run_batch
+from kvdiverge.engine.core.batch_state import BatchState
+from kvdiverge.engine.core.coupled import run_batch
 from kvdiverge.engine.core.errors import NonFiniteLogitsError
 from kvdiverge.engine.core.pairs import TableKernelPair
 from kvdiverge.testing.constructions import ConstructedPair

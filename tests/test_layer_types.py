@@ -244,7 +244,8 @@ def test_reconstruction_and_key_tokens_on_sliding_layers(mini_gemma):
 def test_a_question_after_compression_is_refused_on_sliding_layers(mini_gemma):
     from kvdiverge.engine.core.errors import PressError
     from kvdiverge.engine.presses.policies import Policy
-    from kvdiverge.engine.runner import Document, check_policy
+    from kvdiverge.engine.refusals import check_policy
+    from kvdiverge.engine.runner import Document
 
     policy = Policy.from_config("snapkv-50", {"press": "SnapKVPress", "compression_ratio": 0.5, "window_size": 8})
     assert check_policy(mini_gemma, [Document("d", list(range(1, 101)))], policy, "policy 'snapkv-50'") is False

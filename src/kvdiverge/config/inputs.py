@@ -41,7 +41,8 @@ from kvdiverge.engine.presses.bases import press_problem
 from kvdiverge.engine.presses.policies import Policy, PressPolicy, keeps_every_position
 from kvdiverge.engine.presses.project import PermutationPress
 from kvdiverge.engine.presses.registry import refusal
-from kvdiverge.engine.runner import Document, PressSource, check_prompt_lengths
+from kvdiverge.engine.refusals import PressSource, check_prompt_lengths
+from kvdiverge.engine.runner import Document
 from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.models import embedded as embedded_models
 from kvdiverge.models.embedded import embedded_choices
@@ -214,7 +215,7 @@ def _is_source(obj: Any) -> bool:
 
 
 def prepare_presses(presses: Any, check: bool = True) -> dict[str, PressSource]:
-    """Presses as policies (:class:`kvdiverge.engine.runner.PressSource`), by name.
+    """Presses as policies (:class:`kvdiverge.engine.refusals.PressSource`), by name.
 
     Parameters
     ----------
@@ -292,7 +293,7 @@ def check_lengths(
 ) -> None:
     """Fail before any generation when a prompt cannot run under a press.
 
-    The press minimums are ``kvdiverge.engine.runner.check_prompt_lengths``, which
+    The press minimums are ``kvdiverge.engine.refusals.check_prompt_lengths``, which
     :func:`kvdiverge.engine.runner.run_policies` asks again after its refusal check; pass
     no ``sources`` to check the context alone.
 

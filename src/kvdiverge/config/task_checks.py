@@ -6,7 +6,7 @@ or :func:`kvdiverge.measure` would refuse, with the same sentences, named by the
 - a task block as every door reads it (:func:`kvdiverge.data.tasks.task_settings`: the schema's values
   and only its own task's keys);
 - a question prefilled after compression beside a policy that cannot take it (the check of every door,
-  :func:`kvdiverge.engine.runner.question_after_problems`, asked of the press catalogue);
+  :func:`kvdiverge.engine.refusals.question_after_problems`, asked of the press catalogue);
 - the reconstruction target beside a task (:func:`reconstruction_problem`), greedy decoding for ``task``; for ``prediction``, a frontier, plain prompts on the fidelity side, task
   documents of another split, sides named apart, and fidelity measures the horizon gives
   (:func:`kvdiverge.estimation.prediction.measure_problems`).
@@ -79,7 +79,7 @@ def question_after_problems(key: str, policies: Mapping[str, Any]) -> list[str]:
     """``<key>: 'after' cannot run policy ...`` for each policy (name: config entry) that cannot take a
     question prefilled after compression, by the press catalogue
     (:func:`kvdiverge.engine.presses.catalogue.question_after_problem`, the sentence of every door's
-    :func:`kvdiverge.engine.runner.question_after_problems`); a policy that does not build is left to the
+    :func:`kvdiverge.engine.refusals.question_after_problems`); a policy that does not build is left to the
     check of the policies."""
     out = []
     for name, entry in policies.items():

@@ -26,7 +26,7 @@ from kvdiverge.engine.core.sampling import decoding_options
 from kvdiverge.engine.llamacpp.caches import parse_cache
 from kvdiverge.engine.presses.expressions import parse_press, policy_entry
 from kvdiverge.engine.presses.quantized import BACKENDS
-from kvdiverge.engine.runner import PressSource
+from kvdiverge.engine.refusals import PressSource
 from kvdiverge.jobs.devices import device_problem
 from kvdiverge.models.loading import load_model_config, load_tokenizer
 from kvdiverge.models.sources import gguf_path

@@ -4,7 +4,7 @@
 needs no weights, once: every setting (:meth:`~kvdiverge.doors.measuring.MeasureOptions.checked`),
 the task's documents, the prompts rendered, the reconstruction's targets, the frontier's grid
 (:func:`kvdiverge.config.inputs.plan_presses`), every press and its minimum prompt length, and a
-question prefilled after compression (:func:`kvdiverge.engine.runner.question_after_problems`).
+question prefilled after compression (:func:`kvdiverge.engine.refusals.question_after_problems`).
 Given the model's config alone (:meth:`Plan.check_config`), it also refuses what the model's
 context and layers refuse, as the command line asks before the weights load.
 
@@ -44,7 +44,8 @@ from kvdiverge.doors.results import Measurement
 from kvdiverge.doors.screening import Screen, ScreenOptions, run_screen
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH
 from kvdiverge.engine.presses.layer_types import has_sliding_layers, layers_of
-from kvdiverge.engine.runner import check_policy, question_after_problems, run_policies
+from kvdiverge.engine.refusals import check_policy, question_after_problems
+from kvdiverge.engine.runner import run_policies
 from kvdiverge.models.loading import context_length, kv_sizes
 from kvdiverge.settings.checks import model_problem, token_id_problems
 
@@ -92,7 +93,7 @@ class Plan:
     @property
     def horizon(self) -> int:
         """Cache columns a row spans beyond its prompt: ``2T - 2`` for the coupled run, or the teacher-forced
-        pass's length when longer (:func:`kvdiverge.engine.runner.check_policy`)."""
+        pass's length when longer (:func:`kvdiverge.engine.refusals.check_policy`)."""
         return max(2 * self.options.max_new_tokens - 2, self._teacher_length() or 0)
 
     def check_config(self, config, *, screen: bool = False) -> None:
@@ -100,7 +101,7 @@ class Plan:
 
         A prompt that with ``T`` new tokens (with ``screen``, 1: the teacher-forced continuation is cut to
         the context) exceeds the model context, and each press the run's own check refuses on the
-        model's layers or config (:func:`kvdiverge.engine.runner.check_policy`, over the cache columns a
+        model's layers or config (:func:`kvdiverge.engine.refusals.check_policy`, over the cache columns a
         row spans beyond its prompt: :attr:`horizon`, or with ``screen`` the teacher-forced length).
 
         Raises

@@ -42,14 +42,8 @@ from kvdiverge.engine.llm.teacher import (
 )
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time
-from kvdiverge.engine.runner import (
-    Document,
-    PressSource,
-    build_pair,
-    check_policy,
-    check_prompt_lengths,
-    shared_prefills,
-)
+from kvdiverge.engine.refusals import PressSource, check_policy, check_prompt_lengths
+from kvdiverge.engine.runner import Document, build_pair, shared_prefills
 from kvdiverge.estimation.key_tokens import key_mask
 from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 

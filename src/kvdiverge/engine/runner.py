@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,42 +35,21 @@ from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.llm.reference import with_greedy_tokens
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
-from kvdiverge.engine.presses.layer_types import question_after_refusal
-from kvdiverge.engine.presses.layer_types import refusal as layer_refusal
-from kvdiverge.engine.presses.policies import min_prompt_tokens
 from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
+from kvdiverge.engine.refusals import PressSource, check_policy, check_prompt_lengths
 
 __all__ = [
     "Document",
     "PolicyRuns",
-    "PressSource",
     "RunOptions",
     "build_pair",
-    "check_policy",
     "plan_documents",
-    "question_after_problems",
     "run_documents",
     "run_policies",
     "shared_prefills",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class PressSource(Protocol):
-    """What the runner needs of a policy: a press per prompt length, and the kept count.
-
-    ``expected_kept`` returns an int (every layer and head keeps that many), a
-    :class:`kvdiverge.engine.presses.promises.KeptPromise`, or ``None``.
-
-    :class:`kvdiverge.engine.presses.policies.Policy` implements it.
-    """
-
-    name: str
-
-    def build_press(self, prompt_len: int) -> Any: ...
-
-    def expected_kept(self, prompt_len: int, press: Any) -> Any: ...
 
 
 def plan_documents(
@@ -169,91 +148,6 @@ def run_documents(
 ) -> list[dict[str, Any]]:
     """The records of :func:`run_policies` for one policy, without ``model``, ``policy`` and ``split``."""
     return _run_records(model, documents, {policy.name: policy}, sampling, options)[0][policy.name]
-
-
-def check_policy(model, documents: Sequence[Document], policy: PressSource, owner: str, horizon: int = 0) -> bool:
-    """Refuse a press ``model`` cannot run, before any forward; True for a decode-time policy.
-
-    Builds the press of the longest document once and asks the registry
-    (:func:`kvdiverge.engine.presses.registry.refusal`, with the model: the config
-    attributes the press reads and its layer types) and
-    :func:`kvdiverge.engine.presses.registry.is_decode_time`. ``horizon``: the cache columns a
-    row spans beyond its prompt (``2T - 2`` for a coupled run, the continuation's length for a
-    teacher-forced pass), for a model whose every layer slides
-    (:func:`kvdiverge.engine.presses.layer_types.refusal`).
-
-    Raises
-    ------
-    kvdiverge.engine.core.errors.PressError
-        Naming ``owner`` and what the press needs.
-    """
-    # at a length the press accepts: whether it is refused does not depend on the length, and
-    # a refused press is named before a document too short for it (check_prompt_lengths)
-    press = policy.build_press(max(max(doc.prompt_len for doc in documents), min_prompt_tokens(policy)))
-    reason = refusal(press, model) or _question_refusal(model, documents) or _window_refusal(model, documents, horizon)
-    if reason:
-        raise PressError(owner, reason)
-    return is_decode_time(press)
-
-
-def _window_refusal(model, documents: Sequence[Document], horizon: int) -> str | None:
-    """What the model's layers tell against the documents, a row's cache spanning ``horizon``
-    columns beyond the longest prompt (:func:`kvdiverge.engine.presses.layer_types.refusal`)."""
-    config = getattr(model, "config", None)
-    tokens = max(doc.prompt_len for doc in documents) + int(horizon)
-    return None if config is None else layer_refusal(config, tokens)
-
-
-def _question_refusal(model, documents: Sequence[Document]) -> str | None:
-    """Why a question prefilled after compression cannot run on ``model`` (sliding-window layers), or None."""
-    config = getattr(model, "config", None)
-    if config is None or not any(doc.n_question for doc in documents):
-        return None
-    return question_after_refusal(config)
-
-
-def question_after_problems(policies: Mapping[str, PressSource]) -> list[str]:
-    """One sentence per policy that cannot take a question prefilled after compression (a quantized
-    cache, a press that evicts while decoding:
-    :func:`kvdiverge.engine.presses.registry.question_after_problem`), before any forward.
-
-    A config policy's press is built once at a placeholder ratio, a press object is read as it
-    is; another ``PressSource`` is checked when its pair is built."""
-    out = []
-    for name, policy in policies.items():
-        press = getattr(policy, "probe_press", None) or getattr(policy, "press", None)
-        problem = None if isinstance(press, str) or press is None else question_after_problem(press)
-        if problem:
-            out.append(f"policy {name!r}: {problem}")
-    return out
-
-
-def check_prompt_lengths(
-    documents: Sequence[Document], policies: Mapping[str, PressSource], owner: str = "press"
-) -> None:
-    """Refuse, before any forward, a document shorter than a policy can compress.
-
-    Parameters
-    ----------
-    documents : sequence of Document
-    policies : mapping of str to PressSource
-        Name -> policy; each one's minimum is
-        :func:`kvdiverge.engine.presses.policies.min_prompt_tokens` (tokens).
-    owner : str
-        What a policy is called in the message: ``"policy"`` or ``"press"``.
-
-    Raises
-    ------
-    ValueError
-        Naming the first document shorter than a policy needs, the policy and its minimum.
-    """
-    for doc in documents:
-        for name, source in policies.items():
-            need = min_prompt_tokens(source)
-            if doc.prompt_len < need:
-                raise ValueError(
-                    f"prompt {doc.doc_id!r} has {doc.prompt_len} tokens; {owner} {name!r} needs at least {need}"
-                )
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class Policy:
 
         With ``check=False`` the registry is not asked (:meth:`check`): a caller that checks
         the press with the model before running it
-        (:func:`kvdiverge.engine.runner.check_policy`) asks once.
+        (:func:`kvdiverge.engine.refusals.check_policy`) asks once.
 
         Raises
         ------
@@ -460,7 +460,7 @@ def press_build_problems(policies: Mapping[str, Any]) -> list[str]:
 class PressPolicy:
     """A press object as a policy: the same press for every prompt.
 
-    Satisfies :class:`kvdiverge.engine.runner.PressSource`, so any kvpress press, or a user's own
+    Satisfies :class:`kvdiverge.engine.refusals.PressSource`, so any kvpress press, or a user's own
     ``kvpress.BasePress`` subclass, runs through the one engine path
     (:func:`kvdiverge.engine.runner.run_policies`).
 
