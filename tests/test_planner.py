@@ -10,6 +10,7 @@ import torch
 from kvpress import KnormPress
 
 import kvdiverge.engine.llm.planner as planner
+import kvdiverge.engine.refusals as refusals
 import kvdiverge.engine.runner as runner
 from kvdiverge.config.provenance import read_provenance, settings_hash, shard_settings
 from kvdiverge.engine.core.coupled import run_batch
@@ -261,13 +262,13 @@ def test_measure_checks_each_press_for_refusal_once(mini, monkeypatch, one_threa
     import kvdiverge
 
     seen = []
-    real = runner.refusal
+    real = refusals.refusal
 
     def counting(press, model=None):
         seen.append((type(press).__name__, model is not None))
         return real(press, model)
 
-    monkeypatch.setattr(runner, "refusal", counting)  # the name the runner calls
+    monkeypatch.setattr(refusals, "refusal", counting)  # the name the runner's check calls
     presses = {"knorm": {"press": "KnormPress", "compression_ratio": 0.5}, "snap": KnormPress(0.25)}
     kvdiverge.measure(
         mini,
