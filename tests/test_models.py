@@ -82,8 +82,8 @@ def test_missing_hub_model_offline_names_the_cache(tmp_path):
 
 
 @pytest.mark.llm
-def test_model_loads_in_eval_mode(smol):
-    model, tok = smol
+def test_model_loads_in_eval_mode(embedded):
+    model, tok = embedded
     assert not model.training
     assert str(next(model.parameters()).dtype) == "torch.float32"
     assert model.config._attn_implementation == "sdpa"
@@ -91,8 +91,8 @@ def test_model_loads_in_eval_mode(smol):
 
 
 @pytest.mark.llm
-def test_eos_ids_come_from_the_generation_config(smol):
-    model, tok = smol
+def test_eos_ids_come_from_the_generation_config(embedded):
+    model, tok = embedded
     assert eos_ids(model) == [2]
     assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
     # the GGUF tokenizer's own eos_token is wrong under transformers 5.2: never used
@@ -100,8 +100,8 @@ def test_eos_ids_come_from_the_generation_config(smol):
 
 
 @pytest.mark.llm
-def test_chat_prompt_round_trips(smol):
-    model, tok = smol
+def test_chat_prompt_round_trips(embedded):
+    model, tok = embedded
     doc = "Fellow-Citizens of the Senate:\n\nThe state of the Union is strong."
     instruction = "Summarize the document above in three sentences."
     ids = render_ids(tok, doc, instruction)
@@ -116,11 +116,11 @@ def test_chat_prompt_round_trips(smol):
 
 
 @pytest.mark.llm
-def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
+def test_prompts_table_on_the_real_corpus_records_exclusions(embedded):
     from kvdiverge.config.workflow import load_config
     from kvdiverge.data.corpus import build_corpus
 
-    model, tok = smol
+    model, tok = embedded
     config = load_config(ROOT / "config" / "smoke.yaml")
     docs = build_corpus(config["corpus"])
     # a policy needing more tokens than any smoke prompt has, on the confirmatory split
@@ -148,6 +148,7 @@ def test_prompts_table_on_the_real_corpus_records_exclusions(smol):
 
 
 @pytest.mark.llm
+@pytest.mark.long  # the embedded model de-quantized from its GGUF file, about 25 s
 def test_the_sessions_converted_copy_equals_the_gguf_model(smol, embedded):
     """The converted directory the other tests load (fixture ``embedded``, tests/conftest.py)
     holds the GGUF model's weights bit for bit and renders the same prompt ids."""

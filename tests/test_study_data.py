@@ -65,6 +65,7 @@ TABLES = [(model, "", None, None) for model in MODELS] + [
 ]
 
 
+@pytest.mark.long  # every measure's permutation p-values at the study's size, about 25 s for the four tables
 @pytest.mark.parametrize(("model", "suffix", "side", "bar"), TABLES)
 def test_the_point_estimates_and_p_values_rebuild_from_the_committed_inputs(model, suffix, side, bar):
     config = load_config(CONFIGS[model])

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-pytestmark = pytest.mark.llm
+pytestmark = [pytest.mark.llm, pytest.mark.long]  # a wheel built and installed, each example in a process of its own
 
 #: A notebook's use of the package: the schema, a measurement and its summary.
 NOTEBOOK = """
