@@ -191,3 +191,41 @@ def test_the_options_default_as_measure_does():
     assert OPTIONS <= set(signature)
     assert {n: fields[n].default for n in OPTIONS} == {n: signature[n].default for n in OPTIONS}
     assert fields["max_new_tokens"].default == 32 and fields["bootstrap"].default == 2000  # two by hand
+
+
+#: the settings the command line, ``kvdiverge.measure`` and the workflow config share: option name, schema key path
+SHARED_DEFAULTS = {
+    "max_new_tokens": ("decoding", "max_new_tokens"),
+    "replicates": ("replicates",),
+    "seed": ("seed",),
+    "window": ("window",),
+    "bootstrap": ("analysis", "bootstrap"),
+    "confidence": ("analysis", "confidence"),
+}
+
+
+def _schema_default(schema, path):
+    node = schema
+    for key in path:
+        node = node["properties"][key]
+    return node.get("default")
+
+
+def test_the_command_line_and_the_config_schema_default_as_measure_does():
+    """Each shared setting's default is measure()'s: the command line's parser and the config schema hold the same
+    value (and each decoding setting's, from the one table of decoding options, is the schema's)."""
+    from kvdiverge.doors.cli import _parser
+    from kvdiverge.engine.core.sampling import decoding_options
+    from kvdiverge.settings.schema import load_schema
+
+    fields, schema = MeasureOptions.__dataclass_fields__, load_schema()
+    measure = _parser()._subparsers._group_actions[0].choices["measure"]
+    parsed = measure.parse_args(["embedded", "--sotu", "1"])
+    want = {name: fields[name].default for name in SHARED_DEFAULTS}
+    assert {name: getattr(parsed, name) for name in SHARED_DEFAULTS} == want
+    assert {name: _schema_default(schema, path) for name, path in SHARED_DEFAULTS.items()} == want
+    decoding = schema["properties"]["decoding"]["properties"]
+    options = decoding_options()
+    assert {n: decoding[n].get("default") for n in options if options[n]["recorded"]} == {
+        n: o["default"] for n, o in options.items() if o["recorded"]
+    }
