@@ -12,6 +12,14 @@ document resamples (:func:`kvdiverge.estimation.bootstrap.resample_indices`). Wr
         --cache q4_0 --cache q4_0:norot -T 16 -R 2 --threads 1 --seed 20261205 --out out-embedded
     (the same for gemma3-270m, --out out-gemma3-270m)
     .venv/bin/python benchmarks/llamacpp_caches.py out-embedded out-gemma3-270m
+
+quanto's int4 on the transformers backend goes beside them (``--transformers DIR``: what
+``kvdiverge measure embedded --sotu 8 --cache quanto:nbits=4 -T 16 -R 2 --threads 1 --seed 20261205 --out DIR``
+wrote), with no KLD: the weights differ (llama.cpp reads the GGUF file's Q4_1 blocks, transformers their
+de-quantized float32 copy), so each backend's pair is compared, not the references. ``--figure`` draws
+``docs/images/llamacpp_caches.png`` from the CSV alone: p_div, E[M] and the mean KLD against the bits each
+cache stores per K or V element (``bits``: ggml's block sizes, scales included; quanto's 4 bits plus a
+float32 scale and zero point per group of 64).
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ import polars as pl
 
 from kvdiverge.config.inputs import model_entry
 from kvdiverge.config.prompt_sources import sotu_prompts
-from kvdiverge.engine.llamacpp.caches import parse_cache, require_llama_cpp
+from kvdiverge.engine.llamacpp.caches import CACHE_TYPES, parse_cache, require_llama_cpp
 from kvdiverge.engine.llamacpp.context import load_model
 from kvdiverge.engine.llamacpp.pair import forced_kld
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_indices
+from kvdiverge.estimation.kv_bytes import kv_bytes_per_element
 from kvdiverge.io.render import markdown_table
 from kvdiverge.models.sources import gguf_path
 from kvdiverge.report.formatting import with_interval
@@ -39,7 +48,11 @@ PROMPT, FORCED = 96, 64
 #: The command line's ``--words`` default: the same excerpts as ``--sotu N``.
 WORDS = (150, 250)
 N_BOOT, CONFIDENCE, SEED = 2000, 0.95, 20261205
-OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "llamacpp" / "caches.csv"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+OUT = DOCS / "data" / "llamacpp" / "caches.csv"
+FIGURE = DOCS / "images" / "llamacpp_caches.png"
+#: quanto's int4 cache as the command line's ``--cache quanto:nbits=4`` builds it (groups of 64, float32 scales)
+INT4 = {"backend": "quanto", "nbits": 4, "q_group_size": 64}
 
 
 def teacher_kld(model_arg: str, caches: list[str], n: int) -> dict[str, np.ndarray]:
@@ -56,49 +69,142 @@ def teacher_kld(model_arg: str, caches: list[str], n: int) -> dict[str, np.ndarr
     }
 
 
+def bits(policy: str, backend: str) -> float:
+    """Bits a cache stores per K or V element: a llama.cpp type's (mean of K and V), or quanto's int4 in float32."""
+    if backend == "transformers":
+        return kv_bytes_per_element(INT4, 4) * 8
+    cache = parse_cache(policy)
+    return (CACHE_TYPES[cache.type_k] + CACHE_TYPES[cache.type_v]) / 2
+
+
+def transformers_rows(out: Path) -> list[dict]:
+    """The summary rows of a transformers measurement beside the caches, without their references (no f16 there)."""
+    record = json.loads((out / "measure.json").read_text())
+    summary = pl.read_csv(out / "summary.csv")
+    return [
+        {"model": record["model"], **r, "kld_mean": None, "kld_mean_lo": None, "kld_mean_hi": None}
+        for r in summary.iter_rows(named=True)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="+", help="--out directories of kvdiverge measure --backend llama_cpp")
+    parser.add_argument("out", nargs="*", help="--out directories of kvdiverge measure --backend llama_cpp "
+                        "(none: the committed CSV's llama.cpp rows, its teacher-forced pass not run again)")  # fmt: skip
+    parser.add_argument("--transformers", nargs="*", default=[], help="--out directories of transformers caches")
+    parser.add_argument("--figure", action="store_true", help="draw the figure from the committed CSV and stop")
     args = parser.parse_args()
-    rows = []
+    if args.figure:
+        draw(pl.read_csv(OUT), FIGURE)
+        print(f"wrote {FIGURE}")
+        return
     start = time.process_time()
-    for out in map(Path, args.out):
-        record = json.loads((out / "measure.json").read_text())
-        summary = pl.read_csv(out / "summary.csv")
-        caches = summary["policy"].to_list()
-        n = int(summary["n_docs"].max())
-        model_arg = "embedded" if record["model"] == "smollm2-135m" else record["model"]
-        kld = teacher_kld(model_arg, caches, n)
-        draws = resample_indices(n, N_BOOT, SEED, "llamacpp-kld", record["model"])
-        for r in summary.iter_rows(named=True):
-            per = kld[r["policy"]]
-            lo, hi = percentile_interval(per[draws].mean(axis=1)[:, None], CONFIDENCE)
-            rows.append(
-                {"model": record["model"], **r, "kld_mean": per.mean(), "kld_mean_lo": lo[0], "kld_mean_hi": hi[0]}
-            )
-    table = pl.DataFrame(rows)
+    if args.out:
+        rows = [row for out in map(Path, args.out) for row in llama_rows(out)]
+    else:
+        kept = pl.read_csv(OUT).filter(pl.col("backend") == "llama_cpp").drop("backend", "bits")
+        rows = list(kept.iter_rows(named=True))
+    backends = ["llama_cpp"] * len(rows)
+    for out in map(Path, args.transformers):
+        added = transformers_rows(out)
+        rows += added
+        backends += ["transformers"] * len(added)
+    table = pl.DataFrame(rows).with_columns(
+        backend=pl.Series(backends), bits=pl.Series([bits(r["policy"], b) for r, b in zip(rows, backends)])
+    )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     table.write_csv(OUT, float_precision=6)
     print(f"{time.process_time() - start:.0f} CPU s for the teacher-forced pass; wrote {OUT}")
     print(caches_markdown(table))
 
 
+def llama_rows(out: Path) -> list[dict]:
+    """The summary rows of a llama.cpp measurement with each cache's teacher-forced mean KLD and its interval."""
+    record = json.loads((out / "measure.json").read_text())
+    summary = pl.read_csv(out / "summary.csv")
+    n = int(summary["n_docs"].max())
+    model_arg = "embedded" if record["model"] == "smollm2-135m" else record["model"]
+    kld = teacher_kld(model_arg, summary["policy"].to_list(), n)
+    draws = resample_indices(n, N_BOOT, SEED, "llamacpp-kld", record["model"])
+    rows = []
+    for r in summary.iter_rows(named=True):
+        per = kld[r["policy"]]
+        lo, hi = percentile_interval(per[draws].mean(axis=1)[:, None], CONFIDENCE)
+        rows.append({"model": record["model"], **r, "kld_mean": per.mean(), "kld_mean_lo": lo[0], "kld_mean_hi": hi[0]})
+    return rows
+
+
 def caches_markdown(table: pl.DataFrame) -> str:
     """docs/results.md's table of the caches: one row per model and cache."""
     rows = [
-        [f"{r['model']}", f"`{r['policy']}`", with_interval(r, "p_div", 2), with_interval(r, "tau_mean", 3),
-         with_interval(r, "E_M", 2), with_interval(r, "kld_mean", 2)]
+        [f"{r['model']}", f"`{r['policy']}`", r["backend"].replace("_", "."), f"{r['bits']:g}",
+         with_interval(r, "p_div", 2), with_interval(r, "tau_mean", 3), with_interval(r, "E_M", 2),
+         "–" if r["kld_mean"] is None else with_interval(r, "kld_mean", 2)]
         for r in table.iter_rows(named=True)
     ]  # fmt: skip
     header = [
         "model",
         "cache",
+        "backend",
+        "bits per element",
         "p_div [95% CI]",
         "first-divergence step [95% CI]",
         "E[M] [95% CI]",
         "mean KLD [95% CI]",
     ]
     return "\n".join(markdown_table(header, rows))
+
+
+#: The figure's panels: column and axis label.
+PANELS = (("p_div", "p_div (parted within T = 16)"), ("E_M", "E[M] (mismatched fraction of T)"),
+          ("kld_mean", "mean KLD (nats per token)"))  # fmt: skip
+
+
+#: The figure's columns, fewest bits per element last: (label, bits, cache type, backend).
+COLUMNS = (("f16", "llama_cpp"), ("q8_0", "llama_cpp"), ("quanto:nbits=4", "transformers"), ("q4_0", "llama_cpp"))
+#: Where a (model, rotation) pair sits within its column.
+DODGE = {("smollm2-135m", True): -0.27, ("smollm2-135m", False): -0.09, ("gemma3-270m", True): 0.09,
+         ("gemma3-270m", False): 0.27}  # fmt: skip
+
+
+def draw(table: pl.DataFrame, path: Path) -> None:
+    """p_div, E[M] and the mean KLD of each cache, a panel each, the caches in columns by their bits per element
+    (fewest right); one colour per model, rotation off an open marker beside the same type, int4 a square. The
+    KLD panel is logarithmic: the f16 control (exactly 0) is not drawn there."""
+    import matplotlib.pyplot as plt
+
+    from kvdiverge.report.drawing import save_figure
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.4 * len(PANELS), 3.8))
+    colours = dict(zip(table["model"].unique(maintain_order=True), ("tab:blue", "tab:orange", "tab:green")))
+    column = {cache: i for i, (cache, _) in enumerate(COLUMNS)}
+    for ax, (metric, label) in zip(axes, PANELS):
+        for r in table.filter(pl.col(metric).is_not_null() & pl.col(metric).is_not_nan()).iter_rows(named=True):
+            off = r["policy"].endswith(":norot")
+            x = column[r["policy"].removesuffix(":norot")] + DODGE[(r["model"], not off)]
+            if metric == "kld_mean" and r[metric] == 0:
+                continue
+            err = [[r[metric] - r[f"{metric}_lo"]], [r[f"{metric}_hi"] - r[metric]]]
+            ax.errorbar(x, r[metric], yerr=err, fmt="s" if r["backend"] == "transformers" else "o",
+                        color=colours[r["model"]], capsize=2, markerfacecolor="white" if off else colours[r["model"]])  # fmt: skip
+        labels = [
+            f"{cache.replace('quanto:nbits=4', 'int4 (quanto)')}\n{bits(cache, backend):g} bits"
+            for cache, backend in COLUMNS
+        ]
+        ax.set_xticks(range(len(COLUMNS)), labels)
+        ax.set_xlim(-0.5, len(COLUMNS) - 0.5)
+        ax.set_ylabel(label)
+        if metric == "kld_mean":
+            ax.set_yscale("log")
+    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=m) for m, c in colours.items()]
+    handles += [
+        plt.Line2D([], [], color="grey", marker="o", markerfacecolor="white", linestyle="", label="rotation off"),
+        plt.Line2D([], [], color="grey", marker="s", linestyle="", label="transformers backend (no KLD)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.06))
+    fig.suptitle("KV cache types against the full cache by bits per element: 8 excerpts, T = 16, R = 2, 95 % intervals")
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,23 @@ def test_docs_results_quote_the_llama_cpp_caches_table():
     control = table.filter(pl.col("policy") == "f16")
     assert control.height == 2
     assert control.select("p_div", "p_div_hi", "E_M", "E_M_hi", "kld_mean", "kld_mean_hi").to_numpy().max() == 0
-    assert script.caches_markdown(table) in (ROOT / "docs" / "results.md").read_text()
+    # bits per element by hand: ggml's q8_0 is 34 bytes per 32 elements, q4_0 18, and quanto's int4 is 4 bits
+    # plus a float32 scale and zero point per group of 64
+    bits = {(r["backend"], r["policy"]): r["bits"] for r in table.iter_rows(named=True)}
+    assert bits == {
+        ("llama_cpp", "f16"): 16.0,
+        ("llama_cpp", "q8_0"): 8.5,
+        ("llama_cpp", "q8_0:norot"): 8.5,
+        ("llama_cpp", "q4_0"): 4.5,
+        ("llama_cpp", "q4_0:norot"): 4.5,
+        ("transformers", "quanto:nbits=4"): 5.0,
+    }
+    assert table.filter(pl.col("backend") == "transformers")["kld_mean"].null_count() == 1  # no KLD on its weights
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert script.caches_markdown(table) in page
+    kld = {r["policy"]: r["kld_mean"] for r in table.filter(pl.col("model") == "smollm2-135m").iter_rows(named=True)}
+    assert f"it is {kld['q4_0:norot'] / kld['q4_0']:.1f} times" in page  # the rotation's ratio the prose quotes
+    assert (ROOT / "docs" / "images" / "llamacpp_caches.png").is_file() and "images/llamacpp_caches.png" in page
 
 
 #: Numbers docs/task.md's prose quotes beside its tables: (model, point, measure, quoted value). A measure is
