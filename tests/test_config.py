@@ -686,6 +686,24 @@ def test_a_gguf_headers_layer_types_are_the_ones_transformers_gives_the_file(tmp
     assert entry_layers({"source": "local", "path": str(tmp_path / "nowhere"), "gguf_file": "m.gguf"}) is None
 
 
+@pytest.mark.llm
+def test_a_gguf_headers_kv_sizes_are_the_ones_transformers_counts_in_llama_cpps_f16():
+    """llama.cpp's cache of each embedded GGUF file holds the elements transformers' config of the file counts,
+    in f16 (2 bytes); by hand, SmolLM2: 30 layers x 3 kv heads x (64 + 64); Gemma 3: 3 full layers and 15 sliding
+    ones of 1 kv head x (256 + 256), a window of 512 tokens."""
+    from kvdiverge.config.layers import gguf_kv_sizes
+    from kvdiverge.models.embedded import EMBEDDED_MODEL, GEMMA_MODEL, GEMMA_NAME
+    from kvdiverge.models.loading import entry_kv_sizes
+    from kvdiverge.models.sources import gguf_path
+
+    smol, gemma = gguf_kv_sizes(gguf_path(EMBEDDED_MODEL, "smollm2-135m")), gguf_kv_sizes(gguf_path(GEMMA_MODEL))
+    assert smol == {"elements_per_token": 30 * 3 * 128, "element_bytes": 2}
+    assert gemma == {"elements_per_token": 3 * 512, "sliding_elements_per_token": 15 * 512, "sliding_window": 512,
+                     "element_bytes": 2}  # fmt: skip
+    assert smol == {**entry_kv_sizes(EMBEDDED_MODEL, "smollm2-135m"), "element_bytes": 2}
+    assert gemma == {**entry_kv_sizes(GEMMA_MODEL, GEMMA_NAME), "element_bytes": 2}
+
+
 def test_a_directorys_layer_types_come_from_its_config_json(tmp_path):
     import json
 

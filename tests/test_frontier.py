@@ -315,6 +315,11 @@ def test_kv_bytes_per_element_by_hand():
     assert kv_bytes_per_element(Q4, 2) == 0.5 + 4 / 64 == 0.5625  # bfloat16 scales
     assert kv_bytes_per_element({"backend": "hqq", "nbits": 3, "q_group_size": 32}, 4) == 0.4 + 8 / 32  # 10 per int32
     assert kv_bytes_per_element({"backend": "hqq", "nbits": 8, "q_group_size": 64}, 4) == 1.125
+    # llama.cpp's cache types: ggml's blocks of 32 with an f16 scale, whatever the model's dtype
+    llama = {"backend": "llama_cpp", "type_k": "q8_0", "type_v": "q8_0"}
+    assert kv_bytes_per_element(llama, 4) == kv_bytes_per_element(llama, 2) == 34 / 32
+    assert kv_bytes_per_element({**llama, "type_k": "q4_0", "type_v": "q4_0"}, 4) == 18 / 32
+    assert kv_bytes_per_element({**llama, "type_k": "f16", "type_v": "q4_0"}, 4) == (2 + 18 / 32) / 2
 
 
 def _stored_bytes(q) -> int:

@@ -237,6 +237,13 @@ def test_measure_takes_a_llama_and_cache_types_and_runs_the_engines_coupled_run(
     assert m.trajectories.drop("seconds").equals(again.drop("seconds"))
     summary = {r["policy"]: r for r in m.summary.iter_rows(named=True)}
     assert summary["f16"]["p_div"] == 0.0 and summary["f16"]["E_M"] == 0.0
+    # the cache types on the KV-bytes axis: SmolLM2 caches 30 x 3 x (64 + 64) = 11,520 elements per token,
+    # in 2 bytes at f16 and ggml's 18 bytes per 32 elements at q4_0, every prompt position kept
+    frontier = {r["policy"]: r for r in m.frontier().iter_rows(named=True)}
+    assert {n: (r["bits_per_element"], r["kv_bytes_per_token"]) for n, r in frontier.items()} == {
+        "f16": (16.0, 23040.0), "q4_0": (4.5, 6480.0), "q4_0:norot": (4.5, 6480.0)
+    }  # fmt: skip
+    assert {n: r["E_M"] for n, r in frontier.items()} == {n: r["E_M"] for n, r in summary.items()}
     assert m.settings.presses["q4_0:norot"] == {
         "backend": "llama_cpp", "llama_cpp_python": llama_cpp.__version__, "threads": THREADS,
         "type_k": "q4_0", "type_v": "q4_0", "rotation": False, "flash_attn": True,

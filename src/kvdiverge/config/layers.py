@@ -36,7 +36,7 @@ from kvdiverge.engine.presses.cache_facts import FULL, SLIDING, question_after_r
 from kvdiverge.models.gguf_tokenizer import gguf_architecture, read_metadata
 from kvdiverge.models.loading import ModelNotFoundError, chunk_paths, miniature_values, resolve
 
-__all__ = ["GGUF_SLIDING_PATTERN", "entry_layers", "gguf_layer_values", "layer_problems"]
+__all__ = ["GGUF_SLIDING_PATTERN", "entry_layers", "gguf_kv_sizes", "gguf_layer_values", "layer_problems"]
 
 
 #: GGUF architectures (``general.architecture``) with sliding-window layers: every ``n``-th decoder
@@ -72,6 +72,48 @@ def gguf_layer_values(path: str | Path) -> dict[str, Any] | None:
         "layer_types": [FULL if (i + 1) % every == 0 else SLIDING for i in range(n)],
         "sliding_window": int(meta[f"{arch}.attention.sliding_window"]),
     }
+
+
+def gguf_kv_sizes(path: str | Path) -> dict[str, int]:
+    """The KV sizes a frontier counts llama.cpp's cache of the GGUF file ``path`` with, from its header.
+
+    Per token and layer, ``head_count_kv * (key_length + value_length)`` elements (``key_length`` and
+    ``value_length`` default to ``embedding_length / head_count``, as llama.cpp reads them). The
+    full-attention layers' are ``elements_per_token``; where layers slide (:func:`gguf_layer_values`),
+    theirs are ``sliding_elements_per_token`` over ``sliding_window`` tokens, as llama.cpp's SWA cache
+    keeps them (its padding of a batch's tokens aside). ``element_bytes`` is 2: llama.cpp's f16 cache,
+    the full cache a cache type is measured against.
+
+    Returns
+    -------
+    dict
+        ``{"elements_per_token", "element_bytes"}``, with ``sliding_elements_per_token`` and
+        ``sliding_window`` (tokens) where layers slide.
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is not a GGUF file, or its header lacks the attention sizes.
+    """
+    meta = read_metadata(path, stop_after="tokenizer.ggml.model")  # the model's keys come first, as a rule
+    arch = meta.get("general.architecture")
+    if f"{arch}.block_count" not in meta:
+        meta = read_metadata(path)
+    try:
+        layers, heads = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.attention.head_count"])
+        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+        head = int(meta[f"{arch}.embedding_length"]) // heads
+    except KeyError as err:
+        raise ValueError(f"GGUF file {str(path)!r} lacks the attention size {err.args[0]!r}") from None
+    per_layer = kv_heads * (
+        int(meta.get(f"{arch}.attention.key_length", head)) + int(meta.get(f"{arch}.attention.value_length", head))
+    )
+    values = gguf_layer_values(path)
+    if values is None:
+        return {"elements_per_token": layers * per_layer, "element_bytes": 2}
+    full = values["layer_types"].count(FULL)
+    return {"elements_per_token": full * per_layer, "sliding_elements_per_token": (layers - full) * per_layer,
+            "sliding_window": values["sliding_window"], "element_bytes": 2}  # fmt: skip
 
 
 def _json(path: Path | None) -> dict[str, Any] | None:

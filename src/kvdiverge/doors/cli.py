@@ -300,8 +300,9 @@ def _say(quiet: bool, message: str) -> None:
 
 
 def _write(args: argparse.Namespace, m) -> None:
-    """The frontier figure (``--ratios``) and the tables and survival figure (``--out``)."""
-    if args.ratios:
+    """The frontier figure (``--ratios``; llama.cpp's cache types with ``--out``) and the tables and survival figure
+    (``--out``)."""
+    if args.ratios or (m.settings.frontier and args.out):
         where = Path(args.out or ".")
         where.mkdir(parents=True, exist_ok=True)
         for suffix in ("png", "pdf"):
@@ -343,7 +344,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(m.format_summary(), flush=True)
     if m.task is not None:
         print(task_text(m.task), flush=True)
-    if args.ratios:
+    if args.ratios or llama:  # llama.cpp's cache types are a frontier on the KV-bytes axis
         print(m.format_frontier(), flush=True)
     _write(args, m)
     return 0

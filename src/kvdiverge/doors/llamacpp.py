@@ -5,7 +5,9 @@
 each cache type against the full f16 cache (:func:`run_llama_plan`) through
 :func:`kvdiverge.engine.llamacpp.run.run_caches` and the unchanged coupling core, estimators and tables.
 What the backend does not run is refused in one sentence before any work (:func:`llama_problems`): a
-kvpress press beside the caches, a frontier of ratios or budgets, a task, the teacher-forced pass.
+kvpress press beside the caches, a frontier of ratios or budgets, a task, the teacher-forced pass. The cache
+types themselves are the measurement's frontier (:func:`cache_points`): each at its bits per element on the
+KV-bytes axis, counted from the GGUF file's header (:func:`kvdiverge.config.layers.gguf_kv_sizes`).
 
 Example::
 
@@ -24,15 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from kvdiverge.config.inputs import check_lengths
+from kvdiverge.config.layers import gguf_kv_sizes
 from kvdiverge.doors import measuring
 from kvdiverge.doors.results import Measurement
 from kvdiverge.engine.llamacpp.caches import LlamaCache
 from kvdiverge.engine.llamacpp.context import load_model
 from kvdiverge.engine.llamacpp.run import check_policies, provenance, run_caches
 from kvdiverge.engine.runner import PolicyRuns
+from kvdiverge.estimation.frontier import FrontierPoint
 from kvdiverge.settings.checks import eos_id_problems, token_id_problems
 
-__all__ = ["is_llama_model", "is_llama_policies", "llama_problems", "run_llama_plan"]
+__all__ = ["cache_points", "is_llama_model", "is_llama_policies", "llama_problems", "run_llama_plan"]
 
 #: What the llama_cpp backend does not run, by the option that asks for it.
 _NOT_RUN = {
@@ -74,6 +78,17 @@ def llama_problems(presses: Mapping[str, Any], opts: measuring.MeasureOptions) -
     return out
 
 
+def cache_points(policies: Mapping[str, LlamaCache]) -> tuple[FrontierPoint, ...]:
+    """Each cache type as a frontier point on the KV-bytes axis: every prompt position kept (ratio 0), the cache's
+    types as its settings (:meth:`~kvdiverge.engine.llamacpp.caches.LlamaCache.describe`), so that
+    :attr:`kvdiverge.doors.results.Measurement.frontier` counts its bits per element
+    (:data:`kvdiverge.estimation.kv_bytes.GGML_BITS`) and its KV bytes per prompt token."""
+    return tuple(
+        FrontierPoint(policy=name, press=None, compression_ratio=0.0, cache=name, cache_settings=cache.describe())
+        for name, cache in policies.items()
+    )
+
+
 def run_llama_plan(p, model, stacklevel: int) -> Measurement:
     """Measure a plan of llama.cpp cache policies on ``model``: :meth:`kvdiverge.doors.plan.Plan.run`'s result.
 
@@ -109,7 +124,7 @@ def run_llama_plan(p, model, stacklevel: int) -> Measurement:
     frame = run_caches(model, p.sources, documents, sampling, threads, split=opts.split, progress=progress)
     record = provenance(p.sources, threads)
     build = {k: v for k, v in record.items() if k not in ("caches", "system_info")}
-    settings = opts.recorded(sampling, p.sources, None).replace(
+    settings = opts.recorded(sampling, p.sources, cache_points(p.sources), gguf_kv_sizes(loaded.path)).replace(
         presses={n: {**build, **record["caches"][n]} for n in p.sources}
     )
     result = Measurement.of_run(PolicyRuns(frame, 1, {}), settings, p.sources, eos)

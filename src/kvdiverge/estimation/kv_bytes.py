@@ -10,7 +10,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["kv_bytes_per_element"]
+__all__ = ["GGML_BITS", "kv_bytes_per_element"]
+
+#: Bits per element of llama.cpp's KV cache types, each block's scale (and minimum) included: ggml's
+#: block sizes (``ggml/src/ggml-common.h``: ``block_q8_0`` holds 32 int8 values and an f16 scale, 34 bytes
+#: per 32 elements; ``block_q4_0`` 32 nibbles and an f16 scale, 18 bytes; ``block_q4_1`` adds an f16
+#: minimum, 20 bytes; ``block_q5_0`` 22 and ``block_q5_1`` 24 bytes; ``block_iq4_nl`` 18 bytes).
+GGML_BITS: dict[str, float] = {
+    "f16": 16.0,
+    "q8_0": 8.5,
+    "q5_1": 6.0,
+    "q5_0": 5.5,
+    "q4_1": 5.0,
+    "q4_0": 4.5,
+    "iq4_nl": 4.5,
+}
 
 
 def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) -> float:
@@ -36,10 +50,15 @@ def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) 
     full-attention layers; a model's sliding-window layers add their uncompressed
     ``min(prompt_len, sliding_window - 1) / prompt_len * sliding_elements_per_token``.
 
+    A llama.cpp cache (``backend: llama_cpp``) stores ``type_k`` and ``type_v`` blocks of
+    :data:`GGML_BITS` bits per element, scales included, whatever the model's dtype: the mean of
+    the two over 8 (f16: 2 bytes, q8_0: 1.0625, q4_0: 0.5625).
+
     Parameters
     ----------
     cache : mapping or None
-        ``backend``, ``nbits`` and ``q_group_size`` of a quantized cache; None for full precision.
+        ``backend``, ``nbits`` and ``q_group_size`` of a quantized cache, or ``backend: llama_cpp``
+        with ``type_k`` and ``type_v``; None for full precision.
     element_bytes : float
         Bytes of one full-precision element (the model's dtype).
 
@@ -50,5 +69,7 @@ def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) 
     """
     if cache is None:
         return float(element_bytes)
+    if cache["backend"] == "llama_cpp":
+        return (GGML_BITS[cache["type_k"]] + GGML_BITS[cache["type_v"]]) / 16
     bits = 3.2 if (cache["backend"], int(cache["nbits"])) == ("hqq", 3) else float(cache["nbits"])
     return bits / 8 + 2.0 * float(element_bytes) / int(cache["q_group_size"])

@@ -16,18 +16,12 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvdiverge.estimation.kv_bytes import GGML_BITS
+
 __all__ = ["CACHE_TYPES", "INSTALL", "LlamaCache", "parse_cache", "require_llama_cpp"]
 
-#: The KV cache types a policy may name, with their bits per element (ggml block sizes).
-CACHE_TYPES: dict[str, float] = {
-    "f16": 16.0,
-    "q8_0": 8.5,
-    "q5_1": 6.0,
-    "q5_0": 5.5,
-    "q4_1": 5.0,
-    "q4_0": 4.5,
-    "iq4_nl": 4.5,
-}
+#: The KV cache types a policy may name, with their bits per element (ggml's block sizes, scales included).
+CACHE_TYPES: dict[str, float] = GGML_BITS
 
 #: How to install the backend, in the words every door uses.
 INSTALL = (
@@ -81,6 +75,11 @@ class LlamaCache:
     def bits(self) -> float:
         """Mean bits per cached element over K and V."""
         return (CACHE_TYPES[self.type_k] + CACHE_TYPES[self.type_v]) / 2
+
+    def describe(self) -> dict:
+        """The cache as a frontier point's ``cache_settings``: ``backend: llama_cpp``, the types and the rotation
+        (:func:`kvdiverge.estimation.kv_bytes.kv_bytes_per_element` reads the types)."""
+        return {"backend": "llama_cpp", "type_k": self.type_k, "type_v": self.type_v, "rotation": self.rotation}
 
 
 def parse_cache(spec: str) -> LlamaCache:
