@@ -108,9 +108,9 @@ def check_presses():
     presses = {n: p for n, p in CONFIG["policies"].items() if not kvdiverge.engine.llamacpp.caches.is_cache_entry(p)}
     if not presses:
         return
-    import kvdiverge.engine.presses.policies  # torch and kvpress: a run's start, never a parse
+    import kvdiverge.engine.presses.policies as press_policies  # torch and kvpress: a run's start, never a parse
 
-    problems = kvdiverge.engine.presses.policies.press_build_problems(presses)
+    problems = press_policies.press_build_problems(presses)
     if problems:
         raise WorkflowError("invalid config:\n  " + "\n  ".join(problems))
 

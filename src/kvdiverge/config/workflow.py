@@ -27,7 +27,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from kvdiverge.config.backends import backend_problems
+from kvdiverge.config.backends import backend_problems, llama_models
 from kvdiverge.config.frontier import (
     entry_takes_ratio,
     frontier_points,
@@ -436,7 +436,9 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     point is added to ``policies`` and appended to ``runs.<frontier.split>``. They share the
     split's documents, the seeds and so the common random numbers (the policy never enters
     the seeds), and the noise floor (``runs.floor``, required) runs beside them. Expanding an
-    expanded config changes nothing.
+    expanded config changes nothing. A config with a model of ``backend: llama_cpp`` keeps its
+    frontier unexpanded, for the config check to refuse
+    (:func:`kvdiverge.config.backends.backend_problems`).
 
     Parameters
     ----------
@@ -468,7 +470,7 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
     made = {p.policy for p in grid}
     problems += frontier_problems((), policies=[name for name in policies if name not in made])
-    if not f:
+    if not f or llama_models(config):  # llama.cpp runs no frontier: the config check refuses it unexpanded
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return config
