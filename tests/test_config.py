@@ -542,12 +542,11 @@ def test_the_llamacpp_config_runs_llama_cpps_cache_types_on_both_gguf_files_with
     assert caches == {
         "none": LlamaCache("f16", "f16"),
         "q8_0": LlamaCache("q8_0", "q8_0"),
-        "q8_0-norot": LlamaCache("q8_0", "q8_0", rotation=False),
         "q4_0": LlamaCache("q4_0", "q4_0"),
         "q4_0-norot": LlamaCache("q4_0", "q4_0", rotation=False),
     }
     assert policy_minimums(config) == {
-        "exploratory": dict.fromkeys(["q8_0", "q8_0-norot", "q4_0", "q4_0-norot", "none"], 1),
+        "exploratory": dict.fromkeys(["q8_0", "q4_0", "q4_0-norot", "none"], 1),
         "confirmatory": {"q4_0": 1},
     }
     assert "teacher_forced" not in raw("llamacpp.yaml")  # the pass is left out of a llama_cpp config's workflow
@@ -587,8 +586,8 @@ def test_the_llamacpp_config_dry_run_converts_nothing_and_runs_no_teacher_forced
     assert out.returncode == 0, out.stdout[-3000:]
     stats = _job_stats(out.stdout)
     assert "convert_model" not in stats and "teacher_forced" not in stats and "teacher_forced_table" not in stats
-    # 2 models x (4 exploratory policies, q4_0 on the confirmatory split, the control) x 2 shards
-    assert stats["trajectories"] == 2 * 6 * 2 and stats["estimate"] == 2 * 6 and stats["prompts"] == 2
+    # 2 models x (3 exploratory policies, q4_0 on the confirmatory split, the control) x 2 shards
+    assert stats["trajectories"] == 2 * 5 * 2 and stats["estimate"] == 2 * 5 and stats["prompts"] == 2
 
 
 def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
