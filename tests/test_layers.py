@@ -200,8 +200,8 @@ def test_estimate_stage_runs_without_torch(synthetic_shards):
 
 
 #: The engine's modules that load no torch, transformers nor kvpress when imported (docs/internals.md): the
-#: press catalogue and the cache facts the config check reads, the errors and the decoding settings, and
-#: the packages' own modules (which import nothing).
+#: press catalogue, the cache facts and llama.cpp's cache types the config check reads, the errors and the
+#: decoding settings, and the packages' own modules (which import nothing).
 TORCH_FREE_ENGINE = {
     "kvdiverge.engine",
     "kvdiverge.engine.core",
@@ -211,6 +211,8 @@ TORCH_FREE_ENGINE = {
     "kvdiverge.engine.presses",
     "kvdiverge.engine.presses.cache_facts",
     "kvdiverge.engine.presses.catalogue",
+    "kvdiverge.engine.llamacpp",
+    "kvdiverge.engine.llamacpp.caches",
 }
 
 #: A workflow parse in a fresh interpreter: ``import`` the modules ``workflow/rules/common.smk`` imports at its

@@ -355,3 +355,80 @@ def test_gemmas_sliding_window_layers_rewind_exactly_past_the_window():
             assert np.abs(got[finite] - fresh[finite]).max() < 1e-5
             checked += 1
     assert checked >= 4
+
+
+def _tiny_workflow_config() -> dict:
+    """config/llamacpp.yaml cut down: SmolLM2 alone, q4_0 and the f16 control on 2 + 1 short documents, T 4, R 2."""
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "config", "llamacpp.yaml"), encoding="utf-8") as fh:
+        config = yaml.safe_load(fh)
+    config["models"] = {"smollm2-135m": config["models"]["smollm2-135m"]}
+    config["policies"] = {k: config["policies"][k] for k in ("none", "q4_0")}
+    config["corpus"].update(min_words=150, max_words=250, documents={"exploratory": 2, "confirmatory": 1})
+    config["runs"] = {"exploratory": ["q4_0"], "confirmatory": ["q4_0"],
+                      "control": {"policy": "none", "split": "exploratory", "documents": 2}}  # fmt: skip
+    config["decoding"]["max_new_tokens"], config["replicates"], config["shards"] = 4, 2, 1
+    config["confirmatory"].update(early=[1, 1], late=[2, 3])
+    config["analysis"] = {"bootstrap": 50, "confidence": 0.95, "gaps": []}
+    config["results_dir"] = "results-llamacpp-tiny"
+    return config
+
+
+@pytest.mark.workflow
+@pytest.mark.long
+def test_the_workflow_runs_llama_cpps_cache_types_to_the_pooled_tables(path, tmp_path):
+    """A llama_cpp config through ``snakemake`` to the pooled tables: no conversion, the f16 control exactly 0 at
+    every step, q4_0's shard equal to :func:`run_caches` on the same documents, and each shard's provenance
+    recording the llama.cpp build, the cache, the rotation and the job's threads."""
+    import subprocess
+    import sys
+
+    import polars as pl
+    import yaml
+
+    from kvdiverge.config.provenance import read_provenance
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.engine.llamacpp.run import run_caches
+    from kvdiverge.jobs.shard import select_documents
+    from kvdiverge.settings.checks import config_sampling
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configfile = tmp_path / "llamacpp-tiny.yaml"
+    configfile.write_text(yaml.safe_dump(_tiny_workflow_config()))
+    results = tmp_path / "results-llamacpp-tiny"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(root, "src"),
+                                                                       os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", os.path.join(root, "Snakefile"), "--cores", "2",
+         "--configfile", str(configfile), "--directory", str(tmp_path), "results-llamacpp-tiny/analysis/pooled.parquet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert not (results / "models").exists()  # the GGUF file runs as it is
+    shards = results / "trajectories" / "smollm2-135m"
+    control = pl.read_parquet(shards / "none" / "exploratory" / "shard-0.parquet")
+    assert control.height == 2 * 2
+    assert all(np.all(np.asarray(tv, dtype=np.float64) == 0.0) for tv in control["tv"].to_list())
+    pooled = pl.read_parquet(results / "analysis" / "pooled.parquet").filter(pl.col("policy") == "none")
+    assert pooled.height == 1 and pooled["p_div"].to_list() == [0.0]
+
+    config = load_config(configfile)
+    prompts = select_documents(pl.read_parquet(results / "prompts" / "smollm2-135m.parquet"), "exploratory", 1, 0, None)
+    documents = {r["doc_id"]: list(r["input_ids"]) for r in prompts.iter_rows(named=True)}
+    model = load_model(path)
+    sampling = config_sampling(config, "smollm2-135m")
+    sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=model.eos_ids))
+    again = run_caches(model, {"q4_0": parse_cache("q4_0")}, documents, sampling, 1, split="exploratory")
+    shard = shards / "q4_0" / "exploratory" / "shard-0.parquet"
+    assert pl.read_parquet(shard).drop("seconds").equals(again.drop("seconds"))
+
+    recorded = read_provenance(shard)
+    assert recorded.settings["policy"] == {"cache": "llama_cpp", "type_k": "q4_0", "type_v": "q4_0"}
+    assert recorded.batch == {"batch_documents": 1} and recorded.eos == {"eos_ids": sorted(model.eos_ids)}
+    assert {k: v for k, v in recorded.backend.items() if k != "system_info"} == {
+        "backend": "llama_cpp", "llama_cpp_python": llama_cpp.__version__, "threads": 1,
+        "caches": {"q4_0": {"type_k": "q4_0", "type_v": "q4_0", "rotation": True, "flash_attn": True}},
+    }  # fmt: skip
+    assert recorded.backend["system_info"]

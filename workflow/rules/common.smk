@@ -8,7 +8,9 @@ import os
 import sys
 
 import kvdiverge.estimation.drift
+import kvdiverge.config.backends
 import kvdiverge.config.workflow
+import kvdiverge.engine.llamacpp.caches
 import kvdiverge.jobs.devices
 import kvdiverge.config.frontier
 import kvdiverge.jobs.params
@@ -83,6 +85,11 @@ def shard_job(wildcards):
     return job.to_params()
 
 
+# The runs of the teacher-forced pass: every run of a transformers model (llama_cpp models run the
+# coupled measurement alone, kvdiverge.config.backends).
+TEACHER_RUNS = [r for r in RUNS if not kvdiverge.config.backends.runs_on_llama_cpp(CONFIG["models"][r[0]])]
+
+
 def teacher_job(wildcards):
     """The settings of a model's teacher-forced job (rule teacher_forced), every run of the model."""
     return kvdiverge.jobs.params.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
@@ -90,11 +97,20 @@ def teacher_job(wildcards):
 
 def check_presses():
     """What kvpress's own checks refuse of each policy's press (kvdiverge.engine.presses.policies.press_build_problems:
-    the press built once, which loads torch), as the config check's error. Called once, by the Snakefile's
-    onstart: a run, not a dry run, and no job's parse; the parse checks the rest from the press catalogue."""
-    import kvdiverge.engine.presses.policies  # torch and kvpress: a run's start, never a parse
+    the press built once, which loads torch), as the config check's error, and a llama_cpp model without
+    llama-cpp-python, in the sentence that says how to install it (kvdiverge.config.backends.require_backends).
+    Called once, by the Snakefile's onstart: a run, not a dry run, and no job's parse; the parse checks the
+    rest from the press catalogue. A llama.cpp cache is no press: a config of llama.cpp caches alone loads no torch."""
+    try:
+        kvdiverge.config.backends.require_backends(CONFIG)
+    except ModuleNotFoundError as exc:
+        raise WorkflowError(str(exc)) from None
+    presses = {n: p for n, p in CONFIG["policies"].items() if not kvdiverge.engine.llamacpp.caches.is_cache_entry(p)}
+    if not presses:
+        return
+    import kvdiverge.engine.presses.policies as press_policies  # torch and kvpress: a run's start, never a parse
 
-    problems = kvdiverge.engine.presses.policies.press_build_problems(CONFIG["policies"])
+    problems = press_policies.press_build_problems(presses)
     if problems:
         raise WorkflowError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -277,8 +293,11 @@ def register_gpu_cap():
 
 
 def converted_model(wildcards):
-    """The converted model directory that the prompts and shard jobs load from, if its model is a GGUF file."""
+    """The converted model directory that the shard and teacher-forced jobs load from, if its model is a GGUF
+    file that transformers runs (a llama_cpp model runs the GGUF file itself: no conversion)."""
     spec = CONFIG["models"][wildcards.model]
+    if kvdiverge.config.backends.runs_on_llama_cpp(spec):
+        return []
     return MODEL_DIR.format(model=wildcards.model) if spec.get("gguf_file") else []
 
 
@@ -390,7 +409,8 @@ def all_targets(wildcards):
         outputs += [rules.frontier.output.parquet, rules.frontier.output.areas_parquet, rules.frontier_page.output[0]]
     if TASK_RUNS:
         outputs += expand(rules.task.output.accuracy, model=MODELS)
-    outputs += [rules.teacher_forced_table.output.parquet, rules.teacher_forced_table.output.documents_parquet]
+    if TEACHER_RUNS:
+        outputs += [rules.teacher_forced_table.output.parquet, rules.teacher_forced_table.output.documents_parquet]
     if PREDICTION_SIDES:
         outputs += expand(rules.prediction.output.prediction_parquet, model=MODELS)
     return outputs

@@ -9,6 +9,7 @@
 # once and its reference side run once for every policy that runs on it. Its rerun key is its
 # own (teacher_job): the teacher_forced section reruns no trajectory shard, and decoding,
 # replicates and shards rerun no teacher-forced job.
+# A llama_cpp model has no teacher-forced pass (TEACHER_RUNS, common.smk).
 # The `teacher_forced` table beside `pool`: llama.cpp's --kl-divergence statistics per
 # (model, policy, split) with document-bootstrap intervals and the noise floor beside each
 # policy; `teacher_forced_documents` holds the headline means per document (joins on doc_id).
@@ -40,8 +41,8 @@ rule teacher_forced:
 
 rule teacher_forced_table:
     input:
-        # the positions of every run (the control and the noise floor included)
-        run_files(TEACHER),
+        # the positions of every run (the control and the noise floor included) of a transformers model
+        run_files(TEACHER, TEACHER_RUNS),
     output:
         parquet=f"{ANALYSIS}/teacher_forced.parquet",
         csv=table_report(f"{ANALYSIS}/teacher_forced.csv", "teacher_forced", "teacher-forced fidelity"),

@@ -3,7 +3,8 @@
 The job reads its settings from ``params.settings`` (kvdiverge.jobs.params.ShardSettings, its
 rerun key) and, besides them, only how to batch: the config's ``generation`` section, which
 decides no result. A CUDA model is bound to a free GPU of its own for the duration of the
-shard (kvdiverge.jobs.params.job_model_entry), so that local generation jobs never share a GPU.
+shard (kvdiverge.jobs.params.job_model_entry), so that local generation jobs never share a GPU. A model of
+backend llama_cpp runs its GGUF file with the job's threads.
 """
 
 import torch
@@ -22,5 +23,6 @@ with rule_log(snakemake.log[0], snakemake.rule, "trajectory shard") as log:
             list(snakemake.output),
             model_spec=spec,
             options=generation_options(snakemake.config.get("generation")),
+            threads=snakemake.threads,
         )
     log.info("wrote %s: %d rows", ", ".join(snakemake.output), frame.height)

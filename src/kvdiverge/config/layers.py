@@ -30,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kvdiverge.config.backends import runs_on_llama_cpp
 from kvdiverge.config.frontier import frontier_points
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.engine.presses.cache_facts import FULL, SLIDING, question_after_refusal
@@ -197,10 +198,13 @@ def layer_problems(config: Mapping[str, Any], scheduled: Sequence[str]) -> list[
     Returns
     -------
     list of str
-        Empty when no model has sliding-window layers or nothing scheduled is refused there.
+        Empty when no model has sliding-window layers or nothing scheduled is refused there. A model of
+        ``backend: llama_cpp`` is left out: llama.cpp caches its sliding-window layers itself.
     """
     out: list[str] = []
     for model, spec in config.get("models", {}).items():
+        if runs_on_llama_cpp(spec):  # llama.cpp keeps the sliding-window layers' cache itself, in every cache type
+            continue
         layers = entry_layers(spec, model)
         if layers is not None and SLIDING in layers.layer_types:
             out += _sliding_problems(config, model, layers, _by_key(config, scheduled))

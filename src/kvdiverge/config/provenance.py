@@ -22,6 +22,11 @@ so each shard also carries its settings inside the file, as parquet key-value me
     ``{"eos_ids": [...]}``: the end-of-sequence ids the model stopped at (its generation
     config's; null when no document ran), as JSON: what the length drift reads stops with
     (:mod:`kvdiverge.estimation.drift`). The model's, not a setting.
+``kvdiverge.backend``
+    A shard of a llama_cpp model only (:func:`backend_metadata`): the llama.cpp build, the policy's cache
+    types, rotation and flash attention, and the threads
+    (:func:`kvdiverge.engine.llamacpp.run.provenance`), as JSON. Not settings: the threads come from the
+    job, and the build from the machine; both can change the numbers, so they are recorded.
 
 The estimate stage calls :func:`check_shards`, which refuses shards whose settings differ
 from the current config or from each other, naming the setting, both values and the
@@ -78,6 +83,8 @@ __all__ = [
     "compressed_layers",
     "layers_metadata",
     "KEY_LAYERS",
+    "KEY_BACKEND",
+    "backend_metadata",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +96,7 @@ KEY_SHARD = "kvdiverge.shard"
 KEY_BATCH = "kvdiverge.batch"
 KEY_EOS = "kvdiverge.eos"
 KEY_LAYERS = "kvdiverge.layers"
+KEY_BACKEND = "kvdiverge.backend"
 #: Libraries whose versions a shard records (besides Python); numbers may change with them.
 LIBRARIES = ("torch", "transformers", "kvpress", "kvdiverge")
 #: Environment variable through which the workflow tells its scripts its config files
@@ -240,6 +248,12 @@ def layers_metadata(layers: Mapping[str, Any] | None) -> dict[str, str]:
     return {} if layers is None else {KEY_LAYERS: _json(dict(layers))}
 
 
+def backend_metadata(record: Mapping[str, Any] | None) -> dict[str, str]:
+    """Parquet key-value metadata of the engine a shard ran on besides transformers: ``record`` is
+    :func:`kvdiverge.engine.llamacpp.run.provenance` of the shard's policy (None: transformers, no entry)."""
+    return {} if record is None else {KEY_BACKEND: _json(dict(record))}
+
+
 def compressed_layers(layers: Mapping[str, Any]) -> str:
     """The layers a press compresses, in words: ``"all 30"``, or for a model with sliding-window
     layers ``"3 of 18 (5, 11, 17); 15 sliding-window layers of 512 tokens kept whole"``; ``""``
@@ -259,7 +273,8 @@ def compressed_layers(layers: Mapping[str, Any]) -> str:
 @dataclass(frozen=True)
 class ShardProvenance:
     """The recorded provenance of one shard file (``settings`` is None when none was recorded;
-    ``batch`` is ``{"batch_documents": B}`` and ``eos`` ``{"eos_ids": [...]}``, empty when not recorded)."""
+    ``batch`` is ``{"batch_documents": B}`` and ``eos`` ``{"eos_ids": [...]}``, empty when not recorded;
+    ``backend`` the llama.cpp build, cache and threads of a llama_cpp model's shard, empty for transformers)."""
 
     path: str
     settings: dict[str, Any] | None
@@ -269,6 +284,7 @@ class ShardProvenance:
     batch: dict[str, Any] = field(default_factory=dict)
     eos: dict[str, Any] = field(default_factory=dict)
     layers: dict[str, Any] = field(default_factory=dict)
+    backend: dict[str, Any] = field(default_factory=dict)
 
 
 def read_provenance(path: str | os.PathLike) -> ShardProvenance:
@@ -291,6 +307,7 @@ def read_provenance(path: str | os.PathLike) -> ShardProvenance:
         json.loads(meta.get(KEY_BATCH, "{}")),
         json.loads(meta.get(KEY_EOS, "{}")),
         json.loads(meta.get(KEY_LAYERS, "{}")),
+        json.loads(meta.get(KEY_BACKEND, "{}")),
     )
 
 

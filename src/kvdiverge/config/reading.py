@@ -90,13 +90,15 @@ def _allowed_keys(schema: dict[str, Any]) -> list[str]:
 
 
 def _foreign_source_key(error, where: str) -> str:
-    """:func:`format_error` of a model entry's key that belongs to another source (the schema's
-    ``dependentSchemas``), naming the key, its sources and the entry's."""
-    path = list(error.schema_path)
-    key = key_path([*list(error.absolute_path)[:-1], path[path.index("dependentSchemas") + 1]])
+    """:func:`format_error` of an entry's key that belongs to another kind (the schema's ``dependentSchemas``:
+    a model entry's key of another ``source``, a policy's key of another ``cache``), naming the key, its
+    kinds and the entry's."""
+    path, at = list(error.schema_path), list(error.absolute_path)
+    key = key_path([*at[:-1], path[path.index("dependentSchemas") + 1]])
+    kind = str(at[-1]) if at else "source"
     return (
-        f"{key}: a key of source {' or '.join(error.validator_value)}, which source {error.instance!r} "
-        f"({where}) would ignore; remove it or change the source"
+        f"{key}: a key of {kind} {' or '.join(error.validator_value)}, which {kind} {error.instance!r} "
+        f"({where}) would ignore; remove it or change the {kind}"
     )
 
 

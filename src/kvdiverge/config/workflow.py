@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from kvdiverge.config.backends import backend_problems, llama_models
 from kvdiverge.config.frontier import (
     entry_takes_ratio,
     frontier_points,
@@ -39,6 +40,7 @@ from kvdiverge.config.reading import ConfigError as ConfigError  # re-exported: 
 from kvdiverge.config.reading import format_error, non_finite_problems, read_yaml, schema_validator
 from kvdiverge.config.task_checks import prediction_block_problems, task_block_problems
 from kvdiverge.data.prompts import parse_date
+from kvdiverge.engine.llamacpp.caches import is_cache_entry
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.estimation.drift import drift_problems
 from kvdiverge.estimation.frontier import FrontierPoint
@@ -60,6 +62,7 @@ def validate(
         Listing every schema violation and every broken cross-reference.
     """
     schema = load_schema(schema_path)
+    given = set(config)  # the top-level keys as written, before the schema's defaults
     config = copy.deepcopy(config)
     validator = schema_validator(schema, set_defaults)
     lines = list(non_finite_problems(config))
@@ -75,7 +78,7 @@ def validate(
                 lines.append(line)
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
     config = expand_frontier(config, schema)
-    check(config)
+    check(config, given)
     return config
 
 
@@ -141,8 +144,13 @@ def policy_problems(policies: dict[str, Any]) -> list[str]:
     """What is wrong with each policy, by the press catalogue (:func:`kvdiverge.engine.presses.catalogue.entry_problem`:
     unknown presses and parameters of nested presses, ratio or budget, refused presses and what they need),
     one line each, in the engine's sentences; kvpress's own checks of a value run where the press is built
-    (:func:`kvdiverge.engine.presses.policies.press_build_problems`)."""
-    return [f"policies.{name}: {p}" for name, spec in policies.items() if (p := catalogue.entry_problem(spec))]
+    (:func:`kvdiverge.engine.presses.policies.press_build_problems`). A llama.cpp cache (``cache: llama_cpp``)
+    is no press: :func:`kvdiverge.config.backends.backend_problems` checks it."""
+    return [
+        f"policies.{name}: {p}"
+        for name, spec in policies.items()
+        if not is_cache_entry(spec) and (p := catalogue.entry_problem(spec))
+    ]
 
 
 def own_presses(config: Mapping[str, Any]) -> None:
@@ -166,7 +174,7 @@ def own_presses(config: Mapping[str, Any]) -> None:
             catalogue.register(name, str(exc))
 
 
-def check(config: dict[str, Any]) -> None:
+def check(config: dict[str, Any], given: Collection[str] | None = None) -> None:
     """Check the cross-references a schema cannot express.
 
     Every policy must name presses and parameters that exist, and kvdiverge must measure them
@@ -177,7 +185,9 @@ def check(config: dict[str, Any]) -> None:
     a real calendar date; the loop settings must fit the horizon. What a job would refuse is
     refused here, by the functions the jobs and :func:`kvdiverge.measure` call: the task blocks
     (:mod:`kvdiverge.config.task_checks`), a miniature's vocabulary, and what a model's
-    sliding-window layers refuse (:mod:`kvdiverge.config.layers`).
+    sliding-window layers refuse (:mod:`kvdiverge.config.layers`), and what a model's backend cannot run
+    (:func:`kvdiverge.config.backends.backend_problems`; ``given``, the top-level keys the file gave before
+    the schema's defaults, says whether a ``teacher_forced`` section was asked for; None: every key).
 
     Raises
     ------
@@ -205,6 +215,7 @@ def check(config: dict[str, Any]) -> None:
         _model_problems,
     ):
         part(config, need_policy, problems)
+    problems += backend_problems(config, scheduled_policies(config), given)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -425,7 +436,9 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
     point is added to ``policies`` and appended to ``runs.<frontier.split>``. They share the
     split's documents, the seeds and so the common random numbers (the policy never enters
     the seeds), and the noise floor (``runs.floor``, required) runs beside them. Expanding an
-    expanded config changes nothing.
+    expanded config changes nothing. A config with a model of ``backend: llama_cpp`` keeps its
+    frontier unexpanded, for the config check to refuse
+    (:func:`kvdiverge.config.backends.backend_problems`).
 
     Parameters
     ----------
@@ -457,7 +470,7 @@ def expand_frontier(config: dict[str, Any], schema: dict[str, Any] | None = None
         raise ConfigError(f"invalid config:\n  frontier: {exc}") from None
     made = {p.policy for p in grid}
     problems += frontier_problems((), policies=[name for name in policies if name not in made])
-    if not f:
+    if not f or llama_models(config):  # llama.cpp runs no frontier: the config check refuses it unexpanded
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return config

@@ -37,6 +37,7 @@ from typing import Any
 
 import polars as pl
 
+from kvdiverge.engine.llamacpp.caches import is_cache_entry
 from kvdiverge.engine.presses import catalogue
 
 #: The date chat templates see when the config names none (``prompt.date``, ISO 8601).
@@ -241,11 +242,16 @@ def split_policies(config: dict[str, Any]) -> dict[str, list[str]]:
 
 def policy_minimums(config: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per split: ``{policy: minimum prompt tokens}`` for the policies run on it
-    (:func:`kvdiverge.engine.presses.catalogue.min_prompt_tokens`)."""
+    (:func:`kvdiverge.engine.presses.catalogue.min_prompt_tokens`; 1 for a llama.cpp cache, which keeps
+    every position)."""
     return {
-        split: {name: int(catalogue.min_prompt_tokens(config["policies"][name])) for name in names}
+        split: {name: _min_prompt_tokens(config["policies"][name]) for name in names}
         for split, names in split_policies(config).items()
     }
+
+
+def _min_prompt_tokens(entry: dict[str, Any]) -> int:
+    return 1 if is_cache_entry(entry) else int(catalogue.min_prompt_tokens(entry))
 
 
 def exclusion_reason(n_tokens: int, minimums: dict[str, int], context: int, max_new_tokens: int) -> str | None:

@@ -12,7 +12,7 @@ KV-bytes axis, counted from the GGUF file's header (:func:`kvdiverge.config.laye
 Example::
 
     import llama_cpp
-    from kvdiverge.engine.llamacpp.caches import LlamaCache
+    from kvdiverge.engine.llamacpp.caches import LlamaCache, not_run_sentence
 
     llm = llama_cpp.Llama("SmolLM2-135M-Instruct.Q4_1.gguf", n_threads=2, verbose=False)
     m = kvdiverge.measure(llm, tokenizer, prompts, {"q8_0": LlamaCache("q8_0", "q8_0"),
@@ -29,7 +29,7 @@ from kvdiverge.config.inputs import check_lengths
 from kvdiverge.config.layers import gguf_kv_sizes
 from kvdiverge.doors import measuring
 from kvdiverge.doors.results import Measurement
-from kvdiverge.engine.llamacpp.caches import LlamaCache
+from kvdiverge.engine.llamacpp.caches import LlamaCache, not_run_sentence
 from kvdiverge.engine.llamacpp.context import load_model
 from kvdiverge.engine.llamacpp.run import check_policies, provenance, run_caches
 from kvdiverge.engine.runner import PolicyRuns
@@ -38,14 +38,15 @@ from kvdiverge.settings.checks import eos_id_problems, token_id_problems
 
 __all__ = ["cache_points", "is_llama_model", "is_llama_policies", "llama_problems", "run_llama_plan"]
 
-#: What the llama_cpp backend does not run, by the option that asks for it.
+#: What the llama_cpp backend does not run (a kind of :data:`kvdiverge.engine.llamacpp.caches.NOT_RUN`), by the
+#: option that asks for it.
 _NOT_RUN = {
-    "ratios": "a frontier of ratios or budgets (kvpress presses)",
-    "budgets": "a frontier of ratios or budgets (kvpress presses)",
-    "caches": "a frontier of quanto caches",
-    "task": "a task",
-    "teacher_tokens": "the teacher-forced pass",
-    "teacher_target": "the teacher-forced pass",
+    "ratios": "frontier",
+    "budgets": "frontier",
+    "caches": "quanto",
+    "task": "task",
+    "teacher_tokens": "teacher",
+    "teacher_target": "teacher",
 }
 
 
@@ -68,13 +69,10 @@ def llama_problems(presses: Mapping[str, Any], opts: measuring.MeasureOptions) -
     except ValueError as exc:
         out.append(str(exc))
     said = set()
-    for option, what in _NOT_RUN.items():
-        if getattr(opts, option) is not None and what not in said:
-            said.add(what)
-            out.append(
-                f"{option}: the llama_cpp backend runs the coupled measurement of KV cache types, not {what}; "
-                f"leave {option} out with llama.cpp cache policies"
-            )
+    for option, kind in _NOT_RUN.items():
+        if getattr(opts, option) is not None and kind not in said:
+            said.add(kind)
+            out.append(not_run_sentence(option, kind, "llama.cpp cache policies"))
     return out
 
 

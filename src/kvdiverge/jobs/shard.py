@@ -1,4 +1,10 @@
-"""The workflow's shard job: the documents of one shard through the runner, written atomically."""
+"""The workflow's shard job: the documents of one shard through the runner, written atomically.
+
+A model of ``backend: llama_cpp`` (:mod:`kvdiverge.config.backends`) runs its GGUF file in llama.cpp
+instead: each policy is a llama.cpp cache (:func:`kvdiverge.engine.llamacpp.caches.cache_from_entry`),
+measured against the f16 cache by :func:`kvdiverge.engine.llamacpp.run.run_caches`, and its shard records
+the llama.cpp build, rotation and threads beside the settings.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,25 @@ from typing import Any
 import polars as pl
 from tqdm.auto import tqdm
 
-from kvdiverge.config.provenance import layers_metadata, shard_metadata
+from kvdiverge.config.backends import runs_on_llama_cpp
+from kvdiverge.config.provenance import backend_metadata, layers_metadata, shard_metadata
 from kvdiverge.config.workflow import control_documents
+from kvdiverge.engine.llamacpp import context as llama_context
+from kvdiverge.engine.llamacpp.caches import cache_from_entry
+from kvdiverge.engine.llamacpp.run import provenance as llama_provenance
+from kvdiverge.engine.llamacpp.run import run_caches
 from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.presses.layer_types import layers_of
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
+from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
 from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.jobs.params import ShardSettings
 from kvdiverge.models.loading import load_model
+from kvdiverge.models.sources import gguf_path
 from kvdiverge.settings.checks import config_sampling
 
-__all__ = ["shard_documents", "select_documents", "generation_options", "run_shard"]
+__all__ = ["shard_documents", "select_documents", "generation_options", "run_shard", "run_llama_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +96,15 @@ def run_shard(
     model=None,
     model_spec: dict[str, Any] | None = None,
     options: RunOptions | None = None,
+    threads: int = 1,
 ) -> pl.DataFrame:
     """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
 
     Policies that run on the same documents run in one call of the runner
     (:func:`kvdiverge.engine.runner.run_policies`): one model load, and each document
-    prefilled once for the policies whose presses allow it (the frontier's job).
+    prefilled once for the policies whose presses allow it (the frontier's job). A model entry of
+    ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or a ``llama_cpp.Llama``, else the
+    entry's file) in llama.cpp instead (:func:`run_llama_shard`).
 
     Parameters
     ----------
@@ -109,6 +125,9 @@ def run_shard(
     options : kvdiverge.engine.runner.RunOptions, optional
         How the runner batches (config ``generation``: :func:`generation_options`); default
         ``batch_documents: auto``. A progress bar per policy is added when it has none.
+    threads : int
+        CPU threads of each llama.cpp context (a model of ``backend: llama_cpp``: the job's threads);
+        transformers reads torch's.
 
     Returns
     -------
@@ -131,6 +150,9 @@ def run_shard(
     if len(names) != len(outputs):
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     groups = _document_groups(pl.read_parquet(prompts_path), settings)
+    if runs_on_llama_cpp(model_spec or settings.model_entry()):
+        source = model if model is not None else gguf_path(model_spec or settings.model_entry(), settings.model)
+        return run_llama_shard(settings, groups, outputs, source, options, threads)
     if model is None and any(groups):
         model, _ = load_model(model_spec or settings.model_entry(), settings.model)
     first = settings.settings[names[0]]
@@ -165,6 +187,61 @@ def run_shard(
             batch_documents=batch[name],
             eos_ids=None if batch[name] is None else eos_ids,
         )
+        write_parquet_atomic(frames[name], path, metadata=provenance)
+    return pl.concat([frames[name] for name in names])
+
+
+def run_llama_shard(
+    settings: ShardSettings,
+    groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]],
+    outputs: Sequence[str | os.PathLike],
+    model,
+    options: RunOptions | None,
+    threads: int,
+) -> pl.DataFrame:
+    """:func:`run_shard` of a model of ``backend: llama_cpp``: each policy's llama.cpp cache against the f16
+    cache, on the documents each policy runs on, one document at a time.
+
+    ``model`` is the GGUF file (or a ``llama_cpp.Llama``), loaded once when a document runs. Each shard
+    records, beside :func:`kvdiverge.config.provenance.shard_metadata` (``batch_documents`` 1, the
+    vocabulary's end-of-sequence ids), its policy's :func:`kvdiverge.engine.llamacpp.run.provenance`
+    (:func:`kvdiverge.config.provenance.backend_metadata`).
+
+    Raises
+    ------
+    ModuleNotFoundError
+        Without llama_cpp (:data:`kvdiverge.engine.llamacpp.caches.INSTALL`).
+    ValueError
+        A repetition penalty, which the backend does not run.
+    """
+    names = list(settings.policies)
+    caches = {name: cache_from_entry(settings.settings[name]["policy"]) for name in names}
+    sampling = config_sampling(settings.settings[names[0]], settings.model)
+    loaded = llama_context.load_model(model) if any(groups) else None
+    eos = sampling.eos_ids if sampling.eos_ids is not None or loaded is None else loaded.eos_ids
+    sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos))
+    progress = _with_progress(options or RunOptions(), settings).progress
+    frames: dict[str, pl.DataFrame] = {}
+    for docs, group in groups.values():
+        documents = {row["doc_id"]: list(row["input_ids"]) for row in docs.iter_rows(named=True)}
+        frame = (
+            run_caches(loaded, {n: caches[n] for n in group}, documents, sampling, threads, split=settings.split,
+                       progress=progress)
+            if documents
+            else pl.DataFrame(schema=TRAJECTORY_SCHEMA)
+        )  # fmt: skip
+        frames |= {name: frame.filter(pl.col("policy") == name) for name in group}
+    for name, path in zip(names, outputs):
+        ran = frames[name].height > 0
+        provenance = shard_metadata(
+            settings.settings[name],
+            model=settings.model,
+            policy=name,
+            split=settings.split,
+            shard=settings.shard,
+            batch_documents=1 if ran else None,
+            eos_ids=eos if ran else None,
+        ) | backend_metadata(llama_provenance({name: caches[name]}, threads))
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
 

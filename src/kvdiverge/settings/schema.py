@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from kvdiverge.engine.core.sampling import decoding_options  # torch-free: the engine packages import nothing
+from kvdiverge.engine.llamacpp.caches import CACHE_TYPES
 
 __all__ = ["SCHEMA_PATH", "load_schema"]
 
@@ -46,11 +47,17 @@ def load_schema(path: str | os.PathLike | None = None) -> dict[str, Any]:
 @functools.lru_cache(maxsize=8)
 def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
     """The schema file ``path`` as parsed at modification time ``mtime_ns`` (cached), with each decoding
-    setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field."""
+    setting's type and range from its :class:`~kvdiverge.engine.core.sampling.Decoding` field, and the
+    llama.cpp cache types of a policy's ``type_k`` and ``type_v`` from
+    :data:`kvdiverge.engine.llamacpp.caches.CACHE_TYPES`."""
     with open(path, encoding="utf-8") as fh:
         schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     decoding = schema.get("properties", {}).get("decoding", {}).get("properties")
     if decoding is not None:  # each decoding setting's type and range: its Decoding field's
         for name, option in decoding_options().items():
             decoding[name] = {"description": option["help"], **decoding.get(name, {}), **option["schema"]}
+    policy = schema.get("$defs", {}).get("policy", {}).get("properties", {})
+    for key in ("type_k", "type_v"):  # llama.cpp's cache types: the engine's list
+        if key in policy:
+            policy[key]["enum"] = list(CACHE_TYPES)
     return schema

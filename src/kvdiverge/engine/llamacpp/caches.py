@@ -1,8 +1,12 @@
 """llama.cpp KV cache policies: the cache types of K and V, the Hadamard rotation, flash attention.
 
 A policy is a :class:`LlamaCache`; :func:`parse_cache` reads the command line's spelling
-(``q4_0``, ``q4_0/q8_0`` for K/V, a ``:norot`` suffix for rotation off). Nothing here imports
-``llama_cpp``: :func:`require_llama_cpp` does, and says in one sentence how to install it.
+(``q4_0``, ``q4_0/q8_0`` for K/V, a ``:norot`` suffix for rotation off), :func:`cache_from_entry` a
+config's (``{cache: llama_cpp, type_k: q4_0, type_v: q4_0, rotation: false}``). The sentences in which
+every door refuses what the backend does not run are here too (:func:`not_run_sentence`,
+:func:`refused_policy`, :func:`penalty_problem`), so that the config check says what the engine says.
+Nothing here imports torch or ``llama_cpp``: :func:`require_llama_cpp` does, and says in one sentence how
+to install it.
 
 Rotation: since llama.cpp PR #21038 a quantized KV cache of a head dimension divisible by 64 is
 stored Hadamard-rotated; the library reads the environment variable ``LLAMA_ATTN_ROT_DISABLE``
@@ -13,12 +17,28 @@ context's creation and each context keeps its own setting.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from kvdiverge.estimation.kv_bytes import GGML_BITS
 
-__all__ = ["CACHE_TYPES", "INSTALL", "LlamaCache", "parse_cache", "require_llama_cpp"]
+__all__ = [
+    "CACHE_TYPES",
+    "CONFIG_CACHE",
+    "ENTRY_KEYS",
+    "INSTALL",
+    "NOT_RUN",
+    "LlamaCache",
+    "cache_from_entry",
+    "is_cache_entry",
+    "not_run_sentence",
+    "parse_cache",
+    "penalty_problem",
+    "refused_policy",
+    "require_llama_cpp",
+]
 
 #: The KV cache types a policy may name, with their bits per element (ggml's block sizes, scales included).
 CACHE_TYPES: dict[str, float] = GGML_BITS
@@ -28,6 +48,44 @@ INSTALL = (
     "the llama_cpp backend needs llama-cpp-python: install it with `pip install kvdiverge[llamacpp]` "
     "or `make llamacpp` (a source build of about 8-16 minutes on 2 cores; pip's wheel cache makes a rebuild free)"
 )
+
+#: The ``cache:`` value of a config's policy entry that is a llama.cpp cache.
+CONFIG_CACHE = "llama_cpp"
+#: The keys of such an entry (:func:`cache_from_entry`).
+ENTRY_KEYS = ("cache", "type_k", "type_v", "rotation")
+
+#: What the llama_cpp backend does not run, by its kind: each door names it by its own option or config key.
+NOT_RUN = {
+    "frontier": "a frontier of ratios or budgets (kvpress presses)",
+    "quanto": "a frontier of quanto caches",
+    "task": "a task",
+    "teacher": "the teacher-forced pass",
+    "prediction": "the prediction study (a frontier's task sides)",
+}
+
+
+def not_run_sentence(key: str, kind: str, beside: str) -> str:
+    """The refusal of ``key``, a door's option or config key that asks for what the backend does not run
+    (``kind``, a key of :data:`NOT_RUN`), beside ``beside`` (what makes it the llama_cpp backend)."""
+    return (
+        f"{key}: the llama_cpp backend runs the coupled measurement of KV cache types, not {NOT_RUN[kind]}; "
+        f"leave {key} out with {beside}"
+    )
+
+
+def refused_policy(what: str, where: str = "the llama_cpp backend") -> str:
+    """The refusal of a policy that is no llama.cpp cache (``what``: the policy, its press) on ``where``."""
+    return (
+        f"{what} cannot run on {where}: it measures KV cache types ({', '.join(CACHE_TYPES)}), "
+        "not kvpress presses or quanto caches"
+    )
+
+
+def penalty_problem(key: str, value: float) -> str | None:
+    """The refusal of a repetition penalty ``value`` (``key`` as the door spells it), or None for 1 (none)."""
+    if value == 1:
+        return None
+    return f"{key} {value!r} is not supported by the llama_cpp backend; allowed: 1"
 
 
 @dataclass(frozen=True)
@@ -97,6 +155,27 @@ def parse_cache(spec: str) -> LlamaCache:
     if k not in CACHE_TYPES or (v and v not in CACHE_TYPES):
         raise ValueError(f"--cache {spec!r}: cache types must be among {', '.join(CACHE_TYPES)}")
     return LlamaCache(type_k=k, type_v=v or k, rotation=suffix != "norot")
+
+
+def is_cache_entry(entry: Any) -> bool:
+    """True for a config's policy entry that is a llama.cpp cache (``cache: llama_cpp``)."""
+    return isinstance(entry, Mapping) and entry.get("cache") == CONFIG_CACHE
+
+
+def cache_from_entry(entry: Mapping[str, Any]) -> LlamaCache:
+    """The :class:`LlamaCache` of a config's policy entry: ``type_k`` and ``type_v`` (each ``f16`` when
+    absent), ``rotation`` (on when absent).
+
+    Raises
+    ------
+    ValueError
+        A cache type outside :data:`CACHE_TYPES` (the schema refuses it first).
+    """
+    return LlamaCache(
+        type_k=str(entry.get("type_k", "f16")),
+        type_v=str(entry.get("type_v", "f16")),
+        rotation=bool(entry.get("rotation", True)),
+    )
 
 
 def require_llama_cpp() -> ModuleType:

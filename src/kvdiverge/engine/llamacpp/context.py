@@ -61,13 +61,16 @@ def _quiet(L) -> None:
 
 
 def load_model(model) -> LoadedModel:
-    """A GGUF path or a ``llama_cpp.Llama`` as a :class:`LoadedModel` (weights on the CPU).
+    """A GGUF path or a ``llama_cpp.Llama`` as a :class:`LoadedModel` (weights on the CPU); a
+    :class:`LoadedModel` as it is.
 
     Raises
     ------
     FileNotFoundError
         A path that is not a file.
     """
+    if isinstance(model, LoadedModel):
+        return model
     L = require_llama_cpp()
     _quiet(L)
     if isinstance(model, L.Llama):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llamacpp.caches import LlamaCache
+from kvdiverge.engine.llamacpp.caches import LlamaCache, penalty_problem
 from kvdiverge.engine.llamacpp.context import LlamaContext, LoadedModel
 
 __all__ = ["FULL", "LlamaKernelPair", "forced_kld", "log_softmax"]
@@ -71,11 +71,9 @@ class LlamaKernelPair:
         ValueError
             A repetition penalty other than 1.
         """
-        if sampling.decoding.repetition_penalty != 1:
-            raise ValueError(
-                f"repetition_penalty {sampling.decoding.repetition_penalty!r} is not supported by the llama_cpp "
-                "backend; allowed: 1"
-            )
+        problem = penalty_problem("repetition_penalty", sampling.decoding.repetition_penalty)
+        if problem:
+            raise ValueError(problem)
 
     def _log_probs(self, logits: np.ndarray) -> torch.Tensor:
         return self.sampling.decoding.log_probs(torch.from_numpy(logits), torch.float64)

@@ -18,7 +18,7 @@ import polars as pl
 
 from kvdiverge.engine.core.coupled import run_batch, to_frame
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llamacpp.caches import LlamaCache
+from kvdiverge.engine.llamacpp.caches import LlamaCache, refused_policy
 from kvdiverge.engine.llamacpp.context import build_info, load_model
 from kvdiverge.engine.llamacpp.pair import LlamaKernelPair
 
@@ -35,10 +35,7 @@ def check_policies(policies: Mapping[str, Any]) -> None:
     """
     for name, policy in policies.items():
         if not isinstance(policy, LlamaCache):
-            raise ValueError(
-                f"policy {name!r} ({type(policy).__name__}) cannot run on the llama_cpp backend: it measures KV "
-                "cache types (f16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl), not kvpress presses"
-            )
+            raise ValueError(refused_policy(f"policy {name!r} ({type(policy).__name__})"))
 
 
 def provenance(policies: Mapping[str, LlamaCache], threads: int) -> dict[str, Any]:
@@ -64,8 +61,9 @@ def run_caches(
 
     Parameters
     ----------
-    model : str, os.PathLike or llama_cpp.Llama
-        A GGUF file, or a loaded ``llama_cpp.Llama`` (its weights are shared, its context unused).
+    model : str, os.PathLike, llama_cpp.Llama or LoadedModel
+        A GGUF file, a loaded ``llama_cpp.Llama`` (its weights are shared, its context unused), or a model
+        :func:`kvdiverge.engine.llamacpp.context.load_model` loaded.
     policies : mapping of str to LlamaCache
         Policy name to cache; checked first (:func:`check_policies`).
     documents : mapping of str to sequence of int
