@@ -9,6 +9,7 @@ import sys
 
 import kvdiverge.estimation.drift
 import kvdiverge.config.backends
+import kvdiverge.config.reading
 import kvdiverge.config.workflow
 import kvdiverge.engine.llamacpp.caches
 import kvdiverge.jobs.devices
@@ -23,12 +24,12 @@ import kvdiverge.config.provenance
 # `frontier` section expanded into ordinary policies (<press>@<ratio>) scheduled on its
 # split. Snakemake's own `config` stays as read from the files; the rules read CONFIG.
 # Snakemake's YAML reader keeps the last of two equal keys, so each config file is read
-# again by kvdiverge.config.workflow.read_yaml, which refuses duplicate keys with their lines.
+# again by kvdiverge.config.reading.read_yaml, which refuses duplicate keys with their lines.
 try:
     for _configfile in workflow.configfiles:
-        kvdiverge.config.workflow.read_yaml(_configfile)
+        kvdiverge.config.reading.read_yaml(_configfile)
     CONFIG = kvdiverge.config.workflow.validate(config)  # the package's schema (SCHEMA_PATH)
-except kvdiverge.config.workflow.ConfigError as exc:
+except kvdiverge.config.reading.ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 SPLITS = ("exploratory", "confirmatory")

@@ -16,7 +16,7 @@ budgets) is expanded here, through :mod:`kvdiverge.config.frontier`, into one or
 frontier's split (:func:`expand_frontier`): every stage, :func:`runs`, sharding, caching
 and provenance then treat them as any policy.
 
-Errors are :class:`ConfigError` with one line per problem, naming the key path
+Errors are :class:`~kvdiverge.config.reading.ConfigError` with one line per problem, naming the key path
 (e.g. ``corpus.min_words``) and the allowed values.
 """
 
@@ -89,7 +89,7 @@ def load_config(path: str | os.PathLike, schema_path: str | os.PathLike | None =
     ------
     ConfigError
         If the file does not validate (the message names the keys), or a key appears
-        twice in one mapping (:func:`read_yaml`).
+        twice in one mapping (:func:`~kvdiverge.config.reading.read_yaml`).
     """
     config = read_yaml(path) or {}
     if not isinstance(config, dict):

@@ -183,7 +183,7 @@ def run_policies(
 ) -> PolicyRuns:
     """Every policy on the same documents, in the same batches: the engine both doors run.
 
-    Checks each policy's press once (:func:`check_policy`, every policy before any
+    Checks each policy's press once (:func:`~kvdiverge.engine.refusals.check_policy`, every policy before any
     forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
     document when any policy is decode-time, so every policy runs in the same batches)
     and runs the documents batch by batch, every policy on each batch. Policies that evict
@@ -533,7 +533,7 @@ def build_pair(
     ------
     kvdiverge.engine.core.errors.PressError
         When the registry refuses the press on this model (config attributes the press reads);
-        not asked with ``checked=True`` (:func:`run_policies` checked it once: :func:`check_policy`).
+        not asked with ``checked=True`` (:func:`run_policies` checked it once: :func:`~kvdiverge.engine.refusals.check_policy`).
     """
     if presses is None:
         presses = [policy.build_press(doc.context_len) for doc in batch]

@@ -364,7 +364,7 @@ def run_batch(
     uniforms are those of ``uniform_streams(seed, model, doc_ids[d], r, T)``, so a row's
     draws do not depend on the batch it sits in.
 
-    Each row runs its own state machine (:class:`BatchState`): agreement chain (steps
+    Each row runs its own state machine (:class:`~kvdiverge.engine.core.batch_state.BatchState`): agreement chain (steps
     ``t = 1..T``), then its residual branch (lags ``k = 1..T-t*``). A chain is done at
     ``T``, when it stops (``tv_t = 1``), or when it emits EOS (the rest of the chain is
     then known: ``tv = 0``, EOS, constant survival); its ``t*`` is then drawn and its

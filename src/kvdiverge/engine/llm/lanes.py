@@ -53,7 +53,7 @@ class Lane:
         The pair's counters (``DecodeTimePair.counts``), updated in place.
     start : tuple or None
         ``(press, cache, logits)`` just after a one-row prefill of this document (its
-        :attr:`snapshot`): the lane starts from copies of them instead of prefilling. The
+        ``snapshot``): the lane starts from copies of them instead of prefilling. The
         prefill is deterministic, so this is the state a fresh prefill reaches, bit for bit.
 
     Attributes
