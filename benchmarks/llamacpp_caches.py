@@ -13,7 +13,8 @@ document resamples (:func:`kvdiverge.estimation.bootstrap.resample_indices`). Wr
     (the same for gemma3-270m, --out out-gemma3-270m)
     .venv/bin/python benchmarks/llamacpp_caches.py out-embedded out-gemma3-270m
 
-quanto's int4 on the transformers backend goes beside them (``--transformers DIR``: what
+A row of the CSV already there is replaced by the same model's, backend's and policy's from the directories
+given, and kept otherwise, so cache types measured apart add up to one table. quanto's int4 on the transformers backend goes beside them (``--transformers DIR``: what
 ``kvdiverge measure embedded --sotu 8 --cache quanto:nbits=4 -T 16 -R 2 --threads 1 --seed 20261205 --out DIR``
 wrote), with no KLD: the weights differ (llama.cpp reads the GGUF file's Q4_1 blocks, transformers their
 de-quantized float32 copy), so each backend's pair is compared, not the references. ``--figure`` draws
@@ -89,8 +90,7 @@ def transformers_rows(out: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="*", help="--out directories of kvdiverge measure --backend llama_cpp "
-                        "(none: the committed CSV's llama.cpp rows, its teacher-forced pass not run again)")  # fmt: skip
+    parser.add_argument("out", nargs="*", help="--out directories of kvdiverge measure --backend llama_cpp")
     parser.add_argument("--transformers", nargs="*", default=[], help="--out directories of transformers caches")
     parser.add_argument("--figure", action="store_true", help="draw the figure from the committed CSV and stop")
     args = parser.parse_args()
@@ -99,23 +99,40 @@ def main() -> None:
         print(f"wrote {FIGURE}")
         return
     start = time.process_time()
-    if args.out:
-        rows = [row for out in map(Path, args.out) for row in llama_rows(out)]
-    else:
-        kept = pl.read_csv(OUT).filter(pl.col("backend") == "llama_cpp").drop("backend", "bits")
-        rows = list(kept.iter_rows(named=True))
-    backends = ["llama_cpp"] * len(rows)
-    for out in map(Path, args.transformers):
-        added = transformers_rows(out)
-        rows += added
-        backends += ["transformers"] * len(added)
-    table = pl.DataFrame(rows).with_columns(
-        backend=pl.Series(backends), bits=pl.Series([bits(r["policy"], b) for r, b in zip(rows, backends)])
-    )
+    rows = [{**row, "backend": "llama_cpp"} for out in map(Path, args.out) for row in llama_rows(out)]
+    rows += [
+        {**row, "backend": "transformers"} for out in map(Path, args.transformers) for row in transformers_rows(out)
+    ]
+    new = pl.DataFrame(rows).with_columns(bits=pl.Series([bits(r["policy"], r["backend"]) for r in rows]))
+    table = merged(pl.read_csv(OUT) if OUT.is_file() else None, new)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     table.write_csv(OUT, float_precision=6)
     print(f"{time.process_time() - start:.0f} CPU s for the teacher-forced pass; wrote {OUT}")
     print(caches_markdown(table))
+
+
+#: The columns a row of the table is known by.
+KEY = ["model", "backend", "policy"]
+
+
+def merged(kept: pl.DataFrame | None, new: pl.DataFrame) -> pl.DataFrame:
+    """The committed rows with ``new``'s in place of those of the same model, backend and policy, and the rest of
+    ``new`` after them; by model (in order of first appearance), llama.cpp first, then by bits per element (most
+    first) and rotation (on first)."""
+    table = (
+        new
+        if kept is None
+        else pl.concat([kept.join(new.select(KEY), on=KEY, how="anti"), new], how="diagonal_relaxed")
+    )
+    order = {m: i for i, m in enumerate(table["model"].unique(maintain_order=True))}
+    return table.sort(
+        pl.col("model").replace_strict(order, return_dtype=pl.Int64),
+        pl.col("backend") != "llama_cpp",
+        pl.col("bits"),
+        pl.col("policy").str.ends_with(":norot"),
+        descending=[False, False, True, False],
+        maintain_order=True,
+    )
 
 
 def llama_rows(out: Path) -> list[dict]:
@@ -160,8 +177,6 @@ PANELS = (("p_div", "p_div (parted within T = 16)"), ("E_M", "E[M] (mismatched f
           ("kld_mean", "mean KLD (nats per token)"))  # fmt: skip
 
 
-#: The figure's columns, fewest bits per element last: (label, bits, cache type, backend).
-COLUMNS = (("f16", "llama_cpp"), ("q8_0", "llama_cpp"), ("quanto:nbits=4", "transformers"), ("q4_0", "llama_cpp"))
 #: Where a (model, rotation) pair sits within its column.
 DODGE = {("smollm2-135m", True): -0.27, ("smollm2-135m", False): -0.09, ("gemma3-270m", True): 0.09,
          ("gemma3-270m", False): 0.27}  # fmt: skip
@@ -169,15 +184,19 @@ DODGE = {("smollm2-135m", True): -0.27, ("smollm2-135m", False): -0.09, ("gemma3
 
 def draw(table: pl.DataFrame, path: Path) -> None:
     """p_div, E[M] and the mean KLD of each cache, a panel each, the caches in columns by their bits per element
-    (fewest right); one colour per model, rotation off an open marker beside the same type, int4 a square. The
+    (fewest right, int4 beside the llama.cpp type of its bits); one colour per model, rotation off an open marker beside the same type, int4 a square. The
     KLD panel is logarithmic: the f16 control (exactly 0) is not drawn there."""
     import matplotlib.pyplot as plt
 
     from kvdiverge.report.drawing import save_figure
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.4 * len(PANELS), 3.8))
+    bases = table.with_columns(cache=pl.col("policy").str.strip_suffix(":norot"))
+    columns = bases.unique(["cache", "backend"], maintain_order=True).sort(
+        "bits", pl.col("backend") != "llama_cpp", descending=[True, False], maintain_order=True
+    )
+    column = {cache: i for i, cache in enumerate(columns["cache"])}
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(0.9 * len(column) * len(PANELS) + 2, 3.8))
     colours = dict(zip(table["model"].unique(maintain_order=True), ("tab:blue", "tab:orange", "tab:green")))
-    column = {cache: i for i, (cache, _) in enumerate(COLUMNS)}
     for ax, (metric, label) in zip(axes, PANELS):
         for r in table.filter(pl.col(metric).is_not_null() & pl.col(metric).is_not_nan()).iter_rows(named=True):
             off = r["policy"].endswith(":norot")
@@ -187,12 +206,10 @@ def draw(table: pl.DataFrame, path: Path) -> None:
             err = [[r[metric] - r[f"{metric}_lo"]], [r[f"{metric}_hi"] - r[metric]]]
             ax.errorbar(x, r[metric], yerr=err, fmt="s" if r["backend"] == "transformers" else "o",
                         color=colours[r["model"]], capsize=2, markerfacecolor="white" if off else colours[r["model"]])  # fmt: skip
-        labels = [
-            f"{cache.replace('quanto:nbits=4', 'int4 (quanto)')}\n{bits(cache, backend):g} bits"
-            for cache, backend in COLUMNS
-        ]
-        ax.set_xticks(range(len(COLUMNS)), labels)
-        ax.set_xlim(-0.5, len(COLUMNS) - 0.5)
+        labels = [f"{c.replace('quanto:nbits=4', 'int4')}\n{b:g}" for c, b in zip(columns["cache"], columns["bits"])]
+        ax.set_xticks(range(len(column)), labels, fontsize=8)
+        ax.set_xlim(-0.5, len(column) - 0.5)
+        ax.set_xlabel("cache type, bits per K or V element")
         ax.set_ylabel(label)
         if metric == "kld_mean":
             ax.set_yscale("log")

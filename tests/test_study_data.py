@@ -142,8 +142,8 @@ def test_docs_results_quote_the_llama_cpp_caches_table():
     control = table.filter(pl.col("policy") == "f16")
     assert control.height == 2
     assert control.select("p_div", "p_div_hi", "E_M", "E_M_hi", "kld_mean", "kld_mean_hi").to_numpy().max() == 0
-    # bits per element by hand: ggml's q8_0 is 34 bytes per 32 elements, q4_0 18, and quanto's int4 is 4 bits
-    # plus a float32 scale and zero point per group of 64
+    # bits per element by hand: ggml's q8_0 is 34 bytes per 32 elements, q5_1 24, q5_0 22, q4_1 20, q4_0 and
+    # iq4_nl 18, and quanto's int4 is 4 bits plus a float32 scale and zero point per group of 64
     bits = {(r["backend"], r["policy"]): r["bits"] for r in table.iter_rows(named=True)}
     assert bits == {
         ("llama_cpp", "f16"): 16.0,
@@ -151,6 +151,10 @@ def test_docs_results_quote_the_llama_cpp_caches_table():
         ("llama_cpp", "q8_0:norot"): 8.5,
         ("llama_cpp", "q4_0"): 4.5,
         ("llama_cpp", "q4_0:norot"): 4.5,
+        ("llama_cpp", "q5_1"): 6.0,
+        ("llama_cpp", "q5_0"): 5.5,
+        ("llama_cpp", "q4_1"): 5.0,
+        ("llama_cpp", "iq4_nl"): 4.5,
         ("transformers", "quanto:nbits=4"): 5.0,
     }
     assert table.filter(pl.col("backend") == "transformers")["kld_mean"].null_count() == 1  # no KLD on its weights
