@@ -183,7 +183,7 @@ DODGE = {("smollm2-135m", True): -0.27, ("smollm2-135m", False): -0.09, ("gemma3
 
 
 def draw(table: pl.DataFrame, path: Path) -> None:
-    """p_div, E[M] and the mean KLD of each cache, a panel each, the caches in columns by their bits per element
+    """p_div, E[M] and the mean KLD of each cache, a panel each (one above the other), the caches in columns by their bits per element
     (fewest right, int4 beside the llama.cpp type of its bits); one colour per model, rotation off an open marker beside the same type, int4 a square. The
     KLD panel is logarithmic: the f16 control (exactly 0) is not drawn there."""
     import matplotlib.pyplot as plt
@@ -195,7 +195,7 @@ def draw(table: pl.DataFrame, path: Path) -> None:
         "bits", pl.col("backend") != "llama_cpp", descending=[True, False], maintain_order=True
     )
     column = {cache: i for i, cache in enumerate(columns["cache"])}
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(0.9 * len(column) * len(PANELS) + 2, 3.8))
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(0.9 * len(column) + 2, 2.6 * len(PANELS)), sharex=True)
     colours = dict(zip(table["model"].unique(maintain_order=True), ("tab:blue", "tab:orange", "tab:green")))
     for ax, (metric, label) in zip(axes, PANELS):
         for r in table.filter(pl.col(metric).is_not_null() & pl.col(metric).is_not_nan()).iter_rows(named=True):
@@ -209,7 +209,7 @@ def draw(table: pl.DataFrame, path: Path) -> None:
         labels = [f"{c.replace('quanto:nbits=4', 'int4')}\n{b:g}" for c, b in zip(columns["cache"], columns["bits"])]
         ax.set_xticks(range(len(column)), labels, fontsize=8)
         ax.set_xlim(-0.5, len(column) - 0.5)
-        ax.set_xlabel("cache type, bits per K or V element")
+        ax.set_xlabel("cache type, bits per K or V element" if metric == PANELS[-1][0] else "")
         ax.set_ylabel(label)
         if metric == "kld_mean":
             ax.set_yscale("log")
@@ -218,8 +218,8 @@ def draw(table: pl.DataFrame, path: Path) -> None:
         plt.Line2D([], [], color="grey", marker="o", markerfacecolor="white", linestyle="", label="rotation off"),
         plt.Line2D([], [], color="grey", marker="s", linestyle="", label="transformers backend (no KLD)"),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.06))
-    fig.suptitle("KV cache types against the full cache by bits per element: 8 excerpts, T = 16, R = 2, 95 % intervals")
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.03))
+    fig.suptitle("KV cache types against the full cache: 8 excerpts, T = 16, R = 2, 95 % intervals")
     fig.tight_layout()
     save_figure(fig, path)
 
