@@ -35,7 +35,7 @@ import polars as pl
 
 from kvdiverge.config.inputs import model_entry
 from kvdiverge.config.prompt_sources import sotu_prompts
-from kvdiverge.engine.llamacpp.caches import CACHE_TYPES, parse_cache, require_llama_cpp
+from kvdiverge.engine.llamacpp.caches import parse_cache, require_llama_cpp
 from kvdiverge.engine.llamacpp.context import load_model
 from kvdiverge.engine.llamacpp.pair import forced_kld
 from kvdiverge.estimation.bootstrap import percentile_interval, resample_indices
@@ -74,8 +74,7 @@ def bits(policy: str, backend: str) -> float:
     """Bits a cache stores per K or V element: a llama.cpp type's (mean of K and V), or quanto's int4 in float32."""
     if backend == "transformers":
         return kv_bytes_per_element(INT4, 4) * 8
-    cache = parse_cache(policy)
-    return (CACHE_TYPES[cache.type_k] + CACHE_TYPES[cache.type_v]) / 2
+    return parse_cache(policy).bits
 
 
 def transformers_rows(out: Path) -> list[dict]:

@@ -12,7 +12,7 @@ KV-bytes axis, counted from the GGUF file's header (:func:`kvdiverge.config.laye
 Example::
 
     import llama_cpp
-    from kvdiverge.engine.llamacpp.caches import LlamaCache, not_run_sentence
+    from kvdiverge.engine.llamacpp.caches import LlamaCache
 
     llm = llama_cpp.Llama("SmolLM2-135M-Instruct.Q4_1.gguf", n_threads=2, verbose=False)
     m = kvdiverge.measure(llm, tokenizer, prompts, {"q8_0": LlamaCache("q8_0", "q8_0"),
