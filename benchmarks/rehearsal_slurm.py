@@ -102,14 +102,15 @@ def decoding_job(work: Path, env: dict) -> dict | None:
 
 
 def shard_of(job: dict) -> str | None:
-    """``model/policy/split/shard-i`` of a generation job, from its comment (the plugin joins the
-    wildcard values with ``_``; none of this config's names holds one)."""
-    m = re.fullmatch(r"rule_trajectories_wildcards_([^_]+)_([^_]+)_([^_]+)_(\d+)", job["comment"])
-    return f"{m[1]}/{m[2]}/{m[3]}/shard-{m[4]}" if m else None
+    """``model/split/shard-i`` of a generation job (one per (model, split, shard), every policy of the
+    split), from its comment: the rule ``trajectories_<split>`` and its wildcard values joined with ``_``
+    (none of this config's names holds one)."""
+    m = re.fullmatch(r"rule_trajectories_(exploratory|confirmatory)_wildcards_([^_]+)_(\d+)", job["comment"])
+    return f"{m[2]}/{m[1]}/shard-{m[3]}" if m else None
 
 
 def running_shards(env: dict) -> list[str]:
-    """Wildcards (model/policy/split/shard) of the generation jobs in the queue."""
+    """``model/split/shard-i`` of the generation jobs in the queue."""
     return [w for job in queue(env) if job["state"] == "RUNNING" and (w := shard_of(job))]
 
 
@@ -184,10 +185,15 @@ def faulted_run(work: Path, cluster: SlurmCluster, out: Path) -> dict:
 
 
 def clean_shards(work: Path, interrupted: list[str], out: Path) -> dict:
-    """The interrupted shards again, locally and without a fault, compared by digest with the killed run's."""
+    """The shards of the interrupted jobs (``model/split/shard-i``) again, locally and without a fault,
+    compared by digest with the killed run's."""
     clean = out / "clean"
     clean.mkdir(exist_ok=True)
-    targets = [f"{RESULTS}/trajectories/{s}.parquet" for s in sorted(set(interrupted))]
+    targets = []
+    for job in sorted(set(interrupted)):
+        model, split, shard = job.split("/")
+        found = (work / RESULTS / "trajectories" / model).glob(f"*/{split}/{shard}.parquet")
+        targets += sorted(str(path.relative_to(work)) for path in found)
     for stage in ("corpus", "prompts"):  # the killed run's inputs, times kept: nothing upstream reruns
         shutil.copytree(work / RESULTS / stage, clean / RESULTS / stage, dirs_exist_ok=True)
     cmd = [

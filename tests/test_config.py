@@ -409,9 +409,11 @@ def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path, offline):
         assert f"results-paper/prompts/{model}.parquet" in text
     # the paper config replaces the default one: nothing of the embedded model is scheduled
     assert "smollm2" not in text
-    # every generation shard of every run, when the generation stage is there
-    if "trajectories" in stats:
-        assert stats["trajectories"] == len(runs(paper)) * paper["shards"] == 14 * 24  # floor included
+    # every generation shard of every run, when the generation stage is there: one job per
+    # (model, split, shard) writes the shards of every policy of the split
+    if "trajectories_exploratory" in stats:
+        assert stats["trajectories_exploratory"] == stats["trajectories_confirmatory"] == 2 * paper["shards"] == 2 * 24
+        assert len(runs(paper)) == 14  # the floor included
         assert "results-paper/trajectories/qwen-2.5-7b/none/exploratory/shard-23.parquet" in text
         assert "results-paper/trajectories/llama-3.1-8b/noise-floor/confirmatory/shard-23.parquet" in text
 
@@ -586,8 +588,10 @@ def test_the_llamacpp_config_dry_run_converts_nothing_and_runs_no_teacher_forced
     assert out.returncode == 0, out.stdout[-3000:]
     stats = _job_stats(out.stdout)
     assert "convert_model" not in stats and "teacher_forced" not in stats and "teacher_forced_table" not in stats
-    # 2 models x (3 exploratory policies, q4_0 on the confirmatory split, the control) x 2 shards
-    assert stats["trajectories"] == 2 * 5 * 2 and stats["estimate"] == 2 * 5 and stats["prompts"] == 2
+    # 2 models x (3 exploratory policies, q4_0 on the confirmatory split, the control): one job per
+    # (model, split, shard), 2 shards
+    assert stats["trajectories_exploratory"] == stats["trajectories_confirmatory"] == 2 * 2
+    assert stats["estimate"] == 2 * 5 and stats["prompts"] == 2
 
 
 def test_a_policy_entry_with_a_nested_press_is_checked_where_each_key_sits():

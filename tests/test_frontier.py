@@ -848,11 +848,12 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
         assert (results / "estimates" / "smollm2-135m" / p / "exploratory.parquet").is_file()
         shard = read_provenance(results / "trajectories" / "smollm2-135m" / p / "exploratory" / "shard-0.parquet")
         assert shard.shard["policy"] == p and shard.settings["policy"]["compression_ratio"] == float(p.split("@")[1])
-    # ... made by one job for all points, which prefilled each document once for all of them
-    log = (results / "logs" / "frontier" / "smollm2-135m" / "exploratory" / "shard-0.log").read_text()
-    assert "4 policies, prefilled in groups of up to 4" in log, log[-2000:]
-    assert not any((results / "logs" / "trajectories" / "smollm2-135m" / p).exists() for p in points["policy"])
-    assert (results / "logs" / "trajectories" / "smollm2-135m" / "noise-floor").is_dir()
+    # ... made by one job per split for all its policies (the points and the noise floor), which
+    # prefilled each document once for up to 2R = 4 of them
+    logs = results / "logs" / "trajectories" / "smollm2-135m"
+    log = (logs / "exploratory" / "shard-0.log").read_text()
+    assert "5 policies, prefilled in groups of up to 4" in log, log[-2000:]
+    assert sorted(p.name for p in logs.iterdir()) == ["confirmatory", "exploratory"]
     # each point's teacher-forced headline joins its row, from one teacher-forced job for all points
     teacher = pl.read_parquet(results / "analysis" / "teacher_forced.parquet")
     joined = points.select("policy", "kld_mean", "ppl_ratio").join(

@@ -39,6 +39,19 @@ def test_the_settings_come_back_from_their_params_form(smoke):
     assert teacher.model_entry() == smoke["models"][MODEL]
 
 
+def test_each_policy_of_a_shard_job_reads_typed_settings(smoke):
+    job = ShardSettings.from_config(smoke, MODEL, ["snapkv-50", "none", "noise-floor"], "exploratory", 1)
+    snapkv, control, floor = (job.run(p) for p in job.policies)
+    assert snapkv.entry == smoke["policies"]["snapkv-50"] and floor.entry == {"press": "PermutationPress", "seed": 0}
+    # the smoke config: T = 8, R = 2, temperature 0.7, top-p 0.95, 2 shards; the control on 1 document
+    assert (snapkv.sampling.T, snapkv.sampling.replicates, snapkv.sampling.seed) == (8, 2, 20261129)
+    assert (snapkv.sampling.decoding.temperature, snapkv.sampling.decoding.top_p) == (0.7, 0.95)
+    assert snapkv.sampling.model_name == MODEL and snapkv.sampling.eos_ids is None  # the model's own
+    assert (snapkv.shards, snapkv.documents, control.documents, floor.documents) == (2, None, 1, None)
+    assert control.sampling == snapkv.sampling == floor.sampling  # one decoding, R and seed per job
+    assert "run" not in job.to_params()  # the typed view adds nothing to the rerun key
+
+
 def test_a_job_reads_the_settings_of_its_policies_only(smoke):
     with pytest.raises(ValueError, match="give one each"):
         ShardSettings(model=MODEL, split="exploratory", policies=("a",), settings={"b": {}})

@@ -47,8 +47,9 @@ def test_the_rehearsal_has_the_papers_job_graph(tmp_path):
     rehearsal = job_counts(REHEARSAL, tmp_path / "rehearsal")
     assert rehearsal == paper
     # 2 models x 7 runs (3 exploratory policies, snapkv-90, the floor on both splits, the
-    # control) x 24 shards; one estimate per run
-    assert paper["trajectories"] == 2 * 7 * 24 and paper["estimate"] == 2 * 7 and paper["prompts"] == 2
+    # control) x 24 shards, made by one job per (model, split, shard); one estimate per run
+    assert paper["trajectories_exploratory"] == paper["trajectories_confirmatory"] == 2 * 24
+    assert paper["estimate"] == 2 * 7 and paper["prompts"] == 2
 
 
 @pytest.mark.miniature

@@ -39,7 +39,7 @@ RUNS = [
     ("none", "exploratory"),
 ]
 # rules whose jobs the tests tell apart by their first output; the others run once
-PER_FILE = ("trajectories", "estimate", "teacher_forced")
+PER_FILE = ("trajectories_exploratory", "trajectories_confirmatory", "estimate", "teacher_forced")
 
 
 def env_for(work: Path) -> dict[str, str]:
@@ -92,19 +92,28 @@ def dry_run(work: Path, change=None, *extra: str) -> set[tuple[str, str | None]]
 # ---------------------------------------------------------------- expected job sets
 
 
+def splits_of(policies=None):
+    """The splits on which any of ``policies`` runs (every split with runs when None)."""
+    return {s for p, s in RUNS if policies is None or p in policies}
+
+
 def shards(policies=None, n=2):
+    """The shard jobs that make the shards of ``policies``: one job per (split, shard) writes every policy
+    of the split, named by its first output (the split's first run)."""
+    first = {}
+    for p, s in RUNS:
+        first.setdefault(s, p)
     return {
-        ("trajectories", f"{RES}/trajectories/{MODEL}/{p}/{s}/shard-{i}.parquet")
-        for p, s in RUNS
-        if policies is None or p in policies
+        (f"trajectories_{s}", f"{RES}/trajectories/{MODEL}/{first[s]}/{s}/shard-{i}.parquet")
+        for s in splits_of(policies)
         for i in range(n)
     }
 
 
 def estimates(policies=None):
-    return {
-        ("estimate", f"{RES}/estimates/{MODEL}/{p}/{s}.parquet") for p, s in RUNS if policies is None or p in policies
-    }
+    """The estimates that a rerun of the shard jobs of ``policies`` remakes: every run of their splits."""
+    splits = splits_of(policies)
+    return {("estimate", f"{RES}/estimates/{MODEL}/{p}/{s}.parquet") for p, s in RUNS if s in splits}
 
 
 # the analyses with an HTML page, drawn by a rule of its own: a rerun analysis redraws its page
@@ -180,7 +189,7 @@ CASES = [
         2,
         shards(["none"])
         | estimates(["none"])
-        | rules("provenance", "pool", "floor")
+        | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
         | FIGURES_UP
         | teacher(["none"]),
@@ -190,7 +199,7 @@ CASES = [
         1,
         shards(["noise-floor"])
         | estimates(["noise-floor"])
-        | rules("provenance", "pool", "floor", "confirmatory")
+        | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
         | teacher(["noise-floor"]),
@@ -200,7 +209,7 @@ CASES = [
         1,
         shards(["noise-floor"])
         | estimates(["noise-floor"])
-        | rules("provenance", "pool", "floor", "confirmatory")
+        | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
         | teacher(["noise-floor"]),
@@ -275,7 +284,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     assert command == f"snakemake --cores all --configfile config/smoke.yaml --forcerun {shard}"
     # that command remakes the shard and what depends on it, nothing else
     assert planned_jobs(snakemake_dry(work, *command.split()[1:])) == (
-        {("trajectories", shard)}
+        {("trajectories_exploratory", shard)}  # the job of the split's shard 0: every exploratory policy's
         | estimates(["snapkv-50"])
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE

@@ -34,8 +34,9 @@ def _tables(results: Path) -> dict[str, pl.DataFrame]:
     return out
 
 
-# the run whose shards and estimates the resumed run builds again (2 of the 14 shards, one job
-# per core); the other runs' are kept
+# the run whose shards and estimates the resumed run builds again (2 of the 14 shards: the
+# exploratory split's two jobs, one per core, which write every exploratory policy's shard again);
+# the other runs' are kept
 REGENERATED = [("snapkv-50", "exploratory")]
 
 

@@ -45,8 +45,8 @@ needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAIL
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
-GENERATION_RULE = "trajectories"
-MODEL_RULES = ("trajectories", "frontier_trajectories", "teacher_forced")  # the rules that run the model: GPUs
+GENERATION_RULES = ("trajectories_exploratory", "trajectories_confirmatory")  # one rule per split
+MODEL_RULES = (*GENERATION_RULES, "teacher_forced")  # the rules that run the model: GPUs
 TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
@@ -152,11 +152,11 @@ def test_paper_profile_asks_gpus_for_the_model_rules_only(tmp_path):
     and no other job asks for a GPU."""
     profile = yaml.safe_load(PROFILE.read_text())
     cpu_partition = str(profile["default-resources"]["slurm_partition"])
-    gpu_partition = str(profile["set-resources"][GENERATION_RULE]["slurm_partition"])
+    gpu_partition = str(profile["set-resources"][GENERATION_RULES[0]]["slurm_partition"])
     jobs = dry_run_resources("config/paper.yaml", tmp_path)
     generation = [(rule, res) for rule, res in jobs if rule in MODEL_RULES]
     others = [(rule, res) for rule, res in jobs if rule not in MODEL_RULES]
-    assert {rule for rule, _ in generation} >= {"trajectories", "teacher_forced"} and others
+    assert {rule for rule, _ in generation} == set(MODEL_RULES) and others
     for rule, res in generation:
         assert res.get("gpu") == "1" and res["slurm_partition"] == gpu_partition, (rule, res)
     for rule, res in others:

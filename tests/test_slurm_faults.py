@@ -1,11 +1,12 @@
 """A generation job of the small rehearsal killed through a real (one-node) SLURM and requeued.
 
-Runs two generation shards of ``config/paper-rehearsal.yaml`` + ``config/rehearsal-small.yaml``
-(4 documents, the stand-ins' 4,096-id vocabulary) with ``--profile profiles/slurm`` on the test
-cluster (tests/slurm_cluster.py), its site lines fitted as in tests/test_slurm.py and its
-``retries: 1`` kept. Once one shard's job is decoding (its log shows the progress bar), the test
-``scancel``s it. The profile's retry submits it again; the run ends with rc 0, and its tables
-equal those of the same targets run locally without a fault. The other shard ran once.
+Runs two generation jobs of ``config/paper-rehearsal.yaml`` + ``config/rehearsal-small.yaml``
+(4 documents, the stand-ins' 4,096-id vocabulary; one job per (model, split, shard), each writing
+every policy of its split) with ``--profile profiles/slurm`` on the test cluster
+(tests/slurm_cluster.py), its site lines fitted as in tests/test_slurm.py and its ``retries: 1``
+kept. Once one job is decoding (its log shows the progress bar), the test ``scancel``s it. The
+profile's retry submits it again; the run ends with rc 0, and its tables equal those of the same
+targets run locally without a fault. The other job ran once.
 T is 256, the paper's, so that the decoding lasts long enough to be caught.
 
 Marked `slurm` (root, apt, /etc/slurm): run by `make test-all` and `.ci/run`, not `make test`.
@@ -33,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = ("config/paper-rehearsal.yaml", "config/rehearsal-small.yaml", "config/kill.yaml")
 RESULTS = "results-kill"
 KILL_OVERRIDE = f"results_dir: {RESULTS}\ndecoding:\n  max_new_tokens: 256\n"
-SHARDS = ("llama-3.1-8b/snapkv-50/exploratory/shard-0", "llama-3.1-8b/recent-50/exploratory/shard-0")
+# one shard of each split's job (the model's exploratory and confirmatory jobs, shard 0)
+SHARDS = ("llama-3.1-8b/snapkv-50/exploratory/shard-0", "llama-3.1-8b/snapkv-90/confirmatory/shard-0")
 TARGETS = [f"{RESULTS}/trajectories/{s}.parquet" for s in SHARDS]
 TABLES = ["corpus/documents.parquet", "prompts/llama-3.1-8b.parquet", *(f"trajectories/{s}.parquet" for s in SHARDS)]
 TREE = ("Snakefile", "environment.yml", "workflow", "config", "profiles", "src")
@@ -64,16 +66,22 @@ def queue(env: dict) -> list[tuple[str, str, str]]:
 
 
 def decoding_job(work: Path, env: dict) -> tuple[str, str] | None:
-    """(job id, shard) of a running generation job whose log shows its progress bar."""
+    """(job id, ``split/model_shard``) of a running generation job whose log shows its progress bar (the
+    plugin's comment joins the rule's wildcard values, model and shard, with ``_``)."""
     for job, state, comment in queue(env):
-        m = re.fullmatch(r"rule_trajectories_wildcards_([^_]+)_([^_]+)_([^_]+)_(\d+)", comment)
+        m = re.fullmatch(r"rule_trajectories_(exploratory|confirmatory)_wildcards_([^_]+)_(\d+)", comment)
         if state != "RUNNING" or not m:
             continue
-        shard = f"{m[1]}/{m[2]}/{m[3]}/shard-{m[4]}"
-        log = work / RESULTS / "logs" / "trajectories" / f"{shard}.log"
+        log = work / RESULTS / "logs" / "trajectories" / m[2] / m[1] / f"shard-{m[3]}.log"
         if log.exists() and "step/s" in log.read_text(errors="replace"):
-            return job, shard
+            return job, f"{m[1]}/{m[2]}_{m[3]}"
     return None
+
+
+def job_of(shard: str) -> str:
+    """``split/model_shard`` of the job that writes ``model/policy/split/shard-i``."""
+    model, _, split, name = shard.split("/")
+    return f"{split}/{model}_{name.removeprefix('shard-')}"
 
 
 @pytest.mark.slurm
@@ -122,9 +130,9 @@ def test_a_killed_generation_job_is_requeued_and_its_tables_equal_an_uninterrupt
         print(f"\n[slurm] killed {killed[1]} (job {killed[0]}); run: {time.monotonic() - start:.0f} s", file=sys.stderr)
     assert run.returncode == 0, f"{output[-8000:]}\n--- queue ---\n{queue_left}"
     submitted = re.findall(r"submitted with SLURM jobid \d+ \(log: \S+/rule_(\w+)/(\S+)/\d+\.log", output)
-    shards = [w for rule, w in submitted if rule == "trajectories"]
-    # the killed shard twice (its retry), the other once: a finished shard is not redone
-    assert sorted(shards) == sorted(s.replace("/", "_").replace("_shard-", "_") for s in [*SHARDS, killed[1]])
+    jobs = [f"{rule.removeprefix('trajectories_')}/{w}" for rule, w in submitted if rule.startswith("trajectories_")]
+    # the killed job twice (its retry), the other once: a finished job is not redone
+    assert sorted(jobs) == sorted([*(job_of(s) for s in SHARDS), killed[1]])
     for rel in TABLES:
         try:  # exact: same columns, dtypes, rows in the same order, bit-equal numbers
             assert_frame_equal(read_table(work / RESULTS / rel), read_table(local / RESULTS / rel), check_exact=True)

@@ -71,19 +71,22 @@ def shard_settings(wildcards):
 # What each generation job reads, as the plain form of its settings object (kvdiverge.jobs.params):
 # its rule's `params: settings=...`, which is also the job's rerun key. The scripts read the
 # object back (ShardSettings.from_params); none reads or validates the config again.
-def job_policies(wildcards):
-    """The policies and split of a shard job: its wildcards', or every frontier policy
-    on the frontier's split (the frontier's jobs have no policy wildcard)."""
-    if hasattr(wildcards, "policy"):
-        return [wildcards.policy], wildcards.split
-    return FRONTIER_POLICIES, FRONTIER_SPLIT
+# The policies of each split, in the order of RUNS (the frontier's points on its split included):
+# one trajectory job per (model, split, shard) writes all of them (generate.smk).
+SPLIT_POLICIES = {split: [p for p, s in MODEL_RUNS if s == split] for split in SPLITS}
+SPLIT_POLICIES = {split: policies for split, policies in SPLIT_POLICIES.items() if policies}
 
 
-def shard_job(wildcards):
-    """The settings of a trajectory shard job (rules trajectories, frontier_trajectories)."""
-    policies, split = job_policies(wildcards)
-    job = kvdiverge.jobs.params.ShardSettings.from_config(CONFIG, wildcards.model, policies, split, int(wildcards.shard))
-    return job.to_params()
+def shard_job(split):
+    """The settings of a trajectory shard job of `split` (rules trajectories_<split>), as a params function."""
+
+    def settings(wildcards):
+        job = kvdiverge.jobs.params.ShardSettings.from_config(
+            CONFIG, wildcards.model, SPLIT_POLICIES[split], split, int(wildcards.shard)
+        )
+        return job.to_params()
+
+    return settings
 
 
 # The runs of the teacher-forced pass: every run of a transformers model (llama_cpp models run the
@@ -245,9 +248,10 @@ CPU_REQUESTS = {"trajectories": {"mem_mb": 6000, "runtime": 120}, "teacher_force
 def generation_resources(points=1, rule="trajectories"):
     """Resources of a job of `rule` (trajectories or teacher_forced) over `points` policies, by where
     its model runs: one GPU (the `gpu` resource, which the SLURM profile turns into --gpus=1) and
-    GPU_REQUESTS on CUDA; no GPU and CPU_REQUESTS on the CPU; the runtime grows with every 4
-    points, which run one after the other. Every other rule takes its resources from the profile."""
-    scale = max(1, points // 4)
+    GPU_REQUESTS on CUDA; no GPU and CPU_REQUESTS on the CPU. The policies of a job run one after the
+    other, their prefills shared: the runtime is the request's for every 4 policies or fewer (a split of
+    5 to 8 policies asks twice it). Every other rule takes its resources from the profile."""
+    scale = max(1, -(-points // 4))
     requests = lambda wildcards: (GPU_REQUESTS if model_on_gpu(wildcards.model) else CPU_REQUESTS)[rule]
     return {
         "gpu": lambda wildcards: 1 if model_on_gpu(wildcards.model) else 0,
@@ -317,7 +321,7 @@ def model_run_files(pattern):
 
 def all_trajectory_shards(runs=None):
     """Shard files of every run of `runs` (default: every run in kvdiverge.config.workflow.runs)."""
-    return [f for path in run_files(rules.trajectories.output[0], runs, partial=True) for f in expand(path, shard=SHARDS)]
+    return [f for path in run_files(SHARD, runs, partial=True) for f in expand(path, shard=SHARDS)]
 
 
 def estimate_files():
@@ -378,7 +382,7 @@ def prediction_costs(wildcards):
     """The benchmark files of one model's frontier generation jobs (the measures' CPU time per point):
     read when present, not inputs (a benchmark file is no rule's output)."""
     costs = {
-        "coupled": [benchmark_file(f"frontier_trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
+        "coupled": [benchmark_file(f"trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
         "teacher": [benchmark_file(f"teacher_forced/{wildcards.model}")],
     }
     if RECONSTRUCTION_CONFIG:

@@ -12,7 +12,7 @@
 
 rule estimate:
     input:
-        expand(rules.trajectories.output[0], shard=SHARDS, allow_missing=True),
+        expand(SHARD, shard=SHARDS, allow_missing=True),
     output:
         documents=ESTIMATES,
         replicates=f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.replicates.parquet",

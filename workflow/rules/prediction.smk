@@ -109,6 +109,7 @@ if PREDICTION_SIDES:
             # the within-ratio permutations of each test (kvdiverge.estimation.prediction.PredictionSettings)
             n_perm=999,
             points=FRONTIER_POLICIES,
+            split=FRONTIER_SPLIT,
             costs=prediction_costs,
             **ANALYSIS_PARAMS,
         conda:

@@ -30,6 +30,8 @@ rule teacher_forced:
         # what the job reads, its rerun key: per run the model and policy entries, seed, control
         # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
         settings=teacher_job,
+    # one job per model, the longest that cannot be split: it starts first, the shard jobs fill in beside it
+    priority: 1
     resources:
         # every run of the model in one job: its requests are the pass's own (GPU_REQUESTS)
         **generation_resources(rule="teacher_forced"),

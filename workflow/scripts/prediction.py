@@ -3,7 +3,8 @@
 
 The fidelity side is the frontier's points on its split: the coupled estimates, the teacher-forced
 documents and positions. The CPU time per point of the coupled measures comes from the frontier
-shard jobs' benchmark files (Snakemake's ``cpu_time``, seconds) over the points, that of the
+split's shard jobs' benchmark files (Snakemake's ``cpu_time``, seconds), shared by the (run, document)
+pairs they served, that of the
 teacher-forced ones (the teacher-forced table's float columns and ``kld_p99``) from the model's
 teacher-forced job, shared by the (run, document) pairs it served, and that of the measures
 prefixed ``reconstruction_`` from the reconstruction pass's job, the same way. Beside the study: the
@@ -53,7 +54,8 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
         for family, files in dict(p.costs).items()
         if files and all(Path(f).exists() for f in files)  # none where a benchmark file is missing
     }
-    served = {"coupled": documents.filter(pl.col("policy").is_in(list(p.points))), "teacher": teacher}
+    # the split's shard jobs served every run of the split (the points, the controls and any other policy)
+    served = {"coupled": documents.filter(pl.col("split") == p.split), "teacher": teacher}
     if reconstruction is not None:
         served["reconstruction"] = reconstruction.unique(["policy", "doc_id"])
     cost = {family: cpu_per_point(seconds, served[family], list(p.points)) for family, seconds in cpu.items()}

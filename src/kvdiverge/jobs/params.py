@@ -24,10 +24,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvdiverge.config.provenance import canonical, shard_settings, teacher_settings
+from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.jobs.devices import bind_device
 from kvdiverge.models.loading import local_entry
+from kvdiverge.settings.checks import config_sampling
 
-__all__ = ["JobSettings", "ParamsForm", "ShardSettings", "TeacherSettings", "job_model_entry"]
+__all__ = ["JobSettings", "ParamsForm", "ShardRun", "ShardSettings", "TeacherSettings", "job_model_entry"]
 
 
 class ParamsForm:
@@ -78,6 +80,40 @@ class JobSettings(ParamsForm):
 
 
 @dataclass(frozen=True)
+class ShardRun:
+    """What one policy of a shard job runs with, typed: read from its settings once (:meth:`ShardSettings.run`).
+
+    Parameters
+    ----------
+    entry : mapping
+        The config's policy entry (a press, a llama.cpp cache), as the shard records it.
+    sampling : kvdiverge.engine.core.sampling.Sampling
+        Horizon ``T`` (tokens), replicates ``R``, the decoding transform, the master seed and the model's
+        name; end-of-sequence ids ``None`` (the model's own).
+    shards : int
+        Shards of the run (config ``shards``): the job takes every ``shards``-th document.
+    documents : int or None
+        The first ``documents`` usable documents of the split (the control, the noise floor), or None: all.
+    """
+
+    entry: Mapping[str, Any]
+    sampling: Sampling
+    shards: int
+    documents: int | None
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any], model: str) -> ShardRun:
+        """The run of one policy's canonical settings (:func:`kvdiverge.config.provenance.shard_settings`)."""
+        documents = settings["documents"]
+        return cls(
+            entry=dict(settings["policy"]),
+            sampling=config_sampling(settings, model),
+            shards=int(settings["shards"]),
+            documents=None if documents is None else int(documents),
+        )
+
+
+@dataclass(frozen=True)
 class ShardSettings(JobSettings):
     """The settings of a trajectory shard job (:func:`kvdiverge.jobs.shard.run_shard`).
 
@@ -87,6 +123,10 @@ class ShardSettings(JobSettings):
     """
 
     shard: int = 0
+
+    def run(self, policy: str) -> ShardRun:
+        """The typed settings of ``policy`` (:class:`ShardRun`), one of :attr:`policies`."""
+        return ShardRun.of(self.settings[policy], self.model)
 
     @classmethod
     def from_config(

@@ -33,7 +33,6 @@ from kvdiverge.io.files import write_parquet_atomic
 from kvdiverge.jobs.params import ShardSettings
 from kvdiverge.models.loading import load_model
 from kvdiverge.models.sources import gguf_path
-from kvdiverge.settings.checks import config_sampling
 
 __all__ = ["shard_documents", "select_documents", "generation_options", "run_shard", "run_llama_shard"]
 
@@ -155,8 +154,7 @@ def run_shard(
         return run_llama_shard(settings, groups, outputs, source, options, threads)
     if model is None and any(groups):
         model, _ = load_model(model_spec or settings.model_entry(), settings.model)
-    first = settings.settings[names[0]]
-    sampling = config_sampling(first, settings.model)
+    sampling = settings.run(names[0]).sampling  # every policy of a job shares the decoding, R and the seed
     eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
     options = _with_progress(options or RunOptions(), settings)
     frames: dict[str, pl.DataFrame] = {}
@@ -168,7 +166,7 @@ def run_shard(
                 Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
                 for row in docs.iter_rows(named=True)
             ],
-            {name: Policy.from_config(name, dict(settings.settings[name]["policy"])) for name in group},
+            {name: Policy.from_config(name, dict(settings.run(name).entry)) for name in group},
             sampling,
             split=settings.split,
             options=options,
@@ -215,8 +213,8 @@ def run_llama_shard(
         A repetition penalty, which the backend does not run.
     """
     names = list(settings.policies)
-    caches = {name: cache_from_entry(settings.settings[name]["policy"]) for name in names}
-    sampling = config_sampling(settings.settings[names[0]], settings.model)
+    caches = {name: cache_from_entry(settings.run(name).entry) for name in names}
+    sampling = settings.run(names[0]).sampling
     loaded = llama_context.load_model(model) if any(groups) else None
     eos = sampling.eos_ids if sampling.eos_ids is not None or loaded is None else loaded.eos_ids
     sampling = sampling.replace(decoding=sampling.decoding.replace(eos_ids=eos))
@@ -259,9 +257,9 @@ def _document_groups(
     """
     groups: dict[tuple[str, ...], tuple[pl.DataFrame, list[str]]] = {}
     for name in settings.policies:
-        s = settings.settings[name]
-        docs = select_documents(prompts, settings.split, int(s["shards"]), settings.shard, s["documents"])
-        T, R = int(s["decoding"]["max_new_tokens"]), int(s["replicates"])
+        run = settings.run(name)
+        docs = select_documents(prompts, settings.split, run.shards, settings.shard, run.documents)
+        T, R = run.sampling.T, run.sampling.replicates
         log.info(
             "%s / %s / %s shard %d: %d documents, T=%d, R=%d",
             settings.model,
