@@ -125,7 +125,7 @@ class ShardSettings(JobSettings):
     shard: int = 0
 
     def run(self, policy: str) -> ShardRun:
-        """The typed settings of ``policy`` (:class:`ShardRun`), one of :attr:`policies`."""
+        """The typed settings of ``policy`` (:class:`ShardRun`), one of the job's ``policies``."""
         return ShardRun.of(self.settings[policy], self.model)
 
     @classmethod
