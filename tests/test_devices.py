@@ -170,11 +170,14 @@ def _dry_run(tmp_path, monkeypatch, *args, gpus="2"):
 def test_dry_run_of_the_paper_config_shows_the_cap(tmp_path, monkeypatch):
     out = _dry_run(tmp_path, monkeypatch)
     assert "local GPU cap gpu=2 (KVDIVERGE_GPUS)" in out
-    assert re.search(r"^trajectories +336$", out, re.M)  # 14 runs (noise floor included) x 24 shards
+    # 14 runs (noise floor included) x 24 shards, made by one job per (model, split, shard)
+    assert re.search(r"^trajectories_exploratory +48$", out, re.M) and re.search(
+        r"^trajectories_confirmatory +48$", out, re.M
+    )
     assert "local GPU cap gpu=1 (--resources)" in _dry_run(tmp_path, monkeypatch, "--resources", "gpu=1")
     # a cluster run (SLURM profile, --jobs) gets no local cap
     slurm = _dry_run(tmp_path, monkeypatch, "--profile", str(REPO / "profiles" / "slurm"))
-    assert "local GPU cap" not in slurm and re.search(r"^trajectories +336$", slurm, re.M)
+    assert "local GPU cap" not in slurm and re.search(r"^trajectories_exploratory +48$", slurm, re.M)
 
 
 def test_schema_checks_the_gpus_key():

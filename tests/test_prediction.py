@@ -707,10 +707,12 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     pts = pts.with_columns(policy=pl.col("point"), model=pl.lit("m"), cache=pl.lit(None, dtype=pl.String),
                            retention=1 - pl.col("ratio"), kv_bytes_per_token=1000 * (1 - pl.col("ratio")))  # fmt: skip
     docs = fid.select(
-        model=pl.lit("m"), policy="point", doc_id="doc_id", T=pl.lit(16), E_M="kld", p_div="kld",
+        model=pl.lit("m"), policy="point", split=pl.lit("exploratory"), doc_id="doc_id", T=pl.lit(16), E_M="kld", p_div="kld",
         E_tau_div=pl.lit(1.0), S=pl.concat_list([1 - pl.col("kld")] * 16),
     )  # fmt: skip
     control = docs.filter(pl.col("policy") == "a@0.25").with_columns(policy=pl.lit("none"), doc_id=pl.lit("t0"))
+    # a confirmatory run's documents: not served by the frontier split's shard jobs
+    other = docs.head(3).with_columns(policy=pl.lit("snapkv-90"), split=pl.lit("confirmatory"))
     teacher = fid.select(
         model=pl.lit("m"), policy="point", split=pl.lit("exploratory"), doc_id="doc_id", kld_mean="kld",
         same_top_p=1 - pl.col("kld"),
@@ -729,7 +731,11 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     )  # fmt: skip
     answers = task.select(model=pl.lit("m"), policy="point", doc_id="doc_id", correct_full="correct_full",
                           correct="correct", task="task", placement="placement")  # fmt: skip
-    inputs = {"frontier": pts, "documents": pl.concat([docs, control]), "teacher": pl.concat([teacher, confirmatory])}
+    inputs = {
+        "frontier": pts,
+        "documents": pl.concat([docs, control, other]),
+        "teacher": pl.concat([teacher, confirmatory]),
+    }
     for name, frame in {**inputs, "positions": positions, "answers": answers, "reconstruction": reconstruction}.items():
         frame.write_parquet(tmp_path / f"{name}.parquet")
     (tmp_path / "coupled.tsv").write_text("s\tcpu_time\n1\t48.0\n")
@@ -743,7 +749,7 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
                      positions=[str(tmp_path / "positions.parquet")], answers=[str(tmp_path / "answers.parquet")],
                      reconstruction=[str(tmp_path / "reconstruction.parquet")]),
         params=NS(measures=["E_M", "kld_mean", "same_top_p", "reconstruction_kld_mean"], min_full_accuracy=0.7,
-                  points=pts["point"].to_list(),
+                  points=pts["point"].to_list(), split="exploratory",
                   costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "teacher.tsv")],
                          "reconstruction": [str(tmp_path / "reconstruction.tsv")]},
                   tasks={"niah-inside": {"name": "niah", "question": "inside", "digits": 7}},
@@ -755,10 +761,11 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     assert table["measure"].to_list() == ["E_M", "kld_mean", "same_top_p", "reconstruction_kld_mean"]
     assert set(table["n_points"]) == {24}
     assert table["n_fidelity_docs"].to_list() == [6, 6, 6, 6]  # the none control's document is left out
-    # 48 s over the 24 points; the teacher-forced job's 14 s shared by its 168 pairs, 144 of them the points';
+    # the split's shard jobs' 48 s shared by the 145 pairs of the split (the control's document too), 144 of
+    # them the points'; the teacher-forced job's 14 s shared by its 168 pairs, 144 of them the points';
     # the reconstruction pass's 24 s over the 24 points it served alone
-    teacher_s = 14 * 144 / 168 / 24
-    assert table["cpu_s_per_point"].to_list() == pytest.approx([2.0, teacher_s, teacher_s, 1.0])
+    coupled_s, teacher_s = 48 * 144 / 145 / 24, 14 * 144 / 168 / 24
+    assert table["cpu_s_per_point"].to_list() == pytest.approx([coupled_s, teacher_s, teacher_s, 1.0])
     assert (table["spearman"] > 0.5).all()  # same_top_p is oriented: smaller predicts a larger drop
     # twice the KL of kld_mean, document by document: the same ranks, the same statistics
     assert table.row(3, named=True)["kendall_within_ratio"] == table.row(1, named=True)["kendall_within_ratio"]
