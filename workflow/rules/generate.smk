@@ -10,8 +10,9 @@
 #
 # A GGUF model (the embedded default) is first converted once to a plain safetensors
 # directory under {results_dir}/models/: de-quantizing GGUF costs ~20 s per load, and every
-# shard job and the teacher-forced job load the model. A model of backend llama_cpp is not converted: its shard job runs the
-# GGUF file in llama.cpp (kvdiverge.jobs.shard.run_llama_shard) with the job's threads.
+# shard job and the teacher-forced job load the model. A model of backend llama_cpp is not
+# converted: its shard job runs the GGUF file in llama.cpp (kvdiverge.jobs.shard.run_llama_shard)
+# with the job's threads.
 
 
 rule convert_model:
