@@ -26,6 +26,8 @@ import pytest
 import yaml
 from polars.testing import assert_frame_equal
 
+from kvdiverge.config.workflow import load_config, runs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # whatever pytest's import mode
 from slurm_cluster import (
     CONF_HEADER,
@@ -51,17 +53,24 @@ TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores
 # what goes through SLURM: one run's estimates, so every job of the chain up to them (corpus,
-# conversion, prompts, both shards, the estimate); the other runs' jobs are the same rules
+# conversion, prompts, the split's two shard jobs, the estimate); the other runs' jobs are the same rules
 SLURM_RUN = ("smollm2-135m", "snapkv-50", "exploratory")
 SLURM_TARGETS = [
     f"{yaml.safe_load((REPO / 'config' / 'smoke.yaml').read_text())['results_dir']}"
     f"/estimates/{'/'.join(SLURM_RUN)}.parquet"
 ]
+#: the policies of the run's split (every run of the smoke config on it, in order): each shard job
+#: of the split writes every one's shard
+SPLIT_POLICIES = [
+    policy
+    for model, policy, split in runs(load_config(REPO / "config" / "smoke.yaml"))
+    if (model, split) == (SLURM_RUN[0], SLURM_RUN[2])
+]
 #: the tables those jobs write, relative to the results directory
 SLURM_TABLES = [
     "corpus/documents.parquet",
     f"prompts/{SLURM_RUN[0]}.parquet",
-    *(f"trajectories/{'/'.join(SLURM_RUN)}/shard-{i}.parquet" for i in range(2)),
+    *(f"trajectories/{SLURM_RUN[0]}/{p}/{SLURM_RUN[2]}/shard-{i}.parquet" for p in SPLIT_POLICIES for i in range(2)),
     f"estimates/{'/'.join(SLURM_RUN)}.parquet",
     f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet",
     f"estimates/{'/'.join(SLURM_RUN)}.drift.parquet",
