@@ -13,8 +13,9 @@ document resamples (:func:`kvdiverge.estimation.bootstrap.resample_indices`). Wr
     (the same for gemma3-270m, --out out-gemma3-270m)
     .venv/bin/python benchmarks/llamacpp_caches.py out-embedded out-gemma3-270m
 
-A row of the CSV already there is replaced by the same model's, backend's and policy's from the directories
-given, and kept otherwise, so cache types measured apart add up to one table. quanto's int4 on the transformers backend goes beside them (``--transformers DIR``: what
+A row of the CSV already there is replaced by the same model's, backend's and policy's from the
+directories given, and kept otherwise, so cache types measured apart add up to one table. quanto's int4
+on the transformers backend goes beside them (``--transformers DIR``: what
 ``kvdiverge measure embedded --sotu 8 --cache quanto:nbits=4 -T 16 -R 2 --threads 1 --seed 20261205 --out DIR``
 wrote), with no KLD: the weights differ (llama.cpp reads the GGUF file's Q4_1 blocks, transformers their
 de-quantized float32 copy), so each backend's pair is compared, not the references. ``--figure`` draws
@@ -182,9 +183,10 @@ DODGE = {("smollm2-135m", True): -0.27, ("smollm2-135m", False): -0.09, ("gemma3
 
 
 def draw(table: pl.DataFrame, path: Path) -> None:
-    """p_div, E[M] and the mean KLD of each cache, a panel each (one above the other), the caches in columns by their bits per element
-    (fewest right, int4 beside the llama.cpp type of its bits); one colour per model, rotation off an open marker beside the same type, int4 a square. The
-    KLD panel is logarithmic: the f16 control (exactly 0) is not drawn there."""
+    """p_div, E[M] and the mean KLD of each cache, a panel each (one above the other), the caches in
+    columns by their bits per element (fewest right, int4 beside the llama.cpp type of its bits); one
+    colour per model, rotation off an open marker beside the same type, int4 a square. The KLD panel is
+    logarithmic: the f16 control (exactly 0) is not drawn there."""
     import matplotlib.pyplot as plt
 
     from kvdiverge.report.drawing import save_figure

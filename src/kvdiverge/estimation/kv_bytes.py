@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GGML_BITS", "kv_bytes_per_element"]
+__all__ = ["GGML_BITS", "ggml_bits", "kv_bytes_per_element"]
 
 #: Bits per element of llama.cpp's KV cache types, each block's scale (and minimum) included: ggml's
 #: block sizes (``ggml/src/ggml-common.h``: ``block_q8_0`` holds 32 int8 values and an f16 scale, 34 bytes
@@ -25,6 +25,18 @@ GGML_BITS: dict[str, float] = {
     "q4_0": 4.5,
     "iq4_nl": 4.5,
 }
+
+
+def ggml_bits(type_k: str, type_v: str) -> float:
+    """Mean bits per cached element of a llama.cpp cache of ``type_k`` keys and ``type_v`` values
+    (:data:`GGML_BITS`, scales included; f16 and q4_0: 10.25).
+
+    Raises
+    ------
+    KeyError
+        A type outside :data:`GGML_BITS`.
+    """
+    return (GGML_BITS[type_k] + GGML_BITS[type_v]) / 2
 
 
 def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) -> float:
@@ -70,6 +82,6 @@ def kv_bytes_per_element(cache: Mapping[str, Any] | None, element_bytes: float) 
     if cache is None:
         return float(element_bytes)
     if cache["backend"] == "llama_cpp":
-        return (GGML_BITS[cache["type_k"]] + GGML_BITS[cache["type_v"]]) / 16
+        return ggml_bits(cache["type_k"], cache["type_v"]) / 8
     bits = 3.2 if (cache["backend"], int(cache["nbits"])) == ("hqq", 3) else float(cache["nbits"])
     return bits / 8 + 2.0 * float(element_bytes) / int(cache["q_group_size"])

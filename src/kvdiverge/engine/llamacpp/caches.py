@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvdiverge.estimation.kv_bytes import GGML_BITS
+from kvdiverge.estimation.kv_bytes import GGML_BITS, ggml_bits
 
 __all__ = [
     "CACHE_TYPES",
@@ -132,7 +132,7 @@ class LlamaCache:
     @property
     def bits(self) -> float:
         """Mean bits per cached element over K and V."""
-        return (CACHE_TYPES[self.type_k] + CACHE_TYPES[self.type_v]) / 2
+        return ggml_bits(self.type_k, self.type_v)
 
     def describe(self) -> dict:
         """The cache as a frontier point's ``cache_settings``: ``backend: llama_cpp``, the types and the rotation
