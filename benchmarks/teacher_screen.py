@@ -73,7 +73,7 @@ def screen(config, loaded, length: int) -> tuple[pl.DataFrame, tuple[float, floa
     """The teacher-forced positions of every point, and the (wall, CPU) seconds they took."""
     name, model, tok, corpus, docs, policies = loaded
     forcing = TeacherForcing(length=length)
-    conts = corpus_continuations(config, corpus, tok, [d.doc_id for d in docs], length)
+    conts = corpus_continuations(config["corpus"], corpus, tok, [d.doc_id for d in docs], length)
     sampling = Sampling(
         T=length, replicates=1, decoding=Decoding(temperature=1.0), seed=int(config["seed"]), model_name=name
     )

@@ -110,8 +110,9 @@ def test_the_prediction_study_counts_its_task_sides_and_the_teacher_forced_pass(
     assert {(c.documents, c.replicates, c.T, c.token_steps) for c in sides} == {(30, 1, 16, 30 * 62)}
     stages = stage_costs(config)
     assert [(s.stage, s.jobs, s.documents, s.token_steps) for s in stages] == [
-        ("coupled runs", 58, 250, 126_000),
-        ("teacher-forced pass", 1, 250, 64_000),
+        # the workflow's jobs: one per (model, split, shard) and one teacher-forced job per (model, split)
+        ("coupled runs", 2 * 2, 250, 126_000),
+        ("teacher-forced pass", 2, 250, 64_000),
         # the reconstruction pass: the frontier's 25 points on its 8 documents, at most 1,024 tokens on 2 sides
         ("reconstruction pass", 1, 25 * 8, 25 * 8 * 2 * 1024),
         ("task side niah-after", 1, 25 * 30, 25 * 30 * 62),
@@ -141,9 +142,9 @@ def test_command_line(capsys):
     assert main(["cost", "config/smoke.yaml", "--rate", "660"]) == 0
     out = capsys.readouterr().out
     # smoke: 780 token-steps and 24 of the decode-time replays; the teacher-forced pass's 13 documents x 2 x 16
-    assert "coupled runs (T = 8, R = 2): 13 document-policy runs in 14 job(s), 265 forwards (13 prefill), " in out
-    assert "teacher-forced pass (16 continuation tokens): 13 document-policy runs in 1 job(s)" in out
-    assert "all stages: 15 jobs, 360 forwards, 1,220 token-steps" in out
+    assert "coupled runs (T = 8, R = 2): 13 document-policy runs in 4 job(s), 265 forwards (13 prefill), " in out
+    assert "teacher-forced pass (16 continuation tokens): 13 document-policy runs in 2 job(s)" in out
+    assert "all stages: 6 jobs, 360 forwards, 1,220 token-steps" in out
     assert out.splitlines()[-1] == (
         "at 660 token-steps/s on 1 device(s): coupled runs 0.00 h (1 s), teacher-forced pass 0.00 h (1 s); "
         "all stages 0.00 h (2 s)"
@@ -152,7 +153,7 @@ def test_command_line(capsys):
     out = capsys.readouterr().out
     assert "task side niah-after (T = 16, R = 1, greedy): 750 document-policy runs in 1 job(s), " in out
     assert "reconstruction pass (1024 excerpt tokens at most): 200 document-policy runs in 1 job(s)" in out
-    assert "all stages: 63 jobs, 107,162 forwards, 742,820 token-steps" in out
+    assert "all stages: 10 jobs, 107,162 forwards, 742,820 token-steps" in out
     assert main(["cost", "config/smoke.yaml", "--rate", "1e-300"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("all stages 3.39e+299 h (1.22e+303 s)")
 

@@ -52,6 +52,19 @@ def test_each_policy_of_a_shard_job_reads_typed_settings(smoke):
     assert "run" not in job.to_params()  # the typed view adds nothing to the rerun key
 
 
+def test_each_run_of_a_teacher_forced_job_reads_typed_settings(smoke):
+    runs = [("snapkv-50", "exploratory"), ("none", "exploratory"), ("snapkv-90", "confirmatory")]
+    job = TeacherSettings.from_config(smoke, MODEL, runs)
+    snapkv, control, other = (job.run(p, s) for p, s in runs)
+    assert snapkv.entry == smoke["policies"]["snapkv-50"] and other.entry == smoke["policies"]["snapkv-90"]
+    # the smoke config: the control on 1 document, the master seed, 16 corpus tokens after each excerpt
+    assert (snapkv.documents, control.documents, other.documents) == (None, 1, None)
+    assert snapkv.seed == other.seed == 20261129 and snapkv.corpus == smoke["corpus"]
+    assert snapkv.forced["length"] == 16 and snapkv.forced["continuation"] == "corpus"
+    assert "repeat_instruction" not in snapkv.forced  # read by the reconstruction target only
+    assert TeacherSettings.from_params(job.to_params()).run("none", "exploratory") == control
+
+
 def test_a_job_reads_the_settings_of_its_policies_only(smoke):
     with pytest.raises(ValueError, match="give one each"):
         ShardSettings(model=MODEL, split="exploratory", policies=("a",), settings={"b": {}})

@@ -115,7 +115,7 @@ docs = [str(est / f"{p}.documents.parquet") for p in spec["shards"]]
 ana = work / "analysis"
 names = ["documents", "pooled", "timing", "survival", "branch_tv", "variance"]
 out = NS(**{f"{n}_{k}": str(ana / f"{n}.{k}") for n in names for k in ("parquet", "csv")})
-params = NS(bootstrap=50, confidence=0.9, seed=5)
+params = NS(boot={"n_boot": 50, "confidence": 0.9, "seed": 5})
 runpy.run_path(str(scripts / "pool.py"), init_globals={"snakemake": NS(
     input=docs, log=[str(work / "pool.log")], output=out, params=params)})
 runpy.run_path(str(scripts / "gaps.py"), init_globals={"snakemake": NS(

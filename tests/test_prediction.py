@@ -717,7 +717,7 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
         model=pl.lit("m"), policy="point", split=pl.lit("exploratory"), doc_id="doc_id", kld_mean="kld",
         same_top_p=1 - pl.col("kld"),
     )  # fmt: skip
-    # the teacher-forced job also served a confirmatory run on 24 documents: 144 + 24 pairs, 144 the points'
+    # a confirmatory run's teacher-forced documents: another job's, the confirmatory split's
     confirmatory = pl.DataFrame({"model": "m", "policy": "snapkv-50", "split": "confirmatory",
                                  "doc_id": [f"c{i}" for i in range(24)], "kld_mean": 0.1,
                                  "same_top_p": 0.9})  # fmt: skip
@@ -753,7 +753,7 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
                   costs={"coupled": [str(tmp_path / "coupled.tsv")], "teacher": [str(tmp_path / "teacher.tsv")],
                          "reconstruction": [str(tmp_path / "reconstruction.tsv")]},
                   tasks={"niah-inside": {"name": "niah", "question": "inside", "digits": 7}},
-                  bootstrap=20, confidence=0.9, seed=3, n_perm=19),
+                  boot={"n_boot": 20, "confidence": 0.9, "seed": 3}, n_perm=19),
         output=out, log=[str(tmp_path / "prediction.log")], wildcards=NS(model="m"),
     )  # fmt: skip
     runpy.run_path(str(Path(__file__).parents[1] / "workflow/scripts/prediction.py"), init_globals={"snakemake": sm})
@@ -762,9 +762,9 @@ def test_the_prediction_script_joins_both_sides_and_writes_every_table(tmp_path)
     assert set(table["n_points"]) == {24}
     assert table["n_fidelity_docs"].to_list() == [6, 6, 6, 6]  # the none control's document is left out
     # the split's shard jobs' 48 s shared by the 145 pairs of the split (the control's document too), 144 of
-    # them the points'; the teacher-forced job's 14 s shared by its 168 pairs, 144 of them the points';
-    # the reconstruction pass's 24 s over the 24 points it served alone
-    coupled_s, teacher_s = 48 * 144 / 145 / 24, 14 * 144 / 168 / 24
+    # them the points'; the split's teacher-forced job's 14 s by its 144 pairs, all of them the points'
+    # (the confirmatory run's 24 are the other split's job's); the reconstruction pass's 24 s over its 24 points
+    coupled_s, teacher_s = 48 * 144 / 145 / 24, 14 / 24
     assert table["cpu_s_per_point"].to_list() == pytest.approx([coupled_s, teacher_s, teacher_s, 1.0])
     assert (table["spearman"] > 0.5).all()  # same_top_p is oriented: smaller predicts a larger drop
     # twice the KL of kld_mean, document by document: the same ranks, the same statistics

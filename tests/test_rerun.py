@@ -39,7 +39,10 @@ RUNS = [
     ("none", "exploratory"),
 ]
 # rules whose jobs the tests tell apart by their first output; the others run once
-PER_FILE = ("trajectories_exploratory", "trajectories_confirmatory", "estimate", "teacher_forced")
+PER_FILE = (
+    "trajectories_exploratory", "trajectories_confirmatory", "estimate", "teacher_forced_exploratory",
+    "teacher_forced_confirmatory",
+)  # fmt: skip
 
 
 def env_for(work: Path) -> dict[str, str]:
@@ -125,10 +128,15 @@ def rules(*names):
 
 
 def teacher(policies=None):
-    """The model's teacher-forced job (one for every run: named by its first output, the first run's
-    positions; whichever of ``policies`` changed) and their table."""
-    p, s = RUNS[0]
-    return {("teacher_forced", f"{RES}/teacher_forced/{MODEL}/{p}/{s}.parquet")} | rules("teacher_forced_table", "all")
+    """The teacher-forced jobs that make the positions of ``policies``: one job per split writes every run
+    of the split, named by its first output (the split's first run's positions); and their table."""
+    first = {}
+    for p, s in RUNS:
+        first.setdefault(s, p)
+    jobs = {
+        (f"teacher_forced_{s}", f"{RES}/teacher_forced/{MODEL}/{first[s]}/{s}.parquet") for s in splits_of(policies)
+    }
+    return jobs | rules("teacher_forced_table", "all")
 
 
 FIGURES_UP = rules("figure", "summary", "all")

@@ -48,7 +48,7 @@ needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAIL
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
 GENERATION_RULES = ("trajectories_exploratory", "trajectories_confirmatory")  # one rule per split
-MODEL_RULES = (*GENERATION_RULES, "teacher_forced")  # the rules that run the model: GPUs
+MODEL_RULES = (*GENERATION_RULES, "teacher_forced_exploratory", "teacher_forced_confirmatory")  # run the model: GPUs
 TABLE_SUFFIXES = (".parquet", ".csv")
 LOCAL_CORES = 2  # what the smoke_run fixture (tests/conftest.py) runs with
 SMOKE_TIMEOUT_S = 1200  # generous; the run itself takes a few minutes on 2 cores

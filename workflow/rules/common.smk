@@ -4,9 +4,11 @@
 # Helper functions live here, not in the stage files (snakemake --lint wants rules and
 # functions apart).
 
+import dataclasses
 import os
 import sys
 
+import kvdiverge.estimation.bootstrap
 import kvdiverge.estimation.drift
 import kvdiverge.config.backends
 import kvdiverge.config.reading
@@ -54,13 +56,14 @@ DRIFT_LOOP = kvdiverge.estimation.drift.loop_settings(CONFIG["drift"], CONFIG["d
 # is no change. README.md "Rerunning stages" tabulates which setting reruns what.
 canonical = kvdiverge.config.provenance.canonical
 
-# The settings of every document-bootstrap analysis (pool, gaps, floor, confirmatory,
-# speculative, frontier): `params: **ANALYSIS_PARAMS` in each.
-ANALYSIS_PARAMS = {
-    "seed": canonical(CONFIG["seed"]),
-    "bootstrap": canonical(CONFIG["analysis"]["bootstrap"]),
-    "confidence": canonical(CONFIG["analysis"]["confidence"]),
-}
+# The document bootstrap of every analysis with intervals (pool, gaps, floor, confirmatory,
+# speculative, drift, frontier, teacher-forced table, task, prediction): one Bootstrap, as
+# `params: **ANALYSIS_PARAMS` (`boot`, its fields in plain form); each script reads
+# `Bootstrap(**snakemake.params.boot)`.
+BOOTSTRAP = kvdiverge.estimation.bootstrap.Bootstrap(
+    n_boot=CONFIG["analysis"]["bootstrap"], confidence=CONFIG["analysis"]["confidence"], seed=CONFIG["seed"]
+)
+ANALYSIS_PARAMS = {"boot": canonical(dataclasses.asdict(BOOTSTRAP))}
 
 
 def shard_settings(wildcards):
@@ -94,9 +97,15 @@ def shard_job(split):
 TEACHER_RUNS = [r for r in RUNS if not kvdiverge.config.backends.runs_on_llama_cpp(CONFIG["models"][r[0]])]
 
 
-def teacher_job(wildcards):
-    """The settings of a model's teacher-forced job (rule teacher_forced), every run of the model."""
-    return kvdiverge.jobs.params.TeacherSettings.from_config(CONFIG, wildcards.model, MODEL_RUNS).to_params()
+def teacher_job(split):
+    """The settings of a teacher-forced job of `split` (rules teacher_forced_<split>), every run of the
+    split on the model, as a params function."""
+
+    def settings(wildcards):
+        runs = [(p, split) for p in SPLIT_POLICIES[split]]
+        return kvdiverge.jobs.params.TeacherSettings.from_config(CONFIG, wildcards.model, runs).to_params()
+
+    return settings
 
 
 def check_presses():
@@ -313,12 +322,6 @@ def run_files(pattern, runs=None, partial=False):
     return [expand(pattern, model=m, policy=p, split=s, allow_missing=partial)[0] for m, p, s in runs]
 
 
-def model_run_files(pattern):
-    """`pattern` of every run of one model, {model} left in place: the outputs of a per-model job."""
-    policies, splits = [p for p, _ in MODEL_RUNS], [s for _, s in MODEL_RUNS]
-    return expand(pattern, zip, policy=policies, split=splits, allow_missing=True)
-
-
 def all_trajectory_shards(runs=None):
     """Shard files of every run of `runs` (default: every run in kvdiverge.config.workflow.runs)."""
     return [f for path in run_files(SHARD, runs, partial=True) for f in expand(path, shard=SHARDS)]
@@ -383,7 +386,7 @@ def prediction_costs(wildcards):
     read when present, not inputs (a benchmark file is no rule's output)."""
     costs = {
         "coupled": [benchmark_file(f"trajectories/{wildcards.model}/{FRONTIER_SPLIT}/shard-{s}") for s in SHARDS],
-        "teacher": [benchmark_file(f"teacher_forced/{wildcards.model}")],
+        "teacher": [benchmark_file(f"teacher_forced/{wildcards.model}/{FRONTIER_SPLIT}")],
     }
     if RECONSTRUCTION_CONFIG:
         costs["reconstruction"] = [benchmark_file(f"teacher_forced_reconstruction/{wildcards.model}")]

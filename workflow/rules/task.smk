@@ -40,13 +40,7 @@ if TASK_RUNS:
             task=canonical(CONFIG["task"]),
             controls=TASK_CONTROLS,
             floor=FLOOR,
-            bootstrap=canonical(
-                {
-                    "n_boot": CONFIG["analysis"]["bootstrap"],
-                    "confidence": CONFIG["analysis"]["confidence"],
-                    "seed": CONFIG["seed"],
-                }
-            ),
+            **ANALYSIS_PARAMS,
         conda:
             CONDA_ENV
         script:

@@ -5,40 +5,45 @@
 # teacher_forced.target: reconstruction feeds instead a repeat instruction in the model's chat
 # template, then the excerpt's own text (KVzip); on either target LongPPL's key tokens are marked
 # from one short-context forward per document (teacher_forced.key_tokens).
-# One job per model writes every run's positions: one model load, and each document prefilled
-# once and its reference side run once for every policy that runs on it. Its rerun key is its
-# own (teacher_job): the teacher_forced section reruns no trajectory shard, and decoding,
-# replicates and shards rerun no teacher-forced job.
+# One job per (model, split) writes the positions of every run of the split: one model load, and
+# each document prefilled once and its reference side run once for every policy that runs on it.
+# One rule per split (teacher_forced_<split>), as the shard jobs. Its rerun key is its own
+# (teacher_job): the teacher_forced section reruns no trajectory shard, decoding, replicates and
+# shards rerun no teacher-forced job, and a changed policy reruns its split's job alone.
 # A llama_cpp model has no teacher-forced pass (TEACHER_RUNS, common.smk).
 # The `teacher_forced` table beside `pool`: llama.cpp's --kl-divergence statistics per
 # (model, policy, split) with document-bootstrap intervals and the noise floor beside each
 # policy; `teacher_forced_documents` holds the headline means per document (joins on doc_id).
 
 
-rule teacher_forced:
-    input:
-        prompts=rules.prompts.output[0],
-        corpus=rules.corpus.output[0],
-        model=converted_model,
-    output:
-        model_run_files(TEACHER),
-    log:
-        f"{LOGS}/teacher_forced/{{model}}.log",
-    benchmark:
-        benchmark_file("teacher_forced/{model}")
-    params:
-        # what the job reads, its rerun key: per run the model and policy entries, seed, control
-        # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
-        settings=teacher_job,
-    # one job per model, the longest that cannot be split: it starts first, the shard jobs fill in beside it
-    priority: 1
-    resources:
-        # every run of the model in one job: its requests are the pass's own (GPU_REQUESTS)
-        **generation_resources(rule="teacher_forced"),
-    conda:
-        CONDA_ENV
-    script:
-        "../scripts/teacher_forced.py"
+for _split, _policies in SPLIT_POLICIES.items():
+
+    rule:
+        name:
+            f"teacher_forced_{_split}"
+        input:
+            prompts=rules.prompts.output[0],
+            corpus=rules.corpus.output[0],
+            model=converted_model,
+        output:
+            expand(TEACHER, policy=_policies, split=_split, allow_missing=True),
+        log:
+            f"{LOGS}/teacher_forced/{{model}}/{_split}.log",
+        benchmark:
+            benchmark_file(f"teacher_forced/{{model}}/{_split}")
+        params:
+            # what the job reads, its rerun key: per run the model and policy entries, seed, control
+            # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
+            settings=teacher_job(_split),
+        # the shard jobs fill in beside these shorter ones, started first
+        priority: 1
+        resources:
+            # every run of the split in one job: its requests are the pass's own (GPU_REQUESTS)
+            **generation_resources(rule="teacher_forced"),
+        conda:
+            CONDA_ENV
+        script:
+            "../scripts/teacher_forced.py"
 
 
 rule teacher_forced_table:

@@ -17,7 +17,7 @@ with rule_log(snakemake.log[0], "confirmatory", "confirmatory analysis") as log:
             f"no confirmatory run of the plan's policy {plan.get('policy')!r}: add it to config runs.confirmatory"
         )
     docs = read_estimates(files)  # refuses non-finite inputs
-    boot = Bootstrap(p.bootstrap, p.confidence, p.seed)
+    boot = Bootstrap(**p.boot)
     result, per_doc = confirmatory_analysis(docs, plan, p.split, boot, floor=p.floor)
     log.info("\n%s", result)
     save_table(result, out.parquet, out.csv)

@@ -11,7 +11,7 @@ p = snakemake.params
 out = snakemake.output
 with rule_log(snakemake.log[0], "drift", "length and loop drift") as log:
     reps = pl.concat([pl.read_parquet(f) for f in snakemake.input], how="vertical")
-    table = drift_table(reps, Bootstrap(p.bootstrap, p.confidence, p.seed))
+    table = drift_table(reps, Bootstrap(**p.boot))
     for note in no_stop_note(table):
         log.warning(note)
     log.info(

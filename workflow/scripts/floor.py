@@ -16,7 +16,7 @@ with rule_log(snakemake.log[0], "floor", "floor comparison") as log:
         table = pl.DataFrame(schema=FLOOR_SCHEMA)
     else:
         docs = read_estimates(list(snakemake.input))
-        table = floor_comparison(docs, p.floor, Bootstrap(p.bootstrap, p.confidence, p.seed))
+        table = floor_comparison(docs, p.floor, Bootstrap(**p.boot))
         log.info(
             "floor %s:\n%s",
             p.floor,

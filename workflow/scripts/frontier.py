@@ -22,11 +22,11 @@ with rule_log(snakemake.log[0], "frontier", "frontier analysis") as log:
     grid = [FrontierPoint.of(point) for point in p.grid]
     sizes = {name: entry_kv_sizes(dict(entry), name) for name, entry in p.models.items()}
     log.info("KV sizes per model: %s", sizes)
-    boot = Bootstrap(p.bootstrap, p.confidence, p.seed)
+    boot = Bootstrap(**p.boot)
     points, areas = frontier_tables(docs, grid, p.floor, boot, split=p.split, kv_sizes=sizes)
     points = with_teacher_columns(points, pl.read_parquet(snakemake.input.teacher))
     drift = pl.concat([pl.read_parquet(f) for f in snakemake.input.drift], how="vertical")
     points = with_drift_columns(points, length_ratios(drift, boot))
-    log.info("\n%s", frontier_text(points, areas, p.confidence))
+    log.info("\n%s", frontier_text(points, areas, boot.confidence))
     save_table(points, out.parquet, out.csv)
     save_table(areas, out.areas_parquet, out.areas_csv)

@@ -10,6 +10,6 @@ p = snakemake.params
 with rule_log(snakemake.log[0], "gaps", "gap decomposition") as log:
     files = list(snakemake.input)
     docs = read_estimates(files) if files else None  # refuses non-finite inputs
-    boot = Bootstrap(p.bootstrap, p.confidence, p.seed)
+    boot = Bootstrap(**p.boot)
     table = gaps(docs, p.gaps, boot, split="exploratory", models=p.models, progress=True)
     save_table(table, snakemake.output.parquet, snakemake.output.csv)

@@ -13,7 +13,7 @@ p = snakemake.params
 with rule_log(snakemake.log[0], "pool", "pooling") as log:
     docs = read_estimates(tqdm(snakemake.input, desc="estimates"))
     log.info("%d per-document rows from %d runs", docs.height, len(snakemake.input))
-    tables = pool(docs, Bootstrap(p.bootstrap, p.confidence, p.seed))
+    tables = pool(docs, Bootstrap(**p.boot))
     log.info("pooled decomposition identity holds for every run")
     log.info("\n%s", tables["timing"])
     log.info("\n%s", tables["variance"])

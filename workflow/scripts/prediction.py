@@ -5,7 +5,7 @@ The fidelity side is the frontier's points on its split: the coupled estimates, 
 documents and positions. The CPU time per point of the coupled measures comes from the frontier
 split's shard jobs' benchmark files (Snakemake's ``cpu_time``, seconds), shared by the (run, document)
 pairs they served, that of the
-teacher-forced ones (the teacher-forced table's float columns and ``kld_p99``) from the model's
+teacher-forced ones (the teacher-forced table's float columns and ``kld_p99``) from the split's
 teacher-forced job, shared by the (run, document) pairs it served, and that of the measures
 prefixed ``reconstruction_`` from the reconstruction pass's job, the same way. Beside the study: the
 prediction table without each press in turn (point estimates and permutation p-values, no
@@ -40,9 +40,7 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
     fidelity = fidelity.filter(pl.col("point").is_in(list(p.points)))
     task = pl.concat([pl.read_parquet(f).filter(model) for f in i.answers], how="diagonal_relaxed")
     task = task.rename({"policy": "point"})
-    settings = PredictionSettings(
-        boot=Bootstrap(p.bootstrap, p.confidence, p.seed), n_perm=p.n_perm, min_full_accuracy=p.min_full_accuracy
-    )
+    settings = PredictionSettings(boot=Bootstrap(**p.boot), n_perm=p.n_perm, min_full_accuracy=p.min_full_accuracy)
     chance = {}
     for block in dict(p.tasks).values():
         found, values = task_settings(dict(block))
@@ -54,8 +52,9 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
         for family, files in dict(p.costs).items()
         if files and all(Path(f).exists() for f in files)  # none where a benchmark file is missing
     }
-    # the split's shard jobs served every run of the split (the points, the controls and any other policy)
-    served = {"coupled": documents.filter(pl.col("split") == p.split), "teacher": teacher}
+    # the split's shard and teacher-forced jobs served every run of the split (the points, the controls, any other policy)
+    of_split = pl.col("split") == p.split
+    served = {"coupled": documents.filter(of_split), "teacher": teacher.filter(of_split)}
     if reconstruction is not None:
         served["reconstruction"] = reconstruction.unique(["policy", "doc_id"])
     cost = {family: cpu_per_point(seconds, served[family], list(p.points)) for family, seconds in cpu.items()}
@@ -71,7 +70,7 @@ with rule_log(snakemake.log[0], "prediction", "prediction analysis") as log:
     tables["prediction"] = tables["prediction"].with_columns(
         cpu_s_per_point=family.replace_strict(cost, default=None, return_dtype=pl.Float64)
     )
-    no_boot = dataclasses.replace(settings, boot=Bootstrap(0, p.confidence, p.seed))
+    no_boot = dataclasses.replace(settings, boot=dataclasses.replace(settings.boot, n_boot=0))
     tables["without"] = pl.concat(
         [
             prediction_without(fidelity, task, points, measures, leave_out=[press], settings=no_boot)

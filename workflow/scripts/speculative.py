@@ -10,7 +10,7 @@ p = snakemake.params
 out = snakemake.output
 with rule_log(snakemake.log[0], "speculative", "speculative reading") as log:
     docs = read_estimates(list(snakemake.input))
-    table = speculative_table(docs, Bootstrap(p.bootstrap, p.confidence, p.seed))
+    table = speculative_table(docs, Bootstrap(**p.boot))
     log.info(
         "\n%s",
         table.select(

@@ -23,7 +23,7 @@ with rule_log(snakemake.log[0], "task", "task stage") as log:
         pl.read_parquet(i.prompts),
         tokenizer,
         task.score,
-        options=TaskTableOptions(controls=p.controls, floor=p.floor, boot=Bootstrap(**dict(p.bootstrap))),
+        options=TaskTableOptions(controls=p.controls, floor=p.floor, boot=Bootstrap(**p.boot)),
     )
     for name in TASK_TABLES:
         save_table(tables[name], o[name], o[f"{name}_csv"])

@@ -12,7 +12,7 @@ from kvdiverge.jobs.rulelog import rule_log
 out, p = snakemake.output, snakemake.params
 with rule_log(snakemake.log[0], "teacher_forced_table") as log:
     positions = pl.concat([pl.read_parquet(f) for f in snakemake.input])
-    summary = summary_table(positions, floor=p.floor, boot=Bootstrap(p.bootstrap, p.confidence, p.seed))
+    summary = summary_table(positions, floor=p.floor, boot=Bootstrap(**p.boot))
     save_table(summary, out.parquet, out.csv)
     save_table(document_table(positions), out.documents_parquet, out.documents_csv)
     log.info(

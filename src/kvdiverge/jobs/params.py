@@ -29,7 +29,7 @@ from kvdiverge.jobs.devices import bind_device
 from kvdiverge.models.loading import local_entry
 from kvdiverge.settings.checks import config_sampling
 
-__all__ = ["JobSettings", "ParamsForm", "ShardRun", "ShardSettings", "TeacherSettings", "job_model_entry"]
+__all__ = ["JobSettings", "ParamsForm", "ShardRun", "ShardSettings", "TeacherRun", "TeacherSettings", "job_model_entry"]
 
 
 class ParamsForm:
@@ -139,13 +139,52 @@ class ShardSettings(JobSettings):
 
 
 @dataclass(frozen=True)
-class TeacherSettings(ParamsForm):
-    """The settings of a model's teacher-forced job (:func:`kvdiverge.jobs.teacher.run_teacher_forced`): every run of one model.
+class TeacherRun:
+    """What one run of a teacher-forced job runs with, typed: read from its settings once (:meth:`TeacherSettings.run`).
 
-    One job per model serves every ``(policy, split)`` run of it: one model load, and each
-    document prefilled once for every policy that runs on it. Its rerun key holds what
-    the teacher-forced positions depend on and nothing else, so a change to decoding,
-    replicates or shards reruns no teacher-forced job, and a change to the
+    Parameters
+    ----------
+    entry : mapping
+        The config's policy entry.
+    documents : int or None
+        The first ``documents`` usable documents of the split (the control, the noise floor), or None: all.
+    seed : int
+        The master seed (the prefills' seeds).
+    corpus : mapping
+        The config's ``corpus`` section: where the text after each excerpt is read from.
+    forced : mapping
+        The config's ``teacher_forced`` section (length, continuation, target, key tokens; the repeat
+        instruction with the reconstruction target).
+    """
+
+    entry: Mapping[str, Any]
+    documents: int | None
+    seed: int
+    corpus: Mapping[str, Any]
+    forced: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> TeacherRun:
+        """The run of one policy's canonical settings (:func:`kvdiverge.config.provenance.teacher_settings`)."""
+        documents = settings["documents"]
+        return cls(
+            entry=dict(settings["policy"]),
+            documents=None if documents is None else int(documents),
+            seed=int(settings["seed"]),
+            corpus=dict(settings["corpus"]),
+            forced=dict(settings.get("teacher_forced") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class TeacherSettings(ParamsForm):
+    """The settings of a teacher-forced job (:func:`kvdiverge.jobs.teacher.run_teacher_forced`): some runs of one model.
+
+    The workflow runs one job per (model, split), for every ``(policy, split)`` run of the split
+    (the prediction study's reconstruction pass one per model, for the frontier's runs): one
+    model load, and each document prefilled once for every policy that runs on it. Its rerun
+    key holds what the teacher-forced positions depend on and nothing else, so a change to
+    decoding, replicates or shards reruns no teacher-forced job, and a change to the
     ``teacher_forced`` section reruns no trajectory shard.
 
     Parameters
@@ -182,6 +221,10 @@ class TeacherSettings(ParamsForm):
         for policy, split in runs:
             settings.setdefault(split, {})[policy] = teacher_settings(config, model, policy, split)
         return cls(model=model, runs=tuple(runs), settings=settings)
+
+    def run(self, policy: str, split: str) -> TeacherRun:
+        """The typed settings of the run ``(policy, split)`` (:class:`TeacherRun`), one of the job's ``runs``."""
+        return TeacherRun.of(self.settings[split][policy])
 
     def splits(self) -> dict[str, tuple[str, ...]]:
         """Per split, its runs' policies in the order of :attr:`runs`."""

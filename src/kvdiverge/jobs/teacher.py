@@ -27,7 +27,7 @@ from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document
 from kvdiverge.estimation.key_tokens import KeyTokens
-from kvdiverge.jobs.params import TeacherSettings
+from kvdiverge.jobs.params import TeacherRun, TeacherSettings
 from kvdiverge.jobs.shard import select_documents
 from kvdiverge.models.loading import load_model
 
@@ -36,11 +36,10 @@ __all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
 log = logging.getLogger(__name__)
 
 
-def forcing_settings(config: Mapping[str, Any]):
+def forcing_settings(section: Mapping[str, Any]):
     """The :class:`kvdiverge.engine.llm.teacher.TeacherForcing` of a config's ``teacher_forced`` section
-    (of a mapping that holds that section: a config, or a policy's :class:`~kvdiverge.jobs.params.TeacherSettings`):
-    its length, target and key-token rule (``key_tokens``; the defaults where the section leaves it out)."""
-    section = config.get("teacher_forced") or {}
+    (:attr:`kvdiverge.jobs.params.TeacherRun.forced`): its length, target and key-token rule
+    (``key_tokens``; the defaults where the section leaves it out)."""
     keys = section.get("key_tokens") or {}
     rule = KeyTokens(**{k: (int if k == "short" else float)(v) for k, v in keys.items()})
     target = str(section.get("target", "continuation"))
@@ -48,15 +47,16 @@ def forcing_settings(config: Mapping[str, Any]):
 
 
 def corpus_continuations(
-    config: Mapping[str, Any], documents: pl.DataFrame, tokenizer, doc_ids, length: int
+    corpus: Mapping[str, Any], documents: pl.DataFrame, tokenizer, doc_ids, length: int
 ) -> dict[str, list[int]]:
     """Per ``doc_id``: the first ``length`` tokens of the corpus text after its excerpt (empty ones left out).
 
-    ``documents`` is the corpus table (``doc_id``, ``paragraph_end``); the text is encoded
-    with ``add_special_tokens=False``, after a blank line, as the excerpt's paragraphs are joined.
+    ``corpus`` is the config's ``corpus`` section (where the text is read from), ``documents`` the corpus
+    table (``doc_id``, ``paragraph_end``); the text is encoded with ``add_special_tokens=False``, after a
+    blank line, as the excerpt's paragraphs are joined.
     """
     rows = documents.filter(pl.col("doc_id").is_in(list(doc_ids)))
-    texts = following_texts(config["corpus"], rows, max_words=4 * int(length))
+    texts = following_texts(corpus, rows, max_words=4 * int(length))
     out = {}
     for doc_id, text in texts.items():
         ids = tokenizer.encode(text, add_special_tokens=False)[: int(length)] if text else []
@@ -68,7 +68,7 @@ def corpus_continuations(
 def run_teacher_forced(
     settings: TeacherSettings, paths: dict[str, str], model_spec: dict[str, Any] | None = None, loaded=None
 ) -> pl.DataFrame:
-    """The teacher-forced positions of every run of the job's model: one model load, one prefill per document.
+    """The teacher-forced positions of every run of the job: one model load, one prefill per document.
 
     Parameters
     ----------
@@ -94,17 +94,16 @@ def run_teacher_forced(
     if loaded is None:
         loaded = load_model(model_spec or settings.model_entry(), settings.model)
     model, tokenizer = loaded
-    policy, split = settings.runs[0]
-    first = settings.settings[split][policy]  # the sections every run of the job shares
-    forcing = forcing_settings(first)
-    sampling = forcing.sampling(first["seed"], settings.model, model_eos_ids(model))
+    first = settings.run(*settings.runs[0])  # the sections every run of the job shares
+    forcing = forcing_settings(first.forced)
+    sampling = forcing.sampling(first.seed, settings.model, model_eos_ids(model))
     prompts = pl.read_parquet(paths["prompts"])
-    section = first.get("teacher_forced") or {}
-    corpus_text = forcing.target == "reconstruction" or section.get("continuation", "corpus") == "corpus"
+    corpus_text = forcing.target == "reconstruction" or first.forced.get("continuation", "corpus") == "corpus"
     corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every split
     frames = []
     for split, names in settings.splits().items():
-        docs, runs_on = _split_documents(prompts, split, {n: settings.settings[split][n]["documents"] for n in names})
+        runs = {name: settings.run(name, split) for name in names}
+        docs, runs_on = _split_documents(prompts, split, {name: run.documents for name, run in runs.items()})
         conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
         log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(names),
                  docs.height, len(conts))  # fmt: skip
@@ -112,7 +111,7 @@ def run_teacher_forced(
             teacher_forced_policies(
                 model,
                 [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-                {name: Policy.from_config(name, dict(settings.settings[split][name]["policy"])) for name in names},
+                {name: Policy.from_config(name, dict(run.entry)) for name, run in runs.items()},
                 settings=TeacherPass(sampling, forcing, split),
                 continuations=conts,
                 documents_of=runs_on,
@@ -121,17 +120,17 @@ def run_teacher_forced(
     return pl.concat(frames)
 
 
-def _targets(config: Mapping[str, Any], corpus: pl.DataFrame | None, tokenizer, doc_ids, forcing) -> dict[str, Any]:
+def _targets(run: TeacherRun, corpus: pl.DataFrame | None, tokenizer, doc_ids, forcing) -> dict[str, Any]:
     """What the pass feeds after each document: the reconstruction's targets (the excerpt's text after the
     repeat instruction, :func:`kvdiverge.config.inputs.reconstruction_targets`), or the corpus continuations
     (:func:`corpus_continuations`; none when ``corpus`` is None: greedy continuations)."""
     if forcing.target == "reconstruction":
         texts = corpus.filter(pl.col("doc_id").is_in(list(doc_ids))).select("doc_id", "text").iter_rows()
-        instruction = config["teacher_forced"].get("repeat_instruction", REPEAT_INSTRUCTION)
+        instruction = run.forced.get("repeat_instruction", REPEAT_INSTRUCTION)
         return reconstruction_targets(dict(texts), tokenizer, instruction, "teacher_forced.target")
     if corpus is None:
         return {}
-    return corpus_continuations(config, corpus, tokenizer, doc_ids, forcing.length)
+    return corpus_continuations(run.corpus, corpus, tokenizer, doc_ids, forcing.length)
 
 
 def _split_documents(

@@ -42,10 +42,10 @@ every prefill evicts), and the evicted side's lanes take ``(R + 1)(T - 1)`` (the
 lane, then ``R`` branch lanes); ``replay_prefills = R``;
 ``replay_forwards = replay_token_steps = R (T - 2)``.
 
-Policies that evict at prefill only and run in one call (a frontier's points: one job per
-model and shard) share each document's prefill forward in groups of up to ``2R``
-(:func:`kvdiverge.engine.runner.run_policies`); the counts here are each run's own, so for
-them upper bounds, and ``shards`` counts a frontier's jobs per point.
+The policies of a split run in one job per model, split and shard; those that evict at prefill
+only share each document's prefill forward in groups of up to ``2R``
+(:func:`kvdiverge.engine.runner.run_policies`): the counts here are each run's own, so for them
+upper bounds. A stage's jobs (:class:`StageCost`) are the workflow's.
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
@@ -254,7 +254,7 @@ def _coupled_run(model: str, policy: str, split: str, spec, n: int, grid: _Grid,
 
 
 def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
-    """Cost of the teacher-forced pass of every run of a validated config (rule ``teacher_forced``: one job per model).
+    """Cost of the teacher-forced pass of every run of a validated config (rules ``teacher_forced_<split>``: one job per model and split).
 
     Upper bounds per run, over the run's documents (its coupled run's, :func:`run_documents_count`),
     with ``L = teacher_forced.length`` continuation tokens (cut to what the context leaves): the
@@ -349,7 +349,8 @@ class StageCost:
     settings : str
         What the stage's runs share, in words (``"T = 16, R = 1, greedy"``).
     jobs : int
-        Its jobs: the coupled runs' shards, one teacher-forced job per model, one job per model and task side.
+        Its jobs: one coupled job per (model, split, shard) and one teacher-forced job per (model, split), as
+        the workflow runs them; one reconstruction job per model, one job per model and task side.
     runs : int
         Its (model, policy, split) runs.
     documents : int
@@ -387,7 +388,7 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
     ValueError
         If ``batch_documents < 1``.
     """
-    coupled = study_cost(config, batch_documents)
+    coupled, teacher = study_cost(config, batch_documents), teacher_cost(config)
     T, R, L = (
         config["decoding"]["max_new_tokens"],
         config["replicates"],
@@ -395,8 +396,8 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
     )
     models = len(config["models"])
     out = [
-        StageCost.of("coupled runs", f"T = {T}, R = {R}", totals(coupled)["shards"], coupled),
-        StageCost.of("teacher-forced pass", f"{L} continuation tokens", models, teacher_cost(config)),
+        StageCost.of("coupled runs", f"T = {T}, R = {R}", _jobs(coupled, shards=True), coupled),
+        StageCost.of("teacher-forced pass", f"{L} continuation tokens", _jobs(teacher), teacher),
     ]
     rebuilt = reconstruction_config(config)
     if rebuilt:  # the prediction study's reconstruction pass: the frontier's runs, the excerpt's text at most
@@ -411,6 +412,11 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
         side = stage.removeprefix("task ")
         out.append(StageCost.of(f"task side {side}", f"T = {costs[0].T}, R = 1, greedy", models, costs))
     return out
+
+
+def _jobs(costs: Sequence[RunCost], shards: bool = False) -> int:
+    """The workflow's jobs for ``costs``: one per (model, split) with runs, times its shards (``shards``)."""
+    return len({(c.model, c.split, i) for c in costs for i in range(c.shards if shards else 1)})
 
 
 def totals(costs: Sequence[RunCost]) -> dict[str, int]:
