@@ -41,12 +41,14 @@ the cache alone, and every ratio), all ranked on the KV bytes per prompt token t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvdiverge import __version__
+from kvdiverge.config.workflow import ConfigError, load_config
 from kvdiverge.data.prompts import SOTU_INSTRUCTION
 from kvdiverge.data.tasks import TASKS
 from kvdiverge.doors.outputs import output_guard
@@ -56,7 +58,7 @@ from kvdiverge.engine.llamacpp.caches import require_llama_cpp
 from kvdiverge.models import embedded as embedded_models
 from kvdiverge.models.loading import load_model
 from kvdiverge.models.sources import ModelNotFoundError
-from kvdiverge.planning.cost import add_cost_parser, run_cost
+from kvdiverge.planning import cost
 from kvdiverge.report.formatting import task_text
 
 __all__ = [
@@ -123,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     _task_arguments(p)
     _teacher_arguments(p)
     _output_arguments(p)
-    add_cost_parser(sub)  # kvdiverge cost: kvdiverge.planning.cost
+    _cost_parser(sub)  # kvdiverge cost: kvdiverge.planning.cost
     return root
 
 
@@ -356,6 +358,74 @@ def _bad_input(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, ModelNotFoundError, CompressionError))
 
 
+def _cost_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the command ``kvdiverge cost`` to the subparsers (``ArgumentParser.add_subparsers``'s); it runs
+    :func:`_cost`."""
+    p = subparsers.add_parser(
+        "cost",
+        prog="kvdiverge cost",
+        help="a config's generation cost: documents, forwards and token-steps, from the config alone",
+        description=cost.__doc__.split("\n\n")[0],
+        epilog="Example: kvdiverge cost config/paper.yaml --rate 5000. Exit status: 0 on success; "
+        "2 for a config that cannot be read or is invalid, one line on stderr.",
+    )
+    p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
+    p.add_argument(
+        "--batch-documents",
+        type=int,
+        default=None,
+        help="documents per forward B (default: generation.batch_documents, else 1)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
+    )
+    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
+    return p
+
+
+def _cost(args: argparse.Namespace) -> int:
+    """``kvdiverge cost``: print a config's generation cost (and hours at ``--rate``); the exit code.
+
+    The coupled runs' table, then one line per stage (:func:`kvdiverge.planning.cost.stage_costs`) and their sum. 0 on
+    success; 2 when an option is out of range (one line naming it as spelled), or the config
+    cannot be read or is invalid (the reasons, one line each, after the first), on stderr.
+    """
+    problems = _cost_problems(args)
+    if problems:
+        print(f"kvdiverge cost: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        costs = cost.study_cost(config, args.batch_documents)
+        stages = cost.stage_costs(config, args.batch_documents)
+    except (OSError, ValueError) as exc:  # a config error is a ValueError: its reasons follow its first line
+        lines = str(exc).strip().splitlines() or [""]
+        reasons = lines[1:] if isinstance(exc, ConfigError) else []
+        print("\n".join([f"kvdiverge cost: error: {lines[0]}", *reasons]), file=sys.stderr)
+        return 2
+    print(cost.format_table(costs))
+    print()
+    for line in cost.format_stages(stages, cost.totals(costs)):
+        print(line)
+    if args.rate is not None:
+        print(cost.format_hours(stages, args.rate, args.gpus))
+    return 0
+
+
+def _cost_problems(args: argparse.Namespace) -> list[str]:
+    """One sentence per ``kvdiverge cost`` option out of range, naming the option as spelled."""
+    out = []
+    rate = args.rate
+    if rate is not None and not math.isfinite(rate):
+        out.append(f"--rate: {rate!r} is not a finite number; allowed: a number > 0")
+    elif rate is not None and rate <= 0:
+        out.append(f"--rate: {rate!r} is not allowed; allowed: a number > 0")
+    for option, value in (("--batch-documents", args.batch_documents), ("--gpus", args.gpus)):
+        if value is not None and value < 1:
+            out.append(f"{option}: {value!r} is not allowed; allowed: an integer >= 1")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
@@ -371,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     if args.command == "cost":
-        return run_cost(args)
+        return _cost(args)
     try:
         with output_guard(args.out, cwd_writes=bool(args.ratios)):  # checked and locked before any work
             return _measure(args)

@@ -5,8 +5,8 @@ the forward passes and the token-steps that the trajectory engine performs (:fun
 so that the study estimate of ``docs/benchmarks.md`` and the GPU benchmark's projection come
 from one place; the same for the other stages that generate (:func:`stage_costs`): the
 teacher-forced pass of every run (:func:`teacher_cost`) and the task sides of a ``prediction``
-block (:func:`task_cost`). The command ``kvdiverge cost`` prints them (:func:`add_cost_parser`,
-:func:`run_cost`)::
+block (:func:`task_cost`). The command ``kvdiverge cost`` (:mod:`kvdiverge.doors.cli`) prints them
+(:func:`format_table`, :func:`format_stages`, :func:`format_hours`)::
 
     kvdiverge cost config/paper.yaml                 # the coupled runs' table, a line per stage, the sum
     kvdiverge cost config/paper.yaml --rate 5000     # + hours at 5000 token-steps/s
@@ -56,15 +56,13 @@ selects them). These are the requested counts: documents excluded at the prompts
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvdiverge.config.frontier import FrontierSpec, frontier_points, frontier_split
-from kvdiverge.config.workflow import ConfigError, control_documents, load_config, runs
+from kvdiverge.config.workflow import control_documents, runs
 from kvdiverge.engine.presses import catalogue
 from kvdiverge.io.render import text_table
 from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides, reconstruction_config
@@ -72,11 +70,10 @@ from kvdiverge.jobs.prediction import PredictionTaskSettings, prediction_sides, 
 __all__ = [
     "RunCost",
     "StageCost",
-    "add_cost_parser",
+    "format_hours",
     "format_stages",
     "format_table",
     "projected_hours",
-    "run_cost",
     "run_documents_count",
     "stage_costs",
     "study_cost",
@@ -496,67 +493,6 @@ def format_table(costs: Sequence[RunCost]) -> str:
     return "\n".join(text_table(head, rows, left=3))
 
 
-def add_cost_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the command ``kvdiverge cost`` to the command line's subparsers (:mod:`kvdiverge.doors.cli`).
-
-    Parameters
-    ----------
-    subparsers : argparse._SubParsersAction
-        What ``ArgumentParser.add_subparsers`` returned; the command runs :func:`run_cost`.
-    """
-    p = subparsers.add_parser(
-        "cost",
-        prog="kvdiverge cost",
-        help="a config's generation cost: documents, forwards and token-steps, from the config alone",
-        description=__doc__.split("\n\n")[0],
-        epilog="Example: kvdiverge cost config/paper.yaml --rate 5000. Exit status: 0 on success; "
-        "2 for a config that cannot be read or is invalid, one line on stderr.",
-    )
-    p.add_argument("config", help="workflow config file, e.g. config/paper.yaml")
-    p.add_argument(
-        "--batch-documents",
-        type=int,
-        default=None,
-        help="documents per forward B (default: generation.batch_documents, else 1)",
-    )
-    p.add_argument(
-        "--rate", type=float, default=None, help="measured token-steps per second on one device: also print the hours"
-    )
-    p.add_argument("--gpus", type=int, default=1, help="devices in parallel for --rate (default 1)")
-    return p
-
-
-def run_cost(args: argparse.Namespace) -> int:
-    """``kvdiverge cost``: print a config's generation cost (and hours at ``--rate``); the exit code.
-
-    The coupled runs' table, then one line per stage (:func:`stage_costs`) and their sum. 0 on
-    success; 2 when an option is out of range (one line naming it as spelled), or the config
-    cannot be read or is invalid (the reasons, one line each, after the first), on stderr.
-    """
-    problems = _option_problems(args)
-    if problems:
-        print(f"kvdiverge cost: error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
-    try:
-        config = load_config(args.config)
-        costs = study_cost(config, args.batch_documents)
-        stages = stage_costs(config, args.batch_documents)
-    except (OSError, ValueError) as exc:  # a config error is a ValueError: its reasons follow its first line
-        lines = str(exc).strip().splitlines() or [""]
-        reasons = lines[1:] if isinstance(exc, ConfigError) else []
-        print("\n".join([f"kvdiverge cost: error: {lines[0]}", *reasons]), file=sys.stderr)
-        return 2
-    print(format_table(costs))
-    print()
-    for line in format_stages(stages, totals(costs)):
-        print(line)
-    if args.rate is not None:
-        spent = ", ".join(f"{s.stage} {_duration(s.token_steps, args.rate, args.gpus)}" for s in stages)
-        everything = _duration(sum(s.token_steps for s in stages), args.rate, args.gpus)
-        print(f"at {args.rate:,g} token-steps/s on {args.gpus} device(s): {spent}; all stages {everything}")
-    return 0
-
-
 def format_stages(stages: Sequence[StageCost], coupled: dict[str, int] | None = None) -> list[str]:
     """One line per stage (:func:`stage_costs`) and one for their sum; with the coupled runs'
     :func:`totals`, a line for their decode-time branch replays where there are any."""
@@ -578,18 +514,12 @@ def format_stages(stages: Sequence[StageCost], coupled: dict[str, int] | None = 
     return out
 
 
-def _option_problems(args: argparse.Namespace) -> list[str]:
-    """One sentence per ``kvdiverge cost`` option out of range, naming the option as spelled."""
-    out = []
-    rate = args.rate
-    if rate is not None and not math.isfinite(rate):
-        out.append(f"--rate: {rate!r} is not a finite number; allowed: a number > 0")
-    elif rate is not None and rate <= 0:
-        out.append(f"--rate: {rate!r} is not allowed; allowed: a number > 0")
-    for option, value in (("--batch-documents", args.batch_documents), ("--gpus", args.gpus)):
-        if value is not None and value < 1:
-            out.append(f"{option}: {value!r} is not allowed; allowed: an integer >= 1")
-    return out
+def format_hours(stages: Sequence[StageCost], rate: float, gpus: int = 1) -> str:
+    """The hours of each stage (:func:`stage_costs`) and of all of them at ``rate`` token-steps per second on
+    ``gpus`` devices, in one line (upper bounds, as the token-steps)."""
+    spent = ", ".join(f"{s.stage} {_duration(s.token_steps, rate, gpus)}" for s in stages)
+    everything = _duration(sum(s.token_steps for s in stages), rate, gpus)
+    return f"at {rate:,g} token-steps/s on {gpus} device(s): {spent}; all stages {everything}"
 
 
 def _duration(token_steps: int, rate: float, gpus: int) -> str:
