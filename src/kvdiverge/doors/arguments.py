@@ -182,7 +182,7 @@ def argument_sources(args: Any) -> tuple[dict[str, Any], dict[str, PressSource],
         A bad press, cache or ratio, or a press that refuses its parameters.
     """
     caches = None
-    if args.ratios:  # checked here, expanded again (the same way) by measure(ratios=..., caches=...)
+    if args.ratios:  # refused here, before the tokenizer loads, by the expansion the plan makes (frontier_presses)
         presses = {spec: policy_entry(spec, args.budget, None) for spec in args.press}  # the frontier sets the ratio
         caches = {text: {k: v for k, v in cache_entry(text).items() if k != "cache"} for text in args.cache} or None
         try:
