@@ -393,7 +393,7 @@ def _cost(args: argparse.Namespace) -> int:
     problems = _cost_problems(args)
     if problems:
         print(f"kvdiverge cost: error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         config = load_config(args.config)
         costs = cost.study_cost(config, args.batch_documents)
@@ -402,7 +402,7 @@ def _cost(args: argparse.Namespace) -> int:
         lines = str(exc).strip().splitlines() or [""]
         reasons = lines[1:] if isinstance(exc, ConfigError) else []
         print("\n".join([f"kvdiverge cost: error: {lines[0]}", *reasons]), file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(cost.format_table(costs))
     print()
     for line in cost.format_stages(stages, cost.totals(costs)):
