@@ -38,6 +38,8 @@ RUNS = [
     ("noise-floor", "confirmatory"),
     ("none", "exploratory"),
 ]
+#: each split's first run: a job of the split (shard or teacher-forced) is named by that run's output
+FIRST = {s: next(p for p, split in RUNS if split == s) for _, s in RUNS}
 # rules whose jobs the tests tell apart by their first output; the others run once
 PER_FILE = (
     "trajectories_exploratory", "trajectories_confirmatory", "estimate", "teacher_forced_exploratory",
@@ -103,11 +105,8 @@ def splits_of(policies=None):
 def shards(policies=None, n=2):
     """The shard jobs that make the shards of ``policies``: one job per (split, shard) writes every policy
     of the split, named by its first output (the split's first run)."""
-    first = {}
-    for p, s in RUNS:
-        first.setdefault(s, p)
     return {
-        (f"trajectories_{s}", f"{RES}/trajectories/{MODEL}/{first[s]}/{s}/shard-{i}.parquet")
+        (f"trajectories_{s}", f"{RES}/trajectories/{MODEL}/{FIRST[s]}/{s}/shard-{i}.parquet")
         for s in splits_of(policies)
         for i in range(n)
     }
@@ -130,11 +129,8 @@ def rules(*names):
 def teacher(policies=None):
     """The teacher-forced jobs that make the positions of ``policies``: one job per split writes every run
     of the split, named by its first output (the split's first run's positions); and their table."""
-    first = {}
-    for p, s in RUNS:
-        first.setdefault(s, p)
     jobs = {
-        (f"teacher_forced_{s}", f"{RES}/teacher_forced/{MODEL}/{first[s]}/{s}.parquet") for s in splits_of(policies)
+        (f"teacher_forced_{s}", f"{RES}/teacher_forced/{MODEL}/{FIRST[s]}/{s}.parquet") for s in splits_of(policies)
     }
     return jobs | rules("teacher_forced_table", "all")
 

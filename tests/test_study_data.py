@@ -201,3 +201,15 @@ def test_the_numbers_docs_task_quotes_in_its_prose_rebuild_from_the_committed_ta
     else:
         value = _read(model, "fidelity").filter(pl.col("point") == point)[measure].mean()
     assert round(value, len(repr(quoted).split(".")[1])) == quoted  # to the digits quoted
+
+
+def test_the_cost_per_point_docs_task_quotes_rebuilds_from_the_committed_table():
+    """The "Cost against power" paragraph: each family's CPU-seconds per point (``cpu_s_per_point``)."""
+    table = _read("smollm2-135m", "prediction")
+    cost = {m: round(table.filter(pl.col("measure") == m)["cpu_s_per_point"].unique().item()) for m in
+            ("kld_mean", "reconstruction_kld_mean", "E_M")}  # fmt: skip
+    sentence = (
+        f"Per point, the continuation pass costs {cost['kld_mean']} CPU-seconds, the reconstruction\n"
+        f"pass {cost['reconstruction_kld_mean']} and the coupled measures {cost['E_M']}"
+    )
+    assert sentence in (ROOT / "docs" / "task.md").read_text()

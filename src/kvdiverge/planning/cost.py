@@ -251,7 +251,7 @@ def _coupled_run(model: str, policy: str, split: str, spec, n: int, grid: _Grid,
 
 
 def teacher_cost(config: dict[str, Any]) -> list[RunCost]:
-    """Cost of the teacher-forced pass of every run of a validated config (rules ``teacher_forced_<split>``: one job per model and split).
+    """Cost of the teacher-forced pass of every run of a validated config (rules ``teacher_forced_<split>``).
 
     Upper bounds per run, over the run's documents (its coupled run's, :func:`run_documents_count`),
     with ``L = teacher_forced.length`` continuation tokens (cut to what the context leaves): the
@@ -393,7 +393,7 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
     )
     models = len(config["models"])
     out = [
-        StageCost.of("coupled runs", f"T = {T}, R = {R}", _jobs(coupled, shards=True), coupled),
+        StageCost.of("coupled runs", f"T = {T}, R = {R}", _jobs(coupled), coupled),
         StageCost.of("teacher-forced pass", f"{L} continuation tokens", _jobs(teacher), teacher),
     ]
     rebuilt = reconstruction_config(config)
@@ -411,13 +411,14 @@ def stage_costs(config: dict[str, Any], batch_documents: int | None = None) -> l
     return out
 
 
-def _jobs(costs: Sequence[RunCost], shards: bool = False) -> int:
-    """The workflow's jobs for ``costs``: one per (model, split) with runs, times its shards (``shards``)."""
-    return len({(c.model, c.split, i) for c in costs for i in range(c.shards if shards else 1)})
+def _jobs(costs: Sequence[RunCost]) -> int:
+    """The workflow's jobs for ``costs``: one per (model, split, shard) with runs (a teacher-forced run has
+    one shard: one job per model and split)."""
+    return len({(c.model, c.split, i) for c in costs for i in range(c.shards)})
 
 
 def totals(costs: Sequence[RunCost]) -> dict[str, int]:
-    """Sums over runs: ``runs``, ``documents`` (document-policy runs), ``shards`` (jobs),
+    """Sums over runs: ``runs``, ``documents`` (document-policy runs), ``shards`` (each run's, summed),
     ``prefill_forwards``, ``decode_forwards``, ``forwards``, ``token_steps``, and the
     decode-time policies' ``replay_forwards`` (prefills included) and ``replay_token_steps``."""
     return {
