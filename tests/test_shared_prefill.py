@@ -67,10 +67,22 @@ def test_policies_run_together_equal_each_alone_bit_for_bit(model, docs):
         assert mine.equals(alone), f"{name}: records differ when run beside the other policies"
     # one prefill forward per document (3) for the four prefill policies (2R = 4 to a group)
     assert [together.counts[n]["prefill_forwards"] for n in SHARED] == [3, 0, 0, 0]
-    assert together.counts["window"]["prefill_forwards"] == 3  # its own: it evicts while decoding
+    assert together.counts["window"]["prefill_forwards"] == 3  # a group of its own (2R = 4 to a group)
     assert _run(model, docs, ["snapkv"]).counts["snapkv"]["prefill_forwards"] == 3
     snap = together.trajectories.filter(pl.col("policy") == "snapkv")
     assert (snap["kept_len"] < snap["prompt_len"]).all()
+
+
+def test_a_sliding_window_starts_its_lanes_from_the_shared_prefill(model, docs):
+    """A decode-time press whose state is fixed at prefill (the sliding window) joins the shared forward."""
+    together = _run(model, docs, ["snapkv", "window"])
+    assert [together.counts[n]["prefill_forwards"] for n in ("snapkv", "window")] == [3, 0]
+    assert together.counts["window"]["prefills_restored"] >= 3  # each chain lane from the shared prefill
+    for name in ("snapkv", "window"):
+        alone = _run(model, docs, [name]).trajectories.drop("seconds")
+        mine = together.trajectories.filter(pl.col("policy") == name).drop("seconds")
+        assert mine.equals(alone), f"{name}: records differ when its prefill is shared"
+    assert _run(model, docs, ["window"]).counts["window"]["prefill_forwards"] == 3
 
 
 def test_groups_hold_at_most_2R_policies(model, docs):

@@ -45,6 +45,8 @@ for _split, _policies in SPLIT_POLICIES.items():
             f"{LOGS}/trajectories/{{model}}/{_split}/shard-{{shard}}.log",
         benchmark:
             benchmark_file(f"trajectories/{{model}}/{_split}/shard-{{shard}}")
+        # the longest generation jobs first on a local run (SHARD_PRIORITY, common.smk)
+        priority: SHARD_PRIORITY[_split]
         params:
             # what the job reads, its rerun key: per policy the model and policy entries,
             # decoding, replicates, seed, shards, control documents

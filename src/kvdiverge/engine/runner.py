@@ -187,9 +187,11 @@ def run_policies(
     forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
     document when any policy is decode-time, so every policy runs in the same batches)
     and runs the documents batch by batch, every policy on each batch. Policies that evict
-    at prefill only share each document's prefill forward, up to ``2R`` of them where their
-    presses allow (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are
-    those of each policy run alone, bit for bit.
+    at prefill only, and decode-time ones whose lanes can start from a shared prefill
+    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`: the sliding window), share each
+    document's prefill forward, up to ``2R`` of them where their presses allow
+    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are those of each
+    policy run alone, bit for bit.
 
     Under greedy decoding (temperature 0) with two policies or more, each batch's full-cache
     greedy tokens are decoded once (:func:`kvdiverge.engine.llm.reference.greedy_reference`)
@@ -273,13 +275,22 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
         budget = default_memory_budget(next(model.parameters()).device) / 2**30
     decode_time = any(flags.values())
     B = plan_documents(model, documents, sampling, options.batch_documents, budget, decode_time=decode_time)
-    shared = [name for name, flag in flags.items() if not flag]
+    # the prefill-only policies, and the decode-time ones whose lanes start from a shared prefill
+    alone = {name: flag and not _takes_shared_prefill(policies[name], documents) for name, flag in flags.items()}
+    shared = [name for name, one in alone.items() if not one]
     group = _prefill_group(model, documents, B, sampling, budget) if len(shared) >= 2 else 1
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
-    groups += [[name] for name, flag in flags.items() if flag]
+    groups += [[name] for name, one in alone.items() if one]
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
     got = _run_batches(model, documents, policies, _Plan(B, groups, greedy), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
+
+
+def _takes_shared_prefill(policy: PressSource, documents: Sequence[Document]) -> bool:
+    """True when a decode-time policy's lanes start from a prefill shared with other presses
+    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`: a press whose decode-time state is
+    fixed at prefill, such as the sliding window); asked of the longest document's press."""
+    return takes_prefill(policy.build_press(max(doc.prompt_len for doc in documents)))
 
 
 @dataclass(frozen=True)
@@ -421,8 +432,9 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     batch : sequence of Document
         The documents.
     presses : mapping of str to list
-        Policy name -> one press (or ``None``) per document; prefill-only presses (a
-        decode-time press's prefill is not shared).
+        Policy name -> one press (or ``None``) per document: prefill-only presses, and
+        decode-time ones whose lanes start from a shared prefill
+        (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`).
     sampling : Sampling
         ``seed`` and ``model_name``: each document's prefill seed
         (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).

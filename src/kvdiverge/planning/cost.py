@@ -43,9 +43,9 @@ lane, then ``R`` branch lanes); ``replay_prefills = R``;
 ``replay_forwards = replay_token_steps = R (T - 2)``.
 
 The policies of a split run in one job per model, split and shard; those that evict at prefill
-only share each document's prefill forward in groups of up to ``2R``
-(:func:`kvdiverge.engine.runner.run_policies`): the counts here are each run's own, so for them
-upper bounds. A stage's jobs (:class:`StageCost`) are the workflow's.
+only, and decode-time ones whose lanes start from a shared prefill (the sliding window), share each
+document's prefill forward in groups of up to ``2R`` (:func:`kvdiverge.engine.runner.run_policies`):
+the counts here are each run's own, so for them upper bounds. A stage's jobs (:class:`StageCost`) are the workflow's.
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
