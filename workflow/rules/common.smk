@@ -84,21 +84,27 @@ SPLIT_POLICIES = {split: policies for split, policies in SPLIT_POLICIES.items() 
 # The order a local run starts its generation jobs in (the rules' `priority`; a cluster queues them
 # all at once): the longest first, so that the last jobs to start are short ones and no core idles
 # long at the end (longest processing time first, the classic rule of list scheduling). The shard
-# jobs first, a split with more token-steps per job (kvdiverge.planning.cost.study_cost, replays
-# included) before one with fewer; then the teacher-forced jobs (prefills and one block feed per
-# document, no decoding: on the default config 51 and 98 s against 98 to 146 s for a shard job on
-# 2 cores); the analyses keep priority 0.
-def _shard_priorities():
-    steps = dict.fromkeys(SPLIT_POLICIES, 0)
+# jobs first, a split with more token-steps per job before one with fewer (replays included); then
+# the teacher-forced jobs, no decoding, a split with more documents to prefill before one with fewer
+# (kvdiverge.planning.cost: study_cost, teacher_cost). On the default config and 2 cores a shard job
+# takes 97 to 135 s, the teacher-forced jobs 97 s (18 documents) and 50 s (6); analyses keep 0.
+def _generation_priorities():
+    def ranked(work):  # split -> work: the fewest first, ties in SPLITS order
+        return sorted(work, key=lambda split: (work[split], -SPLITS.index(split)))
+
+    steps, prefills = dict.fromkeys(SPLIT_POLICIES, 0), dict.fromkeys(SPLIT_POLICIES, 0)
     for run in kvdiverge.planning.cost.study_cost(CONFIG):
         if run.model == MODELS[0] and run.split in steps:
             steps[run.split] += run.token_steps + run.replay_token_steps
-    fewest_first = sorted(steps, key=lambda split: (steps[split], split != "exploratory"))
-    return {split: TEACHER_PRIORITY + 1 + rank for rank, split in enumerate(fewest_first)}
+    for run in kvdiverge.planning.cost.teacher_cost(CONFIG):
+        if run.model == MODELS[0] and run.split in prefills:
+            prefills[run.split] = max(prefills[run.split], run.documents)
+    teacher = {split: 1 + rank for rank, split in enumerate(ranked(prefills))}
+    shard = {split: 1 + len(teacher) + rank for rank, split in enumerate(ranked(steps))}
+    return shard, teacher
 
 
-TEACHER_PRIORITY = 1
-SHARD_PRIORITY = _shard_priorities()
+SHARD_PRIORITY, TEACHER_PRIORITY = _generation_priorities()
 
 
 def shard_job(split):

@@ -35,8 +35,8 @@ for _split, _policies in SPLIT_POLICIES.items():
             # what the job reads, its rerun key: per run the model and policy entries, seed, control
             # documents, the corpus and teacher_forced sections (no decoding setting, replicates or shards)
             settings=teacher_job(_split),
-        # after the shard jobs, which take longer (SHARD_PRIORITY, common.smk)
-        priority: TEACHER_PRIORITY
+        # after the shard jobs, which take longer; the longest first (TEACHER_PRIORITY, common.smk)
+        priority: TEACHER_PRIORITY[_split]
         resources:
             # every run of the split in one job: its requests are the pass's own (GPU_REQUESTS)
             **generation_resources(rule="teacher_forced"),
