@@ -397,6 +397,36 @@ def _job_stats(text: str) -> dict[str, int]:
     return stats
 
 
+def _priorities(text: str) -> dict[str, int]:
+    """Rule name -> the priority its jobs print in a dry run (0 where none is printed)."""
+    out, rule = {}, None
+    for line in text.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+            out.setdefault(rule, 0)
+        elif line.strip().startswith("priority:") and rule is not None:
+            out[rule] = int(line.split(":")[1])
+    return out
+
+
+@pytest.mark.workflow
+def test_a_local_run_starts_the_longest_generation_jobs_first(tmp_path, offline):
+    """The default config: the exploratory shard jobs (5 policies and the control on 3 documents, 8,424
+    token-steps a job) before the confirmatory ones (snapkv-90 and the floor, 6,048), then the
+    teacher-forced job of the split with more documents to prefill (18 against 6); analyses last."""
+    out = _snakemake("-n", "--configfile", str(ROOT / "config" / "config.yaml"), "-d", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _priorities(out.stdout + out.stderr)
+    order = [
+        "trajectories_exploratory",
+        "trajectories_confirmatory",
+        "teacher_forced_confirmatory",
+        "teacher_forced_exploratory",
+    ]
+    assert [got[rule] for rule in order] == [4, 3, 2, 1]
+    assert got["estimate"] == got["pool"] == got["figure"] == 0
+
+
 @pytest.mark.workflow
 def test_paper_config_dry_run_prints_the_full_job_graph(tmp_path, offline):
     out = _snakemake("-n", "--configfile", str(ROOT / "config" / "paper.yaml"), "-d", str(tmp_path))
