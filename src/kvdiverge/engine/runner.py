@@ -186,12 +186,11 @@ def run_policies(
     Checks each policy's press once (:func:`~kvdiverge.engine.refusals.check_policy`, every policy before any
     forward), plans ``B`` once for all of them (:func:`plan_documents`; ``3R`` rows per
     document when any policy is decode-time, so every policy runs in the same batches)
-    and runs the documents batch by batch, every policy on each batch. Policies that evict
-    at prefill only, and decode-time ones whose lanes can start from a shared prefill
-    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`: the sliding window), share each
-    document's prefill forward, up to ``2R`` of them where their presses allow
-    (:func:`kvdiverge.engine.llm.prefill.prefill_shared`); their records are those of each
-    policy run alone, bit for bit.
+    and runs the documents batch by batch, every policy on each batch. Up to ``2R`` policies
+    share each document's prefill forward (:func:`kvdiverge.engine.llm.prefill.prefill_shared`)
+    where their presses allow: those that evict at prefill only, and the decode-time ones whose
+    lanes start from it (:func:`~kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding
+    window); their records are those of each policy run alone, bit for bit.
 
     Under greedy decoding (temperature 0) with two policies or more, each batch's full-cache
     greedy tokens are decoded once (:func:`kvdiverge.engine.llm.reference.greedy_reference`)
@@ -273,10 +272,11 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     budget = options.memory_budget_gb
     if budget is None:  # the free memory, read once for the batch and the groups
         budget = default_memory_budget(next(model.parameters()).device) / 2**30
-    decode_time = any(flags.values())
-    B = plan_documents(model, documents, sampling, options.batch_documents, budget, decode_time=decode_time)
-    # the prefill-only policies, and the decode-time ones whose lanes start from a shared prefill
-    alone = {name: flag and not _takes_shared_prefill(policies[name], documents) for name, flag in flags.items()}
+    B = plan_documents(model, documents, sampling, options.batch_documents, budget, decode_time=any(flags.values()))
+    # alone: decode-time policies whose lanes cannot start from a shared prefill (takes_prefill), asked
+    # of the longest document's press
+    longest = max(doc.prompt_len for doc in documents)
+    alone = {n: flag and not takes_prefill(policies[n].build_press(longest)) for n, flag in flags.items()}
     shared = [name for name, one in alone.items() if not one]
     group = _prefill_group(model, documents, B, sampling, budget) if len(shared) >= 2 else 1
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
@@ -284,13 +284,6 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
     got = _run_batches(model, documents, policies, _Plan(B, groups, greedy), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
-
-
-def _takes_shared_prefill(policy: PressSource, documents: Sequence[Document]) -> bool:
-    """True when a decode-time policy's lanes start from a prefill shared with other presses
-    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`: a press whose decode-time state is
-    fixed at prefill, such as the sliding window); asked of the longest document's press."""
-    return takes_prefill(policy.build_press(max(doc.prompt_len for doc in documents)))
 
 
 @dataclass(frozen=True)
@@ -432,9 +425,7 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     batch : sequence of Document
         The documents.
     presses : mapping of str to list
-        Policy name -> one press (or ``None``) per document: prefill-only presses, and
-        decode-time ones whose lanes start from a shared prefill
-        (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`).
+        Policy name -> one press (or ``None``) per document, each sharing its prefill (``takes_prefill``).
     sampling : Sampling
         ``seed`` and ``model_name``: each document's prefill seed
         (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
