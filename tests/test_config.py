@@ -411,8 +411,8 @@ def _priorities(text: str) -> dict[str, int]:
 
 @pytest.mark.workflow
 def test_a_local_run_starts_the_longest_generation_jobs_first(tmp_path, offline):
-    """The default config: the exploratory shard jobs (5 policies and the control on 3 documents, 8,424
-    token-steps a job) before the confirmatory ones (snapkv-90 and the floor, 6,048), then the
+    """The default config: the exploratory shard jobs (5 policies on 3 documents and the control on 1,
+    8,424 token-steps a job) before the confirmatory ones (snapkv-90 and the floor, 6,048), then the
     teacher-forced job of the split with more documents to prefill (18 against 6); analyses last."""
     out = _snakemake("-n", "--configfile", str(ROOT / "config" / "config.yaml"), "-d", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]

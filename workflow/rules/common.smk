@@ -85,9 +85,11 @@ SPLIT_POLICIES = {split: policies for split, policies in SPLIT_POLICIES.items() 
 # all at once): the longest first, so that the last jobs to start are short ones and no core idles
 # long at the end (longest processing time first, the classic rule of list scheduling). The shard
 # jobs first, a split with more token-steps per job before one with fewer (replays included); then
-# the teacher-forced jobs, no decoding, a split with more documents to prefill before one with fewer
-# (kvdiverge.planning.cost: study_cost, teacher_cost). On the default config and 2 cores a shard job
-# takes 97 to 135 s, the teacher-forced jobs 97 s (18 documents) and 50 s (6); analyses keep 0.
+# the teacher-forced jobs, a split with more documents to prefill before one with fewer
+# (kvdiverge.planning.cost: study_cost, teacher_cost). Shard jobs before teacher-forced jobs
+# assumes that a shard job, which decodes, takes longer than a pass, which feeds one block: so on
+# the default config (docs/benchmarks.md); with many shards a pass can be the longer, and a local
+# run then loses at most its length at the end. Every other rule keeps priority 0.
 def _generation_priorities():
     def ranked(work):  # split -> work: the fewest first, ties in SPLITS order
         return sorted(work, key=lambda split: (work[split], -SPLITS.index(split)))

@@ -425,7 +425,7 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     batch : sequence of Document
         The documents.
     presses : mapping of str to list
-        Policy name -> one press (or ``None``) per document, each sharing its prefill (``takes_prefill``).
+        Policy name -> one press (or ``None``) per document: prefill presses, decode-time ones that ``takes_prefill``.
     sampling : Sampling
         ``seed`` and ``model_name``: each document's prefill seed
         (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).

@@ -50,6 +50,7 @@ around the policy's press, a decode-time policy.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from kvdiverge.engine.presses.catalogue import CACHE_KEYS as _CACHE_KEYS
 from kvdiverge.engine.presses.catalogue import POLICY_KEYS as _POLICY_KEYS
 from kvdiverge.engine.presses.catalogue import ratio_sentence
 from kvdiverge.engine.presses.quantized import QuantizedCachePress, QuantizedCacheSpec
-from kvdiverge.engine.presses.registry import adapter_of, kept_promise, press_class, refusal
+from kvdiverge.engine.presses.registry import adapter_of, is_decode_time, kept_promise, press_class, refusal
 
 #: Placeholder ratio the policy's press is built with to check it (a budget's ratio depends on the prompt).
 _PROBE_RATIO = 0.5
@@ -469,7 +470,9 @@ class PressPolicy:
     name : str
         Name of the policy in the tables (``policy`` column).
     press : kvpress.BasePress
-        The press; used as it is for every prompt (presses hold no per-prompt state).
+        The press; used as it is for every prompt (a prefill press holds no per-prompt state),
+        copied for each prompt when it evicts while decoding (its state after a prompt's prefill,
+        the sliding window's kept lengths, is that prompt's).
     """
 
     name: str
@@ -487,7 +490,8 @@ class PressPolicy:
         return None if ratio is None else float(ratio)
 
     def build_press(self, prompt_len: int):
-        """The press, after checking that a prompt of ``prompt_len`` tokens is long enough.
+        """The press (a copy of it for a decode-time press), after checking that a prompt of ``prompt_len``
+        tokens is long enough.
 
         Raises
         ------
@@ -497,7 +501,7 @@ class PressPolicy:
         need = self.min_prompt_tokens
         if prompt_len < need:
             raise ValueError(f"press {self.name!r} needs a prompt of at least {need} tokens, got {prompt_len}")
-        return self.press
+        return copy.deepcopy(self.press) if is_decode_time(self.press) else self.press
 
     def expected_kept(self, prompt_len: int, press):
         """What ``press`` must keep of a prompt of ``prompt_len`` tokens:
