@@ -9,13 +9,16 @@ shared prefill against its own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import polars as pl
 import pytest
 import torch
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
 from kvdiverge.engine.presses import status as press_status
-from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.presses.policies import Policy, PressPolicy
+from kvdiverge.engine.presses.window import SlidingWindowPress
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.models.standins import MINIATURE, random_model
 
@@ -47,7 +50,8 @@ def docs():
 
 
 def _run(model, docs, names, R=2, memory_budget_gb=None):
-    policies = {name: Policy.from_config(name, SPECS[name]) for name in names}
+    """``names``: policies of SPECS by name, or a mapping of name to policy; two documents per batched forward."""
+    policies = names if isinstance(names, Mapping) else {name: Policy.from_config(name, SPECS[name]) for name in names}
     return run_policies(
         model,
         docs,
@@ -89,20 +93,12 @@ def test_a_sliding_window_starts_its_lanes_from_the_shared_prefill(model, docs):
 def test_one_window_press_object_shared_by_the_documents_of_a_batch_gives_each_its_own_window(model, docs):
     """A press object given as it is (PressPolicy: ``kvdiverge.measure(presses=...)``) serves every document;
     a sliding window holds the kept lengths of the prompt it last prefilled, so each document takes a copy."""
-    from kvdiverge.engine.presses.policies import PressPolicy
-    from kvdiverge.engine.presses.window import SlidingWindowPress
-
-    sampling = Sampling(T=5, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95), seed=5, model_name="m")
-
-    def run(policies):
-        options = RunOptions(batch_documents=2)  # two documents of different lengths in one batch
-        return run_policies(model, docs, policies, sampling, split="exploratory", options=options).trajectories
-
     window = {"window": PressPolicy("window", SlidingWindowPress(compression_ratio=0.5))}
-    together = run({"snapkv": Policy.from_config("snapkv", SPECS["snapkv"]), **window})
+    # two documents of different lengths in one batch (_run)
+    together = _run(model, docs, {"snapkv": Policy.from_config("snapkv", SPECS["snapkv"]), **window}).trajectories
     mine = together.filter(pl.col("policy") == "window").drop("seconds")
-    assert mine.equals(run(window).drop("seconds"))
-    assert mine.equals(run({"window": Policy.from_config("window", SPECS["window"])}).drop("seconds"))
+    assert mine.equals(_run(model, docs, window).trajectories.drop("seconds"))
+    assert mine.equals(_run(model, docs, ["window"]).trajectories.drop("seconds"))
 
 
 def test_groups_hold_at_most_2R_policies(model, docs):

@@ -87,7 +87,7 @@ SPLIT_POLICIES = {split: policies for split, policies in SPLIT_POLICIES.items() 
 # jobs first, a split with more token-steps per job before one with fewer (replays included); then
 # the teacher-forced jobs, a split with more documents to prefill before one with fewer
 # (kvdiverge.planning.cost: study_cost, teacher_cost). Shard jobs before teacher-forced jobs
-# assumes that a shard job, which decodes, takes longer than a pass, which feeds one block: so on
+# assumes that a shard job, which decodes, takes longer than a pass, which feeds one block, as on
 # the default config (docs/benchmarks.md); with many shards a pass can be the longer, and a local
 # run then loses at most its length at the end. Every other rule keeps priority 0.
 def _generation_priorities():

@@ -27,10 +27,15 @@ __all__ = ["PressSource", "check_policy", "check_prompt_lengths", "question_afte
 class PressSource(Protocol):
     """What the runner needs of a policy: a press per prompt length, and the kept count.
 
+    The runner may prefill several prompts' presses before any of them decodes, so a press that
+    keeps a prompt's state for decoding (a decode-time press: the sliding window's kept lengths)
+    must be a new object for each call of ``build_press``.
+
     ``expected_kept`` returns an int (every layer and head keeps that many), a
     :class:`kvdiverge.engine.presses.promises.KeptPromise`, or ``None``.
 
-    :class:`kvdiverge.engine.presses.policies.Policy` implements it.
+    :class:`kvdiverge.engine.presses.policies.Policy` (a press built per call) and
+    :class:`~kvdiverge.engine.presses.policies.PressPolicy` (its press, copied where it decodes) implement it.
     """
 
     name: str
