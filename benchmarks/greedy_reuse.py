@@ -34,7 +34,7 @@ CACHES = {"int4": {"backend": "quanto", "nbits": 4, "q_group_size": 64, "residua
 #: (file, function) of the phases the profile reports
 PHASES = (
     ("runner.py", "run_policies"),
-    ("runner.py", "shared_prefills"),
+    ("sharing.py", "shared_prefills"),
     ("reference.py", "greedy_reference"),
     ("llm_pair.py", "start"),
     ("llm_pair.py", "advance"),

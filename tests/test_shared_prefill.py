@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvdiverge.engine.core.sampling import Decoding, Sampling
+from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy, PressPolicy
 from kvdiverge.engine.presses.window import SlidingWindowPress
@@ -49,16 +50,20 @@ def docs():
     return [Document(f"d{i}", torch.randint(1, 500, (n,), generator=gen).tolist()) for i, n in enumerate((48, 64, 96))]
 
 
-def _run(model, docs, names, R=2, memory_budget_gb=None):
+def _policies(names) -> dict:
+    return names if isinstance(names, Mapping) else {name: Policy.from_config(name, SPECS[name]) for name in names}
+
+
+def _run(model, docs, names, R=2, memory_budget_gb=None, carry=None):
     """``names``: policies of SPECS by name, or a mapping of name to policy; two documents per batched forward."""
-    policies = names if isinstance(names, Mapping) else {name: Policy.from_config(name, SPECS[name]) for name in names}
     return run_policies(
         model,
         docs,
-        policies,
+        _policies(names),
         Sampling(T=5, replicates=R, decoding=Decoding(temperature=0.7, top_p=0.95), seed=5, model_name="m"),
         split="exploratory",
         options=RunOptions(batch_documents=2, memory_budget_gb=memory_budget_gb),
+        carry=carry,
     )
 
 
@@ -111,6 +116,36 @@ def test_a_budget_that_leaves_no_room_prefills_each_policy_alone(model, docs):
     assert [runs.counts[n]["prefill_forwards"] for n in SHARED] == [3, 3, 3, 3]
     alone = _run(model, docs, SHARED).trajectories.drop("seconds")
     assert runs.trajectories.drop("seconds").equals(alone)
+
+
+def _carried(model, docs, first, later, memory_budget_gb=None):
+    """``first`` on every document, then ``later`` on the first two, with one carry: (runs, runs, carry)."""
+    sources = _policies(later)
+    carry = PrefillCarry({name: (source, {doc.doc_id for doc in docs[:2]}) for name, source in sources.items()})
+    one = _run(model, docs, first, memory_budget_gb=memory_budget_gb, carry=carry)
+    return one, _run(model, docs[:2], sources, memory_budget_gb=memory_budget_gb, carry=carry), carry
+
+
+def test_a_later_call_on_the_first_documents_takes_the_prefills_the_first_call_made(model, docs):
+    """The controls' calls (a shard's first documents, batches of their own) prefill nothing of their own."""
+    first, later, carry = _carried(model, docs, ["snapkv"], ["knorm", "leverage"])
+    assert carry.held == {} and carry.later == {}
+    # d0 and d1 in one forward for the three presses (snapkv counts it), d2 alone
+    assert first.counts["snapkv"]["prefill_forwards"] == 3
+    assert [later.counts[n]["prefill_forwards"] for n in ("knorm", "leverage")] == [0, 0]
+    assert first.trajectories.drop("seconds").equals(_run(model, docs, ["snapkv"]).trajectories.drop("seconds"))
+    alone = _run(model, docs[:2], ["knorm", "leverage"])
+    assert [alone.counts[n]["prefill_forwards"] for n in ("knorm", "leverage")] == [2, 0]
+    assert later.trajectories.drop("seconds").equals(alone.trajectories.drop("seconds"))
+
+
+def test_nothing_is_carried_beyond_the_memory_budget_or_for_a_press_that_evicts_while_decoding(model, docs):
+    first, later, carry = _carried(model, docs, ["snapkv"], ["knorm"], memory_budget_gb=1e-6)
+    assert later.counts["knorm"]["prefill_forwards"] == 2 and carry.held == {}
+    assert later.trajectories.drop("seconds").equals(_run(model, docs[:2], ["knorm"]).trajectories.drop("seconds"))
+    first, later, carry = _carried(model, docs, ["snapkv"], ["window"])
+    assert first.counts["snapkv"]["prefill_forwards"] == 3 and carry.held == {}
+    assert later.trajectories.drop("seconds").equals(_run(model, docs[:2], ["window"]).trajectories.drop("seconds"))
 
 
 def test_a_press_that_fails_in_a_shared_prefill_is_named():

@@ -241,7 +241,7 @@ def test_shared_reference_equals_each_policy_alone(model):
 def test_a_window_starts_from_the_shared_prefill_bit_for_bit(model):
     """A sliding window's lane starts from the prefill it shared with other presses, with no forward
     of its own, and computes what its own prefill gives, bit for bit."""
-    from kvdiverge.engine.runner import shared_prefills
+    from kvdiverge.engine.llm.sharing import shared_prefills
 
     doc, sampling = Document("d", prompt(40)), SAMPLING.replace(T=6)
     policy = PressPolicy("w", SlidingWindowPress(0.5, n_sink=2))

@@ -1,7 +1,8 @@
 # Stage 3: coupled trajectories per (model, policy, split, shard) — kvdiverge.engine.core.coupled.
 # One job per (model, split, shard) writes the shard of every policy that runs on the split: one
 # start-up (the interpreter, torch and the model, about 9 s on a 2-core CPU), and each document
-# prefilled once for the policies whose presses allow it (kvdiverge.engine.runner.run_policies);
+# prefilled once for the policies whose presses allow it (kvdiverge.engine.runner.run_policies), the
+# controls on the shard's first documents included (kvdiverge.engine.llm.sharing.PrefillCarry);
 # each policy's records are those of the policy run alone, bit for bit. A shard is written
 # atomically, so an interrupted run resumes by regenerating only the jobs with a missing shard;
 # a changed policy reruns the shard jobs of its split. One rule per split (trajectories_<split>),

@@ -32,6 +32,7 @@ import torch
 
 from kvdiverge.engine.core.sampling import Sampling
 from kvdiverge.engine.llm.decode_pair import takes_prefill
+from kvdiverge.engine.llm.sharing import shared_prefills
 from kvdiverge.engine.llm.teacher import (
     Forced,
     TeacherForcing,
@@ -43,7 +44,7 @@ from kvdiverge.engine.llm.teacher import (
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.refusals import PressSource, check_policy, check_prompt_lengths
-from kvdiverge.engine.runner import Document, build_pair, shared_prefills
+from kvdiverge.engine.runner import Document, build_pair
 from kvdiverge.estimation.key_tokens import key_mask
 from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 
@@ -227,7 +228,7 @@ def _documents_of(documents: Sequence[Document], documents_of, name: str) -> lis
 
 def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
     """Each policy's press for ``doc``, and the prefills of the presses that share one forward
-    (:func:`kvdiverge.engine.runner.shared_prefills`, as the coupled run shares them): the prefill-only
+    (:func:`kvdiverge.engine.llm.sharing.shared_prefills`, as the coupled run shares them): the prefill-only
     presses, and the decode-time ones whose lanes can start from it
     (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding window)."""
     presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}

@@ -31,11 +31,12 @@ from kvdiverge.engine.llm.decode_pair import DecodeTimePair, takes_prefill
 from kvdiverge.engine.llm.llm_pair import LLMKernelPair
 from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
-from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
+from kvdiverge.engine.llm.prefill import prefill_seed
 from kvdiverge.engine.llm.reference import with_greedy_tokens
+from kvdiverge.engine.llm.sharing import PrefillCarry, shared_prefills
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
-from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal, shares_prefill
+from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal
 from kvdiverge.engine.refusals import PressSource, check_policy, check_prompt_lengths
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "plan_documents",
     "run_documents",
     "run_policies",
-    "shared_prefills",
 ]
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def run_policies(
     *,
     split: str,
     options: RunOptions = RunOptions(),
+    carry: PrefillCarry | None = None,
 ) -> PolicyRuns:
     """Every policy on the same documents, in the same batches: the engine both doors run.
 
@@ -228,6 +229,10 @@ def run_policies(
         The ``split`` column.
     options : RunOptions
         Batch size, memory budget, progress bars and the message's word for a policy.
+    carry : kvdiverge.engine.llm.sharing.PrefillCarry, optional
+        Prefills carried between the calls of one model (the same object to each, in order): this
+        call's policies take those an earlier call made for them, and its documents are prefilled
+        also for the carry's later policies, within the memory budget. Records are unchanged.
 
     Returns
     -------
@@ -253,13 +258,15 @@ def run_policies(
     ValueError
         When a prompt is too short for a policy.
     """
-    by_policy, counts, B = _run_records(model, documents, policies, sampling, options)
+    by_policy, counts, B = _run_records(model, documents, policies, sampling, options, carry)
     name_ = sampling.model_name
     records = [{"model": name_, "policy": name, "split": split, **rec} for name in policies for rec in by_policy[name]]
     return PolicyRuns(to_frame(records), B, {name: counts[name] for name in policies})
 
 
-def _run_records(model, documents: Sequence[Document], policies: Mapping[str, PressSource], sampling, options):
+def _run_records(
+    model, documents: Sequence[Document], policies: Mapping[str, PressSource], sampling, options, carry=None
+):
     """``(records, counts, B)`` of :func:`run_policies`: per policy, its records in input order and its counts."""
     if not documents:
         return {name: [] for name in policies}, {name: {"documents": 0, "batches": 0} for name in policies}, None
@@ -278,11 +285,15 @@ def _run_records(model, documents: Sequence[Document], policies: Mapping[str, Pr
     longest = max(doc.prompt_len for doc in documents)
     alone = {n: flag and not takes_prefill(policies[n].build_press(longest)) for n, flag in flags.items()}
     shared = [name for name, one in alone.items() if not one]
-    group = _prefill_group(model, documents, B, sampling, budget) if len(shared) >= 2 else 1
+    left, token_bytes = _left_bytes(model, documents, B, sampling, budget)
+    group = int(max(1, min(2 * sampling.replicates, left // max(B * longest * token_bytes, 1))))
+    group = group if len(shared) >= 2 else 1
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
     groups += [[name] for name, one in alone.items() if one]
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
-    got = _run_batches(model, documents, policies, _Plan(B, groups, greedy), sampling, options.progress)
+    if carry is not None:  # the memory beside the batch and its group's shared prefills
+        carry.begin(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes)
+    got = _run_batches(model, documents, policies, _Plan(B, groups, greedy, carry), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
 
 
@@ -295,28 +306,28 @@ class _Plan:
     B: int
     groups: list[list[str]]
     greedy: bool = False
+    carry: PrefillCarry | None = None
 
 
-def _prefill_group(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float) -> int:
-    """Policies that share one document's prefill forward: at most ``2R``, and what the memory budget leaves.
+def _left_bytes(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float):
+    """``(bytes, kv bytes per token)``: what the memory budget (GiB) leaves beside the batch's decoding
+    (:mod:`kvdiverge.engine.llm.planner`) for shared prefills.
 
-    The shared prefills of one batch hold, per policy, one evicted cache per document (at
-    most the prompt's width); ``2R`` policies hold at most what the batch's own decoding
-    cache holds (``R`` rows per side). The group is also bounded by what the memory budget
-    (GiB) leaves beside the batch (:mod:`kvdiverge.engine.llm.planner`); at least 1.
+    The shared prefills of one batch hold, per policy, one evicted cache per document (at most the
+    prompt's width): a group of up to ``2R`` policies holds at most what the batch's own decoding cache
+    holds (``R`` rows per side), and what this leaves bounds it further (at least 1).
     """
     param = next(model.parameters())
-    budget = int(float(memory_budget_gb) * 2**30)
     kv = kv_bytes_per_token(model.config, param.dtype)
     longest = max(doc.prompt_len for doc in documents)
-    left = budget - B * document_bytes(
+    batch = document_bytes(
         kv_bytes_per_token=kv,
         prompt_len=longest,
         T=sampling.T,
         replicates=sampling.replicates,
         vocab_size=int(model.config.vocab_size),
     )
-    return int(max(1, min(2 * sampling.replicates, left // max(B * longest * kv, 1))))
+    return int(float(memory_budget_gb) * 2**30) - B * batch, kv
 
 
 def _run_batches(
@@ -332,8 +343,10 @@ def _run_batches(
     to prefill the document alone (a failing press then raises there, named). With
     ``plan.greedy`` the batch's full-cache greedy tokens are decoded once, after the first
     group's prefills (whose full caches they start from), and every pair reads its reference
-    side from them (:func:`kvdiverge.engine.llm.reference.with_greedy_tokens`). The caches and so the records are those of each
-    policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
+    side from them (:func:`kvdiverge.engine.llm.reference.with_greedy_tokens`). With ``plan.carry`` a policy
+    takes the prefills an earlier call held for it, and the first group's forward also prefills the
+    carry's later policies (:class:`~kvdiverge.engine.llm.sharing.PrefillCarry`). The caches and so the
+    records are those of each policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
     """
     B, T = plan.B, sampling.T
     order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
@@ -355,9 +368,8 @@ def _run_batches(
         for bi, indices in enumerate(batches):
             batch, extra = [documents[i] for i in indices], 0.0
             for gi, group in enumerate(plan.groups):
-                presses = {name: [policies[name].build_press(doc.context_len) for doc in batch] for name in group}
                 start = time.perf_counter()
-                bank = shared_prefills(twin, batch, presses, sampling)
+                presses, bank = _group_prefills(twin, batch, {n: policies[n] for n in group}, sampling, plan, gi)
                 shared_seconds = (time.perf_counter() - start) / len(group)
                 if plan.greedy and gi == 0:
                     start = time.perf_counter()
@@ -378,6 +390,35 @@ def _run_batches(
     return {
         name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
     }
+
+
+def _group_prefills(twin, batch: Sequence[Document], group: Mapping[str, PressSource], sampling, plan: _Plan, gi: int):
+    """``(presses, prefills)`` per policy of one group for ``batch``: those a carry holds for it, the others
+    built and prefilled in one forward per document (:func:`shared_prefills`), with the carry's later
+    policies beside the first group (and held for them)."""
+    carry = plan.carry
+    held = {name: carry.take(name, batch) if carry else None for name in group}
+    held = {name: got or ([None] * len(batch), [None] * len(batch)) for name, got in held.items()}
+    presses = {
+        name: [p if p is not None else group[name].build_press(d.context_len) for p, d in zip(held[name][0], batch)]
+        for name in group
+    }
+    ahead = carry.wanted(batch) if carry and gi == 0 else {}
+    own = {  # a decode-time press whose lanes cannot start from a shared prefill prefills in its pair
+        name: [
+            None if g is not None or (is_decode_time(p) and not takes_prefill(p)) else p
+            for p, g in zip(ps, held[name][1])
+        ]
+        for name, ps in presses.items()
+    }
+    bank = shared_prefills(twin, batch, own | ahead, sampling)
+    if ahead:
+        carry.keep(batch, ahead, bank)
+    merged = {
+        name: [g if g is not None else b for g, b in zip(held[name][1], bank[name] or [None] * len(batch))]
+        for name in group
+    }
+    return presses, {name: None if all(g is None for g in got) else got for name, got in merged.items()}
 
 
 class _Bars:
@@ -413,51 +454,6 @@ class _Bars:
     def label(self, name: str) -> str:
         """The log lines' prefix for the policy (none when it runs alone)."""
         return f"{name}: " if self.labelled else ""
-
-
-def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
-    """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
-
-    Parameters
-    ----------
-    twin : torch.nn.Module
-        The model's evicted twin (:func:`kvdiverge.engine.llm.twin.evicted_twin`) the presses enter.
-    batch : sequence of Document
-        The documents.
-    presses : mapping of str to list
-        Policy name -> one press (or ``None``) per document: prefill presses, decode-time ones that ``takes_prefill``.
-    sampling : Sampling
-        ``seed`` and ``model_name``: each document's prefill seed
-        (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
-
-    Returns
-    -------
-    dict of str to list or None
-        Per policy, per document, a :func:`kvdiverge.engine.llm.prefill.prefill_shared`
-        prefill (``None`` where the document was not shared: fewer than two presses allow it,
-        a question after compression, or the shared forward failed and each pair prefills
-        alone, where a failing press is named); ``None`` for the whole policy when no
-        document's prefill was shared.
-    """
-    device = next(twin.parameters()).device
-    got: dict[str, list] = {name: [None] * len(batch) for name in presses}
-    for j, doc in enumerate(batch):
-        names = [name for name in presses if presses[name][j] is not None and shares_prefill(presses[name][j])]
-        if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
-            continue
-        ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
-        try:
-            with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
-                done = prefill_shared(twin, ids, [presses[name][j] for name in names])
-        except Exception as exc:  # each pair then prefills alone, where a failing press is named
-            log.warning(
-                "%s: shared prefill failed (%s: %s); each policy prefills it alone", doc.doc_id, type(exc).__name__, exc
-            )
-            done = None
-        if done is not None:
-            for name, one in zip(names, done):
-                got[name][j] = one
-    return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
 
 
 def _batch_records(

@@ -25,6 +25,7 @@ from kvdiverge.engine.llamacpp.caches import cache_from_entry
 from kvdiverge.engine.llamacpp.run import provenance as llama_provenance
 from kvdiverge.engine.llamacpp.run import run_caches
 from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.presses.layer_types import layers_of
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
@@ -101,7 +102,10 @@ def run_shard(
 
     Policies that run on the same documents run in one call of the runner
     (:func:`kvdiverge.engine.runner.run_policies`): one model load, and each document
-    prefilled once for the policies whose presses allow it (the frontier's job). A model entry of
+    prefilled once for the policies whose presses allow it (the frontier's job). The controls
+    that run on a shard's first documents (the noise floor, the ``none`` control) run in calls of
+    their own, in their own batches, with the prefills the first call made for them
+    (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`). A model entry of
     ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or a ``llama_cpp.Llama``, else the
     entry's file) in llama.cpp instead (:func:`run_llama_shard`).
 
@@ -159,6 +163,10 @@ def run_shard(
     options = _with_progress(options or RunOptions(), settings)
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
+    sources = {name: Policy.from_config(name, dict(settings.run(name).entry)) for name in names}
+    # the controls' calls (their first documents) take their prefills from the first call's forwards
+    later = list(groups.items())[1:]
+    carry = PrefillCarry({name: (sources[name], frozenset(ids)) for ids, (_, group) in later for name in group})
     for docs, group in groups.values():
         runs = run_policies(
             model,
@@ -166,10 +174,11 @@ def run_shard(
                 Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
                 for row in docs.iter_rows(named=True)
             ],
-            {name: Policy.from_config(name, dict(settings.run(name).entry)) for name in group},
+            {name: sources[name] for name in group},
             sampling,
             split=settings.split,
             options=options,
+            carry=carry,
         )
         for name in group:
             frames[name] = runs.trajectories.filter(pl.col("policy") == name)

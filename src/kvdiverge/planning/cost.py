@@ -44,8 +44,9 @@ lane, then ``R`` branch lanes); ``replay_prefills = R``;
 
 The policies of a split run in one job per model, split and shard; those that evict at prefill
 only, and decode-time ones whose lanes start from a shared prefill (the sliding window), share each
-document's prefill forward in groups of up to ``2R`` (:func:`kvdiverge.engine.runner.run_policies`):
-the counts here are each run's own, so for them upper bounds. A stage's jobs (:class:`StageCost`) are the workflow's.
+document's prefill forward in groups of up to ``2R`` (:func:`kvdiverge.engine.runner.run_policies`), and the
+controls on a shard's first documents take theirs from those forwards
+(:class:`kvdiverge.engine.llm.sharing.PrefillCarry`): the counts here are each run's own, so for them upper bounds. A stage's jobs (:class:`StageCost`) are the workflow's.
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same

@@ -163,7 +163,7 @@ def with_greedy_tokens(model, batch: Sequence, sampling: Sampling, bank: Mapping
     sampling : Sampling
         A greedy decoding and ``T``.
     bank : mapping of str to list or None
-        :func:`kvdiverge.engine.runner.shared_prefills` of the batch: a document's full cache and logits are taken
+        :func:`kvdiverge.engine.llm.sharing.shared_prefills` of the batch: a document's full cache and logits are taken
         from any shared prefill of it (one forward fewer); the others are prefilled
         (:func:`full_prefill`).
 
