@@ -148,6 +148,42 @@ def test_nothing_is_carried_beyond_the_memory_budget_or_for_a_press_that_evicts_
     assert later.trajectories.drop("seconds").equals(_run(model, docs[:2], ["window"]).trajectories.drop("seconds"))
 
 
+def test_held_prefills_go_only_to_their_own_source_and_are_let_go_when_their_call_has_passed(model, docs):
+    carry = PrefillCarry({"knorm": (Policy.from_config("knorm", SPECS["knorm"]), {d.doc_id for d in docs[:2]})})
+    _run(model, docs, ["snapkv"], carry=carry)
+    assert sorted(carry.held) == [("knorm", "d0"), ("knorm", "d1")] and carry.held_bytes() > 0
+    other = {"knorm": Policy.from_config("knorm", SPECS["knorm"])}  # the same name, another source
+    runs = _run(model, docs[:1], other, carry=carry)
+    assert runs.counts["knorm"]["prefill_forwards"] == 1  # prefilled its own
+    assert runs.trajectories.drop("seconds").equals(_run(model, docs[:1], other).trajectories.drop("seconds"))
+    assert sorted(carry.held) == [("knorm", "d1")]  # d1: its call did not run it
+    _run(model, docs[:1], ["snapkv"], carry=carry)
+    assert carry.held == {}
+
+
+def test_a_press_that_scores_with_attention_weights_gets_a_forward_of_its_own(model, docs):
+    """The forward that supplies attention weights would hand them to SnapKV, which then scores with
+    them instead of its own window attention: presses share a forward only with presses of the same need."""
+    from kvdiverge.engine.llm.prefill import prefill, prefill_seed, seeded
+    from kvdiverge.engine.llm.sharing import shared_prefills
+    from kvdiverge.engine.llm.twin import evicted_twin
+
+    specs = {"observed": {"press": "ObservedAttentionPress", "compression_ratio": 0.5}, **SPECS}
+    names = ["observed", "snapkv", "knorm"]
+    doc = docs[1]
+    presses = {n: [Policy.from_config(n, specs[n]).build_press(doc.context_len)] for n in names}
+    sampling = Sampling(T=5, replicates=2, seed=5, model_name="m")
+    bank = shared_prefills(evicted_twin(model), [doc], presses, sampling)
+    assert bank["observed"] is None and bank["snapkv"][0].forwards == 1
+    ids = torch.tensor(doc.input_ids)
+    with seeded(prefill_seed(5, "m", doc.doc_id), "cpu"):
+        own = prefill(
+            model, evicted_twin(model), ids, Policy.from_config("snapkv", SPECS["snapkv"]).build_press(doc.prompt_len)
+        )
+    for got, want in zip(bank["snapkv"][0].ev.layers, own.ev.layers):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+
+
 def test_a_press_that_fails_in_a_shared_prefill_is_named():
     """The shared forward's failure leaves each pair to prefill alone, where the error names its policy."""
     from kvpress import BasePress, KnormPress

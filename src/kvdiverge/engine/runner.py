@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from kvdiverge.engine.llm.pair_base import PairDocument
 from kvdiverge.engine.llm.planner import default_memory_budget, document_bytes, kv_bytes_per_token, plan_batch
 from kvdiverge.engine.llm.prefill import prefill_seed
 from kvdiverge.engine.llm.reference import with_greedy_tokens
-from kvdiverge.engine.llm.sharing import PrefillCarry, shared_prefills
+from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.llm.twin import evicted_twin
 from kvdiverge.engine.presses.adapters import walk
 from kvdiverge.engine.presses.registry import is_decode_time, question_after_problem, refusal
@@ -268,6 +268,8 @@ def _run_records(
     model, documents: Sequence[Document], policies: Mapping[str, PressSource], sampling, options, carry=None
 ):
     """``(records, counts, B)`` of :func:`run_policies`: per policy, its records in input order and its counts."""
+    if carry is not None:
+        carry.begin(policies)
     if not documents:
         return {name: [] for name in policies}, {name: {"documents": 0, "batches": 0} for name in policies}, None
     # a row's cache spans prompt + 2T - 2 columns after a branch's rewind (planner.cache_columns)
@@ -291,8 +293,8 @@ def _run_records(
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
     groups += [[name] for name, one in alone.items() if one]
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
-    if carry is not None:  # the memory beside the batch and its group's shared prefills
-        carry.begin(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes)
+    carry = PrefillCarry() if carry is None else carry
+    carry.fit(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes)
     got = _run_batches(model, documents, policies, _Plan(B, groups, greedy, carry), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
 
@@ -300,13 +302,14 @@ def _run_records(
 @dataclass(frozen=True)
 class _Plan:
     """Documents per batched forward ``B``, the policies in the order and groups they run (a group's
-    policies share each document's prefill forward where their presses allow), and whether each
-    batch's full-cache greedy tokens are decoded once for all of them (``greedy``)."""
+    policies share each document's prefill forward where their presses allow), whether each
+    batch's full-cache greedy tokens are decoded once for all of them (``greedy``), and the prefills
+    carried between calls (``carry``; an empty one when the caller gives none)."""
 
     B: int
     groups: list[list[str]]
     greedy: bool = False
-    carry: PrefillCarry | None = None
+    carry: PrefillCarry = field(default_factory=PrefillCarry)
 
 
 def _left_bytes(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float):
@@ -369,8 +372,9 @@ def _run_batches(
             batch, extra = [documents[i] for i in indices], 0.0
             for gi, group in enumerate(plan.groups):
                 start = time.perf_counter()
-                presses, bank = _group_prefills(twin, batch, {n: policies[n] for n in group}, sampling, plan, gi)
-                shared_seconds = (time.perf_counter() - start) / len(group)
+                group_of = {n: policies[n] for n in group}
+                presses, bank, ahead = plan.carry.group_prefills(twin, batch, group_of, sampling, gi == 0)
+                shared_seconds = (time.perf_counter() - start) / (len(group) + ahead)
                 if plan.greedy and gi == 0:
                     start = time.perf_counter()
                     batch = with_greedy_tokens(model, batch, sampling, bank)
@@ -390,35 +394,6 @@ def _run_batches(
     return {
         name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
     }
-
-
-def _group_prefills(twin, batch: Sequence[Document], group: Mapping[str, PressSource], sampling, plan: _Plan, gi: int):
-    """``(presses, prefills)`` per policy of one group for ``batch``: those a carry holds for it, the others
-    built and prefilled in one forward per document (:func:`shared_prefills`), with the carry's later
-    policies beside the first group (and held for them)."""
-    carry = plan.carry
-    held = {name: carry.take(name, batch) if carry else None for name in group}
-    held = {name: got or ([None] * len(batch), [None] * len(batch)) for name, got in held.items()}
-    presses = {
-        name: [p if p is not None else group[name].build_press(d.context_len) for p, d in zip(held[name][0], batch)]
-        for name in group
-    }
-    ahead = carry.wanted(batch) if carry and gi == 0 else {}
-    own = {  # a decode-time press whose lanes cannot start from a shared prefill prefills in its pair
-        name: [
-            None if g is not None or (is_decode_time(p) and not takes_prefill(p)) else p
-            for p, g in zip(ps, held[name][1])
-        ]
-        for name, ps in presses.items()
-    }
-    bank = shared_prefills(twin, batch, own | ahead, sampling)
-    if ahead:
-        carry.keep(batch, ahead, bank)
-    merged = {
-        name: [g if g is not None else b for g, b in zip(held[name][1], bank[name] or [None] * len(batch))]
-        for name in group
-    }
-    return presses, {name: None if all(g is None for g in got) else got for name, got in merged.items()}
 
 
 class _Bars:

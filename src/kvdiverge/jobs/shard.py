@@ -102,10 +102,10 @@ def run_shard(
 
     Policies that run on the same documents run in one call of the runner
     (:func:`kvdiverge.engine.runner.run_policies`): one model load, and each document
-    prefilled once for the policies whose presses allow it (the frontier's job). The controls
-    that run on a shard's first documents (the noise floor, the ``none`` control) run in calls of
-    their own, in their own batches, with the prefills the first call made for them
-    (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`). A model entry of
+    prefilled once for the policies whose presses allow it (the frontier's job). Policies on other
+    documents (the controls on a shard's first documents: the noise floor, the ``none`` control) run
+    in calls of their own, in their own batches, with the prefills the first call made for them where
+    their documents are its too (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`). A model entry of
     ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or a ``llama_cpp.Llama``, else the
     entry's file) in llama.cpp instead (:func:`run_llama_shard`).
 

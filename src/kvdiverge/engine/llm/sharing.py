@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from kvdiverge.engine.core.documents import Document
+from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
-from kvdiverge.engine.presses.registry import is_decode_time, shares_prefill
+from kvdiverge.engine.presses.registry import is_decode_time, needs_attentions, shares_prefill
 
 __all__ = ["PrefillCarry", "shared_prefills"]
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
     """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
+
+    A press that scores with the attention weights (:func:`~kvdiverge.engine.presses.registry.needs_attentions`)
+    shares a forward only with presses that do too: that forward hands the weights to every press, and a
+    press that computes its own (SnapKV's window attention) would score with them instead.
 
     Parameters
     ----------
@@ -53,22 +58,37 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     device = next(twin.parameters()).device
     got: dict[str, list] = {name: [None] * len(batch) for name in presses}
     for j, doc in enumerate(batch):
-        names = [name for name in presses if presses[name][j] is not None and shares_prefill(presses[name][j])]
-        if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
-            continue
-        ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
-        try:
-            with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
-                done = prefill_shared(twin, ids, [presses[name][j] for name in names])
-        except Exception as exc:  # each pair then prefills alone, where a failing press is named
-            log.warning(
-                "%s: shared prefill failed (%s: %s); each policy prefills it alone", doc.doc_id, type(exc).__name__, exc
-            )
-            done = None
-        if done is not None:
-            for name, one in zip(names, done):
+        kinds: dict[
+            bool, list[str]
+        ] = {}  # a forward that supplies attention weights serves only presses that score with them
+        for name in presses:
+            if presses[name][j] is not None and shares_prefill(presses[name][j]):
+                kinds.setdefault(needs_attentions(presses[name][j]), []).append(name)
+        for names in kinds.values():
+            if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
+                continue
+            done = _shared(twin, doc, [presses[name][j] for name in names], sampling, device)
+            for name, one in zip(names, done or []):
                 got[name][j] = one
     return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
+
+
+def _shared(twin, doc: Document, presses: list, sampling, device):
+    """One document's :func:`~kvdiverge.engine.llm.prefill.prefill_shared` under its prefill seed; None when it
+    fails (each pair then prefills alone, where a failing press is named)."""
+    ids = torch.as_tensor(list(doc.input_ids), dtype=torch.long, device=device)
+    try:
+        with torch.inference_mode(), seeded(prefill_seed(sampling.seed, sampling.model_name, doc.doc_id), device):
+            return prefill_shared(twin, ids, presses)
+    except Exception as exc:
+        log.warning(
+            "%s: shared prefill failed (%s: %s); each policy prefills it alone", doc.doc_id, type(exc).__name__, exc
+        )
+        return None
+
+
+def _cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 @dataclass
@@ -90,38 +110,94 @@ class PrefillCarry:
 
     Attributes
     ----------
-    held : dict of (str, str) to (press, Prefill)
-        Per (policy, ``doc_id``): the press built for the document and its prefill, until taken.
+    held : dict of (str, str) to (PressSource, press, Prefill)
+        Per (policy, ``doc_id``): the source the press was built from, the press built for the
+        document and its prefill, until taken (a call of another source under that name prefills its own).
     """
 
     later: dict[str, tuple[Any, Collection[str]]] = field(default_factory=dict)
-    held: dict[tuple[str, str], tuple[Any, Any]] = field(default_factory=dict)
+    held: dict[tuple[str, str], tuple[Any, Any, Any]] = field(default_factory=dict)
 
-    def begin(self, names: Collection[str], documents: Sequence[Document], bytes_left: int, token_bytes: int) -> None:
-        """A call of policies ``names`` on ``documents`` begins: they are no longer prefilled ahead, and
-        nothing is carried from this call when its later prefills would take more than ``bytes_left``
-        (the budget beside the call's batch and shared prefills; each carried document holds its full
-        cache and one evicted cache per later policy, at most its prompt's ``token_bytes`` each)."""
+    def begin(self, names: Collection[str]) -> None:
+        """A call of policies ``names`` begins: they are no longer prefilled ahead, and what earlier calls of
+        other policies left held (documents their call did not run) is let go."""
         for name in names:
             self.later.pop(name, None)
+        for key in [k for k in self.held if k[0] not in names and k[0] not in self.later]:
+            del self.held[key]
+
+    def fit(self, names: Collection[str], documents: Sequence[Document], bytes_left: int, token_bytes: int) -> None:
+        """Carry nothing more from this call when what the carry holds and what it would hold for the
+        later policies' documents of this call (per document, its full cache and one evicted cache per
+        later policy, at most its prompt's ``token_bytes`` each) exceed ``bytes_left`` (the budget beside the
+        call's batch and first group); then let go of what it holds for the other calls, if that alone exceeds it."""
         need = sum(
             doc.prompt_len * token_bytes * (1 + n)
             for doc in documents
-            if (n := sum(doc.doc_id in ids for _, ids in self.later.values()))
+            if (
+                n := sum(
+                    doc.doc_id in ids and (name, doc.doc_id) not in self.held for name, (_, ids) in self.later.items()
+                )
+            )
         )
-        if need > bytes_left:
+        held = self.held_bytes()
+        if need and held + need > bytes_left:
             log.info("the later policies' prefills (%d MiB) exceed the memory left: not carried", need >> 20)
             self.later = {}
+        if held > bytes_left:
+            for key in [k for k in self.held if k[0] not in names]:
+                del self.held[key]
 
-    def wanted(self, batch: Sequence[Document]) -> dict[str, list]:
+    def held_bytes(self) -> int:
+        """Bytes of the held caches (a document's full cache, which its prefills share, counted once)."""
+        full = {doc_id: _cache_bytes(done.ref) for (_, doc_id), (_, _, done) in self.held.items()}
+        return sum(full.values()) + sum(_cache_bytes(done.ev) for _, _, done in self.held.values())
+
+    def group_prefills(self, twin, batch: Sequence[Document], group: Mapping[str, Any], sampling, ahead: bool):
+        """``(presses, prefills, later)`` for one group of policies (name -> source) on ``batch``.
+
+        Per policy, per document, the press and the prefill held for it, or a press built here and its
+        prefill from one forward per document shared with the group's other presses
+        (:func:`shared_prefills`; ``None`` where the pair prefills alone, as a decode-time press whose
+        lanes cannot start from it); with ``ahead`` (a call's first group) the later policies' presses
+        join those forwards and their prefills are held. ``later``: how many later policies did.
+        """
+        held = {name: self._take(name, source, batch) for name, source in group.items()}
+        presses = {
+            name: [p if p is not None else group[name].build_press(d.context_len) for p, d in zip(held[name][0], batch)]
+            for name in group
+        }
+        wanted = self._wanted(batch) if ahead else {}
+        own = {
+            name: [
+                None if g is not None or (is_decode_time(p) and not takes_prefill(p)) else p
+                for p, g in zip(ps, held[name][1])
+            ]
+            for name, ps in presses.items()
+        }
+        bank = shared_prefills(twin, batch, own | wanted, sampling)
+        for name, built in wanted.items():
+            for doc, press, done in zip(batch, built, bank[name] or [None] * len(batch)):
+                if press is not None and done is not None:
+                    self.held[(name, doc.doc_id)] = (self.later[name][0], press, done)
+        merged = {
+            name: [g if g is not None else b for g, b in zip(held[name][1], bank[name] or [None] * len(batch))]
+            for name in group
+        }
+        return (
+            presses,
+            {name: None if all(g is None for g in got) else got for name, got in merged.items()},
+            len(wanted),
+        )
+
+    def _wanted(self, batch: Sequence[Document]) -> dict[str, list]:
         """Per later policy that runs on a document of ``batch``: its press per document (``None`` where it
-        does not run, its prefill is held already, or the press evicts while decoding)."""
+        does not run, its prefill is held already, its press cannot be built (the later call says why) or
+        evicts while decoding)."""
         out = {}
         for name, (source, ids) in self.later.items():
             presses = [
-                source.build_press(doc.context_len)
-                if doc.doc_id in ids and (name, doc.doc_id) not in self.held
-                else None
+                self._press(source, doc) if doc.doc_id in ids and (name, doc.doc_id) not in self.held else None
                 for doc in batch
             ]
             presses = [p if p is not None and shares_prefill(p) and not is_decode_time(p) else None for p in presses]
@@ -129,17 +205,16 @@ class PrefillCarry:
                 out[name] = presses
         return out
 
-    def keep(self, batch: Sequence[Document], presses: Mapping[str, list], bank: Mapping[str, list | None]) -> None:
-        """Hold the prefills :func:`shared_prefills` made (``bank``) for the later policies' ``presses``."""
-        for name, built in presses.items():
-            for doc, press, done in zip(batch, built, bank.get(name) or [None] * len(batch)):
-                if press is not None and done is not None:
-                    self.held[(name, doc.doc_id)] = (press, done)
-
-    def take(self, name: str, batch: Sequence[Document]) -> tuple[list, list] | None:
-        """Policy ``name``'s held presses and prefills for ``batch`` (two lists, ``None`` where none is held),
-        given up by the carry; None when none is held."""
-        got = [self.held.pop((name, doc.doc_id), None) for doc in batch]
-        if all(g is None for g in got):
+    @staticmethod
+    def _press(source, doc: Document):
+        try:
+            return source.build_press(doc.context_len)
+        except Exception:  # a prompt too short for it: its own call refuses it, named
             return None
-        return [g and g[0] for g in got], [g and g[1] for g in got]
+
+    def _take(self, name: str, source, batch: Sequence[Document]) -> tuple[list, list]:
+        """Policy ``name``'s held presses and prefills for ``batch``, given up by the carry (``None`` where none
+        is held, or it was held for another source of that name)."""
+        got = [self.held.pop((name, doc.doc_id), None) for doc in batch]
+        got = [g if g is not None and g[0] is source else None for g in got]
+        return [g and g[1] for g in got], [g and g[2] for g in got]
