@@ -31,7 +31,6 @@ import polars as pl
 import torch
 
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.sharing import shared_prefills
 from kvdiverge.engine.llm.teacher import (
     Forced,
@@ -42,7 +41,6 @@ from kvdiverge.engine.llm.teacher import (
     short_log_probs,
 )
 from kvdiverge.engine.llm.twin import evicted_twin
-from kvdiverge.engine.presses.registry import is_decode_time
 from kvdiverge.engine.refusals import PressSource, check_policy, check_prompt_lengths
 from kvdiverge.engine.runner import Document, build_pair
 from kvdiverge.estimation.key_tokens import key_mask
@@ -230,10 +228,9 @@ def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], s
     """Each policy's press for ``doc``, and the prefills of the presses that share one forward
     (:func:`kvdiverge.engine.llm.sharing.shared_prefills`, as the coupled run shares them): the prefill-only
     presses, and the decode-time ones whose lanes can start from it
-    (:func:`kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding window)."""
+    (:func:`kvdiverge.engine.llm.sharing.joins_shared_prefill`, a sliding window)."""
     presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}
-    sharing = {n: [p] for n, p in presses.items() if p is None or not is_decode_time(p) or takes_prefill(p)}
-    bank = shared_prefills(twin, [doc], sharing, sampling)
+    bank = shared_prefills(twin, [doc], {n: [p] for n, p in presses.items()}, sampling)
     return presses, {name: got[0] for name, got in bank.items() if got is not None}
 
 

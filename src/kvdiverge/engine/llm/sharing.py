@@ -22,7 +22,7 @@ from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.presses.registry import is_decode_time, needs_attentions, shares_prefill
 
-__all__ = ["PrefillCarry", "shared_prefills"]
+__all__ = ["PrefillCarry", "joins_shared_prefill", "shared_prefills"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     batch : sequence of Document
         The documents.
     presses : mapping of str to list
-        Policy name -> one press (or ``None``) per document: prefill presses, decode-time ones that ``takes_prefill``.
+        Policy name -> one press (or ``None``) per document; those that cannot join a shared forward
+        (:func:`joins_shared_prefill`) are prefilled by their pairs.
     sampling : Sampling
         ``seed`` and ``model_name``: each document's prefill seed
         (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
@@ -58,11 +59,10 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     device = next(twin.parameters()).device
     got: dict[str, list] = {name: [None] * len(batch) for name in presses}
     for j, doc in enumerate(batch):
-        kinds: dict[
-            bool, list[str]
-        ] = {}  # a forward that supplies attention weights serves only presses that score with them
+        # a forward that supplies attention weights serves only presses that score with them
+        kinds: dict[bool, list[str]] = {}
         for name in presses:
-            if presses[name][j] is not None and shares_prefill(presses[name][j]):
+            if joins_shared_prefill(presses[name][j]):
                 kinds.setdefault(needs_attentions(presses[name][j]), []).append(name)
         for names in kinds.values():
             if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
@@ -71,6 +71,14 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
             for name, one in zip(names, done or []):
                 got[name][j] = one
     return {name: (None if all(p is None for p in ps) else ps) for name, ps in got.items()}
+
+
+def joins_shared_prefill(press) -> bool:
+    """True when ``press``'s prefill can come from a forward shared with other presses: it shares its
+    prefill forward (:func:`~kvdiverge.engine.presses.registry.shares_prefill`) and, if it evicts while
+    decoding, its lanes can start from that prefill
+    (:func:`~kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding window)."""
+    return press is not None and shares_prefill(press) and (not is_decode_time(press) or takes_prefill(press))
 
 
 def _shared(twin, doc: Document, presses: list, sampling, device):
@@ -159,7 +167,7 @@ class PrefillCarry:
         Per policy, per document, the press and the prefill held for it, or a press built here and its
         prefill from one forward per document shared with the group's other presses
         (:func:`shared_prefills`; ``None`` where the pair prefills alone, as a decode-time press whose
-        lanes cannot start from it); with ``ahead`` (a call's first group) the later policies' presses
+        lanes cannot start from it: :func:`joins_shared_prefill`); with ``ahead`` (a call's first group) the later policies' presses
         join those forwards and their prefills are held. ``later``: how many later policies did.
         """
         held = {name: self._take(name, source, batch) for name, source in group.items()}
@@ -168,13 +176,7 @@ class PrefillCarry:
             for name in group
         }
         wanted = self._wanted(batch) if ahead else {}
-        own = {
-            name: [
-                None if g is not None or (is_decode_time(p) and not takes_prefill(p)) else p
-                for p, g in zip(ps, held[name][1])
-            ]
-            for name, ps in presses.items()
-        }
+        own = {name: [None if g is not None else p for p, g in zip(ps, held[name][1])] for name, ps in presses.items()}
         bank = shared_prefills(twin, batch, own | wanted, sampling)
         for name, built in wanted.items():
             for doc, press, done in zip(batch, built, bank[name] or [None] * len(batch)):
