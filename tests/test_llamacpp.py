@@ -391,7 +391,7 @@ def test_the_workflow_runs_llama_cpps_cache_types_to_the_pooled_tables(path, tmp
     from kvdiverge.config.provenance import read_provenance
     from kvdiverge.config.workflow import load_config
     from kvdiverge.engine.llamacpp.run import run_caches
-    from kvdiverge.jobs.shard import select_documents
+    from kvdiverge.jobs.documents import select_documents
     from kvdiverge.settings.checks import config_sampling
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -135,6 +135,8 @@ def teacher(policies=None):
     return jobs | rules("teacher_forced_table", "all")
 
 
+# the teacher-forced settings the shard jobs read (rewritten when the teacher-forced jobs' settings change)
+SETTINGS = rules("teacher_settings")
 FIGURES_UP = rules("figure", "summary", "all")
 SPECULATIVE = rules("speculative", "drift", "figure")  # read every estimate (the drift: every estimate's drift table)
 ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
@@ -157,16 +159,17 @@ def setter(path: str, value):
 
 CASES = [
     # setting, new value, the jobs that must rerun (and no other);
-    # the teacher-forced pass reads no decoding setting, replicates or shards
+    # the teacher-forced pass reads no decoding setting or replicates, and a changed `shards` reruns its
+    # jobs only to gather the new shards' positions
     ("decoding.temperature", 0.9, GENERATION),
     ("decoding.top_p", 0.9, GENERATION),
     ("replicates", 3, GENERATION),
-    ("seed", 1, GENERATION | teacher()),
-    ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES),
+    ("seed", 1, GENERATION | teacher() | SETTINGS),
+    ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES | teacher()),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION | teacher()),
-    ("teacher_forced.length", 8, teacher()),
-    ("teacher_forced.target", "reconstruction", teacher()),
-    ("teacher_forced.key_tokens.short", 32, teacher()),
+    ("teacher_forced.length", 8, teacher() | SETTINGS),
+    ("teacher_forced.target", "reconstruction", teacher() | SETTINGS),
+    ("teacher_forced.key_tokens.short", 32, teacher() | SETTINGS),
     (
         "policies.snapkv-50.compression_ratio",
         0.4,
@@ -175,7 +178,8 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["snapkv-50"]),
+        | teacher(["snapkv-50"])
+        | SETTINGS,
     ),
     (
         "policies.snapkv-90.kernel_size",
@@ -185,9 +189,10 @@ CASES = [
         | rules("provenance", "pool", "confirmatory", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["snapkv-90"]),
+        | teacher(["snapkv-90"])
+        | SETTINGS,
     ),
-    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION | teacher()),
+    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION | teacher() | SETTINGS),
     (
         "runs.control.documents",
         2,
@@ -196,7 +201,8 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["none"]),
+        | teacher(["none"])
+        | SETTINGS,
     ),
     (
         "runs.floor.documents",
@@ -206,7 +212,8 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["noise-floor"]),
+        | teacher(["noise-floor"])
+        | SETTINGS,
     ),
     (
         "policies.noise-floor.seed",
@@ -216,10 +223,15 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["noise-floor"]),
+        | teacher(["noise-floor"])
+        | SETTINGS,
     ),
-    (f"models.{MODEL}.attn_implementation", "eager", rules("convert_model", "prompts") | GENERATION | teacher()),
-    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher()),
+    (
+        f"models.{MODEL}.attn_implementation",
+        "eager",
+        rules("convert_model", "prompts") | GENERATION | teacher() | SETTINGS,
+    ),
+    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher() | SETTINGS),
     ("window", 3, estimates() | ANALYSES),
     ("drift.min_repeats", 4, estimates() | ANALYSES),
     ("confirmatory.late", [3, 5], estimates() | ANALYSES),

@@ -139,13 +139,21 @@ def test_a_later_call_on_the_first_documents_takes_the_prefills_the_first_call_m
     assert later.trajectories.drop("seconds").equals(alone.trajectories.drop("seconds"))
 
 
-def test_nothing_is_carried_beyond_the_memory_budget_or_for_a_press_that_evicts_while_decoding(model, docs):
+def test_nothing_is_carried_beyond_the_memory_budget(model, docs):
     first, later, carry = _carried(model, docs, ["snapkv"], ["knorm"], memory_budget_gb=1e-6)
     assert later.counts["knorm"]["prefill_forwards"] == 2 and carry.held == {}
     assert later.trajectories.drop("seconds").equals(_run(model, docs[:2], ["knorm"]).trajectories.drop("seconds"))
+
+
+def test_a_press_that_evicts_while_decoding_is_carried_with_its_state_after_the_prompt(model, docs):
+    """The sliding window's later call starts its lanes from the press and prefill the first call held: each lane
+    enters a copy of the press, so the records are those of its call alone."""
     first, later, carry = _carried(model, docs, ["snapkv"], ["window"])
     assert first.counts["snapkv"]["prefill_forwards"] == 3 and carry.held == {}
-    assert later.trajectories.drop("seconds").equals(_run(model, docs[:2], ["window"]).trajectories.drop("seconds"))
+    assert later.counts["window"]["prefill_forwards"] == 0
+    alone = _run(model, docs[:2], ["window"])
+    assert alone.counts["window"]["prefill_forwards"] == 2
+    assert later.trajectories.drop("seconds").equals(alone.trajectories.drop("seconds"))
 
 
 def test_held_prefills_go_only_to_their_own_source_and_are_let_go_when_their_call_has_passed(model, docs):
@@ -209,3 +217,55 @@ def test_a_press_that_fails_in_a_shared_prefill_is_named():
             Sampling(T=3, replicates=2, decoding=Decoding(temperature=0.7, top_p=0.95), seed=5, model_name="m"),
             split="exploratory",
         )
+
+
+def _forced(model, docs, sources, carry=None):
+    """The teacher-forced pass of ``sources`` on ``docs`` (4 fed tokens each), the prefill seeds of :func:`_run`."""
+    from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
+    from kvdiverge.engine.llm.teacher import TeacherForcing
+
+    forcing = TeacherForcing(length=4)
+    given = {doc.doc_id: [7 + i, 11, 13 + i, 17] for i, doc in enumerate(docs)}
+    settings = TeacherPass(forcing.sampling(5, "m", ()), forcing, "exploratory")
+    return teacher_forced_policies(model, docs, sources, settings=settings, continuations=given, carry=carry)
+
+
+def test_the_teacher_forced_pass_holds_its_prefills_for_the_coupled_run_of_its_documents(model, docs):
+    """Run first on the same documents, the teacher-forced pass prefills each document for every press, one press
+    included, and the coupled run prefills nothing of its own but the sliding window's; the positions and the
+    records are those of each run alone, bit for bit."""
+    sources = _policies(["snapkv", "knorm", "window"])
+    ids = {doc.doc_id for doc in docs}
+    carry = PrefillCarry({name: (source, ids) for name, source in sources.items()})
+    assert _forced(model, docs, sources, carry).equals(_forced(model, docs, sources))
+    # the window evicts while decoding: its press is held beside its prefill, its state after the prompt
+    assert sorted(carry.held) == [(n, d.doc_id) for n in ("knorm", "snapkv", "window") for d in docs]
+    runs = _run(model, docs, sources, carry=carry)
+    assert carry.held == {}
+    assert [runs.counts[n]["prefill_forwards"] for n in ("snapkv", "knorm", "window")] == [0, 0, 0]
+    assert runs.trajectories.drop("seconds").equals(_run(model, docs, sources).trajectories.drop("seconds"))
+
+    one = {"snapkv": sources["snapkv"]}  # one press: a forward of one, the same as the pair's own prefill
+    carry = PrefillCarry({"snapkv": (one["snapkv"], {d.doc_id for d in docs[:2]})})
+    assert _forced(model, docs, one, carry).equals(_forced(model, docs, one))
+    assert sorted(carry.held) == [("snapkv", "d0"), ("snapkv", "d1")]  # the documents its coupled run runs
+    runs = _run(model, docs, one, carry=carry)
+    assert runs.counts["snapkv"]["prefill_forwards"] == 1  # d2
+    assert runs.trajectories.drop("seconds").equals(_run(model, docs, one).trajectories.drop("seconds"))
+
+
+def test_the_teacher_forced_pass_holds_nothing_beyond_the_carrys_room_or_for_another_source(model, docs):
+    sources = _policies(["snapkv", "knorm"])
+    carry = PrefillCarry({name: (source, {d.doc_id for d in docs}) for name, source in sources.items()}, room=0)
+    _forced(model, docs, sources, carry)
+    assert carry.held == {}
+    carry = PrefillCarry({"snapkv": (Policy.from_config("snapkv", SPECS["snapkv"]), {d.doc_id for d in docs})})
+    _forced(model, docs, sources, carry)  # the same name, another source object
+    assert carry.held == {}
+    # room for one document's full cache and two evicted ones: the first document's, then none
+    carry = PrefillCarry({name: (source, {d.doc_id for d in docs}) for name, source in sources.items()})
+    _forced(model, docs[:1], sources, carry)
+    room = carry.held_bytes()
+    carry = PrefillCarry({name: (source, {d.doc_id for d in docs}) for name, source in sources.items()}, room=room)
+    _forced(model, docs, sources, carry)
+    assert sorted(carry.held) == [("knorm", "d0"), ("snapkv", "d0")]

@@ -637,3 +637,58 @@ def test_the_workflow_job_reconstructs_each_excerpt(model, chat_tokenizer, tmp_p
         assert np.allclose(rows["ll_ref"].to_numpy(), fresh, atol=1e-5, rtol=0)
     none = frame.filter(pl.col("policy") == "none")
     assert none.height and (none["kld"] == 0.0).all()
+
+
+@pytest.mark.miniature
+def test_the_shard_jobs_positions_gather_to_the_teacher_forced_jobs_own(model, chat_tokenizer, tmp_path, caplog):
+    """Each shard job runs the teacher-forced pass on its documents before its coupled run, which takes the
+    prefills the pass made: the shards are those made without the pass, and the gathered positions those of the
+    teacher-forced job, bit for bit; positions made with other settings, or of some shards only, are not gathered."""
+    import logging
+    from pathlib import Path
+
+    from kvdiverge.config.workflow import load_config
+    from kvdiverge.data.prompts import render_ids
+    from kvdiverge.jobs.params import ShardSettings, TeacherSettings
+    from kvdiverge.jobs.positions import ShardPass, gather_positions
+    from kvdiverge.jobs.shard import run_shard
+    from kvdiverge.jobs.teacher import run_teacher_forced
+
+    config = load_config(Path(__file__).resolve().parents[1] / "config" / "smoke.yaml")
+    config["teacher_forced"].update(target="reconstruction", length=24)
+    texts = {
+        f"d{i}": f"Paragraph {i}: the cache keeps {i + 3} of every {i + 5} keys, and the rest is gone."
+        for i in range(4)
+    }
+    corpus = pl.DataFrame({"doc_id": list(texts), "split": ["exploratory"] * 4, "text": list(texts.values())})
+    ids = [render_ids(chat_tokenizer, t, config["prompt"]["instruction"]) for t in texts.values()]
+    prompts = pl.DataFrame(
+        {"doc_id": list(texts), "split": ["exploratory"] * 4, "n_prompt_tokens": [len(i) for i in ids],
+         "input_ids": ids, "exclusion_reason": [None] * 4},
+        schema_overrides={"exclusion_reason": pl.String},
+    )  # fmt: skip
+    paths = {"prompts": str(tmp_path / "prompts.parquet"), "corpus": str(tmp_path / "corpus.parquet")}
+    prompts.write_parquet(paths["prompts"])
+    corpus.write_parquet(paths["corpus"])
+    names = ["snapkv-50", "window-50", "noise-floor", "none"]  # `none` on the first document only (the control)
+    job = TeacherSettings.from_config(config, "smollm2-135m", [(name, "exploratory") for name in names])
+    files = []
+    for shard in range(2):
+        settings = ShardSettings.from_config(config, "smollm2-135m", names, "exploratory", shard)
+        files.append(tmp_path / f"positions-{shard}.parquet")
+        with caplog.at_level(logging.INFO, logger="kvdiverge.jobs.shard"):
+            got = run_shard(settings, paths["prompts"], [tmp_path / f"{n}-{shard}.parquet" for n in names],
+                            model=model, tokenizer=chat_tokenizer, teacher=ShardPass(job, paths["corpus"], files[-1]))  # fmt: skip
+        plain = run_shard(settings, paths["prompts"], [tmp_path / f"plain-{n}-{shard}.parquet" for n in names],
+                          model=model)  # fmt: skip
+        assert got.drop("seconds").equals(plain.drop("seconds"))
+    # held: snapkv-50 and noise-floor on two documents a shard, `none` on d0 (the window evicts while decoding)
+    assert "3 prefills held" in caplog.text and "2 prefills held" in caplog.text
+    want = run_teacher_forced(job, paths, loaded=(model, chat_tokenizer))
+    assert sorted(want["doc_id"].unique()) == list(texts) and want.filter(pl.col("policy") == "none")[
+        "doc_id"
+    ].unique().to_list() == ["d0"]
+    assert gather_positions(files, job).equals(want)
+    config["teacher_forced"]["length"] = 20
+    assert gather_positions(files, TeacherSettings.from_config(config, "smollm2-135m", job.runs)) is None
+    assert gather_positions(files[:1], job) is None and gather_positions([*files, tmp_path / "missing"], job) is None

@@ -138,7 +138,7 @@ def test_runs_are_reproducible_and_streams_do_not_depend_on_policy():
 
 
 def test_the_floor_runs_on_all_documents_of_a_split_or_its_first_n():
-    from kvdiverge.jobs.shard import shard_documents
+    from kvdiverge.jobs.documents import shard_documents
 
     prompts = pl.DataFrame(
         {

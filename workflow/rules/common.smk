@@ -5,11 +5,13 @@
 # functions apart).
 
 import dataclasses
+import json
 import os
 import sys
 
 import kvdiverge.estimation.bootstrap
 import kvdiverge.estimation.drift
+import kvdiverge.io.files
 import kvdiverge.config.backends
 import kvdiverge.config.reading
 import kvdiverge.config.workflow
@@ -137,6 +139,25 @@ def teacher_job(split):
     return settings
 
 
+def shard_teacher_settings(split):
+    """The teacher-forced settings file a shard job of `split` reads (none on a llama_cpp model), as an
+    input function: ancient, so that its rewrite (a changed teacher_forced section) reruns no shard job."""
+
+    def settings_file(wildcards):
+        if kvdiverge.config.backends.runs_on_llama_cpp(CONFIG["models"][wildcards.model]):
+            return []
+        return ancient(expand(TEACHER_SETTINGS, model=wildcards.model, split=split))
+
+    return settings_file
+
+
+def write_settings(settings, path, log):
+    """Write a job's settings (their plain form) to `path` as JSON, atomically, and say so in `log`
+    (rule teacher_settings)."""
+    kvdiverge.io.files.write_text_atomic(json.dumps(settings, sort_keys=True, indent=1) + "\n", path)
+    kvdiverge.io.files.write_text_atomic(f"wrote {path}\n", log)
+
+
 def check_presses():
     """What kvpress's own checks refuse of each policy's press (kvdiverge.engine.presses.policies.press_build_problems:
     the press built once, which loads torch), as the config check's error, and a llama_cpp model without
@@ -180,6 +201,10 @@ MODEL_DIR = f"{RESULTS}/models/{{model}}"  # a GGUF model converted once (rule c
 SHARD = f"{RESULTS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.parquet"
 ESTIMATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.parquet"
 TEACHER = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"  # a run's teacher-forced positions
+# the teacher-forced settings of a (model, split), which its shard jobs read, and the positions of a
+# shard's documents, which its shard job computes before its coupled run (kvdiverge.jobs.positions)
+TEACHER_SETTINGS = f"{RESULTS}/teacher_forced/{{model}}/_shards/{{split}}.json"
+SHARD_POSITIONS = f"{RESULTS}/teacher_forced/{{model}}/_shards/{{split}}/shard-{{shard}}.parquet"
 ANALYSIS = f"{RESULTS}/analysis"
 FIGURES = f"{RESULTS}/figures"
 LOGS = f"{RESULTS}/logs"

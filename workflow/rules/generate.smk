@@ -5,15 +5,18 @@
 # controls on the shard's first documents included (kvdiverge.engine.llm.sharing.PrefillCarry);
 # each policy's records are those of the policy run alone, bit for bit. A shard is written
 # atomically, so an interrupted run resumes by regenerating only the jobs with a missing shard;
-# a changed policy reruns the shard jobs of its split. One rule per split (trajectories_<split>),
-# each with its split's policies as outputs; they take their resources from generation_resources
-# (common.smk): one GPU per job whose model runs on CUDA, none on the CPU.
+# a changed policy reruns the shard jobs of its split. Before its coupled run a job runs the
+# teacher-forced pass on its documents (teacher.smk), with the settings of its split's teacher-forced
+# job read from a file (not its rerun key), and the coupled run takes the prefills the pass made.
+# One rule per split (trajectories_<split>), each with its split's policies as outputs; they take
+# their resources from generation_resources (common.smk): one GPU per job whose model runs on
+# CUDA, none on the CPU.
 #
 # A GGUF model (the embedded default) is first converted once to a plain safetensors
 # directory under {results_dir}/models/: de-quantizing GGUF costs ~20 s per load, and every
-# shard job and the teacher-forced job load the model. A model of backend llama_cpp is not
-# converted: its shard job runs the GGUF file in llama.cpp (kvdiverge.jobs.shard.run_llama_shard)
-# with the job's threads.
+# shard job (and a teacher-forced job that runs its pass itself) loads the model. A model of
+# backend llama_cpp is not converted: its shard job runs the GGUF file in llama.cpp
+# (kvdiverge.jobs.shard.run_llama_shard) with the job's threads, and writes empty positions.
 
 
 rule convert_model:
@@ -40,8 +43,11 @@ for _split, _policies in SPLIT_POLICIES.items():
         input:
             prompts=rules.prompts.output[0],
             model=converted_model,
+            corpus=rules.corpus.output[0],
+            teacher=shard_teacher_settings(_split),
         output:
-            expand(SHARD, policy=_policies, split=_split, allow_missing=True),
+            shards=expand(SHARD, policy=_policies, split=_split, allow_missing=True),
+            positions=expand(SHARD_POSITIONS, split=_split, allow_missing=True),
         log:
             f"{LOGS}/trajectories/{{model}}/{_split}/shard-{{shard}}.log",
         benchmark:

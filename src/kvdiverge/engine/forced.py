@@ -31,7 +31,7 @@ import polars as pl
 import torch
 
 from kvdiverge.engine.core.sampling import Sampling
-from kvdiverge.engine.llm.sharing import shared_prefills
+from kvdiverge.engine.llm.sharing import PrefillCarry, shared_prefills
 from kvdiverge.engine.llm.teacher import (
     Forced,
     TeacherForcing,
@@ -113,6 +113,7 @@ def teacher_forced_policies(
     settings: TeacherPass,
     continuations: Mapping[str, Sequence[int]] | None = None,
     documents_of: Mapping[str, Collection[str]] | None = None,
+    carry: PrefillCarry | None = None,
 ) -> pl.DataFrame:
     """Every policy's teacher-forced pass on the same documents and continuations.
 
@@ -134,6 +135,12 @@ def teacher_forced_policies(
         Per policy, the ``doc_id`` of the documents it runs on (default: every document).
         A document is prefilled once, and its reference side run once, for all the
         policies that run on it.
+    carry : kvdiverge.engine.llm.sharing.PrefillCarry, optional
+        The prefills of a coupled run of the same documents to come
+        (:func:`kvdiverge.engine.runner.run_policies` with this carry): each document's prefill is then
+        made in one forward even for one press, and held for the carry's later policies where it takes
+        it (:meth:`~kvdiverge.engine.llm.sharing.PrefillCarry.keep`: the same source, within its room).
+        Neither the positions nor the coupled run's records change.
 
     Returns
     -------
@@ -171,20 +178,25 @@ def teacher_forced_policies(
         if not here:
             continue
         cont = _continuation(model, doc, given.get(doc.doc_id), forcing, sampling, context)
-        frames += _document_frames(model, (doc, cont), here, settings, twin)
+        frames += _document_frames(model, (doc, cont), here, settings, (twin, carry))
         _return_freed_memory()
     order = {name: i for i, name in enumerate(policies)}
     out = pl.concat(frames).with_columns(pl.col("policy").replace_strict(order).alias("_order"))
     return out.sort("_order", maintain_order=True).drop("_order")
 
 
-def _document_frames(model, target, policies: Mapping[str, PressSource], settings: TeacherPass, twin) -> list:
-    """One document's rows under each policy: ``target`` = (document, :class:`Continuation`); its prefill
-    shared where the presses allow, its reference side run once, its key tokens selected once."""
+def _document_frames(model, target, policies: Mapping[str, PressSource], settings: TeacherPass, shared) -> list:
+    """One document's rows under each policy: ``target`` = (document, :class:`Continuation`), ``shared`` =
+    (the evicted twin, a carry or None); its prefill shared where the presses allow (and held in the carry
+    for a later coupled run), its reference side run once, its key tokens selected once."""
     doc, cont = target
+    twin, carry = shared
     key = settings.forcing.key
     short = None if key is None else short_log_probs(model, doc.input_ids[-key.short :], cont.fed, len(cont.tokens))
-    presses, prefilled = _shared_prefills(twin, doc, policies, settings.sampling)
+    presses, prefilled = _shared_prefills(twin, doc, policies, settings.sampling, 1 if carry is not None else 2)
+    if carry is not None:
+        for name, done in prefilled.items():
+            carry.keep(name, policies[name], doc, presses[name], done)
     reference, keys, frames = None, None, []  # the reference side's log-distributions, once per document
     for name, source in policies.items():
         made = (presses[name], prefilled.get(name))
@@ -224,13 +236,13 @@ def _documents_of(documents: Sequence[Document], documents_of, name: str) -> lis
     return [doc for doc in documents if doc.doc_id in wanted]
 
 
-def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling):
-    """Each policy's press for ``doc``, and the prefills of the presses that share one forward
-    (:func:`kvdiverge.engine.llm.sharing.shared_prefills`, as the coupled run shares them): the prefill-only
-    presses, and the decode-time ones whose lanes can start from it
+def _shared_prefills(twin, doc: Document, policies: Mapping[str, PressSource], sampling: Sampling, least: int):
+    """Each policy's press for ``doc``, and the prefills of the presses that share one forward, where at least
+    ``least`` do (:func:`kvdiverge.engine.llm.sharing.shared_prefills`, as the coupled run shares them): the
+    prefill-only presses, and the decode-time ones whose lanes can start from it
     (:func:`kvdiverge.engine.llm.sharing.joins_shared_prefill`, a sliding window)."""
     presses = {name: source.build_press(doc.context_len) for name, source in policies.items()}
-    bank = shared_prefills(twin, [doc], {n: [p] for n, p in presses.items()}, sampling)
+    bank = shared_prefills(twin, [doc], {n: [p] for n, p in presses.items()}, sampling, least=least)
     return presses, {name: got[0] for name, got in bank.items() if got is not None}
 
 

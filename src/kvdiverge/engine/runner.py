@@ -294,7 +294,9 @@ def _run_records(
     groups += [[name] for name, one in alone.items() if one]
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
     carry = PrefillCarry() if carry is None else carry
-    carry.fit(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes)
+    # the first group's prefills of the first batch are the batch's own: counted in `left` already
+    own = {(name, documents[i].doc_id) for name in groups[0] for i in _order(documents)[:B]}
+    carry.fit(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes, own)
     got = _run_batches(model, documents, policies, _Plan(B, groups, greedy, carry), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
 
@@ -352,7 +354,7 @@ def _run_batches(
     records are those of each policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
     """
     B, T = plan.B, sampling.T
-    order = sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
+    order = _order(documents)
     names = [name for group in plan.groups for name in group]
     log.info(
         "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of up to %d%s",
@@ -394,6 +396,11 @@ def _run_batches(
     return {
         name: ([rec for i in range(len(documents)) for rec in by_index[name][i]], dict(counts[name])) for name in names
     }
+
+
+def _order(documents: Sequence[Document]) -> list[int]:
+    """The indices of ``documents`` in the order the batches take them: by prompt length, then input order."""
+    return sorted(range(len(documents)), key=lambda i: (documents[i].prompt_len, i))
 
 
 class _Bars:

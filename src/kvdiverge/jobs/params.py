@@ -182,10 +182,11 @@ class TeacherSettings(ParamsForm):
 
     The workflow runs one job per (model, split), for every ``(policy, split)`` run of the split
     (the prediction study's reconstruction pass one per model, for the frontier's runs): one
-    model load, and each document prefilled once for every policy that runs on it. Its rerun
-    key holds what the teacher-forced positions depend on and nothing else, so a change to
-    decoding, replicates or shards reruns no teacher-forced job, and a change to the
-    ``teacher_forced`` section reruns no trajectory shard.
+    model load, and each document prefilled once for every policy that runs on it; or gathers the
+    positions the split's shard jobs computed with the same settings (:mod:`kvdiverge.jobs.positions`).
+    Its rerun key holds what the teacher-forced positions depend on and nothing else, so a change to
+    decoding or replicates reruns no teacher-forced job, and a change to the ``teacher_forced``
+    section reruns no trajectory shard.
 
     Parameters
     ----------

@@ -19,59 +19,29 @@ from tqdm.auto import tqdm
 
 from kvdiverge.config.backends import runs_on_llama_cpp
 from kvdiverge.config.provenance import backend_metadata, layers_metadata, shard_metadata
-from kvdiverge.config.workflow import control_documents
 from kvdiverge.engine.llamacpp import context as llama_context
 from kvdiverge.engine.llamacpp.caches import cache_from_entry
 from kvdiverge.engine.llamacpp.run import provenance as llama_provenance
 from kvdiverge.engine.llamacpp.run import run_caches
 from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.planner import default_memory_budget
 from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.presses.layer_types import layers_of
 from kvdiverge.engine.presses.policies import Policy
 from kvdiverge.engine.runner import Document, RunOptions, run_policies
 from kvdiverge.estimation.schema import TRAJECTORY_SCHEMA
+from kvdiverge.estimation.teacher_forced import POSITION_SCHEMA
 from kvdiverge.io.files import write_parquet_atomic
+from kvdiverge.jobs.documents import select_documents
 from kvdiverge.jobs.params import ShardSettings
-from kvdiverge.models.loading import load_model
+from kvdiverge.jobs.positions import ShardPass, positions_metadata
+from kvdiverge.jobs.teacher import reads_corpus, split_positions
+from kvdiverge.models.loading import load_model, load_tokenizer
 from kvdiverge.models.sources import gguf_path
 
-__all__ = ["shard_documents", "select_documents", "generation_options", "run_shard", "run_llama_shard"]
+__all__ = ["generation_options", "run_shard", "run_llama_shard"]
 
 log = logging.getLogger(__name__)
-
-
-def shard_documents(prompts: pl.DataFrame, config: dict[str, Any], policy: str, split: str, shard: int) -> pl.DataFrame:
-    """The prompt rows one shard runs: usable documents of ``split``, by ``doc_id``.
-
-    Documents with an ``exclusion_reason`` are skipped (the prompts table reports
-    them). The ``none`` control (config ``runs.control``) runs on the first
-    ``runs.control.documents`` usable documents of its split only, unless the same
-    policy is also scheduled on that split in full; the noise floor (``runs.floor``)
-    likewise on the first ``runs.floor.documents`` when given (all otherwise). Shard
-    ``i`` of ``n`` takes every ``n``-th document starting at ``i``.
-
-    Raises
-    ------
-    ValueError
-        If ``shard`` is not in ``[0, shards)``.
-    """
-    return select_documents(prompts, split, int(config["shards"]), shard, control_documents(config, policy, split))
-
-
-def select_documents(prompts: pl.DataFrame, split: str, shards: int, shard: int, limit: int | None) -> pl.DataFrame:
-    """The usable prompt rows of ``split`` by ``doc_id``, the first ``limit`` (all when None), every ``shards``-th from ``shard``.
-
-    Raises
-    ------
-    ValueError
-        If ``shard`` is not in ``[0, shards)``.
-    """
-    if not 0 <= shard < shards:
-        raise ValueError(f"shard {shard} out of range: config 'shards' is {shards}")
-    docs = prompts.filter((pl.col("split") == split) & pl.col("exclusion_reason").is_null()).sort("doc_id")
-    if limit is not None:
-        docs = docs.head(limit)
-    return docs.gather_every(shards, offset=shard)
 
 
 def generation_options(section: Mapping[str, Any] | None) -> RunOptions:
@@ -97,6 +67,9 @@ def run_shard(
     model_spec: dict[str, Any] | None = None,
     options: RunOptions | None = None,
     threads: int = 1,
+    *,
+    tokenizer=None,
+    teacher: ShardPass | None = None,
 ) -> pl.DataFrame:
     """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
 
@@ -105,9 +78,12 @@ def run_shard(
     prefilled once for the policies whose presses allow it (the frontier's job). Policies on other
     documents (the controls on a shard's first documents: the noise floor, the ``none`` control) run
     in calls of their own, in their own batches, with the prefills the first call made for them where
-    their documents are its too (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`). A model entry of
-    ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or a ``llama_cpp.Llama``, else the
-    entry's file) in llama.cpp instead (:func:`run_llama_shard`).
+    their documents are its too (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`). With ``teacher``,
+    the teacher-forced pass of the split's runs on the shard's documents runs first and is written to its
+    file (:mod:`kvdiverge.jobs.positions`), and the coupled run takes the prefills it made, within the
+    memory budget. A model entry of ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or
+    a ``llama_cpp.Llama``, else the entry's file) in llama.cpp instead (:func:`run_llama_shard`), and
+    writes an empty positions file.
 
     Parameters
     ----------
@@ -131,6 +107,10 @@ def run_shard(
     threads : int
         CPU threads of each llama.cpp context (a model of ``backend: llama_cpp``: the job's threads);
         transformers reads torch's.
+    tokenizer : transformers.PreTrainedTokenizer, optional
+        The model's tokenizer, for ``teacher`` (loaded when the model is given without it).
+    teacher : kvdiverge.jobs.positions.ShardPass, optional
+        The teacher-forced pass to run on the shard's documents first, and where to write it.
 
     Returns
     -------
@@ -152,21 +132,30 @@ def run_shard(
     outputs = [output_path] if isinstance(output_path, (str, os.PathLike)) else list(output_path)
     if len(names) != len(outputs):
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
-    groups = _document_groups(pl.read_parquet(prompts_path), settings)
+    prompts = pl.read_parquet(prompts_path)
+    groups = _document_groups(prompts, settings)
     if runs_on_llama_cpp(model_spec or settings.model_entry()):
+        if teacher is not None:  # no teacher-forced pass on llama.cpp
+            write_parquet_atomic(pl.DataFrame(schema=POSITION_SCHEMA), teacher.output, metadata=_positions(settings))
         source = model if model is not None else gguf_path(model_spec or settings.model_entry(), settings.model)
         return run_llama_shard(settings, groups, outputs, source, options, threads)
-    if model is None and any(groups):
-        model, _ = load_model(model_spec or settings.model_entry(), settings.model)
+    if model is None and (any(groups) or teacher is not None):
+        model, tokenizer = load_model(model_spec or settings.model_entry(), settings.model)
     sampling = settings.run(names[0]).sampling  # every policy of a job shares the decoding, R and the seed
     eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
     options = _with_progress(options or RunOptions(), settings)
     frames: dict[str, pl.DataFrame] = {}
     batch: dict[str, int | None] = {}
     sources = {name: Policy.from_config(name, dict(settings.run(name).entry)) for name in names}
-    # the controls' calls (their first documents) take their prefills from the first call's forwards
-    later = list(groups.items())[1:]
+    # the controls' calls (their first documents) take their prefills from the first call's forwards; all
+    # the calls take those of the teacher-forced pass, when it runs first
+    later = list(groups.items())[0 if teacher is not None else 1 :]
     carry = PrefillCarry({name: (sources[name], frozenset(ids)) for ids, (_, group) in later for name in group})
+    if teacher is not None:
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_spec or settings.model_entry(), settings.model)
+        carry.room = _budget_bytes(model, options)
+        _shard_pass(model, tokenizer, settings, teacher, prompts, sources, carry)
     for docs, group in groups.values():
         runs = run_policies(
             model,
@@ -196,6 +185,48 @@ def run_shard(
         )
         write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
+
+
+def _shard_pass(model, tokenizer, settings: ShardSettings, teacher: ShardPass, prompts, sources, carry) -> None:
+    """The teacher-forced pass of ``teacher`` on the shard's documents, written to its file; its prefills held
+    in ``carry`` for the coupled run where that run's prefill is the same: the same policy entry, prefill seed
+    and model, and no question after compression (the pass prefills a prompt whole)."""
+    split, run = settings.split, settings.run(settings.policies[0])
+    job = teacher.settings
+    first = job.run(*job.runs[0])
+    questions = "n_question" in prompts.columns and bool((prompts["n_question"].fill_null(0) > 0).any())
+    same = first.seed == run.sampling.seed and not questions
+    own = {
+        name: sources[name]
+        if name in sources and dict(job.run(name, split).entry) == dict(settings.run(name).entry)
+        else Policy.from_config(name, dict(job.run(name, split).entry))
+        for name in job.splits()[split]
+    }
+    corpus = pl.read_parquet(teacher.corpus) if reads_corpus(job) else None
+    frame = split_positions(
+        (model, tokenizer),
+        job,
+        split,
+        prompts,
+        corpus,
+        part=(run.shards, settings.shard),
+        sources=own,
+        carry=carry if same else None,
+    )
+    log.info("teacher-forced pass: %d positions; %d prefills held for the coupled run", frame.height, len(carry.held))
+    write_parquet_atomic(frame, teacher.output, metadata=positions_metadata(job, run.shards, settings.shard))
+
+
+def _positions(settings: ShardSettings) -> dict[str, str]:
+    """The metadata of a shard's empty positions file (no pass)."""
+    return positions_metadata(None, settings.run(settings.policies[0]).shards, settings.shard)
+
+
+def _budget_bytes(model, options: RunOptions) -> int:
+    """The job's memory budget in bytes (config ``generation.memory_budget_gb``, else the device's default)."""
+    if options.memory_budget_gb is not None:
+        return int(float(options.memory_budget_gb) * 2**30)
+    return default_memory_budget(next(model.parameters()).device)
 
 
 def run_llama_shard(

@@ -8,6 +8,11 @@ there is none or the config asks for it, the full-cache model's greedy continuat
 (:mod:`kvdiverge.engine.forced`). With ``teacher_forced.target: reconstruction`` the pass feeds
 instead the config's repeat instruction in the model's chat template, then the excerpt's own text,
 and scores the text; the key tokens (``teacher_forced.key_tokens``) are marked on either target.
+
+The pass of a split runs on all its documents here (:func:`run_teacher_forced`), or on a shard's
+documents in the shard job, before its coupled run and with the prefills that run then takes
+(:func:`split_positions` with a carry; :mod:`kvdiverge.jobs.positions` gathers them): a document's
+positions are the same either way.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ from kvdiverge.data.corpus import following_texts
 from kvdiverge.data.prompts import REPEAT_INSTRUCTION
 from kvdiverge.engine.forced import TeacherPass, teacher_forced_policies
 from kvdiverge.engine.llm.pair_base import model_eos_ids
+from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
+from kvdiverge.engine.refusals import PressSource
 from kvdiverge.engine.runner import Document
 from kvdiverge.estimation.key_tokens import KeyTokens
+from kvdiverge.jobs.documents import policy_documents
 from kvdiverge.jobs.params import TeacherRun, TeacherSettings
-from kvdiverge.jobs.shard import select_documents
 from kvdiverge.models.loading import load_model
 
-__all__ = ["corpus_continuations", "forcing_settings", "run_teacher_forced"]
+__all__ = ["corpus_continuations", "forcing_settings", "reads_corpus", "run_teacher_forced", "split_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -93,31 +100,76 @@ def run_teacher_forced(
     """
     if loaded is None:
         loaded = load_model(model_spec or settings.model_entry(), settings.model)
+    prompts = pl.read_parquet(paths["prompts"])
+    corpus = pl.read_parquet(paths["corpus"]) if reads_corpus(settings) else None  # read once for every split
+    return pl.concat([split_positions(loaded, settings, split, prompts, corpus) for split in settings.splits()])
+
+
+def reads_corpus(settings: TeacherSettings) -> bool:
+    """True when the pass reads the corpus table: the reconstruction's texts, or the continuations after the
+    excerpts (``teacher_forced.continuation: corpus``, the default)."""
+    forced = settings.run(*settings.runs[0]).forced
+    return forced.get("target") == "reconstruction" or forced.get("continuation", "corpus") == "corpus"
+
+
+def split_positions(
+    loaded,
+    settings: TeacherSettings,
+    split: str,
+    prompts: pl.DataFrame,
+    corpus: pl.DataFrame | None,
+    *,
+    part: tuple[int, int] = (1, 0),
+    sources: Mapping[str, PressSource] | None = None,
+    carry: PrefillCarry | None = None,
+) -> pl.DataFrame:
+    """The teacher-forced positions of the runs of ``split`` on the documents of shard ``part``.
+
+    Parameters
+    ----------
+    loaded : (model, tokenizer)
+        The model, in eval mode, and its tokenizer.
+    settings : kvdiverge.jobs.params.TeacherSettings
+        The runs (those of ``split`` run) and their settings.
+    split : str
+        One split of ``settings``.
+    prompts, corpus : polars.DataFrame
+        The prompts table; the corpus table (None when :func:`reads_corpus` is False).
+    part : (int, int)
+        ``(shards, shard)``: each policy's documents in that shard
+        (:func:`kvdiverge.jobs.documents.policy_documents`); ``(1, 0)``, all of them.
+    sources : mapping of str to PressSource, optional
+        The policies, by name (default: built from the runs' entries); a carry holds a prefill only for
+        the source its coupled run will run.
+    carry : kvdiverge.engine.llm.sharing.PrefillCarry, optional
+        Where the prefills are held for the coupled run of the same documents
+        (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
+
+    Returns
+    -------
+    polars.DataFrame
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA`, run by run, document by ``doc_id``.
+    """
     model, tokenizer = loaded
     first = settings.run(*settings.runs[0])  # the sections every run of the job shares
     forcing = forcing_settings(first.forced)
     sampling = forcing.sampling(first.seed, settings.model, model_eos_ids(model))
-    prompts = pl.read_parquet(paths["prompts"])
-    corpus_text = forcing.target == "reconstruction" or first.forced.get("continuation", "corpus") == "corpus"
-    corpus = pl.read_parquet(paths["corpus"]) if corpus_text else None  # read once for every split
-    frames = []
-    for split, names in settings.splits().items():
-        runs = {name: settings.run(name, split) for name in names}
-        docs, runs_on = _split_documents(prompts, split, {name: run.documents for name, run in runs.items()})
-        conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
-        log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(names),
-                 docs.height, len(conts))  # fmt: skip
-        frames.append(
-            teacher_forced_policies(
-                model,
-                [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-                {name: Policy.from_config(name, dict(run.entry)) for name, run in runs.items()},
-                settings=TeacherPass(sampling, forcing, split),
-                continuations=conts,
-                documents_of=runs_on,
-            )
-        )
-    return pl.concat(frames)
+    runs = {name: settings.run(name, split) for name in settings.splits()[split]}
+    docs, runs_on = policy_documents(prompts, split, {name: run.documents for name, run in runs.items()}, *part)
+    conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
+    log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(runs),
+             docs.height, len(conts))  # fmt: skip
+    if sources is None:
+        sources = {name: Policy.from_config(name, dict(run.entry)) for name, run in runs.items()}
+    return teacher_forced_policies(
+        model,
+        [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
+        {name: sources[name] for name in runs},
+        settings=TeacherPass(sampling, forcing, split),
+        continuations=conts,
+        documents_of=runs_on,
+        carry=carry,
+    )
 
 
 def _targets(run: TeacherRun, corpus: pl.DataFrame | None, tokenizer, doc_ids, forcing) -> dict[str, Any]:
@@ -131,16 +183,3 @@ def _targets(run: TeacherRun, corpus: pl.DataFrame | None, tokenizer, doc_ids, f
     if corpus is None:
         return {}
     return corpus_continuations(run.corpus, corpus, tokenizer, doc_ids, forcing.length)
-
-
-def _split_documents(
-    prompts: pl.DataFrame, split: str, limits: dict[str, int | None]
-) -> tuple[pl.DataFrame, dict[str, list[str]]]:
-    """The documents of a split that any of its policies runs on, and each policy's own (its coupled run's:
-    :func:`kvdiverge.jobs.shard.select_documents` in one shard, the first ``limit`` or all)."""
-    runs_on = {
-        name: select_documents(prompts, split, 1, 0, limit)["doc_id"].to_list() for name, limit in limits.items()
-    }
-    union = {doc for docs in runs_on.values() for doc in docs}
-    docs = select_documents(prompts, split, 1, 0, None).filter(pl.col("doc_id").is_in(list(union)))
-    return docs, runs_on

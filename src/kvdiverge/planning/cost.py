@@ -50,7 +50,7 @@ controls on a shard's first documents take theirs from those forwards
 
 Documents per run: ``corpus.documents[split]``; the noise-floor control
 (``runs.control``) runs on its first ``runs.control.documents`` documents unless the same
-policy is scheduled on that split in full (as :func:`kvdiverge.jobs.shard.shard_documents`
+policy is scheduled on that split in full (as :func:`kvdiverge.jobs.documents.shard_documents`
 selects them). These are the requested counts: documents excluded at the prompts stage
 (too short, too long) lower the real figures slightly.
 """

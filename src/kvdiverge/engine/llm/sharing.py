@@ -4,15 +4,17 @@
 (:func:`kvdiverge.engine.llm.prefill.prefill_shared`). :class:`PrefillCarry` keeps the prefills that
 one :func:`kvdiverge.engine.runner.run_policies` call made for the policies of a later call on some of
 the same documents: a workflow job's controls, the noise floor and the ``none`` control, which run on
-the first documents of a shard in a call of their own (their batches are their own). Either way a
-press's prefill is the one it makes alone, bit for bit.
+the first documents of a shard in a call of their own (their batches are their own); or those the
+teacher-forced pass made on a shard's documents before its coupled run
+(:func:`kvdiverge.engine.forced.teacher_forced_policies`). Either way a press's prefill is the one it
+makes alone, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,12 +24,14 @@ from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.presses.registry import is_decode_time, needs_attentions, shares_prefill
 
-__all__ = ["PrefillCarry", "joins_shared_prefill", "shared_prefills"]
+__all__ = ["PrefillCarry", "carriable", "joins_shared_prefill", "shared_prefills"]
 
 log = logging.getLogger(__name__)
 
 
-def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list], sampling) -> dict[str, list | None]:
+def shared_prefills(
+    twin, batch: Sequence[Document], presses: Mapping[str, list], sampling, *, least: int = 2
+) -> dict[str, list | None]:
     """Per policy, per document of ``batch``: its prefill from one forward shared with the others, or ``None``.
 
     A press that scores with the attention weights (:func:`~kvdiverge.engine.presses.registry.needs_attentions`)
@@ -46,12 +50,15 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
     sampling : Sampling
         ``seed`` and ``model_name``: each document's prefill seed
         (:func:`kvdiverge.engine.llm.prefill.prefill_seed`).
+    least : int
+        The fewest presses a document's forward serves: with fewer, their pairs prefill alone (1: a
+        prefill for every press that can join one, to be carried).
 
     Returns
     -------
     dict of str to list or None
         Per policy, per document, a :func:`kvdiverge.engine.llm.prefill.prefill_shared`
-        prefill (``None`` where the document was not shared: fewer than two presses allow it,
+        prefill (``None`` where the document was not shared: fewer than ``least`` presses allow it,
         a question after compression, or the shared forward failed and each pair prefills
         alone, where a failing press is named); ``None`` for the whole policy when no
         document's prefill was shared.
@@ -65,7 +72,7 @@ def shared_prefills(twin, batch: Sequence[Document], presses: Mapping[str, list]
             if joins_shared_prefill(presses[name][j]):
                 kinds.setdefault(needs_attentions(presses[name][j]), []).append(name)
         for names in kinds.values():
-            if len(names) < 2 or doc.n_question:  # a question after compression: each pair prefills it
+            if len(names) < least or doc.n_question:  # a question after compression: each pair prefills it
                 continue
             done = _shared(twin, doc, [presses[name][j] for name in names], sampling, device)
             for name, one in zip(names, done or []):
@@ -79,6 +86,14 @@ def joins_shared_prefill(press) -> bool:
     decoding, its lanes can start from that prefill
     (:func:`~kvdiverge.engine.llm.decode_pair.takes_prefill`, a sliding window)."""
     return press is not None and shares_prefill(press) and (not is_decode_time(press) or takes_prefill(press))
+
+
+def carriable(press) -> bool:
+    """True when ``press``'s prefill can be held for a later pair: it joins a shared prefill forward
+    (:func:`joins_shared_prefill`). A press that evicts while decoding keeps its state after the prompt in the
+    press object, which each lane enters a deep copy of (:class:`kvdiverge.engine.llm.lanes.Lane`): the press
+    is held beside its prefill, untouched by the pairs that ran from it before."""
+    return joins_shared_prefill(press)
 
 
 def _shared(twin, doc: Document, presses: list, sampling, device):
@@ -107,14 +122,19 @@ class PrefillCarry:
     order. A call prefills its documents also for the ``later`` policies that run on them (in the
     shared forward of its first group of policies), where the memory budget leaves room for them
     beside its batch; the later policy's call then takes those prefills and runs on its own batches.
-    Only presses that evict at prefill alone are carried (a decode-time press keeps state after the
-    prompt). The records are those of each call run without a carry, bit for bit.
+    Only presses that join a shared forward are carried (:func:`carriable`); a decode-time press is held
+    beside its prefill, with its state after the prompt. The teacher-forced pass of the same documents,
+    run before the calls, holds its prefills for them too (:meth:`keep`). The records are those of each
+    call run without a carry, bit for bit.
 
     Parameters
     ----------
     later : dict of str to (PressSource, collection of str)
         Per policy of a later call: its source (``build_press(prompt_len)``) and the ``doc_id`` of
         the documents it runs on.
+    room : int, optional
+        Bytes that :meth:`keep` may fill (a job's memory budget); a call lets go of what exceeds the
+        budget beside its batch (:meth:`fit`).
 
     Attributes
     ----------
@@ -124,7 +144,24 @@ class PrefillCarry:
     """
 
     later: dict[str, tuple[Any, Collection[str]]] = field(default_factory=dict)
+    room: int | None = None
     held: dict[tuple[str, str], tuple[Any, Any, Any]] = field(default_factory=dict)
+
+    def keep(self, name: str, source, doc: Document, press, done) -> bool:
+        """Hold ``done``, the prefill of ``press`` (built by ``source``) on ``doc``, made outside the calls, for
+        the later call of policy ``name``; True if held. Held only where that call runs ``doc`` with that
+        source, the press can be carried (:func:`carriable`), the document has no question after compression
+        and :attr:`room` has space for it."""
+        wanted = self.later.get(name)
+        if wanted is None or wanted[0] is not source or doc.doc_id not in wanted[1]:
+            return False
+        if not carriable(press) or doc.n_question or (name, doc.doc_id) in self.held:
+            return False
+        new = _cache_bytes(done.ev) + (0 if any(key[1] == doc.doc_id for key in self.held) else _cache_bytes(done.ref))
+        if self.room is not None and self.held_bytes() + new > self.room:
+            return False
+        self.held[(name, doc.doc_id)] = (source, press, replace(done, forwards=0))  # its forward ran elsewhere
+        return True
 
     def begin(self, names: Collection[str]) -> None:
         """A call of policies ``names`` begins: they are no longer prefilled ahead, and what earlier calls of
@@ -134,11 +171,21 @@ class PrefillCarry:
         for key in [k for k in self.held if k[0] not in names and k[0] not in self.later]:
             del self.held[key]
 
-    def fit(self, names: Collection[str], documents: Sequence[Document], bytes_left: int, token_bytes: int) -> None:
+    def fit(
+        self,
+        names: Collection[str],
+        documents: Sequence[Document],
+        bytes_left: int,
+        token_bytes: int,
+        batch: Collection[tuple[str, str]] = frozenset(),
+    ) -> None:
         """Carry nothing more from this call when what the carry holds and what it would hold for the
         later policies' documents of this call (per document, its full cache and one evicted cache per
         later policy, at most its prompt's ``token_bytes`` each) exceed ``bytes_left`` (the budget beside the
-        call's batch and first group); then let go of what it holds for the other calls, if that alone exceeds it."""
+        call's batch and first group); then let go of what it holds for the other calls, if that alone exceeds it,
+        and of this call's own, the last held first, until it does not. What it holds for ``batch`` ((policy,
+        ``doc_id``) of the call's first group on its first batch) is not counted: the batch takes it at once,
+        in place of the prefills the budget's batch counts."""
         need = sum(
             doc.prompt_len * token_bytes * (1 + n)
             for doc in documents
@@ -148,18 +195,24 @@ class PrefillCarry:
                 )
             )
         )
-        held = self.held_bytes()
+        held = self.held_bytes(batch)
         if need and held + need > bytes_left:
             log.info("the later policies' prefills (%d MiB) exceed the memory left: not carried", need >> 20)
             self.later = {}
         if held > bytes_left:
             for key in [k for k in self.held if k[0] not in names]:
                 del self.held[key]
+        for key in reversed([k for k in self.held if k not in batch]):
+            if self.held_bytes(batch) <= bytes_left:
+                break
+            del self.held[key]
 
-    def held_bytes(self) -> int:
-        """Bytes of the held caches (a document's full cache, which its prefills share, counted once)."""
-        full = {doc_id: _cache_bytes(done.ref) for (_, doc_id), (_, _, done) in self.held.items()}
-        return sum(full.values()) + sum(_cache_bytes(done.ev) for _, _, done in self.held.values())
+    def held_bytes(self, batch: Collection[tuple[str, str]] = frozenset()) -> int:
+        """Bytes of the held caches (a document's full cache, which its prefills share, counted once), those held
+        for the keys of ``batch`` left out (a full cache only when nothing else of its document is held)."""
+        kept = {key: value for key, value in self.held.items() if key not in batch}
+        full = {doc_id: _cache_bytes(done.ref) for (_, doc_id), (_, _, done) in kept.items()}
+        return sum(full.values()) + sum(_cache_bytes(done.ev) for _, _, done in kept.values())
 
     def group_prefills(self, twin, batch: Sequence[Document], group: Mapping[str, Any], sampling, ahead: bool):
         """``(presses, prefills, later)`` for one group of policies (name -> source) on ``batch``.
@@ -195,14 +248,14 @@ class PrefillCarry:
     def _wanted(self, batch: Sequence[Document]) -> dict[str, list]:
         """Per later policy that runs on a document of ``batch``: its press per document (``None`` where it
         does not run, its prefill is held already, its press cannot be built (the later call says why) or
-        evicts while decoding)."""
+        cannot be carried: :func:`carriable`)."""
         out = {}
         for name, (source, ids) in self.later.items():
             presses = [
                 self._press(source, doc) if doc.doc_id in ids and (name, doc.doc_id) not in self.held else None
                 for doc in batch
             ]
-            presses = [p if p is not None and shares_prefill(p) and not is_decode_time(p) else None for p in presses]
+            presses = [p if carriable(p) else None for p in presses]
             if any(p is not None for p in presses):
                 out[name] = presses
         return out

@@ -1,0 +1,93 @@
+"""The teacher-forced positions a trajectory shard job computes on its documents, and their gathering.
+
+A shard job runs the teacher-forced pass on its own documents before its coupled run, with the
+prefills that run then takes (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`), and writes the
+positions of every run of its split to one file, stamped with the hash of the teacher-forced settings
+it ran with (:class:`kvdiverge.jobs.params.TeacherSettings`, read from the workflow's settings file,
+not from the job's rerun key). The teacher-forced job gathers those files when every shard was made
+with its own settings, and runs the pass itself otherwise. This module reads and writes no model: the
+gathering job starts without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from kvdiverge.config.provenance import settings_hash
+from kvdiverge.jobs.params import TeacherSettings
+
+__all__ = ["POSITIONS_KEY", "ShardPass", "gather_positions", "positions_metadata"]
+
+log = logging.getLogger(__name__)
+
+#: the parquet key-value metadata key of a shard's positions: ``{"settings", "shards", "shard"}`` as JSON
+POSITIONS_KEY = "kvdiverge_teacher_forced"
+
+
+@dataclass(frozen=True)
+class ShardPass:
+    """The teacher-forced pass a shard job runs on its documents (:func:`kvdiverge.jobs.shard.run_shard`).
+
+    Parameters
+    ----------
+    settings : kvdiverge.jobs.params.TeacherSettings or None
+        The teacher-forced job's settings for the shard's split (every run of the split); None: no pass (a
+        model of ``backend: llama_cpp``), an empty file.
+    corpus : str
+        ``results/corpus/documents.parquet``: the texts after the excerpts, the reconstruction's texts.
+    output : str
+        The file of the positions (:func:`positions_metadata`).
+    """
+
+    settings: TeacherSettings | None
+    corpus: str | os.PathLike
+    output: str | os.PathLike
+
+
+def positions_metadata(settings: TeacherSettings | None, shards: int, shard: int) -> dict[str, str]:
+    """The metadata of shard ``shard`` of ``shards``'s positions: the hash of ``settings``
+    (:func:`kvdiverge.config.provenance.settings_hash` of its plain form), ``None`` when it ran no pass."""
+    digest = None if settings is None else settings_hash(settings.to_params())
+    return {POSITIONS_KEY: json.dumps({"settings": digest, "shards": int(shards), "shard": int(shard)})}
+
+
+def gather_positions(paths: Sequence[str | os.PathLike], settings: TeacherSettings) -> pl.DataFrame | None:
+    """The positions of the job's runs gathered from its split's shard files, or None when they cannot be.
+
+    Parameters
+    ----------
+    paths : sequence of str
+        The shard jobs' position files (:func:`positions_metadata`), one per shard.
+    settings : kvdiverge.jobs.params.TeacherSettings
+        The teacher-forced job's settings.
+
+    Returns
+    -------
+    polars.DataFrame or None
+        :data:`kvdiverge.estimation.teacher_forced.POSITION_SCHEMA` in the order the job's own pass gives
+        (split by split, run by run, document by ``doc_id``, position by position); None when a file is
+        missing, was made with other settings or without the pass, or the files are not shards ``0`` to
+        ``n - 1`` of ``n`` (the reason is logged).
+    """
+    digest = settings_hash(settings.to_params())
+    made = []
+    for path in paths:
+        meta = pl.read_parquet_metadata(path).get(POSITIONS_KEY) if os.path.exists(path) else None
+        made.append(None if meta is None else json.loads(meta))
+    shards = sorted((m["shards"], m["shard"]) for m in made if m is not None and m["settings"] == digest)
+    if not paths or shards != [(len(paths), i) for i in range(len(paths))]:
+        log.info("the shard jobs' positions were made with other settings: the pass runs here")
+        return None
+    runs = [(policy, split) for split, names in settings.splits().items() for policy in names]
+    order = pl.DataFrame(
+        {"policy": [p for p, _ in runs], "split": [s for _, s in runs], "_run": list(range(len(runs)))}
+    )
+    frame = pl.concat([pl.read_parquet(path) for path in paths])
+    log.info("gathered the positions of %d shard jobs: %d rows", len(paths), frame.height)
+    return frame.join(order, on=["policy", "split"]).sort("_run", "doc_id", "position").drop("_run")
