@@ -868,8 +868,12 @@ def test_frontier_smoke_runs_through_snakemake(frontier_run):
     assert (points["length_ratio"] <= points["length_ratio_hi"]).all()
     logs = results / "logs" / "teacher_forced" / "smollm2-135m"  # one job per split: every run of the split
     assert {p.name for p in logs.iterdir()} <= {"exploratory.log", "confirmatory.log"}
-    tf_log = (logs / "exploratory.log").read_text()
-    assert all(p in tf_log for p in points["policy"]) and "noise-floor" in tf_log, tf_log[-2000:]
+    assert "gathered the positions of" in (logs / "exploratory.log").read_text()  # made by the shard jobs
+    shard_log = results / "logs" / "trajectories" / "smollm2-135m" / "exploratory" / "shard-0.log"  # shards: 1
+    tf_log = shard_log.read_text()
+    line = next(x for x in tf_log.splitlines() if "smollm2-135m / exploratory: [" in x)  # the pass's runs
+    assert all(p in line for p in points["policy"]) and "noise-floor" in line, tf_log[-2000:]
+    assert "prefills held for the coupled run" in tf_log
 
 
 @pytest.mark.llm
