@@ -33,8 +33,10 @@ include: "workflow/rules/common.smk"
 
 
 # What starting the workflow does besides declaring (common.smk declares only): the jobs learn
-# the config files of this run, and a local run caps its generation jobs at one per GPU.
+# the config files of this run and the shard jobs the teacher-forced settings of their split, and a
+# local run caps its generation jobs at one per GPU.
 export_configfiles()
+export_teacher_settings()
 register_gpu_cap()
 
 

@@ -135,8 +135,6 @@ def teacher(policies=None):
     return jobs | rules("teacher_forced_table", "all")
 
 
-# the teacher-forced settings the shard jobs read (rewritten when the teacher-forced jobs' settings change)
-SETTINGS = rules("teacher_settings")
 FIGURES_UP = rules("figure", "summary", "all")
 SPECULATIVE = rules("speculative", "drift", "figure")  # read every estimate (the drift: every estimate's drift table)
 ANALYSES = rules("pool", "gaps", "confirmatory", "floor") | SPECULATIVE | FIGURES_UP
@@ -159,17 +157,17 @@ def setter(path: str, value):
 
 CASES = [
     # setting, new value, the jobs that must rerun (and no other);
-    # the teacher-forced pass reads no decoding setting or replicates, and a changed `shards` reruns its
-    # jobs only to gather the new shards' positions
-    ("decoding.temperature", 0.9, GENERATION),
-    ("decoding.top_p", 0.9, GENERATION),
-    ("replicates", 3, GENERATION),
-    ("seed", 1, GENERATION | teacher() | SETTINGS),
+    # the teacher-forced pass reads no decoding setting, replicates or shards: a rerun shard job reruns
+    # its split's teacher-forced job only to gather the shards' positions
+    ("decoding.temperature", 0.9, GENERATION | teacher()),
+    ("decoding.top_p", 0.9, GENERATION | teacher()),
+    ("replicates", 3, GENERATION | teacher()),
+    ("seed", 1, GENERATION | teacher()),
     ("shards", 3, shards(n=3) | estimates() | rules("provenance") | ANALYSES | teacher()),
     ("decoding.max_new_tokens", 9, rules("prompts") | GENERATION | teacher()),
-    ("teacher_forced.length", 8, teacher() | SETTINGS),
-    ("teacher_forced.target", "reconstruction", teacher() | SETTINGS),
-    ("teacher_forced.key_tokens.short", 32, teacher() | SETTINGS),
+    ("teacher_forced.length", 8, teacher()),
+    ("teacher_forced.target", "reconstruction", teacher()),
+    ("teacher_forced.key_tokens.short", 32, teacher()),
     (
         "policies.snapkv-50.compression_ratio",
         0.4,
@@ -178,8 +176,7 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["snapkv-50"])
-        | SETTINGS,
+        | teacher(["snapkv-50"]),
     ),
     (
         "policies.snapkv-90.kernel_size",
@@ -189,10 +186,9 @@ CASES = [
         | rules("provenance", "pool", "confirmatory", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["snapkv-90"])
-        | SETTINGS,
+        | teacher(["snapkv-90"]),
     ),
-    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION | teacher() | SETTINGS),
+    ("policies.snapkv-b128.budget", 120, rules("prompts") | GENERATION | teacher()),
     (
         "runs.control.documents",
         2,
@@ -201,8 +197,7 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["none"])
-        | SETTINGS,
+        | teacher(["none"]),
     ),
     (
         "runs.floor.documents",
@@ -212,8 +207,7 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["noise-floor"])
-        | SETTINGS,
+        | teacher(["noise-floor"]),
     ),
     (
         "policies.noise-floor.seed",
@@ -223,15 +217,14 @@ CASES = [
         | rules("provenance", "pool", "gaps", "floor", "confirmatory")
         | SPECULATIVE
         | FIGURES_UP
-        | teacher(["noise-floor"])
-        | SETTINGS,
+        | teacher(["noise-floor"]),
     ),
     (
         f"models.{MODEL}.attn_implementation",
         "eager",
-        rules("convert_model", "prompts") | GENERATION | teacher() | SETTINGS,
+        rules("convert_model", "prompts") | GENERATION | teacher(),
     ),
-    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher() | SETTINGS),
+    ("corpus.split_seed", 8, rules("corpus", "prompts") | GENERATION | teacher()),
     ("window", 3, estimates() | ANALYSES),
     ("drift.min_repeats", 4, estimates() | ANALYSES),
     ("confirmatory.late", [3, 5], estimates() | ANALYSES),
@@ -301,6 +294,7 @@ def test_a_shard_made_with_another_temperature_is_refused(smoke_run, tmp_path):
     # that command remakes the shard and what depends on it, nothing else
     assert planned_jobs(snakemake_dry(work, *command.split()[1:])) == (
         {("trajectories_exploratory", shard)}  # the job of the split's shard 0: every exploratory policy's
+        | teacher(["snapkv-50"])  # the split's teacher-forced job gathers the shard's positions again
         | estimates(["snapkv-50"])
         | rules("provenance", "pool", "gaps", "floor")
         | SPECULATIVE

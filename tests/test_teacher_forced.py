@@ -678,12 +678,12 @@ def test_the_shard_jobs_positions_gather_to_the_teacher_forced_jobs_own(model, c
         files.append(tmp_path / f"positions-{shard}.parquet")
         with caplog.at_level(logging.INFO, logger="kvdiverge.jobs.shard"):
             got = run_shard(settings, paths["prompts"], [tmp_path / f"{n}-{shard}.parquet" for n in names],
-                            model=model, tokenizer=chat_tokenizer, teacher=ShardPass(job, paths["corpus"], files[-1]))  # fmt: skip
+                            model=(model, chat_tokenizer), teacher=ShardPass(job, paths["corpus"], files[-1]))  # fmt: skip
         plain = run_shard(settings, paths["prompts"], [tmp_path / f"plain-{n}-{shard}.parquet" for n in names],
                           model=model)  # fmt: skip
         assert got.drop("seconds").equals(plain.drop("seconds"))
-    # held: snapkv-50 and noise-floor on two documents a shard, `none` on d0 (the window evicts while decoding)
-    assert "3 prefills held" in caplog.text and "2 prefills held" in caplog.text
+    # held: snapkv-50, the window and the noise floor on two documents a shard, `none` on d0
+    assert "7 prefills held" in caplog.text and "6 prefills held" in caplog.text
     want = run_teacher_forced(job, paths, loaded=(model, chat_tokenizer))
     assert sorted(want["doc_id"].unique()) == list(texts) and want.filter(pl.col("policy") == "none")[
         "doc_id"

@@ -5,13 +5,11 @@
 # functions apart).
 
 import dataclasses
-import json
 import os
 import sys
 
 import kvdiverge.estimation.bootstrap
 import kvdiverge.estimation.drift
-import kvdiverge.io.files
 import kvdiverge.config.backends
 import kvdiverge.config.reading
 import kvdiverge.config.workflow
@@ -19,6 +17,7 @@ import kvdiverge.engine.llamacpp.caches
 import kvdiverge.jobs.devices
 import kvdiverge.config.frontier
 import kvdiverge.jobs.params
+import kvdiverge.jobs.positions
 import kvdiverge.jobs.prediction
 import kvdiverge.data.prompts
 import kvdiverge.config.provenance
@@ -139,23 +138,22 @@ def teacher_job(split):
     return settings
 
 
-def shard_teacher_settings(split):
-    """The teacher-forced settings file a shard job of `split` reads (none on a llama_cpp model), as an
-    input function: ancient, so that its rewrite (a changed teacher_forced section) reruns no shard job."""
-
-    def settings_file(wildcards):
-        if kvdiverge.config.backends.runs_on_llama_cpp(CONFIG["models"][wildcards.model]):
-            return []
-        return ancient(expand(TEACHER_SETTINGS, model=wildcards.model, split=split))
-
-    return settings_file
-
-
-def write_settings(settings, path, log):
-    """Write a job's settings (their plain form) to `path` as JSON, atomically, and say so in `log`
-    (rule teacher_settings)."""
-    kvdiverge.io.files.write_text_atomic(json.dumps(settings, sort_keys=True, indent=1) + "\n", path)
-    kvdiverge.io.files.write_text_atomic(f"wrote {path}\n", log)
+def export_teacher_settings():
+    """Tell the shard jobs the teacher-forced settings of their split, which they run the pass on their
+    documents with (kvdiverge.jobs.positions): an environment variable, not a param or an input, so that
+    a changed teacher_forced section reruns no shard job (the teacher-forced jobs then run the pass
+    themselves). Called once, by the Snakefile."""
+    settings = {
+        model: {
+            split: kvdiverge.jobs.params.TeacherSettings.from_config(
+                CONFIG, model, [(p, split) for p in policies]
+            ).to_params()
+            for split, policies in SPLIT_POLICIES.items()
+        }
+        for model in MODELS
+        if not kvdiverge.config.backends.runs_on_llama_cpp(CONFIG["models"][model])
+    }
+    kvdiverge.jobs.positions.export_settings(settings)
 
 
 def check_presses():
@@ -201,9 +199,8 @@ MODEL_DIR = f"{RESULTS}/models/{{model}}"  # a GGUF model converted once (rule c
 SHARD = f"{RESULTS}/trajectories/{{model}}/{{policy}}/{{split}}/shard-{{shard}}.parquet"
 ESTIMATES = f"{RESULTS}/estimates/{{model}}/{{policy}}/{{split}}.parquet"
 TEACHER = f"{RESULTS}/teacher_forced/{{model}}/{{policy}}/{{split}}.parquet"  # a run's teacher-forced positions
-# the teacher-forced settings of a (model, split), which its shard jobs read, and the positions of a
-# shard's documents, which its shard job computes before its coupled run (kvdiverge.jobs.positions)
-TEACHER_SETTINGS = f"{RESULTS}/teacher_forced/{{model}}/_shards/{{split}}.json"
+# the teacher-forced positions of a shard's documents, which its shard job computes before its coupled
+# run (kvdiverge.jobs.positions)
 SHARD_POSITIONS = f"{RESULTS}/teacher_forced/{{model}}/_shards/{{split}}/shard-{{shard}}.parquet"
 ANALYSIS = f"{RESULTS}/analysis"
 FIGURES = f"{RESULTS}/figures"

@@ -7,7 +7,7 @@
 # atomically, so an interrupted run resumes by regenerating only the jobs with a missing shard;
 # a changed policy reruns the shard jobs of its split. Before its coupled run a job runs the
 # teacher-forced pass on its documents (teacher.smk), with the settings of its split's teacher-forced
-# job read from a file (not its rerun key), and the coupled run takes the prefills the pass made.
+# job (an environment variable, not its rerun key), and the coupled run takes the prefills the pass made.
 # One rule per split (trajectories_<split>), each with its split's policies as outputs; they take
 # their resources from generation_resources (common.smk): one GPU per job whose model runs on
 # CUDA, none on the CPU.
@@ -44,7 +44,6 @@ for _split, _policies in SPLIT_POLICIES.items():
             prompts=rules.prompts.output[0],
             model=converted_model,
             corpus=rules.corpus.output[0],
-            teacher=shard_teacher_settings(_split),
         output:
             shards=expand(SHARD, policy=_policies, split=_split, allow_missing=True),
             positions=expand(SHARD_POSITIONS, split=_split, allow_missing=True),

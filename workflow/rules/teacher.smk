@@ -7,30 +7,17 @@
 # from one short-context forward per document (teacher_forced.key_tokens).
 # One job per (model, split) writes the positions of every run of the split. The split's shard jobs
 # compute them on their documents before their coupled runs, on the prefills those runs then take
-# (kvdiverge.jobs.positions), with the settings of rule teacher_settings; the job gathers their files
-# when they were made with its own settings (no model load), and otherwise runs the pass itself: one
-# model load, and each document prefilled once and its reference side run once for every policy that
-# runs on it. One rule per split (teacher_forced_<split>), as the shard jobs. Its rerun key is its own
-# (teacher_job), and it takes the shards' files as ancient input: the teacher_forced section reruns no
-# trajectory shard, decoding and replicates rerun no teacher-forced job, shards rerun it to gather the
-# new shards' files, and a changed policy reruns its split's job alone.
+# (kvdiverge.jobs.positions), with the job's settings (an environment variable: common.smk's
+# export_teacher_settings); the job gathers their files when they were made with its own settings (no
+# model load), and otherwise runs the pass itself: one model load, and each document prefilled once and
+# its reference side run once for every policy that runs on it. One rule per split
+# (teacher_forced_<split>), as the shard jobs. Its rerun key is its own (teacher_job): the
+# teacher_forced section reruns no trajectory shard, and a rerun shard job (decoding, replicates,
+# shards, a changed policy) reruns the split's job, which gathers the new files.
 # A llama_cpp model has no teacher-forced pass (TEACHER_RUNS, common.smk).
 # The `teacher_forced` table beside `pool`: llama.cpp's --kl-divergence statistics per
 # (model, policy, split) with document-bootstrap intervals and the noise floor beside each
 # policy; `teacher_forced_documents` holds the headline means per document (joins on doc_id).
-
-
-rule teacher_settings:
-    output:
-        TEACHER_SETTINGS,
-    log:
-        f"{LOGS}/teacher_settings/{{model}}/{{split}}.log",
-    params:
-        # the settings of the split's teacher-forced job (its rerun key), for the split's shard jobs
-        settings=lambda wildcards: teacher_job(wildcards.split)(wildcards),
-    localrule: True
-    run:
-        write_settings(params.settings, output[0], log[0])
 
 
 for _split, _policies in SPLIT_POLICIES.items():
@@ -43,7 +30,7 @@ for _split, _policies in SPLIT_POLICIES.items():
             corpus=rules.corpus.output[0],
             model=converted_model,
             # the shard jobs' positions (gathered when made with this job's settings)
-            shards=ancient(expand(SHARD_POSITIONS, split=_split, shard=SHARDS, allow_missing=True)),
+            shards=expand(SHARD_POSITIONS, split=_split, shard=SHARDS, allow_missing=True),
         output:
             expand(TEACHER, policy=_policies, split=_split, allow_missing=True),
         log:

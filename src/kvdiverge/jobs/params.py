@@ -185,8 +185,8 @@ class TeacherSettings(ParamsForm):
     model load, and each document prefilled once for every policy that runs on it; or gathers the
     positions the split's shard jobs computed with the same settings (:mod:`kvdiverge.jobs.positions`).
     Its rerun key holds what the teacher-forced positions depend on and nothing else, so a change to
-    decoding or replicates reruns no teacher-forced job, and a change to the ``teacher_forced``
-    section reruns no trajectory shard.
+    the ``teacher_forced`` section reruns no trajectory shard, and a change to decoding, replicates or
+    shards reruns a teacher-forced job only through its shard jobs' new files, which it gathers.
 
     Parameters
     ----------

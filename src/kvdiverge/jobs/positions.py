@@ -3,9 +3,11 @@
 A shard job runs the teacher-forced pass on its own documents before its coupled run, with the
 prefills that run then takes (:class:`kvdiverge.engine.llm.sharing.PrefillCarry`), and writes the
 positions of every run of its split to one file, stamped with the hash of the teacher-forced settings
-it ran with (:class:`kvdiverge.jobs.params.TeacherSettings`, read from the workflow's settings file,
-not from the job's rerun key). The teacher-forced job gathers those files when every shard was made
-with its own settings, and runs the pass itself otherwise. This module reads and writes no model: the
+it ran with (:class:`kvdiverge.jobs.params.TeacherSettings`). It reads those settings from an
+environment variable the workflow sets when it starts (:func:`export_settings`), not from its rerun
+key, so that a changed ``teacher_forced`` section reruns no shard. The teacher-forced job gathers the
+files when every shard was made with its own settings, and runs the pass itself otherwise (a shard made
+before the change, or a job that did not get the variable). This module reads and writes no model: the
 gathering job starts without torch.
 """
 
@@ -22,12 +24,43 @@ import polars as pl
 from kvdiverge.config.provenance import settings_hash
 from kvdiverge.jobs.params import TeacherSettings
 
-__all__ = ["POSITIONS_KEY", "ShardPass", "gather_positions", "positions_metadata"]
+__all__ = [
+    "POSITIONS_KEY",
+    "SETTINGS_ENV",
+    "ShardPass",
+    "export_settings",
+    "exported_settings",
+    "gather_positions",
+    "positions_metadata",
+]
 
 log = logging.getLogger(__name__)
 
 #: the parquet key-value metadata key of a shard's positions: ``{"settings", "shards", "shard"}`` as JSON
 POSITIONS_KEY = "kvdiverge_teacher_forced"
+#: the environment variable of the teacher-forced settings, ``{model: {split: plain form}}`` as JSON
+SETTINGS_ENV = "KVDIVERGE_TEACHER_SETTINGS"
+#: the longest value exported (the kernel's limit on one environment string is 128 KiB)
+_MAX_ENV = 100_000
+
+
+def export_settings(settings: dict[str, dict[str, dict]]) -> bool:
+    """Set :data:`SETTINGS_ENV` to ``settings`` (per model, per split: :meth:`TeacherSettings.to_params`)
+    for the jobs this process starts; True if set. Too long a value is not set (and an older one removed):
+    the teacher-forced jobs then run the pass themselves."""
+    value = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    if len(value) > _MAX_ENV:
+        os.environ.pop(SETTINGS_ENV, None)
+        return False
+    os.environ[SETTINGS_ENV] = value
+    return True
+
+
+def exported_settings(model: str, split: str) -> TeacherSettings | None:
+    """The teacher-forced settings of ``(model, split)`` from :data:`SETTINGS_ENV`; None where it has none."""
+    value = os.environ.get(SETTINGS_ENV)
+    params = json.loads(value).get(model, {}).get(split) if value else None
+    return None if params is None else TeacherSettings.from_params(params)
 
 
 @dataclass(frozen=True)
@@ -37,8 +70,8 @@ class ShardPass:
     Parameters
     ----------
     settings : kvdiverge.jobs.params.TeacherSettings or None
-        The teacher-forced job's settings for the shard's split (every run of the split); None: no pass (a
-        model of ``backend: llama_cpp``), an empty file.
+        The teacher-forced job's settings for the shard's split (every run of the split); None: no pass (none
+        exported, or a model of ``backend: llama_cpp``), an empty file.
     corpus : str
         ``results/corpus/documents.parquet``: the texts after the excerpts, the reconstruction's texts.
     output : str

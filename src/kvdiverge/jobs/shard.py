@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
+import torch
 from tqdm.auto import tqdm
 
 from kvdiverge.config.backends import runs_on_llama_cpp
@@ -66,9 +67,7 @@ def run_shard(
     model=None,
     model_spec: dict[str, Any] | None = None,
     options: RunOptions | None = None,
-    threads: int = 1,
     *,
-    tokenizer=None,
     teacher: ShardPass | None = None,
 ) -> pl.DataFrame:
     """Generate the coupled trajectories of one shard of one or more policies and write each atomically.
@@ -82,8 +81,9 @@ def run_shard(
     the teacher-forced pass of the split's runs on the shard's documents runs first and is written to its
     file (:mod:`kvdiverge.jobs.positions`), and the coupled run takes the prefills it made, within the
     memory budget. A model entry of ``backend: llama_cpp`` runs its GGUF file (``model``: a GGUF path or
-    a ``llama_cpp.Llama``, else the entry's file) in llama.cpp instead (:func:`run_llama_shard`), and
-    writes an empty positions file.
+    a ``llama_cpp.Llama``, else the entry's file) in llama.cpp instead (:func:`run_llama_shard`, with
+    torch's threads: the job's), and writes an empty positions file (as a job given no teacher-forced
+    settings).
 
     Parameters
     ----------
@@ -96,19 +96,15 @@ def run_shard(
     output_path : str or sequence of str
         Destination ``shard-{i}.parquet`` of each policy, in the order of ``settings.policies``;
         each written only once every policy of the call is complete.
-    model : transformers.PreTrainedModel, optional
-        Already loaded model (tests, benchmarks); loaded otherwise.
+    model : transformers.PreTrainedModel or (model, tokenizer), optional
+        Already loaded model (tests, benchmarks), with its tokenizer for ``teacher`` (else loaded from the
+        entry); loaded otherwise. A GGUF path or a ``llama_cpp.Llama`` for a model of ``backend: llama_cpp``.
     model_spec : dict, optional
         Model entry to load from (e.g. a converted local directory); defaults to the
         settings' model entry.
     options : kvdiverge.engine.runner.RunOptions, optional
         How the runner batches (config ``generation``: :func:`generation_options`); default
         ``batch_documents: auto``. A progress bar per policy is added when it has none.
-    threads : int
-        CPU threads of each llama.cpp context (a model of ``backend: llama_cpp``: the job's threads);
-        transformers reads torch's.
-    tokenizer : transformers.PreTrainedTokenizer, optional
-        The model's tokenizer, for ``teacher`` (loaded when the model is given without it).
     teacher : kvdiverge.jobs.positions.ShardPass, optional
         The teacher-forced pass to run on the shard's documents first, and where to write it.
 
@@ -134,11 +130,14 @@ def run_shard(
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     prompts = pl.read_parquet(prompts_path)
     groups = _document_groups(prompts, settings)
-    if runs_on_llama_cpp(model_spec or settings.model_entry()):
-        if teacher is not None:  # no teacher-forced pass on llama.cpp
-            write_parquet_atomic(pl.DataFrame(schema=POSITION_SCHEMA), teacher.output, metadata=_positions(settings))
+    llama = runs_on_llama_cpp(model_spec or settings.model_entry())
+    if teacher is not None and (llama or teacher.settings is None):  # no pass here (none on llama.cpp)
+        write_parquet_atomic(pl.DataFrame(schema=POSITION_SCHEMA), teacher.output, metadata=_positions(settings))
+        teacher = None
+    if llama:
         source = model if model is not None else gguf_path(model_spec or settings.model_entry(), settings.model)
-        return run_llama_shard(settings, groups, outputs, source, options, threads)
+        return run_llama_shard(settings, groups, outputs, source, options, torch.get_num_threads())
+    model, tokenizer = model if isinstance(model, tuple) else (model, None)
     if model is None and (any(groups) or teacher is not None):
         model, tokenizer = load_model(model_spec or settings.model_entry(), settings.model)
     sampling = settings.run(names[0]).sampling  # every policy of a job shares the decoding, R and the seed
@@ -155,14 +154,11 @@ def run_shard(
         if tokenizer is None:
             tokenizer = load_tokenizer(model_spec or settings.model_entry(), settings.model)
         carry.room = _budget_bytes(model, options)
-        _shard_pass(model, tokenizer, settings, teacher, prompts, sources, carry)
+        _shard_pass((model, tokenizer), settings, teacher, prompts, carry)
     for docs, group in groups.values():
         runs = run_policies(
             model,
-            [
-                Document(row["doc_id"], row["input_ids"], int(row.get("n_question") or 0))
-                for row in docs.iter_rows(named=True)
-            ],
+            _documents(docs),
             {name: sources[name] for name in group},
             sampling,
             split=settings.split,
@@ -174,47 +170,48 @@ def run_shard(
             batch[name] = runs.batch_documents
     layers = None if model is None else layers_of(model.config)
     for name, path in zip(names, outputs):
-        provenance = layers_metadata(layers) | shard_metadata(
-            settings.settings[name],
-            model=settings.model,
-            policy=name,
-            split=settings.split,
-            shard=settings.shard,
-            batch_documents=batch[name],
-            eos_ids=None if batch[name] is None else eos_ids,
+        write_parquet_atomic(
+            frames[name], path, metadata=_shard_provenance(settings, name, layers, batch[name], eos_ids)
         )
-        write_parquet_atomic(frames[name], path, metadata=provenance)
     return pl.concat([frames[name] for name in names])
 
 
-def _shard_pass(model, tokenizer, settings: ShardSettings, teacher: ShardPass, prompts, sources, carry) -> None:
-    """The teacher-forced pass of ``teacher`` on the shard's documents, written to its file; its prefills held
-    in ``carry`` for the coupled run where that run's prefill is the same: the same policy entry, prefill seed
-    and model, and no question after compression (the pass prefills a prompt whole)."""
-    split, run = settings.split, settings.run(settings.policies[0])
-    job = teacher.settings
-    first = job.run(*job.runs[0])
-    questions = "n_question" in prompts.columns and bool((prompts["n_question"].fill_null(0) > 0).any())
-    same = first.seed == run.sampling.seed and not questions
-    own = {
-        name: sources[name]
-        if name in sources and dict(job.run(name, split).entry) == dict(settings.run(name).entry)
-        else Policy.from_config(name, dict(job.run(name, split).entry))
-        for name in job.splits()[split]
-    }
-    corpus = pl.read_parquet(teacher.corpus) if reads_corpus(job) else None
-    frame = split_positions(
-        (model, tokenizer),
-        job,
-        split,
-        prompts,
-        corpus,
-        part=(run.shards, settings.shard),
-        sources=own,
-        carry=carry if same else None,
+def _documents(rows: pl.DataFrame) -> list[Document]:
+    """The engine's documents of prompt rows (``doc_id``, ``input_ids``, ``n_question`` where given)."""
+    return [Document(r["doc_id"], r["input_ids"], int(r.get("n_question") or 0)) for r in rows.iter_rows(named=True)]
+
+
+def _shard_provenance(settings: ShardSettings, name: str, layers, batch: int | None, eos_ids) -> dict[str, str]:
+    """The key-value metadata of policy ``name``'s shard: the model's layers and
+    :func:`kvdiverge.config.provenance.shard_metadata` (``batch`` None: no document ran)."""
+    return layers_metadata(layers) | shard_metadata(
+        settings.settings[name],
+        model=settings.model,
+        policy=name,
+        split=settings.split,
+        shard=settings.shard,
+        batch_documents=batch,
+        eos_ids=None if batch is None else eos_ids,
     )
+
+
+def _shard_pass(loaded, settings: ShardSettings, teacher: ShardPass, prompts, carry) -> None:
+    """The teacher-forced pass of ``teacher`` on the shard's documents, written to its file; its prefills held
+    in ``carry`` for the coupled run where that run's prefill is the same: the same policy entries, prefill
+    seed and model, and no question after compression (the pass prefills a prompt whole)."""
+    split, run, job = settings.split, settings.run(settings.policies[0]), teacher.settings
+    names = job.splits()[split]
+    questions = "n_question" in prompts.columns and bool((prompts["n_question"].fill_null(0) > 0).any())
+    same = (
+        job.run(*job.runs[0]).seed == run.sampling.seed
+        and not questions
+        and all(name in settings.settings and job.run(name, split).entry == settings.run(name).entry for name in names)
+    )
+    corpus = pl.read_parquet(teacher.corpus) if reads_corpus(job) else None
+    part = (run.shards, settings.shard)
+    frame = split_positions(loaded, job, split, prompts, corpus, part=part, carry=carry if same else None)
     log.info("teacher-forced pass: %d positions; %d prefills held for the coupled run", frame.height, len(carry.held))
-    write_parquet_atomic(frame, teacher.output, metadata=positions_metadata(job, run.shards, settings.shard))
+    write_parquet_atomic(frame, teacher.output, metadata=positions_metadata(job, *part))
 
 
 def _positions(settings: ShardSettings) -> dict[str, str]:

@@ -31,7 +31,6 @@ from kvdiverge.engine.llm.pair_base import model_eos_ids
 from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.llm.teacher import DEFAULT_LENGTH, TeacherForcing
 from kvdiverge.engine.presses.policies import Policy
-from kvdiverge.engine.refusals import PressSource
 from kvdiverge.engine.runner import Document
 from kvdiverge.estimation.key_tokens import KeyTokens
 from kvdiverge.jobs.documents import policy_documents
@@ -120,7 +119,6 @@ def split_positions(
     corpus: pl.DataFrame | None,
     *,
     part: tuple[int, int] = (1, 0),
-    sources: Mapping[str, PressSource] | None = None,
     carry: PrefillCarry | None = None,
 ) -> pl.DataFrame:
     """The teacher-forced positions of the runs of ``split`` on the documents of shard ``part``.
@@ -138,12 +136,10 @@ def split_positions(
     part : (int, int)
         ``(shards, shard)``: each policy's documents in that shard
         (:func:`kvdiverge.jobs.documents.policy_documents`); ``(1, 0)``, all of them.
-    sources : mapping of str to PressSource, optional
-        The policies, by name (default: built from the runs' entries); a carry holds a prefill only for
-        the source its coupled run will run.
     carry : kvdiverge.engine.llm.sharing.PrefillCarry, optional
         Where the prefills are held for the coupled run of the same documents
-        (:func:`kvdiverge.engine.forced.teacher_forced_policies`).
+        (:func:`kvdiverge.engine.forced.teacher_forced_policies`); a policy it names runs as the source it
+        names (the coupled run's, which it holds prefills for), the others as built from the runs' entries.
 
     Returns
     -------
@@ -159,12 +155,15 @@ def split_positions(
     conts = _targets(first, corpus, tokenizer, docs["doc_id"].to_list(), forcing)
     log.info("%s / %s: %s on %d documents, %d with corpus text", settings.model, split, list(runs),
              docs.height, len(conts))  # fmt: skip
-    if sources is None:
-        sources = {name: Policy.from_config(name, dict(run.entry)) for name, run in runs.items()}
+    later = {} if carry is None else carry.later
+    sources = {
+        name: later[name][0] if name in later else Policy.from_config(name, dict(run.entry))
+        for name, run in runs.items()
+    }
     return teacher_forced_policies(
         model,
         [Document(r["doc_id"], r["input_ids"]) for r in docs.iter_rows(named=True)],
-        {name: sources[name] for name in runs},
+        sources,
         settings=TeacherPass(sampling, forcing, split),
         continuations=conts,
         documents_of=runs_on,
