@@ -16,7 +16,8 @@ from kvdiverge.jobs.rulelog import rule_log
 settings = TeacherSettings.from_params(snakemake.params.settings)
 paths = {"prompts": snakemake.input.prompts, "corpus": snakemake.input.corpus}
 with rule_log(snakemake.log[0], snakemake.rule) as log:
-    frame = gather_positions(snakemake.input.shards, settings)
+    # the shard jobs' positions: none for the prediction study's reconstruction pass (its own settings)
+    frame = gather_positions(getattr(snakemake.input, "shards", []), settings)
     if frame is None:  # the pass itself; torch and the model only then
         import torch
 

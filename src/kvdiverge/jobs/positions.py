@@ -114,7 +114,9 @@ def gather_positions(paths: Sequence[str | os.PathLike], settings: TeacherSettin
         meta = pl.read_parquet_metadata(path).get(POSITIONS_KEY) if os.path.exists(path) else None
         made.append(None if meta is None else json.loads(meta))
     shards = sorted((m["shards"], m["shard"]) for m in made if m is not None and m["settings"] == digest)
-    if not paths or shards != [(len(paths), i) for i in range(len(paths))]:
+    if not paths:
+        return None
+    if shards != [(len(paths), i) for i in range(len(paths))]:
         log.info("the shard jobs' positions were made with other settings: the pass runs here")
         return None
     runs = [(policy, split) for split, names in settings.splits().items() for policy in names]
