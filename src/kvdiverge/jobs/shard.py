@@ -130,32 +130,32 @@ def run_shard(
         raise ValueError(f"{len(names)} policies and {len(outputs)} output paths: give one path per policy")
     prompts = pl.read_parquet(prompts_path)
     groups = _document_groups(prompts, settings)
-    llama = runs_on_llama_cpp(model_spec or settings.model_entry())
-    if teacher is not None and (llama or teacher.settings is None):  # no pass here (none on llama.cpp)
+    spec = model_spec or settings.model_entry()
+    if teacher is not None and (runs_on_llama_cpp(spec) or teacher.settings is None):  # no pass (none on llama.cpp)
         write_parquet_atomic(pl.DataFrame(schema=POSITION_SCHEMA), teacher.output, metadata=_positions(settings))
         teacher = None
-    if llama:
-        source = model if model is not None else gguf_path(model_spec or settings.model_entry(), settings.model)
+    if runs_on_llama_cpp(spec):
+        source = model if model is not None else gguf_path(spec, settings.model)
         return run_llama_shard(settings, groups, outputs, source, options, torch.get_num_threads())
     model, tokenizer = model if isinstance(model, tuple) else (model, None)
     if model is None and (any(groups) or teacher is not None):
-        model, tokenizer = load_model(model_spec or settings.model_entry(), settings.model)
+        model, tokenizer = load_model(spec, settings.model)
     sampling = settings.run(names[0]).sampling  # every policy of a job shares the decoding, R and the seed
     eos_ids = sampling.eos_ids if sampling.eos_ids is not None or model is None else model_eos_ids(model)
     options = _with_progress(options or RunOptions(), settings)
-    frames: dict[str, pl.DataFrame] = {}
-    batch: dict[str, int | None] = {}
+    frames, batch = {}, {}  # per policy: its records, its documents per batched forward (None: none ran)
     sources = {name: Policy.from_config(name, dict(settings.run(name).entry)) for name in names}
-    # the controls' calls (their first documents) take their prefills from the first call's forwards; all
-    # the calls take those of the teacher-forced pass, when it runs first
-    later = list(groups.items())[0 if teacher is not None else 1 :]
-    carry = PrefillCarry({name: (sources[name], frozenset(ids)) for ids, (_, group) in later for name in group})
+    # the controls' calls take their prefills from the first call's forwards, or all those of the pass, run first
+    # (then the fewest documents first: a call's first batch takes its own at once, held beside no batch)
+    calls = list(groups.values())
+    later = calls[0 if teacher is not None else 1 :]
+    carry = PrefillCarry({name: (sources[name], frozenset(docs["doc_id"])) for docs, group in later for name in group})
     if teacher is not None:
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model_spec or settings.model_entry(), settings.model)
         carry.room = _budget_bytes(model, options)
+        tokenizer = load_tokenizer(spec, settings.model) if tokenizer is None else tokenizer
         _shard_pass((model, tokenizer), settings, teacher, prompts, carry)
-    for docs, group in groups.values():
+        calls.sort(key=lambda call: call[0].height)
+    for docs, group in calls:
         runs = run_policies(
             model,
             _documents(docs),
