@@ -108,3 +108,17 @@ def test_the_target_and_key_tokens_rerun_the_teacher_forced_job_and_no_shard(smo
     assert (TeacherSettings.from_config(other, MODEL, runs).to_params() != teacher.to_params()) is reruns
     shard = ShardSettings.from_config(smoke, MODEL, "snapkv-50", "exploratory", 0)
     assert ShardSettings.from_config(other, MODEL, "snapkv-50", "exploratory", 0).to_params() == shard.to_params()
+
+
+def test_the_shard_jobs_read_the_teacher_forced_settings_the_workflow_exports(smoke, monkeypatch):
+    from kvdiverge.jobs.positions import SETTINGS_ENV, export_settings, exported_settings
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    assert exported_settings(MODEL, "exploratory") is None  # none exported: the teacher-forced job runs the pass
+    job = TeacherSettings.from_config(smoke, MODEL, [("snapkv-50", "exploratory"), ("none", "exploratory")])
+    assert export_settings({MODEL: {"exploratory": job.to_params()}})
+    assert exported_settings(MODEL, "exploratory") == job
+    assert exported_settings(MODEL, "confirmatory") is None and exported_settings("other", "exploratory") is None
+    # a value beyond what one environment string may hold is not exported, and the older one is removed
+    assert not export_settings({MODEL: {"exploratory": job.to_params()}, "long": "x" * 200_000})
+    assert exported_settings(MODEL, "exploratory") is None

@@ -45,9 +45,10 @@ _MAX_ENV = 100_000
 
 
 def export_settings(settings: dict[str, dict[str, dict]]) -> bool:
-    """Set :data:`SETTINGS_ENV` to ``settings`` (per model, per split: :meth:`TeacherSettings.to_params`)
-    for the jobs this process starts; True if set. Too long a value is not set (and an older one removed):
-    the teacher-forced jobs then run the pass themselves."""
+    """Set :data:`SETTINGS_ENV` to ``settings`` (per model, per split, a
+    :class:`~kvdiverge.jobs.params.TeacherSettings`' :meth:`~kvdiverge.jobs.params.ParamsForm.to_params`) for the
+    jobs this process starts; True if set. Too long a value is not set (and an older one removed): the
+    teacher-forced jobs then run the pass themselves."""
     value = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     if len(value) > _MAX_ENV:
         os.environ.pop(SETTINGS_ENV, None)
