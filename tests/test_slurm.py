@@ -71,6 +71,8 @@ SLURM_TABLES = [
     "corpus/documents.parquet",
     f"prompts/{SLURM_RUN[0]}.parquet",
     *(f"trajectories/{SLURM_RUN[0]}/{p}/{SLURM_RUN[2]}/shard-{i}.parquet" for p in SPLIT_POLICIES for i in range(2)),
+    # the teacher-forced positions each shard job computes, with the settings the workflow exports to the jobs
+    *(f"teacher_forced/{SLURM_RUN[0]}/_shards/{SLURM_RUN[2]}/shard-{i}.parquet" for i in range(2)),
     f"estimates/{'/'.join(SLURM_RUN)}.parquet",
     f"estimates/{'/'.join(SLURM_RUN)}.replicates.parquet",
     f"estimates/{'/'.join(SLURM_RUN)}.drift.parquet",
