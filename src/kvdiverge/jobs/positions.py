@@ -109,14 +109,14 @@ def gather_positions(paths: Sequence[str | os.PathLike], settings: TeacherSettin
         missing, was made with other settings or without the pass, or the files are not shards ``0`` to
         ``n - 1`` of ``n`` (the reason is logged).
     """
+    if not paths:
+        return None
     digest = settings_hash(settings.to_params())
     made = []
     for path in paths:
         meta = pl.read_parquet_metadata(path).get(POSITIONS_KEY) if os.path.exists(path) else None
         made.append(None if meta is None else json.loads(meta))
     shards = sorted((m["shards"], m["shard"]) for m in made if m is not None and m["settings"] == digest)
-    if not paths:
-        return None
     if shards != [(len(paths), i) for i in range(len(paths))]:
         log.info("the shard jobs' positions were made with other settings: the pass runs here")
         return None

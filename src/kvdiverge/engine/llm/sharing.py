@@ -24,7 +24,7 @@ from kvdiverge.engine.llm.decode_pair import takes_prefill
 from kvdiverge.engine.llm.prefill import prefill_seed, prefill_shared, seeded
 from kvdiverge.engine.presses.registry import is_decode_time, needs_attentions, shares_prefill
 
-__all__ = ["PrefillCarry", "carriable", "joins_shared_prefill", "shared_prefills"]
+__all__ = ["PrefillCarry", "joins_shared_prefill", "shared_prefills"]
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,6 @@ def joins_shared_prefill(press) -> bool:
     return press is not None and shares_prefill(press) and (not is_decode_time(press) or takes_prefill(press))
 
 
-def carriable(press) -> bool:
-    """True when ``press``'s prefill can be held for a later pair: it joins a shared prefill forward
-    (:func:`joins_shared_prefill`). A press that evicts while decoding keeps its state after the prompt in the
-    press object, which each lane enters a deep copy of (:class:`kvdiverge.engine.llm.lanes.Lane`): the press
-    is held beside its prefill, untouched by the pairs that ran from it before."""
-    return joins_shared_prefill(press)
-
-
 def _shared(twin, doc: Document, presses: list, sampling, device):
     """One document's :func:`~kvdiverge.engine.llm.prefill.prefill_shared` under its prefill seed; None when it
     fails (each pair then prefills alone, where a failing press is named)."""
@@ -122,8 +114,10 @@ class PrefillCarry:
     order. A call prefills its documents also for the ``later`` policies that run on them (in the
     shared forward of its first group of policies), where the memory budget leaves room for them
     beside its batch; the later policy's call then takes those prefills and runs on its own batches.
-    Only presses that join a shared forward are carried (:func:`carriable`); a decode-time press is held
-    beside its prefill, with its state after the prompt. The teacher-forced pass of the same documents,
+    Only presses that join a shared forward are carried (:func:`joins_shared_prefill`). A press that evicts
+    while decoding keeps its state after the prompt in the press object, which each lane enters a deep copy
+    of (:class:`kvdiverge.engine.llm.lanes.Lane`): it is held beside its prefill, untouched by the pairs that
+    ran from it before. The teacher-forced pass of the same documents,
     run before the calls, holds its prefills for them too (:meth:`keep`). The records are those of each
     call run without a carry, bit for bit.
 
@@ -150,12 +144,12 @@ class PrefillCarry:
     def keep(self, name: str, source, doc: Document, press, done) -> bool:
         """Hold ``done``, the prefill of ``press`` (built by ``source``) on ``doc``, made outside the calls, for
         the later call of policy ``name``; True if held. Held only where that call runs ``doc`` with that
-        source, the press can be carried (:func:`carriable`), the document has no question after compression
+        source, the press joins a shared forward (:func:`joins_shared_prefill`), the document has no question after compression
         and :attr:`room` has space for it."""
         wanted = self.later.get(name)
         if wanted is None or wanted[0] is not source or doc.doc_id not in wanted[1]:
             return False
-        if not carriable(press) or doc.n_question or (name, doc.doc_id) in self.held:
+        if not joins_shared_prefill(press) or doc.n_question or (name, doc.doc_id) in self.held:
             return False
         new = _cache_bytes(done.ev) + (0 if any(key[1] == doc.doc_id for key in self.held) else _cache_bytes(done.ref))
         if self.room is not None and self.held_bytes() + new > self.room:
@@ -248,14 +242,14 @@ class PrefillCarry:
     def _wanted(self, batch: Sequence[Document]) -> dict[str, list]:
         """Per later policy that runs on a document of ``batch``: its press per document (``None`` where it
         does not run, its prefill is held already, its press cannot be built (the later call says why) or
-        cannot be carried: :func:`carriable`)."""
+        does not join a shared forward: :func:`joins_shared_prefill`)."""
         out = {}
         for name, (source, ids) in self.later.items():
             presses = [
                 self._press(source, doc) if doc.doc_id in ids and (name, doc.doc_id) not in self.held else None
                 for doc in batch
             ]
-            presses = [p if carriable(p) else None for p in presses]
+            presses = [p if joins_shared_prefill(p) else None for p in presses]
             if any(p is not None for p in presses):
                 out[name] = presses
         return out
