@@ -20,7 +20,7 @@ from kvdiverge.engine.llm.sharing import PrefillCarry
 from kvdiverge.engine.presses import status as press_status
 from kvdiverge.engine.presses.policies import Policy, PressPolicy
 from kvdiverge.engine.presses.window import SlidingWindowPress
-from kvdiverge.engine.runner import Document, RunOptions, run_policies
+from kvdiverge.engine.runner import Document, RunOptions, _batches, run_policies
 from kvdiverge.models.standins import MINIATURE, random_model
 
 pytestmark = [pytest.mark.miniature, pytest.mark.usefixtures("quiet_kvpress")]
@@ -269,3 +269,38 @@ def test_the_teacher_forced_pass_holds_nothing_beyond_the_carrys_room_or_for_ano
     carry = PrefillCarry({name: (source, {d.doc_id for d in docs}) for name, source in sources.items()}, room=room)
     _forced(model, docs, sources, carry)
     assert sorted(carry.held) == [("knorm", "d0"), ("snapkv", "d0")]
+
+
+def test_a_last_batch_of_fewer_documents_runs_first_and_changes_no_record_of_the_full_batch(model, docs):
+    """Documents by prompt length (48, 64, 96 tokens), two per forward: ``d2`` alone first, then ``d0`` and ``d1``;
+    the full batch's records are those of its documents run without ``d2``, bit for bit."""
+    assert _batches(docs, 2) == [[2], [0, 1]]
+    assert _batches(docs, 3) == [[0, 1, 2]] and _batches(docs, 1) == [[0], [1], [2]]
+    assert _batches(docs[::-1], 2) == [[0], [2, 1]]  # by length, not input order
+    three = _run(model, docs, ["snapkv"]).trajectories.drop("seconds")
+    two = _run(model, docs[:2], ["snapkv"]).trajectories.drop("seconds")
+    assert three.filter(pl.col("doc_id") != "d2").equals(two)
+
+
+def test_the_prefills_held_for_a_full_batch_wait_beside_the_smaller_batch_run_before_it(model, docs):
+    """The teacher-forced pass holds the prefills of ``d0``, ``d1`` and ``d2``; the coupled call runs ``d2`` and then
+    ``d0`` and ``d1``. Beside ``d2``'s batch the budget must leave room for ``d0``'s and ``d1``'s (the last held let
+    go first), beside the full batch for nothing: what is held for a batch is its own, and ``d2``'s was taken."""
+    one = _policies(["snapkv"])
+
+    def held(left_beside_d2: int, order=(["d2"], ["d0", "d1"])) -> list[str]:
+        carry = PrefillCarry({"snapkv": (one["snapkv"], {d.doc_id for d in docs})})
+        _forced(model, docs, one, carry)
+        carry.begin(["snapkv"])
+        lefts = {"d2": left_beside_d2, "d0": 0}
+        carry.fit(["snapkv"], docs, 1, [(batch, lefts[batch[0]]) for batch in order], ["snapkv"])
+        return sorted(doc for _, doc in carry.held)
+
+    carry = PrefillCarry({"snapkv": (one["snapkv"], {d.doc_id for d in docs})})
+    _forced(model, docs, one, carry)
+    full = carry.held_bytes({("snapkv", "d2")})  # d0's and d1's caches
+    assert held(full) == ["d0", "d1", "d2"]
+    assert held(full - 1) == ["d0", "d2"]
+    assert held(0) == ["d2"]
+    # run in the other order, nothing may wait beside the full batch: d2's prefill is let go
+    assert held(full, order=(["d0", "d1"], ["d2"])) == ["d0", "d1"]

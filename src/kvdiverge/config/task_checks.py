@@ -9,7 +9,7 @@ or :func:`kvdiverge.measure` would refuse, with the same sentences, named by the
   :func:`kvdiverge.engine.refusals.question_after_problems`, asked of the press catalogue);
 - the reconstruction target beside a task (:func:`reconstruction_problem`), greedy decoding for ``task``; for ``prediction``, a frontier, plain prompts on the fidelity side, task
   documents of another split, sides named apart, and fidelity measures the horizon gives
-  (:func:`kvdiverge.estimation.prediction.measure_problems`).
+  (:func:`kvdiverge.estimation.prediction_inputs.measure_problems`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any
 from kvdiverge.config.frontier import frontier_points
 from kvdiverge.data.tasks import TaskError, task_settings
 from kvdiverge.engine.presses import catalogue
-from kvdiverge.estimation.prediction import measure_problems
-from kvdiverge.estimation.prediction_inputs import RECONSTRUCTION_PREFIX
+from kvdiverge.estimation.prediction_inputs import RECONSTRUCTION_PREFIX, measure_problems
 
 __all__ = [
     "block_problems",

@@ -287,16 +287,19 @@ def _run_records(
     longest = max(doc.prompt_len for doc in documents)
     alone = {n: flag and not takes_prefill(policies[n].build_press(longest)) for n, flag in flags.items()}
     shared = [name for name, one in alone.items() if not one]
-    left, token_bytes = _left_bytes(model, documents, B, sampling, budget)
-    group = int(max(1, min(2 * sampling.replicates, left // max(B * longest * token_bytes, 1))))
+    left, token_bytes = _left_bytes(model, documents, sampling, budget)
+    group = int(max(1, min(2 * sampling.replicates, left(B) // max(B * longest * token_bytes, 1))))
     group = group if len(shared) >= 2 else 1
     groups = [shared[lo : lo + group] for lo in range(0, len(shared), group)]
     groups += [[name] for name, one in alone.items() if one]
     greedy = options.share_reference and sampling.greedy and len(policies) >= 2
     carry = PrefillCarry() if carry is None else carry
-    # the first group's prefills of the first batch are the batch's own: counted in `left` already
-    own = {(name, documents[i].doc_id) for name in groups[0] for i in _order(documents)[:B]}
-    carry.fit(policies, documents, left - len(groups[0]) * B * longest * token_bytes, token_bytes, own)
+    # beside each batch, in the order they run: the budget less the batch and its first group's prefills
+    stages = [
+        ([documents[i].doc_id for i in batch], left(len(batch)) - len(groups[0]) * len(batch) * longest * token_bytes)
+        for batch in _batches(documents, B)
+    ]
+    carry.fit(policies, documents, token_bytes, stages, groups[0])
     got = _run_batches(model, documents, policies, _Plan(B, groups, greedy, carry), sampling, options.progress)
     return {name: got[name][0] for name in policies}, {name: got[name][1] for name in policies}, B
 
@@ -314,13 +317,13 @@ class _Plan:
     carry: PrefillCarry = field(default_factory=PrefillCarry)
 
 
-def _left_bytes(model, documents: Sequence[Document], B: int, sampling: Sampling, memory_budget_gb: float):
-    """``(bytes, kv bytes per token)``: what the memory budget (GiB) leaves beside the batch's decoding
-    (:mod:`kvdiverge.engine.llm.planner`) for shared prefills.
+def _left_bytes(model, documents: Sequence[Document], sampling: Sampling, memory_budget_gb: float):
+    """``(left, kv bytes per token)``: ``left(n)`` is what the memory budget (GiB) leaves beside a batch of ``n``
+    documents' decoding (:mod:`kvdiverge.engine.llm.planner`) for shared prefills (bytes).
 
     The shared prefills of one batch hold, per policy, one evicted cache per document (at most the
     prompt's width): a group of up to ``2R`` policies holds at most what the batch's own decoding cache
-    holds (``R`` rows per side), and what this leaves bounds it further (at least 1).
+    holds (``R`` rows per side), and what this leaves beside a batch of ``B`` bounds it further (at least 1).
     """
     param = next(model.parameters())
     kv = kv_bytes_per_token(model.config, param.dtype)
@@ -332,7 +335,18 @@ def _left_bytes(model, documents: Sequence[Document], B: int, sampling: Sampling
         replicates=sampling.replicates,
         vocab_size=int(model.config.vocab_size),
     )
-    return int(float(memory_budget_gb) * 2**30) - B * batch, kv
+    budget = int(float(memory_budget_gb) * 2**30)
+    return (lambda n: budget - n * batch), kv
+
+
+def _batches(documents: Sequence[Document], B: int) -> list[list[int]]:
+    """The indices of each batch of ``B`` documents (by prompt length, :func:`_order`), in the order they run:
+    a last batch of fewer than ``B`` first, so that the prefills held for the full batches
+    (:class:`~kvdiverge.engine.llm.sharing.PrefillCarry`) wait beside the smallest one. A document's
+    records do not depend on the order (its random numbers are its own: :mod:`kvdiverge.engine.core.streams`)."""
+    order = _order(documents)
+    batches = [order[lo : lo + B] for lo in range(0, len(order), B)]
+    return batches[-1:] + batches[:-1] if len(batches) > 1 and len(batches[-1]) < B else batches
 
 
 def _run_batches(
@@ -340,7 +354,8 @@ def _run_batches(
 ):
     """``{name: (records, counts)}`` of checked policies: the one batch loop.
 
-    Batch by batch (``plan.B`` documents, sorted by prompt length), the policies run in
+    Batch by batch (``plan.B`` documents, sorted by prompt length; a last batch of fewer first:
+    :func:`_batches`), the policies run in
     ``plan.groups``: each document of the batch is prefilled once for the group's presses
     that share their prefill (:func:`kvdiverge.engine.llm.prefill.prefill_shared`), then each
     policy of the group runs the batch on its pair with those prefills. A press that does
@@ -354,7 +369,6 @@ def _run_batches(
     records are those of each policy run alone, bit for bit; ``seconds`` adds the policy's share of the shared work.
     """
     B, T = plan.B, sampling.T
-    order = _order(documents)
     names = [name for group in plan.groups for name in group]
     log.info(
         "%d documents, %d per batched forward (%d rows per side); %d policies, prefilled in groups of up to %d%s",
@@ -368,7 +382,7 @@ def _run_batches(
     by_index: dict[str, dict[int, list[dict[str, Any]]]] = {name: {} for name in names}
     counts = {name: Counter(documents=len(documents)) for name in names}
     twin = evicted_twin(model)
-    batches = [order[lo : lo + B] for lo in range(0, len(order), B)]
+    batches = _batches(documents, B)
     with _Bars(progress, len(documents) * (2 * T - 1), len(names) > 1) as bars:
         for bi, indices in enumerate(batches):
             batch, extra = [documents[i] for i in indices], 0.0

@@ -59,7 +59,6 @@ from kvdiverge.estimation.prediction_inputs import (
     PredictionInputError,
     full_accuracy_problem,
     prediction_problems,
-    survival_columns,
 )
 from kvdiverge.estimation.task import direction
 
@@ -68,7 +67,6 @@ __all__ = [
     "PredictionSettings",
     "PredictionStudy",
     "PredictionTables",
-    "measure_problems",
     "prediction_study",
     "prediction_tables",
     "press_errors",
@@ -128,19 +126,6 @@ class PredictionSettings:
 
 
 # --------------------------------------------------------------------------- the config's measures
-
-
-def measure_problems(measures: Sequence[str], T: int, key: str = "prediction.measures") -> list[str]:
-    """One sentence per fidelity measure the coupled run at horizon ``T`` cannot give: a survival
-    ``S_<t>`` past the horizon (:func:`~kvdiverge.estimation.prediction_inputs.survival_columns`), named by its
-    config ``key``."""
-    have = set(survival_columns(T))
-    return [
-        f"{key}: {m!r} is the agreement chain's survival after {m[2:]} steps, past the horizon "
-        f"decoding.max_new_tokens = {T}; allowed: S_1 to S_{T} (or raise the horizon)"
-        for m in measures
-        if m.startswith("S_") and m not in have
-    ]
 
 
 # --------------------------------------------------------------------------- one task side

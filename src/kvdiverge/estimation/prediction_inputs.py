@@ -10,6 +10,8 @@ one sentence each, :class:`~kvdiverge.estimation.prediction_inputs.PredictionInp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import polars as pl
 
 from kvdiverge.estimation.teacher_forced import document_table
@@ -20,6 +22,7 @@ __all__ = [
     "fidelity_documents",
     "frontier_points_table",
     "full_accuracy_problem",
+    "measure_problems",
     "prediction_problems",
     "survival_columns",
 ]
@@ -38,6 +41,19 @@ RECONSTRUCTION_PREFIX = "reconstruction_"
 def survival_columns(T: int) -> list[str]:
     """The survival columns of :func:`fidelity_documents` at horizon ``T``: ``S_1`` to ``S_<T>``."""
     return [f"S_{t}" for t in range(1, int(T) + 1)]
+
+
+def measure_problems(measures: Sequence[str], T: int, key: str = "prediction.measures") -> list[str]:
+    """One sentence per fidelity measure the coupled run at horizon ``T`` cannot give: a survival
+    ``S_<t>`` past the horizon (:func:`~kvdiverge.estimation.prediction_inputs.survival_columns`), named by its
+    config ``key``."""
+    have = set(survival_columns(T))
+    return [
+        f"{key}: {m!r} is the agreement chain's survival after {m[2:]} steps, past the horizon "
+        f"decoding.max_new_tokens = {T}; allowed: S_1 to S_{T} (or raise the horizon)"
+        for m in measures
+        if m.startswith("S_") and m not in have
+    ]
 
 
 def fidelity_documents(

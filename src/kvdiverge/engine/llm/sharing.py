@@ -169,17 +169,26 @@ class PrefillCarry:
         self,
         names: Collection[str],
         documents: Sequence[Document],
-        bytes_left: int,
         token_bytes: int,
-        batch: Collection[tuple[str, str]] = frozenset(),
+        stages: Sequence[tuple[Collection[str], int]],
+        first: Collection[str],
     ) -> None:
-        """Carry nothing more from this call when what the carry holds and what it would hold for the
-        later policies' documents of this call (per document, its full cache and one evicted cache per
-        later policy, at most its prompt's ``token_bytes`` each) exceed ``bytes_left`` (the budget beside the
-        call's batch and first group); then let go of what it holds for the other calls, if that alone exceeds it,
-        and of this call's own, the last held first, until it does not. What it holds for ``batch`` ((policy,
-        ``doc_id``) of the call's first group on its first batch) is not counted: the batch takes it at once,
-        in place of the prefills the budget's batch counts."""
+        """Hold no more than the memory budget leaves beside each batch of a call of policies ``names``.
+
+        ``stages``: per batch, in the order the call runs them, its ``doc_id`` and the bytes the budget leaves
+        beside it (its decoding and the prefills of its first group of policies, ``first``). Beside a batch,
+        what is held for its first group is not counted (the batch takes it at once, in place of the prefills
+        the budget counts), nor what is held for the call's policies on the batches before it (taken).
+        The carry prefills nothing more for later calls when what it holds and what it would hold for the later
+        policies' documents of this call (per document, its full cache and one evicted cache per later policy,
+        at most its prompt's ``token_bytes`` each) exceed what a batch leaves; then it lets go of what it holds
+        for the other calls, if the budget is exceeded beside a batch, and of this call's own, the last held
+        first, until it is not."""
+        names, first = set(names), set(first)
+        beside, ran = [], set()
+        for docs, left in stages:
+            beside.append(({(n, d) for d in docs for n in first} | {(n, d) for d in ran for n in names}, left))
+            ran |= set(docs)
         need = sum(
             doc.prompt_len * token_bytes * (1 + n)
             for doc in documents
@@ -189,15 +198,18 @@ class PrefillCarry:
                 )
             )
         )
-        held = self.held_bytes(batch)
-        if need and held + need > bytes_left:
+        if need and any(self.held_bytes(keys) + need > left for keys, left in beside):
             log.info("the later policies' prefills (%d MiB) exceed the memory left: not carried", need >> 20)
             self.later = {}
-        if held > bytes_left:
+
+        def over() -> bool:
+            return any(self.held_bytes(keys) > left for keys, left in beside)
+
+        if over():
             for key in [k for k in self.held if k[0] not in names]:
                 del self.held[key]
-        for key in reversed([k for k in self.held if k not in batch]):
-            if self.held_bytes(batch) <= bytes_left:
+        for key in reversed([k for k in self.held if k not in beside[0][0]]):
+            if not over():
                 break
             del self.held[key]
 
